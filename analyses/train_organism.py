@@ -1,0 +1,462 @@
+"""Train the headsurgeon "model organism": a small BLOOM (ALiBi) model, from scratch, on CPU.
+
+Pipeline (all seeded; single CPU thread):
+
+1. A byte-level BPE tokenizer (vocab 4096; ``<unk> <s> </s> <pad>`` at ids 0-3, as BLOOM) is
+   trained on the two bundled train corpora (``headsurgeon/corpora/``) and wrapped as a
+   ``PreTrainedTokenizerFast`` that, like BLOOM's, adds no BOS token.
+2. ``BloomForCausalLM`` (default 4 layers x 16 heads x 256 wide, tied embeddings; 16 heads so the
+   ALiBi slopes equal bloom-560m's 0.7071 ... 0.0039) is trained on 256-token windows cut at
+   random offsets from the token streams of the two corpora, every batch half Shakespeare and
+   half Python docs; each window starts at position 0 with no BOS. AdamW (betas 0.9/0.95,
+   weight decay 0.1 on matrices and embeddings only), linear warm-up then cosine decay to 10% of
+   the peak, gradient clipping 1.0, bf16 autocast.
+3. Every ``--eval-every`` steps: held-out loss on fixed batches of both held-out corpora and the
+   BOS mass of every head (mean over query positions t >= 1 of the attention on position 0),
+   written to ``log.csv`` and stdout, followed by an atomic checkpoint (``--resume`` continues).
+4. At the end: float16 safetensors Hugging Face export with tokenizer and ``headsurgeon.json``;
+   ``bos_mass.csv`` (final per-head BOS masses) in the run directory; the export is reloaded
+   offline and made to generate text as a check.
+
+Schedule length: with ``--steps N`` the cosine schedule spans N steps. Without it, the first
+``TIMING_STEPS`` steps (still in warm-up, whose learning rate does not depend on the length) are
+timed, together with the step-0 evaluation, and the length is set so that training fits in
+``--minutes``. In both cases ``--minutes`` is a hard stop on the total training time (summed
+over resumed runs); the planned length is stored in the checkpoint.
+
+Usage::
+
+    python analyses/train_organism.py --minutes 65 --out runs/organism \\
+        --export headsurgeon/organisms/organism
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import gzip
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BloomConfig,
+    BloomForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+log = logging.getLogger("train_organism")
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPORA = ROOT / "headsurgeon" / "corpora"
+DOMAINS = ("shakespeare", "python-docs")
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+VOCAB_SIZE = 4096
+SEQ_LEN = 256
+BATCH = 16
+PEAK_LR = 2e-3
+MIN_LR_FRACTION = 0.1
+WARMUP_STEPS = 200
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+TIMING_STEPS = 20
+EVAL_SEQS = 16  # per held-out corpus
+BOS_SEQS = 4  # per held-out corpus
+EXPORT_LIMIT_BYTES = 10 * 1024 * 1024
+LOG_FIELDS = [
+    "step",
+    "tokens",
+    "lr",
+    "train_loss",
+    "heldout_shakespeare",
+    "heldout_python_docs",
+    "max_bos_mass",
+    "max_bos_head",
+    "minutes",
+]
+
+
+@dataclass
+class Data:
+    """Token streams of the train corpora and fixed held-out windows."""
+
+    train: dict[str, torch.Tensor]
+    heldout: dict[str, torch.Tensor]  # (EVAL_SEQS, SEQ_LEN) per domain
+
+
+def read_corpus(name: str) -> str:
+    """Read one bundled corpus, e.g. ``shakespeare-train``."""
+    with gzip.open(CORPORA / f"{name}.txt.gz", "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """Train a BLOOM-style byte-level BPE tokenizer (no BOS added, no prefix space)."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        padding_side="left",
+    )
+
+
+def encode(tokenizer: PreTrainedTokenizerFast, text: str) -> torch.Tensor:
+    """Encode a whole corpus into a 1-D token stream."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def fixed_windows(stream: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` evenly spaced, non-overlapping ``SEQ_LEN`` windows of a token stream."""
+    stride = (len(stream) - SEQ_LEN) // max(n - 1, 1)
+    return torch.stack([stream[i * stride : i * stride + SEQ_LEN] for i in range(n)])
+
+
+def load_data(tokenizer: PreTrainedTokenizerFast) -> Data:
+    """Tokenize the train streams and cut the fixed held-out windows."""
+    train = {d: encode(tokenizer, read_corpus(f"{d}-train")) for d in DOMAINS}
+    heldout = {
+        d: fixed_windows(encode(tokenizer, read_corpus(f"{d}-heldout")), EVAL_SEQS) for d in DOMAINS
+    }
+    for d in DOMAINS:
+        log.info("%s: %d train tokens", d, len(train[d]))
+    return Data(train=train, heldout=heldout)
+
+
+def sample_batch(data: Data, gen: torch.Generator) -> torch.Tensor:
+    """A (BATCH, SEQ_LEN) batch: half from each domain, random offsets."""
+    rows = []
+    for i, d in enumerate(DOMAINS):
+        n = BATCH // len(DOMAINS) + (i < BATCH % len(DOMAINS))
+        starts = torch.randint(0, len(data.train[d]) - SEQ_LEN, (n,), generator=gen)
+        rows += [data.train[d][s : s + SEQ_LEN] for s in starts.tolist()]
+    return torch.stack(rows)
+
+
+def lr_at(step: int, total: int) -> float:
+    """Linear warm-up over ``WARMUP_STEPS``, then cosine decay to ``MIN_LR_FRACTION``."""
+    if step < WARMUP_STEPS:
+        return PEAK_LR * (step + 1) / WARMUP_STEPS
+    progress = min(1.0, (step - WARMUP_STEPS) / max(1, total - WARMUP_STEPS))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return PEAK_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
+
+
+def build_model(args: argparse.Namespace) -> BloomForCausalLM:
+    """A freshly initialised BLOOM with the requested shape."""
+    config = BloomConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=args.hidden,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=True,
+    )
+    return BloomForCausalLM(config)
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (incl. the tied embedding) only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": WEIGHT_DECAY},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=PEAK_LR,
+        betas=(0.9, 0.95),
+    )
+
+
+@torch.no_grad()
+def evaluate(model: BloomForCausalLM, data: Data) -> tuple[dict[str, float], torch.Tensor]:
+    """Held-out loss per domain and the (n_layer, n_head) BOS-mass matrix."""
+    model.eval()
+    losses = {}
+    for d in DOMAINS:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=data.heldout[d], labels=data.heldout[d])
+        losses[d] = out.loss.item()
+    ids = torch.cat([data.heldout[d][:BOS_SEQS] for d in DOMAINS])
+    attentions = model(input_ids=ids, output_attentions=True).attentions
+    # (layer, batch, head, query, key) -> mean over batch and queries t >= 1 of key 0
+    bos = torch.stack([a[:, :, 1:, 0].float().mean(dim=(0, 2)) for a in attentions])
+    model.train()
+    return losses, bos
+
+
+def atomic_save(obj: object, path: Path) -> None:
+    """``torch.save`` to a temp file, then ``os.replace``."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_bos_csv(bos: torch.Tensor, path: Path) -> None:
+    """Per-head BOS masses as ``layer,head,bos_mass`` rows."""
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["layer", "head", "bos_mass"])
+        for (layer, head), v in zip(
+            torch.cartesian_prod(torch.arange(bos.shape[0]), torch.arange(bos.shape[1])).tolist(),
+            bos.flatten().tolist(),
+            strict=True,
+        ):
+            w.writerow([layer, head, f"{v:.6f}"])
+    os.replace(tmp, path)
+
+
+def export(
+    model: BloomForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    out: Path,
+    meta: dict,
+) -> None:
+    """Save a float16 safetensors HF checkpoint, the tokenizer and ``headsurgeon.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    copy.deepcopy(model).half().save_pretrained(out)  # v5: always safetensors
+    tokenizer.save_pretrained(out)
+    special = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+    }
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    (out / "headsurgeon.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def verify_export(out: Path) -> str:
+    """Reload the export offline, check its size and return a short greedy generation."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    if size > EXPORT_LIMIT_BYTES:
+        raise RuntimeError(f"export is {size:,d} bytes > {EXPORT_LIMIT_BYTES:,d}")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = "To be, or not to be"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    if ids[0, 0].item() == tokenizer.bos_token_id:
+        raise RuntimeError("exported tokenizer prepends BOS; BLOOM's does not")
+    gen = model.generate(ids, max_new_tokens=24, do_sample=False)
+    text = tokenizer.decode(gen[0])
+    log.info("export %s: %.2f MB, sample: %r", out, size / 1e6, text)
+    return text
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=65.0, help="hard training-time budget")
+    p.add_argument("--steps", type=int, default=None, help="schedule length (default: planned)")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "organism", help="run directory")
+    p.add_argument("--export", type=Path, default=ROOT / "headsurgeon" / "organisms" / "organism")
+    p.add_argument("--name", default="organism", help="organism name for headsurgeon.json")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--eval-every", type=int, default=200)
+    return p.parse_args()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = args.out / "checkpoint.pt"
+    tok_dir = args.out / "tokenizer"
+
+    if args.resume:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    else:
+        t0 = time.perf_counter()
+        tokenizer = train_tokenizer([read_corpus(f"{d}-train") for d in DOMAINS])
+        tokenizer.save_pretrained(tok_dir)
+        log.info("tokenizer trained in %.1f s", time.perf_counter() - t0)
+    data = load_data(tokenizer)
+
+    model = build_model(args)
+    optimizer = make_optimizer(model)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    step, tokens_seen, elapsed, total_steps = 0, 0, 0.0, args.steps
+    if args.resume:
+        state = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        step, tokens_seen = state["step"], state["tokens_seen"]
+        elapsed, total_steps = state["elapsed_s"], state["total_steps"]
+        log.info("resumed at step %d (%.1f min trained)", step, elapsed / 60)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model: %s, %.2fM parameters", args, n_params / 1e6)
+
+    log_path = args.out / "log.csv"
+    new_log = not (args.resume and log_path.exists())
+    log_file = open(log_path, "w" if new_log else "a", newline="")
+    writer = csv.DictWriter(log_file, fieldnames=LOG_FIELDS)
+    if new_log:
+        writer.writeheader()
+
+    budget = args.minutes * 60
+    train_losses: list[float] = []
+    eval_seconds = 0.0
+    last_eval: tuple[int, dict[str, float], torch.Tensor] | None = None
+
+    def log_eval() -> None:
+        nonlocal eval_seconds, last_eval
+        t = time.perf_counter()
+        losses, bos = evaluate(model, data)
+        eval_seconds = time.perf_counter() - t
+        flat = int(bos.argmax())
+        head = f"L{flat // bos.shape[1]}H{flat % bos.shape[1]}"
+        row = {
+            "step": step,
+            "tokens": tokens_seen,
+            "lr": f"{lr_at(step, total_steps or WARMUP_STEPS):.3e}",
+            "train_loss": f"{sum(train_losses) / len(train_losses):.4f}" if train_losses else "",
+            "heldout_shakespeare": f"{losses['shakespeare']:.4f}",
+            "heldout_python_docs": f"{losses['python-docs']:.4f}",
+            "max_bos_mass": f"{bos.max().item():.4f}",
+            "max_bos_head": head,
+            "minutes": f"{elapsed / 60:.2f}",
+        }
+        writer.writerow(row)
+        log_file.flush()
+        log.info(" ".join(f"{k}={v}" for k, v in row.items()))
+        train_losses.clear()
+        last_eval = (step, losses, bos)
+
+    def checkpoint() -> None:
+        atomic_save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "data_rng": gen.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "python_rng": random.getstate(),
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "elapsed_s": elapsed,
+                "total_steps": total_steps,
+                "args": vars(args),
+            },
+            ckpt_path,
+        )
+
+    model.train()
+    if step == 0:
+        log_eval()
+    timing_start = time.perf_counter()
+    while elapsed < budget and (total_steps is None or step < total_steps):
+        t = time.perf_counter()
+        lr = lr_at(step, total_steps or WARMUP_STEPS)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = sample_batch(data, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        train_losses.append(loss.item())
+        step += 1
+        tokens_seen += batch.numel()
+        elapsed += time.perf_counter() - t
+        if total_steps is None and step == TIMING_STEPS:
+            step_s = (time.perf_counter() - timing_start) / TIMING_STEPS
+            per_step = step_s + eval_seconds / args.eval_every
+            total_steps = step + int((budget - elapsed) / per_step)
+            log.info("%.3f s/step; planned schedule: %d steps", step_s, total_steps)
+        if step % args.eval_every == 0:
+            t = time.perf_counter()
+            log_eval()
+            checkpoint()
+            elapsed += time.perf_counter() - t
+
+    if last_eval is None or last_eval[0] != step:
+        log_eval()
+        checkpoint()
+    log_file.close()
+    assert last_eval is not None
+    _, losses, bos = last_eval
+    write_bos_csv(bos, args.out / "bos_mass.csv")
+
+    meta = {
+        "name": args.name,
+        "prepend_bos": False,
+        "description": (
+            f"{args.n_layer}-layer, {args.n_head}-head, {args.hidden}-wide BLOOM (ALiBi) "
+            "trained from scratch on CPU by analyses/train_organism.py on a 50/50 mix of "
+            "Shakespeare and the Python documentation; byte-level BPE vocab 4096, no BOS."
+        ),
+        "training": {
+            "config": {
+                "n_layer": args.n_layer,
+                "n_head": args.n_head,
+                "hidden_size": args.hidden,
+                "vocab_size": VOCAB_SIZE,
+                "seq_len": SEQ_LEN,
+                "batch": BATCH,
+                "peak_lr": PEAK_LR,
+                "warmup_steps": WARMUP_STEPS,
+                "weight_decay": WEIGHT_DECAY,
+                "parameters": n_params,
+            },
+            "steps": step,
+            "planned_steps": total_steps,
+            "tokens_seen": tokens_seen,
+            "final_heldout_loss": {d: round(v, 4) for d, v in losses.items()},
+            "max_bos_mass": round(bos.max().item(), 4),
+            "minutes": round(elapsed / 60, 2),
+            "seed": args.seed,
+        },
+        "corpus": [
+            {
+                "name": d,
+                "train": f"headsurgeon/corpora/{d}-train.txt.gz",
+                "heldout": f"headsurgeon/corpora/{d}-heldout.txt.gz",
+            }
+            for d in DOMAINS
+        ],
+    }
+    export(model, tokenizer, args.export, meta)
+    verify_export(args.export)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Shared pieces of the command-line tools (``python -m headsurgeon.classify`` and friends).
+
+Exports:
+    add_model_args(parser)    MODEL, --dtype, --device
+    add_data_args(parser)     --texts, --n-seqs, --seq-len, --prepend-bos/--no-prepend-bos
+    add_output_args(parser)   --out, --overwrite, --format
+    load_data(model, args)    the token sequences the data options describe
+    run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2
+
+Every tool is a thin layer over the library: parse, call library functions, print, write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from jaxtyping import Int
+from torch import Tensor
+from transformer_lens import HookedTransformer
+
+from headsurgeon.data import to_sequences
+from headsurgeon.errors import HeadsurgeonError
+from headsurgeon.models import DEFAULT_MODEL, load_model
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"model name, bundled organism or checkpoint folder (default: {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps")
+
+
+def add_data_args(parser: argparse.ArgumentParser, *, seq_len: int = 128, n_seqs: int = 64) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument(
+        "--texts",
+        nargs="+",
+        metavar="FILE",
+        help="text files (.txt or .txt.gz); default: the bundled held-out corpora",
+    )
+    group.add_argument("--n-seqs", type=int, default=n_seqs, help="sequences to use")
+    group.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
+    group.add_argument(
+        "--prepend-bos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="put a BOS token at position 0 (default: the model's own convention)",
+    )
+
+
+def add_output_args(parser: argparse.ArgumentParser, *, formats: bool = True) -> None:
+    parser.add_argument("--out", help="output folder (default: a new folder named after the model)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an output folder that holds files"
+    )
+    if formats:
+        parser.add_argument(
+            "--format",
+            nargs="+",
+            choices=["svg", "pdf"],
+            default=[],
+            help="static figure formats besides html and png",
+        )
+
+
+def load_model_from_args(args: argparse.Namespace) -> HookedTransformer:
+    return load_model(args.model, dtype=args.dtype, device=args.device)
+
+
+def load_data(model: HookedTransformer, args: argparse.Namespace) -> Int[Tensor, "n seq"]:
+    return to_sequences(
+        model,
+        args.texts,
+        seq_len=args.seq_len,
+        n_seqs=args.n_seqs,
+        prepend_bos=args.prepend_bos,
+    )
+
+
+def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None):
+    """Run a CLI ``main``: user errors become ``error: <one line>`` on stderr and exit code 2."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        code = main(argv)
+    except HeadsurgeonError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

@@ -1,0 +1,171 @@
+"""Corpora and batching: text in, fixed-length token sequences out.
+
+Exports:
+    CORPORA                              names of the bundled corpora
+    bundled_text(name, split)            a bundled corpus as one string
+    read_texts(paths)                    the texts of files, checked for existence and content
+    tokenize(model, text)                token ids with the model's own tokenizer, no special tokens
+    to_sequences(model, data, ...)       [n_seqs, seq_len] token tensor from texts, files or tokens
+    batches(tokens, batch_size)          consecutive batches of a token tensor
+
+Position 0 of every sequence follows the model's own convention (``model_info(model).prepend_bos``;
+BLOOM and the bundled organisms prepend no BOS token) unless ``prepend_bos`` overrides it.
+
+>>> sorted(CORPORA)
+['python-docs', 'shakespeare']
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+from transformer_lens import HookedTransformer
+
+from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.models import model_info
+
+CORPUS_DIR = Path(__file__).parent / "corpora"
+CORPORA = ("shakespeare", "python-docs")
+SPLITS = ("train", "heldout")
+
+Data = str | os.PathLike | Sequence[str | os.PathLike] | Tensor | None
+
+
+def bundled_text(name: str = "shakespeare", split: str = "heldout") -> str:
+    """One bundled corpus split as a string (see ``headsurgeon/corpora/README.md``)."""
+    if name not in CORPORA:
+        raise InvalidArgumentError(f"unknown corpus {name!r}; use one of {', '.join(CORPORA)}")
+    if split not in SPLITS:
+        raise InvalidArgumentError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    path = CORPUS_DIR / f"{name}-{split}.txt.gz"
+    if not path.exists():
+        raise DataError(f"bundled corpus {path.name} is missing; reinstall headsurgeon")
+    return gzip.decompress(path.read_bytes()).decode("utf-8")
+
+
+def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """Read text files (``.gz`` decompressed); raise :class:`DataError` for missing or empty ones."""
+    if not paths:
+        raise DataError("no text files given; pass at least one file")
+    texts = []
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise DataError(f"text file {path} does not exist")
+        raw = path.read_bytes()
+        if path.suffix == ".gz":
+            raw = gzip.decompress(raw)
+        text = raw.decode("utf-8", errors="replace")
+        if not text.strip():
+            raise DataError(f"text file {path} is empty; give a file with text in it")
+        texts.append(text)
+    return texts
+
+
+def tokenize(model: HookedTransformer, text: str) -> list[int]:
+    """Token ids of ``text`` from the checkpoint's own tokenizer, without special tokens."""
+    tokenizer = model_info(model).tokenizer or model.tokenizer
+    if tokenizer is None:
+        raise DataError("this model has no tokenizer; pass token tensors instead of text")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _texts(data: Data) -> list[str]:
+    if data is None:
+        return [bundled_text("shakespeare", "heldout"), bundled_text("python-docs", "heldout")]
+    if isinstance(data, str) and not os.path.exists(data):
+        texts = [data]
+    elif isinstance(data, (str, os.PathLike)):
+        texts = read_texts([data])
+    else:
+        items = list(data)
+        if not items:
+            raise DataError("no texts given; pass at least one text or file")
+        if all(isinstance(x, str) and not os.path.exists(x) for x in items):
+            texts = list(items)
+        else:
+            texts = read_texts(items)
+    if not any(t.strip() for t in texts):
+        raise DataError("the texts are empty; give text with content in it")
+    return texts
+
+
+def to_sequences(
+    model: HookedTransformer,
+    data: Data = None,
+    *,
+    seq_len: int = 128,
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
+) -> Int[Tensor, "n_seqs seq_len"]:
+    """Cut texts (strings or files; default: the bundled held-out corpora) into sequences.
+
+    Each text is tokenised on its own and cut into non-overlapping windows of ``seq_len`` tokens
+    (``seq_len - 1`` text tokens after a BOS token when ``prepend_bos``). With ``n_seqs`` the
+    windows are taken evenly spaced over all texts, so a sample spans the whole corpus. A token
+    tensor is checked and returned as is (with BOS prepended if asked).
+    """
+    bos = model_info(model).prepend_bos if prepend_bos is None else prepend_bos
+    if seq_len < 1:
+        raise InvalidArgumentError(f"seq_len must be positive, got {seq_len}")
+    if seq_len > model.cfg.n_ctx:
+        raise DataError(
+            f"seq_len {seq_len} is beyond the model's context of {model.cfg.n_ctx} tokens; "
+            "use a shorter --seq-len"
+        )
+    if n_seqs is not None and n_seqs < 1:
+        raise InvalidArgumentError(f"n_seqs must be positive, got {n_seqs}")
+    if isinstance(data, Tensor):
+        if data.ndim != 2 or data.shape[0] == 0 or data.shape[1] == 0:
+            raise DataError(f"token tensor must be [n_seqs, seq_len] and non-empty, got {data.shape}")
+        tokens = data.long()
+        if bos:
+            bos_id = _bos_id(model)
+            tokens = torch.cat([torch.full_like(tokens[:, :1], bos_id), tokens], dim=1)
+        return tokens[:n_seqs] if n_seqs else tokens
+    body = seq_len - 1 if bos else seq_len
+    if body < 1:
+        raise InvalidArgumentError("seq_len must be at least 2 when a BOS token is prepended")
+    windows = []
+    for text in _texts(data):
+        ids = torch.tensor(tokenize(model, text), dtype=torch.long)
+        n = ids.numel() // body
+        windows.extend(ids[: n * body].view(n, body))
+    if not windows:
+        raise DataError(
+            f"the texts are shorter than one sequence of {seq_len} tokens; give more text or "
+            "a smaller --seq-len"
+        )
+    if n_seqs is not None and n_seqs < len(windows):
+        picks = torch.linspace(0, len(windows) - 1, n_seqs).round().long().tolist()
+        windows = [windows[i] for i in picks]
+    tokens = torch.stack(windows)
+    if bos:
+        tokens = torch.cat([torch.full_like(tokens[:, :1], _bos_id(model)), tokens], dim=1)
+    return tokens
+
+
+def _bos_id(model: HookedTransformer) -> int:
+    tokenizer = model_info(model).tokenizer or model.tokenizer
+    if tokenizer is None or tokenizer.bos_token_id is None:
+        raise DataError("this model's tokenizer has no BOS token; use prepend_bos=False")
+    return tokenizer.bos_token_id
+
+
+def batches(
+    tokens: Int[Tensor, "n_seqs seq_len"], batch_size: int
+) -> Iterator[Int[Tensor, "batch seq_len"]]:
+    """Consecutive batches of ``batch_size`` sequences (the last one may be smaller).
+
+    >>> [b.shape[0] for b in batches(torch.zeros(5, 3, dtype=torch.long), 2)]
+    [2, 2, 1]
+    """
+    if batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
+    for start in range(0, tokens.shape[0], batch_size):
+        yield tokens[start : start + batch_size]

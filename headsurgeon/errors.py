@@ -1,0 +1,42 @@
+"""Exceptions raised by headsurgeon.
+
+Every error a user can cause derives from :class:`HeadsurgeonError`; its message is one line that
+names the problem and the fix. The command-line tools print that line and exit with status 2.
+
+Exports: HeadsurgeonError, UnknownModelError, ModelNotFoundError, CheckpointError,
+UnsupportedArchitectureError, InvalidArgumentError, DataError, OutputExistsError.
+"""
+
+from __future__ import annotations
+
+
+class HeadsurgeonError(Exception):
+    """Base class: a problem with the user's input, with a one-line message saying how to fix it."""
+
+
+class UnknownModelError(HeadsurgeonError, ValueError):
+    """A model name that is neither a known model, an alias, a bundled organism nor a directory."""
+
+
+class ModelNotFoundError(HeadsurgeonError, FileNotFoundError):
+    """A known model whose weights are not available here (not cached, hub unreachable)."""
+
+
+class CheckpointError(HeadsurgeonError, ValueError):
+    """A checkpoint directory or file that is missing parts or is corrupt."""
+
+
+class UnsupportedArchitectureError(HeadsurgeonError, ValueError):
+    """A checkpoint whose architecture TransformerLens (or headsurgeon) cannot handle."""
+
+
+class InvalidArgumentError(HeadsurgeonError, ValueError):
+    """An argument outside its valid range or set (dtype, device, threshold, length, ...)."""
+
+
+class DataError(HeadsurgeonError, ValueError):
+    """Input text or tokens that cannot be used (empty, too short, too long for the model)."""
+
+
+class OutputExistsError(HeadsurgeonError, FileExistsError):
+    """An output location that already holds other files (pass overwrite=True / --overwrite)."""

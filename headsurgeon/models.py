@@ -1,0 +1,584 @@
+"""Loading models (by name, bundled organism or local folder) and exporting them to Hugging Face.
+
+Exports:
+    load_model(name_or_path, dtype, device)   HookedTransformer with unprocessed weights, exact ALiBi
+    save_hf(model, out_dir, overwrite)        atomic Hugging Face checkpoint (BLOOM), safetensors only
+    from_hf_model(hf_model, tokenizer, ...)   wrap an in-memory transformers model
+    random_model(shape, seed)                 random-weight BLOOM of a given shape (benchmarks, tests)
+    model_shape(name_or_model)                ModelShape without loading weights
+    model_info(model)                         ModelInfo: where a model came from, its conventions
+    parse_dtype(dtype), parse_device(device)  validated torch dtype / device
+    organism_names(), DEFAULT_MODEL, BLOOM_SHAPES
+
+Weights stay exactly as in the checkpoint (no LayerNorm folding, no centring), so every per-head
+slice of ``W_Q``/``W_K``/``W_V``/``W_O`` maps 1:1 back to the checkpoint and ``save_hf`` round
+trips bit for bit. TransformerLens 3.x computes ALiBi slopes with the power-of-two formula for every
+head count; models loaded here get Hugging Face's exact slopes for any head count.
+
+>>> model = random_model(ModelShape(n_layers=1, n_heads=6, d_model=48, d_vocab=64, n_ctx=32))
+>>> model.cfg.n_heads, model_info(model).prepend_bos
+(6, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import einops
+import torch
+from transformer_lens import HookedTransformer
+from transformer_lens import loading_from_pretrained as tl_loading
+
+from headsurgeon import alibi
+from headsurgeon.errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    ModelNotFoundError,
+    UnknownModelError,
+    UnsupportedArchitectureError,
+)
+from headsurgeon.outputs import atomic_directory, atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+ORGANISM_DIR = Path(__file__).parent / "organisms"
+DEFAULT_MODEL = "organism-injured"
+METADATA_FILE = "headsurgeon.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The sizes that weight-free analyses need."""
+
+    n_layers: int
+    n_heads: int
+    d_model: int
+    d_vocab: int
+    n_ctx: int
+    positional: str = "alibi"
+
+
+# Published BLOOM configurations (Hugging Face config.json of each bigscience checkpoint).
+BLOOM_SHAPES: dict[str, ModelShape] = {
+    "bloom-560m": ModelShape(24, 16, 1024, 250880, 2048),
+    "bloom-1b1": ModelShape(24, 16, 1536, 250880, 2048),
+    "bloom-1b7": ModelShape(24, 16, 2048, 250880, 2048),
+    "bloom-3b": ModelShape(30, 32, 2560, 250880, 2048),
+    "bloom-7b1": ModelShape(30, 32, 4096, 250880, 2048),
+    "bloom-176b": ModelShape(70, 112, 14336, 250880, 2048),
+}
+_BLOOM_OFFICIAL = {f"bigscience/{k}": k for k in BLOOM_SHAPES} | {"bigscience/bloom": "bloom-176b"}
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """Where a loaded model came from and the conventions the tools apply to it.
+
+    ``prepend_bos`` is the model's own position-0 convention (BLOOM: no BOS token, so position 0
+    is the first text token). ``train_ctx`` is the sequence length the model was trained on, when
+    known (bundled organisms record it).
+    """
+
+    name: str
+    source: Path | None
+    prepend_bos: bool
+    train_ctx: int | None
+    hf_config: dict[str, Any]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tokenizer: Any = None  # the checkpoint's own tokenizer (TransformerLens may wrap it)
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Return the torch dtype for a name such as ``"float32"``, ``"bf16"`` or ``torch.float16``."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise InvalidArgumentError(
+        f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16"
+    )
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """Return a usable torch device, or raise :class:`InvalidArgumentError` saying why not."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from e
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device {device!r} requested but CUDA is not available")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise InvalidArgumentError(
+                f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidArgumentError(f"device {device!r} requested but MPS is not available")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise InvalidArgumentError(f"unsupported device {device!r}; use cpu, cuda or mps")
+    return parsed
+
+
+def organism_names() -> list[str]:
+    """Short names of the model organisms bundled with the package."""
+    if not ORGANISM_DIR.is_dir():
+        return []
+    return sorted(p.name for p in ORGANISM_DIR.iterdir() if (p / "config.json").exists())
+
+
+def _hub_names() -> dict[str, str]:
+    """Map every TransformerLens name and alias (lower case) to its official hub name."""
+    return {k.lower(): v for k, v in tl_loading.make_model_alias_map().items()}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not readable JSON ({e}); re-export the checkpoint") from e
+
+
+def _local_shape(directory: Path) -> ModelShape:
+    cfg = _read_json(directory / "config.json")
+    try:
+        return ModelShape(
+            n_layers=cfg["n_layer"],
+            n_heads=cfg["n_head"],
+            d_model=cfg["hidden_size"],
+            d_vocab=cfg["vocab_size"],
+            n_ctx=cfg.get("seq_length", 2048),
+        )
+    except KeyError as e:
+        raise UnsupportedArchitectureError(
+            f"{directory}/config.json lacks {e}; shapes by folder are known for BLOOM only"
+        ) from e
+
+
+def model_shape(name_or_model: str | os.PathLike | HookedTransformer) -> ModelShape:
+    """Shape of a model, a BLOOM name (no weights needed), a bundled organism or a folder.
+
+    >>> model_shape("bloom-176b").n_heads
+    112
+    """
+    if isinstance(name_or_model, HookedTransformer):
+        cfg = name_or_model.cfg
+        return ModelShape(
+            cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_vocab, cfg.n_ctx,
+            cfg.positional_embedding_type,
+        )  # fmt: skip
+    name = str(name_or_model)
+    key = name.lower()
+    if key in BLOOM_SHAPES:
+        return BLOOM_SHAPES[key]
+    if key in _BLOOM_OFFICIAL:
+        return BLOOM_SHAPES[_BLOOM_OFFICIAL[key]]
+    if name in organism_names():
+        return _local_shape(ORGANISM_DIR / name)
+    if Path(name).is_dir() and (Path(name) / "config.json").exists():
+        return _local_shape(Path(name))
+    raise UnknownModelError(_unknown_message(name, list(BLOOM_SHAPES) + organism_names()))
+
+
+def _unknown_message(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name.lower(), [c.lower() for c in candidates], n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    return (
+        f"unknown model {name!r}: {hint}pass a TransformerLens model name, a bundled organism "
+        f"({', '.join(organism_names()) or 'none installed'}) or a local checkpoint folder"
+    )
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick request to the hub, no retries: a refused or silent network answers False."""
+    from huggingface_hub import constants
+
+    request = urllib.request.Request(constants.ENDPOINT, method="HEAD")
+    try:
+        urllib.request.urlopen(request, timeout=timeout)  # noqa: S310 (fixed https endpoint)
+    except urllib.error.HTTPError:
+        return True  # the server answered
+    except (urllib.error.URLError, OSError):
+        return False
+    return True
+
+
+def _has_weights(directory: Path) -> bool:
+    return any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
+
+
+def _hub_snapshot(official: str) -> Path:
+    """The local folder of a hub model: from the cache, else downloaded (with progress bars)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
+    try:
+        cached = Path(snapshot_download(official, allow_patterns=patterns, local_files_only=True))
+        if _has_weights(cached):
+            return cached
+    except LocalEntryNotFoundError:
+        pass
+    how = (
+        f"download it on a connected machine (huggingface-cli download {official}) and copy the "
+        "Hugging Face cache here, or pass a local checkpoint folder"
+    )
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(f"{official} is not in the local cache and HF_HUB_OFFLINE=1; {how}")
+    if not _hub_reachable():
+        raise ModelNotFoundError(
+            f"{official} is not in the local cache and {constants.ENDPOINT} cannot be reached; {how}"
+        )
+    logger.info("downloading %s", official)
+    folder = Path(snapshot_download(official, allow_patterns=patterns))
+    if not _has_weights(folder):  # older repositories ship only pickled weights
+        folder = Path(snapshot_download(official, allow_patterns=["pytorch_model*.bin*"]))
+    return folder
+
+
+def _resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
+    """Turn a user's model argument into (display name, local checkpoint folder)."""
+    name = str(name_or_path)
+    if name in organism_names():
+        return name, ORGANISM_DIR / name
+    path = Path(name).expanduser()
+    looks_like_path = os.sep in name or name.startswith(".") or path.exists()
+    if path.exists():
+        return path.name or name, path
+    official = _hub_names().get(name.lower())
+    if official is not None:
+        return name, _hub_snapshot(official)
+    if looks_like_path:
+        raise ModelNotFoundError(f"model folder {name} does not exist; check the path")
+    raise UnknownModelError(_unknown_message(name, list(_hub_names()) + organism_names()))
+
+
+def _check_checkpoint(directory: Path) -> dict[str, Any]:
+    """Validate a checkpoint folder before handing it to transformers; return its config."""
+    if not directory.is_dir():
+        raise ModelNotFoundError(f"{directory} is not a folder; pass a checkpoint folder")
+    if not (directory / "config.json").exists():
+        raise CheckpointError(
+            f"{directory} has no config.json; pass a Hugging Face checkpoint folder "
+            "(config.json, *.safetensors, tokenizer files)"
+        )
+    if not _has_weights(directory):
+        raise CheckpointError(f"{directory} has no weights (*.safetensors); re-export or re-download")
+    from safetensors import safe_open
+
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    f.get_slice(key)
+        except Exception as e:  # safetensors raises its own error types and OSError
+            raise CheckpointError(
+                f"{file} is not a valid safetensors file ({str(e).splitlines()[0]}); "
+                "re-download or re-export it"
+            ) from e
+    config = _read_json(directory / "config.json")
+    architecture = (config.get("architectures") or ["<none>"])[0]
+    try:
+        tl_loading.convert_hf_model_config(str(directory))
+    except NotImplementedError as e:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture} of {directory} is not supported by TransformerLens 3.x; "
+            "use a BLOOM or another TransformerLens-supported model"
+        ) from e
+    return config
+
+
+def load_model(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+) -> HookedTransformer:
+    """Load a model as a HookedTransformer with unprocessed weights and exact ALiBi.
+
+    ``name_or_path`` is a bundled organism (``organism``, ``organism-injured``), a TransformerLens
+    name or alias (``bloom-560m``, ``bigscience/bloom-560m``; from the Hugging Face cache, else
+    downloaded; ``HF_HUB_OFFLINE=1`` respected), or a local Hugging Face checkpoint folder (never
+    touches the network). Files are read as safetensors (``torch.load(weights_only=True)`` for
+    legacy ``.bin``); remote code is never trusted.
+    """
+    torch_dtype = parse_dtype(dtype)
+    torch_device = parse_device(device)
+    name, directory = _resolve(name_or_path)
+    _check_checkpoint(directory)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch_dtype, local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"transformers could not load {directory} ({str(e).splitlines()[0]}); "
+            "re-download or re-export the checkpoint"
+        ) from e
+    tokenizer = None
+    if any((directory / f).exists() for f in TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    metadata = _read_json(directory / METADATA_FILE) if (directory / METADATA_FILE).exists() else {}
+    model = from_hf_model(
+        hf_model,
+        tokenizer,
+        name=name,
+        source=directory,
+        prepend_bos=metadata.get("prepend_bos"),
+        train_ctx=metadata.get("training", {}).get("seq_len"),
+        metadata=metadata,
+    )
+    return model.to(torch_device)
+
+
+def from_hf_model(
+    hf_model: Any,
+    tokenizer: Any = None,
+    *,
+    name: str = "model",
+    source: Path | None = None,
+    prepend_bos: bool | None = None,
+    train_ctx: int | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> HookedTransformer:
+    """Convert an in-memory ``transformers`` causal LM into an unprocessed HookedTransformer."""
+    hf_config = hf_model.config.to_dict()
+    torch_dtype = next(hf_model.parameters()).dtype
+    with tempfile.TemporaryDirectory() as tmp:
+        # TransformerLens reads configs from a name or folder; give it the model's own config.
+        hf_model.config.save_pretrained(tmp)
+        try:
+            cfg = tl_loading.get_pretrained_model_config(
+                tmp,
+                hf_cfg=hf_config,
+                fold_ln=False,
+                dtype=torch_dtype,
+                device="cpu",
+                default_prepend_bos=prepend_bos,
+            )
+        except NotImplementedError as e:
+            raise UnsupportedArchitectureError(
+                f"{hf_config.get('architectures')} is not supported by TransformerLens 3.x"
+            ) from e
+        state_dict = tl_loading.get_pretrained_state_dict(tmp, cfg, hf_model=hf_model)
+    if cfg.positional_embedding_type == "alibi":
+        # Unused by ALiBi models; TransformerLens would otherwise fill it with uninitialised memory.
+        state_dict["pos_embed.W_pos"] = torch.zeros(cfg.n_ctx, cfg.d_model, dtype=torch_dtype)
+    cfg.model_name = name
+    model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
+    model.load_and_process_state_dict(
+        state_dict,
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+        refactor_factored_attn_matrices=False,
+    )
+    model.headsurgeon_info = ModelInfo(
+        name=name,
+        source=source,
+        prepend_bos=bool(model.cfg.default_prepend_bos),
+        train_ctx=train_ctx,
+        hf_config=hf_config,
+        metadata=metadata or {},
+        tokenizer=tokenizer,
+    )
+    if model.cfg.positional_embedding_type == "alibi":
+        use_exact_alibi(model)
+    model.eval()
+    return model
+
+
+def model_info(model: HookedTransformer) -> ModelInfo:
+    """The :class:`ModelInfo` of a model loaded here (a default one for other models)."""
+    info = getattr(model, "headsurgeon_info", None)
+    if info is None:
+        info = ModelInfo(
+            name=model.cfg.model_name,
+            source=None,
+            prepend_bos=bool(model.cfg.default_prepend_bos),
+            train_ctx=None,
+            hf_config={},
+        )
+        model.headsurgeon_info = info
+    return info
+
+
+def _alibi_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Before each attention forward, make sure the cached bias is exact and long enough.
+
+    TransformerLens rebuilds ``module.alibi`` with its power-of-two formula only when the key
+    length outgrows it, so a long-enough exact tensor in its place is used as is.
+    """
+    query_input = args[0] if args else kwargs["query_input"]
+    cache_entry = kwargs.get("past_kv_cache_entry")
+    n_keys = query_input.shape[-2] + (0 if cache_entry is None else cache_entry.past_keys.shape[1])
+    current = module.alibi
+    if (
+        current is not None
+        and getattr(current, "_headsurgeon_exact", False)
+        and current.size(-1) >= n_keys
+        and current.device == query_input.device
+    ):
+        return
+    length = max(64, 1 << (n_keys - 1).bit_length())  # grow in powers of two
+    bias = alibi.alibi_bias(alibi.slopes(module.cfg.n_heads), length).to(query_input.device)
+    bias._headsurgeon_exact = True
+    module.alibi = bias
+
+
+def use_exact_alibi(model: HookedTransformer) -> None:
+    """Give every attention layer Hugging Face's exact ALiBi slopes (idempotent)."""
+    for block in model.blocks:
+        attn = block.attn
+        if not getattr(attn, "_headsurgeon_alibi_hooked", False):
+            attn.register_forward_pre_hook(_alibi_pre_hook, with_kwargs=True)
+            attn._headsurgeon_alibi_hooked = True
+        attn.alibi = None
+
+
+def random_model(shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32") -> HookedTransformer:
+    """A BLOOM with random weights (Hugging Face's initialisation) of a given or named shape."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    if isinstance(shape, str):
+        shape = model_shape(shape)
+    config = BloomConfig(
+        vocab_size=shape.d_vocab,
+        hidden_size=shape.d_model,
+        n_layer=shape.n_layers,
+        n_head=shape.n_heads,
+        seq_length=shape.n_ctx,
+        architectures=["BloomForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    hf_model = BloomForCausalLM(config).to(parse_dtype(dtype))
+    return from_hf_model(hf_model, name=f"random-{shape.n_layers}x{shape.n_heads}x{shape.d_model}")
+
+
+def _bloom_config(model: HookedTransformer, info: ModelInfo) -> dict[str, Any]:
+    cfg = model.cfg
+    config = dict(info.hf_config)
+    config.update(
+        architectures=["BloomForCausalLM"],
+        model_type="bloom",
+        vocab_size=cfg.d_vocab,
+        hidden_size=cfg.d_model,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        layer_norm_epsilon=cfg.eps,
+    )
+    return config
+
+
+def hf_state_dict(model: HookedTransformer) -> dict[str, torch.Tensor]:
+    """BLOOM state dict in Hugging Face layout (fused query_key_value), inverse of TL's loader."""
+    cfg = model.cfg
+    sd = model.state_dict()
+    out = {
+        "transformer.word_embeddings.weight": sd["embed.W_E"],
+        "transformer.word_embeddings_layernorm.weight": sd["embed.ln.w"],
+        "transformer.word_embeddings_layernorm.bias": sd["embed.ln.b"],
+        "transformer.ln_f.weight": sd["ln_final.w"],
+        "transformer.ln_f.bias": sd["ln_final.b"],
+        "lm_head.weight": sd["unembed.W_U"].T,
+    }
+    for layer in range(cfg.n_layers):
+        p, h = f"blocks.{layer}.", f"transformer.h.{layer}."
+        qkv = torch.stack([sd[p + f"attn.W_{x}"] for x in "QKV"], dim=2)  # [n d_model 3 d_head]
+        out[h + "self_attention.query_key_value.weight"] = einops.rearrange(
+            qkv, "n m three h -> (n three h) m"
+        )
+        out[h + "self_attention.query_key_value.bias"] = torch.stack(
+            [sd[p + f"attn.b_{x}"] for x in "QKV"], dim=1
+        ).reshape(-1)
+        out[h + "self_attention.dense.weight"] = einops.rearrange(
+            sd[p + "attn.W_O"], "n h m -> m (n h)"
+        )
+        out[h + "self_attention.dense.bias"] = sd[p + "attn.b_O"]
+        out[h + "input_layernorm.weight"] = sd[p + "ln1.w"]
+        out[h + "input_layernorm.bias"] = sd[p + "ln1.b"]
+        out[h + "post_attention_layernorm.weight"] = sd[p + "ln2.w"]
+        out[h + "post_attention_layernorm.bias"] = sd[p + "ln2.b"]
+        out[h + "mlp.dense_h_to_4h.weight"] = sd[p + "mlp.W_in"].T
+        out[h + "mlp.dense_h_to_4h.bias"] = sd[p + "mlp.b_in"]
+        out[h + "mlp.dense_4h_to_h.weight"] = sd[p + "mlp.W_out"].T
+        out[h + "mlp.dense_4h_to_h.bias"] = sd[p + "mlp.b_out"]
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def save_hf(
+    model: HookedTransformer, out_dir: str | os.PathLike, *, overwrite: bool = False
+) -> Path:
+    """Export a BLOOM HookedTransformer as a Hugging Face checkpoint folder (safetensors).
+
+    The fused ``query_key_value`` is rebuilt in BLOOM's per-head (q, k, v) layout; embeddings stay
+    tied where the source tied them and ``W_U`` still equals ``W_E.T`` (otherwise ``lm_head`` is
+    written separately and the config unties them). Tokenizer files are copied from the source
+    folder verbatim when there is one. The folder appears atomically; a non-empty ``out_dir`` is
+    refused unless ``overwrite=True``.
+    """
+    from safetensors.torch import save_file
+
+    info = model_info(model)
+    if model.cfg.original_architecture not in (None, "BloomForCausalLM") or (
+        model.cfg.positional_embedding_type != "alibi"
+    ):
+        raise UnsupportedArchitectureError(
+            f"save_hf exports BLOOM models only, not {model.cfg.original_architecture}"
+        )
+    if torch.any(model.unembed.b_U != 0):
+        raise UnsupportedArchitectureError("BLOOM has no unembedding bias, but b_U is non-zero")
+    config = _bloom_config(model, info)
+    state = hf_state_dict(model)
+    tied = config.get("tie_word_embeddings", True) and torch.equal(
+        state["lm_head.weight"], state["transformer.word_embeddings.weight"]
+    )
+    config["tie_word_embeddings"] = bool(tied)
+    if tied:
+        del state["lm_head.weight"]
+    config["torch_dtype"] = str(model.cfg.dtype).removeprefix("torch.")
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))
+        metadata = dict(info.metadata)
+        metadata.update(prepend_bos=info.prepend_bos, exported_from=info.name)
+        atomic_write_text(tmp / METADATA_FILE, json.dumps(metadata, indent=2, default=str))
+        if info.source is not None and (info.source / "tokenizer_config.json").exists():
+            for file in TOKENIZER_FILES:
+                if (info.source / file).exists():
+                    shutil.copyfile(info.source / file, tmp / file)
+        elif info.tokenizer is not None:
+            info.tokenizer.save_pretrained(tmp)
+    logger.info("saved %s to %s", info.name, out_dir)
+    return Path(out_dir)

@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random BLOOM checkpoints on disk, built fresh for each test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. A head that attends only to the first token "
+    "is a sink; a head that writes nothing is dead. Attention with linear biases adds a penalty "
+    "proportional to distance. "
+) * 20
+
+
+def make_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer that, like BLOOM's, adds no BOS token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([TEXT], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+
+
+def make_bloom_checkpoint(
+    directory: Path, *, n_heads: int = 4, n_layers: int = 2, d_model: int = 32, seed: int = 0
+) -> Path:
+    """Save a random BloomForCausalLM (fp32, tied embeddings) with a tokenizer to ``directory``."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    tokenizer = make_tokenizer()
+    config = BloomConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=d_model,
+        n_layer=n_layers,
+        n_head=n_heads,
+        seq_length=128,
+        architectures=["BloomForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    model = BloomForCausalLM(config)
+    # Hugging Face initialises biases and LayerNorms to constants; random ones test the mapping.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name or "layernorm" in name or "ln_f" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def bloom_dir(tmp_path_factory) -> Path:
+    """A 2-layer, 4-head random BLOOM checkpoint folder."""
+    return make_bloom_checkpoint(tmp_path_factory.mktemp("bloom4"))
+
+
+@pytest.fixture(scope="session")
+def bloom6_dir(tmp_path_factory) -> Path:
+    """A 2-layer, 6-head random BLOOM: a head count that is not a power of two."""
+    return make_bloom_checkpoint(tmp_path_factory.mktemp("bloom6"), n_heads=6, d_model=48)
+
+
+@pytest.fixture()
+def tiny_model(bloom_dir):
+    """A fresh HookedTransformer loaded from ``bloom_dir`` (float32, CPU)."""
+    from headsurgeon import load_model
+
+    return load_model(bloom_dir)
