@@ -18,8 +18,8 @@ Pipeline (all seeded; single CPU thread):
    ``bos_mass.csv`` (final per-head BOS masses) in the run directory; the export is reloaded
    offline and made to generate text as a check.
 
-Schedule length: with ``--steps N`` the cosine schedule spans N steps. Without it, the first
-``TIMING_STEPS`` steps (still in warm-up, whose learning rate does not depend on the length) are
+Schedule length: with ``--steps N`` the cosine schedule spans N steps. Without it, steps
+``TIMING_STEPS`` (still in warm-up, whose learning rate does not depend on the length) are
 timed, together with the step-0 evaluation, and the length is set so that training fits in
 ``--minutes``. In both cases ``--minutes`` is a hard stop on the total training time (summed
 over resumed runs); the planned length is stored in the checkpoint.
@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +70,18 @@ MIN_LR_FRACTION = 0.1
 WARMUP_STEPS = 200
 WEIGHT_DECAY = 0.1
 GRAD_CLIP = 1.0
-TIMING_STEPS = 20
+TIMING_STEPS = (10, 40)  # steps timed (after a few warm-up steps) to plan the schedule
 EVAL_SEQS = 16  # per held-out corpus
 BOS_SEQS = 4  # per held-out corpus
 EXPORT_LIMIT_BYTES = 10 * 1024 * 1024
+# glibc returns every large (attention-sized) buffer to the OS by default, so each step pays for
+# page faults; keeping them mapped makes a step ~1.8x faster on one core. glibc reads these
+# variables only at start-up, hence the re-exec in ``ensure_malloc_env``.
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(4 * 1024**3),
+    "MALLOC_TRIM_THRESHOLD_": str(64 * 1024**3),
+    "MALLOC_TOP_PAD_": str(1024**3),
+}
 LOG_FIELDS = [
     "step",
     "tokens",
@@ -271,6 +280,12 @@ def verify_export(out: Path) -> str:
     return text
 
 
+def ensure_malloc_env() -> None:
+    """Re-execute this script with ``MALLOC_ENV`` set, unless it already is."""
+    if any(k not in os.environ for k in MALLOC_ENV):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=65.0, help="hard training-time budget")
@@ -288,6 +303,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    ensure_malloc_env()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args()
     torch.set_num_threads(1)
@@ -380,7 +396,7 @@ def main() -> None:
     model.train()
     if step == 0:
         log_eval()
-    timing_start = time.perf_counter()
+    timing_start = 0.0
     while elapsed < budget and (total_steps is None or step < total_steps):
         t = time.perf_counter()
         lr = lr_at(step, total_steps or WARMUP_STEPS)
@@ -397,8 +413,10 @@ def main() -> None:
         step += 1
         tokens_seen += batch.numel()
         elapsed += time.perf_counter() - t
-        if total_steps is None and step == TIMING_STEPS:
-            step_s = (time.perf_counter() - timing_start) / TIMING_STEPS
+        if step == TIMING_STEPS[0]:
+            timing_start = time.perf_counter()
+        if total_steps is None and step == TIMING_STEPS[1]:
+            step_s = (time.perf_counter() - timing_start) / (TIMING_STEPS[1] - TIMING_STEPS[0])
             per_step = step_s + eval_seconds / args.eval_every
             total_steps = step + int((budget - elapsed) / per_step)
             log.info("%.3f s/step; planned schedule: %d steps", step_s, total_steps)
