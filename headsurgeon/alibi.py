@@ -6,18 +6,35 @@ Exports:
     slopes(n_heads)                     per-head slopes m_h, exactly as Hugging Face BLOOM
     relative_distance(n_ctx)            the (query, key) matrix of distances i - j (0 above)
     alibi_bias(head_slopes, n_ctx)      the standard bias -m_h * (i - j), [head, query, key]
+    float_limits(dtype)                 FloatLimits: ln of smallest normal, subnormal, zero point
+    log_threshold(dtype, threshold)     ln of a weight threshold ("normal", "subnormal", "zero")
+    blind_distance(slope, dtype, ...)   first distance where a key's weight must reach the threshold
+    blind_share(distances, context)     share of a context's causal entries beyond blindness
+    robust_slopes(head_slopes, ...)     slopes lowered so a whole context stays above the threshold
+    distance_rows(n_queries, n_keys)    distances i - j for the last queries (as TransformerLens)
+    bias_from_distance(kind, ...)       the bias of each kind in BIAS_KINDS (mitigations)
+    soft_cap(scores, c)                 c * tanh(scores / c), masked cells kept at -inf
+    check_bias_params(kind, **params)   validated mitigation parameters
+    THRESHOLDS, BIAS_KINDS, ROBUST_MODES, FloatLimits
+
+The mitigations of the ALiBi blindness paper (arXiv:2608.03994) are not public as formulas; the
+definitions here are ours and are stated exactly in :func:`bias_from_distance`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from headsurgeon.errors import InvalidArgumentError
 
-def slopes(n_heads: int) -> Float[Tensor, "head"]:
+
+def slopes(n_heads: int) -> Float[Tensor, " head"]:
     """ALiBi slopes for ``n_heads`` heads, equal to Hugging Face's ``build_alibi_tensor``.
 
     For a power of two ``H`` the slopes are ``2^(-8(h+1)/H)``. Otherwise the first
@@ -59,7 +76,7 @@ def relative_distance(n_ctx: int) -> Float[Tensor, "query key"]:
     return (pos[:, None] - pos[None, :]).clamp(min=0).to(torch.float32)
 
 
-def alibi_bias(head_slopes: Float[Tensor, "head"], n_ctx: int) -> Float[Tensor, "head query key"]:
+def alibi_bias(head_slopes: Float[Tensor, " head"], n_ctx: int) -> Float[Tensor, "head query key"]:
     """Standard ALiBi bias ``-m_h * (i - j)`` in float32, laid out like TransformerLens's cache.
 
     >>> alibi_bias(torch.tensor([0.5]), 3)
@@ -68,3 +85,267 @@ def alibi_bias(head_slopes: Float[Tensor, "head"], n_ctx: int) -> Float[Tensor, 
              [-1.0000, -0.5000, -0.0000]]])
     """
     return -head_slopes.to(torch.float32)[:, None, None] * relative_distance(n_ctx)
+
+
+# --- Float limits, blind distances and mitigated biases ---------------------------------------
+
+THRESHOLDS = ("normal", "subnormal", "zero")
+BIAS_KINDS = ("standard", "clamped", "log", "softcap", "robust")
+ROBUST_MODES = ("scale", "clip")
+
+
+class FloatLimits(NamedTuple):
+    """Natural logs of a float format's underflow points.
+
+    ``normal``: smallest normal number (below it precision degrades); ``subnormal``: smallest
+    subnormal number; ``zero``: half of it, at and below which a value rounds to exactly 0.
+    """
+
+    normal: float
+    subnormal: float
+    zero: float
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    from headsurgeon.models import parse_dtype  # models imports this module: import on use
+
+    return parse_dtype(dtype)
+
+
+def float_limits(dtype: str | torch.dtype) -> FloatLimits:
+    """Underflow points of float32, bfloat16 or float16 as natural logs.
+
+    >>> [round(x, 2) for x in float_limits("float32")]
+    [-87.34, -103.28, -103.97]
+    >>> [round(x, 2) for x in float_limits("bfloat16")]
+    [-87.34, -92.19, -92.88]
+    >>> [round(x, 2) for x in float_limits(torch.float16)]
+    [-9.7, -16.64, -17.33]
+    """
+    info = torch.finfo(_torch_dtype(dtype))
+    normal = math.log(info.tiny)
+    subnormal = normal + math.log(info.eps)  # 2^(min_exp - 1) * 2^(-mantissa bits)
+    return FloatLimits(normal, subnormal, subnormal - math.log(2))
+
+
+def log_threshold(dtype: str | torch.dtype, threshold: str | float = "normal") -> float:
+    """The natural log of a weight threshold: a name from :data:`THRESHOLDS` or a negative log.
+
+    >>> round(log_threshold("float16", "zero"), 2), log_threshold("float32", -50.0)
+    (-17.33, -50.0)
+    """
+    if isinstance(threshold, str):
+        if threshold not in THRESHOLDS:
+            raise InvalidArgumentError(
+                f"unknown threshold {threshold!r}; use one of {', '.join(THRESHOLDS)} "
+                "or a negative natural log"
+            )
+        return getattr(float_limits(dtype), threshold)
+    if not isinstance(threshold, (int, float)) or not -math.inf < threshold < 0:
+        raise InvalidArgumentError(f"a numeric threshold is a natural log below 0, got {threshold}")
+    return float(threshold)
+
+
+def robust_slopes(
+    head_slopes: Float[Tensor, " head"],
+    context: int,
+    dtype: str | torch.dtype = "float32",
+    threshold: str | float = "normal",
+    mode: str = "scale",
+) -> Float[Tensor, " head"]:
+    """Slopes lowered so that no key within ``context`` tokens reaches the weight threshold.
+
+    With ``T = -log_threshold(dtype, threshold)`` the largest allowed slope is ``T / context``:
+    the bias at the farthest key of the context, distance ``context - 1``, stays above ``-T``.
+    ``mode="scale"`` multiplies every slope by ``min(1, T / (context * max_h m_h))``, keeping the
+    geometric ratios between heads; ``mode="clip"`` lowers only the heads above the limit to it.
+
+    >>> robust = robust_slopes(slopes(16), 2048)
+    >>> round(robust.max().item(), 5), round(robust.max().item() * 2047, 2)  # ln 2^-126 = -87.34
+    (0.04264, 87.29)
+    >>> s = robust_slopes(torch.tensor([1.0, 0.01]), 1000, mode="clip")
+    >>> [round(x, 5) for x in s.tolist()]
+    [0.08734, 0.01]
+    """
+    if mode not in ROBUST_MODES:
+        raise InvalidArgumentError(f"unknown robust mode {mode!r}; use one of scale, clip")
+    _check_positive_int(context, "robust context")
+    limit = -log_threshold(dtype, threshold) / context
+    m = head_slopes.to(torch.float64)
+    if mode == "clip":
+        return m.clamp(max=limit).to(torch.float32)
+    return (m * min(1.0, limit / m.max().item())).to(torch.float32)
+
+
+def _check_positive_int(value: object, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidArgumentError(f"{what} must be a positive integer, got {value!r}")
+
+
+def check_bias_params(kind: str, **params: object) -> dict[str, object]:
+    """Validate the parameters of a bias kind; return them with defaults filled in.
+
+    ``standard`` and ``log`` take none; ``clamped`` and ``softcap`` need ``c > 0``; ``robust``
+    needs ``context`` and takes ``dtype`` (float32), ``threshold`` (normal), ``mode`` (scale).
+
+    >>> check_bias_params("robust", context=256)
+    {'context': 256, 'dtype': 'float32', 'threshold': 'normal', 'mode': 'scale'}
+    """
+    allowed: dict[str, dict[str, object]] = {
+        "standard": {},
+        "log": {},
+        "clamped": {"c": None},
+        "softcap": {"c": None},
+        "robust": {"context": None, "dtype": "float32", "threshold": "normal", "mode": "scale"},
+    }
+    if kind not in allowed:
+        raise InvalidArgumentError(
+            f"unknown bias kind {kind!r}; use one of {', '.join(BIAS_KINDS)}"
+        )
+    unknown = set(params) - set(allowed[kind])
+    if unknown:
+        names = ", ".join(allowed[kind]) or "none"
+        raise InvalidArgumentError(
+            f"{kind} takes no parameter {', '.join(sorted(unknown))}; its parameters: {names}"
+        )
+    full = {**allowed[kind], **params}
+    missing = [name for name, value in full.items() if value is None]
+    if missing:
+        raise InvalidArgumentError(f"{kind} needs {', '.join(missing)}")
+    if "c" in full:
+        c = full["c"]
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 < c < math.inf:
+            raise InvalidArgumentError(f"{kind} needs a finite c > 0, got {c!r}")
+    if kind == "robust":
+        robust_slopes(torch.ones(1), **full)  # validates context, dtype, threshold and mode
+    return full
+
+
+def distance_rows(
+    n_queries: int, n_keys: int, device: torch.device | str | None = None
+) -> Float[Tensor, "query key"]:
+    """Distances ``i - j`` for the last ``n_queries`` of ``n_keys`` positions (0 for future keys).
+
+    >>> distance_rows(2, 3)
+    tensor([[1., 0., 0.],
+            [2., 1., 0.]])
+    """
+    queries = torch.arange(n_keys - n_queries, n_keys, device=device)
+    keys = torch.arange(n_keys, device=device)
+    return (queries[:, None] - keys[None, :]).clamp(min=0).to(torch.float32)
+
+
+def bias_from_distance(
+    kind: str, head_slopes: Float[Tensor, " head"], distance: Float[Tensor, "query key"], **params
+) -> Float[Tensor, "head query key"]:
+    """The float32 bias of a kind of ALiBi at distances ``d = i - j`` (see :data:`BIAS_KINDS`).
+
+    * ``standard``: ``-m d``;
+    * ``clamped``: ``max(-m d, -c)``: no key is ever penalised by more than ``c``;
+    * ``log``: ``-m ln(1 + d)``: the penalty grows with the log of the distance;
+    * ``robust``: ``-m' d`` with ``m' = robust_slopes(m, context, dtype, threshold, mode)``;
+    * ``softcap``: ``-m d`` (standard); the cap ``c tanh(logit / c)`` acts on the whole logit,
+      content plus bias, after the bias is added (:func:`soft_cap`).
+
+    >>> d = distance_rows(1, 4)
+    >>> bias_from_distance("clamped", torch.tensor([1.0]), d, c=2.0)
+    tensor([[[-2., -2., -1., -0.]]])
+    >>> bias_from_distance("log", torch.tensor([1.0]), d).exp()  # 1 / (1 + d)
+    tensor([[[0.2500, 0.3333, 0.5000, 1.0000]]])
+    """
+    params = check_bias_params(kind, **params)
+    m = head_slopes.to(device=distance.device, dtype=torch.float32)
+    if kind == "robust":
+        m = robust_slopes(m, **params)
+    d = distance.to(torch.float32)[None]
+    if kind == "log":
+        return -m[:, None, None] * torch.log1p(d)
+    bias = -m[:, None, None] * d
+    if kind == "clamped":
+        return bias.clamp(min=-params["c"])
+    return bias
+
+
+def soft_cap(scores: Float[Tensor, "..."], c: float) -> Float[Tensor, "..."]:
+    """``c tanh(scores / c)``, leaving masked cells (``-inf``) masked.
+
+    >>> soft_cap(torch.tensor([0.0, 5.0, -100.0, -math.inf]), 10.0)
+    tensor([  0.0000,   4.6212, -10.0000,     -inf])
+    """
+    check_bias_params("softcap", c=c)
+    return torch.where(scores == -math.inf, scores, c * torch.tanh(scores / c))
+
+
+def blind_distance(
+    slope: float | Float[Tensor, " head"],
+    dtype: str | torch.dtype = "float32",
+    threshold: str | float = "normal",
+    bias: str = "standard",
+    **params,
+) -> float | Float[Tensor, " head"]:
+    """The first distance at which a key's attention weight is at most the dtype's threshold.
+
+    Assumes every key has the same content logit, so the bias alone sets how far the key falls
+    below the row's best logit, the query's own position (distance 0): the weight there is at most
+    ``exp(-gap(d))`` with ``gap(d) = bias(0) - bias(d)``, and the head is blind from the first ``d``
+    with ``gap(d) >= T = -log_threshold(dtype, threshold)``. A key whose content logit beats the
+    others' by ``Δ`` is seen ``Δ / m`` tokens further (for standard ALiBi). Per kind:
+
+    * ``standard``: ``ceil(T / m)``; ``clamped``: the same if ``c >= T``, else never (``inf``);
+    * ``log``: ``ceil(exp(T / m) - 1)``;
+    * ``softcap`` (content logits 0): ``gap = c tanh(m d / c) < c``: ``ceil(c atanh(T / c) / m)``
+      if ``c > T``, else never;
+    * ``robust``: standard with slopes made robust for this ``dtype`` and ``threshold``
+      (``context`` and ``mode`` from ``params``; ``mode="scale"`` uses the largest given slope).
+
+    Returns a float (``inf`` when the head never goes blind) or, for a tensor of slopes, a float64
+    tensor.
+
+    >>> m = slopes(16)
+    >>> blind_distance(m[0].item()), blind_distance(m[15].item())
+    (124.0, 22359.0)
+    >>> f"{blind_distance(m[0].item(), bias='log'):.3g}"
+    '4.37e+53'
+    >>> blind_distance(m[:2], "float16", "zero")
+    tensor([25., 35.], dtype=torch.float64)
+    >>> blind_distance(0.5, bias="clamped", c=50.0)
+    inf
+    >>> blind_distance(0.5, bias="robust", context=512) >= 512
+    True
+    """
+    scalar = not isinstance(slope, Tensor)
+    m = torch.as_tensor(slope, dtype=torch.float64)
+    if (m <= 0).any() or not torch.isfinite(m).all():
+        raise InvalidArgumentError("ALiBi slopes must be positive and finite")
+    t = -log_threshold(dtype, threshold)
+    if bias == "robust":
+        params = check_bias_params(bias, dtype=dtype, threshold=threshold, **params)
+        m = robust_slopes(m.reshape(-1), **params).to(torch.float64).reshape(m.shape)
+    else:
+        params = check_bias_params(bias, **params)
+    if bias == "log":
+        distance = torch.expm1(t / m).ceil()
+    elif bias == "softcap":
+        c = params["c"]
+        distance = (c * math.atanh(t / c) / m).ceil() if c > t else torch.full_like(m, math.inf)
+    else:
+        distance = (t / m).ceil()
+        if bias == "clamped" and params["c"] < t:
+            distance = torch.full_like(m, math.inf)
+    distance = distance.clamp(min=1)
+    return distance.item() if scalar else distance
+
+
+def blind_share(distances: Float[Tensor, " head"] | Sequence[float], context: int) -> float:
+    """Share of causal attention entries of a ``context``-token sequence at or beyond blindness.
+
+    Counts entries ``(i, j)``, ``j <= i < context``, with ``i - j >= δ_h``, over all heads: the
+    analytic counterpart of the measured share (content logits all equal).
+
+    >>> blind_share([2.0, math.inf], 4)  # head 0: 3 of 10 entries (distances 2, 2, 3)
+    0.15
+    """
+    _check_positive_int(context, "context length")
+    delta = torch.as_tensor(distances, dtype=torch.float64).clamp(max=context)
+    n_blind = (context - delta) * (context - delta + 1) / 2
+    return (n_blind.sum() / (len(delta) * context * (context + 1) / 2)).item()

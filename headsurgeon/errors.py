@@ -4,7 +4,8 @@ Every error a user can cause derives from :class:`HeadsurgeonError`; its message
 names the problem and the fix. The command-line tools print that line and exit with status 2.
 
 Exports: HeadsurgeonError, UnknownModelError, ModelNotFoundError, CheckpointError,
-UnsupportedArchitectureError, InvalidArgumentError, DataError, OutputExistsError.
+UnsupportedArchitectureError, InvalidArgumentError, DataError, OutputExistsError,
+FigureExportError.
 """
 
 from __future__ import annotations
@@ -40,3 +41,7 @@ class DataError(HeadsurgeonError, ValueError):
 
 class OutputExistsError(HeadsurgeonError, FileExistsError):
     """An output location that already holds other files (pass overwrite=True / --overwrite)."""
+
+
+class FigureExportError(HeadsurgeonError, RuntimeError):
+    """A static figure that cannot be written (no Chromium browser for kaleido, unknown format)."""

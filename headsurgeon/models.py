@@ -1,14 +1,16 @@
 """Loading models (by name, bundled organism or local folder) and exporting them to Hugging Face.
 
 Exports:
-    load_model(name_or_path, dtype, device)   HookedTransformer with unprocessed weights, exact ALiBi
-    save_hf(model, out_dir, overwrite)        atomic Hugging Face checkpoint (BLOOM), safetensors only
-    from_hf_model(hf_model, tokenizer, ...)   wrap an in-memory transformers model
-    random_model(shape, seed)                 random-weight BLOOM of a given shape (benchmarks, tests)
-    model_shape(name_or_model)                ModelShape without loading weights
-    model_info(model)                         ModelInfo: where a model came from, its conventions
-    parse_dtype(dtype), parse_device(device)  validated torch dtype / device
-    organism_names(), DEFAULT_MODEL, BLOOM_SHAPES
+    load_model(name_or_path, dtype, device)  HookedTransformer, unprocessed weights, exact ALiBi
+    save_hf(model, out_dir, overwrite)       atomic Hugging Face checkpoint (BLOOM), safetensors
+    from_hf_model(hf_model, tokenizer, ...)  wrap an in-memory transformers model
+    random_model(shape, seed)                random-weight BLOOM of a given or named shape
+    model_shape(name_or_model)               ModelShape without loading weights
+    model_info(model)                        ModelInfo: where a model came from, its conventions
+    parse_dtype(dtype), parse_device(device) validated torch dtype / device
+    hf_state_dict(model)                     BLOOM weights in Hugging Face layout
+    use_exact_alibi(model)                   Hugging Face's ALiBi slopes for any head count
+    organism_names(), DEFAULT_MODEL, BLOOM_SHAPES, ModelShape, ModelInfo
 
 Weights stay exactly as in the checkpoint (no LayerNorm folding, no centring), so every per-head
 slice of ``W_Q``/``W_K``/``W_V``/``W_O`` maps 1:1 back to the checkpoint and ``save_hf`` round
@@ -24,19 +26,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import os
 import shutil
 import tempfile
-import urllib.error
-import urllib.request
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import einops
 import torch
-from transformer_lens import HookedTransformer
+from jaxtyping import Float
+from torch import Tensor
+from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens import loading_from_pretrained as tl_loading
 
 from headsurgeon import alibi
@@ -123,9 +128,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
             return dtype
     elif isinstance(dtype, str) and dtype.lower() in DTYPES:
         return DTYPES[dtype.lower()]
-    raise InvalidArgumentError(
-        f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16"
-    )
+    raise InvalidArgumentError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
 
 
 def parse_device(device: str | torch.device) -> torch.device:
@@ -157,7 +160,7 @@ def organism_names() -> list[str]:
 
 def _hub_names() -> dict[str, str]:
     """Map every TransformerLens name and alias (lower case) to its official hub name."""
-    return {k.lower(): v for k, v in tl_loading.make_model_alias_map().items()}
+    return tl_loading.make_model_alias_map()
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -191,8 +194,10 @@ def model_shape(name_or_model: str | os.PathLike | HookedTransformer) -> ModelSh
     """
     if isinstance(name_or_model, HookedTransformer):
         cfg = name_or_model.cfg
+        # TransformerLens sets n_ctx = 2048 for every BLOOM; the checkpoint's own value wins.
+        n_ctx = model_info(name_or_model).hf_config.get("seq_length", cfg.n_ctx)
         return ModelShape(
-            cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_vocab, cfg.n_ctx,
+            cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_vocab, n_ctx,
             cfg.positional_embedding_type,
         )  # fmt: skip
     name = str(name_or_model)
@@ -209,26 +214,38 @@ def model_shape(name_or_model: str | os.PathLike | HookedTransformer) -> ModelSh
 
 
 def _unknown_message(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name.lower(), [c.lower() for c in candidates], n=3, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}? " if close else ""
+    by_lower = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(by_lower[c] for c in close)}? " if close else ""
     return (
         f"unknown model {name!r}: {hint}pass a TransformerLens model name, a bundled organism "
         f"({', '.join(organism_names()) or 'none installed'}) or a local checkpoint folder"
     )
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """One quick request to the hub, no retries: a refused or silent network answers False."""
-    from huggingface_hub import constants
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    """One request to the hub, no retries, answered within ``timeout`` seconds.
 
-    request = urllib.request.Request(constants.ENDPOINT, method="HEAD")
-    try:
-        urllib.request.urlopen(request, timeout=timeout)  # noqa: S310 (fixed https endpoint)
-    except urllib.error.HTTPError:
-        return True  # the server answered
-    except (urllib.error.URLError, OSError):
-        return False
-    return True
+    Uses the hub client's own session (its proxies and certificates). The request runs in a daemon
+    thread because socket timeouts do not cover a name server that never answers.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    done = threading.Event()
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            get_session().head(constants.ENDPOINT, timeout=timeout)
+            answered.append(True)  # any status code: the server is there
+        except Exception:  # any failure to get an HTTP answer means "unreachable"
+            pass
+        done.set()
+
+    threading.Thread(target=probe, daemon=True).start()
+    done.wait(timeout)
+    return bool(answered)
 
 
 def _has_weights(directory: Path) -> bool:
@@ -251,17 +268,24 @@ def _hub_snapshot(official: str) -> Path:
         f"download it on a connected machine (huggingface-cli download {official}) and copy the "
         "Hugging Face cache here, or pass a local checkpoint folder"
     )
-    if constants.HF_HUB_OFFLINE:
-        raise ModelNotFoundError(f"{official} is not in the local cache and HF_HUB_OFFLINE=1; {how}")
+    missing = f"{official} is not in the local Hugging Face cache"
+    if constants.is_offline_mode():
+        raise ModelNotFoundError(f"{missing} and HF_HUB_OFFLINE=1; {how}")
+    # One bounded probe rather than the hub client's own timeouts and retries.
     if not _hub_reachable():
-        raise ModelNotFoundError(
-            f"{official} is not in the local cache and {constants.ENDPOINT} cannot be reached; {how}"
-        )
+        raise ModelNotFoundError(f"{missing} and {constants.ENDPOINT} cannot be reached; {how}")
     logger.info("downloading %s", official)
-    folder = Path(snapshot_download(official, allow_patterns=patterns))
-    if not _has_weights(folder):  # older repositories ship only pickled weights
-        folder = Path(snapshot_download(official, allow_patterns=["pytorch_model*.bin*"]))
+    try:
+        folder = Path(snapshot_download(official, allow_patterns=patterns))
+        if not _has_weights(folder):  # older repositories ship only pickled weights
+            folder = Path(snapshot_download(official, allow_patterns=["pytorch_model*.bin*"]))
+    except Exception as e:  # the hub client raises many types (HTTP, connection, disk)
+        raise ModelNotFoundError(f"downloading {official} failed ({_first_line(e)}); {how}") from e
     return folder
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
@@ -270,7 +294,8 @@ def _resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
     if name in organism_names():
         return name, ORGANISM_DIR / name
     path = Path(name).expanduser()
-    looks_like_path = os.sep in name or name.startswith(".") or path.exists()
+    looks_like_path = isinstance(name_or_path, os.PathLike) or "/" in name or os.sep in name
+    looks_like_path = looks_like_path or name.startswith((".", "~"))
     if path.exists():
         return path.name or name, path
     official = _hub_names().get(name.lower())
@@ -281,8 +306,34 @@ def _resolve(name_or_path: str | os.PathLike) -> tuple[str, Path]:
     raise UnknownModelError(_unknown_message(name, list(_hub_names()) + organism_names()))
 
 
-def _check_checkpoint(directory: Path) -> dict[str, Any]:
-    """Validate a checkpoint folder before handing it to transformers; return its config."""
+def _tl_config(
+    config_dir: Path, *, dtype: torch.dtype = torch.float32, prepend_bos: bool | None = None
+) -> HookedTransformerConfig:
+    """TransformerLens's config for the ``config.json`` in ``config_dir`` (a folder of ours).
+
+    TransformerLens guesses the architecture of any path that contains "llama" or "gemma" from the
+    path alone, so it is only ever shown a private temporary folder, never the user's.
+    """
+    hf_config = _read_json(config_dir / "config.json")
+    try:
+        return tl_loading.get_pretrained_model_config(
+            str(config_dir),
+            hf_cfg=hf_config,
+            fold_ln=False,
+            dtype=dtype,
+            device="cpu",
+            default_prepend_bos=prepend_bos,
+        )
+    except (NotImplementedError, ValueError, KeyError, TypeError) as e:
+        architecture = (hf_config.get("architectures") or ["<none>"])[0]
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture} (model_type {hf_config.get('model_type')}) is not "
+            "supported by TransformerLens 3.x; use a BLOOM or another TransformerLens model"
+        ) from e
+
+
+def _check_checkpoint(directory: Path) -> None:
+    """Validate a checkpoint folder before its weights are read (they may be many GB)."""
     if not directory.is_dir():
         raise ModelNotFoundError(f"{directory} is not a folder; pass a checkpoint folder")
     if not (directory / "config.json").exists():
@@ -291,7 +342,9 @@ def _check_checkpoint(directory: Path) -> dict[str, Any]:
             "(config.json, *.safetensors, tokenizer files)"
         )
     if not _has_weights(directory):
-        raise CheckpointError(f"{directory} has no weights (*.safetensors); re-export or re-download")
+        raise CheckpointError(
+            f"{directory} has no weights (*.safetensors); re-export or re-download"
+        )
     from safetensors import safe_open
 
     for file in sorted(directory.glob("*.safetensors")):
@@ -301,19 +354,12 @@ def _check_checkpoint(directory: Path) -> dict[str, Any]:
                     f.get_slice(key)
         except Exception as e:  # safetensors raises its own error types and OSError
             raise CheckpointError(
-                f"{file} is not a valid safetensors file ({str(e).splitlines()[0]}); "
+                f"{file} is not a valid safetensors file ({_first_line(e)}); "
                 "re-download or re-export it"
             ) from e
-    config = _read_json(directory / "config.json")
-    architecture = (config.get("architectures") or ["<none>"])[0]
-    try:
-        tl_loading.convert_hf_model_config(str(directory))
-    except NotImplementedError as e:
-        raise UnsupportedArchitectureError(
-            f"architecture {architecture} of {directory} is not supported by TransformerLens 3.x; "
-            "use a BLOOM or another TransformerLens-supported model"
-        ) from e
-    return config
+    with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
+        shutil.copyfile(directory / "config.json", Path(tmp) / "config.json")
+        _tl_config(Path(tmp))
 
 
 def load_model(
@@ -337,14 +383,25 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch_dtype, local_files_only=True, trust_remote_code=False
+        hf_model, loading = AutoModelForCausalLM.from_pretrained(
+            directory,
+            dtype=torch_dtype,
+            local_files_only=True,
+            trust_remote_code=False,
+            output_loading_info=True,
         )
     except (OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(
-            f"transformers could not load {directory} ({str(e).splitlines()[0]}); "
+            f"transformers could not load {directory} ({_first_line(e)}); "
             "re-download or re-export the checkpoint"
         ) from e
+    # transformers fills missing or misshapen tensors with random values and only logs it.
+    bad = sorted(loading["missing_keys"]) + sorted(str(k) for k in loading["mismatched_keys"])
+    if bad:
+        raise CheckpointError(
+            f"{directory} lacks or misshapes {len(bad)} weight(s) (first: {bad[0]}); "
+            "re-download or re-export the checkpoint"
+        )
     tokenizer = None
     if any((directory / f).exists() for f in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -358,7 +415,7 @@ def load_model(
         train_ctx=metadata.get("training", {}).get("seq_len"),
         metadata=metadata,
     )
-    return model.to(torch_device)
+    return model.to(torch_device, print_details=False)
 
 
 def from_hf_model(
@@ -374,27 +431,18 @@ def from_hf_model(
     """Convert an in-memory ``transformers`` causal LM into an unprocessed HookedTransformer."""
     hf_config = hf_model.config.to_dict()
     torch_dtype = next(hf_model.parameters()).dtype
-    with tempfile.TemporaryDirectory() as tmp:
-        # TransformerLens reads configs from a name or folder; give it the model's own config.
+    # TransformerLens reads configs from a name or folder; give it the model's own config.
+    with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
         hf_model.config.save_pretrained(tmp)
-        try:
-            cfg = tl_loading.get_pretrained_model_config(
-                tmp,
-                hf_cfg=hf_config,
-                fold_ln=False,
-                dtype=torch_dtype,
-                device="cpu",
-                default_prepend_bos=prepend_bos,
-            )
-        except NotImplementedError as e:
-            raise UnsupportedArchitectureError(
-                f"{hf_config.get('architectures')} is not supported by TransformerLens 3.x"
-            ) from e
+        cfg = _tl_config(Path(tmp), dtype=torch_dtype, prepend_bos=prepend_bos)
         state_dict = tl_loading.get_pretrained_state_dict(tmp, cfg, hf_model=hf_model)
     if cfg.positional_embedding_type == "alibi":
         # Unused by ALiBi models; TransformerLens would otherwise fill it with uninitialised memory.
         state_dict["pos_embed.W_pos"] = torch.zeros(cfg.n_ctx, cfg.d_model, dtype=torch_dtype)
     cfg.model_name = name
+    # The config folder is gone: without this TransformerLens would look the tokenizer up by
+    # that path on the hub.
+    cfg.tokenizer_name = None
     model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
     model.load_and_process_state_dict(
         state_dict,
@@ -434,40 +482,69 @@ def model_info(model: HookedTransformer) -> ModelInfo:
     return info
 
 
-def _alibi_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Before each attention forward, make sure the cached bias is exact and long enough.
+def _alibi_rows(
+    head_slopes: Float[Tensor, " head"], n_queries: int, n_keys: int, device: torch.device
+) -> Float[Tensor, "head query key"]:
+    """ALiBi bias ``-m_h * (i - j)`` for the last ``n_queries`` of ``n_keys`` positions (float32).
 
-    TransformerLens rebuilds ``module.alibi`` with its power-of-two formula only when the key
-    length outgrows it, so a long-enough exact tensor in its place is used as is.
+    >>> _alibi_rows(torch.tensor([0.5]), 1, 3, torch.device("cpu"))
+    tensor([[[-1.0000, -0.5000, -0.0000]]])
     """
-    query_input = args[0] if args else kwargs["query_input"]
-    cache_entry = kwargs.get("past_kv_cache_entry")
-    n_keys = query_input.shape[-2] + (0 if cache_entry is None else cache_entry.past_keys.shape[1])
-    current = module.alibi
-    if (
-        current is not None
-        and getattr(current, "_headsurgeon_exact", False)
-        and current.size(-1) >= n_keys
-        and current.device == query_input.device
-    ):
-        return
-    length = max(64, 1 << (n_keys - 1).bit_length())  # grow in powers of two
-    bias = alibi.alibi_bias(alibi.slopes(module.cfg.n_heads), length).to(query_input.device)
-    bias._headsurgeon_exact = True
-    module.alibi = bias
+    queries = torch.arange(n_keys - n_queries, n_keys, device=device)
+    distance = (queries[:, None] - torch.arange(n_keys, device=device)[None, :]).clamp(min=0)
+    return -head_slopes.to(device, torch.float32)[:, None, None] * distance
+
+
+_ATTENTION_ARGS = ("query_input", "key_input", "value_input", "past_kv_cache_entry")
+
+
+def _alibi_pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Before each attention forward, put the exact bias for this call's positions in place.
+
+    TransformerLens adds ``module.alibi[:, -query_ctx:, :key_ctx]`` and rebuilds the tensor with
+    its power-of-two slopes only when ``key_ctx`` outgrows it. A tensor holding exactly this call's
+    rows is used as is, and keeps ``hook_attn_scores`` equal to ``q.k/sqrt(d) - m_h (i - j)``: a
+    longer cached one would shift every row by a constant (harmless to the softmax, wrong logits).
+    """
+    inputs = dict(zip(_ATTENTION_ARGS, args, strict=False)) | kwargs
+    cache_entry = inputs.get("past_kv_cache_entry")
+    # Position is dim 1 with or without split per-head inputs ([batch, pos, (head,) d_model]).
+    n_queries = inputs["query_input"].shape[1]
+    n_keys = inputs["key_input"].shape[1]
+    if cache_entry is not None:
+        n_keys += cache_entry.past_keys.shape[1]
+    device = inputs["query_input"].device
+    # A mitigation (headsurgeon.blindness) may swap in another bias with the same signature.
+    builder = getattr(module, "headsurgeon_bias_builder", None) or _alibi_rows
+    module.alibi = _shared_bias(builder, module.cfg.n_heads, n_queries, n_keys, device)
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_bias(
+    builder: Callable, n_heads: int, n_queries: int, n_keys: int, device: torch.device
+) -> Float[Tensor, "head query key"]:
+    """One bias tensor per shape, shared by all layers (TransformerLens only reads it)."""
+    return builder(alibi.slopes(n_heads), n_queries, n_keys, device)
 
 
 def use_exact_alibi(model: HookedTransformer) -> None:
-    """Give every attention layer Hugging Face's exact ALiBi slopes (idempotent)."""
+    """Give every attention layer Hugging Face's exact ALiBi slopes (idempotent).
+
+    A forward pre-hook on each attention module, so ``model.reset_hooks()`` keeps it; its handle
+    is ``block.attn.headsurgeon_alibi_hook``.
+    """
     for block in model.blocks:
         attn = block.attn
-        if not getattr(attn, "_headsurgeon_alibi_hooked", False):
-            attn.register_forward_pre_hook(_alibi_pre_hook, with_kwargs=True)
-            attn._headsurgeon_alibi_hooked = True
+        if getattr(attn, "headsurgeon_alibi_hook", None) is None:
+            attn.headsurgeon_alibi_hook = attn.register_forward_pre_hook(
+                _alibi_pre_hook, with_kwargs=True
+            )
         attn.alibi = None
 
 
-def random_model(shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32") -> HookedTransformer:
+def random_model(
+    shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32"
+) -> HookedTransformer:
     """A BLOOM with random weights (Hugging Face's initialisation) of a given or named shape."""
     from transformers import BloomConfig, BloomForCausalLM
 
@@ -502,7 +579,11 @@ def _bloom_config(model: HookedTransformer, info: ModelInfo) -> dict[str, Any]:
 
 
 def hf_state_dict(model: HookedTransformer) -> dict[str, torch.Tensor]:
-    """BLOOM state dict in Hugging Face layout (fused query_key_value), inverse of TL's loader."""
+    """BLOOM state dict in Hugging Face layout (fused query_key_value), inverse of TL's loader.
+
+    Tensors are contiguous and on the CPU; those that already were may share memory with the
+    model, so clone before editing them.
+    """
     cfg = model.cfg
     sd = model.state_dict()
     out = {
@@ -534,7 +615,7 @@ def hf_state_dict(model: HookedTransformer) -> dict[str, torch.Tensor]:
         out[h + "mlp.dense_h_to_4h.bias"] = sd[p + "mlp.b_in"]
         out[h + "mlp.dense_4h_to_h.weight"] = sd[p + "mlp.W_out"].T
         out[h + "mlp.dense_4h_to_h.bias"] = sd[p + "mlp.b_out"]
-    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 
 def save_hf(
@@ -557,6 +638,11 @@ def save_hf(
         raise UnsupportedArchitectureError(
             f"save_hf exports BLOOM models only, not {model.cfg.original_architecture}"
         )
+    if model.cfg.normalization_type != "LN":
+        raise UnsupportedArchitectureError(
+            f"model has {model.cfg.normalization_type} normalisation (folded weights); "
+            "load it with headsurgeon.load_model to keep weights exportable"
+        )
     if torch.any(model.unembed.b_U != 0):
         raise UnsupportedArchitectureError("BLOOM has no unembedding bias, but b_U is non-zero")
     config = _bloom_config(model, info)
@@ -567,7 +653,8 @@ def save_hf(
     config["tie_word_embeddings"] = bool(tied)
     if tied:
         del state["lm_head.weight"]
-    config["torch_dtype"] = str(model.cfg.dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)  # transformers 5 calls it dtype; the old key would conflict
+    config["dtype"] = str(model.cfg.dtype).removeprefix("torch.")
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))

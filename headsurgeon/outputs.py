@@ -4,6 +4,7 @@ Exports:
     atomic_write_bytes(path, data)      write a file through a temporary file and a rename
     atomic_write_text(path, text)       the same for text
     atomic_directory(path, overwrite)   context manager: fill a temporary folder, then rename it
+    check_output_dir(path, overwrite)   refuse a file or a non-empty folder unless overwrite
 
 A folder that already holds files is never written into unless ``overwrite=True``: the old
 folder is replaced only after the new one is complete.
@@ -11,7 +12,7 @@ folder is replaced only after the new one is complete.
 >>> import tempfile, pathlib
 >>> root = pathlib.Path(tempfile.mkdtemp())
 >>> with atomic_directory(root / "out") as tmp:
-...     atomic_write_text(tmp / "a.txt", "hello")
+...     _ = atomic_write_text(tmp / "a.txt", "hello")
 >>> sorted(p.name for p in (root / "out").iterdir())
 ['a.txt']
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +29,18 @@ from pathlib import Path
 from headsurgeon.errors import OutputExistsError
 
 
+def _sibling(path: Path, tag: str) -> Path:
+    """A hidden, unused name beside ``path`` (same file system, so ``os.replace`` is atomic)."""
+    return path.with_name(f".{path.name}.{tag}-{uuid.uuid4().hex[:12]}")
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = _sibling(path, "tmp")
+    # os.open applies the umask (mkstemp would make every output private, mode 0600).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -73,16 +80,22 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
     """
     path = check_output_dir(path, overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp = _sibling(path, "tmp")
+    tmp.mkdir()  # unlike mkdtemp (mode 0700), respects the umask
     try:
         yield tmp
+        old = None
+        if path.exists():
+            old = _sibling(path, "old")
+            os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            if old is not None:
+                os.replace(old, path)
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(path, old)
-    os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,169 @@
+"""The head census: every attention head's metrics over many sequences, one row per head.
+
+Exports:
+    COLUMNS                         the census columns and what each one means
+    run_census(model, data, ...)    pandas DataFrame, one row per head, run metadata in ``attrs``
+
+The census streams the data through the model with forward hooks (:mod:`headsurgeon.probes`): each
+layer's attention pattern is reduced to per-head float64 sums as soon as it exists, no activation
+is cached and the unembedding is never computed, so memory does not grow with the data.
+
+Position 0 follows the model's own convention (BLOOM prepends no BOS token, so "BOS mass" is the
+weight on the first text token, as in the surgery paper); ``prepend_bos`` overrides it and
+``df.attrs["prepend_bos"]`` records what was used. Per-query metrics average query rows
+``t >= min_query_pos``: the default 1 drops row 0, which can only attend to position 0 and so adds
+``1/seq_len`` of BOS mass to every head; ``min_query_pos=0`` reproduces the paper's metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from torch import Tensor
+from transformer_lens import HookedTransformer
+
+from headsurgeon import alibi
+from headsurgeon.data import Data, to_sequences
+from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.models import model_info
+from headsurgeon.probes import HeadStats, stream
+
+logger = logging.getLogger(__name__)
+
+COLUMNS: dict[str, str] = {
+    "layer": "layer index (from 0)",
+    "head": "head index within the layer (from 0)",
+    "slope": "ALiBi slope m_h of the head (empty for models without ALiBi)",
+    "bos_mass": "mean attention weight A[t, 0] on position 0, over query rows t >= min_query_pos",
+    "bos_mass_std": "standard deviation across sequences of each sequence's BOS mass",
+    "sink_score": "Gu et al.'s sink score alpha_0: mean of A[t, 0] over all query rows t >= 0",
+    "entropy": "mean over query rows of the attention entropy -sum_k A ln A (nats)",
+    "max_weight": "mean over query rows of the largest weight (Voita et al.'s confidence)",
+    "mean_distance": "mean over query rows of the weighted distance sum_k A[t, k] (t - k), tokens",
+    "self_mass": "mean attention weight A[t, t] on the query's own position",
+    "prev_mass": "mean attention weight A[t, t - 1] on the previous token",
+    "output_norm": "mean over positions of the norm of the head's write z_h W_O[h] (no bias)",
+    "output_share": "output_norm over the mean norm of the whole attention layer's write (no b_O)",
+}
+
+
+def _describe(data: Data) -> str:
+    """A short description of the census data for the run metadata."""
+    if data is None:
+        return "bundled held-out corpora (shakespeare, python-docs)"
+    if isinstance(data, Tensor):
+        return f"token tensor of shape {list(data.shape)}"
+    items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+    files = [str(x) for x in items if os.path.exists(x)]
+    return ", ".join(files) if files else f"{len(items)} text(s) given in memory"
+
+
+def _check_tokens(model: HookedTransformer, tokens: Tensor, min_query_pos: int) -> None:
+    n_pos = tokens.shape[1]
+    if n_pos > model.cfg.n_ctx:
+        raise DataError(
+            f"sequences of {n_pos} tokens are beyond the model's context of {model.cfg.n_ctx}; "
+            "use shorter sequences"
+        )
+    if n_pos <= min_query_pos:
+        raise DataError(
+            f"sequences of {n_pos} tokens have no query rows at or after min_query_pos="
+            f"{min_query_pos}; use a longer --seq-len or a smaller --min-query-pos"
+        )
+    if tokens.min() < 0 or tokens.max() >= model.cfg.d_vocab:
+        raise DataError(
+            f"token ids must lie in 0..{model.cfg.d_vocab - 1}, got {tokens.min().item()}.."
+            f"{tokens.max().item()}; tokenise with this model's tokenizer"
+        )
+
+
+def run_census(
+    model: HookedTransformer,
+    data: Data | Sequence[str] = None,
+    *,
+    batch_size: int = 8,
+    seq_len: int = 128,
+    n_seqs: int = 64,
+    min_query_pos: int = 1,
+    prepend_bos: bool | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
+
+    ``data`` is texts, text files or a ``[n_seqs, seq_len]`` token tensor (used as is); default:
+    the held-out split of the bundled corpora, cut into ``n_seqs`` windows of ``seq_len`` tokens
+    spread over the whole text (see :func:`headsurgeon.data.to_sequences`). Each metric is the
+    mean over sequences of a per-sequence mean; ``bos_mass_std`` is its spread across sequences.
+
+    ``df.attrs`` holds the run metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``,
+    ``seq_len``, ``prepend_bos``, ``min_query_pos``, ``data``, ``dtype``, ``device``,
+    ``positional``.
+
+    >>> import torch
+    >>> from headsurgeon.models import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
+    >>> census = run_census(model, torch.randint(0, 64, (4, 12)), progress=False)
+    >>> census[["layer", "head", "slope"]].head(2)
+       layer  head   slope
+    0      0     0  0.2500
+    1      0     1  0.0625
+    >>> census.attrs["n_seqs"], census.attrs["seq_len"], census.attrs["prepend_bos"]
+    (4, 12, False)
+    """
+    if isinstance(min_query_pos, bool) or not isinstance(min_query_pos, int) or min_query_pos < 0:
+        raise InvalidArgumentError(f"min_query_pos must be an integer >= 0, got {min_query_pos!r}")
+    if batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
+    info = model_info(model)
+    bos = info.prepend_bos if prepend_bos is None else bool(prepend_bos)
+    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    _check_tokens(model, tokens, min_query_pos)
+    if not isinstance(data, Tensor) and tokens.shape[0] < n_seqs:
+        logger.warning(
+            "the data holds only %d sequences of %d tokens (asked for %d)",
+            tokens.shape[0],
+            tokens.shape[1],
+            n_seqs,
+        )
+    if info.train_ctx is not None and tokens.shape[1] > info.train_ctx:
+        logger.warning(
+            "sequences of %d tokens are longer than the %d the model was trained on",
+            tokens.shape[1],
+            info.train_ctx,
+        )
+
+    stats = HeadStats(model, min_query_pos=min_query_pos)
+    stream(model, tokens, stats.hooks(), batch_size=batch_size, progress=progress, desc="census")
+    means, stds = stats.means(), stats.stds()
+
+    cfg = model.cfg
+    is_alibi = cfg.positional_embedding_type == "alibi"
+    head_slopes = alibi.slopes(cfg.n_heads).double().numpy() if is_alibi else None
+    layer, head = np.divmod(np.arange(cfg.n_layers * cfg.n_heads), cfg.n_heads)
+    columns = {
+        "layer": layer,
+        "head": head,
+        "slope": head_slopes[head] if is_alibi else np.full(layer.shape, np.nan),
+        "bos_mass": means["bos_mass"].ravel(),
+        "bos_mass_std": stds["bos_mass"].ravel(),
+    }
+    columns |= {name: means[name].ravel() for name in COLUMNS if name not in columns}
+    df = pd.DataFrame(columns)
+    df.attrs = {
+        "model": info.name,
+        "n_layers": cfg.n_layers,
+        "n_heads": cfg.n_heads,
+        "n_seqs": int(tokens.shape[0]),
+        "seq_len": int(tokens.shape[1]),
+        "prepend_bos": bos,
+        "min_query_pos": min_query_pos,
+        "data": _describe(data),
+        "dtype": str(cfg.dtype).removeprefix("torch."),
+        "device": str(cfg.device),
+        "positional": cfg.positional_embedding_type,
+    }
+    return df

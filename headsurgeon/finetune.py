@@ -1,0 +1,687 @@
+"""Masked fine-tuning: train only the chosen heads' slices; everything else stays bit-identical.
+
+Exports:
+    FinetuneConfig                      optimiser, schedule, precision, evaluation, checkpoints
+    FinetuneResult                      history of a run (per-step losses, per-evaluation metrics)
+    finetune(model, heads, train, ...)  AdamW + warm-up/cosine on the chosen heads; resumable, DDP
+    next_token_loss(model, tokens)      the default objective: mean next-token cross-entropy
+    head_bos_mass(model, tokens, heads) differentiable BOS mass of chosen heads
+    bos_mass_objective(heads, target)   objective that pushes heads' attention to position 0
+    warmup_cosine(warmup, steps)        the learning-rate factor of a step
+    setup_distributed(device)           join a torchrun process group (gloo on CPU, NCCL on GPU)
+    TrainingDivergedError               a NaN or infinite loss stopped the run
+
+Two strategies keep frozen weights frozen under any AdamW setting, weight decay included:
+
+* ``"slices"`` (default): the optimiser sees only float32 copies of the chosen slices
+  (:class:`headsurgeon.surgery.HeadParameters`), spliced into the forward pass. Optimiser memory
+  grows with the number of heads, not the model, and backward work stops at the lowest chosen
+  layer because nothing below it requires gradient.
+* ``"mask"``: the surgery paper's gradient masks (:class:`headsurgeon.surgery.HeadMask`) on the
+  whole attention tensors of the chosen layers, with frozen elements restored from a saved copy
+  after every step (decoupled weight decay moves them otherwise). Optimiser state covers the
+  chosen layers' whole attention tensors.
+
+The objective is any ``objective(model, tokens) -> scalar loss``: next-token cross-entropy by
+default, :func:`bos_mass_objective` to plant BOS-sink heads (the repair procedure run in reverse).
+
+>>> warmup_cosine(warmup=2, steps=6)(0), warmup_cosine(warmup=2, steps=6)(2)
+(0.5, 1.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformer_lens import HookedTransformer
+
+from headsurgeon.errors import (
+    CheckpointError,
+    DataError,
+    HeadsurgeonError,
+    InvalidArgumentError,
+)
+from headsurgeon.outputs import atomic_write_bytes
+from headsurgeon.surgery import TRAINED_TENSORS, HeadMask, HeadParameters, HeadSet, head_masks
+
+logger = logging.getLogger(__name__)
+
+Objective = Callable[[HookedTransformer, Tensor], Tensor]
+CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_FORMAT = 1
+STRATEGIES = ("slices", "mask")
+# Settings that may change between an interrupted run and its resumption.
+_RESUME_FREE = ("checkpoint_every",)
+
+
+class TrainingDivergedError(HeadsurgeonError, FloatingPointError):
+    """The loss or the gradient norm became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclasses.dataclass
+class FinetuneConfig:
+    """Settings of a masked fine-tuning run (defaults: the surgery paper's, without bfloat16).
+
+    ``warmup_steps=None`` means ``min(100, steps // 4)``. ``batch_size`` is per process: with
+    ``N`` data-parallel processes a step sees ``N * batch_size * grad_accum`` sequences.
+    ``eval_every=None`` evaluates ten times per run; ``patience`` stops after that many
+    evaluations without a lower held-out loss (and ``restore_best`` goes back to the best one).
+    ``checkpoint_every=None`` checkpoints at every evaluation.
+    """
+
+    steps: int = 200
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int | None = None
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_grad_norm: float | None = 1.0
+    autocast: str | None = None
+    eval_every: int | None = None
+    eval_seqs: int = 32
+    patience: int | None = None
+    restore_best: bool = True
+    checkpoint_every: int | None = None
+    min_query_pos: int = 1
+    strategy: str = "slices"
+    seed: int = 0
+
+    def validate(self) -> FinetuneConfig:
+        """Return ``self`` if every setting makes sense; otherwise raise saying which does not."""
+
+        def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+
+        positive_int("steps", self.steps)
+        positive_int("batch_size", self.batch_size)
+        positive_int("grad_accum", self.grad_accum)
+        positive_int("eval_every", self.eval_every, allow_none=True)
+        positive_int("eval_seqs", self.eval_seqs)
+        positive_int("patience", self.patience, allow_none=True)
+        positive_int("checkpoint_every", self.checkpoint_every, allow_none=True)
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and 0 < self.lr <= 1):
+            raise InvalidArgumentError(f"lr must be a number in (0, 1], got {self.lr!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise InvalidArgumentError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise InvalidArgumentError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
+            raise InvalidArgumentError(
+                f"warmup_steps must be between 0 and steps - 1 = {self.steps - 1}, "
+                f"got {self.warmup_steps}"
+            )
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise InvalidArgumentError(f"max_grad_norm must be positive, got {self.max_grad_norm}")
+        if self.autocast not in (None, "float32", "bfloat16"):
+            raise InvalidArgumentError(
+                f"autocast must be bfloat16 or None (float32), got {self.autocast!r}"
+            )
+        if self.strategy not in STRATEGIES:
+            raise InvalidArgumentError(
+                f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}"
+            )
+        if self.min_query_pos < 0:
+            raise InvalidArgumentError(f"min_query_pos must be >= 0, got {self.min_query_pos}")
+        return self
+
+    @property
+    def warmup(self) -> int:
+        return min(100, self.steps // 4) if self.warmup_steps is None else self.warmup_steps
+
+    @property
+    def eval_interval(self) -> int:
+        return self.eval_every or max(1, self.steps // 10)
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.checkpoint_every or self.eval_interval
+
+
+@dataclasses.dataclass
+class FinetuneResult:
+    """What a run did. ``history``: one row per evaluation (``step``, ``lr``, ``train_loss`` (mean
+    objective since the previous evaluation), ``train_ppl``, ``heldout_ppl``, ``bos_mass``
+    (mean over the trained heads), ``bos_mass_max``); ``losses``: the objective of every step."""
+
+    heads: HeadSet
+    config: FinetuneConfig
+    steps_done: int
+    stopped_early: bool
+    best_step: int | None
+    history: pd.DataFrame
+    losses: list[float]
+    resumed_from: int | None = None
+
+
+def warmup_cosine(warmup: int, steps: int) -> Callable[[int], float]:
+    """Learning-rate factor of step ``i`` (0-based): linear warm-up to 1, then cosine towards 0.
+
+    >>> f = warmup_cosine(warmup=0, steps=4)
+    >>> [round(f(i), 3) for i in range(4)]
+    [1.0, 0.854, 0.5, 0.146]
+    """
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (i - warmup) / max(1, steps - warmup)))
+
+    return factor
+
+
+def next_token_loss(model: HookedTransformer, tokens: Int[Tensor, "batch pos"]) -> Tensor:
+    """Mean next-token cross-entropy over the batch (the default objective)."""
+    return model(tokens, return_type="loss")
+
+
+def head_bos_mass(
+    model: HookedTransformer,
+    tokens: Int[Tensor, "batch pos"],
+    heads: HeadSet,
+    *,
+    min_query_pos: int = 1,
+) -> Float[Tensor, " n_heads"]:
+    """Mean attention weight on position 0 of each chosen head, over query rows from
+    ``min_query_pos`` on (the census's BOS mass); differentiable. Runs only up to the last
+    chosen layer. Heads come in ``HeadSet`` order."""
+    if tokens.shape[1] <= min_query_pos:
+        raise DataError(f"sequences of {tokens.shape[1]} tokens have no query row {min_query_pos}")
+    by_layer = heads.by_layer()
+    masses: dict[int, Tensor] = {}
+
+    def keep(pattern: Float[Tensor, "batch head q k"], hook: Any) -> None:
+        chosen = pattern[:, by_layer[hook.layer()], min_query_pos:, 0]
+        masses[hook.layer()] = chosen.float().mean(dim=(0, 2))
+
+    model.run_with_hooks(
+        tokens,
+        return_type=None,
+        stop_at_layer=max(by_layer) + 1,
+        fwd_hooks=[(f"blocks.{layer}.attn.hook_pattern", keep) for layer in by_layer],
+    )
+    return torch.cat([masses[layer] for layer in by_layer])
+
+
+def bos_mass_objective(
+    heads: HeadSet, target: float | None = None, *, min_query_pos: int = 1
+) -> Objective:
+    """An objective that makes the chosen heads attend to position 0: repair in reverse.
+
+    ``target=None`` maximises the BOS mass (``-log`` of each head's mass); a number in (0, 1]
+    pulls each head's mass to it by squared error, so a sink of a chosen strength can be planted.
+    Train it with :func:`finetune` on the same heads; all other weights stay bit-identical.
+    """
+    if target is not None and not 0 < target <= 1:
+        raise InvalidArgumentError(f"target BOS mass must be in (0, 1], got {target}")
+
+    def objective(model: HookedTransformer, tokens: Tensor) -> Tensor:
+        mass = head_bos_mass(model, tokens, heads, min_query_pos=min_query_pos)
+        if target is None:
+            return -mass.clamp_min(1e-10).log().mean()
+        return (mass - target).pow(2).mean()
+
+    return objective
+
+
+@dataclasses.dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def setup_distributed(device: str | torch.device = "cpu") -> DistInfo:
+    """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1).
+
+    Uses NCCL and ``cuda:LOCAL_RANK`` for CUDA devices, gloo on CPU. Without torchrun it returns
+    rank 0 of 1 and changes nothing.
+    """
+    device = torch.device(device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend)
+    rank, world = _dist_rank_world()
+    return DistInfo(rank=rank, world_size=world, device=device)
+
+
+def _dist_rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _SliceTrainer(nn.Module):
+    """Trains :class:`HeadParameters`; the model itself is held outside the module tree."""
+
+    def __init__(self, model: HookedTransformer, heads: HeadSet, objective: Objective) -> None:
+        super().__init__()
+        self.params = HeadParameters(model, heads)
+        self._model = [model]  # not a submodule: DDP must not see (or broadcast) frozen weights
+        self.objective = objective
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.params.call(self._model[0], self.objective, tokens)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return list(self.params.parameters())
+
+    def after_step(self) -> None:
+        self.params.write_to(self._model[0])
+
+    def slices(self) -> dict[str, Tensor]:
+        return {k: v.detach().clone() for k, v in self.params.state_dict().items()}
+
+    def load_slices(self, slices: dict[str, Tensor]) -> None:
+        self.params.load_state_dict(slices)
+        self.params.write_to(self._model[0])
+
+    def close(self) -> None:
+        pass
+
+
+class _MaskTrainer(nn.Module):
+    """Trains whole attention tensors behind gradient masks, restoring frozen elements."""
+
+    def __init__(self, model: HookedTransformer, heads: HeadSet, objective: Objective) -> None:
+        super().__init__()
+        self.model = model
+        self.objective = objective
+        self.mask = HeadMask(model, heads).apply()
+        self.named = {
+            name: model.get_parameter(name)
+            for name in self.mask.masks
+            if name.rsplit(".", 1)[1] in TRAINED_TENSORS
+        }
+        self.frozen = {name: p.detach().clone() for name, p in self.named.items()}
+        self.index = {
+            f"blocks.{layer}.attn.{name}": torch.tensor(chosen)
+            for layer, chosen in heads.by_layer().items()
+            for name in TRAINED_TENSORS
+        }
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.objective(self.model, tokens)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return list(self.named.values())
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for name, p in self.named.items():
+            p.copy_(torch.where(self.mask.masks[name], p, self.frozen[name]))
+
+    def slices(self) -> dict[str, Tensor]:
+        return {n: p.detach()[self.index[n]].float().clone() for n, p in self.named.items()}
+
+    @torch.no_grad()
+    def load_slices(self, slices: dict[str, Tensor]) -> None:
+        for name, p in self.named.items():
+            p[self.index[name]] = slices[name].to(p.dtype)
+
+    def close(self) -> None:
+        self.mask.remove()
+
+
+def _fingerprint(model: HookedTransformer, heads: HeadSet) -> str:
+    """A digest of every weight outside the chosen slices: resuming needs the same frozen model."""
+    masks = head_masks(model, heads)
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        values = p.detach()
+        if name in masks:
+            values = values.masked_fill(masks[name], 0)
+        digest.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        digest.update(values.contiguous().cpu().view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
+
+
+def _global_rows(
+    n: int, step: int, micro: int, cfg: FinetuneConfig, global_batch: int, cache: dict
+) -> Tensor:
+    """Rows of one global micro-batch: consecutive positions in a stream of seeded epoch shuffles,
+    so the data order depends only on the step (resume needs no data-loader state)."""
+    start = (step * cfg.grad_accum + micro) * global_batch
+    rows = []
+    for position in range(start, start + global_batch):
+        epoch = position // n
+        if epoch not in cache:
+            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+            cache.clear()  # epochs are visited in order: keep one permutation
+            cache[epoch] = torch.randperm(n, generator=generator)
+        rows.append(int(cache[epoch][position % n]))
+    return torch.tensor(rows)
+
+
+def _evaluate(
+    model: HookedTransformer,
+    heads: HeadSet,
+    cfg: FinetuneConfig,
+    train_eval: Tensor,
+    heldout: Tensor | None,
+) -> dict[str, float]:
+    from headsurgeon.evals import perplexity
+
+    window = train_eval.shape[1]
+    row: dict[str, float] = {
+        "train_ppl": perplexity(model, train_eval, window=window, prepend_bos=False)
+    }
+    row["heldout_ppl"] = (
+        perplexity(model, heldout, window=heldout.shape[1], prepend_bos=False)
+        if heldout is not None
+        else float("nan")
+    )
+    with torch.no_grad():
+        mass = head_bos_mass(
+            model,
+            (heldout if heldout is not None else train_eval).to(model.cfg.device),
+            heads,
+            min_query_pos=cfg.min_query_pos,
+        )
+    row["bos_mass"] = mass.mean().item()
+    row["bos_mass_max"] = mass.max().item()
+    return row
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def load_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The checkpoint in ``checkpoint_dir`` as a dict, or None when there is none."""
+    path = Path(checkpoint_dir) / CHECKPOINT_FILE
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for a corrupt file
+        raise CheckpointError(f"{path} is not a readable checkpoint ({e}); delete it") from e
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} has an unknown format; delete it to start over")
+    return state
+
+
+def _config_dict(cfg: FinetuneConfig) -> dict[str, Any]:
+    out = dataclasses.asdict(cfg)
+    out["betas"] = list(out["betas"])
+    for key in _RESUME_FREE:
+        out.pop(key)
+    return out
+
+
+def _check_resume(state: dict, path: Path, expected: dict[str, Any]) -> None:
+    for key, value in expected.items():
+        if state[key] != value:
+            what = "model" if key in ("model", "fingerprint") else key.replace("_", " ")
+            raise CheckpointError(
+                f"checkpoint {path} is from a run with a different {what} "
+                f"({state[key]} vs {value}); resume with the same model and settings or start "
+                "a new output folder"
+            )
+
+
+def finetune(
+    model: HookedTransformer,
+    heads: HeadSet,
+    train: Int[Tensor, "n_seqs seq_len"],
+    *,
+    eval_data: Int[Tensor, "n_eval seq_len"] | None = None,
+    config: FinetuneConfig | None = None,
+    objective: Objective | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> FinetuneResult:
+    """Train the chosen heads' slices in place; every other weight stays bit-identical.
+
+    ``train`` and ``eval_data`` are token sequences (e.g. from
+    :func:`headsurgeon.data.to_sequences`; position 0 already follows the model's convention).
+    Batches come from seeded shuffles of ``train``, so a run is reproducible on CPU. Evaluation
+    (every ``config.eval_interval`` steps, at step 0 and at the end) reports training and
+    held-out perplexity on up to ``eval_seqs`` sequences and the trained heads' BOS mass.
+
+    With ``checkpoint_dir``, ``checkpoint.pt`` (trained slices, optimiser, scheduler, RNG state,
+    history) is written atomically every ``config.checkpoint_interval`` steps and at the end, by
+    rank 0 only. ``resume=True`` continues from it: the result is bit-identical to an
+    uninterrupted run. Under ``torchrun`` (an initialised process group) the trainable tensors are
+    wrapped in ``DistributedDataParallel`` and each process takes its share of every batch.
+
+    Raises :class:`TrainingDivergedError` on a NaN or infinite loss or gradient; the model keeps
+    the last good step's weights and the last checkpoint is untouched.
+    """
+    cfg = (config or FinetuneConfig()).validate()
+    heads.validate(model)
+    if not heads:
+        raise InvalidArgumentError("nothing to fine-tune: the head set is empty")
+    if model.cfg.dtype == torch.float16:
+        raise InvalidArgumentError(
+            "fine-tuning a float16 model needs loss scaling, which is not supported; "
+            "load the model in bfloat16 or float32"
+        )
+    rank, world = _dist_rank_world()
+    train = _check_tokens(train, "training")
+    if eval_data is not None:
+        eval_data = _check_tokens(eval_data, "evaluation")
+    global_batch = cfg.batch_size * world
+    if len(train) < global_batch:
+        raise DataError(
+            f"the training data has {len(train)} sequences, fewer than one batch of "
+            f"{global_batch}; give more text or a smaller batch size"
+        )
+    if cfg.patience is not None and eval_data is None:
+        raise InvalidArgumentError("early stopping (patience) needs held-out evaluation data")
+    objective = objective or next_token_loss
+    device = torch.device(model.cfg.device)
+    spread = torch.linspace(0, len(train) - 1, min(cfg.eval_seqs, len(train))).round().long()
+    train_eval = train[spread]
+    heldout = eval_data[: cfg.eval_seqs] if eval_data is not None else None
+    identity = {
+        "model": model.cfg.model_name,
+        "heads": str(heads),
+        "fingerprint": _fingerprint(model, heads),
+        "world_size": world,
+        "config": _config_dict(cfg),
+    }
+
+    model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+    model.requires_grad_(False)  # the mask strategy re-enables its own tensors
+    trainer = (_SliceTrainer if cfg.strategy == "slices" else _MaskTrainer)(model, heads, objective)
+    try:
+        return _train(
+            model, heads, trainer, cfg, train, train_eval, heldout, identity, device, rank, world,
+            Path(checkpoint_dir) if checkpoint_dir is not None else None, resume, progress,
+        )  # fmt: skip
+    finally:
+        trainer.close()
+        for name, p in model.named_parameters():
+            p.requires_grad_(model_grad[name])
+
+
+def _check_tokens(tokens: Any, what: str) -> Tensor:
+    if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
+        raise DataError(
+            f"{what} data must be a non-empty [n_seqs, seq_len] token tensor "
+            "(headsurgeon.data.to_sequences)"
+        )
+    return tokens.long()
+
+
+def _train(
+    model: HookedTransformer,
+    heads: HeadSet,
+    trainer: _SliceTrainer | _MaskTrainer,
+    cfg: FinetuneConfig,
+    train: Tensor,
+    train_eval: Tensor,
+    heldout: Tensor | None,
+    identity: dict[str, Any],
+    device: torch.device,
+    rank: int,
+    world: int,
+    checkpoint_dir: Path | None,
+    resume: bool,
+    progress: bool,
+) -> FinetuneResult:
+    params = trainer.trainable()
+    module: nn.Module = trainer
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = DistributedDataParallel(
+            trainer, device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False,
+        )  # fmt: skip
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup, cfg.steps))
+    progress_state: dict[str, Any] = {
+        "history": [], "losses": [], "since_eval": [], "best_loss": math.inf,
+        "best_step": None, "best_slices": None, "bad_evals": 0, "stopped_early": False,
+    }  # fmt: skip
+    step, resumed_from = 0, None
+    path = checkpoint_dir / CHECKPOINT_FILE if checkpoint_dir is not None else None
+    state = load_checkpoint(checkpoint_dir) if (resume and checkpoint_dir is not None) else None
+    if state is not None:
+        _check_resume(state, path, identity)
+        trainer.load_slices(state["slices"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        progress_state = state["progress"]
+        step = resumed_from = state["step"]
+        logger.info("resuming %s from step %d", heads, step)
+
+    def save() -> None:
+        if path is None or rank != 0:
+            return
+        _save_checkpoint(
+            path,
+            {
+                "format": CHECKPOINT_FORMAT, **identity, "step": step,
+                "slices": trainer.slices(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "rng": _rng_state(),
+                "progress": progress_state,
+            },
+        )  # fmt: skip
+
+    def evaluate() -> None:
+        losses = progress_state["since_eval"]
+        row = {
+            "step": step,
+            "lr": optimizer.param_groups[0]["lr"],
+            "train_loss": sum(losses) / len(losses) if losses else math.nan,
+        }
+        row.update(_evaluate(model, heads, cfg, train_eval, heldout))
+        progress_state["history"].append(row)
+        progress_state["since_eval"] = []
+        logger.info(
+            "step %d: loss %.4f, train ppl %.3f, held-out ppl %.3f, BOS mass %.3f",
+            step, row["train_loss"], row["train_ppl"], row["heldout_ppl"], row["bos_mass"],
+        )  # fmt: skip
+        heldout_loss = math.log(row["heldout_ppl"]) if heldout is not None else math.nan
+        if heldout_loss < progress_state["best_loss"]:
+            progress_state.update(
+                best_loss=heldout_loss, best_step=step, best_slices=trainer.slices(), bad_evals=0
+            )
+        elif cfg.patience is not None:
+            progress_state["bad_evals"] += 1
+            progress_state["stopped_early"] = progress_state["bad_evals"] >= cfg.patience
+
+    if not progress_state["history"]:
+        evaluate()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16")
+    bar = tqdm(
+        total=cfg.steps, initial=step, desc=f"fine-tune {len(heads)} heads",
+        disable=not progress or rank != 0, dynamic_ncols=True,
+    )  # fmt: skip
+    rows_cache: dict[int, Tensor] = {}
+    while step < cfg.steps and not progress_state["stopped_early"]:
+        total = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            rows = _global_rows(len(train), step, micro, cfg, cfg.batch_size * world, rows_cache)
+            batch = train[rows[rank * cfg.batch_size : (rank + 1) * cfg.batch_size]].to(device)
+            sync = micro == cfg.grad_accum - 1 or world == 1
+            with contextlib.nullcontext() if sync else module.no_sync(), autocast:
+                loss = module(batch).float() / cfg.grad_accum
+            loss.backward()
+            total += loss.detach()
+        if world > 1:
+            dist.all_reduce(total)
+            total /= world
+        loss_value = total.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm.item())):
+            optimizer.zero_grad(set_to_none=True)
+            kept = f"checkpoint {path} is kept" if path is not None else "no checkpoint was written"
+            raise TrainingDivergedError(
+                f"loss {loss_value} (gradient norm {grad_norm.item()}) at step {step + 1}: "
+                f"training stopped with the weights of step {step}; {kept}; lower the learning "
+                "rate or train in float32"
+            )
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        trainer.after_step()
+        step += 1
+        progress_state["losses"].append(loss_value)
+        progress_state["since_eval"].append(loss_value)
+        bar.update()
+        bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        if step % cfg.eval_interval == 0 or step == cfg.steps:
+            evaluate()
+        if step % cfg.checkpoint_interval == 0 and step < cfg.steps:
+            save()
+    bar.close()
+    if progress_state["stopped_early"]:
+        logger.info("early stop at step %d: no better held-out loss in %d evaluations",
+                    step, cfg.patience)  # fmt: skip
+        if cfg.restore_best and progress_state["best_slices"] is not None:
+            trainer.load_slices(progress_state["best_slices"])
+            trainer.after_step()
+    save()
+    return FinetuneResult(
+        heads=heads,
+        config=cfg,
+        steps_done=step,
+        stopped_early=progress_state["stopped_early"],
+        best_step=progress_state["best_step"],
+        history=pd.DataFrame(progress_state["history"]),
+        losses=list(progress_state["losses"]),
+        resumed_from=resumed_from,
+    )

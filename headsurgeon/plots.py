@@ -1,0 +1,613 @@
+"""Figures: head grids (layers x heads), label maps, repair diffs, threshold sweeps; and export.
+
+Every function takes DataFrames (one row per head, as :func:`headsurgeon.run_census` and
+:func:`headsurgeon.classify_heads` return) and returns a ``plotly.graph_objects.Figure`` that
+renders inline in Jupyter; :func:`save_figure` writes it. Colour scales are colour-blind safe
+(viridis, a blue-red diverging scale, Okabe-Ito colours), labels are drawn as symbols as well as
+colours (so they survive greyscale print), fonts are sized for a paper figure at 2x scale, and
+hovering a cell shows every metric of the head.
+
+Exports:
+    head_grid(df, metric)              heatmap of one metric; BOS-sink / dead heads marked
+    label_grid(df)                     the label of every head
+    diff_grid(before, after, metric)   after - before, heads whose label changed outlined
+    sweep_plot(sweep)                  label counts against each threshold
+    models_grid({name: df}, metric)    several models side by side, one colour scale
+    save_figure(fig, path)             .html, .png, .svg or .pdf, written atomically
+    FORMATS                            the formats save_figure writes
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from headsurgeon.errors import FigureExportError, InvalidArgumentError
+from headsurgeon.outputs import atomic_write_bytes, atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("html", "png", "svg", "pdf")
+FONT = {"family": "Helvetica, Arial, sans-serif", "size": 15, "color": "#222222"}
+# Okabe & Ito (2008) colours: distinguishable with every common colour-vision deficiency.
+OKABE_ITO = {
+    "orange": "#E69F00",
+    "sky": "#56B4E9",
+    "green": "#009E73",
+    "blue": "#0072B2",
+    "vermillion": "#D55E00",
+    "purple": "#CC79A7",
+    "black": "#000000",
+}
+LABEL_COLOURS = {"healthy": "#DDDDDD", "BOS-sink": OKABE_ITO["orange"], "dead": "#1A1A1A"}
+# Marker styles that stay visible on both ends of viridis: white core with a dark rim, or the
+# reverse.
+LABEL_MARKERS = {
+    "BOS-sink": {"symbol": "circle", "color": "white", "line": {"color": "black", "width": 1.5}},
+    "dead": {"symbol": "x", "color": "black", "line": {"color": "white", "width": 1.5}},
+}
+# Display name and fixed colour range of the census metrics; others use their data range.
+METRICS = {
+    "bos_mass": ("BOS mass", (0.0, 1.0)),
+    "bos_mass_std": ("BOS mass std", None),
+    "sink_score": ("sink score α₀", (0.0, 1.0)),
+    "entropy": ("entropy (nats)", None),
+    "max_weight": ("max weight", (0.0, 1.0)),
+    "mean_distance": ("mean distance (tokens)", None),
+    "self_mass": ("self mass", (0.0, 1.0)),
+    "prev_mass": ("previous-token mass", (0.0, 1.0)),
+    "output_norm": ("output norm", None),
+    "output_share": ("output share", None),
+    "slope": ("ALiBi slope", None),
+}
+HOVER_SKIP = ("layer", "head", "label", "reason")
+
+
+def _title(metric: str) -> str:
+    return METRICS.get(metric, (metric, None))[0]
+
+
+def _check(df: pd.DataFrame, columns: Sequence[str], what: str = "df") -> None:
+    if not isinstance(df, pd.DataFrame):
+        raise InvalidArgumentError(f"{what} must be a DataFrame, got {type(df).__name__}")
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise InvalidArgumentError(
+            f"{what} lacks column(s) {', '.join(missing)}; pass a census (run_census) "
+            "or classification (classify_heads)"
+        )
+    if df.empty:
+        raise InvalidArgumentError(f"{what} has no rows; pass a census with at least one head")
+
+
+def _shape(df: pd.DataFrame) -> tuple[int, int]:
+    return int(df["layer"].max()) + 1, int(df["head"].max()) + 1
+
+
+def _matrix(df: pd.DataFrame, column: str) -> np.ndarray:
+    """``[layer, head]`` array of a column; cells without a row are NaN (or None)."""
+    n_layers, n_heads = _shape(df)
+    values = df[column].to_numpy()
+    out = np.full((n_layers, n_heads), np.nan if values.dtype.kind in "fiub" else None, object)
+    out[df["layer"].to_numpy(), df["head"].to_numpy()] = values
+    return out.astype(float) if values.dtype.kind in "fiub" else out
+
+
+def _hover(df: pd.DataFrame) -> tuple[np.ndarray, str]:
+    """Custom data ``[layer, head, field]`` and the hover template that shows every metric."""
+    fields = [c for c in ("label", "reason") if c in df.columns]
+    fields += [c for c in df.columns if c not in HOVER_SKIP and df[c].dtype.kind in "fiu"]
+    data = np.stack([_matrix(df, c).astype(object) for c in fields], axis=-1)
+    lines = ["<b>layer %{y}, head %{x}</b>"]
+    for i, field in enumerate(fields):
+        if field == "label":
+            lines[0] += f": %{{customdata[{i}]}}"
+        elif field == "reason":
+            lines.append(f"%{{customdata[{i}]}}")
+        else:
+            lines.append(f"{field} = %{{customdata[{i}]:.4g}}")
+    return data, "<br>".join(lines) + "<extra></extra>"
+
+
+def _cell(n_heads: int, width: float = 480) -> float:
+    """Cell size in pixels: the heads fill about ``width`` px (a paper column at 2x export)."""
+    return float(np.clip(width / n_heads, 8, 48))
+
+
+def _label_markers(df: pd.DataFrame, cell: float, *, showlegend: bool = True) -> list[go.Scatter]:
+    """One scatter trace per sick label, a symbol at the centre of each of its cells."""
+    if "label" not in df.columns:
+        return []
+    traces = []
+    for label, style in LABEL_MARKERS.items():
+        rows = df[df["label"] == label]
+        traces.append(
+            go.Scatter(
+                x=rows["head"],
+                y=rows["layer"],
+                mode="markers",
+                name=f"{label} ({len(rows)})",
+                legendgroup=label,
+                showlegend=showlegend,
+                marker={**style, "size": max(6.0, 0.42 * cell)},
+                hoverinfo="skip",
+            )
+        )
+    return traces
+
+
+def _axes(fig: go.Figure, n_layers: int, n_heads: int, **where) -> None:
+    step = 1 if n_heads <= 16 else 2 if n_heads <= 40 else 8
+    fig.update_xaxes(
+        title_text="head",
+        tickmode="array",
+        tickvals=list(range(0, n_heads, step)),
+        range=[-0.5, n_heads - 0.5],
+        showgrid=False,
+        zeroline=False,
+        ticks="outside",
+        **where,
+    )
+    ystep = 1 if n_layers <= 16 else 2 if n_layers <= 40 else 8
+    fig.update_yaxes(
+        title_text="layer",
+        tickmode="array",
+        tickvals=list(range(0, n_layers, ystep)),
+        range=[n_layers - 0.5, -0.5],  # layer 0 on top
+        showgrid=False,
+        zeroline=False,
+        ticks="outside",
+        **where,
+    )
+
+
+def _subtitle(df: pd.DataFrame) -> str:
+    a = df.attrs
+    if "n_seqs" not in a:
+        return ""
+    position0 = "BOS token" if a.get("prepend_bos") else "first text token"
+    return (
+        f"{a.get('model', '')} · {a['n_seqs']} sequences × {a.get('seq_len')} tokens · "
+        f"position 0 = {position0} · query rows t ≥ {a.get('min_query_pos')}"
+    )
+
+
+def _layout(
+    fig: go.Figure,
+    title: str,
+    subtitle: str,
+    plot_size: tuple[float, float],
+    *,
+    colorbar: bool = True,
+    legend: bool = True,
+    axis_title: bool = True,
+    top: float | None = None,
+) -> None:
+    """Title, fonts and a pixel layout: a plot area of ``plot_size``, legend under the x axis."""
+    plot_w, plot_h = plot_size
+    margin = {"l": 75, "r": 105 if colorbar else 20, "t": top or (95 if subtitle else 60)}
+    below = 62 if axis_title else 38  # tick labels (and the x axis title)
+    margin["b"] = below + (40 if legend else 0)
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        title={
+            "text": title,
+            "subtitle": {"text": subtitle, "font": {"size": 13, "color": "#555555"}},
+            "x": 0.0,
+            "xanchor": "left",
+            "xref": "paper",
+            "font": {"size": 19},
+        },
+        width=round(margin["l"] + plot_w + margin["r"]),
+        height=round(margin["t"] + plot_h + margin["b"]),
+        margin=margin,
+        showlegend=legend,
+        legend={
+            "orientation": "h",
+            "x": 0,
+            "xanchor": "left",
+            "y": -below / plot_h,
+            "yanchor": "top",
+        },
+        plot_bgcolor="white",
+    )
+
+
+def _plot_size(n_layers: int, n_heads: int, cell: float) -> tuple[float, float]:
+    return max(n_heads * cell, 240), max(n_layers * cell, 160)
+
+
+def head_grid(
+    df: pd.DataFrame,
+    metric: str = "bos_mass",
+    *,
+    title: str | None = None,
+    colorscale: str = "Viridis",
+    zrange: tuple[float, float] | None = None,
+) -> go.Figure:
+    """Layers x heads heatmap of ``metric``; BOS-sink (○) and dead (×) heads marked.
+
+    The colour range is fixed for weights in [0, 1] (``bos_mass``, ``max_weight``, ...) so
+    figures of different models compare; other metrics use their data range unless ``zrange``.
+    Hovering a cell shows the head's label, reason and every metric.
+    """
+    _check(df, ["layer", "head", metric])
+    n_layers, n_heads = _shape(df)
+    cell = _cell(n_heads)
+    custom, template = _hover(df)
+    zrange = zrange or METRICS.get(metric, (None, None))[1]
+    z = _matrix(df, metric)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(n_heads)),
+            y=list(range(n_layers)),
+            colorscale=colorscale,
+            zmin=zrange[0] if zrange else None,
+            zmax=zrange[1] if zrange else None,
+            colorbar={"title": {"text": _title(metric), "side": "right"}, "thickness": 16},
+            customdata=custom,
+            hovertemplate=template,
+            xgap=1,
+            ygap=1,
+        )
+    )
+    for trace in _label_markers(df, cell):
+        fig.add_trace(trace)
+    _axes(fig, n_layers, n_heads)
+    plot_size = _plot_size(n_layers, n_heads, cell)
+    _layout(fig, title or _title(metric), _subtitle(df), plot_size, legend="label" in df.columns)
+    return fig
+
+
+def label_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """The label of every head: healthy (light grey), BOS-sink (orange ○), dead (black ×)."""
+    _check(df, ["layer", "head", "label"])
+    n_layers, n_heads = _shape(df)
+    cell = _cell(n_heads)
+    labels = list(LABEL_COLOURS)
+    codes = df["label"].map({label: i for i, label in enumerate(labels)})
+    if codes.isna().any():
+        raise InvalidArgumentError(f"labels must be one of {', '.join(labels)}")
+    z = _matrix(df.assign(code=codes.astype(float)), "code")
+    bounds = np.linspace(0, 1, len(labels) + 1)
+    colorscale = [
+        [edge, colour]
+        for i, colour in enumerate(LABEL_COLOURS.values())
+        for edge in (bounds[i], bounds[i + 1])
+    ]
+    custom, template = _hover(df)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(n_heads)),
+            y=list(range(n_layers)),
+            zmin=-0.5,
+            zmax=len(labels) - 0.5,
+            colorscale=colorscale,
+            showscale=False,
+            customdata=custom,
+            hovertemplate=template,
+            xgap=1,
+            ygap=1,
+        )
+    )
+    counts = df["label"].value_counts()
+    # Legend entries for the cell colours (symbols named); the cells' symbols need no entry.
+    symbols = {"healthy": "", "BOS-sink": " ○", "dead": " ×"}
+    for label, colour in LABEL_COLOURS.items():
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=f"{label}{symbols[label]} ({counts.get(label, 0)})",
+                marker={"symbol": "square", "size": 15, "color": colour, "line": {"width": 1}},
+            )
+        )
+    for trace in _label_markers(df, cell, showlegend=False):
+        fig.add_trace(trace)
+    _axes(fig, n_layers, n_heads)
+    total = len(df)
+    sick = total - counts.get("healthy", 0)
+    default = f"Head labels: {sick}/{total} sick ({sick / total:.1%})"
+    plot_size = _plot_size(n_layers, n_heads, cell)
+    _layout(fig, title or default, _subtitle(df), plot_size, colorbar=False)
+    return fig
+
+
+def diff_grid(
+    before: pd.DataFrame,
+    after: pd.DataFrame,
+    metric: str = "bos_mass",
+    *,
+    title: str | None = None,
+) -> go.Figure:
+    """Heatmap of ``after - before`` for ``metric``; heads whose label changed are outlined.
+
+    Both frames must cover the same heads (matched on ``layer`` and ``head``). Blue is a fall,
+    red a rise, white no change; hover shows both values and both labels.
+    """
+    _check(before, ["layer", "head", metric], "before")
+    _check(after, ["layer", "head", metric], "after")
+    keys = ["layer", "head"]
+    if set(map(tuple, before[keys].to_numpy())) != set(map(tuple, after[keys].to_numpy())):
+        raise InvalidArgumentError("before and after cover different heads; compare one model")
+    has_labels = "label" in before.columns and "label" in after.columns
+    extra = ["label"] if has_labels else []
+    merged = before[keys + [metric] + extra].merge(
+        after[keys + [metric] + extra], on=keys, suffixes=("_before", "_after")
+    )
+    merged["change"] = merged[f"{metric}_after"] - merged[f"{metric}_before"]
+    n_layers, n_heads = _shape(merged)
+    cell = _cell(n_heads)
+    bound = max(float(np.nanmax(np.abs(merged["change"]))), 1e-9)
+    fields = [f"{metric}_before", f"{metric}_after", "change"]
+    lines = ["<b>layer %{y}, head %{x}</b>"]
+    lines += [f"{field} = %{{customdata[{i}]:.4g}}" for i, field in enumerate(fields)]
+    if has_labels:
+        fields += ["label_before", "label_after"]
+        lines.append("label: %{customdata[3]} → %{customdata[4]}")
+    custom = np.stack([_matrix(merged, c).astype(object) for c in fields], axis=-1)
+    fig = go.Figure(
+        go.Heatmap(
+            z=_matrix(merged, "change"),
+            x=list(range(n_heads)),
+            y=list(range(n_layers)),
+            colorscale="RdBu_r",
+            zmid=0,
+            zmin=-bound,
+            zmax=bound,
+            colorbar={"title": {"text": f"Δ {_title(metric)}", "side": "right"}, "thickness": 16},
+            customdata=custom,
+            hovertemplate="<br>".join(lines) + "<extra></extra>",
+            xgap=1,
+            ygap=1,
+        )
+    )
+    if has_labels:
+        changed = merged[merged["label_before"] != merged["label_after"]]
+        fig.add_trace(
+            go.Scatter(
+                x=changed["head"],
+                y=changed["layer"],
+                mode="markers",
+                name=f"label changed ({len(changed)})",
+                marker={
+                    "symbol": "square-open",
+                    "size": 0.8 * cell,
+                    "color": "black",
+                    "line": {"width": 2},
+                },
+                hoverinfo="skip",
+            )
+        )
+    _axes(fig, n_layers, n_heads)
+    default = f"Change in {_title(metric)} (after − before)"
+    plot_size = _plot_size(n_layers, n_heads, cell)
+    _layout(fig, title or default, _subtitle(after), plot_size, legend=has_labels)
+    return fig
+
+
+SWEEP_STYLE = {
+    "healthy": {"color": OKABE_ITO["blue"], "dash": "solid", "width": 2},
+    "BOS-sink": {"color": OKABE_ITO["orange"], "dash": "dash", "width": 2},
+    "dead": {"color": OKABE_ITO["black"], "dash": "dot", "width": 2},
+    "sick": {"color": OKABE_ITO["vermillion"], "dash": "solid", "width": 3.5},
+}
+SWEEP_PANELS = {
+    "sink": "sink threshold (BOS mass >)",
+    "dead": "dead threshold (BOS mass >)",
+    "min_output_share": "min output share (log)",
+}
+
+
+def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Head counts per label (and sick = BOS-sink + dead) as each threshold moves.
+
+    One panel per threshold of :func:`headsurgeon.threshold_sweep`; a dashed vertical line marks
+    the threshold in use. A flat ``sick`` curve around it means the count is robust; a steep one
+    means it depends on the choice.
+    """
+    _check(sweep, ["threshold", "value", "sick"], "sweep")
+    panels = [p for p in SWEEP_PANELS if p in set(sweep["threshold"])]
+    fig = make_subplots(
+        rows=1,
+        cols=len(panels),
+        shared_yaxes=True,
+        horizontal_spacing=0.05,
+        subplot_titles=[SWEEP_PANELS[p] for p in panels],
+    )
+    chosen = sweep.attrs.get("thresholds", {})
+    for col, panel in enumerate(panels, start=1):
+        rows = sweep[sweep["threshold"] == panel].sort_values("value")
+        if panel == "min_output_share":
+            rows = rows[rows["value"] > 0]  # a log axis cannot show 0
+        for name, style in SWEEP_STYLE.items():
+            if name not in rows.columns:
+                continue
+            fig.add_trace(
+                go.Scatter(
+                    x=rows["value"],
+                    y=rows[name],
+                    mode="lines",
+                    name=name,
+                    legendgroup=name,
+                    showlegend=col == 1,
+                    line=style,
+                    hovertemplate=f"{panel} = %{{x:.4g}}<br>{name}: %{{y}}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+        if panel in chosen:
+            fig.add_vline(
+                x=chosen[panel],
+                line={"dash": "dash", "color": "#666666", "width": 1.5},
+                row=1,
+                col=col,
+            )
+        if panel == "min_output_share":
+            fig.update_xaxes(type="log", exponentformat="power", row=1, col=col)
+    fig.update_yaxes(title_text="heads", row=1, col=1, rangemode="tozero")
+    fig.update_xaxes(showgrid=True, gridcolor="#EEEEEE", ticks="outside")
+    fig.update_annotations(font={"size": 14})
+    default = "Label counts against each threshold"
+    _layout(
+        fig,
+        title or default,
+        _subtitle(sweep),
+        (300 * len(panels), 300),
+        colorbar=False,
+        axis_title=False,
+        top=125,  # room for the panel titles under the subtitle
+    )
+    return fig
+
+
+def models_grid(
+    dfs: Mapping[str, pd.DataFrame], metric: str = "bos_mass", *, title: str | None = None
+) -> go.Figure:
+    """Several models' head grids side by side on one colour scale (the paper's cross-scale view).
+
+    Panel widths follow the head counts, so a cell is the same width in every panel.
+    """
+    if not dfs:
+        raise InvalidArgumentError("models_grid needs at least one {name: DataFrame} entry")
+    for name, df in dfs.items():
+        _check(df, ["layer", "head", metric], f"the DataFrame of {name}")
+    shapes = {name: _shape(df) for name, df in dfs.items()}
+    max_layers = max(s[0] for s in shapes.values())
+    total_heads = sum(s[1] for s in shapes.values())
+    cell = _cell(total_heads, 800)
+    fixed = METRICS.get(metric, (None, None))[1]
+    values = np.concatenate([df[metric].to_numpy(float) for df in dfs.values()])
+    zmin, zmax = fixed or (float(np.nanmin(values)), float(np.nanmax(values)))
+    fig = make_subplots(
+        rows=1,
+        cols=len(dfs),
+        column_widths=[shapes[n][1] for n in dfs],
+        horizontal_spacing=0.05,
+        subplot_titles=[
+            f"{name} ({(df['label'] != 'healthy').mean():.0%} sick)"
+            if "label" in df.columns
+            else name
+            for name, df in dfs.items()
+        ],
+    )
+    for col, (name, df) in enumerate(dfs.items(), start=1):
+        n_layers, n_heads = shapes[name]
+        custom, template = _hover(df)
+        fig.add_trace(
+            go.Heatmap(
+                z=_matrix(df, metric),
+                x=list(range(n_heads)),
+                y=list(range(n_layers)),
+                coloraxis="coloraxis",
+                customdata=custom,
+                hovertemplate=f"{name}<br>" + template,
+                xgap=1,
+                ygap=1,
+            ),
+            row=1,
+            col=col,
+        )
+        for trace in _label_markers(df, cell, showlegend=col == 1):
+            trace.name = trace.legendgroup  # counts differ between the panels
+            fig.add_trace(trace, row=1, col=col)
+        _axes(fig, n_layers, n_heads, row=1, col=col)
+        if col > 1:
+            fig.update_yaxes(title_text=None, row=1, col=col)
+    fig.update_layout(
+        coloraxis={
+            "colorscale": "Viridis",
+            "cmin": zmin,
+            "cmax": zmax,
+            "colorbar": {"title": {"text": _title(metric), "side": "right"}, "thickness": 16},
+        }
+    )
+    plot_w = total_heads * cell * (1 + 0.05 * (len(dfs) - 1))
+    _layout(fig, title or f"{_title(metric)} across models", "", (plot_w, max_layers * cell))
+    return fig
+
+
+def _find_browser() -> str:
+    """The Chromium kaleido will use: ``BROWSER_PATH``, else choreographer's search."""
+    from choreographer.browsers.chromium import Chromium
+
+    fix = "install Chromium (apt-get install -y chromium) or set BROWSER_PATH, or save as .html"
+    configured = os.environ.get("BROWSER_PATH")
+    if configured:
+        if not os.access(configured, os.X_OK):
+            raise FigureExportError(f"BROWSER_PATH={configured} is not an executable; {fix}")
+        return configured
+    found = Chromium.find_browser(skip_local=False)
+    if found is None:
+        raise FigureExportError(f"static figure export needs a Chromium browser, none found; {fix}")
+    return found
+
+
+_server = {"running": False}
+
+
+def _image(fig: go.Figure, fmt: str, scale: float) -> bytes:
+    """Static image bytes through kaleido; one Chromium is kept running for later exports."""
+    import kaleido
+
+    _find_browser()  # fail with the fix, not deep inside kaleido
+    if not _server["running"]:
+        kaleido.start_sync_server(silence_warnings=True)  # ~0.3 s per image after the first
+        _server["running"] = True
+    layout = fig.layout
+    opts = {"format": fmt, "width": layout.width or 700, "height": layout.height or 500}
+    try:
+        return kaleido.calc_fig_sync(fig, opts=opts | {"scale": scale})
+    except Exception as e:  # kaleido and choreographer raise many types
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise FigureExportError(f"kaleido could not export the figure as {fmt} ({first})") from e
+
+
+def save_figure(
+    fig: go.Figure,
+    path: str | os.PathLike,
+    *,
+    scale: float = 2.0,
+    include_plotlyjs: bool | str = True,
+) -> Path:
+    """Write ``fig`` to ``path``, the format given by its suffix; return the path.
+
+    ``.html`` is interactive (self-contained by default; ``include_plotlyjs="directory"`` writes
+    one shared ``plotly.min.js`` beside it instead). ``.png`` (at ``scale`` times the figure's
+    pixel size), ``.svg`` and ``.pdf`` go through kaleido and a Chromium browser (the system one,
+    or ``BROWSER_PATH``). The file appears whole or not at all.
+    """
+    path = Path(path)
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise InvalidArgumentError(
+            f"cannot save a figure as {path.name!r}; use a suffix of {', '.join(FORMATS)}"
+        )
+    if fmt == "html":
+        html = fig.to_html(
+            include_plotlyjs=include_plotlyjs, full_html=True, config={"displaylogo": False}
+        )
+        if include_plotlyjs == "directory" and not (path.parent / "plotly.min.js").exists():
+            from plotly.offline import get_plotlyjs
+
+            atomic_write_text(path.parent / "plotly.min.js", get_plotlyjs())
+        atomic_write_text(path, html)
+    else:
+        atomic_write_bytes(path, _image(fig, fmt, scale))
+    logger.debug("wrote %s", path)
+    return path
+
+
+# --- Blindness and evaluation figures ---

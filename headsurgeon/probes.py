@@ -1,0 +1,232 @@
+"""Streaming hook reducers: per-head attention statistics without keeping any activation.
+
+Each reducer turns one layer's activation for one batch into a few numbers per sequence and head,
+as soon as the forward pass produces it; an accumulator adds them up in float64. Nothing of size
+``[batch, head, query_pos, key_pos]`` outlives the hook, so memory does not grow with the number of
+batches, and the unembedding is never computed.
+
+Exports:
+    PATTERN_STATS                          names of the statistics ``pattern_stats`` returns
+    pattern_stats(pattern, min_query_pos)  per-sequence, per-head means of one attention pattern
+    write_norms(z, W_O, min_query_pos)     per-sequence mean norm of each head's residual write
+    HeadStats                              float64 accumulator fed by forward hooks
+    stream(model, tokens, fwd_hooks, ...)  run token batches through hooks, skipping the unembedding
+
+>>> from headsurgeon.models import ModelShape, random_model
+>>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
+>>> stats = HeadStats(model)
+>>> stream(model, torch.randint(0, 64, (3, 8)), stats.hooks(), batch_size=2, progress=False)
+>>> means = stats.means()
+>>> means["bos_mass"].shape, int(stats.n_seqs)
+((2, 4), 3)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformer_lens import HookedTransformer
+from transformer_lens.hook_points import HookPoint
+
+from headsurgeon.data import batches
+
+logger = logging.getLogger(__name__)
+
+PATTERN_STATS = (
+    "bos_mass",
+    "sink_score",
+    "entropy",
+    "max_weight",
+    "mean_distance",
+    "self_mass",
+    "prev_mass",
+)
+# Head statistics HeadStats accumulates: the pattern statistics, then each head's write norm.
+HEAD_STATS = (*PATTERN_STATS, "output_norm")
+
+Hook = tuple[str | Callable[[str], bool], Callable[[Tensor, HookPoint], None]]
+
+
+def pattern_stats(
+    pattern: Float[Tensor, "batch head query_pos key_pos"], min_query_pos: int = 1
+) -> Float[Tensor, "stat batch head"]:
+    """Reduce a causal attention pattern to per-sequence means, one per :data:`PATTERN_STATS`.
+
+    Rows are query positions ``t >= min_query_pos`` (``sink_score`` uses every row; ``prev_mass``
+    rows ``t >= max(min_query_pos, 1)``, which have a previous token):
+
+    * ``bos_mass``: ``A[t, 0]``; ``sink_score``: ``A[t, 0]`` over all rows (Gu et al.'s α_0);
+    * ``entropy``: ``-Σ_k A[t, k] ln A[t, k]`` in nats, with ``0 ln 0 = 0``;
+    * ``max_weight``: ``max_k A[t, k]``; ``mean_distance``: ``Σ_k A[t, k] (t - k)`` in tokens;
+    * ``self_mass``: ``A[t, t]``; ``prev_mass``: ``A[t, t - 1]``.
+
+    Computed in float32 (or float64 for float64 patterns).
+
+    >>> uniform = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]
+    >>> [round(x, 4) for x in pattern_stats(uniform[None, None], 1)[:, 0, 0].tolist()]
+    [0.4167, 0.6111, 0.8959, 0.4167, 0.75, 0.4167, 0.4167]
+    """
+    p = pattern if pattern.dtype in (torch.float32, torch.float64) else pattern.float()
+    n_pos = p.shape[-1]
+    if p.shape[-2] != n_pos:
+        raise ValueError(f"expected a square causal pattern, got {tuple(p.shape)}")
+    if not 0 <= min_query_pos < n_pos:
+        raise ValueError(f"min_query_pos {min_query_pos} outside 0..{n_pos - 1}")
+    rows = p[..., min_query_pos:, :]
+    pos = torch.arange(n_pos, device=p.device)
+    distance = (pos[min_query_pos:, None] - pos[None, :]).clamp(min=0).to(p.dtype)
+    diagonal = p.diagonal(dim1=-2, dim2=-1)[..., min_query_pos:]
+    # Element i of the -1 diagonal is A[i + 1, i]: query i + 1.
+    previous = p.diagonal(offset=-1, dim1=-2, dim2=-1)[..., max(min_query_pos, 1) - 1 :]
+    return torch.stack(
+        [
+            rows[..., 0].mean(-1),
+            p[..., 0].mean(-1),
+            torch.special.entr(rows).sum(-1).mean(-1),
+            rows.amax(-1).mean(-1),
+            torch.einsum("bhqk,qk->bh", rows, distance) / rows.shape[-2],
+            diagonal.mean(-1),
+            previous.mean(-1) if previous.shape[-1] else torch.zeros_like(diagonal[..., 0]),
+        ]
+    )
+
+
+def write_norms(
+    z: Float[Tensor, "batch pos head d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    min_query_pos: int = 1,
+) -> Float[Tensor, "batch head"]:
+    """Mean over positions ``t >= min_query_pos`` of ``‖z[t, h] @ W_O[h]‖``, per sequence and head.
+
+    Uses the per-head Gram matrix ``W_O[h] W_O[h]ᵀ`` (``[d_head, d_head]``), so the
+    ``[batch, pos, head, d_model]`` tensor of per-head writes is never formed.
+
+    >>> W_O = torch.eye(2).repeat(3, 1, 1)  # three heads that copy z into the residual stream
+    >>> z = torch.tensor([[[[3.0, 4.0], [0.0, 0.0], [1.0, 0.0]]]]).repeat(1, 2, 1, 1)
+    >>> write_norms(z, W_O, 0)
+    tensor([[5., 0., 1.]])
+    """
+    zf = z[:, min_query_pos:].float()
+    w = W_O.to(device=zf.device, dtype=torch.float32)
+    gram = torch.einsum("hdm,hem->hde", w, w)
+    squared = torch.einsum("bphd,hde,bphe->bph", zf, gram, zf)
+    return squared.clamp(min=0).sqrt().mean(1)  # rounding can make a zero norm slightly negative
+
+
+def _accumulator_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+class HeadStats:
+    """Per-head running sums of :data:`PATTERN_STATS` and write norms, fed by forward hooks.
+
+    For every layer and head it keeps, over sequences, the sum and sum of squares of each
+    per-sequence statistic, plus each layer's total attention write norm
+    (``‖hook_attn_out - b_O‖``); all in float64 on the model's device. Use ``hooks()`` with
+    :func:`stream` (or ``model.hooks``) and read ``means()``/``stds()``; ``reset()`` starts over.
+
+    The write norm of the whole layer comes from ``hook_attn_out`` minus ``b_O``: the sum of all
+    heads' writes, without the bias that belongs to no head.
+    """
+
+    def __init__(self, model: HookedTransformer, *, min_query_pos: int = 1):
+        self.model = model
+        self.min_query_pos = min_query_pos
+        self.device = torch.device(model.cfg.device or "cpu")
+        self.reset()
+
+    def reset(self) -> None:
+        n_layers, n_heads = self.model.cfg.n_layers, self.model.cfg.n_heads
+        dtype = _accumulator_dtype(self.device)
+        self.sums = torch.zeros(len(HEAD_STATS), n_layers, n_heads, dtype=dtype, device=self.device)
+        self.squares = torch.zeros_like(self.sums)
+        self.layer_write = torch.zeros(n_layers, dtype=dtype, device=self.device)
+        self.counts = torch.zeros(n_layers, dtype=dtype, device=self.device)
+
+    def _add(self, layer: int, first: int, values: Float[Tensor, "stat batch head"]) -> None:
+        values = values.to(self.sums.dtype)
+        self.sums[first : first + values.shape[0], layer] += values.sum(1)
+        self.squares[first : first + values.shape[0], layer] += values.square().sum(1)
+
+    def _pattern_hook(self, pattern: Tensor, hook: HookPoint) -> None:
+        self._add(hook.layer(), 0, pattern_stats(pattern, self.min_query_pos))
+        self.counts[hook.layer()] += pattern.shape[0]
+
+    def _z_hook(self, z: Tensor, hook: HookPoint) -> None:
+        W_O = self.model.blocks[hook.layer()].attn.W_O
+        self._add(hook.layer(), len(PATTERN_STATS), write_norms(z, W_O, self.min_query_pos)[None])
+
+    def _attn_out_hook(self, out: Tensor, hook: HookPoint) -> None:
+        layer = hook.layer()
+        written = out[:, self.min_query_pos :].float() - self.model.blocks[layer].attn.b_O.float()
+        self.layer_write[layer] += written.norm(dim=-1).mean(-1).to(self.layer_write.dtype).sum()
+
+    def hooks(self) -> list[Hook]:
+        """Forward hooks for ``hook_pattern``, ``hook_z`` and ``hook_attn_out`` of each layer."""
+        hooks: list[Hook] = []
+        for layer in range(self.model.cfg.n_layers):
+            hooks += [
+                (f"blocks.{layer}.attn.hook_pattern", self._pattern_hook),
+                (f"blocks.{layer}.attn.hook_z", self._z_hook),
+                (f"blocks.{layer}.hook_attn_out", self._attn_out_hook),
+            ]
+        return hooks
+
+    @property
+    def n_seqs(self) -> int:
+        """Sequences seen so far."""
+        return int(self.counts[0].item())
+
+    def means(self) -> dict[str, np.ndarray]:
+        """Mean over sequences of each statistic, ``[layer, head]``; plus ``output_share``.
+
+        ``output_share`` is a head's mean write norm over the mean norm of its layer's whole
+        attention write.
+        """
+        counts = self.counts.clamp(min=1)[:, None]
+        means = (self.sums / counts).double().cpu()
+        result = {name: means[i].numpy() for i, name in enumerate(HEAD_STATS)}
+        layer_mean = (self.layer_write / self.counts.clamp(min=1)).double().cpu()[:, None]
+        result["output_share"] = (means[HEAD_STATS.index("output_norm")] / layer_mean).numpy()
+        return result
+
+    def stds(self) -> dict[str, np.ndarray]:
+        """Standard deviation across sequences (ddof=1; 0 for one sequence), ``[layer, head]``."""
+        n = self.counts.double().cpu()[:, None]
+        sums, squares = self.sums.double().cpu(), self.squares.double().cpu()
+        variance = (squares - sums.square() / n.clamp(min=1)) / (n - 1).clamp(min=1)
+        result = {
+            name: variance[i].clamp(min=0).sqrt().numpy() for i, name in enumerate(HEAD_STATS)
+        }
+        return result
+
+
+def stream(
+    model: HookedTransformer,
+    tokens: Int[Tensor, "n_seqs seq_len"],
+    fwd_hooks: Sequence[Hook],
+    *,
+    batch_size: int = 8,
+    stop_at_layer: int | None = None,
+    progress: bool = True,
+    desc: str = "forward",
+) -> None:
+    """Run ``tokens`` through ``model`` in batches with ``fwd_hooks``, keeping no output.
+
+    Gradients are off and the pass stops after block ``stop_at_layer - 1`` (default: the last
+    block), so neither the final LayerNorm nor the unembedding is computed.
+    """
+    stop = model.cfg.n_layers if stop_at_layer is None else stop_at_layer
+    device = torch.device(model.cfg.device or "cpu")
+    n_batches = -(-tokens.shape[0] // batch_size) if batch_size > 0 else 0
+    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
+        for batch in tqdm(
+            batches(tokens, batch_size), total=n_batches, desc=desc, disable=not progress
+        ):
+            model(batch.to(device), stop_at_layer=stop)

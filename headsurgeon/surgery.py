@@ -1,0 +1,435 @@
+"""Head-level parameter surgery: choose heads, re-initialise them, train only their slices.
+
+Every per-head attention tensor of a TransformerLens model has the head on its first axis
+(``W_Q``, ``W_K``, ``W_V``: ``[head, d_model, d_head]``; ``b_Q``, ``b_K``, ``b_V``:
+``[head, d_head]``; ``W_O``: ``[head, d_head, d_model]``), so "a head's slice" is one index of
+each. The output bias ``b_O`` is shared by all heads and is never touched.
+
+Exports:
+    HEAD_TENSORS, TRAINED_TENSORS       the per-head tensors surgery edits, and those it trains
+    HeadSet                             an ordered, validated set of (layer, head) pairs
+    reinit_heads(model, heads, ...)     Xavier re-initialisation of Q/K/V, zero Q/K/V biases and W_O
+    HeadMask / mask_gradients(...)      gradient masks as parameter hooks (removable)
+    HeadParameters                      trainable float32 copies of the chosen slices
+
+Gradient masks alone do not freeze anything under AdamW: decoupled weight decay shrinks every
+element it is given, gradient or not. ``HeadParameters`` is what :mod:`headsurgeon.finetune` trains
+by default: the optimiser only ever sees the chosen slices, so everything else stays bit-identical
+and optimiser memory grows with the number of heads, not the size of the model.
+
+>>> heads = HeadSet.parse("L5H9-11,L6H10")
+>>> len(heads), str(heads), heads.layers
+(4, 'L5H9-11,L6H10', (5, 6))
+>>> str(HeadSet.parse("L1-2H0,L1H3"))
+'L1H0,L1H3,L2H0'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import pandas as pd
+import torch
+from jaxtyping import Bool
+from torch import Tensor, nn
+from transformer_lens import HookedTransformer
+
+from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.models import ModelShape, model_shape
+
+HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
+# b_K has no gradient in exact arithmetic (q·b_K shifts every logit of a query row equally, and
+# softmax ignores that), so training it would only let Adam amplify rounding noise: it stays 0.
+TRAINED_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_V", "W_O")
+INITS = ("xavier_normal", "xavier_uniform")
+SICK_LABELS = ("dead", "BOS-sink")
+
+_TOKEN = re.compile(r"^L(\d+)(?:-(\d+))?H(\d+)(?:-(\d+))?$", re.IGNORECASE)
+
+
+def _name(layer: int, head: int) -> str:
+    return f"L{layer}H{head}"
+
+
+class HeadSet:
+    """An immutable set of attention heads, kept sorted by (layer, head).
+
+    Build it from pairs, from text (``HeadSet.parse("L5H9,L6H10-15,L7-9H3")``: ranges are
+    inclusive) or from a classified census (``HeadSet.from_labels(df)``). Duplicates are an error,
+    never silently merged; :meth:`validate` checks the pairs against a model's shape. Set algebra
+    (``|``, ``&``, ``-``) returns new sets.
+
+    >>> a = HeadSet([(0, 1), (0, 2)])
+    >>> str(a | HeadSet([(1, 0)])), str(a - HeadSet([(0, 2)])), (0, 1) in a
+    ('L0H1-2,L1H0', 'L0H1', True)
+    >>> HeadSet([(0, 1), (0, 1)])
+    Traceback (most recent call last):
+    headsurgeon.errors.InvalidArgumentError: head L0H1 is listed twice; list each head once
+    """
+
+    def __init__(self, heads: Iterable[tuple[int, int]] = ()) -> None:
+        pairs = [(int(layer), int(head)) for layer, head in heads]
+        seen: set[tuple[int, int]] = set()
+        for pair in pairs:
+            if pair in seen:
+                raise InvalidArgumentError(
+                    f"head {_name(*pair)} is listed twice; list each head once"
+                )
+            if pair[0] < 0 or pair[1] < 0:
+                raise InvalidArgumentError(f"head {pair} has a negative index; indices start at 0")
+            seen.add(pair)
+        self._heads: tuple[tuple[int, int], ...] = tuple(sorted(seen))
+
+    @classmethod
+    def parse(cls, text: str, model: HookedTransformer | ModelShape | None = None) -> HeadSet:
+        """Parse ``"L5H9,L6H10-15,L7-9H3"``; validate against ``model`` when given."""
+        tokens = [t.strip() for t in str(text).replace(" ", "").split(",") if t.strip()]
+        if not tokens:
+            raise InvalidArgumentError(f"no heads in {text!r}; write heads as L5H9,L6H10-15")
+        pairs = []
+        for token in tokens:
+            match = _TOKEN.match(token)
+            if match is None:
+                raise InvalidArgumentError(
+                    f"cannot read head {token!r}; write heads as L<layer>H<head> with optional "
+                    "ranges, e.g. L5H9,L6H10-15,L7-9H3"
+                )
+            l0, l1, h0, h1 = (None if g is None else int(g) for g in match.groups())
+            l1 = l0 if l1 is None else l1
+            h1 = h0 if h1 is None else h1
+            if l1 < l0 or h1 < h0:
+                raise InvalidArgumentError(f"range in {token!r} runs backwards; write low-high")
+            pairs.extend((layer, head) for layer in range(l0, l1 + 1) for head in range(h0, h1 + 1))
+        heads = cls(pairs)
+        return heads.validate(model) if model is not None else heads
+
+    @classmethod
+    def from_labels(cls, census: pd.DataFrame, labels: Iterable[str] = SICK_LABELS) -> HeadSet:
+        """The heads of a classified census (columns ``layer``, ``head``, ``label``) with a label
+        in ``labels`` (default: dead and BOS-sink heads).
+
+        >>> df = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0],
+        ...                    "label": ["healthy", "BOS-sink", "dead"]})
+        >>> str(HeadSet.from_labels(df)), str(HeadSet.from_labels(df, ["dead"]))
+        ('L0H1,L1H0', 'L1H0')
+        """
+        missing = {"layer", "head", "label"} - set(census.columns)
+        if missing:
+            raise InvalidArgumentError(
+                f"census has no {', '.join(sorted(missing))} column; classify it first "
+                "(headsurgeon.classify.classify_heads)"
+            )
+        chosen = census[census["label"].isin(list(labels))]
+        return cls(zip(chosen["layer"].tolist(), chosen["head"].tolist(), strict=True))
+
+    def validate(self, model: HookedTransformer | ModelShape) -> HeadSet:
+        """Return ``self`` if every head exists in ``model``; otherwise raise saying which."""
+        shape = model if isinstance(model, ModelShape) else model_shape(model)
+        for layer, head in self._heads:
+            if layer >= shape.n_layers or head >= shape.n_heads:
+                raise InvalidArgumentError(
+                    f"head {_name(layer, head)} is out of range: the model has layers "
+                    f"0-{shape.n_layers - 1} and heads 0-{shape.n_heads - 1}"
+                )
+        return self
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers that hold at least one chosen head, ascending."""
+        return tuple(sorted({layer for layer, _ in self._heads}))
+
+    def by_layer(self) -> dict[int, list[int]]:
+        """``{layer: [head, ...]}`` in ascending order.
+
+        >>> HeadSet.parse("L2H3,L0H1,L2H0").by_layer()
+        {0: [1], 2: [0, 3]}
+        """
+        out: dict[int, list[int]] = {}
+        for layer, head in self._heads:
+            out.setdefault(layer, []).append(head)
+        return out
+
+    def names(self) -> list[str]:
+        """One ``L<layer>H<head>`` name per head."""
+        return [_name(*pair) for pair in self._heads]
+
+    def __str__(self) -> str:
+        parts = []
+        for layer, heads in self.by_layer().items():
+            start = prev = heads[0]
+            for head in [*heads[1:], None]:
+                if head is not None and head == prev + 1:
+                    prev = head
+                    continue
+                parts.append(f"L{layer}H{start}" + (f"-{prev}" if prev > start else ""))
+                if head is not None:
+                    start = prev = head
+        return ",".join(parts)
+
+    def __repr__(self) -> str:
+        return f"HeadSet({str(self)!r})"
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self._heads)
+
+    def __len__(self) -> int:
+        return len(self._heads)
+
+    def __contains__(self, pair: object) -> bool:
+        return pair in self._heads
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HeadSet) and self._heads == other._heads
+
+    def __hash__(self) -> int:
+        return hash(self._heads)
+
+    def __or__(self, other: HeadSet) -> HeadSet:
+        return HeadSet(set(self._heads) | set(other))
+
+    def __and__(self, other: HeadSet) -> HeadSet:
+        return HeadSet(set(self._heads) & set(other))
+
+    def __sub__(self, other: HeadSet) -> HeadSet:
+        return HeadSet(set(self._heads) - set(other))
+
+
+def _check_attention(model: HookedTransformer) -> None:
+    attn = model.blocks[0].attn
+    if not all(isinstance(getattr(attn, name, None), nn.Parameter) for name in HEAD_TENSORS):
+        raise UnsupportedArchitectureError(
+            f"{type(attn).__name__} has no per-head {', '.join(HEAD_TENSORS)} parameters "
+            "(grouped-query or quantised attention); head surgery needs standard attention"
+        )
+
+
+def _head_seed(seed: int, layer: int, head: int) -> int:
+    """A seed per head, so a head's new weights do not depend on which other heads are chosen."""
+    digest = hashlib.sha256(f"{seed}/{layer}/{head}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@torch.no_grad()
+def reinit_heads(
+    model: HookedTransformer,
+    heads: HeadSet,
+    *,
+    init: str = "xavier_normal",
+    seed: int = 0,
+) -> None:
+    """Re-initialise the chosen heads in place, as the surgery paper does.
+
+    Each head's ``W_Q``, ``W_K``, ``W_V`` slice (``[d_model, d_head]``: Xavier fans of one head)
+    is drawn afresh in float32 and cast to the model's dtype; its ``b_Q``, ``b_K``, ``b_V`` and
+    ``W_O`` slice are zeroed, so the head writes nothing until it is trained. ``b_O`` and every
+    other head stay untouched. Heads draw from their own seeded generator: the same ``seed`` gives
+    the same weights for a head whichever other heads are in ``heads``.
+    """
+    if init not in INITS:
+        raise InvalidArgumentError(f"unknown init {init!r}; use one of {', '.join(INITS)}")
+    _check_attention(model)
+    heads.validate(model)
+    fill = getattr(nn.init, f"{init}_")
+    for layer, head in heads:
+        attn = model.blocks[layer].attn
+        generator = torch.Generator().manual_seed(_head_seed(seed, layer, head))
+        for name in ("W_Q", "W_K", "W_V"):
+            weight = getattr(attn, name)
+            fresh = fill(torch.empty(weight.shape[1:], dtype=torch.float32), generator=generator)
+            weight[head] = fresh.to(weight.dtype)
+        for name in ("b_Q", "b_K", "b_V", "W_O"):
+            getattr(attn, name)[head] = 0
+
+
+def head_masks(model: HookedTransformer, heads: HeadSet) -> dict[str, Bool[Tensor, "head ..."]]:
+    """``{parameter name: boolean mask}`` of the chosen heads' elements, per attention tensor.
+
+    Only tensors that hold a chosen head appear; each mask has the tensor's shape.
+    """
+    _check_attention(model)
+    heads.validate(model)
+    masks = {}
+    for layer, chosen in heads.by_layer().items():
+        attn = model.blocks[layer].attn
+        for name in HEAD_TENSORS:
+            param = getattr(attn, name)
+            mask = torch.zeros(param.shape[0], dtype=torch.bool, device=param.device)
+            mask[chosen] = True
+            masks[f"blocks.{layer}.attn.{name}"] = mask.view(-1, *[1] * (param.ndim - 1)).expand_as(
+                param
+            )
+    return masks
+
+
+class HeadMask:
+    """Gradient masks on the attention tensors, so only the chosen heads' slices get gradient.
+
+    Applying it gives every tensor that holds a chosen head a hook multiplying its gradient by
+    the head mask, and sets ``requires_grad=False`` on every other parameter of the model, so
+    autograd builds no graph below the lowest chosen layer. :meth:`remove` (or leaving the
+    ``with`` block) removes the hooks and restores each parameter's ``requires_grad``.
+
+    A gradient mask is not a freeze: AdamW's decoupled weight decay still moves masked elements.
+    Train with weight decay 0, restore frozen values after each step, or train
+    :class:`HeadParameters` instead (what :func:`headsurgeon.finetune.finetune` does by default).
+
+    >>> from headsurgeon.models import random_model
+    >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
+    >>> with mask_gradients(model, HeadSet.parse("L1H2")) as mask:
+    ...     model(torch.tensor([[1, 2, 3]]), return_type="loss").backward()
+    >>> grad = model.blocks[1].attn.W_Q.grad
+    >>> bool(grad[2].abs().sum() > 0), bool(grad[[0, 1, 3]].abs().sum() == 0)
+    (True, True)
+    >>> model.blocks[0].attn.W_Q.grad is None, model.blocks[0].attn.W_Q.requires_grad
+    (True, True)
+    """
+
+    def __init__(self, model: HookedTransformer, heads: HeadSet) -> None:
+        self.model = model
+        self.heads = heads
+        self.masks = head_masks(model, heads)
+        self._handles: list[Any] = []
+        self._requires_grad: dict[str, bool] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._handles)
+
+    def apply(self) -> HeadMask:
+        """Register the hooks and freeze every other parameter; returns ``self``."""
+        if self.active:
+            return self
+        for name, param in self.model.named_parameters():
+            self._requires_grad[name] = param.requires_grad
+            mask = self.masks.get(name)
+            param.requires_grad_(mask is not None)
+            if mask is not None:
+                self._handles.append(param.register_hook(_multiply_by(mask)))
+        return self
+
+    def remove(self) -> None:
+        """Remove the hooks and restore ``requires_grad`` as it was before :meth:`apply`."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for name, param in self.model.named_parameters():
+            if name in self._requires_grad:
+                param.requires_grad_(self._requires_grad[name])
+        self._requires_grad.clear()
+
+    def __enter__(self) -> HeadMask:
+        return self.apply()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _multiply_by(mask: Tensor) -> Callable[[Tensor], Tensor]:
+    def hook(grad: Tensor) -> Tensor:
+        return grad * mask.to(grad.dtype)
+
+    return hook
+
+
+def mask_gradients(model: HookedTransformer, heads: HeadSet) -> HeadMask:
+    """Apply a :class:`HeadMask` and return it (call ``.remove()``, or use it in ``with``)."""
+    return HeadMask(model, heads).apply()
+
+
+class HeadParameters(nn.Module):
+    """Trainable float32 copies of the chosen heads' slices, spliced into the model's forward.
+
+    The slices are those of ``TRAINED_TENSORS``: all per-head tensors but ``b_K``, which has no
+    gradient (it shifts a whole row of logits) and keeps its value.
+
+    Holds one parameter per (layer, tensor name) with the chosen heads stacked on the first
+    axis, e.g. ``L5.W_Q`` of shape ``[n_chosen_in_layer5, d_model, d_head]``. :meth:`call` runs a
+    function of the model with each chosen slice replaced by its trainable copy (through
+    ``torch.func.functional_call``, so autograd reaches only the copies); the model's own
+    parameters are never handed to an optimiser. :meth:`write_to` copies the trained values
+    back into the model. Float32 copies double as master weights for bfloat16 models.
+
+    >>> from headsurgeon.models import random_model
+    >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
+    >>> params = HeadParameters(model, HeadSet.parse("L1H0,L1H3"))
+    >>> tuple(params.slices["L1"]["W_O"].shape), params.numel()
+    ((2, 8, 32), 2080)
+    """
+
+    def __init__(self, model: HookedTransformer, heads: HeadSet) -> None:
+        super().__init__()
+        _check_attention(model)
+        self.heads = heads.validate(model)
+        self.slices = nn.ModuleDict()
+        self._index: dict[int, Tensor] = {}
+        for layer, chosen in heads.by_layer().items():
+            attn = model.blocks[layer].attn
+            index = torch.tensor(chosen, device=attn.W_Q.device)
+            self._index[layer] = index
+            self.slices[f"L{layer}"] = nn.ParameterDict(
+                {
+                    name: nn.Parameter(getattr(attn, name).detach()[index].float().clone())
+                    for name in TRAINED_TENSORS
+                }
+            )
+
+    def numel(self) -> int:
+        """Number of trainable elements."""
+        return sum(p.numel() for p in self.parameters())
+
+    def overrides(self, model: HookedTransformer) -> dict[str, Tensor]:
+        """Full attention tensors with the chosen slices taken from the trainable copies."""
+        out = {}
+        for layer, index in self._index.items():
+            attn = model.blocks[layer].attn
+            for name, trained in self.slices[f"L{layer}"].items():
+                frozen = getattr(attn, name).detach()
+                out[f"blocks.{layer}.attn.{name}"] = frozen.index_copy(
+                    0, index, trained.to(frozen.dtype)
+                )
+        return out
+
+    def call(self, model: HookedTransformer, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(model, *args)`` with the chosen slices replaced by the trainable copies."""
+        return torch.func.functional_call(
+            _Apply(model, fn), {f"model.{k}": v for k, v in self.overrides(model).items()}, args
+        )
+
+    @torch.no_grad()
+    def write_to(self, model: HookedTransformer) -> None:
+        """Copy the current trainable values into the model's own parameters."""
+        for layer, index in self._index.items():
+            attn = model.blocks[layer].attn
+            for name, trained in self.slices[f"L{layer}"].items():
+                getattr(attn, name)[index] = trained.to(getattr(attn, name).dtype)
+
+    @contextlib.contextmanager
+    def frozen_model(self, model: HookedTransformer) -> Iterator[HookedTransformer]:
+        """Context manager: ``requires_grad=False`` on every model parameter, restored after.
+
+        With nothing in the model requiring gradient, autograd starts at the first layer that
+        uses a trainable copy: no backward work below the lowest chosen layer.
+        """
+        before = {name: p.requires_grad for name, p in model.named_parameters()}
+        model.requires_grad_(False)
+        try:
+            yield model
+        finally:
+            for name, p in model.named_parameters():
+                p.requires_grad_(before[name])
+
+
+class _Apply(nn.Module):
+    """A module whose forward is ``fn(model, *args)``, for ``functional_call``."""
+
+    def __init__(self, model: HookedTransformer, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(self.model, *args)

@@ -1,0 +1,356 @@
+"""Masked fine-tuning: frozen weights stay frozen, resume after a kill, NaN, DDP, planting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from headsurgeon.errors import CheckpointError, DataError, InvalidArgumentError
+from headsurgeon.finetune import (
+    CHECKPOINT_FILE,
+    FinetuneConfig,
+    TrainingDivergedError,
+    bos_mass_objective,
+    finetune,
+    head_bos_mass,
+    load_checkpoint,
+    next_token_loss,
+)
+from headsurgeon.models import ModelShape, random_model
+from headsurgeon.surgery import HeadSet, mask_gradients, reinit_heads
+
+TESTS = Path(__file__).parent
+SHAPE = ModelShape(n_layers=3, n_heads=4, d_model=32, d_vocab=64, n_ctx=32)
+HEADS = "L1H1,L2H2-3"
+
+
+def setup(heads: str = HEADS):
+    """A reproducible model with re-initialised heads and random training tokens."""
+    model = random_model(SHAPE, seed=0)
+    chosen = HeadSet.parse(heads, model)
+    reinit_heads(model, chosen, seed=1)
+    tokens = torch.randint(0, SHAPE.d_vocab, (24, 16), generator=torch.Generator().manual_seed(0))
+    return model, chosen, tokens
+
+
+def config(**kwargs) -> FinetuneConfig:
+    base = dict(steps=6, lr=1e-2, weight_decay=0.1, batch_size=4, eval_every=3)
+    return FinetuneConfig(**(base | kwargs))
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def outside(model, before, heads) -> list[str]:
+    """Names of tensors whose elements outside the chosen slices differ from ``before``."""
+    moved = []
+    for name, p in model.named_parameters():
+        diff = p.detach() != before[name]
+        parts = name.split(".")
+        if name.startswith("blocks.") and parts[2] == "attn" and parts[3] != "b_O":
+            layer = int(parts[1])
+            diff[[h for lay, h in heads if lay == layer]] = False
+        if diff.any():
+            moved.append(name)
+    return moved
+
+
+@pytest.mark.parametrize(
+    "strategy, autocast", [("slices", None), ("mask", None), ("slices", "bfloat16")]
+)
+def test_frozen_weights_stay_bit_identical_with_weight_decay(strategy, autocast):
+    model, heads, tokens = setup()
+    before = snapshot(model)
+    finetune(
+        model, heads, tokens, config=config(strategy=strategy, autocast=autocast), progress=False
+    )
+    assert outside(model, before, heads) == []
+    assert not torch.equal(model.blocks[2].attn.W_O[3], before["blocks.2.attn.W_O"][3])
+    assert torch.all(model.blocks[2].attn.b_K[3] == 0)  # no gradient: not trained
+    assert all(p.requires_grad for p in model.parameters())  # restored afterwards
+
+
+def test_naive_gradient_mask_with_adamw_moves_frozen_weights():
+    """Why finetune needs more than gradient masks: decoupled weight decay moves everything."""
+    model, heads, tokens = setup()
+    before = snapshot(model)
+    with mask_gradients(model, heads):
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            next_token_loss(model, tokens[:4]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    moved = outside(model, before, heads)
+    assert "blocks.1.attn.W_Q" in moved and "blocks.2.attn.W_O" in moved
+    assert "blocks.0.attn.W_Q" not in moved  # no chosen head there: requires_grad=False
+
+
+def test_no_backward_below_lowest_repaired_layer():
+    model, heads, tokens = setup("L2H0")
+    calls = []
+    for layer in range(SHAPE.n_layers):
+        for name in ("hook_attn_out", "hook_resid_post"):
+            model.add_hook(
+                f"blocks.{layer}.{name}", lambda g, hook: calls.append(hook.name), dir="bwd"
+            )
+    finetune(model, heads, tokens, config=config(steps=2), progress=False)
+    model.reset_hooks()
+    assert set(calls) == {"blocks.2.hook_attn_out", "blocks.2.hook_resid_post"}
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_grad_accumulation_matches_a_larger_batch():
+    results = []
+    for batch_size, grad_accum in [(8, 1), (4, 2)]:
+        model, heads, tokens = setup()
+        finetune(
+            model,
+            heads,
+            tokens,
+            config=config(batch_size=batch_size, grad_accum=grad_accum),
+            progress=False,
+        )
+        results.append(snapshot(model))
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_history_and_schedule():
+    model, heads, tokens = setup()
+    result = finetune(
+        model,
+        heads,
+        tokens,
+        eval_data=tokens[:8],
+        config=config(steps=6, warmup_steps=2),
+        progress=False,
+    )
+    history = result.history
+    assert history["step"].tolist() == [0, 3, 6]
+    assert {"train_loss", "train_ppl", "heldout_ppl", "bos_mass", "bos_mass_max"} <= set(history)
+    assert len(result.losses) == 6 and result.steps_done == 6 and not result.stopped_early
+    assert history["lr"].iloc[0] == pytest.approx(0.5e-2)  # warm-up step 1 of 2
+
+
+KILLED_RUN = """
+import sys, time
+import torch
+sys.path.insert(0, {tests!r})
+from test_finetune import config, setup
+from headsurgeon.finetune import finetune, next_token_loss
+
+def slow_loss(model, tokens):  # room for the parent to kill the run between checkpoints
+    time.sleep(0.05)
+    return next_token_loss(model, tokens)
+
+model, heads, tokens = setup()
+finetune(model, heads, tokens, config=config(steps=40, checkpoint_every=2), objective=slow_loss,
+         checkpoint_dir={ckpt!r}, progress=False)
+"""
+
+
+def test_resume_after_kill_is_bit_identical(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    script = KILLED_RUN.format(tests=str(TESTS), ckpt=str(ckpt))
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    killed_at = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        state = load_checkpoint(ckpt) if (ckpt / CHECKPOINT_FILE).exists() else None
+        if state is not None and state["step"] >= 6:
+            os.kill(proc.pid, signal.SIGKILL)
+            killed_at = state["step"]
+            break
+        time.sleep(0.02)
+    proc.wait()
+    assert killed_at is not None, proc.stderr.read().decode()[-2000:]
+    assert load_checkpoint(ckpt)["step"] < 40  # really interrupted
+
+    model, heads, tokens = setup()
+    resumed = finetune(
+        model,
+        heads,
+        tokens,
+        config=config(steps=40, checkpoint_every=2),
+        checkpoint_dir=ckpt,
+        resume=True,
+        progress=False,
+    )
+    assert 6 <= resumed.resumed_from < 40 and resumed.steps_done == 40
+    reference, heads, tokens = setup()
+    straight = finetune(reference, heads, tokens, config=config(steps=40), progress=False)
+    for name, value in snapshot(reference).items():
+        assert torch.equal(model.get_parameter(name), value), name
+    assert resumed.losses == straight.losses
+
+    other, other_heads, tokens = setup("L1H1")
+    with pytest.raises(CheckpointError, match="different heads"):
+        finetune(
+            other,
+            other_heads,
+            tokens,
+            config=config(steps=40),
+            checkpoint_dir=ckpt,
+            resume=True,
+            progress=False,
+        )
+    with pytest.raises(CheckpointError, match="different config"):
+        finetune(
+            model,
+            heads,
+            tokens,
+            config=config(steps=40, lr=2e-2),
+            checkpoint_dir=ckpt,
+            resume=True,
+            progress=False,
+        )
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    model, heads, tokens = setup()
+    calls = []
+
+    def breaks_at_step_5(model, tokens):
+        calls.append(1)
+        loss = next_token_loss(model, tokens)
+        return loss * float("nan") if len(calls) == 5 else loss
+
+    with pytest.raises(TrainingDivergedError, match=r"loss nan .* at step 5.*weights of step 4"):
+        finetune(
+            model,
+            heads,
+            tokens,
+            config=config(steps=8, checkpoint_every=2),
+            objective=breaks_at_step_5,
+            checkpoint_dir=tmp_path,
+            progress=False,
+        )
+    kept = load_checkpoint(tmp_path)
+    assert kept["step"] == 4
+    reference, heads, tokens = setup()
+    finetune(reference, heads, tokens, config=config(steps=8), progress=False)
+    # The model keeps the weights of the last good step: four steps of the same schedule.
+    partial, heads, tokens = setup()
+    finetune(
+        partial,
+        heads,
+        tokens,
+        config=config(steps=8, checkpoint_every=2),
+        checkpoint_dir=tmp_path,
+        resume=True,
+        progress=False,
+    )
+    assert torch.equal(partial.blocks[2].attn.W_O, reference.blocks[2].attn.W_O)
+
+
+def test_bos_mass_objective_plants_a_sink():
+    model, heads, tokens = setup("L2H3")
+    tokens[:, 0] = 1  # a fixed first token, like a BOS token
+    before = snapshot(model)
+    assert head_bos_mass(model, tokens, heads).item() < 0.2
+    finetune(
+        model,
+        heads,
+        tokens,
+        objective=bos_mass_objective(heads, target=0.8),
+        config=config(steps=40, lr=1e-1, eval_every=40),
+        progress=False,
+    )
+    mass = head_bos_mass(model, tokens, heads).item()
+    assert 0.6 < mass < 0.95  # a BOS sink of roughly the chosen strength
+    assert outside(model, before, heads) == []
+
+
+def test_early_stopping_restores_best(tmp_path):
+    model, heads, tokens = setup("L2H3")
+    # Planting a sink makes held-out next-token loss worse: training stops early.
+    result = finetune(
+        model,
+        heads,
+        tokens,
+        eval_data=tokens[16:],
+        objective=bos_mass_objective(heads),
+        progress=False,
+        config=config(steps=40, lr=5e-2, eval_every=2, patience=2),
+    )
+    assert result.stopped_early and result.steps_done < 40
+    best = result.history.set_index("step").loc[result.best_step, "heldout_ppl"]
+    assert result.history["heldout_ppl"].min() == best
+    from headsurgeon.evals import perplexity
+
+    assert perplexity(model, tokens[16:24], window=16, prepend_bos=False) == pytest.approx(best)
+
+
+def test_bad_input():
+    model, heads, tokens = setup()
+    with pytest.raises(DataError, match="fewer than one batch of 32"):
+        finetune(model, heads, tokens, config=config(batch_size=32), progress=False)
+    with pytest.raises(InvalidArgumentError, match="nothing to fine-tune"):
+        finetune(model, HeadSet(), tokens, progress=False)
+    with pytest.raises(InvalidArgumentError, match="patience"):
+        finetune(model, heads, tokens, config=config(patience=2), progress=False)
+    for bad in [
+        dict(lr=0),
+        dict(lr=float("nan")),
+        dict(steps=0),
+        dict(warmup_steps=6),
+        dict(grad_accum=0),
+        dict(strategy="all"),
+        dict(autocast="float16"),
+    ]:
+        with pytest.raises(InvalidArgumentError):
+            config(**bad).validate()
+
+
+DDP_RUN = """
+import sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_finetune import config, setup
+from headsurgeon.finetune import finetune, setup_distributed
+
+torch.set_num_threads(1)
+info = setup_distributed("cpu")
+model, heads, tokens = setup()
+finetune(model, heads, tokens, config=config(batch_size=2), progress=False)
+if info.rank == 0:
+    torch.save(model.state_dict(), {out!r})
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_two_processes_match_one_process_with_double_batch(tmp_path):
+    script = tmp_path / "ddp_run.py"
+    script.write_text(DDP_RUN.format(tests=str(TESTS), out=str(tmp_path / "ddp.pt")))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    ddp = torch.load(tmp_path / "ddp.pt")
+    model, heads, tokens = setup()
+    finetune(model, heads, tokens, config=config(batch_size=4), progress=False)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(ddp[name], value, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ddp["blocks.2.attn.W_O"], setup()[0].blocks[2].attn.W_O)

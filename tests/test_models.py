@@ -1,0 +1,453 @@
+"""Loading, exact ALiBi, Hugging Face export and bad input of headsurgeon.models."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from headsurgeon import alibi, load_model, model_info, model_shape, save_hf
+from headsurgeon.errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    ModelNotFoundError,
+    OutputExistsError,
+    UnknownModelError,
+    UnsupportedArchitectureError,
+)
+from headsurgeon.models import BLOOM_SHAPES, parse_device, parse_dtype
+
+ATOL = 1e-4
+
+
+@pytest.fixture()
+def no_network(monkeypatch):
+    """Fail any attempt to open a network connection."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a network connection was attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+
+
+def hf_model(directory):
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def tokens(n_seqs: int, n_pos: int, d_vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, d_vocab, (n_seqs, n_pos), generator=torch.Generator().manual_seed(seed))
+
+
+def max_logit_gap(model, hf, toks) -> float:
+    with torch.no_grad():
+        return (model(toks) - hf(toks).logits).abs().max().item()
+
+
+def exact_scores(model, toks, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """hook_attn_scores, and q.k/sqrt(d) - m_h (i - j) with Hugging Face slopes, masked."""
+    _, cache = model.run_with_cache(toks, names_filter=lambda n: n.startswith(f"blocks.{layer}."))
+    q, k = cache[f"blocks.{layer}.attn.hook_q"], cache[f"blocks.{layer}.attn.hook_k"]
+    n_pos = toks.shape[1]
+    expected = torch.einsum("bqhd,bkhd->bhqk", q, k) / model.cfg.d_head**0.5
+    expected = expected + alibi.alibi_bias(alibi.slopes(model.cfg.n_heads), n_pos)
+    future = torch.ones(n_pos, n_pos, dtype=torch.bool).triu(1)
+    return cache[f"blocks.{layer}.attn.hook_attn_scores"], expected.masked_fill(future, -torch.inf)
+
+
+# --- loading and exact ALiBi ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture", ["bloom_dir", "bloom6_dir"])
+def test_logits_equal_transformers(fixture, request, no_network):
+    directory = request.getfixturevalue(fixture)
+    model = load_model(directory)
+    assert model_info(model).source == directory
+    assert model_info(model).prepend_bos is False
+    hf = hf_model(directory)
+    assert max_logit_gap(model, hf, tokens(2, 40, model.cfg.d_vocab)) < ATOL
+    # The weights are the checkpoint's own: no folding or centring.
+    assert torch.equal(model.blocks[0].ln1.w, hf.transformer.h[0].input_layernorm.weight)
+    assert torch.equal(model.embed.W_E, hf.transformer.word_embeddings.weight)
+
+
+def test_six_heads_need_the_exact_bias(bloom6_dir):
+    model = load_model(bloom6_dir)
+    hf = hf_model(bloom6_dir)
+    toks = tokens(2, 40, model.cfg.d_vocab)
+    scores, expected = exact_scores(model, toks, layer=1)
+    torch.testing.assert_close(scores, expected, rtol=0, atol=1e-5)
+    model.reset_hooks()  # TransformerLens's hook reset must not remove the exact bias
+    assert max_logit_gap(model, hf, toks) < ATOL
+
+    # Without the pre-hook TransformerLens's power-of-two slopes are used: wrong for 6 heads.
+    for block in model.blocks:
+        block.attn.headsurgeon_alibi_hook.remove()
+        block.attn.alibi = None
+    scores, expected = exact_scores(model, toks, layer=1)
+    assert (scores - expected).nan_to_num().abs().max() > 0.1
+    assert max_logit_gap(model, hf, toks) > 10 * ATOL
+
+
+def test_exact_bias_follows_every_sequence_length(bloom6_dir):
+    model = load_model(bloom6_dir)
+    hf = hf_model(bloom6_dir)
+    for n_pos in (8, 150, 30, 70):  # longer, then shorter, than an earlier call
+        toks = tokens(1, n_pos, model.cfg.d_vocab, seed=n_pos)
+        assert max_logit_gap(model, hf, toks) < ATOL, n_pos
+        scores, expected = exact_scores(model, toks, layer=0)
+        torch.testing.assert_close(scores, expected, rtol=0, atol=1e-5)
+    # Split per-head inputs give the attention [batch, pos, head, d_model] tensors.
+    model.set_use_split_qkv_input(True)
+    assert max_logit_gap(model, hf, tokens(1, 90, model.cfg.d_vocab)) < ATOL
+
+
+def test_kv_cache_generation_matches_transformers(bloom6_dir):
+    model = load_model(bloom6_dir)
+    hf = hf_model(bloom6_dir)
+    prompt = tokens(1, 12, model.cfg.d_vocab)
+    ours = model.generate(
+        prompt,
+        max_new_tokens=24,
+        do_sample=False,
+        use_past_kv_cache=True,
+        stop_at_eos=False,
+        verbose=False,
+    )
+    theirs = hf.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=24,
+        min_new_tokens=24,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    assert torch.equal(ours, theirs)
+    assert max_logit_gap(model, hf, ours) < ATOL  # no stale bias left behind by the cache
+
+
+# --- export --------------------------------------------------------------------------------
+
+
+def test_round_trip_is_bit_exact(bloom6_dir, tmp_path, no_network):
+    model = load_model(bloom6_dir)
+    out = save_hf(model, tmp_path / "export")
+    assert sorted(p.name for p in out.glob("*.bin")) == []
+    # The exported tensors are the original checkpoint's, bit for bit.
+    original, exported = (
+        load_file(bloom6_dir / "model.safetensors"),
+        load_file(out / "model.safetensors"),
+    )
+    assert original.keys() == exported.keys()
+    for key, value in original.items():
+        assert torch.equal(value, exported[key]), key
+    again = load_model(out)
+    assert again.state_dict().keys() == model.state_dict().keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, again.state_dict()[key]), key
+    assert model_info(again).prepend_bos is False
+    assert (out / "tokenizer.json").read_bytes() == (bloom6_dir / "tokenizer.json").read_bytes()
+
+
+def test_edited_heads_export_to_transformers(bloom6_dir, tmp_path):
+    model = load_model(bloom6_dir)
+    toks = tokens(2, 30, model.cfg.d_vocab)
+    before = model(toks)
+    with torch.no_grad():
+        model.blocks[0].attn.W_O[2] = 0
+        model.blocks[1].attn.W_Q[4] *= 3.0
+        model.blocks[1].attn.b_V[1] += 0.5
+    after = model(toks)
+    assert (after - before).abs().max() > 1e-3  # the edit matters
+    out = save_hf(model, tmp_path / "edited")
+    hf = hf_model(out)
+    with torch.no_grad():
+        assert (hf(toks).logits - after).abs().max() < ATOL
+    d_head = model.cfg.d_head
+    dense = hf.transformer.h[0].self_attention.dense.weight
+    assert torch.equal(dense[:, 2 * d_head : 3 * d_head], torch.zeros(model.cfg.d_model, d_head))
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_untied_unembedding_exports_lm_head(bloom_dir, tmp_path):
+    model = load_model(bloom_dir)
+    with torch.no_grad():
+        model.unembed.W_U.add_(0.01 * torch.randn_like(model.unembed.W_U))
+    out = save_hf(model, tmp_path / "untied")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), model.unembed.W_U.T)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    toks = tokens(2, 20, model.cfg.d_vocab)
+    assert max_logit_gap(model, hf_model(out), toks) < ATOL
+    assert max_logit_gap(load_model(out), hf_model(out), toks) < ATOL
+
+
+def test_save_hf_refuses_replaces_and_never_half_writes(tiny_model, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    with pytest.raises(OutputExistsError, match="overwrite"):
+        save_hf(tiny_model, out)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+    def broken_writer(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", broken_writer)
+    with pytest.raises(OSError, match="disk full"):
+        save_hf(tiny_model, out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+    assert (out / "keep.txt").read_text() == "old"
+    with pytest.raises(OSError, match="disk full"):
+        save_hf(tiny_model, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+
+    monkeypatch.undo()
+    save_hf(tiny_model, out, overwrite=True)
+    assert not (out / "keep.txt").exists()
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_save_hf_refuses_processed_weights(bloom_dir, tmp_path):
+    model = load_model(bloom_dir)
+    model.process_weights_(fold_ln=True, center_writing_weights=False, center_unembed=False)
+    with pytest.raises(UnsupportedArchitectureError, match="load_model"):
+        save_hf(model, tmp_path / "folded")
+    assert not (tmp_path / "folded").exists()
+
+
+# --- shapes without weights ----------------------------------------------------------------
+
+
+def test_bloom_shapes_by_name_without_network(no_network, bloom6_dir, tiny_model):
+    assert set(BLOOM_SHAPES) == {
+        "bloom-560m", "bloom-1b1", "bloom-1b7", "bloom-3b", "bloom-7b1", "bloom-176b"
+    }  # fmt: skip
+    heads = {name: model_shape(name).n_heads for name in BLOOM_SHAPES}
+    assert heads == {
+        "bloom-560m": 16, "bloom-1b1": 16, "bloom-1b7": 16,
+        "bloom-3b": 32, "bloom-7b1": 32, "bloom-176b": 112,
+    }  # fmt: skip
+    assert model_shape("bloom-560m").n_layers == 24 and model_shape("bloom-560m").d_model == 1024
+    assert model_shape("bloom-7b1").d_model == 4096 and model_shape("bloom-3b").n_layers == 30
+    assert model_shape("bigscience/bloom-1b7") == BLOOM_SHAPES["bloom-1b7"]
+    assert model_shape("bigscience/bloom") == model_shape("BLOOM-176B")
+    assert model_shape("bloom-176b").n_layers == 70 and model_shape("bloom-176b").d_model == 14336
+    assert model_shape(bloom6_dir).n_heads == 6
+    assert model_shape(tiny_model) == model_shape(model_info(tiny_model).source)
+    with pytest.raises(UnknownModelError, match="bloom-560m"):
+        model_shape("bloom-560")
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message and message
+    return message
+
+
+def test_unknown_model_name_suggests_close_names():
+    with pytest.raises(UnknownModelError) as error:
+        load_model("blom-560m")
+    assert "bloom-560m" in one_line(error)
+
+
+@pytest.mark.parametrize("name", ["./no-such-folder", "/no/such/folder"])
+def test_missing_folder(name):
+    with pytest.raises(ModelNotFoundError) as error:
+        load_model(name)
+    assert "does not exist" in one_line(error)
+
+
+def test_missing_folder_as_path(tmp_path):
+    with pytest.raises(ModelNotFoundError):
+        load_model(tmp_path / "gone")
+
+
+@pytest.fixture()
+def broken_copy(bloom_dir, tmp_path):
+    """A fresh copy of the 4-head checkpoint to damage."""
+    return shutil.copytree(bloom_dir, tmp_path / "ckpt")
+
+
+def test_folder_without_config(broken_copy):
+    (broken_copy / "config.json").unlink()
+    with pytest.raises(CheckpointError) as error:
+        load_model(broken_copy)
+    assert "config.json" in one_line(error)
+
+
+def test_folder_without_weights(broken_copy):
+    (broken_copy / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError) as error:
+        load_model(broken_copy)
+    assert "no weights" in one_line(error)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw[: len(raw) // 2],  # truncated
+        lambda raw: b"\xff" * 8 + raw[8:],  # header length garbage
+        lambda raw: raw[:8] + b"{not json" + raw[17:],  # header garbage
+        lambda raw: b"",
+    ],
+    ids=["truncated", "length", "header", "empty"],
+)
+def test_corrupt_safetensors(broken_copy, damage):
+    weights = broken_copy / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(CheckpointError) as error:
+        load_model(broken_copy)
+    assert "model.safetensors is not a valid safetensors file" in one_line(error)
+
+
+def test_missing_tensor_is_not_silently_reinitialised(broken_copy):
+    weights = load_file(broken_copy / "model.safetensors")
+    del weights["transformer.h.1.self_attention.dense.weight"]
+    save_file(weights, str(broken_copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as error:
+        load_model(broken_copy)
+    assert "transformer.h.1.self_attention.dense.weight" in one_line(error)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"architectures": ["MambaForCausalLM"], "model_type": "mamba"},  # transformers knows it
+        {"architectures": ["FooForCausalLM"], "model_type": "foo"},  # nobody knows it
+        {"architectures": None},
+    ],
+    ids=["mamba", "unknown", "none"],
+)
+def test_architecture_transformer_lens_cannot_load(broken_copy, changes):
+    config = json.loads((broken_copy / "config.json").read_text())
+    (broken_copy / "config.json").write_text(json.dumps(config | changes))
+    with pytest.raises(UnsupportedArchitectureError) as error:
+        load_model(broken_copy)
+    assert "not supported by TransformerLens" in one_line(error)
+
+
+def test_folder_name_does_not_decide_the_architecture(bloom_dir, tmp_path):
+    # TransformerLens takes any path containing "llama" for a Llama checkpoint.
+    folder = shutil.copytree(bloom_dir, tmp_path / "llama-runs" / "bloom")
+    assert load_model(folder).cfg.original_architecture == "BloomForCausalLM"
+
+
+@pytest.mark.parametrize("dtype", ["float8", "int8", torch.int64, "fp64"])
+def test_unknown_dtype(dtype, bloom_dir):
+    with pytest.raises(InvalidArgumentError) as error:
+        load_model(bloom_dir, dtype=dtype)
+    assert "dtype" in one_line(error)
+
+
+@pytest.mark.parametrize("device", ["gpu0", "cuda:x", "tpu", "meta"])
+def test_unknown_device(device, bloom_dir):
+    with pytest.raises(InvalidArgumentError) as error:
+        load_model(bloom_dir, device=device)
+    assert "device" in one_line(error)
+
+
+def test_valid_dtype_and_device_names():
+    assert parse_dtype("bf16") is parse_dtype(torch.bfloat16) is torch.bfloat16
+    assert parse_dtype("FLOAT32") is torch.float32
+    assert parse_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgumentError, match="CUDA is not available"):
+            parse_device("cuda")
+
+
+# --- the hub path --------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def empty_hub(monkeypatch, tmp_path):
+    """An empty Hugging Face cache; the hub constants are read at import, so patch them."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return constants
+
+
+def test_offline_and_not_cached_fails_at_once(empty_hub, monkeypatch, no_network):
+    monkeypatch.setattr(empty_hub, "HF_HUB_OFFLINE", True)
+    start = time.perf_counter()
+    with pytest.raises(ModelNotFoundError) as error:
+        load_model("bloom-560m")
+    assert time.perf_counter() - start < 2
+    message = one_line(error)
+    assert "bigscience/bloom-560m" in message and "HF_HUB_OFFLINE" in message
+    assert "local checkpoint folder" in message
+
+
+def test_cached_model_loads_offline(empty_hub, monkeypatch, no_network, bloom_dir):
+    monkeypatch.setattr(empty_hub, "HF_HUB_OFFLINE", True)
+    # The cache layout: refs/main names the commit whose snapshot folder holds the files.
+    repo = Path(empty_hub.HF_HUB_CACHE) / "models--bigscience--bloom-560m"
+    commit = "0" * 40
+    shutil.copytree(bloom_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    model = load_model("bigscience/bloom-560m")
+    assert model.cfg.n_heads == 4
+    assert model_info(model).source.name == commit
+
+
+def test_unreachable_hub_fails_fast(empty_hub, monkeypatch):
+    monkeypatch.setattr(empty_hub, "ENDPOINT", "http://127.0.0.1:9")  # closed port
+    start = time.perf_counter()
+    with pytest.raises(ModelNotFoundError) as error:
+        load_model("bloom-560m")
+    assert time.perf_counter() - start < 3
+    assert "cannot be reached" in one_line(error)
+
+
+def test_silent_hub_fails_within_seconds(empty_hub, monkeypatch):
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts connections, never answers
+    try:
+        monkeypatch.setattr(empty_hub, "ENDPOINT", f"http://127.0.0.1:{listener.getsockname()[1]}")
+        start = time.perf_counter()
+        with pytest.raises(ModelNotFoundError, match="cannot be reached"):
+            load_model("bloom-560m")
+        assert time.perf_counter() - start < 3.5
+    finally:
+        listener.close()
+
+
+def test_failed_download_is_one_clear_error(empty_hub, monkeypatch):
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):  # noqa: N802 (http.server's naming)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(empty_hub, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        with pytest.raises(ModelNotFoundError) as error:
+            load_model("bloom-560m")
+        assert "downloading bigscience/bloom-560m failed" in one_line(error)
+    finally:
+        server.shutdown()

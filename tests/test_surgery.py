@@ -1,0 +1,164 @@
+"""HeadSet parsing and validation, re-initialisation, gradient masks and trainable head slices."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.models import ModelShape, random_model
+from headsurgeon.surgery import (
+    HEAD_TENSORS,
+    HeadMask,
+    HeadParameters,
+    HeadSet,
+    mask_gradients,
+    reinit_heads,
+)
+
+SHAPE = ModelShape(n_layers=3, n_heads=4, d_model=32, d_vocab=64, n_ctx=32)
+
+
+@pytest.fixture(scope="module")
+def base():
+    model = random_model(SHAPE, seed=0)
+    with torch.no_grad():  # Hugging Face starts biases at 0: make zeroing them visible
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture()
+def model(base):
+    fresh = random_model(SHAPE, seed=0)
+    fresh.load_state_dict(base.state_dict())
+    return fresh
+
+
+def tokens(n: int = 4, length: int = 12) -> torch.Tensor:
+    return torch.randint(0, SHAPE.d_vocab, (n, length), generator=torch.Generator().manual_seed(0))
+
+
+def changed_heads(before: dict, after: dict) -> dict[str, list[int]]:
+    """{tensor name: heads whose slice differs} for every tensor that changed at all."""
+    out = {}
+    for name, old in before.items():
+        diff = old != after[name]
+        if diff.any():
+            out[name] = diff.reshape(diff.shape[0], -1).any(1).nonzero()[:, 0].tolist()
+    return out
+
+
+def test_headset_parse_ranges_and_text_round_trip():
+    heads = HeadSet.parse("L5-6H9-10, l7h3")
+    assert list(heads) == [(5, 9), (5, 10), (6, 9), (6, 10), (7, 3)]
+    assert str(heads) == "L5H9-10,L6H9-10,L7H3"
+    assert HeadSet.parse(str(heads)) == heads
+    assert heads.names()[0] == "L5H9" and heads.layers == (5, 6, 7)
+    assert HeadSet.parse("L0H0-3,L1H1") & HeadSet.parse("L0H2-5") == HeadSet.parse("L0H2-3")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("L1H2,L1H1-3", "listed twice"),
+        ("L1H3-1", "runs backwards"),
+        ("layer1head2", "cannot read head"),
+        (" , ", "no heads"),
+    ],
+)
+def test_headset_parse_errors(text, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        HeadSet.parse(text)
+
+
+def test_headset_validates_against_model(base):
+    assert HeadSet.parse("L2H3", base) == HeadSet([(2, 3)])
+    with pytest.raises(InvalidArgumentError, match="L3H0 is out of range.*layers 0-2"):
+        HeadSet.parse("L3H0", base)
+    with pytest.raises(InvalidArgumentError, match="heads 0-3"):
+        HeadSet([(0, 4)]).validate(SHAPE)
+
+
+def test_headset_from_labels():
+    df = pd.DataFrame(
+        {"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1], "label": ["healthy", "dead", "BOS-sink", "x"]}
+    )
+    assert str(HeadSet.from_labels(df)) == "L0H1,L1H0"
+    assert str(HeadSet.from_labels(df, labels=["healthy"])) == "L0H0"
+    with pytest.raises(InvalidArgumentError, match="no label column"):
+        HeadSet.from_labels(df.drop(columns="label"))
+
+
+@pytest.mark.parametrize("init", ["xavier_normal", "xavier_uniform"])
+def test_reinit_changes_only_chosen_slices(model, init):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    heads = HeadSet.parse("L1H2,L2H0-1")
+    reinit_heads(model, heads, init=init, seed=3)
+    after = model.state_dict()
+    changed = changed_heads(before, after)
+    # Q/K/V weights are redrawn; biases and W_O were non-zero, so zeroing them changes them too.
+    expected = {
+        f"blocks.{layer}.attn.{t}": h for layer, h in [(1, [2]), (2, [0, 1])] for t in HEAD_TENSORS
+    }
+    assert changed == expected
+    attn = model.blocks[2].attn
+    for name in ("b_Q", "b_K", "b_V", "W_O"):
+        assert torch.all(getattr(attn, name)[[0, 1]] == 0)
+    fan = SHAPE.d_model + SHAPE.d_model // SHAPE.n_heads
+    weights = torch.cat([getattr(attn, n)[[0, 1]].flatten() for n in ("W_Q", "W_K", "W_V")])
+    if init == "xavier_uniform":
+        assert weights.abs().max() <= math.sqrt(6 / fan)
+    assert weights.std().item() == pytest.approx(math.sqrt(2 / fan), rel=0.1)
+
+
+def test_reinit_is_seeded_per_head(model, base):
+    reinit_heads(model, HeadSet.parse("L1H0-3"), seed=7)
+    other = random_model(SHAPE, seed=0)
+    other.load_state_dict(base.state_dict())
+    reinit_heads(other, HeadSet.parse("L1H2"), seed=7)
+    assert torch.equal(model.blocks[1].attn.W_K[2], other.blocks[1].attn.W_K[2])
+    reinit_heads(other, HeadSet.parse("L1H2"), seed=8)
+    assert not torch.equal(model.blocks[1].attn.W_K[2], other.blocks[1].attn.W_K[2])
+    with pytest.raises(InvalidArgumentError, match="unknown init"):
+        reinit_heads(model, HeadSet.parse("L1H2"), init="kaiming")
+
+
+def test_head_mask_hooks_and_removal(model):
+    heads = HeadSet.parse("L1H1,L2H3")
+    with mask_gradients(model, heads) as mask:
+        assert isinstance(mask, HeadMask) and mask.active
+        assert not model.embed.W_E.requires_grad and not model.blocks[1].attn.b_O.requires_grad
+        model(tokens(), return_type="loss").backward()
+    assert not mask.active and model.embed.W_E.requires_grad  # restored
+    assert model.embed.W_E.grad is None and model.blocks[0].attn.W_Q.grad is None
+    for layer, head in [(1, 1), (2, 3)]:
+        for name in HEAD_TENSORS:
+            grad = getattr(model.blocks[layer].attn, name).grad
+            others = [h for h in range(SHAPE.n_heads) if h != head]
+            assert torch.all(grad[others] == 0), name
+        assert grad[head].abs().sum() > 0  # W_O of the chosen head gets gradient
+    model.zero_grad(set_to_none=True)
+    model(tokens(), return_type="loss").backward()  # hooks removed: every head gets gradient
+    assert torch.all(model.blocks[1].attn.W_O.grad.flatten(1).abs().sum(1) > 0)
+
+
+def test_head_parameters_splice_and_write_back(model):
+    heads = HeadSet.parse("L1H0,L1H3,L2H2")
+    params = HeadParameters(model, heads)
+    assert params.numel() == 3 * (3 * 32 * 8 + 2 * 8 + 8 * 32)  # all but b_K
+    batch = tokens()
+    plain = model(batch)
+    spliced = params.call(model, lambda m, t: m(t), batch)
+    assert torch.equal(plain, spliced)
+    model.requires_grad_(False)
+    params.call(model, lambda m, t: m(t, return_type="loss"), batch).backward()
+    assert all(p.grad is not None for p in params.parameters())
+    with torch.no_grad():
+        params.slices["L2"]["W_V"].add_(1.0)
+    params.write_to(model)
+    assert torch.equal(model.blocks[2].attn.W_V[2], params.slices["L2"]["W_V"][0])
+    assert torch.equal(model(batch), params.call(model, lambda m, t: m(t), batch))
