@@ -1,20 +1,40 @@
 """headsurgeon: census, underflow blindness and surgical repair of ALiBi attention heads.
 
-The public API gathers here; each concept lives in its own module (see README.md).
+The public API gathers here; each concept lives in its own module (see README.md). Names are
+imported on first use (PEP 562), so ``python -m headsurgeon.<tool>`` runs each tool's module once,
+as ``__main__``, without the package importing a second copy first.
 """
 
-from headsurgeon.census import run_census
-from headsurgeon.classify import Thresholds, classify_heads, threshold_sweep
-from headsurgeon.models import load_model, model_info, model_shape, save_hf
+import importlib
 
-__all__ = [
-    "Thresholds",
-    "classify_heads",
-    "load_model",
-    "model_info",
-    "model_shape",
-    "run_census",
-    "save_hf",
-    "threshold_sweep",
-]
+# Public name -> the module (under headsurgeon) that defines it.
+_EXPORTS = {
+    "Thresholds": "classify",
+    "analytic_blindness": "blindness",
+    "classify_heads": "classify",
+    "load_model": "models",
+    "measure_blindness": "blindness",
+    "mitigation": "blindness",
+    "model_info": "models",
+    "model_shape": "models",
+    "needle": "evals",
+    "passkey": "evals",
+    "perplexity": "evals",
+    "run_census": "census",
+    "save_hf": "models",
+    "threshold_sweep": "classify",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'headsurgeon' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"headsurgeon.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -283,13 +283,15 @@ def blind_distance(
     bias: str = "standard",
     **params,
 ) -> float | Float[Tensor, " head"]:
-    """The first distance at which a key's attention weight is at most the dtype's threshold.
+    """The distance from which a key's attention weight must be at most the dtype's threshold.
 
     Assumes every key has the same content logit, so the bias alone sets how far the key falls
-    below the row's best logit, the query's own position (distance 0): the weight there is at most
+    below the row's best logit, the query's own position (distance 0): its weight is at most
     ``exp(-gap(d))`` with ``gap(d) = bias(0) - bias(d)``, and the head is blind from the first ``d``
-    with ``gap(d) >= T = -log_threshold(dtype, threshold)``. A key whose content logit beats the
-    others' by ``Δ`` is seen ``Δ / m`` tokens further (for standard ALiBi). Per kind:
+    with ``gap(d) >= T = -log_threshold(dtype, threshold)``. The softmax normaliser ``Z >= 1``
+    makes real zeros start up to ``ln(Z) / m`` tokens earlier (``Z <= 1 / (1 - exp(-m))`` for
+    equal content); a key whose content logit beats the others' by ``Δ`` is seen ``Δ / m`` tokens
+    further (standard ALiBi). Per kind:
 
     * ``standard``: ``ceil(T / m)``; ``clamped``: the same if ``c >= T``, else never (``inf``);
     * ``log``: ``ceil(exp(T / m) - 1)``;

@@ -62,6 +62,14 @@ def _describe(data: Data) -> str:
     return ", ".join(files) if files else f"{len(items)} text(s) given in memory"
 
 
+def _check_rows(n_pos: int, min_query_pos: int) -> None:
+    if n_pos <= min_query_pos:
+        raise DataError(
+            f"sequences of {n_pos} tokens have no query rows at or after min_query_pos="
+            f"{min_query_pos}; use a longer --seq-len or a smaller --min-query-pos"
+        )
+
+
 def _check_tokens(model: HookedTransformer, tokens: Tensor, min_query_pos: int) -> None:
     n_pos = tokens.shape[1]
     if n_pos > model.cfg.n_ctx:
@@ -69,11 +77,7 @@ def _check_tokens(model: HookedTransformer, tokens: Tensor, min_query_pos: int) 
             f"sequences of {n_pos} tokens are beyond the model's context of {model.cfg.n_ctx}; "
             "use shorter sequences"
         )
-    if n_pos <= min_query_pos:
-        raise DataError(
-            f"sequences of {n_pos} tokens have no query rows at or after min_query_pos="
-            f"{min_query_pos}; use a longer --seq-len or a smaller --min-query-pos"
-        )
+    _check_rows(n_pos, min_query_pos)
     if tokens.min() < 0 or tokens.max() >= model.cfg.d_vocab:
         raise DataError(
             f"token ids must lie in 0..{model.cfg.d_vocab - 1}, got {tokens.min().item()}.."
@@ -120,6 +124,8 @@ def run_census(
         raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
     info = model_info(model)
     bos = info.prepend_bos if prepend_bos is None else bool(prepend_bos)
+    if not isinstance(data, Tensor):
+        _check_rows(seq_len, min_query_pos)  # before tokenising a whole corpus
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     _check_tokens(model, tokens, min_query_pos)
     if not isinstance(data, Tensor) and tokens.shape[0] < n_seqs:

@@ -222,27 +222,22 @@ def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
     )
     bos, share = classified["bos_mass"].to_numpy(), classified["output_share"].to_numpy()
     low, high = max(t.sink - NEAR, 0.0), min(t.sink + NEAR, t.dead - 1e-9)
-    sick = [
+    most, fewest = (
         int(np.sum(label_heads(bos, share, dataclasses.replace(t, sink=s)) != "healthy"))
         for s in (low, high)
-    ]
+    )
     near = int(np.sum(np.abs(bos - t.sink) <= NEAR))
     lines.append(
         f"sensitivity: {near} head(s) have BOS mass within {NEAR} of the sink threshold; "
-        f"sick count {sick[1]}-{sick[0]} for sink thresholds {low:.2f}-{high:.2f}"
+        f"sick count {fewest}-{most} for sink thresholds {low:.2f}-{high:.2f}"
     )
-    per_layer = (
-        classified.groupby("layer")
-        .agg(
-            healthy=("label", lambda s: int((s == "healthy").sum())),
-            sink=("label", lambda s: int((s == "BOS-sink").sum())),
-            dead=("label", lambda s: int((s == "dead").sum())),
-            bos_mean=("bos_mass", "mean"),
-            bos_max=("bos_mass", "max"),
-            entropy=("entropy", "mean"),
+    per_layer = pd.crosstab(classified["layer"], classified["label"])
+    per_layer = per_layer.reindex(columns=list(LABELS), fill_value=0).join(
+        classified.groupby("layer").agg(
+            bos_mean=("bos_mass", "mean"), bos_max=("bos_mass", "max"), entropy=("entropy", "mean")
         )
-        .rename(columns={"sink": "BOS-sink"})
     )
+    per_layer.columns.name = None
     lines += ["", "per layer:", per_layer.to_string(float_format="{:.3f}".format)]
     strongest = classified.nlargest(top, "bos_mass")
     shown = ["layer", "head", "slope", "bos_mass", "bos_mass_std", "entropy", "output_share"]

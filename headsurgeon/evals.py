@@ -1,7 +1,13 @@
 """Evaluations: perplexity with a sliding window, passkey retrieval and needle in a haystack.
 
 Exports:
-    perplexity(model, data, window, stride, batch_size)   token-weighted perplexity (float)
+    perplexity(model, data, window, stride, batch_size)  token-weighted perplexity (float)
+    passkey(model, lengths, depths, n_trials, seed)      Retrieval: the passkey task
+    needle(model, haystack_texts, lengths, depths, ...)  Retrieval: needle in a haystack
+    Retrieval                                            trials, table (length x depth), summary
+    length_auc(lengths, values), summarize(table, ...)   AUC over context lengths, in/out of context
+    sliding_windows(n_tokens, window, stride)            the windows perplexity scores
+    default_window(model), check_length(model, length)
 
 Every evaluation only runs the model forward, so it runs unchanged under any
 ``headsurgeon.blindness.mitigation(...)``.
@@ -9,17 +15,21 @@ Every evaluation only runs the model forward, so it runs unchanged under any
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 
+import numpy as np
+import pandas as pd
 import torch
-from jaxtyping import Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
-from headsurgeon.data import Data, _bos_id, _texts, batches, tokenize
+from headsurgeon.data import CORPORA, Data, _bos_id, _texts, batches, bundled_text, tokenize
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.models import model_info
 
@@ -71,11 +81,13 @@ def sliding_windows(
         begin += stride
 
 
-def _token_streams(model: HookedTransformer, data: Data) -> list[Int[Tensor, "pos"]]:
+def _token_streams(model: HookedTransformer, data: Data) -> list[Int[Tensor, " pos"]]:
     """Data as independent token streams: each text, or each row of a token tensor."""
     if isinstance(data, Tensor):
         if data.ndim not in (1, 2) or data.numel() == 0:
-            raise DataError(f"token tensor must be [pos] or [n, pos] and non-empty, got {data.shape}")
+            raise DataError(
+                f"token tensor must be [pos] or [n, pos] and non-empty, got {data.shape}"
+            )
         return list(data.long().reshape(-1, data.shape[-1]))
     return [torch.tensor(tokenize(model, text), dtype=torch.long) for text in _texts(data)]
 
@@ -137,3 +149,300 @@ def perplexity(
     progress.close()
     return math.exp(total_nll / total_tokens)
 
+
+# --- Retrieval: passkey and needle in a haystack ---------------------------------------------
+
+PASSKEY_INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorise it. I will quiz you about it.\n"
+)
+PASSKEY_NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+NEEDLE_SENTENCE = " The special magic word is {key}. "
+NEEDLE_QUESTION = "\nWhat is the special magic word? The special magic word is"
+# Common, single-word values of the needle; distractors are drawn from the same list.
+NEEDLE_WORDS = (
+    "apple", "river", "lantern", "violin", "tiger", "marble", "garden", "rocket",
+    "pepper", "castle", "falcon", "mirror", "velvet", "thunder", "orchid", "copper",
+    "island", "candle", "dragon", "meadow", "anchor", "harbor", "silver", "winter",
+)  # fmt: skip
+METRICS = ("greedy_accuracy", "top1_accuracy")
+
+
+@dataclasses.dataclass
+class Retrieval:
+    """Result of :func:`passkey` or :func:`needle`.
+
+    ``trials``: one row per prompt; ``table``: one row per (context_length, depth) with the mean
+    of each metric; ``summary``: the AUC over context lengths of each metric, per split
+    (``in_context``: lengths up to ``train_ctx``; ``out_of_context``; ``all``), with the chance
+    level. See :func:`length_auc`.
+    """
+
+    task: str
+    trials: pd.DataFrame
+    table: pd.DataFrame
+    summary: pd.DataFrame
+    train_ctx: int
+
+
+def length_auc(lengths: Sequence[float], values: Sequence[float]) -> float:
+    """Normalised area under ``values`` against ``log2(length)``: the mean height of the curve.
+
+    Trapezoids over the sorted log lengths, divided by their span, so a constant curve ``a`` has
+    AUC ``a`` whatever the lengths; a single length gives its value; none gives NaN.
+
+    >>> length_auc([64, 128, 256], [1.0, 1.0, 0.0])
+    0.75
+    >>> length_auc([512], [0.25]), length_auc([], [])
+    (0.25, nan)
+    """
+    if len(lengths) == 0:
+        return math.nan
+    order = np.argsort(lengths)
+    x = np.log2(np.asarray(lengths, dtype=float)[order])
+    y = np.asarray(values, dtype=float)[order]
+    if len(x) == 1:
+        return float(y[0])
+    return float(np.trapezoid(y, x) / (x[-1] - x[0]))
+
+
+def summarize(table: pd.DataFrame, train_ctx: int) -> pd.DataFrame:
+    """AUC over context lengths of each metric (depth-averaged), in and out of context."""
+    per_length = table.groupby("context_length")[list(METRICS)].mean()
+    lengths = per_length.index.to_numpy()
+    splits = {
+        "in_context": lengths <= train_ctx,
+        "out_of_context": lengths > train_ctx,
+        "all": np.ones(len(lengths), bool),
+    }
+    chance = {"greedy_accuracy": 0.0, "top1_accuracy": float(table["chance"].iloc[0])}
+    rows = [
+        {
+            "metric": metric,
+            "split": split,
+            "auc": length_auc(lengths[mask], per_length[metric].to_numpy()[mask]),
+            "n_lengths": int(mask.sum()),
+            "lengths": " ".join(map(str, lengths[mask])),
+            "chance": chance[metric],
+        }
+        for metric in METRICS
+        for split, mask in splits.items()
+    ]
+    return pd.DataFrame(rows)
+
+
+def _check_depths(depths: Sequence[float]) -> list[float]:
+    depths = list(depths)
+    if not depths or any(not isinstance(d, (int, float)) or not 0 <= d <= 1 for d in depths):
+        raise InvalidArgumentError(f"depths must be fractions between 0 and 1, got {depths}")
+    return depths
+
+
+def _check_count(value: int, what: str, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidArgumentError(
+            f"{what} must be an integer of at least {minimum}, got {value!r}"
+        )
+    return value
+
+
+def _filler(
+    model: HookedTransformer, text: str, n_tokens: int, rng: np.random.Generator
+) -> Int[Tensor, " pos"]:
+    """``n_tokens`` consecutive tokens from a random place in ``text``.
+
+    Only a stretch of a few characters per token is tokenised (doubled until it is enough), and
+    its first token is dropped because it may be the end of a cut word.
+    """
+    span = 4 * n_tokens + 64
+    while True:
+        start = int(rng.integers(0, max(1, len(text) - span)))
+        ids = tokenize(model, text[start : start + span])[1:]
+        if len(ids) >= n_tokens:
+            return torch.tensor(ids[:n_tokens], dtype=torch.long)
+        if span >= len(text):
+            raise DataError(f"the filler text has fewer than {n_tokens} tokens; give more text")
+        span *= 2
+
+
+@torch.no_grad()
+def _answer_scores(
+    model: HookedTransformer, prompt: Tensor, candidates: list[Tensor]
+) -> tuple[Float[Tensor, " candidate"], Bool[Tensor, " candidate"]]:
+    """Log-likelihood of each candidate after ``prompt`` and whether greedy decoding gives it.
+
+    All candidates go in one batch, right-padded (padding after a candidate cannot change its
+    causal logits). Only the answer positions are unembedded. Greedy decoding produces a
+    candidate exactly when every one of its tokens is the argmax given the tokens before it.
+    """
+    n = len(prompt)
+    width = max(len(c) for c in candidates)
+    batch = torch.zeros(len(candidates), n + width - 1, dtype=torch.long)
+    for i, c in enumerate(candidates):
+        batch[i, :n] = prompt
+        batch[i, n : n + len(c) - 1] = c[:-1]
+    device = model.cfg.device or "cpu"
+    resid = model(batch.to(device), stop_at_layer=model.cfg.n_layers)[:, n - 1 :]
+    logprobs = model.unembed(model.ln_final(resid)).float().log_softmax(-1).cpu()
+    loglik, greedy = torch.zeros(len(candidates)), torch.zeros(len(candidates), dtype=torch.bool)
+    for i, c in enumerate(candidates):
+        rows = logprobs[i, : len(c)]
+        loglik[i] = rows.gather(-1, c[:, None]).sum()
+        greedy[i] = bool((rows.argmax(-1) == c).all())
+    return loglik, greedy
+
+
+def _retrieval(
+    model: HookedTransformer,
+    task: str,
+    text: str,
+    parts: dict[str, str],
+    draw: Callable[[np.random.Generator], list[str]],
+    *,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    n_trials: int,
+    seed: int,
+    train_ctx: int | None,
+) -> Retrieval:
+    """Shared engine: build each prompt by token counts, score its candidates, tabulate."""
+    depths = _check_depths(depths)
+    _check_count(n_trials, "n_trials")
+    lengths = [check_length(model, length) for length in lengths]
+    if not lengths:
+        raise InvalidArgumentError("give at least one context length")
+    intro, question = (torch.tensor(tokenize(model, parts[k]), dtype=torch.long) for k in "iq")
+    rng = np.random.default_rng(seed)
+    rows = []
+    total = len(lengths) * len(depths) * n_trials
+    progress = tqdm(total=total, desc=task, disable=total < 20)
+    for length in lengths:
+        for depth in depths:
+            for trial in range(n_trials):
+                keys = draw(rng)  # the true key first, then the distractors
+                needle = torch.tensor(tokenize(model, parts["n"].format(key=keys[0])))
+                n_filler = length - len(intro) - len(needle) - len(question)
+                if n_filler < 0:
+                    raise InvalidArgumentError(
+                        f"context length {length} is too short for the {task} prompt; use at "
+                        f"least {length - n_filler} tokens"
+                    )
+                filler = _filler(model, text, n_filler, rng)
+                cut = round(depth * n_filler)
+                prompt = torch.cat([intro, filler[:cut], needle, filler[cut:], question])
+                answers = [torch.tensor(tokenize(model, " " + k)) for k in keys]
+                if len(prompt) + max(map(len, answers)) - 1 > model.cfg.n_ctx:
+                    raise InvalidArgumentError(
+                        f"context length {length} leaves no room for the answer within the "
+                        f"model's {model.cfg.n_ctx} tokens; use a shorter one"
+                    )
+                loglik, greedy = _answer_scores(model, prompt, answers)
+                rows.append(
+                    {
+                        "context_length": length,
+                        "depth": depth,
+                        "trial": trial,
+                        "key": keys[0],
+                        "needle_position": len(intro) + cut,
+                        "greedy_correct": bool(greedy[0]),
+                        "rank": 1 + int((loglik[1:] >= loglik[0]).sum()),  # ties count against
+                        "true_loglik": loglik[0].item(),
+                        "n_candidates": len(keys),
+                    }
+                )
+                progress.update()
+    progress.close()
+    trials = pd.DataFrame(rows)
+    trials["top1_correct"] = trials["rank"] == 1
+    table = (
+        trials.groupby(["context_length", "depth"], as_index=False)
+        .agg(
+            n_trials=("trial", "size"),
+            greedy_accuracy=("greedy_correct", "mean"),
+            top1_accuracy=("top1_correct", "mean"),
+            mean_rank=("rank", "mean"),
+            mean_true_loglik=("true_loglik", "mean"),
+            n_candidates=("n_candidates", "first"),
+        )
+        .assign(chance=lambda t: 1 / t["n_candidates"])
+    )
+    train_ctx = train_ctx or model_info(model).train_ctx or model.cfg.n_ctx
+    table["in_context"] = table["context_length"] <= train_ctx
+    for frame in (trials, table):
+        frame.attrs.update(task=task, model=model_info(model).name, train_ctx=train_ctx)
+    return Retrieval(task, trials, table, summarize(table, train_ctx), train_ctx)
+
+
+def passkey(
+    model: HookedTransformer,
+    *,
+    lengths: Sequence[int] = (64, 128, 256, 512, 1024),
+    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    n_trials: int = 5,
+    seed: int = 0,
+    n_candidates: int = 10,
+    n_digits: int = 5,
+    filler: str = "shakespeare",
+    train_ctx: int | None = None,
+) -> Retrieval:
+    """The passkey task: a random number hidden in filler text, asked for at the end.
+
+    Each prompt is :data:`PASSKEY_INTRO`, filler tokens with :data:`PASSKEY_NEEDLE` after a
+    ``depth`` fraction of them (0: first, 1: last), then :data:`PASSKEY_QUESTION`; the filler
+    fills the prompt to exactly ``length`` tokens and is a random stretch of a bundled held-out
+    corpus (``filler``: ``shakespeare`` or ``python-docs``) or of the text given. The key is a
+    random ``n_digits``-digit number; it is scored by exact greedy completion and by the rank of
+    its log-likelihood among ``n_candidates`` distinct random numbers (itself included; ties count
+    against it), so ``top1_accuracy`` has chance level ``1 / n_candidates``. ``in_context``:
+    ``length <= train_ctx`` (default: the model's training length, else its context).
+    """
+    _check_count(n_candidates, "n_candidates", 2)
+    _check_count(n_digits, "n_digits")
+    if n_candidates > 9 * 10 ** (n_digits - 1):
+        raise InvalidArgumentError(f"{n_digits}-digit keys cannot give {n_candidates} candidates")
+    text = bundled_text(filler, "heldout") if filler in CORPORA else filler
+    low, high = 10 ** (n_digits - 1), 10**n_digits
+
+    def draw(rng: np.random.Generator) -> list[str]:
+        return [str(k) for k in rng.choice(np.arange(low, high), n_candidates, replace=False)]
+
+    parts = {"i": PASSKEY_INTRO, "n": PASSKEY_NEEDLE, "q": PASSKEY_QUESTION}
+    return _retrieval(
+        model, "passkey", text, parts, draw,
+        lengths=lengths, depths=depths, n_trials=n_trials, seed=seed, train_ctx=train_ctx,
+    )  # fmt: skip
+
+
+def needle(
+    model: HookedTransformer,
+    haystack_texts: Data = None,
+    *,
+    lengths: Sequence[int] = (64, 128, 256, 512, 1024),
+    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    n_trials: int = 5,
+    seed: int = 0,
+    n_candidates: int = 10,
+    words: Sequence[str] = NEEDLE_WORDS,
+    train_ctx: int | None = None,
+) -> Retrieval:
+    """Needle in a haystack: a fact sentence hidden in real text, retrieved by a question.
+
+    The haystack is a random stretch of ``haystack_texts`` (texts or files; default: both
+    bundled held-out corpora) of exactly the tokens needed; :data:`NEEDLE_SENTENCE` with a random
+    word from ``words`` goes in after a ``depth`` fraction of it, and :data:`NEEDLE_QUESTION`
+    follows. Scored like :func:`passkey`, the other candidates being other words of the list.
+    """
+    _check_count(n_candidates, "n_candidates", 2)
+    words = list(words)
+    if len(set(words)) < n_candidates:
+        raise InvalidArgumentError(f"need at least {n_candidates} distinct words, got {len(words)}")
+
+    def draw(rng: np.random.Generator) -> list[str]:
+        return [str(w) for w in rng.choice(sorted(set(words)), n_candidates, replace=False)]
+
+    parts = {"i": "", "n": NEEDLE_SENTENCE, "q": NEEDLE_QUESTION}
+    return _retrieval(
+        model, "needle", "\n\n".join(_texts(haystack_texts)), parts, draw,
+        lengths=lengths, depths=depths, n_trials=n_trials, seed=seed, train_ctx=train_ctx,
+    )  # fmt: skip

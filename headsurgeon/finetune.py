@@ -9,6 +9,8 @@ Exports:
     bos_mass_objective(heads, target)   objective that pushes heads' attention to position 0
     warmup_cosine(warmup, steps)        the learning-rate factor of a step
     setup_distributed(device)           join a torchrun process group (gloo on CPU, NCCL on GPU)
+    load_checkpoint(dir)                the checkpoint a run left in ``dir`` (or None)
+    weights_digest(model, excluding)    digest of the weights: a resume must see the same model
     TrainingDivergedError               a NaN or infinite loss stopped the run
 
 Two strategies keep frozen weights frozen under any AdamW setting, weight decay included:
@@ -345,9 +347,12 @@ class _MaskTrainer(nn.Module):
         self.mask.remove()
 
 
-def _fingerprint(model: HookedTransformer, heads: HeadSet) -> str:
-    """A digest of every weight outside the chosen slices: resuming needs the same frozen model."""
-    masks = head_masks(model, heads)
+def weights_digest(model: HookedTransformer, excluding: HeadSet | None = None) -> str:
+    """A short digest of every weight bit, except the slices of the heads in ``excluding``.
+
+    Resuming checks it: a run can only continue on the same frozen weights.
+    """
+    masks = head_masks(model, excluding) if excluding else {}
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
         values = p.detach()
@@ -515,7 +520,7 @@ def finetune(
     identity = {
         "model": model.cfg.model_name,
         "heads": str(heads),
-        "fingerprint": _fingerprint(model, heads),
+        "fingerprint": weights_digest(model, excluding=heads),
         "world_size": world,
         "config": _config_dict(cfg),
     }

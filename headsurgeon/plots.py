@@ -136,34 +136,33 @@ def _label_markers(df: pd.DataFrame, cell: float, *, showlegend: bool = True) ->
                 name=f"{label} ({len(rows)})",
                 legendgroup=label,
                 showlegend=showlegend,
-                marker={**style, "size": max(6.0, 0.42 * cell)},
+                marker={**style, "size": max(7.0, 0.48 * cell)},
                 hoverinfo="skip",
             )
         )
     return traces
 
 
-def _axes(fig: go.Figure, n_layers: int, n_heads: int, **where) -> None:
-    step = 1 if n_heads <= 16 else 2 if n_heads <= 40 else 8
+def _ticks(n: int, cell: float) -> list[int]:
+    """Every 1st, 2nd, 4th... index, whichever keeps tick labels at least 24 px apart."""
+    step = next(s for s in (1, 2, 4, 8, 16, 32, 64) if s * cell >= 24 or s == 64)
+    return list(range(0, n, step))
+
+
+def _axes(fig: go.Figure, n_layers: int, n_heads: int, cell: float, **where) -> None:
+    common = {"tickmode": "array", "showgrid": False, "zeroline": False, "ticks": "outside"}
     fig.update_xaxes(
         title_text="head",
-        tickmode="array",
-        tickvals=list(range(0, n_heads, step)),
+        tickvals=_ticks(n_heads, cell),
         range=[-0.5, n_heads - 0.5],
-        showgrid=False,
-        zeroline=False,
-        ticks="outside",
+        **common,
         **where,
     )
-    ystep = 1 if n_layers <= 16 else 2 if n_layers <= 40 else 8
     fig.update_yaxes(
         title_text="layer",
-        tickmode="array",
-        tickvals=list(range(0, n_layers, ystep)),
+        tickvals=_ticks(n_layers, cell),
         range=[n_layers - 0.5, -0.5],  # layer 0 on top
-        showgrid=False,
-        zeroline=False,
-        ticks="outside",
+        **common,
         **where,
     )
 
@@ -174,8 +173,8 @@ def _subtitle(df: pd.DataFrame) -> str:
         return ""
     position0 = "BOS token" if a.get("prepend_bos") else "first text token"
     return (
-        f"{a.get('model', '')} · {a['n_seqs']} sequences × {a.get('seq_len')} tokens · "
-        f"position 0 = {position0} · query rows t ≥ {a.get('min_query_pos')}"
+        f"{a.get('model', '')} · {a['n_seqs']} seqs × {a.get('seq_len')} tokens · "
+        f"position 0: {position0} · rows t ≥ {a.get('min_query_pos')}"
     )
 
 
@@ -262,9 +261,10 @@ def head_grid(
     )
     for trace in _label_markers(df, cell):
         fig.add_trace(trace)
-    _axes(fig, n_layers, n_heads)
+    _axes(fig, n_layers, n_heads, cell)
     plot_size = _plot_size(n_layers, n_heads, cell)
-    _layout(fig, title or _title(metric), _subtitle(df), plot_size, legend="label" in df.columns)
+    default = _title(metric)[0].upper() + _title(metric)[1:]
+    _layout(fig, title or default, _subtitle(df), plot_size, legend="label" in df.columns)
     return fig
 
 
@@ -315,12 +315,12 @@ def label_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
         )
     for trace in _label_markers(df, cell, showlegend=False):
         fig.add_trace(trace)
-    _axes(fig, n_layers, n_heads)
+    _axes(fig, n_layers, n_heads, cell)
     total = len(df)
     sick = total - counts.get("healthy", 0)
     default = f"Head labels: {sick}/{total} sick ({sick / total:.1%})"
     plot_size = _plot_size(n_layers, n_heads, cell)
-    _layout(fig, title or default, _subtitle(df), plot_size, colorbar=False)
+    _layout(fig, title or default, _subtitle(df), plot_size)  # same size as a head_grid
     return fig
 
 
@@ -390,7 +390,7 @@ def diff_grid(
                 hoverinfo="skip",
             )
         )
-    _axes(fig, n_layers, n_heads)
+    _axes(fig, n_layers, n_heads, cell)
     default = f"Change in {_title(metric)} (after − before)"
     plot_size = _plot_size(n_layers, n_heads, cell)
     _layout(fig, title or default, _subtitle(after), plot_size, legend=has_labels)
@@ -523,7 +523,9 @@ def models_grid(
         for trace in _label_markers(df, cell, showlegend=col == 1):
             trace.name = trace.legendgroup  # counts differ between the panels
             fig.add_trace(trace, row=1, col=col)
-        _axes(fig, n_layers, n_heads, row=1, col=col)
+        _axes(fig, n_layers, n_heads, cell, row=1, col=col)
+        # Equal cell heights: a shallower model's panel is shorter, aligned at the top.
+        fig.update_yaxes(domain=[1 - n_layers / max_layers, 1], row=1, col=col)
         if col > 1:
             fig.update_yaxes(title_text=None, row=1, col=col)
     fig.update_layout(
@@ -611,3 +613,309 @@ def save_figure(
 
 
 # --- Blindness and evaluation figures ---
+def _compact(x: float) -> str:
+    """Short cell text for a distance: ``124``, ``2.2k``, ``4.4e53``, ``∞``.
+
+    >>> [_compact(x) for x in (124.0, 22359.0, 4.37e53, float("inf"))]
+    ['124', '22k', '4.4e53', '∞']
+    """
+    if not np.isfinite(x):
+        return "∞"
+    if x < 1e4:
+        return f"{x:.0f}"
+    if x < 1e6:
+        return f"{x / 1e3:.0f}k"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _eval_layout(fig: go.Figure, title: str, subtitle: str, width: int, height: int) -> None:
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        title={
+            "text": title,
+            "subtitle": {"text": subtitle, "font": {"size": 12, "color": "#555555"}},
+            "x": 0.0,
+            "xanchor": "left",
+            "xref": "paper",
+        },
+        width=width,
+        height=height,
+        margin={"l": 80, "r": 30, "t": 95 if subtitle else 65, "b": 70},
+        plot_bgcolor="white",
+    )
+
+
+def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Blind distance of every head (columns) per dtype and threshold (rows), log colour scale.
+
+    Takes :func:`headsurgeon.blindness.analytic_blindness` output; ALiBi slopes are the same in
+    every layer, so layer 0 stands for all. Cells show the distance in tokens (``∞``: never
+    blind); bold cells are blind within the table's context.
+    """
+    _check(df, ["layer", "head", "dtype", "threshold", "blind_distance"], "blindness table")
+    rows = df[df["layer"] == df["layer"].min()]
+    keys = list(dict.fromkeys(zip(rows["dtype"], rows["threshold"], strict=True)))
+    n_heads = int(rows["head"].max()) + 1
+    z = np.full((len(keys), n_heads), np.nan)
+    text = np.full((len(keys), n_heads), "", dtype=object)
+    for i, key in enumerate(keys):
+        sub = rows[(rows["dtype"] == key[0]) & (rows["threshold"] == key[1])]
+        for head, d, label in zip(
+            sub["head"], sub["blind_distance"], sub.get("label", ""), strict=False
+        ):
+            z[i, head] = np.log10(d) if np.isfinite(d) else np.nan
+            text[i, head] = f"<b>{_compact(d)}</b>" if label == "blind" else _compact(d)
+    finite = z[np.isfinite(z)]
+    top = float(finite.max()) if finite.size else 1.0
+    never = np.where(np.isnan(z), top, np.nan)  # never-blind cells: drawn in grey
+    cell_w = float(np.clip(900 / n_heads, 22, 64))
+    fig = go.Figure(
+        [
+            go.Heatmap(
+                z=never,
+                x=list(range(n_heads)),
+                y=[f"{d} · {t}" for d, t in keys],
+                colorscale=[[0, "#E5E5E5"], [1, "#E5E5E5"]],
+                showscale=False,
+                hoverinfo="skip",
+            ),
+            go.Heatmap(
+                z=z,
+                x=list(range(n_heads)),
+                y=[f"{d} · {t}" for d, t in keys],
+                text=text,
+                texttemplate="%{text}",
+                textfont={"size": 11 if n_heads <= 16 else 8},
+                colorscale="Cividis",
+                zmin=float(finite.min()) if finite.size else 0.0,
+                zmax=top,
+                xgap=1,
+                ygap=1,
+                colorbar={
+                    "title": {"text": "log₁₀ tokens", "side": "right"},
+                    "thickness": 16,
+                },
+                hovertemplate="head %{x}, %{y}: %{text} tokens<extra></extra>",
+            ),
+        ]
+    )
+    fig.update_xaxes(title_text="head", tickmode="linear", dtick=1 if n_heads <= 16 else 4)
+    fig.update_yaxes(autorange="reversed", title_text="")
+    a = df.attrs
+    subtitle = (
+        f"{a.get('model', '')} · {a.get('bias', 'standard')} ALiBi · same in every layer · "
+        f"bold: blind within {a.get('context', '')} tokens"
+    )
+    _eval_layout(
+        fig,
+        title or "Blind distance per head (tokens)",
+        subtitle,
+        width=round(190 + n_heads * cell_w + 110),
+        height=round(165 + 34 * len(keys)),
+    )
+    return fig
+
+
+def _sequential(n: int) -> list[str]:
+    """``n`` colours along viridis (colour-blind safe and monotone in lightness)."""
+    from plotly.colors import sample_colorscale
+
+    return sample_colorscale("Viridis", [0.9 * i / max(n - 1, 1) for i in range(n)])
+
+
+def zero_fraction_plot(by_distance: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Share of weights that underflow to exactly 0 against distance, one line per head.
+
+    Takes ``measure_blindness(...).by_distance``; one panel per dtype, layers pooled (entries
+    weighted). Heads with no underflow in any dtype are left out (named in the subtitle).
+    """
+    cols = ["head", "dtype", "distance_lo", "distance_hi", "entries", "zero_entries"]
+    _check(by_distance, cols, "by_distance table")
+    pooled = by_distance.groupby(["dtype", "head", "distance_lo", "distance_hi"], sort=False)[
+        ["entries", "zero_entries"]
+    ].sum()
+    pooled = pooled.reset_index()
+    pooled["fraction"] = pooled["zero_entries"] / pooled["entries"]
+    pooled["distance"] = (pooled["distance_lo"] + pooled["distance_hi"] - 1) / 2
+    dtypes = list(dict.fromkeys(pooled["dtype"]))
+    heads = sorted(pooled["head"].unique())
+    blind = sorted(pooled.loc[pooled["zero_entries"] > 0, "head"].unique())
+    colours = dict(zip(heads, _sequential(len(heads)), strict=True))
+    fig = make_subplots(
+        rows=1, cols=len(dtypes), subplot_titles=dtypes, shared_yaxes=True, horizontal_spacing=0.04
+    )
+    for col, dtype in enumerate(dtypes, start=1):
+        for head in blind:
+            sub = pooled[(pooled["dtype"] == dtype) & (pooled["head"] == head)]
+            fig.add_trace(
+                go.Scatter(
+                    x=sub["distance"],
+                    y=sub["fraction"],
+                    mode="lines",
+                    line={"color": colours[head], "width": 2},
+                    name=f"head {head}",
+                    legendgroup=str(head),
+                    showlegend=col == 1,
+                    hovertemplate=f"head {head}, distance %{{x:.0f}}: %{{y:.3f}}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+    fig.update_xaxes(title_text="distance i − j (tokens)", rangemode="tozero")
+    fig.update_yaxes(range=[-0.02, 1.02])
+    fig.update_yaxes(title_text="share of weights = 0", row=1, col=1)
+    fig.update_annotations(font={"size": 14})
+    sighted = [h for h in heads if h not in blind]
+    subtitle = "layers pooled" + (
+        f" · no underflow: heads {', '.join(map(str, sighted))}" if sighted else ""
+    )
+    _eval_layout(
+        fig,
+        title or "Attention weights that underflow to exactly 0",
+        subtitle,
+        width=120 + 330 * len(dtypes) + 110,
+        height=430,
+    )
+    fig.update_layout(legend={"title": {"text": ""}, "x": 1.01, "y": 1})
+    return fig
+
+
+DTYPE_MARKERS = {
+    "float32": ("circle", OKABE_ITO["blue"]),
+    "bfloat16": ("square", OKABE_ITO["orange"]),
+    "float16": ("diamond", OKABE_ITO["green"]),
+}
+
+
+def analytic_vs_measured(by_head: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Measured first zero distance against the analytic blind distance, per head and dtype.
+
+    Takes ``measure_blindness(...).by_head``. Filled markers: the head's smallest distance with an
+    exact zero in any layer; open markers at the top: no zero within the measured length. The
+    analytic distance (``zero`` threshold, equal content logits) bounds the measured one from
+    above; the softmax normaliser and content logits pull real zeros closer.
+    """
+    _check(by_head, ["head", "dtype", "analytic_distance", "first_zero_distance"], "by_head table")
+    seq_len = by_head.attrs.get("seq_len") or float(by_head["first_zero_distance"].max())
+    per_head = by_head.groupby(["dtype", "head"], sort=False).agg(
+        analytic=("analytic_distance", "first"), measured=("first_zero_distance", "min")
+    )
+    per_head = per_head.reset_index()
+    fig = go.Figure()
+    for dtype, sub in per_head.groupby("dtype", sort=False):
+        symbol, colour = DTYPE_MARKERS.get(dtype, ("circle", OKABE_ITO["black"]))
+        for seen, part in sub.groupby(sub["measured"].notna()):
+            fig.add_trace(
+                go.Scatter(
+                    x=part["analytic"],
+                    y=part["measured"] if seen else np.full(len(part), seq_len),
+                    mode="markers",
+                    marker={
+                        "symbol": symbol if seen else f"{symbol}-open",
+                        "color": colour,
+                        "size": 10,
+                        "line": {"width": 1, "color": "white" if seen else colour},
+                    },
+                    name=dtype if seen else f"{dtype}: no zero ≤ {seq_len}",
+                    customdata=part["head"],
+                    hovertemplate="head %{customdata}: analytic %{x:.0f}, measured %{y:.0f}"
+                    "<extra></extra>",
+                )
+            )
+    finite = per_head["analytic"][np.isfinite(per_head["analytic"])]
+    measured = per_head["measured"].dropna()
+    lo = max(1.0, min(finite.min(), measured.min() if len(measured) else seq_len) / 1.5)
+    x_hi, y_hi = float(finite.max()) * 1.5, seq_len * 1.6
+    diagonal = min(x_hi, y_hi)
+    fig.add_trace(
+        go.Scatter(
+            x=[lo, diagonal],
+            y=[lo, diagonal],
+            mode="lines",
+            line={"color": "#888888", "dash": "dot", "width": 1.5},
+            name="measured = analytic",
+            hoverinfo="skip",
+        )
+    )
+    fig.add_hline(
+        y=seq_len,
+        line={"color": "#BBBBBB", "width": 1},
+        annotation={"text": f"measured length {seq_len}", "font": {"size": 12}},
+        annotation_position="bottom left",
+    )
+    log_axis = {"type": "log", "dtick": 1, "ticks": "outside", "showgrid": True}
+    fig.update_xaxes(
+        title_text="analytic blind distance (tokens)", range=np.log10([lo, x_hi]), **log_axis
+    )
+    fig.update_yaxes(
+        title_text="measured first zero (tokens)", range=np.log10([lo, y_hi]), **log_axis
+    )
+    a = by_head.attrs
+    subtitle = f"{a.get('model', '')} · {a.get('n_seqs', '')} × {seq_len} tokens · zero threshold"
+    _eval_layout(fig, title or "Analytic versus measured blindness", subtitle, 860, 520)
+    fig.update_layout(legend={"x": 1.02, "y": 1, "font": {"size": 13}})
+    return fig
+
+
+RETRIEVAL_METRICS = {  # title, colour-bar title
+    "top1_accuracy": ("top-1 accuracy (log-likelihood rank)", "top-1"),
+    "greedy_accuracy": ("greedy exact match", "exact match"),
+    "mean_rank": ("mean rank of the true key", "mean rank"),
+}
+
+
+def retrieval_heatmap(
+    table: pd.DataFrame, metric: str = "top1_accuracy", *, title: str | None = None
+) -> go.Figure:
+    """Depth x context-length heat map of a retrieval metric (``passkey``/``needle`` ``.table``).
+
+    A dashed line separates lengths within the training length from those beyond it.
+    """
+    _check(table, ["context_length", "depth", metric], "retrieval table")
+    grid = table.pivot_table(index="depth", columns="context_length", values=metric)
+    names = RETRIEVAL_METRICS.get(metric, (metric, metric))
+    lengths = [str(x) for x in grid.columns]
+    accuracy = metric != "mean_rank"
+    text = [[f"{v:.0%}" if accuracy else f"{v:.1f}" for v in row] for row in grid.to_numpy()]
+    fig = go.Figure(
+        go.Heatmap(
+            z=grid.to_numpy(),
+            x=lengths,
+            y=[f"{d:.0%}" for d in grid.index],
+            text=text,
+            texttemplate="%{text}",
+            colorscale="Cividis" if accuracy else "Cividis_r",
+            zmin=0 if accuracy else 1,
+            zmax=1 if accuracy else float(table.get("n_candidates", pd.Series([10])).max()),
+            xgap=2,
+            ygap=2,
+            colorbar={"title": {"text": names[1], "side": "right"}, "thickness": 16},
+            hovertemplate="length %{x}, depth %{y}: %{text}<extra></extra>",
+        )
+    )
+    a = table.attrs
+    train_ctx = a.get("train_ctx")
+    inside = [int(x) <= train_ctx for x in grid.columns] if train_ctx else []
+    if any(inside) and not all(inside):
+        fig.add_vline(x=sum(inside) - 0.5, line={"color": "black", "dash": "dash", "width": 3})
+        fig.add_annotation(
+            x=sum(inside) - 0.5, y=1.02, yref="paper", text=f"train length {train_ctx}",
+            showarrow=False, xanchor="center", yanchor="bottom", font={"size": 12},
+        )  # fmt: skip
+    fig.update_xaxes(title_text="context length (tokens)", type="category")
+    fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category")
+    chance = table["chance"].iloc[0] if "chance" in table and metric == "top1_accuracy" else None
+    subtitle = f"{a.get('model', '')} · {int(table['n_trials'].iloc[0])} trials per cell" + (
+        f" · chance {chance:.0%}" if chance is not None else ""
+    )
+    task = a.get("task", "retrieval")
+    _eval_layout(
+        fig,
+        title or f"{task}: {names[0]}",
+        subtitle,
+        width=round(180 + 80 * len(lengths) + 150),
+        height=round(200 + 50 * len(grid.index)),
+    )
+    return fig

@@ -35,6 +35,7 @@ from transformer_lens import HookedTransformer
 from transformer_lens.hook_points import HookPoint
 
 from headsurgeon.data import batches
+from headsurgeon.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
@@ -150,13 +151,13 @@ class HeadStats:
         self.counts = torch.zeros(n_layers, dtype=dtype, device=self.device)
 
     def _add(self, layer: int, first: int, values: Float[Tensor, "stat batch head"]) -> None:
-        values = values.to(self.sums.dtype)
+        values = values.to(self.sums.device, self.sums.dtype)
         self.sums[first : first + values.shape[0], layer] += values.sum(1)
         self.squares[first : first + values.shape[0], layer] += values.square().sum(1)
 
     def _pattern_hook(self, pattern: Tensor, hook: HookPoint) -> None:
         self._add(hook.layer(), 0, pattern_stats(pattern, self.min_query_pos))
-        self.counts[hook.layer()] += pattern.shape[0]
+        self.counts[hook.layer()] += pattern.shape[0]  # once per batch and layer
 
     def _z_hook(self, z: Tensor, hook: HookPoint) -> None:
         W_O = self.model.blocks[hook.layer()].attn.W_O
@@ -165,7 +166,8 @@ class HeadStats:
     def _attn_out_hook(self, out: Tensor, hook: HookPoint) -> None:
         layer = hook.layer()
         written = out[:, self.min_query_pos :].float() - self.model.blocks[layer].attn.b_O.float()
-        self.layer_write[layer] += written.norm(dim=-1).mean(-1).to(self.layer_write.dtype).sum()
+        norms = written.norm(dim=-1).mean(-1).to(self.layer_write.device, self.layer_write.dtype)
+        self.layer_write[layer] += norms.sum()
 
     def hooks(self) -> list[Hook]:
         """Forward hooks for ``hook_pattern``, ``hook_z`` and ``hook_attn_out`` of each layer."""
@@ -201,10 +203,7 @@ class HeadStats:
         n = self.counts.double().cpu()[:, None]
         sums, squares = self.sums.double().cpu(), self.squares.double().cpu()
         variance = (squares - sums.square() / n.clamp(min=1)) / (n - 1).clamp(min=1)
-        result = {
-            name: variance[i].clamp(min=0).sqrt().numpy() for i, name in enumerate(HEAD_STATS)
-        }
-        return result
+        return {name: variance[i].clamp(min=0).sqrt().numpy() for i, name in enumerate(HEAD_STATS)}
 
 
 def stream(
@@ -222,9 +221,11 @@ def stream(
     Gradients are off and the pass stops after block ``stop_at_layer - 1`` (default: the last
     block), so neither the final LayerNorm nor the unembedding is computed.
     """
+    if batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
     stop = model.cfg.n_layers if stop_at_layer is None else stop_at_layer
     device = torch.device(model.cfg.device or "cpu")
-    n_batches = -(-tokens.shape[0] // batch_size) if batch_size > 0 else 0
+    n_batches = -(-tokens.shape[0] // batch_size)
     with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
         for batch in tqdm(
             batches(tokens, batch_size), total=n_batches, desc=desc, disable=not progress

@@ -127,3 +127,14 @@ def test_bad_input_raises_clear_errors(tiny_model, tmp_path):
         run_census(tiny_model, TEXT, min_query_pos=-1, progress=False)
     with pytest.raises(InvalidArgumentError, match="batch_size"):
         run_census(tiny_model, TEXT, batch_size=0, progress=False)
+
+
+def test_low_precision_models_give_close_numbers(bloom_dir):
+    from headsurgeon import load_model
+
+    tokens = to_sequences(load_model(bloom_dir), TEXT, seq_len=24, n_seqs=4)
+    full = run_census(load_model(bloom_dir), tokens, progress=False)
+    half = run_census(load_model(bloom_dir, dtype="bfloat16"), tokens, progress=False)
+    assert half.attrs["dtype"] == "bfloat16"
+    for name in ("bos_mass", "max_weight", "output_share"):
+        np.testing.assert_allclose(half[name], full[name], atol=0.03, err_msg=name)

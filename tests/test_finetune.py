@@ -153,7 +153,7 @@ def slow_loss(model, tokens):  # room for the parent to kill the run between che
     return next_token_loss(model, tokens)
 
 model, heads, tokens = setup()
-finetune(model, heads, tokens, config=config(steps=40, checkpoint_every=2), objective=slow_loss,
+finetune(model, heads, tokens, config=config(steps=20, checkpoint_every=2, eval_every=10), objective=slow_loss,
          checkpoint_dir={ckpt!r}, progress=False)
 """
 
@@ -166,28 +166,28 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
     killed_at = None
     while time.monotonic() < deadline and proc.poll() is None:
         state = load_checkpoint(ckpt) if (ckpt / CHECKPOINT_FILE).exists() else None
-        if state is not None and state["step"] >= 6:
+        if state is not None and state["step"] >= 4:
             os.kill(proc.pid, signal.SIGKILL)
             killed_at = state["step"]
             break
         time.sleep(0.02)
     proc.wait()
     assert killed_at is not None, proc.stderr.read().decode()[-2000:]
-    assert load_checkpoint(ckpt)["step"] < 40  # really interrupted
+    assert load_checkpoint(ckpt)["step"] < 20  # really interrupted
 
     model, heads, tokens = setup()
     resumed = finetune(
         model,
         heads,
         tokens,
-        config=config(steps=40, checkpoint_every=2),
+        config=config(steps=20, checkpoint_every=2, eval_every=10),
         checkpoint_dir=ckpt,
         resume=True,
         progress=False,
     )
-    assert 6 <= resumed.resumed_from < 40 and resumed.steps_done == 40
+    assert 4 <= resumed.resumed_from < 20 and resumed.steps_done == 20
     reference, heads, tokens = setup()
-    straight = finetune(reference, heads, tokens, config=config(steps=40), progress=False)
+    straight = finetune(reference, heads, tokens, config=config(steps=20, eval_every=10), progress=False)
     for name, value in snapshot(reference).items():
         assert torch.equal(model.get_parameter(name), value), name
     assert resumed.losses == straight.losses
@@ -198,7 +198,7 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
             other,
             other_heads,
             tokens,
-            config=config(steps=40),
+            config=config(steps=20, eval_every=10),
             checkpoint_dir=ckpt,
             resume=True,
             progress=False,
@@ -208,7 +208,7 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
             model,
             heads,
             tokens,
-            config=config(steps=40, lr=2e-2),
+            config=config(steps=20, eval_every=10, lr=2e-2),
             checkpoint_dir=ckpt,
             resume=True,
             progress=False,
@@ -352,5 +352,5 @@ def test_ddp_two_processes_match_one_process_with_double_batch(tmp_path):
     model, heads, tokens = setup()
     finetune(model, heads, tokens, config=config(batch_size=4), progress=False)
     for name, value in model.state_dict().items():
-        torch.testing.assert_close(ddp[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-5)
     assert not torch.equal(ddp["blocks.2.attn.W_O"], setup()[0].blocks[2].attn.W_O)

@@ -1,0 +1,558 @@
+"""Underflow blindness of ALiBi heads: predicted, measured, and mitigated through hooks.
+
+ALiBi adds ``-m_h (i - j)`` to the attention logits; far enough back, a key's softmax weight is
+below what a float format can hold and becomes exactly 0: the head is blind there.
+
+Exports:
+    DTYPES                             the float formats analysed: float32, bfloat16, float16
+    analytic_blindness(model_or_name)  DataFrame: blind distance per layer, head, dtype, threshold
+                                       (from the slopes: no weights needed)
+    measure_blindness(model, data)     BlindnessMeasurement: exact zeros per head, distance and
+                                       context length, streamed over batches
+    BlindnessMeasurement               its tables: by_head, by_distance, by_length
+    mitigation(model, kind, **params)  context manager: a mitigated ALiBi through hooks
+    dtype_name(dtype)                  canonical dtype name
+    main(argv)                         ``python -m headsurgeon.blindness``
+
+>>> df = analytic_blindness("bloom-560m", dtypes=["float32"], thresholds=["normal"])
+>>> df[df.layer == 0].blind_distance.iloc[[0, -1]].tolist()
+[124.0, 22359.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pandas as pd
+import torch
+from jaxtyping import Float
+from torch import Tensor
+from transformer_lens import HookedTransformer
+from transformer_lens.hook_points import HookPoint
+
+from headsurgeon import alibi, cli
+from headsurgeon.data import Data, to_sequences
+from headsurgeon.errors import (
+    InvalidArgumentError,
+    UnsupportedArchitectureError,
+)
+from headsurgeon.models import load_model, model_info, model_shape, parse_dtype
+from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.probes import stream
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+CONVENTIONS = ("hf", "tl")
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """Canonical name of a float format.
+
+    >>> dtype_name("bf16"), dtype_name(torch.float16)
+    ('bfloat16', 'float16')
+    """
+    return str(parse_dtype(dtype)).removeprefix("torch.")
+
+
+def _names(values: Sequence[str] | str, what: str) -> list[str]:
+    values = [values] if isinstance(values, str) else list(values)
+    if not values:
+        raise InvalidArgumentError(f"give at least one {what}")
+    return values
+
+
+def analytic_blindness(
+    model_or_name: str | os.PathLike | HookedTransformer,
+    *,
+    dtypes: Sequence[str] = DTYPES,
+    thresholds: Sequence[str] = alibi.THRESHOLDS,
+    bias: str = "standard",
+    context: int | None = None,
+    **params,
+) -> pd.DataFrame:
+    """Blind distance of every head, predicted from its ALiBi slope alone (no weights needed).
+
+    One row per (layer, head, dtype, threshold): ``slope``, ``blind_distance`` (tokens; ``inf``
+    if never, see :func:`headsurgeon.alibi.blind_distance` for the definition and the bias kinds),
+    ``blind_share`` (share of the head's causal entries in a ``context``-token sequence at or
+    beyond its blind distance) and ``label``: ``blind`` if some key within ``context`` tokens is
+    blind, else ``sighted``. ``context`` defaults to the model's context length. Slopes are the
+    same in every layer, so layers repeat. Raises :class:`UnsupportedArchitectureError` for
+    models without ALiBi (use :func:`measure_blindness`, which applies to every model).
+    """
+    shape = model_shape(model_or_name)
+    name = (
+        model_info(model_or_name).name
+        if isinstance(model_or_name, HookedTransformer)
+        else str(model_or_name)
+    )
+    if shape.positional != "alibi":
+        raise UnsupportedArchitectureError(
+            f"analytic blindness applies to ALiBi models only; {name} uses {shape.positional} "
+            "positions (measure_blindness / --measure still runs)"
+        )
+    context = shape.n_ctx if context is None else context
+    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+        raise InvalidArgumentError(f"context must be a positive integer, got {context!r}")
+    head_slopes = alibi.slopes(shape.n_heads)
+    frames = []
+    for dtype in map(dtype_name, _names(dtypes, "dtype")):
+        for threshold in _names(thresholds, "threshold"):
+            distance = alibi.blind_distance(head_slopes, dtype, threshold, bias, **params)
+            share = [alibi.blind_share([d], context) for d in distance.tolist()]
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "layer": 0,
+                        "head": range(shape.n_heads),
+                        "slope": head_slopes.double().numpy(),
+                        "dtype": dtype,
+                        "threshold": str(threshold),
+                        "bias": bias,
+                        "blind_distance": distance.numpy(),
+                        "context": context,
+                        "blind_share": share,
+                    }
+                )
+            )
+    # Grouped by dtype and threshold in the order given, then layer and head.
+    df = pd.concat(
+        [frame.assign(layer=layer) for frame in frames for layer in range(shape.n_layers)],
+        ignore_index=True,
+    )
+    df["label"] = (df["blind_distance"] < df["context"]).map({True: "blind", False: "sighted"})
+    df.attrs.update(model=name, bias=bias, context=context, params=dict(params))
+    return df
+
+
+@dataclasses.dataclass
+class BlindnessMeasurement:
+    """Measured underflow of attention weights (see :func:`measure_blindness`).
+
+    ``by_head``: one row per (layer, head, dtype). ``by_distance``: one row per (layer, head,
+    dtype, distance bucket). ``by_length``: one row per (dtype, context length): the share of all
+    causal attention entries, over every layer and head, that underflow.
+    """
+
+    by_head: pd.DataFrame
+    by_distance: pd.DataFrame
+    by_length: pd.DataFrame
+    convention: str
+    n_seqs: int
+    seq_len: int
+
+
+class _UnderflowCounter:
+    """Float64 sums of underflowed weights per (dtype, layer, head, distance) and query position.
+
+    A weight underflows in a dtype when the dtype's softmax gives exactly 0 and the float64
+    softmax of the same float32 logits does not. ``hf``: softmax in float32, probabilities cast
+    to the dtype (Hugging Face BLOOM); ``tl``: logits cast to the dtype and softmax computed in it
+    (TransformerLens 3.x).
+    """
+
+    def __init__(self, model: HookedTransformer, dtypes: list[str], convention: str, n_pos: int):
+        self.dtypes = [parse_dtype(d) for d in dtypes]
+        self.convention = convention
+        shape = (len(dtypes), model.cfg.n_layers, model.cfg.n_heads, n_pos)
+        device = torch.device(model.cfg.device or "cpu")
+        self.zeros = torch.zeros(shape, dtype=torch.float64, device=device)  # by distance
+        self.mass = torch.zeros_like(self.zeros)  # float64 weight lost, by distance
+        self.max_weight = torch.zeros_like(self.zeros)  # largest weight lost, by distance
+        self.by_query = torch.zeros_like(self.zeros)  # underflowed entries, by query position
+        pos = torch.arange(n_pos, device=device)
+        self.causal = pos[:, None] >= pos[None, :]
+        self.distance = (pos[:, None] - pos[None, :])[self.causal]
+
+    def hook(self, scores: Float[Tensor, "batch head query key"], hook: HookPoint) -> None:
+        layer = hook.layer()
+        logits = scores.detach().float()
+        exact = torch.softmax(logits.double(), dim=-1)
+        for i, dtype in enumerate(self.dtypes):
+            if self.convention == "hf":
+                weights = torch.softmax(logits, dim=-1).to(dtype)
+            else:
+                weights = torch.softmax(logits.to(dtype), dim=-1)
+            lost = torch.where((weights == 0) & (exact > 0), exact, 0.0)  # [batch head q k]
+            count = (lost > 0).double().sum(0)
+            self.by_query[i, layer] += count.sum(-1)
+            flat = self.distance.expand(count.shape[0], -1)
+            self.zeros[i, layer].scatter_add_(1, flat, count[:, self.causal])
+            self.mass[i, layer].scatter_add_(1, flat, lost.sum(0)[:, self.causal])
+            self.max_weight[i, layer].scatter_reduce_(
+                1, flat, lost.amax(0)[:, self.causal], reduce="amax"
+            )
+
+
+def measure_blindness(
+    model: HookedTransformer,
+    data: Data = None,
+    *,
+    dtypes: Sequence[str] = DTYPES,
+    convention: str = "hf",
+    seq_len: int | None = None,
+    n_seqs: int = 8,
+    batch_size: int = 1,
+    n_buckets: int = 64,
+    context_lengths: Sequence[int] | None = None,
+    prepend_bos: bool | None = None,
+    progress: bool = True,
+) -> BlindnessMeasurement:
+    """Measure which attention weights become exactly 0 in each dtype, per head and distance.
+
+    The model runs in float32; the exact pre-softmax logits are read at ``hook_attn_scores``
+    (they include ALiBi, any active :func:`mitigation` and the causal mask) and the softmax is
+    recomputed per dtype as the ``convention`` does it (``hf``: float32 softmax, probabilities
+    cast; ``tl``: softmax in the dtype). An entry *underflows* when the dtype gives exactly 0 and
+    the float64 softmax does not. Sums are float64 and fixed in size: memory does not grow with
+    the number of batches. ``data`` is what :func:`headsurgeon.data.to_sequences` takes
+    (default: the bundled held-out corpora, ``n_seqs`` sequences of ``seq_len`` tokens, default
+    ``min(1024, n_ctx)``, BOS as ``prepend_bos`` or the model's convention); a token tensor is
+    used as it is.
+
+    Tables (see :class:`BlindnessMeasurement`):
+
+    * ``by_head``: ``first_zero_distance`` (smallest distance with an underflowed entry; NaN if
+      none), ``zero_fraction`` (of the head's causal entries), ``lost_mass`` (float64 weight lost,
+      per query row), ``max_lost_weight``, ``analytic_distance`` (the ``zero``-threshold blind
+      distance of the slope, NaN without ALiBi), ``label`` (``blind`` if anything underflowed);
+    * ``by_distance``: the same per bucket of distances ``[distance_lo, distance_hi)``
+      (``n_buckets`` equal widths); ``lost_mass`` is again per query row, so a head's buckets sum
+      to its ``by_head`` value;
+    * ``by_length``: ``share`` of all causal entries of all heads with query position
+      ``< context_length`` that underflow. Causal attention makes the first ``L`` positions of a
+      longer sequence compute exactly what an ``L``-token sequence computes, so one pass gives
+      every length up to ``seq_len`` (default: powers of two, and ``seq_len``).
+    """
+    if convention not in CONVENTIONS:
+        raise InvalidArgumentError(f"unknown convention {convention!r}; use hf or tl")
+    weights_dtype = next(model.parameters()).dtype
+    if weights_dtype != torch.float32:
+        raise InvalidArgumentError(
+            f"measure_blindness needs the model in float32 (it is {weights_dtype}) and emulates "
+            "the other dtypes; load it with dtype='float32'"
+        )
+    if n_buckets < 1:
+        raise InvalidArgumentError(f"n_buckets must be positive, got {n_buckets}")
+    names = [dtype_name(d) for d in _names(dtypes, "dtype")]
+    seq_len = min(1024, model.cfg.n_ctx) if seq_len is None else seq_len
+    if isinstance(data, Tensor):
+        prepend_bos = False  # the caller built the sequences
+    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    n_rows, n_pos = tokens.shape
+    lengths = _context_lengths(n_pos, context_lengths)
+    counter = _UnderflowCounter(model, names, convention, n_pos)
+    hooks = [(lambda name: name.endswith("attn.hook_attn_scores"), counter.hook)]
+    stream(model, tokens, hooks, batch_size=batch_size, progress=progress, desc="blindness")
+
+    cfg = model.cfg
+    is_alibi = cfg.positional_embedding_type == "alibi"
+    head_slopes = alibi.slopes(cfg.n_heads).double() if is_alibi else None
+    zeros, mass, top = counter.zeros.cpu(), counter.mass.cpu(), counter.max_weight.cpu()
+    distance = torch.arange(n_pos, dtype=torch.float64)
+    entries = n_rows * (n_pos - distance)  # causal entries at each distance
+    head_rows, bucket_rows = [], []
+    width = math.ceil(n_pos / n_buckets)
+    for i, dtype in enumerate(names):
+        analytic = (
+            alibi.blind_distance(head_slopes, dtype, "zero")
+            if is_alibi
+            else torch.full((cfg.n_heads,), math.nan)
+        )
+        for layer in range(cfg.n_layers):
+            z, w, t = zeros[i, layer], mass[i, layer], top[i, layer]
+            seen = z > 0
+            first = torch.where(seen, distance, math.inf).amin(-1)
+            head_rows.append(
+                pd.DataFrame(
+                    {
+                        "layer": layer,
+                        "head": range(cfg.n_heads),
+                        "slope": head_slopes.numpy() if is_alibi else math.nan,
+                        "dtype": dtype,
+                        "convention": convention,
+                        "first_zero_distance": first.where(first < math.inf, math.nan).numpy(),
+                        "zero_fraction": (z.sum(-1) / entries.sum()).numpy(),
+                        "lost_mass": (w.sum(-1) / (n_rows * n_pos)).numpy(),
+                        "max_lost_weight": t.amax(-1).numpy(),
+                        "analytic_distance": analytic.numpy(),
+                    }
+                )
+            )
+            for lo in range(0, n_pos, width):
+                hi = min(lo + width, n_pos)
+                n = entries[lo:hi].sum().item()
+                bucket_rows.append(
+                    pd.DataFrame(
+                        {
+                            "layer": layer,
+                            "head": range(cfg.n_heads),
+                            "dtype": dtype,
+                            "distance_lo": lo,
+                            "distance_hi": hi,
+                            "entries": n,
+                            "zero_entries": z[:, lo:hi].sum(-1).numpy(),
+                            "zero_fraction": (z[:, lo:hi].sum(-1) / n).numpy(),
+                            "lost_mass": (w[:, lo:hi].sum(-1) / (n_rows * n_pos)).numpy(),
+                            "max_lost_weight": t[:, lo:hi].amax(-1).numpy(),
+                        }
+                    )
+                )
+    by_head = pd.concat(head_rows, ignore_index=True)
+    by_head["label"] = by_head["first_zero_distance"].notna().map({True: "blind", False: "sighted"})
+    per_query = counter.by_query.cpu().sum((1, 2)).cumsum(-1)  # [dtype, query]: up to each row
+    n_heads_total = cfg.n_layers * cfg.n_heads
+    by_length = pd.DataFrame(
+        [
+            {
+                "dtype": dtype,
+                "context_length": length,
+                "entries": n_rows * n_heads_total * length * (length + 1) // 2,
+                "zero_entries": per_query[i, length - 1].item(),
+            }
+            for i, dtype in enumerate(names)
+            for length in lengths
+        ]
+    )
+    by_length["share"] = by_length["zero_entries"] / by_length["entries"]
+    for table in (by_head, by_length):
+        table.attrs.update(model=model_info(model).name, n_seqs=n_rows, seq_len=n_pos)
+    return BlindnessMeasurement(
+        by_head=by_head,
+        by_distance=pd.concat(bucket_rows, ignore_index=True),
+        by_length=by_length,
+        convention=convention,
+        n_seqs=n_rows,
+        seq_len=n_pos,
+    )
+
+
+def _context_lengths(n_pos: int, lengths: Sequence[int] | None) -> list[int]:
+    """Requested lengths, checked; default: powers of two from 16 below ``n_pos``, and ``n_pos``.
+
+    >>> _context_lengths(100, None)
+    [16, 32, 64, 100]
+    """
+    if lengths is None:
+        return sorted({2**k for k in range(4, n_pos.bit_length()) if 2**k < n_pos} | {n_pos})
+    bad = [x for x in lengths if not isinstance(x, int) or not 1 <= x <= n_pos]
+    if bad:
+        raise InvalidArgumentError(
+            f"context lengths must be between 1 and the sequence length {n_pos}, got {bad}"
+        )
+    return sorted(set(lengths))
+
+
+def _mitigated_rows(
+    kind: str,
+    params: dict,
+    head_slopes: Float[Tensor, " head"],
+    n_queries: int,
+    n_keys: int,
+    device: torch.device,
+) -> Float[Tensor, "head query key"]:
+    distance = alibi.distance_rows(n_queries, n_keys, device)
+    return alibi.bias_from_distance(kind, head_slopes, distance, **params)
+
+
+def _soft_cap_hook(scores: Tensor, hook: HookPoint, *, c: float) -> Tensor:
+    return alibi.soft_cap(scores, c)
+
+
+@contextlib.contextmanager
+def mitigation(model: HookedTransformer, kind: str, **params) -> Iterator[HookedTransformer]:
+    """Run ``model`` with a mitigated ALiBi (see :data:`headsurgeon.alibi.BIAS_KINDS`).
+
+    No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``) replace the bias that
+    headsurgeon's exact-ALiBi pre-hook puts on each attention layer; ``softcap`` adds a hook at
+    ``hook_attn_scores`` that maps every unmasked logit (content plus bias) to ``c tanh(x / c)``
+    and leaves masked cells at ``-inf``. On exit the model is exactly as before: the same
+    parameters (never touched) and cached biases, no hook left. Contexts nest (the inner bias
+    wins; ``softcap`` composes with a bias kind). The formulas of every kind:
+    :func:`headsurgeon.alibi.bias_from_distance`.
+
+    Usage::
+
+        with mitigation(model, "log"):
+            loss = model(tokens, return_type="loss")
+        with mitigation(model, "clamped", c=40.0), mitigation(model, "softcap", c=30.0):
+            ...
+    """
+    params = alibi.check_bias_params(kind, **params)
+    if kind == "softcap":
+        hook = functools.partial(_soft_cap_hook, c=params["c"])
+        with model.hooks(fwd_hooks=[(lambda name: name.endswith("attn.hook_attn_scores"), hook)]):
+            yield model
+        return
+    if model.cfg.positional_embedding_type != "alibi":
+        raise UnsupportedArchitectureError(
+            f"the {kind} mitigation changes an ALiBi bias, and this model uses "
+            f"{model.cfg.positional_embedding_type} positions; only softcap applies"
+        )
+    attns = [block.attn for block in model.blocks]
+    if any(getattr(attn, "headsurgeon_alibi_hook", None) is None for attn in attns):
+        raise InvalidArgumentError(
+            "this model lacks headsurgeon's exact-ALiBi hook; load it with headsurgeon.load_model "
+            "or call headsurgeon.models.use_exact_alibi(model) first"
+        )
+    builder = functools.partial(_mitigated_rows, kind, params)
+    saved = [(attn.alibi, attn.__dict__.get("headsurgeon_bias_builder")) for attn in attns]
+    try:
+        for attn in attns:
+            attn.headsurgeon_bias_builder = builder
+        yield model
+    finally:
+        for attn, (bias, previous) in zip(attns, saved, strict=True):
+            attn.alibi = bias
+            if previous is None:
+                attn.__dict__.pop("headsurgeon_bias_builder", None)
+            else:
+                attn.headsurgeon_bias_builder = previous
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def _mitigation_params(args: argparse.Namespace) -> dict:
+    if args.mitigation in ("clamped", "softcap"):
+        if args.c is None:
+            raise InvalidArgumentError(f"--mitigation {args.mitigation} needs --c (a logit cap)")
+        return {"c": args.c}
+    if args.mitigation == "robust":
+        return {"context": args.robust_context or args.max_distance, "mode": args.robust_mode}
+    return {}
+
+
+def _summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurement | None) -> str:
+    lines = []
+    if analytic is not None:
+        context = analytic.attrs["context"]
+        lines.append(
+            f"{analytic.attrs['model']}: blind distance (tokens) of the steepest heads, "
+            f"{analytic.attrs['bias']} ALiBi; share of a {context}-token context's entries blind"
+        )
+        layer0 = analytic[analytic["layer"] == 0]
+        for (dtype, threshold), rows in layer0.groupby(["dtype", "threshold"], sort=False):
+            steep = rows.sort_values("slope", ascending=False).head(4)
+            heads = ", ".join(
+                f"h{h}={d:.4g}" for h, d in zip(steep["head"], steep["blind_distance"], strict=True)
+            )
+            share = alibi.blind_share(torch.tensor(rows["blind_distance"].to_numpy()), context)
+            lines.append(f"  {dtype:9s} {threshold:9s} {heads}  | share {share:.1%}")
+    if measured is not None:
+        lines.append(
+            f"measured ({measured.convention} convention, {measured.n_seqs} × {measured.seq_len} "
+            "tokens): share of attention entries that underflow to exactly 0"
+        )
+        for dtype, rows in measured.by_length.groupby("dtype", sort=False):
+            shares = ", ".join(
+                f"{n}: {s:.2%}" for n, s in zip(rows["context_length"], rows["share"], strict=True)
+            )
+            lines.append(f"  {dtype:9s} {shares}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``python -m headsurgeon.blindness [MODEL] [options]``."""
+    from headsurgeon import plots
+
+    parser = argparse.ArgumentParser(
+        prog="python -m headsurgeon.blindness",
+        description="Underflow blindness of ALiBi heads per dtype: analytic, measured, mitigated.",
+        conflict_handler="resolve",
+    )
+    cli.add_model_args(parser)
+    parser.add_argument(
+        "--dtype", nargs="+", default=list(DTYPES), help="float formats to analyse (all three)"
+    )
+    parser.add_argument(
+        "--threshold",
+        nargs="+",
+        default=list(alibi.THRESHOLDS),
+        choices=alibi.THRESHOLDS,
+        help="weight thresholds: normal, subnormal, zero (exactly 0)",
+    )
+    parser.add_argument(
+        "--max-distance",
+        type=int,
+        help="context length for shares and labels (default: the model's context length)",
+    )
+    parser.add_argument("--measure", action="store_true", help="also measure on text (loads it)")
+    parser.add_argument("--convention", choices=CONVENTIONS, default="hf", help="softmax dtype")
+    parser.add_argument("--mitigation", choices=alibi.BIAS_KINDS, default="standard")
+    parser.add_argument("--c", type=float, help="cap of clamped (bias >= -c) and softcap")
+    parser.add_argument("--robust-context", type=int, help="robust: context kept sighted")
+    parser.add_argument("--robust-mode", choices=alibi.ROBUST_MODES, default="scale")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
+    cli.add_data_args(parser, seq_len=1024, n_seqs=8)
+    cli.add_output_args(parser)
+    args = parser.parse_args(argv)
+    dtypes = [dtype_name(d) for d in args.dtype]
+    shape = model_shape(args.model)
+    args.max_distance = shape.n_ctx if args.max_distance is None else args.max_distance
+    if args.max_distance < 1:
+        raise InvalidArgumentError(f"--max-distance must be positive, got {args.max_distance}")
+    params = _mitigation_params(args)
+    if args.mitigation == "robust":
+        params = {**params, "dtype": dtypes[0], "threshold": args.threshold[0]}
+    out = Path(args.out or f"blindness-{Path(str(args.model)).name}")
+
+    analytic = None
+    try:
+        analytic_params = {k: v for k, v in params.items() if k not in ("dtype", "threshold")}
+        analytic = analytic_blindness(
+            args.model,
+            dtypes=dtypes,
+            thresholds=args.threshold,
+            bias=args.mitigation,
+            context=args.max_distance,
+            **analytic_params,
+        )
+    except UnsupportedArchitectureError as e:
+        if not args.measure:
+            raise
+        logger.warning("note: %s", e)
+    measured = None
+    if args.measure:
+        model = load_model(args.model, dtype="float32", device=args.device)
+        tokens = cli.load_data(model, args)
+        with mitigation(model, args.mitigation, **params):
+            measured = measure_blindness(
+                model, tokens, dtypes=dtypes, convention=args.convention, batch_size=args.batch_size
+            )
+    summary = _summary(analytic, measured)
+    print(summary)
+
+    figures = {}
+    if analytic is not None:
+        figures["blind_distance"] = plots.blind_distance_grid(analytic)
+    if measured is not None:
+        figures["zero_fraction"] = plots.zero_fraction_plot(measured.by_distance)
+        if analytic is not None:
+            figures["analytic_vs_measured"] = plots.analytic_vs_measured(measured.by_head)
+    with atomic_directory(out, overwrite=args.overwrite) as tmp:
+        if analytic is not None:
+            atomic_write_text(tmp / "blindness.csv", analytic.to_csv(index=False))
+        if measured is not None:
+            for table in ("by_head", "by_distance", "by_length"):
+                frame = getattr(measured, table)
+                atomic_write_text(tmp / f"measured_{table}.csv", frame.to_csv(index=False))
+        atomic_write_text(tmp / "summary.txt", summary + "\n")
+        for name, fig in figures.items():
+            for fmt in ("html", "png", *args.format):
+                plots.save_figure(fig, tmp / f"{name}.{fmt}")
+    print(f"wrote {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,888 @@
+"""Multi-pass surgical repair: census, choose heads, re-initialise, masked fine-tune, census again.
+
+Exports:
+    repair(model, corpus, ...)          the pipeline; returns a :class:`RepairResult`
+    RepairResult, PassResult            per-pass targets, recoveries, drift, perplexities, censuses
+    write_report(result, out_dir, ...)  report.md, report.json, censuses, figures and model/
+    training_plot(result)               objective, perplexities and BOS mass over the steps
+    default_out_dir(model)              ``<model>-repaired[-N]`` in the working directory
+    main(argv)                          ``python -m headsurgeon.repair`` (``--help`` lists options)
+
+A pass re-initialises its target heads (:func:`headsurgeon.surgery.reinit_heads`), trains only
+their slices (:func:`headsurgeon.finetune.finetune`: every other weight stays bit-identical) and
+measures the census again. Pass 1 targets the dead and BOS-sink heads of the census, or an
+explicit head set, plus any ``include`` heads (the paper's "extended surgery" of healthy heads);
+later passes target the heads still sick (within the explicit set and ``include``, if given),
+until none is left or ``passes`` is reached. A frozen head "drifts" when its BOS mass moves by
+more than ``drift_threshold`` (0.05, the paper's criterion) during a pass.
+
+With ``work_dir`` every finished pass and every fine-tuning checkpoint is kept there, so
+``resume=True`` continues an interrupted run where it stopped, bit-identical on CPU. The CLI keeps
+them in ``<out>.partial/`` beside the output folder, which appears whole only at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import io
+import json
+import logging
+import math
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+import torch.distributed as dist
+from plotly.subplots import make_subplots
+from transformer_lens import HookedTransformer
+
+from headsurgeon import plots
+from headsurgeon.census import run_census
+from headsurgeon.classify import LABELS, Thresholds, classify_heads
+from headsurgeon.cli import add_data_args, add_model_args, add_output_args
+from headsurgeon.data import CORPORA, Data, bundled_text, read_texts, to_sequences
+from headsurgeon.errors import CheckpointError, InvalidArgumentError, OutputExistsError
+from headsurgeon.evals import perplexity
+from headsurgeon.finetune import (
+    FinetuneConfig,
+    FinetuneResult,
+    finetune,
+    setup_distributed,
+    weights_digest,
+)
+from headsurgeon.models import load_model, model_info, save_hf
+from headsurgeon.outputs import (
+    atomic_directory,
+    atomic_write_bytes,
+    atomic_write_text,
+    check_output_dir,
+)
+from headsurgeon.surgery import HEAD_TENSORS, INITS, HeadSet, reinit_heads
+
+logger = logging.getLogger(__name__)
+
+DRIFT_THRESHOLD = 0.05
+RUN_FILE = "run.json"
+
+
+@dataclasses.dataclass
+class PassResult:
+    """One pass: what it targeted, what recovered, what drifted, and the model before and after.
+
+    ``recovered``: targets labelled healthy after the pass; ``still_sick``: the other targets;
+    ``drifted``: heads frozen in this pass whose BOS mass moved by more than the drift threshold.
+    Perplexities are ``{"train": ..., "heldout": ...}``.
+    """
+
+    index: int
+    targeted: HeadSet
+    recovered: HeadSet
+    still_sick: HeadSet
+    drifted: HeadSet
+    census_before: pd.DataFrame
+    census_after: pd.DataFrame
+    perplexity_before: dict[str, float]
+    perplexity_after: dict[str, float]
+    training: FinetuneResult
+
+    @property
+    def recovery_rate(self) -> float:
+        return len(self.recovered) / len(self.targeted)
+
+    def head_table(self) -> pd.DataFrame:
+        """One row per target: label, BOS mass and output share before and after the pass."""
+        columns = ["layer", "head", "label", "bos_mass", "output_share"]
+        merged = self.census_before[columns].merge(
+            self.census_after[columns], on=["layer", "head"], suffixes=("_before", "_after")
+        )
+        pairs = zip(merged["layer"].tolist(), merged["head"].tolist(), strict=True)
+        chosen = [pair in self.targeted for pair in pairs]
+        table = merged[chosen].reset_index(drop=True)
+        table.insert(0, "name", [f"L{r.layer}H{r.head}" for r in table.itertuples()])
+        return table.drop(columns=["layer", "head"])
+
+    def to_dict(self) -> dict[str, Any]:
+        history = self.training.history
+        return {
+            "pass": self.index,
+            "targeted": self.targeted.names(),
+            "recovered": self.recovered.names(),
+            "still_sick": self.still_sick.names(),
+            "recovery_rate": self.recovery_rate,
+            "perplexity_before": self.perplexity_before,
+            "perplexity_after": self.perplexity_after,
+            "drift": {"count": len(self.drifted), "heads": self.drifted.names()},
+            "healthy_before": _healthy(self.census_before),
+            "healthy_after": _healthy(self.census_after),
+            "heads": self.head_table().to_dict(orient="records"),
+            "training": {
+                "steps": self.training.steps_done,
+                "stopped_early": self.training.stopped_early,
+                "best_step": self.training.best_step,
+                "final_loss": self.training.losses[-1] if self.training.losses else None,
+                "final_bos_mass": float(history["bos_mass"].iloc[-1]),
+            },
+        }
+
+
+@dataclasses.dataclass
+class RepairResult:
+    """A whole repair run. ``model`` is the repaired model (edited in place).
+
+    ``targeted`` is every head some pass targeted; ``recovered`` those healthy in the final census;
+    ``drifted`` the heads no pass targeted whose BOS mass moved by more than the drift threshold
+    between the first and the final census.
+    """
+
+    model: HookedTransformer
+    passes: list[PassResult]
+    census_before: pd.DataFrame
+    census_after: pd.DataFrame
+    settings: dict[str, Any]
+    drift_threshold: float = DRIFT_THRESHOLD
+
+    @property
+    def targeted(self) -> HeadSet:
+        out = HeadSet()
+        for p in self.passes:
+            out = out | p.targeted
+        return out
+
+    @property
+    def recovered(self) -> HeadSet:
+        healthy = HeadSet.from_labels(self.census_after, labels=["healthy"])
+        return self.targeted & healthy
+
+    @property
+    def still_sick(self) -> HeadSet:
+        return self.targeted - self.recovered
+
+    @property
+    def recovery_rate(self) -> float:
+        return len(self.recovered) / len(self.targeted)
+
+    @property
+    def drifted(self) -> HeadSet:
+        return _drifted(self.census_before, self.census_after, self.targeted, self.drift_threshold)
+
+    def perplexities(self) -> dict[str, list[float]]:
+        """Training and held-out perplexity before the first pass and after each pass."""
+        stages = [self.passes[0].perplexity_before] + [p.perplexity_after for p in self.passes]
+        return {split: [s[split] for s in stages] for split in ("train", "heldout")}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The content of ``report.json``."""
+        return {
+            "model": model_info(self.model).name,
+            "n_heads": len(self.census_before),
+            "targeted": self.targeted.names(),
+            "recovered": self.recovered.names(),
+            "still_sick": self.still_sick.names(),
+            "recovery_rate": self.recovery_rate,
+            "healthy_before": _healthy(self.census_before),
+            "healthy_after": _healthy(self.census_after),
+            "labels_before": _counts(self.census_before),
+            "labels_after": _counts(self.census_after),
+            "perplexity": self.perplexities(),
+            "drift": {
+                "threshold": self.drift_threshold,
+                "count": len(self.drifted),
+                "heads": self.drifted.names(),
+            },
+            "passes": [p.to_dict() for p in self.passes],
+            "settings": self.settings,
+        }
+
+
+def _healthy(census: pd.DataFrame) -> int:
+    return int((census["label"] == "healthy").sum())
+
+
+def _counts(census: pd.DataFrame) -> dict[str, int]:
+    return {label: int((census["label"] == label).sum()) for label in LABELS}
+
+
+def _drifted(
+    before: pd.DataFrame, after: pd.DataFrame, trained: HeadSet, threshold: float
+) -> HeadSet:
+    merged = before.merge(after, on=["layer", "head"], suffixes=("_before", "_after"))
+    moved = (merged["bos_mass_after"] - merged["bos_mass_before"]).abs() > threshold
+    pairs = zip(merged.loc[moved, "layer"], merged.loc[moved, "head"], strict=True)
+    return HeadSet(pairs) - trained
+
+
+class _WorkDir:
+    """Finished passes and fine-tuning checkpoints of one run, for ``resume``.
+
+    ``run.json`` identifies the run (model digest, heads, settings); ``census_0.*`` is the first
+    census; ``pass<N>/`` holds the fine-tuning checkpoint and, once the pass is over,
+    ``heads.pt`` (the trained slices), ``census.csv`` and ``done.json`` (written last). Only
+    rank 0 writes.
+    """
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+
+    def start(self, identity: dict[str, Any], resume: bool) -> None:
+        run_file = self.path / RUN_FILE
+        if run_file.exists():
+            if not resume:
+                raise OutputExistsError(
+                    f"{self.path} holds an interrupted run; resume it (--resume) or delete it"
+                )
+            stored = json.loads(run_file.read_text())
+            for key, value in identity.items():
+                if stored.get(key) != value:
+                    raise CheckpointError(
+                        f"the run in {self.path} has a different {key.replace('_', ' ')} "
+                        f"({stored.get(key)} vs {value}); resume with the same model, heads "
+                        "and options, or start a new output folder"
+                    )
+        elif self.rank == 0:
+            atomic_write_text(run_file, json.dumps(identity, indent=2, default=str))
+
+    def pass_dir(self, index: int) -> Path:
+        return self.path / f"pass{index}"
+
+    def save_census(self, name: str, census: pd.DataFrame, extra: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        atomic_write_text(self.path / f"{name}.csv", census.to_csv(index=False))
+        document = {"attrs": census.attrs, **extra}
+        atomic_write_text(self.path / f"{name}.json", json.dumps(document, default=str))
+
+    def load_census(self, name: str) -> tuple[pd.DataFrame, dict[str, Any]] | None:
+        if not (self.path / f"{name}.json").exists():
+            return None
+        document = json.loads((self.path / f"{name}.json").read_text())
+        census = pd.read_csv(self.path / f"{name}.csv", keep_default_na=False, na_values=[""])
+        census.attrs = document.pop("attrs")
+        return census, document
+
+    def save_pass(self, result: PassResult, model: HookedTransformer) -> None:
+        if self.rank != 0:
+            return
+        folder = self.pass_dir(result.index)
+        slices = {
+            f"blocks.{layer}.attn.{name}": getattr(model.blocks[layer].attn, name)
+            .detach()[torch.tensor(heads)]
+            .clone()
+            for layer, heads in result.targeted.by_layer().items()
+            for name in HEAD_TENSORS
+        }
+        buffer = io.BytesIO()
+        torch.save(slices, buffer)
+        atomic_write_bytes(folder / "heads.pt", buffer.getvalue())
+        training = result.training
+        self.save_census(
+            f"pass{result.index}/census",
+            result.census_after,
+            {
+                "targeted": str(result.targeted),
+                "perplexity_after": result.perplexity_after,
+                "steps_done": training.steps_done,
+                "stopped_early": training.stopped_early,
+                "best_step": training.best_step,
+                "history": training.history.to_dict(orient="list"),
+                "losses": training.losses,
+                "resumed_from": training.resumed_from,
+            },
+        )
+        atomic_write_text(folder / "done.json", "{}")
+
+    def load_pass(
+        self, index: int, targets: HeadSet, model: HookedTransformer, config: FinetuneConfig
+    ) -> tuple[pd.DataFrame, dict[str, Any], FinetuneResult] | None:
+        """Load a finished pass into ``model``: its trained slices, census and training record."""
+        folder = self.pass_dir(index)
+        if not (folder / "done.json").exists():
+            return None
+        census, record = self.load_census(f"pass{index}/census")
+        if record["targeted"] != str(targets):
+            raise CheckpointError(
+                f"pass {index} in {self.path} targeted {record['targeted']}, not {targets}; "
+                "resume with the same options or start a new output folder"
+            )
+        slices = torch.load(folder / "heads.pt", map_location="cpu", weights_only=True)
+        with torch.no_grad():
+            for name, values in slices.items():
+                layer = int(name.split(".")[1])
+                index_ = torch.tensor(targets.by_layer()[layer])
+                model.get_parameter(name)[index_] = values.to(model.cfg.device)
+        training = FinetuneResult(
+            heads=targets,
+            config=config,
+            steps_done=record["steps_done"],
+            stopped_early=record["stopped_early"],
+            best_step=record["best_step"],
+            history=pd.DataFrame(record["history"]),
+            losses=record["losses"],
+            resumed_from=record["resumed_from"],
+        )
+        return census, record, training
+
+
+def _agree(heads: HeadSet) -> HeadSet:
+    """Rank 0's head set on every rank (censuses on GPUs may differ in the last bit)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return heads
+    box = [str(heads)]
+    dist.broadcast_object_list(box, src=0)
+    return HeadSet.parse(box[0]) if box[0] else HeadSet()
+
+
+def _default_train_data() -> list[str]:
+    return [bundled_text(name, "train") for name in CORPORA]
+
+
+def _describe(data: Data, default: str) -> str:
+    if data is None:
+        return default
+    if isinstance(data, (str, os.PathLike)):
+        return str(data) if os.path.exists(data) else "text given in memory"
+    return ", ".join(str(x) if os.path.exists(x) else "<text>" for x in data)
+
+
+def _check_args(passes: int, drift_threshold: float, init: str, seq_len: int | None) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise InvalidArgumentError(f"passes must be a positive integer, got {passes!r}")
+    if not 0 < drift_threshold < 1:
+        raise InvalidArgumentError(f"drift_threshold must lie in (0, 1), got {drift_threshold}")
+    if init not in INITS:
+        raise InvalidArgumentError(f"unknown init {init!r}; use one of {', '.join(INITS)}")
+    if seq_len is not None and seq_len < 2:
+        raise InvalidArgumentError(f"the training sequence length must be >= 2, got {seq_len}")
+
+
+def repair(
+    model: HookedTransformer,
+    corpus: Data = None,
+    *,
+    eval_corpus: Data = None,
+    heads: HeadSet | None = None,
+    include: HeadSet | None = None,
+    passes: int = 2,
+    finetune_config: FinetuneConfig | None = None,
+    init: str = "xavier_normal",
+    seed: int = 0,
+    thresholds: Thresholds | None = None,
+    census_data: Data = None,
+    census_seq_len: int = 128,
+    census_n_seqs: int = 64,
+    min_query_pos: int = 1,
+    prepend_bos: bool | None = None,
+    seq_len: int | None = None,
+    n_eval_seqs: int = 32,
+    drift_threshold: float = DRIFT_THRESHOLD,
+    work_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> RepairResult:
+    """Repair ``model`` in place, pass by pass; return what each pass did.
+
+    ``corpus`` (default: the bundled training corpora) is cut into sequences of ``seq_len``
+    tokens (default: the model's training length, at most 512) for fine-tuning; ``eval_corpus``
+    (default: the bundled held-out corpora) gives the held-out perplexity, ``n_eval_seqs``
+    sequences of it. The census runs on ``census_data`` (default: the bundled held-out corpora;
+    ``census_n_seqs`` x ``census_seq_len`` tokens, query rows from ``min_query_pos``) and is
+    classified with ``thresholds`` (default: :class:`Thresholds`). ``heads`` replaces the
+    census's choice of pass-1 targets; ``include`` adds heads to it. Each pass fine-tunes with
+    ``finetune_config`` and re-initialises with ``init`` and seed ``seed + pass - 1``.
+    """
+    config = (finetune_config or FinetuneConfig()).validate()
+    thresholds = thresholds or Thresholds()
+    _check_args(passes, drift_threshold, init, seq_len)
+    for chosen in (heads, include):
+        if chosen is not None:
+            chosen.validate(model)
+    if heads is not None and not heads:
+        raise InvalidArgumentError("nothing to repair: the head set is empty")
+    include = include or HeadSet()
+    info = model_info(model)
+    seq_len = seq_len or min(512, info.train_ctx or model.cfg.n_ctx, model.cfg.n_ctx)
+    train_tokens = to_sequences(
+        model,
+        _default_train_data() if corpus is None else corpus,
+        seq_len=seq_len,
+        prepend_bos=prepend_bos,
+    )
+    eval_tokens = to_sequences(
+        model, eval_corpus, seq_len=seq_len, n_seqs=n_eval_seqs, prepend_bos=prepend_bos
+    )
+    census_tokens = to_sequences(
+        model, census_data, seq_len=census_seq_len, n_seqs=census_n_seqs, prepend_bos=prepend_bos
+    )
+    spread = torch.linspace(0, len(train_tokens) - 1, min(n_eval_seqs, len(train_tokens)))
+    train_eval = train_tokens[spread.round().long()]
+    held_out = "bundled held-out corpora (shakespeare, python-docs)"
+    settings = {
+        "heads": None if heads is None else str(heads),
+        "include": str(include) or None,
+        "passes": passes,
+        "init": init,
+        "seed": seed,
+        "thresholds": dataclasses.asdict(thresholds),
+        "drift_threshold": drift_threshold,
+        "finetune": dataclasses.asdict(config),
+        "train_data": _describe(corpus, "bundled training corpora (shakespeare, python-docs)"),
+        "train_sequences": list(train_tokens.shape),
+        "eval_data": _describe(eval_corpus, held_out),
+        "eval_sequences": list(eval_tokens.shape),
+        "census_data": _describe(census_data, held_out),
+        "census_sequences": list(census_tokens.shape),
+        "min_query_pos": min_query_pos,
+        "prepend_bos": info.prepend_bos if prepend_bos is None else prepend_bos,
+    }
+
+    def census() -> pd.DataFrame:
+        measured = run_census(
+            model,
+            census_tokens,
+            batch_size=config.batch_size,
+            min_query_pos=min_query_pos,
+            progress=progress,
+        )
+        measured.attrs["data"] = settings["census_data"]
+        return classify_heads(measured, thresholds)
+
+    def perplexities() -> dict[str, float]:
+        def ppl(tokens: torch.Tensor) -> float:
+            return perplexity(model, tokens, window=seq_len, batch_size=config.batch_size,
+                              prepend_bos=False)  # fmt: skip
+
+        return {"train": ppl(train_eval), "heldout": ppl(eval_tokens)}
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    work = _WorkDir(Path(work_dir), rank) if work_dir is not None else None
+    if work is not None:
+        identity = {"model": weights_digest(model), "settings": json.loads(json.dumps(settings))}
+        work.start(identity, resume)
+    stored = work.load_census("census_0") if work is not None else None
+    if stored is not None:
+        current, extra = stored
+        ppl = extra["perplexity"]
+    else:
+        current, ppl = census(), perplexities()
+        if work is not None:
+            work.save_census("census_0", current, {"perplexity": ppl})
+    first = current
+    logger.info("census: %s; perplexity %s", _counts(current), _format_ppl(ppl))
+
+    results: list[PassResult] = []
+    for index in range(1, passes + 1):
+        sick = HeadSet.from_labels(current)
+        if index == 1:
+            targets = (sick if heads is None else heads) | include
+        else:
+            targets = sick if heads is None else sick & (heads | include)
+        targets = _agree(targets)
+        if not targets:
+            if index == 1:
+                raise InvalidArgumentError(
+                    "nothing to repair: the census labels no head dead or BOS-sink; pass heads "
+                    "(--heads) or include (--include) to operate on chosen heads"
+                )
+            logger.info("pass %d: no sick heads left, stopping", index)
+            break
+        loaded = work.load_pass(index, targets, model, config) if work is not None else None
+        if loaded is not None:
+            after, record, training = loaded
+            ppl_after = record["perplexity_after"]
+            logger.info("pass %d: loaded from %s", index, work.pass_dir(index))
+        else:
+            logger.info("pass %d: re-initialising and fine-tuning %d heads: %s",
+                        index, len(targets), targets)  # fmt: skip
+            reinit_heads(model, targets, init=init, seed=seed + index - 1)
+            training = finetune(
+                model,
+                targets,
+                train_tokens,
+                eval_data=eval_tokens,
+                config=config,
+                checkpoint_dir=work.pass_dir(index) if work is not None else None,
+                resume=resume,
+                progress=progress,
+            )
+            after, ppl_after = census(), perplexities()
+        healthy = HeadSet.from_labels(after, labels=["healthy"])
+        result = PassResult(
+            index=index,
+            targeted=targets,
+            recovered=targets & healthy,
+            still_sick=targets - healthy,
+            drifted=_drifted(current, after, targets, drift_threshold),
+            census_before=current,
+            census_after=after,
+            perplexity_before=ppl,
+            perplexity_after=ppl_after,
+            training=training,
+        )
+        if work is not None and loaded is None:
+            work.save_pass(result, model)
+        logger.info(
+            "pass %d: %d/%d recovered, %d frozen heads drifted; perplexity %s",
+            index, len(result.recovered), len(targets), len(result.drifted),
+            _format_ppl(ppl_after),
+        )  # fmt: skip
+        results.append(result)
+        current, ppl = after, ppl_after
+    return RepairResult(
+        model=model,
+        passes=results,
+        census_before=first,
+        census_after=current,
+        settings=settings,
+        drift_threshold=drift_threshold,
+    )
+
+
+def _format_ppl(ppl: dict[str, float]) -> str:
+    return f"train {ppl['train']:.3f}, held-out {ppl['heldout']:.3f}"
+
+
+def training_plot(result: RepairResult) -> go.Figure:
+    """Objective, training and held-out perplexity and the targets' BOS mass over the steps,
+    one line per pass."""
+    panels = [
+        ("train_loss", "objective"),
+        ("train_ppl", "training perplexity"),
+        ("heldout_ppl", "held-out perplexity"),
+        ("bos_mass", "BOS mass of targets"),
+    ]
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[t for _, t in panels])
+    colours = list(plots.OKABE_ITO.values())
+    for p in result.passes:
+        history = p.training.history
+        colour = colours[(p.index - 1) % len(colours)]
+        for col, (column, _) in enumerate(panels, start=1):
+            fig.add_trace(
+                go.Scatter(
+                    x=history["step"],
+                    y=history[column],
+                    mode="lines+markers",
+                    name=f"pass {p.index} ({len(p.targeted)} heads)",
+                    legendgroup=f"pass{p.index}",
+                    showlegend=col == 1,
+                    line={"color": colour},
+                ),
+                row=1,
+                col=col,
+            )
+            fig.update_xaxes(title_text="step", row=1, col=col)
+    fig.update_layout(
+        title=f"Masked fine-tuning of {model_info(result.model).name}",
+        font=plots.FONT,
+        width=1400,
+        height=380,
+        template="simple_white",
+    )
+    return fig
+
+
+def _markdown(report: dict[str, Any], figures: Sequence[str], formats: Sequence[str]) -> str:
+    def heads(names: list[str]) -> str:
+        return str(HeadSet(_pairs(names))) if names else "none"
+
+    ppl = report["perplexity"]
+    lines = [
+        f"# Repair of {report['model']}",
+        "",
+        f"Heads targeted: **{len(report['targeted'])}**, recovered (healthy after): "
+        f"**{len(report['recovered'])}** ({report['recovery_rate']:.1%}); still sick: "
+        f"{heads(report['still_sick'])}.",
+        f"Healthy heads: {report['healthy_before']} → {report['healthy_after']} of "
+        f"{report['n_heads']}. Frozen heads that drifted (|Δ BOS mass| > "
+        f"{report['drift']['threshold']}): {report['drift']['count']}.",
+        "",
+        "| stage | targeted | recovered | rate | still sick | drifted | train PPL | "
+        "held-out PPL | healthy |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| before | | | | | | {ppl['train'][0]:.3f} | {ppl['heldout'][0]:.3f} | "
+        f"{report['healthy_before']} |",
+    ]
+    for p in report["passes"]:
+        lines.append(
+            f"| pass {p['pass']} | {len(p['targeted'])} | {len(p['recovered'])} | "
+            f"{p['recovery_rate']:.1%} | {len(p['still_sick'])} | {p['drift']['count']} | "
+            f"{p['perplexity_after']['train']:.3f} | {p['perplexity_after']['heldout']:.3f} | "
+            f"{p['healthy_after']} |"
+        )
+    lines += [""]
+    for p in report["passes"]:
+        training = p["training"]
+        lines += [
+            f"## Pass {p['pass']}",
+            "",
+            f"- targeted: {heads(p['targeted'])}",
+            f"- recovered: {heads(p['recovered'])}",
+            f"- still sick: {heads(p['still_sick'])}",
+            f"- drifted frozen heads: {heads(p['drift']['heads'])}",
+            f"- fine-tuning: {training['steps']} steps"
+            + (f", stopped early (best step {training['best_step']})"
+               if training["stopped_early"] else "")
+            + f", final objective {training['final_loss']:.4f}, final BOS mass of targets "
+            f"{training['final_bos_mass']:.3f}",
+            "",
+            "| head | label before | BOS mass | output share | label after | BOS mass | "
+            "output share |",
+            "|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        lines += [
+            f"| {h['name']} | {h['label_before']} | {h['bos_mass_before']:.3f} | "
+            f"{h['output_share_before']:.3f} | {h['label_after']} | {h['bos_mass_after']:.3f} | "
+            f"{h['output_share_after']:.3f} |"
+            for h in p["heads"]
+        ]
+        lines += [""]
+    lines += ["## Figures", ""]
+    for name in figures:
+        links = ", ".join(f"[{fmt}]({name}.{fmt})" for fmt in formats)
+        lines.append(f"- {name}: {links}")
+        if "png" in formats:
+            lines += ["", f"![{name}]({name}.png)", ""]
+    settings = report["settings"]
+    lines += ["", "## Settings", "", "```json", json.dumps(settings, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def _pairs(names: Sequence[str]) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in re.findall(r"\d+", name)) for name in names]
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for package in ("headsurgeon", "torch", "transformer-lens", "transformers"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = "not installed"
+    return out
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_report(
+    result: RepairResult,
+    out_dir: str | os.PathLike,
+    *,
+    formats: Sequence[str] = ("html", "png"),
+    overwrite: bool = False,
+    save_model: bool = True,
+) -> Path:
+    """Write a repair's report folder atomically; return it.
+
+    Files: ``report.md``, ``report.json`` (:meth:`RepairResult.to_dict` plus versions and time),
+    ``census_before.csv`` and ``census_after.csv`` (the classify CLI's ``heads.csv`` columns),
+    ``census_pass<N>.csv`` after each earlier pass, ``training_pass<N>.csv`` (evaluation
+    history), the figures ``labels_before``, ``labels_after``, ``bos_mass_diff`` (whole run),
+    ``pass<N>_bos_mass_diff`` and ``training`` in each of ``formats``, and ``model/``, the repaired
+    model as a Hugging Face checkpoint (unless ``save_model=False``).
+    """
+    unknown = sorted(set(formats) - set(plots.FORMATS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown figure format(s) {', '.join(unknown)}; use {', '.join(plots.FORMATS)}"
+        )
+    report = _json_safe(result.to_dict())
+    report["versions"] = _versions()
+    report["created"] = datetime.datetime.now().astimezone().isoformat()
+    figures = {
+        "labels_before": plots.label_grid(result.census_before, title="Labels before repair"),
+        "labels_after": plots.label_grid(result.census_after, title="Labels after repair"),
+        "bos_mass_diff": plots.diff_grid(
+            result.census_before, result.census_after, "bos_mass",
+            title="BOS mass, after repair − before",
+        ),
+    }  # fmt: skip
+    for p in result.passes:
+        figures[f"pass{p.index}_bos_mass_diff"] = plots.diff_grid(
+            p.census_before, p.census_after, "bos_mass",
+            title=f"Pass {p.index}: BOS mass, after − before",
+        )  # fmt: skip
+    figures["training"] = training_plot(result)
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")
+        atomic_write_text(tmp / "report.md", _markdown(report, list(figures), formats))
+        atomic_write_text(tmp / "census_before.csv", result.census_before.to_csv(index=False))
+        atomic_write_text(tmp / "census_after.csv", result.census_after.to_csv(index=False))
+        for p in result.passes:
+            if p is not result.passes[-1]:
+                census_csv = p.census_after.to_csv(index=False)
+                atomic_write_text(tmp / f"census_pass{p.index}.csv", census_csv)
+            atomic_write_text(
+                tmp / f"training_pass{p.index}.csv", p.training.history.to_csv(index=False)
+            )
+        for name, figure in figures.items():
+            for fmt in formats:
+                plots.save_figure(figure, tmp / f"{name}.{fmt}", include_plotlyjs="directory")
+        if save_model:
+            save_hf(result.model, tmp / "model")
+    return Path(out_dir)
+
+
+def default_out_dir(model: str) -> Path:
+    """A new folder in the working directory named after the model (``<name>-repaired[-N]``)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(model).rstrip("/\\")).name or str(model))
+    candidate, n = Path(f"{name}-repaired"), 2
+    while candidate.exists() or _partial(candidate).exists():
+        candidate, n = Path(f"{name}-repaired-{n}"), n + 1
+    return candidate
+
+
+def _partial(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m headsurgeon.repair",
+        description="Surgical repair of dead and BOS-sink heads: census, re-initialise the "
+        "chosen heads, fine-tune only their slices, census again; repeat on the heads still "
+        "sick. Runs data-parallel under torchrun.",
+    )
+    add_model_args(parser)
+    add_data_args(parser)  # the census data, as in the classify CLI
+    census = parser.add_argument_group("census and classification")
+    census.add_argument("--min-query-pos", type=int, default=1, help="first query row averaged")
+    defaults = Thresholds()
+    census.add_argument("--sink-threshold", type=float, default=defaults.sink)
+    census.add_argument("--dead-threshold", type=float, default=defaults.dead)
+    census.add_argument("--min-output-share", type=float, default=defaults.min_output_share)
+    surgery = parser.add_argument_group("surgery")
+    surgery.add_argument("--heads", help="heads to repair, e.g. L5H9,L6H10-15 (default: census)")
+    surgery.add_argument("--include", help="heads to add to pass 1 even if healthy, e.g. L5-22H5")
+    surgery.add_argument("--passes", type=int, default=2, help="most passes (default 2)")
+    surgery.add_argument("--init", choices=INITS, default="xavier_normal")
+    surgery.add_argument("--drift-threshold", type=float, default=DRIFT_THRESHOLD)
+    training = parser.add_argument_group("fine-tuning")
+    ft = FinetuneConfig()
+    training.add_argument(
+        "--corpus",
+        nargs="+",
+        metavar="FILE",
+        help="training text (default: the bundled training corpora)",
+    )
+    training.add_argument(
+        "--eval-corpus",
+        nargs="+",
+        metavar="FILE",
+        help="held-out text (default: the bundled held-out corpora)",
+    )
+    training.add_argument(
+        "--train-seq-len",
+        type=int,
+        help="tokens per training sequence (default: training length, <= 512)",
+    )
+    training.add_argument("--n-eval-seqs", type=int, default=32)
+    training.add_argument("--steps", type=int, default=ft.steps)
+    training.add_argument("--lr", type=float, default=ft.lr)
+    training.add_argument("--weight-decay", type=float, default=ft.weight_decay)
+    training.add_argument("--warmup", type=int, help="warm-up steps (default min(100, steps/4))")
+    training.add_argument("--batch-size", type=int, default=ft.batch_size, help="per process")
+    training.add_argument("--grad-accum", type=int, default=ft.grad_accum)
+    training.add_argument("--max-grad-norm", type=float, default=ft.max_grad_norm)
+    training.add_argument(
+        "--autocast",
+        choices=["bfloat16"],
+        help="compute a float32 model in bfloat16 autocast (the paper's setup)",
+    )
+    training.add_argument("--eval-every", type=int, help="steps between evaluations")
+    training.add_argument("--patience", type=int, help="early stop after N worse evaluations")
+    training.add_argument("--strategy", choices=["slices", "mask"], default=ft.strategy)
+    training.add_argument("--seed", type=int, default=0)
+    add_output_args(parser)
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue the interrupted run whose --out was DIR")  # fmt: skip
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _texts(paths: Sequence[str] | None) -> list[str] | None:
+    return read_texts(paths) if paths else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.resume and args.out and Path(args.out) != Path(args.resume):
+        raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
+    out = Path(args.resume or args.out or default_out_dir(args.model))
+    partial = _partial(out)
+    check_output_dir(out, args.overwrite)  # fail before the long run
+    if args.resume and not (partial / RUN_FILE).exists():
+        raise CheckpointError(f"no interrupted run to resume: {partial} has no {RUN_FILE}")
+    if not args.resume and partial.exists():
+        if not args.overwrite:
+            raise OutputExistsError(
+                f"{partial} holds an interrupted run; continue it with --resume {out}, or pass "
+                "--overwrite to start over"
+            )
+        shutil.rmtree(partial)
+    config = FinetuneConfig(
+        steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup,
+        batch_size=args.batch_size, grad_accum=args.grad_accum,
+        max_grad_norm=args.max_grad_norm, autocast=args.autocast, eval_every=args.eval_every,
+        patience=args.patience, min_query_pos=args.min_query_pos, strategy=args.strategy,
+        seed=args.seed,
+    ).validate()  # fmt: skip
+    thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
+    dist_info = setup_distributed(args.device)
+    try:
+        model = load_model(args.model, dtype=args.dtype, device=dist_info.device)
+        result = repair(
+            model,
+            _texts(args.corpus),
+            eval_corpus=_texts(args.eval_corpus),
+            heads=HeadSet.parse(args.heads, model) if args.heads else None,
+            include=HeadSet.parse(args.include, model) if args.include else None,
+            passes=args.passes,
+            finetune_config=config,
+            init=args.init,
+            seed=args.seed,
+            thresholds=thresholds,
+            census_data=_texts(args.texts),
+            census_seq_len=args.seq_len,
+            census_n_seqs=args.n_seqs,
+            min_query_pos=args.min_query_pos,
+            prepend_bos=args.prepend_bos,
+            seq_len=args.train_seq_len,
+            n_eval_seqs=args.n_eval_seqs,
+            drift_threshold=args.drift_threshold,
+            work_dir=partial,
+            resume=bool(args.resume),
+            progress=not args.quiet,
+        )
+        if dist_info.rank == 0:
+            formats = ["html", "png", *args.format]
+            write_report(result, out, formats=formats, overwrite=args.overwrite)
+            shutil.rmtree(partial, ignore_errors=True)
+            print((out / "report.md").read_text().split("## Pass")[0].rstrip())
+            print(f"\nwrote {out}/: report.md, report.json, censuses, figures, model/")
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    from headsurgeon.cli import run
+
+    run(main)

@@ -1,0 +1,233 @@
+"""headsurgeon.blindness: analytic and measured blindness, mitigations through hooks, the CLI."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from conftest import make_bloom_checkpoint
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+from headsurgeon import alibi, load_model
+from headsurgeon.blindness import (
+    DTYPES,
+    analytic_blindness,
+    main,
+    measure_blindness,
+    mitigation,
+)
+from headsurgeon.cli import run
+from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+
+SCORES = "blocks.0.attn.hook_attn_scores"
+
+
+@pytest.fixture(scope="module")
+def bloom8_dir(tmp_path_factory):
+    """One layer, 8 heads: slopes 0.5 ... 0.0039, steep enough to go blind within 256 tokens."""
+    return make_bloom_checkpoint(tmp_path_factory.mktemp("bloom8"), n_heads=8, n_layers=1)
+
+
+@pytest.fixture()
+def flat_model(bloom8_dir):
+    """Queries zeroed: every content logit is exactly 0, so the logits are the ALiBi bias."""
+    model = load_model(bloom8_dir)
+    with torch.no_grad():
+        model.blocks[0].attn.W_Q.zero_()
+        model.blocks[0].attn.b_Q.zero_()
+    return model
+
+
+def _tokens(n_seqs: int, n_pos: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, 300, (n_seqs, n_pos), generator=torch.Generator().manual_seed(seed))
+
+
+def test_analytic_blindness_by_name_needs_no_weights():
+    df = analytic_blindness("bloom-560m")
+    assert len(df) == 24 * 16 * len(DTYPES) * len(alibi.THRESHOLDS)
+    fp32 = df[(df.dtype == "float32") & (df.threshold == "normal") & (df.layer == 5)]
+    assert fp32.blind_distance.tolist()[0] == 124 and fp32.blind_distance.tolist()[-1] == 22359
+    assert set(df.columns) >= {"layer", "head", "slope", "dtype", "threshold", "blind_distance"}
+    assert (df.label == "blind").sum() > 0 and (df.label == "sighted").sum() > 0
+    heads_176b = analytic_blindness("bloom-176b", dtypes=["bf16"], thresholds=["zero"], context=64)
+    assert heads_176b["head"].nunique() == 112 and set(heads_176b.dtype) == {"bfloat16"}
+
+
+@pytest.mark.parametrize("convention", ["hf", "tl"])
+def test_measured_zeros_agree_with_analytic_distances(flat_model, convention):
+    n = 256
+    result = measure_blindness(
+        flat_model, _tokens(1, n), convention=convention, n_buckets=n, progress=False
+    )
+    by_distance = result.by_distance.sort_values("distance_lo")
+    n_checked = 0
+    for row in result.by_head.itertuples():
+        m, analytic = row.slope, row.analytic_distance
+        # Real zeros start up to ln(Z)/m earlier; Z <= 1/(1 - e^-m) with equal content logits.
+        shift = math.ceil(math.log(1 / (1 - math.exp(-m))) / m) + 1
+        zeros = by_distance[(by_distance.dtype == row.dtype) & (by_distance["head"] == row.head)]
+        if analytic < n:
+            assert (zeros.zero_fraction.to_numpy()[int(analytic) :] == 1).all()
+            n_checked += 1
+        if analytic - shift >= n:
+            assert math.isnan(row.first_zero_distance) and row.label == "sighted"
+        elif not math.isnan(row.first_zero_distance):
+            assert analytic - shift <= row.first_zero_distance <= analytic
+    assert n_checked >= 5  # float16 heads 0-3 and float32 / bfloat16 head 0
+    total = result.by_length[result.by_length.context_length == n]
+    per_dtype = result.by_distance.groupby("dtype").zero_entries.sum()
+    assert (total.set_index("dtype").zero_entries == per_dtype[total.dtype].to_numpy()).all()
+
+
+def test_measurement_streams_batches_into_fixed_sums(flat_model):
+    tokens = _tokens(3, 96, seed=1)
+    one = measure_blindness(flat_model, tokens, dtypes=["float16"], batch_size=1, progress=False)
+    three = measure_blindness(flat_model, tokens, dtypes=["float16"], batch_size=3, progress=False)
+    pd.testing.assert_frame_equal(one.by_head, three.by_head)
+    pd.testing.assert_frame_equal(one.by_length, three.by_length)
+    assert one.n_seqs == 3 and one.by_length.context_length.tolist() == [16, 32, 64, 96]
+    lost = one.by_head.lost_mass.iloc[0]
+    assert 0 < lost < 1e-5 and one.by_head.max_lost_weight.iloc[0] < 2**-24
+
+
+def _scores(model, tokens) -> torch.Tensor:
+    _, cache = model.run_with_cache(tokens, names_filter=SCORES)
+    return cache[SCORES]
+
+
+@pytest.mark.parametrize(
+    ("kind", "params"),
+    [
+        ("standard", {}),
+        ("clamped", {"c": 3.0}),
+        ("log", {}),
+        ("robust", {"context": 32, "dtype": "float16", "mode": "clip"}),
+    ],
+)
+def test_bias_mitigations_change_scores_exactly_as_documented(flat_model, kind, params):
+    tokens = _tokens(2, 40)
+    bias = alibi.bias_from_distance(
+        kind, alibi.slopes(8), alibi.distance_rows(40, 40), **params
+    ).expand(2, -1, -1, -1)
+    causal = torch.ones(40, 40).tril().bool()
+    with mitigation(flat_model, kind, **params):
+        scores = _scores(flat_model, tokens)
+    assert torch.equal(scores[..., causal], bias[..., causal])
+    assert (scores[..., ~causal] == -math.inf).all()
+
+
+def test_soft_cap_caps_every_unmasked_logit_and_composes(tiny_model, flat_model):
+    tokens = _tokens(2, 24)
+    plain = _scores(tiny_model, tokens)
+    with mitigation(tiny_model, "softcap", c=0.5):
+        capped = _scores(tiny_model, tokens)
+    assert torch.equal(capped, alibi.soft_cap(plain, 0.5))
+    assert (capped[..., ~torch.ones(24, 24).tril().bool()] == -math.inf).all()
+    with mitigation(flat_model, "softcap", c=2.0), mitigation(flat_model, "log"):
+        both = _scores(flat_model, tokens)
+    log_bias = alibi.bias_from_distance("log", alibi.slopes(8), alibi.distance_rows(24, 24))
+    causal = torch.ones(24, 24).tril().bool()
+    assert torch.equal(
+        both[..., causal], alibi.soft_cap(log_bias, 2.0).expand_as(both)[..., causal]
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "params"),
+    [
+        ("clamped", {"c": 1.0}),
+        ("log", {}),
+        ("robust", {"context": 1000, "dtype": "float16"}),
+        ("softcap", {"c": 1.0}),
+    ],
+)
+def test_mitigation_leaves_the_model_bit_identical(tiny_model, kind, params):
+    tokens = _tokens(2, 48)
+    before_logits = tiny_model(tokens)
+    before_state = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    attns = [block.attn for block in tiny_model.blocks]
+    cached = [attn.alibi for attn in attns]
+    with pytest.raises(RuntimeError, match="inside"), mitigation(tiny_model, kind, **params):
+        assert not torch.equal(tiny_model(tokens), before_logits)
+        raise RuntimeError("an error inside the context")
+    after_state = tiny_model.state_dict()
+    assert all(torch.equal(before_state[k], after_state[k]) for k in before_state)
+    assert all(attn.alibi is bias for attn, bias in zip(attns, cached, strict=True))
+    assert not any("headsurgeon_bias_builder" in attn.__dict__ for attn in attns)
+    assert all(not hp.fwd_hooks for hp in tiny_model.hook_dict.values())
+    assert torch.equal(tiny_model(tokens), before_logits)
+
+
+def _plain_transformer(positional: str) -> HookedTransformer:
+    cfg = HookedTransformerConfig(
+        n_layers=1, d_model=16, d_head=4, n_heads=4, n_ctx=32, d_vocab=50, act_fn="gelu",
+        positional_embedding_type=positional,
+    )  # fmt: skip
+    return HookedTransformer(cfg)
+
+
+def test_models_without_alibi_or_without_the_exact_hook():
+    gpt = _plain_transformer("standard")
+    with pytest.raises(UnsupportedArchitectureError, match="ALiBi models only"):
+        analytic_blindness(gpt)
+    measured = measure_blindness(gpt, _tokens(1, 16) % 50, dtypes=["float16"], progress=False)
+    assert measured.by_head.analytic_distance.isna().all()
+    with pytest.raises(UnsupportedArchitectureError, match="only softcap applies"):
+        mitigation(gpt, "log").__enter__()
+    with mitigation(gpt, "softcap", c=5.0):
+        gpt(_tokens(1, 8) % 50)
+    with pytest.raises(InvalidArgumentError, match="use_exact_alibi"):
+        mitigation(_plain_transformer("alibi"), "clamped", c=2.0).__enter__()
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m: analytic_blindness("bloom-560m", dtypes=["float64"]), "unknown dtype"),
+        (lambda m: analytic_blindness("bloom-560m", thresholds=["tiny"]), "unknown threshold"),
+        (lambda m: analytic_blindness("bloom-560m", context=0), "positive integer"),
+        (lambda m: analytic_blindness("bloom-560m", bias="cosine"), "unknown bias kind"),
+        (lambda m: measure_blindness(m, _tokens(1, 8), convention="jax"), "unknown convention"),
+        (lambda m: measure_blindness(m.half(), _tokens(1, 8)), "needs the model in float32"),
+        (lambda m: mitigation(m, "clamped", c=-1.0).__enter__(), "c > 0"),
+        (lambda m: mitigation(m, "softcap").__enter__(), "needs c"),
+        (lambda m: mitigation(m, "robust", context=0).__enter__(), "positive integer"),
+    ],
+)
+def test_bad_input_is_a_clear_error(tiny_model, call, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        call(tiny_model)
+
+
+def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = [str(bloom8_dir), "--measure", "--seq-len", "64", "--n-seqs", "2", "--out", str(out)]
+    assert main([*args, "--dtype", "float16", "bfloat16", "--threshold", "zero"]) == 0
+    printed = capsys.readouterr().out
+    assert "float16" in printed and "share" in printed
+    table = pd.read_csv(out / "blindness.csv")
+    assert {"layer", "head", "slope", "dtype", "threshold", "blind_distance"} <= set(table.columns)
+    assert set(table.dtype) == {"float16", "bfloat16"}
+    for name in ("measured_by_head", "measured_by_distance", "measured_by_length"):
+        assert not pd.read_csv(out / f"{name}.csv").empty
+    for name in ("blind_distance", "zero_fraction", "analytic_vs_measured"):
+        assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.html").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bloom-560m", "--dtype", "float64"], "unknown dtype"),
+        (["bloom-560m", "--mitigation", "clamped"], "needs --c"),
+        (["bloom-560m", "--max-distance", "0"], "must be positive"),
+        (["no-such-model"], "unknown model"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, [*args, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith("error: ") and message in err
+    assert "\n" not in err and not (tmp_path / "out").exists()

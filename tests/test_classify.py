@@ -1,0 +1,230 @@
+"""Classification: planted sinks and a silenced head get the right labels; thresholds; the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from headsurgeon import Thresholds, classify_heads, run_census, save_hf, threshold_sweep
+from headsurgeon.alibi import alibi_bias, slopes
+from headsurgeon.classify import format_summary, main, write_classification
+from headsurgeon.cli import run
+from headsurgeon.data import to_sequences
+from headsurgeon.errors import InvalidArgumentError, OutputExistsError
+
+TEXT = (
+    "Now is the winter of our discontent made glorious summer by this sun of York; and all the "
+    "clouds that lour'd upon our house in the deep bosom of the ocean buried. "
+) * 12
+DEAD, SINK, SILENT = (0, 3), (1, 2), (1, 0)  # (layer, head); sinks on the shallow slopes
+
+
+@torch.no_grad()
+def plant_sink(model, tokens, layer, head, target):
+    """Set one head's Q/K so that its mean weight on position 0 (rows t >= 1) is ``target``.
+
+    Every sequence starts with the same token, so position 0 has the same residual everywhere:
+    the key reads the direction that separates it from the other positions, the query is a
+    constant, and the key's scale is found by bisection on the exact pattern of that head.
+    """
+    name = f"blocks.{layer}.ln1.hook_normalized"
+    _, cache = model.run_with_cache(tokens, names_filter=name, stop_at_layer=layer + 1)
+    attn, ln1 = model.blocks[layer].attn, model.blocks[layer].ln1
+    x = cache[name] * ln1.w + ln1.b  # the attention input
+    direction = x[:, 0].mean(0) - x[:, 1:].mean((0, 1))
+    direction /= direction.norm()
+    n_pos = tokens.shape[1]
+    bias = alibi_bias(slopes(model.cfg.n_heads)[head : head + 1], n_pos)[0]
+    future = torch.triu(torch.ones(n_pos, n_pos, dtype=torch.bool), 1)
+    projection = x @ direction  # [seq, pos]
+
+    def bos_mass(scale):
+        scores = scale * projection[:, None, :] / attn.attn_scale + bias
+        return scores.masked_fill(future, -torch.inf).softmax(-1)[:, 1:, 0].mean()
+
+    low, high = 0.0, 1e4
+    for _ in range(60):
+        middle = (low + high) / 2
+        if bos_mass(middle) < target:
+            low = middle
+        else:
+            high = middle
+    attn.W_Q[head] = 0
+    attn.b_Q[head] = 0
+    attn.b_Q[head, 0] = 1.0
+    attn.W_K[head] = 0
+    attn.b_K[head] = 0
+    attn.W_K[head, :, 0] = high * direction
+
+
+@pytest.fixture()
+def planted(tiny_model):
+    """tiny_model with a dead sink, a BOS-sink and a silenced head, plus its census tokens."""
+    tokens = to_sequences(tiny_model, TEXT, seq_len=32, n_seqs=8, prepend_bos=True)
+    plant_sink(tiny_model, tokens, *DEAD, target=0.99)
+    plant_sink(tiny_model, tokens, *SINK, target=0.75)
+    with torch.no_grad():
+        attn = tiny_model.blocks[SILENT[0]].attn
+        attn.W_V[SILENT[1]] = 0
+        attn.b_V[SILENT[1]] = 0
+        attn.W_O[SILENT[1]] = 0
+    return tiny_model, tokens
+
+
+def test_planted_heads_get_their_labels_and_the_rest_are_healthy(planted):
+    model, tokens = planted
+    census = run_census(model, tokens, progress=False)
+    df = classify_heads(census).set_index(["layer", "head"])
+    assert df.loc[DEAD, "label"] == "dead" and "BOS mass" in df.loc[DEAD, "reason"]
+    assert df.loc[SINK, "label"] == "BOS-sink"
+    assert df.loc[SINK, "bos_mass"] == pytest.approx(0.75, abs=1e-3)
+    assert df.loc[SILENT, "label"] == "dead" and "writes 0.00%" in df.loc[SILENT, "reason"]
+    assert df.loc[SILENT, "output_share"] == 0
+    untouched = df.drop(index=[DEAD, SINK, SILENT])
+    assert (untouched["label"] == "healthy").all(), untouched[["bos_mass", "output_share"]]
+    assert df.attrs["thresholds"] == {"sink": 0.5, "dead": 0.95, "min_output_share": 0.01}
+    # Moving the thresholds past the planted masses moves the labels.
+    strict = classify_heads(census, Thresholds(sink=0.8, dead=0.995)).set_index(["layer", "head"])
+    assert strict.loc[DEAD, "label"] == "BOS-sink" and strict.loc[SINK, "label"] == "healthy"
+
+
+def census_frame(bos, share=None):
+    n = len(bos)
+    share = [0.3] * n if share is None else share
+    return pd.DataFrame({"layer": np.arange(n) // 4, "head": np.arange(n) % 4,
+                         "bos_mass": bos, "bos_mass_std": [0.01] * n, "entropy": [1.0] * n,
+                         "output_share": share})  # fmt: skip
+
+
+def test_label_boundaries_are_strict_inequalities():
+    df = classify_heads(census_frame([0.5, 0.5001, 0.95, 0.9501], [0.3, 0.3, 0.3, 0.3]))
+    assert df["label"].tolist() == ["healthy", "BOS-sink", "BOS-sink", "dead"]
+    df = classify_heads(census_frame([0.1, 0.1], [0.01, 0.0099]))
+    assert df["label"].tolist() == ["healthy", "dead"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"sink": 0.9, "dead": 0.8}, {"sink": 0.5, "dead": 0.5}, {"sink": -0.1},
+     {"dead": 1.5}, {"min_output_share": 1.0}, {"sink": float("nan")}, {"dead": "0.9"}],
+)  # fmt: skip
+def test_invalid_thresholds_are_refused(kwargs):
+    with pytest.raises(InvalidArgumentError):
+        Thresholds(**kwargs)
+
+
+def test_threshold_sweep_counts_match_classification():
+    rng = np.random.default_rng(0)
+    census = census_frame(rng.random(40), rng.random(40) * 0.05)
+    sweep = threshold_sweep(census)
+    assert set(sweep["threshold"]) == {"sink", "dead", "min_output_share"}
+    assert (sweep[["healthy", "BOS-sink", "dead"]].sum(axis=1) == 40).all()
+    for name, value in [("sink", 0.3), ("dead", 0.8), ("min_output_share", 0.01)]:
+        row = sweep[(sweep["threshold"] == name) & np.isclose(sweep["value"], value)].iloc[0]
+        labels = classify_heads(census, Thresholds(**{name: value}))["label"]
+        assert row["sick"] == (labels != "healthy").sum()
+        assert row["dead"] == (labels == "dead").sum()
+    sink_rows = sweep[sweep["threshold"] == "sink"]
+    assert sink_rows["sick"].is_monotonic_decreasing and sink_rows["value"].max() < 0.95
+
+
+def test_summary_reports_counts_and_sensitivity():
+    census = census_frame([0.1, 0.48, 0.52, 0.97, 0.2, 0.1, 0.3, 0.49])
+    census.attrs = {"model": "m", "n_layers": 2, "n_heads": 4, "n_seqs": 5, "seq_len": 9,
+                    "prepend_bos": False, "min_query_pos": 1}  # fmt: skip
+    text = format_summary(classify_heads(census), top=3)
+    assert "healthy 6, BOS-sink 1, dead 1" in text
+    assert "3 head(s) have BOS mass within 0.05" in text
+    assert "sick count 1-4 for sink thresholds 0.45-0.55" in text
+    assert "position 0 = first text token" in text
+
+
+def test_write_classification_refuses_existing_folder(tmp_path):
+    df = classify_heads(census_frame([0.1, 0.7]))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(OutputExistsError):
+        write_classification(df, tmp_path / "out", formats=())
+    write_classification(df, tmp_path / "out", formats=("html",), overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv", "plotly.min.js"]
+        + [
+            f"{n}.html"
+            for n in ("bos_mass", "labels", "entropy", "output_share", "threshold_sweep")
+        ]
+    )
+    with pytest.raises(InvalidArgumentError, match="format"):
+        write_classification(df, tmp_path / "bad", formats=("gif",))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_cli_end_to_end(planted, tmp_path, capsys):
+    model, tokens = planted
+    checkpoint = save_hf(model, tmp_path / "planted")
+    texts = tmp_path / "text.txt"
+    texts.write_text(TEXT)
+    out = tmp_path / "result"
+    argv = [str(checkpoint), "--texts", str(texts), "--seq-len", "32", "--n-seqs", "8",
+            "--prepend-bos", "--out", str(out), "--format", "svg", "pdf"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "healthy 5, BOS-sink 1, dead 2" in printed and "strongest sinks" in printed
+    heads = pd.read_csv(out / "heads.csv")
+    assert len(heads) == 8 and {"label", "reason", "bos_mass_std"} <= set(heads.columns)
+    meta = json.loads((out / "heads.json").read_text())
+    assert meta["metadata"]["prepend_bos"] is True
+    assert meta["metadata"]["thresholds"]["sink"] == 0.5
+    assert meta["metadata"]["data"] == str(texts) and "torch" in meta["metadata"]["versions"]
+    assert len(meta["heads"]) == 8 and "output_share" in meta["columns"]
+    assert (out / "bos_mass.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "labels.svg").read_text().lstrip().startswith("<svg")
+    assert (out / "labels.pdf").read_bytes()[:4] == b"%PDF"
+    # The same folder again is refused before any work: one line, exit code 2.
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: output folder")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--seq-len", "4", "--min-query-pos", "4"], "min_query_pos"),
+        (["--seq-len", "100000"], "context"),
+        (["--texts", "EMPTY"], "empty"),
+        (["--sink-threshold", "0.99"], "below the dead threshold"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(bloom_dir, tmp_path, capsys, extra, message):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "text.txt").write_text(TEXT)
+    extra = [str(tmp_path / "empty.txt") if x == "EMPTY" else x for x in extra]
+    argv = [str(bloom_dir), "--out", str(tmp_path / "out"), "--texts", str(tmp_path / "text.txt")]
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, argv + extra)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith("error: ") and message in err.splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_module_entry_point_reports_errors_without_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "headsurgeon.classify", "--dead-threshold", "2"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: threshold dead=2.0 must lie in [0, 1]"
+    )
+    assert "Traceback" not in result.stderr

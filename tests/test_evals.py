@@ -1,0 +1,146 @@
+"""headsurgeon.evals: perplexity, passkey and needle against exact, oracle and random references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from headsurgeon.blindness import mitigation
+from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.evals import needle, passkey, perplexity, sliding_windows
+
+LENGTHS = [192, 256]  # the tiny tokenizer spends ~170 tokens on the passkey prompt itself
+
+
+class InductionOracle(torch.nn.Module):
+    """A perfect retriever: predicts the token that followed the longest earlier match.
+
+    At each position it finds the latest earlier position whose preceding tokens match the
+    current suffix longest (up to ``max_n`` tokens) and predicts what came next there. It only
+    exposes what the evaluations use: ``cfg``, the tokenizer, the residual stream (one-hot
+    predictions), ``ln_final`` and ``unembed``.
+    """
+
+    def __init__(self, model, max_n: int = 8):
+        super().__init__()
+        self.cfg, self.tokenizer = model.cfg, model.tokenizer
+        self.headsurgeon_info = model.headsurgeon_info
+        self.ln_final = torch.nn.Identity()
+        self.max_n = max_n
+
+    def unembed(self, residual):
+        return 20 * residual
+
+    def forward(self, tokens, stop_at_layer=None):
+        out = torch.zeros(*tokens.shape, self.cfg.d_vocab)
+        n = tokens.shape[1]
+        for b, seq in enumerate(tokens):
+            equal = (seq[:, None] == seq[None, :]).tril(-1).long()
+            run = torch.zeros(n, n, dtype=torch.long)  # length of the match ending at (t, s)
+            run[0] = equal[0]
+            for t in range(1, n):
+                run[t, 0] = equal[t, 0]
+                run[t, 1:] = equal[t, 1:] * (1 + run[t - 1, :-1])
+            score = run.clamp(max=self.max_n) * n + torch.arange(n)
+            score[run == 0] = -1
+            found = score.amax(1) >= 0
+            following = seq[(score.argmax(1) + 1).clamp(max=n - 1)]
+            out[b, found, following[found]] = 1.0
+        return out
+
+
+def test_perplexity_equals_the_mean_loss_when_rows_fit(tiny_model):
+    tokens = torch.randint(4, 300, (3, 40), generator=torch.Generator().manual_seed(0))
+    expected = math.exp(tiny_model(tokens, return_type="loss").item())
+    assert perplexity(tiny_model, tokens, window=64) == pytest.approx(expected, rel=1e-5)
+
+
+def test_sliding_window_scores_every_token_once_with_its_window_context(tiny_model):
+    stream = torch.randint(4, 300, (50,), generator=torch.Generator().manual_seed(1))
+    windows = sliding_windows(50, window=20, stride=7)
+    assert sum(n for _, _, n in windows) == 49
+    nll = 0.0
+    for begin, end, n_scored in windows:
+        logits = tiny_model(stream[None, begin:end])[0, :-1].log_softmax(-1)
+        targets = stream[begin + 1 : end]
+        nll -= logits.gather(-1, targets[:, None])[-n_scored:].sum().item()
+    assert perplexity(tiny_model, stream, window=20, stride=7) == pytest.approx(
+        math.exp(nll / 49), rel=1e-5
+    )
+    assert perplexity(tiny_model, stream, window=64) == pytest.approx(
+        perplexity(tiny_model, stream[None], window=50), rel=1e-6
+    )
+
+
+def test_perplexity_of_text_is_finite_and_above_one(tiny_model):
+    ppl = perplexity(tiny_model, ["The quick brown fox jumps over the lazy dog. " * 8], window=32)
+    assert 1 < ppl < 400  # a random model over ~320 tokens
+
+
+def test_oracle_retrieves_perfectly_in_and_out_of_context(tiny_model):
+    oracle = InductionOracle(tiny_model)
+    for task in (passkey, needle):
+        result = task(
+            oracle,
+            lengths=LENGTHS,
+            depths=[0.0, 0.5, 1.0],
+            n_trials=1,
+            n_candidates=4,
+            train_ctx=200,
+        )
+        assert (result.table.greedy_accuracy == 1).all() and (result.table.top1_accuracy == 1).all()
+        assert (result.table.mean_rank == 1).all()
+        assert result.table.in_context.tolist() == [True] * 3 + [False] * 3
+        summary = result.summary.set_index(["metric", "split"]).auc
+        assert (summary == 1).all() and len(summary) == 6
+
+
+def test_random_model_is_near_chance(tiny_model):
+    result = passkey(
+        tiny_model, lengths=LENGTHS, depths=[0.0, 0.5, 1.0], n_trials=5, n_candidates=5, seed=3
+    )
+    trials = result.trials
+    assert len(trials) == 30 and trials.greedy_correct.sum() == 0
+    # Chance: top-1 = 1/5 (P(>= 14 of 30) < 0.3%), mean rank 3 (sd of the mean ~0.26).
+    assert trials.top1_correct.mean() < 0.45
+    assert 2.2 < trials["rank"].mean() < 3.8
+    summary = result.summary.set_index(["metric", "split"])
+    assert summary.loc[("top1_accuracy", "all"), "chance"] == pytest.approx(0.2)
+    assert math.isnan(summary.loc[("top1_accuracy", "out_of_context"), "auc"])  # no train_ctx
+
+
+def test_retrieval_runs_under_a_mitigation(tiny_model):
+    with mitigation(tiny_model, "log"):
+        result = needle(tiny_model, lengths=[128], depths=[0.5], n_trials=2, n_candidates=4)
+    assert result.table.n_candidates.tolist() == [4] and result.table.chance.tolist() == [0.25]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m: perplexity(m, torch.zeros(2, 8, dtype=torch.long), window=4000), "beyond"),
+        (lambda m: perplexity(m, torch.zeros(2, 8, dtype=torch.long), window=0), "positive"),
+        (
+            lambda m: perplexity(m, torch.zeros(2, 8, dtype=torch.long), window=8, stride=8),
+            "stride",
+        ),
+        (lambda m: passkey(m, lengths=[0]), "positive integer"),
+        (lambda m: passkey(m, lengths=[-64]), "positive integer"),
+        (lambda m: passkey(m, lengths=[4096]), "beyond the model's context"),
+        (lambda m: passkey(m, lengths=[20]), "too short for the passkey prompt"),
+        (lambda m: passkey(m, lengths=[256], depths=[1.5]), "depths"),
+        (lambda m: passkey(m, lengths=[256], n_trials=0), "n_trials"),
+        (lambda m: passkey(m, lengths=[256], n_candidates=1), "n_candidates"),
+        (lambda m: needle(m, lengths=[256], words=["a", "b"]), "distinct words"),
+    ],
+)
+def test_bad_input_is_a_clear_error(tiny_model, call, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        call(tiny_model)
+
+
+def test_unusable_data_is_a_data_error(tiny_model):
+    with pytest.raises(DataError, match="two tokens"):
+        perplexity(tiny_model, torch.zeros(3, 1, dtype=torch.long))

@@ -1,0 +1,185 @@
+"""The repair pipeline and its CLI on a tiny model with a planted BOS sink and a dead head."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TEXT
+from safetensors.torch import load_file
+
+import headsurgeon.finetune as finetune_module
+from headsurgeon import load_model, save_hf
+from headsurgeon.classify import write_classification
+from headsurgeon.cli import run
+from headsurgeon.data import to_sequences
+from headsurgeon.finetune import FinetuneConfig, bos_mass_objective, finetune
+from headsurgeon.repair import main, repair, write_report
+from headsurgeon.surgery import HeadSet
+
+SINK, DEAD = (1, 3), (1, 1)
+
+
+@pytest.fixture(scope="module")
+def injured(bloom_dir, tmp_path_factory):
+    """bloom_dir with a BOS sink planted in L1H3 and L1H1 silenced (W_O = 0)."""
+    model = load_model(bloom_dir)
+    tokens = to_sequences(model, TEXT, seq_len=32, prepend_bos=True)
+    sink = HeadSet([SINK])
+    config = FinetuneConfig(steps=30, lr=0.1, batch_size=4, eval_every=30)
+    finetune(model, sink, tokens, objective=bos_mass_objective(sink, 0.8), config=config,
+             progress=False)  # fmt: skip
+    with torch.no_grad():
+        model.blocks[DEAD[0]].attn.W_O[DEAD[1]] = 0
+    return save_hf(model, tmp_path_factory.mktemp("injured") / "model")
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def label(census, pair):
+    return census.set_index(["layer", "head"]).loc[pair, "label"]
+
+
+def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path):
+    model = load_model(injured)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = repair(
+        model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32, census_n_seqs=16,
+        prepend_bos=True, seq_len=32, passes=2, progress=False,
+        finetune_config=FinetuneConfig(steps=20, lr=1e-2, batch_size=4),
+    )  # fmt: skip
+    assert label(result.census_before, SINK) == "BOS-sink"
+    assert label(result.census_before, DEAD) == "dead"
+    first = result.passes[0]
+    assert first.targeted == HeadSet([DEAD, SINK])  # the census's choice
+    assert first.recovered == HeadSet([DEAD, SINK]) and result.recovery_rate == 1.0
+    assert label(result.census_after, SINK) == "healthy"
+    # Only the targeted heads' Q/K/V/O slices changed; everything else is bit-identical.
+    for name, value in model.state_dict().items():
+        diff = value != before[name]
+        if ".attn.W_" in name or ".attn.b_" in name and not name.endswith("b_O"):
+            layer = int(name.split(".")[1])
+            diff[[h for lay, h in result.targeted if lay == layer]] = False
+        assert not diff.any(), name
+
+    report = result.to_dict()
+    assert set(report) >= {"targeted", "recovered", "recovery_rate", "perplexity", "drift"}
+    assert len(report["perplexity"]["train"]) == len(result.passes) + 1
+    assert report["passes"][0]["heads"][0]["label_before"] == "dead"
+    out = write_report(result, tmp_path / "out", formats=("html",))
+    files = {p.name for p in out.iterdir()}
+    assert {
+        "report.md",
+        "report.json",
+        "census_before.csv",
+        "census_after.csv",
+        "model",
+        "bos_mass_diff.html",
+        "pass1_bos_mass_diff.html",
+        "training.html",
+    } <= files
+    assert json.loads((out / "report.json").read_text())["recovery_rate"] == 1.0
+    classified = write_classification(result.census_before, tmp_path / "cls", formats=())
+    header = (classified / "heads.csv").read_text().splitlines()[0]
+    assert (out / "census_before.csv").read_text().splitlines()[0] == header
+    assert (out / "census_after.csv").read_text().splitlines()[0] == header
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out / "model")
+    tokens = to_sequences(model, TEXT, seq_len=16, n_seqs=2)
+    torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
+
+
+def cli_args(injured, text_file, out, *extra):
+    return [
+        str(injured), "--texts", str(text_file), "--corpus", str(text_file),
+        "--eval-corpus", str(text_file), "--prepend-bos", "--seq-len", "32", "--n-seqs", "16",
+        "--train-seq-len", "32", "--steps", "4", "--batch-size", "4", "--lr", "1e-2",
+        "--min-output-share", "0.2", "--quiet", "--out", str(out), *extra,
+    ]  # fmt: skip
+
+
+def test_cli_interrupted_run_resumes_to_the_same_result(injured, text_file, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    assert main(cli_args(injured, text_file, straight)) == 0
+    report = json.loads((straight / "report.json").read_text())
+    assert len(report["passes"]) == 2  # output shares < 0.2 leave heads sick after pass 1
+    assert (straight / "labels_after.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (tmp_path / "straight.partial").exists()
+
+    save = finetune_module._save_checkpoint
+
+    def killed_in_pass_2(path, state):
+        save(path, state)
+        if "pass2" in str(path):
+            raise KeyboardInterrupt  # like Ctrl-C right after the first checkpoint of pass 2
+
+    out = tmp_path / "resumed"
+    monkeypatch.setattr(finetune_module, "_save_checkpoint", killed_in_pass_2)
+    with pytest.raises(KeyboardInterrupt):
+        main(cli_args(injured, text_file, out))
+    monkeypatch.undo()
+    assert not out.exists() and (tmp_path / "resumed.partial" / "pass1" / "done.json").exists()
+
+    with pytest.raises(SystemExit) as exit_info:  # the same run with other heads cannot resume
+        run(main, cli_args(injured, text_file, out, "--heads", "L0H0", "--resume", str(out)))
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):  # starting over without --resume or --overwrite is refused
+        run(main, cli_args(injured, text_file, out))
+
+    assert main(cli_args(injured, text_file, out, "--resume", str(out))) == 0
+    assert load_file(out / "model" / "model.safetensors") == pytest.approx(
+        load_file(straight / "model" / "model.safetensors")
+    )
+    for name, value in load_file(straight / "model" / "model.safetensors").items():
+        assert torch.equal(load_file(out / "model" / "model.safetensors")[name], value), name
+    resumed = json.loads((out / "report.json").read_text())
+    for key in ("targeted", "recovered", "recovery_rate", "perplexity", "drift"):
+        assert resumed[key] == report[key], key
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--heads", "L2H0"], "L2H0 is out of range"),
+        (["--heads", "L1H1,L1H0-2"], "listed twice"),
+        (["--lr", "0"], "lr must be"),
+        (["--steps", "0"], "steps must be"),
+        (["--batch-size", "64"], "fewer than one batch"),
+        (["--resume", "{out}"], "no interrupted run to resume"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_leaves_no_output(
+    injured, text_file, tmp_path, capsys, extra, message
+):
+    out = tmp_path / "out"
+    args = cli_args(injured, text_file, out, *[e.format(out=out) for e in extra])
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1]
+    assert not out.exists()
+
+
+def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit):
+        run(main, [str(bloom_dir), "--texts", str(text_file), "--corpus", str(text_file),
+                   "--eval-corpus", str(text_file), "--seq-len", "32", "--n-seqs", "8",
+                   "--train-seq-len", "32", "--quiet", "--out", str(out)])  # fmt: skip
+    assert "nothing to repair" in capsys.readouterr().err
+    assert not out.exists()
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        run(main, [str(bloom_dir), "--out", str(out)])
+    assert "already holds files" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
