@@ -9,10 +9,17 @@ import importlib
 
 # Public name -> the module (under headsurgeon) that defines it.
 _EXPORTS = {
+    "FinetuneConfig": "finetune",
+    "HeadMask": "surgery",
+    "HeadParameters": "surgery",
+    "HeadSet": "surgery",
+    "RepairResult": "repair",
     "Thresholds": "classify",
     "analytic_blindness": "blindness",
+    "bos_mass_objective": "finetune",
     "classify_heads": "classify",
     "load_model": "models",
+    "mask_gradients": "surgery",
     "measure_blindness": "blindness",
     "mitigation": "blindness",
     "model_info": "models",
@@ -20,6 +27,7 @@ _EXPORTS = {
     "needle": "evals",
     "passkey": "evals",
     "perplexity": "evals",
+    "reinit_heads": "surgery",
     "run_census": "census",
     "save_hf": "models",
     "threshold_sweep": "classify",

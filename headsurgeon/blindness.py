@@ -76,16 +76,16 @@ def analytic_blindness(
     dtypes: Sequence[str] = DTYPES,
     thresholds: Sequence[str] = alibi.THRESHOLDS,
     bias: str = "standard",
-    context: int | None = None,
+    context_length: int | None = None,
     **params,
 ) -> pd.DataFrame:
     """Blind distance of every head, predicted from its ALiBi slope alone (no weights needed).
 
     One row per (layer, head, dtype, threshold): ``slope``, ``blind_distance`` (tokens; ``inf``
     if never, see :func:`headsurgeon.alibi.blind_distance` for the definition and the bias kinds),
-    ``blind_share`` (share of the head's causal entries in a ``context``-token sequence at or
-    beyond its blind distance) and ``label``: ``blind`` if some key within ``context`` tokens is
-    blind, else ``sighted``. ``context`` defaults to the model's context length. Slopes are the
+    ``blind_share`` (share of the head's causal entries in a ``context_length``-token sequence at
+    or beyond its blind distance) and ``label``: ``blind`` if some key within ``context_length``
+    tokens is blind, else ``sighted``. ``context_length`` defaults to the model's. Slopes are the
     same in every layer, so layers repeat. Raises :class:`UnsupportedArchitectureError` for
     models without ALiBi (use :func:`measure_blindness`, which applies to every model).
     """
@@ -100,15 +100,21 @@ def analytic_blindness(
             f"analytic blindness applies to ALiBi models only; {name} uses {shape.positional} "
             "positions (measure_blindness / --measure still runs)"
         )
-    context = shape.n_ctx if context is None else context
-    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
-        raise InvalidArgumentError(f"context must be a positive integer, got {context!r}")
+    context_length = shape.n_ctx if context_length is None else context_length
+    if (
+        not isinstance(context_length, int)
+        or isinstance(context_length, bool)
+        or context_length < 1
+    ):
+        raise InvalidArgumentError(
+            f"context_length must be a positive integer, got {context_length!r}"
+        )
     head_slopes = alibi.slopes(shape.n_heads)
     frames = []
     for dtype in map(dtype_name, _names(dtypes, "dtype")):
         for threshold in _names(thresholds, "threshold"):
             distance = alibi.blind_distance(head_slopes, dtype, threshold, bias, **params)
-            share = [alibi.blind_share([d], context) for d in distance.tolist()]
+            share = [alibi.blind_share([d], context_length) for d in distance.tolist()]
             frames.append(
                 pd.DataFrame(
                     {
@@ -119,7 +125,7 @@ def analytic_blindness(
                         "threshold": str(threshold),
                         "bias": bias,
                         "blind_distance": distance.numpy(),
-                        "context": context,
+                        "context_length": context_length,
                         "blind_share": share,
                     }
                 )
@@ -129,8 +135,10 @@ def analytic_blindness(
         [frame.assign(layer=layer) for frame in frames for layer in range(shape.n_layers)],
         ignore_index=True,
     )
-    df["label"] = (df["blind_distance"] < df["context"]).map({True: "blind", False: "sighted"})
-    df.attrs.update(model=name, bias=bias, context=context, params=dict(params))
+    df["label"] = (df["blind_distance"] < df["context_length"]).map(
+        {True: "blind", False: "sighted"}
+    )
+    df.attrs.update(model=name, bias=bias, context_length=context_length, params=dict(params))
     return df
 
 
@@ -435,10 +443,10 @@ def _mitigation_params(args: argparse.Namespace) -> dict:
 def _summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurement | None) -> str:
     lines = []
     if analytic is not None:
-        context = analytic.attrs["context"]
+        context_length = analytic.attrs["context_length"]
         lines.append(
             f"{analytic.attrs['model']}: blind distance (tokens) of the steepest heads, "
-            f"{analytic.attrs['bias']} ALiBi; share of a {context}-token context's entries blind"
+            f"{analytic.attrs['bias']} ALiBi; share of a {context_length}-token context blind"
         )
         layer0 = analytic[analytic["layer"] == 0]
         for (dtype, threshold), rows in layer0.groupby(["dtype", "threshold"], sort=False):
@@ -446,7 +454,9 @@ def _summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurement | Non
             heads = ", ".join(
                 f"h{h}={d:.4g}" for h, d in zip(steep["head"], steep["blind_distance"], strict=True)
             )
-            share = alibi.blind_share(torch.tensor(rows["blind_distance"].to_numpy()), context)
+            share = alibi.blind_share(
+                torch.tensor(rows["blind_distance"].to_numpy()), context_length
+            )
             lines.append(f"  {dtype:9s} {threshold:9s} {heads}  | share {share:.1%}")
     if measured is not None:
         lines.append(
@@ -514,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtypes=dtypes,
             thresholds=args.threshold,
             bias=args.mitigation,
-            context=args.max_distance,
+            context_length=args.max_distance,
             **analytic_params,
         )
     except UnsupportedArchitectureError as e:

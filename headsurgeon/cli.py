@@ -86,7 +86,9 @@ def load_data(model: HookedTransformer, args: argparse.Namespace) -> Int[Tensor,
 
 def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None):
     """Run a CLI ``main``: user errors become ``error: <one line>`` on stderr and exit code 2."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # Our progress messages at INFO; other libraries' (kaleido, choreographer) only when they warn.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("headsurgeon").setLevel(logging.INFO)
     try:
         code = main(argv)
     except HeadsurgeonError as e:

@@ -4,6 +4,7 @@ Exports:
     FinetuneConfig                      optimiser, schedule, precision, evaluation, checkpoints
     FinetuneResult                      history of a run (per-step losses, per-evaluation metrics)
     finetune(model, heads, train, ...)  AdamW + warm-up/cosine on the chosen heads; resumable, DDP
+    make_trainer(model, heads, ...)     the module a step trains (SliceTrainer or MaskTrainer)
     next_token_loss(model, tokens)      the default objective: mean next-token cross-entropy
     head_bos_mass(model, tokens, heads) differentiable BOS mass of chosen heads
     bos_mass_objective(heads, target)   objective that pushes heads' attention to position 0
@@ -57,6 +58,7 @@ from headsurgeon.errors import (
     DataError,
     HeadsurgeonError,
     InvalidArgumentError,
+    OutputExistsError,
 )
 from headsurgeon.outputs import atomic_write_bytes
 from headsurgeon.surgery import TRAINED_TENSORS, HeadMask, HeadParameters, HeadSet, head_masks
@@ -275,8 +277,9 @@ def _dist_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-class _SliceTrainer(nn.Module):
-    """Trains :class:`HeadParameters`; the model itself is held outside the module tree."""
+class SliceTrainer(nn.Module):
+    """The ``"slices"`` strategy: trains :class:`HeadParameters`; the model is held outside the
+    module tree, so DistributedDataParallel sees (and synchronises) only the slices."""
 
     def __init__(self, model: HookedTransformer, heads: HeadSet, objective: Objective) -> None:
         super().__init__()
@@ -304,8 +307,9 @@ class _SliceTrainer(nn.Module):
         pass
 
 
-class _MaskTrainer(nn.Module):
-    """Trains whole attention tensors behind gradient masks, restoring frozen elements."""
+class MaskTrainer(nn.Module):
+    """The ``"mask"`` strategy: whole attention tensors of the chosen layers behind gradient
+    masks (:class:`HeadMask`), frozen elements restored from a copy after every step."""
 
     def __init__(self, model: HookedTransformer, heads: HeadSet, objective: Objective) -> None:
         super().__init__()
@@ -345,6 +349,27 @@ class _MaskTrainer(nn.Module):
 
     def close(self) -> None:
         self.mask.remove()
+
+
+def make_trainer(
+    model: HookedTransformer,
+    heads: HeadSet,
+    objective: Objective | None = None,
+    *,
+    strategy: str = "slices",
+) -> SliceTrainer | MaskTrainer:
+    """The module :func:`finetune` trains: ``trainer(tokens)`` is the objective's loss,
+    ``trainer.trainable()`` the tensors to hand to the optimiser, ``trainer.after_step()`` runs
+    after each optimiser step (writes the slices into the model, or restores frozen elements),
+    ``trainer.close()`` removes its hooks. Every model parameter should have
+    ``requires_grad=False`` first (the mask strategy re-enables its own).
+    """
+    if strategy not in STRATEGIES:
+        raise InvalidArgumentError(
+            f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}"
+        )
+    trainer = SliceTrainer if strategy == "slices" else MaskTrainer
+    return trainer(model, heads, objective or next_token_loss)
 
 
 def weights_digest(model: HookedTransformer, excluding: HeadSet | None = None) -> str:
@@ -484,9 +509,10 @@ def finetune(
 
     With ``checkpoint_dir``, ``checkpoint.pt`` (trained slices, optimiser, scheduler, RNG state,
     history) is written atomically every ``config.checkpoint_interval`` steps and at the end, by
-    rank 0 only. ``resume=True`` continues from it: the result is bit-identical to an
-    uninterrupted run. Under ``torchrun`` (an initialised process group) the trainable tensors are
-    wrapped in ``DistributedDataParallel`` and each process takes its share of every batch.
+    rank 0 only. ``resume=True`` continues from it (the result is bit-identical to an
+    uninterrupted run); without it an existing checkpoint is an error, never overwritten. Under
+    ``torchrun`` (an initialised process group) the trainable tensors are wrapped in
+    ``DistributedDataParallel`` and each process takes its share of every batch.
 
     Raises :class:`TrainingDivergedError` on a NaN or infinite loss or gradient; the model keeps
     the last good step's weights and the last checkpoint is untouched.
@@ -527,7 +553,7 @@ def finetune(
 
     model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     model.requires_grad_(False)  # the mask strategy re-enables its own tensors
-    trainer = (_SliceTrainer if cfg.strategy == "slices" else _MaskTrainer)(model, heads, objective)
+    trainer = make_trainer(model, heads, objective, strategy=cfg.strategy)
     try:
         return _train(
             model, heads, trainer, cfg, train, train_eval, heldout, identity, device, rank, world,
@@ -551,7 +577,7 @@ def _check_tokens(tokens: Any, what: str) -> Tensor:
 def _train(
     model: HookedTransformer,
     heads: HeadSet,
-    trainer: _SliceTrainer | _MaskTrainer,
+    trainer: SliceTrainer | MaskTrainer,
     cfg: FinetuneConfig,
     train: Tensor,
     train_eval: Tensor,
@@ -581,7 +607,11 @@ def _train(
     }  # fmt: skip
     step, resumed_from = 0, None
     path = checkpoint_dir / CHECKPOINT_FILE if checkpoint_dir is not None else None
-    state = load_checkpoint(checkpoint_dir) if (resume and checkpoint_dir is not None) else None
+    state = load_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    if state is not None and not resume:
+        raise OutputExistsError(
+            f"{path} holds a checkpoint; continue it (resume=True, --resume) or use another folder"
+        )
     if state is not None:
         _check_resume(state, path, identity)
         trainer.load_slices(state["slices"])

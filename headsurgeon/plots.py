@@ -706,7 +706,7 @@ def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Fig
     a = df.attrs
     subtitle = (
         f"{a.get('model', '')} · {a.get('bias', 'standard')} ALiBi · same in every layer · "
-        f"bold: blind within {a.get('context', '')} tokens"
+        f"bold: blind within {a.get('context_length', '')} tokens"
     )
     _eval_layout(
         fig,

@@ -33,7 +33,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,12 @@ from headsurgeon.census import run_census
 from headsurgeon.classify import LABELS, Thresholds, classify_heads
 from headsurgeon.cli import add_data_args, add_model_args, add_output_args
 from headsurgeon.data import CORPORA, Data, bundled_text, read_texts, to_sequences
-from headsurgeon.errors import CheckpointError, InvalidArgumentError, OutputExistsError
+from headsurgeon.errors import (
+    CheckpointError,
+    HeadsurgeonError,
+    InvalidArgumentError,
+    OutputExistsError,
+)
 from headsurgeon.evals import perplexity
 from headsurgeon.finetune import (
     FinetuneConfig,
@@ -239,14 +244,18 @@ class _WorkDir:
                 raise OutputExistsError(
                     f"{self.path} holds an interrupted run; resume it (--resume) or delete it"
                 )
-            stored = json.loads(run_file.read_text())
-            for key, value in identity.items():
-                if stored.get(key) != value:
-                    raise CheckpointError(
-                        f"the run in {self.path} has a different {key.replace('_', ' ')} "
-                        f"({stored.get(key)} vs {value}); resume with the same model, heads "
-                        "and options, or start a new output folder"
-                    )
+            stored = _flatten(json.loads(run_file.read_text()))
+            current = _flatten(identity)
+            changed = [
+                f"{key}: {stored.get(key)} vs {current.get(key)}"
+                for key in sorted(set(stored) | set(current))
+                if stored.get(key) != current.get(key)
+            ]
+            if changed:
+                raise CheckpointError(
+                    f"the run in {self.path} differs ({'; '.join(changed[:3])}); resume with "
+                    "the same model, heads and options, or start a new output folder"
+                )
         elif self.rank == 0:
             atomic_write_text(run_file, json.dumps(identity, indent=2, default=str))
 
@@ -329,6 +338,21 @@ class _WorkDir:
             resumed_from=record["resumed_from"],
         )
         return census, record, training
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``.
+
+    >>> _flatten({"model": "x", "settings": {"passes": 2, "thresholds": {"sink": 0.5}}})
+    {'model': 'x', 'settings.passes': 2, 'settings.thresholds.sink': 0.5}
+    """
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _agree(heads: HeadSet) -> HeadSet:
@@ -820,13 +844,11 @@ def _texts(paths: Sequence[str] | None) -> list[str] | None:
     return read_texts(paths) if paths else None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.resume and args.out and Path(args.out) != Path(args.resume):
-        raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
+def _prepare_output(args: argparse.Namespace) -> Path:
+    """The output folder, checked before the long run; clears a stale run on --overwrite."""
     out = Path(args.resume or args.out or default_out_dir(args.model))
     partial = _partial(out)
-    check_output_dir(out, args.overwrite)  # fail before the long run
+    check_output_dir(out, args.overwrite)
     if args.resume and not (partial / RUN_FILE).exists():
         raise CheckpointError(f"no interrupted run to resume: {partial} has no {RUN_FILE}")
     if not args.resume and partial.exists():
@@ -836,6 +858,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--overwrite to start over"
             )
         shutil.rmtree(partial)
+    return out
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 only; its result, or its error, reaches every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except HeadsurgeonError as e:
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.resume and args.out and Path(args.out) != Path(args.resume):
+        raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
     config = FinetuneConfig(
         steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup,
         batch_size=args.batch_size, grad_accum=args.grad_accum,
@@ -846,6 +892,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
     dist_info = setup_distributed(args.device)
     try:
+        out = _on_rank0(lambda: _prepare_output(args))  # one decision, before any rank writes
+        partial = _partial(out)
         model = load_model(args.model, dtype=args.dtype, device=dist_info.device)
         result = repair(
             model,

@@ -51,7 +51,9 @@ def test_analytic_blindness_by_name_needs_no_weights():
     assert fp32.blind_distance.tolist()[0] == 124 and fp32.blind_distance.tolist()[-1] == 22359
     assert set(df.columns) >= {"layer", "head", "slope", "dtype", "threshold", "blind_distance"}
     assert (df.label == "blind").sum() > 0 and (df.label == "sighted").sum() > 0
-    heads_176b = analytic_blindness("bloom-176b", dtypes=["bf16"], thresholds=["zero"], context=64)
+    heads_176b = analytic_blindness(
+        "bloom-176b", dtypes=["bf16"], thresholds=["zero"], context_length=64
+    )
     assert heads_176b["head"].nunique() == 112 and set(heads_176b.dtype) == {"bfloat16"}
 
 
@@ -187,7 +189,7 @@ def test_models_without_alibi_or_without_the_exact_hook():
     [
         (lambda m: analytic_blindness("bloom-560m", dtypes=["float64"]), "unknown dtype"),
         (lambda m: analytic_blindness("bloom-560m", thresholds=["tiny"]), "unknown threshold"),
-        (lambda m: analytic_blindness("bloom-560m", context=0), "positive integer"),
+        (lambda m: analytic_blindness("bloom-560m", context_length=0), "positive integer"),
         (lambda m: analytic_blindness("bloom-560m", bias="cosine"), "unknown bias kind"),
         (lambda m: measure_blindness(m, _tokens(1, 8), convention="jax"), "unknown convention"),
         (lambda m: measure_blindness(m.half(), _tokens(1, 8)), "needs the model in float32"),

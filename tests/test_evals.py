@@ -99,11 +99,11 @@ def test_oracle_retrieves_perfectly_in_and_out_of_context(tiny_model):
 
 def test_random_model_is_near_chance(tiny_model):
     result = passkey(
-        tiny_model, lengths=LENGTHS, depths=[0.0, 0.5, 1.0], n_trials=5, n_candidates=5, seed=3
+        tiny_model, lengths=LENGTHS, depths=[0.0, 0.5, 1.0], n_trials=4, n_candidates=5, seed=3
     )
     trials = result.trials
-    assert len(trials) == 30 and trials.greedy_correct.sum() == 0
-    # Chance: top-1 = 1/5 (P(>= 14 of 30) < 0.3%), mean rank 3 (sd of the mean ~0.26).
+    assert len(trials) == 24 and trials.greedy_correct.sum() == 0
+    # Chance: top-1 = 1/5 (P(>= 11 of 24) < 1%), mean rank 3 (sd of the mean ~0.3).
     assert trials.top1_correct.mean() < 0.45
     assert 2.2 < trials["rank"].mean() < 3.8
     summary = result.summary.set_index(["metric", "split"])

@@ -31,6 +31,15 @@ SHAPE = ModelShape(n_layers=3, n_heads=4, d_model=32, d_vocab=64, n_ctx=32)
 HEADS = "L1H1,L2H2-3"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one thread is ~10x faster than two on shared, busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def setup(heads: str = HEADS):
     """A reproducible model with re-initialised heads and random training tokens."""
     model = random_model(SHAPE, seed=0)
@@ -153,15 +162,16 @@ def slow_loss(model, tokens):  # room for the parent to kill the run between che
     return next_token_loss(model, tokens)
 
 model, heads, tokens = setup()
-finetune(model, heads, tokens, config=config(steps=20, checkpoint_every=2, eval_every=10), objective=slow_loss,
-         checkpoint_dir={ckpt!r}, progress=False)
+finetune(model, heads, tokens, config=config(steps=20, checkpoint_every=2, eval_every=10),
+         objective=slow_loss, checkpoint_dir={ckpt!r}, progress=False)
 """
 
 
 def test_resume_after_kill_is_bit_identical(tmp_path):
     ckpt = tmp_path / "ckpt"
     script = KILLED_RUN.format(tests=str(TESTS), ckpt=str(ckpt))
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + 120
     killed_at = None
     while time.monotonic() < deadline and proc.poll() is None:
@@ -187,7 +197,9 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
     )
     assert 4 <= resumed.resumed_from < 20 and resumed.steps_done == 20
     reference, heads, tokens = setup()
-    straight = finetune(reference, heads, tokens, config=config(steps=20, eval_every=10), progress=False)
+    straight = finetune(
+        reference, heads, tokens, config=config(steps=20, eval_every=10), progress=False
+    )
     for name, value in snapshot(reference).items():
         assert torch.equal(model.get_parameter(name), value), name
     assert resumed.losses == straight.losses

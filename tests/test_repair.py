@@ -21,6 +21,15 @@ from headsurgeon.surgery import HeadSet
 SINK, DEAD = (1, 3), (1, 1)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one thread is ~10x faster than two on shared, busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def injured(bloom_dir, tmp_path_factory):
     """bloom_dir with a BOS sink planted in L1H3 and L1H1 silenced (W_O = 0)."""
@@ -106,7 +115,9 @@ def cli_args(injured, text_file, out, *extra):
     ]  # fmt: skip
 
 
-def test_cli_interrupted_run_resumes_to_the_same_result(injured, text_file, tmp_path, monkeypatch):
+def test_cli_interrupted_run_resumes_to_the_same_result(
+    injured, text_file, tmp_path, monkeypatch, capsys
+):
     straight = tmp_path / "straight"
     assert main(cli_args(injured, text_file, straight)) == 0
     report = json.loads((straight / "report.json").read_text())
@@ -131,13 +142,11 @@ def test_cli_interrupted_run_resumes_to_the_same_result(injured, text_file, tmp_
     with pytest.raises(SystemExit) as exit_info:  # the same run with other heads cannot resume
         run(main, cli_args(injured, text_file, out, "--heads", "L0H0", "--resume", str(out)))
     assert exit_info.value.code == 2
+    assert "differs (settings.heads: None vs L0H0)" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # starting over without --resume or --overwrite is refused
         run(main, cli_args(injured, text_file, out))
 
     assert main(cli_args(injured, text_file, out, "--resume", str(out))) == 0
-    assert load_file(out / "model" / "model.safetensors") == pytest.approx(
-        load_file(straight / "model" / "model.safetensors")
-    )
     for name, value in load_file(straight / "model" / "model.safetensors").items():
         assert torch.equal(load_file(out / "model" / "model.safetensors")[name], value), name
     resumed = json.loads((out / "report.json").read_text())

@@ -1,0 +1,100 @@
+"""Shared pieces of the reproduction scripts in ``analyses/``.
+
+Exports:
+    ROOT, FIGURES                       the repository root and its ``figures/`` folder
+    parser(doc, topic)                  argparse parser with --out (figures/<topic>) and --threads
+    start(args)                         set the CPU threads and logging; return the start time
+    write_topic(out, figures, tables, summary, started)
+                                        figures (PNG), tables (CSV/JSON/MD) and summary.md, written
+                                        as one folder atomically; the summary ends with the run time
+    fmt_heads(names)                    "L1H7, L2H10" or "none"
+    markdown(df, digits)                a DataFrame as a Markdown table (no extra dependency)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+
+from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.plots import save_figure
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "figures"
+
+
+def parser(doc: str, topic: str) -> argparse.ArgumentParser:
+    """A parser described by the first paragraph of ``doc``, writing to ``figures/<topic>``."""
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--out", type=Path, default=FIGURES / topic, help="output folder (replaced)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
+    return p
+
+
+def start(args: argparse.Namespace) -> float:
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("headsurgeon").setLevel(logging.INFO)
+    return time.perf_counter()
+
+
+def write_topic(
+    out: str | os.PathLike,
+    figures: Mapping[str, go.Figure],
+    tables: Mapping[str, pd.DataFrame | str],
+    summary: Sequence[str],
+    started: float,
+) -> Path:
+    """Replace ``out`` with ``<name>.png`` per figure, ``<name>`` per table and ``summary.md``.
+
+    A DataFrame table is written as CSV; a string as is. The summary is written last, so its final
+    line, the run time, includes the figure export.
+    """
+    with atomic_directory(out, overwrite=True) as tmp:
+        for name, fig in figures.items():
+            save_figure(fig, tmp / f"{name}.png", scale=1.5)
+        for name, table in tables.items():
+            text = (
+                table.to_csv(index=False, float_format="%.6g")
+                if isinstance(table, pd.DataFrame)
+                else table
+            )
+            atomic_write_text(tmp / name, text)
+        minutes = (time.perf_counter() - started) / 60
+        threads = torch.get_num_threads()
+        lines = [*summary, "", f"Run time: {minutes:.1f} min ({threads} torch thread(s), "
+                 f"{os.cpu_count()} shared CPU cores)."]  # fmt: skip
+        atomic_write_text(tmp / "summary.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return Path(out)
+
+
+def fmt_heads(names: Sequence[str]) -> str:
+    return ", ".join(names) if len(names) else "none"
+
+
+def markdown(df: pd.DataFrame, digits: int = 3) -> str:
+    """``df`` as a GitHub Markdown table; floats with ``digits`` significant digits.
+
+    >>> print(markdown(pd.DataFrame({"a": [1], "b": [0.12345]})))
+    | a | b |
+    |---|---|
+    | 1 | 0.123 |
+    """
+
+    def cell(x: object) -> str:
+        return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
+
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""Census grids across the organisms: BOS mass and labels per head, side by side, and the slopes.
+
+The surgery paper's cross-scale figure puts BLOOM-560m ... 7b1 side by side as layer x head grids
+of BOS mass; here the same layout holds the bundled organisms: the uninjured ``organism``, the
+``organism-injured`` copy with planted sinks and a silenced head, and the repaired copy written by
+``analyses/repair_organism.py`` when it exists. Each model gets a label grid and a BOS mass
+against ALiBi slope panel (the paper: sick heads sit at the shallowest slopes); a planted
+organism's labels are checked against its ``truth.json``.
+
+    python analyses/census_grids.py
+    python analyses/census_grids.py --models organism DIR --repaired runs/organism-repaired
+
+Writes ``figures/census/``: ``models_bos_mass.png``, ``labels_<model>.png``,
+``bos_mass_vs_slope.png``, ``census_<model>.csv`` and ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+from _common import ROOT, fmt_heads, markdown, parser, start, write_topic
+from plotly.subplots import make_subplots
+
+from headsurgeon import classify_heads, load_model, model_info, run_census
+from headsurgeon.plots import FONT, OKABE_ITO, label_grid, models_grid
+
+REPAIRED = ROOT / "runs" / "organism-repaired"
+# Healthy heads in blue: the grids' light grey would vanish on a white scatter background.
+SCATTER = {
+    "healthy": ("circle", OKABE_ITO["blue"]),
+    "BOS-sink": ("diamond", OKABE_ITO["orange"]),
+    "dead": ("x", OKABE_ITO["black"]),
+}
+
+
+def truth_of(model) -> dict[str, str] | None:
+    """The planted labels shipped beside an injured organism (``truth.json``), if any."""
+    source = model_info(model).source
+    path = source / "truth.json" if source is not None else None
+    if path is None or not path.exists():
+        return None
+    return json.loads(path.read_text())["labels"]
+
+
+def slope_figure(censuses: dict[str, pd.DataFrame], sink: float, dead: float) -> go.Figure:
+    """BOS mass against ALiBi slope, one panel per model, markers by label."""
+    fig = make_subplots(
+        rows=1,
+        cols=len(censuses),
+        shared_yaxes=True,
+        horizontal_spacing=0.03,
+        subplot_titles=list(censuses),
+    )
+    for col, df in enumerate(censuses.values(), start=1):
+        for label, (symbol, colour) in SCATTER.items():
+            rows = df[df["label"] == label]
+            fig.add_trace(
+                go.Scatter(
+                    x=rows["slope"],
+                    y=rows["bos_mass"],
+                    mode="markers",
+                    name=label,
+                    legendgroup=label,
+                    showlegend=col == 1,
+                    marker={"symbol": symbol, "color": colour, "size": 9, "opacity": 0.85},
+                    text=[f"L{r.layer}H{r.head}" for r in rows.itertuples()],
+                    hovertemplate="%{text}: slope %{x:.4f}, BOS mass %{y:.3f}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+        for value, name in ((sink, "sink"), (dead, "dead")):
+            fig.add_hline(
+                y=value, line={"dash": "dash", "color": "#888888", "width": 1}, row=1, col=col
+            )
+            if col == 1:
+                fig.add_annotation(
+                    x=0, xref="x domain", y=value, text=f"{name} {value:g}", showarrow=False,
+                    xanchor="left", yanchor="bottom", font={"size": 11, "color": "#555555"},
+                )  # fmt: skip
+    fig.update_xaxes(type="log", title_text="ALiBi slope m_h (log)", dtick=1, showgrid=True)
+    fig.update_yaxes(range=[-0.03, 1.03], showgrid=True, gridcolor="#EEEEEE")
+    fig.update_yaxes(title_text="BOS mass", row=1, col=1)
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        title={
+            "text": "BOS mass against ALiBi slope",
+            "subtitle": {
+                "text": "one marker per head (all layers); left: shallow slopes, right: steep",
+                "font": {"size": 13, "color": "#555555"},
+            },
+            "x": 0.0,
+            "xanchor": "left",
+        },
+        width=80 + 380 * len(censuses) + 130,
+        height=470,
+        margin={"l": 80, "r": 130, "t": 110, "b": 70},
+    )
+    return fig
+
+
+def by_slope(censuses: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per head index (one ALiBi slope): mean and max BOS mass over layers, per model."""
+    first = next(iter(censuses.values()))
+    table = first.groupby("head", as_index=False)["slope"].first()
+    for name, df in censuses.items():
+        agg = df.groupby("head")["bos_mass"].agg(["mean", "max"])
+        table[f"{name} mean"] = agg["mean"].to_numpy()
+        table[f"{name} max"] = agg["max"].to_numpy()
+    return table
+
+
+def main() -> None:
+    p = parser(__doc__, "census")
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["organism", "organism-injured"],
+        help="bundled organisms or checkpoint folders",
+    )
+    p.add_argument(
+        "--repaired",
+        type=Path,
+        default=REPAIRED,
+        help="repaired organism folder (analyses/repair_organism.py); added if it exists",
+    )
+    p.add_argument("--n-seqs", type=int, default=64, help="census sequences per model")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per census sequence")
+    args = p.parse_args()
+    started = start(args)
+
+    sources = list(args.models) + ([args.repaired] if args.repaired.is_dir() else [])
+    censuses: dict[str, pd.DataFrame] = {}
+    truths: dict[str, dict[str, str]] = {}
+    for source in sources:
+        model = load_model(source)
+        name = model_info(model).name
+        census = run_census(model, n_seqs=args.n_seqs, seq_len=args.seq_len, progress=False)
+        censuses[name] = classify_heads(census)
+        truth = truth_of(model)
+        if truth is not None:
+            truths[name] = truth
+
+    thresholds = next(iter(censuses.values())).attrs["thresholds"]
+    figures = {"models_bos_mass": models_grid(censuses, "bos_mass", title="BOS mass per head")}
+    figures |= {f"labels_{name}": label_grid(df) for name, df in censuses.items()}
+    figures["bos_mass_vs_slope"] = slope_figure(censuses, thresholds["sink"], thresholds["dead"])
+    tables: dict[str, pd.DataFrame | str] = {
+        f"census_{name}.csv": df for name, df in censuses.items()
+    }
+
+    a = next(iter(censuses.values())).attrs
+    lines = [
+        "# Census of the organisms",
+        "",
+        f"Census: {a['n_seqs']} sequences x {a['seq_len']} tokens of the bundled held-out corpora "
+        f"per model, query rows t >= {a['min_query_pos']}, position 0 = first text token (no "
+        f"BOS); thresholds: BOS-sink if BOS mass > {thresholds['sink']}, dead if > "
+        f"{thresholds['dead']} or output share < {thresholds['min_output_share']}.",
+        "",
+    ]
+    rows = []
+    for name, df in censuses.items():
+        counts = df["label"].value_counts()
+        top = df.loc[df["bos_mass"].idxmax()]
+        sick = df[df["label"] != "healthy"]
+        row = {
+            "model": name,
+            "heads": len(df),
+            "healthy": int(counts.get("healthy", 0)),
+            "BOS-sink": int(counts.get("BOS-sink", 0)),
+            "dead": int(counts.get("dead", 0)),
+            "sick %": f"{len(sick) / len(df):.1%}",
+            "max BOS mass": f"{top.bos_mass:.3f} (L{top.layer}H{top.head}, m={top.slope:.4f})",
+            "median BOS mass": f"{df['bos_mass'].median():.3f}",
+        }
+        if name in truths:
+            predicted = {f"L{r.layer}H{r.head}": r.label for r in df.itertuples()}
+            wrong = [h for h, t in truths[name].items() if predicted.get(h) != t]
+            row["vs truth.json"] = f"{len(df) - len(wrong)}/{len(df)} right" + (
+                f" (wrong: {fmt_heads(wrong)})" if wrong else ""
+            )
+        rows.append(row)
+    lines += [markdown(pd.DataFrame(rows).fillna("")), ""]
+    for name, df in censuses.items():
+        sick = df[df["label"] != "healthy"]
+        # Rank correlation (Spearman) without scipy: Pearson on the ranks.
+        rho = df["slope"].rank().corr(df["bos_mass"].rank())
+        lines.append(
+            f"- {name}: sick heads {fmt_heads([f'L{r.layer}H{r.head}' for r in sick.itertuples()])}"
+            f"; Spearman rank correlation of BOS mass with slope {rho:+.2f}."
+        )
+    lines += [
+        "",
+        "Per head index (the same ALiBi slope in every layer): mean and max BOS mass over layers.",
+        "",
+        markdown(by_slope(censuses)),
+    ]
+    write_topic(args.out, figures, tables, lines, started)
+
+
+if __name__ == "__main__":
+    main()
