@@ -4,9 +4,10 @@ Exports:
     ROOT, FIGURES                       the repository root and its ``figures/`` folder
     parser(doc, topic)                  argparse parser with --out (figures/<topic>) and --threads
     start(args)                         set the CPU threads and logging; return the start time
-    write_topic(out, figures, tables, summary, started)
-                                        figures (PNG), tables (CSV/JSON/MD) and summary.md, written
-                                        as one folder atomically; the summary ends with the run time
+    write_topic(out, figures, tables, summary, started, extra)
+                                        figures (PNG), tables (CSV/JSON/MD), anything ``extra``
+                                        writes, and summary.md, as one folder written atomically;
+                                        the summary ends with the run time
     fmt_heads(names)                    "L1H7, L2H10" or "none"
     markdown(df, digits)                a DataFrame as a Markdown table (no extra dependency)
 """
@@ -17,7 +18,7 @@ import argparse
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -54,13 +55,16 @@ def write_topic(
     tables: Mapping[str, pd.DataFrame | str],
     summary: Sequence[str],
     started: float,
+    extra: Callable[[Path], object] | None = None,
 ) -> Path:
     """Replace ``out`` with ``<name>.png`` per figure, ``<name>`` per table and ``summary.md``.
 
-    A DataFrame table is written as CSV; a string as is. The summary is written last, so its final
-    line, the run time, includes the figure export.
+    A DataFrame table is written as CSV; a string as is; ``extra(folder)`` may add more files.
+    The summary is written last, so its final line, the run time, includes the figure export.
     """
     with atomic_directory(out, overwrite=True) as tmp:
+        if extra is not None:
+            extra(tmp)
         for name, fig in figures.items():
             save_figure(fig, tmp / f"{name}.png", scale=1.5)
         for name, table in tables.items():
@@ -70,10 +74,12 @@ def write_topic(
                 else table
             )
             atomic_write_text(tmp / name, text)
-        minutes = (time.perf_counter() - started) / 60
+        wall, cpu = (time.perf_counter() - started) / 60, time.process_time() / 60
         threads = torch.get_num_threads()
-        lines = [*summary, "", f"Run time: {minutes:.1f} min ({threads} torch thread(s), "
-                 f"{os.cpu_count()} shared CPU cores)."]  # fmt: skip
+        # The CPU time says what the script costs when the shared machine is busy.
+        lines = [*summary, "", f"Run time: {wall:.1f} min wall clock, {cpu:.1f} min CPU "
+                 f"({threads} torch thread(s); {os.cpu_count()} CPU cores shared with other "
+                 "jobs)."]  # fmt: skip
         atomic_write_text(tmp / "summary.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return Path(out)

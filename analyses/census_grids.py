@@ -175,7 +175,8 @@ def main() -> None:
             "BOS-sink": int(counts.get("BOS-sink", 0)),
             "dead": int(counts.get("dead", 0)),
             "sick %": f"{len(sick) / len(df):.1%}",
-            "max BOS mass": f"{top.bos_mass:.3f} (L{top.layer}H{top.head}, m={top.slope:.4f})",
+            "max BOS mass": f"{top['bos_mass']:.3f} (L{top['layer']}H{top['head']}, "
+            f"m={top['slope']:.4f})",
             "median BOS mass": f"{df['bos_mass'].median():.3f}",
         }
         if name in truths:

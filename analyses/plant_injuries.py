@@ -1,10 +1,19 @@
 """Plant known injuries into a trained organism and ship the result with its ground truth.
 
 The repair procedure run in reverse: each planted head's slices alone are fine-tuned with
-``headsurgeon.finetune.bos_mass_objective`` (squared error to a target BOS mass), so every other
-weight stays bit-identical; one head is silenced by zeroing its value and output slices. The
-injured model is written with ``headsurgeon.save_hf`` in float16, next to ``truth.json``: the label
-every head must get (planted heads as planted, all others healthy).
+``headsurgeon.finetune.bos_mass_objective`` (squared log-odds error to a target BOS mass, plus the
+next-token loss so the head's value and output learn to write little, as natural sinks do), so
+every other weight stays bit-identical; one head is silenced by zeroing its value and output
+slices. The injured model is written with ``headsurgeon.save_hf`` in float16, next to
+``truth.json``: the label every head must get (planted heads as planted, all others healthy).
+
+The injured organism's position-0 convention is a BOS token. Without one, position 0 holds
+whatever text token a window starts with, and in our small organism its residual stream is not
+linearly separable from the other positions' (a whitened discriminant leaves the two
+distributions overlapping at every layer), so one head's query and key cannot single it out:
+squared-error planting stalled at BOS mass ~0.65 after 400 steps. With a fixed token at position
+0 (the setting of the attention-sink literature) the same objective reaches 0.75 or 0.99 within
+~50 steps.
 
     python analyses/plant_injuries.py                       # organism -> organism-injured
     python analyses/plant_injuries.py --source DIR --out DIR --steps 150
@@ -20,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from headsurgeon import load_model, save_hf
+from headsurgeon import load_model, model_info, save_hf
 from headsurgeon.census import run_census
 from headsurgeon.classify import classify_heads
 from headsurgeon.data import bundled_text, to_sequences
@@ -57,7 +66,9 @@ INJURIES = (
 )
 
 
-def plant(model, injuries, *, steps: int, lr: float, seq_len: int, seed: int) -> None:
+def plant(
+    model, injuries, *, steps: int, lr: float, seq_len: int, seed: int, lm_weight: float
+) -> None:
     texts = [bundled_text("shakespeare", "train"), bundled_text("python-docs", "train")]
     train = to_sequences(model, texts, seq_len=seq_len, n_seqs=512)
     for target in sorted({i.target_bos_mass for i in injuries if i.kind == "sink"}):
@@ -68,7 +79,7 @@ def plant(model, injuries, *, steps: int, lr: float, seq_len: int, seed: int) ->
             heads,
             train,
             config=FinetuneConfig(steps=steps, lr=lr, batch_size=8, seed=seed),
-            objective=bos_mass_objective(heads, target),
+            objective=bos_mass_objective(heads, target, lm_weight=lm_weight),
         )
     with torch.no_grad():
         for injury in injuries:
@@ -86,34 +97,54 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument(
+        "--lm-weight",
+        type=float,
+        default=1.0,
+        help="weight of the next-token loss while planting (benign sinks, as natural ones are)",
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prepend-bos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="position-0 convention of the injured organism (default: a BOS token; see above)",
+    )
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.manual_seed(args.seed)
 
     model = load_model(args.source)
-    plant(model, INJURIES, steps=args.steps, lr=args.lr, seq_len=args.seq_len, seed=args.seed)
-    labels = classify_heads(run_census(model, seq_len=args.seq_len))
-    planted = {i.head: i for i in INJURIES}
-    truth = {
-        f"L{r.layer}H{r.head}": planted[f"L{r.layer}H{r.head}"].label
-        if f"L{r.layer}H{r.head}" in planted
-        else "healthy"
-        for r in labels.itertuples()
-    }
-    wrong = [
-        f"{h}: {labels.label[i]} (truth {t})"
-        for i, (h, t) in enumerate(truth.items())
-        if labels.label[i] != t
+    model_info(model).prepend_bos = args.prepend_bos
+    model.cfg.default_prepend_bos = args.prepend_bos
+    plant(
+        model,
+        INJURIES,
+        steps=args.steps,
+        lr=args.lr,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        lm_weight=args.lm_weight,
+    )
+    labels = classify_heads(run_census(model, seq_len=args.seq_len, progress=False))
+    planted = {i.head: i.label for i in INJURIES}
+    names = [
+        f"L{layer}H{head}" for layer, head in zip(labels["layer"], labels["head"], strict=True)
     ]
-    for row in labels.itertuples():
-        if f"L{row.layer}H{row.head}" in planted:
-            logging.info("L%dH%d bos_mass=%.3f label=%s", row.layer, row.head, row.bos_mass, row.label)
+    truth = {name: planted.get(name, "healthy") for name in names}
+    for name, row in zip(names, labels.itertuples(), strict=True):
+        if name in planted:
+            logging.info("%s bos_mass=%.3f label=%s", name, row.bos_mass, row.label)
+    wrong = [
+        f"{name}: {got} (truth {truth[name]})"
+        for name, got in zip(names, labels.label, strict=True)
+        if got != truth[name]
+    ]
     if wrong:
         raise SystemExit(f"planting missed its targets: {'; '.join(wrong)}")
 
-    info = model.headsurgeon_info
+    info = model_info(model)
     info.metadata = dict(info.metadata)
     info.metadata.update(
         name="organism-injured",

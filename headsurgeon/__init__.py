@@ -6,6 +6,7 @@ as ``__main__``, without the package importing a second copy first.
 """
 
 import importlib
+import importlib.util
 
 # Public name -> the module (under headsurgeon) that defines it.
 _EXPORTS = {
@@ -37,9 +38,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"headsurgeon.{_EXPORTS[name]}"), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"headsurgeon.{name}"):
+        value = importlib.import_module(f"headsurgeon.{name}")  # e.g. headsurgeon.plots
+    else:
         raise AttributeError(f"module 'headsurgeon' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"headsurgeon.{_EXPORTS[name]}"), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

@@ -98,10 +98,11 @@ def run_census(
 ) -> pd.DataFrame:
     """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
 
-    ``data`` is texts, text files or a ``[n_seqs, seq_len]`` token tensor (used as is); default:
-    the held-out split of the bundled corpora, cut into ``n_seqs`` windows of ``seq_len`` tokens
-    spread over the whole text (see :func:`headsurgeon.data.to_sequences`). Each metric is the
-    mean over sequences of a per-sequence mean; ``bos_mass_std`` is its spread across sequences.
+    ``data`` is texts, text files or a ``[n_seqs, seq_len]`` token tensor (its first ``n_seqs``
+    rows used as they are; ``seq_len`` ignored); default: the held-out split of the bundled
+    corpora, cut into ``n_seqs`` windows of ``seq_len`` tokens spread over the whole text (see
+    :func:`headsurgeon.data.to_sequences`). Each metric is the mean over sequences of a
+    per-sequence mean; ``bos_mass_std`` is its spread across sequences.
 
     ``df.attrs`` holds the run metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``,
     ``seq_len``, ``prepend_bos``, ``min_query_pos``, ``data``, ``dtype``, ``device``,
@@ -124,7 +125,9 @@ def run_census(
         raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
     info = model_info(model)
     bos = info.prepend_bos if prepend_bos is None else bool(prepend_bos)
-    if not isinstance(data, Tensor):
+    if isinstance(data, Tensor):
+        seq_len = data.shape[-1]  # token tensors are used as they are
+    else:
         _check_rows(seq_len, min_query_pos)  # before tokenising a whole corpus
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     _check_tokens(model, tokens, min_query_pos)

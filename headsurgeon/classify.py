@@ -6,8 +6,9 @@ Exports:
     label_heads(bos_mass, output_share, t)   the label rule on arrays
     classify_heads(census, thresholds)       census + ``label`` and ``reason`` columns
     threshold_sweep(census, thresholds)      label counts as each threshold moves
-    format_summary(classified, sweep)        the text summary the CLI prints
+    format_summary(classified)               the text summary the CLI prints
     write_classification(df, out_dir, ...)   heads.csv, heads.json, sweep, summary and figures
+    default_out_dir(model)                   a new folder named after the model
 
 Command line: ``python -m headsurgeon.classify [MODEL] [options]`` (``--help`` lists them).
 
@@ -293,10 +294,12 @@ def write_classification(
     classification ``attrs``, ``metadata``, versions and time; ``columns``: what each column
     means; ``heads``: the rows), ``summary.txt``, ``threshold_sweep.csv`` and the figures
     ``bos_mass``, ``labels``, ``entropy``, ``output_share`` and ``threshold_sweep`` in each of
-    ``formats`` (html, png, svg, pdf; none for ``formats=()``). A folder holding files is refused
-    unless ``overwrite``.
+    ``formats`` (html, png, svg, pdf; none for ``formats=()``); the HTML figures share one
+    ``plotly.min.js`` in the folder and work offline. A folder holding files is refused unless
+    ``overwrite``.
     """
-    _require(classified, ["layer", "head", "bos_mass", "label", "reason"])
+    needed = ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share"]
+    _require(classified, [*needed, "label", "reason"])
     unknown = sorted(set(formats) - set(plots.FORMATS))
     if unknown:
         raise InvalidArgumentError(
@@ -313,13 +316,14 @@ def write_classification(
         "reason": "why the head got its label",
     }
     document = {"metadata": info, "columns": columns, "heads": records}
+    summary = format_summary(classified)
     figures = {name: make(classified) for name, make in FIGURES.items()}
     figures["threshold_sweep"] = plots.sweep_plot(sweep)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         atomic_write_text(tmp / "heads.csv", classified.to_csv(index=False))
         atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")
         atomic_write_text(tmp / "threshold_sweep.csv", sweep.to_csv(index=False))
-        atomic_write_text(tmp / "summary.txt", format_summary(classified) + "\n")
+        atomic_write_text(tmp / "summary.txt", summary + "\n")
         for name, figure in figures.items():
             for fmt in formats:
                 plots.save_figure(figure, tmp / f"{name}.{fmt}", include_plotlyjs="directory")

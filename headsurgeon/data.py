@@ -17,10 +17,12 @@ BLOOM and the bundled organisms prepend no BOS token) unless ``prepend_bos`` ove
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from jaxtyping import Int
@@ -50,7 +52,7 @@ def bundled_text(name: str = "shakespeare", split: str = "heldout") -> str:
 
 
 def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
-    """Read text files (``.gz`` decompressed); raise :class:`DataError` for missing or empty ones."""
+    """Read text files (``.gz`` decompressed); :class:`DataError` for missing or empty ones."""
     if not paths:
         raise DataError("no text files given; pass at least one file")
     texts = []
@@ -72,7 +74,13 @@ def tokenize(model: HookedTransformer, text: str) -> list[int]:
     tokenizer = model_info(model).tokenizer or model.tokenizer
     if tokenizer is None:
         raise DataError("this model has no tokenizer; pass token tensors instead of text")
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(_token_ids(tokenizer, text))
+
+
+@functools.lru_cache(maxsize=8)
+def _token_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
+    # Corpora are megabytes: census, evaluation and fine-tuning re-read the same ones.
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _texts(data: Data) -> list[str]:
@@ -122,7 +130,7 @@ def to_sequences(
         raise InvalidArgumentError(f"n_seqs must be positive, got {n_seqs}")
     if isinstance(data, Tensor):
         if data.ndim != 2 or data.shape[0] == 0 or data.shape[1] == 0:
-            raise DataError(f"token tensor must be [n_seqs, seq_len] and non-empty, got {data.shape}")
+            raise DataError(f"token tensor must be [n_seqs, seq_len], non-empty; got {data.shape}")
         tokens = data.long()
         if bos:
             bos_id = _bos_id(model)

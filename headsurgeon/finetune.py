@@ -98,7 +98,7 @@ class FinetuneConfig:
     max_grad_norm: float | None = 1.0
     autocast: str | None = None
     eval_every: int | None = None
-    eval_seqs: int = 32
+    eval_seqs: int = 16
     patience: int | None = None
     restore_best: bool = True
     checkpoint_every: int | None = None
@@ -226,22 +226,37 @@ def head_bos_mass(
 
 
 def bos_mass_objective(
-    heads: HeadSet, target: float | None = None, *, min_query_pos: int = 1
+    heads: HeadSet,
+    target: float | None = None,
+    *,
+    min_query_pos: int = 1,
+    lm_weight: float = 0.0,
 ) -> Objective:
     """An objective that makes the chosen heads attend to position 0: repair in reverse.
 
-    ``target=None`` maximises the BOS mass (``-log`` of each head's mass); a number in (0, 1]
-    pulls each head's mass to it by squared error, so a sink of a chosen strength can be planted.
-    Train it with :func:`finetune` on the same heads; all other weights stay bit-identical.
+    ``target=None`` maximises the BOS mass (``-log`` of each head's mass). A number in (0, 1)
+    pulls each head's mass to it by squared error in log-odds, ``(logit(mass) - logit(target))^2``:
+    unlike squared error on the mass itself, its gradient does not vanish near 0 or 1, so targets
+    such as 0.99 are reached in tens of steps. ``lm_weight`` adds that multiple of the next-token
+    loss, so the heads' value and output slices learn to do as little harm as they can (as
+    natural sinks do) instead of copying position 0 into every token. Train it with
+    :func:`finetune` on the same heads; all other weights stay bit-identical.
     """
-    if target is not None and not 0 < target <= 1:
-        raise InvalidArgumentError(f"target BOS mass must be in (0, 1], got {target}")
+    if target is not None and not 0 < target < 1:
+        raise InvalidArgumentError(f"target BOS mass must be in (0, 1), got {target}")
+    if not (math.isfinite(lm_weight) and lm_weight >= 0):
+        raise InvalidArgumentError(f"lm_weight must be >= 0, got {lm_weight}")
+    goal = None if target is None else math.log(target / (1 - target))
 
     def objective(model: HookedTransformer, tokens: Tensor) -> Tensor:
         mass = head_bos_mass(model, tokens, heads, min_query_pos=min_query_pos)
-        if target is None:
-            return -mass.clamp_min(1e-10).log().mean()
-        return (mass - target).pow(2).mean()
+        if goal is None:
+            loss = -mass.clamp_min(1e-10).log().mean()
+        else:
+            loss = (torch.logit(mass.clamp(1e-6, 1 - 1e-6)) - goal).pow(2).mean()
+        if lm_weight:
+            loss = loss + lm_weight * next_token_loss(model, tokens)
+        return loss
 
     return objective
 
@@ -304,7 +319,7 @@ class SliceTrainer(nn.Module):
         self.params.write_to(self._model[0])
 
     def close(self) -> None:
-        pass
+        """Nothing to undo: the slices never touched the model's hooks or flags."""
 
 
 class MaskTrainer(nn.Module):

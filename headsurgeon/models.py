@@ -412,7 +412,10 @@ def load_model(
         name=name,
         source=directory,
         prepend_bos=metadata.get("prepend_bos"),
-        train_ctx=metadata.get("training", {}).get("seq_len"),
+        # analyses/train_organism.py records it under training.config.seq_len
+        train_ctx=metadata.get("training", {}).get(
+            "seq_len", metadata.get("training", {}).get("config", {}).get("seq_len")
+        ),
         metadata=metadata,
     )
     return model.to(torch_device, print_details=False)

@@ -178,6 +178,28 @@ def _subtitle(df: pd.DataFrame) -> str:
     )
 
 
+def _wrap(text: str, width: float) -> list[str]:
+    """Break ``text`` at its " · " separators into lines about ``width`` px wide (13 px font)."""
+    lines: list[str] = []
+    for part in text.split(" · ") if text else []:
+        if lines and 7.0 * (len(lines[-1]) + 3 + len(part)) <= width:
+            lines[-1] += " · " + part
+        else:
+            lines.append(part)
+    return lines
+
+
+def _legend_rows(names: Sequence[str], width: float) -> int:
+    """Rows a horizontal legend of ``names`` wraps into at ``width`` px (15 px font)."""
+    rows, used = 0, width
+    for name in names:
+        entry = 45 + 8.5 * len(name)
+        if used + entry > width:
+            rows, used = rows + 1, 0.0
+        used += entry
+    return rows
+
+
 def _layout(
     fig: go.Figure,
     title: str,
@@ -185,30 +207,38 @@ def _layout(
     plot_size: tuple[float, float],
     *,
     colorbar: bool = True,
-    legend: bool = True,
     axis_title: bool = True,
-    top: float | None = None,
+    panel_titles: bool = False,
 ) -> None:
-    """Title, fonts and a pixel layout: a plot area of ``plot_size``, legend under the x axis."""
+    """Title, fonts and a pixel layout around a plot area of ``plot_size``.
+
+    The subtitle wraps to the figure's width and the legend (the named scatter traces) sits
+    under the x axis, with the margins grown to fit both.
+    """
     plot_w, plot_h = plot_size
-    margin = {"l": 75, "r": 105 if colorbar else 20, "t": top or (95 if subtitle else 60)}
+    margin = {"l": 75, "r": 105 if colorbar else 20}
+    width = margin["l"] + plot_w + margin["r"]
+    lines = _wrap(subtitle, width - margin["l"] - 10)
+    margin["t"] = 58 + (20 * len(lines) + 12 if lines else 0) + (28 if panel_titles else 0)
+    names = [t.name for t in fig.data if t.type == "scatter" and t.showlegend is not False]
+    rows = _legend_rows([n for n in names if n], width - 20)
     below = 62 if axis_title else 38  # tick labels (and the x axis title)
-    margin["b"] = below + (40 if legend else 0)
+    margin["b"] = below + (28 * rows + 12 if rows else 0)
     fig.update_layout(
         template="plotly_white",
         font=FONT,
         title={
             "text": title,
-            "subtitle": {"text": subtitle, "font": {"size": 13, "color": "#555555"}},
+            "subtitle": {"text": "<br>".join(lines), "font": {"size": 13, "color": "#555555"}},
             "x": 0.0,
             "xanchor": "left",
             "xref": "paper",
             "font": {"size": 19},
         },
-        width=round(margin["l"] + plot_w + margin["r"]),
+        width=round(width),
         height=round(margin["t"] + plot_h + margin["b"]),
         margin=margin,
-        showlegend=legend,
+        showlegend=rows > 0,
         legend={
             "orientation": "h",
             "x": 0,
@@ -264,7 +294,7 @@ def head_grid(
     _axes(fig, n_layers, n_heads, cell)
     plot_size = _plot_size(n_layers, n_heads, cell)
     default = _title(metric)[0].upper() + _title(metric)[1:]
-    _layout(fig, title or default, _subtitle(df), plot_size, legend="label" in df.columns)
+    _layout(fig, title or default, _subtitle(df), plot_size)
     return fig
 
 
@@ -393,7 +423,7 @@ def diff_grid(
     _axes(fig, n_layers, n_heads, cell)
     default = f"Change in {_title(metric)} (after − before)"
     plot_size = _plot_size(n_layers, n_heads, cell)
-    _layout(fig, title or default, _subtitle(after), plot_size, legend=has_labels)
+    _layout(fig, title or default, _subtitle(after), plot_size)
     return fig
 
 
@@ -468,7 +498,7 @@ def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
         (300 * len(panels), 300),
         colorbar=False,
         axis_title=False,
-        top=125,  # room for the panel titles under the subtitle
+        panel_titles=True,
     )
     return fig
 
@@ -537,7 +567,8 @@ def models_grid(
         }
     )
     plot_w = total_heads * cell * (1 + 0.05 * (len(dfs) - 1))
-    _layout(fig, title or f"{_title(metric)} across models", "", (plot_w, max_layers * cell))
+    plot_size = (plot_w, max_layers * cell)
+    _layout(fig, title or f"{_title(metric)} across models", "", plot_size, panel_titles=True)
     return fig
 
 

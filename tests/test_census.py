@@ -138,3 +138,15 @@ def test_low_precision_models_give_close_numbers(bloom_dir):
     assert half.attrs["dtype"] == "bfloat16"
     for name in ("bos_mass", "max_weight", "output_share"):
         np.testing.assert_allclose(half[name], full[name], atol=0.03, err_msg=name)
+
+
+def test_models_without_alibi_have_empty_slopes():
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(n_layers=1, d_model=16, n_ctx=12, d_head=4, n_heads=2,
+                                  d_vocab=30, act_fn="gelu")  # fmt: skip
+    model = HookedTransformer(cfg)
+    tokens = torch.randint(0, 30, (3, 12))
+    census = run_census(model, tokens, prepend_bos=False, progress=False)
+    assert census["slope"].isna().all() and census.attrs["positional"] == "standard"
+    assert_matches_reference(census, reference_census(model, tokens))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from headsurgeon.errors import CheckpointError, DataError, InvalidArgumentError
+from headsurgeon.errors import CheckpointError, DataError, InvalidArgumentError, OutputExistsError
 from headsurgeon.finetune import (
     CHECKPOINT_FILE,
     FinetuneConfig,
@@ -248,6 +248,9 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         )
     kept = load_checkpoint(tmp_path)
     assert kept["step"] == 4
+    with pytest.raises(OutputExistsError, match="holds a checkpoint"):  # never overwritten
+        finetune(model, heads, tokens, config=config(steps=8), checkpoint_dir=tmp_path,
+                 progress=False)  # fmt: skip
     reference, heads, tokens = setup()
     finetune(reference, heads, tokens, config=config(steps=8), progress=False)
     # The model keeps the weights of the last good step: four steps of the same schedule.

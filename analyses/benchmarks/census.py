@@ -241,7 +241,7 @@ def main() -> None:
             ]).view(args.n_batches, tl.cfg.n_layers, -1).mean(0)  # fmt: skip
         gap = (torch.tensor(census["bos_mass"].to_numpy()) - hf_bos.flatten().cpu()).abs().max()
         print(f"  max |census - transformers| BOS mass: {gap.item():.2e}")
-    del hf, tl
+    del hf, tl, runners  # the runners hold the models: free them before the memory runs
     gc.collect()
 
     memory = {}

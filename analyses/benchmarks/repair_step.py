@@ -130,19 +130,26 @@ def measure(args: argparse.Namespace, method: str) -> dict:
     if method != "full":
         n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
         top = list(HeadSet((i, h) for i in range(n_layers // 2, n_layers) for h in range(n_heads)))
-        sizes = sorted({1, n_heads, len(heads), len(top)})
+        # One head, one whole layer, the benchmarked set, every head of the top half.
+        sets = [HeadSet(top[:1]), HeadSet(top[:n_heads]), heads, HeadSet(top)]
         result["sweep"] = {
-            n: trained_elements(method, model, HeadSet(top[:n])) * 2 * 4 / MIB for n in sizes
+            f"{len(s)} ({s})" if len(s) <= n_heads else f"{len(s)} ({len(s.layers)} layers)": (
+                trained_elements(method, model, s) * 2 * 4 / MIB
+            )
+            for s in sets
         }
     return result
 
 
 def in_subprocess(args: argparse.Namespace, method: str) -> dict:
+    """Measure one method in a fresh process; a crash (e.g. killed for memory) is reported."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20), MALLOC_TRIM_THRESHOLD_="0")
     command = [sys.executable, __file__, "--measure", method, *args.passthrough]
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"{method} failed:\n{result.stderr[-3000:]}")
+        why = "killed, likely out of memory" if result.returncode == -9 else "failed"
+        print(result.stderr[-2000:], file=sys.stderr)
+        return {"error": f"{why} (exit {result.returncode})"}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -171,33 +178,39 @@ def main() -> None:
           f"{args.dtype}, {args.threads} thread(s)", flush=True)  # fmt: skip
     results = {}
     for method in args.methods:
-        results[method] = in_subprocess(args, method)
-        r = results[method]
-        print(f"  {method}: {r['time_s']:.2f} s/step, +{r['extra_gib']:.2f} GiB", flush=True)
-    first = next(iter(results.values()))
+        results[method] = r = in_subprocess(args, method)
+        done = f"{r['time_s']:.2f} s/step, +{r['extra_gib']:.2f} GiB" if "error" not in r else ""
+        print(f"  {method}: {done or r['error']}", flush=True)
+    measured = {m: r for m, r in results.items() if "error" not in r}
+    if not measured:
+        raise SystemExit("every method failed")
+    first = next(iter(measured.values()))
     print(f"model: {first['model_params'] / 1e6:.1f}M parameters; repaired heads: "
           f"{first['n_heads']} ({first['heads']})")  # fmt: skip
-    base = results.get("full")
+    base = measured.get("full")
     lines = [
         "| method | trained elements | time / step (s) | / full | extra peak (GiB) | / full | "
         "optimiser state (MiB) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for method, r in results.items():
+        if "error" in r:
+            lines.append(f"| {method} | | {r['error']} | | | | |")
+            continue
         ratio_t = f"{r['time_s'] / base['time_s']:.2f}x" if base else ""
         ratio_m = f"{r['extra_gib'] / base['extra_gib']:.2f}x" if base else ""
         lines.append(
             f"| {method} | {r['trained'] / 1e6:.2f}M | {r['time_s']:.2f} | {ratio_t} | "
             f"{r['extra_gib']:.2f} | {ratio_m} | {r['optimizer_mib']:.1f} |"
         )
-    sweeps = {m: r["sweep"] for m, r in results.items() if "sweep" in r}
+    sweeps = {m: r["sweep"] for m, r in measured.items() if "sweep" in r}
     if sweeps:
-        sizes = sorted({int(n) for s in sweeps.values() for n in s})
+        sizes = list(next(iter(sweeps.values())))
         lines += ["", "| repaired heads (top half) | " + " | ".join(
             f"{m} AdamW state (MiB)" for m in sweeps) + " |",
             "|---:|" + "---:|" * len(sweeps)]  # fmt: skip
         for n in sizes:
-            cells = [f"{sweeps[m].get(str(n), float('nan')):.1f}" for m in sweeps]
+            cells = [f"{sweeps[m][n]:.1f}" for m in sweeps]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
     if base:
         lines += ["", f"full fine-tuning AdamW state: {base['optimizer_mib']:.1f} MiB"]

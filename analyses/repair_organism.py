@@ -1,0 +1,338 @@
+"""Repair results on the injured organism: recovery, perplexity, drift, bit-identity, corpora.
+
+1. ``headsurgeon.repair.repair`` with its default settings (what ``python -m headsurgeon.repair
+   organism-injured`` runs: census on the bundled held-out corpora, up to two passes of 200 steps
+   of masked fine-tuning on both bundled training corpora) on ``organism-injured``: heads
+   recovered of those targeted, frozen heads that drifted, and held-out perplexity against the
+   uninjured ``organism`` (acceptance: within 2%). The repaired model is exported with
+   ``headsurgeon.save_hf`` (to ``runs/``, not into ``figures/``) and every tensor of the export
+   is compared with the input checkpoint: all but the repaired heads' Q/K/V/O slices must be
+   bit-identical.
+2. The surgery paper's domain-specialisation finding (repairing on one domain lowers its training
+   perplexity and raises held-out perplexity elsewhere), checked on the organism: the same repair
+   with each bundled corpus alone (Shakespeare or the Python docs, train split), each evaluated
+   on both held-out corpora.
+
+    python analyses/repair_organism.py
+    python analyses/repair_organism.py --injured DIR --reference DIR --save-model runs/x
+
+Writes ``figures/repair/``: ``report/`` (``headsurgeon.repair.write_report`` of the default
+repair, without the model: labels before/after, BOS-mass change, training curves, census CSVs),
+``perplexity.png``/``.csv`` (every model on every evaluation set), ``bos_mass_by_corpus.png``
+(before/after grids of the three repairs), ``bit_identity.csv`` and ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from _common import ROOT, fmt_heads, markdown, parser, start, write_topic
+from safetensors.torch import load_file
+
+from headsurgeon import FinetuneConfig, load_model, model_info, perplexity, save_hf
+from headsurgeon.data import CORPORA, bundled_text, to_sequences
+from headsurgeon.plots import FONT, OKABE_ITO, models_grid
+from headsurgeon.repair import RepairResult, repair, write_report
+from headsurgeon.surgery import HeadSet
+
+MODEL_COLOURS = {
+    "organism": OKABE_ITO["black"],
+    "injured": OKABE_ITO["vermillion"],
+    "repaired (both corpora)": OKABE_ITO["blue"],
+    "repaired (shakespeare)": OKABE_ITO["orange"],
+    "repaired (python-docs)": OKABE_ITO["green"],
+}
+
+
+def eval_sets(model, n_seqs: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """The evaluation token sets: repair's own held-out mix, then each corpus's splits."""
+    sets = {"held-out mix": to_sequences(model, seq_len=seq_len, n_seqs=n_seqs)}
+    for corpus in CORPORA:
+        for split in ("heldout", "train"):
+            text = bundled_text(corpus, split)
+            sets[f"{corpus} {split}"] = to_sequences(model, text, seq_len=seq_len, n_seqs=n_seqs)
+    return sets
+
+
+def perplexities(model, sets: dict[str, torch.Tensor], window: int) -> dict[str, float]:
+    return {
+        name: perplexity(model, tokens, window=window, prepend_bos=False)
+        for name, tokens in sets.items()
+    }
+
+
+def head_slices(name: str, heads: HeadSet, n_heads: int, d_head: int) -> list[tuple[int, slice]]:
+    """(axis, slice) of a Hugging Face BLOOM tensor that belong to the repaired heads' Q/K/V/O.
+
+    ``query_key_value`` is fused per head as (q, k, v) on axis 0 (``n_heads * 3 * d_head`` rows);
+    ``dense`` (the output projection) holds head ``h`` in columns ``h * d_head ... (h+1) * d_head``
+    of axis 1. Its bias and every other tensor are shared by all heads.
+    """
+    parts = name.split(".")
+    if "h" not in parts:
+        return []
+    layer = int(parts[parts.index("h") + 1])
+    chosen = heads.by_layer().get(layer, [])
+    if "query_key_value" in name:
+        return [(0, slice(h * 3 * d_head, (h + 1) * 3 * d_head)) for h in chosen]
+    if name.endswith("self_attention.dense.weight"):
+        return [(1, slice(h * d_head, (h + 1) * d_head)) for h in chosen]
+    return []
+
+
+def bit_identity(
+    source: Path, exported: Path, heads: HeadSet, n_heads: int, d_head: int
+) -> pd.DataFrame:
+    """Per tensor of the input checkpoint: elements outside the repaired slices that differ.
+
+    The input is read in its own dtype and upcast exactly to float32 (every float16 value is a
+    float32 value), so "identical" means the same number, bit for bit in the input's format.
+    """
+    before = load_file(str(source / "model.safetensors"))
+    after = load_file(str(exported / "model.safetensors"))
+    missing = sorted(set(before) - set(after))
+    if missing:
+        raise SystemExit(f"the export lacks {len(missing)} tensor(s) of the input: {missing[:3]}")
+    rows = []
+    for name, old in before.items():
+        new = after[name]
+        frozen = torch.ones(old.shape, dtype=torch.bool)
+        for axis, part in head_slices(name, heads, n_heads, d_head):
+            frozen[(slice(None),) * axis + (part,)] = False
+        same = old.to(new.dtype) == new
+        rows.append(
+            {
+                "tensor": name,
+                "dtype_in": str(old.dtype).removeprefix("torch."),
+                "dtype_out": str(new.dtype).removeprefix("torch."),
+                "elements": old.numel(),
+                "repaired_elements": int((~frozen).sum()),
+                "frozen_differing": int((~same & frozen).sum()),
+                "repaired_changed": int((~same & ~frozen).sum()),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def ppl_figure(table: pd.DataFrame) -> go.Figure:
+    """Grouped bars: perplexity of every model on every evaluation set, relative to organism."""
+    fig = go.Figure()
+    reference = table[table["model"] == "organism"].set_index("set")["perplexity"]
+    for model, sub in table.groupby("model", sort=False):
+        ratio = sub["perplexity"].to_numpy() / reference.loc[sub["set"]].to_numpy()
+        fig.add_trace(
+            go.Bar(
+                x=sub["set"],
+                y=(ratio - 1) * 100,
+                name=model,
+                marker={"color": MODEL_COLOURS.get(model, "#999999")},
+                customdata=sub["perplexity"],
+                hovertemplate=f"{model}, %{{x}}: %{{y:+.1f}}% (PPL %{{customdata:.2f}})"
+                "<extra></extra>",
+            )
+        )
+    fig.add_hline(y=2, line={"dash": "dot", "color": "#555555"})
+    fig.add_hline(y=-2, line={"dash": "dot", "color": "#555555"})
+    fig.update_yaxes(title_text="perplexity vs organism (%)", zeroline=True, zerolinecolor="#999")
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        barmode="group",
+        title={
+            "text": "Perplexity after injury and repair, relative to the uninjured organism",
+            "subtitle": {
+                "text": "dotted: ±2% (the acceptance band); train sets: the corpus the "
+                "single-corpus repairs trained on",
+                "font": {"size": 13, "color": "#555555"},
+            },
+            "x": 0.0,
+            "xanchor": "left",
+        },
+        width=1200,
+        height=520,
+        margin={"l": 80, "r": 30, "t": 105, "b": 70},
+    )
+    return fig
+
+
+def describe(result: RepairResult) -> dict[str, object]:
+    return {
+        "targeted": len(result.targeted),
+        "recovered": len(result.recovered),
+        "rate": f"{result.recovery_rate:.1%}",
+        "still sick": fmt_heads(result.still_sick.names()),
+        "drifted": len(result.drifted),
+        "passes": len(result.passes),
+        "steps": sum(p.training.steps_done for p in result.passes),
+    }
+
+
+def main() -> None:
+    p = parser(__doc__, "repair")
+    p.add_argument("--injured", default="organism-injured", help="model to repair")
+    p.add_argument("--reference", default="organism", help="the uninjured model")
+    p.add_argument(
+        "--save-model",
+        type=Path,
+        default=ROOT / "runs" / "organism-repaired",
+        help="where the repaired model (default repair) is exported; replaced",
+    )
+    p.add_argument("--eval-seqs", type=int, default=32, help="sequences per evaluation set")
+    p.add_argument(
+        "--corpus-steps",
+        type=int,
+        help="fine-tuning steps of the single-corpus repairs (default: repair's default)",
+    )
+    args = p.parse_args()
+    started = start(args)
+
+    reference = load_model(args.reference)
+    seq_len = min(512, model_info(reference).train_ctx or reference.cfg.n_ctx)
+    sets = eval_sets(reference, args.eval_seqs, seq_len)
+    ppl = {"organism": perplexities(reference, sets, seq_len)}
+    del reference
+
+    injured = load_model(args.injured)
+    source = model_info(injured).source
+    truth_file = source / "truth.json"
+    truth = json.loads(truth_file.read_text())["labels"] if truth_file.exists() else None
+    ppl["injured"] = perplexities(injured, sets, seq_len)
+
+    result = repair(injured, progress=False)
+    ppl["repaired (both corpora)"] = perplexities(result.model, sets, seq_len)
+    save_hf(result.model, args.save_model, overwrite=True)
+    cfg = result.model.cfg
+    identity = bit_identity(source, args.save_model, result.targeted, cfg.n_heads, cfg.d_head)
+
+    results = {"both corpora": result}
+    for corpus in CORPORA:
+        model = load_model(args.injured)
+        config = None if args.corpus_steps is None else FinetuneConfig(steps=args.corpus_steps)
+        results[corpus] = repair(
+            model,
+            bundled_text(corpus, "train"),
+            eval_corpus=bundled_text(corpus, "heldout"),
+            finetune_config=config,
+            progress=False,
+        )
+        ppl[f"repaired ({corpus})"] = perplexities(model, sets, seq_len)
+
+    table = pd.DataFrame(
+        [{"model": m, "set": s, "perplexity": v} for m, d in ppl.items() for s, v in d.items()]
+    )
+    wide = table.pivot_table(index="model", columns="set", values="perplexity", sort=False)
+    figures = {
+        "perplexity": ppl_figure(table),
+        "bos_mass_by_corpus": models_grid(
+            {"injured": result.census_before}
+            | {f"repaired: {name}": r.census_after for name, r in results.items()},
+            "bos_mass",
+            title="BOS mass before and after repair, by repair corpus",
+        ),
+    }
+    tables = {
+        "perplexity.csv": table,
+        "bit_identity.csv": identity,
+        "repairs.csv": pd.DataFrame([{"corpus": n} | describe(r) for n, r in results.items()]),
+    }
+
+    # summary.md
+    report = result.to_dict()
+    mix = wide["held-out mix"]
+    ratio = mix["repaired (both corpora)"] / mix["organism"] - 1
+    frozen_bad = int(identity["frozen_differing"].sum())
+    planted = {h for h, label in (truth or {}).items() if label != "healthy"}
+    targeted = set(result.targeted.names())
+    settings = report["settings"]
+    ft, train_shape, census_shape = (
+        settings["finetune"], settings["train_sequences"], settings["census_sequences"]
+    )  # fmt: skip
+    lines = [
+        f"# Repair of {model_info(result.model).name}",
+        "",
+        "## Default repair (both bundled training corpora)",
+        "",
+        f"Settings: repair's defaults ({settings['passes']} passes at most, {ft['steps']} steps "
+        f"of lr {ft['lr']:g} per pass, batch {ft['batch_size']} x {train_shape[1]} tokens, init "
+        f"{settings['init']}); census {census_shape[0]} x {census_shape[1]} tokens of the "
+        "held-out corpora.",
+        "",
+        f"- Targeted {len(result.targeted)} heads ({result.targeted}); recovered "
+        f"{len(result.recovered)}/{len(result.targeted)} = {result.recovery_rate:.1%}; still "
+        f"sick: {fmt_heads(result.still_sick.names())}.",
+        f"- Healthy heads {report['healthy_before']} -> {report['healthy_after']} of "
+        f"{report['n_heads']}; frozen heads that drifted (|Δ BOS mass| > "
+        f"{report['drift']['threshold']}): {report['drift']['count']} "
+        f"({fmt_heads(report['drift']['heads'])}).",
+    ]
+    if truth is not None:
+        lines.append(
+            f"- Planted heads (truth.json): {len(planted)}; targeted {len(planted & targeted)} of "
+            f"them; targeted but not planted: {fmt_heads(sorted(targeted - planted))}."
+        )
+    lines += [
+        f"- Held-out perplexity (repair's held-out mix, {len(sets['held-out mix'])} x {seq_len} "
+        f"tokens): organism {mix['organism']:.3f}, injured {mix['injured']:.3f}, repaired "
+        f"{mix['repaired (both corpora)']:.3f} ({ratio:+.2%} vs organism; acceptance <= 2%: "
+        f"{'met' if abs(ratio) <= 0.02 else 'NOT met'}).",
+        f"- Bit-identity: exported {identity['dtype_out'].iloc[0]} model vs the "
+        f"{identity['dtype_in'].iloc[0]} input, {len(identity)} tensors, "
+        f"{int(identity['elements'].sum()):,} elements, of which "
+        f"{int(identity['repaired_elements'].sum()):,} in the repaired heads' Q/K/V/O slices: "
+        f"{frozen_bad} untouched element(s) differ"
+        + (" (all untouched weights identical)." if frozen_bad == 0 else "."),
+        "",
+        "Per pass (from `report/report.md`):",
+        "",
+        markdown(
+            pd.DataFrame(
+                [
+                    {
+                        "pass": q["pass"],
+                        "targeted": len(q["targeted"]),
+                        "recovered": len(q["recovered"]),
+                        "drifted": q["drift"]["count"],
+                        "steps": q["training"]["steps"],
+                        "train PPL": q["perplexity_after"]["train"],
+                        "held-out PPL": q["perplexity_after"]["heldout"],
+                        "healthy after": q["healthy_after"],
+                    }
+                    for q in report["passes"]
+                ]
+            ),
+            digits=5,
+        ),
+        "",
+        "## Repair corpus: both, Shakespeare only, Python docs only",
+        "",
+        markdown(pd.DataFrame([{"corpus": n} | describe(r) for n, r in results.items()])),
+        "",
+        f"Perplexity on each evaluation set ({args.eval_seqs} x {seq_len} tokens each; "
+        "`train`: the training split the single-corpus repairs used):",
+        "",
+        markdown(wide.reset_index().rename_axis(None, axis=1), digits=5),
+        "",
+    ]
+    both = wide.loc["repaired (both corpora)"]
+    for corpus in CORPORA:
+        other = next(c for c in CORPORA if c != corpus)
+        row = wide.loc[f"repaired ({corpus})"]
+        lines.append(
+            f"- Repaired on {corpus} only, against the both-corpora repair: {corpus} train "
+            f"{row[f'{corpus} train'] / both[f'{corpus} train'] - 1:+.2%}, {corpus} held-out "
+            f"{row[f'{corpus} heldout'] / both[f'{corpus} heldout'] - 1:+.2%}, {other} held-out "
+            f"{row[f'{other} heldout'] / both[f'{other} heldout'] - 1:+.2%}."
+        )
+
+    def extra(folder: Path) -> None:
+        write_report(result, folder / "report", formats=("png",), save_model=False)
+
+    write_topic(args.out, figures, tables, lines, started, extra)
+
+
+if __name__ == "__main__":
+    main()
