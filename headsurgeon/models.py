@@ -381,7 +381,11 @@ def load_model(
     name, directory = _resolve(name_or_path)
     _check_checkpoint(directory)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    # Reading local weights takes well under a second; its progress bar is only noise.
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         hf_model, loading = AutoModelForCausalLM.from_pretrained(
             directory,
@@ -395,6 +399,9 @@ def load_model(
             f"transformers could not load {directory} ({_first_line(e)}); "
             "re-download or re-export the checkpoint"
         ) from e
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     # transformers fills missing or misshapen tensors with random values and only logs it.
     bad = sorted(loading["missing_keys"]) + sorted(str(k) for k in loading["mismatched_keys"])
     if bad:

@@ -817,8 +817,14 @@ def _parser() -> argparse.ArgumentParser:
         help="tokens per training sequence (default: training length, <= 512)",
     )
     training.add_argument("--n-eval-seqs", type=int, default=32)
-    training.add_argument("--steps", type=int, default=ft.steps)
-    training.add_argument("--lr", type=float, default=ft.lr)
+    training.add_argument(
+        "--steps",
+        type=int,
+        help=f"steps per pass (default: the model's recommended setting, else {ft.steps})",
+    )
+    training.add_argument(
+        "--lr", type=float, help=f"peak learning rate (default: as --steps, else {ft.lr})"
+    )
     training.add_argument("--weight-decay", type=float, default=ft.weight_decay)
     training.add_argument("--warmup", type=int, help="warm-up steps (default min(100, steps/4))")
     training.add_argument("--batch-size", type=int, default=ft.batch_size, help="per process")
@@ -878,12 +884,33 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return value
 
 
+def _recommended(
+    config: FinetuneConfig, model: HookedTransformer, args: argparse.Namespace
+) -> FinetuneConfig:
+    """Fill the steps and learning rate the user left out from the model's own recommendation.
+
+    The paper's lr 5e-5 suits billion-parameter BLOOMs; a small organism records what repairs it
+    (``"repair": {"steps": ..., "lr": ...}`` in its ``headsurgeon.json``).
+    """
+    recommended = model_info(model).metadata.get("repair", {})
+    chosen = {
+        key: recommended[key]
+        for key in ("steps", "lr")
+        if getattr(args, key) is None and key in recommended
+    }
+    if chosen:
+        logger.info("using %s's recommended repair settings %s", model_info(model).name, chosen)
+    return dataclasses.replace(config, **chosen).validate()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
     config = FinetuneConfig(
-        steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup,
+        steps=FinetuneConfig.steps if args.steps is None else args.steps,
+        lr=FinetuneConfig.lr if args.lr is None else args.lr,
+        weight_decay=args.weight_decay, warmup_steps=args.warmup,
         batch_size=args.batch_size, grad_accum=args.grad_accum,
         max_grad_norm=args.max_grad_norm, autocast=args.autocast, eval_every=args.eval_every,
         patience=args.patience, min_query_pos=args.min_query_pos, strategy=args.strategy,
@@ -895,6 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = _on_rank0(lambda: _prepare_output(args))  # one decision, before any rank writes
         partial = _partial(out)
         model = load_model(args.model, dtype=args.dtype, device=dist_info.device)
+        config = _recommended(config, model, args)
         result = repair(
             model,
             _texts(args.corpus),
