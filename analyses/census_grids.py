@@ -158,9 +158,10 @@ def main() -> None:
         "# Census of the organisms",
         "",
         f"Census: {a['n_seqs']} sequences x {a['seq_len']} tokens of the bundled held-out corpora "
-        f"per model, query rows t >= {a['min_query_pos']}, position 0 = first text token (no "
-        f"BOS); thresholds: BOS-sink if BOS mass > {thresholds['sink']}, dead if > "
-        f"{thresholds['dead']} or output share < {thresholds['min_output_share']}.",
+        f"per model, query rows t >= {a['min_query_pos']}, position 0 in each model's own "
+        "convention (column `position 0`); thresholds: BOS-sink if BOS mass > "
+        f"{thresholds['sink']}, dead if > {thresholds['dead']} or output share < "
+        f"{thresholds['min_output_share']}.",
         "",
     ]
     rows = []
@@ -170,6 +171,7 @@ def main() -> None:
         sick = df[df["label"] != "healthy"]
         row = {
             "model": name,
+            "position 0": "BOS token" if df.attrs["prepend_bos"] else "first text token",
             "heads": len(df),
             "healthy": int(counts.get("healthy", 0)),
             "BOS-sink": int(counts.get("BOS-sink", 0)),

@@ -65,6 +65,10 @@ INJURIES = (
     Injury("L3H4", "silenced"),
 )
 
+# Read by `python -m headsurgeon.repair` when --steps/--lr are not given: the paper's lr 5e-5 is
+# for billion-parameter BLOOMs and barely moves a freshly zeroed W_O slice of this small model.
+RECOMMENDED_REPAIR = {"steps": 300, "lr": 1e-3}
+
 
 def plant(
     model, injuries, *, steps: int, lr: float, seq_len: int, seed: int, lm_weight: float
@@ -153,6 +157,7 @@ def main() -> None:
             + ", ".join(f"{i.head} {i.kind} -> {i.label}" for i in INJURIES)
         ),
         injuries=[dataclasses.asdict(i) | {"label": i.label} for i in INJURIES],
+        repair=RECOMMENDED_REPAIR,
     )
     out = save_hf(model.to(torch.float16), args.out, overwrite=args.overwrite)
     atomic_write_text(

@@ -115,6 +115,19 @@ def histogram(classified: dict[str, pd.DataFrame]) -> go.Figure:
     return fig
 
 
+def stable_range(sweep: pd.DataFrame, chosen: float) -> str:
+    """The sink thresholds (steps of 0.01) around ``chosen`` that give its sick count."""
+    rows = sweep[sweep["threshold"] == "sink"].sort_values("value").reset_index(drop=True)
+    at = int((rows["value"] - chosen).abs().idxmin())
+    same = rows["sick"] == rows.loc[at, "sick"]
+    lo, hi = at, at
+    while lo > 0 and same[lo - 1]:
+        lo -= 1
+    while hi < len(rows) - 1 and same[hi + 1]:
+        hi += 1
+    return f"{rows.loc[lo, 'value']:.2f}-{rows.loc[hi, 'value']:.2f}"
+
+
 def sick_range(sweep: pd.DataFrame, low: float, high: float) -> str:
     rows = sweep[(sweep["threshold"] == "sink") & sweep["value"].between(low - 1e-9, high + 1e-9)]
     return f"{rows['sick'].min()}-{rows['sick'].max()}"
@@ -139,10 +152,16 @@ def main() -> None:
     for source in args.models:
         model = load_model(source)
         name = model_info(model).name
-        tokens = to_sequences(model, seq_len=args.seq_len, n_seqs=args.n_seqs)
         classified = {}
         for metric, min_query_pos in METRICS.items():
-            census = run_census(model, tokens, min_query_pos=min_query_pos, progress=False)
+            # The same sequences both times (to_sequences is deterministic).
+            census = run_census(
+                model,
+                n_seqs=args.n_seqs,
+                seq_len=args.seq_len,
+                min_query_pos=min_query_pos,
+                progress=False,
+            )
             classified[metric] = classify_heads(census, default)
             sweep = threshold_sweep(classified[metric], default)
             sweeps[(name, metric)] = sweep
@@ -152,13 +171,14 @@ def main() -> None:
             rows.append(
                 {
                     "model": name,
-                    "metric": f"{metric} (t ≥ {min_query_pos}, {len(tokens)} x {args.seq_len})",
+                    "metric": f"{metric} (t ≥ {min_query_pos}, {args.n_seqs} x {args.seq_len})",
                     "healthy": int(counts.get("healthy", 0)),
                     "BOS-sink": int(counts.get("BOS-sink", 0)),
                     "dead": int(counts.get("dead", 0)),
                     f"within ±{NEAR} of 0.5": int(((bos - default.sink).abs() <= NEAR).sum()),
                     "sick, sink 0.45-0.55": sick_range(sweep, 0.45, 0.55),
                     "sick, sink 0.3-0.7": sick_range(sweep, 0.3, 0.7),
+                    "same count for sink in": stable_range(sweep, default.sink),
                 }
             )
         ours[name] = classified["ours"]
@@ -170,10 +190,13 @@ def main() -> None:
         changed = (classified["paper"]["label"] != classified["ours"]["label"]).sum()
         shifts[-1] += f", labels changed: {changed}"
 
-        # The paper's protocol: one short prompt, rows t >= 0; repeated over prompts.
+        # The paper's protocol: one short prompt, rows t >= 0; repeated over prompts. The prompts
+        # are built in the model's own position-0 convention, so run_census must not add a BOS.
         prompts = to_sequences(model, seq_len=args.prompt_len, n_seqs=args.prompts)
         for i in range(len(prompts)):
-            census = run_census(model, prompts[i : i + 1], min_query_pos=0, progress=False)
+            census = run_census(
+                model, prompts[i : i + 1], min_query_pos=0, prepend_bos=False, progress=False
+            )
             labels = classify_heads(census, default)["label"].value_counts()
             prompt_rows.append(
                 {
@@ -201,8 +224,9 @@ def main() -> None:
         "# Threshold sensitivity",
         "",
         f"Default thresholds: BOS-sink if BOS mass > {default.sink}, dead if > {default.dead} or "
-        f"output share < {default.min_output_share}. Data: bundled held-out corpora, no BOS "
-        "token (position 0 = first text token).",
+        f"output share < {default.min_output_share}. Data: bundled held-out corpora, position 0 "
+        "in each model's own convention (organism: first text token; organism-injured: a BOS "
+        "token).",
         "",
         markdown(pd.DataFrame(rows)),
         "",

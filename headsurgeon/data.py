@@ -116,7 +116,9 @@ def to_sequences(
     Each text is tokenised on its own and cut into non-overlapping windows of ``seq_len`` tokens
     (``seq_len - 1`` text tokens after a BOS token when ``prepend_bos``). With ``n_seqs`` the
     windows are taken evenly spaced over all texts, so a sample spans the whole corpus. A token
-    tensor is checked and returned as is (with BOS prepended if asked).
+    tensor is checked and returned as is, with a BOS column prepended when the convention asks
+    for one and its sequences do not already start with it (so sequences made here can be passed
+    on without doubling the BOS token).
     """
     bos = model_info(model).prepend_bos if prepend_bos is None else prepend_bos
     if seq_len < 1:
@@ -132,9 +134,8 @@ def to_sequences(
         if data.ndim != 2 or data.shape[0] == 0 or data.shape[1] == 0:
             raise DataError(f"token tensor must be [n_seqs, seq_len], non-empty; got {data.shape}")
         tokens = data.long()
-        if bos:
-            bos_id = _bos_id(model)
-            tokens = torch.cat([torch.full_like(tokens[:, :1], bos_id), tokens], dim=1)
+        if bos and not bool((tokens[:, 0] == _bos_id(model)).all()):
+            tokens = torch.cat([torch.full_like(tokens[:, :1], _bos_id(model)), tokens], dim=1)
         return tokens[:n_seqs] if n_seqs else tokens
     body = seq_len - 1 if bos else seq_len
     if body < 1:
