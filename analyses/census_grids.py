@@ -54,9 +54,12 @@ def slope_figure(censuses: dict[str, pd.DataFrame], sink: float, dead: float) ->
         horizontal_spacing=0.03,
         subplot_titles=list(censuses),
     )
+    shown: set[str] = set()  # one legend entry per label, from the first panel that has it
     for col, df in enumerate(censuses.values(), start=1):
         for label, (symbol, colour) in SCATTER.items():
             rows = df[df["label"] == label]
+            first = len(rows) > 0 and label not in shown
+            shown |= {label} if first else set()
             fig.add_trace(
                 go.Scatter(
                     x=rows["slope"],
@@ -64,7 +67,7 @@ def slope_figure(censuses: dict[str, pd.DataFrame], sink: float, dead: float) ->
                     mode="markers",
                     name=label,
                     legendgroup=label,
-                    showlegend=col == 1,
+                    showlegend=first,
                     marker={"symbol": symbol, "color": colour, "size": 9, "opacity": 0.85},
                     text=[f"L{r.layer}H{r.head}" for r in rows.itertuples()],
                     hovertemplate="%{text}: slope %{x:.4f}, BOS mass %{y:.3f}<extra></extra>",

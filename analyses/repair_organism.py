@@ -1,17 +1,18 @@
 """Repair results on the injured organism: recovery, perplexity, drift, bit-identity, corpora.
 
-1. ``headsurgeon.repair.repair`` with its default settings (what ``python -m headsurgeon.repair
-   organism-injured`` runs: census on the bundled held-out corpora, up to two passes of 200 steps
-   of masked fine-tuning on both bundled training corpora) on ``organism-injured``: heads
+1. ``headsurgeon.repair.repair`` with the settings ``python -m headsurgeon.repair organism-injured``
+   uses (census on the bundled held-out corpora, up to two passes of masked fine-tuning on both
+   bundled training corpora, with the steps and learning rate the organism recommends in its
+   ``headsurgeon.json``) on ``organism-injured``: heads
    recovered of those targeted, frozen heads that drifted, and held-out perplexity against the
    uninjured ``organism`` (acceptance: within 2%). The repaired model is exported with
    ``headsurgeon.save_hf`` (to ``runs/``, not into ``figures/``) and every tensor of the export
    is compared with the input checkpoint: all but the repaired heads' Q/K/V/O slices must be
    bit-identical.
 2. The surgery paper's domain-specialisation finding (repairing on one domain lowers its training
-   perplexity and raises held-out perplexity elsewhere), checked on the organism: the same repair
-   with each bundled corpus alone (Shakespeare or the Python docs, train split), each evaluated
-   on both held-out corpora.
+   perplexity and raises held-out perplexity elsewhere), checked on the organism: a shorter repair
+   (one pass of ``--corpus-steps``, to fit the time budget) with each bundled corpus alone
+   (Shakespeare or the Python docs, train split), each evaluated on both corpora.
 
     python analyses/repair_organism.py
     python analyses/repair_organism.py --injured DIR --reference DIR --save-model runs/x
@@ -24,6 +25,7 @@ repair, without the model: labels before/after, BOS-mass change, training curves
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -171,6 +173,14 @@ def describe(result: RepairResult) -> dict[str, object]:
     }
 
 
+def cli_config(model) -> FinetuneConfig:
+    """What ``python -m headsurgeon.repair`` fine-tunes with: the defaults, with the steps and
+    learning rate the model recommends in its ``headsurgeon.json`` (``"repair"``), if any."""
+    recommended = model_info(model).metadata.get("repair", {})
+    chosen = {key: recommended[key] for key in ("steps", "lr") if key in recommended}
+    return dataclasses.replace(FinetuneConfig(), **chosen).validate()
+
+
 def main() -> None:
     p = parser(__doc__, "repair")
     p.add_argument("--injured", default="organism-injured", help="model to repair")
@@ -181,42 +191,44 @@ def main() -> None:
         default=ROOT / "runs" / "organism-repaired",
         help="where the repaired model (default repair) is exported; replaced",
     )
-    p.add_argument("--eval-seqs", type=int, default=32, help="sequences per evaluation set")
+    p.add_argument("--eval-seqs", type=int, default=16, help="sequences per evaluation set")
     p.add_argument(
         "--corpus-steps",
         type=int,
-        help="fine-tuning steps of the single-corpus repairs (default: repair's default)",
+        default=60,
+        help="fine-tuning steps of the single-corpus repairs (one pass each)",
     )
     args = p.parse_args()
     started = start(args)
-
-    reference = load_model(args.reference)
-    seq_len = min(512, model_info(reference).train_ctx or reference.cfg.n_ctx)
-    sets = eval_sets(reference, args.eval_seqs, seq_len)
-    ppl = {"organism": perplexities(reference, sets, seq_len)}
-    del reference
 
     injured = load_model(args.injured)
     source = model_info(injured).source
     truth_file = source / "truth.json"
     truth = json.loads(truth_file.read_text())["labels"] if truth_file.exists() else None
+    seq_len = min(512, model_info(injured).train_ctx or injured.cfg.n_ctx)
+    # Every model is scored on the same windows, in the injured organism's position-0 convention
+    # (what repair itself evaluates).
+    sets = eval_sets(injured, args.eval_seqs, seq_len)
+    ppl = {"organism": perplexities(load_model(args.reference), sets, seq_len)}
     ppl["injured"] = perplexities(injured, sets, seq_len)
 
-    result = repair(injured, progress=False)
+    config = cli_config(injured)
+    result = repair(injured, finetune_config=config, progress=False)
     ppl["repaired (both corpora)"] = perplexities(result.model, sets, seq_len)
     save_hf(result.model, args.save_model, overwrite=True)
     cfg = result.model.cfg
     identity = bit_identity(source, args.save_model, result.targeted, cfg.n_heads, cfg.d_head)
 
     results = {"both corpora": result}
+    corpus_config = dataclasses.replace(config, steps=args.corpus_steps, warmup_steps=None)
     for corpus in CORPORA:
         model = load_model(args.injured)
-        config = None if args.corpus_steps is None else FinetuneConfig(steps=args.corpus_steps)
         results[corpus] = repair(
             model,
             bundled_text(corpus, "train"),
             eval_corpus=bundled_text(corpus, "heldout"),
-            finetune_config=config,
+            passes=1,
+            finetune_config=corpus_config,
             progress=False,
         )
         ppl[f"repaired ({corpus})"] = perplexities(model, sets, seq_len)
@@ -226,12 +238,12 @@ def main() -> None:
     )
     wide = table.pivot_table(index="model", columns="set", values="perplexity", sort=False)
     figures = {
-        "perplexity": ppl_figure(table),
+        "perplexity": ppl_figure(table[table["model"].isin(list(MODEL_COLOURS))]),
         "bos_mass_by_corpus": models_grid(
             {"injured": result.census_before}
-            | {f"repaired: {name}": r.census_after for name, r in results.items()},
+            | {f"→ {name}": r.census_after for name, r in results.items()},
             "bos_mass",
-            title="BOS mass before and after repair, by repair corpus",
+            title="BOS mass before and after repair (→ repair corpus)",
         ),
     }
     tables = {
@@ -256,9 +268,11 @@ def main() -> None:
         "",
         "## Default repair (both bundled training corpora)",
         "",
-        f"Settings: repair's defaults ({settings['passes']} passes at most, {ft['steps']} steps "
+        "Settings: the repair CLI's defaults (the library defaults, with the steps and learning "
+        "rate the model recommends in its headsurgeon.json, if any): "
+        f"{settings['passes']} passes at most, {ft['steps']} steps "
         f"of lr {ft['lr']:g} per pass, batch {ft['batch_size']} x {train_shape[1]} tokens, init "
-        f"{settings['init']}); census {census_shape[0]} x {census_shape[1]} tokens of the "
+        f"{settings['init']}; census {census_shape[0]} x {census_shape[1]} tokens of the "
         "held-out corpora.",
         "",
         f"- Targeted {len(result.targeted)} heads ({result.targeted}); recovered "
@@ -309,24 +323,33 @@ def main() -> None:
         "",
         "## Repair corpus: both, Shakespeare only, Python docs only",
         "",
+        f"The single-corpus repairs fine-tune one pass of {args.corpus_steps} steps (otherwise the "
+        "settings above) on one bundled training split and evaluate on its held-out split.",
+        "",
         markdown(pd.DataFrame([{"corpus": n} | describe(r) for n, r in results.items()])),
         "",
-        f"Perplexity on each evaluation set ({args.eval_seqs} x {seq_len} tokens each; "
-        "`train`: the training split the single-corpus repairs used):",
+        f"Perplexity on each evaluation set ({args.eval_seqs} x {seq_len} tokens each, every "
+        f"model on the same windows in {model_info(result.model).name}'s position-0 convention; "
+        "`train`: the training splits):",
         "",
         markdown(wide.reset_index().rename_axis(None, axis=1), digits=5),
         "",
+        "Domain specialisation (the surgery paper: repairing on one domain lowers its training "
+        "perplexity and raises held-out perplexity elsewhere), repaired on one corpus against the "
+        "other:",
+        "",
     ]
-    both = wide.loc["repaired (both corpora)"]
     for corpus in CORPORA:
         other = next(c for c in CORPORA if c != corpus)
-        row = wide.loc[f"repaired ({corpus})"]
-        lines.append(
-            f"- Repaired on {corpus} only, against the both-corpora repair: {corpus} train "
-            f"{row[f'{corpus} train'] / both[f'{corpus} train'] - 1:+.2%}, {corpus} held-out "
-            f"{row[f'{corpus} heldout'] / both[f'{corpus} heldout'] - 1:+.2%}, {other} held-out "
-            f"{row[f'{other} heldout'] / both[f'{other} heldout'] - 1:+.2%}."
-        )
+        for split in ("train", "heldout"):
+            own_ppl = wide.loc[f"repaired ({corpus})", f"{corpus} {split}"]
+            other_ppl = wide.loc[f"repaired ({other})", f"{corpus} {split}"]
+            lines.append(
+                f"- {corpus} {split}: repaired on {corpus} {own_ppl:.3f}, on {other} "
+                f"{other_ppl:.3f} ({other_ppl / own_ppl - 1:+.2%}); injured "
+                f"{wide.loc['injured', f'{corpus} {split}']:.3f}, organism "
+                f"{wide.loc['organism', f'{corpus} {split}']:.3f}."
+            )
 
     def extra(folder: Path) -> None:
         write_report(result, folder / "report", formats=("png",), save_model=False)

@@ -5,6 +5,7 @@ Exports:
     save_hf(model, out_dir, overwrite)       atomic Hugging Face checkpoint (BLOOM), safetensors
     from_hf_model(hf_model, tokenizer, ...)  wrap an in-memory transformers model
     random_model(shape, seed)                random-weight BLOOM of a given or named shape
+    random_hf_bloom(shape, seed)             the same, as a transformers model
     model_shape(name_or_model)               ModelShape without loading weights
     model_info(model)                        ModelInfo: where a model came from, its conventions
     parse_dtype(dtype), parse_device(device) validated torch dtype / device
@@ -552,10 +553,8 @@ def use_exact_alibi(model: HookedTransformer) -> None:
         attn.alibi = None
 
 
-def random_model(
-    shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32"
-) -> HookedTransformer:
-    """A BLOOM with random weights (Hugging Face's initialisation) of a given or named shape."""
+def random_hf_bloom(shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32") -> Any:
+    """A ``transformers`` BLOOM with random weights (its own initialisation) of a given shape."""
     from transformers import BloomConfig, BloomForCausalLM
 
     if isinstance(shape, str):
@@ -569,8 +568,16 @@ def random_model(
         architectures=["BloomForCausalLM"],
     )
     torch.manual_seed(seed)
-    hf_model = BloomForCausalLM(config).to(parse_dtype(dtype))
-    return from_hf_model(hf_model, name=f"random-{shape.n_layers}x{shape.n_heads}x{shape.d_model}")
+    return BloomForCausalLM(config).to(parse_dtype(dtype)).eval()
+
+
+def random_model(
+    shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32"
+) -> HookedTransformer:
+    """A HookedTransformer BLOOM with random weights of a given or named shape."""
+    hf_model = random_hf_bloom(shape, seed=seed, dtype=dtype)
+    cfg = hf_model.config
+    return from_hf_model(hf_model, name=f"random-{cfg.n_layer}x{cfg.n_head}x{cfg.hidden_size}")
 
 
 def _bloom_config(model: HookedTransformer, info: ModelInfo) -> dict[str, Any]:

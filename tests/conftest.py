@@ -82,3 +82,12 @@ def tiny_model(bloom_dir):
     from headsurgeon import load_model
 
     return load_model(bloom_dir)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny matrices: one thread is ~10x faster than two on shared, busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

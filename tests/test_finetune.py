@@ -31,15 +31,6 @@ SHAPE = ModelShape(n_layers=3, n_heads=4, d_model=32, d_vocab=64, n_ctx=32)
 HEADS = "L1H1,L2H2-3"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is ~10x faster than two on shared, busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def setup(heads: str = HEADS):
     """A reproducible model with re-initialised heads and random training tokens."""
     model = random_model(SHAPE, seed=0)

@@ -21,15 +21,6 @@ from headsurgeon.surgery import HeadSet
 SINK, DEAD = (1, 3), (1, 1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is ~10x faster than two on shared, busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def injured(bloom_dir, tmp_path_factory):
     """bloom_dir with a BOS sink planted in L1H3 and L1H1 silenced (W_O = 0)."""

@@ -38,15 +38,6 @@ def model(base):
     return fresh
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: one thread is ~10x faster than two on shared, busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tokens(n: int = 4, length: int = 12) -> torch.Tensor:
     return torch.randint(0, SHAPE.d_vocab, (n, length), generator=torch.Generator().manual_seed(0))
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from headsurgeon import run_census
-from headsurgeon.models import ModelShape, from_hf_model, model_shape
+from headsurgeon.models import ModelShape, from_hf_model, model_shape, random_hf_bloom
 from headsurgeon.probes import pattern_stats, write_norms
 
 METHODS = ("forward", "census", "run_with_cache", "transformers")
@@ -55,19 +55,7 @@ def parse_shape(text: str) -> ModelShape:
 
 def build(args: argparse.Namespace, needs: set[str]):
     """The Hugging Face model (same seed, so the same weights) and/or its HookedTransformer."""
-    from transformers import BloomConfig, BloomForCausalLM
-
-    shape = parse_shape(args.shape)
-    config = BloomConfig(
-        vocab_size=shape.d_vocab,
-        hidden_size=shape.d_model,
-        n_layer=shape.n_layers,
-        n_head=shape.n_heads,
-        seq_length=shape.n_ctx,
-        architectures=["BloomForCausalLM"],
-    )
-    torch.manual_seed(0)
-    hf = BloomForCausalLM(config).eval()
+    hf = random_hf_bloom(parse_shape(args.shape), seed=0)
     tl = from_hf_model(hf, name=f"random-{args.shape}") if "tl" in needs else None
     tl = tl.to(args.device, print_details=False) if tl is not None else None
     if "hf" not in needs:
