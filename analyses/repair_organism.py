@@ -35,10 +35,10 @@ import torch
 from _common import ROOT, fmt_heads, markdown, parser, start, write_topic
 from safetensors.torch import load_file
 
-from headsurgeon import FinetuneConfig, load_model, model_info, perplexity, save_hf
+from headsurgeon import load_model, model_info, perplexity, save_hf
 from headsurgeon.data import CORPORA, bundled_text, to_sequences
 from headsurgeon.plots import FONT, OKABE_ITO, models_grid
-from headsurgeon.repair import RepairResult, repair, write_report
+from headsurgeon.repair import RepairResult, recommended_config, repair, write_report
 from headsurgeon.surgery import HeadSet
 
 MODEL_COLOURS = {
@@ -173,14 +173,6 @@ def describe(result: RepairResult) -> dict[str, object]:
     }
 
 
-def cli_config(model) -> FinetuneConfig:
-    """What ``python -m headsurgeon.repair`` fine-tunes with: the defaults, with the steps and
-    learning rate the model recommends in its ``headsurgeon.json`` (``"repair"``), if any."""
-    recommended = model_info(model).metadata.get("repair", {})
-    chosen = {key: recommended[key] for key in ("steps", "lr") if key in recommended}
-    return dataclasses.replace(FinetuneConfig(), **chosen).validate()
-
-
 def main() -> None:
     p = parser(__doc__, "repair")
     p.add_argument("--injured", default="organism-injured", help="model to repair")
@@ -212,7 +204,7 @@ def main() -> None:
     ppl = {"organism": perplexities(load_model(args.reference), sets, seq_len)}
     ppl["injured"] = perplexities(injured, sets, seq_len)
 
-    config = cli_config(injured)
+    config = recommended_config(injured)
     result = repair(injured, finetune_config=config, progress=False)
     ppl["repaired (both corpora)"] = perplexities(result.model, sets, seq_len)
     save_hf(result.model, args.save_model, overwrite=True)

@@ -884,23 +884,29 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _recommended(
-    config: FinetuneConfig, model: HookedTransformer, args: argparse.Namespace
+def recommended_config(
+    model: HookedTransformer,
+    config: FinetuneConfig | None = None,
+    *,
+    steps: int | None = None,
+    lr: float | None = None,
 ) -> FinetuneConfig:
-    """Fill the steps and learning rate the user left out from the model's own recommendation.
-
-    The paper's lr 5e-5 suits billion-parameter BLOOMs; a small organism records what repairs it
-    (``"repair": {"steps": ..., "lr": ...}`` in its ``headsurgeon.json``).
+    """``config`` (default: the library defaults) with the steps and learning rate ``model``
+    recommends in its ``headsurgeon.json`` (``"repair": {"steps": ..., "lr": ...}``), unless
+    given here. The paper's lr 5e-5 suits billion-parameter BLOOMs; a small organism records what
+    repairs it. This is what ``python -m headsurgeon.repair`` trains with.
     """
     recommended = model_info(model).metadata.get("repair", {})
+    explicit = {"steps": steps, "lr": lr}
     chosen = {
         key: recommended[key]
         for key in ("steps", "lr")
-        if getattr(args, key) is None and key in recommended
+        if explicit[key] is None and key in recommended
     }
     if chosen:
         logger.info("using %s's recommended repair settings %s", model_info(model).name, chosen)
-    return dataclasses.replace(config, **chosen).validate()
+    given = {key: value for key, value in explicit.items() if value is not None}
+    return dataclasses.replace(config or FinetuneConfig(), **chosen, **given).validate()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -922,7 +928,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = _on_rank0(lambda: _prepare_output(args))  # one decision, before any rank writes
         partial = _partial(out)
         model = load_model(args.model, dtype=args.dtype, device=dist_info.device)
-        config = _recommended(config, model, args)
+        config = recommended_config(model, config, steps=args.steps, lr=args.lr)
         result = repair(
             model,
             _texts(args.corpus),
