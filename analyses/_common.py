@@ -26,7 +26,7 @@ import plotly.graph_objects as go
 import torch
 
 from headsurgeon.outputs import atomic_directory, atomic_write_text
-from headsurgeon.plots import save_figure
+from headsurgeon.plots import FONT, save_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "figures"
@@ -104,3 +104,22 @@ def markdown(df: pd.DataFrame, digits: int = 3) -> str:
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
+
+
+def style(
+    fig: go.Figure, title: str, subtitle: str, width: int, height: int, *, left: int = 80
+) -> None:
+    """The layout every analysis figure shares: white template, paper fonts, title + subtitle."""
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        title={
+            "text": title,
+            "subtitle": {"text": subtitle, "font": {"size": 13, "color": "#555555"}},
+            "x": 0.0,
+            "xanchor": "left",
+        },
+        width=width,
+        height=height,
+        margin={"l": left, "r": 30, "t": 105, "b": 70},
+    )

@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-from _common import markdown, parser, start, write_topic
+from _common import markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
 from headsurgeon import (
@@ -51,7 +51,6 @@ from headsurgeon.blindness import DTYPES
 from headsurgeon.data import to_sequences
 from headsurgeon.models import BLOOM_SHAPES
 from headsurgeon.plots import (
-    FONT,
     OKABE_ITO,
     analytic_vs_measured,
     blind_distance_grid,
@@ -71,22 +70,6 @@ KIND_COLOURS = dict(
         strict=True,
     )
 )
-
-
-def _style(fig: go.Figure, title: str, subtitle: str, width: int, height: int) -> None:
-    fig.update_layout(
-        template="plotly_white",
-        font=FONT,
-        title={
-            "text": title,
-            "subtitle": {"text": subtitle, "font": {"size": 13, "color": "#555555"}},
-            "x": 0.0,
-            "xanchor": "left",
-        },
-        width=width,
-        height=height,
-        margin={"l": 90, "r": 30, "t": 105, "b": 70},
-    )
 
 
 def _train_line(fig: go.Figure, train_ctx: int) -> None:
@@ -159,13 +142,14 @@ def bloom_figure(table: pd.DataFrame, context: int) -> go.Figure:
     )
     fig.update_yaxes(autorange="reversed")
     fig.update_xaxes(tickangle=-30)
-    _style(
+    style(
         fig,
         f"Analytic blindness of BLOOM within {context} tokens",
         "share of causal attention entries beyond the blind distance (equal content logits), and "
         "heads blind somewhere; weight-free",
         1250,
         560,
+        left=90,
     )
     return fig
 
@@ -218,13 +202,14 @@ def share_figure(measured: pd.DataFrame, analytic: pd.DataFrame, train_ctx: int)
     _train_line(fig, train_ctx)
     fig.update_xaxes(type="log", dtick=np.log10(2), title_text="context length (tokens, log)")
     fig.update_yaxes(title_text="% of attention entries = 0", rangemode="tozero")
-    _style(
+    style(
         fig,
         "Attention weights that underflow to exactly 0",
         "all layers and heads, causal entries with query < context length; tl lines lie under "
         "hf lines; analytic: equal content logits",
         980,
         520,
+        left=90,
     )
     fig.update_layout(legend={"x": 0.01, "y": 0.99, "bgcolor": "rgba(255,255,255,0.8)"})
     return fig
@@ -245,12 +230,13 @@ def mitigation_share_figure(table: pd.DataFrame, length: int) -> go.Figure:
             )
         )
     fig.update_yaxes(title_text="% of attention entries = 0", rangemode="tozero")
-    _style(
+    style(
         fig,
         f"Underflow under each mitigation, {length}-token context",
         "measured on held-out text (hf convention); all layers and heads",
         900,
         480,
+        left=90,
     )
     fig.update_layout(barmode="group")
     return fig
@@ -275,12 +261,13 @@ def ppl_figure(table: pd.DataFrame, train_ctx: int) -> go.Figure:
     _train_line(fig, train_ctx)
     fig.update_xaxes(type="log", dtick=np.log10(2), title_text="window (tokens, log)")
     fig.update_yaxes(type="log", title_text="held-out perplexity (log)")
-    _style(
+    style(
         fig,
         "Held-out perplexity under each mitigation",
         "sliding windows, stride = window / 2; the model was trained with plain ALiBi",
         900,
         500,
+        left=90,
     )
     return fig
 
@@ -313,13 +300,14 @@ def auc_figure(summary: pd.DataFrame) -> go.Figure:
         chance = summary.loc[summary["task"] == task, "chance"].iloc[0]
         fig.add_hline(y=chance, line={"dash": "dot", "color": "#555555"}, row=1, col=col)
     fig.update_yaxes(title_text="top-1 accuracy AUC", range=[0, 1.05], row=1, col=1)
-    _style(
+    style(
         fig,
         "Retrieval in and out of the training length",
         "AUC over log context length of top-1 accuracy (depths pooled); solid: in context, "
         "hatched: beyond; dotted: chance",
         220 + 480 * len(tasks),
         500,
+        left=90,
     )
     fig.update_layout(barmode="group")
     return fig

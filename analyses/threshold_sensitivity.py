@@ -22,32 +22,16 @@ from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
-from _common import markdown, parser, start, write_topic
+from _common import markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
 from headsurgeon import classify_heads, load_model, model_info, run_census, threshold_sweep
 from headsurgeon.classify import NEAR, Thresholds
 from headsurgeon.data import to_sequences
-from headsurgeon.plots import FONT, OKABE_ITO, sweep_plot
+from headsurgeon.plots import OKABE_ITO, sweep_plot
 
 METRICS = {"ours": 1, "paper": 0}  # name -> min_query_pos
 COLOURS = [OKABE_ITO[c] for c in ("blue", "vermillion", "green", "purple")]
-
-
-def _style(fig: go.Figure, title: str, subtitle: str, width: int, height: int) -> None:
-    fig.update_layout(
-        template="plotly_white",
-        font=FONT,
-        title={
-            "text": title,
-            "subtitle": {"text": subtitle, "font": {"size": 13, "color": "#555555"}},
-            "x": 0.0,
-            "xanchor": "left",
-        },
-        width=width,
-        height=height,
-        margin={"l": 80, "r": 30, "t": 105, "b": 70},
-    )
 
 
 def sink_figure(sweeps: dict[tuple[str, str], pd.DataFrame], chosen: float) -> go.Figure:
@@ -73,7 +57,7 @@ def sink_figure(sweeps: dict[tuple[str, str], pd.DataFrame], chosen: float) -> g
     fig.add_vline(x=chosen, line={"dash": "dot", "color": "#666666"})
     fig.update_xaxes(title_text="sink threshold (BOS mass >)", showgrid=True, range=[0, 0.95])
     fig.update_yaxes(title_text="sick heads (BOS-sink + dead)", rangemode="tozero", showgrid=True)
-    _style(
+    style(
         fig,
         "Sick heads against the sink threshold",
         "dead threshold 0.95 and min output share 0.01 held fixed; dotted: the default 0.5",
@@ -105,7 +89,7 @@ def histogram(classified: dict[str, pd.DataFrame]) -> go.Figure:
         fig.add_vline(x=0.95, line={"dash": "dot", "color": "#888888"}, row=1, col=col)
     fig.update_xaxes(title_text="BOS mass (rows t ≥ 1)", range=[0, 1])
     fig.update_yaxes(title_text="heads", row=1, col=1)
-    _style(
+    style(
         fig,
         "Distribution of BOS mass",
         "bins of 0.02, as the paper's histogram; dashed: sink threshold, dotted: dead threshold",
