@@ -171,13 +171,24 @@ def measure_memory(args: argparse.Namespace, name: str) -> dict[str, float]:
     return {"extra": (sampler.peak - before) / GIB, "peak": sampler.peak / GIB}
 
 
-def memory_in_subprocess(args: argparse.Namespace, name: str) -> dict[str, float]:
+def fresh_process(script: str, flag: str, name: str, passthrough: list[str]) -> dict:
+    """Run ``script flag name ...`` in a new process and return the JSON it prints last, so each
+    method's peak memory is its own; a crash (e.g. killed for memory) comes back as ``error``."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20), MALLOC_TRIM_THRESHOLD_="0")
-    command = [sys.executable, __file__, "--memory-of", name, *args.passthrough]
+    command = [sys.executable, script, flag, name, *passthrough]
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"memory run of {name} failed:\n{result.stderr[-3000:]}")
+        why = "killed, likely out of memory" if result.returncode == -9 else "failed"
+        print(result.stderr[-2000:], file=sys.stderr)
+        return {"error": f"{why} (exit {result.returncode})"}
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def memory_in_subprocess(args: argparse.Namespace, name: str) -> dict[str, float]:
+    result = fresh_process(__file__, "--memory-of", name, args.passthrough)
+    if "error" in result:
+        raise RuntimeError(f"memory run of {name} {result['error']}")
+    return result
 
 
 def main() -> None:

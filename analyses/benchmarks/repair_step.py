@@ -29,14 +29,12 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
-from census import RssSampler, parse_shape  # the census benchmark beside this file
+from census import RssSampler, fresh_process, parse_shape  # the census benchmark beside this file
 
 from headsurgeon.finetune import make_trainer
 from headsurgeon.models import BLOOM_SHAPES, load_model, random_model
@@ -141,18 +139,6 @@ def measure(args: argparse.Namespace, method: str) -> dict:
     return result
 
 
-def in_subprocess(args: argparse.Namespace, method: str) -> dict:
-    """Measure one method in a fresh process; a crash (e.g. killed for memory) is reported."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20), MALLOC_TRIM_THRESHOLD_="0")
-    command = [sys.executable, __file__, "--measure", method, *args.passthrough]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    if result.returncode != 0:
-        why = "killed, likely out of memory" if result.returncode == -9 else "failed"
-        print(result.stderr[-2000:], file=sys.stderr)
-        return {"error": f"{why} (exit {result.returncode})"}
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -178,7 +164,7 @@ def main() -> None:
           f"{args.dtype}, {args.threads} thread(s)", flush=True)  # fmt: skip
     results = {}
     for method in args.methods:
-        results[method] = r = in_subprocess(args, method)
+        results[method] = r = fresh_process(__file__, "--measure", method, args.passthrough)
         done = f"{r['time_s']:.2f} s/step, +{r['extra_gib']:.2f} GiB" if "error" not in r else ""
         print(f"  {method}: {done or r['error']}", flush=True)
     measured = {m: r for m, r in results.items() if "error" not in r}
