@@ -6,11 +6,13 @@ Pipeline (all seeded; single CPU thread):
    trained on the two bundled train corpora (``headsurgeon/corpora/``) and wrapped as a
    ``PreTrainedTokenizerFast`` that, like BLOOM's, adds no BOS token.
 2. ``BloomForCausalLM`` (default 4 layers x 16 heads x 256 wide, tied embeddings; 16 heads so the
-   ALiBi slopes equal bloom-560m's 0.7071 ... 0.0039) is trained on 256-token windows cut at
-   random offsets from the token streams of the two corpora, every batch half Shakespeare and
-   half Python docs; each window starts at position 0 with no BOS. AdamW (betas 0.9/0.95,
-   weight decay 0.1 on matrices and embeddings only), linear warm-up then cosine decay to 10% of
-   the peak, gradient clipping 1.0, bf16 autocast.
+   ALiBi slopes equal bloom-560m's 0.7071 ... 0.0039) is trained on 256-token windows (16 per
+   step) cut at random offsets from the token streams of the two corpora, every batch half
+   Shakespeare and half Python docs; each window starts at position 0 with no BOS (``--bos``
+   puts the BOS token there instead, and the export records ``prepend_bos``). AdamW (betas
+   0.9/0.95, weight decay 0.1 on matrices and embeddings only), linear warm-up then cosine decay
+   to 10% of the peak (2e-3), gradient clipping 1.0, bf16 autocast. Shape, window, batch, peak
+   learning rate and weight decay are options.
 3. Every ``--eval-every`` steps: held-out loss on fixed batches of both held-out corpora and the
    BOS mass of every head (mean over query positions t >= 1 of the attention on position 0),
    written to ``log.csv`` and stdout, followed by an atomic checkpoint (``--resume`` continues).
@@ -26,7 +28,7 @@ over resumed runs); the planned length is stored in the checkpoint.
 
 Usage::
 
-    python analyses/train_organism.py --minutes 65 --out runs/organism \\
+    python analyses/train_organism.py --steps 2000 --minutes 100 --out runs/organism \\
         --export headsurgeon/organisms/organism
 """
 
@@ -63,12 +65,9 @@ CORPORA = ROOT / "headsurgeon" / "corpora"
 DOMAINS = ("shakespeare", "python-docs")
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 VOCAB_SIZE = 4096
-SEQ_LEN = 256
-BATCH = 16
-PEAK_LR = 2e-3
+BOS_ID = 1
 MIN_LR_FRACTION = 0.1
 WARMUP_STEPS = 200
-WEIGHT_DECAY = 0.1
 GRAD_CLIP = 1.0
 TIMING_STEPS = (10, 40)  # steps timed (after a few warm-up steps) to plan the schedule
 EVAL_SEQS = 16  # per held-out corpus
@@ -100,7 +99,16 @@ class Data:
     """Token streams of the train corpora and fixed held-out windows."""
 
     train: dict[str, torch.Tensor]
-    heldout: dict[str, torch.Tensor]  # (EVAL_SEQS, SEQ_LEN) per domain
+    heldout: dict[str, torch.Tensor]  # (EVAL_SEQS, seq_len) per domain
+    seq_len: int
+    bos: bool  # every window starts with BOS_ID (and holds seq_len - 1 text tokens)
+
+    def window(self, stream: torch.Tensor, start: int) -> torch.Tensor:
+        """The training window of ``stream`` starting at ``start``."""
+        if not self.bos:
+            return stream[start : start + self.seq_len]
+        text = stream[start : start + self.seq_len - 1]
+        return torch.cat([torch.tensor([BOS_ID]), text])
 
 
 def read_corpus(name: str) -> str:
@@ -136,40 +144,39 @@ def encode(tokenizer: PreTrainedTokenizerFast, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def fixed_windows(stream: torch.Tensor, n: int) -> torch.Tensor:
-    """``n`` evenly spaced, non-overlapping ``SEQ_LEN`` windows of a token stream."""
-    stride = (len(stream) - SEQ_LEN) // max(n - 1, 1)
-    return torch.stack([stream[i * stride : i * stride + SEQ_LEN] for i in range(n)])
-
-
-def load_data(tokenizer: PreTrainedTokenizerFast) -> Data:
-    """Tokenize the train streams and cut the fixed held-out windows."""
-    train = {d: encode(tokenizer, read_corpus(f"{d}-train")) for d in DOMAINS}
-    heldout = {
-        d: fixed_windows(encode(tokenizer, read_corpus(f"{d}-heldout")), EVAL_SEQS) for d in DOMAINS
-    }
+def load_data(tokenizer: PreTrainedTokenizerFast, seq_len: int, bos: bool) -> Data:
+    """Tokenize the train streams and cut ``EVAL_SEQS`` evenly spaced held-out windows."""
+    data = Data(
+        train={d: encode(tokenizer, read_corpus(f"{d}-train")) for d in DOMAINS},
+        heldout={},
+        seq_len=seq_len,
+        bos=bos,
+    )
     for d in DOMAINS:
-        log.info("%s: %d train tokens", d, len(train[d]))
-    return Data(train=train, heldout=heldout)
+        stream = encode(tokenizer, read_corpus(f"{d}-heldout"))
+        stride = (len(stream) - seq_len) // (EVAL_SEQS - 1)
+        data.heldout[d] = torch.stack([data.window(stream, i * stride) for i in range(EVAL_SEQS)])
+        log.info("%s: %d train tokens", d, len(data.train[d]))
+    return data
 
 
-def sample_batch(data: Data, gen: torch.Generator) -> torch.Tensor:
-    """A (BATCH, SEQ_LEN) batch: half from each domain, random offsets."""
+def sample_batch(data: Data, gen: torch.Generator, batch: int) -> torch.Tensor:
+    """A (batch, seq_len) batch: half from each domain, random offsets."""
     rows = []
     for i, d in enumerate(DOMAINS):
-        n = BATCH // len(DOMAINS) + (i < BATCH % len(DOMAINS))
-        starts = torch.randint(0, len(data.train[d]) - SEQ_LEN, (n,), generator=gen)
-        rows += [data.train[d][s : s + SEQ_LEN] for s in starts.tolist()]
+        n = batch // len(DOMAINS) + (i < batch % len(DOMAINS))
+        starts = torch.randint(0, len(data.train[d]) - data.seq_len, (n,), generator=gen)
+        rows += [data.window(data.train[d], s) for s in starts.tolist()]
     return torch.stack(rows)
 
 
-def lr_at(step: int, total: int) -> float:
+def lr_at(step: int, total: int, peak: float) -> float:
     """Linear warm-up over ``WARMUP_STEPS``, then cosine decay to ``MIN_LR_FRACTION``."""
     if step < WARMUP_STEPS:
-        return PEAK_LR * (step + 1) / WARMUP_STEPS
+        return peak * (step + 1) / WARMUP_STEPS
     progress = min(1.0, (step - WARMUP_STEPS) / max(1, total - WARMUP_STEPS))
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
-    return PEAK_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
+    return peak * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
 
 
 def build_model(args: argparse.Namespace) -> BloomForCausalLM:
@@ -189,16 +196,16 @@ def build_model(args: argparse.Namespace) -> BloomForCausalLM:
     return BloomForCausalLM(config)
 
 
-def make_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices (incl. the tied embedding) only."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW(
         [
-            {"params": decay, "weight_decay": WEIGHT_DECAY},
+            {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ],
-        lr=PEAK_LR,
+        lr=lr,
         betas=(0.9, 0.95),
     )
 
@@ -262,7 +269,7 @@ def export(
     (out / "headsurgeon.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def verify_export(out: Path) -> str:
+def verify_export(out: Path, bos: bool) -> str:
     """Reload the export offline, check its size and return a short greedy generation."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
@@ -274,6 +281,8 @@ def verify_export(out: Path) -> str:
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     if ids[0, 0].item() == tokenizer.bos_token_id:
         raise RuntimeError("exported tokenizer prepends BOS; BLOOM's does not")
+    if bos:
+        ids = torch.cat([torch.tensor([[BOS_ID]]), ids], dim=1)
     gen = model.generate(ids, max_new_tokens=24, do_sample=False)
     text = tokenizer.decode(gen[0])
     log.info("export %s: %.2f MB, sample: %r", out, size / 1e6, text)
@@ -298,6 +307,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=16)
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training window")
+    p.add_argument("--batch", type=int, default=16, help="windows per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument(
+        "--bos",
+        action="store_true",
+        help="start every window with the BOS token (default: text from position 0, as BLOOM)",
+    )
     p.add_argument("--eval-every", type=int, default=200)
     return p.parse_args()
 
@@ -321,10 +339,10 @@ def main() -> None:
         tokenizer = train_tokenizer([read_corpus(f"{d}-train") for d in DOMAINS])
         tokenizer.save_pretrained(tok_dir)
         log.info("tokenizer trained in %.1f s", time.perf_counter() - t0)
-    data = load_data(tokenizer)
+    data = load_data(tokenizer, args.seq_len, args.bos)
 
     model = build_model(args)
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, args.lr, args.weight_decay)
     gen = torch.Generator().manual_seed(args.seed + 1)
     step, tokens_seen, elapsed, total_steps = 0, 0, 0.0, args.steps
     if args.resume:
@@ -362,7 +380,7 @@ def main() -> None:
         row = {
             "step": step,
             "tokens": tokens_seen,
-            "lr": f"{lr_at(step, total_steps or WARMUP_STEPS):.3e}",
+            "lr": f"{lr_at(step, total_steps or WARMUP_STEPS, args.lr):.3e}",
             "train_loss": f"{sum(train_losses) / len(train_losses):.4f}" if train_losses else "",
             "heldout_shakespeare": f"{losses['shakespeare']:.4f}",
             "heldout_python_docs": f"{losses['python-docs']:.4f}",
@@ -399,10 +417,10 @@ def main() -> None:
     timing_start = 0.0
     while elapsed < budget and (total_steps is None or step < total_steps):
         t = time.perf_counter()
-        lr = lr_at(step, total_steps or WARMUP_STEPS)
+        lr = lr_at(step, total_steps or WARMUP_STEPS, args.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = sample_batch(data, gen)
+        batch = sample_batch(data, gen, args.batch)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -436,11 +454,13 @@ def main() -> None:
 
     meta = {
         "name": args.name,
-        "prepend_bos": False,
+        "prepend_bos": args.bos,
         "description": (
             f"{args.n_layer}-layer, {args.n_head}-head, {args.hidden}-wide BLOOM (ALiBi) "
             "trained from scratch on CPU by analyses/train_organism.py on a 50/50 mix of "
-            "Shakespeare and the Python documentation; byte-level BPE vocab 4096, no BOS."
+            f"Shakespeare and the Python documentation in {args.seq_len}-token windows; "
+            "byte-level BPE vocab 4096, "
+            + ("every window starting with BOS." if args.bos else "no BOS.")
         ),
         "training": {
             "config": {
@@ -448,11 +468,11 @@ def main() -> None:
                 "n_head": args.n_head,
                 "hidden_size": args.hidden,
                 "vocab_size": VOCAB_SIZE,
-                "seq_len": SEQ_LEN,
-                "batch": BATCH,
-                "peak_lr": PEAK_LR,
+                "seq_len": args.seq_len,
+                "batch": args.batch,
+                "peak_lr": args.lr,
                 "warmup_steps": WARMUP_STEPS,
-                "weight_decay": WEIGHT_DECAY,
+                "weight_decay": args.weight_decay,
                 "parameters": n_params,
             },
             "steps": step,
@@ -473,7 +493,7 @@ def main() -> None:
         ],
     }
     export(model, tokenizer, args.export, meta)
-    verify_export(args.export)
+    verify_export(args.export, args.bos)
 
 
 if __name__ == "__main__":

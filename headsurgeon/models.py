@@ -31,6 +31,7 @@ import functools
 import json
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import threading
@@ -358,8 +359,9 @@ def _check_checkpoint(directory: Path) -> None:
                 f"{file} is not a valid safetensors file ({_first_line(e)}); "
                 "re-download or re-export it"
             ) from e
+    config = _read_json(directory / "config.json")  # errors name the user's file, not a copy
     with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
-        shutil.copyfile(directory / "config.json", Path(tmp) / "config.json")
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
         _tl_config(Path(tmp))
 
 
@@ -400,6 +402,11 @@ def load_model(
             f"transformers could not load {directory} ({_first_line(e)}); "
             "re-download or re-export the checkpoint"
         ) from e
+    except (EOFError, pickle.UnpicklingError) as e:  # legacy .bin: torch's unpickler
+        raise CheckpointError(
+            f"the PyTorch weights (*.bin) in {directory} are truncated or corrupt; "
+            "re-download the checkpoint or re-export it as safetensors"
+        ) from e
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
@@ -412,7 +419,13 @@ def load_model(
         )
     tokenizer = None
     if any((directory / f).exists() for f in TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except Exception as e:  # JSON, tokenizers (Rust) and sentencepiece errors alike
+            raise CheckpointError(
+                f"the tokenizer files in {directory} are unreadable ({_first_line(e)}); "
+                "re-export the tokenizer, or remove its files to load the weights alone"
+            ) from e
     metadata = _read_json(directory / METADATA_FILE) if (directory / METADATA_FILE).exists() else {}
     model = from_hf_model(
         hf_model,

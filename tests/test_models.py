@@ -326,6 +326,58 @@ def test_missing_tensor_is_not_silently_reinitialised(broken_copy):
     assert "transformer.h.1.self_attention.dense.weight" in one_line(error)
 
 
+@pytest.fixture()
+def legacy_copy(broken_copy):
+    """The checkpoint with its weights as a legacy ``pytorch_model.bin`` instead of safetensors."""
+    weights = load_file(broken_copy / "model.safetensors")
+    (broken_copy / "model.safetensors").unlink()
+    torch.save(weights, broken_copy / "pytorch_model.bin")
+    return broken_copy
+
+
+def test_legacy_bin_weights_load(legacy_copy, bloom_dir):
+    reference = load_model(bloom_dir)
+    model = load_model(legacy_copy)
+    assert torch.equal(model.W_Q, reference.W_Q)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda raw: raw[: len(raw) // 2], lambda raw: b"garbage", lambda raw: b""],
+    ids=["truncated", "garbage", "empty"],
+)
+def test_corrupt_legacy_bin(legacy_copy, damage):
+    weights = legacy_copy / "pytorch_model.bin"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(CheckpointError) as error:
+        load_model(legacy_copy)
+    assert str(legacy_copy) in one_line(error)
+
+
+@pytest.mark.parametrize(
+    ("file", "text"),
+    [
+        ("tokenizer.json", "{not json"),
+        ("tokenizer.json", ""),
+        ("tokenizer.json", '{"model": {"type": "NoSuchModel"}}'),
+        ("tokenizer_config.json", "{oops"),
+    ],
+    ids=["garbage", "empty", "bad-model", "config-garbage"],
+)
+def test_unreadable_tokenizer(broken_copy, file, text):
+    (broken_copy / file).write_text(text)
+    with pytest.raises(CheckpointError) as error:
+        load_model(broken_copy)
+    assert f"the tokenizer files in {broken_copy} are unreadable" in one_line(error)
+
+
+def test_unreadable_config_names_the_users_file(broken_copy):
+    (broken_copy / "config.json").write_text("{oops")
+    with pytest.raises(CheckpointError) as error:
+        load_model(broken_copy)
+    assert one_line(error).startswith(f"{broken_copy / 'config.json'} is not readable JSON")
+
+
 @pytest.mark.parametrize(
     "changes",
     [
