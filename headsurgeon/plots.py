@@ -533,6 +533,7 @@ def models_grid(
             for name, df in dfs.items()
         ],
     )
+    legend_shown = False
     for col, (name, df) in enumerate(dfs.items(), start=1):
         n_layers, n_heads = shapes[name]
         custom, template = _hover(df)
@@ -550,9 +551,11 @@ def models_grid(
             row=1,
             col=col,
         )
-        for trace in _label_markers(df, cell, showlegend=col == 1):
+        # One legend entry per label, from the first panel that has labels.
+        for trace in _label_markers(df, cell, showlegend=not legend_shown):
             trace.name = trace.legendgroup  # counts differ between the panels
             fig.add_trace(trace, row=1, col=col)
+            legend_shown = True
         _axes(fig, n_layers, n_heads, cell, row=1, col=col)
         # Equal cell heights: a shallower model's panel is shorter, aligned at the top.
         fig.update_yaxes(domain=[1 - n_layers / max_layers, 1], row=1, col=col)

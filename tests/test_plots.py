@@ -91,6 +91,13 @@ def test_models_grid_shares_one_colour_scale():
         plots.models_grid({})
 
 
+def test_models_grid_legend_once_per_label_from_the_first_labelled_panel():
+    census_only = classified().drop(columns="label")
+    fig = plots.models_grid({"census": census_only, "a": classified(), "b": classified()})
+    shown = [t.name for t in fig.data if t.type == "scatter" and t.showlegend]
+    assert sorted(shown) == sorted(plots.LABEL_MARKERS)
+
+
 def test_figures_refuse_frames_without_the_metric():
     with pytest.raises(InvalidArgumentError, match="lacks column"):
         plots.head_grid(classified(), "no_such_metric")
