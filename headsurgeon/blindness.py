@@ -162,10 +162,12 @@ class BlindnessMeasurement:
 class _UnderflowCounter:
     """Float64 sums of underflowed weights per (dtype, layer, head, distance) and query position.
 
-    A weight underflows in a dtype when the dtype's softmax gives exactly 0 and the float64
-    softmax of the same float32 logits does not. ``hf``: softmax in float32, probabilities cast
-    to the dtype (Hugging Face BLOOM); ``tl``: logits cast to the dtype and softmax computed in it
-    (TransformerLens 3.x).
+    A weight underflows in a dtype when the dtype's softmax gives exactly 0 for a causal entry
+    (finite logit), whose exact weight is always positive: past ~745 nats below the row's
+    maximum even float64 rounds it to 0, so float64 cannot be the judge. Lost mass is the
+    float64 weight (0 for those far entries, which lose less than 1e-323 each). ``hf``: softmax
+    in float32, probabilities cast to the dtype (Hugging Face BLOOM); ``tl``: logits cast to the
+    dtype and softmax computed in it (TransformerLens 3.x).
     """
 
     def __init__(self, model: HookedTransformer, dtypes: list[str], convention: str, n_pos: int):
@@ -185,13 +187,15 @@ class _UnderflowCounter:
         layer = hook.layer()
         logits = scores.detach().float()
         exact = torch.softmax(logits.double(), dim=-1)
+        causal = torch.isfinite(logits)  # the mask sets -inf
         for i, dtype in enumerate(self.dtypes):
             if self.convention == "hf":
                 weights = torch.softmax(logits, dim=-1).to(dtype)
             else:
                 weights = torch.softmax(logits.to(dtype), dim=-1)
-            lost = torch.where((weights == 0) & (exact > 0), exact, 0.0)  # [batch head q k]
-            count = (lost > 0).double().sum(0)
+            underflowed = (weights == 0) & causal  # [batch head q k]
+            lost = torch.where(underflowed, exact, 0.0)
+            count = underflowed.double().sum(0)
             self.by_query[i, layer] += count.sum(-1)
             flat = self.distance.expand(count.shape[0], -1)
             self.zeros[i, layer].scatter_add_(1, flat, count[:, self.causal])
@@ -220,12 +224,13 @@ def measure_blindness(
     The model runs in float32; the exact pre-softmax logits are read at ``hook_attn_scores``
     (they include ALiBi, any active :func:`mitigation` and the causal mask) and the softmax is
     recomputed per dtype as the ``convention`` does it (``hf``: float32 softmax, probabilities
-    cast; ``tl``: softmax in the dtype). An entry *underflows* when the dtype gives exactly 0 and
-    the float64 softmax does not. Sums are float64 and fixed in size: memory does not grow with
-    the number of batches. ``data`` is what :func:`headsurgeon.data.to_sequences` takes
-    (default: the bundled held-out corpora, ``n_seqs`` sequences of ``seq_len`` tokens, default
-    ``min(1024, n_ctx)``, BOS as ``prepend_bos`` or the model's convention); a token tensor is
-    used as it is.
+    cast; ``tl``: softmax in the dtype). An entry *underflows* when the dtype gives exactly 0
+    although it is causal (its exact weight is positive, even where float64 also rounds it to
+    0, which happens ~745 nats below the row's largest logit). Sums are float64 and fixed in
+    size: memory does not grow with the number of batches. ``data`` is what
+    :func:`headsurgeon.data.to_sequences` takes (default: the bundled held-out corpora,
+    ``n_seqs`` sequences of ``seq_len`` tokens, default ``min(1024, n_ctx)``, BOS as
+    ``prepend_bos`` or the model's convention); a token tensor is used as it is.
 
     Tables (see :class:`BlindnessMeasurement`):
 

@@ -83,6 +83,17 @@ def test_measured_zeros_agree_with_analytic_distances(flat_model, convention):
     assert (total.set_index("dtype").zero_entries == per_dtype[total.dtype].to_numpy()).all()
 
 
+def test_zeros_past_float64s_own_underflow_are_counted(flat_model):
+    # Head 0 (slope 0.5) puts distances > ~1490 below float64's smallest subnormal as well.
+    n = 1600
+    result = measure_blindness(
+        flat_model, _tokens(1, n), dtypes=["float32"], n_buckets=n, progress=False
+    )
+    head0 = result.by_distance[result.by_distance["head"] == 0].sort_values("distance_lo")
+    analytic = int(result.by_head.analytic_distance.iloc[0])
+    assert (head0.zero_fraction.to_numpy()[analytic:] == 1).all()
+
+
 def test_measurement_streams_batches_into_fixed_sums(flat_model):
     tokens = _tokens(3, 96, seed=1)
     one = measure_blindness(flat_model, tokens, dtypes=["float16"], batch_size=1, progress=False)
