@@ -28,6 +28,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
+from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
 from headsurgeon.data import CORPORA, Data, _bos_id, _texts, batches, bundled_text, tokenize
 from headsurgeon.errors import DataError, InvalidArgumentError
@@ -268,28 +269,46 @@ def _filler(
 
 @torch.no_grad()
 def _answer_scores(
-    model: HookedTransformer, prompt: Tensor, candidates: list[Tensor]
+    model: HookedTransformer, prompt: Int[Tensor, " pos"], candidates: list[Int[Tensor, " tok"]]
 ) -> tuple[Float[Tensor, " candidate"], Bool[Tensor, " candidate"]]:
     """Log-likelihood of each candidate after ``prompt`` and whether greedy decoding gives it.
 
-    All candidates go in one batch, right-padded (padding after a candidate cannot change its
-    causal logits). Only the answer positions are unembedded. Greedy decoding produces a
-    candidate exactly when every one of its tokens is the argmax given the tokens before it.
+    The prompt runs once, filling a key-value cache; all candidates then continue from that
+    cache in one right-padded batch (padding after a candidate cannot change its causal
+    logits), so the cost is one prompt, not one per candidate. Only the answer positions are
+    unembedded. Greedy decoding produces a candidate exactly when every one of its tokens is the
+    argmax given the tokens before it.
     """
-    n = len(prompt)
-    width = max(len(c) for c in candidates)
-    batch = torch.zeros(len(candidates), n + width - 1, dtype=torch.long)
-    for i, c in enumerate(candidates):
-        batch[i, :n] = prompt
-        batch[i, n : n + len(c) - 1] = c[:-1]
     device = model.cfg.device or "cpu"
-    resid = model(batch.to(device), stop_at_layer=model.cfg.n_layers)[:, n - 1 :]
-    logprobs = model.unembed(model.ln_final(resid)).float().log_softmax(-1).cpu()
+    n_layers = model.cfg.n_layers
+
+    def logprobs(resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos vocab"]:
+        return model.unembed(model.ln_final(resid)).float().log_softmax(-1).cpu()
+
+    def run(tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
+        ones = torch.ones_like(tokens)  # explicit: no pad-token guessing from the tokenizer
+        return model(tokens.to(device), stop_at_layer=n_layers, past_kv_cache=cache,
+                     attention_mask=ones.to(device))  # fmt: skip
+
+    cache = TransformerLensKeyValueCache.init_cache(model.cfg, device, batch_size=1)
+    first = logprobs(run(prompt[None])[:, -1:])  # the first answer token, shared by all
+    width = max(len(c) for c in candidates)
+    rows = first.expand(len(candidates), -1, -1)
+    if width > 1:
+        for entry in cache.entries:
+            entry.past_keys = entry.past_keys.expand(len(candidates), -1, -1, -1)
+            entry.past_values = entry.past_values.expand(len(candidates), -1, -1, -1)
+        cache.previous_attention_mask = cache.previous_attention_mask.expand(len(candidates), -1)
+        cache.freeze()
+        batch = torch.zeros(len(candidates), width - 1, dtype=torch.long)
+        for i, c in enumerate(candidates):
+            batch[i, : len(c) - 1] = c[:-1]
+        rows = torch.cat([rows, logprobs(run(batch))], dim=1)
     loglik, greedy = torch.zeros(len(candidates)), torch.zeros(len(candidates), dtype=torch.bool)
     for i, c in enumerate(candidates):
-        rows = logprobs[i, : len(c)]
-        loglik[i] = rows.gather(-1, c[:, None]).sum()
-        greedy[i] = bool((rows.argmax(-1) == c).all())
+        answer = rows[i, : len(c)]
+        loglik[i] = answer.gather(-1, c[:, None]).sum()
+        greedy[i] = bool((answer.argmax(-1) == c).all())
     return loglik, greedy
 
 

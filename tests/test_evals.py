@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from headsurgeon.blindness import mitigation
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.evals import needle, passkey, perplexity, sliding_windows
+from headsurgeon.evals import _answer_scores, needle, passkey, perplexity, sliding_windows
 
 LENGTHS = [192, 256]  # the tiny tokenizer spends ~170 tokens on the passkey prompt itself
 
@@ -33,7 +34,17 @@ class InductionOracle(torch.nn.Module):
     def unembed(self, residual):
         return 20 * residual
 
-    def forward(self, tokens, stop_at_layer=None):
+    def forward(self, tokens, stop_at_layer=None, past_kv_cache=None, attention_mask=None):
+        """Predictions for ``tokens``; with a cache, they continue the tokens it has seen."""
+        if past_kv_cache is None:
+            return self._predict(tokens)
+        prefix = past_kv_cache.headsurgeon_test_tokens if past_kv_cache.frozen else tokens[:, :0]
+        if not past_kv_cache.frozen:
+            past_kv_cache.headsurgeon_test_tokens = tokens
+        full = torch.cat([prefix.expand(len(tokens), -1), tokens], dim=1)
+        return self._predict(full)[:, prefix.shape[1] :]
+
+    def _predict(self, tokens):
         out = torch.zeros(*tokens.shape, self.cfg.d_vocab)
         n = tokens.shape[1]
         for b, seq in enumerate(tokens):
@@ -95,6 +106,43 @@ def test_oracle_retrieves_perfectly_in_and_out_of_context(tiny_model):
         assert result.table.in_context.tolist() == [True] * 3 + [False] * 3
         summary = result.summary.set_index(["metric", "split"]).auc
         assert (summary == 1).all() and len(summary) == 6
+
+
+def brute_force_scores(model, prompt, candidates):
+    """Each candidate after the prompt in a forward of its own, no cache, no padding."""
+    loglik, greedy = [], []
+    for c in candidates:
+        logits = model(torch.cat([prompt, c[:-1]])[None])[0, len(prompt) - 1 :]
+        logprobs = logits.log_softmax(-1)
+        loglik.append(logprobs.gather(-1, c[:, None]).sum().item())
+        greedy.append(bool((logprobs.argmax(-1) == c).all()))
+    return torch.tensor(loglik), torch.tensor(greedy)
+
+
+@pytest.mark.parametrize(
+    ("kind", "params"),
+    [(None, {}), ("softcap", {"c": 2.0}), ("clamped", {"c": 3.0}), ("log", {})],
+)
+def test_cached_answer_scores_equal_one_forward_per_candidate(tiny_model, kind, params):
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(4, 300, (70,), generator=gen)
+    lengths = [1, 3, 2, 3, 1]
+    candidates = [torch.randint(4, 300, (n,), generator=gen) for n in lengths]
+    candidates[1] = prompt[10:13]  # one the model may well complete greedily
+    with contextlib.ExitStack() as stack:
+        if kind:
+            stack.enter_context(mitigation(tiny_model, kind, **params))
+        loglik, greedy = _answer_scores(tiny_model, prompt, candidates)
+        expected_loglik, expected_greedy = brute_force_scores(tiny_model, prompt, candidates)
+    torch.testing.assert_close(loglik, expected_loglik, atol=1e-4, rtol=1e-5)
+    assert torch.equal(greedy, expected_greedy)
+    single = _answer_scores(tiny_model, prompt, [c[:1] for c in candidates])[0]
+    torch.testing.assert_close(
+        single,
+        brute_force_scores(tiny_model, prompt, [c[:1] for c in candidates])[0],
+        atol=1e-4,
+        rtol=1e-5,
+    )
 
 
 def test_random_model_is_near_chance(tiny_model):
