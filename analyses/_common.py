@@ -25,6 +25,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.plots import FONT, save_figure
 
@@ -44,6 +45,7 @@ def parser(doc: str, topic: str) -> argparse.ArgumentParser:
 
 def start(args: argparse.Namespace) -> float:
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("headsurgeon").setLevel(logging.INFO)
     return time.perf_counter()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from headsurgeon import load_model, model_info, save_hf
+from headsurgeon import keep_freed_memory, load_model, model_info, save_hf
 from headsurgeon.census import run_census
 from headsurgeon.classify import classify_heads
 from headsurgeon.data import bundled_text, to_sequences
@@ -118,6 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     torch.manual_seed(args.seed)
+    keep_freed_memory()
 
     model = load_model(args.source)
     model_info(model).prepend_bos = args.prepend_bos

@@ -43,7 +43,6 @@ import logging
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +56,8 @@ from transformers import (
     BloomForCausalLM,
     PreTrainedTokenizerFast,
 )
+
+from headsurgeon.allocator import keep_freed_memory
 
 log = logging.getLogger("train_organism")
 
@@ -73,14 +74,6 @@ TIMING_STEPS = (10, 40)  # steps timed (after a few warm-up steps) to plan the s
 EVAL_SEQS = 16  # per held-out corpus
 BOS_SEQS = 4  # per held-out corpus
 EXPORT_LIMIT_BYTES = 10 * 1024 * 1024
-# glibc returns every large (attention-sized) buffer to the OS by default, so each step pays for
-# page faults; keeping them mapped makes a step ~1.8x faster on one core. glibc reads these
-# variables only at start-up, hence the re-exec in ``ensure_malloc_env``.
-MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(4 * 1024**3),
-    "MALLOC_TRIM_THRESHOLD_": str(64 * 1024**3),
-    "MALLOC_TOP_PAD_": str(1024**3),
-}
 LOG_FIELDS = [
     "step",
     "tokens",
@@ -289,12 +282,6 @@ def verify_export(out: Path, bos: bool) -> str:
     return text
 
 
-def ensure_malloc_env() -> None:
-    """Re-execute this script with ``MALLOC_ENV`` set, unless it already is."""
-    if any(k not in os.environ for k in MALLOC_ENV):
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **MALLOC_ENV})
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=65.0, help="hard training-time budget")
@@ -321,7 +308,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    ensure_malloc_env()
+    keep_freed_memory()  # attention-sized buffers stay mapped: each step ~1.5x faster
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args()
     torch.set_num_threads(1)

@@ -19,6 +19,7 @@ _EXPORTS = {
     "analytic_blindness": "blindness",
     "bos_mass_objective": "finetune",
     "classify_heads": "classify",
+    "keep_freed_memory": "allocator",
     "load_model": "models",
     "mask_gradients": "surgery",
     "measure_blindness": "blindness",

@@ -6,6 +6,7 @@ Exports:
     add_output_args(parser)   --out, --overwrite, --format
     load_data(model, args)    the token sequences the data options describe
     run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2
+                              (and keep freed memory, see headsurgeon.allocator)
 
 Every tool is a thin layer over the library: parse, call library functions, print, write.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -21,6 +23,7 @@ from jaxtyping import Int
 from torch import Tensor
 from transformer_lens import HookedTransformer
 
+from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import HeadsurgeonError
 from headsurgeon.models import DEFAULT_MODEL, load_model
@@ -89,6 +92,8 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     # Our progress messages at INFO; other libraries' (kaleido, choreographer) only when they warn.
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("headsurgeon").setLevel(logging.INFO)
+    if os.environ.get("HEADSURGEON_KEEP_FREED_MEMORY", "1") != "0":
+        keep_freed_memory()
     try:
         code = main(argv)
     except HeadsurgeonError as e:
