@@ -28,6 +28,7 @@ from headsurgeon import classify_heads, load_model, model_info, run_census
 from headsurgeon.plots import FONT, OKABE_ITO, label_grid, models_grid
 
 REPAIRED = ROOT / "runs" / "organism-repaired"
+TRAINING_LOG = "training_log.csv"  # analyses/train_organism.py's log, exported with the model
 # Healthy heads in blue: the grids' light grey would vanish on a white scatter background.
 SCATTER = {
     "healthy": ("circle", OKABE_ITO["blue"]),
@@ -107,14 +108,55 @@ def slope_figure(censuses: dict[str, pd.DataFrame], sink: float, dead: float) ->
 
 
 def by_slope(censuses: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per head index (one ALiBi slope): mean and max BOS mass over layers, per model."""
-    first = next(iter(censuses.values()))
-    table = first.groupby("head", as_index=False)["slope"].first()
-    for name, df in censuses.items():
-        agg = df.groupby("head")["bos_mass"].agg(["mean", "max"])
-        table[f"{name} mean"] = agg["mean"].to_numpy()
-        table[f"{name} max"] = agg["max"].to_numpy()
-    return table
+    """Per ALiBi slope: mean and max BOS mass over layers, per model (blank: slope not in it).
+
+    Models with different head counts share slopes: 24 heads have the 16-head slopes and 8 more.
+    """
+    tables = [
+        df.groupby("slope")["bos_mass"].agg(["mean", "max"]).add_prefix(f"{name} ")
+        for name, df in censuses.items()
+    ]
+    table = pd.concat(tables, axis=1).sort_index(ascending=False).reset_index()
+    return table.round({"slope": 4})
+
+
+def training_figure(logs: dict[str, pd.DataFrame]) -> go.Figure:
+    """Largest BOS mass of any head during training, per organism, against tokens seen."""
+    fig = go.Figure()
+    colours = list(OKABE_ITO.values())
+    for i, (name, log) in enumerate(logs.items()):
+        fig.add_trace(
+            go.Scatter(
+                x=log["tokens"] / 1e6,
+                y=log["max_bos_mass"],
+                mode="lines+markers",
+                name=name,
+                line={"color": colours[i % len(colours)]},
+                text=log["max_bos_head"],
+                hovertemplate="%{x:.2f}M tokens: %{y:.3f} (%{text})<extra></extra>",
+            )
+        )
+    fig.update_xaxes(title_text="training tokens (millions)", showgrid=True, gridcolor="#EEEEEE")
+    fig.update_yaxes(title_text="max BOS mass", range=[0, 0.55], showgrid=True, gridcolor="#EEEEEE")
+    fig.add_hline(y=0.5, line={"dash": "dash", "color": "#888888", "width": 1})
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        title={
+            "text": "Largest BOS mass of any head during training",
+            "subtitle": {
+                "text": "held-out windows, query rows t >= 1; dashed: the BOS-sink threshold",
+                "font": {"size": 13, "color": "#555555"},
+            },
+            "x": 0.0,
+            "xanchor": "left",
+        },
+        width=760,
+        height=440,
+        margin={"l": 80, "r": 30, "t": 100, "b": 70},
+        legend={"orientation": "h", "y": -0.2},
+    )
+    return fig
 
 
 def main() -> None:
@@ -139,6 +181,7 @@ def main() -> None:
     sources = list(args.models) + ([args.repaired] if args.repaired.is_dir() else [])
     censuses: dict[str, pd.DataFrame] = {}
     truths: dict[str, dict[str, str]] = {}
+    logs: dict[str, pd.DataFrame] = {}  # training logs shipped with trained organisms
     for source in sources:
         model = load_model(source)
         name = model_info(model).name
@@ -147,11 +190,16 @@ def main() -> None:
         truth = truth_of(model)
         if truth is not None:
             truths[name] = truth
+        source = model_info(model).source
+        if source is not None and (source / TRAINING_LOG).exists():
+            logs[name] = pd.read_csv(source / TRAINING_LOG)
 
     thresholds = next(iter(censuses.values())).attrs["thresholds"]
     figures = {"models_bos_mass": models_grid(censuses, "bos_mass", title="BOS mass per head")}
     figures |= {f"labels_{name}": label_grid(df) for name, df in censuses.items()}
     figures["bos_mass_vs_slope"] = slope_figure(censuses, thresholds["sink"], thresholds["dead"])
+    if logs:
+        figures["bos_mass_during_training"] = training_figure(logs)
     tables: dict[str, pd.DataFrame | str] = {
         f"census_{name}.csv": df for name, df in censuses.items()
     }
@@ -200,9 +248,18 @@ def main() -> None:
             f"- {name}: sick heads {fmt_heads([f'L{r.layer}H{r.head}' for r in sick.itertuples()])}"
             f"; Spearman rank correlation of BOS mass with slope {rho:+.2f}."
         )
+    for name, log in logs.items():
+        top = log.loc[log["max_bos_mass"].idxmax()]
+        last = log.iloc[-1]
+        lines.append(
+            f"- {name} during training ({len(log)} evaluations, {last['tokens'] / 1e6:.1f}M "
+            f"tokens, {last['minutes']:.0f} min): largest BOS mass of any head "
+            f"{top['max_bos_mass']:.3f} ({top['max_bos_head']}, step {top['step']}); at the end "
+            f"{last['max_bos_mass']:.3f} ({last['max_bos_head']})."
+        )
     lines += [
         "",
-        "Per head index (the same ALiBi slope in every layer): mean and max BOS mass over layers.",
+        "Per ALiBi slope (the same in every layer): mean and max BOS mass over layers.",
         "",
         markdown(by_slope(censuses)),
     ]

@@ -16,9 +16,9 @@ Pipeline (all seeded; single CPU thread):
 3. Every ``--eval-every`` steps: held-out loss on fixed batches of both held-out corpora and the
    BOS mass of every head (mean over query positions t >= 1 of the attention on position 0),
    written to ``log.csv`` and stdout, followed by an atomic checkpoint (``--resume`` continues).
-4. At the end: float16 safetensors Hugging Face export with tokenizer and ``headsurgeon.json``;
-   ``bos_mass.csv`` (final per-head BOS masses) in the run directory; the export is reloaded
-   offline and made to generate text as a check.
+4. At the end: float16 safetensors Hugging Face export with tokenizer, ``headsurgeon.json``
+   and ``training_log.csv`` (a copy of ``log.csv``); ``bos_mass.csv`` (final per-head BOS
+   masses) in the run directory; the export is reloaded offline and made to generate text.
 
 Schedule length: with ``--steps N`` the cosine schedule spans N steps. Without it, steps
 ``TIMING_STEPS`` (still in warm-up, whose learning rate does not depend on the length) are
@@ -43,6 +43,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -480,6 +481,7 @@ def main() -> None:
         ],
     }
     export(model, tokenizer, args.export, meta)
+    shutil.copyfile(log_path, args.export / "training_log.csv")
     verify_export(args.export, args.bos)
 
 
