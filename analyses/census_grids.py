@@ -121,40 +121,58 @@ def by_slope(censuses: dict[str, pd.DataFrame]) -> pd.DataFrame:
 
 
 def training_figure(logs: dict[str, pd.DataFrame]) -> go.Figure:
-    """Largest BOS mass of any head during training, per organism, against tokens seen."""
-    fig = go.Figure()
+    """Training curves per organism against tokens seen: held-out loss and the largest BOS mass."""
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.1,
+        subplot_titles=["held-out loss (solid: Shakespeare, dotted: Python docs)", "max BOS mass"],
+    )
     colours = list(OKABE_ITO.values())
     for i, (name, log) in enumerate(logs.items()):
+        colour = colours[i % len(colours)]
+        tokens = log["tokens"] / 1e6
+        for column, dash in (("heldout_shakespeare", "solid"), ("heldout_python_docs", "dot")):
+            fig.add_trace(
+                go.Scatter(
+                    x=tokens, y=log[column], mode="lines", name=name, legendgroup=name,
+                    showlegend=dash == "solid", line={"color": colour, "dash": dash},
+                    hovertemplate=f"{name} {column}: " + "%{y:.3f} at %{x:.2f}M<extra></extra>",
+                ),
+                row=1, col=1,
+            )  # fmt: skip
         fig.add_trace(
             go.Scatter(
-                x=log["tokens"] / 1e6,
-                y=log["max_bos_mass"],
-                mode="lines+markers",
-                name=name,
-                line={"color": colours[i % len(colours)]},
-                text=log["max_bos_head"],
+                x=tokens, y=log["max_bos_mass"], mode="lines+markers", name=name,
+                legendgroup=name, showlegend=False, line={"color": colour},
+                marker={"size": 5}, text=log["max_bos_head"],
                 hovertemplate="%{x:.2f}M tokens: %{y:.3f} (%{text})<extra></extra>",
-            )
-        )
+            ),
+            row=1, col=2,
+        )  # fmt: skip
     fig.update_xaxes(title_text="training tokens (millions)", showgrid=True, gridcolor="#EEEEEE")
-    fig.update_yaxes(title_text="max BOS mass", range=[0, 0.55], showgrid=True, gridcolor="#EEEEEE")
-    fig.add_hline(y=0.5, line={"dash": "dash", "color": "#888888", "width": 1})
+    fig.update_yaxes(showgrid=True, gridcolor="#EEEEEE")
+    fig.update_yaxes(title_text="loss (nats/token)", range=[3, 6], row=1, col=1)
+    fig.update_yaxes(title_text="BOS mass", range=[0, 0.55], row=1, col=2)
+    fig.add_hline(y=0.5, line={"dash": "dash", "color": "#888888", "width": 1}, row=1, col=2)
     fig.update_layout(
         template="plotly_white",
         font=FONT,
         title={
-            "text": "Largest BOS mass of any head during training",
+            "text": "Training of the organisms",
             "subtitle": {
-                "text": "held-out windows, query rows t >= 1; dashed: the BOS-sink threshold",
+                "text": "fixed held-out windows; BOS mass: the largest of any head, query rows "
+                "t >= 1; dashed: the BOS-sink threshold",
                 "font": {"size": 13, "color": "#555555"},
             },
             "x": 0.0,
             "xanchor": "left",
+            "xref": "paper",
         },
-        width=760,
-        height=440,
-        margin={"l": 80, "r": 30, "t": 100, "b": 70},
-        legend={"orientation": "h", "y": -0.2},
+        width=1100,
+        height=460,
+        margin={"l": 80, "r": 30, "t": 110, "b": 110},
+        legend={"orientation": "h", "y": -0.22},
     )
     return fig
 
@@ -199,7 +217,7 @@ def main() -> None:
     figures |= {f"labels_{name}": label_grid(df) for name, df in censuses.items()}
     figures["bos_mass_vs_slope"] = slope_figure(censuses, thresholds["sink"], thresholds["dead"])
     if logs:
-        figures["bos_mass_during_training"] = training_figure(logs)
+        figures["training"] = training_figure(logs)
     tables: dict[str, pd.DataFrame | str] = {
         f"census_{name}.csv": df for name, df in censuses.items()
     }
