@@ -110,8 +110,10 @@ def perplexity(
     (default: the training length when known, else the model's context) are scored with
     overlapping windows every ``stride`` tokens (default ``window // 2``); every token except
     a stream's first (which has no context unless a BOS token is prepended) is scored exactly
-    once, by the window in which it has the most context. Log-probabilities are taken in float32
-    and summed in float64.
+    once, by the window in which it has the most context. With a BOS token (``prepend_bos``, by
+    default the model's convention) every window starts with it; a token stream that already
+    starts with it (as :func:`headsurgeon.data.to_sequences` makes them) is not given a second
+    one. Log-probabilities are taken in float32 and summed in float64.
     """
     window = check_length(model, default_window(model) if window is None else window, "window")
     stride = window // 2 if stride is None else stride
@@ -126,6 +128,8 @@ def perplexity(
 
     by_length: dict[int, list[tuple[Tensor, int]]] = defaultdict(list)
     for stream in _token_streams(model, data):
+        if bos and len(stream) > 1 and stream[0] == prefix[0]:
+            stream = stream[1:]  # e.g. from to_sequences: already BOS-first; never score BOS twice
         for begin, end, n_scored in sliding_windows(len(stream), window, stride, len(prefix)):
             tokens = torch.cat([prefix, stream[begin:end]])
             by_length[len(tokens)].append((tokens, n_scored))
@@ -332,6 +336,8 @@ def _retrieval(
     if not lengths:
         raise InvalidArgumentError("give at least one context length")
     intro, question = (torch.tensor(tokenize(model, parts[k]), dtype=torch.long) for k in "iq")
+    if model_info(model).prepend_bos:  # the model's position-0 convention
+        intro = torch.cat([torch.tensor([_bos_id(model)]), intro])
     rng = np.random.default_rng(seed)
     rows = []
     total = len(lengths) * len(depths) * n_trials
@@ -407,13 +413,14 @@ def passkey(
 ) -> Retrieval:
     """The passkey task: a random number hidden in filler text, asked for at the end.
 
-    Each prompt is :data:`PASSKEY_INTRO`, filler tokens with :data:`PASSKEY_NEEDLE` after a
-    ``depth`` fraction of them (0: first, 1: last), then :data:`PASSKEY_QUESTION`; the filler
-    fills the prompt to exactly ``length`` tokens and is a random stretch of a bundled held-out
-    corpus (``filler``: ``shakespeare`` or ``python-docs``) or of the text given. The key is a
-    random ``n_digits``-digit number; it is scored by exact greedy completion and by the rank of
-    its log-likelihood among ``n_candidates`` distinct random numbers (itself included; ties count
-    against it), so ``top1_accuracy`` has chance level ``1 / n_candidates``. ``in_context``:
+    Each prompt is :data:`PASSKEY_INTRO` (after a BOS token if that is the model's convention),
+    filler tokens with :data:`PASSKEY_NEEDLE` after a ``depth`` fraction of them (0: first,
+    1: last), then :data:`PASSKEY_QUESTION`; the filler fills the prompt to exactly ``length``
+    tokens and is a random stretch of a bundled held-out corpus (``filler``: ``shakespeare`` or
+    ``python-docs``) or of the text given. The key is a random ``n_digits``-digit number; it is
+    scored by exact greedy completion and by the rank of its log-likelihood among
+    ``n_candidates`` distinct random numbers (itself included; ties count against it), so
+    ``top1_accuracy`` has chance level ``1 / n_candidates``. ``in_context``:
     ``length <= train_ctx`` (default: the model's training length, else its context).
     """
     _check_count(n_candidates, "n_candidates", 2)
@@ -447,10 +454,11 @@ def needle(
 ) -> Retrieval:
     """Needle in a haystack: a fact sentence hidden in real text, retrieved by a question.
 
-    The haystack is a random stretch of ``haystack_texts`` (texts or files; default: both
-    bundled held-out corpora) of exactly the tokens needed; :data:`NEEDLE_SENTENCE` with a random
-    word from ``words`` goes in after a ``depth`` fraction of it, and :data:`NEEDLE_QUESTION`
-    follows. Scored like :func:`passkey`, the other candidates being other words of the list.
+    The haystack (after a BOS token if that is the model's convention) is a random stretch of
+    ``haystack_texts`` (texts or files; default: both bundled held-out corpora) of exactly the
+    tokens needed; :data:`NEEDLE_SENTENCE` with a random word from ``words`` goes in after a
+    ``depth`` fraction of it, and :data:`NEEDLE_QUESTION` follows. Scored like :func:`passkey`,
+    the other candidates being other words of the list.
     """
     _check_count(n_candidates, "n_candidates", 2)
     words = list(words)

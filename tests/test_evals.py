@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from headsurgeon.blindness import mitigation
+from headsurgeon.data import to_sequences, tokenize
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.evals import _answer_scores, needle, passkey, perplexity, sliding_windows
+from headsurgeon.evals import (
+    PASSKEY_INTRO,
+    _answer_scores,
+    needle,
+    passkey,
+    perplexity,
+    sliding_windows,
+)
+from headsurgeon.models import model_info
 
 LENGTHS = [192, 256]  # the tiny tokenizer spends ~170 tokens on the passkey prompt itself
 
@@ -66,6 +75,25 @@ def test_perplexity_equals_the_mean_loss_when_rows_fit(tiny_model):
     tokens = torch.randint(4, 300, (3, 40), generator=torch.Generator().manual_seed(0))
     expected = math.exp(tiny_model(tokens, return_type="loss").item())
     assert perplexity(tiny_model, tokens, window=64) == pytest.approx(expected, rel=1e-5)
+
+
+def test_bos_first_sequences_get_no_second_bos(tiny_model):
+    model_info(tiny_model).prepend_bos = True
+    texts = ["The quick brown fox jumps over the lazy dog. " * 20]
+    sequences = to_sequences(tiny_model, texts, seq_len=40, n_seqs=3)
+    assert (sequences[:, 0] == tiny_model.tokenizer.bos_token_id).all()
+    expected = math.exp(tiny_model(sequences, return_type="loss").item())
+    assert perplexity(tiny_model, sequences, window=40) == pytest.approx(expected, rel=1e-5)
+    # Without their BOS column the same sequences get one prepended: the same perplexity.
+    assert perplexity(tiny_model, sequences[:, 1:], window=40) == pytest.approx(expected, rel=1e-5)
+
+
+def test_retrieval_prompts_follow_the_bos_convention(tiny_model):
+    intro = len(tokenize(tiny_model, PASSKEY_INTRO))
+    for bos in (False, True):
+        model_info(tiny_model).prepend_bos = bos
+        result = passkey(tiny_model, lengths=[192], depths=[0.0], n_trials=1, n_candidates=2)
+        assert result.trials.needle_position.tolist() == [intro + bos]
 
 
 def test_sliding_window_scores_every_token_once_with_its_window_context(tiny_model):

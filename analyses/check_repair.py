@@ -1,0 +1,92 @@
+"""Check a ``python -m headsurgeon.repair`` output folder against the organisms (the acceptance).
+
+Reads ``OUT/report.json`` and ``OUT/model/`` and prints, as markdown:
+
+* recovery: targeted and recovered heads, frozen-head drift (from the report);
+* held-out perplexity of the uninjured organism, the injured input and the exported repaired
+  model on the same windows (the bundled held-out corpora, BOS convention), and the repaired
+  model's gap to the uninjured one;
+* weight identity: every element of every tensor of the exported checkpoint against the input's,
+  outside the repaired heads' Q/K/V rows and output-projection columns (BLOOM's fused layout).
+
+    python -m headsurgeon.repair organism-injured --out repaired
+    python analyses/check_repair.py repaired
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from headsurgeon import HeadSet, keep_freed_memory, load_model, perplexity
+from headsurgeon.data import to_sequences
+from headsurgeon.models import ORGANISM_DIR
+
+
+def untouched_differences(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], heads: HeadSet, d_head: int
+) -> tuple[int, int, int]:
+    """(differing untouched elements, untouched elements, elements in the repaired slices)."""
+    if set(before) != set(after):
+        raise SystemExit(f"tensor names differ: {sorted(set(before) ^ set(after))}")
+    differ = untouched = repaired = 0
+    for key, old in before.items():
+        touched = torch.zeros_like(old, dtype=torch.bool)
+        for layer, head in heads:
+            prefix = f"transformer.h.{layer}.self_attention."
+            if key in (f"{prefix}query_key_value.weight", f"{prefix}query_key_value.bias"):
+                touched[head * 3 * d_head : (head + 1) * 3 * d_head] = True  # [head, qkv, d_head]
+            elif key == f"{prefix}dense.weight":
+                touched[:, head * d_head : (head + 1) * d_head] = True
+        same = old == after[key]
+        differ += int((~same & ~touched).sum())
+        untouched += int((~touched).sum())
+        repaired += int(touched.sum())
+    return differ, untouched, repaired
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="the repair CLI's output folder")
+    parser.add_argument("--injured", default="organism-injured", help="the repair's input model")
+    parser.add_argument("--reference", default="organism", help="the uninjured model")
+    parser.add_argument("--n-seqs", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    keep_freed_memory()
+
+    report = json.loads((args.out / "report.json").read_text())
+    heads = HeadSet.parse(",".join(report["targeted"]))
+    print(f"- targeted {len(report['targeted'])} heads ({heads}); recovered "
+          f"{len(report['recovered'])} ({report['recovery_rate']:.0%}); frozen heads drifted: "
+          f"{report['drift']['count']}")  # fmt: skip
+
+    sources = {"uninjured": args.reference, "injured": args.injured, "repaired": args.out / "model"}
+    windows, ppl = None, {}
+    for name, source in sources.items():
+        model = load_model(source)
+        if windows is None:
+            windows = to_sequences(
+                model, None, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=True
+            )
+        ppl[name] = perplexity(model, windows, window=args.seq_len)
+    gap = ppl["repaired"] / ppl["uninjured"] - 1
+    print(f"- held-out perplexity ({args.n_seqs} x {args.seq_len} tokens, BOS first): uninjured "
+          f"{ppl['uninjured']:.2f}, injured {ppl['injured']:.2f}, repaired {ppl['repaired']:.2f} "
+          f"({gap:+.2%} vs uninjured)")  # fmt: skip
+
+    injured_dir = ORGANISM_DIR / args.injured if "/" not in args.injured else Path(args.injured)
+    before = load_file(injured_dir / "model.safetensors")
+    after = load_file(args.out / "model" / "model.safetensors")
+    differ, untouched, repaired = untouched_differences(before, after, heads, model.cfg.d_head)
+    print(f"- weights: {len(before)} tensors; {differ} of {untouched:,} untouched elements differ "
+          f"from the input; {repaired:,} elements in the repaired slices")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
