@@ -26,10 +26,13 @@ timed, together with the step-0 evaluation, and the length is set so that traini
 ``--minutes``. In both cases ``--minutes`` is a hard stop on the total training time (summed
 over resumed runs); the planned length is stored in the checkpoint.
 
-Usage::
+The bundled organisms were made with::
 
-    python analyses/train_organism.py --steps 2000 --minutes 100 --out runs/organism \\
+    python analyses/train_organism.py --steps 3000 --minutes 85 --out runs/organism \\
         --export headsurgeon/organisms/organism
+    python analyses/train_organism.py --steps 1250 --minutes 100 --eval-every 100 \\
+        --n-layer 8 --n-head 24 --hidden 192 --seq-len 512 --batch 8 --lr 3e-3 --bos \\
+        --name organism-deep --out runs/organism-deep --export headsurgeon/organisms/organism-deep
 """
 
 from __future__ import annotations
