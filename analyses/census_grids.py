@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
-from _common import ROOT, fmt_heads, markdown, parser, start, write_topic
+from _common import ROOT, fmt_heads, markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
 from headsurgeon import classify_heads, load_model, model_info, run_census
@@ -155,23 +155,17 @@ def training_figure(logs: dict[str, pd.DataFrame]) -> go.Figure:
     fig.update_yaxes(title_text="loss (nats/token)", range=[3, 6], row=1, col=1)
     fig.update_yaxes(title_text="BOS mass", range=[0, 0.55], row=1, col=2)
     fig.add_hline(y=0.5, line={"dash": "dash", "color": "#888888", "width": 1}, row=1, col=2)
+    style(
+        fig,
+        "Training of the organisms",
+        "fixed held-out windows; BOS mass: the largest of any head, query rows t >= 1; "
+        "dashed: the BOS-sink threshold",
+        1100,
+        460,
+    )
     fig.update_layout(
-        template="plotly_white",
-        font=FONT,
-        title={
-            "text": "Training of the organisms",
-            "subtitle": {
-                "text": "fixed held-out windows; BOS mass: the largest of any head, query rows "
-                "t >= 1; dashed: the BOS-sink threshold",
-                "font": {"size": 13, "color": "#555555"},
-            },
-            "x": 0.0,
-            "xanchor": "left",
-            "xref": "paper",
-        },
-        width=1100,
-        height=460,
         margin={"l": 80, "r": 30, "t": 110, "b": 110},
+        title_xref="paper",
         legend={"orientation": "h", "y": -0.22},
     )
     return fig

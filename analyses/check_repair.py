@@ -60,6 +60,9 @@ def main() -> None:
     torch.set_num_threads(2)
     keep_freed_memory()
 
+    for needed in (args.out / "report.json", args.out / "model" / "model.safetensors"):
+        if not needed.is_file():
+            raise SystemExit(f"error: {needed} is missing; pass a finished repair output folder")
     report = json.loads((args.out / "report.json").read_text())
     heads = HeadSet.parse(",".join(report["targeted"]))
     print(f"- targeted {len(report['targeted'])} heads ({heads}); recovered "
