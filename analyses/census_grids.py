@@ -2,16 +2,18 @@
 
 The surgery paper's cross-scale figure puts BLOOM-560m ... 7b1 side by side as layer x head grids
 of BOS mass; here the same layout holds the bundled organisms: the uninjured ``organism``, the
+deeper ``organism-deep`` (8 x 24 heads, trained on BOS-first 512-token windows), the
 ``organism-injured`` copy with planted sinks and a silenced head, and the repaired copy written by
 ``analyses/repair_organism.py`` when it exists. Each model gets a label grid and a BOS mass
 against ALiBi slope panel (the paper: sick heads sit at the shallowest slopes); a planted
-organism's labels are checked against its ``truth.json``.
+organism's labels are checked against its ``truth.json``. Organisms that ship their training log
+also get training curves (held-out loss and the largest BOS mass of any head).
 
     python analyses/census_grids.py
     python analyses/census_grids.py --models organism DIR --repaired runs/organism-repaired
 
 Writes ``figures/census/``: ``models_bos_mass.png``, ``labels_<model>.png``,
-``bos_mass_vs_slope.png``, ``census_<model>.csv`` and ``summary.md``.
+``bos_mass_vs_slope.png``, ``training.png``, ``census_<model>.csv`` and ``summary.md``.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def main() -> None:
     p.add_argument(
         "--models",
         nargs="+",
-        default=["organism", "organism-injured"],
+        default=["organism", "organism-deep", "organism-injured"],
         help="bundled organisms or checkpoint folders",
     )
     p.add_argument(

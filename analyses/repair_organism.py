@@ -183,7 +183,7 @@ def main() -> None:
         default=ROOT / "runs" / "organism-repaired",
         help="where the repaired model (default repair) is exported; replaced",
     )
-    p.add_argument("--eval-seqs", type=int, default=16, help="sequences per evaluation set")
+    p.add_argument("--eval-seqs", type=int, default=64, help="sequences per evaluation set")
     p.add_argument(
         "--corpus-steps",
         type=int,
