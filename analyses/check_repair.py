@@ -20,33 +20,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from headsurgeon import HeadSet, keep_freed_memory, load_model, perplexity
+from headsurgeon import HeadSet, keep_freed_memory, load_model, perplexity, weight_changes
 from headsurgeon.data import to_sequences
-from headsurgeon.models import ORGANISM_DIR
-
-
-def untouched_differences(
-    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], heads: HeadSet, d_head: int
-) -> tuple[int, int, int]:
-    """(differing untouched elements, untouched elements, elements in the repaired slices)."""
-    if set(before) != set(after):
-        raise SystemExit(f"tensor names differ: {sorted(set(before) ^ set(after))}")
-    differ = untouched = repaired = 0
-    for key, old in before.items():
-        touched = torch.zeros_like(old, dtype=torch.bool)
-        for layer, head in heads:
-            prefix = f"transformer.h.{layer}.self_attention."
-            if key in (f"{prefix}query_key_value.weight", f"{prefix}query_key_value.bias"):
-                touched[head * 3 * d_head : (head + 1) * 3 * d_head] = True  # [head, qkv, d_head]
-            elif key == f"{prefix}dense.weight":
-                touched[:, head * d_head : (head + 1) * d_head] = True
-        same = old == after[key]
-        differ += int((~same & ~touched).sum())
-        untouched += int((~touched).sum())
-        repaired += int(touched.sum())
-    return differ, untouched, repaired
 
 
 def main() -> None:
@@ -83,12 +59,11 @@ def main() -> None:
           f"{ppl['uninjured']:.2f}, injured {ppl['injured']:.2f}, repaired {ppl['repaired']:.2f} "
           f"({gap:+.2%} vs uninjured)")  # fmt: skip
 
-    injured_dir = ORGANISM_DIR / args.injured if "/" not in args.injured else Path(args.injured)
-    before = load_file(injured_dir / "model.safetensors")
-    after = load_file(args.out / "model" / "model.safetensors")
-    differ, untouched, repaired = untouched_differences(before, after, heads, model.cfg.d_head)
-    print(f"- weights: {len(before)} tensors; {differ} of {untouched:,} untouched elements differ "
-          f"from the input; {repaired:,} elements in the repaired slices")  # fmt: skip
+    changes = weight_changes(args.injured, args.out / "model", heads)
+    untouched = changes.elements.sum() - changes.head_elements.sum()
+    print(f"- weights: {len(changes)} tensors; {changes.other_changed.sum()} of {untouched:,} "
+          f"untouched elements differ from the input; {changes.head_elements.sum():,} elements "
+          "in the repaired slices")  # fmt: skip
 
 
 if __name__ == "__main__":

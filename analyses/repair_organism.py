@@ -33,13 +33,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 from _common import ROOT, fmt_heads, markdown, parser, start, write_topic
-from safetensors.torch import load_file
 
-from headsurgeon import load_model, model_info, perplexity, save_hf
+from headsurgeon import load_model, model_info, perplexity, save_hf, weight_changes
 from headsurgeon.data import CORPORA, bundled_text, to_sequences
 from headsurgeon.plots import FONT, OKABE_ITO, models_grid
 from headsurgeon.repair import RepairResult, recommended_config, repair, write_report
-from headsurgeon.surgery import HeadSet
 
 MODEL_COLOURS = {
     "organism": OKABE_ITO["black"],
@@ -65,59 +63,6 @@ def perplexities(model, sets: dict[str, torch.Tensor], window: int) -> dict[str,
         name: perplexity(model, tokens, window=window, prepend_bos=False)
         for name, tokens in sets.items()
     }
-
-
-def head_slices(name: str, heads: HeadSet, n_heads: int, d_head: int) -> list[tuple[int, slice]]:
-    """(axis, slice) of a Hugging Face BLOOM tensor that belong to the repaired heads' Q/K/V/O.
-
-    ``query_key_value`` is fused per head as (q, k, v) on axis 0 (``n_heads * 3 * d_head`` rows);
-    ``dense`` (the output projection) holds head ``h`` in columns ``h * d_head ... (h+1) * d_head``
-    of axis 1. Its bias and every other tensor are shared by all heads.
-    """
-    parts = name.split(".")
-    if "h" not in parts:
-        return []
-    layer = int(parts[parts.index("h") + 1])
-    chosen = heads.by_layer().get(layer, [])
-    if "query_key_value" in name:
-        return [(0, slice(h * 3 * d_head, (h + 1) * 3 * d_head)) for h in chosen]
-    if name.endswith("self_attention.dense.weight"):
-        return [(1, slice(h * d_head, (h + 1) * d_head)) for h in chosen]
-    return []
-
-
-def bit_identity(
-    source: Path, exported: Path, heads: HeadSet, n_heads: int, d_head: int
-) -> pd.DataFrame:
-    """Per tensor of the input checkpoint: elements outside the repaired slices that differ.
-
-    The input is read in its own dtype and upcast exactly to float32 (every float16 value is a
-    float32 value), so "identical" means the same number, bit for bit in the input's format.
-    """
-    before = load_file(str(source / "model.safetensors"))
-    after = load_file(str(exported / "model.safetensors"))
-    missing = sorted(set(before) - set(after))
-    if missing:
-        raise SystemExit(f"the export lacks {len(missing)} tensor(s) of the input: {missing[:3]}")
-    rows = []
-    for name, old in before.items():
-        new = after[name]
-        frozen = torch.ones(old.shape, dtype=torch.bool)
-        for axis, part in head_slices(name, heads, n_heads, d_head):
-            frozen[(slice(None),) * axis + (part,)] = False
-        same = old.to(new.dtype) == new
-        rows.append(
-            {
-                "tensor": name,
-                "dtype_in": str(old.dtype).removeprefix("torch."),
-                "dtype_out": str(new.dtype).removeprefix("torch."),
-                "elements": old.numel(),
-                "repaired_elements": int((~frozen).sum()),
-                "frozen_differing": int((~same & frozen).sum()),
-                "repaired_changed": int((~same & ~frozen).sum()),
-            }
-        )
-    return pd.DataFrame(rows)
 
 
 def ppl_figure(table: pd.DataFrame) -> go.Figure:
@@ -208,8 +153,7 @@ def main() -> None:
     result = repair(injured, finetune_config=config, progress=False)
     ppl["repaired (both corpora)"] = perplexities(result.model, sets, seq_len)
     save_hf(result.model, args.save_model, overwrite=True)
-    cfg = result.model.cfg
-    identity = bit_identity(source, args.save_model, result.targeted, cfg.n_heads, cfg.d_head)
+    identity = weight_changes(source, args.save_model, result.targeted)
 
     results = {"both corpora": result}
     corpus_config = dataclasses.replace(config, steps=args.corpus_steps, warmup_steps=None)
@@ -248,7 +192,7 @@ def main() -> None:
     report = result.to_dict()
     mix = wide["held-out mix"]
     ratio = mix["repaired (both corpora)"] / mix["organism"] - 1
-    frozen_bad = int(identity["frozen_differing"].sum())
+    frozen_bad = int(identity["other_changed"].sum())
     planted = {h for h, label in (truth or {}).items() if label != "healthy"}
     targeted = set(result.targeted.names())
     settings = report["settings"]
@@ -285,10 +229,10 @@ def main() -> None:
         f"tokens): organism {mix['organism']:.3f}, injured {mix['injured']:.3f}, repaired "
         f"{mix['repaired (both corpora)']:.3f} ({ratio:+.2%} vs organism; acceptance <= 2%: "
         f"{'met' if abs(ratio) <= 0.02 else 'NOT met'}).",
-        f"- Bit-identity: exported {identity['dtype_out'].iloc[0]} model vs the "
-        f"{identity['dtype_in'].iloc[0]} input, {len(identity)} tensors, "
+        f"- Bit-identity: exported {identity['dtype_after'].iloc[0]} model vs the "
+        f"{identity['dtype_before'].iloc[0]} input, {len(identity)} tensors, "
         f"{int(identity['elements'].sum()):,} elements, of which "
-        f"{int(identity['repaired_elements'].sum()):,} in the repaired heads' Q/K/V/O slices: "
+        f"{int(identity['head_elements'].sum()):,} in the repaired heads' Q/K/V/O slices: "
         f"{frozen_bad} untouched element(s) differ"
         + (" (all untouched weights identical)." if frozen_bad == 0 else "."),
         "",

@@ -33,6 +33,7 @@ _EXPORTS = {
     "run_census": "census",
     "save_hf": "models",
     "threshold_sweep": "classify",
+    "weight_changes": "models",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

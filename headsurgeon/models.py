@@ -10,6 +10,7 @@ Exports:
     model_info(model)                        ModelInfo: where a model came from, its conventions
     parse_dtype(dtype), parse_device(device) validated torch dtype / device
     hf_state_dict(model)                     BLOOM weights in Hugging Face layout
+    weight_changes(before, after, heads)     per tensor: changes inside / outside heads' slices
     use_exact_alibi(model)                   Hugging Face's ALiBi slopes for any head count
     organism_names(), DEFAULT_MODEL, BLOOM_SHAPES, ModelShape, ModelInfo
 
@@ -35,11 +36,12 @@ import pickle
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import einops
+import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
@@ -699,3 +701,94 @@ def save_hf(
             info.tokenizer.save_pretrained(tmp)
     logger.info("saved %s to %s", info.name, out_dir)
     return Path(out_dir)
+
+
+StateDict = Mapping[str, Tensor]
+
+
+def _checkpoint_state(checkpoint: StateDict | str | os.PathLike) -> tuple[StateDict, int | None]:
+    """A checkpoint's Hugging Face state dict and head width (when its config says)."""
+    if isinstance(checkpoint, Mapping):
+        return checkpoint, None
+    from safetensors.torch import load_file
+
+    name = os.fspath(checkpoint)
+    directory = ORGANISM_DIR / name if name in organism_names() else Path(name)
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(
+            f"{weights} not found; pass a Hugging Face checkpoint folder with safetensors weights "
+            "(headsurgeon.save_hf writes one) or a bundled organism's name"
+        )
+    config = _read_json(directory / "config.json") if (directory / "config.json").exists() else {}
+    n_heads, width = config.get("n_head"), config.get("hidden_size")
+    return load_file(str(weights)), width // n_heads if n_heads and width else None
+
+
+def weight_changes(
+    before: StateDict | str | os.PathLike,
+    after: StateDict | str | os.PathLike,
+    heads: Iterable[tuple[int, int]] = (),
+    *,
+    d_head: int | None = None,
+) -> pd.DataFrame:
+    """Which weights changed between two BLOOM checkpoints, inside and outside ``heads``' slices.
+
+    ``before``/``after``: Hugging Face state dicts, checkpoint folders or bundled organisms'
+    names. A head's slices are its rows of the fused ``query_key_value`` weight and bias (per
+    head ``(q, k, v) x d_head``, BLOOM's layout) and its ``d_head`` columns of the output
+    projection ``dense.weight``; everything else (``dense.bias`` included) is shared by all heads.
+    Values are compared exactly in the wider of the two dtypes (float16 -> float32 is exact), so a
+    repair or a planting that must leave every other weight bit-identical can be checked: the
+    ``other_changed`` column must sum to 0. ``d_head`` is read from a folder's ``config.json``
+    unless given. One row per tensor of ``before``: ``tensor``, ``dtype_before``, ``dtype_after``,
+    ``elements``, ``head_elements``, ``head_changed``, ``other_changed``.
+
+    >>> import torch
+    >>> w = {"transformer.h.0.self_attention.dense.weight": torch.zeros(4, 4)}
+    >>> v = {"transformer.h.0.self_attention.dense.weight": torch.zeros(4, 4)}
+    >>> v["transformer.h.0.self_attention.dense.weight"][0, 3] = 1.0  # head 1's column (d_head 2)
+    >>> weight_changes(w, v, [(0, 1)], d_head=2)[["head_changed", "other_changed"]].values.tolist()
+    [[1, 0]]
+    """
+    before_state, before_width = _checkpoint_state(before)
+    after_state, after_width = _checkpoint_state(after)
+    d_head = d_head or before_width or after_width
+    heads = list(heads)
+    if heads and d_head is None:
+        raise InvalidArgumentError("d_head is unknown for state dicts; pass d_head=")
+    missing = sorted(set(before_state) - set(after_state))
+    if missing:
+        raise CheckpointError(
+            f"the second checkpoint lacks {len(missing)} tensor(s) of the first, e.g. "
+            f"{missing[0]}; compare checkpoints of the same model"
+        )
+    rows = []
+    for name, old in before_state.items():
+        new = after_state[name]
+        if old.shape != new.shape:
+            raise CheckpointError(
+                f"{name} has shape {tuple(old.shape)} before and {tuple(new.shape)} after; "
+                "compare checkpoints of the same model"
+            )
+        in_heads = torch.zeros(old.shape, dtype=torch.bool)
+        for layer, head in heads:
+            prefix = f"transformer.h.{layer}.self_attention."
+            if name in (prefix + "query_key_value.weight", prefix + "query_key_value.bias"):
+                in_heads[head * 3 * d_head : (head + 1) * 3 * d_head] = True
+            elif name == prefix + "dense.weight":
+                in_heads[:, head * d_head : (head + 1) * d_head] = True
+        common = torch.promote_types(old.dtype, new.dtype)
+        changed = old.to(common) != new.to(common)
+        rows.append(
+            {
+                "tensor": name,
+                "dtype_before": str(old.dtype).removeprefix("torch."),
+                "dtype_after": str(new.dtype).removeprefix("torch."),
+                "elements": old.numel(),
+                "head_elements": int(in_heads.sum()),
+                "head_changed": int((changed & in_heads).sum()),
+                "other_changed": int((changed & ~in_heads).sum()),
+            }
+        )
+    return pd.DataFrame(rows)

@@ -503,3 +503,55 @@ def test_failed_download_is_one_clear_error(empty_hub, monkeypatch):
         assert "downloading bigscience/bloom-560m failed" in one_line(error)
     finally:
         server.shutdown()
+
+
+def test_weight_changes_finds_every_change_and_only_attributes_head_slices(tiny_model, tmp_path):
+    from headsurgeon import HeadSet, reinit_heads, weight_changes
+
+    heads = HeadSet.parse("L1H2")
+    reinit_heads(tiny_model, heads, seed=3)
+    edited = save_hf(tiny_model, tmp_path / "edited")
+    with torch.no_grad():
+        tiny_model.blocks[0].attn.b_O[5] += 1.0  # shared by all heads: outside any head's slices
+    stray = save_hf(tiny_model, tmp_path / "stray")
+
+    table = weight_changes(edited, edited, heads)
+    assert table.head_changed.sum() == table.other_changed.sum() == 0
+    d_head = tiny_model.cfg.d_head
+    table = weight_changes(tmp_path / "edited", stray, heads).set_index("tensor")
+    assert table.other_changed.sum() == 1
+    assert table.loc["transformer.h.0.self_attention.dense.bias", "other_changed"] == 1
+    # The checkpoint the model came from against the re-initialised head: changes stay inside
+    # L1H2's q/k/v rows (3 x d_head) and its d_head output columns.
+    from headsurgeon.models import model_info
+
+    table = weight_changes(model_info(tiny_model).source, edited, heads).set_index("tensor")
+    assert table.other_changed.sum() == 0
+    qkv = table.loc["transformer.h.1.self_attention.query_key_value.weight"]
+    assert qkv.head_elements == 3 * d_head * tiny_model.cfg.d_model and qkv.head_changed > 0
+    assert table.loc["transformer.h.1.self_attention.dense.weight"].head_changed > 0
+    assert table.head_elements.sum() == 4 * d_head * tiny_model.cfg.d_model + 3 * d_head
+    # Without the head set every change counts as "other".
+    assert weight_changes(model_info(tiny_model).source, edited).other_changed.sum() > 0
+
+
+def test_weight_changes_compares_dtypes_exactly_and_rejects_bad_input(tmp_path):
+    from headsurgeon import weight_changes
+    from headsurgeon.errors import InvalidArgumentError
+
+    name = "transformer.h.0.self_attention.query_key_value.weight"
+    half = {name: torch.randn(12, 4).half()}
+    half[name][0, 0] = 1.0
+    table = weight_changes(half, {name: half[name].float()}, [(0, 1)], d_head=2)
+    assert table.head_changed.sum() == table.other_changed.sum() == 0
+    nudged = half[name].float()
+    nudged[0, 0] += 1e-4  # below float16's resolution at 1.0: a float16 comparison misses it
+    assert weight_changes(half, {name: nudged}, [(0, 1)], d_head=2).other_changed.sum() == 1
+    with pytest.raises(InvalidArgumentError, match="d_head"):
+        weight_changes(half, half, [(0, 0)])
+    with pytest.raises(CheckpointError, match="lacks 1 tensor"):
+        weight_changes(half, {})
+    with pytest.raises(CheckpointError, match="shape"):
+        weight_changes(half, {name: torch.zeros(3, 4)})
+    with pytest.raises(CheckpointError, match="model.safetensors not found"):
+        weight_changes(tmp_path / "nowhere", half)
