@@ -1,7 +1,7 @@
 """Shared pieces of the command-line tools (``python -m headsurgeon.classify`` and friends).
 
 Exports:
-    add_model_args(parser)    MODEL, --dtype, --device
+    add_model_args(parser)    MODEL, --dtype, --device, --threads
     add_data_args(parser)     --texts, --n-seqs, --seq-len, --prepend-bos/--no-prepend-bos
     add_output_args(parser)   --out, --overwrite, --format
     load_data(model, args)    the token sequences the data options describe
@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+import torch
 from jaxtyping import Int
 from torch import Tensor
 from transformer_lens import HookedTransformer
@@ -38,6 +39,27 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps")
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        action=_SetThreads,
+        help="CPU threads for torch (default: one per core). Use 1 when other jobs keep cores "
+        "busy: threads that wait on a busy core made a repair step ~5x slower here",
+    )
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+class _SetThreads(argparse.Action):
+    """Set torch's intra-op thread count as soon as the flag is parsed."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        torch.set_num_threads(value)
+        setattr(namespace, self.dest, value)
 
 
 def add_data_args(parser: argparse.ArgumentParser, *, seq_len: int = 128, n_seqs: int = 64) -> None:
