@@ -757,6 +757,12 @@ def weight_changes(
     heads = list(heads)
     if heads and d_head is None:
         raise InvalidArgumentError("d_head is unknown for state dicts; pass d_head=")
+    for layer, head in heads:
+        qkv = before_state.get(f"transformer.h.{layer}.self_attention.query_key_value.weight")
+        if qkv is None or not 0 <= head < qkv.shape[0] // (3 * d_head):
+            raise InvalidArgumentError(
+                f"head L{layer}H{head} is not in the first checkpoint; pass heads of its model"
+            )
     missing = sorted(set(before_state) - set(after_state))
     if missing:
         raise CheckpointError(
