@@ -744,12 +744,15 @@ def weight_changes(
     unless given. One row per tensor of ``before``: ``tensor``, ``dtype_before``, ``dtype_after``,
     ``elements``, ``head_elements``, ``head_changed``, ``other_changed``.
 
-    >>> import torch
-    >>> w = {"transformer.h.0.self_attention.dense.weight": torch.zeros(4, 4)}
-    >>> v = {"transformer.h.0.self_attention.dense.weight": torch.zeros(4, 4)}
-    >>> v["transformer.h.0.self_attention.dense.weight"][0, 3] = 1.0  # head 1's column (d_head 2)
-    >>> weight_changes(w, v, [(0, 1)], d_head=2)[["head_changed", "other_changed"]].values.tolist()
-    [[1, 0]]
+    >>> qkv = "transformer.h.0.self_attention.query_key_value.weight"
+    >>> dense = "transformer.h.0.self_attention.dense.weight"
+    >>> before = {qkv: torch.zeros(12, 4), dense: torch.zeros(4, 4)}  # 2 heads of width 2
+    >>> after = {name: weight.clone() for name, weight in before.items()}
+    >>> after[qkv][0, 0] = 1.0  # head 0's query
+    >>> after[dense][0, 3] = 1.0  # head 1's output column
+    >>> changes = weight_changes(before, after, [(0, 1)], d_head=2)
+    >>> changes[["head_changed", "other_changed"]].values.tolist()
+    [[0, 1], [1, 0]]
     """
     before_state, before_width = _checkpoint_state(before)
     after_state, after_width = _checkpoint_state(after)
