@@ -706,23 +706,44 @@ def save_hf(
 StateDict = Mapping[str, Tensor]
 
 
+class _SafetensorsState(Mapping[str, Tensor]):
+    """A checkpoint folder's tensors (every shard), read one at a time when asked for."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self._files: dict[str, Path] = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                self._files.update(dict.fromkeys(f.keys(), file))
+
+    def __getitem__(self, name: str) -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
 def _checkpoint_state(checkpoint: StateDict | str | os.PathLike) -> tuple[StateDict, int | None]:
-    """A checkpoint's Hugging Face state dict and head width (when its config says)."""
+    """A checkpoint's Hugging Face state dict (lazy for folders) and head width (when known)."""
     if isinstance(checkpoint, Mapping):
         return checkpoint, None
-    from safetensors.torch import load_file
-
-    name = os.fspath(checkpoint)
-    directory = ORGANISM_DIR / name if name in organism_names() else Path(name)
-    weights = directory / "model.safetensors"
-    if not weights.is_file():
+    _, directory = _resolve(checkpoint)
+    _check_checkpoint(directory)
+    if not any(directory.glob("*.safetensors")):
         raise CheckpointError(
-            f"{weights} not found; pass a Hugging Face checkpoint folder with safetensors weights "
-            "(headsurgeon.save_hf writes one) or a bundled organism's name"
+            f"{directory} has only pickled .bin weights; re-export it as safetensors "
+            "(load_model, then save_hf)"
         )
-    config = _read_json(directory / "config.json") if (directory / "config.json").exists() else {}
+    config = _read_json(directory / "config.json")
     n_heads, width = config.get("n_head"), config.get("hidden_size")
-    return load_file(str(weights)), width // n_heads if n_heads and width else None
+    return _SafetensorsState(directory), width // n_heads if n_heads and width else None
 
 
 def weight_changes(
@@ -734,10 +755,12 @@ def weight_changes(
 ) -> pd.DataFrame:
     """Which weights changed between two BLOOM checkpoints, inside and outside ``heads``' slices.
 
-    ``before``/``after``: Hugging Face state dicts, checkpoint folders or bundled organisms'
-    names. A head's slices are its rows of the fused ``query_key_value`` weight and bias (per
-    head ``(q, k, v) x d_head``, BLOOM's layout) and its ``d_head`` columns of the output
-    projection ``dense.weight``; everything else (``dense.bias`` included) is shared by all heads.
+    ``before``/``after``: Hugging Face state dicts, or anything :func:`load_model` takes
+    (checkpoint folders, bundled organisms' names), whose tensors are then read one at a time so
+    two large checkpoints need not fit in memory together. A head's slices are its rows of the
+    fused ``query_key_value`` weight and bias (per head ``(q, k, v) x d_head``, BLOOM's layout)
+    and its ``d_head`` columns of the output projection ``dense.weight``; everything else
+    (``dense.bias`` included) is shared by all heads.
     Values are compared exactly in the wider of the two dtypes (float16 -> float32 is exact), so a
     repair or a planting that must leave every other weight bit-identical can be checked: the
     ``other_changed`` column must sum to 0. ``d_head`` is read from a folder's ``config.json``
@@ -760,9 +783,12 @@ def weight_changes(
     heads = list(heads)
     if heads and d_head is None:
         raise InvalidArgumentError("d_head is unknown for state dicts; pass d_head=")
-    for layer, head in heads:
+    qkv_rows = {}  # per layer of the heads: read once, not once per head
+    for layer in {layer for layer, _ in heads}:
         qkv = before_state.get(f"transformer.h.{layer}.self_attention.query_key_value.weight")
-        if qkv is None or not 0 <= head < qkv.shape[0] // (3 * d_head):
+        qkv_rows[layer] = 0 if qkv is None else qkv.shape[0]
+    for layer, head in heads:
+        if not 0 <= head < qkv_rows[layer] // (3 * d_head):
             raise InvalidArgumentError(
                 f"head L{layer}H{head} is not in the first checkpoint; pass heads of its model"
             )
@@ -772,32 +798,39 @@ def weight_changes(
             f"the second checkpoint lacks {len(missing)} tensor(s) of the first, e.g. "
             f"{missing[0]}; compare checkpoints of the same model"
         )
-    rows = []
-    for name, old in before_state.items():
-        new = after_state[name]
-        if old.shape != new.shape:
-            raise CheckpointError(
-                f"{name} has shape {tuple(old.shape)} before and {tuple(new.shape)} after; "
-                "compare checkpoints of the same model"
-            )
-        in_heads = torch.zeros(old.shape, dtype=torch.bool)
-        for layer, head in heads:
-            prefix = f"transformer.h.{layer}.self_attention."
-            if name in (prefix + "query_key_value.weight", prefix + "query_key_value.bias"):
-                in_heads[head * 3 * d_head : (head + 1) * 3 * d_head] = True
-            elif name == prefix + "dense.weight":
-                in_heads[:, head * d_head : (head + 1) * d_head] = True
-        common = torch.promote_types(old.dtype, new.dtype)
-        changed = old.to(common) != new.to(common)
-        rows.append(
-            {
-                "tensor": name,
-                "dtype_before": str(old.dtype).removeprefix("torch."),
-                "dtype_after": str(new.dtype).removeprefix("torch."),
-                "elements": old.numel(),
-                "head_elements": int(in_heads.sum()),
-                "head_changed": int((changed & in_heads).sum()),
-                "other_changed": int((changed & ~in_heads).sum()),
-            }
-        )
+    # One tensor pair at a time, inside a call, so none outlives its row (a lazy folder then
+    # holds at most the largest tensor of each checkpoint).
+    rows = [_tensor_changes(name, before_state[name], after_state[name], heads, d_head)
+            for name in before_state]  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def _tensor_changes(
+    name: str, old: Tensor, new: Tensor, heads: list[tuple[int, int]], d_head: int | None
+) -> dict[str, Any]:
+    """One row of :func:`weight_changes`: ``name``'s changed elements inside / outside heads."""
+    if old.shape != new.shape:
+        raise CheckpointError(
+            f"{name} has shape {tuple(old.shape)} before and {tuple(new.shape)} after; "
+            "compare checkpoints of the same model"
+        )
+    common = torch.promote_types(old.dtype, new.dtype)
+    changed = old.to(common) != new.to(common)
+    in_heads = torch.zeros(old.shape, dtype=torch.bool)
+    for layer, head in heads:
+        prefix = f"transformer.h.{layer}.self_attention."
+        if name in (prefix + "query_key_value.weight", prefix + "query_key_value.bias"):
+            in_heads[head * 3 * d_head : (head + 1) * 3 * d_head] = True
+        elif name == prefix + "dense.weight":
+            in_heads[:, head * d_head : (head + 1) * d_head] = True
+    # count_nonzero, not sum: summing a bool tensor first copies it to int64 (8x its size).
+    head_changed = int((changed & in_heads).count_nonzero())
+    return {
+        "tensor": name,
+        "dtype_before": str(old.dtype).removeprefix("torch."),
+        "dtype_after": str(new.dtype).removeprefix("torch."),
+        "elements": old.numel(),
+        "head_elements": int(in_heads.count_nonzero()),
+        "head_changed": head_changed,
+        "other_changed": int(changed.count_nonzero()) - head_changed,
+    }

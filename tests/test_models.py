@@ -556,5 +556,21 @@ def test_weight_changes_compares_dtypes_exactly_and_rejects_bad_input(tmp_path):
         weight_changes(half, {})
     with pytest.raises(CheckpointError, match="shape"):
         weight_changes(half, {name: torch.zeros(3, 4)})
-    with pytest.raises(CheckpointError, match="model.safetensors not found"):
+    with pytest.raises(ModelNotFoundError, match="nowhere does not exist"):
         weight_changes(tmp_path / "nowhere", half)
+
+
+def test_weight_changes_reads_folders_like_load_model(bloom_dir, tmp_path):
+    from headsurgeon import weight_changes
+
+    table = weight_changes(bloom_dir, str(bloom_dir), [(1, 3)])  # d_head from config.json
+    assert table.head_elements.sum() > 0 and table.head_changed.sum() == 0
+    corrupt = Path(shutil.copytree(bloom_dir, tmp_path / "corrupt"))
+    (corrupt / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(CheckpointError, match="model.safetensors is not a valid safetensors"):
+        weight_changes(bloom_dir, corrupt)
+    pickled = Path(shutil.copytree(bloom_dir, tmp_path / "pickled"))
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="only pickled .bin weights"):
+        weight_changes(pickled, bloom_dir)
