@@ -44,7 +44,15 @@ from headsurgeon.errors import (
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.models import load_model, model_info, model_shape, parse_dtype
+from headsurgeon.models import (
+    alibi_slopes,
+    bias_pre_hook,
+    load_model,
+    model_info,
+    model_shape,
+    parse_dtype,
+    shared_bias,
+)
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.probes import stream
 
@@ -109,7 +117,8 @@ def analytic_blindness(
         raise InvalidArgumentError(
             f"context_length must be a positive integer, got {context_length!r}"
         )
-    head_slopes = alibi.slopes(shape.n_heads)
+    is_model = isinstance(model_or_name, HookedTransformer)
+    head_slopes = alibi_slopes(model_or_name) if is_model else alibi.slopes(shape.n_heads)
     frames = []
     for dtype in map(dtype_name, _names(dtypes, "dtype")):
         for threshold in _names(thresholds, "threshold"):
@@ -269,7 +278,7 @@ def measure_blindness(
 
     cfg = model.cfg
     is_alibi = cfg.positional_embedding_type == "alibi"
-    head_slopes = alibi.slopes(cfg.n_heads).double() if is_alibi else None
+    head_slopes = alibi_slopes(model).double() if is_alibi else None
     zeros, mass, top = counter.zeros.cpu(), counter.mass.cpu(), counter.max_weight.cpu()
     distance = torch.arange(n_pos, dtype=torch.float64)
     entries = n_rows * (n_pos - distance)  # causal entries at each distance
@@ -365,18 +374,6 @@ def _context_lengths(n_pos: int, lengths: Sequence[int] | None) -> list[int]:
     return sorted(set(lengths))
 
 
-def _mitigated_rows(
-    kind: str,
-    params: dict,
-    head_slopes: Float[Tensor, " head"],
-    n_queries: int,
-    n_keys: int,
-    device: torch.device,
-) -> Float[Tensor, "head query key"]:
-    distance = alibi.distance_rows(n_queries, n_keys, device)
-    return alibi.bias_from_distance(kind, head_slopes, distance, **params)
-
-
 def _soft_cap_hook(scores: Tensor, hook: HookPoint, *, c: float) -> Tensor:
     return alibi.soft_cap(scores, c)
 
@@ -385,13 +382,14 @@ def _soft_cap_hook(scores: Tensor, hook: HookPoint, *, c: float) -> Tensor:
 def mitigation(model: HookedTransformer, kind: str, **params) -> Iterator[HookedTransformer]:
     """Run ``model`` with a mitigated ALiBi (see :data:`headsurgeon.alibi.BIAS_KINDS`).
 
-    No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``) replace the bias that
-    headsurgeon's exact-ALiBi pre-hook puts on each attention layer; ``softcap`` adds a hook at
-    ``hook_attn_scores`` that maps every unmasked logit (content plus bias) to ``c tanh(x / c)``
-    and leaves masked cells at ``-inf``. On exit the model is exactly as before: the same
-    parameters (never touched) and cached biases, no hook left. Contexts nest (the inner bias
-    wins; ``softcap`` composes with a bias kind). The formulas of every kind:
-    :func:`headsurgeon.alibi.bias_from_distance`.
+    No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``) replace each attention
+    layer's ALiBi bias through a forward pre-hook, built from the slopes the model uses
+    (:func:`headsurgeon.models.alibi_slopes`: a TransformerLens-built model keeps its own);
+    ``softcap`` adds a hook at ``hook_attn_scores`` that maps every unmasked logit (content plus
+    bias) to ``c tanh(x / c)`` and leaves masked cells at ``-inf``. On exit the model is exactly
+    as before: the same parameters (never touched) and cached biases, no hook left. Contexts
+    nest (the inner bias wins; ``softcap`` composes with a bias kind). The formulas of every
+    kind: :func:`headsurgeon.alibi.bias_from_distance`.
 
     Usage::
 
@@ -411,25 +409,20 @@ def mitigation(model: HookedTransformer, kind: str, **params) -> Iterator[Hooked
             f"the {kind} mitigation changes an ALiBi bias, and this model uses "
             f"{model.cfg.positional_embedding_type} positions; only softcap applies"
         )
+    # The model's own slopes (TransformerLens's or the exact ones), so only the bias kind changes.
+    head_slopes = tuple(alibi_slopes(model).tolist())
+    build = functools.partial(shared_bias, kind, tuple(sorted(params.items())), head_slopes)
     attns = [block.attn for block in model.blocks]
-    if any(getattr(attn, "headsurgeon_alibi_hook", None) is None for attn in attns):
-        raise InvalidArgumentError(
-            "this model lacks headsurgeon's exact-ALiBi hook; load it with headsurgeon.load_model "
-            "or call headsurgeon.models.use_exact_alibi(model) first"
-        )
-    builder = functools.partial(_mitigated_rows, kind, params)
-    saved = [(attn.alibi, attn.__dict__.get("headsurgeon_bias_builder")) for attn in attns]
+    saved = [attn.alibi for attn in attns]
+    # Registered after any exact-ALiBi hook, so it runs last and its bias is the one used.
+    handles = [attn.register_forward_pre_hook(bias_pre_hook(build), with_kwargs=True)
+               for attn in attns]  # fmt: skip
     try:
-        for attn in attns:
-            attn.headsurgeon_bias_builder = builder
         yield model
     finally:
-        for attn, (bias, previous) in zip(attns, saved, strict=True):
+        for attn, handle, bias in zip(attns, handles, saved, strict=True):
+            handle.remove()
             attn.alibi = bias
-            if previous is None:
-                attn.__dict__.pop("headsurgeon_bias_builder", None)
-            else:
-                attn.headsurgeon_bias_builder = previous
 
 
 # --- command line ---------------------------------------------------------------------------

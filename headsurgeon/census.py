@@ -26,10 +26,9 @@ import pandas as pd
 from torch import Tensor
 from transformer_lens import HookedTransformer
 
-from headsurgeon import alibi
 from headsurgeon.data import Data, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.models import model_info
+from headsurgeon.models import alibi_slopes, model_info
 from headsurgeon.probes import HeadStats, stream
 
 logger = logging.getLogger(__name__)
@@ -151,7 +150,7 @@ def run_census(
 
     cfg = model.cfg
     is_alibi = cfg.positional_embedding_type == "alibi"
-    head_slopes = alibi.slopes(cfg.n_heads).double().numpy() if is_alibi else None
+    head_slopes = alibi_slopes(model).double().numpy() if is_alibi else None
     layer, head = np.divmod(np.arange(cfg.n_layers * cfg.n_heads), cfg.n_heads)
     columns = {
         "layer": layer,

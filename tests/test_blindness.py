@@ -191,8 +191,25 @@ def test_models_without_alibi_or_without_the_exact_hook():
         mitigation(gpt, "log").__enter__()
     with mitigation(gpt, "softcap", c=5.0):
         gpt(_tokens(1, 8) % 50)
-    with pytest.raises(InvalidArgumentError, match="use_exact_alibi"):
-        mitigation(_plain_transformer("alibi"), "clamped", c=2.0).__enter__()
+
+
+def test_mitigations_keep_a_transformerlens_models_own_slopes():
+    # 6 heads: TransformerLens's slopes differ from Hugging Face's; a mitigation must not
+    # switch them (standard and a clamp that never binds change nothing).
+    cfg = HookedTransformerConfig(
+        n_layers=2, d_model=24, d_head=4, n_heads=6, n_ctx=64, d_vocab=50, act_fn="gelu",
+        positional_embedding_type="alibi", seed=0,
+    )  # fmt: skip
+    model = HookedTransformer(cfg)
+    tokens = _tokens(2, 40) % 50
+    plain = model(tokens)
+    for kind, params in [("standard", {}), ("clamped", {"c": 1e6})]:
+        with mitigation(model, kind, **params):
+            torch.testing.assert_close(model(tokens), plain, rtol=0, atol=1e-5)
+    with mitigation(model, "log"):
+        assert (model(tokens) - plain).abs().max() > 1e-3
+    torch.testing.assert_close(model(tokens), plain, rtol=0, atol=0)
+    assert not hasattr(model, "headsurgeon_info")
 
 
 @pytest.mark.parametrize(
