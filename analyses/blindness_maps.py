@@ -413,7 +413,9 @@ def main() -> None:
                         "mitigation": label,
                         "window": window,
                         "in_context": window <= train_ctx,
-                        "perplexity": perplexity(model, ppl_tokens, window=window),
+                        "perplexity": perplexity(
+                            model, ppl_tokens, window=window, max_windows=None
+                        ),
                     }
                 )
             for task, run in retrieval.items():

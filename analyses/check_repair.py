@@ -53,7 +53,7 @@ def main() -> None:
             windows = to_sequences(
                 model, None, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=True
             )
-        ppl[name] = perplexity(model, windows, window=args.seq_len)
+        ppl[name] = perplexity(model, windows, window=args.seq_len, max_windows=None)
     gap = ppl["repaired"] / ppl["uninjured"] - 1
     print(f"- held-out perplexity ({args.n_seqs} x {args.seq_len} tokens, BOS first): uninjured "
           f"{ppl['uninjured']:.2f}, injured {ppl['injured']:.2f}, repaired {ppl['repaired']:.2f} "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from headsurgeon import keep_freed_memory, load_model, model_info, save_hf
+from headsurgeon import keep_freed_memory, load_model, save_hf
 from headsurgeon.census import run_census
 from headsurgeon.classify import classify_heads
 from headsurgeon.data import bundled_text, to_sequences
@@ -123,7 +123,6 @@ def main() -> None:
     keep_freed_memory()
 
     model = load_model(args.source)
-    model_info(model).prepend_bos = args.prepend_bos
     model.cfg.default_prepend_bos = args.prepend_bos
     plant(
         model,
@@ -151,7 +150,7 @@ def main() -> None:
     if wrong:
         raise SystemExit(f"planting missed its targets: {'; '.join(wrong)}")
 
-    info = model_info(model)
+    info = model.headsurgeon_info  # set by load_model; save_hf writes its metadata
     info.metadata = dict(info.metadata)
     info.metadata.update(
         name="organism-injured",

@@ -60,7 +60,7 @@ def eval_sets(model, n_seqs: int, seq_len: int) -> dict[str, torch.Tensor]:
 
 def perplexities(model, sets: dict[str, torch.Tensor], window: int) -> dict[str, float]:
     return {
-        name: perplexity(model, tokens, window=window, prepend_bos=False)
+        name: perplexity(model, tokens, window=window, prepend_bos=False, max_windows=None)
         for name, tokens in sets.items()
     }
 

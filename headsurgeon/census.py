@@ -26,7 +26,7 @@ import pandas as pd
 from torch import Tensor
 from transformer_lens import HookedTransformer
 
-from headsurgeon.data import Data, to_sequences
+from headsurgeon.data import Data, resolve_bos, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.models import alibi_slopes, model_info
 from headsurgeon.probes import HeadStats, stream
@@ -123,7 +123,7 @@ def run_census(
     if batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
     info = model_info(model)
-    bos = info.prepend_bos if prepend_bos is None else bool(prepend_bos)
+    bos = resolve_bos(model, prepend_bos)
     if isinstance(data, Tensor):
         seq_len = data.shape[-1]  # token tensors are used as they are
     else:

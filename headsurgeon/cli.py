@@ -114,6 +114,8 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     # Our progress messages at INFO; other libraries' (kaleido, choreographer) only when they warn.
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("headsurgeon").setLevel(logging.INFO)
+    # Under ``python -m headsurgeon.<tool>`` the tool's own module logs as ``__main__``.
+    logging.getLogger("__main__").setLevel(logging.INFO)
     if os.environ.get("HEADSURGEON_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
     try:

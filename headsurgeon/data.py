@@ -6,10 +6,13 @@ Exports:
     read_texts(paths)                    the texts of files, checked for existence and content
     tokenize(model, text)                token ids with the model's own tokenizer, no special tokens
     to_sequences(model, data, ...)       [n_seqs, seq_len] token tensor from texts, files or tokens
+    bos_token_id(model)                  the model's BOS token id, or None (no tokenizer, no BOS)
+    resolve_bos(model, prepend_bos)      whether position 0 gets a BOS token (None: convention)
     batches(tokens, batch_size)          consecutive batches of a token tensor
 
-Position 0 of every sequence follows the model's own convention (``model_info(model).prepend_bos``;
-BLOOM and the bundled organisms prepend no BOS token) unless ``prepend_bos`` overrides it.
+Position 0 of every sequence follows the model's own convention (``model.cfg.default_prepend_bos``;
+BLOOM and the bundled organisms prepend no BOS token) unless ``prepend_bos`` overrides it. A model
+without a tokenizer has no known BOS id: by convention its token tensors are used as given.
 
 >>> sorted(CORPORA)
 ['python-docs', 'shakespeare']
@@ -120,7 +123,7 @@ def to_sequences(
     for one and its sequences do not already start with it (so sequences made here can be passed
     on without doubling the BOS token).
     """
-    bos = model_info(model).prepend_bos if prepend_bos is None else prepend_bos
+    bos = resolve_bos(model, prepend_bos)
     if seq_len < 1:
         raise InvalidArgumentError(f"seq_len must be positive, got {seq_len}")
     if seq_len > model.cfg.n_ctx:
@@ -134,8 +137,8 @@ def to_sequences(
         if data.ndim != 2 or data.shape[0] == 0 or data.shape[1] == 0:
             raise DataError(f"token tensor must be [n_seqs, seq_len], non-empty; got {data.shape}")
         tokens = data.long()
-        if bos and not bool((tokens[:, 0] == _bos_id(model)).all()):
-            tokens = torch.cat([torch.full_like(tokens[:, :1], _bos_id(model)), tokens], dim=1)
+        if bos and not bool((tokens[:, 0] == bos_token_id(model)).all()):
+            tokens = torch.cat([torch.full_like(tokens[:, :1], bos_token_id(model)), tokens], dim=1)
         return tokens[:n_seqs] if n_seqs else tokens
     body = seq_len - 1 if bos else seq_len
     if body < 1:
@@ -155,15 +158,40 @@ def to_sequences(
         windows = [windows[i] for i in picks]
     tokens = torch.stack(windows)
     if bos:
-        tokens = torch.cat([torch.full_like(tokens[:, :1], _bos_id(model)), tokens], dim=1)
+        tokens = torch.cat([torch.full_like(tokens[:, :1], bos_token_id(model)), tokens], dim=1)
     return tokens
 
 
-def _bos_id(model: HookedTransformer) -> int:
+def bos_token_id(model: HookedTransformer) -> int | None:
+    """The id of the model's BOS token; ``None`` without a tokenizer or without a BOS token."""
     tokenizer = model_info(model).tokenizer or model.tokenizer
-    if tokenizer is None or tokenizer.bos_token_id is None:
-        raise DataError("this model's tokenizer has no BOS token; use prepend_bos=False")
-    return tokenizer.bos_token_id
+    return None if tokenizer is None else tokenizer.bos_token_id
+
+
+def resolve_bos(model: HookedTransformer, prepend_bos: bool | None = None) -> bool:
+    """Whether position 0 gets a BOS token: ``prepend_bos``, else the model's convention.
+
+    The convention is read from ``model.cfg.default_prepend_bos`` at each call (TransformerLens's
+    config default is ``True``). A model with no known BOS id (no tokenizer) cannot follow it, so
+    its token tensors are used as given; asking for a BOS token explicitly is then an error.
+
+    >>> from headsurgeon.models import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=8))
+    >>> model.cfg.default_prepend_bos = True  # no tokenizer: nothing to prepend
+    >>> resolve_bos(model), resolve_bos(model, False)
+    (False, False)
+    """
+    if prepend_bos is not None and not isinstance(prepend_bos, bool):
+        raise InvalidArgumentError(f"prepend_bos must be True, False or None, got {prepend_bos!r}")
+    wanted = bool(model.cfg.default_prepend_bos) if prepend_bos is None else prepend_bos
+    if not wanted or bos_token_id(model) is not None:
+        return wanted
+    if prepend_bos:
+        raise DataError(
+            "prepend_bos=True, but this model has no tokenizer with a BOS token to say which id "
+            "to prepend; pass token sequences that start with it and prepend_bos=False"
+        )
+    return False
 
 
 def batches(

@@ -30,7 +30,16 @@ from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
-from headsurgeon.data import CORPORA, Data, _bos_id, _texts, batches, bundled_text, tokenize
+from headsurgeon.data import (
+    CORPORA,
+    Data,
+    _texts,
+    batches,
+    bos_token_id,
+    bundled_text,
+    resolve_bos,
+    tokenize,
+)
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.models import model_info
 
@@ -102,6 +111,8 @@ def perplexity(
     stride: int | None = None,
     batch_size: int = 8,
     prepend_bos: bool | None = None,
+    max_windows: int | None = 64,
+    progress: bool = True,
 ) -> float:
     """Token-weighted perplexity ``exp(total NLL / scored tokens)`` over texts or token streams.
 
@@ -114,6 +125,10 @@ def perplexity(
     default the model's convention) every window starts with it; a token stream that already
     starts with it (as :func:`headsurgeon.data.to_sequences` makes them) is not given a second
     one. Log-probabilities are taken in float32 and summed in float64.
+
+    At most ``max_windows`` windows are scored (default 64, like the census's 64 sequences),
+    evenly spaced over all of them, so the default call on the bundled corpora takes seconds, not
+    minutes; ``max_windows=None`` scores every token of the data.
     """
     window = check_length(model, default_window(model) if window is None else window, "window")
     stride = window // 2 if stride is None else stride
@@ -121,24 +136,34 @@ def perplexity(
         raise InvalidArgumentError(f"stride must be between 1 and window - 1 = {window - 1}")
     if batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
-    bos = model_info(model).prepend_bos if prepend_bos is None else prepend_bos
-    prefix = torch.tensor([_bos_id(model)] if bos else [], dtype=torch.long)
+    prefix = torch.tensor([bos_token_id(model)] if resolve_bos(model, prepend_bos) else [],
+                          dtype=torch.long)  # fmt: skip
     if window <= len(prefix):
         raise InvalidArgumentError("window must be at least 2 when a BOS token is prepended")
+    if max_windows is not None:
+        _check_count(max_windows, "max_windows")
 
-    by_length: dict[int, list[tuple[Tensor, int]]] = defaultdict(list)
+    spans = []  # (stream, begin, end, tokens scored) of every window
     for stream in _token_streams(model, data):
-        if bos and len(stream) > 1 and stream[0] == prefix[0]:
+        if len(prefix) and len(stream) > 1 and stream[0] == prefix[0]:
             stream = stream[1:]  # e.g. from to_sequences: already BOS-first; never score BOS twice
-        for begin, end, n_scored in sliding_windows(len(stream), window, stride, len(prefix)):
-            tokens = torch.cat([prefix, stream[begin:end]])
-            by_length[len(tokens)].append((tokens, n_scored))
-    if not by_length:
+        spans += [(stream, *span) for span in sliding_windows(len(stream), window, stride,
+                                                              len(prefix))]  # fmt: skip
+    if not spans:
         raise DataError("no token has context to be scored; give texts of at least two tokens")
+    if max_windows is not None and len(spans) > max_windows:
+        logger.info("perplexity on %d of %d windows (max_windows=None: all)", max_windows,
+                    len(spans))  # fmt: skip
+        picks = torch.linspace(0, len(spans) - 1, max_windows).round().long().tolist()
+        spans = [spans[i] for i in picks]
+    by_length: dict[int, list[tuple[Tensor, int]]] = defaultdict(list)
+    for stream, begin, end, n_scored in spans:
+        tokens = torch.cat([prefix, stream[begin:end]])
+        by_length[len(tokens)].append((tokens, n_scored))
 
     total_nll, total_tokens = 0.0, 0
     n_batches = sum(math.ceil(len(w) / batch_size) for w in by_length.values())
-    progress = tqdm(total=n_batches, desc="perplexity", disable=n_batches < 20)
+    bar = tqdm(total=n_batches, desc="perplexity", disable=not progress or n_batches < 2)
     for length, windows in by_length.items():
         tokens = torch.stack([t for t, _ in windows])
         n_scored = torch.tensor([n for _, n in windows])
@@ -150,8 +175,8 @@ def perplexity(
             scored = torch.arange(length - 1) >= (length - 1 - counts)[:, None]
             total_nll += nll.double()[scored.to(nll.device)].sum().item()
             total_tokens += int(counts.sum())
-            progress.update()
-    progress.close()
+            bar.update()
+    bar.close()
     return math.exp(total_nll / total_tokens)
 
 
@@ -336,8 +361,8 @@ def _retrieval(
     if not lengths:
         raise InvalidArgumentError("give at least one context length")
     intro, question = (torch.tensor(tokenize(model, parts[k]), dtype=torch.long) for k in "iq")
-    if model_info(model).prepend_bos:  # the model's position-0 convention
-        intro = torch.cat([torch.tensor([_bos_id(model)]), intro])
+    if resolve_bos(model):  # the model's position-0 convention
+        intro = torch.cat([torch.tensor([bos_token_id(model)]), intro])
     rng = np.random.default_rng(seed)
     rows = []
     total = len(lengths) * len(depths) * n_trials

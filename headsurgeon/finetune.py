@@ -431,10 +431,19 @@ def _evaluate(
 
     window = train_eval.shape[1]
     row: dict[str, float] = {
-        "train_ppl": perplexity(model, train_eval, window=window, prepend_bos=False)
+        "train_ppl": perplexity(
+            model, train_eval, window=window, prepend_bos=False, max_windows=None, progress=False
+        )
     }
     row["heldout_ppl"] = (
-        perplexity(model, heldout, window=heldout.shape[1], prepend_bos=False)
+        perplexity(
+            model,
+            heldout,
+            window=heldout.shape[1],
+            prepend_bos=False,
+            max_windows=None,
+            progress=False,
+        )
         if heldout is not None
         else float("nan")
     )

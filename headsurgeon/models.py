@@ -497,18 +497,24 @@ def from_hf_model(
 
 
 def model_info(model: HookedTransformer) -> ModelInfo:
-    """The :class:`ModelInfo` of a model loaded here (a default one for other models)."""
+    """The :class:`ModelInfo` of a model: where it came from and its conventions.
+
+    Models loaded here carry theirs; for any other HookedTransformer one is made from its config
+    and tokenizer at each call, and nothing is stored on the model. ``prepend_bos`` is always read
+    from ``model.cfg.default_prepend_bos``, so changing that setting takes effect at once.
+    """
     info = getattr(model, "headsurgeon_info", None)
+    prepend_bos = bool(model.cfg.default_prepend_bos)
     if info is None:
-        info = ModelInfo(
+        return ModelInfo(
             name=model.cfg.model_name,
             source=None,
-            prepend_bos=bool(model.cfg.default_prepend_bos),
+            prepend_bos=prepend_bos,
             train_ctx=None,
             hf_config={},
+            tokenizer=model.tokenizer,
         )
-        model.headsurgeon_info = info
-    return info
+    return dataclasses.replace(info, prepend_bos=prepend_bos)
 
 
 _ATTENTION_ARGS = ("query_input", "key_input", "value_input", "past_kv_cache_entry")

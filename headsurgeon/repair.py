@@ -48,9 +48,10 @@ from headsurgeon import plots
 from headsurgeon.census import run_census
 from headsurgeon.classify import LABELS, Thresholds, classify_heads
 from headsurgeon.cli import add_data_args, add_model_args, add_output_args
-from headsurgeon.data import CORPORA, Data, bundled_text, read_texts, to_sequences
+from headsurgeon.data import CORPORA, Data, bundled_text, read_texts, resolve_bos, to_sequences
 from headsurgeon.errors import (
     CheckpointError,
+    DataError,
     HeadsurgeonError,
     InvalidArgumentError,
     OutputExistsError,
@@ -63,14 +64,14 @@ from headsurgeon.finetune import (
     setup_distributed,
     weights_digest,
 )
-from headsurgeon.models import load_model, model_info, save_hf
+from headsurgeon.models import checkpoint_dtype, load_model, model_info, parse_dtype, save_hf
 from headsurgeon.outputs import (
     atomic_directory,
     atomic_write_bytes,
     atomic_write_text,
     check_output_dir,
 )
-from headsurgeon.surgery import HEAD_TENSORS, INITS, HeadSet, reinit_heads
+from headsurgeon.surgery import HEAD_TENSORS, INITS, HeadSet, check_surgery, reinit_heads
 
 logger = logging.getLogger(__name__)
 
@@ -371,9 +372,33 @@ def _default_train_data() -> list[str]:
 def _describe(data: Data, default: str) -> str:
     if data is None:
         return default
+    if isinstance(data, torch.Tensor):
+        return f"token tensor of shape {list(data.shape)}"
     if isinstance(data, (str, os.PathLike)):
         return str(data) if os.path.exists(data) else "text given in memory"
     return ", ".join(str(x) if os.path.exists(x) else "<text>" for x in data)
+
+
+def _split_off_eval_rows(
+    tokens: torch.Tensor, n_eval_seqs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, held-out rows): the last ``min(n_eval_seqs, n // 8)`` rows held out."""
+    n_eval = min(n_eval_seqs, len(tokens) // 8)
+    if n_eval < 1:
+        raise DataError(
+            f"a model without a tokenizer needs held-out tokens: pass eval_corpus= and "
+            f"census_data= as token tensors, or at least 8 training rows (got {len(tokens)})"
+        )
+    return tokens[:-n_eval], tokens[-n_eval:]
+
+
+def _round_heads(model: HookedTransformer, heads: HeadSet, dtype: torch.dtype) -> None:
+    """Round the heads' slices through ``dtype``, so the model is exactly what a save writes."""
+    with torch.no_grad():
+        for layer, head in heads:
+            for name in HEAD_TENSORS:
+                weight = getattr(model.blocks[layer].attn, name)
+                weight[head] = weight[head].to(dtype).to(weight.dtype)
 
 
 def _check_args(passes: int, drift_threshold: float, init: str, seq_len: int | None) -> None:
@@ -407,6 +432,7 @@ def repair(
     seq_len: int | None = None,
     n_eval_seqs: int = 32,
     drift_threshold: float = DRIFT_THRESHOLD,
+    save_dtype: str | torch.dtype | None = None,
     work_dir: str | os.PathLike | None = None,
     resume: bool = False,
     progress: bool = True,
@@ -420,9 +446,21 @@ def repair(
     ``census_n_seqs`` x ``census_seq_len`` tokens, query rows from ``min_query_pos``) and is
     classified with ``thresholds`` (default: :class:`Thresholds`). ``heads`` replaces the
     census's choice of pass-1 targets; ``include`` adds heads to it. Each pass fine-tunes with
-    ``finetune_config`` and re-initialises with ``init`` and seed ``seed + pass - 1``.
+    ``finetune_config`` (default: :class:`FinetuneConfig` with the steps and learning rate the
+    model recommends, see :func:`recommended_config`: the settings ``python -m headsurgeon.repair``
+    uses) and re-initialises with ``init`` and seed ``seed + pass - 1``.
+
+    ``corpus``, ``eval_corpus`` and ``census_data`` may be token tensors ``[n, seq]`` (used as
+    they are). A model without a tokenizer cannot read the bundled corpora: there, unless given,
+    the evaluation and census sequences are the last ``min(n_eval_seqs, n // 8)`` rows of the
+    ``corpus`` tensor, held out of training.
+
+    The trained slices are rounded through ``save_dtype`` after each pass (default: the dtype of
+    the checkpoint the model was loaded from, else the model's own), so every number measured
+    after a pass is that of the model as :func:`headsurgeon.save_hf` writes it in that dtype.
     """
-    config = (finetune_config or FinetuneConfig()).validate()
+    check_surgery(model)  # before any census or training
+    config = (finetune_config or recommended_config(model)).validate()
     thresholds = thresholds or Thresholds()
     _check_args(passes, drift_threshold, init, seq_len)
     for chosen in (heads, include):
@@ -432,6 +470,7 @@ def repair(
         raise InvalidArgumentError("nothing to repair: the head set is empty")
     include = include or HeadSet()
     info = model_info(model)
+    save_dtype = parse_dtype(save_dtype or checkpoint_dtype(model) or model.cfg.dtype)
     seq_len = seq_len or min(512, info.train_ctx or model.cfg.n_ctx, model.cfg.n_ctx)
     train_tokens = to_sequences(
         model,
@@ -439,6 +478,17 @@ def repair(
         seq_len=seq_len,
         prepend_bos=prepend_bos,
     )
+    held_out = "bundled held-out corpora (shakespeare, python-docs)"
+    eval_desc, census_desc = _describe(eval_corpus, held_out), _describe(census_data, held_out)
+    can_read_text = (info.tokenizer or model.tokenizer) is not None
+    if not can_read_text and isinstance(corpus, torch.Tensor) and None in (eval_corpus, census_data):
+        train_tokens, rows = _split_off_eval_rows(train_tokens, n_eval_seqs)
+        held_out = f"the last {len(rows)} rows of the training tensor (held out of training)"
+        logger.info("no tokenizer: evaluating and measuring on %s", held_out)
+        if eval_corpus is None:
+            eval_corpus, eval_desc = rows, held_out
+        if census_data is None:
+            census_data, census_desc = rows, held_out
     eval_tokens = to_sequences(
         model, eval_corpus, seq_len=seq_len, n_seqs=n_eval_seqs, prepend_bos=prepend_bos
     )
@@ -447,7 +497,6 @@ def repair(
     )
     spread = torch.linspace(0, len(train_tokens) - 1, min(n_eval_seqs, len(train_tokens)))
     train_eval = train_tokens[spread.round().long()]
-    held_out = "bundled held-out corpora (shakespeare, python-docs)"
     settings = {
         "heads": None if heads is None else str(heads),
         "include": str(include) or None,
@@ -459,12 +508,13 @@ def repair(
         "finetune": dataclasses.asdict(config),
         "train_data": _describe(corpus, "bundled training corpora (shakespeare, python-docs)"),
         "train_sequences": list(train_tokens.shape),
-        "eval_data": _describe(eval_corpus, held_out),
+        "eval_data": eval_desc,
         "eval_sequences": list(eval_tokens.shape),
-        "census_data": _describe(census_data, held_out),
+        "census_data": census_desc,
         "census_sequences": list(census_tokens.shape),
         "min_query_pos": min_query_pos,
-        "prepend_bos": info.prepend_bos if prepend_bos is None else prepend_bos,
+        "prepend_bos": resolve_bos(model, prepend_bos),
+        "save_dtype": str(save_dtype).removeprefix("torch."),
     }
 
     def census() -> pd.DataFrame:
@@ -481,7 +531,7 @@ def repair(
     def perplexities() -> dict[str, float]:
         def ppl(tokens: torch.Tensor) -> float:
             return perplexity(model, tokens, window=seq_len, batch_size=config.batch_size,
-                              prepend_bos=False)  # fmt: skip
+                              prepend_bos=False, max_windows=None, progress=False)  # fmt: skip
 
         return {"train": ppl(train_eval), "heldout": ppl(eval_tokens)}
 
@@ -536,6 +586,7 @@ def repair(
                 resume=resume,
                 progress=progress,
             )
+            _round_heads(model, targets, save_dtype)
             after, ppl_after = census(), perplexities()
         healthy = HeadSet.from_labels(after, labels=["healthy"])
         result = PassResult(
@@ -759,7 +810,7 @@ def write_report(
             for fmt in formats:
                 plots.save_figure(figure, tmp / f"{name}.{fmt}", include_plotlyjs="directory")
         if save_model:
-            save_hf(result.model, tmp / "model")
+            save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
     return Path(out_dir)
 
 
@@ -839,6 +890,12 @@ def _parser() -> argparse.ArgumentParser:
     training.add_argument("--patience", type=int, help="early stop after N worse evaluations")
     training.add_argument("--strategy", choices=["slices", "mask"], default=ft.strategy)
     training.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--save-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the repaired model/ (default: the dtype of the checkpoint it came from); "
+        "the trained slices are rounded to it before the final census",
+    )
     add_output_args(parser)
     parser.add_argument("--resume", metavar="DIR",
                         help="continue the interrupted run whose --out was DIR")  # fmt: skip
@@ -948,6 +1005,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seq_len=args.train_seq_len,
             n_eval_seqs=args.n_eval_seqs,
             drift_threshold=args.drift_threshold,
+            save_dtype=args.save_dtype,
             work_dir=partial,
             resume=bool(args.resume),
             progress=not args.quiet,

@@ -11,6 +11,7 @@ Exports:
     reinit_heads(model, heads, ...)     Xavier re-initialisation of Q/K/V, zero Q/K/V biases and W_O
     HeadMask / mask_gradients(...)      gradient masks as parameter hooks (removable)
     HeadParameters                      trainable float32 copies of the chosen slices
+    check_surgery(model)                UnsupportedArchitectureError unless heads can be operated on
 
 Gradient masks alone do not freeze anything under AdamW: decoupled weight decay shrinks every
 element it is given, gradient or not. ``HeadParameters`` is what :mod:`headsurgeon.finetune` trains
@@ -198,7 +199,8 @@ class HeadSet:
         return HeadSet(set(self._heads) - set(other))
 
 
-def _check_attention(model: HookedTransformer) -> None:
+def check_surgery(model: HookedTransformer) -> None:
+    """Raise :class:`UnsupportedArchitectureError` unless every head has its own Q/K/V/O slices."""
     attn = model.blocks[0].attn
     if not all(isinstance(getattr(attn, name, None), nn.Parameter) for name in HEAD_TENSORS):
         raise UnsupportedArchitectureError(
@@ -231,7 +233,7 @@ def reinit_heads(
     """
     if init not in INITS:
         raise InvalidArgumentError(f"unknown init {init!r}; use one of {', '.join(INITS)}")
-    _check_attention(model)
+    check_surgery(model)
     heads.validate(model)
     fill = getattr(nn.init, f"{init}_")
     for layer, head in heads:
@@ -250,7 +252,7 @@ def head_masks(model: HookedTransformer, heads: HeadSet) -> dict[str, Bool[Tenso
 
     Only tensors that hold a chosen head appear; each mask has the tensor's shape.
     """
-    _check_attention(model)
+    check_surgery(model)
     heads.validate(model)
     masks = {}
     for layer, chosen in heads.by_layer().items():
@@ -362,7 +364,7 @@ class HeadParameters(nn.Module):
 
     def __init__(self, model: HookedTransformer, heads: HeadSet) -> None:
         super().__init__()
-        _check_attention(model)
+        check_surgery(model)
         self.heads = heads.validate(model)
         self.slices = nn.ModuleDict()
         self._index: dict[int, Tensor] = {}

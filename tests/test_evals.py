@@ -19,7 +19,6 @@ from headsurgeon.evals import (
     perplexity,
     sliding_windows,
 )
-from headsurgeon.models import model_info
 
 LENGTHS = [192, 256]  # the tiny tokenizer spends ~170 tokens on the passkey prompt itself
 
@@ -78,7 +77,7 @@ def test_perplexity_equals_the_mean_loss_when_rows_fit(tiny_model):
 
 
 def test_bos_first_sequences_get_no_second_bos(tiny_model):
-    model_info(tiny_model).prepend_bos = True
+    tiny_model.cfg.default_prepend_bos = True
     texts = ["The quick brown fox jumps over the lazy dog. " * 20]
     sequences = to_sequences(tiny_model, texts, seq_len=40, n_seqs=3)
     assert (sequences[:, 0] == tiny_model.tokenizer.bos_token_id).all()
@@ -91,7 +90,7 @@ def test_bos_first_sequences_get_no_second_bos(tiny_model):
 def test_retrieval_prompts_follow_the_bos_convention(tiny_model):
     intro = len(tokenize(tiny_model, PASSKEY_INTRO))
     for bos in (False, True):
-        model_info(tiny_model).prepend_bos = bos
+        tiny_model.cfg.default_prepend_bos = bos
         result = passkey(tiny_model, lengths=[192], depths=[0.0], n_trials=1, n_candidates=2)
         assert result.trials.needle_position.tolist() == [intro + bos]
 

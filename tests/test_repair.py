@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -183,3 +184,55 @@ def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file,
         run(main, [str(bloom_dir), "--out", str(out)])
     assert "already holds files" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+@pytest.fixture(scope="module")
+def recommending(injured, tmp_path_factory):
+    """The injured checkpoint with repair settings recommended in its headsurgeon.json."""
+    folder = tmp_path_factory.mktemp("recommending") / "model"
+    shutil.copytree(injured, folder)
+    metadata = json.loads((folder / "headsurgeon.json").read_text())
+    metadata["repair"] = {"steps": 6, "lr": 1e-2}
+    (folder / "headsurgeon.json").write_text(json.dumps(metadata))
+    return folder
+
+
+def test_python_repair_gives_the_clis_report(recommending, text_file, tmp_path):
+    out = tmp_path / "cli"
+    args = [
+        str(recommending), "--texts", str(text_file), "--corpus", str(text_file),
+        "--eval-corpus", str(text_file), "--prepend-bos", "--seq-len", "32", "--n-seqs", "16",
+        "--train-seq-len", "32", "--quiet", "--out", str(out),
+    ]  # fmt: skip
+    assert main(args) == 0
+    cli = json.loads((out / "report.json").read_text())
+    api = repair(
+        load_model(recommending), [text_file], eval_corpus=[text_file], census_data=[text_file],
+        census_seq_len=32, census_n_seqs=16, prepend_bos=True, seq_len=32, progress=False,
+    ).to_dict()  # fmt: skip
+    assert api["settings"]["finetune"]["steps"] == 6 and api["settings"]["finetune"]["lr"] == 1e-2
+    described = ("train_data", "eval_data", "census_data")  # the CLI reads files, then passes text
+    settings = {k: v for k, v in api["settings"].items() if k not in described}
+    assert settings == {k: v for k, v in cli["settings"].items() if k not in described}
+    for key in ("targeted", "recovered", "still_sick", "labels_after", "perplexity", "drift"):
+        assert api[key] == cli[key], key
+
+
+def test_the_readmes_python_block_runs(recommending, tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    import headsurgeon as hs
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## In Python", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert 'hs.load_model("organism-injured")' in block
+    # The same code on a tiny model: every call, argument and default as written.
+    monkeypatch.setattr(hs, "load_model", lambda name, **kw: load_model(recommending, **kw))
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["result"].settings["finetune"]["steps"] == 6  # the recommended settings
+    assert (tmp_path / "labels.html").exists()
+    assert (tmp_path / "repaired" / "model.safetensors").exists()
