@@ -16,6 +16,7 @@ _EXPORTS = {
     "HeadSet": "surgery",
     "RepairResult": "repair",
     "Thresholds": "classify",
+    "alibi_slopes": "models",
     "analytic_blindness": "blindness",
     "bos_mass_objective": "finetune",
     "classify_heads": "classify",

@@ -504,6 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cli.add_data_args(parser, seq_len=1024, n_seqs=8)
     cli.add_output_args(parser)
     args = parser.parse_args(argv)
+    formats = cli.figure_formats(args)  # --format pdf without a browser: fail before any work
     dtypes = [dtype_name(d) for d in args.dtype]
     shape = model_shape(args.model)
     args.max_distance = shape.n_ctx if args.max_distance is None else args.max_distance
@@ -555,9 +556,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 frame = getattr(measured, table)
                 atomic_write_text(tmp / f"measured_{table}.csv", frame.to_csv(index=False))
         atomic_write_text(tmp / "summary.txt", summary + "\n")
-        for name, fig in figures.items():
-            for fmt in ("html", "png", *args.format):
-                plots.save_figure(fig, tmp / f"{name}.{fmt}")
+        skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
+    plots.warn_skipped(skipped, out)
     print(f"wrote {out}/")
     return 0
 

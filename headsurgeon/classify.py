@@ -38,7 +38,13 @@ import pandas as pd
 
 from headsurgeon import plots
 from headsurgeon.census import COLUMNS, run_census
-from headsurgeon.cli import add_data_args, add_model_args, add_output_args, load_model_from_args
+from headsurgeon.cli import (
+    add_data_args,
+    add_model_args,
+    add_output_args,
+    figure_formats,
+    load_model_from_args,
+)
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
 
@@ -285,7 +291,7 @@ def write_classification(
     *,
     sweep: pd.DataFrame | None = None,
     metadata: dict[str, Any] | None = None,
-    formats: Sequence[str] = ("html", "png"),
+    formats: Sequence[str] | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write a classification to a new folder, atomically; return the folder.
@@ -295,16 +301,14 @@ def write_classification(
     means; ``heads``: the rows), ``summary.txt``, ``threshold_sweep.csv`` and the figures
     ``bos_mass``, ``labels``, ``entropy``, ``output_share`` and ``threshold_sweep`` in each of
     ``formats`` (html, png, svg, pdf; none for ``formats=()``); the HTML figures share one
-    ``plotly.min.js`` in the folder and work offline. A folder holding files is refused unless
-    ``overwrite``.
+    ``plotly.min.js`` in the folder and work offline. ``formats=None`` writes html, and png when
+    a Chromium browser is found (else one warning names the skipped PNGs); static formats given
+    explicitly need a browser (:func:`headsurgeon.plots.split_formats`), checked before anything
+    is written. A folder holding files is refused unless ``overwrite``.
     """
     needed = ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share"]
     _require(classified, [*needed, "label", "reason"])
-    unknown = sorted(set(formats) - set(plots.FORMATS))
-    if unknown:
-        raise InvalidArgumentError(
-            f"unknown figure format(s) {', '.join(unknown)}; use {', '.join(plots.FORMATS)}"
-        )
+    plots.split_formats(formats)  # an unknown format, or no browser for one asked for: fail now
     sweep = threshold_sweep(classified, _thresholds_of(classified)) if sweep is None else sweep
     info = dict(classified.attrs) | (metadata or {})
     info |= {"versions": _versions(), "created": datetime.datetime.now().astimezone().isoformat()}
@@ -324,9 +328,8 @@ def write_classification(
         atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")
         atomic_write_text(tmp / "threshold_sweep.csv", sweep.to_csv(index=False))
         atomic_write_text(tmp / "summary.txt", summary + "\n")
-        for name, figure in figures.items():
-            for fmt in formats:
-                plots.save_figure(figure, tmp / f"{name}.{fmt}", include_plotlyjs="directory")
+        skipped = plots.save_figures(figures, tmp, formats)
+    plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)
 
 
@@ -372,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
+    formats = figure_formats(args)  # --format svg/pdf without a browser: fail before the census
     out = Path(args.out) if args.out else default_out_dir(args.model)
     check_output_dir(out, args.overwrite)  # fail before the (long) census
     model = load_model_from_args(args)
@@ -386,11 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     classified = classify_heads(census, thresholds)
     print(format_summary(classified, top=args.top))
-    formats = ["html", "png", *args.format]
+    written = plots.split_formats(formats)[0]
     write_classification(classified, out, formats=formats, overwrite=args.overwrite)
     print(
         f"\nwrote {out}/: heads.csv, heads.json, summary.txt, threshold_sweep.csv, figures "
-        f"({', '.join(formats)})"
+        f"({', '.join(written)})"
     )
     return 0
 

@@ -4,6 +4,8 @@ Exports:
     add_model_args(parser)    MODEL, --dtype, --device, --threads
     add_data_args(parser)     --texts, --n-seqs, --seq-len, --prepend-bos/--no-prepend-bos
     add_output_args(parser)   --out, --overwrite, --format
+    figure_formats(args)      the figure formats to write; --format svg/pdf without a browser
+                              is a one-line error here, before any model is loaded
     load_data(model, args)    the token sequences the data options describe
     run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2
                               (and keep freed memory, see headsurgeon.allocator)
@@ -91,8 +93,28 @@ def add_output_args(parser: argparse.ArgumentParser, *, formats: bool = True) ->
             nargs="+",
             choices=["svg", "pdf"],
             default=[],
-            help="static figure formats besides html and png",
+            help="static figure formats besides html and png (these need Chromium: without "
+            "one --format is an error, while png is skipped with a warning)",
         )
+
+
+def figure_formats(args: argparse.Namespace) -> list[str] | None:
+    """The ``formats`` a CLI passes to its writer, checked before any work.
+
+    Without ``--format``: ``None``, the writers' default (html, and png when a Chromium browser
+    is found; otherwise the PNGs are skipped with one warning and the run still succeeds). With
+    ``--format svg pdf``: html, png and those, all required, so a missing browser is a one-line
+    :class:`~headsurgeon.errors.FigureExportError` now rather than after the model has run.
+    """
+    if not getattr(args, "format", None):
+        return None
+    from headsurgeon import plots
+
+    plots.require_browser(
+        f"--format {' '.join(args.format)}",
+        instead="leave out --format (html figures need no browser)",
+    )
+    return ["html", "png", *args.format]
 
 
 def load_model_from_args(args: argparse.Namespace) -> HookedTransformer:

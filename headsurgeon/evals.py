@@ -26,7 +26,6 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
@@ -42,6 +41,7 @@ from headsurgeon.data import (
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.models import model_info
+from headsurgeon.progress import tqdm
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 from jaxtyping import Float, Int
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 
 from headsurgeon.errors import (
@@ -61,6 +60,7 @@ from headsurgeon.errors import (
     OutputExistsError,
 )
 from headsurgeon.outputs import atomic_write_bytes
+from headsurgeon.progress import tqdm
 from headsurgeon.surgery import TRAINED_TENSORS, HeadMask, HeadParameters, HeadSet, head_masks
 
 logger = logging.getLogger(__name__)

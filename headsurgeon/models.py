@@ -2,7 +2,8 @@
 
 Exports:
     load_model(name_or_path, dtype, device)  HookedTransformer, unprocessed weights, exact ALiBi
-    save_hf(model, out_dir, overwrite)       atomic Hugging Face checkpoint (BLOOM), safetensors
+    save_hf(model, out_dir, overwrite, dtype, verify)  BLOOM checkpoint, checked by reloading it
+    checkpoint_dtype(model)                  the dtype of the checkpoint a model was loaded from
     from_hf_model(hf_model, tokenizer, ...)  wrap an in-memory transformers model
     random_model(shape, seed)                random-weight BLOOM of a given or named shape
     random_hf_bloom(shape, seed)             the same, as a transformers model
@@ -56,10 +57,11 @@ from headsurgeon.errors import (
     CheckpointError,
     InvalidArgumentError,
     ModelNotFoundError,
+    OutputExistsError,
     UnknownModelError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -676,6 +678,7 @@ def _bloom_config(model: HookedTransformer, info: ModelInfo) -> dict[str, Any]:
         n_head=cfg.n_heads,
         layer_norm_epsilon=cfg.eps,
     )
+    config.setdefault("seq_length", cfg.n_ctx)  # BLOOM computes any length; read by model_shape
     return config
 
 
@@ -719,8 +722,228 @@ def hf_state_dict(model: HookedTransformer) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 
+# HookedTransformerConfig fields that do not change what a model computes (names, devices,
+# initialisation, hook points, tokenizer conventions), that config.json states (n_ctx as
+# seq_length, dtype) or that only apply to positional schemes other than ALiBi (whose own field,
+# positional_embedding_type, is compared).
+_NOT_COMPUTED = frozenset({
+    "model_name", "tokenizer_name", "tokenizer_prepends_bos", "default_prepend_bos",
+    "original_architecture", "n_ctx", "dtype", "device", "n_devices", "seed", "init_mode",
+    "init_weights", "initializer_range", "n_params", "from_checkpoint", "trust_remote_code",
+    "use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in", "use_hook_tokens",
+    "tie_word_embeddings", "decoder_start_token_id", "train_seq_length", "window_size",
+    "attn_types", "experts_per_token", "norm_topk_prob", "use_dynamic_ntk_rope",
+    "use_NTK_by_parts_rope", "use_yarn_rope",
+})  # fmt: skip
+_NOT_COMPUTED_PREFIXES = ("checkpoint_", "rotary_", "NTK_", "yarn_", "relative_attention_")
+# TransformerLens's names for BLOOM's activation, the tanh approximation of GELU.
+_TANH_GELU = frozenset({"gelu_new", "gelu_fast", "gelu_pytorch_tanh"})
+# The export check: random tokens (fixed seed), compared in float32.
+_PROBE_SEQS, _PROBE_LEN, _PROBE_SEED = 4, 32, 0
+EXPORT_ATOL = 1e-4
+EXPORT_RTOL = 1e-5
+_TOLERANCE = "1e-4 + 1e-5"
+
+
+def _bloom_differences(model: HookedTransformer, config: dict[str, Any]) -> list[str]:
+    """What ``model`` computes that the BLOOM ``config`` (and BLOOM's weights) cannot express.
+
+    The reference is the TransformerLens config that ``config`` itself converts to, so every
+    field TransformerLens knows is compared, not a hand-kept list of BLOOM's settings.
+    """
+    cfg = model.cfg
+    with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        bloom = _tl_config(Path(tmp), dtype=cfg.dtype)
+    found = []
+    if cfg.original_architecture not in (None, "BloomForCausalLM"):
+        found.append(f"architecture {cfg.original_architecture}")
+    for field in dataclasses.fields(bloom):
+        name = field.name
+        if name in _NOT_COMPUTED or name.startswith(_NOT_COMPUTED_PREFIXES):
+            continue
+        ours, theirs = getattr(cfg, name, None), getattr(bloom, name)
+        if name == "act_fn" and ours in _TANH_GELU:
+            continue
+        if name == "attn_scale" and cfg.d_head != bloom.d_head:
+            continue  # sqrt(d_head): a consequence of d_head, reported as such
+        if ours != theirs:
+            found.append(_difference(name, ours, theirs, cfg))
+    if cfg.positional_embedding_type == "alibi":
+        applied, exact = alibi_slopes(model), alibi.slopes(cfg.n_heads)
+        if not torch.allclose(applied, exact, rtol=1e-6, atol=0.0):
+            found.append(
+                f"ALiBi slopes {_rounded(applied)} are not BLOOM's for {cfg.n_heads} heads "
+                f"{_rounded(exact)} (TransformerLens's power-of-two formula): "
+                "headsurgeon.models.use_exact_alibi(model) switches them, changing its outputs"
+            )
+    if torch.any(model.unembed.b_U != 0):
+        found.append("a non-zero unembedding bias b_U (BLOOM has none)")
+    return found
+
+
+def _difference(name: str, ours: Any, theirs: Any, cfg: HookedTransformerConfig) -> str:
+    """One difference between a model's config and BLOOM's, in words."""
+    if name == "positional_embedding_type":
+        return f"{ours} positions (BLOOM uses ALiBi)"
+    if name == "act_fn":
+        return f"activation {ours} (BLOOM's is the tanh approximation of GELU, gelu_new)"
+    if name == "normalization_type" and ours in ("LNPre", "RMSPre"):
+        return (
+            f"processed weights (normalization_type {ours}: LayerNorm folded into the next "
+            "layer); load it with headsurgeon.load_model, which keeps weights unprocessed"
+        )
+    if name == "normalization_type" and ours is None:
+        return "no LayerNorms (normalization_type None; BLOOM: LN, LayerNorm with weights)"
+    if name == "normalization_type":
+        return f"normalization {ours} (BLOOM: LN, LayerNorm with weights)"
+    if name == "post_embedding_ln":
+        return "no embedding LayerNorm (post_embedding_ln=False; BLOOM normalises the embeddings)"
+    if name == "d_mlp":
+        return f"d_mlp {ours} (BLOOM: 4 x d_model = {theirs})"
+    if name == "d_head":
+        return f"d_head {ours} x {cfg.n_heads} heads (BLOOM: d_head = d_model / n_heads = {theirs})"
+    if isinstance(ours, float) and isinstance(theirs, float):
+        return f"{name}={ours:g} (BLOOM: {theirs:g})"
+    return f"{name}={ours!r} (BLOOM: {theirs!r})"
+
+
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def checkpoint_dtype(model: HookedTransformer) -> torch.dtype | None:
+    """The dtype of the checkpoint ``model`` was loaded from, None when that is unknown.
+
+    Read from the source folder of a model from :func:`load_model`: the dtype its safetensors
+    hold (every floating tensor), else ``config.json``'s ``dtype``/``torch_dtype``. The bundled
+    organisms are float16 on disk and load as float32. None for a model built in memory (a
+    TransformerLens config, :func:`from_hf_model` without a folder) or whose folder is gone.
+
+    >>> print(checkpoint_dtype(random_model(ModelShape(1, 2, 8, 16, 8))))
+    None
+    """
+    source = model_info(model).source
+    if source is None or not source.is_dir():
+        return None
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    try:
+        for file in sorted(source.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                found.update(f.get_slice(key).get_dtype() for key in f.keys())  # noqa: SIM118
+    except Exception:  # unreadable weights: fall back to the config
+        found = set()
+    floating = found & {"F16", "BF16", "F32", "F64"}
+    if len(floating) == 1:
+        return _SAFETENSORS_DTYPES.get(floating.pop())
+    try:
+        config = json.loads((source / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    named = config.get("dtype") or config.get("torch_dtype")
+    return DTYPES.get(named) if isinstance(named, str) else None
+
+
+def _probe_tokens(model: HookedTransformer, device: torch.device) -> Tensor:
+    """The export check's probe batch: a few random sequences within the vocabulary and context."""
+    generator = torch.Generator().manual_seed(_PROBE_SEED)
+    shape = (_PROBE_SEQS, min(_PROBE_LEN, model.cfg.n_ctx))
+    return torch.randint(0, model.cfg.d_vocab, shape, generator=generator).to(device)
+
+
+def _float32_logits(model: HookedTransformer, tokens: Tensor) -> Tensor:
+    """``model``'s logits computed in float32 (its hooks included), the model left as it was.
+
+    A float16 or bfloat16 model runs this one forward pass on float32 copies of its tensors;
+    then each tensor gets its own storage back (the same memory, so views stay views).
+    """
+    narrow = [t for t in (*model.parameters(), *model.buffers())
+              if t.is_floating_point() and t.dtype != torch.float32]  # fmt: skip
+    storages, cfg_dtype = [t.data for t in narrow], model.cfg.dtype
+    try:
+        for t in narrow:
+            t.data = t.data.to(torch.float32)
+        model.cfg.dtype = torch.float32
+        with torch.no_grad():
+            return model(tokens, return_type="logits").to(torch.float32)
+    finally:
+        for t, storage in zip(narrow, storages, strict=True):
+            t.data = storage
+        model.cfg.dtype = cfg_dtype
+
+
+def _verify_export(
+    model: HookedTransformer, folder: Path, unrounded: dict[str, Tensor] | None
+) -> float | None:
+    """Reload ``folder`` with ``transformers`` (float32) and compare logits with ``model``'s.
+
+    ``unrounded``: the weights before rounding to the written dtype, when rounding changed any;
+    the export is then checked with them, and how far rounding moves the logits is returned.
+    """
+    from transformers import BloomForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    device = model.embed.W_E.device
+    tokens = _probe_tokens(model, device)
+    tf32 = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # TF32 would exceed the tolerance by itself
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        expected = _float32_logits(model, tokens)
+        hf, loading = BloomForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, local_files_only=True, output_loading_info=True
+        )
+        bad = sorted(loading["missing_keys"]) + sorted(str(k) for k in loading["mismatched_keys"])
+        if bad:
+            raise CheckpointError(
+                f"transformers could not read {len(bad)} exported weight(s) (first: {bad[0]}); "
+                "nothing written"
+            )
+        hf = hf.to(device).eval()
+        with torch.no_grad():
+            written = hf(tokens).logits
+            computed = written
+            if unrounded is not None:
+                hf.load_state_dict(unrounded, strict=False)
+                computed = hf(tokens).logits
+        del hf
+    finally:
+        torch.set_float32_matmul_precision(tf32)
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+    gap = (computed - expected).abs()
+    allowed = EXPORT_ATOL + EXPORT_RTOL * expected.abs()
+    if bool((gap > allowed).any()):
+        raise CheckpointError(
+            f"the export does not compute this model: transformers' logits on {tokens.shape[0]} "
+            f"random sequences of {tokens.shape[1]} tokens differ from the model's by up to "
+            f"{gap.max().item():.3g} (tolerance {_TOLERANCE} x |logit|, float32); nothing "
+            "written. Hooks that change the model's computation (a mitigation?) cannot be exported"
+        )
+    return None if unrounded is None else (written - expected).abs().max().item()
+
+
+def _check_export_dir(out_dir: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse, before any work, an ``out_dir`` that cannot become a new checkpoint folder."""
+    path = check_output_dir(out_dir, overwrite)  # a file, or a folder holding files
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputExistsError(f"cannot create {path}: {ancestor} is a file; choose a folder path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"cannot create {path}: {ancestor} is not writable")
+
+
 def save_hf(
-    model: HookedTransformer, out_dir: str | os.PathLike, *, overwrite: bool = False
+    model: HookedTransformer,
+    out_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    dtype: str | torch.dtype | None = None,
+    verify: bool = True,
 ) -> Path:
     """Export a BLOOM HookedTransformer as a Hugging Face checkpoint folder (safetensors).
 
@@ -729,24 +952,34 @@ def save_hf(
     written separately and the config unties them). Tokenizer files are copied from the source
     folder verbatim when there is one. The folder appears atomically; a non-empty ``out_dir`` is
     refused unless ``overwrite=True``.
+
+    Before anything is written, a model that BLOOM's format cannot represent is refused with one
+    :class:`UnsupportedArchitectureError` naming every difference (slopes that are not BLOOM's,
+    another activation, positional scheme or normalisation, no embedding LayerNorm, folded
+    weights, ...). ``dtype``: the written dtype (recorded in ``config.json``); by default the
+    dtype of the checkpoint the model came from (:func:`checkpoint_dtype`; the organisms'
+    float16), else the model's own. ``verify`` (default): before the folder is renamed into
+    place, it is reloaded with ``transformers`` in float32 and its logits on a few random token
+    sequences are compared with the model's own (computed in float32); a gap above
+    ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
+    float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
     """
     from safetensors.torch import save_file
 
+    _check_export_dir(out_dir, overwrite)
     info = model_info(model)
-    if model.cfg.original_architecture not in (None, "BloomForCausalLM") or (
-        model.cfg.positional_embedding_type != "alibi"
-    ):
-        raise UnsupportedArchitectureError(
-            f"save_hf exports BLOOM models only, not {model.cfg.original_architecture}"
-        )
-    if model.cfg.normalization_type != "LN":
-        raise UnsupportedArchitectureError(
-            f"model has {model.cfg.normalization_type} normalisation (folded weights); "
-            "load it with headsurgeon.load_model to keep weights exportable"
-        )
-    if torch.any(model.unembed.b_U != 0):
-        raise UnsupportedArchitectureError("BLOOM has no unembedding bias, but b_U is non-zero")
     config = _bloom_config(model, info)
+    differences = _bloom_differences(model, config)
+    if differences:
+        raise UnsupportedArchitectureError(
+            f"save_hf cannot write {info.name!r} as a BLOOM checkpoint: {'; '.join(differences)}"
+        )
+    source_dtype = checkpoint_dtype(model)
+    if dtype is not None:
+        save_dtype = parse_dtype(dtype)
+    else:
+        save_dtype = source_dtype or model.embed.W_E.dtype
+    dtype_name = str(save_dtype).removeprefix("torch.")
     state = hf_state_dict(model)
     tied = config.get("tie_word_embeddings", True) and torch.equal(
         state["lm_head.weight"], state["transformer.word_embeddings.weight"]
@@ -754,11 +987,27 @@ def save_hf(
     config["tie_word_embeddings"] = bool(tied)
     if tied:
         del state["lm_head.weight"]
+    written = {name: tensor.to(save_dtype) for name, tensor in state.items()}
+    rounded = 0  # weights that the written dtype does not hold exactly
+    for name, tensor in state.items():
+        if tensor.dtype == save_dtype:
+            continue
+        if not torch.isfinite(written[name]).all() and torch.isfinite(tensor).all():
+            raise InvalidArgumentError(
+                f"{name} has weights beyond {dtype_name}'s range (largest "
+                f"|w| {tensor.abs().max().item():.3g}); pass dtype='float32'"
+            )
+        rounded += int((written[name].to(tensor.dtype) != tensor).count_nonzero())
+    unrounded = state if verify and rounded else None
+    del state
     config.pop("torch_dtype", None)  # transformers 5 calls it dtype; the old key would conflict
-    config["dtype"] = str(model.cfg.dtype).removeprefix("torch.")
+    config["dtype"] = dtype_name
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(written, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del written
         atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))
+        # safetensors creates its file private (0600); give it the umask's mode, as config.json.
+        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")
         metadata = dict(info.metadata)
         metadata.update(prepend_bos=info.prepend_bos, exported_from=info.name)
         atomic_write_text(tmp / METADATA_FILE, json.dumps(metadata, indent=2, default=str))
@@ -768,6 +1017,19 @@ def save_hf(
                     shutil.copyfile(info.source / file, tmp / file)
         elif info.tokenizer is not None:
             info.tokenizer.save_pretrained(tmp)
+        moved = _verify_export(model, tmp, unrounded) if verify else None
+    if rounded:
+        message = f"save_hf wrote {dtype_name}: rounding changed {rounded} weight(s) of {info.name}"
+        if moved is not None:
+            message += f" and its logits by up to {moved:.3g}"
+        if dtype is None:  # a default the user may not know about
+            warnings.warn(
+                f"{message}; pass dtype={str(model.embed.W_E.dtype).removeprefix('torch.')!r} "
+                "to write the model exactly",
+                stacklevel=2,
+            )
+        else:
+            logger.info(message)
     logger.info("saved %s to %s", info.name, out_dir)
     return Path(out_dir)
 

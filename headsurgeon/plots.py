@@ -1,11 +1,11 @@
 """Figures: head grids (layers x heads), label maps, repair diffs, threshold sweeps; and export.
 
 Every function takes DataFrames (one row per head, as :func:`headsurgeon.run_census` and
-:func:`headsurgeon.classify_heads` return) and returns a ``plotly.graph_objects.Figure`` that
-renders inline in Jupyter; :func:`save_figure` writes it. Colour scales are colour-blind safe
-(viridis, a blue-red diverging scale, Okabe-Ito colours), labels are drawn as symbols as well as
-colours (so they survive greyscale print), fonts are sized for a paper figure at 2x scale, and
-hovering a cell shows every metric of the head.
+:func:`headsurgeon.classify_heads` return) and returns a :class:`Figure` (a
+``plotly.graph_objects.Figure``) that renders inline in Jupyter; :func:`save_figure` writes it.
+Colour scales are colour-blind safe (viridis, a blue-red diverging scale, Okabe-Ito colours),
+labels are drawn as symbols as well as colours (so they survive greyscale print), fonts are sized
+for a paper figure at 2x scale, and hovering a cell shows every metric of the head.
 
 Exports:
     head_grid(df, metric)              heatmap of one metric; BOS-sink / dead heads marked
@@ -14,14 +14,39 @@ Exports:
     sweep_plot(sweep)                  label counts against each threshold
     models_grid({name: df}, metric)    several models side by side, one colour scale
     save_figure(fig, path)             .html, .png, .svg or .pdf, written atomically
-    FORMATS                            the formats save_figure writes
+    save_figures(figs, folder, fmts)   every figure in every format; static ones skipped
+                                       without a browser (see split_formats)
+    split_formats(formats)             the formats to write and the static ones to skip
+    require_browser(what)              FigureExportError (one line, the fix) without Chromium
+    has_browser()                      whether static figures can be written here
+    warn_skipped(names, folder)        the one warning line about skipped static figures
+    Figure                             go.Figure that also shows as HTML and PNG in notebooks
+    FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
+
+Static formats (png, svg, pdf) go through kaleido and a Chromium browser; html needs nothing.
+Writers that take ``formats`` (:func:`save_figures`, ``write_classification``,
+``repair.write_report``) follow one rule: ``formats=None`` (the default) writes html, and png
+when a browser is found; without one the PNGs are skipped and one warning names them and the
+fix. Formats given explicitly are all required: a static one without a browser raises
+:class:`~headsurgeon.errors.FigureExportError` before anything is written.
+
+In Jupyter a :class:`Figure` shows through the user's plotly renderer as usual (interactive,
+``application/vnd.plotly.v1+json``) and its output also carries ``text/html`` (plotly.js from
+the CDN, with the PNG inside as a fallback) and ``image/png`` (when a browser is found), so it
+still shows where the notebook is viewed as a file: GitHub, nbviewer, an HTML export.
+``NOTEBOOK_OUTPUTS`` chooses these extra representations (``()`` for plotly's own output only);
+plotly's settings (``plotly.io.renderers``) are never changed.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import re
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +60,12 @@ from headsurgeon.outputs import atomic_write_bytes, atomic_write_text
 logger = logging.getLogger(__name__)
 
 FORMATS = ("html", "png", "svg", "pdf")
+STATIC_FORMATS = ("png", "svg", "pdf")  # written through kaleido and a Chromium browser
+# Written by default: html always, png when a browser is found (see split_formats).
+DEFAULT_FORMATS = ("html", "png")
+# What a Figure's notebook output carries besides the plotly renderer's own representation.
+NOTEBOOK_OUTPUTS = ("text/html", "image/png")
+NOTEBOOK_SCALE = 1.0  # pixel scale of the notebook PNG (1: the figure's own size, small files)
 FONT = {"family": "Helvetica, Arial, sans-serif", "size": 15, "color": "#222222"}
 # Okabe & Ito (2008) colours: distinguishable with every common colour-vision deficiency.
 OKABE_ITO = {
@@ -68,6 +99,117 @@ METRICS = {
     "slope": ("ALiBi slope", None),
 }
 HOVER_SKIP = ("layer", "head", "label", "reason")
+
+
+class Figure(go.Figure):
+    """A plotly figure whose notebook output also shows where no plotly.js runs.
+
+    Plotly's Jupyter output is its JSON mime type only, which GitHub, nbviewer and HTML exports
+    do not draw. Shown in Jupyter (as a cell's value or with :meth:`show`), this figure's output
+    keeps whatever the user's plotly renderer produces and adds the representations named in
+    :data:`NOTEBOOK_OUTPUTS`: ``text/html`` (the interactive figure, plotly.js from the CDN, with
+    the PNG inside until it draws) and ``image/png`` (when a Chromium browser is found; rendered
+    through kaleido, ~0.3 s a figure). An explicit ``show(renderer=...)``, an external renderer
+    (a browser window) and code outside Jupyter get plotly's behaviour unchanged.
+    """
+
+    def _repr_mimebundle_(self, include=None, exclude=None, validate=True, **kwargs):
+        bundle = super()._repr_mimebundle_(include, exclude, validate, **kwargs)
+        return _with_static_outputs(self, bundle) if bundle else bundle
+
+    def _ipython_display_(self):
+        import plotly.io as pio
+
+        if pio.renderers.render_on_display and pio.renderers.default:
+            self.show()
+        else:
+            print(repr(self))
+
+    def show(self, *args, **kwargs):
+        """Display the figure (see :meth:`plotly.graph_objects.Figure.show`)."""
+        bundle = None
+        if not args and kwargs.get("renderer") is None and _mimetype_renderers_in_ipython():
+            kwargs.pop("renderer", None)
+            bundle = self._repr_mimebundle_(**kwargs)
+        if not bundle:
+            return super().show(*args, **kwargs)
+        from IPython.display import display
+
+        display(bundle, raw=True)
+        return None
+
+
+def _mimetype_renderers_in_ipython() -> bool:
+    """Whether plotly's default renderers all produce notebook output, inside IPython."""
+    import plotly.io as pio
+    from plotly.io.base_renderers import MimetypeRenderer
+
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    names = [name for name in (pio.renderers.default or "").split("+") if name]
+    return (
+        get_ipython() is not None
+        and bool(names)
+        and all(isinstance(pio.renderers[name], MimetypeRenderer) for name in names)
+    )
+
+
+def _with_static_outputs(fig: go.Figure, bundle: dict) -> dict:
+    """``bundle`` plus the ``text/html`` and ``image/png`` of :data:`NOTEBOOK_OUTPUTS`."""
+    bundle = dict(bundle)
+    png = bundle.get("image/png")
+    if png is None and "image/png" in NOTEBOOK_OUTPUTS and has_browser():
+        try:
+            png = base64.b64encode(_image(fig, "png", NOTEBOOK_SCALE)).decode("ascii")
+        except FigureExportError as e:
+            logger.debug("no notebook PNG: %s", e)
+        else:
+            bundle["image/png"] = png
+    if "text/html" not in bundle and "text/html" in NOTEBOOK_OUTPUTS:
+        bundle["text/html"] = _notebook_html(fig, png)
+    return bundle
+
+
+def _notebook_html(fig: go.Figure, png: str | None) -> str:
+    """The interactive figure (plotly.js from the CDN) as an HTML fragment.
+
+    Where scripts do not run (GitHub) or the CDN cannot be reached, ``png`` (base64) shows in
+    the figure's place; plotly.js removes it once the figure is drawn.
+    """
+    div_id = f"headsurgeon-{uuid.uuid4().hex[:16]}"
+    drawn = "var i = document.getElementById('{plot_id}-png'); if (i) { i.remove(); }"
+    html = fig.to_html(
+        full_html=False,
+        include_plotlyjs="cdn",
+        div_id=div_id,
+        config={"displaylogo": False},
+        post_script=drawn,
+    )
+    if png is not None:
+        width, height = fig.layout.width, fig.layout.height
+        size = f' width="{width}" height="{height}"' if width and height else ""
+        title = fig.layout.title.text or "figure"
+        alt = re.sub(r"<[^>]+>|\"", "", title)
+        image = f'<img id="{div_id}-png" src="data:image/png;base64,{png}" alt="{alt}"{size}>'
+        html = re.sub(rf'(<div id="{div_id}"[^>]*>)(</div>)', rf"\1{image}\2", html, count=1)
+    return html
+
+
+def _notebook_figure(make: Callable[..., go.Figure]) -> Callable[..., Figure]:
+    """Decorator: the figure ``make`` returns, as a :class:`Figure`."""
+
+    @functools.wraps(make)
+    def wrapper(*args, **kwargs) -> Figure:
+        fig = make(*args, **kwargs)
+        if type(fig) is go.Figure:
+            # A fresh figure of ours: retype it in place (Figure adds methods, no state), which
+            # costs nothing, where Figure(fig) would copy and validate every trace again.
+            fig.__class__ = Figure
+        return fig
+
+    return wrapper
 
 
 def _title(metric: str) -> str:
@@ -254,6 +396,7 @@ def _plot_size(n_layers: int, n_heads: int, cell: float) -> tuple[float, float]:
     return max(n_heads * cell, 240), max(n_layers * cell, 160)
 
 
+@_notebook_figure
 def head_grid(
     df: pd.DataFrame,
     metric: str = "bos_mass",
@@ -298,6 +441,7 @@ def head_grid(
     return fig
 
 
+@_notebook_figure
 def label_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """The label of every head: healthy (light grey), BOS-sink (orange ○), dead (black ×)."""
     _check(df, ["layer", "head", "label"])
@@ -354,6 +498,7 @@ def label_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     return fig
 
 
+@_notebook_figure
 def diff_grid(
     before: pd.DataFrame,
     after: pd.DataFrame,
@@ -440,6 +585,7 @@ SWEEP_PANELS = {
 }
 
 
+@_notebook_figure
 def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Head counts per label (and sick = BOS-sink + dead) as each threshold moves.
 
@@ -503,6 +649,7 @@ def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     return fig
 
 
+@_notebook_figure
 def models_grid(
     dfs: Mapping[str, pd.DataFrame], metric: str = "bos_mass", *, title: str | None = None
 ) -> go.Figure:
@@ -575,31 +722,90 @@ def models_grid(
     return fig
 
 
-def _find_browser() -> str:
-    """The Chromium kaleido will use: ``BROWSER_PATH``, else choreographer's search."""
-    from choreographer.browsers.chromium import Chromium
+INSTALL_BROWSER = "install Chromium (apt-get install -y chromium) or set BROWSER_PATH"
 
-    fix = "install Chromium (apt-get install -y chromium) or set BROWSER_PATH, or save as .html"
+
+def _browser() -> tuple[str | None, str]:
+    """``(path, "")`` of the Chromium kaleido will use, or ``(None, "none found")`` (or why
+    ``BROWSER_PATH`` cannot be used).
+
+    ``BROWSER_PATH`` wins (as in choreographer); else choreographer's search: a browser it
+    downloaded, the Chrome/Chromium/Edge/Brave/Vivaldi names on ``PATH``, their usual paths.
+    """
     configured = os.environ.get("BROWSER_PATH")
     if configured:
         if not os.access(configured, os.X_OK):
-            raise FigureExportError(f"BROWSER_PATH={configured} is not an executable; {fix}")
-        return configured
+            return None, f"BROWSER_PATH={configured} is not an executable"
+        return configured, ""
+    from choreographer.browsers.chromium import Chromium
+
     found = Chromium.find_browser(skip_local=False)
     if found is None:
-        raise FigureExportError(f"static figure export needs a Chromium browser, none found; {fix}")
-    return found
+        return None, "none found"
+    return found, ""
+
+
+def has_browser() -> bool:
+    """Whether static figures (png, svg, pdf) can be written here: a Chromium was found."""
+    return _browser()[0] is not None
+
+
+def require_browser(what: str = "static figure export", *, instead: str = "save as .html") -> str:
+    """The browser's path; without one, :class:`FigureExportError` in one line with the fix.
+
+    ``what`` names what needs it (``"--format pdf"``); ``instead`` is the way around it.
+    """
+    path, why = _browser()
+    if path is None:
+        raise FigureExportError(
+            f"{what} needs a Chromium browser, {why}; {INSTALL_BROWSER}, or {instead}"
+        )
+    return path
+
+
+def _find_browser() -> str:
+    return require_browser()
 
 
 _server = {"running": False}
+
+
+class _ByeFilter(logging.Filter):
+    """Drop choreographer's traceback about the ``{bye}`` its Chromium wrapper sends on exit.
+
+    When a browser closes, choreographer's wrapper process writes ``{bye}`` to the pipe as an
+    end marker. If Chromium's last event and that marker arrive in one read (the reader thread
+    lagging a little, as on a busy machine), the reader waits for a message end that never
+    comes until the channel is closed, then parses the marker as JSON and logs
+    ``JSONError decoding message. Ignoring`` with a ``simplejson`` traceback, at interpreter
+    exit. The events are delivered; only the marker is misread. Every other record, and every
+    other JSON error, passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
+        document = getattr(getattr(error, "__cause__", None), "doc", None)
+        return not (
+            record.getMessage().startswith("JSONError decoding message")
+            and isinstance(document, str)
+            and document.strip() == "{bye}"
+        )
+
+
+def _quiet_browser_exit() -> None:
+    """Install :class:`_ByeFilter` on choreographer's pipe logger (once)."""
+    pipe_logger = logging.getLogger("choreographer.channels.pipe")
+    if not any(isinstance(f, _ByeFilter) for f in pipe_logger.filters):
+        pipe_logger.addFilter(_ByeFilter())
 
 
 def _image(fig: go.Figure, fmt: str, scale: float) -> bytes:
     """Static image bytes through kaleido; one Chromium is kept running for later exports."""
     import kaleido
 
-    _find_browser()  # fail with the fix, not deep inside kaleido
+    require_browser(f"saving a figure as {fmt}")  # fail with the fix, not deep inside kaleido
     if not _server["running"]:
+        _quiet_browser_exit()
         kaleido.start_sync_server(silence_warnings=True)  # ~0.3 s per image after the first
         _server["running"] = True
     layout = fig.layout
@@ -646,6 +852,93 @@ def save_figure(
     return path
 
 
+def split_formats(formats: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+    """The figure formats to write and the static ones to skip: ``(write, skipped)``.
+
+    ``None`` asks for :data:`DEFAULT_FORMATS`: html always, png when a Chromium browser is
+    found, else png is skipped. Formats given explicitly are all written: an unknown one raises
+    :class:`InvalidArgumentError`, a static one without a browser :class:`FigureExportError`
+    (one line with the fix). Call it before writing anything, so that either fails first.
+
+    >>> split_formats(["html"])
+    (['html'], [])
+    """
+    if formats is None:
+        if has_browser():
+            return list(DEFAULT_FORMATS), []
+        return [f for f in DEFAULT_FORMATS if f not in STATIC_FORMATS], ["png"]
+    if isinstance(formats, str):
+        formats = [formats]
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown figure format(s) {', '.join(unknown)}; use {', '.join(FORMATS)}"
+        )
+    write = list(dict.fromkeys(formats))
+    static = [f for f in write if f in STATIC_FORMATS]
+    if static:
+        require_browser(
+            f"figure format(s) {', '.join(static)}",
+            instead="leave formats at their default (html, and png when a browser is found)",
+        )
+    return write, []
+
+
+def save_figures(
+    figures: Mapping[str, go.Figure],
+    folder: str | os.PathLike,
+    formats: Sequence[str] | None = None,
+    *,
+    scale: float = 2.0,
+    include_plotlyjs: bool | str = "directory",
+) -> list[str]:
+    """Write each figure as ``folder/<name>.<format>``; return the file names skipped.
+
+    ``formats`` follows :func:`split_formats`: by default html, and png when a browser is found
+    (the PNGs are skipped, and returned, when none is). The writers of this package then log
+    :func:`warn_skipped` once the folder is complete.
+    """
+    write, skipped = split_formats(formats)
+    folder = Path(folder)
+    for name, figure in figures.items():
+        for fmt in write:
+            save_figure(
+                figure, folder / f"{name}.{fmt}", scale=scale, include_plotlyjs=include_plotlyjs
+            )
+    return [f"{name}.{fmt}" for fmt in skipped for name in figures]
+
+
+def _file_list(names: Sequence[str], most: int = 6) -> str:
+    """``a.png, b.png`` for a few names, ``*.png`` patterns with counts for many.
+
+    >>> _file_list(["a.png", "b.png"]), _file_list([f"{i}.png" for i in range(9)])
+    ('a.png, b.png', '*.png')
+    """
+    if len(names) <= most:
+        return ", ".join(names)
+    suffixes = dict.fromkeys(Path(n).suffix for n in names)
+    return ", ".join(f"*{suffix}" for suffix in suffixes)
+
+
+def warn_skipped(names: Sequence[str], folder: str | os.PathLike) -> str | None:
+    """Log one warning line naming the static figures skipped in ``folder``, and the fix.
+
+    Returns the line (``None`` when nothing was skipped).
+    """
+    if not names:
+        return None
+    why = _browser()[1] or "the browser could not be used"
+    plural, them = ("s", "them") if len(names) > 1 else ("", "it")
+    message = (
+        f"warning: skipped {len(names)} static figure{plural} in {Path(folder)}/ "
+        f"({_file_list(names)}): no Chromium browser for kaleido ({why}); to write {them}, "
+        f"{INSTALL_BROWSER} and run again, or export {them} from the .html figure{plural} "
+        "(camera button)"
+    )
+    logger.warning(message)
+    return message
+
+
 # --- Blindness and evaluation figures ---
 def _compact(x: float) -> str:
     """Short cell text for a distance: ``124``, ``2.2k``, ``4.4e53``, ``∞``.
@@ -681,6 +974,7 @@ def _eval_layout(fig: go.Figure, title: str, subtitle: str, width: int, height: 
     )
 
 
+@_notebook_figure
 def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Blind distance of every head (columns) per dtype and threshold (rows), log colour scale.
 
@@ -759,6 +1053,7 @@ def _sequential(n: int) -> list[str]:
     return sample_colorscale("Viridis", [0.9 * i / max(n - 1, 1) for i in range(n)])
 
 
+@_notebook_figure
 def zero_fraction_plot(by_distance: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Share of weights that underflow to exactly 0 against distance, one line per head.
 
@@ -823,6 +1118,7 @@ DTYPE_MARKERS = {
 }
 
 
+@_notebook_figure
 def analytic_vs_measured(by_head: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Measured first zero distance against the analytic blind distance, per head and dtype.
 
@@ -900,6 +1196,7 @@ RETRIEVAL_METRICS = {  # title, colour-bar title
 }
 
 
+@_notebook_figure
 def retrieval_heatmap(
     table: pd.DataFrame, metric: str = "top1_accuracy", *, title: str | None = None
 ) -> go.Figure:

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformer_lens import HookedTransformer
 from transformer_lens.hook_points import HookPoint
 
 from headsurgeon.data import batches
 from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.progress import tqdm
 
 logger = logging.getLogger(__name__)
 

@@ -480,8 +480,9 @@ def repair(
     )
     held_out = "bundled held-out corpora (shakespeare, python-docs)"
     eval_desc, census_desc = _describe(eval_corpus, held_out), _describe(census_data, held_out)
+    needs_text = eval_corpus is None or census_data is None
     can_read_text = (info.tokenizer or model.tokenizer) is not None
-    if not can_read_text and isinstance(corpus, torch.Tensor) and None in (eval_corpus, census_data):
+    if needs_text and not can_read_text and isinstance(corpus, torch.Tensor):
         train_tokens, rows = _split_off_eval_rows(train_tokens, n_eval_seqs)
         held_out = f"the last {len(rows)} rows of the training tensor (held out of training)"
         logger.info("no tokenizer: evaluating and measuring on %s", held_out)
@@ -759,7 +760,7 @@ def write_report(
     result: RepairResult,
     out_dir: str | os.PathLike,
     *,
-    formats: Sequence[str] = ("html", "png"),
+    formats: Sequence[str] | None = None,
     overwrite: bool = False,
     save_model: bool = True,
 ) -> Path:
@@ -770,13 +771,12 @@ def write_report(
     ``census_pass<N>.csv`` after each earlier pass, ``training_pass<N>.csv`` (evaluation
     history), the figures ``labels_before``, ``labels_after``, ``bos_mass_diff`` (whole run),
     ``pass<N>_bos_mass_diff`` and ``training`` in each of ``formats``, and ``model/``, the repaired
-    model as a Hugging Face checkpoint (unless ``save_model=False``).
+    model as a Hugging Face checkpoint (unless ``save_model=False``). ``formats=None`` writes
+    html, and png when a Chromium browser is found (else one warning names the skipped PNGs and
+    report.md links only what was written); static formats given explicitly need a browser
+    (:func:`headsurgeon.plots.split_formats`), checked before anything is written.
     """
-    unknown = sorted(set(formats) - set(plots.FORMATS))
-    if unknown:
-        raise InvalidArgumentError(
-            f"unknown figure format(s) {', '.join(unknown)}; use {', '.join(plots.FORMATS)}"
-        )
+    written = plots.split_formats(formats)[0]  # unknown format / no browser for one asked: now
     report = _json_safe(result.to_dict())
     report["versions"] = _versions()
     report["created"] = datetime.datetime.now().astimezone().isoformat()
@@ -796,7 +796,7 @@ def write_report(
     figures["training"] = training_plot(result)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")
-        atomic_write_text(tmp / "report.md", _markdown(report, list(figures), formats))
+        atomic_write_text(tmp / "report.md", _markdown(report, list(figures), written))
         atomic_write_text(tmp / "census_before.csv", result.census_before.to_csv(index=False))
         atomic_write_text(tmp / "census_after.csv", result.census_after.to_csv(index=False))
         for p in result.passes:
@@ -806,11 +806,10 @@ def write_report(
             atomic_write_text(
                 tmp / f"training_pass{p.index}.csv", p.training.history.to_csv(index=False)
             )
-        for name, figure in figures.items():
-            for fmt in formats:
-                plots.save_figure(figure, tmp / f"{name}.{fmt}", include_plotlyjs="directory")
+        skipped = plots.save_figures(figures, tmp, formats)
         if save_model:
             save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
+    plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)
 
 
@@ -970,6 +969,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
+    from headsurgeon.cli import figure_formats
+
+    formats = figure_formats(args)  # --format pdf without a browser: fail before any training
     config = FinetuneConfig(
         steps=FinetuneConfig.steps if args.steps is None else args.steps,
         lr=FinetuneConfig.lr if args.lr is None else args.lr,
@@ -1011,7 +1013,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=not args.quiet,
         )
         if dist_info.rank == 0:
-            formats = ["html", "png", *args.format]
             write_report(result, out, formats=formats, overwrite=args.overwrite)
             shutil.rmtree(partial, ignore_errors=True)
             print((out / "report.md").read_text().split("## Pass")[0].rstrip())

@@ -219,3 +219,16 @@ def test_bad_input_is_a_clear_error(tiny_model, call, message):
 def test_unusable_data_is_a_data_error(tiny_model):
     with pytest.raises(DataError, match="two tokens"):
         perplexity(tiny_model, torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_perplexity_scores_at_most_max_windows_evenly_spread(tiny_model):
+    rows = torch.randint(4, 300, (10, 24), generator=torch.Generator().manual_seed(3))
+    picked = rows[torch.linspace(0, 9, 4).round().long()]
+    assert perplexity(tiny_model, rows, max_windows=4) == pytest.approx(
+        perplexity(tiny_model, picked, max_windows=None), rel=1e-6
+    )
+    assert perplexity(tiny_model, rows, max_windows=None) != pytest.approx(
+        perplexity(tiny_model, picked), rel=1e-6
+    )
+    with pytest.raises(InvalidArgumentError, match="max_windows"):
+        perplexity(tiny_model, rows, max_windows=0)

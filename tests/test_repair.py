@@ -210,6 +210,7 @@ def test_python_repair_gives_the_clis_report(recommending, text_file, tmp_path):
         load_model(recommending), [text_file], eval_corpus=[text_file], census_data=[text_file],
         census_seq_len=32, census_n_seqs=16, prepend_bos=True, seq_len=32, progress=False,
     ).to_dict()  # fmt: skip
+    api = json.loads(json.dumps(api))  # as report.json holds it (tuples become lists)
     assert api["settings"]["finetune"]["steps"] == 6 and api["settings"]["finetune"]["lr"] == 1e-2
     described = ("train_data", "eval_data", "census_data")  # the CLI reads files, then passes text
     settings = {k: v for k, v in api["settings"].items() if k not in described}
@@ -236,3 +237,15 @@ def test_the_readmes_python_block_runs(recommending, tmp_path, monkeypatch):
     assert namespace["result"].settings["finetune"]["steps"] == 6  # the recommended settings
     assert (tmp_path / "labels.html").exists()
     assert (tmp_path / "repaired" / "model.safetensors").exists()
+
+
+def test_python_m_repair_shows_its_progress_messages(injured, text_file, tmp_path):
+    import subprocess
+    import sys
+
+    args = cli_args(injured, text_file, tmp_path / "out", "--passes", "1")
+    done = subprocess.run([sys.executable, "-m", "headsurgeon.repair", *args],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # Under -m the module logs as __main__; its messages must still reach the user.
+    assert "census: " in done.stderr and "pass 1: " in done.stderr
