@@ -38,6 +38,9 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+# Before TransformerLens imports tqdm.auto: text progress bars in Jupyter without ipywidgets,
+# without tqdm's "IProgress not found" warning (see headsurgeon.progress).
+importlib.import_module("headsurgeon.progress")
 
 
 def __getattr__(name: str):

@@ -47,6 +47,7 @@ import os
 import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from html import escape
 from pathlib import Path
 
 import numpy as np
@@ -190,10 +191,10 @@ def _notebook_html(fig: go.Figure, png: str | None) -> str:
     if png is not None:
         width, height = fig.layout.width, fig.layout.height
         size = f' width="{width}" height="{height}"' if width and height else ""
-        title = fig.layout.title.text or "figure"
-        alt = re.sub(r"<[^>]+>|\"", "", title)
+        alt = escape(re.sub(r"<[^>]+>", "", fig.layout.title.text or "figure"))
         image = f'<img id="{div_id}-png" src="data:image/png;base64,{png}" alt="{alt}"{size}>'
-        html = re.sub(rf'(<div id="{div_id}"[^>]*>)(</div>)', rf"\1{image}\2", html, count=1)
+        empty_div = re.compile(rf'(<div id="{div_id}"[^>]*>)(</div>)')
+        html = empty_div.sub(lambda m: m[1] + image + m[2], html, count=1)
     return html
 
 

@@ -241,6 +241,17 @@ def test_no_extra_outputs_outside_jupyter_or_when_turned_off(in_notebook, monkey
 # --- the browser's exit noise ---
 
 
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe."""
+    import array
+    import fcntl
+    import termios
+
+    count = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, count)
+    return count[0]
+
+
 def _read_through_close(payload: bytes):
     """Choreographer's reader when the browser's last bytes arrive in one read, then the channel
     closes under it (as when Browser.close is answered): the race behind the exit traceback."""
@@ -252,7 +263,10 @@ def _read_through_close(payload: bytes):
     box = []
     reader = threading.Thread(target=lambda: box.append(pipe.read_jsons(blocking=True)))
     reader.start()
-    time.sleep(0.2)  # the reader waits for the end of a message that never comes
+    deadline = time.monotonic() + 10
+    while _unread(pipe._read_from_browser) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the reader has taken the bytes (even on a busy machine)
+    time.sleep(0.1)  # ... and waits for the end of a message that never comes
     pipe.close()
     reader.join(5)
     return box[0][0]
