@@ -40,15 +40,19 @@ from headsurgeon.data import (
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.models import model_info
+from headsurgeon.models import model_info, model_shape
 from headsurgeon.progress import tqdm
 
 logger = logging.getLogger(__name__)
 
 
 def default_window(model: HookedTransformer) -> int:
-    """The training length when known (in-context evaluation), else the model's context."""
-    return min(model_info(model).train_ctx or model.cfg.n_ctx, model.cfg.n_ctx)
+    """The training length when known (in-context evaluation), else the model's context.
+
+    The context is the checkpoint's own ``seq_length`` when it has one (:func:`model_shape`):
+    TransformerLens gives every BLOOM ``n_ctx = 2048``.
+    """
+    return min(model_info(model).train_ctx or model_shape(model).n_ctx, model.cfg.n_ctx)
 
 
 def check_length(model: HookedTransformer, length: int, what: str = "context length") -> int:

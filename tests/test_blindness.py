@@ -10,7 +10,7 @@ import torch
 from conftest import make_bloom_checkpoint
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-from headsurgeon import alibi, load_model
+from headsurgeon import alibi, load_model, plots
 from headsurgeon.blindness import (
     DTYPES,
     analytic_blindness,
@@ -243,7 +243,9 @@ def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
     for name in ("measured_by_head", "measured_by_distance", "measured_by_length"):
         assert not pd.read_csv(out / f"{name}.csv").empty
     for name in ("blind_distance", "zero_fraction", "analytic_vs_measured"):
-        assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.html").exists()
+        assert (out / f"{name}.html").exists()
+        if plots.has_browser():  # without one the PNGs are skipped (tests/test_no_browser.py)
+            assert (out / f"{name}.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize(
