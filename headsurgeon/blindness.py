@@ -53,7 +53,7 @@ from headsurgeon.models import (
     parse_dtype,
     shared_bias,
 )
-from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
 from headsurgeon.probes import stream
 
 logger = logging.getLogger(__name__)
@@ -514,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mitigation == "robust":
         params = {**params, "dtype": dtypes[0], "threshold": args.threshold[0]}
     out = Path(args.out or f"blindness-{Path(str(args.model)).name}")
+    check_output_dir(out, args.overwrite)  # before the measurement, not after it
 
     analytic = None
     try:

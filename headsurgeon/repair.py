@@ -634,7 +634,9 @@ def training_plot(result: RepairResult) -> go.Figure:
         ("heldout_ppl", "held-out perplexity"),
         ("bos_mass", "BOS mass of targets"),
     ]
-    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[t for _, t in panels])
+    fig = plots.Figure(  # the package's figure class: it also shows in saved notebooks
+        make_subplots(rows=1, cols=len(panels), subplot_titles=[t for _, t in panels])
+    )
     colours = list(plots.OKABE_ITO.values())
     for p in result.passes:
         history = p.training.history

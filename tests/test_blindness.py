@@ -263,3 +263,22 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and err.startswith("error: ") and message in err
     assert "\n" not in err and not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_an_occupied_output_folder_before_measuring(
+    bloom8_dir, tmp_path, monkeypatch, capsys
+):
+    import headsurgeon.blindness as blindness_module
+
+    def not_now(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output folder was checked")
+
+    monkeypatch.setattr(blindness_module, "load_model", not_now)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        run(blindness_module.main, [str(bloom8_dir), "--measure", "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert "already holds files" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
