@@ -9,6 +9,8 @@ Exports:
                                         writes, and summary.md, as one folder written atomically;
                                         the summary ends with the run time
     fmt_heads(names)                    "L1H7, L2H10" or "none"
+    acceptance(report, ppl, changes)    the repair acceptance numbers (check_repair.py and
+                                        repair_organism.py): recovery, perplexity gap, bit-identity
     markdown(df, digits)                a DataFrame as a Markdown table (no extra dependency)
 """
 
@@ -20,14 +22,16 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from headsurgeon import plots
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.outputs import atomic_directory, atomic_write_text
-from headsurgeon.plots import FONT, save_figure
+from headsurgeon.plots import save_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "figures"
@@ -91,6 +95,43 @@ def fmt_heads(names: Sequence[str]) -> str:
     return ", ".join(names) if len(names) else "none"
 
 
+# The acceptance: the repaired model's held-out perplexity within 2% of the uninjured model's.
+PPL_TOLERANCE = 0.02
+
+
+def acceptance(
+    report: Mapping[str, Any], ppl: Mapping[str, float], changes: pd.DataFrame
+) -> dict[str, Any]:
+    """The repair acceptance numbers, computed one way for every script that reports them.
+
+    ``report``: a repair's ``report.json`` (``RepairResult.to_dict()``); ``ppl``: held-out
+    perplexities of ``"uninjured"`` and ``"repaired"`` on the same windows; ``changes``:
+    ``weight_changes(input, repaired, targeted heads)``.
+
+    >>> changes = pd.DataFrame({"elements": [10, 6], "head_elements": [4, 0],
+    ...                         "other_changed": [0, 0]})
+    >>> report = {"targeted": ["L1H1", "L1H3"], "recovered": ["L1H1"], "recovery_rate": 0.5,
+    ...           "drift": {"count": 0}}
+    >>> a = acceptance(report, {"uninjured": 10.0, "repaired": 10.1}, changes)
+    >>> a["recovered"], round(a["ppl_gap"], 3), a["ppl_met"], a["untouched"], a["bit_identical"]
+    (1, 0.01, True, 12, True)
+    """
+    gap = ppl["repaired"] / ppl["uninjured"] - 1
+    changed = int(changes["other_changed"].sum())
+    return {
+        "targeted": len(report["targeted"]),
+        "recovered": len(report["recovered"]),
+        "recovery_rate": report["recovery_rate"],
+        "drifted": report["drift"]["count"],
+        "ppl_gap": gap,
+        "ppl_met": abs(gap) <= PPL_TOLERANCE,
+        "untouched": int(changes["elements"].sum() - changes["head_elements"].sum()),
+        "untouched_changed": changed,
+        "head_elements": int(changes["head_elements"].sum()),
+        "bit_identical": changed == 0,
+    }
+
+
 def markdown(df: pd.DataFrame, digits: int = 3) -> str:
     """``df`` as a GitHub Markdown table; floats with ``digits`` significant digits.
 
@@ -111,17 +152,7 @@ def markdown(df: pd.DataFrame, digits: int = 3) -> str:
 def style(
     fig: go.Figure, title: str, subtitle: str, width: int, height: int, *, left: int = 80
 ) -> None:
-    """The layout every analysis figure shares: white template, paper fonts, title + subtitle."""
-    fig.update_layout(
-        template="plotly_white",
-        font=FONT,
-        title={
-            "text": title,
-            "subtitle": {"text": subtitle, "font": {"size": 13, "color": "#555555"}},
-            "x": 0.0,
-            "xanchor": "left",
-        },
-        width=width,
-        height=height,
-        margin={"l": left, "r": 30, "t": 105, "b": 70},
-    )
+    """The house style (:func:`headsurgeon.plots.style`) with the analyses' margins."""
+    margin = {"l": left, "r": 30, "t": 105, "b": 70}
+    plots.style(fig, title=title, subtitle=subtitle, width=width, height=height, margin=margin,
+                title_xref="container")  # fmt: skip

@@ -47,9 +47,9 @@ from headsurgeon import (
     passkey,
     perplexity,
 )
-from headsurgeon.blindness import DTYPES
+from headsurgeon.blindness import ANALYSED_DTYPES
 from headsurgeon.data import to_sequences
-from headsurgeon.models import BLOOM_SHAPES
+from headsurgeon.loading import BLOOM_SHAPES
 from headsurgeon.plots import (
     OKABE_ITO,
     analytic_vs_measured,
@@ -167,7 +167,7 @@ def analytic_shares(n_heads: int, lengths: list[int]) -> pd.DataFrame:
                 "context_length": length,
                 "share": alibi.blind_share(alibi.blind_distance(m, dtype, "zero"), length),
             }
-            for dtype in DTYPES
+            for dtype in ANALYSED_DTYPES
             for length in lengths
         ]
     )
@@ -360,7 +360,7 @@ def main() -> None:
     figures["analytic_bloom"] = bloom_figure(bloom, args.context)
     tables["analytic_bloom.csv"] = bloom
     figures["analytic_bloom-7b1"] = blind_distance_grid(
-        analytic_blindness("bloom-7b1", dtypes=DTYPES, thresholds=["zero"]),
+        analytic_blindness("bloom-7b1", dtypes=ANALYSED_DTYPES, thresholds=["zero"]),
         title="bloom-7b1: blind distance per head (tokens), zero threshold",
     )
 
@@ -450,11 +450,11 @@ def main() -> None:
     shares = by_length.pivot_table(
         index="context_length", columns=["dtype", "convention"], values="share"
     )
-    for dtype in DTYPES:
+    for dtype in ANALYSED_DTYPES:
         shares[(dtype, "analytic")] = analytic_share[analytic_share["dtype"] == dtype][
             "share"
         ].to_numpy()
-    shares = shares[[(d, c) for d in DTYPES for c in ("hf", "tl", "analytic")]]
+    shares = shares[[(d, c) for d in ANALYSED_DTYPES for c in ("hf", "tl", "analytic")]]
     shares.columns = [f"{d} {c}" for d, c in shares.columns]
     shares = shares.reset_index()
     pct = shares.copy()

@@ -26,8 +26,8 @@ import plotly.graph_objects as go
 from _common import ROOT, fmt_heads, markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
-from headsurgeon import classify_heads, load_model, model_info, run_census
-from headsurgeon.plots import FONT, OKABE_ITO, label_grid, models_grid
+from headsurgeon import classify_heads, load_model, model_info, plots, run_census
+from headsurgeon.plots import OKABE_ITO, label_grid, models_grid
 
 REPAIRED = ROOT / "runs" / "organism-repaired"
 TRAINING_LOG = "training_log.csv"  # analyses/train_organism.py's log, exported with the model
@@ -90,23 +90,15 @@ def slope_figure(censuses: dict[str, pd.DataFrame], sink: float, dead: float) ->
     fig.update_xaxes(type="log", title_text="ALiBi slope m_h (log)", dtick=1, showgrid=True)
     fig.update_yaxes(range=[-0.03, 1.03], showgrid=True, gridcolor="#EEEEEE")
     fig.update_yaxes(title_text="BOS mass", row=1, col=1)
-    fig.update_layout(
-        template="plotly_white",
-        font=FONT,
-        title={
-            "text": "BOS mass against ALiBi slope",
-            "subtitle": {
-                "text": "one marker per head (all layers); left: shallow slopes, right: steep",
-                "font": {"size": 13, "color": "#555555"},
-            },
-            "x": 0.0,
-            "xanchor": "left",
-        },
+    return plots.style(
+        fig,
+        title="BOS mass against ALiBi slope",
+        subtitle="one marker per head (all layers); left: shallow slopes, right: steep",
         width=80 + 380 * len(censuses) + 130,
         height=470,
         margin={"l": 80, "r": 130, "t": 110, "b": 70},
+        title_xref="container",
     )
-    return fig
 
 
 def by_slope(censuses: dict[str, pd.DataFrame]) -> pd.DataFrame:

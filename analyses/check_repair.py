@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import torch
+from _common import acceptance
 
 from headsurgeon import HeadSet, keep_freed_memory, load_model, perplexity, weight_changes
 from headsurgeon.data import to_sequences
@@ -41,9 +42,6 @@ def main() -> None:
             raise SystemExit(f"error: {needed} is missing; pass a finished repair output folder")
     report = json.loads((args.out / "report.json").read_text())
     heads = HeadSet.parse(",".join(report["targeted"]))
-    print(f"- targeted {len(report['targeted'])} heads ({heads}); recovered "
-          f"{len(report['recovered'])} ({report['recovery_rate']:.0%}); frozen heads drifted: "
-          f"{report['drift']['count']}")  # fmt: skip
 
     sources = {"uninjured": args.reference, "injured": args.injured, "repaired": args.out / "model"}
     windows, ppl = None, {}
@@ -54,15 +52,16 @@ def main() -> None:
                 model, None, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=True
             )
         ppl[name] = perplexity(model, windows, window=args.seq_len, max_windows=None)
-    gap = ppl["repaired"] / ppl["uninjured"] - 1
+    changes = weight_changes(args.injured, args.out / "model", heads)
+    a = acceptance(report, ppl, changes)
+
+    print(f"- targeted {a['targeted']} heads ({heads}); recovered {a['recovered']} "
+          f"({a['recovery_rate']:.0%}); frozen heads drifted: {a['drifted']}")  # fmt: skip
     print(f"- held-out perplexity ({args.n_seqs} x {args.seq_len} tokens, BOS first): uninjured "
           f"{ppl['uninjured']:.2f}, injured {ppl['injured']:.2f}, repaired {ppl['repaired']:.2f} "
-          f"({gap:+.2%} vs uninjured)")  # fmt: skip
-
-    changes = weight_changes(args.injured, args.out / "model", heads)
-    untouched = changes.elements.sum() - changes.head_elements.sum()
-    print(f"- weights: {len(changes)} tensors; {changes.other_changed.sum()} of {untouched:,} "
-          f"untouched elements differ from the input; {changes.head_elements.sum():,} elements "
+          f"({a['ppl_gap']:+.2%} vs uninjured)")  # fmt: skip
+    print(f"- weights: {len(changes)} tensors; {a['untouched_changed']} of {a['untouched']:,} "
+          f"untouched elements differ from the input; {a['head_elements']:,} elements "
           "in the repaired slices")  # fmt: skip
 
 

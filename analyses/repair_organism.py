@@ -17,7 +17,7 @@
     python analyses/repair_organism.py
     python analyses/repair_organism.py --injured DIR --reference DIR --save-model runs/x
 
-Writes ``figures/repair/``: ``report/`` (``headsurgeon.repair.write_report`` of the default
+Writes ``figures/repair/``: ``report/`` (``headsurgeon.reports.write_report`` of the default
 repair, without the model: labels before/after, BOS-mass change, training curves, census CSVs),
 ``perplexity.png``/``.csv`` (every model on every evaluation set), ``bos_mass_by_corpus.png``
 (before/after grids of the three repairs), ``bit_identity.csv`` and ``summary.md``.
@@ -32,12 +32,13 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-from _common import ROOT, fmt_heads, markdown, parser, start, write_topic
+from _common import ROOT, acceptance, fmt_heads, markdown, parser, start, style, write_topic
 
 from headsurgeon import load_model, model_info, perplexity, save_hf, weight_changes
 from headsurgeon.data import CORPORA, bundled_text, to_sequences
-from headsurgeon.plots import FONT, OKABE_ITO, models_grid
-from headsurgeon.repair import RepairResult, recommended_config, repair, write_report
+from headsurgeon.plots import OKABE_ITO, models_grid
+from headsurgeon.repair import RepairResult, recommended_config, repair
+from headsurgeon.reports import write_report
 
 MODEL_COLOURS = {
     "organism": OKABE_ITO["black"],
@@ -85,24 +86,15 @@ def ppl_figure(table: pd.DataFrame) -> go.Figure:
     fig.add_hline(y=2, line={"dash": "dot", "color": "#555555"})
     fig.add_hline(y=-2, line={"dash": "dot", "color": "#555555"})
     fig.update_yaxes(title_text="perplexity vs organism (%)", zeroline=True, zerolinecolor="#999")
-    fig.update_layout(
-        template="plotly_white",
-        font=FONT,
-        barmode="group",
-        title={
-            "text": "Perplexity after injury and repair, relative to the uninjured organism",
-            "subtitle": {
-                "text": "dotted: ±2% (the acceptance band); train sets: the corpus the "
-                "single-corpus repairs trained on",
-                "font": {"size": 13, "color": "#555555"},
-            },
-            "x": 0.0,
-            "xanchor": "left",
-        },
-        width=1200,
-        height=520,
-        margin={"l": 80, "r": 30, "t": 105, "b": 70},
+    style(
+        fig,
+        "Perplexity after injury and repair, relative to the uninjured organism",
+        "dotted: ±2% (the acceptance band); train sets: the corpus the single-corpus repairs "
+        "trained on",
+        1200,
+        520,
     )
+    fig.update_layout(barmode="group")
     return fig
 
 
@@ -191,8 +183,9 @@ def main() -> None:
     # summary.md
     report = result.to_dict()
     mix = wide["held-out mix"]
-    ratio = mix["repaired (both corpora)"] / mix["organism"] - 1
-    frozen_bad = int(identity["other_changed"].sum())
+    held_out = {"uninjured": mix["organism"], "repaired": mix["repaired (both corpora)"]}
+    checked = acceptance(report, held_out, identity)
+    ratio, frozen_bad = checked["ppl_gap"], checked["untouched_changed"]
     planted = {h for h, label in (truth or {}).items() if label != "healthy"}
     targeted = set(result.targeted.names())
     settings = report["settings"]
@@ -228,7 +221,7 @@ def main() -> None:
         f"- Held-out perplexity (repair's held-out mix, {len(sets['held-out mix'])} x {seq_len} "
         f"tokens): organism {mix['organism']:.3f}, injured {mix['injured']:.3f}, repaired "
         f"{mix['repaired (both corpora)']:.3f} ({ratio:+.2%} vs organism; acceptance <= 2%: "
-        f"{'met' if abs(ratio) <= 0.02 else 'NOT met'}).",
+        f"{'met' if checked['ppl_met'] else 'NOT met'}).",
         f"- Bit-identity: exported {identity['dtype_after'].iloc[0]} model vs the "
         f"{identity['dtype_before'].iloc[0]} input, {len(identity)} tensors, "
         f"{int(identity['elements'].sum()):,} elements, of which "

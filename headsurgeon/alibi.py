@@ -31,6 +31,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import InvalidArgumentError
 
 
@@ -106,12 +107,6 @@ class FloatLimits(NamedTuple):
     zero: float
 
 
-def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    from headsurgeon.models import parse_dtype  # models imports this module: import on use
-
-    return parse_dtype(dtype)
-
-
 def float_limits(dtype: str | torch.dtype) -> FloatLimits:
     """Underflow points of float32, bfloat16 or float16 as natural logs.
 
@@ -122,7 +117,7 @@ def float_limits(dtype: str | torch.dtype) -> FloatLimits:
     >>> [round(x, 2) for x in float_limits(torch.float16)]
     [-9.7, -16.64, -17.33]
     """
-    info = torch.finfo(_torch_dtype(dtype))
+    info = torch.finfo(parse_dtype(dtype))
     normal = math.log(info.tiny)
     subnormal = normal + math.log(info.eps)  # 2^(min_exp - 1) * 2^(-mantissa bits)
     return FloatLimits(normal, subnormal, subnormal - math.log(2))

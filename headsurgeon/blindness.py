@@ -4,7 +4,7 @@ ALiBi adds ``-m_h (i - j)`` to the attention logits; far enough back, a key's so
 below what a float format can hold and becomes exactly 0: the head is blind there.
 
 Exports:
-    DTYPES                             the float formats analysed: float32, bfloat16, float16
+    ANALYSED_DTYPES                    the float formats analysed: float32, bfloat16, float16
     analytic_blindness(model_or_name)  DataFrame: blind distance per layer, head, dtype, threshold
                                        (from the slopes: no weights needed)
     measure_blindness(model, data)     BlindnessMeasurement: exact zeros per head, distance and
@@ -12,7 +12,9 @@ Exports:
     BlindnessMeasurement               its tables: by_head, by_distance, by_length
     mitigation(model, kind, **params)  context manager: a mitigated ALiBi through hooks
     dtype_name(dtype)                  canonical dtype name
-    main(argv)                         ``python -m headsurgeon.blindness``
+
+Command line: ``python -m headsurgeon.blindness [MODEL] [options]`` (the tool itself is
+:mod:`headsurgeon.cli.blindness`).
 
 >>> df = analytic_blindness("bloom-560m", dtypes=["float32"], thresholds=["normal"])
 >>> df[df.layer == 0].blind_distance.iloc[[0, -1]].tolist()
@@ -21,7 +23,6 @@ Exports:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -29,7 +30,6 @@ import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import pandas as pd
 import torch
@@ -38,27 +38,20 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 from transformer_lens.hook_points import HookPoint
 
-from headsurgeon import alibi, cli
+from headsurgeon import alibi
 from headsurgeon.data import Data, to_sequences
+from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.models import (
-    alibi_slopes,
-    bias_pre_hook,
-    load_model,
-    model_info,
-    model_shape,
-    parse_dtype,
-    shared_bias,
-)
-from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
+from headsurgeon.exact_alibi import alibi_slopes, bias_pre_hook, shared_bias
+from headsurgeon.loading import model_info, model_shape
 from headsurgeon.probes import stream
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("float32", "bfloat16", "float16")
+ANALYSED_DTYPES = ("float32", "bfloat16", "float16")
 CONVENTIONS = ("hf", "tl")
 
 
@@ -81,7 +74,7 @@ def _names(values: Sequence[str] | str, what: str) -> list[str]:
 def analytic_blindness(
     model_or_name: str | os.PathLike | HookedTransformer,
     *,
-    dtypes: Sequence[str] = DTYPES,
+    dtypes: Sequence[str] = ANALYSED_DTYPES,
     thresholds: Sequence[str] = alibi.THRESHOLDS,
     bias: str = "standard",
     context_length: int | None = None,
@@ -218,7 +211,7 @@ def measure_blindness(
     model: HookedTransformer,
     data: Data = None,
     *,
-    dtypes: Sequence[str] = DTYPES,
+    dtypes: Sequence[str] = ANALYSED_DTYPES,
     convention: str = "hf",
     seq_len: int | None = None,
     n_seqs: int = 8,
@@ -384,7 +377,7 @@ def mitigation(model: HookedTransformer, kind: str, **params) -> Iterator[Hooked
 
     No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``) replace each attention
     layer's ALiBi bias through a forward pre-hook, built from the slopes the model uses
-    (:func:`headsurgeon.models.alibi_slopes`: a TransformerLens-built model keeps its own);
+    (:func:`headsurgeon.exact_alibi.alibi_slopes`: a TransformerLens-built model keeps its own);
     ``softcap`` adds a hook at ``hook_attn_scores`` that maps every unmasked logit (content plus
     bias) to ``c tanh(x / c)`` and leaves masked cells at ``-inf``. On exit the model is exactly
     as before: the same parameters (never touched) and cached biases, no hook left. Contexts
@@ -425,143 +418,7 @@ def mitigation(model: HookedTransformer, kind: str, **params) -> Iterator[Hooked
             attn.alibi = bias
 
 
-# --- command line ---------------------------------------------------------------------------
+if __name__ == "__main__":  # python -m headsurgeon.blindness: the command-line tool
+    from headsurgeon.cli.blindness import entry
 
-
-def _mitigation_params(args: argparse.Namespace) -> dict:
-    if args.mitigation in ("clamped", "softcap"):
-        if args.c is None:
-            raise InvalidArgumentError(f"--mitigation {args.mitigation} needs --c (a logit cap)")
-        return {"c": args.c}
-    if args.mitigation == "robust":
-        return {"context": args.robust_context or args.max_distance, "mode": args.robust_mode}
-    return {}
-
-
-def _summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurement | None) -> str:
-    lines = []
-    if analytic is not None:
-        context_length = analytic.attrs["context_length"]
-        lines.append(
-            f"{analytic.attrs['model']}: blind distance (tokens) of the steepest heads, "
-            f"{analytic.attrs['bias']} ALiBi; share of a {context_length}-token context blind"
-        )
-        layer0 = analytic[analytic["layer"] == 0]
-        for (dtype, threshold), rows in layer0.groupby(["dtype", "threshold"], sort=False):
-            steep = rows.sort_values("slope", ascending=False).head(4)
-            heads = ", ".join(
-                f"h{h}={d:.4g}" for h, d in zip(steep["head"], steep["blind_distance"], strict=True)
-            )
-            share = alibi.blind_share(
-                torch.tensor(rows["blind_distance"].to_numpy()), context_length
-            )
-            lines.append(f"  {dtype:9s} {threshold:9s} {heads}  | share {share:.1%}")
-    if measured is not None:
-        lines.append(
-            f"measured ({measured.convention} convention, {measured.n_seqs} × {measured.seq_len} "
-            "tokens): share of attention entries that underflow to exactly 0"
-        )
-        for dtype, rows in measured.by_length.groupby("dtype", sort=False):
-            shares = ", ".join(
-                f"{n}: {s:.2%}" for n, s in zip(rows["context_length"], rows["share"], strict=True)
-            )
-            lines.append(f"  {dtype:9s} {shares}")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m headsurgeon.blindness [MODEL] [options]``."""
-    from headsurgeon import plots
-
-    parser = argparse.ArgumentParser(
-        prog="python -m headsurgeon.blindness",
-        description="Underflow blindness of ALiBi heads per dtype: analytic, measured, mitigated.",
-        conflict_handler="resolve",
-    )
-    cli.add_model_args(parser)
-    parser.add_argument(
-        "--dtype", nargs="+", default=list(DTYPES), help="float formats to analyse (all three)"
-    )
-    parser.add_argument(
-        "--threshold",
-        nargs="+",
-        default=list(alibi.THRESHOLDS),
-        choices=alibi.THRESHOLDS,
-        help="weight thresholds: normal, subnormal, zero (exactly 0)",
-    )
-    parser.add_argument(
-        "--max-distance",
-        type=int,
-        help="context length for shares and labels (default: the model's context length)",
-    )
-    parser.add_argument("--measure", action="store_true", help="also measure on text (loads it)")
-    parser.add_argument("--convention", choices=CONVENTIONS, default="hf", help="softmax dtype")
-    parser.add_argument("--mitigation", choices=alibi.BIAS_KINDS, default="standard")
-    parser.add_argument("--c", type=float, help="cap of clamped (bias >= -c) and softcap")
-    parser.add_argument("--robust-context", type=int, help="robust: context kept sighted")
-    parser.add_argument("--robust-mode", choices=alibi.ROBUST_MODES, default="scale")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
-    cli.add_data_args(parser, seq_len=1024, n_seqs=8)
-    cli.add_output_args(parser)
-    args = parser.parse_args(argv)
-    formats = cli.figure_formats(args)  # --format pdf without a browser: fail before any work
-    dtypes = [dtype_name(d) for d in args.dtype]
-    shape = model_shape(args.model)
-    args.max_distance = shape.n_ctx if args.max_distance is None else args.max_distance
-    if args.max_distance < 1:
-        raise InvalidArgumentError(f"--max-distance must be positive, got {args.max_distance}")
-    params = _mitigation_params(args)
-    if args.mitigation == "robust":
-        params = {**params, "dtype": dtypes[0], "threshold": args.threshold[0]}
-    out = Path(args.out or f"blindness-{Path(str(args.model)).name}")
-    check_output_dir(out, args.overwrite)  # before the measurement, not after it
-
-    analytic = None
-    try:
-        analytic_params = {k: v for k, v in params.items() if k not in ("dtype", "threshold")}
-        analytic = analytic_blindness(
-            args.model,
-            dtypes=dtypes,
-            thresholds=args.threshold,
-            bias=args.mitigation,
-            context_length=args.max_distance,
-            **analytic_params,
-        )
-    except UnsupportedArchitectureError as e:
-        if not args.measure:
-            raise
-        logger.warning("note: %s", e)
-    measured = None
-    if args.measure:
-        model = load_model(args.model, dtype="float32", device=args.device)
-        tokens = cli.load_data(model, args)
-        with mitigation(model, args.mitigation, **params):
-            measured = measure_blindness(
-                model, tokens, dtypes=dtypes, convention=args.convention, batch_size=args.batch_size
-            )
-    summary = _summary(analytic, measured)
-    print(summary)
-
-    figures = {}
-    if analytic is not None:
-        figures["blind_distance"] = plots.blind_distance_grid(analytic)
-    if measured is not None:
-        figures["zero_fraction"] = plots.zero_fraction_plot(measured.by_distance)
-        if analytic is not None:
-            figures["analytic_vs_measured"] = plots.analytic_vs_measured(measured.by_head)
-    with atomic_directory(out, overwrite=args.overwrite) as tmp:
-        if analytic is not None:
-            atomic_write_text(tmp / "blindness.csv", analytic.to_csv(index=False))
-        if measured is not None:
-            for table in ("by_head", "by_distance", "by_length"):
-                frame = getattr(measured, table)
-                atomic_write_text(tmp / f"measured_{table}.csv", frame.to_csv(index=False))
-        atomic_write_text(tmp / "summary.txt", summary + "\n")
-        skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
-    plots.warn_skipped(skipped, out)
-    print(f"wrote {out}/")
-    return 0
-
-
-if __name__ == "__main__":
-    cli.run(main)
+    entry()

@@ -28,7 +28,8 @@ from transformer_lens import HookedTransformer
 
 from headsurgeon.data import Data, resolve_bos, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.models import alibi_slopes, model_info
+from headsurgeon.exact_alibi import alibi_slopes
+from headsurgeon.loading import model_info
 from headsurgeon.probes import HeadStats, stream
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def run_census(
     ``positional``.
 
     >>> import torch
-    >>> from headsurgeon.models import ModelShape, random_model
+    >>> from headsurgeon.loading import ModelShape, random_model
     >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
     >>> census = run_census(model, torch.randint(0, 64, (4, 12)), progress=False)
     >>> census[["layer", "head", "slope"]].head(2)

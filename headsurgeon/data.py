@@ -33,7 +33,7 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.models import model_info
+from headsurgeon.loading import model_info
 
 CORPUS_DIR = Path(__file__).parent / "corpora"
 CORPORA = ("shakespeare", "python-docs")
@@ -175,7 +175,7 @@ def resolve_bos(model: HookedTransformer, prepend_bos: bool | None = None) -> bo
     config default is ``True``). A model with no known BOS id (no tokenizer) cannot follow it, so
     its token tensors are used as given; asking for a BOS token explicitly is then an error.
 
-    >>> from headsurgeon.models import ModelShape, random_model
+    >>> from headsurgeon.loading import ModelShape, random_model
     >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=8))
     >>> model.cfg.default_prepend_bos = True  # no tokenizer: nothing to prepend
     >>> resolve_bos(model), resolve_bos(model, False)

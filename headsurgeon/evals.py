@@ -40,7 +40,7 @@ from headsurgeon.data import (
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.models import model_info, model_shape
+from headsurgeon.loading import model_info, model_shape
 from headsurgeon.progress import tqdm
 
 logger = logging.getLogger(__name__)

@@ -61,7 +61,14 @@ from headsurgeon.errors import (
 )
 from headsurgeon.outputs import atomic_write_bytes
 from headsurgeon.progress import tqdm
-from headsurgeon.surgery import TRAINED_TENSORS, HeadMask, HeadParameters, HeadSet, head_masks
+from headsurgeon.surgery import (
+    TRAINED_TENSORS,
+    HeadMask,
+    HeadParameters,
+    Heads,
+    HeadSet,
+    head_masks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +207,7 @@ def next_token_loss(model: HookedTransformer, tokens: Int[Tensor, "batch pos"]) 
 def head_bos_mass(
     model: HookedTransformer,
     tokens: Int[Tensor, "batch pos"],
-    heads: HeadSet,
+    heads: Heads,
     *,
     min_query_pos: int = 1,
 ) -> Float[Tensor, " n_heads"]:
@@ -209,7 +216,7 @@ def head_bos_mass(
     chosen layer. Heads come in ``HeadSet`` order."""
     if tokens.shape[1] <= min_query_pos:
         raise DataError(f"sequences of {tokens.shape[1]} tokens have no query row {min_query_pos}")
-    by_layer = heads.by_layer()
+    by_layer = HeadSet.of(heads).by_layer()
     masses: dict[int, Tensor] = {}
 
     def keep(pattern: Float[Tensor, "batch head q k"], hook: Any) -> None:
@@ -226,7 +233,7 @@ def head_bos_mass(
 
 
 def bos_mass_objective(
-    heads: HeadSet,
+    heads: Heads,
     target: float | None = None,
     *,
     min_query_pos: int = 1,
@@ -247,6 +254,7 @@ def bos_mass_objective(
     if not (math.isfinite(lm_weight) and lm_weight >= 0):
         raise InvalidArgumentError(f"lm_weight must be >= 0, got {lm_weight}")
     goal = None if target is None else math.log(target / (1 - target))
+    heads = HeadSet.of(heads)
 
     def objective(model: HookedTransformer, tokens: Tensor) -> Tensor:
         mass = head_bos_mass(model, tokens, heads, min_query_pos=min_query_pos)
@@ -513,7 +521,7 @@ def _check_resume(state: dict, path: Path, expected: dict[str, Any]) -> None:
 
 def finetune(
     model: HookedTransformer,
-    heads: HeadSet,
+    heads: Heads,
     train: Int[Tensor, "n_seqs seq_len"],
     *,
     eval_data: Int[Tensor, "n_eval seq_len"] | None = None,
@@ -542,7 +550,7 @@ def finetune(
     the last good step's weights and the last checkpoint is untouched.
     """
     cfg = (config or FinetuneConfig()).validate()
-    heads.validate(model)
+    heads = HeadSet.of(heads, model)
     if not heads:
         raise InvalidArgumentError("nothing to fine-tune: the head set is empty")
     if model.cfg.dtype == torch.float16:

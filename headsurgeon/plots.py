@@ -13,6 +13,12 @@ Exports:
     diff_grid(before, after, metric)   after - before, heads whose label changed outlined
     sweep_plot(sweep)                  label counts against each threshold
     models_grid({name: df}, metric)    several models side by side, one colour scale
+    blind_distance_grid(df)            blind distance per head, dtype and threshold (log colour)
+    zero_fraction_plot(by_distance)    share of exact-zero weights against distance, per head
+    analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
+    retrieval_heatmap(table, metric)   depth x context length of a passkey/needle metric
+    style(fig, title=..., ...)         the house layout (template, fonts, title, size) every
+                                       figure here, in reports and in analyses/ goes through
     save_figure(fig, path)             .html, .png, .svg or .pdf, written atomically
     save_figures(figs, folder, fmts)   every figure in every format; static ones skipped
                                        without a browser (see split_formats)
@@ -22,10 +28,11 @@ Exports:
     warn_skipped(names, folder)        the one warning line about skipped static figures
     Figure                             go.Figure that also shows as HTML and PNG in notebooks
     FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
+    FONT, OKABE_ITO                    the house font and the colour-blind-safe palette
 
 Static formats (png, svg, pdf) go through kaleido and a Chromium browser; html needs nothing.
-Writers that take ``formats`` (:func:`save_figures`, ``write_classification``,
-``repair.write_report``) follow one rule: ``formats=None`` (the default) writes html, and png
+Writers that take ``formats`` (:func:`save_figures`, ``reports.write_classification``,
+``reports.write_report``) follow one rule: ``formats=None`` (the default) writes html, and png
 when a browser is found; without one the PNGs are skipped and one warning names them and the
 fix. Formats given explicitly are all required: a static one without a browser raises
 :class:`~headsurgeon.errors.FigureExportError` before anything is written.
@@ -59,6 +66,30 @@ from headsurgeon.errors import FigureExportError, InvalidArgumentError
 from headsurgeon.outputs import atomic_write_bytes, atomic_write_text
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FONT",
+    "FORMATS",
+    "OKABE_ITO",
+    "STATIC_FORMATS",
+    "Figure",
+    "analytic_vs_measured",
+    "blind_distance_grid",
+    "diff_grid",
+    "has_browser",
+    "head_grid",
+    "label_grid",
+    "models_grid",
+    "require_browser",
+    "retrieval_heatmap",
+    "save_figure",
+    "save_figures",
+    "split_formats",
+    "style",
+    "sweep_plot",
+    "warn_skipped",
+    "zero_fraction_plot",
+]
 
 FORMATS = ("html", "png", "svg", "pdf")
 STATIC_FORMATS = ("png", "svg", "pdf")  # written through kaleido and a Chromium browser
@@ -343,6 +374,45 @@ def _legend_rows(names: Sequence[str], width: float) -> int:
     return rows
 
 
+def style(
+    fig: go.Figure,
+    *,
+    title: str,
+    subtitle: str = "",
+    width: float | None = None,
+    height: float | None = None,
+    margin: Mapping[str, float] | None = None,
+    template: str = "plotly_white",
+    title_size: float | None = None,
+    subtitle_size: float = 13,
+    title_xref: str = "paper",
+) -> go.Figure:
+    """The house layout of every figure: template, paper fonts, a left-aligned title and subtitle.
+
+    ``width`` and ``height`` in pixels (rounded), ``margin`` as plotly's ``{"l", "r", "t", "b"}``;
+    ``None`` leaves plotly's default. ``title_xref="paper"`` aligns the title with the plot area,
+    ``"container"`` with the figure's edge. Returns ``fig``, restyled in place.
+    """
+    title_layout: dict = {
+        "text": title,
+        "subtitle": {"text": subtitle, "font": {"size": subtitle_size, "color": "#555555"}},
+        "x": 0.0,
+        "xanchor": "left",
+        "xref": title_xref,
+    }
+    if title_size is not None:
+        title_layout["font"] = {"size": title_size}
+    layout: dict = {"template": template, "font": FONT, "title": title_layout}
+    if width is not None:
+        layout["width"] = round(width)
+    if height is not None:
+        layout["height"] = round(height)
+    if margin is not None:
+        layout["margin"] = dict(margin)
+    fig.update_layout(**layout, plot_bgcolor="white")
+    return fig
+
+
 def _layout(
     fig: go.Figure,
     title: str,
@@ -367,20 +437,10 @@ def _layout(
     rows = _legend_rows([n for n in names if n], width - 20)
     below = 62 if axis_title else 38  # tick labels (and the x axis title)
     margin["b"] = below + (28 * rows + 12 if rows else 0)
+    height = margin["t"] + plot_h + margin["b"]
+    style(fig, title=title, subtitle="<br>".join(lines), width=width, height=height,
+          margin=margin, title_size=19)  # fmt: skip
     fig.update_layout(
-        template="plotly_white",
-        font=FONT,
-        title={
-            "text": title,
-            "subtitle": {"text": "<br>".join(lines), "font": {"size": 13, "color": "#555555"}},
-            "x": 0.0,
-            "xanchor": "left",
-            "xref": "paper",
-            "font": {"size": 19},
-        },
-        width=round(width),
-        height=round(margin["t"] + plot_h + margin["b"]),
-        margin=margin,
         showlegend=rows > 0,
         legend={
             "orientation": "h",
@@ -389,7 +449,6 @@ def _layout(
             "y": -below / plot_h,
             "yanchor": "top",
         },
-        plot_bgcolor="white",
     )
 
 
@@ -958,21 +1017,9 @@ def _compact(x: float) -> str:
 
 
 def _eval_layout(fig: go.Figure, title: str, subtitle: str, width: int, height: int) -> None:
-    fig.update_layout(
-        template="plotly_white",
-        font=FONT,
-        title={
-            "text": title,
-            "subtitle": {"text": subtitle, "font": {"size": 12, "color": "#555555"}},
-            "x": 0.0,
-            "xanchor": "left",
-            "xref": "paper",
-        },
-        width=width,
-        height=height,
-        margin={"l": 80, "r": 30, "t": 95 if subtitle else 65, "b": 70},
-        plot_bgcolor="white",
-    )
+    margin = {"l": 80, "r": 30, "t": 95 if subtitle else 65, "b": 70}
+    style(fig, title=title, subtitle=subtitle, width=width, height=height, margin=margin,
+          subtitle_size=12)  # fmt: skip
 
 
 @_notebook_figure

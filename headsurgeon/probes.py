@@ -12,7 +12,7 @@ Exports:
     HeadStats                              float64 accumulator fed by forward hooks
     stream(model, tokens, fwd_hooks, ...)  run token batches through hooks, skipping the unembedding
 
->>> from headsurgeon.models import ModelShape, random_model
+>>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
 >>> stats = HeadStats(model)
 >>> stream(model, torch.randint(0, 64, (3, 8)), stats.hooks(), batch_size=2, progress=False)

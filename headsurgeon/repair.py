@@ -3,10 +3,11 @@
 Exports:
     repair(model, corpus, ...)          the pipeline; returns a :class:`RepairResult`
     RepairResult, PassResult            per-pass targets, recoveries, drift, perplexities, censuses
-    write_report(result, out_dir, ...)  report.md, report.json, censuses, figures and model/
-    training_plot(result)               objective, perplexities and BOS mass over the steps
-    default_out_dir(model)              ``<model>-repaired[-N]`` in the working directory
-    main(argv)                          ``python -m headsurgeon.repair`` (``--help`` lists options)
+    recommended_config(model, ...)      the fine-tuning settings the model recommends
+
+The report folder (``report.md``, figures, ``model/``) is :func:`headsurgeon.reports.write_report`;
+the command line, ``python -m headsurgeon.repair`` (``--help`` lists options), is
+:mod:`headsurgeon.cli.repair`.
 
 A pass re-initialises its target heads (:func:`headsurgeon.surgery.reinit_heads`), trains only
 their slices (:func:`headsurgeon.finetune.finetune`: every other weight stays bit-identical) and
@@ -23,36 +24,27 @@ them in ``<out>.partial/`` beside the output folder, which appears whole only at
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import io
 import json
 import logging
-import math
 import os
-import re
-import shutil
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import plotly.graph_objects as go
 import torch
 import torch.distributed as dist
-from plotly.subplots import make_subplots
 from transformer_lens import HookedTransformer
 
-from headsurgeon import plots
 from headsurgeon.census import run_census
+from headsurgeon.checkpoints import checkpoint_dtype
 from headsurgeon.classify import LABELS, Thresholds, classify_heads
-from headsurgeon.cli import add_data_args, add_model_args, add_output_args
-from headsurgeon.data import CORPORA, Data, bundled_text, read_texts, resolve_bos, to_sequences
+from headsurgeon.data import CORPORA, Data, bundled_text, resolve_bos, to_sequences
+from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
     DataError,
-    HeadsurgeonError,
     InvalidArgumentError,
     OutputExistsError,
 )
@@ -61,17 +53,14 @@ from headsurgeon.finetune import (
     FinetuneConfig,
     FinetuneResult,
     finetune,
-    setup_distributed,
     weights_digest,
 )
-from headsurgeon.models import checkpoint_dtype, load_model, model_info, parse_dtype, save_hf
+from headsurgeon.loading import model_info
 from headsurgeon.outputs import (
-    atomic_directory,
     atomic_write_bytes,
     atomic_write_text,
-    check_output_dir,
 )
-from headsurgeon.surgery import HEAD_TENSORS, INITS, HeadSet, check_surgery, reinit_heads
+from headsurgeon.surgery import HEAD_TENSORS, INITS, Heads, HeadSet, check_surgery, reinit_heads
 
 logger = logging.getLogger(__name__)
 
@@ -417,8 +406,8 @@ def repair(
     corpus: Data = None,
     *,
     eval_corpus: Data = None,
-    heads: HeadSet | None = None,
-    include: HeadSet | None = None,
+    heads: Heads | None = None,
+    include: Heads | None = None,
     passes: int = 2,
     finetune_config: FinetuneConfig | None = None,
     init: str = "xavier_normal",
@@ -463,9 +452,8 @@ def repair(
     config = (finetune_config or recommended_config(model)).validate()
     thresholds = thresholds or Thresholds()
     _check_args(passes, drift_threshold, init, seq_len)
-    for chosen in (heads, include):
-        if chosen is not None:
-            chosen.validate(model)
+    heads = None if heads is None else HeadSet.of(heads, model)
+    include = None if include is None else HeadSet.of(include, model)
     if heads is not None and not heads:
         raise InvalidArgumentError("nothing to repair: the head set is empty")
     include = include or HeadSet()
@@ -625,323 +613,6 @@ def _format_ppl(ppl: dict[str, float]) -> str:
     return f"train {ppl['train']:.3f}, held-out {ppl['heldout']:.3f}"
 
 
-def training_plot(result: RepairResult) -> go.Figure:
-    """Objective, training and held-out perplexity and the targets' BOS mass over the steps,
-    one line per pass."""
-    panels = [
-        ("train_loss", "objective"),
-        ("train_ppl", "training perplexity"),
-        ("heldout_ppl", "held-out perplexity"),
-        ("bos_mass", "BOS mass of targets"),
-    ]
-    fig = plots.Figure(  # the package's figure class: it also shows in saved notebooks
-        make_subplots(rows=1, cols=len(panels), subplot_titles=[t for _, t in panels])
-    )
-    colours = list(plots.OKABE_ITO.values())
-    for p in result.passes:
-        history = p.training.history
-        colour = colours[(p.index - 1) % len(colours)]
-        for col, (column, _) in enumerate(panels, start=1):
-            fig.add_trace(
-                go.Scatter(
-                    x=history["step"],
-                    y=history[column],
-                    mode="lines+markers",
-                    name=f"pass {p.index} ({len(p.targeted)} heads)",
-                    legendgroup=f"pass{p.index}",
-                    showlegend=col == 1,
-                    line={"color": colour},
-                ),
-                row=1,
-                col=col,
-            )
-            fig.update_xaxes(title_text="step", row=1, col=col)
-    fig.update_layout(
-        title=f"Masked fine-tuning of {model_info(result.model).name}",
-        font=plots.FONT,
-        width=1400,
-        height=380,
-        template="simple_white",
-    )
-    return fig
-
-
-def _markdown(report: dict[str, Any], figures: Sequence[str], formats: Sequence[str]) -> str:
-    def heads(names: list[str]) -> str:
-        return str(HeadSet(_pairs(names))) if names else "none"
-
-    ppl = report["perplexity"]
-    lines = [
-        f"# Repair of {report['model']}",
-        "",
-        f"Heads targeted: **{len(report['targeted'])}**, recovered (healthy after): "
-        f"**{len(report['recovered'])}** ({report['recovery_rate']:.1%}); still sick: "
-        f"{heads(report['still_sick'])}.",
-        f"Healthy heads: {report['healthy_before']} → {report['healthy_after']} of "
-        f"{report['n_heads']}. Frozen heads that drifted (|Δ BOS mass| > "
-        f"{report['drift']['threshold']}): {report['drift']['count']}.",
-        "",
-        "| stage | targeted | recovered | rate | still sick | drifted | train PPL | "
-        "held-out PPL | healthy |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| before | | | | | | {ppl['train'][0]:.3f} | {ppl['heldout'][0]:.3f} | "
-        f"{report['healthy_before']} |",
-    ]
-    for p in report["passes"]:
-        lines.append(
-            f"| pass {p['pass']} | {len(p['targeted'])} | {len(p['recovered'])} | "
-            f"{p['recovery_rate']:.1%} | {len(p['still_sick'])} | {p['drift']['count']} | "
-            f"{p['perplexity_after']['train']:.3f} | {p['perplexity_after']['heldout']:.3f} | "
-            f"{p['healthy_after']} |"
-        )
-    lines += [""]
-    for p in report["passes"]:
-        training = p["training"]
-        lines += [
-            f"## Pass {p['pass']}",
-            "",
-            f"- targeted: {heads(p['targeted'])}",
-            f"- recovered: {heads(p['recovered'])}",
-            f"- still sick: {heads(p['still_sick'])}",
-            f"- drifted frozen heads: {heads(p['drift']['heads'])}",
-            f"- fine-tuning: {training['steps']} steps"
-            + (f", stopped early (best step {training['best_step']})"
-               if training["stopped_early"] else "")
-            + f", final objective {training['final_loss']:.4f}, final BOS mass of targets "
-            f"{training['final_bos_mass']:.3f}",
-            "",
-            "| head | label before | BOS mass | output share | label after | BOS mass | "
-            "output share |",
-            "|---|---|---|---|---|---|---|",
-        ]  # fmt: skip
-        lines += [
-            f"| {h['name']} | {h['label_before']} | {h['bos_mass_before']:.3f} | "
-            f"{h['output_share_before']:.3f} | {h['label_after']} | {h['bos_mass_after']:.3f} | "
-            f"{h['output_share_after']:.3f} |"
-            for h in p["heads"]
-        ]
-        lines += [""]
-    lines += ["## Figures", ""]
-    for name in figures:
-        links = ", ".join(f"[{fmt}]({name}.{fmt})" for fmt in formats)
-        lines.append(f"- {name}: {links}")
-        if "png" in formats:
-            lines += ["", f"![{name}]({name}.png)", ""]
-    settings = report["settings"]
-    lines += ["", "## Settings", "", "```json", json.dumps(settings, indent=2), "```", ""]
-    return "\n".join(lines)
-
-
-def _pairs(names: Sequence[str]) -> list[tuple[int, int]]:
-    return [tuple(int(x) for x in re.findall(r"\d+", name)) for name in names]
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for package in ("headsurgeon", "torch", "transformer-lens", "transformers"):
-        try:
-            out[package] = version(package)
-        except PackageNotFoundError:
-            out[package] = "not installed"
-    return out
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def write_report(
-    result: RepairResult,
-    out_dir: str | os.PathLike,
-    *,
-    formats: Sequence[str] | None = None,
-    overwrite: bool = False,
-    save_model: bool = True,
-) -> Path:
-    """Write a repair's report folder atomically; return it.
-
-    Files: ``report.md``, ``report.json`` (:meth:`RepairResult.to_dict` plus versions and time),
-    ``census_before.csv`` and ``census_after.csv`` (the classify CLI's ``heads.csv`` columns),
-    ``census_pass<N>.csv`` after each earlier pass, ``training_pass<N>.csv`` (evaluation
-    history), the figures ``labels_before``, ``labels_after``, ``bos_mass_diff`` (whole run),
-    ``pass<N>_bos_mass_diff`` and ``training`` in each of ``formats``, and ``model/``, the repaired
-    model as a Hugging Face checkpoint (unless ``save_model=False``). ``formats=None`` writes
-    html, and png when a Chromium browser is found (else one warning names the skipped PNGs and
-    report.md links only what was written); static formats given explicitly need a browser
-    (:func:`headsurgeon.plots.split_formats`), checked before anything is written.
-    """
-    written = plots.split_formats(formats)[0]  # unknown format / no browser for one asked: now
-    report = _json_safe(result.to_dict())
-    report["versions"] = _versions()
-    report["created"] = datetime.datetime.now().astimezone().isoformat()
-    figures = {
-        "labels_before": plots.label_grid(result.census_before, title="Labels before repair"),
-        "labels_after": plots.label_grid(result.census_after, title="Labels after repair"),
-        "bos_mass_diff": plots.diff_grid(
-            result.census_before, result.census_after, "bos_mass",
-            title="BOS mass, after repair − before",
-        ),
-    }  # fmt: skip
-    for p in result.passes:
-        figures[f"pass{p.index}_bos_mass_diff"] = plots.diff_grid(
-            p.census_before, p.census_after, "bos_mass",
-            title=f"Pass {p.index}: BOS mass, after − before",
-        )  # fmt: skip
-    figures["training"] = training_plot(result)
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")
-        atomic_write_text(tmp / "report.md", _markdown(report, list(figures), written))
-        atomic_write_text(tmp / "census_before.csv", result.census_before.to_csv(index=False))
-        atomic_write_text(tmp / "census_after.csv", result.census_after.to_csv(index=False))
-        for p in result.passes:
-            if p is not result.passes[-1]:
-                census_csv = p.census_after.to_csv(index=False)
-                atomic_write_text(tmp / f"census_pass{p.index}.csv", census_csv)
-            atomic_write_text(
-                tmp / f"training_pass{p.index}.csv", p.training.history.to_csv(index=False)
-            )
-        skipped = plots.save_figures(figures, tmp, formats)
-        if save_model:
-            save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
-    plots.warn_skipped(skipped, out_dir)
-    return Path(out_dir)
-
-
-def default_out_dir(model: str) -> Path:
-    """A new folder in the working directory named after the model (``<name>-repaired[-N]``)."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(model).rstrip("/\\")).name or str(model))
-    candidate, n = Path(f"{name}-repaired"), 2
-    while candidate.exists() or _partial(candidate).exists():
-        candidate, n = Path(f"{name}-repaired-{n}"), n + 1
-    return candidate
-
-
-def _partial(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m headsurgeon.repair",
-        description="Surgical repair of dead and BOS-sink heads: census, re-initialise the "
-        "chosen heads, fine-tune only their slices, census again; repeat on the heads still "
-        "sick. Runs data-parallel under torchrun.",
-    )
-    add_model_args(parser)
-    add_data_args(parser)  # the census data, as in the classify CLI
-    census = parser.add_argument_group("census and classification")
-    census.add_argument("--min-query-pos", type=int, default=1, help="first query row averaged")
-    defaults = Thresholds()
-    census.add_argument("--sink-threshold", type=float, default=defaults.sink)
-    census.add_argument("--dead-threshold", type=float, default=defaults.dead)
-    census.add_argument("--min-output-share", type=float, default=defaults.min_output_share)
-    surgery = parser.add_argument_group("surgery")
-    surgery.add_argument("--heads", help="heads to repair, e.g. L5H9,L6H10-15 (default: census)")
-    surgery.add_argument("--include", help="heads to add to pass 1 even if healthy, e.g. L5-22H5")
-    surgery.add_argument("--passes", type=int, default=2, help="most passes (default 2)")
-    surgery.add_argument("--init", choices=INITS, default="xavier_normal")
-    surgery.add_argument("--drift-threshold", type=float, default=DRIFT_THRESHOLD)
-    training = parser.add_argument_group("fine-tuning")
-    ft = FinetuneConfig()
-    training.add_argument(
-        "--corpus",
-        nargs="+",
-        metavar="FILE",
-        help="training text (default: the bundled training corpora)",
-    )
-    training.add_argument(
-        "--eval-corpus",
-        nargs="+",
-        metavar="FILE",
-        help="held-out text (default: the bundled held-out corpora)",
-    )
-    training.add_argument(
-        "--train-seq-len",
-        type=int,
-        help="tokens per training sequence (default: training length, <= 512)",
-    )
-    training.add_argument("--n-eval-seqs", type=int, default=32)
-    training.add_argument(
-        "--steps",
-        type=int,
-        help=f"steps per pass (default: the model's recommended setting, else {ft.steps})",
-    )
-    training.add_argument(
-        "--lr", type=float, help=f"peak learning rate (default: as --steps, else {ft.lr})"
-    )
-    training.add_argument("--weight-decay", type=float, default=ft.weight_decay)
-    training.add_argument("--warmup", type=int, help="warm-up steps (default min(100, steps/4))")
-    training.add_argument("--batch-size", type=int, default=ft.batch_size, help="per process")
-    training.add_argument("--grad-accum", type=int, default=ft.grad_accum)
-    training.add_argument("--max-grad-norm", type=float, default=ft.max_grad_norm)
-    training.add_argument(
-        "--autocast",
-        choices=["bfloat16"],
-        help="compute a float32 model in bfloat16 autocast (the paper's setup)",
-    )
-    training.add_argument("--eval-every", type=int, help="steps between evaluations")
-    training.add_argument("--patience", type=int, help="early stop after N worse evaluations")
-    training.add_argument("--strategy", choices=["slices", "mask"], default=ft.strategy)
-    training.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--save-dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the repaired model/ (default: the dtype of the checkpoint it came from); "
-        "the trained slices are rounded to it before the final census",
-    )
-    add_output_args(parser)
-    parser.add_argument("--resume", metavar="DIR",
-                        help="continue the interrupted run whose --out was DIR")  # fmt: skip
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser
-
-
-def _texts(paths: Sequence[str] | None) -> list[str] | None:
-    return read_texts(paths) if paths else None
-
-
-def _prepare_output(args: argparse.Namespace) -> Path:
-    """The output folder, checked before the long run; clears a stale run on --overwrite."""
-    out = Path(args.resume or args.out or default_out_dir(args.model))
-    partial = _partial(out)
-    check_output_dir(out, args.overwrite)
-    if args.resume and not (partial / RUN_FILE).exists():
-        raise CheckpointError(f"no interrupted run to resume: {partial} has no {RUN_FILE}")
-    if not args.resume and partial.exists():
-        if not args.overwrite:
-            raise OutputExistsError(
-                f"{partial} holds an interrupted run; continue it with --resume {out}, or pass "
-                "--overwrite to start over"
-            )
-        shutil.rmtree(partial)
-    return out
-
-
-def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on rank 0 only; its result, or its error, reaches every rank."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return fn()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except HeadsurgeonError as e:
-            box[0] = ("error", e)
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
-    if status == "error":
-        raise value
-    return value
-
-
 def recommended_config(
     model: HookedTransformer,
     config: FinetuneConfig | None = None,
@@ -967,65 +638,7 @@ def recommended_config(
     return dataclasses.replace(config or FinetuneConfig(), **chosen, **given).validate()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.resume and args.out and Path(args.out) != Path(args.resume):
-        raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
-    from headsurgeon.cli import figure_formats
+if __name__ == "__main__":  # python -m headsurgeon.repair: the command-line tool
+    from headsurgeon.cli.repair import entry
 
-    formats = figure_formats(args)  # --format pdf without a browser: fail before any training
-    config = FinetuneConfig(
-        steps=FinetuneConfig.steps if args.steps is None else args.steps,
-        lr=FinetuneConfig.lr if args.lr is None else args.lr,
-        weight_decay=args.weight_decay, warmup_steps=args.warmup,
-        batch_size=args.batch_size, grad_accum=args.grad_accum,
-        max_grad_norm=args.max_grad_norm, autocast=args.autocast, eval_every=args.eval_every,
-        patience=args.patience, min_query_pos=args.min_query_pos, strategy=args.strategy,
-        seed=args.seed,
-    ).validate()  # fmt: skip
-    thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
-    dist_info = setup_distributed(args.device)
-    try:
-        out = _on_rank0(lambda: _prepare_output(args))  # one decision, before any rank writes
-        partial = _partial(out)
-        model = load_model(args.model, dtype=args.dtype, device=dist_info.device)
-        config = recommended_config(model, config, steps=args.steps, lr=args.lr)
-        result = repair(
-            model,
-            _texts(args.corpus),
-            eval_corpus=_texts(args.eval_corpus),
-            heads=HeadSet.parse(args.heads, model) if args.heads is not None else None,
-            include=HeadSet.parse(args.include, model) if args.include is not None else None,
-            passes=args.passes,
-            finetune_config=config,
-            init=args.init,
-            seed=args.seed,
-            thresholds=thresholds,
-            census_data=_texts(args.texts),
-            census_seq_len=args.seq_len,
-            census_n_seqs=args.n_seqs,
-            min_query_pos=args.min_query_pos,
-            prepend_bos=args.prepend_bos,
-            seq_len=args.train_seq_len,
-            n_eval_seqs=args.n_eval_seqs,
-            drift_threshold=args.drift_threshold,
-            save_dtype=args.save_dtype,
-            work_dir=partial,
-            resume=bool(args.resume),
-            progress=not args.quiet,
-        )
-        if dist_info.rank == 0:
-            write_report(result, out, formats=formats, overwrite=args.overwrite)
-            shutil.rmtree(partial, ignore_errors=True)
-            print((out / "report.md").read_text().split("## Pass")[0].rstrip())
-            print(f"\nwrote {out}/: report.md, report.json, censuses, figures, model/")
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    from headsurgeon.cli import run
-
-    run(main)
+    entry()

@@ -8,6 +8,8 @@ each. The output bias ``b_O`` is shared by all heads and is never touched.
 Exports:
     HEAD_TENSORS, TRAINED_TENSORS       the per-head tensors surgery edits, and those it trains
     HeadSet                             an ordered, validated set of (layer, head) pairs
+    Heads                               what every function taking heads accepts (HeadSet.of):
+                                        a HeadSet, "L5H9-11", [(layer, head)], {layer: [heads]}
     reinit_heads(model, heads, ...)     Xavier re-initialisation of Q/K/V, zero Q/K/V biases and W_O
     HeadMask / mask_gradients(...)      gradient masks as parameter hooks (removable)
     HeadParameters                      trainable float32 copies of the chosen slices
@@ -30,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -40,7 +42,7 @@ from torch import Tensor, nn
 from transformer_lens import HookedTransformer
 
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.models import ModelShape, model_shape
+from headsurgeon.loading import ModelShape, model_shape
 
 HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
 # b_K has no gradient in exact arithmetic (q·b_K shifts every logit of a query row equally, and
@@ -54,6 +56,25 @@ _TOKEN = re.compile(r"^L(\d+)(?:-(\d+))?H(\d+)(?:-(\d+))?$", re.IGNORECASE)
 
 def _name(layer: int, head: int) -> str:
     return f"L{layer}H{head}"
+
+
+_HEADS_FORMS = (
+    "heads must be a HeadSet, text such as 'L5H9-11,L6H0', (layer, head) pairs or "
+    "{{layer: [heads]}}; got {heads}"
+)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _ints(heads: object) -> list[int]:
+    """A layer's heads in a ``{layer: heads}`` mapping: one int or a list of ints."""
+    items = [heads] if isinstance(heads, int) else heads
+    if not isinstance(items, Iterable) or isinstance(items, str):
+        raise InvalidArgumentError(_HEADS_FORMS.format(heads=_short(heads)))
+    return list(items)
 
 
 class HeadSet:
@@ -84,6 +105,36 @@ class HeadSet:
                 raise InvalidArgumentError(f"head {pair} has a negative index; indices start at 0")
             seen.add(pair)
         self._heads: tuple[tuple[int, int], ...] = tuple(sorted(seen))
+
+    @classmethod
+    def of(cls, heads: Heads, model: HookedTransformer | ModelShape | None = None) -> HeadSet:
+        """Heads in any usual form, as a :class:`HeadSet`; validated against ``model`` if given.
+
+        Takes a ``HeadSet``, text (``"L5H9-11,L6H0"``), ``(layer, head)`` pairs or
+        ``{layer: [heads]}`` (TransformerLens's ``detect_head`` style). Every public function that
+        takes heads goes through here.
+
+        >>> [str(HeadSet.of(x)) for x in ("L1H0-1", [(1, 0), (1, 1)], {1: [0, 1]})]
+        ['L1H0-1', 'L1H0-1', 'L1H0-1']
+        >>> HeadSet.of(5)
+        Traceback (most recent call last):
+        headsurgeon.errors.InvalidArgumentError: heads must be a HeadSet, text such as ...
+        """
+        if isinstance(heads, HeadSet):
+            chosen = heads
+        elif isinstance(heads, str):
+            chosen = cls.parse(heads)
+        elif isinstance(heads, Mapping):
+            chosen = cls((layer, head) for layer, hs in heads.items() for head in _ints(hs))
+        elif isinstance(heads, Iterable):
+            pairs = list(heads)
+            if not all(isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2
+                       for p in pairs):  # fmt: skip
+                raise InvalidArgumentError(_HEADS_FORMS.format(heads=_short(heads)))
+            chosen = cls(pairs)
+        else:
+            raise InvalidArgumentError(_HEADS_FORMS.format(heads=_short(heads)))
+        return chosen.validate(model) if model is not None else chosen
 
     @classmethod
     def parse(cls, text: str, model: HookedTransformer | ModelShape | None = None) -> HeadSet:
@@ -199,6 +250,9 @@ class HeadSet:
         return HeadSet(set(self._heads) - set(other))
 
 
+Heads = HeadSet | str | Iterable[tuple[int, int]] | Mapping[int, Iterable[int]]
+
+
 def check_surgery(model: HookedTransformer) -> None:
     """Raise :class:`UnsupportedArchitectureError` unless every head has its own Q/K/V/O slices."""
     attn = model.blocks[0].attn
@@ -218,7 +272,7 @@ def _head_seed(seed: int, layer: int, head: int) -> int:
 @torch.no_grad()
 def reinit_heads(
     model: HookedTransformer,
-    heads: HeadSet,
+    heads: Heads,
     *,
     init: str = "xavier_normal",
     seed: int = 0,
@@ -234,7 +288,7 @@ def reinit_heads(
     if init not in INITS:
         raise InvalidArgumentError(f"unknown init {init!r}; use one of {', '.join(INITS)}")
     check_surgery(model)
-    heads.validate(model)
+    heads = HeadSet.of(heads, model)
     fill = getattr(nn.init, f"{init}_")
     for layer, head in heads:
         attn = model.blocks[layer].attn
@@ -247,13 +301,13 @@ def reinit_heads(
             getattr(attn, name)[head] = 0
 
 
-def head_masks(model: HookedTransformer, heads: HeadSet) -> dict[str, Bool[Tensor, "head ..."]]:
+def head_masks(model: HookedTransformer, heads: Heads) -> dict[str, Bool[Tensor, "head ..."]]:
     """``{parameter name: boolean mask}`` of the chosen heads' elements, per attention tensor.
 
     Only tensors that hold a chosen head appear; each mask has the tensor's shape.
     """
     check_surgery(model)
-    heads.validate(model)
+    heads = HeadSet.of(heads, model)
     masks = {}
     for layer, chosen in heads.by_layer().items():
         attn = model.blocks[layer].attn
@@ -279,7 +333,7 @@ class HeadMask:
     Train with weight decay 0, restore frozen values after each step, or train
     :class:`HeadParameters` instead (what :func:`headsurgeon.finetune.finetune` does by default).
 
-    >>> from headsurgeon.models import random_model
+    >>> from headsurgeon.loading import random_model
     >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
     >>> with mask_gradients(model, HeadSet.parse("L1H2")) as mask:
     ...     model(torch.tensor([[1, 2, 3]]), return_type="loss").backward()
@@ -290,10 +344,10 @@ class HeadMask:
     (True, True)
     """
 
-    def __init__(self, model: HookedTransformer, heads: HeadSet) -> None:
+    def __init__(self, model: HookedTransformer, heads: Heads) -> None:
         self.model = model
-        self.heads = heads
-        self.masks = head_masks(model, heads)
+        self.heads = HeadSet.of(heads, model)
+        self.masks = head_masks(model, self.heads)
         self._handles: list[Any] = []
         self._requires_grad: dict[str, bool] = {}
 
@@ -337,7 +391,7 @@ def _multiply_by(mask: Tensor) -> Callable[[Tensor], Tensor]:
     return hook
 
 
-def mask_gradients(model: HookedTransformer, heads: HeadSet) -> HeadMask:
+def mask_gradients(model: HookedTransformer, heads: Heads) -> HeadMask:
     """Apply a :class:`HeadMask` and return it (call ``.remove()``, or use it in ``with``)."""
     return HeadMask(model, heads).apply()
 
@@ -355,20 +409,20 @@ class HeadParameters(nn.Module):
     parameters are never handed to an optimiser. :meth:`write_to` copies the trained values
     back into the model. Float32 copies double as master weights for bfloat16 models.
 
-    >>> from headsurgeon.models import random_model
+    >>> from headsurgeon.loading import random_model
     >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
     >>> params = HeadParameters(model, HeadSet.parse("L1H0,L1H3"))
     >>> tuple(params.slices["L1"]["W_O"].shape), params.numel()
     ((2, 8, 32), 2080)
     """
 
-    def __init__(self, model: HookedTransformer, heads: HeadSet) -> None:
+    def __init__(self, model: HookedTransformer, heads: Heads) -> None:
         super().__init__()
         check_surgery(model)
-        self.heads = heads.validate(model)
+        self.heads = HeadSet.of(heads, model)
         self.slices = nn.ModuleDict()
         self._index: dict[int, Tensor] = {}
-        for layer, chosen in heads.by_layer().items():
+        for layer, chosen in self.heads.by_layer().items():
             attn = model.blocks[layer].attn
             index = torch.tensor(chosen, device=attn.W_Q.device)
             self._index[layer] = index

@@ -23,6 +23,7 @@ print(held, rss())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc behaviour")
+@pytest.mark.slow  # a subprocess
 def test_freed_buffers_stay_mapped_only_when_asked():
     if ctypes.util.find_library("c") is None:
         pytest.skip("no C library found")

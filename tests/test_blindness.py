@@ -12,13 +12,13 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from headsurgeon import alibi, load_model, plots
 from headsurgeon.blindness import (
-    DTYPES,
+    ANALYSED_DTYPES,
     analytic_blindness,
-    main,
     measure_blindness,
     mitigation,
 )
 from headsurgeon.cli import run
+from headsurgeon.cli.blindness import main
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 
 SCORES = "blocks.0.attn.hook_attn_scores"
@@ -46,7 +46,7 @@ def _tokens(n_seqs: int, n_pos: int, seed: int = 0) -> torch.Tensor:
 
 def test_analytic_blindness_by_name_needs_no_weights():
     df = analytic_blindness("bloom-560m")
-    assert len(df) == 24 * 16 * len(DTYPES) * len(alibi.THRESHOLDS)
+    assert len(df) == 24 * 16 * len(ANALYSED_DTYPES) * len(alibi.THRESHOLDS)
     fp32 = df[(df.dtype == "float32") & (df.threshold == "normal") & (df.layer == 5)]
     assert fp32.blind_distance.tolist()[0] == 124 and fp32.blind_distance.tolist()[-1] == 22359
     assert set(df.columns) >= {"layer", "head", "slope", "dtype", "threshold", "blind_distance"}
@@ -268,7 +268,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
 def test_cli_refuses_an_occupied_output_folder_before_measuring(
     bloom8_dir, tmp_path, monkeypatch, capsys
 ):
-    import headsurgeon.blindness as blindness_module
+    import headsurgeon.cli.blindness as blindness_module
 
     def not_now(*args, **kwargs):
         raise AssertionError("the model was loaded before the output folder was checked")

@@ -13,10 +13,11 @@ import torch
 
 from headsurgeon import Thresholds, classify_heads, plots, run_census, save_hf, threshold_sweep
 from headsurgeon.alibi import alibi_bias, slopes
-from headsurgeon.classify import format_summary, main, write_classification
 from headsurgeon.cli import run
+from headsurgeon.cli.classify import main
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError, OutputExistsError
+from headsurgeon.reports import format_summary, write_classification
 
 TEXT = (
     "Now is the winter of our discontent made glorious summer by this sun of York; and all the "
@@ -218,6 +219,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(bloom_dir, tmp_path, capsys, extra
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a subprocess
 def test_module_entry_point_reports_errors_without_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "headsurgeon.classify", "--dead-threshold", "2"],

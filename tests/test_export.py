@@ -12,15 +12,17 @@ from safetensors.torch import load_file
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformers import BloomForCausalLM
 
-import headsurgeon.models as models
+import headsurgeon.checkpoints as checkpoints
 from headsurgeon import load_model, save_hf
+from headsurgeon.checkpoints import checkpoint_dtype
 from headsurgeon.errors import (
     CheckpointError,
     InvalidArgumentError,
     OutputExistsError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.models import checkpoint_dtype, use_exact_alibi
+from headsurgeon.exact_alibi import use_exact_alibi
+from headsurgeon.loading import ORGANISM_DIR
 
 ATOL = 1e-4
 
@@ -121,7 +123,7 @@ def test_bad_folder_is_refused_before_any_work(tiny_model, tmp_path, monkeypatch
     def no_work(model):
         raise AssertionError("weights were gathered")
 
-    monkeypatch.setattr(models, "hf_state_dict", no_work)
+    monkeypatch.setattr(checkpoints, "hf_state_dict", no_work)
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputExistsError, match="is a file"):
         save_hf(tiny_model, tmp_path / "file" / "out")
@@ -133,7 +135,7 @@ def test_bad_folder_is_refused_before_any_work(tiny_model, tmp_path, monkeypatch
 
 
 def test_failed_verification_leaves_nothing_and_replaces_nothing(tiny_model, tmp_path, monkeypatch):
-    original = models.hf_state_dict
+    original = checkpoints.hf_state_dict
 
     def corrupted(model):
         state = original(model)
@@ -141,7 +143,7 @@ def test_failed_verification_leaves_nothing_and_replaces_nothing(tiny_model, tmp
         state[name] = state[name] + 0.01 * torch.linspace(-1, 1, state[name].numel())
         return state
 
-    monkeypatch.setattr(models, "hf_state_dict", corrupted)
+    monkeypatch.setattr(checkpoints, "hf_state_dict", corrupted)
     with pytest.raises(CheckpointError, match=r"differ from the model's by up to 0\.0\d+ ") as e:
         save_hf(tiny_model, tmp_path / "new")
     assert "tolerance 1e-4 + 1e-5 x |logit|" in str(e.value) and "\n" not in str(e.value)
@@ -204,7 +206,7 @@ def test_float16_checkpoint_is_written_back_bit_identical_by_default(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing rounds, so nothing to warn about
         out = save_hf(model, tmp_path / "f16")
-    source = load_file(models.ORGANISM_DIR / "organism" / "model.safetensors")
+    source = load_file(ORGANISM_DIR / "organism" / "model.safetensors")
     written = load_file(out / "model.safetensors")
     assert written.keys() == source.keys()
     for name, tensor in source.items():

@@ -23,7 +23,7 @@ from headsurgeon.finetune import (
     load_checkpoint,
     next_token_loss,
 )
-from headsurgeon.models import ModelShape, random_model
+from headsurgeon.loading import ModelShape, random_model
 from headsurgeon.surgery import HeadSet, mask_gradients, reinit_heads
 
 TESTS = Path(__file__).parent
@@ -158,6 +158,7 @@ finetune(model, heads, tokens, config=config(steps=20, checkpoint_every=2, eval_
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_resume_after_kill_is_bit_identical(tmp_path):
     ckpt = tmp_path / "ckpt"
     script = KILLED_RUN.format(tests=str(TESTS), ckpt=str(ckpt))
@@ -335,6 +336,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_ddp_two_processes_match_one_process_with_double_batch(tmp_path):
     script = tmp_path / "ddp_run.py"
     script.write_text(DDP_RUN.format(tests=str(TESTS), out=str(tmp_path / "ddp.pt")))

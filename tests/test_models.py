@@ -1,4 +1,7 @@
-"""Loading, exact ALiBi, Hugging Face export and bad input of headsurgeon.models."""
+"""Loading, exact ALiBi, Hugging Face export and bad input.
+
+Modules: headsurgeon.loading, headsurgeon.dtypes, headsurgeon.exact_alibi, headsurgeon.checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from headsurgeon import alibi, load_model, model_info, model_shape, save_hf
+from headsurgeon.dtypes import parse_device, parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
     InvalidArgumentError,
@@ -25,7 +29,7 @@ from headsurgeon.errors import (
     UnknownModelError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.models import BLOOM_SHAPES, parse_device, parse_dtype
+from headsurgeon.loading import BLOOM_SHAPES
 
 ATOL = 1e-4
 
@@ -523,7 +527,7 @@ def test_weight_changes_finds_every_change_and_only_attributes_head_slices(tiny_
     assert table.loc["transformer.h.0.self_attention.dense.bias", "other_changed"] == 1
     # The checkpoint the model came from against the re-initialised head: changes stay inside
     # L1H2's q/k/v rows (3 x d_head) and its d_head output columns.
-    from headsurgeon.models import model_info
+    from headsurgeon.loading import model_info
 
     table = weight_changes(model_info(tiny_model).source, edited, heads).set_index("tensor")
     assert table.other_changed.sum() == 0

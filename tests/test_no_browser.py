@@ -24,11 +24,11 @@ import pytest
 from conftest import TEXT
 
 from headsurgeon import classify_heads, load_model, plots
-from headsurgeon.classify import write_classification
 from headsurgeon.cli import run
 from headsurgeon.errors import FigureExportError, InvalidArgumentError
 from headsurgeon.finetune import FinetuneConfig
-from headsurgeon.repair import repair, write_report
+from headsurgeon.repair import repair
+from headsurgeon.reports import write_classification, write_report
 from headsurgeon.surgery import HeadSet
 
 FIGURES = ("bos_mass", "labels", "entropy", "output_share", "threshold_sweep")
@@ -143,9 +143,9 @@ def test_write_report_without_browser_writes_model_and_report_skips_pngs(
 @pytest.mark.parametrize(
     ("module", "argv"),
     [
-        ("headsurgeon.classify", ["MODEL", "--format", "pdf"]),
-        ("headsurgeon.blindness", ["MODEL", "--measure", "--format", "svg"]),
-        ("headsurgeon.repair", ["MODEL", "--format", "pdf", "svg"]),
+        ("headsurgeon.cli.classify", ["MODEL", "--format", "pdf"]),
+        ("headsurgeon.cli.blindness", ["MODEL", "--measure", "--format", "svg"]),
+        ("headsurgeon.cli.repair", ["MODEL", "--format", "pdf", "svg"]),
     ],
 )
 def test_cli_asked_static_format_without_browser_fails_before_loading(
@@ -171,6 +171,7 @@ def test_cli_asked_static_format_without_browser_fails_before_loading(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a subprocess
 def test_classify_cli_without_browser_exits_0_with_one_warning(bloom_dir, tmp_path):
     """The README's command on a machine whose browser kaleido cannot use (a subprocess)."""
     (tmp_path / "text.txt").write_text(TEXT)
@@ -284,6 +285,7 @@ def test_the_wrappers_bye_marker_is_not_logged_as_a_json_error(caplog):
     assert [r for r in caplog.records if "JSONError decoding message" in r.getMessage()]
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_png_export_exits_without_a_traceback(tmp_path):
     if not plots.has_browser():
         pytest.skip(NO_CHROMIUM)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from headsurgeon import plots
-from headsurgeon.models import organism_names
+from headsurgeon.loading import organism_names
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "analyses" / "tour.ipynb"
 NEEDED = ("organism-injured",)
@@ -50,6 +50,7 @@ def test_committed_tour_notebook_shows_its_figures():
 
 
 @needs_organisms
+@pytest.mark.slow  # a subprocess
 def test_tour_notebook_executes():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from headsurgeon import HeadSet, classify_heads, load_model, model_info, run_census, weight_changes
-from headsurgeon.models import ORGANISM_DIR, organism_names
+from headsurgeon.loading import ORGANISM_DIR, organism_names
 
 pytestmark = pytest.mark.skipif(
     "organism-injured" not in organism_names(),

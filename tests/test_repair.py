@@ -12,11 +12,12 @@ from safetensors.torch import load_file
 
 import headsurgeon.finetune as finetune_module
 from headsurgeon import load_model, plots, save_hf
-from headsurgeon.classify import write_classification
 from headsurgeon.cli import run
+from headsurgeon.cli.repair import main
 from headsurgeon.data import to_sequences
 from headsurgeon.finetune import FinetuneConfig, bos_mass_objective, finetune
-from headsurgeon.repair import main, repair, write_report
+from headsurgeon.repair import repair
+from headsurgeon.reports import write_classification, write_report
 from headsurgeon.surgery import HeadSet
 
 SINK, DEAD = (1, 3), (1, 1)
@@ -240,6 +241,7 @@ def test_the_readmes_python_block_runs(recommending, tmp_path, monkeypatch):
     assert (tmp_path / "repaired" / "model.safetensors").exists()
 
 
+@pytest.mark.slow  # a subprocess
 def test_python_m_repair_shows_its_progress_messages(injured, text_file, tmp_path):
     import subprocess
     import sys
@@ -248,5 +250,6 @@ def test_python_m_repair_shows_its_progress_messages(injured, text_file, tmp_pat
     done = subprocess.run([sys.executable, "-m", "headsurgeon.repair", *args],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    # Under -m the module logs as __main__; its messages must still reach the user.
+    # Under -m the library module runs as __main__ and hands over to headsurgeon.cli.repair;
+    # the pipeline's messages must still reach the user.
     assert "census: " in done.stderr and "pass 1: " in done.stderr

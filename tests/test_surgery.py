@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.models import ModelShape, random_model
+from headsurgeon.loading import ModelShape, random_model
 from headsurgeon.surgery import (
     HEAD_TENSORS,
     HeadMask,
@@ -162,3 +162,24 @@ def test_head_parameters_splice_and_write_back(model):
     params.write_to(model)
     assert torch.equal(model.blocks[2].attn.W_V[2], params.slices["L2"]["W_V"][0])
     assert torch.equal(model(batch), params.call(model, lambda m, t: m(t), batch))
+
+
+@pytest.mark.parametrize("form", [HeadSet.parse("L1H0,L1H2"), "L1H0,L1H2", [(1, 0), (1, 2)],
+                                  {1: [0, 2]}, ((1, 0), [1, 2])])  # fmt: skip
+def test_heads_are_taken_in_any_usual_form(model, form):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    reinit_heads(model, form)
+    assert changed_heads(before, model.state_dict())["blocks.1.attn.W_Q"] == [0, 2]
+    assert HeadParameters(model, form).heads == HeadSet.parse("L1H0,L1H2")
+    with HeadMask(model, form) as mask:
+        assert mask.heads == HeadSet.parse("L1H0,L1H2")
+
+
+@pytest.mark.parametrize(
+    ("form", "message"),
+    [(5, "heads must be"), ([1, 2], "heads must be"), ({1: "x"}, "heads must be"),
+     ("L9H0", "out of range"), ({0: [0, 0]}, "listed twice")],
+)  # fmt: skip
+def test_heads_in_an_unusable_form_are_one_line_errors(model, form, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        reinit_heads(model, form)

@@ -22,7 +22,7 @@ from headsurgeon import (
     run_census,
 )
 from headsurgeon.errors import DataError, UnsupportedArchitectureError
-from headsurgeon.models import alibi_slopes, use_exact_alibi
+from headsurgeon.exact_alibi import alibi_slopes, use_exact_alibi
 from headsurgeon.repair import repair
 
 # TransformerLens 3.x's slopes for 6 heads (2^(-8(h+1)/6)); Hugging Face's differ.

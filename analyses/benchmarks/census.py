@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from headsurgeon import run_census
-from headsurgeon.models import ModelShape, from_hf_model, model_shape, random_hf_bloom
+from headsurgeon.loading import ModelShape, from_hf_model, model_shape, random_hf_bloom
 from headsurgeon.probes import pattern_stats, write_norms
 
 METHODS = ("forward", "census", "run_with_cache", "transformers")

@@ -37,7 +37,7 @@ import torch
 from census import RssSampler, fresh_process, parse_shape  # the census benchmark beside this file
 
 from headsurgeon.finetune import make_trainer
-from headsurgeon.models import BLOOM_SHAPES, load_model, random_model
+from headsurgeon.loading import BLOOM_SHAPES, load_model, random_model
 from headsurgeon.surgery import HeadSet
 
 METHODS = ("full", "mask", "slices")

@@ -26,7 +26,7 @@ import torch
 from census import RssSampler, fresh_process, parse_shape  # the census benchmark beside this file
 
 from headsurgeon import HeadSet, reinit_heads, save_hf, weight_changes
-from headsurgeon.models import random_model
+from headsurgeon.loading import random_model
 
 GIB = 2**30
 

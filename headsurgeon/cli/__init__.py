@@ -1,4 +1,12 @@
-"""Shared pieces of the command-line tools (``python -m headsurgeon.classify`` and friends).
+"""The command-line tools, and the pieces they share.
+
+Tools (each a ``main(argv)`` and an ``entry()`` that runs it through :func:`run`):
+    headsurgeon.cli.classify    ``python -m headsurgeon.classify``, ``headsurgeon-classify``
+    headsurgeon.cli.blindness   ``python -m headsurgeon.blindness``, ``headsurgeon-blindness``
+    headsurgeon.cli.repair      ``python -m headsurgeon.repair``, ``headsurgeon-repair``
+
+The library modules never import this package; ``python -m headsurgeon.<tool>`` runs the
+library module, whose ``__main__`` block hands over to ``headsurgeon.cli.<tool>``.
 
 Exports:
     add_model_args(parser)    MODEL, --dtype, --device, --threads
@@ -6,11 +14,13 @@ Exports:
     add_output_args(parser)   --out, --overwrite, --format
     figure_formats(args)      the figure formats to write; --format svg/pdf without a browser
                               is a one-line error here, before any model is loaded
+    load_model_from_args(a)   the model MODEL, --dtype and --device describe
     load_data(model, args)    the token sequences the data options describe
     run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2
                               (and keep freed memory, see headsurgeon.allocator)
 
-Every tool is a thin layer over the library: parse, call library functions, print, write.
+Every tool is a thin layer over the library: parse, call library functions, print, and write
+through :mod:`headsurgeon.reports`.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from transformer_lens import HookedTransformer
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import HeadsurgeonError
-from headsurgeon.models import DEFAULT_MODEL, load_model
+from headsurgeon.loading import DEFAULT_MODEL, load_model
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -136,8 +146,6 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     # Our progress messages at INFO; other libraries' (kaleido, choreographer) only when they warn.
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("headsurgeon").setLevel(logging.INFO)
-    # Under ``python -m headsurgeon.<tool>`` the tool's own module logs as ``__main__``.
-    logging.getLogger("__main__").setLevel(logging.INFO)
     if os.environ.get("HEADSURGEON_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
     try:

@@ -1,0 +1,562 @@
+"""BLOOM checkpoints in Hugging Face's layout: export, its checks, and diffing two checkpoints.
+
+Exports:
+    save_hf(model, out_dir, overwrite, dtype, verify)  BLOOM checkpoint, checked by reloading it
+    checkpoint_dtype(model)                  the dtype of the checkpoint a model was loaded from
+    hf_state_dict(model)                     BLOOM weights in Hugging Face layout
+    weight_changes(before, after, heads)     per tensor: changes inside / outside heads' slices
+    StateDict, EXPORT_ATOL, EXPORT_RTOL
+
+The layout knowledge lives here: the fused ``query_key_value`` in BLOOM's per-head (q, k, v)
+order, ``dense``'s per-head columns, tied embeddings, and which TransformerLens settings BLOOM's
+format can express.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import einops
+import pandas as pd
+import torch
+from torch import Tensor
+from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+from headsurgeon.dtypes import DTYPES, parse_dtype
+from headsurgeon.errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    OutputExistsError,
+    UnsupportedArchitectureError,
+)
+from headsurgeon.exact_alibi import inexact_slopes
+from headsurgeon.loading import (
+    METADATA_FILE,
+    TOKENIZER_FILES,
+    ModelInfo,
+    check_checkpoint,
+    model_info,
+    read_json,
+    resolve_model,
+    tl_config,
+)
+from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
+
+__all__ = [
+    "EXPORT_ATOL",
+    "EXPORT_RTOL",
+    "StateDict",
+    "checkpoint_dtype",
+    "hf_state_dict",
+    "save_hf",
+    "weight_changes",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def _bloom_config(model: HookedTransformer, info: ModelInfo) -> dict[str, Any]:
+    cfg = model.cfg
+    config = dict(info.hf_config)
+    config.update(
+        architectures=["BloomForCausalLM"],
+        model_type="bloom",
+        vocab_size=cfg.d_vocab,
+        hidden_size=cfg.d_model,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        layer_norm_epsilon=cfg.eps,
+    )
+    config.setdefault("seq_length", cfg.n_ctx)  # BLOOM computes any length; read by model_shape
+    return config
+
+
+def hf_state_dict(model: HookedTransformer) -> dict[str, torch.Tensor]:
+    """BLOOM state dict in Hugging Face layout (fused query_key_value), inverse of TL's loader.
+
+    Tensors are contiguous and on the CPU; those that already were may share memory with the
+    model, so clone before editing them.
+    """
+    cfg = model.cfg
+    sd = model.state_dict()
+    out = {
+        "transformer.word_embeddings.weight": sd["embed.W_E"],
+        "transformer.word_embeddings_layernorm.weight": sd["embed.ln.w"],
+        "transformer.word_embeddings_layernorm.bias": sd["embed.ln.b"],
+        "transformer.ln_f.weight": sd["ln_final.w"],
+        "transformer.ln_f.bias": sd["ln_final.b"],
+        "lm_head.weight": sd["unembed.W_U"].T,
+    }
+    for layer in range(cfg.n_layers):
+        p, h = f"blocks.{layer}.", f"transformer.h.{layer}."
+        qkv = torch.stack([sd[p + f"attn.W_{x}"] for x in "QKV"], dim=2)  # [n d_model 3 d_head]
+        out[h + "self_attention.query_key_value.weight"] = einops.rearrange(
+            qkv, "n m three h -> (n three h) m"
+        )
+        out[h + "self_attention.query_key_value.bias"] = torch.stack(
+            [sd[p + f"attn.b_{x}"] for x in "QKV"], dim=1
+        ).reshape(-1)
+        out[h + "self_attention.dense.weight"] = einops.rearrange(
+            sd[p + "attn.W_O"], "n h m -> m (n h)"
+        )
+        out[h + "self_attention.dense.bias"] = sd[p + "attn.b_O"]
+        out[h + "input_layernorm.weight"] = sd[p + "ln1.w"]
+        out[h + "input_layernorm.bias"] = sd[p + "ln1.b"]
+        out[h + "post_attention_layernorm.weight"] = sd[p + "ln2.w"]
+        out[h + "post_attention_layernorm.bias"] = sd[p + "ln2.b"]
+        out[h + "mlp.dense_h_to_4h.weight"] = sd[p + "mlp.W_in"].T
+        out[h + "mlp.dense_h_to_4h.bias"] = sd[p + "mlp.b_in"]
+        out[h + "mlp.dense_4h_to_h.weight"] = sd[p + "mlp.W_out"].T
+        out[h + "mlp.dense_4h_to_h.bias"] = sd[p + "mlp.b_out"]
+    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
+# HookedTransformerConfig fields that do not change what a model computes (names, devices,
+# initialisation, hook points, tokenizer conventions), that config.json states (n_ctx as
+# seq_length, dtype) or that only apply to positional schemes other than ALiBi (whose own field,
+# positional_embedding_type, is compared).
+_NOT_COMPUTED = frozenset({
+    "model_name", "tokenizer_name", "tokenizer_prepends_bos", "default_prepend_bos",
+    "original_architecture", "n_ctx", "dtype", "device", "n_devices", "seed", "init_mode",
+    "init_weights", "initializer_range", "n_params", "from_checkpoint", "trust_remote_code",
+    "use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in", "use_hook_tokens",
+    "tie_word_embeddings", "decoder_start_token_id", "train_seq_length", "window_size",
+    "attn_types", "experts_per_token", "norm_topk_prob", "use_dynamic_ntk_rope",
+    "use_NTK_by_parts_rope", "use_yarn_rope",
+})  # fmt: skip
+_NOT_COMPUTED_PREFIXES = ("checkpoint_", "rotary_", "NTK_", "yarn_", "relative_attention_")
+# TransformerLens's names for BLOOM's activation, the tanh approximation of GELU.
+_TANH_GELU = frozenset({"gelu_new", "gelu_fast", "gelu_pytorch_tanh"})
+# The export check: random tokens (fixed seed), compared in float32.
+_PROBE_SEQS, _PROBE_LEN, _PROBE_SEED = 4, 32, 0
+EXPORT_ATOL = 1e-4
+EXPORT_RTOL = 1e-5
+_TOLERANCE = "1e-4 + 1e-5"
+
+
+def _bloom_differences(model: HookedTransformer, config: dict[str, Any]) -> list[str]:
+    """What ``model`` computes that the BLOOM ``config`` (and BLOOM's weights) cannot express.
+
+    The reference is the TransformerLens config that ``config`` itself converts to, so every
+    field TransformerLens knows is compared, not a hand-kept list of BLOOM's settings.
+    """
+    cfg = model.cfg
+    with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        bloom = tl_config(Path(tmp), dtype=cfg.dtype)
+    found = []
+    if cfg.original_architecture not in (None, "BloomForCausalLM"):
+        found.append(f"architecture {cfg.original_architecture}")
+    for field in dataclasses.fields(bloom):
+        name = field.name
+        if name in _NOT_COMPUTED or name.startswith(_NOT_COMPUTED_PREFIXES):
+            continue
+        ours, theirs = getattr(cfg, name, None), getattr(bloom, name)
+        if name == "act_fn" and ours in _TANH_GELU:
+            continue
+        if name == "attn_scale" and cfg.d_head != bloom.d_head:
+            continue  # sqrt(d_head): a consequence of d_head, reported as such
+        if ours != theirs:
+            found.append(_difference(name, ours, theirs, cfg))
+    slopes = inexact_slopes(model)
+    if slopes is not None:
+        found.append(slopes)
+    if torch.any(model.unembed.b_U != 0):
+        found.append("a non-zero unembedding bias b_U (BLOOM has none)")
+    return found
+
+
+def _difference(name: str, ours: Any, theirs: Any, cfg: HookedTransformerConfig) -> str:
+    """One difference between a model's config and BLOOM's, in words."""
+    if name == "positional_embedding_type":
+        return f"{ours} positions (BLOOM uses ALiBi)"
+    if name == "act_fn":
+        return f"activation {ours} (BLOOM's is the tanh approximation of GELU, gelu_new)"
+    if name == "normalization_type" and ours in ("LNPre", "RMSPre"):
+        return (
+            f"processed weights (normalization_type {ours}: LayerNorm folded into the next "
+            "layer); load it with headsurgeon.load_model, which keeps weights unprocessed"
+        )
+    if name == "normalization_type" and ours is None:
+        return "no LayerNorms (normalization_type None; BLOOM: LN, LayerNorm with weights)"
+    if name == "normalization_type":
+        return f"normalization {ours} (BLOOM: LN, LayerNorm with weights)"
+    if name == "post_embedding_ln":
+        return "no embedding LayerNorm (post_embedding_ln=False; BLOOM normalises the embeddings)"
+    if name == "d_mlp":
+        return f"d_mlp {ours} (BLOOM: 4 x d_model = {theirs})"
+    if name == "d_head":
+        return f"d_head {ours} x {cfg.n_heads} heads (BLOOM: d_head = d_model / n_heads = {theirs})"
+    if isinstance(ours, float) and isinstance(theirs, float):
+        return f"{name}={ours:g} (BLOOM: {theirs:g})"
+    return f"{name}={ours!r} (BLOOM: {theirs!r})"
+
+
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def checkpoint_dtype(model: HookedTransformer) -> torch.dtype | None:
+    """The dtype of the checkpoint ``model`` was loaded from, None when that is unknown.
+
+    Read from the source folder of a model from :func:`~headsurgeon.loading.load_model`: the
+    dtype its safetensors hold (every floating tensor), else ``config.json``'s
+    ``dtype``/``torch_dtype``. The bundled organisms are float16 on disk and load as float32.
+    None for a model built in memory (a TransformerLens config,
+    :func:`~headsurgeon.loading.from_hf_model` without a folder) or whose folder is gone.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> print(checkpoint_dtype(random_model(ModelShape(1, 2, 8, 16, 8))))
+    None
+    """
+    source = model_info(model).source
+    if source is None or not source.is_dir():
+        return None
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    try:
+        for file in sorted(source.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                found.update(f.get_slice(key).get_dtype() for key in f.keys())  # noqa: SIM118
+    except Exception:  # unreadable weights: fall back to the config
+        found = set()
+    floating = found & {"F16", "BF16", "F32", "F64"}
+    if len(floating) == 1:
+        return _SAFETENSORS_DTYPES.get(floating.pop())
+    try:
+        config = json.loads((source / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    named = config.get("dtype") or config.get("torch_dtype")
+    return DTYPES.get(named) if isinstance(named, str) else None
+
+
+def _probe_tokens(model: HookedTransformer, device: torch.device) -> Tensor:
+    """The export check's probe batch: a few random sequences within the vocabulary and context."""
+    generator = torch.Generator().manual_seed(_PROBE_SEED)
+    shape = (_PROBE_SEQS, min(_PROBE_LEN, model.cfg.n_ctx))
+    return torch.randint(0, model.cfg.d_vocab, shape, generator=generator).to(device)
+
+
+def _float32_logits(model: HookedTransformer, tokens: Tensor) -> Tensor:
+    """``model``'s logits computed in float32 (its hooks included), the model left as it was.
+
+    A float16 or bfloat16 model runs this one forward pass on float32 copies of its tensors;
+    then each tensor gets its own storage back (the same memory, so views stay views).
+    """
+    narrow = [t for t in (*model.parameters(), *model.buffers())
+              if t.is_floating_point() and t.dtype != torch.float32]  # fmt: skip
+    storages, cfg_dtype = [t.data for t in narrow], model.cfg.dtype
+    try:
+        for t in narrow:
+            t.data = t.data.to(torch.float32)
+        model.cfg.dtype = torch.float32
+        with torch.no_grad():
+            return model(tokens, return_type="logits").to(torch.float32)
+    finally:
+        for t, storage in zip(narrow, storages, strict=True):
+            t.data = storage
+        model.cfg.dtype = cfg_dtype
+
+
+def _verify_export(
+    model: HookedTransformer, folder: Path, unrounded: dict[str, Tensor] | None
+) -> float | None:
+    """Reload ``folder`` with ``transformers`` (float32) and compare logits with ``model``'s.
+
+    ``unrounded``: the weights before rounding to the written dtype, when rounding changed any;
+    the export is then checked with them, and how far rounding moves the logits is returned.
+    """
+    from transformers import BloomForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    device = model.embed.W_E.device
+    tokens = _probe_tokens(model, device)
+    tf32 = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # TF32 would exceed the tolerance by itself
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        expected = _float32_logits(model, tokens)
+        hf, loading = BloomForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, local_files_only=True, output_loading_info=True
+        )
+        bad = sorted(loading["missing_keys"]) + sorted(str(k) for k in loading["mismatched_keys"])
+        if bad:
+            raise CheckpointError(
+                f"transformers could not read {len(bad)} exported weight(s) (first: {bad[0]}); "
+                "nothing written"
+            )
+        hf = hf.to(device).eval()
+        with torch.no_grad():
+            written = hf(tokens).logits
+            computed = written
+            if unrounded is not None:
+                hf.load_state_dict(unrounded, strict=False)
+                computed = hf(tokens).logits
+        del hf
+    finally:
+        torch.set_float32_matmul_precision(tf32)
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+    gap = (computed - expected).abs()
+    allowed = EXPORT_ATOL + EXPORT_RTOL * expected.abs()
+    if bool((gap > allowed).any()):
+        raise CheckpointError(
+            f"the export does not compute this model: transformers' logits on {tokens.shape[0]} "
+            f"random sequences of {tokens.shape[1]} tokens differ from the model's by up to "
+            f"{gap.max().item():.3g} (tolerance {_TOLERANCE} x |logit|, float32); nothing "
+            "written. Hooks that change the model's computation (a mitigation?) cannot be exported"
+        )
+    return None if unrounded is None else (written - expected).abs().max().item()
+
+
+def _check_export_dir(out_dir: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse, before any work, an ``out_dir`` that cannot become a new checkpoint folder."""
+    path = check_output_dir(out_dir, overwrite)  # a file, or a folder holding files
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputExistsError(f"cannot create {path}: {ancestor} is a file; choose a folder path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"cannot create {path}: {ancestor} is not writable")
+
+
+def save_hf(
+    model: HookedTransformer,
+    out_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    dtype: str | torch.dtype | None = None,
+    verify: bool = True,
+) -> Path:
+    """Export a BLOOM HookedTransformer as a Hugging Face checkpoint folder (safetensors).
+
+    The fused ``query_key_value`` is rebuilt in BLOOM's per-head (q, k, v) layout; embeddings stay
+    tied where the source tied them and ``W_U`` still equals ``W_E.T`` (otherwise ``lm_head`` is
+    written separately and the config unties them). Tokenizer files are copied from the source
+    folder verbatim when there is one. The folder appears atomically; a non-empty ``out_dir`` is
+    refused unless ``overwrite=True``.
+
+    Before anything is written, a model that BLOOM's format cannot represent is refused with one
+    :class:`UnsupportedArchitectureError` naming every difference (slopes that are not BLOOM's,
+    another activation, positional scheme or normalisation, no embedding LayerNorm, folded
+    weights, ...). ``dtype``: the written dtype (recorded in ``config.json``); by default the
+    dtype of the checkpoint the model came from (:func:`checkpoint_dtype`; the organisms'
+    float16), else the model's own. ``verify`` (default): before the folder is renamed into
+    place, it is reloaded with ``transformers`` in float32 and its logits on a few random token
+    sequences are compared with the model's own (computed in float32); a gap above
+    ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
+    float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
+    """
+    from safetensors.torch import save_file
+
+    _check_export_dir(out_dir, overwrite)
+    info = model_info(model)
+    config = _bloom_config(model, info)
+    differences = _bloom_differences(model, config)
+    if differences:
+        raise UnsupportedArchitectureError(
+            f"save_hf cannot write {info.name!r} as a BLOOM checkpoint: {'; '.join(differences)}"
+        )
+    source_dtype = checkpoint_dtype(model)
+    if dtype is not None:
+        save_dtype = parse_dtype(dtype)
+    else:
+        save_dtype = source_dtype or model.embed.W_E.dtype
+    dtype_name = str(save_dtype).removeprefix("torch.")
+    state = hf_state_dict(model)
+    tied = config.get("tie_word_embeddings", True) and torch.equal(
+        state["lm_head.weight"], state["transformer.word_embeddings.weight"]
+    )
+    config["tie_word_embeddings"] = bool(tied)
+    if tied:
+        del state["lm_head.weight"]
+    written = {name: tensor.to(save_dtype) for name, tensor in state.items()}
+    rounded = 0  # weights that the written dtype does not hold exactly
+    for name, tensor in state.items():
+        if tensor.dtype == save_dtype:
+            continue
+        if not torch.isfinite(written[name]).all() and torch.isfinite(tensor).all():
+            raise InvalidArgumentError(
+                f"{name} has weights beyond {dtype_name}'s range (largest "
+                f"|w| {tensor.abs().max().item():.3g}); pass dtype='float32'"
+            )
+        rounded += int((written[name].to(tensor.dtype) != tensor).count_nonzero())
+    unrounded = state if verify and rounded else None
+    del state
+    config.pop("torch_dtype", None)  # transformers 5 calls it dtype; the old key would conflict
+    config["dtype"] = dtype_name
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        save_file(written, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del written
+        atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))
+        # safetensors creates its file private (0600); give it the umask's mode, as config.json.
+        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")
+        metadata = dict(info.metadata)
+        metadata.update(prepend_bos=info.prepend_bos, exported_from=info.name)
+        atomic_write_text(tmp / METADATA_FILE, json.dumps(metadata, indent=2, default=str))
+        if info.source is not None and (info.source / "tokenizer_config.json").exists():
+            for file in TOKENIZER_FILES:
+                if (info.source / file).exists():
+                    shutil.copyfile(info.source / file, tmp / file)
+        elif info.tokenizer is not None:
+            info.tokenizer.save_pretrained(tmp)
+        moved = _verify_export(model, tmp, unrounded) if verify else None
+    if rounded:
+        message = f"save_hf wrote {dtype_name}: rounding changed {rounded} weight(s) of {info.name}"
+        if moved is not None:
+            message += f" and its logits by up to {moved:.3g}"
+        if dtype is None:  # a default the user may not know about
+            warnings.warn(
+                f"{message}; pass dtype={str(model.embed.W_E.dtype).removeprefix('torch.')!r} "
+                "to write the model exactly",
+                stacklevel=2,
+            )
+        else:
+            logger.info(message)
+    logger.debug("saved %s to %s", info.name, out_dir)  # callers name their own folders
+    return Path(out_dir)
+
+
+StateDict = Mapping[str, Tensor]
+
+
+class _SafetensorsState(Mapping[str, Tensor]):
+    """A checkpoint folder's tensors (every shard), read one at a time when asked for."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self._files: dict[str, Path] = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                self._files.update(dict.fromkeys(f.keys(), file))
+
+    def __getitem__(self, name: str) -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def _checkpoint_state(checkpoint: StateDict | str | os.PathLike) -> tuple[StateDict, int | None]:
+    """A checkpoint's Hugging Face state dict (lazy for folders) and head width (when known)."""
+    if isinstance(checkpoint, Mapping):
+        return checkpoint, None
+    _, directory = resolve_model(checkpoint)
+    check_checkpoint(directory)
+    if not any(directory.glob("*.safetensors")):
+        raise CheckpointError(
+            f"{directory} has only pickled .bin weights; re-export it as safetensors "
+            "(load_model, then save_hf)"
+        )
+    config = read_json(directory / "config.json")
+    n_heads, width = config.get("n_head"), config.get("hidden_size")
+    return _SafetensorsState(directory), width // n_heads if n_heads and width else None
+
+
+def weight_changes(
+    before: StateDict | str | os.PathLike,
+    after: StateDict | str | os.PathLike,
+    heads: Iterable[tuple[int, int]] = (),
+    *,
+    d_head: int | None = None,
+) -> pd.DataFrame:
+    """Which weights changed between two BLOOM checkpoints, inside and outside ``heads``' slices.
+
+    ``before``/``after``: Hugging Face state dicts, or anything
+    :func:`~headsurgeon.loading.load_model` takes (checkpoint folders, bundled organisms' names),
+    whose tensors are then read one at a time so two large checkpoints need not fit in memory
+    together. A head's slices are its rows of the fused ``query_key_value`` weight and bias (per
+    head ``(q, k, v) x d_head``, BLOOM's layout) and its ``d_head`` columns of the output
+    projection ``dense.weight``; everything else (``dense.bias`` included) is shared by all heads.
+    Values are compared exactly in the wider of the two dtypes (float16 -> float32 is exact), so a
+    repair or a planting that must leave every other weight bit-identical can be checked: the
+    ``other_changed`` column must sum to 0. ``d_head`` is read from a folder's ``config.json``
+    unless given. One row per tensor of ``before``: ``tensor``, ``dtype_before``, ``dtype_after``,
+    ``elements``, ``head_elements``, ``head_changed``, ``other_changed``.
+
+    >>> qkv = "transformer.h.0.self_attention.query_key_value.weight"
+    >>> dense = "transformer.h.0.self_attention.dense.weight"
+    >>> before = {qkv: torch.zeros(12, 4), dense: torch.zeros(4, 4)}  # 2 heads of width 2
+    >>> after = {name: weight.clone() for name, weight in before.items()}
+    >>> after[qkv][0, 0] = 1.0  # head 0's query
+    >>> after[dense][0, 3] = 1.0  # head 1's output column
+    >>> changes = weight_changes(before, after, [(0, 1)], d_head=2)
+    >>> changes[["head_changed", "other_changed"]].values.tolist()
+    [[0, 1], [1, 0]]
+    """
+    before_state, before_width = _checkpoint_state(before)
+    after_state, after_width = _checkpoint_state(after)
+    d_head = d_head or before_width or after_width
+    heads = list(heads)
+    if heads and d_head is None:
+        raise InvalidArgumentError("d_head is unknown for state dicts; pass d_head=")
+    qkv_rows = {}  # per layer of the heads: read once, not once per head
+    for layer in {layer for layer, _ in heads}:
+        qkv = before_state.get(f"transformer.h.{layer}.self_attention.query_key_value.weight")
+        qkv_rows[layer] = 0 if qkv is None else qkv.shape[0]
+    for layer, head in heads:
+        if not 0 <= head < qkv_rows[layer] // (3 * d_head):
+            raise InvalidArgumentError(
+                f"head L{layer}H{head} is not in the first checkpoint; pass heads of its model"
+            )
+    missing = sorted(set(before_state) - set(after_state))
+    if missing:
+        raise CheckpointError(
+            f"the second checkpoint lacks {len(missing)} tensor(s) of the first, e.g. "
+            f"{missing[0]}; compare checkpoints of the same model"
+        )
+    # One tensor pair at a time, inside a call, so none outlives its row (a lazy folder then
+    # holds at most the largest tensor of each checkpoint).
+    rows = [_tensor_changes(name, before_state[name], after_state[name], heads, d_head)
+            for name in before_state]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _tensor_changes(
+    name: str, old: Tensor, new: Tensor, heads: list[tuple[int, int]], d_head: int | None
+) -> dict[str, Any]:
+    """One row of :func:`weight_changes`: ``name``'s changed elements inside / outside heads."""
+    if old.shape != new.shape:
+        raise CheckpointError(
+            f"{name} has shape {tuple(old.shape)} before and {tuple(new.shape)} after; "
+            "compare checkpoints of the same model"
+        )
+    common = torch.promote_types(old.dtype, new.dtype)
+    changed = old.to(common) != new.to(common)
+    in_heads = torch.zeros(old.shape, dtype=torch.bool)
+    for layer, head in heads:
+        prefix = f"transformer.h.{layer}.self_attention."
+        if name in (prefix + "query_key_value.weight", prefix + "query_key_value.bias"):
+            in_heads[head * 3 * d_head : (head + 1) * 3 * d_head] = True
+        elif name == prefix + "dense.weight":
+            in_heads[:, head * d_head : (head + 1) * d_head] = True
+    # count_nonzero, not sum: summing a bool tensor first copies it to int64 (8x its size).
+    head_changed = int((changed & in_heads).count_nonzero())
+    return {
+        "tensor": name,
+        "dtype_before": str(old.dtype).removeprefix("torch."),
+        "dtype_after": str(new.dtype).removeprefix("torch."),
+        "elements": old.numel(),
+        "head_elements": int(in_heads.count_nonzero()),
+        "head_changed": head_changed,
+        "other_changed": int(changed.count_nonzero()) - head_changed,
+    }

@@ -1,0 +1,62 @@
+"""Names of float formats and devices, parsed into torch objects with one-line errors.
+
+A leaf module: it imports nothing of the package but its errors, so the pure math
+(:mod:`headsurgeon.alibi`) and every I/O module can use it.
+
+Exports:
+    DTYPES                  the accepted dtype names (``"float32"``, ``"bf16"``, ...) -> torch dtype
+    parse_dtype(dtype)      a validated torch dtype from a name or a torch dtype
+    parse_device(device)    a validated, available torch device
+
+>>> parse_dtype("bf16")
+torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headsurgeon.errors import InvalidArgumentError
+
+__all__ = ["DTYPES", "parse_device", "parse_dtype"]
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Return the torch dtype for a name such as ``"float32"``, ``"bf16"`` or ``torch.float16``."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise InvalidArgumentError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    """Return a usable torch device, or raise :class:`InvalidArgumentError` saying why not."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from e
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device {device!r} requested but CUDA is not available")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise InvalidArgumentError(
+                f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidArgumentError(f"device {device!r} requested but MPS is not available")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise InvalidArgumentError(f"unsupported device {device!r}; use cpu, cuda or mps")
+    return parsed

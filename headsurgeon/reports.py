@@ -1,0 +1,471 @@
+"""Reports: the text summaries, tables and figures the command-line tools write.
+
+Exports:
+    format_summary(classified)                the classification summary the classify CLI prints
+    write_classification(df, out_dir, ...)    heads.csv, heads.json, sweep, summary and figures
+    write_report(result, out_dir, ...)        a repair's report.md, report.json, censuses,
+                                              figures and model/
+    training_plot(result)                     objective, perplexities and BOS mass over the steps
+    blindness_summary(analytic, measured)     the blindness CLI's text summary
+    write_blindness(out_dir, analytic, ...)   the blindness CLI's tables, summary and figures
+    default_out_dir(model, suffix)            ``<model>-<suffix>[-N]`` in the working directory
+    partial_dir(out)                          ``<out>.partial``, where an unfinished repair lives
+
+Every writer fills a new folder atomically (:func:`headsurgeon.outputs.atomic_directory`) and
+takes ``formats`` by one rule (:func:`headsurgeon.plots.split_formats`). The library modules
+(:mod:`headsurgeon.classify`, :mod:`headsurgeon.repair`, :mod:`headsurgeon.blindness`) compute;
+this module turns their results into files, and is the one place besides
+:mod:`headsurgeon.plots` that imports plotly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from headsurgeon import alibi, plots
+from headsurgeon.census import COLUMNS
+from headsurgeon.checkpoints import save_hf
+from headsurgeon.classify import (
+    LABELS,
+    NEAR,
+    _require,
+    _thresholds_of,
+    label_heads,
+    threshold_sweep,
+)
+from headsurgeon.loading import model_info
+from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.surgery import HeadSet
+
+if TYPE_CHECKING:
+    from headsurgeon.blindness import BlindnessMeasurement
+    from headsurgeon.repair import RepairResult
+
+__all__ = [
+    "blindness_summary",
+    "default_out_dir",
+    "format_summary",
+    "partial_dir",
+    "training_plot",
+    "write_blindness",
+    "write_classification",
+    "write_report",
+]
+
+# Recorded in heads.json and report.json.
+VERSIONED = ("headsurgeon", "torch", "transformer-lens", "transformers", "plotly")
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    result = {}
+    for package in VERSIONED:
+        try:
+            result[package] = version(package)
+        except PackageNotFoundError:
+            result[package] = "not installed"
+    return result
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as ``None`` and numpy scalars as Python ones, in depth.
+
+    >>> _json_safe({"a": [1.0, float("nan")], "b": np.int64(3)})
+    {'a': [1.0, None], 'b': 3}
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, np.generic):
+        return _json_safe(value.item())
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def partial_dir(out: str | os.PathLike) -> Path:
+    """Where the repair CLI keeps an unfinished run of ``out``: ``<out>.partial`` beside it."""
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
+
+
+def default_out_dir(model: str | os.PathLike, suffix: str) -> Path:
+    """A new folder in the working directory named after the model (``<name>-<suffix>[-N]``).
+
+    A name is taken when the folder exists or an unfinished run of it (:func:`partial_dir`) does.
+    """
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(model).rstrip("/\\")).name or str(model))
+    candidate, n = Path(f"{name}-{suffix}"), 2
+    while candidate.exists() or partial_dir(candidate).exists():
+        candidate, n = Path(f"{name}-{suffix}-{n}"), n + 1
+    return candidate
+
+
+# --- classification ---------------------------------------------------------------------------
+
+
+def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
+    """The compact text summary: counts per label, sensitivity, a per-layer table, top sinks."""
+    _require(
+        classified,
+        ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share", "label"],
+    )
+    t = _thresholds_of(classified)
+    attrs = classified.attrs
+    counts = classified["label"].value_counts()
+    lines = []
+    if attrs:
+        position0 = "BOS token" if attrs.get("prepend_bos") else "first text token"
+        lines.append(
+            f"{attrs.get('model', 'model')}: {attrs.get('n_layers')} layers x "
+            f"{attrs.get('n_heads')} heads, {attrs.get('n_seqs')} sequences x "
+            f"{attrs.get('seq_len')} tokens, position 0 = {position0}, query rows t >= "
+            f"{attrs.get('min_query_pos')}"
+        )
+    total = len(classified)
+    lines.append(
+        "labels: "
+        + ", ".join(f"{label} {counts.get(label, 0)}" for label in LABELS)
+        + f"  (sick {total - counts.get('healthy', 0)}/{total} = "
+        f"{(total - counts.get('healthy', 0)) / max(total, 1):.1%})"
+    )
+    lines.append(
+        f"rule: dead if BOS mass > {t.dead:g} or output share < {t.min_output_share:g}; "
+        f"BOS-sink if BOS mass > {t.sink:g}"
+    )
+    bos, share = classified["bos_mass"].to_numpy(), classified["output_share"].to_numpy()
+    low, high = max(t.sink - NEAR, 0.0), min(t.sink + NEAR, t.dead - 1e-9)
+    most, fewest = (
+        int(np.sum(label_heads(bos, share, dataclasses.replace(t, sink=s)) != "healthy"))
+        for s in (low, high)
+    )
+    near = int(np.sum(np.abs(bos - t.sink) <= NEAR))
+    lines.append(
+        f"sensitivity: {near} head(s) have BOS mass within {NEAR} of the sink threshold; "
+        f"sick count {fewest}-{most} for sink thresholds {low:.2f}-{high:.2f}"
+    )
+    per_layer = pd.crosstab(classified["layer"], classified["label"])
+    per_layer = per_layer.reindex(columns=list(LABELS), fill_value=0).join(
+        classified.groupby("layer").agg(
+            bos_mean=("bos_mass", "mean"), bos_max=("bos_mass", "max"), entropy=("entropy", "mean")
+        )
+    )
+    per_layer.columns.name = None
+    lines += ["", "per layer:", per_layer.to_string(float_format="{:.3f}".format)]
+    strongest = classified.nlargest(top, "bos_mass")
+    shown = ["layer", "head", "slope", "bos_mass", "bos_mass_std", "entropy", "output_share"]
+    shown = [c for c in shown if c in classified.columns] + ["label"]
+    lines += [
+        "",
+        f"strongest sinks (top {len(strongest)} by BOS mass):",
+        strongest[shown].to_string(index=False, float_format="{:.4f}".format),
+    ]
+    return "\n".join(lines)
+
+
+FIGURES = {
+    "bos_mass": lambda df: plots.head_grid(df, "bos_mass"),
+    "labels": plots.label_grid,
+    "entropy": lambda df: plots.head_grid(df, "entropy"),
+    "output_share": lambda df: plots.head_grid(df, "output_share"),
+}
+
+
+def write_classification(
+    classified: pd.DataFrame,
+    out_dir: str | os.PathLike,
+    *,
+    sweep: pd.DataFrame | None = None,
+    metadata: dict[str, Any] | None = None,
+    formats: Sequence[str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a classification to a new folder, atomically; return the folder.
+
+    Files: ``heads.csv`` (one row per head), ``heads.json`` (``metadata``: the census and
+    classification ``attrs``, ``metadata``, versions and time; ``columns``: what each column
+    means; ``heads``: the rows), ``summary.txt``, ``threshold_sweep.csv`` and the figures
+    ``bos_mass``, ``labels``, ``entropy``, ``output_share`` and ``threshold_sweep`` in each of
+    ``formats`` (html, png, svg, pdf; none for ``formats=()``); the HTML figures share one
+    ``plotly.min.js`` in the folder and work offline. ``formats=None`` writes html, and png when
+    a Chromium browser is found (else one warning names the skipped PNGs); static formats given
+    explicitly need a browser (:func:`headsurgeon.plots.split_formats`), checked before anything
+    is written. A folder holding files is refused unless ``overwrite``.
+    """
+    needed = ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share"]
+    _require(classified, [*needed, "label", "reason"])
+    plots.split_formats(formats)  # an unknown format, or no browser for one asked for: fail now
+    sweep = threshold_sweep(classified, _thresholds_of(classified)) if sweep is None else sweep
+    info = dict(classified.attrs) | (metadata or {})
+    info |= {"versions": _versions(), "created": datetime.datetime.now().astimezone().isoformat()}
+    records = [
+        {k: _json_safe(v) for k, v in row.items()} for row in classified.to_dict(orient="records")
+    ]
+    columns = COLUMNS | {
+        "label": f"one of {', '.join(LABELS)} (see reason)",
+        "reason": "why the head got its label",
+    }
+    document = {"metadata": info, "columns": columns, "heads": records}
+    summary = format_summary(classified)
+    figures = {name: make(classified) for name, make in FIGURES.items()}
+    figures["threshold_sweep"] = plots.sweep_plot(sweep)
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        atomic_write_text(tmp / "heads.csv", classified.to_csv(index=False))
+        atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")
+        atomic_write_text(tmp / "threshold_sweep.csv", sweep.to_csv(index=False))
+        atomic_write_text(tmp / "summary.txt", summary + "\n")
+        skipped = plots.save_figures(figures, tmp, formats)
+    plots.warn_skipped(skipped, out_dir)
+    return Path(out_dir)
+
+
+# --- repair -------------------------------------------------------------------------------------
+
+
+def training_plot(result: RepairResult) -> go.Figure:
+    """Objective, training and held-out perplexity and the targets' BOS mass over the steps,
+    one line per pass."""
+    panels = [
+        ("train_loss", "objective"),
+        ("train_ppl", "training perplexity"),
+        ("heldout_ppl", "held-out perplexity"),
+        ("bos_mass", "BOS mass of targets"),
+    ]
+    fig = plots.Figure(  # the package's figure class: it also shows in saved notebooks
+        make_subplots(rows=1, cols=len(panels), subplot_titles=[t for _, t in panels])
+    )
+    colours = list(plots.OKABE_ITO.values())
+    for p in result.passes:
+        history = p.training.history
+        colour = colours[(p.index - 1) % len(colours)]
+        for col, (column, _) in enumerate(panels, start=1):
+            fig.add_trace(
+                go.Scatter(
+                    x=history["step"],
+                    y=history[column],
+                    mode="lines+markers",
+                    name=f"pass {p.index} ({len(p.targeted)} heads)",
+                    legendgroup=f"pass{p.index}",
+                    showlegend=col == 1,
+                    line={"color": colour},
+                ),
+                row=1,
+                col=col,
+            )
+            fig.update_xaxes(title_text="step", row=1, col=col)
+    title = f"Masked fine-tuning of {model_info(result.model).name}"
+    return plots.style(fig, title=title, width=1400, height=380, template="simple_white")
+
+
+def _markdown(report: dict[str, Any], figures: Sequence[str], formats: Sequence[str]) -> str:
+    def heads(names: list[str]) -> str:
+        return str(HeadSet(_pairs(names))) if names else "none"
+
+    ppl = report["perplexity"]
+    lines = [
+        f"# Repair of {report['model']}",
+        "",
+        f"Heads targeted: **{len(report['targeted'])}**, recovered (healthy after): "
+        f"**{len(report['recovered'])}** ({report['recovery_rate']:.1%}); still sick: "
+        f"{heads(report['still_sick'])}.",
+        f"Healthy heads: {report['healthy_before']} → {report['healthy_after']} of "
+        f"{report['n_heads']}. Frozen heads that drifted (|Δ BOS mass| > "
+        f"{report['drift']['threshold']}): {report['drift']['count']}.",
+        "",
+        "| stage | targeted | recovered | rate | still sick | drifted | train PPL | "
+        "held-out PPL | healthy |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| before | | | | | | {ppl['train'][0]:.3f} | {ppl['heldout'][0]:.3f} | "
+        f"{report['healthy_before']} |",
+    ]
+    for p in report["passes"]:
+        lines.append(
+            f"| pass {p['pass']} | {len(p['targeted'])} | {len(p['recovered'])} | "
+            f"{p['recovery_rate']:.1%} | {len(p['still_sick'])} | {p['drift']['count']} | "
+            f"{p['perplexity_after']['train']:.3f} | {p['perplexity_after']['heldout']:.3f} | "
+            f"{p['healthy_after']} |"
+        )
+    lines += [""]
+    for p in report["passes"]:
+        training = p["training"]
+        lines += [
+            f"## Pass {p['pass']}",
+            "",
+            f"- targeted: {heads(p['targeted'])}",
+            f"- recovered: {heads(p['recovered'])}",
+            f"- still sick: {heads(p['still_sick'])}",
+            f"- drifted frozen heads: {heads(p['drift']['heads'])}",
+            f"- fine-tuning: {training['steps']} steps"
+            + (f", stopped early (best step {training['best_step']})"
+               if training["stopped_early"] else "")
+            + f", final objective {training['final_loss']:.4f}, final BOS mass of targets "
+            f"{training['final_bos_mass']:.3f}",
+            "",
+            "| head | label before | BOS mass | output share | label after | BOS mass | "
+            "output share |",
+            "|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        lines += [
+            f"| {h['name']} | {h['label_before']} | {h['bos_mass_before']:.3f} | "
+            f"{h['output_share_before']:.3f} | {h['label_after']} | {h['bos_mass_after']:.3f} | "
+            f"{h['output_share_after']:.3f} |"
+            for h in p["heads"]
+        ]
+        lines += [""]
+    lines += ["## Figures", ""]
+    for name in figures:
+        links = ", ".join(f"[{fmt}]({name}.{fmt})" for fmt in formats)
+        lines.append(f"- {name}: {links}")
+        if "png" in formats:
+            lines += ["", f"![{name}]({name}.png)", ""]
+    settings = report["settings"]
+    lines += ["", "## Settings", "", "```json", json.dumps(settings, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def _pairs(names: Sequence[str]) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in re.findall(r"\d+", name)) for name in names]
+
+
+def write_report(
+    result: RepairResult,
+    out_dir: str | os.PathLike,
+    *,
+    formats: Sequence[str] | None = None,
+    overwrite: bool = False,
+    save_model: bool = True,
+) -> Path:
+    """Write a repair's report folder atomically; return it.
+
+    Files: ``report.md``, ``report.json`` (:meth:`RepairResult.to_dict` plus versions and time),
+    ``census_before.csv`` and ``census_after.csv`` (the classify CLI's ``heads.csv`` columns),
+    ``census_pass<N>.csv`` after each earlier pass, ``training_pass<N>.csv`` (evaluation
+    history), the figures ``labels_before``, ``labels_after``, ``bos_mass_diff`` (whole run),
+    ``pass<N>_bos_mass_diff`` and ``training`` in each of ``formats``, and ``model/``, the repaired
+    model as a Hugging Face checkpoint (unless ``save_model=False``). ``formats=None`` writes
+    html, and png when a Chromium browser is found (else one warning names the skipped PNGs and
+    report.md links only what was written); static formats given explicitly need a browser
+    (:func:`headsurgeon.plots.split_formats`), checked before anything is written.
+    """
+    written = plots.split_formats(formats)[0]  # unknown format / no browser for one asked: now
+    report = _json_safe(result.to_dict())
+    report["versions"] = _versions()
+    report["created"] = datetime.datetime.now().astimezone().isoformat()
+    figures = {
+        "labels_before": plots.label_grid(result.census_before, title="Labels before repair"),
+        "labels_after": plots.label_grid(result.census_after, title="Labels after repair"),
+        "bos_mass_diff": plots.diff_grid(
+            result.census_before, result.census_after, "bos_mass",
+            title="BOS mass, after repair − before",
+        ),
+    }  # fmt: skip
+    for p in result.passes:
+        figures[f"pass{p.index}_bos_mass_diff"] = plots.diff_grid(
+            p.census_before, p.census_after, "bos_mass",
+            title=f"Pass {p.index}: BOS mass, after − before",
+        )  # fmt: skip
+    figures["training"] = training_plot(result)
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")
+        atomic_write_text(tmp / "report.md", _markdown(report, list(figures), written))
+        atomic_write_text(tmp / "census_before.csv", result.census_before.to_csv(index=False))
+        atomic_write_text(tmp / "census_after.csv", result.census_after.to_csv(index=False))
+        for p in result.passes:
+            if p is not result.passes[-1]:
+                census_csv = p.census_after.to_csv(index=False)
+                atomic_write_text(tmp / f"census_pass{p.index}.csv", census_csv)
+            atomic_write_text(
+                tmp / f"training_pass{p.index}.csv", p.training.history.to_csv(index=False)
+            )
+        skipped = plots.save_figures(figures, tmp, formats)
+        if save_model:
+            save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
+    plots.warn_skipped(skipped, out_dir)
+    return Path(out_dir)
+
+
+# --- blindness ---------------------------------------------------------------------------------
+
+
+def blindness_summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurement | None) -> str:
+    """The blindness CLI's summary: blind distances of the steepest heads, measured shares."""
+    lines = []
+    if analytic is not None:
+        context_length = analytic.attrs["context_length"]
+        lines.append(
+            f"{analytic.attrs['model']}: blind distance (tokens) of the steepest heads, "
+            f"{analytic.attrs['bias']} ALiBi; share of a {context_length}-token context blind"
+        )
+        layer0 = analytic[analytic["layer"] == 0]
+        for (dtype, threshold), rows in layer0.groupby(["dtype", "threshold"], sort=False):
+            steep = rows.sort_values("slope", ascending=False).head(4)
+            heads = ", ".join(
+                f"h{h}={d:.4g}" for h, d in zip(steep["head"], steep["blind_distance"], strict=True)
+            )
+            share = alibi.blind_share(
+                torch.tensor(rows["blind_distance"].to_numpy()), context_length
+            )
+            lines.append(f"  {dtype:9s} {threshold:9s} {heads}  | share {share:.1%}")
+    if measured is not None:
+        lines.append(
+            f"measured ({measured.convention} convention, {measured.n_seqs} × {measured.seq_len} "
+            "tokens): share of attention entries that underflow to exactly 0"
+        )
+        for dtype, rows in measured.by_length.groupby("dtype", sort=False):
+            shares = ", ".join(
+                f"{n}: {s:.2%}" for n, s in zip(rows["context_length"], rows["share"], strict=True)
+            )
+            lines.append(f"  {dtype:9s} {shares}")
+    return "\n".join(lines)
+
+
+def write_blindness(
+    out_dir: str | os.PathLike,
+    analytic: pd.DataFrame | None,
+    measured: BlindnessMeasurement | None,
+    *,
+    formats: Sequence[str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write a blindness analysis to a new folder, atomically; return the folder.
+
+    Files: ``blindness.csv`` (``analytic``), ``measured_by_head.csv``, ``measured_by_distance.csv``
+    and ``measured_by_length.csv`` (``measured``), ``summary.txt`` (:func:`blindness_summary`)
+    and the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
+    results allow), each HTML self-contained.
+    """
+    summary = blindness_summary(analytic, measured)
+    figures = {}
+    if analytic is not None:
+        figures["blind_distance"] = plots.blind_distance_grid(analytic)
+    if measured is not None:
+        figures["zero_fraction"] = plots.zero_fraction_plot(measured.by_distance)
+        if analytic is not None:
+            figures["analytic_vs_measured"] = plots.analytic_vs_measured(measured.by_head)
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        if analytic is not None:
+            atomic_write_text(tmp / "blindness.csv", analytic.to_csv(index=False))
+        if measured is not None:
+            for table in ("by_head", "by_distance", "by_length"):
+                frame = getattr(measured, table)
+                atomic_write_text(tmp / f"measured_{table}.csv", frame.to_csv(index=False))
+        atomic_write_text(tmp / "summary.txt", summary + "\n")
+        skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
+    plots.warn_skipped(skipped, out_dir)
+    return Path(out_dir)
