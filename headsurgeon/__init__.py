@@ -1,24 +1,102 @@
 """headsurgeon: census, underflow blindness and surgical repair of ALiBi attention heads.
 
-The public API gathers here; each concept lives in its own module (see README.md). Names are
-imported on first use (PEP 562), so ``python -m headsurgeon.<tool>`` runs each tool's module once,
-as ``__main__``, without the package importing a second copy first.
+The public API gathers here; each concept lives in its own module (README: Architecture). Names
+are imported on first use (PEP 562): ``import headsurgeon`` stays light, and
+``python -m headsurgeon.<tool>`` runs each tool's module as ``__main__`` without the package
+importing a second copy first. The ``TYPE_CHECKING`` block below spells every import out, so IDEs
+and type checkers see the same names.
+
+Two functions share their module's name and are not exported here, because ``import
+headsurgeon.repair`` makes ``headsurgeon.repair`` the module: ``from headsurgeon.repair import
+repair`` (the pipeline, also ``python -m headsurgeon.repair``) and ``from headsurgeon.finetune
+import finetune``.
 """
 
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
+    from headsurgeon.allocator import (
+        keep_freed_memory as keep_freed_memory,
+    )
+    from headsurgeon.blindness import (
+        BlindnessMeasurement as BlindnessMeasurement,
+        analytic_blindness as analytic_blindness,
+        measure_blindness as measure_blindness,
+        mitigation as mitigation,
+    )
+    from headsurgeon.census import (
+        run_census as run_census,
+    )
+    from headsurgeon.checkpoints import (
+        checkpoint_dtype as checkpoint_dtype,
+        save_hf as save_hf,
+        weight_changes as weight_changes,
+    )
+    from headsurgeon.classify import (
+        Thresholds as Thresholds,
+        classify_heads as classify_heads,
+        threshold_sweep as threshold_sweep,
+    )
+    from headsurgeon.data import (
+        to_sequences as to_sequences,
+    )
+    from headsurgeon.evals import (
+        Retrieval as Retrieval,
+        needle as needle,
+        passkey as passkey,
+        perplexity as perplexity,
+    )
+    from headsurgeon.exact_alibi import (
+        alibi_slopes as alibi_slopes,
+        use_exact_alibi as use_exact_alibi,
+    )
+    from headsurgeon.finetune import (
+        FinetuneConfig as FinetuneConfig,
+        FinetuneResult as FinetuneResult,
+        bos_mass_objective as bos_mass_objective,
+    )
+    from headsurgeon.loading import (
+        ModelShape as ModelShape,
+        load_model as load_model,
+        model_info as model_info,
+        model_shape as model_shape,
+    )
+    from headsurgeon.probes import (
+        HeadStats as HeadStats,
+    )
+    from headsurgeon.repair import (
+        RepairResult as RepairResult,
+        recommended_config as recommended_config,
+    )
+    from headsurgeon.surgery import (
+        HeadMask as HeadMask,
+        HeadParameters as HeadParameters,
+        Heads as Heads,
+        HeadSet as HeadSet,
+        mask_gradients as mask_gradients,
+        reinit_heads as reinit_heads,
+    )
 
 # Public name -> the module (under headsurgeon) that defines it.
 _EXPORTS = {
+    "BlindnessMeasurement": "blindness",
     "FinetuneConfig": "finetune",
+    "FinetuneResult": "finetune",
     "HeadMask": "surgery",
     "HeadParameters": "surgery",
     "HeadSet": "surgery",
+    "HeadStats": "probes",
+    "Heads": "surgery",
+    "ModelShape": "loading",
     "RepairResult": "repair",
+    "Retrieval": "evals",
     "Thresholds": "classify",
     "alibi_slopes": "exact_alibi",
     "analytic_blindness": "blindness",
     "bos_mass_objective": "finetune",
+    "checkpoint_dtype": "checkpoints",
     "classify_heads": "classify",
     "keep_freed_memory": "allocator",
     "load_model": "loading",
@@ -30,10 +108,13 @@ _EXPORTS = {
     "needle": "evals",
     "passkey": "evals",
     "perplexity": "evals",
+    "recommended_config": "repair",
     "reinit_heads": "surgery",
     "run_census": "census",
     "save_hf": "checkpoints",
     "threshold_sweep": "classify",
+    "to_sequences": "data",
+    "use_exact_alibi": "exact_alibi",
     "weight_changes": "checkpoints",
 }
 __all__ = sorted(_EXPORTS)

@@ -6,6 +6,8 @@ Exports:
     label_heads(bos_mass, output_share, t)   the label rule on arrays
     classify_heads(census, thresholds)       census + ``label`` and ``reason`` columns
     threshold_sweep(census, thresholds)      label counts as each threshold moves
+    thresholds_of(df)                        the thresholds a classified table records
+    require_columns(df, columns)             InvalidArgumentError unless df is a census with them
 
 The summary and files the CLI writes are in :mod:`headsurgeon.reports` (``format_summary``,
 ``write_classification``). Command line: ``python -m headsurgeon.classify [MODEL] [options]``
@@ -101,7 +103,8 @@ def _reason(bos_mass: float, output_share: float, t: Thresholds) -> str:
     return f"BOS mass {bos_mass:.3f} <= {t.sink:g}"
 
 
-def _require(census: pd.DataFrame, columns: Sequence[str]) -> None:
+def require_columns(census: pd.DataFrame, columns: Sequence[str]) -> None:
+    """Raise :class:`InvalidArgumentError` unless ``census`` is a DataFrame with ``columns``."""
     if not isinstance(census, pd.DataFrame):
         raise InvalidArgumentError(f"expected a census DataFrame, got {type(census).__name__}")
     missing = [c for c in columns if c not in census.columns]
@@ -123,7 +126,7 @@ def classify_heads(census: pd.DataFrame, thresholds: Thresholds = Thresholds()) 
     0   healthy  BOS mass 0.100 <= 0.5
     1  BOS-sink   BOS mass 0.700 > 0.5
     """
-    _require(census, ["layer", "head", "bos_mass", "output_share"])
+    require_columns(census, ["layer", "head", "bos_mass", "output_share"])
     if not isinstance(thresholds, Thresholds):
         raise InvalidArgumentError("thresholds must be a headsurgeon.Thresholds")
     df = census.copy()
@@ -155,7 +158,7 @@ def threshold_sweep(census: pd.DataFrame, thresholds: Thresholds = Thresholds())
     45      sink   0.45        1         1     1     2
     50      sink   0.50        2         0     1     1
     """
-    _require(census, ["bos_mass", "output_share"])
+    require_columns(census, ["bos_mass", "output_share"])
     bos, share = census["bos_mass"].to_numpy(), census["output_share"].to_numpy()
     steps = np.linspace(0, 1, 101)
     grids = {
@@ -176,7 +179,8 @@ def threshold_sweep(census: pd.DataFrame, thresholds: Thresholds = Thresholds())
     return sweep
 
 
-def _thresholds_of(df: pd.DataFrame) -> Thresholds:
+def thresholds_of(df: pd.DataFrame) -> Thresholds:
+    """The thresholds recorded in ``df.attrs`` by :func:`classify_heads` (default ones if none)."""
     return Thresholds(**df.attrs["thresholds"]) if "thresholds" in df.attrs else Thresholds()
 
 

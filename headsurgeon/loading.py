@@ -37,8 +37,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
-from transformer_lens import loading_from_pretrained as tl_loading
+from transformer_lens import (
+    HookedTransformer,
+    HookedTransformerConfig,
+    loading_from_pretrained as tl_loading,
+)
 
 from headsurgeon.dtypes import parse_device, parse_dtype
 from headsurgeon.errors import (

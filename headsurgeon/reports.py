@@ -42,10 +42,10 @@ from headsurgeon.checkpoints import save_hf
 from headsurgeon.classify import (
     LABELS,
     NEAR,
-    _require,
-    _thresholds_of,
     label_heads,
+    require_columns,
     threshold_sweep,
+    thresholds_of,
 )
 from headsurgeon.loading import model_info
 from headsurgeon.outputs import atomic_directory, atomic_write_text
@@ -122,11 +122,11 @@ def default_out_dir(model: str | os.PathLike, suffix: str) -> Path:
 
 def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
     """The compact text summary: counts per label, sensitivity, a per-layer table, top sinks."""
-    _require(
+    require_columns(
         classified,
         ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share", "label"],
     )
-    t = _thresholds_of(classified)
+    t = thresholds_of(classified)
     attrs = classified.attrs
     counts = classified["label"].value_counts()
     lines = []
@@ -209,9 +209,9 @@ def write_classification(
     is written. A folder holding files is refused unless ``overwrite``.
     """
     needed = ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share"]
-    _require(classified, [*needed, "label", "reason"])
+    require_columns(classified, [*needed, "label", "reason"])
     plots.split_formats(formats)  # an unknown format, or no browser for one asked for: fail now
-    sweep = threshold_sweep(classified, _thresholds_of(classified)) if sweep is None else sweep
+    sweep = threshold_sweep(classified, thresholds_of(classified)) if sweep is None else sweep
     info = dict(classified.attrs) | (metadata or {})
     info |= {"versions": _versions(), "created": datetime.datetime.now().astimezone().isoformat()}
     records = [

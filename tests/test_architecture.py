@@ -48,12 +48,18 @@ def is_main_block(node: ast.AST) -> bool:
     )
 
 
-def nodes_outside_main(tree: ast.AST) -> list[ast.AST]:
-    """Every node of ``tree`` (functions included) except those of ``__main__`` blocks."""
+def is_type_checking_block(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:``: imports for type checkers only, never run."""
+    return isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+
+
+def nodes_that_run(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` (functions included) except those of ``__main__`` blocks and
+    ``TYPE_CHECKING`` blocks (neither runs when the module is imported)."""
     found, todo = [], [tree]
     while todo:
         node = todo.pop()
-        if is_main_block(node):
+        if is_main_block(node) or is_type_checking_block(node):
             continue
         found.append(node)
         todo.extend(ast.iter_child_nodes(node))
@@ -78,7 +84,7 @@ def imports_of(name: str, path: Path, modules: set[str], exports: dict[str, str]
             if prefix in modules:
                 found.add(prefix)
 
-    for node in nodes_outside_main(ast.parse(path.read_text())):
+    for node in nodes_that_run(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(alias.name)
@@ -163,7 +169,7 @@ def test_imports_in_functions_count_and_main_blocks_do_not():
     )
     imported = {
         alias.name
-        for node in nodes_outside_main(tree)
+        for node in nodes_that_run(tree)
         if isinstance(node, ast.Import)
         for alias in node.names
     }
@@ -232,12 +238,12 @@ def test_no_library_module_imports_plotting_or_the_command_line_even_inside_func
         assert not presentation, f"{name} imports {presentation}"
         third_party = {
             alias.name.split(".")[0]
-            for node in nodes_outside_main(ast.parse(path.read_text()))
+            for node in nodes_that_run(ast.parse(path.read_text()))
             if isinstance(node, ast.Import)
             for alias in node.names
         } | {
             (node.module or "").split(".")[0]
-            for node in nodes_outside_main(ast.parse(path.read_text()))
+            for node in nodes_that_run(ast.parse(path.read_text()))
             if isinstance(node, ast.ImportFrom) and not node.level
         }
         assert not third_party & {"plotly", "argparse", "kaleido"}, (name, third_party)
@@ -293,3 +299,23 @@ def test_plots_exports_every_public_function_and_names_it_in_its_docstring():
     assert all(hasattr(plots, name) for name in plots.__all__)
     unlisted = [name for name in plots.__all__ if name not in plots.__doc__]
     assert not unlisted, f"plots' docstring does not name {unlisted}"
+
+
+def test_the_type_checking_imports_and_the_lazy_exports_agree():
+    """What IDEs see (the TYPE_CHECKING block) is what ``import headsurgeon`` serves."""
+    import headsurgeon
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    spelled = {
+        alias.name: node.module.removeprefix("headsurgeon.")
+        for block in tree.body
+        if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert spelled == headsurgeon._EXPORTS
+    for name, module in headsurgeon._EXPORTS.items():
+        assert getattr(headsurgeon, name) is getattr(
+            importlib.import_module(f"headsurgeon.{module}"), name
+        ), name
