@@ -34,8 +34,27 @@ from torch import Tensor
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import InvalidArgumentError
 
+__all__ = [
+    "slopes",
+    "relative_distance",
+    "alibi_bias",
+    "THRESHOLDS",
+    "BIAS_KINDS",
+    "ROBUST_MODES",
+    "FloatLimits",
+    "float_limits",
+    "log_threshold",
+    "robust_slopes",
+    "check_bias_params",
+    "distance_rows",
+    "bias_from_distance",
+    "soft_cap",
+    "blind_distance",
+    "blind_share",
+]
 
-def slopes(n_heads: int) -> Float[Tensor, " head"]:
+
+def slopes(n_heads: int) -> Float[Tensor, " head_index"]:
     """ALiBi slopes for ``n_heads`` heads, equal to Hugging Face's ``build_alibi_tensor``.
 
     For a power of two ``H`` the slopes are ``2^(-8(h+1)/H)``. Otherwise the first
@@ -65,7 +84,7 @@ def slopes(n_heads: int) -> Float[Tensor, " head"]:
     return result
 
 
-def relative_distance(n_ctx: int) -> Float[Tensor, "query key"]:
+def relative_distance(n_ctx: int) -> Float[Tensor, "query_pos key_pos"]:
     """Distance ``i - j`` from query ``i`` back to key ``j``; 0 for future keys (masked anyway).
 
     >>> relative_distance(3)
@@ -77,7 +96,9 @@ def relative_distance(n_ctx: int) -> Float[Tensor, "query key"]:
     return (pos[:, None] - pos[None, :]).clamp(min=0).to(torch.float32)
 
 
-def alibi_bias(head_slopes: Float[Tensor, " head"], n_ctx: int) -> Float[Tensor, "head query key"]:
+def alibi_bias(
+    head_slopes: Float[Tensor, " head_index"], n_ctx: int
+) -> Float[Tensor, "head_index query_pos key_pos"]:
     """Standard ALiBi bias ``-m_h * (i - j)`` in float32, laid out like TransformerLens's cache.
 
     >>> alibi_bias(torch.tensor([0.5]), 3)
@@ -142,12 +163,12 @@ def log_threshold(dtype: str | torch.dtype, threshold: str | float = "normal") -
 
 
 def robust_slopes(
-    head_slopes: Float[Tensor, " head"],
+    head_slopes: Float[Tensor, " head_index"],
     context: int,
     dtype: str | torch.dtype = "float32",
     threshold: str | float = "normal",
     mode: str = "scale",
-) -> Float[Tensor, " head"]:
+) -> Float[Tensor, " head_index"]:
     """Slopes lowered so that no key within ``context`` tokens reaches the weight threshold.
 
     With ``T = -log_threshold(dtype, threshold)`` the largest allowed slope is ``T / context``:
@@ -218,7 +239,7 @@ def check_bias_params(kind: str, **params: object) -> dict[str, object]:
 
 def distance_rows(
     n_queries: int, n_keys: int, device: torch.device | str | None = None
-) -> Float[Tensor, "query key"]:
+) -> Float[Tensor, "query_pos key_pos"]:
     """Distances ``i - j`` for the last ``n_queries`` of ``n_keys`` positions (0 for future keys).
 
     >>> distance_rows(2, 3)
@@ -231,8 +252,11 @@ def distance_rows(
 
 
 def bias_from_distance(
-    kind: str, head_slopes: Float[Tensor, " head"], distance: Float[Tensor, "query key"], **params
-) -> Float[Tensor, "head query key"]:
+    kind: str,
+    head_slopes: Float[Tensor, " head_index"],
+    distance: Float[Tensor, "query_pos key_pos"],
+    **params,
+) -> Float[Tensor, "head_index query_pos key_pos"]:
     """The float32 bias of a kind of ALiBi at distances ``d = i - j`` (see :data:`BIAS_KINDS`).
 
     * ``standard``: ``-m d``;
@@ -272,12 +296,12 @@ def soft_cap(scores: Float[Tensor, "..."], c: float) -> Float[Tensor, "..."]:
 
 
 def blind_distance(
-    slope: float | Float[Tensor, " head"],
+    slope: float | Float[Tensor, " head_index"],
     dtype: str | torch.dtype = "float32",
     threshold: str | float = "normal",
     bias: str = "standard",
     **params,
-) -> float | Float[Tensor, " head"]:
+) -> float | Float[Tensor, " head_index"]:
     """The distance from which a key's attention weight must be at most the dtype's threshold.
 
     Assumes every key has the same content logit, so the bias alone sets how far the key falls
@@ -333,7 +357,7 @@ def blind_distance(
     return distance.item() if scalar else distance
 
 
-def blind_share(distances: Float[Tensor, " head"] | Sequence[float], context: int) -> float:
+def blind_share(distances: Float[Tensor, " head_index"] | Sequence[float], context: int) -> float:
     """Share of causal attention entries of a ``context``-token sequence at or beyond blindness.
 
     Counts entries ``(i, j)``, ``j <= i < context``, with ``i - j >= δ_h``, over all heads: the

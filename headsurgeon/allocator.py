@@ -25,6 +25,10 @@ import ctypes
 import ctypes.util
 import logging
 
+__all__ = [
+    "keep_freed_memory",
+]
+
 logger = logging.getLogger(__name__)
 
 # mallopt parameters (glibc's malloc.h).

@@ -32,6 +32,11 @@ from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.loading import model_info
 from headsurgeon.probes import HeadStats, stream
 
+__all__ = [
+    "COLUMNS",
+    "run_census",
+]
+
 logger = logging.getLogger(__name__)
 
 COLUMNS: dict[str, str] = {

@@ -32,6 +32,16 @@ import pandas as pd
 
 from headsurgeon.errors import InvalidArgumentError
 
+__all__ = [
+    "LABELS",
+    "Thresholds",
+    "label_heads",
+    "require_columns",
+    "classify_heads",
+    "threshold_sweep",
+    "thresholds_of",
+]
+
 logger = logging.getLogger(__name__)
 
 LABELS = ("healthy", "BOS-sink", "dead")

@@ -35,6 +35,17 @@ from transformer_lens import HookedTransformer
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.loading import model_info
 
+__all__ = [
+    "CORPORA",
+    "bundled_text",
+    "read_texts",
+    "tokenize",
+    "to_sequences",
+    "bos_token_id",
+    "resolve_bos",
+    "batches",
+]
+
 CORPUS_DIR = Path(__file__).parent / "corpora"
 CORPORA = ("shakespeare", "python-docs")
 SPLITS = ("train", "heldout")
@@ -113,7 +124,7 @@ def to_sequences(
     seq_len: int = 128,
     n_seqs: int | None = None,
     prepend_bos: bool | None = None,
-) -> Int[Tensor, "n_seqs seq_len"]:
+) -> Int[Tensor, "batch pos"]:
     """Cut texts (strings or files; default: the bundled held-out corpora) into sequences.
 
     Each text is tokenised on its own and cut into non-overlapping windows of ``seq_len`` tokens
@@ -195,8 +206,8 @@ def resolve_bos(model: HookedTransformer, prepend_bos: bool | None = None) -> bo
 
 
 def batches(
-    tokens: Int[Tensor, "n_seqs seq_len"], batch_size: int
-) -> Iterator[Int[Tensor, "batch seq_len"]]:
+    tokens: Int[Tensor, "batch pos"], batch_size: int
+) -> Iterator[Int[Tensor, "batch pos"]]:
     """Consecutive batches of ``batch_size`` sequences (the last one may be smaller).
 
     >>> [b.shape[0] for b in batches(torch.zeros(5, 3, dtype=torch.long), 2)]

@@ -10,6 +10,18 @@ FigureExportError.
 
 from __future__ import annotations
 
+__all__ = [
+    "HeadsurgeonError",
+    "UnknownModelError",
+    "ModelNotFoundError",
+    "CheckpointError",
+    "UnsupportedArchitectureError",
+    "InvalidArgumentError",
+    "DataError",
+    "OutputExistsError",
+    "FigureExportError",
+]
+
 
 class HeadsurgeonError(Exception):
     """Base class: a problem with the user's input, with a one-line message saying how to fix it."""

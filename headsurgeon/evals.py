@@ -43,6 +43,18 @@ from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.loading import model_info, model_shape
 from headsurgeon.progress import tqdm
 
+__all__ = [
+    "default_window",
+    "check_length",
+    "sliding_windows",
+    "perplexity",
+    "Retrieval",
+    "length_auc",
+    "summarize",
+    "passkey",
+    "needle",
+]
+
 logger = logging.getLogger(__name__)
 
 
@@ -302,7 +314,7 @@ def _filler(
 
 @torch.no_grad()
 def _answer_scores(
-    model: HookedTransformer, prompt: Int[Tensor, " pos"], candidates: list[Int[Tensor, " tok"]]
+    model: HookedTransformer, prompt: Int[Tensor, " pos"], candidates: list[Int[Tensor, " pos"]]
 ) -> tuple[Float[Tensor, " candidate"], Bool[Tensor, " candidate"]]:
     """Log-likelihood of each candidate after ``prompt`` and whether greedy decoding gives it.
 
@@ -315,7 +327,7 @@ def _answer_scores(
     device = model.cfg.device or "cpu"
     n_layers = model.cfg.n_layers
 
-    def logprobs(resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos vocab"]:
+    def logprobs(resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
         return model.unembed(model.ln_final(resid)).float().log_softmax(-1).cpu()
 
     def run(tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:

@@ -45,7 +45,7 @@ __all__ = [
 _ATTENTION_ARGS = ("query_input", "key_input", "value_input", "past_kv_cache_entry")
 
 # Builds the [head, query, key] bias for the last n_queries of n_keys positions on a device.
-BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head query key"]]
+BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
 
 
 def bias_pre_hook(build: BiasBuilder) -> Callable[[torch.nn.Module, tuple, dict], None]:
@@ -79,7 +79,7 @@ def shared_bias(
     n_queries: int,
     n_keys: int,
     device: torch.device,
-) -> Float[Tensor, "head query key"]:
+) -> Float[Tensor, "head_index query_pos key_pos"]:
     """One bias tensor per kind and shape, shared by all layers (TransformerLens only reads it).
 
     ``params`` and ``head_slopes`` are tuples so that the call can be cached.
@@ -134,7 +134,7 @@ def _rounded(values: Tensor) -> list[float]:
     return [float(f"{x:.3g}") for x in values.tolist()]
 
 
-def alibi_slopes(model: HookedTransformer) -> Float[Tensor, " head"]:
+def alibi_slopes(model: HookedTransformer) -> Float[Tensor, " head_index"]:
     """The ALiBi slopes ``model`` applies (float32), read from the model, never assumed.
 
     Models from :func:`~headsurgeon.loading.load_model` (and after :func:`use_exact_alibi`) use

@@ -1,14 +1,14 @@
 """Loading models (by name, bundled organism or local folder) and the facts the tools need.
 
 Exports:
-    load_model(name_or_path, dtype, device)  HookedTransformer, unprocessed weights, exact ALiBi
+    load_model(model, dtype, device)  HookedTransformer, unprocessed weights, exact ALiBi
     from_hf_model(hf_model, tokenizer, ...)  wrap an in-memory transformers model
     random_model(shape, seed)                random-weight BLOOM of a given or named shape
     random_hf_bloom(shape, seed)             the same, as a transformers model
-    model_shape(name_or_model)               ModelShape without loading weights
+    model_shape(model)               ModelShape without loading weights
     model_info(model)                        ModelInfo: where a model came from, its conventions
     organism_names(), DEFAULT_MODEL, ORGANISM_DIR, BLOOM_SHAPES, ModelShape, ModelInfo
-    resolve_model(name_or_path)              (display name, local checkpoint folder)
+    resolve_model(model)              (display name, local checkpoint folder)
     check_checkpoint(directory)              a checkpoint folder validated before reading weights
     read_json(path), tl_config(config_dir)   a checkpoint's JSON; TransformerLens's config for it
     METADATA_FILE, TOKENIZER_FILES           the files of a checkpoint folder besides weights
@@ -164,21 +164,21 @@ def _local_shape(directory: Path) -> ModelShape:
         ) from e
 
 
-def model_shape(name_or_model: str | os.PathLike | HookedTransformer) -> ModelShape:
+def model_shape(model: str | os.PathLike | HookedTransformer) -> ModelShape:
     """Shape of a model, a BLOOM name (no weights needed), a bundled organism or a folder.
 
     >>> model_shape("bloom-176b").n_heads
     112
     """
-    if isinstance(name_or_model, HookedTransformer):
-        cfg = name_or_model.cfg
+    if isinstance(model, HookedTransformer):
+        cfg = model.cfg
         # TransformerLens sets n_ctx = 2048 for every BLOOM; the checkpoint's own value wins.
-        n_ctx = model_info(name_or_model).hf_config.get("seq_length", cfg.n_ctx)
+        n_ctx = model_info(model).hf_config.get("seq_length", cfg.n_ctx)
         return ModelShape(
             cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_vocab, n_ctx,
             cfg.positional_embedding_type,
         )  # fmt: skip
-    name = str(name_or_model)
+    name = str(model)
     key = name.lower()
     if key in BLOOM_SHAPES:
         return BLOOM_SHAPES[key]
@@ -266,13 +266,13 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def resolve_model(name_or_path: str | os.PathLike) -> tuple[str, Path]:
+def resolve_model(model: str | os.PathLike) -> tuple[str, Path]:
     """Turn a user's model argument into (display name, local checkpoint folder)."""
-    name = str(name_or_path)
+    name = str(model)
     if name in organism_names():
         return name, ORGANISM_DIR / name
     path = Path(name).expanduser()
-    looks_like_path = isinstance(name_or_path, os.PathLike) or "/" in name or os.sep in name
+    looks_like_path = isinstance(model, os.PathLike) or "/" in name or os.sep in name
     looks_like_path = looks_like_path or name.startswith((".", "~"))
     if path.exists():
         return path.name or name, path
@@ -342,14 +342,14 @@ def check_checkpoint(directory: Path) -> None:
 
 
 def load_model(
-    name_or_path: str | os.PathLike = DEFAULT_MODEL,
+    model: str | os.PathLike = DEFAULT_MODEL,
     *,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
 ) -> HookedTransformer:
     """Load a model as a HookedTransformer with unprocessed weights and exact ALiBi.
 
-    ``name_or_path`` is a bundled organism (``organism``, ``organism-injured``), a TransformerLens
+    ``model`` is a bundled organism (``organism``, ``organism-injured``), a TransformerLens
     name or alias (``bloom-560m``, ``bigscience/bloom-560m``; from the Hugging Face cache, else
     downloaded; ``HF_HUB_OFFLINE=1`` respected), or a local Hugging Face checkpoint folder (never
     touches the network). Files are read as safetensors (``torch.load(weights_only=True)`` for
@@ -357,7 +357,7 @@ def load_model(
     """
     torch_dtype = parse_dtype(dtype)
     torch_device = parse_device(device)
-    name, directory = resolve_model(name_or_path)
+    name, directory = resolve_model(model)
     check_checkpoint(directory)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -403,7 +403,7 @@ def load_model(
                 "re-export the tokenizer, or remove its files to load the weights alone"
             ) from e
     metadata = read_json(directory / METADATA_FILE) if (directory / METADATA_FILE).exists() else {}
-    model = from_hf_model(
+    loaded = from_hf_model(
         hf_model,
         tokenizer,
         name=name,
@@ -415,7 +415,7 @@ def load_model(
         ),
         metadata=metadata,
     )
-    return model.to(torch_device, print_details=False)
+    return loaded.to(torch_device, print_details=False)
 
 
 def from_hf_model(

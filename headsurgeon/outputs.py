@@ -28,6 +28,13 @@ from pathlib import Path
 
 from headsurgeon.errors import OutputExistsError
 
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "check_output_dir",
+    "atomic_directory",
+]
+
 
 def _sibling(path: Path, tag: str) -> Path:
     """A hidden, unused name beside ``path`` (same file system, so ``os.replace`` is atomic)."""

@@ -37,6 +37,14 @@ from headsurgeon.data import batches
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.progress import tqdm
 
+__all__ = [
+    "PATTERN_STATS",
+    "pattern_stats",
+    "write_norms",
+    "HeadStats",
+    "stream",
+]
+
 logger = logging.getLogger(__name__)
 
 PATTERN_STATS = (
@@ -56,7 +64,7 @@ Hook = tuple[str | Callable[[str], bool], Callable[[Tensor, HookPoint], None]]
 
 def pattern_stats(
     pattern: Float[Tensor, "batch head query_pos key_pos"], min_query_pos: int = 1
-) -> Float[Tensor, "stat batch head"]:
+) -> Float[Tensor, "stat batch head_index"]:
     """Reduce a causal attention pattern to per-sequence means, one per :data:`PATTERN_STATS`.
 
     Rows are query positions ``t >= min_query_pos`` (``sink_score`` uses every row; ``prev_mass``
@@ -99,10 +107,10 @@ def pattern_stats(
 
 
 def write_norms(
-    z: Float[Tensor, "batch pos head d_head"],
-    W_O: Float[Tensor, "head d_head d_model"],
+    z: Float[Tensor, "batch pos head_index d_head"],
+    W_O: Float[Tensor, "head_index d_head d_model"],
     min_query_pos: int = 1,
-) -> Float[Tensor, "batch head"]:
+) -> Float[Tensor, "batch head_index"]:
     """Mean over positions ``t >= min_query_pos`` of ``‖z[t, h] @ W_O[h]‖``, per sequence and head.
 
     Uses the per-head Gram matrix ``W_O[h] W_O[h]ᵀ`` (``[d_head, d_head]``), so the
@@ -150,7 +158,7 @@ class HeadStats:
         self.layer_write = torch.zeros(n_layers, dtype=dtype, device=self.device)
         self.counts = torch.zeros(n_layers, dtype=dtype, device=self.device)
 
-    def _add(self, layer: int, first: int, values: Float[Tensor, "stat batch head"]) -> None:
+    def _add(self, layer: int, first: int, values: Float[Tensor, "stat batch head_index"]) -> None:
         values = values.to(self.sums.device, self.sums.dtype)
         self.sums[first : first + values.shape[0], layer] += values.sum(1)
         self.squares[first : first + values.shape[0], layer] += values.square().sum(1)
@@ -208,7 +216,7 @@ class HeadStats:
 
 def stream(
     model: HookedTransformer,
-    tokens: Int[Tensor, "n_seqs seq_len"],
+    tokens: Int[Tensor, "batch pos"],
     fwd_hooks: Sequence[Hook],
     *,
     batch_size: int = 8,

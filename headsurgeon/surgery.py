@@ -11,6 +11,7 @@ Exports:
     Heads                               what every function taking heads accepts (HeadSet.of):
                                         a HeadSet, "L5H9-11", [(layer, head)], {layer: [heads]}
     reinit_heads(model, heads, ...)     Xavier re-initialisation of Q/K/V, zero Q/K/V biases and W_O
+    head_masks(model, heads)            boolean masks of the heads' elements, per tensor
     HeadMask / mask_gradients(...)      gradient masks as parameter hooks (removable)
     HeadParameters                      trainable float32 copies of the chosen slices
     check_surgery(model)                UnsupportedArchitectureError unless heads can be operated on
@@ -43,6 +44,19 @@ from transformer_lens import HookedTransformer
 
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import ModelShape, model_shape
+
+__all__ = [
+    "HEAD_TENSORS",
+    "TRAINED_TENSORS",
+    "HeadSet",
+    "Heads",
+    "check_surgery",
+    "reinit_heads",
+    "head_masks",
+    "HeadMask",
+    "mask_gradients",
+    "HeadParameters",
+]
 
 HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
 # b_K has no gradient in exact arithmetic (q·b_K shifts every logit of a query row equally, and
@@ -301,7 +315,7 @@ def reinit_heads(
             getattr(attn, name)[head] = 0
 
 
-def head_masks(model: HookedTransformer, heads: Heads) -> dict[str, Bool[Tensor, "head ..."]]:
+def head_masks(model: HookedTransformer, heads: Heads) -> dict[str, Bool[Tensor, "head_index ..."]]:
     """``{parameter name: boolean mask}`` of the chosen heads' elements, per attention tensor.
 
     Only tensors that hold a chosen head appear; each mask has the tensor's shape.

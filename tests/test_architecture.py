@@ -319,3 +319,30 @@ def test_the_type_checking_imports_and_the_lazy_exports_agree():
         assert getattr(headsurgeon, name) is getattr(
             importlib.import_module(f"headsurgeon.{module}"), name
         ), name
+
+
+@pytest.mark.parametrize("name", sorted(module_files()))
+def test_every_module_declares_and_documents_what_it_exports(name):
+    """``__all__`` holds every public function and class, and the docstring names each of them
+    (the docstring's list of exports cannot drift from the code)."""
+    path = module_files()[name]
+    tree = ast.parse(path.read_text())
+    if name == "headsurgeon":
+        return  # the package gathers its API in _EXPORTS (tested above)
+    declared = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+    ]
+    assert declared, f"{name} has no __all__"
+    exported = ast.literal_eval(declared[0])
+    defined = {
+        node.name
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_")
+    }
+    assert defined <= set(exported), f"{name}: public but not in __all__: {defined - set(exported)}"
+    docstring = ast.get_docstring(tree) or ""
+    undocumented = [n for n in exported if n not in docstring]
+    assert not undocumented, f"{name}'s docstring does not name {undocumented}"

@@ -41,6 +41,16 @@ from headsurgeon.data import to_sequences
 from headsurgeon.errors import HeadsurgeonError
 from headsurgeon.loading import DEFAULT_MODEL, load_model
 
+__all__ = [
+    "add_model_args",
+    "add_data_args",
+    "add_output_args",
+    "figure_formats",
+    "load_model_from_args",
+    "load_data",
+    "run",
+]
+
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

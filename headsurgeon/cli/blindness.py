@@ -4,6 +4,8 @@ The analytic blind distances (:func:`headsurgeon.blindness.analytic_blindness`),
 measured on text under a mitigation (:func:`~headsurgeon.blindness.measure_blindness`,
 :func:`~headsurgeon.blindness.mitigation`), printed and written by
 :func:`headsurgeon.reports.write_blindness` (``--help`` lists the options).
+
+Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureErro
 from headsurgeon.loading import load_model, model_shape
 from headsurgeon.outputs import check_output_dir
 from headsurgeon.reports import blindness_summary, write_blindness
+
+__all__ = [
+    "main",
+    "entry",
+]
 
 logger = logging.getLogger(__name__)
 

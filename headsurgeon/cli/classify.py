@@ -3,6 +3,8 @@
 Loads a model, runs :func:`headsurgeon.census.run_census`, labels every head with
 :func:`headsurgeon.classify.classify_heads`, prints :func:`headsurgeon.reports.format_summary`
 and writes :func:`headsurgeon.reports.write_classification` (``--help`` lists the options).
+
+Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from headsurgeon.cli import (
 )
 from headsurgeon.outputs import check_output_dir
 from headsurgeon.reports import default_out_dir, format_summary, write_classification
+
+__all__ = [
+    "main",
+    "entry",
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

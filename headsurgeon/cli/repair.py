@@ -4,6 +4,8 @@ Parses the options, runs :func:`headsurgeon.repair.repair` with the model's reco
 fine-tuning settings (:func:`~headsurgeon.repair.recommended_config`), keeping finished passes in
 ``<out>.partial/`` for ``--resume``, and writes :func:`headsurgeon.reports.write_report` on rank 0
 (``--help`` lists the options). Runs data-parallel under ``torchrun``.
+
+Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             census_n_seqs=args.n_seqs,
             min_query_pos=args.min_query_pos,
             prepend_bos=args.prepend_bos,
-            seq_len=args.train_seq_len,
+            train_seq_len=args.train_seq_len,
             n_eval_seqs=args.n_eval_seqs,
             drift_threshold=args.drift_threshold,
             save_dtype=args.save_dtype,
