@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
         HeadStats as HeadStats,
     )
     from headsurgeon.repair import (
+        RepairConfig as RepairConfig,
         RepairResult as RepairResult,
         recommended_config as recommended_config,
     )
@@ -90,6 +91,7 @@ _EXPORTS = {
     "HeadStats": "probes",
     "Heads": "surgery",
     "ModelShape": "loading",
+    "RepairConfig": "repair",
     "RepairResult": "repair",
     "Retrieval": "evals",
     "Thresholds": "classify",

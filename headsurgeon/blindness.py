@@ -12,6 +12,7 @@ Exports:
     BlindnessMeasurement               its tables: by_head, by_distance, by_length
     mitigation(model, kind, **params)  context manager: a mitigated ALiBi through hooks
     dtype_name(dtype)                  canonical dtype name
+    CONVENTIONS                        how a softmax is rounded: hf or tl
 
 Command line: ``python -m headsurgeon.blindness [MODEL] [options]`` (the tool itself is
 :mod:`headsurgeon.cli.blindness`).
@@ -48,6 +49,16 @@ from headsurgeon.errors import (
 from headsurgeon.exact_alibi import alibi_slopes, bias_pre_hook, shared_bias
 from headsurgeon.loading import model_info, model_shape
 from headsurgeon.probes import stream
+
+__all__ = [
+    "ANALYSED_DTYPES",
+    "CONVENTIONS",
+    "BlindnessMeasurement",
+    "analytic_blindness",
+    "dtype_name",
+    "measure_blindness",
+    "mitigation",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +259,39 @@ def measure_blindness(
       longer sequence compute exactly what an ``L``-token sequence computes, so one pass gives
       every length up to ``seq_len`` (default: powers of two, and ``seq_len``).
     """
+    names, tokens = _check_measure_args(model, data, dtypes, convention, seq_len, n_seqs,
+                                        n_buckets, prepend_bos)  # fmt: skip
+    n_rows, n_pos = tokens.shape
+    lengths = _context_lengths(n_pos, context_lengths)
+    counter = _UnderflowCounter(model, names, convention, n_pos)
+    hooks = [(lambda name: name.endswith("attn.hook_attn_scores"), counter.hook)]
+    stream(model, tokens, hooks, batch_size=batch_size, progress=progress, desc="blindness")
+
+    by_head, by_distance = _head_tables(model, counter, names, convention, n_rows, n_buckets)
+    by_length = _length_table(model, counter, names, lengths, n_rows)
+    for table in (by_head, by_length):
+        table.attrs.update(model=model_info(model).name, n_seqs=n_rows, seq_len=n_pos)
+    return BlindnessMeasurement(
+        by_head=by_head,
+        by_distance=by_distance,
+        by_length=by_length,
+        convention=convention,
+        n_seqs=n_rows,
+        seq_len=n_pos,
+    )
+
+
+def _check_measure_args(
+    model: HookedTransformer,
+    data: Data,
+    dtypes: Sequence[str],
+    convention: str,
+    seq_len: int | None,
+    n_seqs: int,
+    n_buckets: int,
+    prepend_bos: bool | None,
+) -> tuple[list[str], Tensor]:
+    """:func:`measure_blindness`'s arguments checked: the dtype names and the token sequences."""
     if convention not in CONVENTIONS:
         raise InvalidArgumentError(f"unknown convention {convention!r}; use hf or tl")
     weights_dtype = next(model.parameters()).dtype
@@ -263,16 +307,23 @@ def measure_blindness(
     if isinstance(data, Tensor):
         prepend_bos = False  # the caller built the sequences
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    n_rows, n_pos = tokens.shape
-    lengths = _context_lengths(n_pos, context_lengths)
-    counter = _UnderflowCounter(model, names, convention, n_pos)
-    hooks = [(lambda name: name.endswith("attn.hook_attn_scores"), counter.hook)]
-    stream(model, tokens, hooks, batch_size=batch_size, progress=progress, desc="blindness")
+    return names, tokens
 
+
+def _head_tables(
+    model: HookedTransformer,
+    counter: _UnderflowCounter,
+    names: list[str],
+    convention: str,
+    n_rows: int,
+    n_buckets: int,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``by_head`` and ``by_distance`` from the counter's sums (see :func:`measure_blindness`)."""
     cfg = model.cfg
     is_alibi = cfg.positional_embedding_type == "alibi"
     head_slopes = alibi_slopes(model).double() if is_alibi else None
     zeros, mass, top = counter.zeros.cpu(), counter.mass.cpu(), counter.max_weight.cpu()
+    n_pos = zeros.shape[-1]
     distance = torch.arange(n_pos, dtype=torch.float64)
     entries = n_rows * (n_pos - distance)  # causal entries at each distance
     head_rows, bucket_rows = [], []
@@ -303,29 +354,60 @@ def measure_blindness(
                     }
                 )
             )
-            for lo in range(0, n_pos, width):
-                hi = min(lo + width, n_pos)
-                n = entries[lo:hi].sum().item()
-                bucket_rows.append(
-                    pd.DataFrame(
-                        {
-                            "layer": layer,
-                            "head": range(cfg.n_heads),
-                            "dtype": dtype,
-                            "distance_lo": lo,
-                            "distance_hi": hi,
-                            "entries": n,
-                            "zero_entries": z[:, lo:hi].sum(-1).numpy(),
-                            "zero_fraction": (z[:, lo:hi].sum(-1) / n).numpy(),
-                            "lost_mass": (w[:, lo:hi].sum(-1) / (n_rows * n_pos)).numpy(),
-                            "max_lost_weight": t[:, lo:hi].amax(-1).numpy(),
-                        }
-                    )
-                )
+            bucket_rows += _bucket_rows(layer, dtype, z, w, t, entries, n_rows, width)
     by_head = pd.concat(head_rows, ignore_index=True)
     by_head["label"] = by_head["first_zero_distance"].notna().map({True: "blind", False: "sighted"})
+    return by_head, pd.concat(bucket_rows, ignore_index=True)
+
+
+def _bucket_rows(
+    layer: int,
+    dtype: str,
+    zeros: Tensor,
+    mass: Tensor,
+    top: Tensor,
+    entries: Tensor,
+    n_rows: int,
+    width: int,
+) -> list[pd.DataFrame]:
+    """One layer's ``by_distance`` rows in one dtype: a frame per bucket of ``width`` distances.
+
+    ``zeros``, ``mass`` and ``top`` are ``[head, distance]`` sums; ``entries`` the causal entries
+    at each distance."""
+    n_heads, n_pos = zeros.shape
+    frames = []
+    for lo in range(0, n_pos, width):
+        hi = min(lo + width, n_pos)
+        n = entries[lo:hi].sum().item()
+        frames.append(
+            pd.DataFrame(
+                {
+                    "layer": layer,
+                    "head": range(n_heads),
+                    "dtype": dtype,
+                    "distance_lo": lo,
+                    "distance_hi": hi,
+                    "entries": n,
+                    "zero_entries": zeros[:, lo:hi].sum(-1).numpy(),
+                    "zero_fraction": (zeros[:, lo:hi].sum(-1) / n).numpy(),
+                    "lost_mass": (mass[:, lo:hi].sum(-1) / (n_rows * n_pos)).numpy(),
+                    "max_lost_weight": top[:, lo:hi].amax(-1).numpy(),
+                }
+            )
+        )
+    return frames
+
+
+def _length_table(
+    model: HookedTransformer,
+    counter: _UnderflowCounter,
+    names: list[str],
+    lengths: list[int],
+    n_rows: int,
+) -> pd.DataFrame:
+    """``by_length``: the share of all heads' causal entries up to each length that underflow."""
     per_query = counter.by_query.cpu().sum((1, 2)).cumsum(-1)  # [dtype, query]: up to each row
-    n_heads_total = cfg.n_layers * cfg.n_heads
+    n_heads_total = model.cfg.n_layers * model.cfg.n_heads
     by_length = pd.DataFrame(
         [
             {
@@ -339,16 +421,7 @@ def measure_blindness(
         ]
     )
     by_length["share"] = by_length["zero_entries"] / by_length["entries"]
-    for table in (by_head, by_length):
-        table.attrs.update(model=model_info(model).name, n_seqs=n_rows, seq_len=n_pos)
-    return BlindnessMeasurement(
-        by_head=by_head,
-        by_distance=pd.concat(bucket_rows, ignore_index=True),
-        by_length=by_length,
-        convention=convention,
-        n_seqs=n_rows,
-        seq_len=n_pos,
-    )
+    return by_length
 
 
 def _context_lengths(n_pos: int, lengths: Sequence[int] | None) -> list[int]:

@@ -9,10 +9,12 @@ Exports:
     head_bos_mass(model, tokens, heads) differentiable BOS mass of chosen heads
     bos_mass_objective(heads, target)   objective that pushes heads' attention to position 0
     warmup_cosine(warmup, steps)        the learning-rate factor of a step
-    setup_distributed(device)           join a torchrun process group (gloo on CPU, NCCL on GPU)
+    setup_distributed(device)           join a torchrun process group (gloo on CPU, NCCL on GPU),
+                                        returning its DistInfo (rank, world size, device)
     load_checkpoint(dir)                the checkpoint a run left in ``dir`` (or None)
     weights_digest(model, excluding)    digest of the weights: a resume must see the same model
     TrainingDivergedError               a NaN or infinite loss stopped the run
+    Objective, STRATEGIES, CHECKPOINT_FILE  objective type; the strategies; the checkpoint's name
 
 Two strategies keep frozen weights frozen under any AdamW setting, weight decay included:
 
@@ -69,6 +71,27 @@ from headsurgeon.surgery import (
     HeadSet,
     head_masks,
 )
+
+__all__ = [
+    "CHECKPOINT_FILE",
+    "STRATEGIES",
+    "DistInfo",
+    "FinetuneConfig",
+    "FinetuneResult",
+    "MaskTrainer",
+    "Objective",
+    "SliceTrainer",
+    "TrainingDivergedError",
+    "bos_mass_objective",
+    "finetune",
+    "head_bos_mass",
+    "load_checkpoint",
+    "make_trainer",
+    "next_token_loss",
+    "setup_distributed",
+    "warmup_cosine",
+    "weights_digest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -549,6 +572,54 @@ def finetune(
     Raises :class:`TrainingDivergedError` on a NaN or infinite loss or gradient; the model keeps
     the last good step's weights and the last checkpoint is untouched.
     """
+    job = _make_job(model, heads, train, eval_data, config, checkpoint_dir, resume, progress)
+    model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+    model.requires_grad_(False)  # the mask strategy re-enables its own tensors
+    trainer = make_trainer(
+        model, job.heads, objective or next_token_loss, strategy=job.cfg.strategy
+    )
+    try:
+        return _Loop(job, trainer).run()
+    finally:
+        trainer.close()
+        for name, p in model.named_parameters():
+            p.requires_grad_(model_grad[name])
+
+
+@dataclasses.dataclass
+class _Job:
+    """A fine-tuning run's validated inputs (made by :func:`_make_job`)."""
+
+    model: HookedTransformer
+    heads: HeadSet
+    cfg: FinetuneConfig
+    train: Tensor
+    train_eval: Tensor  # up to eval_seqs training rows, spread evenly
+    heldout: Tensor | None  # up to eval_seqs held-out rows
+    identity: dict[str, Any]  # what a resumed checkpoint must match
+    device: torch.device
+    rank: int
+    world: int
+    checkpoint_dir: Path | None
+    resume: bool
+    progress: bool
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return self.checkpoint_dir / CHECKPOINT_FILE if self.checkpoint_dir is not None else None
+
+
+def _make_job(
+    model: HookedTransformer,
+    heads: Heads,
+    train: Any,
+    eval_data: Any,
+    config: FinetuneConfig | None,
+    checkpoint_dir: str | os.PathLike | None,
+    resume: bool,
+    progress: bool,
+) -> _Job:
+    """Check :func:`finetune`'s inputs once; the evaluation rows and the run's identity."""
     cfg = (config or FinetuneConfig()).validate()
     heads = HeadSet.of(heads, model)
     if not heads:
@@ -570,11 +641,7 @@ def finetune(
         )
     if cfg.patience is not None and eval_data is None:
         raise InvalidArgumentError("early stopping (patience) needs held-out evaluation data")
-    objective = objective or next_token_loss
-    device = torch.device(model.cfg.device)
     spread = torch.linspace(0, len(train) - 1, min(cfg.eval_seqs, len(train))).round().long()
-    train_eval = train[spread]
-    heldout = eval_data[: cfg.eval_seqs] if eval_data is not None else None
     identity = {
         "model": model.cfg.model_name,
         "heads": str(heads),
@@ -582,19 +649,21 @@ def finetune(
         "world_size": world,
         "config": _config_dict(cfg),
     }
-
-    model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
-    model.requires_grad_(False)  # the mask strategy re-enables its own tensors
-    trainer = make_trainer(model, heads, objective, strategy=cfg.strategy)
-    try:
-        return _train(
-            model, heads, trainer, cfg, train, train_eval, heldout, identity, device, rank, world,
-            Path(checkpoint_dir) if checkpoint_dir is not None else None, resume, progress,
-        )  # fmt: skip
-    finally:
-        trainer.close()
-        for name, p in model.named_parameters():
-            p.requires_grad_(model_grad[name])
+    return _Job(
+        model=model,
+        heads=heads,
+        cfg=cfg,
+        train=train,
+        train_eval=train[spread],
+        heldout=eval_data[: cfg.eval_seqs] if eval_data is not None else None,
+        identity=identity,
+        device=torch.device(model.cfg.device),
+        rank=rank,
+        world=world,
+        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None else None,
+        resume=resume,
+        progress=progress,
+    )
 
 
 def _check_tokens(tokens: Any, what: str) -> Tensor:
@@ -606,149 +675,181 @@ def _check_tokens(tokens: Any, what: str) -> Tensor:
     return tokens.long()
 
 
-def _train(
-    model: HookedTransformer,
-    heads: HeadSet,
-    trainer: SliceTrainer | MaskTrainer,
-    cfg: FinetuneConfig,
-    train: Tensor,
-    train_eval: Tensor,
-    heldout: Tensor | None,
-    identity: dict[str, Any],
-    device: torch.device,
-    rank: int,
-    world: int,
-    checkpoint_dir: Path | None,
-    resume: bool,
-    progress: bool,
-) -> FinetuneResult:
-    params = trainer.trainable()
-    module: nn.Module = trainer
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
+@dataclasses.dataclass
+class _Progress:
+    """What a run has done so far; a checkpoint holds it as a plain dict (:meth:`to_dict`)."""
 
-        module = DistributedDataParallel(
-            trainer, device_ids=[device.index] if device.type == "cuda" else None,
-            broadcast_buffers=False,
-        )  # fmt: skip
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(cfg.warmup, cfg.steps))
-    progress_state: dict[str, Any] = {
-        "history": [], "losses": [], "since_eval": [], "best_loss": math.inf,
-        "best_step": None, "best_slices": None, "bad_evals": 0, "stopped_early": False,
-    }  # fmt: skip
-    step, resumed_from = 0, None
-    path = checkpoint_dir / CHECKPOINT_FILE if checkpoint_dir is not None else None
-    state = load_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
-    if state is not None and not resume:
-        raise OutputExistsError(
-            f"{path} holds a checkpoint; continue it (resume=True, --resume) or use another folder"
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    losses: list[float] = dataclasses.field(default_factory=list)
+    since_eval: list[float] = dataclasses.field(default_factory=list)  # losses since evaluation
+    best_loss: float = math.inf
+    best_step: int | None = None
+    best_slices: dict[str, Tensor] | None = None
+    bad_evals: int = 0
+    stopped_early: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
+class _Loop:
+    """The training loop of one :class:`_Job`: optimiser, schedule, checkpoints, evaluations."""
+
+    def __init__(self, job: _Job, trainer: SliceTrainer | MaskTrainer) -> None:
+        self.job, self.trainer = job, trainer
+        cfg, device = job.cfg, job.device
+        self.params = trainer.trainable()
+        self.module: nn.Module = trainer
+        if job.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.module = DistributedDataParallel(
+                trainer, device_ids=[device.index] if device.type == "cuda" else None,
+                broadcast_buffers=False,
+            )  # fmt: skip
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
-    if state is not None:
-        _check_resume(state, path, identity)
-        trainer.load_slices(state["slices"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-        progress_state = state["progress"]
-        step = resumed_from = state["step"]
-        logger.info("resuming %s from step %d", heads, step)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(cfg.warmup, cfg.steps)
+        )
+        self.state = _Progress()
+        self.step = 0
+        self.resumed_from: int | None = None
+        self.rows_cache: dict[int, Tensor] = {}
 
-    def save() -> None:
-        if path is None or rank != 0:
+    def restore(self) -> None:
+        """Continue from the checkpoint in the job's folder, if there is one (and it may)."""
+        job = self.job
+        checkpoint = load_checkpoint(job.checkpoint_dir) if job.checkpoint_dir is not None else None
+        if checkpoint is None:
+            return
+        path = job.checkpoint_path
+        if not job.resume:
+            raise OutputExistsError(
+                f"{path} holds a checkpoint; continue it (resume=True, --resume) or use another "
+                "folder"
+            )
+        _check_resume(checkpoint, path, job.identity)
+        self.trainer.load_slices(checkpoint["slices"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        _set_rng_state(checkpoint["rng"])
+        self.state = _Progress(**checkpoint["progress"])
+        self.step = self.resumed_from = checkpoint["step"]
+        logger.info("resuming %s from step %d", job.heads, self.step)
+
+    def save(self) -> None:
+        path = self.job.checkpoint_path
+        if path is None or self.job.rank != 0:
             return
         _save_checkpoint(
             path,
             {
-                "format": CHECKPOINT_FORMAT, **identity, "step": step,
-                "slices": trainer.slices(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "rng": _rng_state(),
-                "progress": progress_state,
+                "format": CHECKPOINT_FORMAT, **self.job.identity, "step": self.step,
+                "slices": self.trainer.slices(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": _rng_state(),
+                "progress": self.state.to_dict(),
             },
         )  # fmt: skip
 
-    def evaluate() -> None:
-        losses = progress_state["since_eval"]
+    def evaluate(self) -> None:
+        job, state = self.job, self.state
+        losses = state.since_eval
         row = {
-            "step": step,
-            "lr": optimizer.param_groups[0]["lr"],
+            "step": self.step,
+            "lr": self.optimizer.param_groups[0]["lr"],
             "train_loss": sum(losses) / len(losses) if losses else math.nan,
         }
-        row.update(_evaluate(model, heads, cfg, train_eval, heldout))
-        progress_state["history"].append(row)
-        progress_state["since_eval"] = []
+        row.update(_evaluate(job.model, job.heads, job.cfg, job.train_eval, job.heldout))
+        state.history.append(row)
+        state.since_eval = []
         logger.info(
             "step %d: loss %.4f, train ppl %.3f, held-out ppl %.3f, BOS mass %.3f",
-            step, row["train_loss"], row["train_ppl"], row["heldout_ppl"], row["bos_mass"],
+            self.step, row["train_loss"], row["train_ppl"], row["heldout_ppl"], row["bos_mass"],
         )  # fmt: skip
-        heldout_loss = math.log(row["heldout_ppl"]) if heldout is not None else math.nan
-        if heldout_loss < progress_state["best_loss"]:
-            progress_state.update(
-                best_loss=heldout_loss, best_step=step, best_slices=trainer.slices(), bad_evals=0
-            )
-        elif cfg.patience is not None:
-            progress_state["bad_evals"] += 1
-            progress_state["stopped_early"] = progress_state["bad_evals"] >= cfg.patience
+        heldout_loss = math.log(row["heldout_ppl"]) if job.heldout is not None else math.nan
+        if heldout_loss < state.best_loss:
+            state.best_loss, state.best_step = heldout_loss, self.step
+            state.best_slices, state.bad_evals = self.trainer.slices(), 0
+        elif job.cfg.patience is not None:
+            state.bad_evals += 1
+            state.stopped_early = state.bad_evals >= job.cfg.patience
 
-    if not progress_state["history"]:
-        evaluate()
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16")
-    bar = tqdm(
-        total=cfg.steps, initial=step, desc=f"fine-tune {len(heads)} heads",
-        disable=not progress or rank != 0, dynamic_ncols=True,
-    )  # fmt: skip
-    rows_cache: dict[int, Tensor] = {}
-    while step < cfg.steps and not progress_state["stopped_early"]:
-        total = torch.zeros((), device=device)
+    def train_step(self, autocast: torch.autocast) -> float:
+        """One optimiser step over ``grad_accum`` micro-batches; its mean loss."""
+        job, cfg, step = self.job, self.job.cfg, self.step
+        total = torch.zeros((), device=job.device)
         for micro in range(cfg.grad_accum):
-            rows = _global_rows(len(train), step, micro, cfg, cfg.batch_size * world, rows_cache)
-            batch = train[rows[rank * cfg.batch_size : (rank + 1) * cfg.batch_size]].to(device)
-            sync = micro == cfg.grad_accum - 1 or world == 1
-            with contextlib.nullcontext() if sync else module.no_sync(), autocast:
-                loss = module(batch).float() / cfg.grad_accum
+            rows = _global_rows(
+                len(job.train), step, micro, cfg, cfg.batch_size * job.world, self.rows_cache
+            )
+            mine = rows[job.rank * cfg.batch_size : (job.rank + 1) * cfg.batch_size]
+            batch = job.train[mine].to(job.device)
+            sync = micro == cfg.grad_accum - 1 or job.world == 1
+            with contextlib.nullcontext() if sync else self.module.no_sync(), autocast:
+                loss = self.module(batch).float() / cfg.grad_accum
             loss.backward()
             total += loss.detach()
-        if world > 1:
+        if job.world > 1:
             dist.all_reduce(total)
-            total /= world
+            total /= job.world
         loss_value = total.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm.item())):
-            optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            path = job.checkpoint_path
             kept = f"checkpoint {path} is kept" if path is not None else "no checkpoint was written"
             raise TrainingDivergedError(
                 f"loss {loss_value} (gradient norm {grad_norm.item()}) at step {step + 1}: "
                 f"training stopped with the weights of step {step}; {kept}; lower the learning "
                 "rate or train in float32"
             )
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        trainer.after_step()
-        step += 1
-        progress_state["losses"].append(loss_value)
-        progress_state["since_eval"].append(loss_value)
-        bar.update()
-        bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-        if step % cfg.eval_interval == 0 or step == cfg.steps:
-            evaluate()
-        if step % cfg.checkpoint_interval == 0 and step < cfg.steps:
-            save()
-    bar.close()
-    if progress_state["stopped_early"]:
-        logger.info("early stop at step %d: no better held-out loss in %d evaluations",
-                    step, cfg.patience)  # fmt: skip
-        if cfg.restore_best and progress_state["best_slices"] is not None:
-            trainer.load_slices(progress_state["best_slices"])
-            trainer.after_step()
-    save()
-    return FinetuneResult(
-        heads=heads,
-        config=cfg,
-        steps_done=step,
-        stopped_early=progress_state["stopped_early"],
-        best_step=progress_state["best_step"],
-        history=pd.DataFrame(progress_state["history"]),
-        losses=list(progress_state["losses"]),
-        resumed_from=resumed_from,
-    )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.trainer.after_step()
+        self.step += 1
+        self.state.losses.append(loss_value)
+        self.state.since_eval.append(loss_value)
+        return loss_value
+
+    def run(self) -> FinetuneResult:
+        job, cfg = self.job, self.job.cfg
+        self.restore()
+        state = self.state
+        if not state.history:
+            self.evaluate()
+        enabled = cfg.autocast == "bfloat16"
+        autocast = torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=enabled)
+        bar = tqdm(
+            total=cfg.steps, initial=self.step, desc=f"fine-tune {len(job.heads)} heads",
+            disable=not job.progress or job.rank != 0, dynamic_ncols=True,
+        )  # fmt: skip
+        while self.step < cfg.steps and not state.stopped_early:
+            loss_value = self.train_step(autocast)
+            bar.update()
+            lr = self.optimizer.param_groups[0]["lr"]
+            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+            if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
+                self.evaluate()
+            if self.step % cfg.checkpoint_interval == 0 and self.step < cfg.steps:
+                self.save()
+        bar.close()
+        if state.stopped_early:
+            logger.info("early stop at step %d: no better held-out loss in %d evaluations",
+                        self.step, cfg.patience)  # fmt: skip
+            if cfg.restore_best and state.best_slices is not None:
+                self.trainer.load_slices(state.best_slices)
+                self.trainer.after_step()
+        self.save()
+        return FinetuneResult(
+            heads=job.heads,
+            config=cfg,
+            steps_done=self.step,
+            stopped_early=state.stopped_early,
+            best_step=state.best_step,
+            history=pd.DataFrame(state.history),
+            losses=list(state.losses),
+            resumed_from=self.resumed_from,
+        )

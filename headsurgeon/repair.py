@@ -2,8 +2,10 @@
 
 Exports:
     repair(model, corpus, ...)          the pipeline; returns a :class:`RepairResult`
+    RepairConfig                        its settings (census, classification, surgery, training)
     RepairResult, PassResult            per-pass targets, recoveries, drift, perplexities, censuses
     recommended_config(model, ...)      the fine-tuning settings the model recommends
+    DRIFT_THRESHOLD, RUN_FILE           the default drift criterion; the work folder's run file
 
 The report folder (``report.md``, figures, ``model/``) is :func:`headsurgeon.reports.write_report`;
 the command line, ``python -m headsurgeon.repair`` (``--help`` lists options), is
@@ -61,6 +63,16 @@ from headsurgeon.outputs import (
     atomic_write_text,
 )
 from headsurgeon.surgery import HEAD_TENSORS, INITS, Heads, HeadSet, check_surgery, reinit_heads
+
+__all__ = [
+    "DRIFT_THRESHOLD",
+    "RUN_FILE",
+    "PassResult",
+    "RepairConfig",
+    "RepairResult",
+    "recommended_config",
+    "repair",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -390,84 +402,85 @@ def _round_heads(model: HookedTransformer, heads: HeadSet, dtype: torch.dtype) -
                 weight[head] = weight[head].to(dtype).to(weight.dtype)
 
 
-def _check_args(passes: int, drift_threshold: float, init: str, seq_len: int | None) -> None:
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise InvalidArgumentError(f"passes must be a positive integer, got {passes!r}")
-    if not 0 < drift_threshold < 1:
-        raise InvalidArgumentError(f"drift_threshold must lie in (0, 1), got {drift_threshold}")
-    if init not in INITS:
-        raise InvalidArgumentError(f"unknown init {init!r}; use one of {', '.join(INITS)}")
-    if seq_len is not None and seq_len < 2:
-        raise InvalidArgumentError(f"the training sequence length must be >= 2, got {seq_len}")
+@dataclasses.dataclass(frozen=True)
+class RepairConfig:
+    """Settings of a repair run, validated on creation (see :func:`repair` for each one).
 
+    Census and classification: ``census_seq_len``, ``census_n_seqs``, ``min_query_pos``,
+    ``thresholds``. Surgery: ``passes``, ``init``, ``seed``, ``drift_threshold``. Data:
+    ``train_seq_len`` (default: the model's training length, at most 512), ``n_eval_seqs``,
+    ``prepend_bos``. Training: ``finetune`` (default: :func:`recommended_config`) and
+    ``save_dtype`` (default: the checkpoint's dtype, else the model's).
 
-def repair(
-    model: HookedTransformer,
-    corpus: Data = None,
-    *,
-    eval_corpus: Data = None,
-    heads: Heads | None = None,
-    include: Heads | None = None,
-    passes: int = 2,
-    finetune_config: FinetuneConfig | None = None,
-    init: str = "xavier_normal",
-    seed: int = 0,
-    thresholds: Thresholds | None = None,
-    census_data: Data = None,
-    census_seq_len: int = 128,
-    census_n_seqs: int = 64,
-    min_query_pos: int = 1,
-    prepend_bos: bool | None = None,
-    seq_len: int | None = None,
-    n_eval_seqs: int = 32,
-    drift_threshold: float = DRIFT_THRESHOLD,
-    save_dtype: str | torch.dtype | None = None,
-    work_dir: str | os.PathLike | None = None,
-    resume: bool = False,
-    progress: bool = True,
-) -> RepairResult:
-    """Repair ``model`` in place, pass by pass; return what each pass did.
-
-    ``corpus`` (default: the bundled training corpora) is cut into sequences of ``seq_len``
-    tokens (default: the model's training length, at most 512) for fine-tuning; ``eval_corpus``
-    (default: the bundled held-out corpora) gives the held-out perplexity, ``n_eval_seqs``
-    sequences of it. The census runs on ``census_data`` (default: the bundled held-out corpora;
-    ``census_n_seqs`` x ``census_seq_len`` tokens, query rows from ``min_query_pos``) and is
-    classified with ``thresholds`` (default: :class:`Thresholds`). ``heads`` replaces the
-    census's choice of pass-1 targets; ``include`` adds heads to it. Each pass fine-tunes with
-    ``finetune_config`` (default: :class:`FinetuneConfig` with the steps and learning rate the
-    model recommends, see :func:`recommended_config`: the settings ``python -m headsurgeon.repair``
-    uses) and re-initialises with ``init`` and seed ``seed + pass - 1``.
-
-    ``corpus``, ``eval_corpus`` and ``census_data`` may be token tensors ``[n, seq]`` (used as
-    they are). A model without a tokenizer cannot read the bundled corpora: there, unless given,
-    the evaluation and census sequences are the last ``min(n_eval_seqs, n // 8)`` rows of the
-    ``corpus`` tensor, held out of training.
-
-    The trained slices are rounded through ``save_dtype`` after each pass (default: the dtype of
-    the checkpoint the model was loaded from, else the model's own), so every number measured
-    after a pass is that of the model as :func:`headsurgeon.save_hf` writes it in that dtype.
+    >>> RepairConfig(passes=1).passes
+    1
+    >>> RepairConfig(passes=0)
+    Traceback (most recent call last):
+    headsurgeon.errors.InvalidArgumentError: passes must be a positive integer, got 0
     """
-    check_surgery(model)  # before any census or training
-    config = (finetune_config or recommended_config(model)).validate()
-    thresholds = thresholds or Thresholds()
-    _check_args(passes, drift_threshold, init, seq_len)
-    heads = None if heads is None else HeadSet.of(heads, model)
-    include = None if include is None else HeadSet.of(include, model)
-    if heads is not None and not heads:
-        raise InvalidArgumentError("nothing to repair: the head set is empty")
-    include = include or HeadSet()
+
+    passes: int = 2
+    init: str = "xavier_normal"
+    seed: int = 0
+    thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
+    census_seq_len: int = 128
+    census_n_seqs: int = 64
+    min_query_pos: int = 1
+    prepend_bos: bool | None = None
+    train_seq_len: int | None = None
+    n_eval_seqs: int = 32
+    drift_threshold: float = DRIFT_THRESHOLD
+    finetune: FinetuneConfig | None = None
+    save_dtype: str | torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.finetune is not None:
+            self.finetune.validate()
+        passes, drift_threshold = self.passes, self.drift_threshold
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise InvalidArgumentError(f"passes must be a positive integer, got {passes!r}")
+        if not 0 < drift_threshold < 1:
+            raise InvalidArgumentError(f"drift_threshold must lie in (0, 1), got {drift_threshold}")
+        if self.init not in INITS:
+            raise InvalidArgumentError(f"unknown init {self.init!r}; use one of {', '.join(INITS)}")
+        if self.train_seq_len is not None and self.train_seq_len < 2:
+            raise InvalidArgumentError(
+                f"the training sequence length must be >= 2, got {self.train_seq_len}"
+            )
+
+
+_DEFAULTS = RepairConfig()
+_HELD_OUT = "bundled held-out corpora (shakespeare, python-docs)"
+
+
+@dataclasses.dataclass
+class _Data:
+    """The token sets of a run and how the settings describe them."""
+
+    train: torch.Tensor
+    train_eval: torch.Tensor  # up to n_eval_seqs training rows, spread evenly
+    eval: torch.Tensor
+    census: torch.Tensor
+    train_desc: str
+    eval_desc: str
+    census_desc: str
+
+
+def _prepare_data(
+    model: HookedTransformer, config: RepairConfig, corpus: Data, eval_corpus: Data,
+    census_data: Data,
+) -> _Data:  # fmt: skip
+    """Cut the training, evaluation and census sequences (see :func:`repair`)."""
     info = model_info(model)
-    save_dtype = parse_dtype(save_dtype or checkpoint_dtype(model) or model.cfg.dtype)
-    seq_len = seq_len or min(512, info.train_ctx or model.cfg.n_ctx, model.cfg.n_ctx)
+    seq_len = config.train_seq_len
+    prepend_bos, n_eval_seqs = config.prepend_bos, config.n_eval_seqs
     train_tokens = to_sequences(
         model,
         _default_train_data() if corpus is None else corpus,
         seq_len=seq_len,
         prepend_bos=prepend_bos,
     )
-    held_out = "bundled held-out corpora (shakespeare, python-docs)"
-    eval_desc, census_desc = _describe(eval_corpus, held_out), _describe(census_data, held_out)
+    eval_desc, census_desc = _describe(eval_corpus, _HELD_OUT), _describe(census_data, _HELD_OUT)
     needs_text = eval_corpus is None or census_data is None
     can_read_text = (info.tokenizer or model.tokenizer) is not None
     if needs_text and not can_read_text and isinstance(corpus, torch.Tensor):
@@ -482,108 +495,131 @@ def repair(
         model, eval_corpus, seq_len=seq_len, n_seqs=n_eval_seqs, prepend_bos=prepend_bos
     )
     census_tokens = to_sequences(
-        model, census_data, seq_len=census_seq_len, n_seqs=census_n_seqs, prepend_bos=prepend_bos
-    )
+        model, census_data, seq_len=config.census_seq_len, n_seqs=config.census_n_seqs,
+        prepend_bos=prepend_bos,
+    )  # fmt: skip
     spread = torch.linspace(0, len(train_tokens) - 1, min(n_eval_seqs, len(train_tokens)))
-    train_eval = train_tokens[spread.round().long()]
-    settings = {
+    return _Data(
+        train=train_tokens,
+        train_eval=train_tokens[spread.round().long()],
+        eval=eval_tokens,
+        census=census_tokens,
+        train_desc=_describe(corpus, "bundled training corpora (shakespeare, python-docs)"),
+        eval_desc=eval_desc,
+        census_desc=census_desc,
+    )
+
+
+def _settings(
+    model: HookedTransformer, config: RepairConfig, heads: HeadSet | None, include: HeadSet,
+    data: _Data,
+) -> dict[str, Any]:  # fmt: skip
+    """The run's settings, as ``report.json`` and the resume identity hold them."""
+    return {
         "heads": None if heads is None else str(heads),
         "include": str(include) or None,
-        "passes": passes,
-        "init": init,
-        "seed": seed,
-        "thresholds": dataclasses.asdict(thresholds),
-        "drift_threshold": drift_threshold,
-        "finetune": dataclasses.asdict(config),
-        "train_data": _describe(corpus, "bundled training corpora (shakespeare, python-docs)"),
-        "train_sequences": list(train_tokens.shape),
-        "eval_data": eval_desc,
-        "eval_sequences": list(eval_tokens.shape),
-        "census_data": census_desc,
-        "census_sequences": list(census_tokens.shape),
-        "min_query_pos": min_query_pos,
-        "prepend_bos": resolve_bos(model, prepend_bos),
-        "save_dtype": str(save_dtype).removeprefix("torch."),
+        "passes": config.passes,
+        "init": config.init,
+        "seed": config.seed,
+        "thresholds": dataclasses.asdict(config.thresholds),
+        "drift_threshold": config.drift_threshold,
+        "finetune": dataclasses.asdict(config.finetune),
+        "train_data": data.train_desc,
+        "train_sequences": list(data.train.shape),
+        "eval_data": data.eval_desc,
+        "eval_sequences": list(data.eval.shape),
+        "census_data": data.census_desc,
+        "census_sequences": list(data.census.shape),
+        "min_query_pos": config.min_query_pos,
+        "prepend_bos": resolve_bos(model, config.prepend_bos),
+        "save_dtype": str(config.save_dtype).removeprefix("torch."),
     }
 
-    def census() -> pd.DataFrame:
+
+def _resolve(model: HookedTransformer, config: RepairConfig) -> RepairConfig:
+    """``config`` with the model's save dtype and training length filled in."""
+    info = model_info(model)
+    n_ctx = model.cfg.n_ctx
+    return dataclasses.replace(
+        config,
+        save_dtype=parse_dtype(config.save_dtype or checkpoint_dtype(model) or model.cfg.dtype),
+        train_seq_len=config.train_seq_len or min(512, info.train_ctx or n_ctx, n_ctx),
+    )
+
+
+class _Run:
+    """One repair run's steps: a census, the perplexities, choosing targets, a pass."""
+
+    def __init__(
+        self, model: HookedTransformer, config: RepairConfig, data: _Data,
+        settings: dict[str, Any], work: _WorkDir | None, resume: bool, progress: bool,
+    ) -> None:  # fmt: skip
+        self.model, self.config, self.data, self.settings = model, config, data, settings
+        self.finetune_config: FinetuneConfig = config.finetune  # resolved by _resolve
+        self.work, self.resume, self.progress = work, resume, progress
+
+    def census(self) -> pd.DataFrame:
         measured = run_census(
-            model,
-            census_tokens,
-            batch_size=config.batch_size,
-            min_query_pos=min_query_pos,
-            progress=progress,
+            self.model,
+            self.data.census,
+            batch_size=self.finetune_config.batch_size,
+            min_query_pos=self.config.min_query_pos,
+            progress=self.progress,
         )
-        measured.attrs["data"] = settings["census_data"]
-        return classify_heads(measured, thresholds)
+        measured.attrs["data"] = self.settings["census_data"]
+        return classify_heads(measured, self.config.thresholds)
 
-    def perplexities() -> dict[str, float]:
+    def perplexities(self) -> dict[str, float]:
         def ppl(tokens: torch.Tensor) -> float:
-            return perplexity(model, tokens, window=seq_len, batch_size=config.batch_size,
-                              prepend_bos=False, max_windows=None, progress=False)  # fmt: skip
+            return perplexity(self.model, tokens, window=self.config.train_seq_len,
+                              batch_size=self.finetune_config.batch_size, prepend_bos=False,
+                              max_windows=None, progress=False)  # fmt: skip
 
-        return {"train": ppl(train_eval), "heldout": ppl(eval_tokens)}
+        return {"train": ppl(self.data.train_eval), "heldout": ppl(self.data.eval)}
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    work = _WorkDir(Path(work_dir), rank) if work_dir is not None else None
-    if work is not None:
-        identity = {"model": weights_digest(model), "settings": json.loads(json.dumps(settings))}
-        work.start(identity, resume)
-    stored = work.load_census("census_0") if work is not None else None
-    if stored is not None:
-        current, extra = stored
-        ppl = extra["perplexity"]
-    else:
-        current, ppl = census(), perplexities()
+    def first_census(self) -> tuple[pd.DataFrame, dict[str, float]]:
+        """The census and perplexities before any pass (stored in the work folder, if any)."""
+        work = self.work
         if work is not None:
-            work.save_census("census_0", current, {"perplexity": ppl})
-    first = current
-    logger.info("census: %s; perplexity %s", _counts(current), _format_ppl(ppl))
-
-    results: list[PassResult] = []
-    for index in range(1, passes + 1):
-        sick = HeadSet.from_labels(current)
-        if index == 1:
-            targets = (sick if heads is None else heads) | include
+            identity = {
+                "model": weights_digest(self.model),
+                "settings": json.loads(json.dumps(self.settings)),
+            }
+            work.start(identity, self.resume)
+        stored = work.load_census("census_0") if work is not None else None
+        if stored is not None:
+            current, extra = stored
+            ppl = extra["perplexity"]
         else:
-            targets = sick if heads is None else sick & (heads | include)
-        targets = _agree(targets)
-        if not targets:
-            if index == 1:
-                raise InvalidArgumentError(
-                    "nothing to repair: the census labels no head dead or BOS-sink; pass heads "
-                    "(--heads) or include (--include) to operate on chosen heads"
-                )
-            logger.info("pass %d: no sick heads left, stopping", index)
-            break
-        loaded = work.load_pass(index, targets, model, config) if work is not None else None
+            current, ppl = self.census(), self.perplexities()
+            if work is not None:
+                work.save_census("census_0", current, {"perplexity": ppl})
+        logger.info("census: %s; perplexity %s", _counts(current), _format_ppl(ppl))
+        return current, ppl
+
+    def run_pass(
+        self, index: int, targets: HeadSet, current: pd.DataFrame, ppl: dict[str, float]
+    ) -> PassResult:
+        """Pass ``index`` on ``targets`` (loaded from the work folder when it finished there)."""
+        work, model = self.work, self.model
+        loaded = (
+            work.load_pass(index, targets, model, self.finetune_config)
+            if work is not None
+            else None
+        )
         if loaded is not None:
             after, record, training = loaded
             ppl_after = record["perplexity_after"]
             logger.info("pass %d: loaded from %s", index, work.pass_dir(index))
         else:
-            logger.info("pass %d: re-initialising and fine-tuning %d heads: %s",
-                        index, len(targets), targets)  # fmt: skip
-            reinit_heads(model, targets, init=init, seed=seed + index - 1)
-            training = finetune(
-                model,
-                targets,
-                train_tokens,
-                eval_data=eval_tokens,
-                config=config,
-                checkpoint_dir=work.pass_dir(index) if work is not None else None,
-                resume=resume,
-                progress=progress,
-            )
-            _round_heads(model, targets, save_dtype)
-            after, ppl_after = census(), perplexities()
+            after, ppl_after, training = self._train_pass(index, targets)
         healthy = HeadSet.from_labels(after, labels=["healthy"])
         result = PassResult(
             index=index,
             targeted=targets,
             recovered=targets & healthy,
             still_sick=targets - healthy,
-            drifted=_drifted(current, after, targets, drift_threshold),
+            drifted=_drifted(current, after, targets, self.config.drift_threshold),
             census_before=current,
             census_after=after,
             perplexity_before=ppl,
@@ -597,16 +633,158 @@ def repair(
             index, len(result.recovered), len(targets), len(result.drifted),
             _format_ppl(ppl_after),
         )  # fmt: skip
+        return result
+
+    def _train_pass(
+        self, index: int, targets: HeadSet
+    ) -> tuple[pd.DataFrame, dict[str, float], FinetuneResult]:
+        """Re-initialise, fine-tune and round ``targets``; the census and perplexities after."""
+        logger.info("pass %d: re-initialising and fine-tuning %d heads: %s",
+                    index, len(targets), targets)  # fmt: skip
+        reinit_heads(self.model, targets, init=self.config.init, seed=self.config.seed + index - 1)
+        training = finetune(
+            self.model,
+            targets,
+            self.data.train,
+            eval_data=self.data.eval,
+            config=self.finetune_config,
+            checkpoint_dir=self.work.pass_dir(index) if self.work is not None else None,
+            resume=self.resume,
+            progress=self.progress,
+        )
+        _round_heads(self.model, targets, self.config.save_dtype)
+        return self.census(), self.perplexities(), training
+
+
+def _targets(index: int, census: pd.DataFrame, heads: HeadSet | None, include: HeadSet) -> HeadSet:
+    """Pass ``index``'s targets: pass 1 the sick heads (or ``heads``) and ``include``; later
+    passes the heads still sick (within ``heads | include``, if ``heads`` is given)."""
+    sick = HeadSet.from_labels(census)
+    if index == 1:
+        targets = (sick if heads is None else heads) | include
+    else:
+        targets = sick if heads is None else sick & (heads | include)
+    return _agree(targets)
+
+
+def repair(
+    model: HookedTransformer,
+    corpus: Data = None,
+    *,
+    eval_corpus: Data = None,
+    heads: Heads | None = None,
+    include: Heads | None = None,
+    config: RepairConfig | None = None,
+    passes: int = _DEFAULTS.passes,
+    finetune_config: FinetuneConfig | None = None,
+    init: str = _DEFAULTS.init,
+    seed: int = _DEFAULTS.seed,
+    thresholds: Thresholds | None = None,
+    census_data: Data = None,
+    census_seq_len: int = _DEFAULTS.census_seq_len,
+    census_n_seqs: int = _DEFAULTS.census_n_seqs,
+    min_query_pos: int = _DEFAULTS.min_query_pos,
+    prepend_bos: bool | None = None,
+    train_seq_len: int | None = None,
+    n_eval_seqs: int = _DEFAULTS.n_eval_seqs,
+    drift_threshold: float = _DEFAULTS.drift_threshold,
+    save_dtype: str | torch.dtype | None = None,
+    work_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> RepairResult:
+    """Repair ``model`` in place, pass by pass; return what each pass did.
+
+    ``corpus`` (default: the bundled training corpora) is cut into sequences of
+    ``train_seq_len`` tokens (default: the model's training length, at most 512) for fine-tuning;
+    ``eval_corpus`` (default: the bundled held-out corpora) gives the held-out perplexity,
+    ``n_eval_seqs`` sequences of it. The census runs on ``census_data`` (default: the bundled
+    held-out corpora; ``census_n_seqs`` x ``census_seq_len`` tokens, query rows from
+    ``min_query_pos``) and is classified with ``thresholds`` (default: :class:`Thresholds`).
+    ``heads`` replaces the census's choice of pass-1 targets; ``include`` adds heads to it. Each
+    pass fine-tunes with ``finetune_config`` (default: :class:`FinetuneConfig` with the steps and
+    learning rate the model recommends, see :func:`recommended_config`: the settings
+    ``python -m headsurgeon.repair`` uses) and re-initialises with ``init`` and seed
+    ``seed + pass - 1``.
+
+    The settings may come as keywords or together as ``config=`` (a :class:`RepairConfig`,
+    whose ``finetune`` is ``finetune_config``), not both.
+
+    ``corpus``, ``eval_corpus`` and ``census_data`` may be token tensors ``[n, seq]`` (used as
+    they are). A model without a tokenizer cannot read the bundled corpora: there, unless given,
+    the evaluation and census sequences are the last ``min(n_eval_seqs, n // 8)`` rows of the
+    ``corpus`` tensor, held out of training.
+
+    The trained slices are rounded through ``save_dtype`` after each pass (default: the dtype of
+    the checkpoint the model was loaded from, else the model's own), so every number measured
+    after a pass is that of the model as :func:`headsurgeon.save_hf` writes it in that dtype.
+    """
+    check_surgery(model)  # before any census or training
+    keywords = {
+        "passes": passes, "init": init, "seed": seed, "thresholds": thresholds,
+        "census_seq_len": census_seq_len, "census_n_seqs": census_n_seqs,
+        "min_query_pos": min_query_pos, "prepend_bos": prepend_bos,
+        "train_seq_len": train_seq_len, "n_eval_seqs": n_eval_seqs,
+        "drift_threshold": drift_threshold, "finetune": finetune_config, "save_dtype": save_dtype,
+    }  # fmt: skip
+    config = _config_from(model, config, keywords)
+    heads = None if heads is None else HeadSet.of(heads, model)
+    include = None if include is None else HeadSet.of(include, model)
+    if heads is not None and not heads:
+        raise InvalidArgumentError("nothing to repair: the head set is empty")
+    include = include or HeadSet()
+    config = _resolve(model, config)
+    data = _prepare_data(model, config, corpus, eval_corpus, census_data)
+    settings = _settings(model, config, heads, include, data)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    work = _WorkDir(Path(work_dir), rank) if work_dir is not None else None
+    run = _Run(model, config, data, settings, work, resume, progress)
+
+    current, ppl = run.first_census()
+    first = current
+    results: list[PassResult] = []
+    for index in range(1, config.passes + 1):
+        targets = _targets(index, current, heads, include)
+        if not targets:
+            if index == 1:
+                raise InvalidArgumentError(
+                    "nothing to repair: the census labels no head dead or BOS-sink; pass heads "
+                    "(--heads) or include (--include) to operate on chosen heads"
+                )
+            logger.info("pass %d: no sick heads left, stopping", index)
+            break
+        result = run.run_pass(index, targets, current, ppl)
         results.append(result)
-        current, ppl = after, ppl_after
+        current, ppl = result.census_after, result.perplexity_after
     return RepairResult(
         model=model,
         passes=results,
         census_before=first,
         census_after=current,
         settings=settings,
-        drift_threshold=drift_threshold,
+        drift_threshold=config.drift_threshold,
     )
+
+
+def _config_from(
+    model: HookedTransformer, config: RepairConfig | None, keywords: dict[str, Any]
+) -> RepairConfig:
+    """``config``, or the one the setting keywords make, with the fine-tuning settings resolved
+    (default: :func:`recommended_config`) and checked first."""
+    if config is not None:
+        given = [key for key, value in keywords.items() if value != _keyword_default(key)]
+        if given:
+            raise InvalidArgumentError(
+                f"give the settings either as config= or as keywords, not both ({', '.join(given)})"
+            )
+        keywords = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+    finetune_config = (keywords.pop("finetune") or recommended_config(model)).validate()
+    thresholds = keywords.pop("thresholds") or Thresholds()
+    return RepairConfig(finetune=finetune_config, thresholds=thresholds, **keywords)
+
+
+def _keyword_default(key: str) -> Any:
+    return None if key == "thresholds" else getattr(_DEFAULTS, key)
 
 
 def _format_ppl(ppl: dict[str, float]) -> str:

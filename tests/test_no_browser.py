@@ -126,7 +126,7 @@ def test_write_report_without_browser_writes_model_and_report_skips_pngs(
     model = load_model(bloom_dir)
     result = repair(
         model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32, census_n_seqs=4,
-        prepend_bos=True, seq_len=32, n_eval_seqs=2, passes=1, heads=HeadSet([(1, 1)]),
+        prepend_bos=True, train_seq_len=32, n_eval_seqs=2, passes=1, heads=HeadSet([(1, 1)]),
         progress=False, finetune_config=FinetuneConfig(steps=2, batch_size=2, eval_every=2),
     )  # fmt: skip
     out = write_report(result, tmp_path / "out")

@@ -53,7 +53,7 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = repair(
         model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32, census_n_seqs=16,
-        prepend_bos=True, seq_len=32, passes=2, progress=False,
+        prepend_bos=True, train_seq_len=32, passes=2, progress=False,
         finetune_config=FinetuneConfig(steps=20, lr=1e-2, batch_size=4),
     )  # fmt: skip
     assert label(result.census_before, SINK) == "BOS-sink"
@@ -210,7 +210,7 @@ def test_python_repair_gives_the_clis_report(recommending, text_file, tmp_path):
     cli = json.loads((out / "report.json").read_text())
     api = repair(
         load_model(recommending), [text_file], eval_corpus=[text_file], census_data=[text_file],
-        census_seq_len=32, census_n_seqs=16, prepend_bos=True, seq_len=32, progress=False,
+        census_seq_len=32, census_n_seqs=16, prepend_bos=True, train_seq_len=32, progress=False,
     ).to_dict()  # fmt: skip
     api = json.loads(json.dumps(api))  # as report.json holds it (tuples become lists)
     assert api["settings"]["finetune"]["steps"] == 6 and api["settings"]["finetune"]["lr"] == 1e-2

@@ -159,3 +159,17 @@ def test_operations_a_model_cannot_support_fail_before_any_work(monkeypatch):
         analytic_blindness(rotary)
     with pytest.raises(UnsupportedArchitectureError, match="rotary"):
         alibi_slopes(rotary)
+
+
+def test_repair_settings_as_keywords_or_as_one_config():
+    from headsurgeon import RepairConfig
+    from headsurgeon.errors import InvalidArgumentError
+
+    data, training = tokens(40, 32), FinetuneConfig(steps=2, batch_size=4)
+    by_keywords = repair(user_model(), data, heads="L1H2", passes=1, finetune_config=training,
+                         census_n_seqs=4, progress=False)  # fmt: skip
+    config = RepairConfig(passes=1, finetune=training, census_n_seqs=4)
+    by_config = repair(user_model(), data, heads="L1H2", config=config, progress=False)
+    assert by_config.to_dict() == by_keywords.to_dict()
+    with pytest.raises(InvalidArgumentError, match="passes"):
+        repair(user_model(), data, heads="L1H2", config=config, passes=3, progress=False)

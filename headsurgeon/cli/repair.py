@@ -34,6 +34,11 @@ from headsurgeon.repair import DRIFT_THRESHOLD, RUN_FILE, recommended_config, re
 from headsurgeon.reports import default_out_dir, partial_dir, write_report
 from headsurgeon.surgery import INITS, HeadSet
 
+__all__ = [
+    "main",
+    "entry",
+]
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
