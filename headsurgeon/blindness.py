@@ -196,7 +196,9 @@ class _UnderflowCounter:
         self.causal = pos[:, None] >= pos[None, :]
         self.distance = (pos[:, None] - pos[None, :])[self.causal]
 
-    def hook(self, scores: Float[Tensor, "batch head query key"], hook: HookPoint) -> None:
+    def hook(
+        self, scores: Float[Tensor, "batch head_index query_pos key_pos"], hook: HookPoint
+    ) -> None:
         layer = hook.layer()
         logits = scores.detach().float()
         exact = torch.softmax(logits.double(), dim=-1)

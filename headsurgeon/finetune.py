@@ -242,7 +242,7 @@ def head_bos_mass(
     by_layer = HeadSet.of(heads).by_layer()
     masses: dict[int, Tensor] = {}
 
-    def keep(pattern: Float[Tensor, "batch head q k"], hook: Any) -> None:
+    def keep(pattern: Float[Tensor, "batch head_index query_pos key_pos"], hook: Any) -> None:
         chosen = pattern[:, by_layer[hook.layer()], min_query_pos:, 0]
         masses[hook.layer()] = chosen.float().mean(dim=(0, 2))
 
@@ -545,9 +545,9 @@ def _check_resume(state: dict, path: Path, expected: dict[str, Any]) -> None:
 def finetune(
     model: HookedTransformer,
     heads: Heads,
-    train: Int[Tensor, "n_seqs seq_len"],
+    train: Int[Tensor, "batch pos"],
     *,
-    eval_data: Int[Tensor, "n_eval seq_len"] | None = None,
+    eval_data: Int[Tensor, "batch pos"] | None = None,
     config: FinetuneConfig | None = None,
     objective: Objective | None = None,
     checkpoint_dir: str | os.PathLike | None = None,

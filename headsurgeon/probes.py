@@ -63,7 +63,7 @@ Hook = tuple[str | Callable[[str], bool], Callable[[Tensor, HookPoint], None]]
 
 
 def pattern_stats(
-    pattern: Float[Tensor, "batch head query_pos key_pos"], min_query_pos: int = 1
+    pattern: Float[Tensor, "batch head_index query_pos key_pos"], min_query_pos: int = 1
 ) -> Float[Tensor, "stat batch head_index"]:
     """Reduce a causal attention pattern to per-sequence means, one per :data:`PATTERN_STATS`.
 

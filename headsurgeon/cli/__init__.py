@@ -141,7 +141,7 @@ def load_model_from_args(args: argparse.Namespace) -> HookedTransformer:
     return load_model(args.model, dtype=args.dtype, device=args.device)
 
 
-def load_data(model: HookedTransformer, args: argparse.Namespace) -> Int[Tensor, "n seq"]:
+def load_data(model: HookedTransformer, args: argparse.Namespace) -> Int[Tensor, "batch pos"]:
     return to_sequences(
         model,
         args.texts,
