@@ -18,7 +18,6 @@ weight on the first text token, as in the surgery paper); ``prepend_bos`` overri
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,7 +25,7 @@ import pandas as pd
 from torch import Tensor
 from transformer_lens import HookedTransformer
 
-from headsurgeon.data import Data, resolve_bos, to_sequences
+from headsurgeon.data import Data, describe, resolve_bos, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.loading import model_info
@@ -54,17 +53,6 @@ COLUMNS: dict[str, str] = {
     "output_norm": "mean over positions of the norm of the head's write z_h W_O[h] (no bias)",
     "output_share": "output_norm over the mean norm of the whole attention layer's write (no b_O)",
 }
-
-
-def _describe(data: Data) -> str:
-    """A short description of the census data for the run metadata."""
-    if data is None:
-        return "bundled held-out corpora (shakespeare, python-docs)"
-    if isinstance(data, Tensor):
-        return f"token tensor of shape {list(data.shape)}"
-    items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
-    files = [str(x) for x in items if os.path.exists(x)]
-    return ", ".join(files) if files else f"{len(items)} text(s) given in memory"
 
 
 def _check_rows(n_pos: int, min_query_pos: int) -> None:
@@ -175,7 +163,7 @@ def run_census(
         "seq_len": int(tokens.shape[1]),
         "prepend_bos": bos,
         "min_query_pos": min_query_pos,
-        "data": _describe(data),
+        "data": describe(data),
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "device": str(cfg.device),
         "positional": cfg.positional_embedding_type,

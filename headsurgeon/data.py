@@ -9,6 +9,8 @@ Exports:
     bos_token_id(model)                  the model's BOS token id, or None (no tokenizer, no BOS)
     resolve_bos(model, prepend_bos)      whether position 0 gets a BOS token (None: convention)
     batches(tokens, batch_size)          consecutive batches of a token tensor
+    describe(data, default)              a short description of data for run metadata
+    HELD_OUT                             its default: the description of the bundled held-out text
 
 Position 0 of every sequence follows the model's own convention (``model.cfg.default_prepend_bos``;
 BLOOM and the bundled organisms prepend no BOS token) unless ``prepend_bos`` overrides it. A model
@@ -44,6 +46,8 @@ __all__ = [
     "bos_token_id",
     "resolve_bos",
     "batches",
+    "describe",
+    "HELD_OUT",
 ]
 
 CORPUS_DIR = Path(__file__).parent / "corpora"
@@ -171,6 +175,26 @@ def to_sequences(
     if bos:
         tokens = torch.cat([torch.full_like(tokens[:, :1], bos_token_id(model)), tokens], dim=1)
     return tokens
+
+
+HELD_OUT = "bundled held-out corpora (shakespeare, python-docs)"
+
+
+def describe(data: Data, default: str = HELD_OUT) -> str:
+    """A short description of ``data`` for run metadata (``default`` when it is ``None``).
+
+    >>> describe(torch.zeros(2, 8)), describe(["some text", "more"])
+    ('token tensor of shape [2, 8]', '2 text(s) given in memory')
+    >>> describe(None, default="bundled training corpora")
+    'bundled training corpora'
+    """
+    if data is None:
+        return default
+    if isinstance(data, Tensor):
+        return f"token tensor of shape {list(data.shape)}"
+    items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+    files = [str(x) for x in items if os.path.exists(x)]
+    return ", ".join(files) if files else f"{len(items)} text(s) given in memory"
 
 
 def bos_token_id(model: HookedTransformer) -> int | None:

@@ -42,7 +42,15 @@ from transformer_lens import HookedTransformer
 from headsurgeon.census import run_census
 from headsurgeon.checkpoints import checkpoint_dtype
 from headsurgeon.classify import LABELS, Thresholds, classify_heads
-from headsurgeon.data import CORPORA, Data, bundled_text, resolve_bos, to_sequences
+from headsurgeon.data import (
+    CORPORA,
+    HELD_OUT,
+    Data,
+    bundled_text,
+    describe,
+    resolve_bos,
+    to_sequences,
+)
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
@@ -370,16 +378,6 @@ def _default_train_data() -> list[str]:
     return [bundled_text(name, "train") for name in CORPORA]
 
 
-def _describe(data: Data, default: str) -> str:
-    if data is None:
-        return default
-    if isinstance(data, torch.Tensor):
-        return f"token tensor of shape {list(data.shape)}"
-    if isinstance(data, (str, os.PathLike)):
-        return str(data) if os.path.exists(data) else "text given in memory"
-    return ", ".join(str(x) if os.path.exists(x) else "<text>" for x in data)
-
-
 def _split_off_eval_rows(
     tokens: torch.Tensor, n_eval_seqs: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,7 +448,6 @@ class RepairConfig:
 
 
 _DEFAULTS = RepairConfig()
-_HELD_OUT = "bundled held-out corpora (shakespeare, python-docs)"
 
 
 @dataclasses.dataclass
@@ -480,7 +477,7 @@ def _prepare_data(
         seq_len=seq_len,
         prepend_bos=prepend_bos,
     )
-    eval_desc, census_desc = _describe(eval_corpus, _HELD_OUT), _describe(census_data, _HELD_OUT)
+    eval_desc, census_desc = describe(eval_corpus, HELD_OUT), describe(census_data, HELD_OUT)
     needs_text = eval_corpus is None or census_data is None
     can_read_text = (info.tokenizer or model.tokenizer) is not None
     if needs_text and not can_read_text and isinstance(corpus, torch.Tensor):
@@ -504,7 +501,7 @@ def _prepare_data(
         train_eval=train_tokens[spread.round().long()],
         eval=eval_tokens,
         census=census_tokens,
-        train_desc=_describe(corpus, "bundled training corpora (shakespeare, python-docs)"),
+        train_desc=describe(corpus, "bundled training corpora (shakespeare, python-docs)"),
         eval_desc=eval_desc,
         census_desc=census_desc,
     )
