@@ -3,7 +3,7 @@
 Three parts, all on the uninjured ``organism`` (16 heads: the same slopes as bloom-560m) unless
 ``--model`` says otherwise:
 
-1. Analytic blind distances (from the slopes alone) per dtype and weight threshold, for the
+1. Analytic blind distances (from the slopes alone) per dtype and underflow limit, for the
    organism and, weight-free, for bloom-560m ... bloom-176b: how many heads of each are blind
    within 2048 tokens and what share of a 2048-token context's attention entries lie beyond.
 2. Measured underflow: the organism's exact pre-softmax logits on held-out text at up to 2048
@@ -86,18 +86,18 @@ def _train_line(fig: go.Figure, train_ctx: int) -> None:
 
 
 def bloom_table(context: int) -> pd.DataFrame:
-    """Per BLOOM model, dtype and threshold: steepest head's blind distance, blind heads, share."""
+    """Per BLOOM model, dtype and underflow limit: steepest head's blind distance, blind heads, share."""
     rows = []
     for name in BLOOM_SHAPES:
         df = analytic_blindness(name, context_length=context)
         layer0 = df[df["layer"] == 0]
-        for (dtype, threshold), sub in layer0.groupby(["dtype", "threshold"], sort=False):
+        for (dtype, limit), sub in layer0.groupby(["dtype", "limit"], sort=False):
             rows.append(
                 {
                     "model": name,
                     "heads": len(sub),
                     "dtype": dtype,
-                    "threshold": threshold,
+                    "limit": limit,
                     "steepest_blind_distance": sub["blind_distance"].min(),
                     "blind_heads": int((sub["label"] == "blind").sum()),
                     "blind_share": alibi.blind_share(
@@ -109,8 +109,8 @@ def bloom_table(context: int) -> pd.DataFrame:
 
 
 def bloom_figure(table: pd.DataFrame, context: int) -> go.Figure:
-    """Heat map: blind share of a ``context``-token context per model and dtype/threshold."""
-    table = table.assign(column=table["dtype"] + " · " + table["threshold"])
+    """Heat map: blind share of a ``context``-token context per model and dtype/limit."""
+    table = table.assign(column=table["dtype"] + " · " + table["limit"])
     share = table.pivot(index="model", columns="column", values="blind_share")
     heads = table.pivot(index="model", columns="column", values="blind_heads")
     total = table.groupby("model")["heads"].first()
@@ -158,7 +158,7 @@ def bloom_figure(table: pd.DataFrame, context: int) -> go.Figure:
 
 
 def analytic_shares(n_heads: int, lengths: list[int]) -> pd.DataFrame:
-    """The analytic counterpart of ``by_length``: zero-threshold share per dtype and length."""
+    """The analytic counterpart of ``by_length``: zero-limit share per dtype and length."""
     m = alibi.slopes(n_heads)
     return pd.DataFrame(
         [
@@ -360,8 +360,8 @@ def main() -> None:
     figures["analytic_bloom"] = bloom_figure(bloom, args.context)
     tables["analytic_bloom.csv"] = bloom
     figures["analytic_bloom-7b1"] = blind_distance_grid(
-        analytic_blindness("bloom-7b1", dtypes=ANALYSED_DTYPES, thresholds=["zero"]),
-        title="bloom-7b1: blind distance per head (tokens), zero threshold",
+        analytic_blindness("bloom-7b1", dtypes=ANALYSED_DTYPES, limits=["zero"]),
+        title="bloom-7b1: blind distance per head (tokens), zero limit",
     )
 
     # 2. measured, per convention, then per mitigation
@@ -446,7 +446,7 @@ def main() -> None:
 
     # summary.md
     organism = analytic[analytic["layer"] == 0]
-    f32 = organism[(organism["dtype"] == "float32") & (organism["threshold"] == "normal")]
+    f32 = organism[(organism["dtype"] == "float32") & (organism["limit"] == "normal")]
     shares = by_length.pivot_table(
         index="context_length", columns=["dtype", "convention"], values="share"
     )
@@ -460,7 +460,7 @@ def main() -> None:
     pct = shares.copy()
     for column in pct.columns[1:]:
         pct[column] = [f"{x:.2%}" for x in pct[column]]
-    bloom_zero = bloom[bloom["threshold"] == "zero"].assign(
+    bloom_zero = bloom[bloom["limit"] == "zero"].assign(
         blind=lambda t: t["blind_heads"].astype(str) + "/" + t["heads"].astype(str),
         share=lambda t: [f"{x:.1%}" for x in t["blind_share"]],
     )
@@ -492,7 +492,7 @@ def main() -> None:
         f"{f32['blind_distance'].iloc[-1]:.0f} tokens; with the log-distance bias head 0 would "
         f"be blind from {alibi.blind_distance(0.7071067811865476, bias='log'):.3g} tokens.",
         "",
-        f"BLOOM models, weight-free, zero threshold (the weight rounds to exactly 0), within "
+        f"BLOOM models, weight-free, zero limit (the weight rounds to exactly 0), within "
         f"{args.context} tokens (blind heads / heads, share of causal entries):",
         "",
         markdown(

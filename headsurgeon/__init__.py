@@ -57,6 +57,9 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
         FinetuneResult as FinetuneResult,
         bos_mass_objective as bos_mass_objective,
     )
+    from headsurgeon.importance import (
+        head_importance as head_importance,
+    )
     from headsurgeon.loading import (
         ModelShape as ModelShape,
         load_model as load_model,
@@ -100,6 +103,7 @@ _EXPORTS = {
     "bos_mass_objective": "finetune",
     "checkpoint_dtype": "checkpoints",
     "classify_heads": "classify",
+    "head_importance": "importance",
     "keep_freed_memory": "allocator",
     "load_model": "loading",
     "mask_gradients": "surgery",

@@ -7,15 +7,15 @@ Exports:
     relative_distance(n_ctx)            the (query, key) matrix of distances i - j (0 above)
     alibi_bias(head_slopes, n_ctx)      the standard bias -m_h * (i - j), [head, query, key]
     float_limits(dtype)                 FloatLimits: ln of smallest normal, subnormal, zero point
-    log_threshold(dtype, threshold)     ln of a weight threshold ("normal", "subnormal", "zero")
-    blind_distance(slope, dtype, ...)   first distance where a key's weight must reach the threshold
+    log_limit(dtype, limit)             ln of an underflow limit ("normal", "subnormal", "zero")
+    blind_distance(slope, dtype, ...)   first distance where a key's weight must reach the limit
     blind_share(distances, context)     share of a context's causal entries beyond blindness
-    robust_slopes(head_slopes, ...)     slopes lowered so a whole context stays above the threshold
+    robust_slopes(head_slopes, ...)     slopes lowered so a whole context stays above the limit
     distance_rows(n_queries, n_keys)    distances i - j for the last queries (as TransformerLens)
     bias_from_distance(kind, ...)       the bias of each kind in BIAS_KINDS (mitigations)
     soft_cap(scores, c)                 c * tanh(scores / c), masked cells kept at -inf
     check_bias_params(kind, **params)   validated mitigation parameters
-    THRESHOLDS, BIAS_KINDS, ROBUST_MODES, FloatLimits
+    LIMITS, BIAS_KINDS, ROBUST_MODES, FloatLimits
 
 The mitigations of the ALiBi blindness paper (arXiv:2608.03994) are not public as formulas; the
 definitions here are ours and are stated exactly in :func:`bias_from_distance`.
@@ -33,17 +33,18 @@ from torch import Tensor
 
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.validation import check_int, check_number
 
 __all__ = [
     "slopes",
     "relative_distance",
     "alibi_bias",
-    "THRESHOLDS",
+    "LIMITS",
     "BIAS_KINDS",
     "ROBUST_MODES",
     "FloatLimits",
     "float_limits",
-    "log_threshold",
+    "log_limit",
     "robust_slopes",
     "check_bias_params",
     "distance_rows",
@@ -69,8 +70,7 @@ def slopes(n_heads: int) -> Float[Tensor, " head_index"]:
     >>> round(slopes(16)[0].item(), 4), round(slopes(16)[15].item(), 4)
     (0.7071, 0.0039)
     """
-    if not isinstance(n_heads, int) or n_heads < 1:
-        raise ValueError(f"n_heads must be a positive integer, got {n_heads!r}")
+    n_heads = check_int(n_heads, "n_heads", minimum=1)
     closest = 2 ** math.floor(math.log2(n_heads))
     base = torch.full((), 2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32)
     result = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
@@ -111,7 +111,7 @@ def alibi_bias(
 
 # --- Float limits, blind distances and mitigated biases ---------------------------------------
 
-THRESHOLDS = ("normal", "subnormal", "zero")
+LIMITS = ("normal", "subnormal", "zero")
 BIAS_KINDS = ("standard", "clamped", "log", "softcap", "robust")
 ROBUST_MODES = ("scale", "clip")
 
@@ -144,34 +144,33 @@ def float_limits(dtype: str | torch.dtype) -> FloatLimits:
     return FloatLimits(normal, subnormal, subnormal - math.log(2))
 
 
-def log_threshold(dtype: str | torch.dtype, threshold: str | float = "normal") -> float:
-    """The natural log of a weight threshold: a name from :data:`THRESHOLDS` or a negative log.
+def log_limit(dtype: str | torch.dtype, limit: str | float = "normal") -> float:
+    """The natural log of an underflow limit: a name from :data:`LIMITS` or a negative log.
 
-    >>> round(log_threshold("float16", "zero"), 2), log_threshold("float32", -50.0)
+    >>> round(log_limit("float16", "zero"), 2), log_limit("float32", -50.0)
     (-17.33, -50.0)
     """
-    if isinstance(threshold, str):
-        if threshold not in THRESHOLDS:
+    if isinstance(limit, str):
+        if limit not in LIMITS:
             raise InvalidArgumentError(
-                f"unknown threshold {threshold!r}; use one of {', '.join(THRESHOLDS)} "
-                "or a negative natural log"
+                f"unknown limit {limit!r}; use one of {', '.join(LIMITS)} or a negative natural log"
             )
-        return getattr(float_limits(dtype), threshold)
-    if not isinstance(threshold, (int, float)) or not -math.inf < threshold < 0:
-        raise InvalidArgumentError(f"a numeric threshold is a natural log below 0, got {threshold}")
-    return float(threshold)
+        return getattr(float_limits(dtype), limit)
+    if not isinstance(limit, (int, float)) or not -math.inf < limit < 0:
+        raise InvalidArgumentError(f"a numeric limit is a natural log below 0, got {limit}")
+    return float(limit)
 
 
 def robust_slopes(
     head_slopes: Float[Tensor, " head_index"],
     context: int,
     dtype: str | torch.dtype = "float32",
-    threshold: str | float = "normal",
+    limit: str | float = "normal",
     mode: str = "scale",
 ) -> Float[Tensor, " head_index"]:
-    """Slopes lowered so that no key within ``context`` tokens reaches the weight threshold.
+    """Slopes lowered so that no key within ``context`` tokens reaches the underflow limit.
 
-    With ``T = -log_threshold(dtype, threshold)`` the largest allowed slope is ``T / context``:
+    With ``T = -log_limit(dtype, limit)`` the largest allowed slope is ``T / context``:
     the bias at the farthest key of the context, distance ``context - 1``, stays above ``-T``.
     ``mode="scale"`` multiplies every slope by ``min(1, T / (context * max_h m_h))``, keeping the
     geometric ratios between heads; ``mode="clip"`` lowers only the heads above the limit to it.
@@ -185,34 +184,29 @@ def robust_slopes(
     """
     if mode not in ROBUST_MODES:
         raise InvalidArgumentError(f"unknown robust mode {mode!r}; use one of scale, clip")
-    _check_positive_int(context, "robust context")
-    limit = -log_threshold(dtype, threshold) / context
+    check_int(context, "robust context", minimum=1)
+    max_slope = -log_limit(dtype, limit) / context
     m = head_slopes.to(torch.float64)
     if mode == "clip":
-        return m.clamp(max=limit).to(torch.float32)
-    return (m * min(1.0, limit / m.max().item())).to(torch.float32)
-
-
-def _check_positive_int(value: object, what: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise InvalidArgumentError(f"{what} must be a positive integer, got {value!r}")
+        return m.clamp(max=max_slope).to(torch.float32)
+    return (m * min(1.0, max_slope / m.max().item())).to(torch.float32)
 
 
 def check_bias_params(kind: str, **params: object) -> dict[str, object]:
     """Validate the parameters of a bias kind; return them with defaults filled in.
 
     ``standard`` and ``log`` take none; ``clamped`` and ``softcap`` need ``c > 0``; ``robust``
-    needs ``context`` and takes ``dtype`` (float32), ``threshold`` (normal), ``mode`` (scale).
+    needs ``context`` and takes ``dtype`` (float32), ``limit`` (normal), ``mode`` (scale).
 
     >>> check_bias_params("robust", context=256)
-    {'context': 256, 'dtype': 'float32', 'threshold': 'normal', 'mode': 'scale'}
+    {'context': 256, 'dtype': 'float32', 'limit': 'normal', 'mode': 'scale'}
     """
     allowed: dict[str, dict[str, object]] = {
         "standard": {},
         "log": {},
         "clamped": {"c": None},
         "softcap": {"c": None},
-        "robust": {"context": None, "dtype": "float32", "threshold": "normal", "mode": "scale"},
+        "robust": {"context": None, "dtype": "float32", "limit": "normal", "mode": "scale"},
     }
     if kind not in allowed:
         raise InvalidArgumentError(
@@ -229,11 +223,9 @@ def check_bias_params(kind: str, **params: object) -> dict[str, object]:
     if missing:
         raise InvalidArgumentError(f"{kind} needs {', '.join(missing)}")
     if "c" in full:
-        c = full["c"]
-        if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0 < c < math.inf:
-            raise InvalidArgumentError(f"{kind} needs a finite c > 0, got {c!r}")
+        full["c"] = check_number(full["c"], f"the c of {kind}", low=0, low_open=True)
     if kind == "robust":
-        robust_slopes(torch.ones(1), **full)  # validates context, dtype, threshold and mode
+        robust_slopes(torch.ones(1), **full)  # validates context, dtype, limit and mode
     return full
 
 
@@ -262,7 +254,7 @@ def bias_from_distance(
     * ``standard``: ``-m d``;
     * ``clamped``: ``max(-m d, -c)``: no key is ever penalised by more than ``c``;
     * ``log``: ``-m ln(1 + d)``: the penalty grows with the log of the distance;
-    * ``robust``: ``-m' d`` with ``m' = robust_slopes(m, context, dtype, threshold, mode)``;
+    * ``robust``: ``-m' d`` with ``m' = robust_slopes(m, context, dtype, limit, mode)``;
     * ``softcap``: ``-m d`` (standard); the cap ``c tanh(logit / c)`` acts on the whole logit,
       content plus bias, after the bias is added (:func:`soft_cap`).
 
@@ -298,16 +290,16 @@ def soft_cap(scores: Float[Tensor, "..."], c: float) -> Float[Tensor, "..."]:
 def blind_distance(
     slope: float | Float[Tensor, " head_index"],
     dtype: str | torch.dtype = "float32",
-    threshold: str | float = "normal",
+    limit: str | float = "normal",
     bias: str = "standard",
     **params,
 ) -> float | Float[Tensor, " head_index"]:
-    """The distance from which a key's attention weight must be at most the dtype's threshold.
+    """The distance from which a key's attention weight must be at most the dtype's underflow limit.
 
     Assumes every key has the same content logit, so the bias alone sets how far the key falls
     below the row's best logit, the query's own position (distance 0): its weight is at most
     ``exp(-gap(d))`` with ``gap(d) = bias(0) - bias(d)``, and the head is blind from the first ``d``
-    with ``gap(d) >= T = -log_threshold(dtype, threshold)``. The softmax normaliser ``Z >= 1``
+    with ``gap(d) >= T = -log_limit(dtype, limit)``. The softmax normaliser ``Z >= 1``
     makes real zeros start up to ``ln(Z) / m`` tokens earlier (``Z <= 1 / (1 - exp(-m))`` for
     equal content); a key whose content logit beats the others' by ``Δ`` is seen ``Δ / m`` tokens
     further (standard ALiBi). Per kind:
@@ -316,7 +308,7 @@ def blind_distance(
     * ``log``: ``ceil(exp(T / m) - 1)``;
     * ``softcap`` (content logits 0): ``gap = c tanh(m d / c) < c``: ``ceil(c atanh(T / c) / m)``
       if ``c > T``, else never;
-    * ``robust``: standard with slopes made robust for this ``dtype`` and ``threshold``
+    * ``robust``: standard with slopes made robust for this ``dtype`` and ``limit``
       (``context`` and ``mode`` from ``params``; ``mode="scale"`` uses the largest given slope).
 
     Returns a float (``inf`` when the head never goes blind) or, for a tensor of slopes, a float64
@@ -338,9 +330,9 @@ def blind_distance(
     m = torch.as_tensor(slope, dtype=torch.float64)
     if (m <= 0).any() or not torch.isfinite(m).all():
         raise InvalidArgumentError("ALiBi slopes must be positive and finite")
-    t = -log_threshold(dtype, threshold)
+    t = -log_limit(dtype, limit)
     if bias == "robust":
-        params = check_bias_params(bias, dtype=dtype, threshold=threshold, **params)
+        params = check_bias_params(bias, dtype=dtype, limit=limit, **params)
         m = robust_slopes(m.reshape(-1), **params).to(torch.float64).reshape(m.shape)
     else:
         params = check_bias_params(bias, **params)
@@ -366,7 +358,7 @@ def blind_share(distances: Float[Tensor, " head_index"] | Sequence[float], conte
     >>> blind_share([2.0, math.inf], 4)  # head 0: 3 of 10 entries (distances 2, 2, 3)
     0.15
     """
-    _check_positive_int(context, "context length")
+    check_int(context, "context length", minimum=1)
     delta = torch.as_tensor(distances, dtype=torch.float64).clamp(max=context)
     n_blind = (context - delta) * (context - delta + 1) / 2
     return (n_blind.sum() / (len(delta) * context * (context + 1) / 2)).item()

@@ -5,7 +5,7 @@ below what a float format can hold and becomes exactly 0: the head is blind ther
 
 Exports:
     ANALYSED_DTYPES                    the float formats analysed: float32, bfloat16, float16
-    analytic_blindness(model_or_name)  DataFrame: blind distance per layer, head, dtype, threshold
+    analytic_blindness(model)  DataFrame: blind distance per layer, head, dtype, limit
                                        (from the slopes: no weights needed)
     measure_blindness(model, data)     BlindnessMeasurement: exact zeros per head, distance and
                                        context length, streamed over batches
@@ -17,7 +17,7 @@ Exports:
 Command line: ``python -m headsurgeon.blindness [MODEL] [options]`` (the tool itself is
 :mod:`headsurgeon.cli.blindness`).
 
->>> df = analytic_blindness("bloom-560m", dtypes=["float32"], thresholds=["normal"])
+>>> df = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
 >>> df[df.layer == 0].blind_distance.iloc[[0, -1]].tolist()
 [124.0, 22359.0]
 """
@@ -49,6 +49,7 @@ from headsurgeon.errors import (
 from headsurgeon.exact_alibi import alibi_slopes, bias_pre_hook, shared_bias
 from headsurgeon.loading import model_info, model_shape
 from headsurgeon.probes import stream
+from headsurgeon.validation import check_choice, check_int
 
 __all__ = [
     "ANALYSED_DTYPES",
@@ -83,17 +84,17 @@ def _names(values: Sequence[str] | str, what: str) -> list[str]:
 
 
 def analytic_blindness(
-    model_or_name: str | os.PathLike | HookedTransformer,
+    model: str | os.PathLike | HookedTransformer,
     *,
     dtypes: Sequence[str] = ANALYSED_DTYPES,
-    thresholds: Sequence[str] = alibi.THRESHOLDS,
+    limits: Sequence[str] = alibi.LIMITS,
     bias: str = "standard",
     context_length: int | None = None,
     **params,
 ) -> pd.DataFrame:
     """Blind distance of every head, predicted from its ALiBi slope alone (no weights needed).
 
-    One row per (layer, head, dtype, threshold): ``slope``, ``blind_distance`` (tokens; ``inf``
+    One row per (layer, head, dtype, limit): ``slope``, ``blind_distance`` (tokens; ``inf``
     if never, see :func:`headsurgeon.alibi.blind_distance` for the definition and the bias kinds),
     ``blind_share`` (share of the head's causal entries in a ``context_length``-token sequence at
     or beyond its blind distance) and ``label``: ``blind`` if some key within ``context_length``
@@ -101,32 +102,22 @@ def analytic_blindness(
     same in every layer, so layers repeat. Raises :class:`UnsupportedArchitectureError` for
     models without ALiBi (use :func:`measure_blindness`, which applies to every model).
     """
-    shape = model_shape(model_or_name)
-    name = (
-        model_info(model_or_name).name
-        if isinstance(model_or_name, HookedTransformer)
-        else str(model_or_name)
-    )
+    shape = model_shape(model)
+    name = model_info(model).name if isinstance(model, HookedTransformer) else str(model)
     if shape.positional != "alibi":
         raise UnsupportedArchitectureError(
             f"analytic blindness applies to ALiBi models only; {name} uses {shape.positional} "
             "positions (measure_blindness / --measure still runs)"
         )
-    context_length = shape.n_ctx if context_length is None else context_length
-    if (
-        not isinstance(context_length, int)
-        or isinstance(context_length, bool)
-        or context_length < 1
-    ):
-        raise InvalidArgumentError(
-            f"context_length must be a positive integer, got {context_length!r}"
-        )
-    is_model = isinstance(model_or_name, HookedTransformer)
-    head_slopes = alibi_slopes(model_or_name) if is_model else alibi.slopes(shape.n_heads)
+    if context_length is None:
+        context_length = shape.n_ctx
+    context_length = check_int(context_length, "context_length", minimum=1)
+    is_model = isinstance(model, HookedTransformer)
+    head_slopes = alibi_slopes(model) if is_model else alibi.slopes(shape.n_heads)
     frames = []
     for dtype in map(dtype_name, _names(dtypes, "dtype")):
-        for threshold in _names(thresholds, "threshold"):
-            distance = alibi.blind_distance(head_slopes, dtype, threshold, bias, **params)
+        for limit in _names(limits, "limit"):
+            distance = alibi.blind_distance(head_slopes, dtype, limit, bias, **params)
             share = [alibi.blind_share([d], context_length) for d in distance.tolist()]
             frames.append(
                 pd.DataFrame(
@@ -135,7 +126,7 @@ def analytic_blindness(
                         "head": range(shape.n_heads),
                         "slope": head_slopes.double().numpy(),
                         "dtype": dtype,
-                        "threshold": str(threshold),
+                        "limit": str(limit),
                         "bias": bias,
                         "blind_distance": distance.numpy(),
                         "context_length": context_length,
@@ -143,7 +134,7 @@ def analytic_blindness(
                     }
                 )
             )
-    # Grouped by dtype and threshold in the order given, then layer and head.
+    # Grouped by dtype and limit in the order given, then layer and head.
     df = pd.concat(
         [frame.assign(layer=layer) for frame in frames for layer in range(shape.n_layers)],
         ignore_index=True,
@@ -251,7 +242,7 @@ def measure_blindness(
 
     * ``by_head``: ``first_zero_distance`` (smallest distance with an underflowed entry; NaN if
       none), ``zero_fraction`` (of the head's causal entries), ``lost_mass`` (float64 weight lost,
-      per query row), ``max_lost_weight``, ``analytic_distance`` (the ``zero``-threshold blind
+      per query row), ``max_lost_weight``, ``analytic_distance`` (the ``zero``-limit blind
       distance of the slope, NaN without ALiBi), ``label`` (``blind`` if anything underflowed);
     * ``by_distance``: the same per bucket of distances ``[distance_lo, distance_hi)``
       (``n_buckets`` equal widths); ``lost_mass`` is again per query row, so a head's buckets sum
@@ -294,16 +285,14 @@ def _check_measure_args(
     prepend_bos: bool | None,
 ) -> tuple[list[str], Tensor]:
     """:func:`measure_blindness`'s arguments checked: the dtype names and the token sequences."""
-    if convention not in CONVENTIONS:
-        raise InvalidArgumentError(f"unknown convention {convention!r}; use hf or tl")
+    check_choice(convention, "convention", CONVENTIONS)
     weights_dtype = next(model.parameters()).dtype
     if weights_dtype != torch.float32:
         raise InvalidArgumentError(
             f"measure_blindness needs the model in float32 (it is {weights_dtype}) and emulates "
             "the other dtypes; load it with dtype='float32'"
         )
-    if n_buckets < 1:
-        raise InvalidArgumentError(f"n_buckets must be positive, got {n_buckets}")
+    check_int(n_buckets, "n_buckets", minimum=1)
     names = [dtype_name(d) for d in _names(dtypes, "dtype")]
     seq_len = min(1024, model.cfg.n_ctx) if seq_len is None else seq_len
     if isinstance(data, Tensor):

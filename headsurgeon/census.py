@@ -26,10 +26,11 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 
 from headsurgeon.data import Data, describe, resolve_bos, to_sequences
-from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.errors import DataError
 from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.loading import model_info
 from headsurgeon.probes import HeadStats, stream
+from headsurgeon.validation import check_int
 
 __all__ = [
     "COLUMNS",
@@ -71,11 +72,6 @@ def _check_tokens(model: HookedTransformer, tokens: Tensor, min_query_pos: int) 
             "use shorter sequences"
         )
     _check_rows(n_pos, min_query_pos)
-    if tokens.min() < 0 or tokens.max() >= model.cfg.d_vocab:
-        raise DataError(
-            f"token ids must lie in 0..{model.cfg.d_vocab - 1}, got {tokens.min().item()}.."
-            f"{tokens.max().item()}; tokenise with this model's tokenizer"
-        )
 
 
 def run_census(
@@ -112,10 +108,8 @@ def run_census(
     >>> census.attrs["n_seqs"], census.attrs["seq_len"], census.attrs["prepend_bos"]
     (4, 12, False)
     """
-    if isinstance(min_query_pos, bool) or not isinstance(min_query_pos, int) or min_query_pos < 0:
-        raise InvalidArgumentError(f"min_query_pos must be an integer >= 0, got {min_query_pos!r}")
-    if batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
+    min_query_pos = check_int(min_query_pos, "min_query_pos", minimum=0)
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
     info = model_info(model)
     bos = resolve_bos(model, prepend_bos)
     if isinstance(data, Tensor):

@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,8 @@ from headsurgeon.loading import (
     tl_config,
 )
 from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
+from headsurgeon.surgery import Heads, HeadSet
+from headsurgeon.validation import check_int
 
 __all__ = [
     "EXPORT_ATOL",
@@ -359,8 +361,6 @@ def save_hf(
     ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
     float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
     """
-    from safetensors.torch import save_file
-
     _check_export_dir(out_dir, overwrite)
     info = model_info(model)
     config = _bloom_config(model, info)
@@ -369,49 +369,16 @@ def save_hf(
         raise UnsupportedArchitectureError(
             f"save_hf cannot write {info.name!r} as a BLOOM checkpoint: {'; '.join(differences)}"
         )
-    source_dtype = checkpoint_dtype(model)
-    if dtype is not None:
-        save_dtype = parse_dtype(dtype)
-    else:
-        save_dtype = source_dtype or model.embed.W_E.dtype
+    save_dtype = parse_dtype(dtype) if dtype is not None else None
+    save_dtype = save_dtype or checkpoint_dtype(model) or model.embed.W_E.dtype
     dtype_name = str(save_dtype).removeprefix("torch.")
-    state = hf_state_dict(model)
-    tied = config.get("tie_word_embeddings", True) and torch.equal(
-        state["lm_head.weight"], state["transformer.word_embeddings.weight"]
-    )
-    config["tie_word_embeddings"] = bool(tied)
-    if tied:
-        del state["lm_head.weight"]
-    written = {name: tensor.to(save_dtype) for name, tensor in state.items()}
-    rounded = 0  # weights that the written dtype does not hold exactly
-    for name, tensor in state.items():
-        if tensor.dtype == save_dtype:
-            continue
-        if not torch.isfinite(written[name]).all() and torch.isfinite(tensor).all():
-            raise InvalidArgumentError(
-                f"{name} has weights beyond {dtype_name}'s range (largest "
-                f"|w| {tensor.abs().max().item():.3g}); pass dtype='float32'"
-            )
-        rounded += int((written[name].to(tensor.dtype) != tensor).count_nonzero())
-    unrounded = state if verify and rounded else None
-    del state
+    written, unrounded, rounded = _cast_state(model, config, save_dtype)
+    unrounded = unrounded if verify and rounded else None
     config.pop("torch_dtype", None)  # transformers 5 calls it dtype; the old key would conflict
     config["dtype"] = dtype_name
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        save_file(written, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_folder(tmp, written, config, info)
         del written
-        atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True))
-        # safetensors creates its file private (0600); give it the umask's mode, as config.json.
-        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")
-        metadata = dict(info.metadata)
-        metadata.update(prepend_bos=info.prepend_bos, exported_from=info.name)
-        atomic_write_text(tmp / METADATA_FILE, json.dumps(metadata, indent=2, default=str))
-        if info.source is not None and (info.source / "tokenizer_config.json").exists():
-            for file in TOKENIZER_FILES:
-                if (info.source / file).exists():
-                    shutil.copyfile(info.source / file, tmp / file)
-        elif info.tokenizer is not None:
-            info.tokenizer.save_pretrained(tmp)
         moved = _verify_export(model, tmp, unrounded) if verify else None
     if rounded:
         message = f"save_hf wrote {dtype_name}: rounding changed {rounded} weight(s) of {info.name}"
@@ -427,6 +394,53 @@ def save_hf(
             logger.info(message)
     logger.debug("saved %s to %s", info.name, out_dir)  # callers name their own folders
     return Path(out_dir)
+
+
+def _cast_state(
+    model: HookedTransformer, config: dict[str, Any], save_dtype: torch.dtype
+) -> tuple[dict[str, Tensor], dict[str, Tensor], int]:
+    """The Hugging Face state in ``save_dtype`` (``lm_head`` dropped, and ``config`` marked, when
+    tied), the state before the cast, and how many weights the cast rounded."""
+    state = hf_state_dict(model)
+    tied = config.get("tie_word_embeddings", True) and torch.equal(
+        state["lm_head.weight"], state["transformer.word_embeddings.weight"]
+    )
+    config["tie_word_embeddings"] = bool(tied)
+    if tied:
+        del state["lm_head.weight"]
+    written = {name: tensor.to(save_dtype) for name, tensor in state.items()}
+    rounded = 0  # weights that the written dtype does not hold exactly
+    for name, tensor in state.items():
+        if tensor.dtype == save_dtype:
+            continue
+        if not torch.isfinite(written[name]).all() and torch.isfinite(tensor).all():
+            raise InvalidArgumentError(
+                f"{name} has weights beyond {str(save_dtype).removeprefix('torch.')}'s range "
+                f"(largest |w| {tensor.abs().max().item():.3g}); pass dtype='float32'"
+            )
+        rounded += int((written[name].to(tensor.dtype) != tensor).count_nonzero())
+    return written, state, rounded
+
+
+def _write_folder(
+    folder: Path, state: dict[str, Tensor], config: dict[str, Any], info: ModelInfo
+) -> None:
+    """Weights, ``config.json``, our metadata and the tokenizer files into ``folder``."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    atomic_write_text(folder / "config.json", json.dumps(config, indent=2, sort_keys=True))
+    # safetensors creates its file private (0600); give it the umask's mode, as config.json.
+    shutil.copymode(folder / "config.json", folder / "model.safetensors")
+    metadata = dict(info.metadata)
+    metadata.update(prepend_bos=info.prepend_bos, exported_from=info.name)
+    atomic_write_text(folder / METADATA_FILE, json.dumps(metadata, indent=2, default=str))
+    if info.source is not None and (info.source / "tokenizer_config.json").exists():
+        for file in TOKENIZER_FILES:
+            if (info.source / file).exists():
+                shutil.copyfile(info.source / file, folder / file)
+    elif info.tokenizer is not None:
+        info.tokenizer.save_pretrained(folder)
 
 
 StateDict = Mapping[str, Tensor]
@@ -475,7 +489,7 @@ def _checkpoint_state(checkpoint: StateDict | str | os.PathLike) -> tuple[StateD
 def weight_changes(
     before: StateDict | str | os.PathLike,
     after: StateDict | str | os.PathLike,
-    heads: Iterable[tuple[int, int]] = (),
+    heads: Heads = (),
     *,
     d_head: int | None = None,
 ) -> pd.DataFrame:
@@ -503,10 +517,12 @@ def weight_changes(
     >>> changes[["head_changed", "other_changed"]].values.tolist()
     [[0, 1], [1, 0]]
     """
+    heads = list(HeadSet.of(heads))  # any form HeadSet.of takes, checked before any reading
     before_state, before_width = _checkpoint_state(before)
     after_state, after_width = _checkpoint_state(after)
     d_head = d_head or before_width or after_width
-    heads = list(heads)
+    if d_head is not None:
+        d_head = check_int(d_head, "d_head", minimum=1)
     if heads and d_head is None:
         raise InvalidArgumentError("d_head is unknown for state dicts; pass d_head=")
     qkv_rows = {}  # per layer of the heads: read once, not once per head

@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 
 from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.validation import check_number
 
 __all__ = [
     "LABELS",
@@ -70,13 +71,10 @@ class Thresholds:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InvalidArgumentError(
-                    f"threshold {field.name} must be a number, got {value!r}"
-                )
-            if not (math.isfinite(value) and 0 <= value <= 1):
-                raise InvalidArgumentError(f"threshold {field.name}={value} must lie in [0, 1]")
+            value = check_number(
+                getattr(self, field.name), f"threshold {field.name}", low=0, high=1
+            )
+            object.__setattr__(self, field.name, value)  # frozen: store the plain float
         if self.sink >= self.dead:
             raise InvalidArgumentError(
                 f"the sink threshold {self.sink} must be below the dead threshold {self.dead}"
@@ -92,14 +90,20 @@ def label_heads(
 
     >>> label_heads(np.array([0.2, 0.6, 0.99, 0.2]), np.array([0.3, 0.3, 0.3, 0.001])).tolist()
     ['healthy', 'BOS-sink', 'dead', 'dead']
+    >>> label_heads(np.array([np.nan, 0.2]), np.array([0.3, np.inf])).tolist()
+    ['dead', 'dead']
     """
     bos_mass, output_share = np.asarray(bos_mass), np.asarray(output_share)
-    dead = (bos_mass > thresholds.dead) | (output_share < thresholds.min_output_share)
+    # A head whose metrics are not finite (NaN attention, an overflowed output) is never healthy.
+    broken = ~(np.isfinite(bos_mass) & np.isfinite(output_share))
+    dead = broken | (bos_mass > thresholds.dead) | (output_share < thresholds.min_output_share)
     sink = bos_mass > thresholds.sink
     return np.where(dead, "dead", np.where(sink, "BOS-sink", "healthy")).astype(object)
 
 
 def _reason(bos_mass: float, output_share: float, t: Thresholds) -> str:
+    if not (math.isfinite(bos_mass) and math.isfinite(output_share)):
+        return f"metrics not finite (BOS mass {bos_mass}, output share {output_share})"
     reasons = []
     if bos_mass > t.dead:
         reasons.append(f"BOS mass {bos_mass:.3f} > {t.dead:g}")
@@ -139,12 +143,28 @@ def classify_heads(census: pd.DataFrame, thresholds: Thresholds = Thresholds()) 
     require_columns(census, ["layer", "head", "bos_mass", "output_share"])
     if not isinstance(thresholds, Thresholds):
         raise InvalidArgumentError("thresholds must be a headsurgeon.Thresholds")
+    for column in ("bos_mass", "output_share"):
+        if not pd.api.types.is_numeric_dtype(census[column]):
+            raise InvalidArgumentError(
+                f"the census column {column} holds {census[column].dtype} values, not numbers; "
+                "pass what run_census returns"
+            )
     df = census.copy()
     df["label"] = label_heads(df["bos_mass"].to_numpy(), df["output_share"].to_numpy(), thresholds)
     df["reason"] = [
         _reason(b, s, thresholds) for b, s in zip(df["bos_mass"], df["output_share"], strict=True)
     ]
     df.attrs = dict(census.attrs) | {"thresholds": dataclasses.asdict(thresholds)}
+    broken = df["reason"].str.startswith("metrics not finite")
+    if broken.any():
+        names = ", ".join(f"L{r.layer}H{r.head}" for r in df[broken].head(5).itertuples())
+        logger.warning(
+            "%d head(s) have non-finite metrics (%s%s) and are labelled dead; the model or its "
+            "data produced NaN or inf",
+            int(broken.sum()),
+            names,
+            ", ..." if broken.sum() > 5 else "",
+        )
     return df
 
 

@@ -5,6 +5,8 @@ Exports:
     bundled_text(name, split)            a bundled corpus as one string
     read_texts(paths)                    the texts of files, checked for existence and content
     tokenize(model, text)                token ids with the model's own tokenizer, no special tokens
+    has_tokenizer(model)                 whether the model can tokenise text at all
+    check_token_ids(model, tokens)       a token tensor checked: integer ids within the vocabulary
     to_sequences(model, data, ...)       [n_seqs, seq_len] token tensor from texts, files or tokens
     bos_token_id(model)                  the model's BOS token id, or None (no tokenizer, no BOS)
     resolve_bos(model, prepend_bos)      whether position 0 gets a BOS token (None: convention)
@@ -25,7 +27,8 @@ from __future__ import annotations
 import functools
 import gzip
 import os
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +39,15 @@ from transformer_lens import HookedTransformer
 
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.loading import model_info
+from headsurgeon.validation import check_bool, check_int
 
 __all__ = [
+    "check_token_ids",
     "CORPORA",
     "bundled_text",
     "read_texts",
     "tokenize",
+    "has_tokenizer",
     "to_sequences",
     "bos_token_id",
     "resolve_bos",
@@ -70,29 +76,61 @@ def bundled_text(name: str = "shakespeare", split: str = "heldout") -> str:
 
 
 def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
-    """Read text files (``.gz`` decompressed); :class:`DataError` for missing or empty ones."""
+    """Read UTF-8 text files (``.gz`` decompressed); a one-line :class:`DataError` for a file
+    that is missing, a folder, unreadable, binary, not UTF-8 or empty."""
     if not paths:
         raise DataError("no text files given; pass at least one file")
-    texts = []
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise DataError(f"text file {path} does not exist")
+    return [_read_text(Path(path)) for path in paths]
+
+
+def _read_text(path: Path) -> str:
+    if path.is_dir():
+        raise DataError(f"text file {path} is a folder; give the text files in it ({path}/*.txt)")
+    if not path.exists():
+        raise DataError(f"text file {path} does not exist")
+    try:
         raw = path.read_bytes()
         if path.suffix == ".gz":
             raw = gzip.decompress(raw)
-        text = raw.decode("utf-8", errors="replace")
-        if not text.strip():
-            raise DataError(f"text file {path} is empty; give a file with text in it")
-        texts.append(text)
-    return texts
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(
+            f"cannot read text file {path} ({e}); give a readable .txt or .txt.gz file"
+        ) from e
+    if b"\x00" in raw:  # UTF-8 text never holds NUL; binary files and UTF-16 do
+        raise DataError(
+            f"text file {path} is not text (it holds NUL bytes: binary, or UTF-16); give UTF-8 "
+            "text, e.g. iconv -f utf-16 -t utf-8"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"text file {path} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "convert it, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+    if not text.strip():
+        raise DataError(f"text file {path} is empty; give a file with text in it")
+    return text
 
 
 def tokenize(model: HookedTransformer, text: str) -> list[int]:
     """Token ids of ``text`` from the checkpoint's own tokenizer, without special tokens."""
-    tokenizer = model_info(model).tokenizer or model.tokenizer
+    tokenizer = _tokenizer(model)
     if tokenizer is None:
-        raise DataError("this model has no tokenizer; pass token tensors instead of text")
+        raise DataError(
+            "this model has no tokenizer, so text cannot be tokenised; add its tokenizer files "
+            "(tokenizer.json, tokenizer_config.json) to the model folder, or pass token tensors"
+        )
     return list(_token_ids(tokenizer, text))
+
+
+def has_tokenizer(model: HookedTransformer) -> bool:
+    """Whether ``model`` can tokenise text (its checkpoint's tokenizer, or TransformerLens's)."""
+    return _tokenizer(model) is not None
+
+
+def _tokenizer(model: HookedTransformer) -> Any:
+    return model_info(model).tokenizer or model.tokenizer
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,7 +147,12 @@ def _texts(data: Data) -> list[str]:
     elif isinstance(data, (str, os.PathLike)):
         texts = read_texts([data])
     else:
-        items = list(data)
+        items = list(data) if isinstance(data, Iterable) else [data]
+        if isinstance(data, Mapping) or not all(isinstance(x, (str, os.PathLike)) for x in items):
+            raise DataError(
+                f"data must be texts, text files or a token tensor; got {type(data).__name__} "
+                f"holding {', '.join(sorted({type(x).__name__ for x in items}))}"
+            )
         if not items:
             raise DataError("no texts given; pass at least one text or file")
         if all(isinstance(x, str) and not os.path.exists(x) for x in items):
@@ -119,6 +162,31 @@ def _texts(data: Data) -> list[str]:
     if not any(t.strip() for t in texts):
         raise DataError("the texts are empty; give text with content in it")
     return texts
+
+
+def check_token_ids(model: HookedTransformer, tokens: object) -> Int[Tensor, "batch pos"]:
+    """``tokens`` as a ``long`` tensor if it is a non-empty ``[batch, pos]`` tensor of ids.
+
+    Float or bool tensors are refused rather than cast (``torch.rand`` would become all zeros),
+    and every id must lie in the model's vocabulary.
+    """
+    if not isinstance(tokens, Tensor):
+        raise DataError(f"expected a token tensor, got {type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise DataError(
+            f"a token tensor holds integer token ids, got dtype {tokens.dtype}; tokenise text "
+            "with the model's tokenizer (model.to_tokens) or pass the texts themselves"
+        )
+    if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise DataError(
+            f"token tensor must be [n_seqs, seq_len], non-empty; got {tuple(tokens.shape)}"
+        )
+    if tokens.min() < 0 or tokens.max() >= model.cfg.d_vocab:
+        raise DataError(
+            f"token ids must lie in 0..{model.cfg.d_vocab - 1}, got {tokens.min().item()}.."
+            f"{tokens.max().item()}; tokenise with this model's tokenizer"
+        )
+    return tokens.long()
 
 
 def to_sequences(
@@ -139,19 +207,15 @@ def to_sequences(
     on without doubling the BOS token).
     """
     bos = resolve_bos(model, prepend_bos)
-    if seq_len < 1:
-        raise InvalidArgumentError(f"seq_len must be positive, got {seq_len}")
+    seq_len = check_int(seq_len, "seq_len", minimum=1)
     if seq_len > model.cfg.n_ctx:
         raise DataError(
             f"seq_len {seq_len} is beyond the model's context of {model.cfg.n_ctx} tokens; "
             "use a shorter --seq-len"
         )
-    if n_seqs is not None and n_seqs < 1:
-        raise InvalidArgumentError(f"n_seqs must be positive, got {n_seqs}")
+    n_seqs = None if n_seqs is None else check_int(n_seqs, "n_seqs", minimum=1)
     if isinstance(data, Tensor):
-        if data.ndim != 2 or data.shape[0] == 0 or data.shape[1] == 0:
-            raise DataError(f"token tensor must be [n_seqs, seq_len], non-empty; got {data.shape}")
-        tokens = data.long()
+        tokens = check_token_ids(model, data)
         if bos and not bool((tokens[:, 0] == bos_token_id(model)).all()):
             tokens = torch.cat([torch.full_like(tokens[:, :1], bos_token_id(model)), tokens], dim=1)
         return tokens[:n_seqs] if n_seqs else tokens
@@ -199,7 +263,7 @@ def describe(data: Data, default: str = HELD_OUT) -> str:
 
 def bos_token_id(model: HookedTransformer) -> int | None:
     """The id of the model's BOS token; ``None`` without a tokenizer or without a BOS token."""
-    tokenizer = model_info(model).tokenizer or model.tokenizer
+    tokenizer = _tokenizer(model)
     return None if tokenizer is None else tokenizer.bos_token_id
 
 
@@ -216,8 +280,8 @@ def resolve_bos(model: HookedTransformer, prepend_bos: bool | None = None) -> bo
     >>> resolve_bos(model), resolve_bos(model, False)
     (False, False)
     """
-    if prepend_bos is not None and not isinstance(prepend_bos, bool):
-        raise InvalidArgumentError(f"prepend_bos must be True, False or None, got {prepend_bos!r}")
+    if prepend_bos is not None:
+        prepend_bos = check_bool(prepend_bos, "prepend_bos")
     wanted = bool(model.cfg.default_prepend_bos) if prepend_bos is None else prepend_bos
     if not wanted or bos_token_id(model) is not None:
         return wanted
@@ -237,7 +301,6 @@ def batches(
     >>> [b.shape[0] for b in batches(torch.zeros(5, 3, dtype=torch.long), 2)]
     [2, 2, 1]
     """
-    if batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
     for start in range(0, tokens.shape[0], batch_size):
         yield tokens[start : start + batch_size]

@@ -7,6 +7,7 @@ Exports:
     DTYPES                  the accepted dtype names (``"float32"``, ``"bf16"``, ...) -> torch dtype
     parse_dtype(dtype)      a validated torch dtype from a name or a torch dtype
     parse_device(device)    a validated, available torch device
+    check_trainable(dtype)  the parsed dtype, refused if masked fine-tuning cannot train in it
 
 >>> parse_dtype("bf16")
 torch.bfloat16
@@ -18,7 +19,7 @@ import torch
 
 from headsurgeon.errors import InvalidArgumentError
 
-__all__ = ["DTYPES", "parse_device", "parse_dtype"]
+__all__ = ["DTYPES", "check_trainable", "parse_device", "parse_dtype"]
 
 DTYPES = {
     "float32": torch.float32,
@@ -40,6 +41,20 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     elif isinstance(dtype, str) and dtype.lower() in DTYPES:
         return DTYPES[dtype.lower()]
     raise InvalidArgumentError(f"unknown dtype {dtype!r}; use one of float32, bfloat16, float16")
+
+
+def check_trainable(dtype: str | torch.dtype) -> torch.dtype:
+    """``dtype`` parsed; :class:`InvalidArgumentError` if a model in it cannot be fine-tuned.
+
+    Float16 would need loss scaling (its gradients underflow), which fine-tuning does not do.
+    """
+    parsed = parse_dtype(dtype)
+    if parsed == torch.float16:
+        raise InvalidArgumentError(
+            "fine-tuning a float16 model needs loss scaling, which is not supported; "
+            "load the model in bfloat16 or float32"
+        )
+    return parsed
 
 
 def parse_device(device: str | torch.device) -> torch.device:

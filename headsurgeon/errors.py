@@ -5,7 +5,7 @@ names the problem and the fix. The command-line tools print that line and exit w
 
 Exports: HeadsurgeonError, UnknownModelError, ModelNotFoundError, CheckpointError,
 UnsupportedArchitectureError, InvalidArgumentError, DataError, OutputExistsError,
-FigureExportError.
+OutputWriteError, OutputBusyError, FigureExportError.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ __all__ = [
     "InvalidArgumentError",
     "DataError",
     "OutputExistsError",
+    "OutputWriteError",
+    "OutputBusyError",
     "FigureExportError",
 ]
 
@@ -53,6 +55,14 @@ class DataError(HeadsurgeonError, ValueError):
 
 class OutputExistsError(HeadsurgeonError, FileExistsError):
     """An output location that already holds other files (pass overwrite=True / --overwrite)."""
+
+
+class OutputWriteError(HeadsurgeonError, OSError):
+    """An output location that cannot be created or written (read-only, full, a bad name)."""
+
+
+class OutputBusyError(HeadsurgeonError, BlockingIOError):
+    """An output location that another running process has claimed (see outputs.claim_output)."""
 
 
 class FigureExportError(HeadsurgeonError, RuntimeError):

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -42,6 +42,7 @@ from headsurgeon.data import (
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.loading import model_info, model_shape
 from headsurgeon.progress import tqdm
+from headsurgeon.validation import check_int, check_number
 
 __all__ = [
     "default_window",
@@ -69,8 +70,7 @@ def default_window(model: HookedTransformer) -> int:
 
 def check_length(model: HookedTransformer, length: int, what: str = "context length") -> int:
     """Return ``length`` if the model can take it, else raise a one-line error."""
-    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-        raise InvalidArgumentError(f"{what} must be a positive integer, got {length!r}")
+    length = check_int(length, what, minimum=1)
     if length > model.cfg.n_ctx:
         raise InvalidArgumentError(
             f"{what} {length} is beyond the model's context of {model.cfg.n_ctx} tokens; "
@@ -118,6 +118,34 @@ def _token_streams(model: HookedTransformer, data: Data) -> list[Int[Tensor, " p
     return [torch.tensor(tokenize(model, text), dtype=torch.long) for text in _texts(data)]
 
 
+def _windows_by_length(
+    streams: Iterable[Int[Tensor, " pos"]],
+    prefix: Int[Tensor, " prefix"],
+    window: int,
+    stride: int,
+    max_windows: int | None,
+) -> dict[int, list[tuple[Int[Tensor, " pos"], int]]]:
+    """The windows :func:`perplexity` scores, grouped by length: ``(tokens, n_scored)`` each."""
+    spans = []  # (stream, begin, end, tokens scored) of every window
+    for stream in streams:
+        if len(prefix) and len(stream) > 1 and stream[0] == prefix[0]:
+            stream = stream[1:]  # e.g. from to_sequences: already BOS-first; never score BOS twice
+        spans += [(stream, *span) for span in sliding_windows(len(stream), window, stride,
+                                                              len(prefix))]  # fmt: skip
+    if not spans:
+        raise DataError("no token has context to be scored; give texts of at least two tokens")
+    if max_windows is not None and len(spans) > max_windows:
+        logger.info("perplexity on %d of %d windows (max_windows=None: all)", max_windows,
+                    len(spans))  # fmt: skip
+        picks = torch.linspace(0, len(spans) - 1, max_windows).round().long().tolist()
+        spans = [spans[i] for i in picks]
+    by_length: dict[int, list[tuple[Tensor, int]]] = defaultdict(list)
+    for stream, begin, end, n_scored in spans:
+        tokens = torch.cat([prefix, stream[begin:end]])
+        by_length[len(tokens)].append((tokens, n_scored))
+    return by_length
+
+
 @torch.no_grad()
 def perplexity(
     model: HookedTransformer,
@@ -147,36 +175,18 @@ def perplexity(
     minutes; ``max_windows=None`` scores every token of the data.
     """
     window = check_length(model, default_window(model) if window is None else window, "window")
-    stride = window // 2 if stride is None else stride
-    if not isinstance(stride, int) or not 1 <= stride <= window - 1:
-        raise InvalidArgumentError(f"stride must be between 1 and window - 1 = {window - 1}")
-    if batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
+    # A stride of window or more would skip tokens.
+    stride = check_int(window // 2 if stride is None else stride, "stride", minimum=1,
+                       maximum=window - 1)  # fmt: skip
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
     prefix = torch.tensor([bos_token_id(model)] if resolve_bos(model, prepend_bos) else [],
                           dtype=torch.long)  # fmt: skip
     if window <= len(prefix):
         raise InvalidArgumentError("window must be at least 2 when a BOS token is prepended")
     if max_windows is not None:
-        _check_count(max_windows, "max_windows")
+        check_int(max_windows, "max_windows", minimum=1)
 
-    spans = []  # (stream, begin, end, tokens scored) of every window
-    for stream in _token_streams(model, data):
-        if len(prefix) and len(stream) > 1 and stream[0] == prefix[0]:
-            stream = stream[1:]  # e.g. from to_sequences: already BOS-first; never score BOS twice
-        spans += [(stream, *span) for span in sliding_windows(len(stream), window, stride,
-                                                              len(prefix))]  # fmt: skip
-    if not spans:
-        raise DataError("no token has context to be scored; give texts of at least two tokens")
-    if max_windows is not None and len(spans) > max_windows:
-        logger.info("perplexity on %d of %d windows (max_windows=None: all)", max_windows,
-                    len(spans))  # fmt: skip
-        picks = torch.linspace(0, len(spans) - 1, max_windows).round().long().tolist()
-        spans = [spans[i] for i in picks]
-    by_length: dict[int, list[tuple[Tensor, int]]] = defaultdict(list)
-    for stream, begin, end, n_scored in spans:
-        tokens = torch.cat([prefix, stream[begin:end]])
-        by_length[len(tokens)].append((tokens, n_scored))
-
+    by_length = _windows_by_length(_token_streams(model, data), prefix, window, stride, max_windows)
     total_nll, total_tokens = 0.0, 0
     n_batches = sum(math.ceil(len(w) / batch_size) for w in by_length.values())
     bar = tqdm(total=n_batches, desc="perplexity", disable=not progress or n_batches < 2)
@@ -279,18 +289,10 @@ def summarize(table: pd.DataFrame, train_ctx: int) -> pd.DataFrame:
 
 
 def _check_depths(depths: Sequence[float]) -> list[float]:
-    depths = list(depths)
-    if not depths or any(not isinstance(d, (int, float)) or not 0 <= d <= 1 for d in depths):
-        raise InvalidArgumentError(f"depths must be fractions between 0 and 1, got {depths}")
-    return depths
-
-
-def _check_count(value: int, what: str, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InvalidArgumentError(
-            f"{what} must be an integer of at least {minimum}, got {value!r}"
-        )
-    return value
+    depths = list(depths) if isinstance(depths, Iterable) else [depths]
+    if not depths:
+        raise InvalidArgumentError("depths must hold at least one fraction between 0 and 1")
+    return [check_number(d, "each of depths", low=0, high=1) for d in depths]
 
 
 def _filler(
@@ -372,7 +374,8 @@ def _retrieval(
 ) -> Retrieval:
     """Shared engine: build each prompt by token counts, score its candidates, tabulate."""
     depths = _check_depths(depths)
-    _check_count(n_trials, "n_trials")
+    check_int(n_trials, "n_trials", minimum=1)
+    lengths = [lengths] if not isinstance(lengths, Iterable) else lengths  # one length: 256
     lengths = [check_length(model, length) for length in lengths]
     if not lengths:
         raise InvalidArgumentError("give at least one context length")
@@ -464,8 +467,8 @@ def passkey(
     ``top1_accuracy`` has chance level ``1 / n_candidates``. ``in_context``:
     ``length <= train_ctx`` (default: the model's training length, else its context).
     """
-    _check_count(n_candidates, "n_candidates", 2)
-    _check_count(n_digits, "n_digits")
+    check_int(n_candidates, "n_candidates", minimum=2)
+    check_int(n_digits, "n_digits", minimum=1)
     if n_candidates > 9 * 10 ** (n_digits - 1):
         raise InvalidArgumentError(f"{n_digits}-digit keys cannot give {n_candidates} candidates")
     text = bundled_text(filler, "heldout") if filler in CORPORA else filler
@@ -501,7 +504,7 @@ def needle(
     ``depth`` fraction of it, and :data:`NEEDLE_QUESTION` follows. Scored like :func:`passkey`,
     the other candidates being other words of the list.
     """
-    _check_count(n_candidates, "n_candidates", 2)
+    check_int(n_candidates, "n_candidates", minimum=2)
     words = list(words)
     if len(set(words)) < n_candidates:
         raise InvalidArgumentError(f"need at least {n_candidates} distinct words, got {len(words)}")

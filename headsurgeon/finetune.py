@@ -71,6 +71,7 @@ from headsurgeon.surgery import (
     HeadSet,
     head_masks,
 )
+from headsurgeon.validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -136,45 +137,41 @@ class FinetuneConfig:
     strategy: str = "slices"
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        self.validate()  # at the boundary: a bad setting fails where it is written
+
     def validate(self) -> FinetuneConfig:
-        """Return ``self`` if every setting makes sense; otherwise raise saying which does not."""
+        """Return ``self`` if every setting makes sense; otherwise raise saying which does not.
 
-        def positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-            if value is None and allow_none:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        Runs on creation; call it again after changing fields in place.
+        """
 
-        positive_int("steps", self.steps)
-        positive_int("batch_size", self.batch_size)
-        positive_int("grad_accum", self.grad_accum)
-        positive_int("eval_every", self.eval_every, allow_none=True)
-        positive_int("eval_seqs", self.eval_seqs)
-        positive_int("patience", self.patience, allow_none=True)
-        positive_int("checkpoint_every", self.checkpoint_every, allow_none=True)
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and 0 < self.lr <= 1):
-            raise InvalidArgumentError(f"lr must be a number in (0, 1], got {self.lr!r}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise InvalidArgumentError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+        for name in ("steps", "batch_size", "grad_accum", "eval_seqs"):
+            setattr(self, name, check_int(getattr(self, name), name, minimum=1))
+        for name in ("eval_every", "patience", "checkpoint_every"):
+            if getattr(self, name) is not None:
+                setattr(self, name, check_int(getattr(self, name), name, minimum=1))
+        self.lr = check_number(self.lr, "lr", low=0, high=1, low_open=True)
+        self.weight_decay = check_number(self.weight_decay, "weight_decay", low=0)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise InvalidArgumentError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
-        if self.warmup_steps is not None and not 0 <= self.warmup_steps < self.steps:
-            raise InvalidArgumentError(
-                f"warmup_steps must be between 0 and steps - 1 = {self.steps - 1}, "
-                f"got {self.warmup_steps}"
+        self.betas = tuple(
+            check_number(b, "each of betas", low=0, high=1, high_open=True) for b in self.betas
+        )
+        if self.warmup_steps is not None:
+            self.warmup_steps = check_int(
+                self.warmup_steps, "warmup_steps", minimum=0, maximum=self.steps - 1
             )
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise InvalidArgumentError(f"max_grad_norm must be positive, got {self.max_grad_norm}")
-        if self.autocast not in (None, "float32", "bfloat16"):
-            raise InvalidArgumentError(
-                f"autocast must be bfloat16 or None (float32), got {self.autocast!r}"
+        if self.max_grad_norm is not None:
+            self.max_grad_norm = check_number(
+                self.max_grad_norm, "max_grad_norm", low=0, low_open=True
             )
-        if self.strategy not in STRATEGIES:
-            raise InvalidArgumentError(
-                f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}"
-            )
-        if self.min_query_pos < 0:
-            raise InvalidArgumentError(f"min_query_pos must be >= 0, got {self.min_query_pos}")
+        if self.autocast is not None:
+            check_choice(self.autocast, "autocast", ("float32", "bfloat16"))
+        check_choice(self.strategy, "strategy", STRATEGIES)
+        self.min_query_pos = check_int(self.min_query_pos, "min_query_pos", minimum=0)
+        self.restore_best = check_bool(self.restore_best, "restore_best")
+        self.seed = check_int(self.seed, "seed")
         return self
 
     @property
@@ -193,8 +190,9 @@ class FinetuneConfig:
 @dataclasses.dataclass
 class FinetuneResult:
     """What a run did. ``history``: one row per evaluation (``step``, ``lr``, ``train_loss`` (mean
-    objective since the previous evaluation), ``train_ppl``, ``heldout_ppl``, ``bos_mass``
-    (mean over the trained heads), ``bos_mass_max``); ``losses``: the objective of every step."""
+    objective since the previous evaluation; NaN at step 0), ``train_ppl``, ``heldout_ppl``,
+    ``bos_mass`` (mean over the trained heads), ``bos_mass_max``); ``losses``: the objective of
+    every step."""
 
     heads: HeadSet
     config: FinetuneConfig
@@ -764,10 +762,12 @@ class _Loop:
         row.update(_evaluate(job.model, job.heads, job.cfg, job.train_eval, job.heldout))
         state.history.append(row)
         state.since_eval = []
-        logger.info(
-            "step %d: loss %.4f, train ppl %.3f, held-out ppl %.3f, BOS mass %.3f",
-            self.step, row["train_loss"], row["train_ppl"], row["heldout_ppl"], row["bos_mass"],
-        )  # fmt: skip
+        # Only what was measured: no loss before the first step, no held-out ppl without data.
+        known = [f"loss {row['train_loss']:.4f}"] if losses else []
+        known.append(f"train ppl {row['train_ppl']:.3f}")
+        if job.heldout is not None:
+            known.append(f"held-out ppl {row['heldout_ppl']:.3f}")
+        logger.info("step %d: %s, BOS mass %.3f", self.step, ", ".join(known), row["bos_mass"])
         heldout_loss = math.log(row["heldout_ppl"]) if job.heldout is not None else math.nan
         if heldout_loss < state.best_loss:
             state.best_loss, state.best_step = heldout_loss, self.step

@@ -29,8 +29,10 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import os
 import pickle
+import re
 import tempfile
 import threading
 from pathlib import Path
@@ -142,26 +144,36 @@ def _hub_names() -> dict[str, str]:
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file, which must hold one JSON object."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path} is not readable JSON ({e}); re-export the checkpoint") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            f"{path} holds a JSON {type(data).__name__}, not an object; re-export the checkpoint"
+        )
+    return data
 
 
 def _local_shape(directory: Path) -> ModelShape:
-    cfg = read_json(directory / "config.json")
-    try:
-        return ModelShape(
-            n_layers=cfg["n_layer"],
-            n_heads=cfg["n_head"],
-            d_model=cfg["hidden_size"],
-            d_vocab=cfg["vocab_size"],
-            n_ctx=cfg.get("seq_length", 2048),
-        )
-    except KeyError as e:
+    """A folder's shape from its validated config, checked against its weights when present."""
+    file = directory / "config.json"
+    bloom = _bloom_config(file, read_json(file))
+    if bloom is None:
         raise UnsupportedArchitectureError(
-            f"{directory}/config.json lacks {e}; shapes by folder are known for BLOOM only"
-        ) from e
+            f"{file} is not a BLOOM config and shapes by folder are known for BLOOM only; "
+            "pass the loaded model (load_model) instead"
+        )
+    if _has_weights(directory):
+        _check_bloom_weights(directory, bloom, _tensor_shapes(directory))
+    return ModelShape(
+        n_layers=bloom["n_layer"],
+        n_heads=bloom["n_head"],
+        d_model=bloom["hidden_size"],
+        d_vocab=bloom["vocab_size"],
+        n_ctx=bloom["seq_length"],
+    )
 
 
 def model_shape(model: str | os.PathLike | HookedTransformer) -> ModelShape:
@@ -285,13 +297,21 @@ def resolve_model(model: str | os.PathLike) -> tuple[str, Path]:
 
 
 def tl_config(
-    config_dir: Path, *, dtype: torch.dtype = torch.float32, prepend_bos: bool | None = None
+    config_dir: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    prepend_bos: bool | None = None,
+    source: Path | None = None,
 ) -> HookedTransformerConfig:
     """TransformerLens's config for the ``config.json`` in ``config_dir`` (a folder of ours).
 
     TransformerLens guesses the architecture of any path that contains "llama" or "gemma" from the
-    path alone, so it is only ever shown a private temporary folder, never the user's.
+    path alone, so it is only ever shown a private temporary folder, never the user's; errors name
+    ``source`` (the user's file) when given.
     """
+    from huggingface_hub.errors import StrictDataclassError
+
+    file = source or config_dir / "config.json"
     hf_config = read_json(config_dir / "config.json")
     try:
         return tl_loading.get_pretrained_model_config(
@@ -302,43 +322,300 @@ def tl_config(
             device="cpu",
             default_prepend_bos=prepend_bos,
         )
-    except (NotImplementedError, ValueError, KeyError, TypeError) as e:
+    except StrictDataclassError as e:  # transformers' typed config classes
+        # Its message: "Validation error for field 'x':" then "TypeError: ... (value: ...)".
+        what = " ".join(line.strip() for line in str(e).splitlines()[1:]) or _first_line(e)
+        raise CheckpointError(f"{file}: {what}; correct it or re-export the checkpoint") from e
+    # AttributeError: TransformerLens 3.x reading a field transformers 5 no longer has (GPT-2).
+    except (NotImplementedError, ValueError, KeyError, TypeError, AttributeError) as e:
         architecture = (hf_config.get("architectures") or ["<none>"])[0]
         raise UnsupportedArchitectureError(
-            f"architecture {architecture} (model_type {hf_config.get('model_type')}) is not "
-            "supported by TransformerLens 3.x; use a BLOOM or another TransformerLens model"
+            f"architecture {architecture} (model_type {hf_config.get('model_type')}) in {file} is "
+            f"not supported by TransformerLens 3.x ({_first_line(e)}); {_SUPPORTED}"
         ) from e
 
 
-def check_checkpoint(directory: Path) -> None:
-    """Validate a checkpoint folder before its weights are read (they may be many GB)."""
-    if not directory.is_dir():
-        raise ModelNotFoundError(f"{directory} is not a folder; pass a checkpoint folder")
-    if not (directory / "config.json").exists():
+# --- config.json and the weights it describes, checked before any weight is read --------------
+
+_SUPPORTED = (
+    "headsurgeon loads BLOOM (model_type bloom, BloomForCausalLM) and the causal language models "
+    "TransformerLens 3.x converts (e.g. LlamaForCausalLM, GPTNeoXForCausalLM, OPTForCausalLM)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """What one config.json field may hold; ``aliases`` are other names transformers reads it by.
+
+    A float never passes for an integer, not even 256.0: transformers' typed configs reject it too.
+    """
+
+    kind: str  # "int", "number", "bool" or "token" (a token id, a list of them, or null)
+    low: float | None = None  # inclusive bounds
+    high: float | None = None
+    required: bool = False
+    aliases: tuple[str, ...] = ()
+
+    def accepts(self, value: Any) -> bool:
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        if self.kind == "token":
+            ids = value if isinstance(value, list) and value else [value]
+            return value is None or all(_is_int(i) and i >= 0 for i in ids)
+        number = _is_int(value) or (self.kind == "number" and isinstance(value, float))
+        return number and math.isfinite(value) and self._in_range(value)
+
+    def _in_range(self, value: float) -> bool:
+        return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
+
+    def describe(self) -> str:
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind == "token":
+            return "a token id (an integer >= 0), a list of them, or null"
+        what = "an integer" if self.kind == "int" else "a finite number"
+        if self.low is not None and self.high is not None:
+            return f"{what} from {self.low:g} to {self.high:g}"
+        return what if self.low is None else f"{what} >= {self.low:g}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no layer count
+
+
+# Every field of transformers' BloomConfig, and seq_length (the training context, read by
+# model_shape), with the names transformers also reads them by (bigscience's own configs say
+# n_embed and num_attention_heads).
+_BLOOM_FIELDS: dict[str, _Field] = {
+    "n_layer": _Field("int", low=1, required=True, aliases=("num_hidden_layers",)),
+    "n_head": _Field("int", low=1, required=True, aliases=("num_attention_heads",)),
+    "hidden_size": _Field("int", low=1, required=True, aliases=("n_embed",)),
+    "vocab_size": _Field("int", low=1, required=True),
+    "seq_length": _Field("int", low=1),
+    "layer_norm_epsilon": _Field("number", low=0),
+    "initializer_range": _Field("number", low=0),
+    "hidden_dropout": _Field("number", low=0, high=1),
+    "attention_dropout": _Field("number", low=0, high=1),
+    "pretraining_tp": _Field("int", low=1),
+    "apply_residual_connection_post_layernorm": _Field("bool"),
+    "slow_but_exact": _Field("bool"),
+    "tie_word_embeddings": _Field("bool"),
+    "use_cache": _Field("bool"),
+    "bos_token_id": _Field("token"),
+    "eos_token_id": _Field("token"),
+    "pad_token_id": _Field("token"),
+}
+_BLOOM_DEFAULTS = {"seq_length": 2048, "tie_word_embeddings": True}
+
+
+def _bloom_config(file: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """The validated values of a BLOOM ``config.json`` by BloomConfig's names; None for a config
+    of another architecture that transformers and TransformerLens may still load."""
+    if not _is_bloom(file, config):
+        return None
+    values = dict(_BLOOM_DEFAULTS)
+    for name, field in _BLOOM_FIELDS.items():
+        given = [n for n in (name, *field.aliases) if n in config]
+        if len({json.dumps(config[n]) for n in given}) > 1:
+            both = " and ".join(f"{n} {json.dumps(config[n])}" for n in given)
+            raise CheckpointError(f"{file} gives {both}; keep one of them")
+        if not given:
+            if field.required:
+                names = " or ".join((name, *field.aliases))
+                raise CheckpointError(
+                    f"{file} lacks {names} ({field.describe()}); add it or re-export the checkpoint"
+                )
+            continue
+        value = config[given[0]]
+        if not field.accepts(value):
+            raise CheckpointError(
+                f"{file}: {given[0]} is {json.dumps(value)}, expected {field.describe()}; "
+                "correct it or re-export the checkpoint"
+            )
+        values[name] = value
+    if values["hidden_size"] % values["n_head"]:
         raise CheckpointError(
-            f"{directory} has no config.json; pass a Hugging Face checkpoint folder "
-            "(config.json, *.safetensors, tokenizer files)"
+            f"{file}: hidden_size {values['hidden_size']} is not a multiple of n_head "
+            f"{values['n_head']}; correct them or re-export the checkpoint"
         )
-    if not _has_weights(directory):
-        raise CheckpointError(
-            f"{directory} has no weights (*.safetensors); re-export or re-download"
+    return values
+
+
+def _is_bloom(file: Path, config: dict[str, Any]) -> bool:
+    """Whether a config is BLOOM's; a config transformers or TransformerLens would misread raises.
+
+    transformers builds the model named by ``model_type`` and TransformerLens converts the one
+    named by ``architectures[0]``: both must name the same causal language model.
+    """
+    model_type, architectures = config.get("model_type"), config.get("architectures")
+    if not (isinstance(architectures, list) and architectures) or not all(
+        isinstance(a, str) for a in architectures
+    ):
+        raise UnsupportedArchitectureError(
+            f"{file} names no architecture (architectures: {json.dumps(architectures)}; "
+            f"model_type: {json.dumps(model_type)}), which is not supported by TransformerLens; "
+            f'{_SUPPORTED}; a BLOOM needs "architectures": ["BloomForCausalLM"]'
         )
+    architecture = architectures[0]
+    if model_type == "bloom" and architecture == "BloomForCausalLM":
+        return True
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
+    )
+    if causal is None:
+        raise UnsupportedArchitectureError(
+            f"model_type {json.dumps(model_type)} in {file} has no causal language model in "
+            f"transformers, so architecture {architecture} is not supported by TransformerLens "
+            f"here; {_SUPPORTED}"
+        )
+    if causal != architecture:
+        raise UnsupportedArchitectureError(
+            f"{file} names architecture {architecture} but model_type {json.dumps(model_type)}, "
+            f"whose causal language model is {causal}; make them agree ({_SUPPORTED})"
+        )
+    return False
+
+
+def _tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every stored tensor, from the file headers only (no weights are read).
+
+    safetensors files are preferred, as transformers prefers them; a corrupt file raises.
+    """
     from safetensors import safe_open
 
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(directory.glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    f.get_slice(key)
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
         except Exception as e:  # safetensors raises its own error types and OSError
             raise CheckpointError(
                 f"{file} is not a valid safetensors file ({_first_line(e)}); "
                 "re-download or re-export it"
             ) from e
-    config = read_json(directory / "config.json")  # errors name the user's file, not a copy
+    if shapes:
+        return shapes
+    for file in sorted(directory.glob("pytorch_model*.bin")):
+        try:  # on the meta device torch reads the pickle, never the tensor data
+            state = torch.load(file, map_location="meta", weights_only=True)
+        except Exception as e:  # torch raises OSError, RuntimeError, EOFError, UnpicklingError
+            raise CheckpointError(_corrupt_bin(directory)) from e
+        if not isinstance(state, dict):
+            raise CheckpointError(_corrupt_bin(directory))
+        shapes |= {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return shapes
+
+
+def _corrupt_bin(directory: Path) -> str:
+    return (
+        f"the PyTorch weights (*.bin) in {directory} are truncated or corrupt; "
+        "re-download the checkpoint or re-export it as safetensors"
+    )
+
+
+def _bloom_weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of BloomModel and its shape (BloomMLP is always 4 x hidden_size wide)."""
+    h = config["hidden_size"]
+    shapes: dict[str, tuple[int, ...]] = {"word_embeddings.weight": (config["vocab_size"], h)}
+    layer = {
+        "input_layernorm.weight": (h,),
+        "input_layernorm.bias": (h,),
+        "self_attention.query_key_value.weight": (3 * h, h),
+        "self_attention.query_key_value.bias": (3 * h,),
+        "self_attention.dense.weight": (h, h),
+        "self_attention.dense.bias": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "post_attention_layernorm.bias": (h,),
+        "mlp.dense_h_to_4h.weight": (4 * h, h),
+        "mlp.dense_h_to_4h.bias": (4 * h,),
+        "mlp.dense_4h_to_h.weight": (h, 4 * h),
+        "mlp.dense_4h_to_h.bias": (h,),
+    }
+    for norm in ("word_embeddings_layernorm", "ln_f"):
+        shapes |= {f"{norm}.weight": (h,), f"{norm}.bias": (h,)}
+    for i in range(config["n_layer"]):
+        shapes |= {f"h.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def _check_bloom_weights(
+    directory: Path, config: dict[str, Any], found: dict[str, tuple[int, ...]]
+) -> None:
+    """Raise unless the stored tensors are exactly those ``config`` describes, in its shapes.
+
+    A head count that keeps every shape (n_head 8 for 4 over the same width) cannot be seen here.
+    """
+    file = directory / "config.json"
+    # BloomForCausalLM saves "transformer.h.0...", BloomModel (bigscience's files) "h.0...".
+    prefix = "transformer." if any(k.startswith("transformer.") for k in found) else ""
+    expected = {prefix + k: s for k, s in _bloom_weight_shapes(config).items()}
+    if not config["tie_word_embeddings"] or "lm_head.weight" in found:
+        expected["lm_head.weight"] = (config["vocab_size"], config["hidden_size"])
+    layer_of = re.compile(re.escape(prefix) + r"h\.(\d+)\.")
+    layers = {int(m[1]) for k in found if (m := layer_of.match(k))}
+    if layers and max(layers) + 1 != config["n_layer"]:
+        raise CheckpointError(
+            f"{file}: n_layer is {config['n_layer']} but the weights in {directory} hold "
+            f"{max(layers) + 1} layers; correct config.json or re-export the checkpoint"
+        )
+    wrong = [(k, found[k], s) for k, s in expected.items() if k in found and found[k] != s]
+    if wrong:
+        name, shape, want = wrong[0]
+        more = f" ({len(wrong) - 1} more tensors too)" if len(wrong) > 1 else ""
+        raise CheckpointError(
+            f"{directory}: tensor {name} has shape {list(shape)} but {file} (hidden_size "
+            f"{config['hidden_size']}, vocab_size {config['vocab_size']}) expects {list(want)}"
+            f"{more}; correct config.json or re-export the checkpoint"
+        )
+    if missing := sorted(expected.keys() - found.keys()):
+        raise CheckpointError(
+            f"{directory} lacks {_some(missing)} that {file} needs; "
+            "re-download or re-export the checkpoint"
+        )
+    if unused := sorted(found.keys() - expected.keys()):
+        raise CheckpointError(
+            f"{directory} holds {_some(unused)} that {file} leaves unused; "
+            "correct config.json or re-export the checkpoint"
+        )
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    """``n weight(s): a, b, c and k more``: a few names, then a count."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} weight(s): {', '.join(names[:shown])}{more}"
+
+
+def check_checkpoint(directory: Path) -> None:
+    """Validate a checkpoint folder before its weights are read (they may be many GB).
+
+    ``config.json`` must be one object naming a causal language model TransformerLens converts;
+    a BLOOM config's every field must have its type and range (:data:`_BLOOM_FIELDS`), and its
+    layers, widths and vocabulary must be those of the stored tensors (read from the file headers):
+    a tensor missing, left unused or of another shape raises :class:`CheckpointError`.
+    """
+    if not directory.is_dir():
+        raise ModelNotFoundError(f"{directory} is not a folder; pass a checkpoint folder")
+    file = directory / "config.json"
+    if not file.exists():
+        raise CheckpointError(
+            f"{directory} has no config.json; pass a Hugging Face checkpoint folder "
+            "(config.json, *.safetensors, tokenizer files)"
+        )
+    config = read_json(file)
+    bloom = _bloom_config(file, config)
+    if not _has_weights(directory):
+        raise CheckpointError(
+            f"{directory} has no weights (*.safetensors); re-export or re-download"
+        )
+    shapes = _tensor_shapes(directory)
     with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
-        tl_config(Path(tmp))
+        tl_config(Path(tmp), source=file)  # errors name the user's file, not this copy
+    if bloom is not None:
+        _check_bloom_weights(directory, bloom, shapes)
 
 
 def load_model(
@@ -379,19 +656,22 @@ def load_model(
             "re-download or re-export the checkpoint"
         ) from e
     except (EOFError, pickle.UnpicklingError) as e:  # legacy .bin: torch's unpickler
-        raise CheckpointError(
-            f"the PyTorch weights (*.bin) in {directory} are truncated or corrupt; "
-            "re-download the checkpoint or re-export it as safetensors"
-        ) from e
+        raise CheckpointError(_corrupt_bin(directory)) from e
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
-    # transformers fills missing or misshapen tensors with random values and only logs it.
+    # transformers fills missing or misshapen tensors with random values and ignores unused ones,
+    # and only logs it. check_checkpoint has compared a BLOOM's tensors already; this covers the
+    # other architectures.
     bad = sorted(loading["missing_keys"]) + sorted(str(k) for k in loading["mismatched_keys"])
     if bad:
         raise CheckpointError(
-            f"{directory} lacks or misshapes {len(bad)} weight(s) (first: {bad[0]}); "
-            "re-download or re-export the checkpoint"
+            f"{directory} lacks or misshapes {_some(bad)}; re-download or re-export the checkpoint"
+        )
+    if unused := sorted(loading["unexpected_keys"]):
+        raise CheckpointError(
+            f"{directory} holds {_some(unused)} that its config.json leaves unused; "
+            "correct config.json or re-export the checkpoint"
         )
     tokenizer = None
     if any((directory / f).exists() for f in TOKENIZER_FILES):

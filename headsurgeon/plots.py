@@ -13,10 +13,12 @@ Exports:
     diff_grid(before, after, metric)   after - before, heads whose label changed outlined
     sweep_plot(sweep)                  label counts against each threshold
     models_grid({name: df}, metric)    several models side by side, one colour scale
-    blind_distance_grid(df)            blind distance per head, dtype and threshold (log colour)
+    blind_distance_grid(df)            blind distance per head, dtype and underflow limit
     zero_fraction_plot(by_distance)    share of exact-zero weights against distance, per head
     analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
     retrieval_heatmap(table, metric)   depth x context length of a passkey/needle metric
+    importance_grid(df)                delta_loss per head (head_importance), diverging colour
+    bos_vs_importance(df)              BOS mass against delta_loss, by label: dormant sinks
     style(fig, title=..., ...)         the house layout (template, fonts, title, size) every
                                        figure here, in reports and in analyses/ goes through
     save_figure(fig, path)             .html, .png, .svg or .pdf, written atomically
@@ -75,9 +77,11 @@ __all__ = [
     "Figure",
     "analytic_vs_measured",
     "blind_distance_grid",
+    "bos_vs_importance",
     "diff_grid",
     "has_browser",
     "head_grid",
+    "importance_grid",
     "label_grid",
     "models_grid",
     "require_browser",
@@ -891,6 +895,13 @@ def save_figure(
     pixel size), ``.svg`` and ``.pdf`` go through kaleido and a Chromium browser (the system one,
     or ``BROWSER_PATH``). The file appears whole or not at all.
     """
+    if not isinstance(fig, go.Figure):
+        raise InvalidArgumentError(
+            f"save_figure takes a plotly Figure (what the plot functions return), got "
+            f"{type(fig).__name__}"
+        )
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgumentError(f"save_figure needs a file path, got {type(path).__name__}")
     path = Path(path)
     fmt = path.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
@@ -1024,20 +1035,20 @@ def _eval_layout(fig: go.Figure, title: str, subtitle: str, width: int, height: 
 
 @_notebook_figure
 def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
-    """Blind distance of every head (columns) per dtype and threshold (rows), log colour scale.
+    """Blind distance of every head (columns) per dtype and underflow limit (rows), log colours.
 
     Takes :func:`headsurgeon.blindness.analytic_blindness` output; ALiBi slopes are the same in
     every layer, so layer 0 stands for all. Cells show the distance in tokens (``∞``: never
     blind); bold cells are blind within the table's context.
     """
-    _check(df, ["layer", "head", "dtype", "threshold", "blind_distance"], "blindness table")
+    _check(df, ["layer", "head", "dtype", "limit", "blind_distance"], "blindness table")
     rows = df[df["layer"] == df["layer"].min()]
-    keys = list(dict.fromkeys(zip(rows["dtype"], rows["threshold"], strict=True)))
+    keys = list(dict.fromkeys(zip(rows["dtype"], rows["limit"], strict=True)))
     n_heads = int(rows["head"].max()) + 1
     z = np.full((len(keys), n_heads), np.nan)
     text = np.full((len(keys), n_heads), "", dtype=object)
     for i, key in enumerate(keys):
-        sub = rows[(rows["dtype"] == key[0]) & (rows["threshold"] == key[1])]
+        sub = rows[(rows["dtype"] == key[0]) & (rows["limit"] == key[1])]
         for head, d, label in zip(
             sub["head"], sub["blind_distance"], sub.get("label", ""), strict=False
         ):
@@ -1172,7 +1183,7 @@ def analytic_vs_measured(by_head: pd.DataFrame, *, title: str | None = None) -> 
 
     Takes ``measure_blindness(...).by_head``. Filled markers: the head's smallest distance with an
     exact zero in any layer; open markers at the top: no zero within the measured length. The
-    analytic distance (``zero`` threshold, equal content logits) bounds the measured one from
+    analytic distance (``zero`` limit, equal content logits) bounds the measured one from
     above; the softmax normaliser and content logits pull real zeros closer.
     """
     _check(by_head, ["head", "dtype", "analytic_distance", "first_zero_distance"], "by_head table")
@@ -1231,7 +1242,7 @@ def analytic_vs_measured(by_head: pd.DataFrame, *, title: str | None = None) -> 
         title_text="measured first zero (tokens)", range=np.log10([lo, y_hi]), **log_axis
     )
     a = by_head.attrs
-    subtitle = f"{a.get('model', '')} · {a.get('n_seqs', '')} × {seq_len} tokens · zero threshold"
+    subtitle = f"{a.get('model', '')} · {a.get('n_seqs', '')} × {seq_len} tokens · zero limit"
     _eval_layout(fig, title or "Analytic versus measured blindness", subtitle, 860, 520)
     fig.update_layout(legend={"x": 1.02, "y": 1, "font": {"size": 13}})
     return fig
@@ -1297,4 +1308,91 @@ def retrieval_heatmap(
         width=round(180 + 80 * len(lengths) + 150),
         height=round(200 + 50 * len(grid.index)),
     )
+    return fig
+
+
+# --- Head importance figures ---
+def _importance_subtitle(df: pd.DataFrame) -> str:
+    """Model, method and data of a :func:`headsurgeon.head_importance` result (or a merge)."""
+    a = df.attrs
+    method = a.get("importance_method", a.get("method"))
+    if method is None and "method" in df.columns:
+        method = df["method"].iloc[0]
+    ablation = a.get("importance_ablation", a.get("ablation"))
+    if ablation is None and "ablation" in df.columns:
+        ablation = df["ablation"].iloc[0]
+    parts = [str(a.get("model", ""))]
+    if method:
+        parts.append(f"{method} of {ablation} ablation" if method == "attribution"
+                     else f"{method} ablation")  # fmt: skip
+    if "n_seqs" in a:
+        parts.append(f"{a['n_seqs']} seqs × {a.get('seq_len')} tokens")
+    if "clean_loss" in df.columns:
+        parts.append(f"clean loss {float(df['clean_loss'].iloc[0]):.3f} nats")
+    return " · ".join(p for p in parts if p)
+
+
+@_notebook_figure
+def importance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Layers x heads heatmap of ``delta_loss``: what removing each head costs (nats).
+
+    Takes :func:`headsurgeon.head_importance` output, or a classified census merged with it
+    (then BOS-sink ○ and dead × heads are marked as in :func:`head_grid`). The diverging colour
+    scale is centred on 0: red heads raise the loss when removed, blue ones lower it.
+    """
+    _check(df, ["layer", "head", "delta_loss"], "importance table")
+    bound = max(float(np.nanmax(np.abs(df["delta_loss"].to_numpy()))), 1e-9)
+    fig = head_grid(df, "delta_loss", colorscale="RdBu_r", zrange=(-bound, bound))
+    fig.update_traces(colorbar_title_text="Δ loss (nats)", selector={"type": "heatmap"})
+    n_layers, n_heads = _shape(df)
+    default = "Head importance: loss increase when the head is removed"
+    _layout(fig, title or default, _importance_subtitle(df),
+            _plot_size(n_layers, n_heads, _cell(n_heads)))  # fmt: skip
+    return fig
+
+
+IMPORTANCE_MARKERS = {  # label -> marker; healthy darker than in label_grid, for a white plot
+    "healthy": {"symbol": "circle", "color": "#999999", "line": {"color": "white", "width": 0.5}},
+    "BOS-sink": {"symbol": "circle", "color": OKABE_ITO["orange"], "line": {"color": "black"}},
+    "dead": {"symbol": "x", "color": OKABE_ITO["black"], "line": {"color": "white", "width": 0.5}},
+}
+
+
+@_notebook_figure
+def bos_vs_importance(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """BOS mass against ``delta_loss`` per head, coloured by label: which sinks are dormant.
+
+    Takes a classified census merged with :func:`headsurgeon.head_importance` on ``layer`` and
+    ``head`` (columns ``bos_mass``, ``label``, ``delta_loss``; ``delta_loss_se`` draws error
+    bars). A sink near the zero line is dormant (removing it costs nothing); one above it works.
+    """
+    _check(df, ["layer", "head", "bos_mass", "label", "delta_loss"], "merged table")
+    fig = go.Figure()
+    for label, marker in IMPORTANCE_MARKERS.items():
+        rows = df[df["label"] == label]
+        if rows.empty:
+            continue
+        bars = {"thickness": 1, "width": 0, "color": "#BBBBBB"}
+        if "delta_loss_se" in rows.columns:
+            bars["array"] = rows["delta_loss_se"]
+        fig.add_trace(
+            go.Scatter(
+                x=rows["bos_mass"],
+                y=rows["delta_loss"],
+                mode="markers",
+                name=f"{label} ({len(rows)})",
+                marker={**marker, "size": 10 if label == "healthy" else 12},
+                error_y=bars if "array" in bars else None,
+                customdata=np.stack([rows["layer"], rows["head"]], axis=-1),
+                hovertemplate="<b>L%{customdata[0]}H%{customdata[1]}</b><br>BOS mass %{x:.3f}"
+                "<br>Δ loss %{y:.4g} nats<extra>" + label + "</extra>",
+            )
+        )
+    fig.add_hline(y=0, line={"color": "#666666", "width": 1, "dash": "dot"})
+    fig.update_xaxes(title_text="BOS mass", range=[-0.02, 1.02], ticks="outside",
+                     showgrid=True, gridcolor="#EEEEEE", zeroline=False)  # fmt: skip
+    fig.update_yaxes(title_text="Δ loss when removed (nats)", ticks="outside", showgrid=True,
+                     gridcolor="#EEEEEE", zeroline=False)  # fmt: skip
+    default = "Attention sinks against causal importance"
+    _layout(fig, title or default, _importance_subtitle(df), (520, 380), colorbar=False)
     return fig

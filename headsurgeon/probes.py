@@ -34,8 +34,8 @@ from transformer_lens import HookedTransformer
 from transformer_lens.hook_points import HookPoint
 
 from headsurgeon.data import batches
-from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.progress import tqdm
+from headsurgeon.validation import check_int
 
 __all__ = [
     "PATTERN_STATS",
@@ -229,8 +229,7 @@ def stream(
     Gradients are off and the pass stops after block ``stop_at_layer - 1`` (default: the last
     block), so neither the final LayerNorm nor the unembedding is computed.
     """
-    if batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be positive, got {batch_size}")
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
     stop = model.cfg.n_layers if stop_at_layer is None else stop_at_layer
     device = torch.device(model.cfg.device or "cpu")
     n_batches = -(-tokens.shape[0] // batch_size)

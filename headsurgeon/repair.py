@@ -3,9 +3,11 @@
 Exports:
     repair(model, corpus, ...)          the pipeline; returns a :class:`RepairResult`
     RepairConfig                        its settings (census, classification, surgery, training)
-    RepairResult, PassResult            per-pass targets, recoveries, drift, perplexities, censuses
+    RepairResult, PassResult            per-pass targets, recoveries, drift, collateral damage,
+                                        perplexities, censuses and the verdict
     recommended_config(model, ...)      the fine-tuning settings the model recommends
     DRIFT_THRESHOLD, RUN_FILE           the default drift criterion; the work folder's run file
+    MAX_PPL_INCREASE                    the default tolerance on held-out perplexity
 
 The report folder (``report.md``, figures, ``model/``) is :func:`headsurgeon.reports.write_report`;
 the command line, ``python -m headsurgeon.repair`` (``--help`` lists options), is
@@ -18,6 +20,14 @@ explicit head set, plus any ``include`` heads (the paper's "extended surgery" of
 later passes target the heads still sick (within the explicit set and ``include``, if given),
 until none is left or ``passes`` is reached. A frozen head "drifts" when its BOS mass moves by
 more than ``drift_threshold`` (0.05, the paper's criterion) during a pass.
+
+A pass *damages* the model when, against the model before the first pass, held-out perplexity
+rose by more than ``max_ppl_increase`` (relative; default 10%) or more than ``max_collateral``
+(default 0) frozen heads that were healthy turned sick (collateral damage); a non-finite
+perplexity is damage. A damaged pass recovers nothing and ends the run, which then fails
+(:attr:`RepairResult.ok`). The model left in place is that of the best pass that did no damage
+(most targets healthy, then the lowest held-out perplexity); with none, the model gets its
+original weights back.
 
 With ``work_dir`` every finished pass and every fine-tuning checkpoint is kept there, so
 ``resume=True`` continues an interrupted run where it stopped, bit-identical on CPU. The CLI keeps
@@ -74,6 +84,7 @@ from headsurgeon.surgery import HEAD_TENSORS, INITS, Heads, HeadSet, check_surge
 
 __all__ = [
     "DRIFT_THRESHOLD",
+    "MAX_PPL_INCREASE",
     "RUN_FILE",
     "PassResult",
     "RepairConfig",
@@ -85,16 +96,25 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DRIFT_THRESHOLD = 0.05
+# A repair usually lowers held-out perplexity (organism-injured: 39.44 -> 37.94); repairing on one
+# domain costs another a few percent (Python docs only: +1.9% on the held-out mix). 10% allows
+# that and fails a diverged run (lr 1: x700).
+MAX_PPL_INCREASE = 0.10
 RUN_FILE = "run.json"
+# Settings that judge a run but do not change its training: a resume may change them.
+_VERDICT_SETTINGS = ("max_ppl_increase", "max_collateral")
 
 
 @dataclasses.dataclass
 class PassResult:
     """One pass: what it targeted, what recovered, what drifted, and the model before and after.
 
-    ``recovered``: targets labelled healthy after the pass; ``still_sick``: the other targets;
-    ``drifted``: heads frozen in this pass whose BOS mass moved by more than the drift threshold.
-    Perplexities are ``{"train": ..., "heldout": ...}``.
+    ``recovered``: targets labelled healthy after the pass, none if the pass damaged the model;
+    ``still_sick``: the other targets; ``drifted``: heads frozen in this pass whose BOS mass moved
+    by more than the drift threshold. Against the model before the first pass: ``collateral``,
+    the heads healthy there, targeted by no pass so far and sick after this one;
+    ``perplexity_change``, the relative change of each perplexity; ``failure``, why the pass
+    counts as damage (None: it does not). Perplexities are ``{"train": ..., "heldout": ...}``.
     """
 
     index: int
@@ -107,6 +127,13 @@ class PassResult:
     perplexity_before: dict[str, float]
     perplexity_after: dict[str, float]
     training: FinetuneResult
+    collateral: HeadSet = dataclasses.field(default_factory=HeadSet)
+    perplexity_change: dict[str, float] = dataclasses.field(default_factory=dict)
+    failure: str | None = None
+
+    @property
+    def damaged(self) -> bool:
+        return self.failure is not None
 
     @property
     def recovery_rate(self) -> float:
@@ -132,8 +159,12 @@ class PassResult:
             "recovered": self.recovered.names(),
             "still_sick": self.still_sick.names(),
             "recovery_rate": self.recovery_rate,
+            "verdict": "damaged" if self.damaged else "ok",
+            "failure_reason": self.failure,
+            "collateral": {"count": len(self.collateral), "heads": self.collateral.names()},
             "perplexity_before": self.perplexity_before,
             "perplexity_after": self.perplexity_after,
+            "perplexity_change": self.perplexity_change,
             "drift": {"count": len(self.drifted), "heads": self.drifted.names()},
             "healthy_before": _healthy(self.census_before),
             "healthy_after": _healthy(self.census_after),
@@ -150,11 +181,14 @@ class PassResult:
 
 @dataclasses.dataclass
 class RepairResult:
-    """A whole repair run. ``model`` is the repaired model (edited in place).
+    """A whole repair run. ``model`` (edited in place) holds the model of pass ``best_pass``, the
+    best pass that did not damage it; with none (``best_pass`` None) its original weights.
 
-    ``targeted`` is every head some pass targeted; ``recovered`` those healthy in the final census;
-    ``drifted`` the heads no pass targeted whose BOS mass moved by more than the drift threshold
-    between the first and the final census.
+    ``census_after`` is the census of that model. ``targeted`` is every head some pass targeted;
+    ``recovered`` those healthy in ``census_after`` (none without a ``best_pass``); ``drifted``
+    the heads no pass targeted whose BOS mass moved by more than the drift threshold between the
+    first census and ``census_after``. ``ok`` is False when some pass damaged the model
+    (``failure_reason`` says which and why; see :class:`PassResult`).
     """
 
     model: HookedTransformer
@@ -163,6 +197,28 @@ class RepairResult:
     census_after: pd.DataFrame
     settings: dict[str, Any]
     drift_threshold: float = DRIFT_THRESHOLD
+    best_pass: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.damaged for p in self.passes)
+
+    @property
+    def failure_reason(self) -> str | None:
+        """Which pass damaged the model and why, and which model ``model`` holds; None if ok."""
+        damaged = [p for p in self.passes if p.damaged]
+        if not damaged:
+            return None
+        kept = (
+            f"the model of pass {self.best_pass} is kept"
+            if self.best_pass is not None
+            else "no pass is acceptable, so no repaired model is kept"
+        )
+        return f"pass {damaged[0].index} damaged the model ({damaged[0].failure}); {kept}"
+
+    @property
+    def best(self) -> PassResult | None:
+        return None if self.best_pass is None else self.passes[self.best_pass - 1]
 
     @property
     def targeted(self) -> HeadSet:
@@ -173,8 +229,15 @@ class RepairResult:
 
     @property
     def recovered(self) -> HeadSet:
+        if self.best_pass is None:
+            return HeadSet()
         healthy = HeadSet.from_labels(self.census_after, labels=["healthy"])
         return self.targeted & healthy
+
+    @property
+    def collateral(self) -> HeadSet:
+        """Frozen heads healthy before the first pass and sick in ``model``."""
+        return HeadSet() if self.best is None else self.best.collateral
 
     @property
     def still_sick(self) -> HeadSet:
@@ -195,8 +258,16 @@ class RepairResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The content of ``report.json``."""
+        best = self.best
         return {
             "model": model_info(self.model).name,
+            "verdict": "ok" if self.ok else "failed",
+            "failure_reason": self.failure_reason,
+            "best_pass": self.best_pass,
+            "max_ppl_increase": self.settings["max_ppl_increase"],
+            "max_collateral": self.settings["max_collateral"],
+            "collateral": {"count": len(self.collateral), "heads": self.collateral.names()},
+            "perplexity_change": None if best is None else best.perplexity_change,
             "n_heads": len(self.census_before),
             "targeted": self.targeted.names(),
             "recovered": self.recovered.names(),
@@ -291,15 +362,8 @@ class _WorkDir:
         if self.rank != 0:
             return
         folder = self.pass_dir(result.index)
-        slices = {
-            f"blocks.{layer}.attn.{name}": getattr(model.blocks[layer].attn, name)
-            .detach()[torch.tensor(heads)]
-            .clone()
-            for layer, heads in result.targeted.by_layer().items()
-            for name in HEAD_TENSORS
-        }
         buffer = io.BytesIO()
-        torch.save(slices, buffer)
+        torch.save(_head_slices(model, result.targeted), buffer)
         atomic_write_bytes(folder / "heads.pt", buffer.getvalue())
         training = result.training
         self.save_census(
@@ -332,11 +396,7 @@ class _WorkDir:
                 "resume with the same options or start a new output folder"
             )
         slices = torch.load(folder / "heads.pt", map_location="cpu", weights_only=True)
-        with torch.no_grad():
-            for name, values in slices.items():
-                layer = int(name.split(".")[1])
-                index_ = torch.tensor(targets.by_layer()[layer])
-                model.get_parameter(name)[index_] = values.to(model.cfg.device)
+        _load_head_slices(model, targets, slices)
         training = FinetuneResult(
             heads=targets,
             config=config,
@@ -348,6 +408,28 @@ class _WorkDir:
             resumed_from=record["resumed_from"],
         )
         return census, record, training
+
+
+def _head_slices(model: HookedTransformer, heads: HeadSet) -> dict[str, torch.Tensor]:
+    """Copies (on the CPU) of the heads' slices of every per-head tensor, by parameter name."""
+    return {
+        f"blocks.{layer}.attn.{name}": getattr(model.blocks[layer].attn, name)
+        .detach()[torch.tensor(indices)]
+        .to("cpu", copy=True)
+        for layer, indices in heads.by_layer().items()
+        for name in HEAD_TENSORS
+    }
+
+
+def _load_head_slices(
+    model: HookedTransformer, heads: HeadSet, slices: dict[str, torch.Tensor]
+) -> None:
+    """Write slices taken by :func:`_head_slices` for ``heads`` back into ``model``."""
+    with torch.no_grad():
+        for name, values in slices.items():
+            layer = int(name.split(".")[1])
+            index = torch.tensor(heads.by_layer()[layer])
+            model.get_parameter(name)[index] = values.to(model.cfg.device)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -365,13 +447,20 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _agree(heads: HeadSet) -> HeadSet:
-    """Rank 0's head set on every rank (censuses on GPUs may differ in the last bit)."""
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (censuses and perplexities on GPUs may differ in the last
+    bit, and every rank must take the same decisions)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return heads
-    box = [str(heads)]
+        return value
+    box = [value]
     dist.broadcast_object_list(box, src=0)
-    return HeadSet.parse(box[0]) if box[0] else HeadSet()
+    return box[0]
+
+
+def _agree(heads: HeadSet) -> HeadSet:
+    """Rank 0's head set on every rank."""
+    text = _from_rank0(str(heads))
+    return HeadSet.parse(text) if text else HeadSet()
 
 
 def _default_train_data() -> list[str]:
@@ -405,7 +494,9 @@ class RepairConfig:
     """Settings of a repair run, validated on creation (see :func:`repair` for each one).
 
     Census and classification: ``census_seq_len``, ``census_n_seqs``, ``min_query_pos``,
-    ``thresholds``. Surgery: ``passes``, ``init``, ``seed``, ``drift_threshold``. Data:
+    ``thresholds``. Surgery: ``passes``, ``init``, ``seed``, ``drift_threshold``. Verdict:
+    ``max_ppl_increase`` (relative, >= 0; ``math.inf`` ignores perplexity) and
+    ``max_collateral`` (frozen heads that may turn sick; see :class:`PassResult`). Data:
     ``train_seq_len`` (default: the model's training length, at most 512), ``n_eval_seqs``,
     ``prepend_bos``. Training: ``finetune`` (default: :func:`recommended_config`) and
     ``save_dtype`` (default: the checkpoint's dtype, else the model's).
@@ -430,6 +521,8 @@ class RepairConfig:
     drift_threshold: float = DRIFT_THRESHOLD
     finetune: FinetuneConfig | None = None
     save_dtype: str | torch.dtype | None = None
+    max_ppl_increase: float = MAX_PPL_INCREASE
+    max_collateral: int = 0
 
     def __post_init__(self) -> None:
         if self.finetune is not None:
@@ -441,6 +534,15 @@ class RepairConfig:
             raise InvalidArgumentError(f"drift_threshold must lie in (0, 1), got {drift_threshold}")
         if self.init not in INITS:
             raise InvalidArgumentError(f"unknown init {self.init!r}; use one of {', '.join(INITS)}")
+        increase, collateral = self.max_ppl_increase, self.max_collateral
+        if isinstance(increase, bool) or not isinstance(increase, int | float) or not increase >= 0:
+            raise InvalidArgumentError(
+                f"max_ppl_increase must be a number >= 0 (0.1 = 10%), got {increase!r}"
+            )
+        if isinstance(collateral, bool) or not isinstance(collateral, int) or collateral < 0:
+            raise InvalidArgumentError(
+                f"max_collateral must be an integer >= 0, got {collateral!r}"
+            )
         if self.train_seq_len is not None and self.train_seq_len < 2:
             raise InvalidArgumentError(
                 f"the training sequence length must be >= 2, got {self.train_seq_len}"
@@ -520,6 +622,8 @@ def _settings(
         "seed": config.seed,
         "thresholds": dataclasses.asdict(config.thresholds),
         "drift_threshold": config.drift_threshold,
+        "max_ppl_increase": config.max_ppl_increase,
+        "max_collateral": config.max_collateral,
         "finetune": dataclasses.asdict(config.finetune),
         "train_data": data.train_desc,
         "train_sequences": list(data.train.shape),
@@ -545,7 +649,8 @@ def _resolve(model: HookedTransformer, config: RepairConfig) -> RepairConfig:
 
 
 class _Run:
-    """One repair run's steps: a census, the perplexities, choosing targets, a pass."""
+    """One repair run's steps: a census, the perplexities, choosing targets, a pass, its verdict,
+    and going back to the best pass."""
 
     def __init__(
         self, model: HookedTransformer, config: RepairConfig, data: _Data,
@@ -554,6 +659,7 @@ class _Run:
         self.model, self.config, self.data, self.settings = model, config, data, settings
         self.finetune_config: FinetuneConfig = config.finetune  # resolved by _resolve
         self.work, self.resume, self.progress = work, resume, progress
+        self.undo: list[tuple[HeadSet, dict[str, torch.Tensor]]] = []  # targets' slices, per pass
 
     def census(self) -> pd.DataFrame:
         measured = run_census(
@@ -578,9 +684,10 @@ class _Run:
         """The census and perplexities before any pass (stored in the work folder, if any)."""
         work = self.work
         if work is not None:
+            training = {k: v for k, v in self.settings.items() if k not in _VERDICT_SETTINGS}
             identity = {
                 "model": weights_digest(self.model),
-                "settings": json.loads(json.dumps(self.settings)),
+                "settings": json.loads(json.dumps(training)),
             }
             work.start(identity, self.resume)
         stored = work.load_census("census_0") if work is not None else None
@@ -595,10 +702,13 @@ class _Run:
         return current, ppl
 
     def run_pass(
-        self, index: int, targets: HeadSet, current: pd.DataFrame, ppl: dict[str, float]
-    ) -> PassResult:
-        """Pass ``index`` on ``targets`` (loaded from the work folder when it finished there)."""
+        self, index: int, targets: HeadSet, current: pd.DataFrame, ppl: dict[str, float],
+        start: tuple[pd.DataFrame, dict[str, float], HeadSet],
+    ) -> PassResult:  # fmt: skip
+        """Pass ``index`` on ``targets`` (loaded from the work folder when it finished there),
+        judged against ``start``: the first census, its perplexities and the earlier targets."""
         work, model = self.work, self.model
+        self.undo.append((targets, _head_slices(model, targets)))
         loaded = (
             work.load_pass(index, targets, model, self.finetune_config)
             if work is not None
@@ -610,7 +720,13 @@ class _Run:
             logger.info("pass %d: loaded from %s", index, work.pass_dir(index))
         else:
             after, ppl_after, training = self._train_pass(index, targets)
-        healthy = HeadSet.from_labels(after, labels=["healthy"])
+        first, first_ppl, earlier = start
+        collateral = (
+            HeadSet.from_labels(first, labels=["healthy"]) - _healthy_set(after) - earlier - targets
+        )
+        change = {split: ppl_after[split] / first_ppl[split] - 1 for split in ("train", "heldout")}
+        failure = _from_rank0(_failure(first_ppl, ppl_after, change, collateral, self.config))
+        healthy = HeadSet() if failure is not None else _healthy_set(after)
         result = PassResult(
             index=index,
             targeted=targets,
@@ -622,15 +738,27 @@ class _Run:
             perplexity_before=ppl,
             perplexity_after=ppl_after,
             training=training,
+            collateral=collateral,
+            perplexity_change=change,
+            failure=failure,
         )
         if work is not None and loaded is None:
             work.save_pass(result, model)
         logger.info(
-            "pass %d: %d/%d recovered, %d frozen heads drifted; perplexity %s",
-            index, len(result.recovered), len(targets), len(result.drifted),
+            "pass %d: %d/%d recovered, %d frozen heads drifted, %d turned sick; perplexity %s",
+            index, len(result.recovered), len(targets), len(result.drifted), len(collateral),
             _format_ppl(ppl_after),
         )  # fmt: skip
+        if failure is not None:
+            logger.warning("pass %d damaged the model: %s", index, failure)
         return result
+
+    def go_back_to(self, index: int | None) -> None:
+        """Undo the passes after pass ``index`` (all of them for None), latest first."""
+        kept = 0 if index is None else index
+        while len(self.undo) > kept:
+            heads, slices = self.undo.pop()
+            _load_head_slices(self.model, heads, slices)
 
     def _train_pass(
         self, index: int, targets: HeadSet
@@ -651,6 +779,42 @@ class _Run:
         )
         _round_heads(self.model, targets, self.config.save_dtype)
         return self.census(), self.perplexities(), training
+
+
+def _healthy_set(census: pd.DataFrame) -> HeadSet:
+    return HeadSet.from_labels(census, labels=["healthy"])
+
+
+def _failure(
+    first_ppl: dict[str, float], ppl_after: dict[str, float], change: dict[str, float],
+    collateral: HeadSet, config: RepairConfig,
+) -> str | None:  # fmt: skip
+    """Why a pass with these perplexities and collateral heads counts as damage; None if not."""
+    problems = []
+    if not change["heldout"] <= config.max_ppl_increase:  # NaN included
+        problems.append(
+            f"held-out perplexity {first_ppl['heldout']:.2f} -> {ppl_after['heldout']:.2f} "
+            f"({change['heldout']:+.1%}, at most +{config.max_ppl_increase:.0%} allowed)"
+        )
+    if len(collateral) > config.max_collateral:
+        problems.append(
+            f"{len(collateral)} healthy frozen head(s) turned sick ({collateral}; at most "
+            f"{config.max_collateral} allowed)"
+        )
+    return "; ".join(problems) or None
+
+
+def _best_pass(results: list[PassResult]) -> int | None:
+    """The pass with the most targets healthy after it, then the lowest held-out perplexity,
+    among those that did no damage; None if every pass did."""
+    targeted = HeadSet()
+    ranked = []
+    for p in results:
+        targeted = targeted | p.targeted
+        if not p.damaged:
+            healthy = len(targeted & _healthy_set(p.census_after))
+            ranked.append((-healthy, p.perplexity_after["heldout"], p.index))
+    return _from_rank0(min(ranked)[2] if ranked else None)
 
 
 def _targets(index: int, census: pd.DataFrame, heads: HeadSet | None, include: HeadSet) -> HeadSet:
@@ -686,6 +850,8 @@ def repair(
     n_eval_seqs: int = _DEFAULTS.n_eval_seqs,
     drift_threshold: float = _DEFAULTS.drift_threshold,
     save_dtype: str | torch.dtype | None = None,
+    max_ppl_increase: float = _DEFAULTS.max_ppl_increase,
+    max_collateral: int = _DEFAULTS.max_collateral,
     work_dir: str | os.PathLike | None = None,
     resume: bool = False,
     progress: bool = True,
@@ -715,6 +881,11 @@ def repair(
     The trained slices are rounded through ``save_dtype`` after each pass (default: the dtype of
     the checkpoint the model was loaded from, else the model's own), so every number measured
     after a pass is that of the model as :func:`headsurgeon.save_hf` writes it in that dtype.
+
+    A pass that raises held-out perplexity by more than ``max_ppl_increase`` (relative to the
+    model as given) or turns more than ``max_collateral`` healthy frozen heads sick damages the
+    model: it recovers nothing, the run stops and fails (``ok`` False), and ``model`` goes back to
+    the best pass that did no damage, or to its original weights (see :class:`RepairResult`).
     """
     check_surgery(model)  # before any census or training
     keywords = {
@@ -723,6 +894,7 @@ def repair(
         "min_query_pos": min_query_pos, "prepend_bos": prepend_bos,
         "train_seq_len": train_seq_len, "n_eval_seqs": n_eval_seqs,
         "drift_threshold": drift_threshold, "finetune": finetune_config, "save_dtype": save_dtype,
+        "max_ppl_increase": max_ppl_increase, "max_collateral": max_collateral,
     }  # fmt: skip
     config = _config_from(model, config, keywords)
     heads = None if heads is None else HeadSet.of(heads, model)
@@ -738,8 +910,9 @@ def repair(
     run = _Run(model, config, data, settings, work, resume, progress)
 
     current, ppl = run.first_census()
-    first = current
+    first, first_ppl = current, ppl
     results: list[PassResult] = []
+    targeted = HeadSet()
     for index in range(1, config.passes + 1):
         targets = _targets(index, current, heads, include)
         if not targets:
@@ -750,16 +923,23 @@ def repair(
                 )
             logger.info("pass %d: no sick heads left, stopping", index)
             break
-        result = run.run_pass(index, targets, current, ppl)
+        result = run.run_pass(index, targets, current, ppl, (first, first_ppl, targeted))
         results.append(result)
-        current, ppl = result.census_after, result.perplexity_after
+        if result.damaged:
+            break  # the next targets would come from a damaged model
+        current, ppl, targeted = result.census_after, result.perplexity_after, targeted | targets
+    best = _best_pass(results)
+    if best != results[-1].index:
+        logger.info("keeping the model of %s", f"pass {best}" if best else "no pass (original)")
+    run.go_back_to(best)
     return RepairResult(
         model=model,
         passes=results,
         census_before=first,
-        census_after=current,
+        census_after=first if best is None else results[best - 1].census_after,
         settings=settings,
         drift_threshold=config.drift_threshold,
+        best_pass=best,
     )
 
 

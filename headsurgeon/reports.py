@@ -273,33 +273,71 @@ def training_plot(result: RepairResult) -> go.Figure:
     return plots.style(fig, title=title, width=1400, height=380, template="simple_white")
 
 
-def _markdown(report: dict[str, Any], figures: Sequence[str], formats: Sequence[str]) -> str:
-    def heads(names: list[str]) -> str:
-        return str(HeadSet(_pairs(names))) if names else "none"
+def _heads(names: list[str]) -> str:
+    return str(HeadSet(_pairs(names))) if names else "none"
 
+
+def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
+    """The verdict paragraph of report.md: failed or not, which model is kept, and its damage."""
+    limit = report["max_ppl_increase"]
+    limits = (
+        f"Damage limits: held-out perplexity at most "
+        f"{'unlimited' if limit is None else f'+{limit:.0%}'} over the model before repair, at "
+        f"most {report['max_collateral']} healthy frozen head(s) turning sick."
+    )
+    best = report["best_pass"]
+    if best is None:
+        kept = "No pass is acceptable: the report has no repaired model" + (
+            "." if not model_dir else " and no `model/` is written."
+        )
+        return [f"**Verdict: {report['verdict']}**: {report['failure_reason']}.", kept, limits]
+    ppl, change = report["perplexity"], report["perplexity_change"]
+    after = {split: report["passes"][best - 1]["perplexity_after"][split] for split in ppl}
+    costs = ", ".join(
+        f"{name} perplexity {ppl[split][0]:.3f} → {after[split]:.3f} ({change[split]:+.1%})"
+        for name, split in (("held-out", "heldout"), ("training", "train"))
+    )
+    headline = (
+        f"**Verdict: failed**: {report['failure_reason']}."
+        if report["verdict"] == "failed"
+        else "**Verdict: ok**: no pass damaged the model."
+    )
+    return [
+        headline,
+        f"Kept model{' (`model/`)' if model_dir else ''}: pass {best}; {costs}; healthy frozen "
+        f"heads turned sick: {_heads(report['collateral']['heads'])}.",
+        limits,
+    ]
+
+
+def _markdown(
+    report: dict[str, Any], figures: Sequence[str], formats: Sequence[str], model_dir: bool
+) -> str:
     ppl = report["perplexity"]
     lines = [
         f"# Repair of {report['model']}",
         "",
+        *_verdict(report, model_dir),
+        "",
         f"Heads targeted: **{len(report['targeted'])}**, recovered (healthy after): "
         f"**{len(report['recovered'])}** ({report['recovery_rate']:.1%}); still sick: "
-        f"{heads(report['still_sick'])}.",
+        f"{_heads(report['still_sick'])}.",
         f"Healthy heads: {report['healthy_before']} → {report['healthy_after']} of "
-        f"{report['n_heads']}. Frozen heads that drifted (|Δ BOS mass| > "
+        f"{report['n_heads']} (the kept model). Frozen heads that drifted (|Δ BOS mass| > "
         f"{report['drift']['threshold']}): {report['drift']['count']}.",
         "",
-        "| stage | targeted | recovered | rate | still sick | drifted | train PPL | "
-        "held-out PPL | healthy |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| before | | | | | | {ppl['train'][0]:.3f} | {ppl['heldout'][0]:.3f} | "
-        f"{report['healthy_before']} |",
+        "| stage | targeted | recovered | rate | still sick | drifted | turned sick | "
+        "train PPL | held-out PPL | healthy | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| before | | | | | | | {ppl['train'][0]:.3f} | {ppl['heldout'][0]:.3f} | "
+        f"{report['healthy_before']} | |",
     ]
     for p in report["passes"]:
         lines.append(
             f"| pass {p['pass']} | {len(p['targeted'])} | {len(p['recovered'])} | "
             f"{p['recovery_rate']:.1%} | {len(p['still_sick'])} | {p['drift']['count']} | "
-            f"{p['perplexity_after']['train']:.3f} | {p['perplexity_after']['heldout']:.3f} | "
-            f"{p['healthy_after']} |"
+            f"{p['collateral']['count']} | {p['perplexity_after']['train']:.3f} | "
+            f"{p['perplexity_after']['heldout']:.3f} | {p['healthy_after']} | {p['verdict']} |"
         )
     lines += [""]
     for p in report["passes"]:
@@ -307,10 +345,14 @@ def _markdown(report: dict[str, Any], figures: Sequence[str], formats: Sequence[
         lines += [
             f"## Pass {p['pass']}",
             "",
-            f"- targeted: {heads(p['targeted'])}",
-            f"- recovered: {heads(p['recovered'])}",
-            f"- still sick: {heads(p['still_sick'])}",
-            f"- drifted frozen heads: {heads(p['drift']['heads'])}",
+            f"- targeted: {_heads(p['targeted'])}",
+            f"- recovered: {_heads(p['recovered'])}",
+            f"- still sick: {_heads(p['still_sick'])}",
+            f"- drifted frozen heads: {_heads(p['drift']['heads'])}",
+            f"- healthy frozen heads turned sick: {_heads(p['collateral']['heads'])}",
+            f"- verdict: {p['verdict']}"
+            + (f" ({p['failure_reason']}; it counts no head recovered)" if p["failure_reason"]
+               else ""),
             f"- fine-tuning: {training['steps']} steps"
             + (f", stopped early (best step {training['best_step']})"
                if training["stopped_early"] else "")
@@ -358,7 +400,8 @@ def write_report(
     ``census_pass<N>.csv`` after each earlier pass, ``training_pass<N>.csv`` (evaluation
     history), the figures ``labels_before``, ``labels_after``, ``bos_mass_diff`` (whole run),
     ``pass<N>_bos_mass_diff`` and ``training`` in each of ``formats``, and ``model/``, the repaired
-    model as a Hugging Face checkpoint (unless ``save_model=False``). ``formats=None`` writes
+    model (the best pass that did not damage it) as a Hugging Face checkpoint (unless
+    ``save_model=False``, or no pass is acceptable: report.md then says so). ``formats=None`` writes
     html, and png when a Chromium browser is found (else one warning names the skipped PNGs and
     report.md links only what was written); static formats given explicitly need a browser
     (:func:`headsurgeon.plots.split_formats`), checked before anything is written.
@@ -383,7 +426,8 @@ def write_report(
     figures["training"] = training_plot(result)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")
-        atomic_write_text(tmp / "report.md", _markdown(report, list(figures), written))
+        markdown = _markdown(report, list(figures), written, model_dir=save_model)
+        atomic_write_text(tmp / "report.md", markdown)
         atomic_write_text(tmp / "census_before.csv", result.census_before.to_csv(index=False))
         atomic_write_text(tmp / "census_after.csv", result.census_after.to_csv(index=False))
         for p in result.passes:
@@ -394,7 +438,7 @@ def write_report(
                 tmp / f"training_pass{p.index}.csv", p.training.history.to_csv(index=False)
             )
         skipped = plots.save_figures(figures, tmp, formats)
-        if save_model:
+        if save_model and result.best_pass is not None:  # no acceptable pass: no model
             save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
     plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)
@@ -413,7 +457,7 @@ def blindness_summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurem
             f"{analytic.attrs['bias']} ALiBi; share of a {context_length}-token context blind"
         )
         layer0 = analytic[analytic["layer"] == 0]
-        for (dtype, threshold), rows in layer0.groupby(["dtype", "threshold"], sort=False):
+        for (dtype, limit), rows in layer0.groupby(["dtype", "limit"], sort=False):
             steep = rows.sort_values("slope", ascending=False).head(4)
             heads = ", ".join(
                 f"h{h}={d:.4g}" for h, d in zip(steep["head"], steep["blind_distance"], strict=True)
@@ -421,7 +465,7 @@ def blindness_summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurem
             share = alibi.blind_share(
                 torch.tensor(rows["blind_distance"].to_numpy()), context_length
             )
-            lines.append(f"  {dtype:9s} {threshold:9s} {heads}  | share {share:.1%}")
+            lines.append(f"  {dtype:9s} {limit:9s} {heads}  | share {share:.1%}")
     if measured is not None:
         lines.append(
             f"measured ({measured.convention} convention, {measured.n_seqs} × {measured.seq_len} "

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import pandas as pd
@@ -44,6 +44,7 @@ from transformer_lens import HookedTransformer
 
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import ModelShape, model_shape
+from headsurgeon.validation import check_choice, check_int
 
 __all__ = [
     "HEAD_TENSORS",
@@ -83,6 +84,20 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _pair(item: object) -> tuple[int, int]:
+    """One ``(layer, head)`` pair of non-negative integers (numpy ints and rows count)."""
+    if isinstance(item, (str, bytes)) or not hasattr(item, "__len__") or len(item) != 2:
+        hint = " (text goes through HeadSet.of or HeadSet.parse)" if isinstance(item, str) else ""
+        raise InvalidArgumentError(
+            f"cannot read head {_short(item)}: give (layer, head) pairs of integers{hint}"
+        )
+    layer, head = item
+    return (
+        check_int(layer, f"the layer of head {_short(item)}", minimum=0),
+        check_int(head, f"the head index of head {_short(item)}", minimum=0),
+    )
+
+
 def _ints(heads: object) -> list[int]:
     """A layer's heads in a ``{layer: heads}`` mapping: one int or a list of ints."""
     items = [heads] if isinstance(heads, int) else heads
@@ -108,15 +123,17 @@ class HeadSet:
     """
 
     def __init__(self, heads: Iterable[tuple[int, int]] = ()) -> None:
-        pairs = [(int(layer), int(head)) for layer, head in heads]
+        if isinstance(heads, (str, bytes, Mapping)) or not isinstance(heads, Iterable):
+            raise InvalidArgumentError(
+                f"HeadSet() takes (layer, head) pairs, got {_short(heads)}; for text such as "
+                "'L5H9-11' or {layer: [heads]} use HeadSet.of"
+            )
         seen: set[tuple[int, int]] = set()
-        for pair in pairs:
+        for pair in map(_pair, heads):
             if pair in seen:
                 raise InvalidArgumentError(
                     f"head {_name(*pair)} is listed twice; list each head once"
                 )
-            if pair[0] < 0 or pair[1] < 0:
-                raise InvalidArgumentError(f"head {pair} has a negative index; indices start at 0")
             seen.add(pair)
         self._heads: tuple[tuple[int, int], ...] = tuple(sorted(seen))
 
@@ -141,11 +158,7 @@ class HeadSet:
         elif isinstance(heads, Mapping):
             chosen = cls((layer, head) for layer, hs in heads.items() for head in _ints(hs))
         elif isinstance(heads, Iterable):
-            pairs = list(heads)
-            if not all(isinstance(p, Sequence) and not isinstance(p, str) and len(p) == 2
-                       for p in pairs):  # fmt: skip
-                raise InvalidArgumentError(_HEADS_FORMS.format(heads=_short(heads)))
-            chosen = cls(pairs)
+            chosen = cls(heads)
         else:
             raise InvalidArgumentError(_HEADS_FORMS.format(heads=_short(heads)))
         return chosen.validate(model) if model is not None else chosen
@@ -299,8 +312,8 @@ def reinit_heads(
     other head stay untouched. Heads draw from their own seeded generator: the same ``seed`` gives
     the same weights for a head whichever other heads are in ``heads``.
     """
-    if init not in INITS:
-        raise InvalidArgumentError(f"unknown init {init!r}; use one of {', '.join(INITS)}")
+    check_choice(init, "init", INITS)
+    seed = check_int(seed, "seed")  # "1" and 1 would hash to the same weights
     check_surgery(model)
     heads = HeadSet.of(heads, model)
     fill = getattr(nn.init, f"{init}_")

@@ -69,18 +69,18 @@ def _first_blind_distance(bias_row: torch.Tensor, t: float, capped: float | None
 def test_blind_distance_is_the_first_distance_the_bias_makes_blind(kind, params):
     m = torch.tensor([2.0, 0.5, 0.3])
     n = 4000
-    # Robust slopes are made for the dtype and threshold whose blind distance is asked for.
-    target = {"dtype": "float16", "threshold": "normal"} if kind == "robust" else {}
+    # Robust slopes are made for the dtype and underflow limit whose blind distance is asked for.
+    target = {"dtype": "float16", "limit": "normal"} if kind == "robust" else {}
     rows = alibi.bias_from_distance(kind, m, alibi.distance_rows(1, n), **params, **target)
     bias = rows[:, 0].flip(-1)  # index = distance
-    t = -alibi.log_threshold("float16", "normal")
+    t = -alibi.log_limit("float16", "normal")
     for head in range(len(m)):
         expected = _first_blind_distance(bias[head], t, params["c"] if kind == "softcap" else None)
         got = alibi.blind_distance(m[head].item(), "float16", "normal", kind, **params)
         if expected == math.inf:  # not blind within the n distances checked
             assert got >= n, (head, got)
         else:
-            # Robust slopes put the threshold exactly one position past the context, where the
+            # Robust slopes put the limit exactly one position past the context, where the
             # float32 rounding of the bias decides between two neighbouring distances.
             assert abs(got - expected) <= (1 if kind == "robust" else 0), (head, got, expected)
 
@@ -95,16 +95,16 @@ def test_bias_kinds_follow_their_formulas():
     assert torch.equal(alibi.bias_from_distance("clamped", m, d, c=1.0), standard.clamp(min=-1.0))
     assert torch.allclose(alibi.bias_from_distance("log", m, d), -m[:, None, None] * (1 + d).log())
     robust = alibi.bias_from_distance("robust", m, d, context=4, dtype="float16", mode="scale")
-    scale = -alibi.log_threshold("float16", "normal") / (4 * 0.5)
+    scale = -alibi.log_limit("float16", "normal") / (4 * 0.5)
     assert torch.allclose(robust, standard * min(1.0, scale))
 
 
-def test_robust_slopes_keep_the_whole_context_above_the_threshold():
+def test_robust_slopes_keep_the_whole_context_above_the_limit():
     m = alibi.slopes(16)
     for mode in alibi.ROBUST_MODES:
         for dtype in ("float32", "float16"):
             robust = alibi.robust_slopes(m, 2048, dtype, "normal", mode)
-            t = -alibi.log_threshold(dtype, "normal")
+            t = -alibi.log_limit(dtype, "normal")
             assert (robust.double() * 2047 < t).all()
             assert (alibi.blind_distance(robust, dtype, "normal") >= 2048).all()
     scaled = alibi.robust_slopes(m, 2048, mode="scale")
@@ -135,18 +135,18 @@ def test_blind_share_counts_entries_beyond_the_blind_distance():
     ("call", "message"),
     [
         (lambda: alibi.float_limits("float64"), "unknown dtype"),
-        (lambda: alibi.log_threshold("float32", "tiny"), "unknown threshold"),
-        (lambda: alibi.log_threshold("float32", 1.0), "natural log below 0"),
+        (lambda: alibi.log_limit("float32", "tiny"), "unknown limit"),
+        (lambda: alibi.log_limit("float32", 1.0), "natural log below 0"),
         (lambda: alibi.check_bias_params("cosine"), "unknown bias kind"),
         (lambda: alibi.check_bias_params("clamped"), "needs c"),
-        (lambda: alibi.check_bias_params("clamped", c=0.0), "c > 0"),
-        (lambda: alibi.check_bias_params("softcap", c=math.inf), "c > 0"),
+        (lambda: alibi.check_bias_params("clamped", c=0.0), "number > 0"),
+        (lambda: alibi.check_bias_params("softcap", c=math.inf), "number > 0"),
         (lambda: alibi.check_bias_params("log", c=3.0), "takes no parameter c"),
         (lambda: alibi.check_bias_params("robust"), "needs context"),
-        (lambda: alibi.check_bias_params("robust", context=0), "positive integer"),
+        (lambda: alibi.check_bias_params("robust", context=0), "integer >= 1"),
         (lambda: alibi.check_bias_params("robust", context=9, mode="x"), "unknown robust mode"),
         (lambda: alibi.blind_distance(-0.5), "positive and finite"),
-        (lambda: alibi.blind_share([1.0], 0), "positive integer"),
+        (lambda: alibi.blind_share([1.0], 0), "integer >= 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(call, message):

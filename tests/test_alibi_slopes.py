@@ -43,5 +43,5 @@ def test_non_power_of_two_interleaves_the_finer_series():
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, "8"])
 def test_slopes_reject_bad_head_counts(bad):
-    with pytest.raises(ValueError, match="positive integer"):
+    with pytest.raises(ValueError, match="integer >= 1"):
         slopes(bad)

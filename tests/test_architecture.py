@@ -185,8 +185,9 @@ def test_a_cycle_is_found():
     assert cycles(graph) == [["a", "b", "c"]]
 
 
-def test_dtypes_is_a_leaf():
-    assert import_graph()["headsurgeon.dtypes"] <= {"headsurgeon", "headsurgeon.errors"}
+def test_dtypes_and_validation_are_leaves():
+    for leaf in ("headsurgeon.dtypes", "headsurgeon.validation"):
+        assert import_graph()[leaf] <= {"headsurgeon", "headsurgeon.errors"}
 
 
 @pytest.mark.slow  # a subprocess
@@ -200,7 +201,7 @@ def test_the_alibi_math_loads_no_model_io():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     loaded = set(ast.literal_eval(out.strip().splitlines()[-1]))
-    pure = {"alibi", "dtypes", "errors", "progress"}
+    pure = {"alibi", "dtypes", "errors", "progress", "validation"}
     assert loaded <= {"headsurgeon"} | {f"headsurgeon.{m}" for m in pure}
 
 

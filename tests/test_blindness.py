@@ -46,13 +46,13 @@ def _tokens(n_seqs: int, n_pos: int, seed: int = 0) -> torch.Tensor:
 
 def test_analytic_blindness_by_name_needs_no_weights():
     df = analytic_blindness("bloom-560m")
-    assert len(df) == 24 * 16 * len(ANALYSED_DTYPES) * len(alibi.THRESHOLDS)
-    fp32 = df[(df.dtype == "float32") & (df.threshold == "normal") & (df.layer == 5)]
+    assert len(df) == 24 * 16 * len(ANALYSED_DTYPES) * len(alibi.LIMITS)
+    fp32 = df[(df.dtype == "float32") & (df.limit == "normal") & (df.layer == 5)]
     assert fp32.blind_distance.tolist()[0] == 124 and fp32.blind_distance.tolist()[-1] == 22359
-    assert set(df.columns) >= {"layer", "head", "slope", "dtype", "threshold", "blind_distance"}
+    assert set(df.columns) >= {"layer", "head", "slope", "dtype", "limit", "blind_distance"}
     assert (df.label == "blind").sum() > 0 and (df.label == "sighted").sum() > 0
     heads_176b = analytic_blindness(
-        "bloom-176b", dtypes=["bf16"], thresholds=["zero"], context_length=64
+        "bloom-176b", dtypes=["bf16"], limits=["zero"], context_length=64
     )
     assert heads_176b["head"].nunique() == 112 and set(heads_176b.dtype) == {"bfloat16"}
 
@@ -216,14 +216,14 @@ def test_mitigations_keep_a_transformerlens_models_own_slopes():
     ("call", "message"),
     [
         (lambda m: analytic_blindness("bloom-560m", dtypes=["float64"]), "unknown dtype"),
-        (lambda m: analytic_blindness("bloom-560m", thresholds=["tiny"]), "unknown threshold"),
-        (lambda m: analytic_blindness("bloom-560m", context_length=0), "positive integer"),
+        (lambda m: analytic_blindness("bloom-560m", limits=["tiny"]), "unknown limit"),
+        (lambda m: analytic_blindness("bloom-560m", context_length=0), "integer >= 1"),
         (lambda m: analytic_blindness("bloom-560m", bias="cosine"), "unknown bias kind"),
         (lambda m: measure_blindness(m, _tokens(1, 8), convention="jax"), "unknown convention"),
         (lambda m: measure_blindness(m.half(), _tokens(1, 8)), "needs the model in float32"),
-        (lambda m: mitigation(m, "clamped", c=-1.0).__enter__(), "c > 0"),
+        (lambda m: mitigation(m, "clamped", c=-1.0).__enter__(), "number > 0"),
         (lambda m: mitigation(m, "softcap").__enter__(), "needs c"),
-        (lambda m: mitigation(m, "robust", context=0).__enter__(), "positive integer"),
+        (lambda m: mitigation(m, "robust", context=0).__enter__(), "integer >= 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(tiny_model, call, message):
@@ -234,11 +234,11 @@ def test_bad_input_is_a_clear_error(tiny_model, call, message):
 def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
     out = tmp_path / "out"
     args = [str(bloom8_dir), "--measure", "--seq-len", "64", "--n-seqs", "2", "--out", str(out)]
-    assert main([*args, "--dtype", "float16", "bfloat16", "--threshold", "zero"]) == 0
+    assert main([*args, "--dtypes", "float16", "bfloat16", "--limit", "zero"]) == 0
     printed = capsys.readouterr().out
     assert "float16" in printed and "share" in printed
     table = pd.read_csv(out / "blindness.csv")
-    assert {"layer", "head", "slope", "dtype", "threshold", "blind_distance"} <= set(table.columns)
+    assert {"layer", "head", "slope", "dtype", "limit", "blind_distance"} <= set(table.columns)
     assert set(table.dtype) == {"float16", "bfloat16"}
     for name in ("measured_by_head", "measured_by_distance", "measured_by_length"):
         assert not pd.read_csv(out / f"{name}.csv").empty

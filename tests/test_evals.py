@@ -196,13 +196,13 @@ def test_retrieval_runs_under_a_mitigation(tiny_model):
     ("call", "message"),
     [
         (lambda m: perplexity(m, torch.zeros(2, 8, dtype=torch.long), window=4000), "beyond"),
-        (lambda m: perplexity(m, torch.zeros(2, 8, dtype=torch.long), window=0), "positive"),
+        (lambda m: perplexity(m, torch.zeros(2, 8, dtype=torch.long), window=0), "integer >= 1"),
         (
             lambda m: perplexity(m, torch.zeros(2, 8, dtype=torch.long), window=8, stride=8),
             "stride",
         ),
-        (lambda m: passkey(m, lengths=[0]), "positive integer"),
-        (lambda m: passkey(m, lengths=[-64]), "positive integer"),
+        (lambda m: passkey(m, lengths=[0]), "integer >= 1"),
+        (lambda m: passkey(m, lengths=[-64]), "integer >= 1"),
         (lambda m: passkey(m, lengths=[4096]), "beyond the model's context"),
         (lambda m: passkey(m, lengths=[20]), "too short for the passkey prompt"),
         (lambda m: passkey(m, lengths=[256], depths=[1.5]), "depths"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import shutil
 
 import pytest
@@ -11,9 +13,11 @@ from conftest import TEXT
 from safetensors.torch import load_file
 
 import headsurgeon.finetune as finetune_module
+import headsurgeon.repair as repair_module
 from headsurgeon import load_model, plots, save_hf
+from headsurgeon.classify import Thresholds
 from headsurgeon.cli import run
-from headsurgeon.cli.repair import main
+from headsurgeon.cli.repair import EXIT_DAMAGED, main
 from headsurgeon.data import to_sequences
 from headsurgeon.finetune import FinetuneConfig, bos_mass_objective, finetune
 from headsurgeon.repair import repair
@@ -48,19 +52,26 @@ def label(census, pair):
     return census.set_index(["layer", "head"]).loc[pair, "label"]
 
 
-def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path):
+def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, caplog):
     model = load_model(injured)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = repair(
-        model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32, census_n_seqs=16,
-        prepend_bos=True, train_seq_len=32, passes=2, progress=False,
-        finetune_config=FinetuneConfig(steps=20, lr=1e-2, batch_size=4),
-    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="headsurgeon"):
+        result = repair(
+            model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32,
+            census_n_seqs=16, prepend_bos=True, train_seq_len=32, passes=2, progress=False,
+            finetune_config=FinetuneConfig(steps=20, lr=3e-3, batch_size=4),
+        )  # fmt: skip
     assert label(result.census_before, SINK) == "BOS-sink"
     assert label(result.census_before, DEAD) == "dead"
     first = result.passes[0]
     assert first.targeted == HeadSet([DEAD, SINK])  # the census's choice
     assert first.recovered == HeadSet([DEAD, SINK]) and result.recovery_rate == 1.0
+    # No collateral damage, held-out perplexity down: the verdict is ok and pass 1 is kept.
+    assert result.ok and result.failure_reason is None and result.best_pass == 1
+    assert not result.collateral and first.perplexity_change["heldout"] < 0
+    # The first evaluation has no loss yet: the log says what it measured, not "loss nan".
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert steps[0].startswith("step 0: train ppl") and not any("nan" in m for m in steps)
     assert label(result.census_after, SINK) == "healthy"
     # Only the targeted heads' Q/K/V/O slices changed; everything else is bit-identical.
     for name, value in model.state_dict().items():
@@ -86,7 +97,10 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path):
         "pass1_bos_mass_diff.html",
         "training.html",
     } <= files
-    assert json.loads((out / "report.json").read_text())["recovery_rate"] == 1.0
+    written = json.loads((out / "report.json").read_text())
+    assert written["recovery_rate"] == 1.0 and written["verdict"] == "ok"
+    assert written["best_pass"] == 1 and written["collateral"]["count"] == 0
+    assert "**Verdict: ok**" in (out / "report.md").read_text()
     classified = write_classification(result.census_before, tmp_path / "cls", formats=())
     header = (classified / "heads.csv").read_text().splitlines()[0]
     assert (out / "census_before.csv").read_text().splitlines()[0] == header
@@ -100,11 +114,14 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path):
 
 
 def cli_args(injured, text_file, out, *extra):
+    # --min-output-share 0.2 leaves heads sick after pass 1; it also labels the two healthy heads
+    # beside the loud repaired ones in layer 1 dead (collateral), which --max-collateral allows.
     return [
         str(injured), "--texts", str(text_file), "--corpus", str(text_file),
         "--eval-corpus", str(text_file), "--prepend-bos", "--seq-len", "32", "--n-seqs", "16",
         "--train-seq-len", "32", "--steps", "4", "--batch-size", "4", "--lr", "1e-2",
-        "--min-output-share", "0.2", "--quiet", "--out", str(out), *extra,
+        "--min-output-share", "0.2", "--max-collateral", "2", "--quiet", "--out", str(out),
+        *extra,
     ]  # fmt: skip
 
 
@@ -140,7 +157,9 @@ def test_cli_interrupted_run_resumes_to_the_same_result(
     with pytest.raises(SystemExit):  # starting over without --resume or --overwrite is refused
         run(main, cli_args(injured, text_file, out))
 
-    assert main(cli_args(injured, text_file, out, "--resume", str(out))) == 0
+    # The damage limits judge the run but do not change its training: they may change on resume.
+    resume = ("--resume", str(out), "--max-ppl-increase", "0.5")
+    assert main(cli_args(injured, text_file, out, *resume)) == 0
     for name, value in load_file(straight / "model" / "model.safetensors").items():
         assert torch.equal(load_file(out / "model" / "model.safetensors")[name], value), name
     resumed = json.loads((out / "report.json").read_text())
@@ -154,9 +173,12 @@ def test_cli_interrupted_run_resumes_to_the_same_result(
         (["--heads", "L2H0"], "L2H0 is out of range"),
         (["--heads", "L1H1,L1H0-2"], "listed twice"),
         (["--lr", "0"], "lr must be"),
-        (["--steps", "0"], "steps must be"),
+        (["--steps", "0"], "steps"),
         (["--batch-size", "64"], "fewer than one batch"),
         (["--resume", "{out}"], "no interrupted run to resume"),
+        (["--max-ppl-increase", "-0.5"], "max_ppl_increase must be a number >= 0"),
+        (["--max-ppl-increase", "nan"], "max_ppl_increase must be a number >= 0"),
+        (["--max-collateral", "-1"], "max_collateral must be an integer >= 0"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_leaves_no_output(
@@ -170,6 +192,93 @@ def test_cli_bad_input_is_one_line_and_leaves_no_output(
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1]
     assert not out.exists()
+
+
+DIVERGING = ("--steps", "20", "--lr", "1", "--max-grad-norm", "1e30", "--warmup", "0")
+
+
+def diverging_args(injured, text_file, out, *extra):
+    """lr 1 without clipping: the repaired heads drown their two healthy layer-mates (dead)."""
+    return [
+        str(injured), "--texts", str(text_file), "--corpus", str(text_file),
+        "--eval-corpus", str(text_file), "--prepend-bos", "--seq-len", "32", "--n-seqs", "16",
+        "--train-seq-len", "32", "--batch-size", "4", *DIVERGING, "--quiet", "--out", str(out),
+        *extra,
+    ]  # fmt: skip
+
+
+def test_a_damaging_repair_fails_and_gives_the_model_back(injured, text_file, tmp_path, capsys):
+    model = load_model(injured)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = repair(
+        model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32, census_n_seqs=16,
+        prepend_bos=True, train_seq_len=32, passes=2, progress=False,
+        finetune_config=FinetuneConfig(steps=20, lr=1.0, batch_size=4, warmup_steps=0,
+                                       max_grad_norm=1e30),
+    )  # fmt: skip
+    assert len(result.passes) == 1  # the run stops at the damaging pass
+    damaged = result.passes[0]
+    assert damaged.collateral == HeadSet([(1, 0), (1, 2)]) and "turned sick" in damaged.failure
+    assert not damaged.recovered and damaged.still_sick == damaged.targeted
+    assert (
+        not result.ok
+        and result.best_pass is None
+        and result.failure_reason.startswith(
+            "pass 1 damaged the model (2 healthy frozen head(s) turned sick (L1H0,L1H2"
+        )
+    )
+    assert not result.recovered and result.recovery_rate == 0.0 and not result.collateral
+    for name, value in model.state_dict().items():  # the original weights, bit for bit
+        assert torch.equal(value, before[name]), name
+    out = write_report(result, tmp_path / "report", formats=())
+    assert not (out / "model").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"] == "failed" and report["best_pass"] is None
+    assert report["recovery_rate"] == 0.0 and report["passes"][0]["verdict"] == "damaged"
+    assert report["passes"][0]["collateral"]["heads"] == ["L1H0", "L1H2"]
+    assert "**Verdict: failed**" in (out / "report.md").read_text()
+
+    out = tmp_path / "cli"
+    assert main(diverging_args(injured, text_file, out)) == EXIT_DAMAGED
+    captured = capsys.readouterr()
+    assert "repair failed: pass 1 damaged the model" in captured.err
+    assert "Verdict: failed" in captured.out and "(no model/)" in captured.out
+    assert (out / "report.md").exists() and not (out / "model").exists()
+    assert not (tmp_path / "cli.partial").exists()
+    # Allowing the collateral makes the same run a success, with a model.
+    allowed = tmp_path / "allowed"
+    assert main(diverging_args(injured, text_file, allowed, "--max-collateral", "2")) == 0
+    assert (allowed / "model").is_dir()
+
+
+def test_a_later_damaging_pass_is_undone_and_the_best_pass_kept(injured, monkeypatch):
+    settings = dict(
+        census_data=TEXT, census_seq_len=32, census_n_seqs=16, prepend_bos=True,
+        train_seq_len=32, progress=False, thresholds=Thresholds(min_output_share=0.2),
+        max_collateral=2, finetune_config=FinetuneConfig(steps=4, lr=1e-2, batch_size=4),
+    )  # fmt: skip
+    one_pass = load_model(injured)
+    repair(one_pass, TEXT, eval_corpus=TEXT, passes=1, **settings)
+    measure = repair_module._Run.perplexities
+    calls = []
+
+    def pass_2_diverges(run):
+        calls.append(None)  # before the repair, after pass 1, after pass 2
+        ppl = measure(run)
+        return ppl | {"heldout": math.nan} if len(calls) == 3 else ppl
+
+    monkeypatch.setattr(repair_module._Run, "perplexities", pass_2_diverges)
+    model = load_model(injured)
+    result = repair(model, TEXT, eval_corpus=TEXT, passes=2, **settings)
+    assert [p.damaged for p in result.passes] == [False, True]
+    assert "held-out perplexity" in result.passes[1].failure  # NaN is damage
+    assert not result.ok and result.best_pass == 1
+    assert result.failure_reason.endswith("the model of pass 1 is kept")
+    assert result.census_after is result.passes[0].census_after
+    assert result.recovered == result.passes[0].recovered
+    kept = model.state_dict()
+    for name, value in one_pass.state_dict().items():  # pass 2's training undone exactly
+        assert torch.equal(kept[name], value), name
 
 
 def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file, tmp_path, capsys):

@@ -177,7 +177,9 @@ def test_heads_are_taken_in_any_usual_form(model, form):
 
 @pytest.mark.parametrize(
     ("form", "message"),
-    [(5, "heads must be"), ([1, 2], "heads must be"), ({1: "x"}, "heads must be"),
+    [(5, "heads must be"), ([1, 2], "cannot read head 1"), ({1: "x"}, "heads must be"),
+         ([(1.5, 2)], "must be an integer"), (["L1H2"], "HeadSet.of"), ([(0, -1)], ">= 0"),
+         ([(True, 0)], "must be an integer"),
      ("L9H0", "out of range"), ({0: [0, 0]}, "listed twice")],
 )  # fmt: skip
 def test_heads_in_an_unusable_form_are_one_line_errors(model, form, message):

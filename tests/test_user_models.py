@@ -72,7 +72,7 @@ def test_the_slopes_are_the_models_own():
 
     census = run_census(model, tokens(4, 64), progress=False)
     assert census["slope"].tolist() == pytest.approx(TL_SLOPES_6 * 2, rel=1e-6)
-    analytic = analytic_blindness(model, dtypes=["float16"], thresholds=["zero"])
+    analytic = analytic_blindness(model, dtypes=["float16"], limits=["zero"])
     assert analytic["slope"].tolist() == pytest.approx(TL_SLOPES_6 * 2, rel=1e-6)
     assert_unchanged(model, before)
     # Not bit-equal: TransformerLens caches the bias of the longest sequence seen (the census's

@@ -9,27 +9,41 @@ The library modules never import this package; ``python -m headsurgeon.<tool>`` 
 library module, whose ``__main__`` block hands over to ``headsurgeon.cli.<tool>``.
 
 Exports:
-    add_model_args(parser)    MODEL, --dtype, --device, --threads
+    ArgumentParser            argparse with one-line usage errors (exit code 2)
+    positive_int, non_negative_int   argparse types for counts
+    add_model_args(parser)    MODEL, --dtype (unless dtype=False), --device, --threads
     add_data_args(parser)     --texts, --n-seqs, --seq-len, --prepend-bos/--no-prepend-bos
+    TextFiles                 the argparse action of a FILE option: each file read and checked
+                              when parsed (missing, a folder, binary, not UTF-8: one line), so a
+                              path is never taken for text
     add_output_args(parser)   --out, --overwrite, --format
+    claim_out(args, default)  context manager: the output folder (--out, else ``default``),
+                              checked and claimed (headsurgeon.outputs.claim_output) before any
+                              model is loaded, held until the tool has written it
     figure_formats(args)      the figure formats to write; --format svg/pdf without a browser
                               is a one-line error here, before any model is loaded
-    load_model_from_args(a)   the model MODEL, --dtype and --device describe
+    load_model_from_args(a)   the model MODEL, --dtype and --device describe, which must have a
+                              tokenizer for the tool's text (require_tokenizer)
+    require_tokenizer(m, a)   one line, not "pass token tensors", for a model without tokenizer
     load_data(model, args)    the token sequences the data options describe
     run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2
                               (and keep freed memory, see headsurgeon.allocator)
 
-Every tool is a thin layer over the library: parse, call library functions, print, and write
-through :mod:`headsurgeon.reports`.
+Every tool is a thin layer over the library: parse, claim its output folder, call library
+functions, print, and write through :mod:`headsurgeon.reports` (tables, JSON with versions,
+figures by one export policy) inside the claim.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 from jaxtyping import Int
@@ -37,42 +51,72 @@ from torch import Tensor
 from transformer_lens import HookedTransformer
 
 from headsurgeon.allocator import keep_freed_memory
-from headsurgeon.data import to_sequences
-from headsurgeon.errors import HeadsurgeonError
+from headsurgeon.data import has_tokenizer, read_texts, to_sequences
+from headsurgeon.errors import DataError, HeadsurgeonError
 from headsurgeon.loading import DEFAULT_MODEL, load_model
+from headsurgeon.outputs import claim_output
 
 __all__ = [
+    "ArgumentParser",
+    "positive_int",
+    "non_negative_int",
     "add_model_args",
     "add_data_args",
+    "TextFiles",
     "add_output_args",
+    "claim_out",
     "figure_formats",
     "load_model_from_args",
+    "require_tokenizer",
     "load_data",
     "run",
 ]
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
+    """MODEL, --device, --threads and (unless ``dtype=False``: a tool that fixes it) --dtype."""
     parser.add_argument(
         "model",
         nargs="?",
         default=DEFAULT_MODEL,
         help=f"model name, bundled organism or checkpoint folder (default: {DEFAULT_MODEL})",
     )
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    if dtype:
+        parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps")
     parser.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         action=_SetThreads,
         help="CPU threads for torch (default: one per core). Use 1 when other jobs keep cores "
         "busy: threads that wait on a busy core made a repair step ~5x slower here",
     )
 
 
-def _positive_int(text: str) -> int:
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, like every other error of the tools.
+
+    Options must be written in full: a prefix (``--dtype`` for ``--dtypes``) is not guessed.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return int(text)
 
 
@@ -90,16 +134,31 @@ def add_data_args(parser: argparse.ArgumentParser, *, seq_len: int = 128, n_seqs
         "--texts",
         nargs="+",
         metavar="FILE",
-        help="text files (.txt or .txt.gz); default: the bundled held-out corpora",
+        action=TextFiles,
+        help="UTF-8 text files (.txt or .txt.gz); default: the bundled held-out corpora",
     )
-    group.add_argument("--n-seqs", type=int, default=n_seqs, help="sequences to use")
-    group.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
+    group.add_argument("--n-seqs", type=positive_int, default=n_seqs, help="sequences to use")
+    group.add_argument("--seq-len", type=positive_int, default=seq_len, help="tokens per sequence")
     group.add_argument(
         "--prepend-bos",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="put a BOS token at position 0 (default: the model's own convention)",
     )
+
+
+class TextFiles(argparse.Action):
+    """A FILE option (``nargs="+"``): the files are read and checked when parsed, before any
+    model is loaded (:func:`headsurgeon.data.read_texts`: one line for a file that is missing, a
+    folder, binary, not UTF-8 or empty), and stored as ``Path`` objects, which the library never
+    takes for text."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        try:
+            read_texts(values)
+        except DataError as e:
+            raise DataError(f"{option_string}: {e}") from None
+        setattr(namespace, self.dest, [Path(value) for value in values])
 
 
 def add_output_args(parser: argparse.ArgumentParser, *, formats: bool = True) -> None:
@@ -137,8 +196,35 @@ def figure_formats(args: argparse.Namespace) -> list[str] | None:
     return ["html", "png", *args.format]
 
 
+@contextlib.contextmanager
+def claim_out(args: argparse.Namespace, default: str | os.PathLike) -> Iterator[Path]:
+    """The output folder (``--out``, else ``default``), claimed for the run.
+
+    Checked before any model is loaded (:func:`headsurgeon.outputs.claim_output`): a file in the
+    way, a folder holding files without ``--overwrite``, a location that cannot be created or
+    written, or another run writing it now are one-line errors; what a killed run left there is
+    cleaned. The tool writes inside the ``with`` block; the claim ends with it.
+    """
+    with claim_output(Path(args.out) if args.out else Path(default), args.overwrite) as out:
+        yield out
+
+
 def load_model_from_args(args: argparse.Namespace) -> HookedTransformer:
-    return load_model(args.model, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    require_tokenizer(model, args)
+    return model
+
+
+def require_tokenizer(model: HookedTransformer, args: argparse.Namespace, what: str = "") -> None:
+    """One line for a model that cannot tokenise the tool's text (``what``, default: --texts or
+    the bundled corpora): the fix is a tokenizer in its folder, as a CLI cannot pass tokens."""
+    if has_tokenizer(model):
+        return
+    what = what or ("--texts" if getattr(args, "texts", None) else "the bundled text corpora")
+    raise DataError(
+        f"{args.model} has no tokenizer, so {what} cannot be tokenised; add the tokenizer files "
+        "of the model it was trained as (tokenizer.json, tokenizer_config.json) to its folder"
+    )
 
 
 def load_data(model: HookedTransformer, args: argparse.Namespace) -> Int[Tensor, "batch pos"]:

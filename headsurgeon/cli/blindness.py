@@ -26,7 +26,6 @@ from headsurgeon.blindness import (
 )
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import load_model, model_shape
-from headsurgeon.outputs import check_output_dir
 from headsurgeon.reports import blindness_summary, write_blindness
 
 __all__ = [
@@ -43,82 +42,88 @@ def _mitigation_params(args: argparse.Namespace) -> dict:
             raise InvalidArgumentError(f"--mitigation {args.mitigation} needs --c (a logit cap)")
         return {"c": args.c}
     if args.mitigation == "robust":
-        return {"context": args.robust_context or args.max_distance, "mode": args.robust_mode}
+        context = args.max_distance if args.robust_context is None else args.robust_context
+        return {"context": context, "mode": args.robust_mode}
     return {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog="python -m headsurgeon.blindness",
         description="Underflow blindness of ALiBi heads per dtype: analytic, measured, mitigated.",
-        conflict_handler="resolve",
     )
-    cli.add_model_args(parser)
+    # No load --dtype: the model runs in float32 and the softmax is redone in each of --dtypes.
+    cli.add_model_args(parser, dtype=False)
     parser.add_argument(
-        "--dtype",
+        "--dtypes",
         nargs="+",
         default=list(ANALYSED_DTYPES),
-        help="float formats to analyse (all three)",
+        help="float formats to analyse (default: all three); the model itself runs in float32",
     )
     parser.add_argument(
-        "--threshold",
+        "--limit",
         nargs="+",
-        default=list(alibi.THRESHOLDS),
-        choices=alibi.THRESHOLDS,
-        help="weight thresholds: normal, subnormal, zero (exactly 0)",
+        default=list(alibi.LIMITS),
+        choices=alibi.LIMITS,
+        help="underflow limits: normal, subnormal, zero (rounds to exactly 0)",
     )
     parser.add_argument(
         "--max-distance",
-        type=int,
+        type=cli.positive_int,
         help="context length for shares and labels (default: the model's context length)",
     )
     parser.add_argument("--measure", action="store_true", help="also measure on text (loads it)")
     parser.add_argument("--convention", choices=CONVENTIONS, default="hf", help="softmax dtype")
     parser.add_argument("--mitigation", choices=alibi.BIAS_KINDS, default="standard")
     parser.add_argument("--c", type=float, help="cap of clamped (bias >= -c) and softcap")
-    parser.add_argument("--robust-context", type=int, help="robust: context kept sighted")
+    parser.add_argument(
+        "--robust-context", type=cli.positive_int, help="robust: context kept sighted"
+    )
     parser.add_argument("--robust-mode", choices=alibi.ROBUST_MODES, default="scale")
-    parser.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
+    parser.add_argument(
+        "--batch-size", type=cli.positive_int, default=1, help="sequences per forward pass"
+    )
     cli.add_data_args(parser, seq_len=1024, n_seqs=8)
     cli.add_output_args(parser)
     args = parser.parse_args(argv)
     formats = cli.figure_formats(args)  # --format pdf without a browser: fail before any work
-    dtypes = [dtype_name(d) for d in args.dtype]
+    dtypes = [dtype_name(d) for d in args.dtypes]
     shape = model_shape(args.model)
     args.max_distance = shape.n_ctx if args.max_distance is None else args.max_distance
     if args.max_distance < 1:
         raise InvalidArgumentError(f"--max-distance must be positive, got {args.max_distance}")
     params = _mitigation_params(args)
     if args.mitigation == "robust":
-        params = {**params, "dtype": dtypes[0], "threshold": args.threshold[0]}
-    out = Path(args.out or f"blindness-{Path(str(args.model)).name}")
-    check_output_dir(out, args.overwrite)  # before the measurement, not after it
-
-    analytic = None
-    try:
-        analytic_params = {k: v for k, v in params.items() if k not in ("dtype", "threshold")}
-        analytic = analytic_blindness(
-            args.model,
-            dtypes=dtypes,
-            thresholds=args.threshold,
-            bias=args.mitigation,
-            context_length=args.max_distance,
-            **analytic_params,
-        )
-    except UnsupportedArchitectureError as e:
-        if not args.measure:
-            raise
-        logger.warning("note: %s", e)
-    measured = None
-    if args.measure:
-        model = load_model(args.model, dtype="float32", device=args.device)
-        tokens = cli.load_data(model, args)
-        with mitigation(model, args.mitigation, **params):
-            measured = measure_blindness(
-                model, tokens, dtypes=dtypes, convention=args.convention, batch_size=args.batch_size
+        params = {**params, "dtype": dtypes[0], "limit": args.limit[0]}
+    default = f"blindness-{Path(str(args.model)).name}"
+    with cli.claim_out(args, default) as out:  # before the measurement, not after it
+        analytic = None
+        try:
+            analytic_params = {k: v for k, v in params.items() if k not in ("dtype", "limit")}
+            analytic = analytic_blindness(
+                args.model,
+                dtypes=dtypes,
+                limits=args.limit,
+                bias=args.mitigation,
+                context_length=args.max_distance,
+                **analytic_params,
             )
-    print(blindness_summary(analytic, measured))
-    write_blindness(out, analytic, measured, formats=formats, overwrite=args.overwrite)
+        except UnsupportedArchitectureError as e:
+            if not args.measure:
+                raise
+            logger.warning("note: %s", e)
+        measured = None
+        if args.measure:
+            model = load_model(args.model, dtype="float32", device=args.device)
+            cli.require_tokenizer(model, args)
+            tokens = cli.load_data(model, args)
+            with mitigation(model, args.mitigation, **params):
+                measured = measure_blindness(
+                    model, tokens, dtypes=dtypes, convention=args.convention,
+                    batch_size=args.batch_size,
+                )  # fmt: skip
+        print(blindness_summary(analytic, measured))
+        write_blindness(out, analytic, measured, formats=formats, overwrite=args.overwrite)
     print(f"wrote {out}/")
     return 0
 

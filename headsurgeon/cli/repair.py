@@ -5,52 +5,91 @@ fine-tuning settings (:func:`~headsurgeon.repair.recommended_config`), keeping f
 ``<out>.partial/`` for ``--resume``, and writes :func:`headsurgeon.reports.write_report` on rank 0
 (``--help`` lists the options). Runs data-parallel under ``torchrun``.
 
-Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
+Exit status: 0 repaired; 2 bad input (one line, ``error: ...``); 3 (:data:`EXIT_DAMAGED`) a pass
+damaged the model (report written, ``model/`` only if an earlier pass was acceptable).
+
+Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
+``run(main)``), EXIT_DAMAGED (3)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import shutil
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from transformer_lens import HookedTransformer
 
 from headsurgeon.classify import Thresholds
-from headsurgeon.cli import add_data_args, add_model_args, add_output_args, figure_formats, run
+from headsurgeon.cli import (
+    ArgumentParser,
+    TextFiles,
+    add_data_args,
+    add_model_args,
+    add_output_args,
+    claim_out,
+    figure_formats,
+    non_negative_int,
+    positive_int,
+    require_tokenizer,
+    run,
+)
 from headsurgeon.data import read_texts
+from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
     CheckpointError,
     HeadsurgeonError,
     InvalidArgumentError,
     OutputExistsError,
+    OutputWriteError,
 )
-from headsurgeon.finetune import FinetuneConfig, setup_distributed
-from headsurgeon.loading import load_model
-from headsurgeon.outputs import check_output_dir
-from headsurgeon.repair import DRIFT_THRESHOLD, RUN_FILE, recommended_config, repair
+from headsurgeon.finetune import DistInfo, FinetuneConfig, setup_distributed
+from headsurgeon.loading import load_model, model_shape
+from headsurgeon.repair import (
+    DRIFT_THRESHOLD,
+    MAX_PPL_INCREASE,
+    RUN_FILE,
+    RepairConfig,
+    RepairResult,
+    recommended_config,
+    repair,
+)
 from headsurgeon.reports import default_out_dir, partial_dir, write_report
 from headsurgeon.surgery import INITS, HeadSet
 
 __all__ = [
+    "EXIT_DAMAGED",
     "main",
     "entry",
 ]
 
+logger = logging.getLogger(__name__)
+
+EXIT_DAMAGED = 3  # 2 is bad input (headsurgeon.cli.run)
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m headsurgeon.repair",
         description="Surgical repair of dead and BOS-sink heads: census, re-initialise the "
         "chosen heads, fine-tune only their slices, census again; repeat on the heads still "
         "sick. Runs data-parallel under torchrun.",
+        epilog=f"exit status: 0 repaired; 2 bad input; {EXIT_DAMAGED} a pass damaged the model "
+        "(held-out perplexity or collateral heads beyond the limits): the report says why, and "
+        "model/ holds the best earlier pass, or is not written when no pass is acceptable",
     )
     add_model_args(parser)
     add_data_args(parser)  # the census data, as in the classify CLI
     census = parser.add_argument_group("census and classification")
-    census.add_argument("--min-query-pos", type=int, default=1, help="first query row averaged")
+    census.add_argument(
+        "--min-query-pos", type=non_negative_int, default=1, help="first query row averaged"
+    )
     defaults = Thresholds()
     census.add_argument("--sink-threshold", type=float, default=defaults.sink)
     census.add_argument("--dead-threshold", type=float, default=defaults.dead)
@@ -58,49 +97,72 @@ def _parser() -> argparse.ArgumentParser:
     surgery = parser.add_argument_group("surgery")
     surgery.add_argument("--heads", help="heads to repair, e.g. L5H9,L6H10-15 (default: census)")
     surgery.add_argument("--include", help="heads to add to pass 1 even if healthy, e.g. L5-22H5")
-    surgery.add_argument("--passes", type=int, default=2, help="most passes (default 2)")
+    surgery.add_argument("--passes", type=positive_int, default=2, help="most passes (default 2)")
     surgery.add_argument("--init", choices=INITS, default="xavier_normal")
     surgery.add_argument("--drift-threshold", type=float, default=DRIFT_THRESHOLD)
+    surgery.add_argument(
+        "--max-ppl-increase",
+        type=float,
+        default=MAX_PPL_INCREASE,
+        metavar="FRACTION",
+        help="a pass raising held-out perplexity by more than this (relative; default "
+        f"{MAX_PPL_INCREASE:g} = {MAX_PPL_INCREASE:.0%}; inf: no limit) damaged the model",
+    )
+    surgery.add_argument(
+        "--max-collateral",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a pass turning more than N healthy frozen heads sick damaged the model (default 0)",
+    )
     training = parser.add_argument_group("fine-tuning")
     ft = FinetuneConfig()
     training.add_argument(
         "--corpus",
         nargs="+",
         metavar="FILE",
+        action=TextFiles,
         help="training text (default: the bundled training corpora)",
     )
     training.add_argument(
         "--eval-corpus",
         nargs="+",
         metavar="FILE",
+        action=TextFiles,
         help="held-out text (default: the bundled held-out corpora)",
     )
     training.add_argument(
         "--train-seq-len",
-        type=int,
+        type=positive_int,
         help="tokens per training sequence (default: training length, <= 512)",
     )
-    training.add_argument("--n-eval-seqs", type=int, default=32)
+    training.add_argument("--n-eval-seqs", type=positive_int, default=32)
     training.add_argument(
         "--steps",
-        type=int,
+        type=positive_int,
         help=f"steps per pass (default: the model's recommended setting, else {ft.steps})",
     )
     training.add_argument(
         "--lr", type=float, help=f"peak learning rate (default: as --steps, else {ft.lr})"
     )
     training.add_argument("--weight-decay", type=float, default=ft.weight_decay)
-    training.add_argument("--warmup", type=int, help="warm-up steps (default min(100, steps/4))")
-    training.add_argument("--batch-size", type=int, default=ft.batch_size, help="per process")
-    training.add_argument("--grad-accum", type=int, default=ft.grad_accum)
+    training.add_argument(
+        "--warmup", type=non_negative_int, help="warm-up steps (default min(100, steps/4))"
+    )
+    training.add_argument(
+        "--batch-size", type=positive_int, default=ft.batch_size, help="per process"
+    )
+    training.add_argument("--grad-accum", type=positive_int, default=ft.grad_accum)
     training.add_argument("--max-grad-norm", type=float, default=ft.max_grad_norm)
     training.add_argument(
         "--autocast",
         choices=["bfloat16"],
         help="compute a float32 model in bfloat16 autocast (the paper's setup)",
     )
-    training.add_argument("--eval-every", type=int, help="steps between evaluations")
-    training.add_argument("--patience", type=int, help="early stop after N worse evaluations")
+    training.add_argument("--eval-every", type=positive_int, help="steps between evaluations")
+    training.add_argument(
+        "--patience", type=positive_int, help="early stop after N worse evaluations"
+    )
     training.add_argument("--strategy", choices=["slices", "mask"], default=ft.strategy)
     training.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -120,21 +182,50 @@ def _texts(paths: Sequence[str] | None) -> list[str] | None:
     return read_texts(paths) if paths else None
 
 
-def _prepare_output(args: argparse.Namespace) -> Path:
-    """The output folder, checked before the long run; clears a stale run on --overwrite."""
-    out = Path(args.resume or args.out or default_out_dir(args.model, "repaired"))
-    partial = partial_dir(out)
-    check_output_dir(out, args.overwrite)
+def _prepare_output(args: argparse.Namespace, claims: contextlib.ExitStack) -> Path:
+    """The output folder, claimed for the run (held in ``claims``) before the long run; an
+    unfinished run in ``<out>.partial`` is resumed, refused, or cleared on --overwrite, and one
+    that never started training is cleared."""
+    out = claims.enter_context(claim_out(args, default_out_dir(args.model, "repaired")))
+    partial = partial_dir(out)  # the claim on out covers it: no live run is using it now
     if args.resume and not (partial / RUN_FILE).exists():
         raise CheckpointError(f"no interrupted run to resume: {partial} has no {RUN_FILE}")
     if not args.resume and partial.exists():
-        if not args.overwrite:
+        if not _trained(partial):
+            logger.info("removed %s, left by a run that never started training", partial)
+        elif not args.overwrite:
             raise OutputExistsError(
                 f"{partial} holds an interrupted run; continue it with --resume {out}, or pass "
                 "--overwrite to start over"
             )
         shutil.rmtree(partial)
     return out
+
+
+def _trained(partial: Path) -> bool:
+    """Whether the work folder holds any training (a pass folder with a file: a fine-tuning
+    checkpoint or a finished pass), rather than only the run's identity and first census."""
+    return any(p.is_file() for p in partial.glob("pass*/*"))
+
+
+@contextlib.contextmanager
+def _keep_training(out: Path, partial: Path, rank: int):
+    """On a failure: remove ``partial`` if no training happened (nothing to resume), else say
+    how to continue it (with a write error, whose cause may be fixed: a full disk)."""
+    try:
+        yield
+    except BaseException as e:
+        if rank != 0 or not partial.exists():
+            raise
+        if not _trained(partial):
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        hint = f"{partial} keeps the finished training: continue it with --resume {out}"
+        if isinstance(e, OutputWriteError):
+            raise OutputWriteError(f"{e}; {hint}") from e
+        if isinstance(e, KeyboardInterrupt):
+            logger.warning(hint)
+        raise
 
 
 def _on_rank0(fn: Callable[[], Any]) -> Any:
@@ -158,6 +249,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
+    args.out = args.resume or args.out
+    try:
+        check_trainable(args.dtype)  # not after the census: the rule is the fine-tuner's
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"--dtype {args.dtype}: {e}") from None
+    shape = model_shape(args.model) if args.heads or args.include else None
+    args.heads, args.include = (  # checked against the model's shape now, not after loading
+        HeadSet.parse(text, shape) if text is not None else None
+        for text in (args.heads, args.include)
+    )
     formats = figure_formats(args)  # --format pdf without a browser: fail before any training
     config = FinetuneConfig(
         steps=FinetuneConfig.steps if args.steps is None else args.steps,
@@ -169,45 +270,76 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
     ).validate()  # fmt: skip
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
+    RepairConfig(  # checks these settings before any model is loaded
+        passes=args.passes, init=args.init, drift_threshold=args.drift_threshold,
+        train_seq_len=args.train_seq_len, max_ppl_increase=args.max_ppl_increase,
+        max_collateral=args.max_collateral,
+    )  # fmt: skip
     dist_info = setup_distributed(args.device)
     try:
-        out = _on_rank0(lambda: _prepare_output(args))  # one decision, before any rank writes
-        partial = partial_dir(out)
-        model = load_model(args.model, dtype=args.dtype, device=dist_info.device)
-        config = recommended_config(model, config, steps=args.steps, lr=args.lr)
-        result = repair(
-            model,
-            _texts(args.corpus),
-            eval_corpus=_texts(args.eval_corpus),
-            heads=HeadSet.parse(args.heads, model) if args.heads is not None else None,
-            include=HeadSet.parse(args.include, model) if args.include is not None else None,
-            passes=args.passes,
-            finetune_config=config,
-            init=args.init,
-            seed=args.seed,
-            thresholds=thresholds,
-            census_data=_texts(args.texts),
-            census_seq_len=args.seq_len,
-            census_n_seqs=args.n_seqs,
-            min_query_pos=args.min_query_pos,
-            prepend_bos=args.prepend_bos,
-            train_seq_len=args.train_seq_len,
-            n_eval_seqs=args.n_eval_seqs,
-            drift_threshold=args.drift_threshold,
-            save_dtype=args.save_dtype,
-            work_dir=partial,
-            resume=bool(args.resume),
-            progress=not args.quiet,
-        )
-        if dist_info.rank == 0:
-            write_report(result, out, formats=formats, overwrite=args.overwrite)
-            shutil.rmtree(partial, ignore_errors=True)
-            print((out / "report.md").read_text().split("## Pass")[0].rstrip())
-            print(f"\nwrote {out}/: report.md, report.json, censuses, figures, model/")
+        return _run(args, config, thresholds, formats, dist_info)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+
+
+def _run(
+    args: argparse.Namespace, config: FinetuneConfig, thresholds: Thresholds,
+    formats: list[str] | None, dist_info: DistInfo,
+) -> int:  # fmt: skip
+    """Claim the output, load the model, repair it and write the report (rank 0)."""
+    with contextlib.ExitStack() as claims:
+        # One decision on rank 0, before any rank writes; rank 0 holds the claim to the end.
+        out = _on_rank0(lambda: _prepare_output(args, claims))
+        partial = partial_dir(out)
+        model = load_model(args.model, dtype=args.dtype, device=dist_info.device)
+        require_tokenizer(model, args, "its text (--texts, --corpus, --eval-corpus or the "
+                          "bundled corpora)")  # fmt: skip
+        config = recommended_config(model, config, steps=args.steps, lr=args.lr)
+        with _keep_training(out, partial, dist_info.rank):
+            result = _repair(args, model, config, thresholds, partial)
+            if dist_info.rank == 0:
+                write_report(result, out, formats=formats, overwrite=args.overwrite)
+                shutil.rmtree(partial, ignore_errors=True)
+    if dist_info.rank == 0:
+        print((out / "report.md").read_text().split("## Pass")[0].rstrip())
+        model_dir = ", model/" if result.best_pass is not None else " (no model/)"
+        print(f"\nwrote {out}/: report.md, report.json, censuses, figures{model_dir}")
+        if not result.ok:
+            print(f"repair failed: {result.failure_reason}", file=sys.stderr)
+    return 0 if result.ok else EXIT_DAMAGED
+
+
+def _repair(
+    args: argparse.Namespace, model: HookedTransformer, config: FinetuneConfig,
+    thresholds: Thresholds, partial: Path,
+) -> RepairResult:  # fmt: skip
+    return repair(
+        model,
+        _texts(args.corpus),
+        eval_corpus=_texts(args.eval_corpus),
+        heads=args.heads,
+        include=args.include,
+        passes=args.passes,
+        finetune_config=config,
+        init=args.init,
+        seed=args.seed,
+        thresholds=thresholds,
+        census_data=_texts(args.texts),
+        census_seq_len=args.seq_len,
+        census_n_seqs=args.n_seqs,
+        min_query_pos=args.min_query_pos,
+        prepend_bos=args.prepend_bos,
+        train_seq_len=args.train_seq_len,
+        n_eval_seqs=args.n_eval_seqs,
+        drift_threshold=args.drift_threshold,
+        max_ppl_increase=args.max_ppl_increase,
+        max_collateral=args.max_collateral,
+        save_dtype=args.save_dtype,
+        work_dir=partial,
+        resume=bool(args.resume),
+        progress=not args.quiet,
+    )
 
 
 def entry() -> None:

@@ -1,0 +1,421 @@
+"""Causal head importance: how much the loss rises when one head's output is replaced.
+
+Exports:
+    METHODS                                   the methods: zero, mean, resample, attribution
+    ABLATIONS                                 what replaces a head's ``z``: zero, mean, resample
+    COLUMNS                                   the result's columns and what each one means
+    head_importance(model, data, method=...)  pandas DataFrame, one row per head
+    compare_importance(exact, estimate, k)    Spearman / Pearson correlation and top-k overlap
+
+``delta_loss`` is the increase of the mean next-token cross-entropy (nats) when the head's output
+``z`` (``blocks.{l}.attn.hook_z``, before ``W_O``) is replaced at every position of every sequence:
+
+* ``zero``: by 0; ``mean``: by its mean over all positions of all sequences of the data (one mean
+  per head, found in a first streaming pass); ``resample``: by its value on another sequence at
+  the same position (sequence ``i`` takes sequence ``i + 1``'s, the last takes the first's);
+* ``attribution``: attribution patching, the first-order estimate ``grad_z L . (z' - z)`` of one
+  of those ablations (``ablation``, default mean), from one forward and one backward pass for
+  all heads at once.
+
+The loss is that of :func:`headsurgeon.evals.perplexity`: every token of a sequence except the
+one at position 0 is predicted (so a prepended BOS token is never a target, and the first text
+token is, given it); each sequence's loss is the mean over its predicted tokens, and
+``delta_loss`` the mean of the per-sequence changes, with ``delta_loss_se`` its standard error
+across sequences. Data follows the census (:func:`headsurgeon.run_census`): texts, text files
+or a token tensor, position 0 by the model's BOS convention, the bundled held-out corpora by
+default.
+
+Exact ablation costs one forward per head: several heads' ablations of the same sequences are
+stacked along the batch (``heads_per_pass``), each layer's clean residual stream is cached once
+per batch so the ablated passes start at the head's layer, and batches stream through with
+per-head running sums, so memory does not grow with the data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from transformer_lens import HookedTransformer
+from transformer_lens.hook_points import HookPoint
+
+from headsurgeon.census import _check_tokens
+from headsurgeon.data import Data, describe, resolve_bos, to_sequences
+from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.loading import model_info
+from headsurgeon.probes import stream
+from headsurgeon.progress import tqdm
+from headsurgeon.validation import check_bool, check_choice, check_int
+
+__all__ = [
+    "METHODS",
+    "ABLATIONS",
+    "COLUMNS",
+    "head_importance",
+    "compare_importance",
+]
+
+logger = logging.getLogger(__name__)
+
+ABLATIONS = ("zero", "mean", "resample")
+METHODS = (*ABLATIONS, "attribution")
+COLUMNS: dict[str, str] = {
+    "layer": "layer index (from 0)",
+    "head": "head index within the layer (from 0)",
+    "delta_loss": "increase of the mean next-token cross-entropy (nats) with the head's z replaced"
+    " (attribution: its first-order estimate)",
+    "delta_loss_se": "standard error of delta_loss across sequences",
+    "clean_loss": "mean next-token cross-entropy of the unchanged model on the same data (nats)",
+    "method": "how delta_loss was found: zero, mean, resample (exact ablation) or attribution",
+    "ablation": "what replaced the head's z: zero, its mean over the data, or another sequence's",
+}
+# Elements of the stacked logits one ablation pass may hold (float32: 256 MiB): decides the
+# default number of heads per pass, since the unembedding dominates memory for a large vocabulary.
+LOGIT_BUDGET = 2**26
+
+# (layer, z [batch pos head_index d_head]) -> what replaces every head's z in that layer.
+Fill = Callable[[int, Tensor], Tensor]
+
+
+def _seq_losses(
+    logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"]
+) -> Float[Tensor, " batch"]:
+    """Each sequence's mean cross-entropy over its predicted tokens (positions 1..), float32."""
+    logprobs = logits[:, :-1].float().log_softmax(-1)
+    nll = -logprobs.gather(-1, tokens[:, 1:, None].to(logits.device))[..., 0]
+    return nll.mean(-1)
+
+
+def _z_hooks(model: HookedTransformer, fn: Callable) -> list[tuple[str, Callable]]:
+    return [(f"blocks.{layer}.attn.hook_z", fn) for layer in range(model.cfg.n_layers)]
+
+
+def _mean_z(
+    model: HookedTransformer, tokens: Tensor, batch_size: int, progress: bool
+) -> Float[Tensor, "layer head_index d_head"]:
+    """Every head's ``z`` averaged over all positions of all sequences (summed in float64)."""
+    sums: dict[int, Tensor] = {}
+
+    def add(z: Tensor, hook: HookPoint) -> None:
+        total = z.double().sum((0, 1))
+        sums[hook.layer()] = sums[hook.layer()] + total if hook.layer() in sums else total
+
+    stream(model, tokens, _z_hooks(model, add), batch_size=batch_size, progress=progress,
+           desc="mean z")  # fmt: skip
+    means = torch.stack([sums[layer] for layer in range(model.cfg.n_layers)])
+    return (means / (tokens.shape[0] * tokens.shape[1])).to(model.cfg.dtype)
+
+
+def _donor_z(model: HookedTransformer, donors: Tensor) -> list[Tensor]:
+    """Every layer's ``z`` on the donor sequences (resample ablation)."""
+    found: dict[int, Tensor] = {}
+
+    def keep(z: Tensor, hook: HookPoint) -> None:
+        found[hook.layer()] = z.clone()
+
+    stream(model, donors, _z_hooks(model, keep), batch_size=len(donors), progress=False)
+    return [found[layer] for layer in range(model.cfg.n_layers)]
+
+
+def _fills(
+    model: HookedTransformer, ablation: str, tokens: Tensor, batch_size: int, progress: bool
+) -> Callable[[Tensor], Fill]:
+    """``rows -> fill``: the replacement of every head's ``z`` for the sequences ``rows``."""
+    if ablation == "zero":
+        return lambda rows: lambda layer, z: torch.zeros_like(z)
+    if ablation == "mean":
+        means = _mean_z(model, tokens, batch_size, progress)
+        return lambda rows: lambda layer, z: means[layer].to(z.device).expand_as(z)
+
+    def resample(rows: Tensor) -> Fill:
+        # Sequence i takes sequence i + 1's z (cyclic), whatever the batching.
+        donors = _donor_z(model, tokens[(rows + 1) % len(tokens)])
+        return lambda layer, z: donors[layer]
+
+    return resample
+
+
+class _Totals:
+    """Per-head running sums over sequences of a per-sequence change, and the clean losses."""
+
+    def __init__(self, n_layers: int, n_heads: int):
+        self.sum = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+        self.sum_sq = torch.zeros(n_layers, n_heads, dtype=torch.float64)
+        self.clean = 0.0
+        self.n = 0
+
+    def add(self, layer: int, heads: Sequence[int], deltas: Float[Tensor, "head batch"]) -> None:
+        deltas = deltas.double().cpu()
+        self.sum[layer, list(heads)] += deltas.sum(-1)
+        self.sum_sq[layer, list(heads)] += deltas.square().sum(-1)
+
+    def add_clean(self, losses: Float[Tensor, " batch"]) -> None:
+        self.clean += losses.double().sum().item()
+        self.n += len(losses)
+
+    def mean_se(self) -> tuple[np.ndarray, np.ndarray]:
+        mean = self.sum / self.n
+        var = (self.sum_sq - self.n * mean.square()).clamp(min=0) / max(self.n - 1, 1)
+        return mean.numpy(), (var / self.n).sqrt().numpy()
+
+
+@torch.no_grad()
+def _clean_pass(
+    model: HookedTransformer, batch: Tensor
+) -> tuple[Float[Tensor, " batch"], list[Tensor]]:
+    """Per-sequence clean losses and every layer's ``resid_pre`` (where ablated passes start)."""
+    resid: dict[int, Tensor] = {}
+
+    def keep(x: Tensor, hook: HookPoint) -> None:
+        resid[hook.layer()] = x.clone()
+
+    names = [f"blocks.{layer}.hook_resid_pre" for layer in range(model.cfg.n_layers)]
+    with model.hooks(fwd_hooks=[(name, keep) for name in names]):
+        losses = _seq_losses(model(batch), batch)
+    return losses, [resid[layer] for layer in range(model.cfg.n_layers)]
+
+
+@torch.no_grad()
+def _ablated_losses(
+    model: HookedTransformer,
+    batch: Tensor,
+    resid_pre: Tensor,
+    layer: int,
+    heads: Sequence[int],
+    fill: Fill,
+) -> Float[Tensor, "head batch"]:
+    """Per-sequence losses with each of ``heads`` ablated in turn, in one stacked pass.
+
+    Copy ``i`` of the batch has head ``heads[i]`` replaced. The pass starts at ``layer`` from the
+    clean ``resid_pre``, except for shortformer models, whose positional embedding enters every
+    layer and is only computed from tokens.
+    """
+    n, copies = len(batch), len(heads)
+
+    def ablate(z: Tensor, hook: HookPoint) -> Tensor:
+        stacked = z.unflatten(0, (copies, n))
+        for i, head in enumerate(heads):
+            stacked[i, :, :, head] = fill(layer, stacked[i])[:, :, head]
+        return z
+
+    tokens = batch.repeat(copies, 1)
+    with model.hooks(fwd_hooks=[(f"blocks.{layer}.attn.hook_z", ablate)]):
+        if model.cfg.positional_embedding_type == "shortformer":
+            logits = model(tokens)
+        else:
+            logits = model(resid_pre.repeat(copies, 1, 1), start_at_layer=layer)
+    return _seq_losses(logits, tokens).view(copies, n)
+
+
+def _exact(
+    model: HookedTransformer,
+    tokens: Tensor,
+    fills: Callable[[Tensor], Fill],
+    batch_size: int,
+    heads_per_pass: int,
+    bar: tqdm,
+) -> _Totals:
+    cfg = model.cfg
+    totals = _Totals(cfg.n_layers, cfg.n_heads)
+    chunks = [range(h, min(h + heads_per_pass, cfg.n_heads))
+              for h in range(0, cfg.n_heads, heads_per_pass)]  # fmt: skip
+    for rows in torch.arange(len(tokens)).split(batch_size):
+        batch = tokens[rows].to(cfg.device)
+        clean, resid = _clean_pass(model, batch)
+        totals.add_clean(clean)
+        fill = fills(rows)
+        for layer in range(cfg.n_layers):
+            for heads in chunks:
+                losses = _ablated_losses(model, batch, resid[layer], layer, heads, fill)
+                totals.add(layer, heads, losses - clean)
+            bar.update()
+    return totals
+
+
+def _attribution(
+    model: HookedTransformer,
+    tokens: Tensor,
+    fills: Callable[[Tensor], Fill],
+    batch_size: int,
+    bar: tqdm,
+) -> _Totals:
+    """Per-sequence ``grad_z loss . (z' - z)``, summed over positions, from one backward."""
+    cfg = model.cfg
+    totals = _Totals(cfg.n_layers, cfg.n_heads)
+    actual: dict[int, Tensor] = {}  # per layer, for the current batch
+    shifts: dict[int, Tensor] = {}
+
+    def tap(z: Tensor, hook: HookPoint) -> Tensor:
+        # A zero leaf added to z: its gradient is the loss's gradient at z, and the model's own
+        # weights need none (they may not even require one).
+        actual[hook.layer()] = z.detach()
+        shifts[hook.layer()] = torch.zeros_like(z, requires_grad=True)
+        return z + shifts[hook.layer()]
+
+    for rows in torch.arange(len(tokens)).split(batch_size):
+        batch = tokens[rows].to(cfg.device)
+        fill = fills(rows)
+        with torch.enable_grad(), model.hooks(fwd_hooks=_z_hooks(model, tap)):
+            losses = _seq_losses(model(batch), batch)
+            layers = range(cfg.n_layers)
+            grads = torch.autograd.grad(losses.sum(), [shifts[layer] for layer in layers])
+        totals.add_clean(losses.detach())
+        with torch.no_grad():
+            for layer, grad in zip(layers, grads, strict=True):
+                z = actual[layer]
+                change = (fill(layer, z) - z).double()
+                per_head = torch.einsum("bphd,bphd->hb", grad.double(), change)
+                totals.add(layer, range(cfg.n_heads), per_head)
+        bar.update(cfg.n_layers)
+    return totals
+
+
+def head_importance(
+    model: HookedTransformer,
+    data: Data | Sequence[str] = None,
+    *,
+    method: str = "mean",
+    ablation: str | None = None,
+    batch_size: int = 8,
+    seq_len: int = 128,
+    n_seqs: int = 64,
+    prepend_bos: bool | None = None,
+    heads_per_pass: int | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """What each head of ``model`` costs to remove: one row per head, columns :data:`COLUMNS`.
+
+    ``method``: ``"zero"``, ``"mean"`` (default) or ``"resample"`` ablate each head exactly, one
+    forward pass per head; ``"attribution"`` estimates the ablation named by ``ablation``
+    (default ``"mean"``) for all heads from one forward and one backward pass. Exact methods
+    are their own ablation. Compare an estimate with exact ablation by
+    :func:`compare_importance`.
+
+    ``data``, ``seq_len``, ``n_seqs`` and ``prepend_bos`` as in :func:`headsurgeon.run_census`
+    (a token tensor is used as it is). ``batch_size`` sequences run together; exact ablation
+    stacks ``heads_per_pass`` copies of them into one pass (default: as many heads as keep the
+    pass's logits within 2^26 elements). ``df.attrs`` holds the run metadata: ``model``,
+    ``n_layers``, ``n_heads``, ``n_seqs``, ``seq_len``, ``n_tokens`` (predicted tokens),
+    ``prepend_bos``, ``data``, ``method``, ``ablation``, ``clean_loss``, ``dtype``, ``device``.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
+    >>> tokens = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    >>> df = head_importance(model, tokens, method="zero", progress=False)
+    >>> list(df.columns)
+    ['layer', 'head', 'delta_loss', 'delta_loss_se', 'clean_loss', 'method', 'ablation']
+    >>> len(df), df.attrs["n_tokens"]
+    (8, 44)
+    """
+    method = check_choice(method, "method", METHODS)
+    if method != "attribution" and ablation not in (None, method):
+        raise InvalidArgumentError(
+            f"ablation={ablation!r} applies to method='attribution' only; method={method!r} "
+            "is its own ablation"
+        )
+    if ablation is None:
+        ablation = "mean" if method == "attribution" else method
+    ablation = check_choice(ablation, "ablation", ABLATIONS)
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    progress = check_bool(progress, "progress")
+    info = model_info(model)
+    bos = resolve_bos(model, prepend_bos)
+    if isinstance(data, Tensor):
+        seq_len = data.shape[-1]  # token tensors are used as they are
+    elif check_int(seq_len, "seq_len", minimum=1) < 2:
+        raise DataError("sequences of 1 token predict nothing; use a --seq-len of at least 2")
+    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    _check_tokens(model, tokens, 1)  # context, vocabulary, and a token to predict
+    if ablation == "resample" and len(tokens) < 2:
+        raise DataError("resample ablation needs at least 2 sequences; give more data")
+    cfg = model.cfg
+    n, pos = tokens.shape
+    if heads_per_pass is None:
+        heads_per_pass = max(1, min(cfg.n_heads, LOGIT_BUDGET // (min(batch_size, n) * pos
+                                                                 * cfg.d_vocab)))  # fmt: skip
+    heads_per_pass = check_int(heads_per_pass, "heads_per_pass", minimum=1)
+
+    fills = _fills(model, ablation, tokens, batch_size, progress)
+    n_steps = -(-n // batch_size) * cfg.n_layers
+    with tqdm(total=n_steps, desc=f"importance ({method})", disable=not progress) as bar:
+        if method == "attribution":
+            totals = _attribution(model, tokens, fills, batch_size, bar)
+        else:
+            totals = _exact(model, tokens, fills, batch_size, heads_per_pass, bar)
+    delta, se = totals.mean_se()
+    clean_loss = totals.clean / totals.n
+    layer, head = np.divmod(np.arange(cfg.n_layers * cfg.n_heads), cfg.n_heads)
+    df = pd.DataFrame({
+        "layer": layer,
+        "head": head,
+        "delta_loss": delta.ravel(),
+        "delta_loss_se": se.ravel(),
+        "clean_loss": clean_loss,
+        "method": method,
+        "ablation": ablation,
+    })  # fmt: skip
+    df.attrs = {
+        "model": info.name,
+        "n_layers": cfg.n_layers,
+        "n_heads": cfg.n_heads,
+        "n_seqs": int(n),
+        "seq_len": int(pos),
+        "n_tokens": int(n * (pos - 1)),
+        "prepend_bos": bos,
+        "data": describe(data),
+        "method": method,
+        "ablation": ablation,
+        "clean_loss": clean_loss,
+        "dtype": str(cfg.dtype).removeprefix("torch."),
+        "device": str(cfg.device),
+    }
+    logger.info("head importance (%s): clean loss %.4f nats", method, clean_loss)
+    return df
+
+
+def compare_importance(
+    exact: pd.DataFrame, estimate: pd.DataFrame, *, k: int | None = None
+) -> dict[str, float | int]:
+    """How well ``estimate`` (e.g. attribution) ranks heads like ``exact`` ablation.
+
+    Both are :func:`head_importance` results for the same heads. Returns ``spearman`` and
+    ``pearson`` correlations of ``delta_loss``, and ``top_k_overlap``: the share of the ``k``
+    most important heads by ``exact`` that are also among the ``k`` most important by
+    ``estimate`` (``k`` default: a tenth of the heads, at least 1).
+
+    >>> a = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0], "delta_loss": [0.1, 0.5, 0.0]})
+    >>> b = a.assign(delta_loss=[0.2, 0.4, 0.1])
+    >>> agreement = compare_importance(a, b, k=1)
+    >>> agreement["spearman"], round(agreement["pearson"], 3), agreement["top_k_overlap"]
+    (1.0, 0.99, 1.0)
+    """
+    keys = ["layer", "head"]
+    for what, df in (("exact", exact), ("estimate", estimate)):
+        if not isinstance(df, pd.DataFrame) or not {*keys, "delta_loss"} <= set(df.columns):
+            raise InvalidArgumentError(
+                f"{what} must be a head_importance DataFrame (layer, head, delta_loss)"
+            )
+    both = exact[[*keys, "delta_loss"]].merge(
+        estimate[[*keys, "delta_loss"]], on=keys, suffixes=("_exact", "_estimate")
+    )
+    if len(both) != len(exact) or len(both) != len(estimate) or len(both) < 2:
+        raise InvalidArgumentError(
+            "exact and estimate must cover the same heads (at least 2); compare one model"
+        )
+    n = len(both)
+    k = max(1, n // 10) if k is None else check_int(k, "k", minimum=1, maximum=n)
+    x, y = both["delta_loss_exact"], both["delta_loss_estimate"]
+    top_x = set(x.nlargest(k).index)
+    top_y = set(y.nlargest(k).index)
+    return {
+        "n_heads": n,
+        "spearman": float(x.rank().corr(y.rank())),  # Pearson of ranks; needs no scipy
+        "pearson": float(x.corr(y)),
+        "k": k,
+        "top_k_overlap": len(top_x & top_y) / k,
+    }

@@ -1,0 +1,114 @@
+"""Argument checks at the public boundary: one function per kind of value.
+
+Public functions check their arguments once, with these, and pass validated values down. Each
+raises :class:`~headsurgeon.errors.InvalidArgumentError` with one line naming the argument, what
+it must be and what it got, and returns the value in its plain Python type (``numpy.int64(3)``
+becomes ``3``), so callers can use the result directly.
+
+Exports:
+    check_int(value, name, minimum=, maximum=)        an integer (not a bool, not 2.0 or "2")
+    check_number(value, name, low=, high=, ...)       a real number, finite unless allowed
+    check_choice(value, name, choices)                one of a fixed set of names
+    check_bool(value, name)                           True or False (not 0, 1 or "yes")
+
+>>> check_int(3, "passes", minimum=1)
+3
+>>> check_int(0, "passes", minimum=1)
+Traceback (most recent call last):
+headsurgeon.errors.InvalidArgumentError: passes must be an integer >= 1, got 0
+>>> check_number(0.5, "sink", low=0, high=1)
+0.5
+>>> check_number(float("nan"), "lr", low=0, low_open=True)
+Traceback (most recent call last):
+headsurgeon.errors.InvalidArgumentError: lr must be a finite number > 0, got nan
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Iterable
+
+import numpy as np
+
+from headsurgeon.errors import InvalidArgumentError
+
+__all__ = [
+    "check_int",
+    "check_number",
+    "check_choice",
+    "check_bool",
+]
+
+
+def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    """`` >= 0 and < 1``-style text for an error message (empty without bounds)."""
+    parts = []
+    if low is not None:
+        parts.append(f"{'>' if low_open else '>='} {low:g}")
+    if high is not None:
+        parts.append(f"{'<' if high_open else '<='} {high:g}")
+    text = " and ".join(parts)
+    return f" {text}" if text else ""
+
+
+def check_int(
+    value: object, name: str, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """``value`` as an ``int`` if it is an integer within ``[minimum, maximum]``.
+
+    Integers of numpy and 0-d integer tensors count (they have ``__index__``); bools do not.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            number = None
+        if number is not None and (minimum is None or number >= minimum):
+            if maximum is None or number <= maximum:
+                return number
+    bounds = _bounds(minimum, maximum, False, False)
+    raise InvalidArgumentError(f"{name} must be an integer{bounds}, got {value!r}")
+
+
+def check_number(
+    value: object,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    finite: bool = True,
+) -> float:
+    """``value`` as a ``float`` if it is a real number within the bounds (open or closed).
+
+    NaN is never accepted; infinities only with ``finite=False`` (and then bounds still apply).
+    """
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if ok:
+        x = float(value)
+        ok = not math.isnan(x) and (math.isfinite(x) or not finite)
+        ok = ok and (low is None or (x > low if low_open else x >= low))
+        ok = ok and (high is None or (x < high if high_open else x <= high))
+        if ok:
+            return x
+    bounds = _bounds(low, high, low_open, high_open)
+    kind = "a finite number" if finite else "a number"
+    raise InvalidArgumentError(f"{name} must be {kind}{bounds}, got {value!r}")
+
+
+def check_choice(value: object, name: str, choices: Iterable[str]) -> str:
+    """``value`` if it is one of ``choices`` (compared as given: no case folding)."""
+    choices = list(choices)
+    if isinstance(value, str) and value in choices:
+        return value
+    raise InvalidArgumentError(f"unknown {name} {value!r}; use one of {', '.join(choices)}")
+
+
+def check_bool(value: object, name: str) -> bool:
+    """``value`` if it is ``True`` or ``False`` (numpy bools too)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
