@@ -35,7 +35,6 @@ from headsurgeon.dtypes import DTYPES, parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
     InvalidArgumentError,
-    OutputExistsError,
     UnsupportedArchitectureError,
 )
 from headsurgeon.exact_alibi import inexact_slopes
@@ -322,18 +321,6 @@ def _verify_export(
     return None if unrounded is None else (written - expected).abs().max().item()
 
 
-def _check_export_dir(out_dir: str | os.PathLike, overwrite: bool) -> None:
-    """Refuse, before any work, an ``out_dir`` that cannot become a new checkpoint folder."""
-    path = check_output_dir(out_dir, overwrite)  # a file, or a folder holding files
-    ancestor = path.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise OutputExistsError(f"cannot create {path}: {ancestor} is a file; choose a folder path")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise InvalidArgumentError(f"cannot create {path}: {ancestor} is not writable")
-
-
 def save_hf(
     model: HookedTransformer,
     out_dir: str | os.PathLike,
@@ -361,7 +348,7 @@ def save_hf(
     ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
     float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
     """
-    _check_export_dir(out_dir, overwrite)
+    check_output_dir(out_dir, overwrite)  # before any work
     info = model_info(model)
     config = _bloom_config(model, info)
     differences = _bloom_differences(model, config)

@@ -54,6 +54,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens import HookedTransformer
 
+from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
     CheckpointError,
     DataError,
@@ -622,11 +623,7 @@ def _make_job(
     heads = HeadSet.of(heads, model)
     if not heads:
         raise InvalidArgumentError("nothing to fine-tune: the head set is empty")
-    if model.cfg.dtype == torch.float16:
-        raise InvalidArgumentError(
-            "fine-tuning a float16 model needs loss scaling, which is not supported; "
-            "load the model in bfloat16 or float32"
-        )
+    check_trainable(model.cfg.dtype)
     rank, world = _dist_rank_world()
     train = _check_tokens(train, "training")
     if eval_data is not None:

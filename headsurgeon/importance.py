@@ -275,6 +275,13 @@ def _attribution(
     return totals
 
 
+def _check_predicts(n_pos: int) -> None:
+    if n_pos < 2:
+        raise DataError(
+            f"sequences of {n_pos} token predict nothing; use sequences of at least 2 tokens"
+        )
+
+
 def head_importance(
     model: HookedTransformer,
     data: Data | Sequence[str] = None,
@@ -327,10 +334,11 @@ def head_importance(
     bos = resolve_bos(model, prepend_bos)
     if isinstance(data, Tensor):
         seq_len = data.shape[-1]  # token tensors are used as they are
-    elif check_int(seq_len, "seq_len", minimum=1) < 2:
-        raise DataError("sequences of 1 token predict nothing; use a --seq-len of at least 2")
+    else:
+        _check_predicts(check_int(seq_len, "seq_len", minimum=1))  # before tokenising a corpus
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    _check_tokens(model, tokens, 1)  # context, vocabulary, and a token to predict
+    _check_predicts(tokens.shape[1])
+    _check_tokens(model, tokens, 1)  # within the context and the vocabulary
     if ablation == "resample" and len(tokens) < 2:
         raise DataError("resample ablation needs at least 2 sequences; give more data")
     cfg = model.cfg

@@ -323,7 +323,8 @@ def _markdown(
         f"**{len(report['recovered'])}** ({report['recovery_rate']:.1%}); still sick: "
         f"{_heads(report['still_sick'])}.",
         f"Healthy heads: {report['healthy_before']} → {report['healthy_after']} of "
-        f"{report['n_heads']} (the kept model). Frozen heads that drifted (|Δ BOS mass| > "
+        f"{report['n_heads']} ({'the kept model' if report['best_pass'] else 'no pass kept'}). "
+        "Frozen heads that drifted (|Δ BOS mass| > "
         f"{report['drift']['threshold']}): {report['drift']['count']}.",
         "",
         "| stage | targeted | recovered | rate | still sick | drifted | turned sick | "

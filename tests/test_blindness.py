@@ -251,9 +251,9 @@ def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["bloom-560m", "--dtype", "float64"], "unknown dtype"),
+        (["bloom-560m", "--dtypes", "float64"], "unknown dtype"),
         (["bloom-560m", "--mitigation", "clamped"], "needs --c"),
-        (["bloom-560m", "--max-distance", "0"], "must be positive"),
+        (["bloom-560m", "--max-distance", "0"], "expected a positive integer"),
         (["no-such-model"], "unknown model"),
     ],
 )

@@ -156,8 +156,9 @@ def test_top_level_export_and_bad_arguments(injured, injured_tokens):
         head_importance(injured, injured_tokens, heads_per_pass=0)
     with pytest.raises(DataError, match="at least 2 sequences"):
         head_importance(injured, injured_tokens[:1], method="resample")
-    with pytest.raises(DataError, match="predict nothing"):
-        head_importance(injured, seq_len=1)
+    for data, seq_len in [(None, 1), (injured_tokens[:, :1], 128)]:
+        with pytest.raises(DataError, match="predict nothing"):
+            head_importance(injured, data, seq_len=seq_len)
     with pytest.raises(InvalidArgumentError, match="same heads"):
         df = head_importance(injured, injured_tokens, method="zero", progress=False)
         compare_importance(df, df.iloc[:10])

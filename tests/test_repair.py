@@ -178,7 +178,7 @@ def test_cli_interrupted_run_resumes_to_the_same_result(
         (["--resume", "{out}"], "no interrupted run to resume"),
         (["--max-ppl-increase", "-0.5"], "max_ppl_increase must be a number >= 0"),
         (["--max-ppl-increase", "nan"], "max_ppl_increase must be a number >= 0"),
-        (["--max-collateral", "-1"], "max_collateral must be an integer >= 0"),
+        (["--max-collateral", "-1"], "--max-collateral: expected an integer >= 0"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_leaves_no_output(
@@ -279,6 +279,15 @@ def test_a_later_damaging_pass_is_undone_and_the_best_pass_kept(injured, monkeyp
     kept = model.state_dict()
     for name, value in one_pass.state_dict().items():  # pass 2's training undone exactly
         assert torch.equal(kept[name], value), name
+
+
+def test_cli_help_names_the_damage_limits_and_exit_status(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-ppl-increase FRACTION" in text and "default 0.1, i.e. +10%" in text
+    assert "--max-collateral N" in text and f"{EXIT_DAMAGED} a pass damaged the model" in text
 
 
 def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file, tmp_path, capsys):

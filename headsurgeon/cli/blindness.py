@@ -90,8 +90,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtypes = [dtype_name(d) for d in args.dtypes]
     shape = model_shape(args.model)
     args.max_distance = shape.n_ctx if args.max_distance is None else args.max_distance
-    if args.max_distance < 1:
-        raise InvalidArgumentError(f"--max-distance must be positive, got {args.max_distance}")
     params = _mitigation_params(args)
     if args.mitigation == "robust":
         params = {**params, "dtype": dtypes[0], "limit": args.limit[0]}

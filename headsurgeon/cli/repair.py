@@ -106,11 +106,11 @@ def _parser() -> argparse.ArgumentParser:
         default=MAX_PPL_INCREASE,
         metavar="FRACTION",
         help="a pass raising held-out perplexity by more than this (relative; default "
-        f"{MAX_PPL_INCREASE:g} = {MAX_PPL_INCREASE:.0%}; inf: no limit) damaged the model",
+        f"{MAX_PPL_INCREASE:g}, i.e. +{MAX_PPL_INCREASE:.0%}%; inf: no limit) damaged the model",
     )
     surgery.add_argument(
         "--max-collateral",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="a pass turning more than N healthy frozen heads sick damaged the model (default 0)",
