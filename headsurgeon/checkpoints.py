@@ -44,7 +44,7 @@ from headsurgeon.loading import (
     ModelInfo,
     check_checkpoint,
     model_info,
-    read_json,
+    model_shape,
     resolve_model,
     tl_config,
 )
@@ -468,9 +468,8 @@ def _checkpoint_state(checkpoint: StateDict | str | os.PathLike) -> tuple[StateD
             f"{directory} has only pickled .bin weights; re-export it as safetensors "
             "(load_model, then save_hf)"
         )
-    config = read_json(directory / "config.json")
-    n_heads, width = config.get("n_head"), config.get("hidden_size")
-    return _SafetensorsState(directory), width // n_heads if n_heads and width else None
+    shape = model_shape(directory)  # the config read as load_model reads it, aliases included
+    return _SafetensorsState(directory), shape.d_model // shape.n_heads
 
 
 def weight_changes(

@@ -553,7 +553,9 @@ def test_weight_changes_compares_dtypes_exactly_and_rejects_bad_input(tmp_path):
     assert weight_changes(half, {name: nudged}, [(0, 1)], d_head=2).other_changed.sum() == 1
     with pytest.raises(InvalidArgumentError, match="d_head"):
         weight_changes(half, half, [(0, 0)])
-    for layer, head in [(1, 0), (0, 2), (0, -1)]:  # 12 rows = 2 heads of (q, k, v) x 2
+    with pytest.raises(InvalidArgumentError, match="must be an integer >= 0, got -1"):
+        weight_changes(half, half, [(0, -1)], d_head=2)
+    for layer, head in [(1, 0), (0, 2)]:  # 12 rows = 2 heads of (q, k, v) x 2
         with pytest.raises(InvalidArgumentError, match=f"L{layer}H{head} is not in"):
             weight_changes(half, half, [(layer, head)], d_head=2)
     with pytest.raises(CheckpointError, match="lacks 1 tensor"):
