@@ -86,7 +86,7 @@ def _train_line(fig: go.Figure, train_ctx: int) -> None:
 
 
 def bloom_table(context: int) -> pd.DataFrame:
-    """Per BLOOM model, dtype and underflow limit: steepest head's blind distance, blind heads, share."""
+    """Per BLOOM model, dtype and underflow limit: steepest blind distance, blind heads, share."""
     rows = []
     for name in BLOOM_SHAPES:
         df = analytic_blindness(name, context_length=context)
