@@ -470,6 +470,11 @@ def _is_bloom(file: Path, config: dict[str, Any]) -> bool:
             f"transformers, so architecture {architecture} is not supported by TransformerLens "
             f"here; {_SUPPORTED}"
         )
+    if architecture not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        raise UnsupportedArchitectureError(
+            f"{file} names architecture {architecture}, which is not a causal language model: "
+            f"headsurgeon analyses next-token attention heads; {_SUPPORTED}"
+        )
     if causal != architecture:
         raise UnsupportedArchitectureError(
             f"{file} names architecture {architecture} but model_type {json.dumps(model_type)}, "

@@ -169,7 +169,7 @@ def test_bigscience_style_config_and_unprefixed_weights_load(folder, bloom_dir):
         ({"model_type": "bert"}, ['model_type "bert"', "BloomForCausalLM", "BertLMHeadModel"]),
         (
             {"model_type": "bert", "architectures": ["BertForMaskedLM"]},
-            ['model_type "bert"', "BertForMaskedLM"],
+            ["BertForMaskedLM, which is not a causal language model"],
         ),
         ({"model_type": None}, ["model_type null", "BloomForCausalLM"]),
         ({"architectures": ["GPT2LMHeadModel"]}, ['model_type "bloom"', "GPT2LMHeadModel"]),
