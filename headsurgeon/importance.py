@@ -6,6 +6,8 @@ Exports:
     COLUMNS                                   the result's columns and what each one means
     head_importance(model, data, method=...)  pandas DataFrame, one row per head
     compare_importance(exact, estimate, k)    Spearman / Pearson correlation and top-k overlap
+    ablate_heads(model, heads, ablation, data) context manager: heads pruned (z zeroed or
+                                              mean-replaced) through hooks, weights untouched
 
 ``delta_loss`` is the increase of the mean next-token cross-entropy (nats) when the head's output
 ``z`` (``blocks.{l}.attn.hook_z``, before ``W_O``) is replaced at every position of every sequence:
@@ -33,8 +35,9 @@ per-head running sums, so memory does not grow with the data.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -50,6 +53,7 @@ from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.loading import model_info
 from headsurgeon.probes import stream
 from headsurgeon.progress import tqdm
+from headsurgeon.surgery import Heads, HeadSet
 from headsurgeon.validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -58,6 +62,7 @@ __all__ = [
     "COLUMNS",
     "head_importance",
     "compare_importance",
+    "ablate_heads",
 ]
 
 logger = logging.getLogger(__name__)
@@ -427,3 +432,48 @@ def compare_importance(
         "k": k,
         "top_k_overlap": len(top_x & top_y) / k,
     }
+
+
+@contextlib.contextmanager
+def ablate_heads(
+    model: HookedTransformer,
+    heads: Heads,
+    ablation: str = "mean",
+    data: Data | Sequence[str] = None,
+    *,
+    batch_size: int = 8,
+    seq_len: int = 128,
+    n_seqs: int = 64,
+    prepend_bos: bool | None = None,
+    progress: bool = True,
+) -> Iterator[HookedTransformer]:
+    """Inside the block, ``heads`` are pruned: their ``z`` is 0 (``"zero"``) or its mean over
+    ``data`` (``"mean"``, the default: what :func:`head_importance` calls mean ablation; ``data``
+    as there, the bundled held-out corpora by default) at every position. Hooks only: the weights
+    are untouched and the model is as before once the block ends.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=8))
+    >>> tokens = torch.randint(0, 16, (2, 8))
+    >>> clean = model(tokens)
+    >>> with ablate_heads(model, "L0H1", "zero"):
+    ...     pruned = model(tokens)
+    >>> bool((pruned != clean).any()), bool(torch.equal(model(tokens), clean))
+    (True, True)
+    """
+    check_choice(ablation, "ablation", ("zero", "mean"))
+    chosen = HeadSet.of(heads, model).by_layer()
+    means = None
+    if ablation == "mean":
+        tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+        means = _mean_z(model, tokens, check_int(batch_size, "batch_size", minimum=1), progress)
+
+    def replace(z: Float[Tensor, "batch pos head_index d_head"], hook: HookPoint) -> Tensor:
+        layer, index = hook.layer(), chosen[hook.layer()]
+        z = z.clone()
+        z[:, :, index] = 0 if means is None else means[layer, index].to(z.device)
+        return z
+
+    hooks = [(f"blocks.{layer}.attn.hook_z", replace) for layer in chosen]
+    with model.hooks(fwd_hooks=hooks):
+        yield model

@@ -75,6 +75,7 @@ from headsurgeon.finetune import (
     finetune,
     weights_digest,
 )
+from headsurgeon.importance import ablate_heads
 from headsurgeon.loading import model_info
 from headsurgeon.outputs import (
     atomic_write_bytes,
@@ -188,7 +189,10 @@ class RepairResult:
     ``recovered`` those healthy in ``census_after`` (none without a ``best_pass``); ``drifted``
     the heads no pass targeted whose BOS mass moved by more than the drift threshold between the
     first census and ``census_after``. ``ok`` is False when some pass damaged the model
-    (``failure_reason`` says which and why; see :class:`PassResult`).
+    (``failure_reason`` says which and why; see :class:`PassResult`). ``pruned``: the training
+    and held-out perplexity of the model as given with pass 1's targets pruned instead
+    (``{"mean": ..., "zero": ...}``: their ``z`` mean- or zero-ablated), the alternative the
+    surgery paper argues against; :meth:`prune_vs_repair` sets them beside the repair.
     """
 
     model: HookedTransformer
@@ -198,6 +202,7 @@ class RepairResult:
     settings: dict[str, Any]
     drift_threshold: float = DRIFT_THRESHOLD
     best_pass: int | None = None
+    pruned: dict[str, dict[str, float]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -256,6 +261,19 @@ class RepairResult:
         stages = [self.passes[0].perplexity_before] + [p.perplexity_after for p in self.passes]
         return {split: [s[split] for s in stages] for split in ("train", "heldout")}
 
+    def prune_vs_repair(self) -> dict[str, Any] | None:
+        """Perplexities of the model before repair, with pass 1's targets pruned (mean- and
+        zero-ablated), and of the kept repaired model (None without one)."""
+        if self.pruned is None:
+            return None
+        return {
+            "heads": self.passes[0].targeted.names(),
+            "injured": self.passes[0].perplexity_before,
+            "pruned_mean": self.pruned["mean"],
+            "pruned_zero": self.pruned["zero"],
+            "repaired": None if self.best is None else self.best.perplexity_after,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """The content of ``report.json``."""
         best = self.best
@@ -278,6 +296,7 @@ class RepairResult:
             "labels_before": _counts(self.census_before),
             "labels_after": _counts(self.census_after),
             "perplexity": self.perplexities(),
+            "prune_vs_repair": self.prune_vs_repair(),
             "drift": {
                 "threshold": self.drift_threshold,
                 "count": len(self.drifted),
@@ -680,6 +699,20 @@ class _Run:
 
         return {"train": ppl(self.data.train_eval), "heldout": ppl(self.data.eval)}
 
+    def pruned_perplexities(self, heads: HeadSet) -> dict[str, dict[str, float]]:
+        """The perplexities with ``heads`` pruned instead of repaired: mean- and zero-ablated
+        (the mean over the census sequences)."""
+        pruned = {}
+        batch_size = self.finetune_config.batch_size
+        for ablation in ("mean", "zero"):
+            data = self.data.census
+            with ablate_heads(self.model, heads, ablation, data, batch_size=batch_size,
+                              progress=False):  # fmt: skip
+                pruned[ablation] = self.perplexities()
+        described = (f"{k} ablation {_format_ppl(v)}" for k, v in pruned.items())
+        logger.info("pruned instead: %s", ", ".join(described))
+        return pruned
+
     def first_census(self) -> tuple[pd.DataFrame, dict[str, float]]:
         """The census and perplexities before any pass (stored in the work folder, if any)."""
         work = self.work
@@ -913,6 +946,8 @@ def repair(
     first, first_ppl = current, ppl
     results: list[PassResult] = []
     targeted = HeadSet()
+    first_targets = _targets(1, current, heads, include)
+    pruned = run.pruned_perplexities(first_targets) if first_targets else None
     for index in range(1, config.passes + 1):
         targets = _targets(index, current, heads, include)
         if not targets:
@@ -940,6 +975,7 @@ def repair(
         settings=settings,
         drift_threshold=config.drift_threshold,
         best_pass=best,
+        pruned=pruned,
     )
 
 

@@ -2,7 +2,9 @@
 
 Exports:
     format_summary(classified)                the classification summary the classify CLI prints
+                                              (with an importance section when it has one)
     write_classification(df, out_dir, ...)    heads.csv, heads.json, sweep, summary and figures
+                                              (importance columns and figures when present)
     write_report(result, out_dir, ...)        a repair's report.md, report.json, censuses,
                                               figures and model/
     training_plot(result)                     objective, perplexities and BOS mass over the steps
@@ -47,6 +49,7 @@ from headsurgeon.classify import (
     threshold_sweep,
     thresholds_of,
 )
+from headsurgeon.importance import COLUMNS as IMPORTANCE_COLUMNS
 from headsurgeon.loading import model_info
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.surgery import HeadSet
@@ -121,7 +124,13 @@ def default_out_dir(model: str | os.PathLike, suffix: str) -> Path:
 
 
 def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
-    """The compact text summary: counts per label, sensitivity, a per-layer table, top sinks."""
+    """The compact text summary: counts per label, sensitivity, a per-layer table, top sinks.
+
+    A table with :func:`headsurgeon.head_importance` columns (``delta_loss``, ``delta_loss_se``,
+    merged on ``layer`` and ``head``) adds an importance section: per label, how many heads are
+    dormant (``|delta_loss| <= 2 SE``: removing them changes nothing measurable) and how many
+    work, the working sick heads, and the ``top`` heads by ``delta_loss``.
+    """
     require_columns(
         classified,
         ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share", "label"],
@@ -176,7 +185,72 @@ def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
         f"strongest sinks (top {len(strongest)} by BOS mass):",
         strongest[shown].to_string(index=False, float_format="{:.4f}".format),
     ]
+    if _has_importance(classified):
+        lines += ["", *_importance_lines(classified, top)]
     return "\n".join(lines)
+
+
+# A head is dormant when removing it changes the loss by at most this many standard errors.
+DORMANT_SE = 2
+
+
+def _has_importance(df: pd.DataFrame) -> bool:
+    """Whether a classified table carries :func:`headsurgeon.head_importance` columns."""
+    return {"delta_loss", "delta_loss_se"} <= set(df.columns)
+
+
+def _importance_setting(df: pd.DataFrame, name: str) -> Any:
+    """``importance_<name>`` from the attrs, else from the column of that name, else None."""
+    key = f"importance_{name}"
+    if key in df.attrs:
+        return df.attrs[key]
+    return df[key].iloc[0] if key in df.columns and len(df) else None
+
+
+def _importance_how(df: pd.DataFrame) -> str:
+    """How delta_loss was found, for the summary: ``mean ablation``, ``attribution estimate of
+    mean ablation``, or ``""`` when the table does not record it."""
+    method, ablation = _importance_setting(df, "method"), _importance_setting(df, "ablation")
+    if method == "attribution":
+        return f"attribution estimate of {ablation} ablation"
+    return "" if method is None else f"{method} ablation"
+
+
+def _importance_lines(classified: pd.DataFrame, top: int) -> list[str]:
+    """The summary's importance section: dormant and working heads per label, the working sick
+    heads and the most important heads."""
+    how = _importance_how(classified)
+    clean = ""
+    if "clean_loss" in classified.columns and len(classified):
+        clean = f"; clean loss {float(classified['clean_loss'].iloc[0]):.4f} nats"
+    dormant = classified["delta_loss"].abs() <= DORMANT_SE * classified["delta_loss_se"]
+    labels = classified["label"]
+    split = ", ".join(
+        f"{label} {int((rows & dormant).sum())}/{int((rows & ~dormant).sum())}"
+        for label, rows in ((label, labels == label) for label in LABELS)
+    )
+    working = classified[(labels != "healthy") & ~dormant]
+    working = working.loc[working["delta_loss"].abs().sort_values(ascending=False).index]
+    names = [
+        f"L{r.layer}H{r.head} ({r.label}) {r.delta_loss:+.4g} ± {r.delta_loss_se:.2g}"
+        for r in working.head(top).itertuples()
+    ]
+    more = f", ... ({len(working) - top} more)" if len(working) > top else ""
+    important = classified.nlargest(top, "delta_loss")
+    shown = ["layer", "head", "bos_mass", "output_share", "delta_loss", "delta_loss_se", "label"]
+    return [
+        f"importance{f' ({how})' if how else ''}: delta_loss = rise of the loss (nats) when a "
+        f"head's output is replaced{clean}",
+        f"dormant (|delta_loss| <= {DORMANT_SE} SE) / working: {split}",
+        f"working sick heads: {', '.join(names) or 'none'}{more}",
+        "",
+        f"most important heads (top {len(important)} by delta_loss):",
+        important[shown].to_string(
+            index=False,
+            float_format="{:.4f}".format,
+            formatters={"delta_loss": "{:.4g}".format, "delta_loss_se": "{:.2g}".format},
+        ),
+    ]
 
 
 FIGURES = {
@@ -184,6 +258,11 @@ FIGURES = {
     "labels": plots.label_grid,
     "entropy": lambda df: plots.head_grid(df, "entropy"),
     "output_share": lambda df: plots.head_grid(df, "output_share"),
+}
+# Added when the table carries importance columns (_has_importance).
+IMPORTANCE_FIGURES = {
+    "importance": plots.importance_grid,
+    "bos_vs_importance": plots.bos_vs_importance,
 }
 
 
@@ -202,7 +281,12 @@ def write_classification(
     classification ``attrs``, ``metadata``, versions and time; ``columns``: what each column
     means; ``heads``: the rows), ``summary.txt``, ``threshold_sweep.csv`` and the figures
     ``bos_mass``, ``labels``, ``entropy``, ``output_share`` and ``threshold_sweep`` in each of
-    ``formats`` (html, png, svg, pdf; none for ``formats=()``); the HTML figures share one
+    ``formats`` (html, png, svg, pdf; none for ``formats=()``). A table carrying importance
+    columns (``delta_loss``, ``delta_loss_se``, ``clean_loss``, ``importance_method``,
+    ``importance_ablation``: :func:`headsurgeon.head_importance` merged on ``layer`` and ``head``)
+    keeps them in both tables, describes them in ``columns`` and adds the figures
+    ``importance`` (:func:`headsurgeon.plots.importance_grid`) and ``bos_vs_importance``
+    (:func:`headsurgeon.plots.bos_vs_importance`). The HTML figures share one
     ``plotly.min.js`` in the folder and work offline. ``formats=None`` writes html, and png when
     a Chromium browser is found (else one warning names the skipped PNGs); static formats given
     explicitly need a browser (:func:`headsurgeon.plots.split_formats`), checked before anything
@@ -221,9 +305,13 @@ def write_classification(
         "label": f"one of {', '.join(LABELS)} (see reason)",
         "reason": "why the head got its label",
     }
+    makers = dict(FIGURES)
+    if _has_importance(classified):
+        columns |= _importance_columns(classified)
+        makers |= IMPORTANCE_FIGURES
     document = {"metadata": info, "columns": columns, "heads": records}
     summary = format_summary(classified)
-    figures = {name: make(classified) for name, make in FIGURES.items()}
+    figures = {name: make(classified) for name, make in makers.items()}
     figures["threshold_sweep"] = plots.sweep_plot(sweep)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         atomic_write_text(tmp / "heads.csv", classified.to_csv(index=False))
@@ -233,6 +321,16 @@ def write_classification(
         skipped = plots.save_figures(figures, tmp, formats)
     plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)
+
+
+def _importance_columns(classified: pd.DataFrame) -> dict[str, str]:
+    """What each importance column of ``classified`` means (``method`` as ``importance_method``)."""
+    described = {
+        ("importance_" + name if name in ("method", "ablation") else name): text
+        for name, text in IMPORTANCE_COLUMNS.items()
+        if name not in ("layer", "head")
+    }
+    return {name: text for name, text in described.items() if name in classified.columns}
 
 
 # --- repair -------------------------------------------------------------------------------------
@@ -310,6 +408,28 @@ def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
     ]
 
 
+def _prune_vs_repair(report: dict[str, Any]) -> list[str]:
+    """The summary line and table: the model before repair, pruned instead, and repaired."""
+    comparison = report.get("prune_vs_repair")
+    if comparison is None:
+        return []
+    rows = [("before repair", comparison["injured"]),
+            ("pruned: targets mean-ablated", comparison["pruned_mean"]),
+            ("pruned: targets zero-ablated", comparison["pruned_zero"]),
+            ("repaired (kept model)", comparison["repaired"])]  # fmt: skip
+    shown = [(name, ppl) for name, ppl in rows if ppl is not None]
+    summary = ", ".join(f"{name} {ppl['heldout']:.3f}" for name, ppl in shown)
+    return [
+        "",
+        f"Prune versus repair of {_heads(comparison['heads'])} (pass 1's targets), held-out "
+        f"perplexity: {summary}.",
+        "",
+        "| model | train PPL | held-out PPL |",
+        "|---|---|---|",
+        *(f"| {name} | {ppl['train']:.3f} | {ppl['heldout']:.3f} |" for name, ppl in shown),
+    ]
+
+
 def _markdown(
     report: dict[str, Any], figures: Sequence[str], formats: Sequence[str], model_dir: bool
 ) -> str:
@@ -326,6 +446,7 @@ def _markdown(
         f"{report['n_heads']} ({'the kept model' if report['best_pass'] else 'no pass kept'}). "
         "Frozen heads that drifted (|Δ BOS mass| > "
         f"{report['drift']['threshold']}): {report['drift']['count']}.",
+        *_prune_vs_repair(report),
         "",
         "| stage | targeted | recovered | rate | still sick | drifted | turned sick | "
         "train PPL | held-out PPL | healthy | verdict |",

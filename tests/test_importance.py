@@ -186,3 +186,29 @@ def test_importance_figures_draw_the_numbers():
     assert list(sinks.y) == list(df["delta_loss"][9:11])
     with pytest.raises(InvalidArgumentError, match="bos_mass"):
         plots.bos_vs_importance(df.drop(columns="bos_mass"))
+
+
+def test_ablate_heads_matches_hooks_and_leaves_the_model_as_it_was(tiny_model):
+    """Zero: the heads' z is 0; mean: it is the mean of z over the data (computed independently
+    here with run_with_cache); outside the block the model is unchanged."""
+    from headsurgeon.importance import ablate_heads
+
+    tokens = torch.randint(0, tiny_model.cfg.d_vocab, (4, 12))
+    clean = tiny_model(tokens)
+    _, cache = tiny_model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_z"))
+    replacements = {"zero": lambda z: torch.zeros_like(z),
+                    "mean": lambda z: z.mean((0, 1), keepdim=True).expand_as(z)}  # fmt: skip
+    for ablation, value in replacements.items():
+
+        def replace(z, hook, value=value):
+            layer_z = cache[hook.name]
+            z[:, :, 1] = value(layer_z)[:, :, 1]
+            return z
+
+        expected = tiny_model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.attn.hook_z", replace)])
+        with ablate_heads(tiny_model, "L0H1", ablation, tokens, progress=False):
+            torch.testing.assert_close(tiny_model(tokens), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiny_model(tokens), clean, rtol=0, atol=0)
+    with pytest.raises(InvalidArgumentError, match="unknown ablation 'resample'"):
+        with ablate_heads(tiny_model, "L0H1", "resample"):
+            pass

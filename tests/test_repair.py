@@ -19,6 +19,7 @@ from headsurgeon.classify import Thresholds
 from headsurgeon.cli import run
 from headsurgeon.cli.repair import EXIT_DAMAGED, main
 from headsurgeon.data import to_sequences
+from headsurgeon.evals import perplexity
 from headsurgeon.finetune import FinetuneConfig, bos_mass_objective, finetune
 from headsurgeon.repair import repair
 from headsurgeon.reports import write_classification, write_report
@@ -101,6 +102,30 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
     assert written["recovery_rate"] == 1.0 and written["verdict"] == "ok"
     assert written["best_pass"] == 1 and written["collateral"]["count"] == 0
     assert "**Verdict: ok**" in (out / "report.md").read_text()
+    # Prune versus repair: the same heads zero-ablated through plain TransformerLens hooks on a
+    # fresh copy of the injured model give the report's pruned held-out perplexity.
+    comparison = written["prune_vs_repair"]
+    assert comparison["heads"] == ["L1H1", "L1H3"]
+    assert comparison["injured"] == result.passes[0].perplexity_before
+    assert comparison["repaired"] == result.passes[0].perplexity_after
+    fresh = load_model(injured)
+    held_out = to_sequences(fresh, TEXT, seq_len=32, n_seqs=32, prepend_bos=True)  # the run's
+
+    def zero_targets(z, hook):
+        z[:, :, [DEAD[1], SINK[1]]] = 0
+        return z
+
+    def ppl():
+        return perplexity(fresh, held_out, window=32, batch_size=8, prepend_bos=False,
+                          max_windows=None, progress=False)  # fmt: skip
+
+    with fresh.hooks(fwd_hooks=[("blocks.1.attn.hook_z", zero_targets)]):
+        brute = ppl()
+    assert comparison["pruned_zero"]["heldout"] == pytest.approx(brute, rel=1e-6)
+    assert brute != pytest.approx(comparison["injured"]["heldout"], rel=1e-6)
+    markdown = (out / "report.md").read_text()
+    assert "Prune versus repair of L1H1,L1H3 (pass 1's targets)" in markdown
+    assert "| pruned: targets mean-ablated |" in markdown
     classified = write_classification(result.census_before, tmp_path / "cls", formats=())
     header = (classified / "heads.csv").read_text().splitlines()[0]
     assert (out / "census_before.csv").read_text().splitlines()[0] == header
@@ -263,9 +288,10 @@ def test_a_later_damaging_pass_is_undone_and_the_best_pass_kept(injured, monkeyp
     calls = []
 
     def pass_2_diverges(run):
-        calls.append(None)  # before the repair, after pass 1, after pass 2
+        # before the repair, pruned instead (mean, zero), after pass 1, after pass 2
+        calls.append(None)
         ppl = measure(run)
-        return ppl | {"heldout": math.nan} if len(calls) == 3 else ppl
+        return ppl | {"heldout": math.nan} if len(calls) == 5 else ppl
 
     monkeypatch.setattr(repair_module._Run, "perplexities", pass_2_diverges)
     model = load_model(injured)
