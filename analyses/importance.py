@@ -10,10 +10,10 @@ next to what the same head cost in the uninjured ``organism``.
     python analyses/importance.py
     python analyses/importance.py --n-seqs 16 --seq-len 64 --models organism-injured
 
-Writes ``figures/importance/``: ``importance_<model>.html/png`` (delta_loss per head),
-``bos_vs_importance_<model>``, ``attribution_vs_exact``, ``importance_<model>.csv`` (one row
-per head: census, labels, every importance column), ``agreement.csv``, ``planted.csv`` and
-``summary.md``. PNGs need a Chromium browser (``plots.save_figures``); the HTML files do not.
+Writes ``figures/importance/``: ``importance_<model>.png`` (delta_loss per head),
+``bos_vs_importance_<model>.png``, ``attribution_vs_exact.png``, ``importance_<model>.csv`` (one
+row per head: census, labels, every importance column), ``agreement.csv``, ``planted.csv`` and
+``summary.md``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import plotly.graph_objects as go
 from _common import fmt_heads, markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
-from headsurgeon import classify_heads, head_importance, load_model, model_info, plots, run_census
+from headsurgeon import classify_heads, head_importance, load_model, model_info, run_census
 from headsurgeon.data import to_sequences
-from headsurgeon.importance import compare_importance
+from headsurgeon.importance import DORMANT_SE, compare_importance, is_dormant
 from headsurgeon.plots import OKABE_ITO, bos_vs_importance, importance_grid
 
 # (column prefix, method, ablation): exact mean and zero ablation, and attribution of each.
@@ -116,8 +116,8 @@ def scatter_figure(tables: dict[str, pd.DataFrame], agreement: pd.DataFrame) -> 
 def planted_table(tables: dict[str, pd.DataFrame], truth: list[dict], name: str) -> pd.DataFrame:
     """Each planted injury: its label, BOS mass, cost under mean and zero ablation, and verdict.
 
-    Dormant: the mean-ablation increase is within 2 standard errors of 0. The same head's cost
-    in the uninjured source organism (when it was measured) says what the injury took away.
+    Dormant: the mean-ablation change is within DORMANT_SE standard errors of 0. The same head's
+    cost in the uninjured source organism (when it was measured) says what the injury took away.
     """
     injured, source = tables[name], tables.get(SOURCE)
     ranks = injured["mean_delta_loss"].rank(ascending=False)
@@ -135,7 +135,7 @@ def planted_table(tables: dict[str, pd.DataFrame], truth: list[dict], name: str)
             "mean_se": r["mean_se"],
             "zero_delta_loss": r["zero_delta_loss"],
             "rank (of 64, mean)": int(ranks[i]),
-            "dormant": bool(r["mean_delta_loss"] <= 2 * r["mean_se"]),
+            "dormant": bool(is_dormant(r["mean_delta_loss"], r["mean_se"])),
         }
         if source is not None:
             s = source[(source["layer"] == layer) & (source["head"] == head)].iloc[0]
@@ -222,7 +222,8 @@ def main() -> None:
         lines += [
             f"## Planted injuries of {injured_name}: dormant by ablation?",
             "",
-            "Dormant: the mean-ablation increase is within 2 standard errors of 0. "
+            f"Dormant: the mean-ablation change is within {DORMANT_SE:g} standard errors of 0 "
+            "(either way; `headsurgeon.importance.is_dormant`). "
             f"`uninjured_mean_delta_loss`: the same head in `{SOURCE}` before the injury.",
             "",
             markdown(planted.drop(columns=["kind"]), digits=3),
@@ -231,11 +232,7 @@ def main() -> None:
             f"{fmt_heads(planted[~planted['dormant']]['head'].tolist())}.",
         ]
 
-    def html_and_png(folder: Path) -> None:
-        skipped = plots.save_figures(figures, folder)
-        plots.warn_skipped(skipped, folder)
-
-    write_topic(args.out, {}, csvs, lines, started, extra=html_and_png)
+    write_topic(args.out, figures, csvs, lines, started)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Exports:
     COLUMNS                                   the result's columns and what each one means
     head_importance(model, data, method=...)  pandas DataFrame, one row per head
     compare_importance(exact, estimate, k)    Spearman / Pearson correlation and top-k overlap
+    is_dormant(delta_loss, se)                 removing the head changes nothing measurable:
+                                              |delta_loss| <= DORMANT_SE standard errors
     ablate_heads(model, heads, ablation, data) context manager: heads pruned (z zeroed or
                                               mean-replaced) through hooks, weights untouched
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -62,6 +65,8 @@ __all__ = [
     "COLUMNS",
     "head_importance",
     "compare_importance",
+    "DORMANT_SE",
+    "is_dormant",
     "ablate_heads",
 ]
 
@@ -79,6 +84,20 @@ COLUMNS: dict[str, str] = {
     "method": "how delta_loss was found: zero, mean, resample (exact ablation) or attribution",
     "ablation": "what replaced the head's z: zero, its mean over the data, or another sequence's",
 }
+# A head is dormant when removing it changes the loss by at most this many standard errors.
+DORMANT_SE = 2.0
+
+
+def is_dormant(delta_loss: Any, delta_loss_se: Any) -> Any:
+    """Whether removing a head changes the loss by at most :data:`DORMANT_SE` standard errors
+    (either way): numbers, arrays or pandas columns alike.
+
+    >>> bool(is_dormant(0.001, 0.002)), bool(is_dormant(-0.01, 0.002))
+    (True, False)
+    """
+    return abs(delta_loss) <= DORMANT_SE * delta_loss_se
+
+
 # Elements of the stacked logits one ablation pass may hold (float32: 256 MiB): decides the
 # default number of heads per pass, since the unembedding dominates memory for a large vocabulary.
 LOGIT_BUDGET = 2**26

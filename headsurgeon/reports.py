@@ -49,7 +49,7 @@ from headsurgeon.classify import (
     threshold_sweep,
     thresholds_of,
 )
-from headsurgeon.importance import COLUMNS as IMPORTANCE_COLUMNS
+from headsurgeon.importance import COLUMNS as IMPORTANCE_COLUMNS, DORMANT_SE, is_dormant
 from headsurgeon.loading import model_info
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.surgery import HeadSet
@@ -190,10 +190,6 @@ def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-# A head is dormant when removing it changes the loss by at most this many standard errors.
-DORMANT_SE = 2
-
-
 def _has_importance(df: pd.DataFrame) -> bool:
     """Whether a classified table carries :func:`headsurgeon.head_importance` columns."""
     return {"delta_loss", "delta_loss_se"} <= set(df.columns)
@@ -223,7 +219,7 @@ def _importance_lines(classified: pd.DataFrame, top: int) -> list[str]:
     clean = ""
     if "clean_loss" in classified.columns and len(classified):
         clean = f"; clean loss {float(classified['clean_loss'].iloc[0]):.4f} nats"
-    dormant = classified["delta_loss"].abs() <= DORMANT_SE * classified["delta_loss_se"]
+    dormant = is_dormant(classified["delta_loss"], classified["delta_loss_se"])
     labels = classified["label"]
     split = ", ".join(
         f"{label} {int((rows & dormant).sum())}/{int((rows & ~dormant).sum())}"
@@ -241,7 +237,7 @@ def _importance_lines(classified: pd.DataFrame, top: int) -> list[str]:
     return [
         f"importance{f' ({how})' if how else ''}: delta_loss = rise of the loss (nats) when a "
         f"head's output is replaced{clean}",
-        f"dormant (|delta_loss| <= {DORMANT_SE} SE) / working: {split}",
+        f"dormant (|delta_loss| <= {DORMANT_SE:g} SE) / working: {split}",
         f"working sick heads: {', '.join(names) or 'none'}{more}",
         "",
         f"most important heads (top {len(important)} by delta_loss):",

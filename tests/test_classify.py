@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -11,7 +12,16 @@ import pandas as pd
 import pytest
 import torch
 
-from headsurgeon import Thresholds, classify_heads, plots, run_census, save_hf, threshold_sweep
+from headsurgeon import (
+    Thresholds,
+    classify_heads,
+    head_importance,
+    load_model,
+    plots,
+    run_census,
+    save_hf,
+    threshold_sweep,
+)
 from headsurgeon.alibi import alibi_bias, slopes
 from headsurgeon.cli import run
 from headsurgeon.cli.classify import main
@@ -233,3 +243,148 @@ def test_module_entry_point_reports_errors_without_traceback(tmp_path):
         "error: threshold dead must be a finite number >= 0 and <= 1, got 2.0"
     )
     assert "Traceback" not in result.stderr
+
+
+# --- --importance: causal importance beside the labels ------------------------------------------
+
+
+def importance_frame():
+    """A classified table with importance columns: sinks and dead heads dormant or working."""
+    df = classify_heads(census_frame([0.1, 0.2, 0.7, 0.8, 0.99, 0.97, 0.3, 0.1]))
+    df["delta_loss"] = [0.5, 0.001, 0.0, 0.3, 0.0, -0.2, 0.02, 0.01]
+    df["delta_loss_se"] = [0.01, 0.001, 0.0, 0.02, 0.0, 0.01, 0.011, 0.001]
+    df["clean_loss"] = 3.25
+    df["importance_method"], df["importance_ablation"] = "attribution", "mean"
+    return df
+
+
+def test_summary_splits_heads_into_dormant_and_working():
+    df = importance_frame()
+    text = format_summary(df, top=2)
+    lines = text.splitlines()
+    i = lines.index(
+        "importance (attribution estimate of mean ablation): delta_loss = rise of the loss "
+        "(nats) when a head's output is replaced; clean loss 3.2500 nats"
+    )
+    # Dormant: |delta| <= 2 SE (0.001 <= 0.002, the exact zeros, 0.02 <= 0.022); -0.2 works
+    assert (
+        lines[i + 1]
+        == "dormant (|delta_loss| <= 2 SE) / working: healthy 2/2, BOS-sink 1/1, dead 1/1"
+    )
+    assert lines[i + 2] == (
+        "working sick heads: L0H3 (BOS-sink) +0.3 ± 0.02, L1H1 (dead) -0.2 ± 0.01"
+    )
+    assert lines[i + 4] == "most important heads (top 2 by delta_loss):"
+    assert [int(row.split()[1]) for row in lines[i + 6 : i + 8]] == [0, 3]  # L0H0, then L0H3
+    assert "importance" not in format_summary(df.drop(columns=["delta_loss", "delta_loss_se"]))
+
+
+def test_write_classification_carries_importance_columns_and_figures(tmp_path):
+    df = importance_frame()
+    df.attrs |= {"importance_method": "attribution", "importance_ablation": "mean"}
+    out = write_classification(df, tmp_path / "out", formats=("html",))
+    figures = sorted(p.stem for p in out.glob("*.html"))
+    assert figures == sorted(["bos_mass", "labels", "entropy", "output_share", "threshold_sweep",
+                              "importance", "bos_vs_importance"])  # fmt: skip
+    heads = pd.read_csv(out / "heads.csv")
+    np.testing.assert_array_equal(heads["delta_loss"], df["delta_loss"])
+    assert (heads["importance_method"] == "attribution").all()
+    meta = json.loads((out / "heads.json").read_text())
+    assert meta["metadata"]["importance_method"] == "attribution"
+    assert meta["metadata"]["importance_ablation"] == "mean"
+    assert {"delta_loss", "delta_loss_se", "clean_loss", "importance_method",
+            "importance_ablation"} <= set(meta["columns"])  # fmt: skip
+    assert meta["heads"][5]["delta_loss"] == -0.2
+    assert "working sick heads: L0H3" in (out / "summary.txt").read_text()
+
+
+def test_write_classification_without_browser_skips_importance_pngs_too(
+    tmp_path, monkeypatch, caplog
+):
+    from choreographer.browsers.chromium import Chromium
+
+    monkeypatch.delenv("BROWSER_PATH", raising=False)
+    monkeypatch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kwargs: None))
+    out = write_classification(importance_frame(), tmp_path / "out")
+    assert not list(out.glob("*.png")) and (out / "bos_vs_importance.html").exists()
+    [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert line.startswith(f"warning: skipped 7 static figures in {out}/ (*.png)")
+
+
+def test_cli_importance_adds_columns_and_figures_and_keeps_labels(planted, tmp_path, capsys):
+    model, _ = planted
+    checkpoint = save_hf(model, tmp_path / "planted")
+    texts = tmp_path / "text.txt"
+    texts.write_text(TEXT)
+    argv = [str(checkpoint), "--texts", str(texts), "--seq-len", "32", "--n-seqs", "8",
+            "--prepend-bos", "--batch-size", "3"]  # fmt: skip
+    assert main([*argv, "--out", str(tmp_path / "plain")]) == 0
+    plain_summary = capsys.readouterr().out
+    assert "delta_loss" not in plain_summary
+    assert main([*argv, "--out", str(tmp_path / "imp"), "--importance"]) == 0  # bare: mean
+    summary = capsys.readouterr().out
+
+    plain = pd.read_csv(tmp_path / "plain" / "heads.csv")
+    heads = pd.read_csv(tmp_path / "imp" / "heads.csv")
+    # The census and its labels are the run without --importance's, number for number.
+    pd.testing.assert_frame_equal(heads[plain.columns], plain)
+    assert plain_summary.split("\nwrote")[0] in summary
+    # The columns are head_importance's on the same sequences.
+    reloaded = load_model(checkpoint)
+    tokens = to_sequences(reloaded, [texts], seq_len=32, n_seqs=8, prepend_bos=True)
+    direct = head_importance(reloaded, tokens, method="mean", batch_size=3, progress=False)
+    for column in ("delta_loss", "delta_loss_se", "clean_loss"):
+        np.testing.assert_allclose(heads[column], direct[column], rtol=1e-12, atol=0)
+    assert (heads["importance_method"] == "mean").all()
+    assert (heads["importance_ablation"] == "mean").all()
+    # The silenced head writes z = 0 everywhere, so its mean is 0 too: removing it costs nothing.
+    silent = heads.set_index(["layer", "head"]).loc[SILENT]
+    assert silent["delta_loss"] == 0 and silent["delta_loss_se"] == 0
+    assert (heads["delta_loss"].abs() > 1e-6).sum() >= 4  # the other heads do matter
+    dormant = heads["delta_loss"].abs() <= 2 * heads["delta_loss_se"]
+    split = ", ".join(f"{label} {(dormant & (heads['label'] == label)).sum()}/"
+                      f"{(~dormant & (heads['label'] == label)).sum()}"
+                      for label in ("healthy", "BOS-sink", "dead"))  # fmt: skip
+    assert f"dormant (|delta_loss| <= 2 SE) / working: {split}" in summary
+    assert "importance (mean ablation)" in summary and "most important heads" in summary
+
+    meta = json.loads((tmp_path / "imp" / "heads.json").read_text())["metadata"]
+    assert meta["importance_method"] == meta["importance_ablation"] == "mean"
+    assert meta["importance_n_tokens"] == 8 * 31 and meta["data"] == str(texts)
+    assert meta["importance_clean_loss"] == pytest.approx(direct.attrs["clean_loss"], rel=1e-12)
+    for name in ("importance", "bos_vs_importance"):
+        assert (tmp_path / "imp" / f"{name}.html").exists()
+        assert not (tmp_path / "plain" / f"{name}.html").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--importance", "gradient"], "argument --importance: invalid choice: 'gradient'"),
+        (["--importance", "--seq-len", "1"], "--importance needs --seq-len 2 or more"),
+        (["--importance", "resample", "--n-seqs", "1"], "use --n-seqs 2 or more"),
+    ],
+)
+def test_cli_bad_importance_is_one_line_before_any_model_loads(tmp_path, capsys, extra, message):
+    # A model that does not exist: an error about it would mean the model was loaded first.
+    argv = [str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out"), *extra]
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_census_and_importance_take_every_sequence_asked_for(bloom_dir, tmp_path, monkeypatch):
+    # More than the library's default of 64 sequences: the shared token tensor is used whole.
+    from choreographer.browsers.chromium import Chromium
+
+    monkeypatch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kwargs: None))
+    (tmp_path / "text.txt").write_text(TEXT)
+    out = tmp_path / "out"
+    argv = [str(bloom_dir), "--texts", str(tmp_path / "text.txt"), "--n-seqs", "70", "--seq-len",
+            "4", "--batch-size", "70", "--importance", "zero", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    meta = json.loads((out / "heads.json").read_text())["metadata"]
+    assert meta["n_seqs"] == 70 and meta["importance_n_tokens"] == 70 * 3

@@ -1,15 +1,24 @@
 """``python -m headsurgeon.classify`` (also ``headsurgeon-classify``): census, labels, report.
 
-Loads a model, runs :func:`headsurgeon.census.run_census`, labels every head with
-:func:`headsurgeon.classify.classify_heads`, prints :func:`headsurgeon.reports.format_summary`
-and writes :func:`headsurgeon.reports.write_classification` (``--help`` lists the options).
+Loads a model, cuts the data into token sequences once, runs
+:func:`headsurgeon.census.run_census` on them, labels every head with
+:func:`headsurgeon.classify.classify_heads`, and with ``--importance [METHOD]`` measures every
+head's :func:`headsurgeon.importance.head_importance` on the same sequences (merged as separate
+columns: the labels stay as they are); prints :func:`headsurgeon.reports.format_summary` and
+writes :func:`headsurgeon.reports.write_classification` (``--help`` lists the options).
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 from collections.abc import Sequence
+
+import pandas as pd
+from torch import Tensor
+from transformer_lens import HookedTransformer
 
 from headsurgeon import plots
 from headsurgeon.census import run_census
@@ -21,17 +30,30 @@ from headsurgeon.cli import (
     add_output_args,
     claim_out,
     figure_formats,
+    load_data,
     load_model_from_args,
     non_negative_int,
     positive_int,
     run,
 )
+from headsurgeon.data import describe
+from headsurgeon.importance import METHODS, head_importance
 from headsurgeon.reports import default_out_dir, format_summary, write_classification
 
 __all__ = [
     "main",
     "entry",
 ]
+
+logger = logging.getLogger(__name__)
+# head_importance's columns as the classified table names them (method alone would be ambiguous).
+IMPORTANCE_NAMES = {
+    "delta_loss": "delta_loss",
+    "delta_loss_se": "delta_loss_se",
+    "clean_loss": "clean_loss",
+    "method": "importance_method",
+    "ablation": "importance_ablation",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,6 +74,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     census_args.add_argument(
         "--batch-size", type=positive_int, default=8, help="sequences per forward"
     )
+    census_args.add_argument(
+        "--importance",
+        nargs="?",
+        const="mean",
+        choices=METHODS,
+        metavar="METHOD",
+        help="also measure what removing each head costs, on the census's sequences: mean (the "
+        "default), zero or resample replace the head's output by its mean, by 0 or by another "
+        "sequence's (one forward per head); attribution estimates mean ablation for all heads "
+        "from one backward. Adds columns and figures; the labels stay as they are. Give MODEL "
+        "before a bare --importance",
+    )
     limits = parser.add_argument_group("thresholds")
     defaults = Thresholds()
     limits.add_argument("--sink-threshold", type=float, default=defaults.sink, help="BOS mass")
@@ -67,21 +101,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--top", type=non_negative_int, default=10, help="sinks listed in the summary"
     )
     args = parser.parse_args(argv)
+    _check_importance_args(parser, args)
 
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
     formats = figure_formats(args)  # --format svg/pdf without a browser: fail before the census
     with claim_out(args, default_out_dir(args.model, "heads")) as out:  # before the census
         model = load_model_from_args(args)
+        tokens = _sequences(model, args)
         census = run_census(
             model,
-            args.texts,
+            tokens,
             batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            n_seqs=args.n_seqs,
+            n_seqs=len(tokens),
             min_query_pos=args.min_query_pos,
             prepend_bos=args.prepend_bos,
         )
+        census.attrs["data"] = describe(args.texts)  # the files, not "token tensor of shape"
         classified = classify_heads(census, thresholds)
+        if args.importance:
+            classified = _with_importance(classified, model, tokens, args)
         print(format_summary(classified, top=args.top))
         written = plots.split_formats(formats)[0]
         write_classification(classified, out, formats=formats, overwrite=args.overwrite)
@@ -90,6 +128,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({', '.join(written)})"
     )
     return 0
+
+
+def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> None:
+    """What --importance cannot measure, refused before any model is loaded."""
+    if not args.importance:
+        return
+    if args.seq_len < 2:
+        parser.error(
+            f"--importance needs --seq-len 2 or more (a sequence of {args.seq_len} token "
+            "predicts nothing)"
+        )
+    if args.importance == "resample" and args.n_seqs < 2:
+        parser.error("--importance resample takes each head's output from another sequence; "
+                     "use --n-seqs 2 or more")  # fmt: skip
+
+
+def _sequences(model: HookedTransformer, args: argparse.Namespace) -> Tensor:
+    """The token sequences of the data options, cut once so census and importance share them."""
+    tokens = load_data(model, args)
+    if len(tokens) < args.n_seqs:
+        logger.warning(
+            "the data holds only %d sequences of %d tokens (asked for %d)", *tokens.shape,
+            args.n_seqs,
+        )  # fmt: skip
+    return tokens
+
+
+def _with_importance(
+    classified: pd.DataFrame, model: HookedTransformer, tokens: Tensor, args: argparse.Namespace
+) -> pd.DataFrame:
+    """``classified`` with :func:`head_importance`'s columns on the same tokens; the labels and
+    census columns as they were, the importance settings in ``attrs`` (``importance_*``)."""
+    importance = head_importance(
+        model,
+        tokens,
+        method=args.importance,
+        batch_size=args.batch_size,
+        n_seqs=len(tokens),
+        prepend_bos=args.prepend_bos,
+    )
+    merged = classified.merge(
+        importance[["layer", "head", *IMPORTANCE_NAMES]].rename(columns=IMPORTANCE_NAMES),
+        on=["layer", "head"],
+        how="left",
+        validate="one_to_one",
+    )
+    a = importance.attrs
+    merged.attrs = dict(classified.attrs) | {
+        "importance_method": a["method"],
+        "importance_ablation": a["ablation"],
+        "importance_clean_loss": a["clean_loss"],
+        "importance_n_tokens": a["n_tokens"],
+    }
+    return merged
 
 
 def entry() -> None:
