@@ -13,7 +13,8 @@ next to what the same head cost in the uninjured ``organism``.
 Writes ``figures/importance/``: ``importance_<model>.png`` (delta_loss per head),
 ``bos_vs_importance_<model>.png``, ``attribution_vs_exact.png``, ``importance_<model>.csv`` (one
 row per head: census, labels, every importance column), ``agreement.csv``, ``planted.csv`` and
-``summary.md``.
+``summary.md``, which also sets pruning against repairing ``organism-injured``'s sick heads, from
+the repair report of ``analyses/repair_organism.py`` (run that first).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from _common import fmt_heads, markdown, parser, start, style, write_topic
+from _common import FIGURES, ROOT, fmt_heads, markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
 from headsurgeon import classify_heads, head_importance, load_model, model_info, run_census
@@ -209,7 +210,7 @@ def main() -> None:
             "median Δ (mean)": t["mean_delta_loss"].median(),
             "max Δ (mean)": t["mean_delta_loss"].max(),
             "top heads": fmt_heads([f"L{r.layer}H{r.head}" for r in top.itertuples()]),
-            "Δ ≤ 2 SE (mean)": int((t["mean_delta_loss"] <= 2 * t["mean_se"]).sum()),
+            "dormant (mean)": int(is_dormant(t["mean_delta_loss"], t["mean_se"]).sum()),
             "max Δ (zero)": t["zero_delta_loss"].max(),
             "sick heads": len(sick),
         })  # fmt: skip
@@ -232,7 +233,35 @@ def main() -> None:
             f"{fmt_heads(planted[~planted['dormant']]['head'].tolist())}.",
         ]
 
+    lines += prune_vs_repair_lines(FIGURES / "repair" / "report" / "report.json")
     write_topic(args.out, figures, csvs, lines, started)
+
+
+def prune_vs_repair_lines(report_file: Path) -> list[str]:
+    """Prune against repair on organism-injured, from the repair report that
+    ``analyses/repair_organism.py`` writes (the same run as ``python -m headsurgeon.repair``)."""
+    if not report_file.exists():
+        return ["", f"(No repair report at {report_file}: run analyses/repair_organism.py.)"]
+    comparison = json.loads(report_file.read_text()).get("prune_vs_repair")
+    if comparison is None:
+        return ["", f"({report_file} predates prune versus repair: rerun repair_organism.py.)"]
+    rows = [("before repair", comparison["injured"]),
+            ("pruned: the targets mean-ablated", comparison["pruned_mean"]),
+            ("pruned: the targets zero-ablated", comparison["pruned_zero"]),
+            ("repaired", comparison["repaired"])]  # fmt: skip
+    table = pd.DataFrame(
+        [{"model": name, "train PPL": p["train"], "held-out PPL": p["heldout"]}
+         for name, p in rows if p is not None]
+    )  # fmt: skip
+    return [
+        "",
+        "## Prune versus repair",
+        "",
+        f"The repair's targets ({fmt_heads(comparison['heads'])}) pruned instead of repaired, "
+        f"from `{report_file.relative_to(ROOT)}` (`analyses/repair_organism.py`):",
+        "",
+        markdown(table, digits=3),
+    ]
 
 
 if __name__ == "__main__":
