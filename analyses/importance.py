@@ -260,7 +260,7 @@ def prune_vs_repair_lines(report_file: Path) -> list[str]:
         f"The repair's targets ({fmt_heads(comparison['heads'])}) pruned instead of repaired, "
         f"from `{report_file.relative_to(ROOT)}` (`analyses/repair_organism.py`):",
         "",
-        markdown(table, digits=3),
+        markdown(table, digits=5),
     ]
 
 
