@@ -35,22 +35,14 @@ import time
 from collections.abc import Callable
 
 import torch
+from _shapes import parse_shape
 
 from headsurgeon import run_census
-from headsurgeon.loading import ModelShape, from_hf_model, model_shape, random_hf_bloom
+from headsurgeon.loading import from_hf_model, random_hf_bloom
 from headsurgeon.probes import pattern_stats, write_norms
 
 METHODS = ("forward", "census", "run_with_cache", "transformers")
 GIB = 2**30
-
-
-def parse_shape(text: str) -> ModelShape:
-    """A BLOOM name, or ``LAYERSxHEADSxWIDTH`` (vocabulary 4096) for quick trial runs."""
-    parts = text.split("x")
-    if len(parts) == 3 and all(p.isdigit() for p in parts):
-        n_layers, n_heads, d_model = map(int, parts)
-        return ModelShape(n_layers, n_heads, d_model, d_vocab=4096, n_ctx=2048)
-    return model_shape(text)
 
 
 def build(args: argparse.Namespace, needs: set[str]):

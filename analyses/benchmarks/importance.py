@@ -25,20 +25,12 @@ import json
 import time
 
 import torch
+from _shapes import parse_shape
 
 from headsurgeon import head_importance, load_model, model_info
 from headsurgeon.data import to_sequences
 from headsurgeon.importance import compare_importance
-from headsurgeon.loading import ModelShape, model_shape, random_model
-
-
-def parse_shape(text: str) -> ModelShape:
-    """A BLOOM name, or ``LAYERSxHEADSxWIDTH`` (vocabulary 4096) for quick trial runs."""
-    parts = text.split("x")
-    if len(parts) == 3 and all(p.isdigit() for p in parts):
-        n_layers, n_heads, d_model = map(int, parts)
-        return ModelShape(n_layers, n_heads, d_model, d_vocab=4096, n_ctx=2048)
-    return model_shape(text)
+from headsurgeon.loading import random_model
 
 
 def timed(fn):
