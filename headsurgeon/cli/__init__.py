@@ -72,6 +72,8 @@ __all__ = [
     "run",
 ]
 
+logger = logging.getLogger(__name__)
+
 
 def add_model_args(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
     """MODEL, --device, --threads and (unless ``dtype=False``: a tool that fixes it) --dtype."""
@@ -228,13 +230,15 @@ def require_tokenizer(model: HookedTransformer, args: argparse.Namespace, what: 
 
 
 def load_data(model: HookedTransformer, args: argparse.Namespace) -> Int[Tensor, "batch pos"]:
-    return to_sequences(
-        model,
-        args.texts,
-        seq_len=args.seq_len,
-        n_seqs=args.n_seqs,
-        prepend_bos=args.prepend_bos,
+    """The sequences ``--texts``, ``--seq-len``, ``--n-seqs`` and ``--prepend-bos`` describe
+    (a warning when the text holds fewer than asked for)."""
+    tokens = to_sequences(
+        model, args.texts, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=args.prepend_bos
     )
+    if len(tokens) < args.n_seqs:
+        logger.warning("the data holds only %d sequences of %d tokens (asked for %d)",
+                       *tokens.shape, args.n_seqs)  # fmt: skip
+    return tokens
 
 
 def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None):

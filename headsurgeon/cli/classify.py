@@ -13,7 +13,6 @@ Exports: main(argv) (the tool; returns its exit status), entry() (the console sc
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Sequence
 
 import pandas as pd
@@ -45,7 +44,6 @@ __all__ = [
     "entry",
 ]
 
-logger = logging.getLogger(__name__)
 # head_importance's columns as the classified table names them (method alone would be ambiguous).
 IMPORTANCE_NAMES = {
     "delta_loss": "delta_loss",
@@ -107,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     formats = figure_formats(args)  # --format svg/pdf without a browser: fail before the census
     with claim_out(args, default_out_dir(args.model, "heads")) as out:  # before the census
         model = load_model_from_args(args)
-        tokens = _sequences(model, args)
+        tokens = load_data(model, args)  # cut once: census and importance share them
         census = run_census(
             model,
             tokens,
@@ -142,17 +140,6 @@ def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> 
     if args.importance == "resample" and args.n_seqs < 2:
         parser.error("--importance resample takes each head's output from another sequence; "
                      "use --n-seqs 2 or more")  # fmt: skip
-
-
-def _sequences(model: HookedTransformer, args: argparse.Namespace) -> Tensor:
-    """The token sequences of the data options, cut once so census and importance share them."""
-    tokens = load_data(model, args)
-    if len(tokens) < args.n_seqs:
-        logger.warning(
-            "the data holds only %d sequences of %d tokens (asked for %d)", *tokens.shape,
-            args.n_seqs,
-        )  # fmt: skip
-    return tokens
 
 
 def _with_importance(
