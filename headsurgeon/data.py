@@ -207,18 +207,18 @@ def to_sequences(
     on without doubling the BOS token).
     """
     bos = resolve_bos(model, prepend_bos)
-    seq_len = check_int(seq_len, "seq_len", minimum=1)
-    if seq_len > model.cfg.n_ctx:
-        raise DataError(
-            f"seq_len {seq_len} is beyond the model's context of {model.cfg.n_ctx} tokens; "
-            "use a shorter --seq-len"
-        )
     n_seqs = None if n_seqs is None else check_int(n_seqs, "n_seqs", minimum=1)
-    if isinstance(data, Tensor):
+    if isinstance(data, Tensor):  # used as it is: seq_len does not apply
         tokens = check_token_ids(model, data)
         if bos and not bool((tokens[:, 0] == bos_token_id(model)).all()):
             tokens = torch.cat([torch.full_like(tokens[:, :1], bos_token_id(model)), tokens], dim=1)
         return tokens[:n_seqs] if n_seqs else tokens
+    seq_len = check_int(seq_len, "seq_len", minimum=1)
+    if seq_len > model.cfg.n_ctx:
+        raise DataError(
+            f"seq_len {seq_len} is beyond the model's context of {model.cfg.n_ctx} tokens; "
+            "use a shorter seq_len (--seq-len on the command line)"
+        )
     body = seq_len - 1 if bos else seq_len
     if body < 1:
         raise InvalidArgumentError("seq_len must be at least 2 when a BOS token is prepended")
