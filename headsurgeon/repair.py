@@ -82,6 +82,7 @@ from headsurgeon.outputs import (
     atomic_write_text,
 )
 from headsurgeon.surgery import HEAD_TENSORS, INITS, Heads, HeadSet, check_surgery, reinit_heads
+from headsurgeon.validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
     "DRIFT_THRESHOLD",
@@ -524,7 +525,7 @@ class RepairConfig:
     1
     >>> RepairConfig(passes=0)
     Traceback (most recent call last):
-    headsurgeon.errors.InvalidArgumentError: passes must be a positive integer, got 0
+    headsurgeon.errors.InvalidArgumentError: passes must be an integer >= 1, got 0
     """
 
     passes: int = 2
@@ -546,26 +547,24 @@ class RepairConfig:
     def __post_init__(self) -> None:
         if self.finetune is not None:
             self.finetune.validate()
-        passes, drift_threshold = self.passes, self.drift_threshold
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise InvalidArgumentError(f"passes must be a positive integer, got {passes!r}")
-        if not 0 < drift_threshold < 1:
-            raise InvalidArgumentError(f"drift_threshold must lie in (0, 1), got {drift_threshold}")
-        if self.init not in INITS:
-            raise InvalidArgumentError(f"unknown init {self.init!r}; use one of {', '.join(INITS)}")
-        increase, collateral = self.max_ppl_increase, self.max_collateral
-        if isinstance(increase, bool) or not isinstance(increase, int | float) or not increase >= 0:
-            raise InvalidArgumentError(
-                f"max_ppl_increase must be a number >= 0 (0.1 = 10%), got {increase!r}"
-            )
-        if isinstance(collateral, bool) or not isinstance(collateral, int) or collateral < 0:
-            raise InvalidArgumentError(
-                f"max_collateral must be an integer >= 0, got {collateral!r}"
-            )
-        if self.train_seq_len is not None and self.train_seq_len < 2:
-            raise InvalidArgumentError(
-                f"the training sequence length must be >= 2, got {self.train_seq_len}"
-            )
+        check_int(self.passes, "passes", minimum=1)
+        check_int(self.seed, "seed")
+        for name in ("census_seq_len", "census_n_seqs", "n_eval_seqs"):
+            check_int(getattr(self, name), name, minimum=1)
+        check_int(self.min_query_pos, "min_query_pos", minimum=0)
+        if self.train_seq_len is not None:  # a training sequence predicts from position 1 on
+            check_int(self.train_seq_len, "train_seq_len", minimum=2)
+        if self.prepend_bos is not None:
+            check_bool(self.prepend_bos, "prepend_bos")
+        check_number(
+            self.drift_threshold, "drift_threshold", low=0, high=1, low_open=True, high_open=True
+        )
+        check_choice(self.init, "init", INITS)
+        if not isinstance(self.thresholds, Thresholds):
+            raise InvalidArgumentError("thresholds must be a headsurgeon.Thresholds")
+        # 0.1 = +10%; inf turns the perplexity limit off.
+        check_number(self.max_ppl_increase, "max_ppl_increase", low=0, finite=False)
+        check_int(self.max_collateral, "max_collateral", minimum=0)
 
 
 _DEFAULTS = RepairConfig()
