@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import shutil
 import sys
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from transformer_lens import HookedTransformer
 
 from headsurgeon.classify import Thresholds
 from headsurgeon.cli import (
@@ -56,7 +56,6 @@ from headsurgeon.repair import (
     MAX_PPL_INCREASE,
     RUN_FILE,
     RepairConfig,
-    RepairResult,
     recommended_config,
     repair,
 )
@@ -268,24 +267,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_grad_norm=args.max_grad_norm, autocast=args.autocast, eval_every=args.eval_every,
         patience=args.patience, min_query_pos=args.min_query_pos, strategy=args.strategy,
         seed=args.seed,
-    ).validate()  # fmt: skip
-    thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
-    RepairConfig(  # checks these settings before any model is loaded
-        passes=args.passes, init=args.init, drift_threshold=args.drift_threshold,
-        train_seq_len=args.train_seq_len, max_ppl_increase=args.max_ppl_increase,
-        max_collateral=args.max_collateral,
+    )  # fmt: skip
+    settings = RepairConfig(  # every setting checked here, before any model is loaded
+        passes=args.passes, init=args.init, seed=args.seed,
+        thresholds=Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share),
+        census_seq_len=args.seq_len, census_n_seqs=args.n_seqs,
+        min_query_pos=args.min_query_pos, prepend_bos=args.prepend_bos,
+        train_seq_len=args.train_seq_len, n_eval_seqs=args.n_eval_seqs,
+        drift_threshold=args.drift_threshold, finetune=config, save_dtype=args.save_dtype,
+        max_ppl_increase=args.max_ppl_increase, max_collateral=args.max_collateral,
     )  # fmt: skip
     dist_info = setup_distributed(args.device)
     try:
-        return _run(args, config, thresholds, formats, dist_info)
+        return _run(args, settings, formats, dist_info)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _run(
-    args: argparse.Namespace, config: FinetuneConfig, thresholds: Thresholds,
-    formats: list[str] | None, dist_info: DistInfo,
+    args: argparse.Namespace, settings: RepairConfig, formats: list[str] | None,
+    dist_info: DistInfo,
 ) -> int:  # fmt: skip
     """Claim the output, load the model, repair it and write the report (rank 0)."""
     with contextlib.ExitStack() as claims:
@@ -295,9 +297,15 @@ def _run(
         model = load_model(args.model, dtype=args.dtype, device=dist_info.device)
         require_tokenizer(model, args, "its text (--texts, --corpus, --eval-corpus or the "
                           "bundled corpora)")  # fmt: skip
-        config = recommended_config(model, config, steps=args.steps, lr=args.lr)
+        finetune = recommended_config(model, settings.finetune, steps=args.steps, lr=args.lr)
+        settings = dataclasses.replace(settings, finetune=finetune)
         with _keep_training(out, partial, dist_info.rank):
-            result = _repair(args, model, config, thresholds, partial)
+            result = repair(
+                model, _texts(args.corpus), eval_corpus=_texts(args.eval_corpus),
+                census_data=_texts(args.texts), heads=args.heads, include=args.include,
+                config=settings, work_dir=partial, resume=bool(args.resume),
+                progress=not args.quiet,
+            )  # fmt: skip
             if dist_info.rank == 0:
                 write_report(result, out, formats=formats, overwrite=args.overwrite)
                 shutil.rmtree(partial, ignore_errors=True)
@@ -308,38 +316,6 @@ def _run(
         if not result.ok:
             print(f"repair failed: {result.failure_reason}", file=sys.stderr)
     return 0 if result.ok else EXIT_DAMAGED
-
-
-def _repair(
-    args: argparse.Namespace, model: HookedTransformer, config: FinetuneConfig,
-    thresholds: Thresholds, partial: Path,
-) -> RepairResult:  # fmt: skip
-    return repair(
-        model,
-        _texts(args.corpus),
-        eval_corpus=_texts(args.eval_corpus),
-        heads=args.heads,
-        include=args.include,
-        passes=args.passes,
-        finetune_config=config,
-        init=args.init,
-        seed=args.seed,
-        thresholds=thresholds,
-        census_data=_texts(args.texts),
-        census_seq_len=args.seq_len,
-        census_n_seqs=args.n_seqs,
-        min_query_pos=args.min_query_pos,
-        prepend_bos=args.prepend_bos,
-        train_seq_len=args.train_seq_len,
-        n_eval_seqs=args.n_eval_seqs,
-        drift_threshold=args.drift_threshold,
-        max_ppl_increase=args.max_ppl_increase,
-        max_collateral=args.max_collateral,
-        save_dtype=args.save_dtype,
-        work_dir=partial,
-        resume=bool(args.resume),
-        progress=not args.quiet,
-    )
 
 
 def entry() -> None:
