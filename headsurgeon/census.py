@@ -112,9 +112,7 @@ def run_census(
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     info = model_info(model)
     bos = resolve_bos(model, prepend_bos)
-    if isinstance(data, Tensor):
-        seq_len = data.shape[-1]  # token tensors are used as they are
-    else:
+    if not isinstance(data, Tensor):  # a token tensor is used as it is
         _check_rows(seq_len, min_query_pos)  # before tokenising a whole corpus
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     _check_tokens(model, tokens, min_query_pos)

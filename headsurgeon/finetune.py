@@ -54,6 +54,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens import HookedTransformer
 
+from headsurgeon.data import check_token_ids
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
     CheckpointError,
@@ -625,9 +626,9 @@ def _make_job(
         raise InvalidArgumentError("nothing to fine-tune: the head set is empty")
     check_trainable(model.cfg.dtype)
     rank, world = _dist_rank_world()
-    train = _check_tokens(train, "training")
+    train = _check_tokens(model, train, "training")
     if eval_data is not None:
-        eval_data = _check_tokens(eval_data, "evaluation")
+        eval_data = _check_tokens(model, eval_data, "evaluation")
     global_batch = cfg.batch_size * world
     if len(train) < global_batch:
         raise DataError(
@@ -661,13 +662,12 @@ def _make_job(
     )
 
 
-def _check_tokens(tokens: Any, what: str) -> Tensor:
-    if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.numel() == 0:
-        raise DataError(
-            f"{what} data must be a non-empty [n_seqs, seq_len] token tensor "
-            "(headsurgeon.data.to_sequences)"
-        )
-    return tokens.long()
+def _check_tokens(model: HookedTransformer, tokens: Any, what: str) -> Tensor:
+    """:func:`headsurgeon.data.check_token_ids`, its message saying which data it was."""
+    try:
+        return check_token_ids(model, tokens)
+    except DataError as e:
+        raise DataError(f"{what} data: {e}") from None
 
 
 @dataclasses.dataclass

@@ -356,13 +356,11 @@ def head_importance(
     progress = check_bool(progress, "progress")
     info = model_info(model)
     bos = resolve_bos(model, prepend_bos)
-    if isinstance(data, Tensor):
-        seq_len = data.shape[-1]  # token tensors are used as they are
-    else:
+    if not isinstance(data, Tensor):  # a token tensor is used as it is
         _check_predicts(check_int(seq_len, "seq_len", minimum=1))  # before tokenising a corpus
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     _check_predicts(tokens.shape[1])
-    _check_tokens(model, tokens, 1)  # within the context and the vocabulary
+    _check_tokens(model, tokens, 1)  # within the context (to_sequences checked the ids)
     if ablation == "resample" and len(tokens) < 2:
         raise DataError("resample ablation needs at least 2 sequences; give more data")
     cfg = model.cfg

@@ -181,3 +181,11 @@ def test_reinit_refuses_a_seed_that_is_not_an_integer(tiny_model):
 def test_save_figure_refuses_a_path_that_is_not_a_path():
     with pytest.raises(InvalidArgumentError, match="needs a file path, got int"):
         plots.save_figure(go.Figure(), 5)
+
+
+def test_finetune_refuses_float_tokens_rather_than_casting_them(tiny_model):
+    from headsurgeon.finetune import finetune
+
+    with pytest.raises(DataError, match="training data: a token tensor holds integer token ids"):
+        finetune(tiny_model, "L0H0", torch.rand(8, 16), config=FinetuneConfig(steps=2),
+                 progress=False)  # fmt: skip
