@@ -12,6 +12,8 @@ Exports:
     write_blindness(out_dir, analytic, ...)   the blindness CLI's tables, summary and figures
     default_out_dir(model, suffix)            ``<model>-<suffix>[-N]`` in the working directory
     partial_dir(out)                          ``<out>.partial``, where an unfinished repair lives
+    IMPORTANCE_NAMES                          head_importance's columns as classified tables
+                                              name them (``method`` -> ``importance_method``)
 
 Every writer fills a new folder atomically (:func:`headsurgeon.outputs.atomic_directory`) and
 takes ``formats`` by one rule (:func:`headsurgeon.plots.split_formats`). The library modules
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from headsurgeon.repair import RepairResult
 
 __all__ = [
+    "IMPORTANCE_NAMES",
     "blindness_summary",
     "default_out_dir",
     "format_summary",
@@ -255,6 +258,14 @@ FIGURES = {
     "entropy": lambda df: plots.head_grid(df, "entropy"),
     "output_share": lambda df: plots.head_grid(df, "output_share"),
 }
+# head_importance's columns as a classified table names them (method alone would be ambiguous).
+IMPORTANCE_NAMES = {
+    "delta_loss": "delta_loss",
+    "delta_loss_se": "delta_loss_se",
+    "clean_loss": "clean_loss",
+    "method": "importance_method",
+    "ablation": "importance_ablation",
+}
 # Added when the table carries importance columns (_has_importance).
 IMPORTANCE_FIGURES = {
     "importance": plots.importance_grid,
@@ -320,13 +331,12 @@ def write_classification(
 
 
 def _importance_columns(classified: pd.DataFrame) -> dict[str, str]:
-    """What each importance column of ``classified`` means (``method`` as ``importance_method``)."""
-    described = {
-        ("importance_" + name if name in ("method", "ablation") else name): text
-        for name, text in IMPORTANCE_COLUMNS.items()
-        if name not in ("layer", "head")
+    """What each importance column of ``classified`` means."""
+    return {
+        ours: IMPORTANCE_COLUMNS[theirs]
+        for theirs, ours in IMPORTANCE_NAMES.items()
+        if ours in classified.columns
     }
-    return {name: text for name, text in described.items() if name in classified.columns}
 
 
 # --- repair -------------------------------------------------------------------------------------

@@ -37,21 +37,17 @@ from headsurgeon.cli import (
 )
 from headsurgeon.data import describe
 from headsurgeon.importance import METHODS, head_importance
-from headsurgeon.reports import default_out_dir, format_summary, write_classification
+from headsurgeon.reports import (
+    IMPORTANCE_NAMES,
+    default_out_dir,
+    format_summary,
+    write_classification,
+)
 
 __all__ = [
     "main",
     "entry",
 ]
-
-# head_importance's columns as the classified table names them (method alone would be ambiguous).
-IMPORTANCE_NAMES = {
-    "delta_loss": "delta_loss",
-    "delta_loss_se": "delta_loss_se",
-    "clean_loss": "clean_loss",
-    "method": "importance_method",
-    "ablation": "importance_ablation",
-}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
