@@ -12,6 +12,7 @@ Exports:
     blind_share(distances, context)     share of a context's causal entries beyond blindness
     robust_slopes(head_slopes, ...)     slopes lowered so a whole context stays above the limit
     distance_rows(n_queries, n_keys)    distances i - j for the last queries (as TransformerLens)
+    causal_rows(n_queries, n_keys)      which keys those queries may attend to (j <= i)
     bias_from_distance(kind, ...)       the bias of each kind in BIAS_KINDS (mitigations)
     soft_cap(scores, c)                 c * tanh(scores / c), masked cells kept at -inf
     check_bias_params(kind, **params)   validated mitigation parameters
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from headsurgeon.dtypes import parse_dtype
@@ -48,6 +49,7 @@ __all__ = [
     "robust_slopes",
     "check_bias_params",
     "distance_rows",
+    "causal_rows",
     "bias_from_distance",
     "soft_cap",
     "blind_distance",
@@ -241,6 +243,22 @@ def distance_rows(
     queries = torch.arange(n_keys - n_queries, n_keys, device=device)
     keys = torch.arange(n_keys, device=device)
     return (queries[:, None] - keys[None, :]).clamp(min=0).to(torch.float32)
+
+
+def causal_rows(
+    n_queries: int, n_keys: int, device: torch.device | str | None = None
+) -> Bool[Tensor, "query_pos key_pos"]:
+    """Which keys the last ``n_queries`` of ``n_keys`` positions may attend to (``j <= i``).
+
+    Masked scores are ``-inf`` in TransformerLens 3.x and the float minimum in 4.x (Hugging
+    Face's mask); the positions say which is which on both.
+
+    >>> causal_rows(2, 3)
+    tensor([[ True,  True, False],
+            [ True,  True,  True]])
+    """
+    queries = torch.arange(n_keys - n_queries, n_keys, device=device)
+    return queries[:, None] >= torch.arange(n_keys, device=device)[None, :]
 
 
 def bias_from_distance(

@@ -36,17 +36,16 @@ import pandas as pd
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens import HookedTransformer
-from transformer_lens.hook_points import HookPoint
 
 from headsurgeon import alibi
+from headsurgeon.backend import HookPoint, Model, add_bias_hook
 from headsurgeon.data import Data, to_sequences
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.exact_alibi import alibi_slopes, bias_pre_hook, shared_bias
+from headsurgeon.exact_alibi import alibi_slopes, shared_bias
 from headsurgeon.loading import model_info, model_shape
 from headsurgeon.probes import stream
 from headsurgeon.validation import check_choice, check_int
@@ -84,7 +83,7 @@ def _names(values: Sequence[str] | str, what: str) -> list[str]:
 
 
 def analytic_blindness(
-    model: str | os.PathLike | HookedTransformer,
+    model: str | os.PathLike | Model,
     *,
     dtypes: Sequence[str] = ANALYSED_DTYPES,
     limits: Sequence[str] = alibi.LIMITS,
@@ -103,7 +102,7 @@ def analytic_blindness(
     models without ALiBi (use :func:`measure_blindness`, which applies to every model).
     """
     shape = model_shape(model)
-    name = model_info(model).name if isinstance(model, HookedTransformer) else str(model)
+    name = model_info(model).name if isinstance(model, Model) else str(model)
     if shape.positional != "alibi":
         raise UnsupportedArchitectureError(
             f"analytic blindness applies to ALiBi models only; {name} uses {shape.positional} "
@@ -112,7 +111,7 @@ def analytic_blindness(
     if context_length is None:
         context_length = shape.n_ctx
     context_length = check_int(context_length, "context_length", minimum=1)
-    is_model = isinstance(model, HookedTransformer)
+    is_model = isinstance(model, Model)
     head_slopes = alibi_slopes(model) if is_model else alibi.slopes(shape.n_heads)
     frames = []
     for dtype in map(dtype_name, _names(dtypes, "dtype")):
@@ -174,7 +173,7 @@ class _UnderflowCounter:
     dtype and softmax computed in it (TransformerLens 3.x).
     """
 
-    def __init__(self, model: HookedTransformer, dtypes: list[str], convention: str, n_pos: int):
+    def __init__(self, model: Model, dtypes: list[str], convention: str, n_pos: int):
         self.dtypes = [parse_dtype(d) for d in dtypes]
         self.convention = convention
         shape = (len(dtypes), model.cfg.n_layers, model.cfg.n_heads, n_pos)
@@ -193,7 +192,7 @@ class _UnderflowCounter:
         layer = hook.layer()
         logits = scores.detach().float()
         exact = torch.softmax(logits.double(), dim=-1)
-        causal = torch.isfinite(logits)  # the mask sets -inf
+        causal = alibi.causal_rows(*logits.shape[-2:], logits.device)
         for i, dtype in enumerate(self.dtypes):
             if self.convention == "hf":
                 weights = torch.softmax(logits, dim=-1).to(dtype)
@@ -212,7 +211,7 @@ class _UnderflowCounter:
 
 
 def measure_blindness(
-    model: HookedTransformer,
+    model: Model,
     data: Data = None,
     *,
     dtypes: Sequence[str] = ANALYSED_DTYPES,
@@ -275,7 +274,7 @@ def measure_blindness(
 
 
 def _check_measure_args(
-    model: HookedTransformer,
+    model: Model,
     data: Data,
     dtypes: Sequence[str],
     convention: str,
@@ -302,7 +301,7 @@ def _check_measure_args(
 
 
 def _head_tables(
-    model: HookedTransformer,
+    model: Model,
     counter: _UnderflowCounter,
     names: list[str],
     convention: str,
@@ -390,7 +389,7 @@ def _bucket_rows(
 
 
 def _length_table(
-    model: HookedTransformer,
+    model: Model,
     counter: _UnderflowCounter,
     names: list[str],
     lengths: list[int],
@@ -432,11 +431,12 @@ def _context_lengths(n_pos: int, lengths: Sequence[int] | None) -> list[int]:
 
 
 def _soft_cap_hook(scores: Tensor, hook: HookPoint, *, c: float) -> Tensor:
-    return alibi.soft_cap(scores, c)
+    causal = alibi.causal_rows(*scores.shape[-2:], scores.device)
+    return torch.where(causal, alibi.soft_cap(scores, c), -math.inf)
 
 
 @contextlib.contextmanager
-def mitigation(model: HookedTransformer, kind: str, **params) -> Iterator[HookedTransformer]:
+def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     """Run ``model`` with a mitigated ALiBi (see :data:`headsurgeon.alibi.BIAS_KINDS`).
 
     No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``) replace each attention
@@ -469,17 +469,13 @@ def mitigation(model: HookedTransformer, kind: str, **params) -> Iterator[Hooked
     # The model's own slopes (TransformerLens's or the exact ones), so only the bias kind changes.
     head_slopes = tuple(alibi_slopes(model).tolist())
     build = functools.partial(shared_bias, kind, tuple(sorted(params.items())), head_slopes)
-    attns = [block.attn for block in model.blocks]
-    saved = [attn.alibi for attn in attns]
     # Registered after any exact-ALiBi hook, so it runs last and its bias is the one used.
-    handles = [attn.register_forward_pre_hook(bias_pre_hook(build), with_kwargs=True)
-               for attn in attns]  # fmt: skip
+    handles = [add_bias_hook(block.attn, build) for block in model.blocks]
     try:
         yield model
     finally:
-        for attn, handle, bias in zip(attns, handles, saved, strict=True):
+        for handle in handles:
             handle.remove()
-            attn.alibi = bias
 
 
 if __name__ == "__main__":  # python -m headsurgeon.blindness: the command-line tool

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from headsurgeon.backend import Model
 from headsurgeon.data import Data, describe, resolve_bos, to_sequences
 from headsurgeon.errors import DataError
 from headsurgeon.exact_alibi import alibi_slopes
@@ -64,7 +64,7 @@ def _check_rows(n_pos: int, min_query_pos: int) -> None:
         )
 
 
-def _check_tokens(model: HookedTransformer, tokens: Tensor, min_query_pos: int) -> None:
+def _check_tokens(model: Model, tokens: Tensor, min_query_pos: int) -> None:
     n_pos = tokens.shape[1]
     if n_pos > model.cfg.n_ctx:
         raise DataError(
@@ -75,7 +75,7 @@ def _check_tokens(model: HookedTransformer, tokens: Tensor, min_query_pos: int) 
 
 
 def run_census(
-    model: HookedTransformer,
+    model: Model,
     data: Data | Sequence[str] = None,
     *,
     batch_size: int = 8,

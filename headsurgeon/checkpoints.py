@@ -29,8 +29,9 @@ import einops
 import pandas as pd
 import torch
 from torch import Tensor
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 
+from headsurgeon import backend
+from headsurgeon.backend import Model
 from headsurgeon.dtypes import DTYPES, parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
@@ -65,7 +66,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _bloom_config(model: HookedTransformer, info: ModelInfo) -> dict[str, Any]:
+def _bloom_config(model: Model, info: ModelInfo) -> dict[str, Any]:
     cfg = model.cfg
     config = dict(info.hf_config)
     config.update(
@@ -81,14 +82,14 @@ def _bloom_config(model: HookedTransformer, info: ModelInfo) -> dict[str, Any]:
     return config
 
 
-def hf_state_dict(model: HookedTransformer) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
     """BLOOM state dict in Hugging Face layout (fused query_key_value), inverse of TL's loader.
 
     Tensors are contiguous and on the CPU; those that already were may share memory with the
     model, so clone before editing them.
     """
     cfg = model.cfg
-    sd = model.state_dict()
+    sd = backend.tl_state_dict(model)
     out = {
         "transformer.word_embeddings.weight": sd["embed.W_E"],
         "transformer.word_embeddings_layernorm.weight": sd["embed.ln.w"],
@@ -144,7 +145,7 @@ EXPORT_RTOL = 1e-5
 _TOLERANCE = "1e-4 + 1e-5"
 
 
-def _bloom_differences(model: HookedTransformer, config: dict[str, Any]) -> list[str]:
+def _bloom_differences(model: Model, config: dict[str, Any]) -> list[str]:
     """What ``model`` computes that the BLOOM ``config`` (and BLOOM's weights) cannot express.
 
     The reference is the TransformerLens config that ``config`` itself converts to, so every
@@ -157,7 +158,8 @@ def _bloom_differences(model: HookedTransformer, config: dict[str, Any]) -> list
     found = []
     if cfg.original_architecture not in (None, "BloomForCausalLM"):
         found.append(f"architecture {cfg.original_architecture}")
-    for field in dataclasses.fields(bloom):
+    # A 4.x bridge computes with the Hugging Face model itself: only its class can differ.
+    for field in dataclasses.fields(bloom) if bloom is not None else ():
         name = field.name
         if name in _NOT_COMPUTED or name.startswith(_NOT_COMPUTED_PREFIXES):
             continue
@@ -176,7 +178,7 @@ def _bloom_differences(model: HookedTransformer, config: dict[str, Any]) -> list
     return found
 
 
-def _difference(name: str, ours: Any, theirs: Any, cfg: HookedTransformerConfig) -> str:
+def _difference(name: str, ours: Any, theirs: Any, cfg: Any) -> str:
     """One difference between a model's config and BLOOM's, in words."""
     if name == "positional_embedding_type":
         return f"{ours} positions (BLOOM uses ALiBi)"
@@ -205,7 +207,7 @@ def _difference(name: str, ours: Any, theirs: Any, cfg: HookedTransformerConfig)
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
-def checkpoint_dtype(model: HookedTransformer) -> torch.dtype | None:
+def checkpoint_dtype(model: Model) -> torch.dtype | None:
     """The dtype of the checkpoint ``model`` was loaded from, None when that is unknown.
 
     Read from the source folder of a model from :func:`~headsurgeon.loading.load_model`: the
@@ -241,14 +243,14 @@ def checkpoint_dtype(model: HookedTransformer) -> torch.dtype | None:
     return DTYPES.get(named) if isinstance(named, str) else None
 
 
-def _probe_tokens(model: HookedTransformer, device: torch.device) -> Tensor:
+def _probe_tokens(model: Model, device: torch.device) -> Tensor:
     """The export check's probe batch: a few random sequences within the vocabulary and context."""
     generator = torch.Generator().manual_seed(_PROBE_SEED)
     shape = (_PROBE_SEQS, min(_PROBE_LEN, model.cfg.n_ctx))
     return torch.randint(0, model.cfg.d_vocab, shape, generator=generator).to(device)
 
 
-def _float32_logits(model: HookedTransformer, tokens: Tensor) -> Tensor:
+def _float32_logits(model: Model, tokens: Tensor) -> Tensor:
     """``model``'s logits computed in float32 (its hooks included), the model left as it was.
 
     A float16 or bfloat16 model runs this one forward pass on float32 copies of its tensors;
@@ -269,9 +271,7 @@ def _float32_logits(model: HookedTransformer, tokens: Tensor) -> Tensor:
         model.cfg.dtype = cfg_dtype
 
 
-def _verify_export(
-    model: HookedTransformer, folder: Path, unrounded: dict[str, Tensor] | None
-) -> float | None:
+def _verify_export(model: Model, folder: Path, unrounded: dict[str, Tensor] | None) -> float | None:
     """Reload ``folder`` with ``transformers`` (float32) and compare logits with ``model``'s.
 
     ``unrounded``: the weights before rounding to the written dtype, when rounding changed any;
@@ -322,7 +322,7 @@ def _verify_export(
 
 
 def save_hf(
-    model: HookedTransformer,
+    model: Model,
     out_dir: str | os.PathLike,
     *,
     overwrite: bool = False,
@@ -384,7 +384,7 @@ def save_hf(
 
 
 def _cast_state(
-    model: HookedTransformer, config: dict[str, Any], save_dtype: torch.dtype
+    model: Model, config: dict[str, Any], save_dtype: torch.dtype
 ) -> tuple[dict[str, Tensor], dict[str, Tensor], int]:
     """The Hugging Face state in ``save_dtype`` (``lm_head`` dropped, and ``config`` marked, when
     tied), the state before the cast, and how many weights the cast rounded."""

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from jaxtyping import Int
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
+from headsurgeon.backend import Model
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.loading import model_info
 from headsurgeon.validation import check_bool, check_int
@@ -113,7 +113,7 @@ def _read_text(path: Path) -> str:
     return text
 
 
-def tokenize(model: HookedTransformer, text: str) -> list[int]:
+def tokenize(model: Model, text: str) -> list[int]:
     """Token ids of ``text`` from the checkpoint's own tokenizer, without special tokens."""
     tokenizer = _tokenizer(model)
     if tokenizer is None:
@@ -124,12 +124,12 @@ def tokenize(model: HookedTransformer, text: str) -> list[int]:
     return list(_token_ids(tokenizer, text))
 
 
-def has_tokenizer(model: HookedTransformer) -> bool:
+def has_tokenizer(model: Model) -> bool:
     """Whether ``model`` can tokenise text (its checkpoint's tokenizer, or TransformerLens's)."""
     return _tokenizer(model) is not None
 
 
-def _tokenizer(model: HookedTransformer) -> Any:
+def _tokenizer(model: Model) -> Any:
     return model_info(model).tokenizer or model.tokenizer
 
 
@@ -164,7 +164,7 @@ def _texts(data: Data) -> list[str]:
     return texts
 
 
-def check_token_ids(model: HookedTransformer, tokens: object) -> Int[Tensor, "batch pos"]:
+def check_token_ids(model: Model, tokens: object) -> Int[Tensor, "batch pos"]:
     """``tokens`` as a ``long`` tensor if it is a non-empty ``[batch, pos]`` tensor of ids.
 
     Float or bool tensors are refused rather than cast (``torch.rand`` would become all zeros),
@@ -190,7 +190,7 @@ def check_token_ids(model: HookedTransformer, tokens: object) -> Int[Tensor, "ba
 
 
 def to_sequences(
-    model: HookedTransformer,
+    model: Model,
     data: Data = None,
     *,
     seq_len: int = 128,
@@ -261,13 +261,13 @@ def describe(data: Data, default: str = HELD_OUT) -> str:
     return ", ".join(files) if files else f"{len(items)} text(s) given in memory"
 
 
-def bos_token_id(model: HookedTransformer) -> int | None:
+def bos_token_id(model: Model) -> int | None:
     """The id of the model's BOS token; ``None`` without a tokenizer or without a BOS token."""
     tokenizer = _tokenizer(model)
     return None if tokenizer is None else tokenizer.bos_token_id
 
 
-def resolve_bos(model: HookedTransformer, prepend_bos: bool | None = None) -> bool:
+def resolve_bos(model: Model, prepend_bos: bool | None = None) -> bool:
     """Whether position 0 gets a BOS token: ``prepend_bos``, else the model's convention.
 
     The convention is read from ``model.cfg.default_prepend_bos`` at each call (TransformerLens's

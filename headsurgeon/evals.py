@@ -26,9 +26,8 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from transformer_lens import HookedTransformer
-from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
+from headsurgeon.backend import Model, continuation_logprobs
 from headsurgeon.data import (
     CORPORA,
     Data,
@@ -59,7 +58,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def default_window(model: HookedTransformer) -> int:
+def default_window(model: Model) -> int:
     """The training length when known (in-context evaluation), else the model's context.
 
     The context is the checkpoint's own ``seq_length`` when it has one (:func:`model_shape`):
@@ -68,7 +67,7 @@ def default_window(model: HookedTransformer) -> int:
     return min(model_info(model).train_ctx or model_shape(model).n_ctx, model.cfg.n_ctx)
 
 
-def check_length(model: HookedTransformer, length: int, what: str = "context length") -> int:
+def check_length(model: Model, length: int, what: str = "context length") -> int:
     """Return ``length`` if the model can take it, else raise a one-line error."""
     length = check_int(length, what, minimum=1)
     if length > model.cfg.n_ctx:
@@ -107,7 +106,7 @@ def sliding_windows(
         begin += stride
 
 
-def _token_streams(model: HookedTransformer, data: Data) -> list[Int[Tensor, " pos"]]:
+def _token_streams(model: Model, data: Data) -> list[Int[Tensor, " pos"]]:
     """Data as independent token streams: each text, or each row of a token tensor."""
     if isinstance(data, Tensor):
         if data.ndim not in (1, 2) or data.numel() == 0:
@@ -148,7 +147,7 @@ def _windows_by_length(
 
 @torch.no_grad()
 def perplexity(
-    model: HookedTransformer,
+    model: Model,
     data: Data = None,
     *,
     window: int | None = None,
@@ -296,7 +295,7 @@ def _check_depths(depths: Sequence[float]) -> list[float]:
 
 
 def _filler(
-    model: HookedTransformer, text: str, n_tokens: int, rng: np.random.Generator
+    model: Model, text: str, n_tokens: int, rng: np.random.Generator
 ) -> Int[Tensor, " pos"]:
     """``n_tokens`` consecutive tokens from a random place in ``text``.
 
@@ -316,41 +315,21 @@ def _filler(
 
 @torch.no_grad()
 def _answer_scores(
-    model: HookedTransformer, prompt: Int[Tensor, " pos"], candidates: list[Int[Tensor, " pos"]]
+    model: Model, prompt: Int[Tensor, " pos"], candidates: list[Int[Tensor, " pos"]]
 ) -> tuple[Float[Tensor, " candidate"], Bool[Tensor, " candidate"]]:
     """Log-likelihood of each candidate after ``prompt`` and whether greedy decoding gives it.
 
-    The prompt runs once, filling a key-value cache; all candidates then continue from that
-    cache in one right-padded batch (padding after a candidate cannot change its causal
-    logits), so the cost is one prompt, not one per candidate. Only the answer positions are
-    unembedded. Greedy decoding produces a candidate exactly when every one of its tokens is the
-    argmax given the tokens before it.
+    All candidates run as one right-padded batch after the prompt
+    (:func:`headsurgeon.backend.continuation_logprobs`: on TransformerLens 3.x from one key-value
+    cache of the prompt, so the cost is one prompt, not one per candidate). Only the answer
+    positions are unembedded. Greedy decoding produces a candidate exactly when every one of its
+    tokens is the argmax given the tokens before it.
     """
-    device = model.cfg.device or "cpu"
-    n_layers = model.cfg.n_layers
-
-    def logprobs(resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_vocab"]:
-        return model.unembed(model.ln_final(resid)).float().log_softmax(-1).cpu()
-
-    def run(tokens: Int[Tensor, "batch pos"]) -> Float[Tensor, "batch pos d_model"]:
-        ones = torch.ones_like(tokens)  # explicit: no pad-token guessing from the tokenizer
-        return model(tokens.to(device), stop_at_layer=n_layers, past_kv_cache=cache,
-                     attention_mask=ones.to(device))  # fmt: skip
-
-    cache = TransformerLensKeyValueCache.init_cache(model.cfg, device, batch_size=1)
-    first = logprobs(run(prompt[None])[:, -1:])  # the first answer token, shared by all
     width = max(len(c) for c in candidates)
-    rows = first.expand(len(candidates), -1, -1)
-    if width > 1:
-        for entry in cache.entries:
-            entry.past_keys = entry.past_keys.expand(len(candidates), -1, -1, -1)
-            entry.past_values = entry.past_values.expand(len(candidates), -1, -1, -1)
-        cache.previous_attention_mask = cache.previous_attention_mask.expand(len(candidates), -1)
-        cache.freeze()
-        batch = torch.zeros(len(candidates), width - 1, dtype=torch.long)
-        for i, c in enumerate(candidates):
-            batch[i, : len(c) - 1] = c[:-1]
-        rows = torch.cat([rows, logprobs(run(batch))], dim=1)
+    batch = torch.zeros(len(candidates), width - 1, dtype=torch.long)
+    for i, c in enumerate(candidates):
+        batch[i, : len(c) - 1] = c[:-1]
+    rows = continuation_logprobs(model, prompt, batch)
     loglik, greedy = torch.zeros(len(candidates)), torch.zeros(len(candidates), dtype=torch.bool)
     for i, c in enumerate(candidates):
         answer = rows[i, : len(c)]
@@ -360,7 +339,7 @@ def _answer_scores(
 
 
 def _retrieval(
-    model: HookedTransformer,
+    model: Model,
     task: str,
     text: str,
     parts: dict[str, str],
@@ -444,7 +423,7 @@ def _retrieval(
 
 
 def passkey(
-    model: HookedTransformer,
+    model: Model,
     *,
     lengths: Sequence[int] = (64, 128, 256, 512, 1024),
     depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
@@ -485,7 +464,7 @@ def passkey(
 
 
 def needle(
-    model: HookedTransformer,
+    model: Model,
     haystack_texts: Data = None,
     *,
     lengths: Sequence[int] = (64, 128, 256, 512, 1024),

@@ -5,15 +5,16 @@ every head count ``H``; Hugging Face BLOOM interleaves a second series when ``H`
 two. Models from :func:`headsurgeon.loading.load_model` get Hugging Face's exact slopes through a
 forward pre-hook on each attention module (:func:`install_exact_alibi`). The same protocol, a
 pre-hook that puts a bias tensor built for the call's query and key counts in place
-(:func:`bias_pre_hook`, :func:`shared_bias`), is how :func:`headsurgeon.blindness.mitigation`
-changes the bias.
+(:func:`headsurgeon.backend.add_bias_hook` with :func:`shared_bias`), is how
+:func:`headsurgeon.blindness.mitigation` changes the bias, on TransformerLens 3.x and 4.x alike
+(4.x takes Hugging Face's exact slopes; the hook keeps the bias relative, ``-m (i - j)``, as 3.x).
 
 Exports:
     alibi_slopes(model)                      the ALiBi slopes a model applies, read from it
     use_exact_alibi(model)                   Hugging Face's ALiBi slopes for any head count
     install_exact_alibi(model)               the same, silently (for models built from checkpoints)
     inexact_slopes(model)                    why a model's slopes are not BLOOM's, or None
-    bias_pre_hook(build), shared_bias(...)   the attention pre-hook protocol for ALiBi biases
+    shared_bias(...)                         one cached ALiBi bias per kind and shape
     BiasBuilder                              the type of a bias builder
 """
 
@@ -21,54 +22,24 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
 from headsurgeon import alibi
+from headsurgeon.backend import BiasBuilder, Model, add_bias_hook, builtin_slopes
 from headsurgeon.errors import UnsupportedArchitectureError
 
 __all__ = [
     "BiasBuilder",
     "alibi_slopes",
-    "bias_pre_hook",
     "inexact_slopes",
     "install_exact_alibi",
     "shared_bias",
     "use_exact_alibi",
 ]
-
-_ATTENTION_ARGS = ("query_input", "key_input", "value_input", "past_kv_cache_entry")
-
-# Builds the [head, query, key] bias for the last n_queries of n_keys positions on a device.
-BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
-
-
-def bias_pre_hook(build: BiasBuilder) -> Callable[[torch.nn.Module, tuple, dict], None]:
-    """A forward pre-hook for an attention module that puts ``build``'s bias in place.
-
-    TransformerLens adds ``module.alibi[:, -query_ctx:, :key_ctx]`` and rebuilds the tensor with
-    its power-of-two slopes only when ``key_ctx`` outgrows it. A tensor holding exactly this call's
-    rows is used as is, and keeps ``hook_attn_scores`` equal to ``q.k/sqrt(d) + bias``: a longer
-    cached one would shift every row by a constant (harmless to the softmax, wrong logits).
-    Hooks run in registration order, so the last one registered decides the bias.
-    """
-
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs = dict(zip(_ATTENTION_ARGS, args, strict=False)) | kwargs
-        cache_entry = inputs.get("past_kv_cache_entry")
-        # Position is dim 1 with or without split per-head inputs ([batch, pos, (head,) d_model]).
-        n_queries = inputs["query_input"].shape[1]
-        n_keys = inputs["key_input"].shape[1]
-        if cache_entry is not None:
-            n_keys += cache_entry.past_keys.shape[1]
-        module.alibi = build(n_queries, n_keys, inputs["query_input"].device)
-
-    return hook
 
 
 @functools.lru_cache(maxsize=8)
@@ -88,20 +59,17 @@ def shared_bias(
     return alibi.bias_from_distance(kind, torch.tensor(head_slopes), distance, **dict(params))
 
 
-def install_exact_alibi(model: HookedTransformer) -> None:
+def install_exact_alibi(model: Model) -> None:
     """The exact-slope pre-hook on every attention layer, silently (idempotent)."""
     head_slopes = tuple(alibi.slopes(model.cfg.n_heads).tolist())
     build = functools.partial(shared_bias, "standard", (), head_slopes)
     for block in model.blocks:
         attn = block.attn
         if getattr(attn, "headsurgeon_alibi_hook", None) is None:
-            attn.headsurgeon_alibi_hook = attn.register_forward_pre_hook(
-                bias_pre_hook(build), with_kwargs=True
-            )
-        attn.alibi = None
+            attn.headsurgeon_alibi_hook = add_bias_hook(attn, build)
 
 
-def use_exact_alibi(model: HookedTransformer) -> None:
+def use_exact_alibi(model: Model) -> None:
     """Give every attention layer Hugging Face's exact ALiBi slopes (idempotent).
 
     **This changes the model's outputs** whenever its head count is not a power of two:
@@ -134,21 +102,19 @@ def _rounded(values: Tensor) -> list[float]:
     return [float(f"{x:.3g}") for x in values.tolist()]
 
 
-def alibi_slopes(model: HookedTransformer) -> Float[Tensor, " head_index"]:
+def alibi_slopes(model: Model) -> Float[Tensor, " head_index"]:
     """The ALiBi slopes ``model`` applies (float32), read from the model, never assumed.
 
     Models from :func:`~headsurgeon.loading.load_model` (and after :func:`use_exact_alibi`) use
-    Hugging Face's exact slopes; any other HookedTransformer uses what its attention class builds
+    Hugging Face's exact slopes; any other model uses what its attention class builds
     (TransformerLens 3.x: ``2^(-8(h+1)/H)`` for every head count ``H``, exact only for powers of
     two). Mitigations (:func:`headsurgeon.blindness.mitigation`) change the bias, not these
     slopes.
 
-    >>> from transformer_lens import HookedTransformerConfig
-    >>> cfg = HookedTransformerConfig(n_layers=1, d_model=24, n_heads=6, d_head=4, n_ctx=8,
-    ...                               d_vocab=9, act_fn="gelu_new",
-    ...                               positional_embedding_type="alibi")
-    >>> [round(x, 4) for x in alibi_slopes(HookedTransformer(cfg)).tolist()]
-    [0.3969, 0.1575, 0.0625, 0.0248, 0.0098, 0.0039]
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=6, d_model=24, d_vocab=9, n_ctx=8))
+    >>> [round(x, 4) for x in alibi_slopes(model).tolist()]
+    [0.25, 0.0625, 0.0156, 0.0039, 0.5, 0.125]
     """
     if model.cfg.positional_embedding_type != "alibi":
         raise UnsupportedArchitectureError(
@@ -158,12 +124,10 @@ def alibi_slopes(model: HookedTransformer) -> Float[Tensor, " head_index"]:
     attn = model.blocks[0].attn
     if getattr(attn, "headsurgeon_alibi_hook", None) is not None:
         return alibi.slopes(model.cfg.n_heads)
-    # The bias the attention class itself builds for two positions: row 1 is [-m_h, 0].
-    bias = type(attn).create_alibi_bias(model.cfg.n_heads, 2, "cpu")
-    return -bias[:, 1, 0].to(torch.float32)
+    return builtin_slopes(model)
 
 
-def inexact_slopes(model: HookedTransformer) -> str | None:
+def inexact_slopes(model: Model) -> str | None:
     """Why ``model``'s ALiBi slopes are not BLOOM's for its head count, in words; else None.
 
     None too for a model without ALiBi (it has no slopes to compare).

@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 from jaxtyping import Float, Int
 from torch import Tensor, nn
-from transformer_lens import HookedTransformer
 
+from headsurgeon.backend import Model, run_to_layer
 from headsurgeon.data import check_token_ids
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
@@ -98,7 +98,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Objective = Callable[[HookedTransformer, Tensor], Tensor]
+Objective = Callable[[Model, Tensor], Tensor]
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_FORMAT = 1
 STRATEGIES = ("slices", "mask")
@@ -222,13 +222,13 @@ def warmup_cosine(warmup: int, steps: int) -> Callable[[int], float]:
     return factor
 
 
-def next_token_loss(model: HookedTransformer, tokens: Int[Tensor, "batch pos"]) -> Tensor:
+def next_token_loss(model: Model, tokens: Int[Tensor, "batch pos"]) -> Tensor:
     """Mean next-token cross-entropy over the batch (the default objective)."""
     return model(tokens, return_type="loss")
 
 
 def head_bos_mass(
-    model: HookedTransformer,
+    model: Model,
     tokens: Int[Tensor, "batch pos"],
     heads: Heads,
     *,
@@ -246,12 +246,8 @@ def head_bos_mass(
         chosen = pattern[:, by_layer[hook.layer()], min_query_pos:, 0]
         masses[hook.layer()] = chosen.float().mean(dim=(0, 2))
 
-    model.run_with_hooks(
-        tokens,
-        return_type=None,
-        stop_at_layer=max(by_layer) + 1,
-        fwd_hooks=[(f"blocks.{layer}.attn.hook_pattern", keep) for layer in by_layer],
-    )
+    with model.hooks(fwd_hooks=[(f"blocks.{layer}.attn.hook_pattern", keep) for layer in by_layer]):
+        run_to_layer(model, tokens, max(by_layer) + 1)
     return torch.cat([masses[layer] for layer in by_layer])
 
 
@@ -279,7 +275,7 @@ def bos_mass_objective(
     goal = None if target is None else math.log(target / (1 - target))
     heads = HeadSet.of(heads)
 
-    def objective(model: HookedTransformer, tokens: Tensor) -> Tensor:
+    def objective(model: Model, tokens: Tensor) -> Tensor:
         mass = head_bos_mass(model, tokens, heads, min_query_pos=min_query_pos)
         if goal is None:
             loss = -mass.clamp_min(1e-10).log().mean()
@@ -327,7 +323,7 @@ class SliceTrainer(nn.Module):
     """The ``"slices"`` strategy: trains :class:`HeadParameters`; the model is held outside the
     module tree, so DistributedDataParallel sees (and synchronises) only the slices."""
 
-    def __init__(self, model: HookedTransformer, heads: HeadSet, objective: Objective) -> None:
+    def __init__(self, model: Model, heads: HeadSet, objective: Objective) -> None:
         super().__init__()
         self.params = HeadParameters(model, heads)
         self._model = [model]  # not a submodule: DDP must not see (or broadcast) frozen weights
@@ -357,7 +353,7 @@ class MaskTrainer(nn.Module):
     """The ``"mask"`` strategy: whole attention tensors of the chosen layers behind gradient
     masks (:class:`HeadMask`), frozen elements restored from a copy after every step."""
 
-    def __init__(self, model: HookedTransformer, heads: HeadSet, objective: Objective) -> None:
+    def __init__(self, model: Model, heads: HeadSet, objective: Objective) -> None:
         super().__init__()
         self.model = model
         self.objective = objective
@@ -398,7 +394,7 @@ class MaskTrainer(nn.Module):
 
 
 def make_trainer(
-    model: HookedTransformer,
+    model: Model,
     heads: HeadSet,
     objective: Objective | None = None,
     *,
@@ -418,7 +414,7 @@ def make_trainer(
     return trainer(model, heads, objective or next_token_loss)
 
 
-def weights_digest(model: HookedTransformer, excluding: HeadSet | None = None) -> str:
+def weights_digest(model: Model, excluding: HeadSet | None = None) -> str:
     """A short digest of every weight bit, except the slices of the heads in ``excluding``.
 
     Resuming checks it: a run can only continue on the same frozen weights.
@@ -452,7 +448,7 @@ def _global_rows(
 
 
 def _evaluate(
-    model: HookedTransformer,
+    model: Model,
     heads: HeadSet,
     cfg: FinetuneConfig,
     train_eval: Tensor,
@@ -543,7 +539,7 @@ def _check_resume(state: dict, path: Path, expected: dict[str, Any]) -> None:
 
 
 def finetune(
-    model: HookedTransformer,
+    model: Model,
     heads: Heads,
     train: Int[Tensor, "batch pos"],
     *,
@@ -590,7 +586,7 @@ def finetune(
 class _Job:
     """A fine-tuning run's validated inputs (made by :func:`_make_job`)."""
 
-    model: HookedTransformer
+    model: Model
     heads: HeadSet
     cfg: FinetuneConfig
     train: Tensor
@@ -610,7 +606,7 @@ class _Job:
 
 
 def _make_job(
-    model: HookedTransformer,
+    model: Model,
     heads: Heads,
     train: Any,
     eval_data: Any,
@@ -662,7 +658,7 @@ def _make_job(
     )
 
 
-def _check_tokens(model: HookedTransformer, tokens: Any, what: str) -> Tensor:
+def _check_tokens(model: Model, tokens: Any, what: str) -> Tensor:
     """:func:`headsurgeon.data.check_token_ids`, its message saying which data it was."""
     try:
         return check_token_ids(model, tokens)

@@ -47,9 +47,8 @@ import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformer_lens import HookedTransformer
-from transformer_lens.hook_points import HookPoint
 
+from headsurgeon.backend import HookPoint, Model
 from headsurgeon.census import _check_tokens
 from headsurgeon.data import Data, describe, resolve_bos, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
@@ -115,12 +114,12 @@ def _seq_losses(
     return nll.mean(-1)
 
 
-def _z_hooks(model: HookedTransformer, fn: Callable) -> list[tuple[str, Callable]]:
+def _z_hooks(model: Model, fn: Callable) -> list[tuple[str, Callable]]:
     return [(f"blocks.{layer}.attn.hook_z", fn) for layer in range(model.cfg.n_layers)]
 
 
 def _mean_z(
-    model: HookedTransformer, tokens: Tensor, batch_size: int, progress: bool
+    model: Model, tokens: Tensor, batch_size: int, progress: bool
 ) -> Float[Tensor, "layer head_index d_head"]:
     """Every head's ``z`` averaged over all positions of all sequences (summed in float64)."""
     sums: dict[int, Tensor] = {}
@@ -135,7 +134,7 @@ def _mean_z(
     return (means / (tokens.shape[0] * tokens.shape[1])).to(model.cfg.dtype)
 
 
-def _donor_z(model: HookedTransformer, donors: Tensor) -> list[Tensor]:
+def _donor_z(model: Model, donors: Tensor) -> list[Tensor]:
     """Every layer's ``z`` on the donor sequences (resample ablation)."""
     found: dict[int, Tensor] = {}
 
@@ -147,7 +146,7 @@ def _donor_z(model: HookedTransformer, donors: Tensor) -> list[Tensor]:
 
 
 def _fills(
-    model: HookedTransformer, ablation: str, tokens: Tensor, batch_size: int, progress: bool
+    model: Model, ablation: str, tokens: Tensor, batch_size: int, progress: bool
 ) -> Callable[[Tensor], Fill]:
     """``rows -> fill``: the replacement of every head's ``z`` for the sequences ``rows``."""
     if ablation == "zero":
@@ -189,9 +188,7 @@ class _Totals:
 
 
 @torch.no_grad()
-def _clean_pass(
-    model: HookedTransformer, batch: Tensor
-) -> tuple[Float[Tensor, " batch"], list[Tensor]]:
+def _clean_pass(model: Model, batch: Tensor) -> tuple[Float[Tensor, " batch"], list[Tensor]]:
     """Per-sequence clean losses and every layer's ``resid_pre`` (where ablated passes start)."""
     resid: dict[int, Tensor] = {}
 
@@ -206,7 +203,7 @@ def _clean_pass(
 
 @torch.no_grad()
 def _ablated_losses(
-    model: HookedTransformer,
+    model: Model,
     batch: Tensor,
     resid_pre: Tensor,
     layer: int,
@@ -237,7 +234,7 @@ def _ablated_losses(
 
 
 def _exact(
-    model: HookedTransformer,
+    model: Model,
     tokens: Tensor,
     fills: Callable[[Tensor], Fill],
     batch_size: int,
@@ -262,7 +259,7 @@ def _exact(
 
 
 def _attribution(
-    model: HookedTransformer,
+    model: Model,
     tokens: Tensor,
     fills: Callable[[Tensor], Fill],
     batch_size: int,
@@ -307,7 +304,7 @@ def _check_predicts(n_pos: int) -> None:
 
 
 def head_importance(
-    model: HookedTransformer,
+    model: Model,
     data: Data | Sequence[str] = None,
     *,
     method: str = "mean",
@@ -453,7 +450,7 @@ def compare_importance(
 
 @contextlib.contextmanager
 def ablate_heads(
-    model: HookedTransformer,
+    model: Model,
     heads: Heads,
     ablation: str = "mean",
     data: Data | Sequence[str] = None,
@@ -463,7 +460,7 @@ def ablate_heads(
     n_seqs: int = 64,
     prepend_bos: bool | None = None,
     progress: bool = True,
-) -> Iterator[HookedTransformer]:
+) -> Iterator[Model]:
     """Inside the block, ``heads`` are pruned: their ``z`` is 0 (``"zero"``) or its mean over
     ``data`` (``"mean"``, the default: what :func:`head_importance` calls mean ablation; ``data``
     as there, the bundled held-out corpora by default) at every position. Hooks only: the weights

@@ -1,7 +1,7 @@
 """Loading models (by name, bundled organism or local folder) and the facts the tools need.
 
 Exports:
-    load_model(model, dtype, device)  HookedTransformer, unprocessed weights, exact ALiBi
+    load_model(model, dtype, device)  TransformerLens model, unprocessed weights, exact ALiBi
     from_hf_model(hf_model, tokenizer, ...)  wrap an in-memory transformers model
     random_model(shape, seed)                random-weight BLOOM of a given or named shape
     random_hf_bloom(shape, seed)             the same, as a transformers model
@@ -39,12 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformer_lens import (
-    HookedTransformer,
-    HookedTransformerConfig,
-    loading_from_pretrained as tl_loading,
-)
 
+from headsurgeon import backend
+from headsurgeon.backend import Model
 from headsurgeon.dtypes import parse_device, parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
@@ -140,7 +137,7 @@ def organism_names() -> list[str]:
 
 def _hub_names() -> dict[str, str]:
     """Map every TransformerLens name and alias (lower case) to its official hub name."""
-    return tl_loading.make_model_alias_map()
+    return backend.hub_names()
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -176,13 +173,13 @@ def _local_shape(directory: Path) -> ModelShape:
     )
 
 
-def model_shape(model: str | os.PathLike | HookedTransformer) -> ModelShape:
+def model_shape(model: str | os.PathLike | Model) -> ModelShape:
     """Shape of a model, a BLOOM name (no weights needed), a bundled organism or a folder.
 
     >>> model_shape("bloom-176b").n_heads
     112
     """
-    if isinstance(model, HookedTransformer):
+    if isinstance(model, Model):
         cfg = model.cfg
         # TransformerLens sets n_ctx = 2048 for every BLOOM; the checkpoint's own value wins.
         n_ctx = model_info(model).hf_config.get("seq_length", cfg.n_ctx)
@@ -297,50 +294,24 @@ def resolve_model(model: str | os.PathLike) -> tuple[str, Path]:
 
 
 def tl_config(
-    config_dir: Path,
-    *,
-    dtype: torch.dtype = torch.float32,
-    prepend_bos: bool | None = None,
-    source: Path | None = None,
-) -> HookedTransformerConfig:
-    """TransformerLens's config for the ``config.json`` in ``config_dir`` (a folder of ours).
+    config_dir: Path, *, dtype: torch.dtype = torch.float32, source: Path | None = None
+) -> Any:
+    """Check that TransformerLens converts the ``config.json`` in ``config_dir`` (a folder of ours).
 
-    TransformerLens guesses the architecture of any path that contains "llama" or "gemma" from the
-    path alone, so it is only ever shown a private temporary folder, never the user's; errors name
-    ``source`` (the user's file) when given.
+    Returns 3.x's ``HookedTransformerConfig`` for it (None on 4.x, whose bridge reads the Hugging
+    Face config itself). TransformerLens guesses the architecture of any path that contains
+    "llama" or "gemma" from the path alone, so it is only ever shown a private temporary folder,
+    never the user's; errors name ``source`` (the user's file) when given.
     """
-    from huggingface_hub.errors import StrictDataclassError
-
     file = source or config_dir / "config.json"
-    hf_config = read_json(config_dir / "config.json")
-    try:
-        return tl_loading.get_pretrained_model_config(
-            str(config_dir),
-            hf_cfg=hf_config,
-            fold_ln=False,
-            dtype=dtype,
-            device="cpu",
-            default_prepend_bos=prepend_bos,
-        )
-    except StrictDataclassError as e:  # transformers' typed config classes
-        # Its message: "Validation error for field 'x':" then "TypeError: ... (value: ...)".
-        what = " ".join(line.strip() for line in str(e).splitlines()[1:]) or _first_line(e)
-        raise CheckpointError(f"{file}: {what}; correct it or re-export the checkpoint") from e
-    # AttributeError: TransformerLens 3.x reading a field transformers 5 no longer has (GPT-2).
-    except (NotImplementedError, ValueError, KeyError, TypeError, AttributeError) as e:
-        architecture = (hf_config.get("architectures") or ["<none>"])[0]
-        raise UnsupportedArchitectureError(
-            f"architecture {architecture} (model_type {hf_config.get('model_type')}) in {file} is "
-            f"not supported by TransformerLens 3.x ({_first_line(e)}); {_SUPPORTED}"
-        ) from e
+    return backend.check_architecture(
+        config_dir, read_json(config_dir / "config.json"), file, dtype=dtype
+    )
 
 
 # --- config.json and the weights it describes, checked before any weight is read --------------
 
-_SUPPORTED = (
-    "headsurgeon loads BLOOM (model_type bloom, BloomForCausalLM) and the causal language models "
-    "TransformerLens 3.x converts (e.g. LlamaForCausalLM, GPTNeoXForCausalLM, OPTForCausalLM)"
-)
+_SUPPORTED = backend.SUPPORTED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -628,8 +599,10 @@ def load_model(
     *,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
-) -> HookedTransformer:
-    """Load a model as a HookedTransformer with unprocessed weights and exact ALiBi.
+) -> Model:
+    """Load a model with unprocessed weights and exact ALiBi.
+
+    A ``HookedTransformer`` on TransformerLens 3.x, a ``TransformerBridge`` on 4.x.
 
     ``model`` is a bundled organism (``organism``, ``organism-injured``), a TransformerLens
     name or alias (``bloom-560m``, ``bigscience/bloom-560m``; from the Hugging Face cache, else
@@ -700,7 +673,7 @@ def load_model(
         ),
         metadata=metadata,
     )
-    return loaded.to(torch_device, print_details=False)
+    return backend.move(loaded, torch_device)
 
 
 def from_hf_model(
@@ -712,31 +685,13 @@ def from_hf_model(
     prepend_bos: bool | None = None,
     train_ctx: int | None = None,
     metadata: dict[str, Any] | None = None,
-) -> HookedTransformer:
-    """Convert an in-memory ``transformers`` causal LM into an unprocessed HookedTransformer."""
+) -> Model:
+    """An in-memory ``transformers`` causal LM as the installed TransformerLens's model.
+
+    Weights unprocessed; on TransformerLens 4.x the bridge wraps ``hf_model`` itself.
+    """
     hf_config = hf_model.config.to_dict()
-    torch_dtype = next(hf_model.parameters()).dtype
-    # TransformerLens reads configs from a name or folder; give it the model's own config.
-    with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
-        hf_model.config.save_pretrained(tmp)
-        cfg = tl_config(Path(tmp), dtype=torch_dtype, prepend_bos=prepend_bos)
-        state_dict = tl_loading.get_pretrained_state_dict(tmp, cfg, hf_model=hf_model)
-    if cfg.positional_embedding_type == "alibi":
-        # Unused by ALiBi models; TransformerLens would otherwise fill it with uninitialised memory.
-        state_dict["pos_embed.W_pos"] = torch.zeros(cfg.n_ctx, cfg.d_model, dtype=torch_dtype)
-    cfg.model_name = name
-    # The config folder is gone: without this TransformerLens would look the tokenizer up by
-    # that path on the hub.
-    cfg.tokenizer_name = None
-    model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
-    model.load_and_process_state_dict(
-        state_dict,
-        fold_ln=False,
-        center_writing_weights=False,
-        center_unembed=False,
-        fold_value_biases=False,
-        refactor_factored_attn_matrices=False,
-    )
+    model = backend.convert_hf(hf_model, tokenizer, name=name, prepend_bos=prepend_bos)
     model.headsurgeon_info = ModelInfo(
         name=name,
         source=source,
@@ -752,10 +707,10 @@ def from_hf_model(
     return model
 
 
-def model_info(model: HookedTransformer) -> ModelInfo:
+def model_info(model: Model) -> ModelInfo:
     """The :class:`ModelInfo` of a model: where it came from and its conventions.
 
-    Models loaded here carry theirs; for any other HookedTransformer one is made from its config
+    Models loaded here carry theirs; for any other model one is made from its config
     and tokenizer at each call, and nothing is stored on the model. ``prepend_bos`` is always read
     from ``model.cfg.default_prepend_bos``, so changing that setting takes effect at once.
     """
@@ -791,10 +746,8 @@ def random_hf_bloom(shape: ModelShape | str, *, seed: int = 0, dtype: str = "flo
     return BloomForCausalLM(config).to(parse_dtype(dtype)).eval()
 
 
-def random_model(
-    shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32"
-) -> HookedTransformer:
-    """A HookedTransformer BLOOM with random weights of a given or named shape."""
+def random_model(shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32") -> Model:
+    """A BLOOM TransformerLens model with random weights of a given or named shape."""
     hf_model = random_hf_bloom(shape, seed=seed, dtype=dtype)
     cfg = hf_model.config
     return from_hf_model(hf_model, name=f"random-{cfg.n_layer}x{cfg.n_head}x{cfg.hidden_size}")

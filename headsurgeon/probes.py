@@ -30,9 +30,8 @@ import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from transformer_lens import HookedTransformer
-from transformer_lens.hook_points import HookPoint
 
+from headsurgeon.backend import HookPoint, Model, run_to_layer
 from headsurgeon.data import batches
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int
@@ -144,7 +143,7 @@ class HeadStats:
     heads' writes, without the bias that belongs to no head.
     """
 
-    def __init__(self, model: HookedTransformer, *, min_query_pos: int = 1):
+    def __init__(self, model: Model, *, min_query_pos: int = 1):
         self.model = model
         self.min_query_pos = min_query_pos
         self.device = torch.device(model.cfg.device or "cpu")
@@ -215,7 +214,7 @@ class HeadStats:
 
 
 def stream(
-    model: HookedTransformer,
+    model: Model,
     tokens: Int[Tensor, "batch pos"],
     fwd_hooks: Sequence[Hook],
     *,
@@ -237,4 +236,4 @@ def stream(
         for batch in tqdm(
             batches(tokens, batch_size), total=n_batches, desc=desc, disable=not progress
         ):
-            model(batch.to(device), stop_at_layer=stop)
+            run_to_layer(model, batch.to(device), stop)

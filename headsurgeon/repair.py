@@ -47,8 +47,8 @@ from typing import Any
 import pandas as pd
 import torch
 import torch.distributed as dist
-from transformer_lens import HookedTransformer
 
+from headsurgeon.backend import Model
 from headsurgeon.census import run_census
 from headsurgeon.checkpoints import checkpoint_dtype
 from headsurgeon.classify import LABELS, Thresholds, classify_heads
@@ -196,7 +196,7 @@ class RepairResult:
     surgery paper argues against; :meth:`prune_vs_repair` sets them beside the repair.
     """
 
-    model: HookedTransformer
+    model: Model
     passes: list[PassResult]
     census_before: pd.DataFrame
     census_after: pd.DataFrame
@@ -378,7 +378,7 @@ class _WorkDir:
         census.attrs = document.pop("attrs")
         return census, document
 
-    def save_pass(self, result: PassResult, model: HookedTransformer) -> None:
+    def save_pass(self, result: PassResult, model: Model) -> None:
         if self.rank != 0:
             return
         folder = self.pass_dir(result.index)
@@ -403,7 +403,7 @@ class _WorkDir:
         atomic_write_text(folder / "done.json", "{}")
 
     def load_pass(
-        self, index: int, targets: HeadSet, model: HookedTransformer, config: FinetuneConfig
+        self, index: int, targets: HeadSet, model: Model, config: FinetuneConfig
     ) -> tuple[pd.DataFrame, dict[str, Any], FinetuneResult] | None:
         """Load a finished pass into ``model``: its trained slices, census and training record."""
         folder = self.pass_dir(index)
@@ -430,7 +430,7 @@ class _WorkDir:
         return census, record, training
 
 
-def _head_slices(model: HookedTransformer, heads: HeadSet) -> dict[str, torch.Tensor]:
+def _head_slices(model: Model, heads: HeadSet) -> dict[str, torch.Tensor]:
     """Copies (on the CPU) of the heads' slices of every per-head tensor, by parameter name."""
     return {
         f"blocks.{layer}.attn.{name}": getattr(model.blocks[layer].attn, name)
@@ -441,9 +441,7 @@ def _head_slices(model: HookedTransformer, heads: HeadSet) -> dict[str, torch.Te
     }
 
 
-def _load_head_slices(
-    model: HookedTransformer, heads: HeadSet, slices: dict[str, torch.Tensor]
-) -> None:
+def _load_head_slices(model: Model, heads: HeadSet, slices: dict[str, torch.Tensor]) -> None:
     """Write slices taken by :func:`_head_slices` for ``heads`` back into ``model``."""
     with torch.no_grad():
         for name, values in slices.items():
@@ -500,7 +498,7 @@ def _split_off_eval_rows(
     return tokens[:-n_eval], tokens[-n_eval:]
 
 
-def _round_heads(model: HookedTransformer, heads: HeadSet, dtype: torch.dtype) -> None:
+def _round_heads(model: Model, heads: HeadSet, dtype: torch.dtype) -> None:
     """Round the heads' slices through ``dtype``, so the model is exactly what a save writes."""
     with torch.no_grad():
         for layer, head in heads:
@@ -584,7 +582,7 @@ class _Data:
 
 
 def _prepare_data(
-    model: HookedTransformer, config: RepairConfig, corpus: Data, eval_corpus: Data,
+    model: Model, config: RepairConfig, corpus: Data, eval_corpus: Data,
     census_data: Data,
 ) -> _Data:  # fmt: skip
     """Cut the training, evaluation and census sequences (see :func:`repair`)."""
@@ -628,7 +626,7 @@ def _prepare_data(
 
 
 def _settings(
-    model: HookedTransformer, config: RepairConfig, heads: HeadSet | None, include: HeadSet,
+    model: Model, config: RepairConfig, heads: HeadSet | None, include: HeadSet,
     data: _Data,
 ) -> dict[str, Any]:  # fmt: skip
     """The run's settings, as ``report.json`` and the resume identity hold them."""
@@ -655,7 +653,7 @@ def _settings(
     }
 
 
-def _resolve(model: HookedTransformer, config: RepairConfig) -> RepairConfig:
+def _resolve(model: Model, config: RepairConfig) -> RepairConfig:
     """``config`` with the model's save dtype and training length filled in."""
     info = model_info(model)
     n_ctx = model.cfg.n_ctx
@@ -671,7 +669,7 @@ class _Run:
     and going back to the best pass."""
 
     def __init__(
-        self, model: HookedTransformer, config: RepairConfig, data: _Data,
+        self, model: Model, config: RepairConfig, data: _Data,
         settings: dict[str, Any], work: _WorkDir | None, resume: bool, progress: bool,
     ) -> None:  # fmt: skip
         self.model, self.config, self.data, self.settings = model, config, data, settings
@@ -861,7 +859,7 @@ def _targets(index: int, census: pd.DataFrame, heads: HeadSet | None, include: H
 
 
 def repair(
-    model: HookedTransformer,
+    model: Model,
     corpus: Data = None,
     *,
     eval_corpus: Data = None,
@@ -979,7 +977,7 @@ def repair(
 
 
 def _config_from(
-    model: HookedTransformer, config: RepairConfig | None, keywords: dict[str, Any]
+    model: Model, config: RepairConfig | None, keywords: dict[str, Any]
 ) -> RepairConfig:
     """``config``, or the one the setting keywords make, with the fine-tuning settings resolved
     (default: :func:`recommended_config`) and checked first."""
@@ -1004,7 +1002,7 @@ def _format_ppl(ppl: dict[str, float]) -> str:
 
 
 def recommended_config(
-    model: HookedTransformer,
+    model: Model,
     config: FinetuneConfig | None = None,
     *,
     steps: int | None = None,

@@ -40,9 +40,9 @@ import pandas as pd
 import torch
 from jaxtyping import Bool
 from torch import Tensor, nn
-from transformer_lens import HookedTransformer
 
-from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.backend import HEAD_TENSORS, Model, check_head_tensors, head_tensors
+from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.loading import ModelShape, model_shape
 from headsurgeon.validation import check_choice, check_int
 
@@ -59,7 +59,6 @@ __all__ = [
     "HeadParameters",
 ]
 
-HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
 # b_K has no gradient in exact arithmetic (q·b_K shifts every logit of a query row equally, and
 # softmax ignores that), so training it would only let Adam amplify rounding noise: it stays 0.
 TRAINED_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_V", "W_O")
@@ -138,7 +137,7 @@ class HeadSet:
         self._heads: tuple[tuple[int, int], ...] = tuple(sorted(seen))
 
     @classmethod
-    def of(cls, heads: Heads, model: HookedTransformer | ModelShape | None = None) -> HeadSet:
+    def of(cls, heads: Heads, model: Model | ModelShape | None = None) -> HeadSet:
         """Heads in any usual form, as a :class:`HeadSet`; validated against ``model`` if given.
 
         Takes a ``HeadSet``, text (``"L5H9-11,L6H0"``), ``(layer, head)`` pairs or
@@ -164,7 +163,7 @@ class HeadSet:
         return chosen.validate(model) if model is not None else chosen
 
     @classmethod
-    def parse(cls, text: str, model: HookedTransformer | ModelShape | None = None) -> HeadSet:
+    def parse(cls, text: str, model: Model | ModelShape | None = None) -> HeadSet:
         """Parse ``"L5H9,L6H10-15,L7-9H3"``; validate against ``model`` when given."""
         tokens = [t.strip() for t in str(text).replace(" ", "").split(",") if t.strip()]
         if not tokens:
@@ -205,7 +204,7 @@ class HeadSet:
         chosen = census[census["label"].isin(list(labels))]
         return cls(zip(chosen["layer"].tolist(), chosen["head"].tolist(), strict=True))
 
-    def validate(self, model: HookedTransformer | ModelShape) -> HeadSet:
+    def validate(self, model: Model | ModelShape) -> HeadSet:
         """Return ``self`` if every head exists in ``model``; otherwise raise saying which."""
         shape = model if isinstance(model, ModelShape) else model_shape(model)
         for layer, head in self._heads:
@@ -280,14 +279,9 @@ class HeadSet:
 Heads = HeadSet | str | Iterable[tuple[int, int]] | Mapping[int, Iterable[int]]
 
 
-def check_surgery(model: HookedTransformer) -> None:
+def check_surgery(model: Model) -> None:
     """Raise :class:`UnsupportedArchitectureError` unless every head has its own Q/K/V/O slices."""
-    attn = model.blocks[0].attn
-    if not all(isinstance(getattr(attn, name, None), nn.Parameter) for name in HEAD_TENSORS):
-        raise UnsupportedArchitectureError(
-            f"{type(attn).__name__} has no per-head {', '.join(HEAD_TENSORS)} parameters "
-            "(grouped-query or quantised attention); head surgery needs standard attention"
-        )
+    check_head_tensors(model)
 
 
 def _head_seed(seed: int, layer: int, head: int) -> int:
@@ -298,7 +292,7 @@ def _head_seed(seed: int, layer: int, head: int) -> int:
 
 @torch.no_grad()
 def reinit_heads(
-    model: HookedTransformer,
+    model: Model,
     heads: Heads,
     *,
     init: str = "xavier_normal",
@@ -318,33 +312,31 @@ def reinit_heads(
     heads = HeadSet.of(heads, model)
     fill = getattr(nn.init, f"{init}_")
     for layer, head in heads:
-        attn = model.blocks[layer].attn
+        tensors = head_tensors(model, layer)
         generator = torch.Generator().manual_seed(_head_seed(seed, layer, head))
         for name in ("W_Q", "W_K", "W_V"):
-            weight = getattr(attn, name)
+            weight = tensors[name].heads(tensors[name].param)
             fresh = fill(torch.empty(weight.shape[1:], dtype=torch.float32), generator=generator)
             weight[head] = fresh.to(weight.dtype)
         for name in ("b_Q", "b_K", "b_V", "W_O"):
-            getattr(attn, name)[head] = 0
+            tensors[name].heads(tensors[name].param)[head] = 0
 
 
-def head_masks(model: HookedTransformer, heads: Heads) -> dict[str, Bool[Tensor, "head_index ..."]]:
+def head_masks(model: Model, heads: Heads) -> dict[str, Bool[Tensor, "..."]]:
     """``{parameter name: boolean mask}`` of the chosen heads' elements, per attention tensor.
 
-    Only tensors that hold a chosen head appear; each mask has the tensor's shape.
+    Names are those of ``model.named_parameters()`` (``blocks.1.attn.W_Q`` on TransformerLens
+    3.x; the bridge's ``q``/``k``/``v``/``o`` weights on 4.x). Only tensors that hold a chosen
+    head appear; each mask has the parameter's shape.
     """
     check_surgery(model)
     heads = HeadSet.of(heads, model)
     masks = {}
     for layer, chosen in heads.by_layer().items():
-        attn = model.blocks[layer].attn
-        for name in HEAD_TENSORS:
-            param = getattr(attn, name)
-            mask = torch.zeros(param.shape[0], dtype=torch.bool, device=param.device)
-            mask[chosen] = True
-            masks[f"blocks.{layer}.attn.{name}"] = mask.view(-1, *[1] * (param.ndim - 1)).expand_as(
-                param
-            )
+        for tensor in head_tensors(model, layer).values():
+            mask = torch.zeros_like(tensor.param, dtype=torch.bool)
+            tensor.heads(mask)[chosen] = True
+            masks[tensor.path] = mask
     return masks
 
 
@@ -371,7 +363,7 @@ class HeadMask:
     (True, True)
     """
 
-    def __init__(self, model: HookedTransformer, heads: Heads) -> None:
+    def __init__(self, model: Model, heads: Heads) -> None:
         self.model = model
         self.heads = HeadSet.of(heads, model)
         self.masks = head_masks(model, self.heads)
@@ -418,7 +410,7 @@ def _multiply_by(mask: Tensor) -> Callable[[Tensor], Tensor]:
     return hook
 
 
-def mask_gradients(model: HookedTransformer, heads: Heads) -> HeadMask:
+def mask_gradients(model: Model, heads: Heads) -> HeadMask:
     """Apply a :class:`HeadMask` and return it (call ``.remove()``, or use it in ``with``)."""
     return HeadMask(model, heads).apply()
 
@@ -443,19 +435,21 @@ class HeadParameters(nn.Module):
     ((2, 8, 32), 2080)
     """
 
-    def __init__(self, model: HookedTransformer, heads: Heads) -> None:
+    def __init__(self, model: Model, heads: Heads) -> None:
         super().__init__()
         check_surgery(model)
         self.heads = HeadSet.of(heads, model)
         self.slices = nn.ModuleDict()
         self._index: dict[int, Tensor] = {}
         for layer, chosen in self.heads.by_layer().items():
-            attn = model.blocks[layer].attn
-            index = torch.tensor(chosen, device=attn.W_Q.device)
+            tensors = head_tensors(model, layer)
+            index = torch.tensor(chosen, device=tensors["W_Q"].param.device)
             self._index[layer] = index
             self.slices[f"L{layer}"] = nn.ParameterDict(
                 {
-                    name: nn.Parameter(getattr(attn, name).detach()[index].float().clone())
+                    name: nn.Parameter(
+                        tensors[name].heads(tensors[name].param.detach())[index].float().clone()
+                    )
                     for name in TRAINED_TENSORS
                 }
             )
@@ -464,34 +458,36 @@ class HeadParameters(nn.Module):
         """Number of trainable elements."""
         return sum(p.numel() for p in self.parameters())
 
-    def overrides(self, model: HookedTransformer) -> dict[str, Tensor]:
-        """Full attention tensors with the chosen slices taken from the trainable copies."""
+    def overrides(self, model: Model) -> dict[str, Tensor]:
+        """Full attention parameters (by ``named_parameters`` name) with the chosen slices taken
+        from the trainable copies."""
         out = {}
         for layer, index in self._index.items():
-            attn = model.blocks[layer].attn
+            tensors = head_tensors(model, layer)
             for name, trained in self.slices[f"L{layer}"].items():
-                frozen = getattr(attn, name).detach()
-                out[f"blocks.{layer}.attn.{name}"] = frozen.index_copy(
-                    0, index, trained.to(frozen.dtype)
-                )
+                full = tensors[name].param.detach().clone()
+                # An in-place write through the head view: autograd reaches ``trained``.
+                tensors[name].heads(full)[index] = trained.to(full.dtype)
+                out[tensors[name].path] = full
         return out
 
-    def call(self, model: HookedTransformer, fn: Callable[..., Any], *args: Any) -> Any:
+    def call(self, model: Model, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(model, *args)`` with the chosen slices replaced by the trainable copies."""
         return torch.func.functional_call(
             _Apply(model, fn), {f"model.{k}": v for k, v in self.overrides(model).items()}, args
         )
 
     @torch.no_grad()
-    def write_to(self, model: HookedTransformer) -> None:
+    def write_to(self, model: Model) -> None:
         """Copy the current trainable values into the model's own parameters."""
         for layer, index in self._index.items():
-            attn = model.blocks[layer].attn
+            tensors = head_tensors(model, layer)
             for name, trained in self.slices[f"L{layer}"].items():
-                getattr(attn, name)[index] = trained.to(getattr(attn, name).dtype)
+                weight = tensors[name].heads(tensors[name].param)
+                weight[index] = trained.to(weight.dtype)
 
     @contextlib.contextmanager
-    def frozen_model(self, model: HookedTransformer) -> Iterator[HookedTransformer]:
+    def frozen_model(self, model: Model) -> Iterator[Model]:
         """Context manager: ``requires_grad=False`` on every model parameter, restored after.
 
         With nothing in the model requiring gradient, autograd starts at the first layer that
@@ -509,7 +505,7 @@ class HeadParameters(nn.Module):
 class _Apply(nn.Module):
     """A module whose forward is ``fn(model, *args)``, for ``functional_call``."""
 
-    def __init__(self, model: HookedTransformer, fn: Callable[..., Any]) -> None:
+    def __init__(self, model: Model, fn: Callable[..., Any]) -> None:
         super().__init__()
         self.model = model
         self.fn = fn

@@ -206,7 +206,7 @@ def test_the_alibi_math_loads_no_model_io():
 
 
 def test_the_model_modules_docstrings_name_everything_they_export():
-    for name in ("dtypes", "loading", "exact_alibi", "checkpoints"):
+    for name in ("backend", "dtypes", "loading", "exact_alibi", "checkpoints"):
         module = importlib.import_module(f"headsurgeon.{name}")
         unlisted = [n for n in module.__all__ if n not in module.__doc__]
         assert not unlisted, f"headsurgeon.{name}'s docstring does not name {unlisted}"
@@ -347,3 +347,20 @@ def test_every_module_declares_and_documents_what_it_exports(name):
     docstring = ast.get_docstring(tree) or ""
     undocumented = [n for n in exported if n not in docstring]
     assert not undocumented, f"{name}'s docstring does not name {undocumented}"
+
+
+def test_only_the_backend_imports_transformer_lens():
+    """Both TransformerLens majors stay one module's business (issue 15)."""
+    importers = set()
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(n.split(".")[0] == "transformer_lens" for n in names):
+                importers.add(name)
+    assert importers == {"headsurgeon.backend"}

@@ -48,9 +48,9 @@ from typing import Any, NoReturn
 import torch
 from jaxtyping import Int
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
 from headsurgeon.allocator import keep_freed_memory
+from headsurgeon.backend import Model
 from headsurgeon.data import has_tokenizer, read_texts, to_sequences
 from headsurgeon.errors import DataError, HeadsurgeonError
 from headsurgeon.loading import DEFAULT_MODEL, load_model
@@ -211,13 +211,13 @@ def claim_out(args: argparse.Namespace, default: str | os.PathLike) -> Iterator[
         yield out
 
 
-def load_model_from_args(args: argparse.Namespace) -> HookedTransformer:
+def load_model_from_args(args: argparse.Namespace) -> Model:
     model = load_model(args.model, dtype=args.dtype, device=args.device)
     require_tokenizer(model, args)
     return model
 
 
-def require_tokenizer(model: HookedTransformer, args: argparse.Namespace, what: str = "") -> None:
+def require_tokenizer(model: Model, args: argparse.Namespace, what: str = "") -> None:
     """One line for a model that cannot tokenise the tool's text (``what``, default: --texts or
     the bundled corpora): the fix is a tokenizer in its folder, as a CLI cannot pass tokens."""
     if has_tokenizer(model):
@@ -229,7 +229,7 @@ def require_tokenizer(model: HookedTransformer, args: argparse.Namespace, what: 
     )
 
 
-def load_data(model: HookedTransformer, args: argparse.Namespace) -> Int[Tensor, "batch pos"]:
+def load_data(model: Model, args: argparse.Namespace) -> Int[Tensor, "batch pos"]:
     """The sequences ``--texts``, ``--seq-len``, ``--n-seqs`` and ``--prepend-bos`` describe
     (a warning when the text holds fewer than asked for)."""
     tokens = to_sequences(

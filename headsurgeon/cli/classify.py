@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import pandas as pd
 from torch import Tensor
-from transformer_lens import HookedTransformer
 
 from headsurgeon import plots
+from headsurgeon.backend import Model
 from headsurgeon.census import run_census
 from headsurgeon.classify import Thresholds, classify_heads
 from headsurgeon.cli import (
@@ -139,7 +139,7 @@ def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> 
 
 
 def _with_importance(
-    classified: pd.DataFrame, model: HookedTransformer, tokens: Tensor, args: argparse.Namespace
+    classified: pd.DataFrame, model: Model, tokens: Tensor, args: argparse.Namespace
 ) -> pd.DataFrame:
     """``classified`` with :func:`head_importance`'s columns on the same tokens; the labels and
     census columns as they were, the importance settings in ``attrs`` (``importance_*``)."""

@@ -1,0 +1,462 @@
+"""The one module that imports TransformerLens: the same operations on its 3.x and 4.x models.
+
+TransformerLens 3.x models are ``HookedTransformer``\\ s, whose per-head tensors ``W_Q`` ... ``W_O``
+are parameters and whose attention reads an ALiBi tensor stored on the module. 4.x removed
+``HookedTransformer``: its ``TransformerBridge`` wraps the Hugging Face model itself, splits BLOOM's
+fused ``query_key_value`` into ``q``/``k``/``v`` linear layers (its ``W_Q`` ... are views of
+those), takes ALiBi from the Hugging Face call's ``alibi`` argument and masks scores with the
+float minimum instead of ``-inf``. Everything that differs is here; the rest of headsurgeon speaks
+TransformerLens 3.x's names (``hook_pattern``, ``hook_z``, ``W_Q[head]``) on either major.
+
+Exports:
+    MAJOR, Model, HookPoint          TransformerLens's major version, its model class, hook type
+    is_model(obj), is_bridge(model)  whether ``obj`` is such a model; whether it is a 4.x bridge
+    convert_hf(hf_model, ...)        a transformers causal LM as the major's model (unprocessed)
+    hub_names()                      TransformerLens's model names and aliases -> hub names
+    check_architecture(...)          TransformerLens's verdict on a config.json, before weights
+    move(model, device)              ``model.to(device)`` without TransformerLens's printing
+    HEAD_TENSORS                     the per-head attention tensors, TransformerLens 3.x names
+    HeadTensor, head_tensors(model, layer)   per-head views of the parameters attention uses
+    check_head_tensors(model)        one-line error unless every head has its own Q/K/V/O
+    add_bias_hook(attn, build)       make one attention layer use ``build``'s ALiBi bias
+    builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
+    run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
+    continuation_logprobs(...)       log-probabilities of continuations after one prompt
+    tl_state_dict(model)             the weights under TransformerLens 3.x's names and layouts
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from headsurgeon.errors import UnsupportedArchitectureError
+
+MAJOR = int(version("transformer-lens").split(".")[0])
+
+if MAJOR >= 4:
+    from transformer_lens.model_bridge import TransformerBridge as Model
+else:
+    from transformer_lens import HookedTransformer as Model
+
+__all__ = [
+    "HEAD_TENSORS",
+    "MAJOR",
+    "HeadTensor",
+    "HookPoint",
+    "Model",
+    "add_bias_hook",
+    "builtin_slopes",
+    "check_architecture",
+    "check_head_tensors",
+    "continuation_logprobs",
+    "convert_hf",
+    "head_tensors",
+    "hub_names",
+    "is_bridge",
+    "is_model",
+    "move",
+    "run_to_layer",
+    "tl_state_dict",
+]
+
+BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
+HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
+
+
+def is_model(obj: object) -> bool:
+    """Whether ``obj`` is a model of the installed TransformerLens (3.x HookedTransformer, 4.x
+    TransformerBridge)."""
+    return isinstance(obj, Model)
+
+
+def is_bridge(model: Model) -> bool:
+    """Whether ``model`` is a TransformerLens 4.x ``TransformerBridge``."""
+    return MAJOR >= 4
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+# --- building models --------------------------------------------------------------------------
+
+
+def hub_names() -> dict[str, str]:
+    """Map every TransformerLens model name and alias (lower case) to its official hub name."""
+    from transformer_lens.supported_models import MODEL_ALIASES, OFFICIAL_MODEL_NAMES
+
+    names = {}
+    for official in OFFICIAL_MODEL_NAMES:
+        names[official.lower()] = official
+        names.update((alias.lower(), official) for alias in MODEL_ALIASES.get(official, []))
+    return names
+
+
+def check_architecture(
+    config_dir: Path, hf_config: dict[str, Any], file: Path, *, dtype: torch.dtype = torch.float32
+) -> Any:
+    """TransformerLens's config for ``config_dir``'s ``config.json`` (3.x), or None (4.x) once the
+    architecture is known to have a 4.x adapter; one line naming ``file`` otherwise."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from headsurgeon.errors import CheckpointError
+
+    architecture = (hf_config.get("architectures") or ["<none>"])[0]
+    if MAJOR >= 4:
+        from transformer_lens.factories.architecture_adapter_factory import (
+            SUPPORTED_ARCHITECTURES,
+        )
+
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"architecture {architecture} (model_type {hf_config.get('model_type')}) in "
+                f"{file} has no TransformerLens 4.x adapter; {SUPPORTED}"
+            )
+        return None
+    from transformer_lens import loading_from_pretrained as tl_loading
+
+    try:
+        return tl_loading.get_pretrained_model_config(
+            str(config_dir), hf_cfg=hf_config, fold_ln=False, dtype=dtype, device="cpu"
+        )
+    except StrictDataclassError as e:  # transformers' typed config classes
+        # Its message: "Validation error for field 'x':" then "TypeError: ... (value: ...)".
+        what = " ".join(line.strip() for line in str(e).splitlines()[1:]) or _first_line(e)
+        raise CheckpointError(f"{file}: {what}; correct it or re-export the checkpoint") from e
+    # AttributeError: TransformerLens 3.x reading a field transformers 5 no longer has (GPT-2).
+    except (NotImplementedError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture} (model_type {hf_config.get('model_type')}) in {file} is "
+            f"not supported by TransformerLens 3.x ({_first_line(e)}); {SUPPORTED}"
+        ) from e
+
+
+SUPPORTED = (
+    "headsurgeon loads BLOOM (model_type bloom, BloomForCausalLM) and the causal language models "
+    f"TransformerLens {MAJOR}.x converts (e.g. LlamaForCausalLM, GPTNeoXForCausalLM, "
+    "OPTForCausalLM)"
+)
+
+
+def convert_hf(
+    hf_model: nn.Module, tokenizer: Any, *, name: str, prepend_bos: bool | None
+) -> Model:
+    """``hf_model`` as the installed major's model, weights unprocessed (no folding, no centring).
+
+    3.x copies the weights into a new ``HookedTransformer``; 4.x wraps ``hf_model`` itself (its
+    modules become the bridge's: do not use ``hf_model`` on its own afterwards).
+    """
+    architecture = (hf_model.config.architectures or [type(hf_model).__name__])[0]
+    if MAJOR >= 4:
+        from transformer_lens.model_bridge.sources import build_bridge_from_module
+
+        # Booted from the module in memory: no hub lookup, no compatibility-mode processing.
+        model = build_bridge_from_module(
+            hf_model, architecture, hf_config=hf_model.config, tokenizer=tokenizer, model_name=name
+        )
+        if prepend_bos is not None:
+            model.cfg.default_prepend_bos = prepend_bos
+        return model
+    return _hooked_transformer(hf_model, tokenizer, name=name, prepend_bos=prepend_bos)
+
+
+def _hooked_transformer(
+    hf_model: nn.Module, tokenizer: Any, *, name: str, prepend_bos: bool | None
+) -> Model:
+    from transformer_lens import HookedTransformer, loading_from_pretrained as tl_loading
+
+    dtype = next(hf_model.parameters()).dtype
+    # TransformerLens reads configs from a name or folder; give it the model's own config.
+    with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
+        hf_model.config.save_pretrained(tmp)
+        cfg = tl_loading.get_pretrained_model_config(
+            tmp, fold_ln=False, dtype=dtype, device="cpu", default_prepend_bos=prepend_bos
+        )
+        state_dict = tl_loading.get_pretrained_state_dict(tmp, cfg, hf_model=hf_model)
+    if cfg.positional_embedding_type == "alibi":
+        # Unused by ALiBi models; TransformerLens would otherwise fill it with uninitialised memory.
+        state_dict["pos_embed.W_pos"] = torch.zeros(cfg.n_ctx, cfg.d_model, dtype=dtype)
+    cfg.model_name = name
+    # The config folder is gone: without this TransformerLens would look the tokenizer up by
+    # that path on the hub.
+    cfg.tokenizer_name = None
+    model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
+    model.load_and_process_state_dict(
+        state_dict,
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+        refactor_factored_attn_matrices=False,
+    )
+    return model
+
+
+def move(model: Model, device: torch.device) -> Model:
+    """``model`` on ``device`` (in place), without TransformerLens 3.x's message."""
+    if MAJOR >= 4:
+        model.to(device)
+        model.cfg.device = str(device)
+        return model
+    return model.to(device, print_details=False)
+
+
+# --- per-head weights -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTensor:
+    """One per-head attention tensor: the parameter the forward pass uses, and how to see it
+    with heads first in TransformerLens 3.x's layout (``W_Q``: ``[head, d_model, d_head]``).
+
+    ``heads(t)`` is a view of ``t`` (the parameter, a mask or a copy of the same shape), so
+    writing ``heads(t)[h]`` writes head ``h``'s slice of ``t``.
+    """
+
+    name: str
+    path: str
+    param: nn.Parameter
+    heads: Callable[[Tensor], Tensor]
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def head_tensors(model: Model, layer: int) -> dict[str, HeadTensor]:
+    """``{name: HeadTensor}`` for ``W_Q, W_K, W_V, b_Q, b_K, b_V, W_O`` of one layer.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
+    >>> w = head_tensors(model, 0)["W_Q"]
+    >>> tuple(w.heads(w.param).shape), torch.equal(w.heads(w.param), model.blocks[0].attn.W_Q)
+    ((4, 32, 8), True)
+    """
+    check_head_tensors(model)
+    attn = model.blocks[layer].attn
+    if MAJOR < 4:
+        return {
+            name: HeadTensor(name, f"blocks.{layer}.attn.{name}", getattr(attn, name), _same)
+            for name in HEAD_TENSORS
+        }
+    n, d_head, d_model = model.cfg.n_heads, model.cfg.d_head, model.cfg.d_model
+    paths = _parameter_paths(model)
+    out = {}
+    for x in "QKV":
+        linear = getattr(attn, x.lower()).original_component
+        out[f"W_{x}"] = HeadTensor(
+            f"W_{x}", paths[id(linear.weight)], linear.weight,
+            lambda t: t.view(n, d_head, d_model).transpose(1, 2),
+        )  # fmt: skip
+        out[f"b_{x}"] = HeadTensor(
+            f"b_{x}", paths[id(linear.bias)], linear.bias, lambda t: t.view(n, d_head)
+        )
+    dense = attn.o.original_component.weight
+    out["W_O"] = HeadTensor(
+        "W_O", paths[id(dense)], dense, lambda t: t.view(d_model, n, d_head).permute(1, 2, 0)
+    )
+    return out
+
+
+def _parameter_paths(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def check_head_tensors(model: Model) -> None:
+    """Raise :class:`UnsupportedArchitectureError` unless every head has its own Q/K/V/O."""
+    attn = model.blocks[0].attn
+    if MAJOR < 4:
+        ok = all(isinstance(getattr(attn, name, None), nn.Parameter) for name in HEAD_TENSORS)
+    else:
+        linears = [getattr(getattr(attn, x, None), "original_component", None) for x in "qkvo"]
+        ok = (
+            all(isinstance(m, nn.Linear) and m.bias is not None for m in linears)
+            and getattr(model.cfg, "n_key_value_heads", None) in (None, model.cfg.n_heads)
+            and linears[0].weight.shape == (model.cfg.n_heads * model.cfg.d_head, model.cfg.d_model)
+        )
+    if not ok:
+        raise UnsupportedArchitectureError(
+            f"{type(attn).__name__} has no per-head {', '.join(HEAD_TENSORS)} parameters "
+            "(grouped-query, fused or quantised attention); head surgery needs standard attention"
+        )
+
+
+def tl_state_dict(model: Model) -> dict[str, Tensor]:
+    """The weights under TransformerLens 3.x's names and layouts (``blocks.0.attn.W_Q``, ...).
+
+    3.x: ``model.state_dict()``. 4.x (BLOOM): assembled from the tensors the bridge's forward pass
+    uses (its ``q``/``k``/``v`` layers, not the stale fused ``qkv`` copy).
+    """
+    if MAJOR < 4:
+        return model.state_dict()
+    sd = {
+        "embed.W_E": model.embed.original_component.weight,
+        "embed.ln.w": model.embed_ln.original_component.weight,
+        "embed.ln.b": model.embed_ln.original_component.bias,
+        "ln_final.w": model.ln_final.original_component.weight,
+        "ln_final.b": model.ln_final.original_component.bias,
+        "unembed.W_U": model.unembed.original_component.weight.T,
+        "unembed.b_U": torch.zeros(model.cfg.d_vocab),
+    }
+    for layer, block in enumerate(model.blocks):
+        p = f"blocks.{layer}."
+        for name, tensor in head_tensors(model, layer).items():
+            sd[p + "attn." + name] = tensor.heads(tensor.param)
+        sd[p + "attn.b_O"] = block.attn.o.original_component.bias
+        for ln in ("ln1", "ln2"):
+            sd[p + f"{ln}.w"] = getattr(block, ln).original_component.weight
+            sd[p + f"{ln}.b"] = getattr(block, ln).original_component.bias
+        mlp_in, mlp_out = (
+            block.mlp.original_component.dense_h_to_4h,
+            block.mlp.original_component.dense_4h_to_h,
+        )
+        sd[p + "mlp.W_in"], sd[p + "mlp.b_in"] = mlp_in.weight.T, mlp_in.bias
+        sd[p + "mlp.W_out"], sd[p + "mlp.b_out"] = mlp_out.weight.T, mlp_out.bias
+    return {k: v.detach() for k, v in sd.items()}
+
+
+# --- the ALiBi bias ---------------------------------------------------------------------------
+
+_ATTENTION_ARGS = ("query_input", "key_input", "value_input", "past_kv_cache_entry")
+
+
+class _BiasHandle:
+    """Removes a bias hook and, on 3.x, the bias tensor it left on the module."""
+
+    def __init__(self, attn: nn.Module, handle: Any) -> None:
+        self.attn, self.handle = attn, handle
+        self.saved = getattr(attn, "alibi", None)
+
+    def remove(self) -> None:
+        self.handle.remove()
+        if MAJOR < 4:
+            self.attn.alibi = self.saved
+
+
+def add_bias_hook(attn: nn.Module, build: BiasBuilder) -> _BiasHandle:
+    """Make attention layer ``attn`` add ``build(n_queries, n_keys, device)`` as its ALiBi bias.
+
+    A forward pre-hook; hooks run in registration order, so the last one registered decides the
+    bias. 3.x adds ``module.alibi[:, -query_ctx:, :key_ctx]`` and rebuilds it with its
+    power-of-two slopes only when ``key_ctx`` outgrows it: a tensor holding exactly this call's
+    rows is used as is, and keeps ``hook_attn_scores`` equal to ``q.k/sqrt(d) + bias`` (a longer
+    cached one would shift every row by a constant). 4.x adds the Hugging Face call's ``alibi``
+    argument (``[batch * head, 1 or query, key]``): it is replaced by the bias for every row.
+    ``handle.remove()`` undoes it.
+    """
+    if MAJOR >= 4:
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            batch, n_queries = hidden.shape[:2]
+            n_keys = kwargs["alibi"].shape[-1] if kwargs.get("alibi") is not None else n_queries
+            bias = build(n_queries, n_keys, hidden.device)
+            bias = bias.to(hidden.dtype)[None].expand(batch, -1, -1, -1)
+            return args, kwargs | {"alibi": bias.reshape(-1, n_queries, n_keys)}
+
+        return _BiasHandle(attn, attn.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def tl3_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = dict(zip(_ATTENTION_ARGS, args, strict=False)) | kwargs
+        cache_entry = inputs.get("past_kv_cache_entry")
+        # Position is dim 1 with or without split per-head inputs ([batch, pos, (head,) d_model]).
+        n_queries = inputs["query_input"].shape[1]
+        n_keys = n_queries + (0 if cache_entry is None else cache_entry.past_keys.shape[1])
+        module.alibi = build(n_queries, n_keys, inputs["query_input"].device)
+
+    return _BiasHandle(attn, attn.register_forward_pre_hook(tl3_hook, with_kwargs=True))
+
+
+def builtin_slopes(model: Model) -> Float[Tensor, " head_index"]:
+    """The ALiBi slopes the model's attention applies without headsurgeon's hook (float32).
+
+    3.x: what its attention class builds (``2^(-8(h+1)/H)`` for every head count). 4.x: the
+    Hugging Face model's own ``build_alibi_tensor``, exact for every head count.
+    """
+    from headsurgeon import alibi
+
+    if MAJOR >= 4:
+        return alibi.slopes(model.cfg.n_heads)
+    # The bias the attention class itself builds for two positions: row 1 is [-m_h, 0].
+    bias = type(model.blocks[0].attn).create_alibi_bias(model.cfg.n_heads, 2, "cpu")
+    return -bias[:, 1, 0].to(torch.float32)
+
+
+# --- forward passes ---------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the wanted activation is in hand."""
+
+
+def run_to_layer(
+    model: Model, tokens: Int[Tensor, "batch pos"], stop_at_layer: int
+) -> Float[Tensor, "batch pos d_model"]:
+    """The residual stream after block ``stop_at_layer - 1``; no later block, no unembedding.
+
+    Hooks already on the model fire as usual. (4.x's own ``stop_at_layer`` runs the final
+    LayerNorm and unembedding when it equals the number of layers.)
+    """
+    if MAJOR < 4:
+        return model(tokens, stop_at_layer=stop_at_layer)
+    found: list[Tensor] = []
+
+    def stop(resid: Tensor, hook: HookPoint) -> None:
+        found.append(resid)
+        raise _Stop
+
+    with model.hooks(fwd_hooks=[(f"blocks.{stop_at_layer - 1}.hook_resid_post", stop)]):
+        try:
+            model(tokens)
+        except _Stop:
+            pass
+    return found[0]
+
+
+@torch.no_grad()
+def continuation_logprobs(
+    model: Model, prompt: Int[Tensor, " pos"], continuations: Int[Tensor, "batch width"]
+) -> Float[Tensor, "batch width+1 d_vocab"]:
+    """Next-token log-probabilities (float32, CPU) at the prompt's last position and after each
+    token of each right-padded continuation (padding after a continuation cannot change its
+    causal logits).
+
+    3.x runs the prompt once into a key-value cache that every continuation reuses; 4.x (whose
+    bridge ignores TransformerLens's cache) runs prompt + continuation for each row in one batch.
+    """
+    device = torch.device(model.cfg.device or "cpu")
+    n_rows, width = continuations.shape
+
+    def logprobs(resid: Tensor) -> Tensor:
+        return model.unembed(model.ln_final(resid)).float().log_softmax(-1).cpu()
+
+    if MAJOR >= 4:
+        rows = torch.cat([prompt[None].expand(n_rows, -1), continuations], dim=1).to(device)
+        return logprobs(run_to_layer(model, rows, model.cfg.n_layers)[:, len(prompt) - 1 :])
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    def run(tokens: Tensor) -> Tensor:
+        ones = torch.ones_like(tokens)  # explicit: no pad-token guessing from the tokenizer
+        return model(tokens.to(device), stop_at_layer=model.cfg.n_layers, past_kv_cache=cache,
+                     attention_mask=ones.to(device))  # fmt: skip
+
+    cache = TransformerLensKeyValueCache.init_cache(model.cfg, device, batch_size=1)
+    first = logprobs(run(prompt[None])[:, -1:]).expand(n_rows, -1, -1)
+    if width == 0:
+        return first
+    for entry in cache.entries:
+        entry.past_keys = entry.past_keys.expand(n_rows, -1, -1, -1)
+        entry.past_values = entry.past_values.expand(n_rows, -1, -1, -1)
+    cache.previous_attention_mask = cache.previous_attention_mask.expand(n_rows, -1)
+    cache.freeze()
+    return torch.cat([first, logprobs(run(continuations))], dim=1)
