@@ -166,6 +166,10 @@ def convert_hf(
         )
         if prepend_bos is not None:
             model.cfg.default_prepend_bos = prepend_bos
+        if model.cfg.positional_embedding_type == "alibi":
+            # 4.x takes n_ctx from seq_length, the training length; ALiBi has no position table,
+            # and 3.x gives every BLOOM 2048 positions: the same limit on both majors.
+            model.cfg.n_ctx = max(model.cfg.n_ctx, 2048)
         return model
     return _hooked_transformer(hf_model, tokenizer, name=name, prepend_bos=prepend_bos)
 

@@ -431,8 +431,11 @@ def _context_lengths(n_pos: int, lengths: Sequence[int] | None) -> list[int]:
 
 
 def _soft_cap_hook(scores: Tensor, hook: HookPoint, *, c: float) -> Tensor:
-    causal = alibi.causal_rows(*scores.shape[-2:], scores.device)
-    return torch.where(causal, alibi.soft_cap(scores, c), -math.inf)
+    # Masked cells are -inf (3.x) or the float minimum plus the logit (4.x, for future keys and
+    # padding alike): capping would unmask them, so they are left as they are.
+    keep = alibi.causal_rows(*scores.shape[-2:], scores.device)
+    keep = keep & (scores > torch.finfo(scores.dtype).min)
+    return torch.where(keep, alibi.soft_cap(scores, c), scores)
 
 
 @contextlib.contextmanager
@@ -443,7 +446,8 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     layer's ALiBi bias through a forward pre-hook, built from the slopes the model uses
     (:func:`headsurgeon.exact_alibi.alibi_slopes`: a TransformerLens-built model keeps its own);
     ``softcap`` adds a hook at ``hook_attn_scores`` that maps every unmasked logit (content plus
-    bias) to ``c tanh(x / c)`` and leaves masked cells at ``-inf``. On exit the model is exactly
+    bias) to ``c tanh(x / c)`` and leaves masked cells masked (``-inf`` on TransformerLens 3.x,
+    the float minimum on 4.x). On exit the model is exactly
     as before: the same parameters (never touched) and cached biases, no hook left. Contexts
     nest (the inner bias wins; ``softcap`` composes with a bias kind). The formulas of every
     kind: :func:`headsurgeon.alibi.bias_from_distance`.

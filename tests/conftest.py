@@ -91,3 +91,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def head_weight(model, layer: int, name: str) -> torch.Tensor:
+    """``W_Q`` ... ``W_O`` of one layer, ``[head, ...]``, as a view of the live parameter on either
+    TransformerLens major (4.x's ``attn.W_Q`` is a fresh view, not the parameter)."""
+    from headsurgeon.backend import head_tensors
+
+    tensor = head_tensors(model, layer)[name]
+    return tensor.heads(tensor.param)
+
+
+# Tests of what only TransformerLens 3.x has: a HookedTransformer built from a
+# HookedTransformerConfig (4.x removed both), or 3.x's own ALiBi and cache classes.
+tl3_only = pytest.mark.skipif(
+    __import__("headsurgeon.backend").backend.MAJOR >= 4,
+    reason="TransformerLens 3.x only (HookedTransformer from a config)",
+)

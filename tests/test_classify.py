@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import head_weight
 
 from headsurgeon import (
     Thresholds,
@@ -23,6 +24,7 @@ from headsurgeon import (
     threshold_sweep,
 )
 from headsurgeon.alibi import alibi_bias, slopes
+from headsurgeon.backend import tl_state_dict
 from headsurgeon.cli import run
 from headsurgeon.cli.classify import main
 from headsurgeon.data import to_sequences
@@ -46,8 +48,8 @@ def plant_sink(model, tokens, layer, head, target):
     """
     name = f"blocks.{layer}.ln1.hook_normalized"
     _, cache = model.run_with_cache(tokens, names_filter=name, stop_at_layer=layer + 1)
-    attn, ln1 = model.blocks[layer].attn, model.blocks[layer].ln1
-    x = cache[name] * ln1.w + ln1.b  # the attention input
+    weights = tl_state_dict(model)
+    x = cache[name] * weights[f"blocks.{layer}.ln1.w"] + weights[f"blocks.{layer}.ln1.b"]
     direction = x[:, 0].mean(0) - x[:, 1:].mean((0, 1))
     direction /= direction.norm()
     n_pos = tokens.shape[1]
@@ -56,7 +58,7 @@ def plant_sink(model, tokens, layer, head, target):
     projection = x @ direction  # [seq, pos]
 
     def bos_mass(scale):
-        scores = scale * projection[:, None, :] / attn.attn_scale + bias
+        scores = scale * projection[:, None, :] / model.cfg.d_head**0.5 + bias
         return scores.masked_fill(future, -torch.inf).softmax(-1)[:, 1:, 0].mean()
 
     low, high = 0.0, 1e4
@@ -66,12 +68,13 @@ def plant_sink(model, tokens, layer, head, target):
             low = middle
         else:
             high = middle
-    attn.W_Q[head] = 0
-    attn.b_Q[head] = 0
-    attn.b_Q[head, 0] = 1.0
-    attn.W_K[head] = 0
-    attn.b_K[head] = 0
-    attn.W_K[head, :, 0] = high * direction
+    W_Q, b_Q, W_K, b_K = (head_weight(model, layer, n) for n in ("W_Q", "b_Q", "W_K", "b_K"))
+    W_Q[head] = 0
+    b_Q[head] = 0
+    b_Q[head, 0] = 1.0
+    W_K[head] = 0
+    b_K[head] = 0
+    W_K[head, :, 0] = high * direction
 
 
 @pytest.fixture()
@@ -81,10 +84,8 @@ def planted(tiny_model):
     plant_sink(tiny_model, tokens, *DEAD, target=0.99)
     plant_sink(tiny_model, tokens, *SINK, target=0.75)
     with torch.no_grad():
-        attn = tiny_model.blocks[SILENT[0]].attn
-        attn.W_V[SILENT[1]] = 0
-        attn.b_V[SILENT[1]] = 0
-        attn.W_O[SILENT[1]] = 0
+        for name in ("W_V", "b_V", "W_O"):
+            head_weight(tiny_model, SILENT[0], name)[SILENT[1]] = 0
     return tiny_model, tokens
 
 

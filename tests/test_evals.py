@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from headsurgeon import evals
+from headsurgeon.backend import continuation_logprobs
 from headsurgeon.blindness import mitigation
 from headsurgeon.data import to_sequences, tokenize
 from headsurgeon.errors import DataError, InvalidArgumentError
@@ -28,29 +30,18 @@ class InductionOracle(torch.nn.Module):
 
     At each position it finds the latest earlier position whose preceding tokens match the
     current suffix longest (up to ``max_n`` tokens) and predicts what came next there. It only
-    exposes what the evaluations use: ``cfg``, the tokenizer, the residual stream (one-hot
-    predictions), ``ln_final`` and ``unembed``.
+    exposes what the evaluations use besides the forward pass: ``cfg`` and the tokenizer.
     """
 
     def __init__(self, model, max_n: int = 8):
         super().__init__()
         self.cfg, self.tokenizer = model.cfg, model.tokenizer
         self.headsurgeon_info = model.headsurgeon_info
-        self.ln_final = torch.nn.Identity()
         self.max_n = max_n
 
-    def unembed(self, residual):
-        return 20 * residual
-
-    def forward(self, tokens, stop_at_layer=None, past_kv_cache=None, attention_mask=None):
-        """Predictions for ``tokens``; with a cache, they continue the tokens it has seen."""
-        if past_kv_cache is None:
-            return self._predict(tokens)
-        prefix = past_kv_cache.headsurgeon_test_tokens if past_kv_cache.frozen else tokens[:, :0]
-        if not past_kv_cache.frozen:
-            past_kv_cache.headsurgeon_test_tokens = tokens
-        full = torch.cat([prefix.expand(len(tokens), -1), tokens], dim=1)
-        return self._predict(full)[:, prefix.shape[1] :]
+    def forward(self, tokens):
+        """Logits: 20 for the predicted token, 0 for every other one."""
+        return 20 * self._predict(tokens)
 
     def _predict(self, tokens):
         out = torch.zeros(*tokens.shape, self.cfg.d_vocab)
@@ -117,7 +108,28 @@ def test_perplexity_of_text_is_finite_and_above_one(tiny_model):
     assert 1 < ppl < 400  # a random model over ~320 tokens
 
 
-def test_oracle_retrieves_perfectly_in_and_out_of_context(tiny_model):
+def full_sequence_logprobs(model, prompt, continuations):
+    """What continuation_logprobs computes, the plain way: prompt + continuation, every row."""
+    rows = torch.cat([prompt[None].expand(len(continuations), -1), continuations], dim=1)
+    return model(rows).float().log_softmax(-1)[:, len(prompt) - 1 :]
+
+
+@pytest.mark.parametrize("width", [0, 1, 4])
+def test_continuation_logprobs_equal_full_sequence_log_softmax(tiny_model, width):
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(4, 300, (30,), generator=gen)
+    continuations = torch.randint(4, 300, (3, width), generator=gen)
+    continuations[0, width // 2 :] = 0  # right padding
+    got = continuation_logprobs(tiny_model, prompt, continuations)
+    assert got.shape == (3, width + 1, tiny_model.cfg.d_vocab) and got.dtype == torch.float32
+    torch.testing.assert_close(
+        got, full_sequence_logprobs(tiny_model, prompt, continuations), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_oracle_retrieves_perfectly_in_and_out_of_context(tiny_model, monkeypatch):
+    # The oracle is no TransformerLens model: it is scored through the plain forward pass.
+    monkeypatch.setattr(evals, "continuation_logprobs", full_sequence_logprobs)
     oracle = InductionOracle(tiny_model)
     for task in (passkey, needle):
         result = task(

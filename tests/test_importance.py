@@ -6,10 +6,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
+from conftest import tl3_only
 
 import headsurgeon
 from headsurgeon import load_model
+from headsurgeon.loading import ModelShape, random_model
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.importance import COLUMNS, compare_importance, head_importance
@@ -102,11 +103,26 @@ def test_attribution_ranks_heads_like_exact_ablation(injured):
 
 
 def float64_model():
+    """A random BLOOM in float64, the installed major's model (a bridge on 4.x)."""
+    shape = ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=40, n_ctx=16)
+    return random_model(shape, dtype="float64")
+
+
+def hooked_transformer_without_tokenizer():
+    """A user's own 3.x HookedTransformer: standard positions, default_prepend_bos True."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
     cfg = HookedTransformerConfig(
-        n_layers=2, d_model=32, d_head=8, n_heads=4, n_ctx=16, d_vocab=40, act_fn="gelu",
-        positional_embedding_type="alibi", dtype=torch.float64, seed=0,
-    )  # fmt: skip
+        n_layers=2, d_model=16, d_head=4, n_heads=3, n_ctx=12, d_vocab=30, act_fn="gelu"
+    )
     return HookedTransformer(cfg)
+
+
+def bloom_without_tokenizer():
+    """random_model has no tokenizer; asking for a BOS token must still prepend nothing."""
+    model = random_model(ModelShape(n_layers=2, n_heads=3, d_model=24, d_vocab=30, n_ctx=12))
+    model.cfg.default_prepend_bos = True
+    return model
 
 
 @pytest.mark.parametrize("ablation", ["zero", "resample"])
@@ -132,11 +148,12 @@ def test_attribution_is_the_derivative_of_a_partial_ablation(ablation):
         assert row["delta_loss_se"] == pytest.approx((slope.std() / 3**0.5).item(), rel=1e-3)
 
 
-def test_model_without_tokenizer_takes_token_tensors():
-    cfg = HookedTransformerConfig(
-        n_layers=2, d_model=16, d_head=4, n_heads=3, n_ctx=12, d_vocab=30, act_fn="gelu"
-    )  # standard positions, no tokenizer: default_prepend_bos is True but nothing is prepended
-    model = HookedTransformer(cfg)
+@pytest.mark.parametrize(
+    "build",
+    [pytest.param(hooked_transformer_without_tokenizer, marks=tl3_only), bloom_without_tokenizer],
+)
+def test_model_without_tokenizer_takes_token_tensors(build):
+    model = build()
     tokens = torch.randint(0, 30, (3, 10), generator=torch.Generator().manual_seed(1))
     df = head_importance(model, tokens, method="zero", progress=False)
     assert df.attrs["prepend_bos"] is False and df.attrs["seq_len"] == 10
