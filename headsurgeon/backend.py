@@ -10,17 +10,19 @@ TransformerLens 3.x's names (``hook_pattern``, ``hook_z``, ``W_Q[head]``) on eit
 
 Exports:
     MAJOR, Model, HookPoint          TransformerLens's major version, its model class, hook type
-    is_model(obj), is_bridge(model)  whether ``obj`` is such a model; whether it is a 4.x bridge
     convert_hf(hf_model, ...)        a transformers causal LM as the major's model (unprocessed)
     hub_names()                      TransformerLens's model names and aliases -> hub names
+    hf_config(model)                 the Hugging Face config a 4.x bridge computes with
     check_architecture(...)          TransformerLens's verdict on a config.json, before weights
     move(model, device)              ``model.to(device)`` without TransformerLens's printing
     HEAD_TENSORS                     the per-head attention tensors, TransformerLens 3.x names
     HeadTensor, head_tensors(model, layer)   per-head views of the parameters attention uses
     check_head_tensors(model)        one-line error unless every head has its own Q/K/V/O
+    check_unprocessed(model)         one-line error if a 4.x bridge's weights were processed
     add_bias_hook(attn, build)       make one attention layer use ``build``'s ALiBi bias
     builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
     run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
+    run_from_layer(model, tokens, resid, n)  the logits of a pass entering block ``n`` with resid
     continuation_logprobs(...)       log-probabilities of continuations after one prompt
     tl_state_dict(model)             the weights under TransformerLens 3.x's names and layouts
 """
@@ -28,6 +30,7 @@ Exports:
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 from collections.abc import Callable
 from importlib.metadata import version
@@ -58,30 +61,20 @@ __all__ = [
     "builtin_slopes",
     "check_architecture",
     "check_head_tensors",
+    "check_unprocessed",
     "continuation_logprobs",
     "convert_hf",
     "head_tensors",
+    "hf_config",
     "hub_names",
-    "is_bridge",
-    "is_model",
     "move",
+    "run_from_layer",
     "run_to_layer",
     "tl_state_dict",
 ]
 
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
 HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
-
-
-def is_model(obj: object) -> bool:
-    """Whether ``obj`` is a model of the installed TransformerLens (3.x HookedTransformer, 4.x
-    TransformerBridge)."""
-    return isinstance(obj, Model)
-
-
-def is_bridge(model: Model) -> bool:
-    """Whether ``model`` is a TransformerLens 4.x ``TransformerBridge``."""
-    return MAJOR >= 4
 
 
 def _first_line(error: BaseException) -> str:
@@ -120,7 +113,8 @@ def check_architecture(
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitectureError(
                 f"architecture {architecture} (model_type {hf_config.get('model_type')}) in "
-                f"{file} has no TransformerLens 4.x adapter; {SUPPORTED}"
+                f"{file} is not supported by TransformerLens 4.x (no architecture adapter); "
+                f"{SUPPORTED}"
             )
         return None
     from transformer_lens import loading_from_pretrained as tl_loading
@@ -171,11 +165,13 @@ def convert_hf(
             # and 3.x gives every BLOOM 2048 positions: the same limit on both majors.
             model.cfg.n_ctx = max(model.cfg.n_ctx, 2048)
         return model
-    return _hooked_transformer(hf_model, tokenizer, name=name, prepend_bos=prepend_bos)
+    return _hooked_transformer(
+        hf_model, tokenizer, name=name, prepend_bos=prepend_bos, architecture=architecture
+    )
 
 
 def _hooked_transformer(
-    hf_model: nn.Module, tokenizer: Any, *, name: str, prepend_bos: bool | None
+    hf_model: nn.Module, tokenizer: Any, *, name: str, prepend_bos: bool | None, architecture: str
 ) -> Model:
     from transformer_lens import HookedTransformer, loading_from_pretrained as tl_loading
 
@@ -183,6 +179,10 @@ def _hooked_transformer(
     # TransformerLens reads configs from a name or folder; give it the model's own config.
     with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
         hf_model.config.save_pretrained(tmp)
+        # A config built in code names no architecture; TransformerLens converts by that name.
+        file = Path(tmp) / "config.json"
+        config = json.loads(file.read_text()) | {"architectures": [architecture]}
+        file.write_text(json.dumps(config))
         cfg = tl_loading.get_pretrained_model_config(
             tmp, fold_ln=False, dtype=dtype, device="cpu", default_prepend_bos=prepend_bos
         )
@@ -206,13 +206,19 @@ def _hooked_transformer(
     return model
 
 
+def hf_config(model: Model) -> dict[str, Any]:
+    """The Hugging Face config a 4.x bridge computes with; ``{}`` on 3.x, whose models keep none."""
+    if MAJOR < 4:
+        return {}
+    return model.original_model.config.to_dict()
+
+
 def move(model: Model, device: torch.device) -> Model:
     """``model`` on ``device`` (in place), without TransformerLens 3.x's message."""
+    model = model.to(device, print_details=False)
     if MAJOR >= 4:
-        model.to(device)
-        model.cfg.device = str(device)
-        return model
-    return model.to(device, print_details=False)
+        model.cfg.device = str(device)  # 4.x records only the type ("cuda" for "cuda:1")
+    return model
 
 
 # --- per-head weights -------------------------------------------------------------------------
@@ -295,14 +301,29 @@ def check_head_tensors(model: Model) -> None:
         )
 
 
+def check_unprocessed(model: Model) -> None:
+    """Raise :class:`UnsupportedArchitectureError` if a 4.x bridge's ``process_weights`` ran.
+
+    Its forward then skips the LayerNorm parameters it folded, so they no longer say what the
+    model computes. (3.x records processing in ``cfg.normalization_type``: ``LNPre``.)
+    """
+    if MAJOR >= 4 and getattr(model, "_weights_processed", False):  # TransformerLens's flag
+        raise UnsupportedArchitectureError(
+            "the model has processed weights (process_weights folded LayerNorm into the next "
+            "layer); load it with headsurgeon.load_model, which keeps weights unprocessed"
+        )
+
+
 def tl_state_dict(model: Model) -> dict[str, Tensor]:
     """The weights under TransformerLens 3.x's names and layouts (``blocks.0.attn.W_Q``, ...).
 
     3.x: ``model.state_dict()``. 4.x (BLOOM): assembled from the tensors the bridge's forward pass
-    uses (its ``q``/``k``/``v`` layers, not the stale fused ``qkv`` copy).
+    uses (its ``q``/``k``/``v`` layers, not the stale fused ``qkv`` copy); a bridge whose weights
+    ``process_weights`` folded (its LayerNorm parameters are then unused) raises.
     """
     if MAJOR < 4:
         return model.state_dict()
+    check_unprocessed(model)
     sd = {
         "embed.W_E": model.embed.original_component.weight,
         "embed.ln.w": model.embed_ln.original_component.weight,
@@ -310,7 +331,7 @@ def tl_state_dict(model: Model) -> dict[str, Tensor]:
         "ln_final.w": model.ln_final.original_component.weight,
         "ln_final.b": model.ln_final.original_component.bias,
         "unembed.W_U": model.unembed.original_component.weight.T,
-        "unembed.b_U": torch.zeros(model.cfg.d_vocab),
+        "unembed.b_U": model.unembed.b_U,  # a zero buffer: BLOOM has no unembedding bias
     }
     for layer, block in enumerate(model.blocks):
         p = f"blocks.{layer}."
@@ -425,6 +446,28 @@ def run_to_layer(
         except _Stop:
             pass
     return found[0]
+
+
+def run_from_layer(
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    resid_pre: Float[Tensor, "batch pos d_model"],
+    start_at_layer: int,
+) -> Float[Tensor, "batch pos d_vocab"]:
+    """The logits of a pass whose block ``start_at_layer`` gets ``resid_pre`` as its input.
+
+    3.x starts at that block. 4.x's own ``start_at_layer`` gives wrong logits on BLOOM (off by
+    2.4 nats at block 0 on the organism) and runs the earlier blocks anyway: here the pass runs
+    from ``tokens`` and a hook swaps ``resid_pre`` in.
+    """
+    if MAJOR < 4:
+        return model(resid_pre, start_at_layer=start_at_layer)
+
+    def swap(resid: Tensor, hook: HookPoint) -> Tensor:
+        return resid_pre
+
+    with model.hooks(fwd_hooks=[(f"blocks.{start_at_layer}.hook_resid_pre", swap)]):
+        return model(tokens)
 
 
 @torch.no_grad()

@@ -156,8 +156,10 @@ def _bloom_differences(model: Model, config: dict[str, Any]) -> list[str]:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         bloom = tl_config(Path(tmp), dtype=cfg.dtype)
     found = []
-    if cfg.original_architecture not in (None, "BloomForCausalLM"):
-        found.append(f"architecture {cfg.original_architecture}")
+    # 3.x: original_architecture (None in a config built by hand); 4.x's bridge: architecture.
+    architecture = getattr(cfg, "original_architecture", None) or getattr(cfg, "architecture", None)
+    if architecture not in (None, "BloomForCausalLM"):
+        found.append(f"architecture {architecture}")
     # A 4.x bridge computes with the Hugging Face model itself: only its class can differ.
     for field in dataclasses.fields(bloom) if bloom is not None else ():
         name = field.name
@@ -329,7 +331,7 @@ def save_hf(
     dtype: str | torch.dtype | None = None,
     verify: bool = True,
 ) -> Path:
-    """Export a BLOOM HookedTransformer as a Hugging Face checkpoint folder (safetensors).
+    """Export a BLOOM model (3.x HookedTransformer, 4.x bridge) as a Hugging Face checkpoint folder.
 
     The fused ``query_key_value`` is rebuilt in BLOOM's per-head (q, k, v) layout; embeddings stay
     tied where the source tied them and ``W_U`` still equals ``W_E.T`` (otherwise ``lm_head`` is
@@ -349,6 +351,7 @@ def save_hf(
     float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
     """
     check_output_dir(out_dir, overwrite)  # before any work
+    backend.check_unprocessed(model)
     info = model_info(model)
     config = _bloom_config(model, info)
     differences = _bloom_differences(model, config)

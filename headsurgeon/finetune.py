@@ -53,7 +53,7 @@ import torch.distributed as dist
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from headsurgeon.backend import Model, run_to_layer
+from headsurgeon.backend import Model, head_tensors, run_to_layer
 from headsurgeon.data import check_token_ids
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
@@ -72,6 +72,8 @@ from headsurgeon.surgery import (
     Heads,
     HeadSet,
     head_masks,
+    head_slices,
+    load_head_slices,
 )
 from headsurgeon.validation import check_bool, check_choice, check_int, check_number
 
@@ -357,18 +359,16 @@ class MaskTrainer(nn.Module):
         super().__init__()
         self.model = model
         self.objective = objective
+        self.heads = heads
         self.mask = HeadMask(model, heads).apply()
+        # The parameters behind the trained tensors (on 4.x the bridge's q/k/v/o weights).
         self.named = {
-            name: model.get_parameter(name)
-            for name in self.mask.masks
-            if name.rsplit(".", 1)[1] in TRAINED_TENSORS
+            tensor.path: tensor.param
+            for layer in heads.layers
+            for name, tensor in head_tensors(model, layer).items()
+            if name in TRAINED_TENSORS
         }
         self.frozen = {name: p.detach().clone() for name, p in self.named.items()}
-        self.index = {
-            f"blocks.{layer}.attn.{name}": torch.tensor(chosen)
-            for layer, chosen in heads.by_layer().items()
-            for name in TRAINED_TENSORS
-        }
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.objective(self.model, tokens)
@@ -382,12 +382,10 @@ class MaskTrainer(nn.Module):
             p.copy_(torch.where(self.mask.masks[name], p, self.frozen[name]))
 
     def slices(self) -> dict[str, Tensor]:
-        return {n: p.detach()[self.index[n]].float().clone() for n, p in self.named.items()}
+        return head_slices(self.model, self.heads, TRAINED_TENSORS)
 
-    @torch.no_grad()
     def load_slices(self, slices: dict[str, Tensor]) -> None:
-        for name, p in self.named.items():
-            p[self.index[name]] = slices[name].to(p.dtype)
+        load_head_slices(self.model, self.heads, slices)
 
     def close(self) -> None:
         self.mask.remove()

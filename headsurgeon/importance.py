@@ -48,7 +48,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import HookPoint, Model
+from headsurgeon.backend import HookPoint, Model, run_from_layer
 from headsurgeon.census import _check_tokens
 from headsurgeon.data import Data, describe, resolve_bos, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
@@ -229,7 +229,7 @@ def _ablated_losses(
         if model.cfg.positional_embedding_type == "shortformer":
             logits = model(tokens)
         else:
-            logits = model(resid_pre.repeat(copies, 1, 1), start_at_layer=layer)
+            logits = run_from_layer(model, tokens, resid_pre.repeat(copies, 1, 1), layer)
     return _seq_losses(logits, tokens).view(copies, n)
 
 

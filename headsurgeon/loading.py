@@ -722,7 +722,7 @@ def model_info(model: Model) -> ModelInfo:
             source=None,
             prepend_bos=prepend_bos,
             train_ctx=None,
-            hf_config={},
+            hf_config=backend.hf_config(model),
             tokenizer=model.tokenizer,
         )
     return dataclasses.replace(info, prepend_bos=prepend_bos)

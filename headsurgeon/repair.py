@@ -81,7 +81,15 @@ from headsurgeon.outputs import (
     atomic_write_bytes,
     atomic_write_text,
 )
-from headsurgeon.surgery import HEAD_TENSORS, INITS, Heads, HeadSet, check_surgery, reinit_heads
+from headsurgeon.surgery import (
+    INITS,
+    Heads,
+    HeadSet,
+    check_surgery,
+    head_slices,
+    load_head_slices,
+    reinit_heads,
+)
 from headsurgeon.validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
@@ -416,7 +424,7 @@ class _WorkDir:
                 "resume with the same options or start a new output folder"
             )
         slices = torch.load(folder / "heads.pt", map_location="cpu", weights_only=True)
-        _load_head_slices(model, targets, slices)
+        load_head_slices(model, targets, slices)
         training = FinetuneResult(
             heads=targets,
             config=config,
@@ -431,23 +439,9 @@ class _WorkDir:
 
 
 def _head_slices(model: Model, heads: HeadSet) -> dict[str, torch.Tensor]:
-    """Copies (on the CPU) of the heads' slices of every per-head tensor, by parameter name."""
-    return {
-        f"blocks.{layer}.attn.{name}": getattr(model.blocks[layer].attn, name)
-        .detach()[torch.tensor(indices)]
-        .to("cpu", copy=True)
-        for layer, indices in heads.by_layer().items()
-        for name in HEAD_TENSORS
-    }
-
-
-def _load_head_slices(model: Model, heads: HeadSet, slices: dict[str, torch.Tensor]) -> None:
-    """Write slices taken by :func:`_head_slices` for ``heads`` back into ``model``."""
-    with torch.no_grad():
-        for name, values in slices.items():
-            layer = int(name.split(".")[1])
-            index = torch.tensor(heads.by_layer()[layer])
-            model.get_parameter(name)[index] = values.to(model.cfg.device)
+    """Copies (on the CPU) of the heads' slices of every per-head tensor, by TransformerLens 3.x
+    name on either major (``heads.pt`` files read the same on both)."""
+    return {name: t.cpu() for name, t in head_slices(model, heads).items()}
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -500,11 +494,8 @@ def _split_off_eval_rows(
 
 def _round_heads(model: Model, heads: HeadSet, dtype: torch.dtype) -> None:
     """Round the heads' slices through ``dtype``, so the model is exactly what a save writes."""
-    with torch.no_grad():
-        for layer, head in heads:
-            for name in HEAD_TENSORS:
-                weight = getattr(model.blocks[layer].attn, name)
-                weight[head] = weight[head].to(dtype).to(weight.dtype)
+    rounded = {name: t.to(dtype) for name, t in head_slices(model, heads).items()}
+    load_head_slices(model, heads, rounded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -788,7 +779,7 @@ class _Run:
         kept = 0 if index is None else index
         while len(self.undo) > kept:
             heads, slices = self.undo.pop()
-            _load_head_slices(self.model, heads, slices)
+            load_head_slices(self.model, heads, slices)
 
     def _train_pass(
         self, index: int, targets: HeadSet

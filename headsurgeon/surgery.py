@@ -1,9 +1,11 @@
 """Head-level parameter surgery: choose heads, re-initialise them, train only their slices.
 
-Every per-head attention tensor of a TransformerLens model has the head on its first axis
+Every per-head attention tensor is seen in TransformerLens 3.x's layout, head on the first axis
 (``W_Q``, ``W_K``, ``W_V``: ``[head, d_model, d_head]``; ``b_Q``, ``b_K``, ``b_V``:
 ``[head, d_head]``; ``W_O``: ``[head, d_head, d_model]``), so "a head's slice" is one index of
-each. The output bias ``b_O`` is shared by all heads and is never touched.
+each. On 4.x these are views (:func:`headsurgeon.backend.head_tensors`) of the bridge's
+``q``/``k``/``v``/``o`` weights, the ones its forward pass reads, never of its unused fused
+``qkv`` copy. The output bias ``b_O`` is shared by all heads and is never touched.
 
 Exports:
     HEAD_TENSORS, TRAINED_TENSORS       the per-head tensors surgery edits, and those it trains
@@ -12,6 +14,8 @@ Exports:
                                         a HeadSet, "L5H9-11", [(layer, head)], {layer: [heads]}
     reinit_heads(model, heads, ...)     Xavier re-initialisation of Q/K/V, zero Q/K/V biases and W_O
     head_masks(model, heads)            boolean masks of the heads' elements, per tensor
+    head_slices / load_head_slices      copies of the heads' slices by TransformerLens 3.x name,
+                                        and writing such copies back
     HeadMask / mask_gradients(...)      gradient masks as parameter hooks (removable)
     HeadParameters                      trainable float32 copies of the chosen slices
     check_surgery(model)                UnsupportedArchitectureError unless heads can be operated on
@@ -54,6 +58,8 @@ __all__ = [
     "check_surgery",
     "reinit_heads",
     "head_masks",
+    "head_slices",
+    "load_head_slices",
     "HeadMask",
     "mask_gradients",
     "HeadParameters",
@@ -340,6 +346,45 @@ def head_masks(model: Model, heads: Heads) -> dict[str, Bool[Tensor, "..."]]:
     return masks
 
 
+def head_slices(
+    model: Model, heads: Heads, names: Iterable[str] = HEAD_TENSORS
+) -> dict[str, Tensor]:
+    """Copies of the chosen heads' slices of the tensors ``names``, by TransformerLens 3.x name
+    and layout on either major (``blocks.1.attn.W_Q``: ``[n_chosen_in_layer1, d_model, d_head]``),
+    in the parameters' dtype and device. :func:`load_head_slices` writes them back.
+
+    >>> from headsurgeon.loading import random_model
+    >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
+    >>> saved = head_slices(model, "L1H0,L1H3", ["W_O"])
+    >>> reinit_heads(model, "L1H0,L1H3")
+    >>> load_head_slices(model, "L1H0,L1H3", saved)
+    >>> list(saved), tuple(saved["blocks.1.attn.W_O"].shape)
+    (['blocks.1.attn.W_O'], (2, 8, 32))
+    >>> torch.equal(head_slices(model, "L1H0,L1H3", ["W_O"])["blocks.1.attn.W_O"],
+    ...             saved["blocks.1.attn.W_O"])
+    True
+    """
+    heads = HeadSet.of(heads, model)
+    out = {}
+    for layer, chosen in heads.by_layer().items():
+        tensors = head_tensors(model, layer)
+        for name in names:
+            view = tensors[name].heads(tensors[name].param.detach())
+            out[f"blocks.{layer}.attn.{name}"] = view[torch.tensor(chosen)].clone()
+    return out
+
+
+@torch.no_grad()
+def load_head_slices(model: Model, heads: Heads, slices: Mapping[str, Tensor]) -> None:
+    """Write slices taken by :func:`head_slices` for ``heads`` into the model's parameters."""
+    by_layer = HeadSet.of(heads, model).by_layer()
+    for key, values in slices.items():
+        _, layer, _, name = key.split(".")
+        tensor = head_tensors(model, int(layer))[name]
+        weight = tensor.heads(tensor.param)
+        weight[torch.tensor(by_layer[int(layer)])] = values.to(weight.device, weight.dtype)
+
+
 class HeadMask:
     """Gradient masks on the attention tensors, so only the chosen heads' slices get gradient.
 
@@ -356,10 +401,12 @@ class HeadMask:
     >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
     >>> with mask_gradients(model, HeadSet.parse("L1H2")) as mask:
     ...     model(torch.tensor([[1, 2, 3]]), return_type="loss").backward()
-    >>> grad = model.blocks[1].attn.W_Q.grad
+    >>> w_q = head_tensors(model, 1)["W_Q"]
+    >>> grad = w_q.heads(w_q.param.grad)
     >>> bool(grad[2].abs().sum() > 0), bool(grad[[0, 1, 3]].abs().sum() == 0)
     (True, True)
-    >>> model.blocks[0].attn.W_Q.grad is None, model.blocks[0].attn.W_Q.requires_grad
+    >>> w_q = head_tensors(model, 0)["W_Q"]
+    >>> w_q.param.grad is None, w_q.param.requires_grad
     (True, True)
     """
 

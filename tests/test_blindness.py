@@ -191,25 +191,45 @@ def test_mitigation_leaves_the_model_bit_identical(tiny_model, kind, params):
         raise RuntimeError("an error inside the context")
     after_state = tiny_model.state_dict()
     assert all(torch.equal(before_state[k], after_state[k]) for k in before_state)
-    assert all(getattr(attn, "alibi", None) is bias for attn, bias in zip(attns, cached, strict=True))
+    assert all(
+        getattr(attn, "alibi", None) is bias for attn, bias in zip(attns, cached, strict=True)
+    )
     assert not any("headsurgeon_bias_builder" in attn.__dict__ for attn in attns)
     assert all(not hp.fwd_hooks for hp in tiny_model.hook_dict.values())
     assert torch.equal(tiny_model(tokens), before_logits)
 
 
-def _plain_transformer(positional: str):
+def plain_transformer():
+    """A user's own 3.x HookedTransformer with learned positions."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     cfg = HookedTransformerConfig(
         n_layers=1, d_model=16, d_head=4, n_heads=4, n_ctx=32, d_vocab=50, act_fn="gelu",
-        positional_embedding_type=positional,
     )  # fmt: skip
     return HookedTransformer(cfg)
 
 
-@tl3_only
-def test_models_without_alibi_or_without_the_exact_hook():
-    gpt = _plain_transformer("standard")
+def rotary_model():
+    """A random 1-layer GPT-NeoX (rotary positions) as the installed major's model; 2 heads of
+    8 dimensions, as 3.x rotates only a quarter of each head."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from headsurgeon.loading import from_hf_model
+
+    config = GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=50, max_position_embeddings=32, architectures=["GPTNeoXForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return from_hf_model(GPTNeoXForCausalLM(config).eval(), name="neox")
+
+
+WITHOUT_ALIBI = [pytest.param(plain_transformer, marks=tl3_only), rotary_model]
+
+
+@pytest.mark.parametrize("build", WITHOUT_ALIBI)
+def test_models_without_alibi_or_without_the_exact_hook(build):
+    gpt = build()
     with pytest.raises(UnsupportedArchitectureError, match="ALiBi models only"):
         analytic_blindness(gpt)
     measured = measure_blindness(gpt, _tokens(1, 16) % 50, dtypes=["float16"], progress=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import head_weight
+from test_blindness import WITHOUT_ALIBI
 
 from headsurgeon import run_census
 from headsurgeon.census import COLUMNS
@@ -28,7 +30,7 @@ def reference_census(model, tokens, min_query_pos=1):
     for layer in range(model.cfg.n_layers):
         A = cache["pattern", layer].double()
         z = cache["z", layer].double()
-        W_O = model.blocks[layer].attn.W_O.detach().double()
+        W_O = head_weight(model, layer, "W_O").detach().double()
         writes = torch.einsum("bphd,hdm->bphm", z, W_O)  # [seq, pos, head, d_model]
         layer_norm = writes.sum(2).norm(dim=-1)[:, min_query_pos:].mean()
         for head in range(model.cfg.n_heads):
@@ -140,13 +142,11 @@ def test_low_precision_models_give_close_numbers(bloom_dir):
         np.testing.assert_allclose(half[name], full[name], atol=0.03, err_msg=name)
 
 
-def test_models_without_alibi_have_empty_slopes():
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(n_layers=1, d_model=16, n_ctx=12, d_head=4, n_heads=2,
-                                  d_vocab=30, act_fn="gelu")  # fmt: skip
-    model = HookedTransformer(cfg)
+@pytest.mark.parametrize("build", WITHOUT_ALIBI)
+def test_models_without_alibi_have_empty_slopes(build):
+    model = build()
     tokens = torch.randint(0, 30, (3, 12))
     census = run_census(model, tokens, prepend_bos=False, progress=False)
-    assert census["slope"].isna().all() and census.attrs["positional"] == "standard"
+    positional = model.cfg.positional_embedding_type
+    assert census["slope"].isna().all() and census.attrs["positional"] == positional != "alibi"
     assert_matches_reference(census, reference_census(model, tokens))

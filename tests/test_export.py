@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import tl3_only
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformers import BloomForCausalLM
 
 import headsurgeon.checkpoints as checkpoints
@@ -22,13 +22,18 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
 )
 from headsurgeon.exact_alibi import use_exact_alibi
-from headsurgeon.loading import ORGANISM_DIR
+from headsurgeon.loading import ORGANISM_DIR, ModelShape, random_model
 
 ATOL = 1e-4
 
 
-def tl_model(**changes) -> HookedTransformer:
-    """A user's own HookedTransformer: TransformerLens config, random weights, no tokenizer."""
+def tl_model(**changes):
+    """A user's own HookedTransformer: TransformerLens config, random weights, no tokenizer.
+
+    TransformerLens 3.x only: 4.x has no HookedTransformer (nor a config to build a model from).
+    """
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
     args = dict(
         n_layers=2, d_model=48, n_heads=6, d_head=8, n_ctx=32, d_vocab=64, act_fn="gelu_new",
         positional_embedding_type="alibi", normalization_type="LN", post_embedding_ln=True, seed=0,
@@ -65,6 +70,7 @@ def refusal(model, out) -> str:
 # --- refusals before writing ----------------------------------------------------------------
 
 
+@tl3_only
 def test_transformer_lens_slopes_refused_then_exported_after_use_exact_alibi(tmp_path):
     model = tl_model()
     message = refusal(model, tmp_path / "out")
@@ -84,6 +90,7 @@ def test_transformer_lens_slopes_refused_then_exported_after_use_exact_alibi(tmp
     assert load_model(out).cfg.n_heads == 6
 
 
+@tl3_only
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
@@ -112,11 +119,24 @@ def test_what_bloom_cannot_express_is_refused_by_name(changes, named, tmp_path):
     assert "ALiBi slopes" not in message
 
 
+@tl3_only
 def test_every_difference_is_listed_in_one_line(tmp_path):
     message = refusal(tl_model(act_fn="gelu", post_embedding_ln=False), tmp_path / "out")
     assert "activation gelu" in message
     assert "no embedding LayerNorm" in message
     assert "ALiBi slopes" in message
+
+
+def test_another_architecture_is_refused_by_name(tmp_path):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from headsurgeon.loading import from_hf_model
+
+    config = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                           num_attention_heads=4, intermediate_size=128)  # fmt: skip
+    torch.manual_seed(0)
+    model = from_hf_model(GPTNeoXForCausalLM(config).eval())
+    assert "architecture GPTNeoXForCausalLM" in refusal(model, tmp_path / "out")
 
 
 def test_bad_folder_is_refused_before_any_work(tiny_model, tmp_path, monkeypatch):
@@ -183,12 +203,14 @@ def test_verify_false_skips_the_reload(tiny_model, tmp_path, monkeypatch):
     ).read_bytes()
 
 
-def test_a_float16_model_is_checked_in_float32_and_left_as_it_was(bloom_dir, tmp_path):
-    model = load_model(bloom_dir, dtype="float16")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_narrow_model_is_checked_in_float32_and_left_as_it_was(bloom_dir, tmp_path, dtype):
+    model = load_model(bloom_dir, dtype=dtype)
+    assert model.cfg.dtype == dtype and model.embed.W_E.dtype == dtype
     before = {name: t.clone() for name, t in model.state_dict().items()}
     view = model.blocks[0].attn.W_Q[0]
     out = save_hf(model, tmp_path / "out")  # the checkpoint's float32: widening is exact
-    assert model.cfg.dtype == torch.float16
+    assert model.cfg.dtype == dtype
     assert view.data_ptr() == model.blocks[0].attn.W_Q.data_ptr()  # views still see the model
     for name, t in model.state_dict().items():
         assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
@@ -241,7 +263,7 @@ def test_rounding_to_the_default_dtype_is_reported(tmp_path):
 def test_checkpoint_dtype(bloom_dir, tmp_path):
     assert checkpoint_dtype(load_model(bloom_dir)) == torch.float32
     assert checkpoint_dtype(load_model(bloom_dir, dtype="bfloat16")) == torch.float32
-    assert checkpoint_dtype(tl_model()) is None
+    assert checkpoint_dtype(random_model(ModelShape(1, 2, 8, 16, 8))) is None  # built in memory
 
 
 def test_exported_files_follow_the_umask_like_any_other_file(tiny_model, tmp_path):

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import head_weight
 
+from headsurgeon.backend import head_tensors, tl_state_dict
 from headsurgeon.errors import CheckpointError, DataError, InvalidArgumentError, OutputExistsError
 from headsurgeon.finetune import (
     CHECKPOINT_FILE,
@@ -46,18 +48,31 @@ def config(**kwargs) -> FinetuneConfig:
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
+    """Every parameter by ``named_parameters`` name (on 4.x the bridge's own q/k/v/o weights and
+    its unused fused qkv copy too)."""
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+def head_view(model, params: dict[str, torch.Tensor], layer: int, name: str) -> torch.Tensor:
+    """Tensor ``name`` (``W_Q`` ...) of ``layer`` in a :func:`snapshot`, heads first."""
+    tensor = head_tensors(model, layer)[name]
+    return tensor.heads(params[tensor.path])
+
+
 def outside(model, before, heads) -> list[str]:
-    """Names of tensors whose elements outside the chosen slices differ from ``before``."""
+    """Names of parameters whose elements outside the chosen heads' slices differ from ``before``
+    (a :func:`snapshot`): every parameter of the model is compared, on either major."""
+    sliced = {
+        tensor.path: (tensor, chosen)
+        for layer, chosen in HeadSet.of(heads).by_layer().items()
+        for tensor in head_tensors(model, layer).values()
+    }
     moved = []
     for name, p in model.named_parameters():
         diff = p.detach() != before[name]
-        parts = name.split(".")
-        if name.startswith("blocks.") and parts[2] == "attn" and parts[3] != "b_O":
-            layer = int(parts[1])
-            diff[[h for lay, h in heads if lay == layer]] = False
+        if name in sliced:
+            tensor, chosen = sliced[name]
+            tensor.heads(diff)[chosen] = False
         if diff.any():
             moved.append(name)
     return moved
@@ -73,8 +88,8 @@ def test_frozen_weights_stay_bit_identical_with_weight_decay(strategy, autocast)
         model, heads, tokens, config=config(strategy=strategy, autocast=autocast), progress=False
     )
     assert outside(model, before, heads) == []
-    assert not torch.equal(model.blocks[2].attn.W_O[3], before["blocks.2.attn.W_O"][3])
-    assert torch.all(model.blocks[2].attn.b_K[3] == 0)  # no gradient: not trained
+    assert not torch.equal(head_weight(model, 2, "W_O")[3], head_view(model, before, 2, "W_O")[3])
+    assert torch.all(head_weight(model, 2, "b_K")[3] == 0)  # no gradient: not trained
     assert all(p.requires_grad for p in model.parameters())  # restored afterwards
 
 
@@ -90,8 +105,12 @@ def test_naive_gradient_mask_with_adamw_moves_frozen_weights():
             optimizer.step()
             optimizer.zero_grad()
     moved = outside(model, before, heads)
-    assert "blocks.1.attn.W_Q" in moved and "blocks.2.attn.W_O" in moved
-    assert "blocks.0.attn.W_Q" not in moved  # no chosen head there: requires_grad=False
+
+    def path(layer, name):
+        return head_tensors(model, layer)[name].path
+
+    assert path(1, "W_Q") in moved and path(2, "W_O") in moved
+    assert path(0, "W_Q") not in moved  # no chosen head there: requires_grad=False
 
 
 def test_no_backward_below_lowest_repaired_layer():
@@ -99,9 +118,11 @@ def test_no_backward_below_lowest_repaired_layer():
     calls = []
     for layer in range(SHAPE.n_layers):
         for name in ("hook_attn_out", "hook_resid_post"):
-            model.add_hook(
-                f"blocks.{layer}.{name}", lambda g, hook: calls.append(hook.name), dir="bwd"
-            )
+            # By the name asked for: 4.x's hook points answer to other names (blocks.2.hook_out).
+            def record(grad, hook, asked=f"blocks.{layer}.{name}"):
+                calls.append(asked)
+
+            model.add_hook(f"blocks.{layer}.{name}", record, dir="bwd")
     finetune(model, heads, tokens, config=config(steps=2), progress=False)
     model.reset_hooks()
     assert set(calls) == {"blocks.2.hook_attn_out", "blocks.2.hook_resid_post"}
@@ -324,6 +345,7 @@ import torch
 import torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from test_finetune import config, setup
+from headsurgeon.backend import tl_state_dict
 from headsurgeon.finetune import finetune, setup_distributed
 
 torch.set_num_threads(1)
@@ -331,7 +353,7 @@ info = setup_distributed("cpu")
 model, heads, tokens = setup()
 finetune(model, heads, tokens, config=config(batch_size=2), progress=False)
 if info.rank == 0:
-    torch.save(model.state_dict(), {out!r})
+    torch.save(tl_state_dict(model), {out!r})
 dist.destroy_process_group()
 """
 
@@ -359,6 +381,6 @@ def test_ddp_two_processes_match_one_process_with_double_batch(tmp_path):
     ddp = torch.load(tmp_path / "ddp.pt")
     model, heads, tokens = setup()
     finetune(model, heads, tokens, config=config(batch_size=4), progress=False)
-    for name, value in model.state_dict().items():
+    for name, value in tl_state_dict(model).items():
         torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-5)
-    assert not torch.equal(ddp["blocks.2.attn.W_O"], setup()[0].blocks[2].attn.W_O)
+    assert not torch.equal(ddp["blocks.2.attn.W_O"], head_weight(setup()[0], 2, "W_O"))

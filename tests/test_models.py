@@ -60,7 +60,8 @@ def max_logit_gap(model, hf, toks) -> float:
 
 def exact_scores(model, toks, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """hook_attn_scores, and q.k/sqrt(d) - m_h (i - j) with Hugging Face slopes, masked."""
-    _, cache = model.run_with_cache(toks, names_filter=lambda n: n.startswith(f"blocks.{layer}."))
+    names = [f"blocks.{layer}.attn.hook_{x}" for x in ("q", "k", "attn_scores")]
+    _, cache = model.run_with_cache(toks, names_filter=names)
     q, k = cache[f"blocks.{layer}.attn.hook_q"], cache[f"blocks.{layer}.attn.hook_k"]
     n_pos = toks.shape[1]
     expected = torch.einsum("bqhd,bkhd->bhqk", q, k) / model.cfg.d_head**0.5
@@ -192,17 +193,62 @@ def test_edited_heads_export_to_transformers(bloom6_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
 
 
+def test_head_edits_export_bit_exact(bloom6_dir, tmp_path):
+    model = load_model(bloom6_dir)
+    toks = tokens(2, 30, model.cfg.d_vocab)
+    with torch.no_grad():
+        for layer in range(model.cfg.n_layers):
+            for tensor in backend.head_tensors(model, layer).values():
+                heads = tensor.heads(tensor.param)
+                heads[layer + 1].mul_(-1.5).add_(0.25)  # every per-head tensor, one head a layer
+        edited = model(toks)
+    out = save_hf(model, tmp_path / "edited", dtype="float32")
+    with torch.no_grad():
+        assert (hf_model(out)(toks).logits - edited).abs().max() < ATOL
+    again = load_model(out)
+    ours, theirs = backend.tl_state_dict(model), backend.tl_state_dict(again)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+    with torch.no_grad():
+        assert torch.equal(again(toks), edited)
+
+
 def test_untied_unembedding_exports_lm_head(bloom_dir, tmp_path):
+    folder = shutil.copytree(bloom_dir, tmp_path / "untied")
+    weights = load_file(folder / "model.safetensors")
+    embed = weights["transformer.word_embeddings.weight"]
+    weights["lm_head.weight"] = embed + 0.01 * torch.randn(embed.shape)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    model = load_model(folder)
+    toks = tokens(2, 20, model.cfg.d_vocab)
+    assert max_logit_gap(model, hf_model(folder), toks) < ATOL
+    out = save_hf(model, tmp_path / "out")
+    exported = load_file(out / "model.safetensors")  # bit for bit, lm_head included
+    assert exported.keys() == weights.keys()
+    assert all(torch.equal(t, weights[k]) for k, t in exported.items())
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert max_logit_gap(load_model(out), hf_model(out), toks) < ATOL
+
+
+def test_editing_the_unembedding_of_a_tied_model(bloom_dir, tmp_path):
     model = load_model(bloom_dir)
     with torch.no_grad():
         model.unembed.W_U.add_(0.01 * torch.randn_like(model.unembed.W_U))
-    out = save_hf(model, tmp_path / "untied")
+    out = save_hf(model, tmp_path / "edited")
+    # TransformerLens 3.x copies W_U out of the tied embedding: the edit unties them. 4.x keeps
+    # Hugging Face's tying (W_U is a view of W_E's memory): the edit changes both, still tied.
+    untied = backend.MAJOR < 4
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is not untied
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        assert torch.equal(f.get_tensor("lm_head.weight"), model.unembed.W_U.T)
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+        assert ("lm_head.weight" in f.keys()) is untied
+        assert torch.equal(f.get_tensor("lm_head.weight" if untied else
+                                        "transformer.word_embeddings.weight"),
+                           model.unembed.W_U.T)  # fmt: skip
     toks = tokens(2, 20, model.cfg.d_vocab)
     assert max_logit_gap(model, hf_model(out), toks) < ATOL
-    assert max_logit_gap(load_model(out), hf_model(out), toks) < ATOL
 
 
 def test_save_hf_refuses_replaces_and_never_half_writes(tiny_model, tmp_path, monkeypatch):
@@ -234,7 +280,9 @@ def test_save_hf_refuses_replaces_and_never_half_writes(tiny_model, tmp_path, mo
 
 def test_save_hf_refuses_processed_weights(bloom_dir, tmp_path):
     model = load_model(bloom_dir)
-    model.process_weights_(fold_ln=True, center_writing_weights=False, center_unembed=False)
+    # TransformerLens 3.x's name; 4.x's bridge calls it process_weights.
+    process = getattr(model, "process_weights_", None) or model.process_weights
+    process(fold_ln=True, center_writing_weights=False, center_unembed=False)
     with pytest.raises(UnsupportedArchitectureError, match="load_model"):
         save_hf(model, tmp_path / "folded")
     assert not (tmp_path / "folded").exists()
@@ -392,11 +440,12 @@ def test_unreadable_config_names_the_users_file(broken_copy):
 @pytest.mark.parametrize(
     "changes",
     [
-        {"architectures": ["MambaForCausalLM"], "model_type": "mamba"},  # transformers knows it
+        # transformers knows it, TransformerLens 3.x and 4.x do not
+        {"architectures": ["CTRLLMHeadModel"], "model_type": "ctrl"},
         {"architectures": ["FooForCausalLM"], "model_type": "foo"},  # nobody knows it
         {"architectures": None},
     ],
-    ids=["mamba", "unknown", "none"],
+    ids=["ctrl", "unknown", "none"],
 )
 def test_architecture_transformer_lens_cannot_load(broken_copy, changes):
     config = json.loads((broken_copy / "config.json").read_text())
@@ -404,12 +453,15 @@ def test_architecture_transformer_lens_cannot_load(broken_copy, changes):
     with pytest.raises(UnsupportedArchitectureError) as error:
         load_model(broken_copy)
     assert "not supported by TransformerLens" in one_line(error)
+    assert "headsurgeon loads BLOOM" in one_line(error)
+    assert f"TransformerLens {backend.MAJOR}.x" in one_line(error)
 
 
 def test_folder_name_does_not_decide_the_architecture(bloom_dir, tmp_path):
     # TransformerLens takes any path containing "llama" for a Llama checkpoint.
     folder = shutil.copytree(bloom_dir, tmp_path / "llama-runs" / "bloom")
-    assert load_model(folder).cfg.original_architecture == "BloomForCausalLM"
+    model = load_model(folder)
+    assert max_logit_gap(model, hf_model(folder), tokens(2, 20, model.cfg.d_vocab)) < ATOL
 
 
 @pytest.mark.parametrize("dtype", ["float8", "int8", torch.int64, "fp64"])

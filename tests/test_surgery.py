@@ -7,7 +7,9 @@ import math
 import pandas as pd
 import pytest
 import torch
+from conftest import head_weight
 
+from headsurgeon.backend import head_tensors, tl_state_dict
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.loading import ModelShape, random_model
 from headsurgeon.surgery import (
@@ -36,6 +38,11 @@ def model(base):
     fresh = random_model(SHAPE, seed=0)
     fresh.load_state_dict(base.state_dict())
     return fresh
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    """Copies of the weights under TransformerLens 3.x's names and layouts (heads first)."""
+    return {k: v.clone() for k, v in tl_state_dict(model).items()}
 
 
 def tokens(n: int = 4, length: int = 12) -> torch.Tensor:
@@ -95,24 +102,25 @@ def test_headset_from_labels():
 
 @pytest.mark.parametrize("init", ["xavier_normal", "xavier_uniform"])
 def test_reinit_changes_only_chosen_slices(model, init):
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before, native = weights(model), {k: v.clone() for k, v in model.named_parameters()}
     heads = HeadSet.parse("L1H2,L2H0-1")
     reinit_heads(model, heads, init=init, seed=3)
-    after = model.state_dict()
-    changed = changed_heads(before, after)
+    # The parameters written are those attention reads (on 4.x not the unused fused qkv copy).
+    written = {n for n, p in model.named_parameters() if not torch.equal(p, native[n])}
+    assert written == {t.path for layer in (1, 2) for t in head_tensors(model, layer).values()}
+    changed = changed_heads(before, weights(model))
     # Q/K/V weights are redrawn; biases and W_O were non-zero, so zeroing them changes them too.
     expected = {
         f"blocks.{layer}.attn.{t}": h for layer, h in [(1, [2]), (2, [0, 1])] for t in HEAD_TENSORS
     }
     assert changed == expected
-    attn = model.blocks[2].attn
     for name in ("b_Q", "b_K", "b_V", "W_O"):
-        assert torch.all(getattr(attn, name)[[0, 1]] == 0)
+        assert torch.all(head_weight(model, 2, name)[[0, 1]] == 0)
     fan = SHAPE.d_model + SHAPE.d_model // SHAPE.n_heads
-    weights = torch.cat([getattr(attn, n)[[0, 1]].flatten() for n in ("W_Q", "W_K", "W_V")])
+    drawn = torch.cat([head_weight(model, 2, n)[[0, 1]].flatten() for n in ("W_Q", "W_K", "W_V")])
     if init == "xavier_uniform":
-        assert weights.abs().max() <= math.sqrt(6 / fan)
-    assert weights.std().item() == pytest.approx(math.sqrt(2 / fan), rel=0.1)
+        assert drawn.abs().max() <= math.sqrt(6 / fan)
+    assert drawn.std().item() == pytest.approx(math.sqrt(2 / fan), rel=0.1)
 
 
 def test_reinit_is_seeded_per_head(model, base):
@@ -120,30 +128,73 @@ def test_reinit_is_seeded_per_head(model, base):
     other = random_model(SHAPE, seed=0)
     other.load_state_dict(base.state_dict())
     reinit_heads(other, HeadSet.parse("L1H2"), seed=7)
-    assert torch.equal(model.blocks[1].attn.W_K[2], other.blocks[1].attn.W_K[2])
+    assert torch.equal(head_weight(model, 1, "W_K")[2], head_weight(other, 1, "W_K")[2])
     reinit_heads(other, HeadSet.parse("L1H2"), seed=8)
-    assert not torch.equal(model.blocks[1].attn.W_K[2], other.blocks[1].attn.W_K[2])
+    assert not torch.equal(head_weight(model, 1, "W_K")[2], head_weight(other, 1, "W_K")[2])
     with pytest.raises(InvalidArgumentError, match="unknown init"):
         reinit_heads(model, HeadSet.parse("L1H2"), init="kaiming")
 
 
+def head_grad(model, layer: int, name: str) -> torch.Tensor | None:
+    """The gradient of tensor ``name`` of ``layer``, heads first (None if it has none)."""
+    tensor = head_tensors(model, layer)[name]
+    return None if tensor.param.grad is None else tensor.heads(tensor.param.grad)
+
+
 def test_head_mask_hooks_and_removal(model):
     heads = HeadSet.parse("L1H1,L2H3")
+    masked = {t.path for layer in (1, 2) for t in head_tensors(model, layer).values()}
     with mask_gradients(model, heads) as mask:
         assert isinstance(mask, HeadMask) and mask.active
-        assert not model.embed.W_E.requires_grad and not model.blocks[1].attn.b_O.requires_grad
+        # Only the chosen layers' per-head tensors require gradient (not b_O, not embeddings).
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == masked
         model(tokens(), return_type="loss").backward()
-    assert not mask.active and model.embed.W_E.requires_grad  # restored
-    assert model.embed.W_E.grad is None and model.blocks[0].attn.W_Q.grad is None
+    assert not mask.active and all(p.requires_grad for p in model.parameters())  # restored
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == masked
     for layer, head in [(1, 1), (2, 3)]:
         for name in HEAD_TENSORS:
-            grad = getattr(model.blocks[layer].attn, name).grad
+            grad = head_grad(model, layer, name)
             others = [h for h in range(SHAPE.n_heads) if h != head]
             assert torch.all(grad[others] == 0), name
         assert grad[head].abs().sum() > 0  # W_O of the chosen head gets gradient
     model.zero_grad(set_to_none=True)
     model(tokens(), return_type="loss").backward()  # hooks removed: every head gets gradient
-    assert torch.all(model.blocks[1].attn.W_O.grad.flatten(1).abs().sum(1) > 0)
+    assert torch.all(head_grad(model, 1, "W_O").flatten(1).abs().sum(1) > 0)
+
+
+def test_surgery_and_training_write_what_the_forward_pass_reads(model):
+    """Each write must reach the forward pass (4.x keeps an unused fused qkv copy to miss)."""
+    batch, z_name = tokens(), "blocks.1.attn.hook_z"
+
+    def run(m, t):
+        logits, cache = m.run_with_cache(t, names_filter=z_name)
+        return cache[z_name], logits
+
+    z_before, logits_before = run(model, batch)
+    reinit_heads(model, "L1H2", seed=5)
+    z, logits = run(model, batch)
+    assert not torch.allclose(z[:, :, 2], z_before[:, :, 2])  # Q, K, V redrawn, b_V zeroed
+    assert torch.equal(z[:, :, [0, 1, 3]], z_before[:, :, [0, 1, 3]])
+    assert not torch.allclose(logits, logits_before)
+
+    def silence(z, hook):
+        z[:, :, 2] = 0
+        return z
+
+    with model.hooks(fwd_hooks=[(z_name, silence)]):  # W_O zeroed: head 2 writes nothing
+        torch.testing.assert_close(model(batch), logits)
+    # With W_V zero, every row of the head's z is b_V (attention rows sum to 1): through the
+    # trainable copies, then through the write back into the model.
+    params = HeadParameters(model, "L1H2")
+    value = torch.linspace(-1, 1, SHAPE.d_model // SHAPE.n_heads)
+    with torch.no_grad():
+        params.slices["L1"]["W_V"].zero_()
+        params.slices["L1"]["b_V"].copy_(value)
+    torch.testing.assert_close(
+        params.call(model, run, batch)[0][:, :, 2], value.expand_as(z[:, :, 2])
+    )
+    params.write_to(model)
+    torch.testing.assert_close(run(model, batch)[0][:, :, 2], value.expand_as(z[:, :, 2]))
 
 
 def test_head_parameters_splice_and_write_back(model):
@@ -160,16 +211,16 @@ def test_head_parameters_splice_and_write_back(model):
     with torch.no_grad():
         params.slices["L2"]["W_V"].add_(1.0)
     params.write_to(model)
-    assert torch.equal(model.blocks[2].attn.W_V[2], params.slices["L2"]["W_V"][0])
+    assert torch.equal(head_weight(model, 2, "W_V")[2], params.slices["L2"]["W_V"][0])
     assert torch.equal(model(batch), params.call(model, lambda m, t: m(t), batch))
 
 
 @pytest.mark.parametrize("form", [HeadSet.parse("L1H0,L1H2"), "L1H0,L1H2", [(1, 0), (1, 2)],
                                   {1: [0, 2]}, ((1, 0), [1, 2])])  # fmt: skip
 def test_heads_are_taken_in_any_usual_form(model, form):
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = weights(model)
     reinit_heads(model, form)
-    assert changed_heads(before, model.state_dict())["blocks.1.attn.W_Q"] == [0, 2]
+    assert changed_heads(before, weights(model))["blocks.1.attn.W_Q"] == [0, 2]
     assert HeadParameters(model, form).heads == HeadSet.parse("L1H0,L1H2")
     with HeadMask(model, form) as mask:
         assert mask.heads == HeadSet.parse("L1H0,L1H2")

@@ -10,17 +10,20 @@ import warnings
 
 import pytest
 import torch
-from transformer_lens import HookedTransformer, HookedTransformerConfig
+from conftest import tl3_only
 
 import headsurgeon.repair as repair_module
 from headsurgeon import (
     FinetuneConfig,
     HeadSet,
     analytic_blindness,
+    classify_heads,
     measure_blindness,
     perplexity,
     run_census,
+    save_hf,
 )
+from headsurgeon.backend import MAJOR
 from headsurgeon.errors import DataError, UnsupportedArchitectureError
 from headsurgeon.exact_alibi import alibi_slopes, use_exact_alibi
 from headsurgeon.repair import repair
@@ -30,8 +33,14 @@ TL_SLOPES_6 = [2 ** (-8 * (h + 1) / 6) for h in range(6)]
 HF_SLOPES_6 = [0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125]
 
 
-def user_model(n_heads: int = 6, **overrides) -> HookedTransformer:
-    """What a TransformerLens user builds: a config, random weights, no tokenizer."""
+tl4_only = pytest.mark.skipif(MAJOR < 4, reason="TransformerBridge is TransformerLens 4.x's")
+
+
+def user_model(n_heads: int = 6, **overrides):
+    """What a TransformerLens 3.x user builds: a config, random weights, no tokenizer (4.x has no
+    HookedTransformer; :func:`user_bridge` is its user's own model)."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
     cfg = dict(
         n_layers=2, d_model=8 * n_heads, d_head=8, n_heads=n_heads, n_ctx=256, d_vocab=97,
         act_fn="gelu_new", normalization_type="LN", positional_embedding_type="alibi", seed=0,
@@ -39,11 +48,30 @@ def user_model(n_heads: int = 6, **overrides) -> HookedTransformer:
     return HookedTransformer(HookedTransformerConfig(**(cfg | overrides))).eval()
 
 
+def user_bridge(n_heads: int = 6):
+    """What a TransformerLens 4.x user builds: a transformers BLOOM of their own, wrapped in a
+    TransformerBridge, no tokenizer."""
+    from transformer_lens.model_bridge.sources import build_bridge_from_module
+    from transformers import BloomConfig, BloomForCausalLM
+
+    # A setting only the Hugging Face config holds: save_hf must write it.
+    config = BloomConfig(vocab_size=97, hidden_size=8 * n_heads, n_layer=2, n_head=n_heads,
+                         apply_residual_connection_post_layernorm=True)  # fmt: skip
+    torch.manual_seed(0)
+    hf = BloomForCausalLM(config).eval()
+    return build_bridge_from_module(hf, "BloomForCausalLM", hf_config=config, model_name="mine")
+
+
+def own_model():
+    """A user's own 6-head ALiBi model of the installed TransformerLens, without a tokenizer."""
+    return user_model() if MAJOR < 4 else user_bridge()
+
+
 def tokens(n: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 97, (n, length), generator=torch.Generator().manual_seed(seed))
 
 
-def snapshot(model: HookedTransformer) -> dict:
+def snapshot(model) -> dict:
     """Everything a tool could leave behind: weights, attributes, hooks, cached biases."""
     return {
         "state": {k: v.clone() for k, v in model.state_dict().items()},
@@ -55,7 +83,7 @@ def snapshot(model: HookedTransformer) -> dict:
     }
 
 
-def assert_unchanged(model: HookedTransformer, before: dict) -> None:
+def assert_unchanged(model, before: dict) -> None:
     after = snapshot(model)
     assert after.pop("state").keys() == before["state"].keys()
     for name, value in model.state_dict().items():
@@ -63,6 +91,7 @@ def assert_unchanged(model: HookedTransformer, before: dict) -> None:
     assert after == {k: v for k, v in before.items() if k != "state"}
 
 
+@tl3_only
 def test_the_slopes_are_the_models_own():
     model = user_model()
     assert model.cfg.default_prepend_bos is True and model.tokenizer is None  # TL's defaults
@@ -80,6 +109,7 @@ def test_the_slopes_are_the_models_own():
     torch.testing.assert_close(model(tokens(2, 32)), logits, rtol=0, atol=1e-4)
 
 
+@tl3_only
 def test_measured_zeros_agree_with_the_analytic_distance_of_the_models_slopes():
     model = user_model()
     measured = measure_blindness(model, tokens(2, 160), dtypes=["float16"], progress=False)
@@ -93,6 +123,7 @@ def test_measured_zeros_agree_with_the_analytic_distance_of_the_models_slopes():
     assert beyond.first_zero_distance.isna().all()
 
 
+@tl3_only
 def test_use_exact_alibi_warns_that_it_changes_outputs():
     model = user_model()
     plain = model(tokens(2, 40))
@@ -106,6 +137,7 @@ def test_use_exact_alibi_warns_that_it_changes_outputs():
         use_exact_alibi(eight)  # a power of two: the same slopes, no warning
 
 
+@tl3_only
 def test_token_tensors_work_everywhere_without_a_tokenizer():
     model = user_model()
     data = tokens(8, 48)
@@ -133,7 +165,7 @@ def test_the_bos_convention_is_read_at_each_call(tiny_model):
 
 
 def test_repair_takes_token_tensors():
-    model = user_model()
+    model = own_model()
     data = tokens(40, 32)
     result = repair(
         model, data, heads=HeadSet.parse("L1H2"), passes=1, progress=False,
@@ -146,6 +178,7 @@ def test_repair_takes_token_tensors():
     assert result.passes[0].targeted == HeadSet.parse("L1H2")
 
 
+@tl3_only
 def test_operations_a_model_cannot_support_fail_before_any_work(monkeypatch):
     def no_census(*args, **kwargs):
         raise AssertionError("the census ran before the model was checked")
@@ -161,15 +194,69 @@ def test_operations_a_model_cannot_support_fail_before_any_work(monkeypatch):
         alibi_slopes(rotary)
 
 
+@tl4_only
+def test_a_bridge_a_tool_cannot_support_fails_before_any_work(monkeypatch):
+    from transformer_lens.model_bridge.sources import build_bridge_from_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def no_census(*args, **kwargs):
+        raise AssertionError("the census ran before the model was checked")
+
+    monkeypatch.setattr(repair_module, "run_census", no_census)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    llama = LlamaForCausalLM(config).eval()  # grouped-query attention, rotary positions
+    model = build_bridge_from_module(llama, "LlamaForCausalLM", hf_config=config)
+    with pytest.raises(UnsupportedArchitectureError, match="grouped-query"):
+        repair(model, tokens(40, 32), heads=HeadSet.parse("L0H0"), progress=False)
+    with pytest.raises(UnsupportedArchitectureError, match="rotary"):
+        analytic_blindness(model)
+    with pytest.raises(UnsupportedArchitectureError, match="rotary"):
+        alibi_slopes(model)
+
+
 def test_repair_settings_as_keywords_or_as_one_config():
     from headsurgeon import RepairConfig
     from headsurgeon.errors import InvalidArgumentError
 
     data, training = tokens(40, 32), FinetuneConfig(steps=2, batch_size=4)
-    by_keywords = repair(user_model(), data, heads="L1H2", passes=1, finetune_config=training,
+    by_keywords = repair(own_model(), data, heads="L1H2", passes=1, finetune_config=training,
                          census_n_seqs=4, progress=False)  # fmt: skip
     config = RepairConfig(passes=1, finetune=training, census_n_seqs=4)
-    by_config = repair(user_model(), data, heads="L1H2", config=config, progress=False)
+    by_config = repair(own_model(), data, heads="L1H2", config=config, progress=False)
     assert by_config.to_dict() == by_keywords.to_dict()
     with pytest.raises(InvalidArgumentError, match="passes"):
-        repair(user_model(), data, heads="L1H2", config=config, passes=3, progress=False)
+        repair(own_model(), data, heads="L1H2", config=config, passes=3, progress=False)
+
+
+@tl4_only
+def test_a_users_own_bridge_is_read_and_left_as_it_was(tmp_path):
+    from transformers import BloomForCausalLM
+
+    model = user_bridge()
+    assert model.tokenizer is None
+    # Its own attention applies Hugging Face's slopes, exact for 6 heads: nothing to switch.
+    torch.testing.assert_close(alibi_slopes(model), torch.tensor(HF_SLOPES_6))
+    data = tokens(8, 48)
+    before = snapshot(model)
+    with torch.no_grad():
+        logits = model(data)
+    census = run_census(model, data, progress=False)
+    assert census["slope"].tolist() == pytest.approx(HF_SLOPES_6 * 2, rel=1e-6)
+    assert len(classify_heads(census)) == 12
+    assert census.attrs["prepend_bos"] is False and census.attrs["seq_len"] == 48
+    with torch.no_grad():
+        expected = torch.exp(model(data, return_type="loss")).item()
+    assert perplexity(model, data, window=48) == pytest.approx(expected, rel=1e-5)
+    measure_blindness(model, data, dtypes=["float16"], progress=False)
+    out = save_hf(model, tmp_path / "export")
+    assert_unchanged(model, before)
+    with torch.no_grad():
+        torch.testing.assert_close(model(data), logits, rtol=0, atol=0)
+        hf = BloomForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert hf.config.apply_residual_connection_post_layernorm is True
+        assert (hf(data).logits - logits).abs().max() < 1e-4
+    with pytest.raises(DataError, match="no tokenizer"):
+        run_census(model, None, progress=False)
+    with pytest.raises(DataError, match="no tokenizer"):
+        run_census(model, data, prepend_bos=True, progress=False)
