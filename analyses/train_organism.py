@@ -61,7 +61,17 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from headsurgeon.alibi import check_bias_params
 from headsurgeon.allocator import keep_freed_memory
+from headsurgeon.evals import (
+    NEEDLE_QUESTION,
+    NEEDLE_SENTENCE,
+    NEEDLE_WORDS,
+    PASSKEY_INTRO,
+    PASSKEY_NEEDLE,
+    PASSKEY_QUESTION,
+)
+from headsurgeon.exact_alibi import TRAINABLE_BIASES, install_hf_bias
 
 log = logging.getLogger("train_organism")
 
@@ -157,14 +167,62 @@ def load_data(tokenizer: PreTrainedTokenizerFast, seq_len: int, bos: bool) -> Da
     return data
 
 
-def sample_batch(data: Data, gen: torch.Generator, batch: int) -> torch.Tensor:
-    """A (batch, seq_len) batch: half from each domain, random offsets."""
-    rows = []
+def sample_batch(
+    data: Data,
+    gen: torch.Generator,
+    batch: int,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    retrieval: int = 0,
+) -> torch.Tensor:
+    """A (batch, seq_len) batch: ``retrieval`` passkey/needle documents, the rest half from each
+    domain at random offsets."""
+    rows = [retrieval_window(data, tokenizer, gen) for _ in range(retrieval)]
+    text_rows = batch - retrieval
     for i, d in enumerate(DOMAINS):
-        n = batch // len(DOMAINS) + (i < batch % len(DOMAINS))
+        n = text_rows // len(DOMAINS) + (i < text_rows % len(DOMAINS))
         starts = torch.randint(0, len(data.train[d]) - data.seq_len, (n,), generator=gen)
         rows += [data.window(data.train[d], s) for s in starts.tolist()]
     return torch.stack(rows)
+
+
+def retrieval_window(
+    data: Data, tokenizer: PreTrainedTokenizerFast, gen: torch.Generator
+) -> torch.Tensor:
+    """One training document of the evaluation's retrieval tasks (headsurgeon.evals' templates),
+    exactly ``seq_len`` tokens ending with the answer: a passkey (random 5-digit number) or a
+    needle (a word of NEEDLE_WORDS) hidden at a random depth of train-corpus filler, then the
+    question. The evaluation uses held-out filler; the tasks are otherwise the same."""
+
+    def draw(n: int) -> int:
+        return int(torch.randint(0, n, (1,), generator=gen))
+
+    if draw(2) == 0:
+        key = str(10_000 + draw(90_000))
+        intro, needle, question = PASSKEY_INTRO, PASSKEY_NEEDLE.format(key=key), PASSKEY_QUESTION
+    else:
+        key = NEEDLE_WORDS[draw(len(NEEDLE_WORDS))]
+        intro, needle, question = "", NEEDLE_SENTENCE.format(key=key), NEEDLE_QUESTION
+    head = [BOS_ID] if data.bos else []
+    parts = [encode(tokenizer, t).tolist() for t in (intro, needle, question, " " + key)]
+    n_filler = data.seq_len - len(head) - sum(map(len, parts))
+    if n_filler < 0:
+        raise ValueError(f"--seq-len {data.seq_len} is too short for a retrieval document")
+    stream = data.train[DOMAINS[draw(len(DOMAINS))]]
+    start = draw(len(stream) - n_filler)
+    filler = stream[start : start + n_filler].tolist()
+    cut = draw(n_filler + 1)  # the needle's depth
+    tokens = head + parts[0] + filler[:cut] + parts[1] + filler[cut:] + parts[2] + parts[3]
+    return torch.tensor(tokens, dtype=torch.long)
+
+
+def bias_params(args: argparse.Namespace) -> dict:
+    """The ALiBi variant's parameters, checked (headsurgeon.alibi.check_bias_params)."""
+    params = {}
+    if args.bias == "clamped":
+        params["c"] = args.bias_c
+    if args.bias == "robust":
+        params["context"] = args.robust_context or args.seq_len
+    return check_bias_params(args.bias, **params)
 
 
 def lr_at(step: int, total: int, peak: float) -> float:
@@ -266,13 +324,14 @@ def export(
     (out / "headsurgeon.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def verify_export(out: Path, bos: bool) -> str:
+def verify_export(out: Path, bos: bool, bias: dict) -> str:
     """Reload the export offline, check its size and return a short greedy generation."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     if size > EXPORT_LIMIT_BYTES:
         raise RuntimeError(f"export is {size:,d} bytes > {EXPORT_LIMIT_BYTES:,d}")
     model = AutoModelForCausalLM.from_pretrained(out)
+    install_hf_bias(model, bias["kind"], **bias["params"])  # as headsurgeon.load_model does
     tokenizer = AutoTokenizer.from_pretrained(out)
     prompt = "To be, or not to be"
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
@@ -308,6 +367,23 @@ def parse_args() -> argparse.Namespace:
         help="start every window with the BOS token (default: text from position 0, as BLOOM)",
     )
     p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument(
+        "--bias",
+        choices=TRAINABLE_BIASES,
+        default="standard",
+        help="ALiBi variant trained with (headsurgeon.alibi.bias_from_distance; the mitigations' "
+        "own definitions); recorded in headsurgeon.json and applied by headsurgeon.load_model",
+    )
+    p.add_argument("--bias-c", type=float, help="clamped: the bias floor (bias >= -c)")
+    p.add_argument(
+        "--robust-context", type=int, help="robust: context kept sighted (default --seq-len)"
+    )
+    p.add_argument(
+        "--retrieval-share",
+        type=float,
+        default=0.0,
+        help="share of each batch that is passkey/needle documents (headsurgeon.evals' tasks)",
+    )
     return p.parse_args()
 
 
@@ -333,6 +409,9 @@ def main() -> None:
     data = load_data(tokenizer, args.seq_len, args.bos)
 
     model = build_model(args)
+    bias = {"kind": args.bias, "params": bias_params(args)}
+    install_hf_bias(model, bias["kind"], **bias["params"])  # every variant through the same hook
+    n_retrieval = round(args.batch * args.retrieval_share)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     gen = torch.Generator().manual_seed(args.seed + 1)
     step, tokens_seen, elapsed, total_steps = 0, 0, 0.0, args.steps
@@ -411,7 +490,7 @@ def main() -> None:
         lr = lr_at(step, total_steps or WARMUP_STEPS, args.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batch = sample_batch(data, gen, args.batch)
+        batch = sample_batch(data, gen, args.batch, tokenizer, n_retrieval)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -446,8 +525,10 @@ def main() -> None:
     meta = {
         "name": args.name,
         "prepend_bos": args.bos,
+        "alibi": bias,
         "description": (
-            f"{args.n_layer}-layer, {args.n_head}-head, {args.hidden}-wide BLOOM (ALiBi) "
+            f"{args.n_layer}-layer, {args.n_head}-head, {args.hidden}-wide BLOOM "
+            f"({args.bias} ALiBi) "
             "trained from scratch on CPU by analyses/train_organism.py on a 50/50 mix of "
             f"Shakespeare and the Python documentation in {args.seq_len}-token windows; "
             "byte-level BPE vocab 4096, "
@@ -465,6 +546,7 @@ def main() -> None:
                 "warmup_steps": WARMUP_STEPS,
                 "weight_decay": args.weight_decay,
                 "parameters": n_params,
+                "retrieval_share": args.retrieval_share,
             },
             "steps": step,
             "planned_steps": total_steps,
@@ -485,7 +567,7 @@ def main() -> None:
     }
     export(model, tokenizer, args.export, meta)
     shutil.copyfile(log_path, args.export / "training_log.csv")
-    verify_export(args.export, args.bos)
+    verify_export(args.export, args.bos, bias)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Exports:
     check_head_tensors(model)        one-line error unless every head has its own Q/K/V/O
     check_unprocessed(model)         one-line error if a 4.x bridge's weights were processed
     add_bias_hook(attn, build)       make one attention layer use ``build``'s ALiBi bias
+    hf_bias_pre_hook(build)          the same for a Hugging Face BloomAttention (training)
     builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
     run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
     run_from_layer(model, tokens, resid, n)  the logits of a pass entering block ``n`` with resid
@@ -65,6 +66,7 @@ __all__ = [
     "continuation_logprobs",
     "convert_hf",
     "head_tensors",
+    "hf_bias_pre_hook",
     "hf_config",
     "hub_names",
     "move",
@@ -368,6 +370,26 @@ class _BiasHandle:
             self.attn.alibi = self.saved
 
 
+def hf_bias_pre_hook(build: BiasBuilder) -> Callable[[nn.Module, tuple, dict], tuple]:
+    """A forward pre-hook (``with_kwargs=True``) for Hugging Face's ``BloomAttention`` (and the
+    4.x bridge's, which takes the same call) whose ``alibi`` argument becomes ``build``'s bias.
+
+    Hugging Face passes ``slope x key position`` (``[batch * head, 1, key]``); the bias here has
+    every row (``[batch * head, query, key]``), so any function of ``i - j`` works, in training
+    (``analyses/train_organism.py --bias``) as in inference.
+    """
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        batch, n_queries = hidden.shape[:2]
+        n_keys = kwargs["alibi"].shape[-1] if kwargs.get("alibi") is not None else n_queries
+        bias = build(n_queries, n_keys, hidden.device)
+        bias = bias.to(hidden.dtype)[None].expand(batch, -1, -1, -1)
+        return args, kwargs | {"alibi": bias.reshape(-1, n_queries, n_keys)}
+
+    return hook
+
+
 def add_bias_hook(attn: nn.Module, build: BiasBuilder) -> _BiasHandle:
     """Make attention layer ``attn`` add ``build(n_queries, n_keys, device)`` as its ALiBi bias.
 
@@ -380,15 +402,7 @@ def add_bias_hook(attn: nn.Module, build: BiasBuilder) -> _BiasHandle:
     ``handle.remove()`` undoes it.
     """
     if MAJOR >= 4:
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            hidden = args[0] if args else kwargs["hidden_states"]
-            batch, n_queries = hidden.shape[:2]
-            n_keys = kwargs["alibi"].shape[-1] if kwargs.get("alibi") is not None else n_queries
-            bias = build(n_queries, n_keys, hidden.device)
-            bias = bias.to(hidden.dtype)[None].expand(batch, -1, -1, -1)
-            return args, kwargs | {"alibi": bias.reshape(-1, n_queries, n_keys)}
-
+        hook = hf_bias_pre_hook(build)
         return _BiasHandle(attn, attn.register_forward_pre_hook(hook, with_kwargs=True))
 
     def tl3_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:

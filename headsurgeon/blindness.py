@@ -45,8 +45,8 @@ from headsurgeon.errors import (
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.exact_alibi import alibi_slopes, shared_bias
-from headsurgeon.loading import model_info, model_shape
+from headsurgeon.exact_alibi import alibi_slopes, shared_bias, trained_bias
+from headsurgeon.loading import model_info, model_metadata, model_shape
 from headsurgeon.probes import stream
 from headsurgeon.validation import check_choice, check_int
 
@@ -87,11 +87,14 @@ def analytic_blindness(
     *,
     dtypes: Sequence[str] = ANALYSED_DTYPES,
     limits: Sequence[str] = alibi.LIMITS,
-    bias: str = "standard",
+    bias: str | None = None,
     context_length: int | None = None,
     **params,
 ) -> pd.DataFrame:
     """Blind distance of every head, predicted from its ALiBi slope alone (no weights needed).
+
+    ``bias`` (with ``params``) is the ALiBi kind to predict for; default: the one the model was
+    trained with (``standard`` unless its ``headsurgeon.json`` records a variant).
 
     One row per (layer, head, dtype, limit): ``slope``, ``blind_distance`` (tokens; ``inf``
     if never, see :func:`headsurgeon.alibi.blind_distance` for the definition and the bias kinds),
@@ -113,6 +116,8 @@ def analytic_blindness(
     context_length = check_int(context_length, "context_length", minimum=1)
     is_model = isinstance(model, Model)
     head_slopes = alibi_slopes(model) if is_model else alibi.slopes(shape.n_heads)
+    if bias is None:
+        bias, params = trained_bias(model_metadata(model))
     frames = []
     for dtype in map(dtype_name, _names(dtypes, "dtype")):
         for limit in _names(limits, "limit"):

@@ -38,7 +38,7 @@ from headsurgeon.errors import (
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.exact_alibi import inexact_slopes
+from headsurgeon.exact_alibi import inexact_slopes, install_hf_bias, trained_bias
 from headsurgeon.loading import (
     METADATA_FILE,
     TOKENIZER_FILES,
@@ -300,6 +300,10 @@ def _verify_export(model: Model, folder: Path, unrounded: dict[str, Tensor] | No
                 "nothing written"
             )
         hf = hf.to(device).eval()
+        # A model trained with an ALiBi variant is checked as headsurgeon loads it back.
+        kind, params = trained_bias(model_info(model).metadata)
+        if kind != "standard":
+            install_hf_bias(hf, kind, **params)
         with torch.no_grad():
             written = hf(tokens).logits
             computed = written
@@ -382,6 +386,13 @@ def save_hf(
             )
         else:
             logger.info(message)
+    kind, _ = trained_bias(info.metadata)
+    if kind != "standard":
+        logger.info(
+            "%s records its %s ALiBi in %s: headsurgeon.load_model applies it; transformers on "
+            "its own computes standard ALiBi",
+            out_dir, kind, METADATA_FILE,
+        )  # fmt: skip
     logger.debug("saved %s to %s", info.name, out_dir)  # callers name their own folders
     return Path(out_dir)
 

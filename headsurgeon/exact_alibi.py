@@ -12,7 +12,10 @@ pre-hook that puts a bias tensor built for the call's query and key counts in pl
 Exports:
     alibi_slopes(model)                      the ALiBi slopes a model applies, read from it
     use_exact_alibi(model)                   Hugging Face's ALiBi slopes for any head count
-    install_exact_alibi(model)               the same, silently (for models built from checkpoints)
+    install_exact_alibi(model, kind, ...)    the same, silently (for models built from checkpoints),
+                                             with the ALiBi variant a model was trained with
+    trained_bias(metadata), TRAINABLE_BIASES the variant a headsurgeon.json records, checked
+    install_hf_bias(hf_model, kind, ...)     the same variant on a transformers BLOOM (training)
     inexact_slopes(model)                    why a model's slopes are not BLOOM's, or None
     shared_bias(...)                         one cached ALiBi bias per kind and shape
     BiasBuilder                              the type of a bias builder
@@ -29,15 +32,24 @@ from jaxtyping import Float
 from torch import Tensor
 
 from headsurgeon import alibi
-from headsurgeon.backend import BiasBuilder, Model, add_bias_hook, builtin_slopes
-from headsurgeon.errors import UnsupportedArchitectureError
+from headsurgeon.backend import (
+    BiasBuilder,
+    Model,
+    add_bias_hook,
+    builtin_slopes,
+    hf_bias_pre_hook,
+)
+from headsurgeon.errors import CheckpointError, InvalidArgumentError, UnsupportedArchitectureError
 
 __all__ = [
     "BiasBuilder",
     "alibi_slopes",
     "inexact_slopes",
     "install_exact_alibi",
+    "install_hf_bias",
     "shared_bias",
+    "TRAINABLE_BIASES",
+    "trained_bias",
     "use_exact_alibi",
 ]
 
@@ -59,14 +71,66 @@ def shared_bias(
     return alibi.bias_from_distance(kind, torch.tensor(head_slopes), distance, **dict(params))
 
 
-def install_exact_alibi(model: Model) -> None:
-    """The exact-slope pre-hook on every attention layer, silently (idempotent)."""
+def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> None:
+    """The exact-slope pre-hook on every attention layer, silently (idempotent).
+
+    ``kind`` (with its ``params``) is the ALiBi variant the model was trained with (recorded in
+    its ``headsurgeon.json`` by ``analyses/train_organism.py --bias``), applied for good, so the
+    model computes what it was trained to compute everywhere; a mitigation still replaces it for
+    the length of a ``with`` block. See :func:`trained_bias`.
+    """
     head_slopes = tuple(alibi.slopes(model.cfg.n_heads).tolist())
-    build = functools.partial(shared_bias, "standard", (), head_slopes)
+    build = functools.partial(shared_bias, kind, tuple(sorted(params.items())), head_slopes)
     for block in model.blocks:
         attn = block.attn
         if getattr(attn, "headsurgeon_alibi_hook", None) is None:
             attn.headsurgeon_alibi_hook = add_bias_hook(attn, build)
+
+
+def install_hf_bias(hf_model: torch.nn.Module, kind: str = "standard", **params: Any) -> list:
+    """Make a ``transformers`` BLOOM (``BloomForCausalLM``) compute with the ALiBi variant
+    ``kind``: the same bias :func:`install_exact_alibi` gives a TransformerLens model, through
+    :func:`headsurgeon.backend.hf_bias_pre_hook` on each attention layer. How
+    ``analyses/train_organism.py --bias`` trains a variant and ``save_hf`` checks its export.
+    Returns the hook handles (``handle.remove()`` undoes it).
+    """
+    params = alibi.check_bias_params(kind, **params)
+    config = hf_model.config
+    head_slopes = tuple(alibi.slopes(config.n_head).tolist())
+    build = functools.partial(shared_bias, kind, tuple(sorted(params.items())), head_slopes)
+    return [
+        block.self_attention.register_forward_pre_hook(hf_bias_pre_hook(build), with_kwargs=True)
+        for block in hf_model.transformer.h
+    ]
+
+
+# Kinds a model can be trained with: a bias of i - j (softcap maps the logits, not a bias).
+TRAINABLE_BIASES = ("standard", "clamped", "log", "robust")
+
+
+def trained_bias(metadata: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The ALiBi variant a ``headsurgeon.json`` records (``{"alibi": {"kind", "params"}}``),
+    checked; ``("standard", {})`` when it records none.
+
+    >>> trained_bias({"alibi": {"kind": "log", "params": {}}})
+    ('log', {})
+    >>> trained_bias({"alibi": {"kind": "softcap", "params": {"c": 5}}})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    headsurgeon.errors.CheckpointError: headsurgeon.json records the ALiBi variant 'softcap', ...
+    """
+    recorded = metadata.get("alibi") or {}
+    kind = recorded.get("kind", "standard") if isinstance(recorded, dict) else recorded
+    params = recorded.get("params", {}) if isinstance(recorded, dict) else {}
+    fix = "correct headsurgeon.json or re-export the model"
+    if kind not in TRAINABLE_BIASES or not isinstance(params, dict):
+        raise CheckpointError(
+            f"headsurgeon.json records the ALiBi variant {kind!r}, which is not a bias a model "
+            f"is trained with (use one of {', '.join(TRAINABLE_BIASES)}); {fix}"
+        )
+    try:
+        return kind, alibi.check_bias_params(kind, **params)
+    except InvalidArgumentError as e:
+        raise CheckpointError(f"headsurgeon.json: ALiBi variant {kind}: {e}; {fix}") from e
 
 
 def use_exact_alibi(model: Model) -> None:

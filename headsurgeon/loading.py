@@ -7,6 +7,7 @@ Exports:
     random_hf_bloom(shape, seed)             the same, as a transformers model
     model_shape(model)               ModelShape without loading weights
     model_info(model)                        ModelInfo: where a model came from, its conventions
+    model_metadata(model)                    a model's or folder's headsurgeon.json, weights unread
     organism_names(), DEFAULT_MODEL, ORGANISM_DIR, BLOOM_SHAPES, ModelShape, ModelInfo
     resolve_model(model)              (display name, local checkpoint folder)
     check_checkpoint(directory)              a checkpoint folder validated before reading weights
@@ -49,7 +50,7 @@ from headsurgeon.errors import (
     UnknownModelError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.exact_alibi import install_exact_alibi
+from headsurgeon.exact_alibi import install_exact_alibi, trained_bias
 
 __all__ = [
     "BLOOM_SHAPES",
@@ -63,6 +64,7 @@ __all__ = [
     "from_hf_model",
     "load_model",
     "model_info",
+    "model_metadata",
     "model_shape",
     "organism_names",
     "random_hf_bloom",
@@ -171,6 +173,17 @@ def _local_shape(directory: Path) -> ModelShape:
         d_vocab=bloom["vocab_size"],
         n_ctx=bloom["seq_length"],
     )
+
+
+def model_metadata(model: str | os.PathLike | Model) -> dict[str, Any]:
+    """The ``headsurgeon.json`` of a model, a bundled organism or a local folder (no weights
+    read); ``{}`` for a hub name or a folder without one."""
+    if isinstance(model, Model):
+        return model_info(model).metadata
+    name = str(model)
+    folder = ORGANISM_DIR / name if name in organism_names() else Path(name)
+    file = folder / METADATA_FILE
+    return read_json(file) if file.is_file() else {}
 
 
 def model_shape(model: str | os.PathLike | Model) -> ModelShape:
@@ -702,7 +715,8 @@ def from_hf_model(
         tokenizer=tokenizer,
     )
     if model.cfg.positional_embedding_type == "alibi":
-        install_exact_alibi(model)
+        kind, params = trained_bias(metadata or {})
+        install_exact_alibi(model, kind, **params)
     model.eval()
     return model
 

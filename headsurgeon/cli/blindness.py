@@ -11,6 +11,7 @@ Exports: main(argv) (the tool; returns its exit status), entry() (the console sc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -74,7 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--measure", action="store_true", help="also measure on text (loads it)")
     parser.add_argument("--convention", choices=CONVENTIONS, default="hf", help="softmax dtype")
-    parser.add_argument("--mitigation", choices=alibi.BIAS_KINDS, default="standard")
+    parser.add_argument(
+        "--mitigation",
+        choices=alibi.BIAS_KINDS,
+        help="the ALiBi kind to analyse (default: the one the model was trained with)",
+    )
     parser.add_argument("--c", type=float, help="cap of clamped (bias >= -c) and softcap")
     parser.add_argument(
         "--robust-context", type=cli.positive_int, help="robust: context kept sighted"
@@ -115,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = load_model(args.model, dtype="float32", device=args.device)
             cli.require_tokenizer(model, args)
             tokens = cli.load_data(model, args)
-            with mitigation(model, args.mitigation, **params):
+            applied = mitigation(model, args.mitigation, **params) if args.mitigation else None
+            with applied or contextlib.nullcontext():
                 measured = measure_blindness(
                     model, tokens, dtypes=dtypes, convention=args.convention,
                     batch_size=args.batch_size,
