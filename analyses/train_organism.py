@@ -20,6 +20,14 @@ Pipeline (all seeded; single CPU thread):
    and ``training_log.csv`` (a copy of ``log.csv``); ``bos_mass.csv`` (final per-head BOS
    masses) in the run directory; the export is reloaded offline and made to generate text.
 
+ALiBi variants (``--bias standard|clamped|log|robust``, with ``--bias-c`` / ``--robust-context``):
+every variant, ``standard`` included, is trained through the same pre-hook on each attention
+layer (``headsurgeon.exact_alibi.install_hf_bias``) with the bias the mitigations use at
+inference (``headsurgeon.alibi.bias_from_distance``); ``headsurgeon.json`` records it under
+``alibi`` and ``headsurgeon.load_model`` applies it. ``--retrieval-share F`` makes a share F of
+every batch passkey and needle documents built from the train corpora with the evaluation's
+templates (``headsurgeon.evals``), answer at the end of the window; the rest is the corpus mix.
+
 Schedule length: with ``--steps N`` the cosine schedule spans N steps. Without it, steps
 ``TIMING_STEPS`` (still in warm-up, whose learning rate does not depend on the length) are
 timed, together with the step-0 evaluation, and the length is set so that training fits in
@@ -33,6 +41,13 @@ The bundled organisms were made with::
     python analyses/train_organism.py --steps 1250 --minutes 100 --eval-every 100 \\
         --n-layer 8 --n-head 24 --hidden 192 --seq-len 512 --batch 8 --lr 3e-3 --bos \\
         --name organism-deep --out runs/organism-deep --export headsurgeon/organisms/organism-deep
+
+The models of ``figures/mitigation_training/`` (issue 16), one per ``BIAS`` in standard, log::
+
+    python analyses/train_organism.py --steps 6000 --minutes 40 --n-layer 4 --n-head 8 \
+        --hidden 128 --seq-len 128 --batch 16 --bias BIAS --retrieval-share 0.25 \
+        --eval-every 500 --name organism-128-BIAS --out runs/mt-BIAS \
+        --export figures/mitigation_training/models/BIAS
 """
 
 from __future__ import annotations
@@ -530,7 +545,8 @@ def main() -> None:
             f"{args.n_layer}-layer, {args.n_head}-head, {args.hidden}-wide BLOOM "
             f"({args.bias} ALiBi) "
             "trained from scratch on CPU by analyses/train_organism.py on a 50/50 mix of "
-            f"Shakespeare and the Python documentation in {args.seq_len}-token windows; "
+            f"Shakespeare and the Python documentation in {args.seq_len}-token windows "
+            f"({args.retrieval_share:.0%} passkey/needle documents); "
             "byte-level BPE vocab 4096, "
             + ("every window starting with BOS." if args.bos else "no BOS.")
         ),
