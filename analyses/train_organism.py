@@ -42,12 +42,13 @@ The bundled organisms were made with::
         --n-layer 8 --n-head 24 --hidden 192 --seq-len 512 --batch 8 --lr 3e-3 --bos \\
         --name organism-deep --out runs/organism-deep --export headsurgeon/organisms/organism-deep
 
-The models of ``figures/mitigation_training/`` (issue 16), one per ``BIAS`` in standard, log::
+The models of ``figures/mitigation_training/`` (issue 16; shipped in
+``analyses/mitigation_models/``), one per ``BIAS`` in standard, log::
 
     python analyses/train_organism.py --steps 6000 --minutes 40 --n-layer 4 --n-head 8 \
         --hidden 128 --seq-len 128 --batch 16 --bias BIAS --retrieval-share 0.25 \
         --eval-every 500 --name organism-128-BIAS --out runs/mt-BIAS \
-        --export figures/mitigation_training/models/BIAS
+        --export analyses/mitigation_models/BIAS
 """
 
 from __future__ import annotations
