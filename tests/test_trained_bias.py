@@ -84,3 +84,37 @@ def test_a_bad_recorded_variant_is_one_line_before_the_weights(
     with pytest.raises(CheckpointError, match=names) as error:
         hs.load_model(folder)
     assert "\n" not in str(error.value) and "headsurgeon.json" in str(error.value)
+
+
+@pytest.mark.slow  # a subprocess that trains for two steps
+def test_train_organism_trains_a_variant_that_load_model_applies(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "analyses" / "train_organism.py"
+    help_text = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "--bias {standard,clamped,log,robust}" in help_text and "--retrieval-share" in help_text
+    export = tmp_path / "export"
+    subprocess.run(
+        [sys.executable, str(script), "--steps", "2", "--minutes", "2", "--n-layer", "1",
+         "--n-head", "2", "--hidden", "16", "--seq-len", "96", "--batch", "4", "--bias", "clamped",
+         "--bias-c", "3", "--retrieval-share", "0.5", "--eval-every", "1", "--out",
+         str(tmp_path / "run"), "--export", str(export)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    metadata = json.loads((export / METADATA_FILE).read_text())
+    assert trained_bias(metadata) == ("clamped", {"c": 3.0})
+    assert metadata["training"]["config"]["retrieval_share"] == 0.5
+    model = hs.load_model(export)
+    standard = hs.load_model(export)
+    for block in standard.blocks:  # back to the plain exact hook: what the variant changes
+        block.attn.headsurgeon_alibi_hook.remove()
+        block.attn.headsurgeon_alibi_hook = None
+    hs.exact_alibi.install_exact_alibi(standard)
+    with torch.no_grad(), hs.mitigation(standard, "clamped", c=3.0):
+        expected = standard(TOKENS[:, :8] % 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(TOKENS[:, :8] % 64), expected, rtol=0, atol=0)
