@@ -43,7 +43,7 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from headsurgeon.errors import UnsupportedArchitectureError
+from headsurgeon.errors import CheckpointError, UnsupportedArchitectureError, first_line
 
 MAJOR = int(version("transformer-lens").split(".")[0])
 
@@ -79,10 +79,6 @@ BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query
 HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
 # --- building models --------------------------------------------------------------------------
 
 
@@ -103,8 +99,6 @@ def check_architecture(
     """TransformerLens's config for ``config_dir``'s ``config.json`` (3.x), or None (4.x) once the
     architecture is known to have a 4.x adapter; one line naming ``file`` otherwise."""
     from huggingface_hub.errors import StrictDataclassError
-
-    from headsurgeon.errors import CheckpointError
 
     architecture = (hf_config.get("architectures") or ["<none>"])[0]
     if MAJOR >= 4:
@@ -127,13 +121,13 @@ def check_architecture(
         )
     except StrictDataclassError as e:  # transformers' typed config classes
         # Its message: "Validation error for field 'x':" then "TypeError: ... (value: ...)".
-        what = " ".join(line.strip() for line in str(e).splitlines()[1:]) or _first_line(e)
+        what = " ".join(line.strip() for line in str(e).splitlines()[1:]) or first_line(e)
         raise CheckpointError(f"{file}: {what}; correct it or re-export the checkpoint") from e
     # AttributeError: TransformerLens 3.x reading a field transformers 5 no longer has (GPT-2).
     except (NotImplementedError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UnsupportedArchitectureError(
             f"architecture {architecture} (model_type {hf_config.get('model_type')}) in {file} is "
-            f"not supported by TransformerLens 3.x ({_first_line(e)}); {SUPPORTED}"
+            f"not supported by TransformerLens 3.x ({first_line(e)}); {SUPPORTED}"
         ) from e
 
 

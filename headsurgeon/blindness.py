@@ -45,7 +45,7 @@ from headsurgeon.errors import (
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.exact_alibi import alibi_slopes, shared_bias, trained_bias
+from headsurgeon.exact_alibi import alibi_slopes, bias_builder, trained_bias
 from headsurgeon.loading import model_info, model_metadata, model_shape
 from headsurgeon.probes import stream
 from headsurgeon.validation import check_choice, check_int
@@ -477,7 +477,7 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
         )
     # The model's own slopes (TransformerLens's or the exact ones), so only the bias kind changes.
     head_slopes = tuple(alibi_slopes(model).tolist())
-    build = functools.partial(shared_bias, kind, tuple(sorted(params.items())), head_slopes)
+    build = bias_builder(kind, params, head_slopes)
     # Registered after any exact-ALiBi hook, so it runs last and its bias is the one used.
     handles = [add_bias_hook(block.attn, build) for block in model.blocks]
     try:

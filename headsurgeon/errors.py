@@ -5,7 +5,8 @@ names the problem and the fix. The command-line tools print that line and exit w
 
 Exports: HeadsurgeonError, UnknownModelError, ModelNotFoundError, CheckpointError,
 UnsupportedArchitectureError, InvalidArgumentError, DataError, OutputExistsError,
-OutputWriteError, OutputBusyError, FigureExportError.
+OutputWriteError, OutputBusyError, FigureExportError; first_line(error), the first line of an
+error's message for quoting inside one of ours.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "OutputWriteError",
     "OutputBusyError",
     "FigureExportError",
+    "first_line",
 ]
 
 
@@ -67,3 +69,12 @@ class OutputBusyError(HeadsurgeonError, BlockingIOError):
 
 class FigureExportError(HeadsurgeonError, RuntimeError):
     """A static figure that cannot be written (no Chromium browser for kaleido, unknown format)."""
+
+
+def first_line(error: BaseException) -> str:
+    r"""The first line of ``error``'s message (its type's name when it has none).
+
+    >>> first_line(ValueError("bad value\nmore detail")), first_line(KeyError())
+    ('bad value', 'KeyError')
+    """
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

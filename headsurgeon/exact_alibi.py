@@ -18,6 +18,7 @@ Exports:
     install_hf_bias(hf_model, kind, ...)     the same variant on a transformers BLOOM (training)
     inexact_slopes(model)                    why a model's slopes are not BLOOM's, or None
     shared_bias(...)                         one cached ALiBi bias per kind and shape
+    bias_builder(kind, params, head_slopes)  a BiasBuilder of shared_bias for one kind
     BiasBuilder                              the type of a bias builder
 """
 
@@ -44,6 +45,7 @@ from headsurgeon.errors import CheckpointError, InvalidArgumentError, Unsupporte
 __all__ = [
     "BiasBuilder",
     "alibi_slopes",
+    "bias_builder",
     "inexact_slopes",
     "install_exact_alibi",
     "install_hf_bias",
@@ -71,6 +73,11 @@ def shared_bias(
     return alibi.bias_from_distance(kind, torch.tensor(head_slopes), distance, **dict(params))
 
 
+def bias_builder(kind: str, params: dict[str, Any], head_slopes: tuple[float, ...]) -> BiasBuilder:
+    """The builder of ``kind``'s bias for these slopes, cached across layers and calls."""
+    return functools.partial(shared_bias, kind, tuple(sorted(params.items())), head_slopes)
+
+
 def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> None:
     """The exact-slope pre-hook on every attention layer, silently (idempotent).
 
@@ -80,7 +87,7 @@ def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> 
     the length of a ``with`` block. See :func:`trained_bias`.
     """
     head_slopes = tuple(alibi.slopes(model.cfg.n_heads).tolist())
-    build = functools.partial(shared_bias, kind, tuple(sorted(params.items())), head_slopes)
+    build = bias_builder(kind, params, head_slopes)
     for block in model.blocks:
         attn = block.attn
         if getattr(attn, "headsurgeon_alibi_hook", None) is None:
@@ -97,7 +104,7 @@ def install_hf_bias(hf_model: torch.nn.Module, kind: str = "standard", **params:
     params = alibi.check_bias_params(kind, **params)
     config = hf_model.config
     head_slopes = tuple(alibi.slopes(config.n_head).tolist())
-    build = functools.partial(shared_bias, kind, tuple(sorted(params.items())), head_slopes)
+    build = bias_builder(kind, params, head_slopes)
     return [
         block.self_attention.register_forward_pre_hook(hf_bias_pre_hook(build), with_kwargs=True)
         for block in hf_model.transformer.h

@@ -49,6 +49,7 @@ from headsurgeon.errors import (
     ModelNotFoundError,
     UnknownModelError,
     UnsupportedArchitectureError,
+    first_line,
 )
 from headsurgeon.exact_alibi import install_exact_alibi, trained_bias
 
@@ -280,12 +281,8 @@ def _hub_snapshot(official: str) -> Path:
         if not _has_weights(folder):  # older repositories ship only pickled weights
             folder = Path(snapshot_download(official, allow_patterns=["pytorch_model*.bin*"]))
     except Exception as e:  # the hub client raises many types (HTTP, connection, disk)
-        raise ModelNotFoundError(f"downloading {official} failed ({_first_line(e)}); {how}") from e
+        raise ModelNotFoundError(f"downloading {official} failed ({first_line(e)}); {how}") from e
     return folder
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def resolve_model(model: str | os.PathLike) -> tuple[str, Path]:
@@ -482,7 +479,7 @@ def _tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
                     shapes[key] = tuple(f.get_slice(key).get_shape())
         except Exception as e:  # safetensors raises its own error types and OSError
             raise CheckpointError(
-                f"{file} is not a valid safetensors file ({_first_line(e)}); "
+                f"{file} is not a valid safetensors file ({first_line(e)}); "
                 "re-download or re-export it"
             ) from e
     if shapes:
@@ -643,7 +640,7 @@ def load_model(
         )
     except (OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(
-            f"transformers could not load {directory} ({_first_line(e)}); "
+            f"transformers could not load {directory} ({first_line(e)}); "
             "re-download or re-export the checkpoint"
         ) from e
     except (EOFError, pickle.UnpicklingError) as e:  # legacy .bin: torch's unpickler
@@ -670,7 +667,7 @@ def load_model(
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except Exception as e:  # JSON, tokenizers (Rust) and sentencepiece errors alike
             raise CheckpointError(
-                f"the tokenizer files in {directory} are unreadable ({_first_line(e)}); "
+                f"the tokenizer files in {directory} are unreadable ({first_line(e)}); "
                 "re-export the tokenizer, or remove its files to load the weights alone"
             ) from e
     metadata = read_json(directory / METADATA_FILE) if (directory / METADATA_FILE).exists() else {}
