@@ -1,0 +1,256 @@
+"""Reading a user's files safely: regular files only, bounded reads, one-line errors.
+
+Every file the tools read (text corpora, a model folder's ``config.json``, weights, tokenizer
+files and ``headsurgeon.json``, a repair's resume state) comes through here first, so that a
+FIFO never hangs a run, ``/dev/zero`` never fills memory and a 2 GB binary file is recognised
+from its first megabyte, not after reading it whole.
+
+Exports:
+    describe_kind(path)            "a FIFO", "a folder", "a symbolic link loop", ... (or None)
+    check_regular_file(path, what, max_bytes=, error=)   the path, checked to be a readable
+                                   regular file (symlinks followed) of at most ``max_bytes``
+    check_folder_files(folder, names, what, error=)      the same for each of ``names`` that
+                                   exists in ``folder``
+    read_bytes(path, what, max_bytes=, error=)           a checked file's bytes, read bounded
+    read_text(path, what, max_bytes=, error=)            UTF-8 text (``.gz`` decompressed,
+                                   bounded too), NUL and non-UTF-8 bytes found chunk by chunk
+    read_json(path, what, max_bytes=, error=)            one JSON object
+    MAX_TEXT_BYTES, MAX_JSON_BYTES the default bounds (1 GiB of text, 64 MiB of JSON)
+
+``what`` names the file's role in messages ("text file", "config file"); ``error`` is the
+:class:`~headsurgeon.errors.HeadsurgeonError` subclass to raise (``DataError`` by default;
+model folders use ``CheckpointError``).
+
+>>> import tempfile, pathlib
+>>> folder = pathlib.Path(tempfile.mkdtemp())
+>>> _ = (folder / "a.json").write_text('{"n_head": 4}')
+>>> read_json(folder / "a.json", "config file")
+{'n_head': 4}
+>>> read_json(folder, "config file")
+Traceback (most recent call last):
+...
+headsurgeon.errors.DataError: config file ... is a folder, not a file; give the file itself
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+import os
+import stat
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from headsurgeon.errors import DataError, HeadsurgeonError
+
+__all__ = [
+    "MAX_TEXT_BYTES",
+    "MAX_JSON_BYTES",
+    "describe_kind",
+    "check_regular_file",
+    "check_folder_files",
+    "read_bytes",
+    "read_text",
+    "read_json",
+]
+
+MAX_TEXT_BYTES = 1 << 30
+MAX_JSON_BYTES = 64 << 20
+_CHUNK = 1 << 20
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def describe_kind(path: str | os.PathLike) -> str | None:
+    """What stands at ``path`` if it is not a regular file (symlinks followed), else ``None``.
+
+    >>> describe_kind("/dev/null"), describe_kind("/")
+    ('a character device', 'a folder')
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if os.path.islink(path) else "missing"
+    except OSError as e:
+        if e.errno == 40:  # ELOOP
+            return "a symbolic link loop"
+        return f"unreadable ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"  # pragma: no cover
+
+
+def check_regular_file(
+    path: str | os.PathLike,
+    what: str,
+    *,
+    max_bytes: int | None = None,
+    error: type[HeadsurgeonError] = DataError,
+) -> Path:
+    """``path`` as a ``Path``, after checking it is a readable regular file of at most
+    ``max_bytes``; else one ``error`` line naming the file, what it is, and the fix.
+
+    Nothing is opened, so a FIFO or a device cannot block or flood the caller.
+    """
+    path = Path(path)
+    kind = describe_kind(path)
+    if kind == "missing":
+        raise error(f"{what} {path} does not exist; check the path")
+    if kind == "a folder":
+        raise error(f"{what} {path} is a folder, not a file; give the file itself")
+    if kind is not None:
+        raise error(f"{what} {path} is {kind}, not a regular file; give a regular file")
+    if not os.access(path, os.R_OK):
+        raise error(f"{what} {path} is not readable (permissions); make it readable")
+    size = path.stat().st_size
+    if max_bytes is not None and size > max_bytes:
+        raise error(
+            f"{what} {path} is {_size(size)}, more than the {_size(max_bytes)} such a file can "
+            "plausibly be; check that it is the right file"
+        )
+    return path
+
+
+def check_folder_files(
+    folder: str | os.PathLike,
+    names: Iterable[str],
+    what: str,
+    *,
+    error: type[HeadsurgeonError] = DataError,
+) -> None:
+    """:func:`check_regular_file` for each of ``names`` that is present in ``folder`` (a
+    dangling symlink or a FIFO counts as present)."""
+    for name in names:
+        path = Path(folder) / name
+        if path.exists() or path.is_symlink():
+            check_regular_file(path, what, error=error)
+
+
+def _open_error(path: Path, what: str, e: OSError, error: type[HeadsurgeonError]):
+    return error(f"cannot read {what} {path} ({e.strerror or e}); make it readable")
+
+
+def read_bytes(
+    path: str | os.PathLike,
+    what: str,
+    *,
+    max_bytes: int = MAX_TEXT_BYTES,
+    error: type[HeadsurgeonError] = DataError,
+) -> bytes:
+    """The bytes of a checked regular file, reading at most ``max_bytes`` (+1 to notice more:
+    the file may grow after it was checked)."""
+    path = check_regular_file(path, what, max_bytes=max_bytes, error=error)
+    try:
+        # O_NONBLOCK: should the path have become a FIFO since the check, open does not wait.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise _open_error(path, what, e, error) from e
+    if len(data) > max_bytes:
+        raise error(f"{what} {path} grew past {_size(max_bytes)} while it was read")
+    return data
+
+
+def _not_text(path: Path, what: str, error: type[HeadsurgeonError]) -> HeadsurgeonError:
+    return error(
+        f"{what} {path} is not text (it holds NUL bytes: binary, or UTF-16); give UTF-8 "
+        "text, e.g. iconv -f utf-16 -t utf-8"
+    )
+
+
+def _chunks(path: Path, what: str, max_bytes: int, error: type[HeadsurgeonError]):
+    """The file's bytes in chunks (decompressed for ``.gz``), at most ``max_bytes`` in all."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        raw = os.fdopen(fd, "rb")
+    except OSError as e:
+        raise _open_error(path, what, e, error) from e
+    with raw:
+        stream = gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw
+        total = 0
+        try:
+            while chunk := stream.read(_CHUNK):
+                total += len(chunk)
+                if total > max_bytes:
+                    raise error(
+                        f"{what} {path} holds more than {_size(max_bytes)} of text; split it or "
+                        "give a part of it"
+                    )
+                yield chunk
+        except (OSError, EOFError, zlib.error) as e:
+            if isinstance(e, HeadsurgeonError):
+                raise
+            raise error(
+                f"cannot read {what} {path} ({e}); give a readable .txt or .txt.gz file"
+            ) from e
+
+
+def read_text(
+    path: str | os.PathLike,
+    what: str,
+    *,
+    max_bytes: int = MAX_TEXT_BYTES,
+    error: type[HeadsurgeonError] = DataError,
+) -> str:
+    """UTF-8 text of a checked regular file (``.gz`` decompressed), read in chunks so that a
+    NUL byte or an invalid UTF-8 sequence stops the read where it is found."""
+    path = check_regular_file(path, what, max_bytes=max_bytes, error=error)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    parts: list[str] = []
+    offset = 0
+    for chunk in _chunks(path, what, max_bytes, error):
+        if b"\x00" in chunk:  # UTF-8 text never holds NUL; binary files and UTF-16 do
+            raise _not_text(path, what, error)
+        try:
+            parts.append(decoder.decode(chunk))
+        except UnicodeDecodeError as e:
+            raise error(
+                f"{what} {path} is not UTF-8 (byte 0x{chunk[e.start]:02x} at offset "
+                f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8"
+            ) from None
+        offset += len(chunk)
+    try:
+        parts.append(decoder.decode(b"", final=True))
+    except UnicodeDecodeError:
+        raise error(
+            f"{what} {path} is not UTF-8 (it ends inside a character); convert it, e.g. "
+            "iconv -f latin1 -t utf-8"
+        ) from None
+    return "".join(parts)
+
+
+def read_json(
+    path: str | os.PathLike,
+    what: str,
+    *,
+    max_bytes: int = MAX_JSON_BYTES,
+    error: type[HeadsurgeonError] = DataError,
+    fix: str = "fix or replace the file",
+) -> dict[str, Any]:
+    """The JSON object in a checked regular file; one ``error`` line for anything else."""
+    text = read_text(path, what, max_bytes=max_bytes, error=error)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{what} {path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise error(f"{what} {path} holds a JSON {type(data).__name__}, not an object; {fix}")
+    return data
