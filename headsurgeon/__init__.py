@@ -14,6 +14,9 @@ import finetune``.
 
 import importlib
 import importlib.util
+import os
+import signal
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
@@ -125,6 +128,32 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+_TOOLS = ("headsurgeon-classify", "headsurgeon-blindness", "headsurgeon-repair")
+
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    """Ctrl-C while a tool imports torch and TransformerLens: one line and status 130, at once.
+
+    A ``KeyboardInterrupt`` raised in the middle of an import leaves half-initialised modules
+    behind (numpy then fails with a ``RecursionError``, not the interrupt), so nothing can be
+    unwound cleanly; and nothing has been written yet, so there is nothing to clean up either.
+    ``headsurgeon.cli.run`` puts Python's own handler back before the tool starts work, so that
+    from then on an interrupt unwinds and removes what the run was writing.
+    """
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+def _starting_a_tool() -> bool:
+    """Whether this import is the start of a command-line tool (``python -m headsurgeon.X``, whose
+    package import runs while ``sys.argv[0]`` is still ``-m``, or a console script)."""
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return program == "-m" or program in _TOOLS
+
+
+# Only where Ctrl-C would raise (a background job's ignored SIGINT stays ignored).
+if _starting_a_tool() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
 # Before TransformerLens imports tqdm.auto: text progress bars in Jupyter without ipywidgets,
 # without tqdm's "IProgress not found" warning (see headsurgeon.progress).
 importlib.import_module("headsurgeon.progress")

@@ -14,6 +14,8 @@ Exports:
     hub_names()                      TransformerLens's model names and aliases -> hub names
     hf_config(model)                 the Hugging Face config a 4.x bridge computes with
     check_architecture(...)          TransformerLens's verdict on a config.json, before weights
+    check_model(model, name)         one line unless ``model`` is a loaded model (not a name, a
+                                     path, ``None``, a Hugging Face model or one on ``meta``)
     move(model, device)              ``model.to(device)`` without TransformerLens's printing
     HEAD_TENSORS                     the per-head attention tensors, TransformerLens 3.x names
     HeadTensor, head_tensors(model, layer)   per-head views of the parameters attention uses
@@ -43,7 +45,12 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from headsurgeon.errors import CheckpointError, UnsupportedArchitectureError, first_line
+from headsurgeon.errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    UnsupportedArchitectureError,
+    first_line,
+)
 
 MAJOR = int(version("transformer-lens").split(".")[0])
 
@@ -62,6 +69,7 @@ __all__ = [
     "builtin_slopes",
     "check_architecture",
     "check_head_tensors",
+    "check_model",
     "check_unprocessed",
     "continuation_logprobs",
     "convert_hf",
@@ -77,6 +85,35 @@ __all__ = [
 
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
 HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
+
+
+def check_model(model: object, name: str, *, argument: str = "model") -> None:
+    """One :class:`~headsurgeon.errors.InvalidArgumentError` line unless ``model`` is a loaded
+    model of this TransformerLens major; ``name`` is the function that was called.
+
+    >>> check_model(None, "run_census")
+    Traceback (most recent call last):
+    ...
+    headsurgeon.errors.InvalidArgumentError: run_census: model is None, not a model; ...
+    """
+    if isinstance(model, Model):
+        parameter = next(model.parameters(), None)
+        if parameter is not None and parameter.device.type == "meta":
+            raise InvalidArgumentError(
+                f"{name}: {argument} is on the meta device (no weights); load its weights, e.g. "
+                "with load_model or load_state_dict(..., assign=True)"
+            )
+        return
+    if isinstance(model, str | Path):
+        got = f"the name {str(model)!r}, not a model"
+        fix = f"load it first: {name}(load_model({str(model)!r}), ...)"
+    elif isinstance(model, nn.Module):
+        got = f"a {type(model).__name__}, not a TransformerLens {Model.__name__}"
+        fix = "convert it with headsurgeon.loading.from_hf_model(...) or load it with load_model"
+    else:
+        got = f"{'None' if model is None else 'a ' + type(model).__name__}, not a model"
+        fix = "pass a model from headsurgeon.load_model(...)"
+    raise InvalidArgumentError(f"{name}: {argument} is {got}; {fix}")
 
 
 # --- building models --------------------------------------------------------------------------

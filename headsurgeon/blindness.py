@@ -38,7 +38,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from headsurgeon import alibi
-from headsurgeon.backend import HookPoint, Model, add_bias_hook
+from headsurgeon.backend import HookPoint, Model, add_bias_hook, check_model
 from headsurgeon.data import Data, to_sequences
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
@@ -256,6 +256,7 @@ def measure_blindness(
       longer sequence compute exactly what an ``L``-token sequence computes, so one pass gives
       every length up to ``seq_len`` (default: powers of two, and ``seq_len``).
     """
+    check_model(model, "measure_blindness")
     names, tokens = _check_measure_args(model, data, dtypes, convention, seq_len, n_seqs,
                                         n_buckets, prepend_bos)  # fmt: skip
     n_rows, n_pos = tokens.shape
@@ -464,6 +465,7 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
         with mitigation(model, "clamped", c=40.0), mitigation(model, "softcap", c=30.0):
             ...
     """
+    check_model(model, "mitigation")
     params = alibi.check_bias_params(kind, **params)
     if kind == "softcap":
         hook = functools.partial(_soft_cap_hook, c=params["c"])

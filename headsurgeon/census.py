@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 from torch import Tensor
 
-from headsurgeon.backend import Model
+from headsurgeon.backend import Model, check_model
 from headsurgeon.data import Data, describe, resolve_bos, to_sequences
 from headsurgeon.errors import DataError
 from headsurgeon.exact_alibi import alibi_slopes
@@ -108,6 +108,7 @@ def run_census(
     >>> census.attrs["n_seqs"], census.attrs["seq_len"], census.attrs["prepend_bos"]
     (4, 12, False)
     """
+    check_model(model, "run_census")
     min_query_pos = check_int(min_query_pos, "min_query_pos", minimum=0)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     info = model_info(model)

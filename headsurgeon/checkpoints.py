@@ -31,10 +31,11 @@ import torch
 from torch import Tensor
 
 from headsurgeon import backend
-from headsurgeon.backend import Model
+from headsurgeon.backend import Model, check_model
 from headsurgeon.dtypes import DTYPES, parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
+    HeadsurgeonError,
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
@@ -46,7 +47,10 @@ from headsurgeon.loading import (
     check_checkpoint,
     model_info,
     model_shape,
+    read_json,
     resolve_model,
+    safetensors_header,
+    stored_tensors,
     tl_config,
 )
 from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
@@ -206,7 +210,12 @@ def _difference(name: str, ours: Any, theirs: Any, cfg: Any) -> str:
     return f"{name}={ours!r} (BLOOM: {theirs!r})"
 
 
-_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+# The dtypes a checkpoint is exported in, by the names stored_tensors gives them.
+_SAFETENSORS_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
 
 
 def checkpoint_dtype(model: Model) -> torch.dtype | None:
@@ -222,24 +231,22 @@ def checkpoint_dtype(model: Model) -> torch.dtype | None:
     >>> print(checkpoint_dtype(random_model(ModelShape(1, 2, 8, 16, 8))))
     None
     """
+    check_model(model, "checkpoint_dtype")
     source = model_info(model).source
     if source is None or not source.is_dir():
         return None
-    from safetensors import safe_open
-
-    found: set[str] = set()
+    # Headers and config read bounded, regular files only (the folder may have changed since
+    # the model was loaded: a FIFO in its place must not block an export).
     try:
-        for file in sorted(source.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                found.update(f.get_slice(key).get_dtype() for key in f.keys())  # noqa: SIM118
-    except Exception:  # unreadable weights: fall back to the config
+        found = {t.dtype for t in stored_tensors(source).values()}
+    except HeadsurgeonError:  # unreadable weights: fall back to the config
         found = set()
-    floating = found & {"F16", "BF16", "F32", "F64"}
+    floating = found & set(_SAFETENSORS_DTYPES)
     if len(floating) == 1:
-        return _SAFETENSORS_DTYPES.get(floating.pop())
+        return _SAFETENSORS_DTYPES[floating.pop()]
     try:
-        config = json.loads((source / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        config = read_json(source / "config.json")
+    except HeadsurgeonError:
         return None
     named = config.get("dtype") or config.get("torch_dtype")
     return DTYPES.get(named) if isinstance(named, str) else None
@@ -340,8 +347,11 @@ def save_hf(
     The fused ``query_key_value`` is rebuilt in BLOOM's per-head (q, k, v) layout; embeddings stay
     tied where the source tied them and ``W_U`` still equals ``W_E.T`` (otherwise ``lm_head`` is
     written separately and the config unties them). Tokenizer files are copied from the source
-    folder verbatim when there is one. The folder appears atomically; a non-empty ``out_dir`` is
-    refused unless ``overwrite=True``.
+    folder verbatim when there is one. The folder appears atomically, marked as headsurgeon's
+    (:data:`headsurgeon.outputs.MARK_FILE`); a non-empty ``out_dir`` is refused unless
+    ``overwrite=True``, and even then unless headsurgeon wrote it (a folder holding files it did
+    not write is never replaced), and so is the folder the model was loaded from, one holding
+    it or one inside it (:func:`headsurgeon.outputs.check_output_dir`).
 
     Before anything is written, a model that BLOOM's format cannot represent is refused with one
     :class:`UnsupportedArchitectureError` naming every difference (slopes that are not BLOOM's,
@@ -354,7 +364,11 @@ def save_hf(
     ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
     float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
     """
-    check_output_dir(out_dir, overwrite)  # before any work
+    check_model(model, "save_hf")
+    # Where the model was loaded from (headsurgeon.loading records it): never written over.
+    source = getattr(getattr(model, "headsurgeon_info", None), "source", None)
+    inputs = [source] if source is not None else []
+    check_output_dir(out_dir, overwrite, inputs=inputs)  # before any work
     backend.check_unprocessed(model)
     info = model_info(model)
     config = _bloom_config(model, info)
@@ -370,7 +384,7 @@ def save_hf(
     unrounded = unrounded if verify and rounded else None
     config.pop("torch_dtype", None)  # transformers 5 calls it dtype; the old key would conflict
     config["dtype"] = dtype_name
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite, inputs=inputs, writer="save_hf") as tmp:
         _write_folder(tmp, written, config, info)
         del written
         moved = _verify_export(model, tmp, unrounded) if verify else None
@@ -451,12 +465,10 @@ class _SafetensorsState(Mapping[str, Tensor]):
     """A checkpoint folder's tensors (every shard), read one at a time when asked for."""
 
     def __init__(self, directory: Path) -> None:
-        from safetensors import safe_open
-
         self._files: dict[str, Path] = {}
         for file in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                self._files.update(dict.fromkeys(f.keys(), file))
+            # The header read bounded, a regular file only: never map a FIFO or a device.
+            self._files.update(dict.fromkeys(safetensors_header(file), file))
 
     def __getitem__(self, name: str) -> Tensor:
         from safetensors import safe_open
@@ -558,6 +570,8 @@ def _tensor_changes(
         )
     common = torch.promote_types(old.dtype, new.dtype)
     changed = old.to(common) != new.to(common)
+    if common.is_floating_point:  # NaN != NaN: a NaN left where it was is no change
+        changed &= ~(old.isnan() & new.isnan())
     in_heads = torch.zeros(old.shape, dtype=torch.bool)
     for layer, head in heads:
         prefix = f"transformer.h.{layer}.self_attention."

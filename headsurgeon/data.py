@@ -3,7 +3,7 @@
 Exports:
     CORPORA                              names of the bundled corpora
     bundled_text(name, split)            a bundled corpus as one string
-    read_texts(paths)                    the texts of files, checked for existence and content
+    read_texts(paths)                    the texts of files: regular files only, bounded reads
     tokenize(model, text)                token ids with the model's own tokenizer, no special tokens
     has_tokenizer(model)                 whether the model can tokenise text at all
     check_token_ids(model, tokens)       a token tensor checked: integer ids within the vocabulary
@@ -13,6 +13,9 @@ Exports:
     batches(tokens, batch_size)          consecutive batches of a token tensor
     describe(data, default)              a short description of data for run metadata
     HELD_OUT                             its default: the description of the bundled held-out text
+
+Data is a ``str`` (always text, even one that names a file), an ``os.PathLike`` such as
+``pathlib.Path`` (always a file to read), a list mixing the two, or a token tensor.
 
 Position 0 of every sequence follows the model's own convention (``model.cfg.default_prepend_bos``;
 BLOOM and the bundled organisms prepend no BOS token) unless ``prepend_bos`` overrides it. A model
@@ -27,7 +30,6 @@ from __future__ import annotations
 import functools
 import gzip
 import os
-import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from torch import Tensor
 
 from headsurgeon.backend import Model
 from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.inputs import read_text
 from headsurgeon.loading import model_info
 from headsurgeon.validation import check_bool, check_int
 
@@ -75,9 +78,13 @@ def bundled_text(name: str = "shakespeare", split: str = "heldout") -> str:
     return gzip.decompress(path.read_bytes()).decode("utf-8")
 
 
-def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
+def read_texts(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """Read UTF-8 text files (``.gz`` decompressed); a one-line :class:`DataError` for a file
-    that is missing, a folder, unreadable, binary, not UTF-8 or empty."""
+    that is missing, a folder, a FIFO, a device or anything else that is not a regular file,
+    unreadable, larger than :data:`~headsurgeon.inputs.MAX_TEXT_BYTES`, binary, not UTF-8 or
+    empty. Each item here is a path (a ``str`` too): this is the function that reads files."""
+    if isinstance(paths, (str, os.PathLike)):  # one path, not a sequence of one-letter paths
+        paths = [paths]
     if not paths:
         raise DataError("no text files given; pass at least one file")
     return [_read_text(Path(path)) for path in paths]
@@ -86,28 +93,9 @@ def read_texts(paths: Sequence[str | os.PathLike]) -> list[str]:
 def _read_text(path: Path) -> str:
     if path.is_dir():
         raise DataError(f"text file {path} is a folder; give the text files in it ({path}/*.txt)")
-    if not path.exists():
-        raise DataError(f"text file {path} does not exist")
-    try:
-        raw = path.read_bytes()
-        if path.suffix == ".gz":
-            raw = gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as e:
-        raise DataError(
-            f"cannot read text file {path} ({e}); give a readable .txt or .txt.gz file"
-        ) from e
-    if b"\x00" in raw:  # UTF-8 text never holds NUL; binary files and UTF-16 do
-        raise DataError(
-            f"text file {path} is not text (it holds NUL bytes: binary, or UTF-16); give UTF-8 "
-            "text, e.g. iconv -f utf-16 -t utf-8"
-        )
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"text file {path} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
-            "convert it, e.g. iconv -f latin1 -t utf-8"
-        ) from None
+    # Regular files only, read in bounded chunks: a FIFO, /dev/zero or a 2 GB binary file is
+    # one line, found without blocking or reading it whole.
+    text = read_text(path, "text file")
     if not text.strip():
         raise DataError(f"text file {path} is empty; give a file with text in it")
     return text
@@ -140,28 +128,30 @@ def _token_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
 
 
 def _texts(data: Data) -> list[str]:
+    """The texts ``data`` stands for: a ``str`` is always text, an ``os.PathLike`` (such as
+    ``pathlib.Path``) always a file to read; a list may mix the two."""
     if data is None:
         return [bundled_text("shakespeare", "heldout"), bundled_text("python-docs", "heldout")]
-    if isinstance(data, str) and not os.path.exists(data):
-        texts = [data]
-    elif isinstance(data, (str, os.PathLike)):
-        texts = read_texts([data])
-    else:
-        items = list(data) if isinstance(data, Iterable) else [data]
-        if isinstance(data, Mapping) or not all(isinstance(x, (str, os.PathLike)) for x in items):
-            raise DataError(
-                f"data must be texts, text files or a token tensor; got {type(data).__name__} "
-                f"holding {', '.join(sorted({type(x).__name__ for x in items}))}"
-            )
-        if not items:
-            raise DataError("no texts given; pass at least one text or file")
-        if all(isinstance(x, str) and not os.path.exists(x) for x in items):
-            texts = list(items)
-        else:
-            texts = read_texts(items)
+    # A string that happens to name a file is still text: run_census(model, "/etc/passwd")
+    # measures that string, never the file (pass Path("/etc/passwd") for the file).
+    items = [data] if isinstance(data, (str, os.PathLike)) else _items(data)
+    if not items:
+        raise DataError("no texts given; pass at least one text or file")
+    texts = [_read_text(Path(x)) if isinstance(x, os.PathLike) else x for x in items]
     if not any(t.strip() for t in texts):
         raise DataError("the texts are empty; give text with content in it")
     return texts
+
+
+def _items(data: object) -> list[str | os.PathLike]:
+    """The texts and files of a sequence; one line for anything else."""
+    items = list(data) if isinstance(data, Iterable) else [data]
+    if isinstance(data, Mapping) or not all(isinstance(x, (str, os.PathLike)) for x in items):
+        raise DataError(
+            f"data must be texts, text files or a token tensor; got {type(data).__name__} "
+            f"holding {', '.join(sorted({type(x).__name__ for x in items}))}"
+        )
+    return items
 
 
 def check_token_ids(model: Model, tokens: object) -> Int[Tensor, "batch pos"]:
@@ -181,6 +171,13 @@ def check_token_ids(model: Model, tokens: object) -> Int[Tensor, "batch pos"]:
         raise DataError(
             f"token tensor must be [n_seqs, seq_len], non-empty; got {tuple(tokens.shape)}"
         )
+    if tokens.is_meta or tokens.layout != torch.strided:
+        # A meta tensor has no values to check or run (torch would raise deep inside).
+        where = "on the meta device" if tokens.is_meta else f"of layout {tokens.layout}"
+        raise DataError(
+            f"a token tensor {where} holds no token ids to use; pass a dense tensor on the CPU "
+            "or the model's device (e.g. tokens.to('cpu') after filling it)"
+        )
     if tokens.min() < 0 or tokens.max() >= model.cfg.d_vocab:
         raise DataError(
             f"token ids must lie in 0..{model.cfg.d_vocab - 1}, got {tokens.min().item()}.."
@@ -197,7 +194,11 @@ def to_sequences(
     n_seqs: int | None = None,
     prepend_bos: bool | None = None,
 ) -> Int[Tensor, "batch pos"]:
-    """Cut texts (strings or files; default: the bundled held-out corpora) into sequences.
+    """Cut texts (default: the bundled held-out corpora) into sequences.
+
+    ``data``: a ``str`` is always the text itself (even one that names an existing file); an
+    ``os.PathLike`` (``pathlib.Path``) is a UTF-8 text file (``.gz`` decompressed), read and
+    checked (:func:`read_texts`); a list may mix the two. Or a ``[n_seqs, seq_len]`` token tensor.
 
     Each text is tokenised on its own and cut into non-overlapping windows of ``seq_len`` tokens
     (``seq_len - 1`` text tokens after a BOS token when ``prepend_bos``). With ``n_seqs`` the
@@ -208,12 +209,13 @@ def to_sequences(
     """
     bos = resolve_bos(model, prepend_bos)
     n_seqs = None if n_seqs is None else check_int(n_seqs, "n_seqs", minimum=1)
+    # Checked for tensors too, where it does not apply: a bad value is never silently accepted.
+    seq_len = check_int(seq_len, "seq_len", minimum=1)
     if isinstance(data, Tensor):  # used as it is: seq_len does not apply
         tokens = check_token_ids(model, data)
         if bos and not bool((tokens[:, 0] == bos_token_id(model)).all()):
             tokens = torch.cat([torch.full_like(tokens[:, :1], bos_token_id(model)), tokens], dim=1)
         return tokens[:n_seqs] if n_seqs else tokens
-    seq_len = check_int(seq_len, "seq_len", minimum=1)
     if seq_len > model.cfg.n_ctx:
         raise DataError(
             f"seq_len {seq_len} is beyond the model's context of {model.cfg.n_ctx} tokens; "
@@ -247,8 +249,13 @@ HELD_OUT = "bundled held-out corpora (shakespeare, python-docs)"
 def describe(data: Data, default: str = HELD_OUT) -> str:
     """A short description of ``data`` for run metadata (``default`` when it is ``None``).
 
-    >>> describe(torch.zeros(2, 8)), describe(["some text", "more"])
+    Files (``os.PathLike`` items) are named; ``str`` items are texts, counted, whatever they say.
+
+    >>> from pathlib import Path
+    >>> describe(torch.zeros(2, 8)), describe(["some text", "/etc/passwd"])
     ('token tensor of shape [2, 8]', '2 text(s) given in memory')
+    >>> describe([Path("a.txt"), "more text"])
+    'a.txt and 1 text(s) given in memory'
     >>> describe(None, default="bundled training corpora")
     'bundled training corpora'
     """
@@ -257,8 +264,10 @@ def describe(data: Data, default: str = HELD_OUT) -> str:
     if isinstance(data, Tensor):
         return f"token tensor of shape {list(data.shape)}"
     items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
-    files = [str(x) for x in items if os.path.exists(x)]
-    return ", ".join(files) if files else f"{len(items)} text(s) given in memory"
+    files = [os.fspath(x) for x in items if isinstance(x, os.PathLike)]
+    texts = len(items) - len(files)
+    in_memory = f"{texts} text(s) given in memory" if texts else ""
+    return " and ".join(part for part in (", ".join(files), in_memory) if part)
 
 
 def bos_token_id(model: Model) -> int | None:

@@ -27,7 +27,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import Model, continuation_logprobs
+from headsurgeon.backend import Model, check_model, continuation_logprobs
 from headsurgeon.data import (
     CORPORA,
     Data,
@@ -173,6 +173,7 @@ def perplexity(
     evenly spaced over all of them, so the default call on the bundled corpora takes seconds, not
     minutes; ``max_windows=None`` scores every token of the data.
     """
+    check_model(model, "perplexity")
     window = check_length(model, default_window(model) if window is None else window, "window")
     # A stride of window or more would skip tokens.
     stride = check_int(window // 2 if stride is None else stride, "stride", minimum=1,
@@ -446,6 +447,7 @@ def passkey(
     ``top1_accuracy`` has chance level ``1 / n_candidates``. ``in_context``:
     ``length <= train_ctx`` (default: the model's training length, else its context).
     """
+    check_model(model, "passkey")
     check_int(n_candidates, "n_candidates", minimum=2)
     check_int(n_digits, "n_digits", minimum=1)
     if n_candidates > 9 * 10 ** (n_digits - 1):
@@ -483,6 +485,7 @@ def needle(
     ``depth`` fraction of it, and :data:`NEEDLE_QUESTION` follows. Scored like :func:`passkey`,
     the other candidates being other words of the list.
     """
+    check_model(model, "needle")
     check_int(n_candidates, "n_candidates", minimum=2)
     words = list(words)
     if len(set(words)) < n_candidates:

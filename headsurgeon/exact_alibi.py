@@ -38,6 +38,7 @@ from headsurgeon.backend import (
     Model,
     add_bias_hook,
     builtin_slopes,
+    check_model,
     hf_bias_pre_hook,
 )
 from headsurgeon.errors import CheckpointError, InvalidArgumentError, UnsupportedArchitectureError
@@ -86,6 +87,7 @@ def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> 
     model computes what it was trained to compute everywhere; a mitigation still replaces it for
     the length of a ``with`` block. See :func:`trained_bias`.
     """
+    check_model(model, "install_exact_alibi")
     head_slopes = tuple(alibi.slopes(model.cfg.n_heads).tolist())
     build = bias_builder(kind, params, head_slopes)
     for block in model.blocks:
@@ -154,6 +156,7 @@ def use_exact_alibi(model: Model) -> None:
     A forward pre-hook on each attention module, so ``model.reset_hooks()`` keeps it; its handle
     is ``block.attn.headsurgeon_alibi_hook``.
     """
+    check_model(model, "use_exact_alibi")
     if model.cfg.positional_embedding_type != "alibi":
         raise UnsupportedArchitectureError(
             f"use_exact_alibi applies to ALiBi models; this one uses "
@@ -187,6 +190,7 @@ def alibi_slopes(model: Model) -> Float[Tensor, " head_index"]:
     >>> [round(x, 4) for x in alibi_slopes(model).tolist()]
     [0.25, 0.0625, 0.0156, 0.0039, 0.5, 0.125]
     """
+    check_model(model, "alibi_slopes")
     if model.cfg.positional_embedding_type != "alibi":
         raise UnsupportedArchitectureError(
             f"the model uses {model.cfg.positional_embedding_type} positions, not ALiBi; "

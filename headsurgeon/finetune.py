@@ -11,7 +11,9 @@ Exports:
     warmup_cosine(warmup, steps)        the learning-rate factor of a step
     setup_distributed(device)           join a torchrun process group (gloo on CPU, NCCL on GPU),
                                         returning its DistInfo (rank, world size, device)
-    load_checkpoint(dir)                the checkpoint a run left in ``dir`` (or None)
+    load_checkpoint(dir)                the checkpoint a run left in ``dir`` (or None), checked
+    load_torch_file(path, what, fix)    what a headsurgeon ``torch.save`` wrote, read safely
+                                        (``weights_only``; any other object: refused, one line)
     weights_digest(model, excluding)    digest of the weights: a resume must see the same model
     TrainingDivergedError               a NaN or infinite loss stopped the run
     Objective, STRATEGIES, CHECKPOINT_FILE  objective type; the strategies; the checkpoint's name
@@ -43,6 +45,8 @@ import io
 import logging
 import math
 import os
+import pickle
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,7 +57,7 @@ import torch.distributed as dist
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from headsurgeon.backend import Model, head_tensors, run_to_layer
+from headsurgeon.backend import Model, check_model, head_tensors, run_to_layer
 from headsurgeon.data import check_token_ids
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
@@ -62,7 +66,9 @@ from headsurgeon.errors import (
     HeadsurgeonError,
     InvalidArgumentError,
     OutputExistsError,
+    first_line,
 )
+from headsurgeon.inputs import check_regular_file
 from headsurgeon.outputs import atomic_write_bytes
 from headsurgeon.progress import tqdm
 from headsurgeon.surgery import (
@@ -74,6 +80,7 @@ from headsurgeon.surgery import (
     head_masks,
     head_slices,
     load_head_slices,
+    restored_on_failure,
 )
 from headsurgeon.validation import check_bool, check_choice, check_int, check_number
 
@@ -91,6 +98,7 @@ __all__ = [
     "finetune",
     "head_bos_mass",
     "load_checkpoint",
+    "load_torch_file",
     "make_trainer",
     "next_token_loss",
     "setup_distributed",
@@ -106,6 +114,10 @@ CHECKPOINT_FORMAT = 1
 STRATEGIES = ("slices", "mask")
 # Settings that may change between an interrupted run and its resumption.
 _RESUME_FREE = ("checkpoint_every",)
+# What a checkpoint holds besides its identity (see _Loop.save).
+_STATE_KEYS = ("step", "slices", "optimizer", "scheduler", "rng", "progress")
+_IDENTITY_KEYS = ("model", "heads", "fingerprint", "world_size", "config")
+_CHECKPOINT_FIX = "delete it to train from step 0, or start over in a new output folder"
 
 
 class TrainingDivergedError(HeadsurgeonError, FloatingPointError):
@@ -503,18 +515,83 @@ def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def load_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The checkpoint in ``checkpoint_dir`` as a dict, or None when there is none."""
-    path = Path(checkpoint_dir) / CHECKPOINT_FILE
-    if not path.exists():
-        return None
+def load_torch_file(path: str | os.PathLike, what: str, *, fix: str) -> Any:
+    """What headsurgeon's ``torch.save`` wrote to ``path`` (tensors in dicts and lists, on the
+    CPU); one :class:`CheckpointError` line (``what`` names the file's role, ``fix`` says what to
+    do) for anything else.
+
+    Every resume file goes through here. Only ``torch.load(weights_only=True)`` reads: a file
+    holding any other Python object (a planted pickle could run code when loaded) is refused
+    unread, and never loaded in a less careful mode.
+    """
+    path = check_regular_file(path, what, error=CheckpointError)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for a corrupt file
-        raise CheckpointError(f"{path} is not a readable checkpoint ({e}); delete it") from e
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path} has an unknown format; delete it to start over")
+        with warnings.catch_warnings():  # a raw pickle's protocol warning: it fails next anyway
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # torch's own message suggests weights_only=False, i.e. running the file's code: not here.
+        raise CheckpointError(
+            f"{what} {path} is not a trusted file written by headsurgeon (it holds Python "
+            f"objects headsurgeon never saves), so it was not loaded; {fix}"
+        ) from None
+    except Exception as e:  # torch raises several types for a truncated or corrupt file
+        detail = first_line(e)
+        detail = "" if "weights_only" in detail else f" ({detail[:200]})"
+        raise CheckpointError(f"{what} {path} is not readable{detail}; {fix}") from None
+
+
+def load_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The checkpoint in ``checkpoint_dir`` as a dict, or None when there is none.
+
+    Its format and the types of its parts are checked (one :class:`CheckpointError` line
+    otherwise); whether it fits a run is checked when a run resumes from it.
+    """
+    path = Path(checkpoint_dir) / CHECKPOINT_FILE
+    if not (path.exists() or path.is_symlink()):
+        return None
+    state = load_torch_file(path, "checkpoint", fix=_CHECKPOINT_FIX)
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise _bad_checkpoint(path, "has an unknown format")
+    missing = [key for key in (*_IDENTITY_KEYS, *_STATE_KEYS) if key not in state]
+    if missing:
+        raise _bad_checkpoint(path, f"lacks {', '.join(missing)}")
+    types = {"step": int, "slices": dict, "optimizer": dict, "scheduler": dict, "rng": dict,
+             "progress": dict}  # fmt: skip
+    for key, kind in types.items():
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise _bad_checkpoint(path, f"holds a {type(state[key]).__name__} as its {key}")
     return state
+
+
+def _bad_checkpoint(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} {problem}: training cannot resume from it; {_CHECKPOINT_FIX}"
+    )
+
+
+def _tensors_like(
+    given: object, expected: dict[str, Tensor], path: Path, what: str
+) -> dict[str, Tensor]:
+    """``given`` if it maps exactly the names of ``expected`` to floating-point tensors of the
+    same shapes; else one line naming the first difference."""
+    if not isinstance(given, dict) or set(given) != set(expected):
+        names = sorted(given) if isinstance(given, dict) else type(given).__name__
+        raise _bad_checkpoint(path, f"holds {what} {str(names)[:120]}, not {sorted(expected)}")
+    for name, tensor in expected.items():
+        value = given[name]
+        if not (isinstance(value, Tensor) and value.is_floating_point()):
+            raise _bad_checkpoint(path, f"holds no floating-point tensor as {what} {name}")
+        if value.shape != tensor.shape:
+            raise _bad_checkpoint(
+                path, f"holds {what} {name} of shape {tuple(value.shape)}, not "
+                f"{tuple(tensor.shape)}",
+            )  # fmt: skip
+    return given
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _config_dict(cfg: FinetuneConfig) -> dict[str, Any]:
@@ -529,9 +606,11 @@ def _check_resume(state: dict, path: Path, expected: dict[str, Any]) -> None:
     for key, value in expected.items():
         if state[key] != value:
             what = "model" if key in ("model", "fingerprint") else key.replace("_", " ")
+            stored = str(state[key])
+            stored = stored if len(stored) <= 200 else stored[:197] + "..."
             raise CheckpointError(
                 f"checkpoint {path} is from a run with a different {what} "
-                f"({state[key]} vs {value}); resume with the same model and settings or start "
+                f"({stored} vs {value}); resume with the same model and settings or start "
                 "a new output folder"
             )
 
@@ -563,21 +642,31 @@ def finetune(
     ``torchrun`` (an initialised process group) the trainable tensors are wrapped in
     ``DistributedDataParallel`` and each process takes its share of every batch.
 
-    Raises :class:`TrainingDivergedError` on a NaN or infinite loss or gradient; the model keeps
-    the last good step's weights and the last checkpoint is untouched.
+    If the call fails (any exception, :class:`TrainingDivergedError` on a NaN or infinite loss or
+    gradient, ``KeyboardInterrupt`` included), the model gets back the weights it had before the
+    call, bit for bit, and one warning says so; the last checkpoint is untouched, so
+    ``resume=True`` continues from it.
     """
+    check_model(model, "finetune")
     job = _make_job(model, heads, train, eval_data, config, checkpoint_dir, resume, progress)
-    model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
-    model.requires_grad_(False)  # the mask strategy re-enables its own tensors
-    trainer = make_trainer(
-        model, job.heads, objective or next_token_loss, strategy=job.cfg.strategy
-    )
-    try:
-        return _Loop(job, trainer).run()
-    finally:
-        trainer.close()
-        for name, p in model.named_parameters():
-            p.requires_grad_(model_grad[name])
+    with restored_on_failure(model, "fine-tuning") as snapshot:
+        if job.cfg.strategy == "mask":  # the optimiser moves whole tensors before after_step
+            snapshot.add_layers(job.heads.layers, TRAINED_TENSORS)
+        else:
+            snapshot.add_heads(job.heads)
+        model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+        model.requires_grad_(False)  # the mask strategy re-enables its own tensors
+        try:
+            trainer = make_trainer(
+                model, job.heads, objective or next_token_loss, strategy=job.cfg.strategy
+            )
+            try:
+                return _Loop(job, trainer).run()
+            finally:
+                trainer.close()
+        finally:
+            for name, p in model.named_parameters():
+                p.requires_grad_(model_grad[name])
 
 
 @dataclasses.dataclass
@@ -681,6 +770,35 @@ class _Progress:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
+def _check_progress(
+    progress: dict[str, Any], step: int, slices: dict[str, Tensor], path: Path
+) -> None:
+    """One line unless ``progress`` is a :meth:`_Progress.to_dict` of a run at ``step``."""
+    fields = [field.name for field in dataclasses.fields(_Progress)]
+    if sorted(progress) != sorted(fields):
+        raise _bad_checkpoint(path, "holds a progress record of another shape")
+    lists = [progress[name] for name in ("losses", "since_eval", "history")]
+    if not all(isinstance(items, list) for items in lists):
+        raise _bad_checkpoint(path, "holds a progress record of another shape")
+    numbers = progress["losses"] + progress["since_eval"] + [progress["best_loss"]]
+    rows = progress["history"]
+    problems = [
+        (not all(map(_is_number, numbers)), "losses that are not numbers"),
+        (len(progress["losses"]) != step, f"{len(progress['losses'])} losses for {step} steps"),
+        (not all(isinstance(r, dict) and all(map(_is_number, r.values())) for r in rows),
+         "an evaluation history that is not rows of numbers"),
+        (not isinstance(progress["bad_evals"], int), "a count of evaluations that is no integer"),
+        (not isinstance(progress["stopped_early"], bool), "no early-stopping flag"),
+        (not (progress["best_step"] is None or isinstance(progress["best_step"], int)),
+         "a best step that is no integer"),
+    ]  # fmt: skip
+    for failed, problem in problems:
+        if failed:
+            raise _bad_checkpoint(path, f"holds {problem}")
+    if progress["best_slices"] is not None:
+        _tensors_like(progress["best_slices"], slices, path, "best slices")
+
+
 class _Loop:
     """The training loop of one :class:`_Job`: optimiser, schedule, checkpoints, evaluations."""
 
@@ -705,6 +823,7 @@ class _Loop:
         self.state = _Progress()
         self.step = 0
         self.resumed_from: int | None = None
+        self.saved_step: int | None = None  # of the checkpoint on disk, if any
         self.rows_cache: dict[int, Tensor] = {}
 
     def restore(self) -> None:
@@ -720,27 +839,65 @@ class _Loop:
                 "folder"
             )
         _check_resume(checkpoint, path, job.identity)
+        self.check_state(checkpoint, path)
         self.trainer.load_slices(checkpoint["slices"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        self.scheduler.load_state_dict(checkpoint["scheduler"])
-        _set_rng_state(checkpoint["rng"])
+        try:  # the parts are checked; torch checks the rest of what it reads
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.scheduler.load_state_dict(checkpoint["scheduler"])
+            _set_rng_state(checkpoint["rng"])
+        except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
+            raise _bad_checkpoint(
+                path, f"holds an unusable optimiser, schedule or random state ({first_line(e)})"
+            ) from None
         self.state = _Progress(**checkpoint["progress"])
-        self.step = self.resumed_from = checkpoint["step"]
+        self.step = self.resumed_from = self.saved_step = checkpoint["step"]
         logger.info("resuming %s from step %d", job.heads, self.step)
+
+    def check_state(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """One line unless the checkpoint's training state fits this run: its step, the names
+        and shapes of its slices and optimiser moments, its schedule, random and progress
+        state (a truncated, hand-edited or foreign file is refused before any of it is used)."""
+        step = checkpoint["step"]
+        if not 0 <= step <= self.job.cfg.steps:
+            raise _bad_checkpoint(path, f"is at step {step}, outside 0-{self.job.cfg.steps}")
+        expected = self.trainer.slices()
+        _tensors_like(checkpoint["slices"], expected, path, "slices")
+        optimizer = checkpoint["optimizer"]
+        groups, moments = optimizer.get("param_groups"), optimizer.get("state")
+        if not (isinstance(groups, list) and len(groups) == 1 and isinstance(moments, dict)):
+            raise _bad_checkpoint(path, "holds an optimiser state of another shape")
+        for index, entry in moments.items():
+            if not (isinstance(index, int) and 0 <= index < len(self.params)):
+                raise _bad_checkpoint(path, f"holds optimiser state for a tensor {index!r}")
+            shape = self.params[index].shape
+            for name in ("exp_avg", "exp_avg_sq"):
+                moment = entry.get(name) if isinstance(entry, dict) else None
+                if not (isinstance(moment, Tensor) and moment.shape == shape):
+                    raise _bad_checkpoint(path, f"holds no {name} of shape {tuple(shape)}")
+        scheduler = checkpoint["scheduler"]
+        if set(scheduler) != set(self.scheduler.state_dict()) or scheduler["last_epoch"] != step:
+            raise _bad_checkpoint(path, f"holds a schedule that is not at step {step}")
+        rng = checkpoint["rng"].get("torch")
+        if not (isinstance(rng, Tensor) and rng.dtype == torch.uint8
+                and rng.shape == torch.get_rng_state().shape):  # fmt: skip
+            raise _bad_checkpoint(path, "holds no usable random state")
+        _check_progress(checkpoint["progress"], step, expected, path)
 
     def save(self) -> None:
         path = self.job.checkpoint_path
-        if path is None or self.job.rank != 0:
+        if path is None:
             return
-        _save_checkpoint(
-            path,
-            {
-                "format": CHECKPOINT_FORMAT, **self.job.identity, "step": self.step,
-                "slices": self.trainer.slices(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": _rng_state(),
-                "progress": self.state.to_dict(),
-            },
-        )  # fmt: skip
+        if self.job.rank == 0:
+            _save_checkpoint(
+                path,
+                {
+                    "format": CHECKPOINT_FORMAT, **self.job.identity, "step": self.step,
+                    "slices": self.trainer.slices(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "rng": _rng_state(),
+                    "progress": self.state.to_dict(),
+                },
+            )  # fmt: skip
+        self.saved_step = self.step  # every rank: its divergence message names the checkpoint
 
     def evaluate(self) -> None:
         job, state = self.job, self.state
@@ -790,11 +947,15 @@ class _Loop:
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm.item())):
             self.optimizer.zero_grad(set_to_none=True)
             path = job.checkpoint_path
-            kept = f"checkpoint {path} is kept" if path is not None else "no checkpoint was written"
+            kept = (
+                f"checkpoint {path} (step {self.saved_step}) is kept"
+                if self.saved_step is not None
+                else "no checkpoint was written"
+            )
             raise TrainingDivergedError(
                 f"loss {loss_value} (gradient norm {grad_norm.item()}) at step {step + 1}: "
-                f"training stopped with the weights of step {step}; {kept}; lower the learning "
-                "rate or train in float32"
+                f"training stopped, the model keeps its weights from before fine-tuning and "
+                f"{kept}; lower the learning rate or train in float32"
             )
         self.optimizer.step()
         self.scheduler.step()

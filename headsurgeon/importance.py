@@ -48,7 +48,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import HookPoint, Model, run_from_layer
+from headsurgeon.backend import HookPoint, Model, check_model, run_from_layer
 from headsurgeon.census import _check_tokens
 from headsurgeon.data import Data, describe, resolve_bos, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
@@ -340,6 +340,7 @@ def head_importance(
     >>> len(df), df.attrs["n_tokens"]
     (8, 44)
     """
+    check_model(model, "head_importance")
     method = check_choice(method, "method", METHODS)
     if method != "attribution" and ablation not in (None, method):
         raise InvalidArgumentError(
@@ -475,6 +476,7 @@ def ablate_heads(
     >>> bool((pruned != clean).any()), bool(torch.equal(model(tokens), clean))
     (True, True)
     """
+    check_model(model, "ablate_heads")
     check_choice(ablation, "ablation", ("zero", "mean"))
     chosen = HeadSet.of(heads, model).by_layer()
     means = None

@@ -17,7 +17,8 @@ Exports:
     read_json(path, what, max_bytes=, error=)            one JSON object
     MAX_TEXT_BYTES, MAX_JSON_BYTES the default bounds (1 GiB of text, 64 MiB of JSON)
 
-``what`` names the file's role in messages ("text file", "config file"); ``error`` is the
+``what`` names the file's role in messages ("text file", "config file"; empty: messages begin
+with the path itself, as a model folder's do); ``error`` is the
 :class:`~headsurgeon.errors.HeadsurgeonError` subclass to raise (``DataError`` by default;
 model folders use ``CheckpointError``).
 
@@ -35,6 +36,7 @@ headsurgeon.errors.DataError: config file ... is a folder, not a file; give the 
 from __future__ import annotations
 
 import codecs
+import errno
 import gzip
 import json
 import os
@@ -81,12 +83,17 @@ def describe_kind(path: str | os.PathLike) -> str | None:
     except FileNotFoundError:
         return "a broken symbolic link" if os.path.islink(path) else "missing"
     except OSError as e:
-        if e.errno == 40:  # ELOOP
+        if e.errno == errno.ELOOP:
             return "a symbolic link loop"
         return f"unreadable ({e.strerror})"
     if stat.S_ISREG(mode):
         return None
     return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def _label(what: str, path: Path) -> str:
+    """``"text file /a/b"``, or the path alone when ``what`` is empty."""
+    return f"{what} {path}" if what else str(path)
 
 
 def _size(n: int) -> str:
@@ -110,19 +117,23 @@ def check_regular_file(
     Nothing is opened, so a FIFO or a device cannot block or flood the caller.
     """
     path = Path(path)
+    name = _label(what, path)
     kind = describe_kind(path)
     if kind == "missing":
-        raise error(f"{what} {path} does not exist; check the path")
+        raise error(f"{name} does not exist; check the path")
     if kind == "a folder":
-        raise error(f"{what} {path} is a folder, not a file; give the file itself")
+        raise error(f"{name} is a folder, not a file; give the file itself")
     if kind is not None:
-        raise error(f"{what} {path} is {kind}, not a regular file; give a regular file")
+        raise error(f"{name} is {kind}, not a regular file; give a regular file")
     if not os.access(path, os.R_OK):
-        raise error(f"{what} {path} is not readable (permissions); make it readable")
-    size = path.stat().st_size
+        raise error(f"{name} is not readable (permissions); make it readable")
+    try:
+        size = path.stat().st_size
+    except OSError as e:  # gone or changed since describe_kind looked
+        raise _open_error(path, what, e, error) from e
     if max_bytes is not None and size > max_bytes:
         raise error(
-            f"{what} {path} is {_size(size)}, more than the {_size(max_bytes)} such a file can "
+            f"{name} is {_size(size)}, more than the {_size(max_bytes)} such a file can "
             "plausibly be; check that it is the right file"
         )
     return path
@@ -144,7 +155,7 @@ def check_folder_files(
 
 
 def _open_error(path: Path, what: str, e: OSError, error: type[HeadsurgeonError]):
-    return error(f"cannot read {what} {path} ({e.strerror or e}); make it readable")
+    return error(f"cannot read {_label(what, path)} ({e.strerror or e}); make it readable")
 
 
 def read_bytes(
@@ -165,13 +176,13 @@ def read_bytes(
     except OSError as e:
         raise _open_error(path, what, e, error) from e
     if len(data) > max_bytes:
-        raise error(f"{what} {path} grew past {_size(max_bytes)} while it was read")
+        raise error(f"{_label(what, path)} grew past {_size(max_bytes)} while it was read")
     return data
 
 
 def _not_text(path: Path, what: str, error: type[HeadsurgeonError]) -> HeadsurgeonError:
     return error(
-        f"{what} {path} is not text (it holds NUL bytes: binary, or UTF-16); give UTF-8 "
+        f"{_label(what, path)} is not text (it holds NUL bytes: binary, or UTF-16); give UTF-8 "
         "text, e.g. iconv -f utf-16 -t utf-8"
     )
 
@@ -191,15 +202,15 @@ def _chunks(path: Path, what: str, max_bytes: int, error: type[HeadsurgeonError]
                 total += len(chunk)
                 if total > max_bytes:
                     raise error(
-                        f"{what} {path} holds more than {_size(max_bytes)} of text; split it or "
-                        "give a part of it"
+                        f"{_label(what, path)} holds more than {_size(max_bytes)} of text; "
+                        "split it or give a part of it"
                     )
                 yield chunk
         except (OSError, EOFError, zlib.error) as e:
             if isinstance(e, HeadsurgeonError):
                 raise
             raise error(
-                f"cannot read {what} {path} ({e}); give a readable .txt or .txt.gz file"
+                f"cannot read {_label(what, path)} ({e}); give a readable .txt or .txt.gz file"
             ) from e
 
 
@@ -215,26 +226,36 @@ def read_text(
     path = check_regular_file(path, what, max_bytes=max_bytes, error=error)
     decoder = codecs.getincrementaldecoder("utf-8")()
     parts: list[str] = []
-    offset = 0
+    offset = 0  # of the first byte the decoder has not yet consumed (its buffer included)
     for chunk in _chunks(path, what, max_bytes, error):
         if b"\x00" in chunk:  # UTF-8 text never holds NUL; binary files and UTF-16 do
             raise _not_text(path, what, error)
-        try:
-            parts.append(decoder.decode(chunk))
-        except UnicodeDecodeError as e:
-            raise error(
-                f"{what} {path} is not UTF-8 (byte 0x{chunk[e.start]:02x} at offset "
-                f"{offset + e.start}); convert it, e.g. iconv -f latin1 -t utf-8"
-            ) from None
+        parts.append(_decode(decoder, chunk, offset, path, what, error))
         offset += len(chunk)
-    try:
-        parts.append(decoder.decode(b"", final=True))
-    except UnicodeDecodeError:
-        raise error(
-            f"{what} {path} is not UTF-8 (it ends inside a character); convert it, e.g. "
-            "iconv -f latin1 -t utf-8"
-        ) from None
+    parts.append(_decode(decoder, b"", offset, path, what, error, final=True))
     return "".join(parts)
+
+
+def _decode(
+    decoder: codecs.IncrementalDecoder,
+    chunk: bytes,
+    offset: int,
+    path: Path,
+    what: str,
+    error: type[HeadsurgeonError],
+    final: bool = False,
+) -> str:
+    """One chunk decoded; a bad byte is named by its offset in the file, even when its sequence
+    began in the bytes the decoder held back from the previous chunk."""
+    held = decoder.getstate()[0]
+    try:
+        return decoder.decode(chunk, final=final)
+    except UnicodeDecodeError as e:
+        data = held + chunk
+        raise error(
+            f"{_label(what, path)} is not UTF-8 (byte 0x{data[e.start]:02x} at offset "
+            f"{offset - len(held) + e.start}); convert it, e.g. iconv -f latin1 -t utf-8"
+        ) from None
 
 
 def read_json(
@@ -245,12 +266,27 @@ def read_json(
     error: type[HeadsurgeonError] = DataError,
     fix: str = "fix or replace the file",
 ) -> dict[str, Any]:
-    """The JSON object in a checked regular file; one ``error`` line for anything else."""
-    text = read_text(path, what, max_bytes=max_bytes, error=error)
+    """The JSON object in a checked regular file; one ``error`` line for anything else (not
+    UTF-8, not JSON, nested too deeply for the parser, a list or a value instead of an object).
+
+    ``what`` may be empty: messages then begin with the path itself.
+    """
+    path = Path(path)
+    raw = read_bytes(path, what, max_bytes=max_bytes, error=error)
+    name = _label(what, path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(
+            f"{name} is not readable JSON (not UTF-8: byte 0x{raw[e.start]:02x} at offset "
+            f"{e.start}); {fix}"
+        ) from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise error(f"{what} {path} is not valid JSON ({e}); {fix}") from None
+    except RecursionError:  # thousands of nested brackets: no config is built like that
+        raise error(f"{name} is not readable JSON (nested too deeply); {fix}") from None
+    except ValueError as e:  # JSONDecodeError, and integers of more than 4300 digits
+        raise error(f"{name} is not readable JSON ({e}); {fix}") from None
     if not isinstance(data, dict):
-        raise error(f"{what} {path} holds a JSON {type(data).__name__}, not an object; {fix}")
+        raise error(f"{name} holds a JSON {type(data).__name__}, not an object; {fix}")
     return data

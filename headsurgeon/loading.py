@@ -11,6 +11,9 @@ Exports:
     organism_names(), DEFAULT_MODEL, ORGANISM_DIR, BLOOM_SHAPES, ModelShape, ModelInfo
     resolve_model(model)              (display name, local checkpoint folder)
     check_checkpoint(directory)              a checkpoint folder validated before reading weights
+    check_metadata(data, path)               a headsurgeon.json's contents checked (one schema)
+    stored_tensors(directory), StoredTensor  dtype and shape of each stored tensor, from headers
+    safetensors_header(file)                 the same for one safetensors file, checked
     read_json(path), tl_config(config_dir)   a checkpoint's JSON; TransformerLens's config for it
     METADATA_FILE, TOKENIZER_FILES           the files of a checkpoint folder besides weights
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import logging
 import math
@@ -36,12 +40,13 @@ import pickle
 import re
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from headsurgeon import backend
+from headsurgeon import backend, inputs
 from headsurgeon.backend import Model
 from headsurgeon.dtypes import parse_device, parse_dtype
 from headsurgeon.errors import (
@@ -52,6 +57,7 @@ from headsurgeon.errors import (
     first_line,
 )
 from headsurgeon.exact_alibi import install_exact_alibi, trained_bias
+from headsurgeon.validation import check_bool
 
 __all__ = [
     "BLOOM_SHAPES",
@@ -61,7 +67,9 @@ __all__ = [
     "TOKENIZER_FILES",
     "ModelInfo",
     "ModelShape",
+    "StoredTensor",
     "check_checkpoint",
+    "check_metadata",
     "from_hf_model",
     "load_model",
     "model_info",
@@ -72,6 +80,8 @@ __all__ = [
     "random_model",
     "read_json",
     "resolve_model",
+    "safetensors_header",
+    "stored_tensors",
     "tl_config",
 ]
 
@@ -144,29 +154,26 @@ def _hub_names() -> dict[str, str]:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A checkpoint's JSON file, which must hold one JSON object."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not readable JSON ({e}); re-export the checkpoint") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(
-            f"{path} holds a JSON {type(data).__name__}, not an object; re-export the checkpoint"
-        )
-    return data
+    """A checkpoint's JSON file, which must be a regular file of at most
+    :data:`~headsurgeon.inputs.MAX_JSON_BYTES` holding one JSON object (else one
+    :class:`CheckpointError` line that begins with the path)."""
+    return inputs.read_json(path, "", error=CheckpointError, fix="re-export the checkpoint")
 
 
 def _local_shape(directory: Path) -> ModelShape:
     """A folder's shape from its validated config, checked against its weights when present."""
+    _check_files(directory)
     file = directory / "config.json"
-    bloom = _bloom_config(file, read_json(file))
+    config = read_json(file)
+    bloom = _bloom_config(file, config)
     if bloom is None:
         raise UnsupportedArchitectureError(
             f"{file} is not a BLOOM config and shapes by folder are known for BLOOM only; "
             "pass the loaded model (load_model) instead"
         )
+    _check_training(directory, bloom, _folder_metadata(directory))
     if _has_weights(directory):
-        _check_bloom_weights(directory, bloom, _tensor_shapes(directory))
+        _check_bloom_tensors(directory, config, bloom, stored_tensors(directory))
     return ModelShape(
         n_layers=bloom["n_layer"],
         n_heads=bloom["n_head"],
@@ -178,13 +185,12 @@ def _local_shape(directory: Path) -> ModelShape:
 
 def model_metadata(model: str | os.PathLike | Model) -> dict[str, Any]:
     """The ``headsurgeon.json`` of a model, a bundled organism or a local folder (no weights
-    read); ``{}`` for a hub name or a folder without one."""
+    read), checked by :func:`check_metadata`; ``{}`` for a hub name or a folder without one."""
     if isinstance(model, Model):
         return model_info(model).metadata
     name = str(model)
     folder = ORGANISM_DIR / name if name in organism_names() else Path(name)
-    file = folder / METADATA_FILE
-    return read_json(file) if file.is_file() else {}
+    return _folder_metadata(folder) if folder.is_dir() else {}
 
 
 def model_shape(model: str | os.PathLike | Model) -> ModelShape:
@@ -209,7 +215,7 @@ def model_shape(model: str | os.PathLike | Model) -> ModelShape:
         return BLOOM_SHAPES[_BLOOM_OFFICIAL[key]]
     if name in organism_names():
         return _local_shape(ORGANISM_DIR / name)
-    if Path(name).is_dir() and (Path(name) / "config.json").exists():
+    if Path(name).is_dir() and os.path.lexists(Path(name) / "config.json"):
         return _local_shape(Path(name))
     raise UnknownModelError(_unknown_message(name, list(BLOOM_SHAPES) + organism_names()))
 
@@ -464,35 +470,171 @@ def _is_bloom(file: Path, config: dict[str, Any]) -> bool:
     return False
 
 
-def _tensor_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every stored tensor, from the file headers only (no weights are read).
+# safetensors' dtype names, as torch names them; the floating ones are what weights may be.
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
+    "U8": "uint8", "BOOL": "bool", "C64": "complex64",
+}  # fmt: skip
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4,
+    "uint16": 2, "uint8": 1, "bool": 1, "complex64": 8,
+}  # fmt: skip
+_WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """A stored tensor as its file's header declares it: dtype (torch's name) and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def safetensors_header(file: Path) -> dict[str, StoredTensor]:
+    """The tensors a safetensors file declares, read from its header alone (bounded, no mmap).
+
+    The header must be a JSON object whose every tensor has a known dtype, a shape and byte
+    offsets that span exactly its shape's bytes, the tensors tiling the data that follows the
+    header: a truncated, padded or relabelled-to-another-width file raises here, before
+    safetensors or transformers maps it.
+    """
+    invalid = functools.partial(_invalid_safetensors, file)
+    size, length, header = _read_header(file, invalid)
+    tensors: dict[str, StoredTensor] = {}
+    spans = []
+    for name, entry in header.items():
+        if name != "__metadata__":
+            tensors[name], begin, stop = _header_entry(name, entry, invalid)
+            spans.append((begin, stop, name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise invalid(f"tensor {name} overlaps another or leaves a gap before it")
+        end = stop
+    data = size - 8 - length
+    if end > data:
+        raise invalid(f"its header declares {end} bytes of tensors but {data} follow: truncated")
+    if end < data:
+        raise invalid(f"{data - end} bytes follow the {end} bytes of tensors its header declares")
+    return tensors
+
+
+def _invalid_safetensors(file: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{file} is not a valid safetensors file ({why}); re-download or re-export it"
+    )
+
+
+def _read_header(file: Path, invalid: Any) -> tuple[int, int, dict[str, Any]]:
+    """The file's size, its header's length and the header, read without mapping the file."""
+    inputs.check_regular_file(file, "", error=CheckpointError)
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise invalid(f"{size} bytes, shorter than the 8-byte header length")
+            length = int.from_bytes(prefix, "little")
+            if length > min(_MAX_HEADER_BYTES, size - 8):
+                raise invalid(f"its header length {length} exceeds the file's {size} bytes")
+            raw = f.read(length)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file} ({e.strerror or e}); make it readable") from e
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are both
+        raise invalid("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise invalid("its header is not a JSON object")
+    return size, length, header
+
+
+def _header_entry(name: str, entry: Any, invalid: Any) -> tuple[StoredTensor, int, int]:
+    """One tensor of a safetensors header, checked: (tensor, first byte, end byte)."""
+    dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and dtype is None:
+        raise invalid(f"tensor {name} has dtype {entry['dtype']}, which no weight has")
+    shape, offsets = (entry.get("shape"), entry.get("data_offsets")) if dtype else (0, 0)
+    if not (
+        dtype
+        and isinstance(shape, list)
+        and all(_is_int(n) and n >= 0 for n in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_int(n) for n in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
+        raise invalid(f"tensor {name} has no valid dtype, shape and data_offsets")
+    nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != nbytes:
+        raise invalid(
+            f"tensor {name}, {dtype} of shape {shape}, needs {nbytes} bytes but its offsets "
+            f"span {offsets[1] - offsets[0]}"
+        )
+    return StoredTensor(dtype, tuple(shape)), offsets[0], offsets[1]
+
+
+def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
+    """Name -> :class:`StoredTensor` of every tensor of a checkpoint folder, from the file
+    headers only (no weights are read); each file is checked to be a regular file first.
 
     safetensors files are preferred, as transformers prefers them; a corrupt file raises.
     """
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
+    found: dict[str, StoredTensor] = {}
     for file in sorted(directory.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
-        except Exception as e:  # safetensors raises its own error types and OSError
-            raise CheckpointError(
-                f"{file} is not a valid safetensors file ({first_line(e)}); "
-                "re-download or re-export it"
-            ) from e
-    if shapes:
-        return shapes
+        found |= safetensors_header(file)
+    if found:
+        return found
     for file in sorted(directory.glob("pytorch_model*.bin")):
+        inputs.check_regular_file(file, "", error=CheckpointError)
         try:  # on the meta device torch reads the pickle, never the tensor data
             state = torch.load(file, map_location="meta", weights_only=True)
         except Exception as e:  # torch raises OSError, RuntimeError, EOFError, UnpicklingError
             raise CheckpointError(_corrupt_bin(directory)) from e
         if not isinstance(state, dict):
             raise CheckpointError(_corrupt_bin(directory))
-        shapes |= {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-    return shapes
+        found |= {
+            k: StoredTensor(str(v.dtype).removeprefix("torch."), tuple(v.shape))
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor)
+        }
+    return found
+
+
+# The files of a checkpoint folder that transformers, safetensors or headsurgeon may open, and
+# how large each can plausibly be; weights are bounded by their headers instead.
+_SIDE_FILES = {
+    "config.json": inputs.MAX_JSON_BYTES,
+    "generation_config.json": inputs.MAX_JSON_BYTES,
+    "model.safetensors.index.json": inputs.MAX_JSON_BYTES,
+    "pytorch_model.bin.index.json": inputs.MAX_JSON_BYTES,
+    "added_tokens.json": inputs.MAX_JSON_BYTES,
+    "chat_template.json": inputs.MAX_JSON_BYTES,
+    "chat_template.jinja": inputs.MAX_JSON_BYTES,
+    "tokenizer.model": inputs.MAX_TEXT_BYTES,
+    "spiece.model": inputs.MAX_TEXT_BYTES,
+    "sentencepiece.bpe.model": inputs.MAX_TEXT_BYTES,
+    "vocab.txt": inputs.MAX_TEXT_BYTES,
+}
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def _check_files(directory: Path) -> None:
+    """One line for any file of the folder that will be opened and is not a readable regular
+    file of plausible size: a FIFO would block transformers for ever, /dev/zero fill memory."""
+    bounds = dict(_SIDE_FILES)
+    bounds[METADATA_FILE] = inputs.MAX_JSON_BYTES
+    bounds |= dict.fromkeys(TOKENIZER_FILES, inputs.MAX_TEXT_BYTES)  # BLOOM's is 14 MB
+    bounds |= {p.name: None for pattern in _WEIGHT_PATTERNS for p in directory.glob(pattern)}
+    for name, max_bytes in bounds.items():
+        path = directory / name
+        if os.path.lexists(path):  # a dangling symlink or a FIFO counts as present
+            inputs.check_regular_file(path, "", max_bytes=max_bytes, error=CheckpointError)
 
 
 def _corrupt_bin(directory: Path) -> str:
@@ -568,6 +710,46 @@ def _check_bloom_weights(
         )
 
 
+def _check_bloom_tensors(
+    directory: Path, config: dict[str, Any], bloom: dict[str, Any], found: dict[str, StoredTensor]
+) -> None:
+    """:func:`_check_bloom_weights`, then the dtypes: every BLOOM weight is floating point, and
+    of the dtype config.json states (``dtype`` or ``torch_dtype``), else of one dtype."""
+    _check_bloom_weights(directory, bloom, {k: t.shape for k, t in found.items()})
+    file = directory / "config.json"
+    if odd := sorted(k for k, t in found.items() if t.dtype not in _WEIGHT_DTYPES):
+        raise CheckpointError(
+            f"{directory}: tensor {odd[0]} is {found[odd[0]].dtype}{_more(odd)}, not floating "
+            "point (float16, bfloat16 or float32): a relabelled or corrupt header; re-download "
+            "or re-export the checkpoint"
+        )
+    stated = [(k, config[k]) for k in ("dtype", "torch_dtype") if config.get(k) is not None]
+    for key, value in stated:
+        if not (isinstance(value, str) and value.removeprefix("torch.") in _WEIGHT_DTYPES):
+            raise CheckpointError(
+                f"{file}: {key} is {json.dumps(value)}, expected one of "
+                f"{', '.join(_WEIGHT_DTYPES)} or null; correct it or re-export the checkpoint"
+            )
+    if len({v.removeprefix("torch.") for _, v in stated}) > 1:
+        both = " and ".join(f"{k} {json.dumps(v)}" for k, v in stated)
+        raise CheckpointError(f"{file} gives {both}; keep one of them")
+    if stated:
+        want, source = stated[0][1].removeprefix("torch."), f"{file} states dtype"
+    else:  # no dtype stated: the dtype most tensors have
+        dtypes = [t.dtype for t in found.values()]
+        want, source = max(set(dtypes), key=dtypes.count), "the other tensors are"
+    if wrong := sorted(k for k, t in found.items() if t.dtype != want):
+        raise CheckpointError(
+            f"{directory}: tensor {wrong[0]} is {found[wrong[0]].dtype}{_more(wrong)} but "
+            f"{source} {want}: a relabelled or corrupt header, or a wrong config; re-download or "
+            "re-export the checkpoint"
+        )
+
+
+def _more(names: list[str]) -> str:
+    return f" ({len(names) - 1} more tensors too)" if len(names) > 1 else ""
+
+
 def _some(names: list[str], shown: int = 3) -> str:
     """``n weight(s): a, b, c and k more``: a few names, then a count."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
@@ -577,31 +759,229 @@ def _some(names: list[str], shown: int = 3) -> str:
 def check_checkpoint(directory: Path) -> None:
     """Validate a checkpoint folder before its weights are read (they may be many GB).
 
+    Every file that will be opened (``config.json``, ``headsurgeon.json``, weights, tokenizer
+    files) must be a readable regular file of plausible size: a FIFO, a device, a folder or a
+    symbolic link loop in its place is one :class:`CheckpointError` line naming it.
     ``config.json`` must be one object naming a causal language model TransformerLens converts;
     a BLOOM config's every field must have its type and range (:data:`_BLOOM_FIELDS`), and its
     layers, widths and vocabulary must be those of the stored tensors (read from the file headers):
-    a tensor missing, left unused or of another shape raises :class:`CheckpointError`.
+    a tensor missing, left unused or of another shape raises :class:`CheckpointError`, and so
+    does a tensor that is not floating point or not of the dtype ``config.json`` states (a
+    relabelled header). ``headsurgeon.json`` must pass :func:`check_metadata`, and the sizes of
+    the training run it records (``training.config``) must be those of ``config.json``.
     """
+    _checked_folder(directory)
+
+
+def _checked_folder(directory: Path) -> dict[str, Any]:
+    """:func:`check_checkpoint`, returning the folder's checked ``headsurgeon.json`` ({})."""
     if not directory.is_dir():
         raise ModelNotFoundError(f"{directory} is not a folder; pass a checkpoint folder")
     file = directory / "config.json"
-    if not file.exists():
+    if not os.path.lexists(file):
         raise CheckpointError(
             f"{directory} has no config.json; pass a Hugging Face checkpoint folder "
             "(config.json, *.safetensors, tokenizer files)"
         )
+    _check_files(directory)
     config = read_json(file)
     bloom = _bloom_config(file, config)
+    metadata = _folder_metadata(directory)
+    if bloom is not None:
+        _check_training(directory, bloom, metadata)
     if not _has_weights(directory):
         raise CheckpointError(
             f"{directory} has no weights (*.safetensors); re-export or re-download"
         )
-    shapes = _tensor_shapes(directory)
+    found = stored_tensors(directory)
     with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         tl_config(Path(tmp), source=file)  # errors name the user's file, not this copy
     if bloom is not None:
-        _check_bloom_weights(directory, bloom, shapes)
+        _check_bloom_tensors(directory, config, bloom, found)
+    return metadata
+
+
+# --- headsurgeon.json: one schema ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    """What one ``headsurgeon.json`` field may hold. ``fields``: a dict's known fields;
+    ``closed``: other fields refused (settings that would be ignored); ``each``: every value."""
+
+    kind: str  # "int", "number", "bool", "str", "list" or "dict"
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    nullable: bool = False
+    fields: dict[str, _Value] | None = None
+    closed: bool = False
+    each: _Value | None = None
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.nullable
+        if self.kind in ("int", "number"):
+            number = _is_int(value) or (self.kind == "number" and isinstance(value, float))
+            return number and math.isfinite(value) and self._in_range(value)
+        types = {"bool": bool, "str": str, "list": list, "dict": dict}
+        return isinstance(value, types[self.kind])
+
+    def _in_range(self, value: float) -> bool:
+        low_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        return low_ok and (self.high is None or value <= self.high)
+
+    def describe(self) -> str:
+        what = {
+            "int": "an integer", "number": "a finite number", "bool": "true or false",
+            "str": "a string", "list": "a list", "dict": "an object",
+        }[self.kind]  # fmt: skip
+        bounds = []
+        if self.low is not None:
+            bounds.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            bounds.append(f"<= {self.high:g}")
+        what += f" {' and '.join(bounds)}" if bounds else ""
+        if self.kind == "dict" and self.closed and self.fields:
+            what += f" with only {', '.join(self.fields)}"
+        return what + (" or null" if self.nullable else "")
+
+
+_COUNT = _Value("int", low=1)
+_STEPS = _Value("int", low=0)
+# What the tools read (prepend_bos, training's sizes and seq_len, repair, alibi), and what
+# analyses/train_organism.py, plant_injuries.py and save_hf write.
+_METADATA = _Value(
+    "dict",
+    fields={
+        "name": _Value("str"),
+        "description": _Value("str"),
+        "exported_from": _Value("str"),
+        "prepend_bos": _Value("bool", nullable=True),
+        "alibi": _Value("dict"),  # checked by exact_alibi.trained_bias
+        "training": _Value(
+            "dict",
+            fields={
+                "seq_len": _COUNT,
+                "config": _Value(
+                    "dict",
+                    fields={
+                        "n_layer": _COUNT,
+                        "n_head": _COUNT,
+                        "hidden_size": _COUNT,
+                        "vocab_size": _COUNT,
+                        "seq_len": _COUNT,
+                        "batch": _COUNT,
+                        "parameters": _COUNT,
+                        "warmup_steps": _STEPS,
+                        "peak_lr": _Value("number", low=0, low_open=True),
+                        "weight_decay": _Value("number", low=0),
+                        "retrieval_share": _Value("number", low=0, high=1),
+                    },  # fmt: skip
+                ),
+                "steps": _STEPS,
+                "planned_steps": _STEPS,
+                "tokens_seen": _STEPS,
+                "seed": _Value("int"),
+                "minutes": _Value("number", low=0),
+                "max_bos_mass": _Value("number", low=0, high=1),
+                "final_heldout_loss": _Value("dict", each=_Value("number")),
+            },
+        ),
+        # recommended_config applies these two; any other setting would be silently ignored.
+        "repair": _Value(
+            "dict",
+            closed=True,
+            fields={"steps": _COUNT, "lr": _Value("number", low=0, high=1, low_open=True)},
+        ),
+        "corpus": _Value("list"),
+        "injuries": _Value("list"),
+    },
+)
+# training.config sizes that config.json must repeat: n_head 8 over weights trained with 16
+# heads keeps every tensor's shape, so only this record can tell.
+_TRAINED_SIZES = ("n_layer", "n_head", "hidden_size", "vocab_size")
+
+
+def check_metadata(data: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """``data`` (a ``headsurgeon.json``'s contents) if every known field has its type and range.
+
+    Known fields: ``name``, ``description``, ``exported_from`` (strings); ``prepend_bos``
+    (true, false or null); ``alibi`` (the trained ALiBi variant, see
+    :func:`~headsurgeon.exact_alibi.trained_bias`); ``training`` (``seq_len``, ``steps``,
+    ``seed``, ... and ``config`` with the sizes trained, ``n_layer``, ``n_head``, ...);
+    ``repair`` (``steps`` >= 1 and ``lr`` in (0, 1], the only settings a model recommends);
+    ``corpus`` and ``injuries`` (lists). Other fields are accepted and kept, as a record for
+    people and other tools; one that looks like a misspelt known field is logged as a warning.
+    A bad value is one :class:`CheckpointError` naming ``path`` and the field, e.g.
+    ``…/headsurgeon.json: repair.steps is -5; it must be an integer >= 1``.
+
+    >>> check_metadata({"repair": {"steps": 300, "lr": 2e-3}}, "headsurgeon.json")
+    {'repair': {'steps': 300, 'lr': 0.002}}
+    >>> check_metadata({"prepend_bos": "yes"}, "m/headsurgeon.json")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    headsurgeon.errors.CheckpointError: m/headsurgeon.json: prepend_bos is "yes"; it must be ...
+    """
+    _check_value(data, _METADATA, "", str(path))
+    if data.get("alibi") is not None:
+        try:
+            trained_bias(data)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: alibi: {first_line(e)}") from None
+    return data
+
+
+def _check_value(value: Any, spec: _Value, field: str, path: str) -> None:
+    shown = field or "the file"
+    if not spec.accepts(value):
+        try:
+            text = json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError):
+            text = repr(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        raise CheckpointError(
+            f"{path}: {shown} is {text}; it must be {spec.describe()}; correct the file or "
+            "remove the field"
+        )
+    if not isinstance(value, dict):
+        return
+    known = spec.fields or {}
+    for key, item in value.items():
+        name = f"{field}.{key}" if field else str(key)
+        if key in known:
+            _check_value(item, known[key], name, path)
+        elif spec.each is not None:
+            _check_value(item, spec.each, name, path)
+        elif spec.closed:
+            raise CheckpointError(
+                f"{path}: {name} is not a setting a model recommends (only "
+                f"{', '.join(known)}), so it would be ignored; remove it"
+            )
+        elif close := difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.8):
+            logger.warning("%s: unknown field %s is kept but not used; did you mean %s?",
+                           path, name, close[0])  # fmt: skip
+
+
+def _folder_metadata(directory: Path) -> dict[str, Any]:
+    """The folder's ``headsurgeon.json``, read bounded and checked; ``{}`` without one."""
+    file = directory / METADATA_FILE
+    if not os.path.lexists(file):
+        return {}
+    return check_metadata(read_json(file), file)
+
+
+def _check_training(directory: Path, bloom: dict[str, Any], metadata: dict[str, Any]) -> None:
+    """The sizes ``headsurgeon.json`` records for the training run must be config.json's."""
+    trained = metadata.get("training", {}).get("config", {})
+    for size in _TRAINED_SIZES:
+        if size in trained and trained[size] != bloom[size]:
+            raise CheckpointError(
+                f"{directory / 'config.json'} gives {size} {bloom[size]} but "
+                f"{directory / METADATA_FILE} records training.config.{size} {trained[size]}, "
+                "the size the weights were trained with; correct config.json or re-export the "
+                "checkpoint"
+            )
 
 
 def load_model(
@@ -609,6 +989,7 @@ def load_model(
     *,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    allow_nonfinite: bool = False,
 ) -> Model:
     """Load a model with unprocessed weights and exact ALiBi.
 
@@ -619,11 +1000,18 @@ def load_model(
     downloaded; ``HF_HUB_OFFLINE=1`` respected), or a local Hugging Face checkpoint folder (never
     touches the network). Files are read as safetensors (``torch.load(weights_only=True)`` for
     legacy ``.bin``); remote code is never trusted.
+
+    The folder is checked first (:func:`check_checkpoint`: regular files, config against the
+    weights' shapes and dtypes, ``headsurgeon.json``). Weights that hold NaN or infinity are
+    refused in one :class:`CheckpointError` line naming a few of the tensors (a census would
+    report their heads as dead); ``allow_nonfinite=True`` loads them with a warning instead,
+    to inspect a broken model.
     """
     torch_dtype = parse_dtype(dtype)
     torch_device = parse_device(device)
+    allow_nonfinite = check_bool(allow_nonfinite, "allow_nonfinite")
     name, directory = resolve_model(model)
-    check_checkpoint(directory)
+    metadata = _checked_folder(directory)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -661,6 +1049,7 @@ def load_model(
             f"{directory} holds {_some(unused)} that its config.json leaves unused; "
             "correct config.json or re-export the checkpoint"
         )
+    _check_finite(hf_model, directory, allow_nonfinite)
     tokenizer = None
     if any((directory / f).exists() for f in TOKENIZER_FILES):
         try:
@@ -670,7 +1059,6 @@ def load_model(
                 f"the tokenizer files in {directory} are unreadable ({first_line(e)}); "
                 "re-export the tokenizer, or remove its files to load the weights alone"
             ) from e
-    metadata = read_json(directory / METADATA_FILE) if (directory / METADATA_FILE).exists() else {}
     loaded = from_hf_model(
         hf_model,
         tokenizer,
@@ -686,6 +1074,28 @@ def load_model(
     return backend.move(loaded, torch_device)
 
 
+def _check_finite(hf_model: Any, directory: Path, allow: bool) -> None:
+    """Refuse (or, with ``allow``, warn about) weights holding NaN or infinity: one pass over the
+    state dict, in slices so that no temporary is larger than 16 M elements."""
+    bad, seen = [], set()
+    for name, tensor in hf_model.state_dict().items():
+        if not tensor.is_floating_point() or tensor.data_ptr() in seen:
+            continue  # a tied weight is checked once
+        seen.add(tensor.data_ptr())
+        flat = tensor.detach().reshape(-1)
+        if not all(bool(torch.isfinite(part).all()) for part in flat.split(1 << 24)):
+            bad.append(name)
+    if not bad:
+        return
+    message = f"{directory} holds NaN or infinite values in {_some(bad)}"
+    if not allow:
+        raise CheckpointError(
+            f"{message}; re-export or re-train the checkpoint, or pass allow_nonfinite=True to "
+            "load_model to inspect it"
+        )
+    warnings.warn(f"{message}; the tools' numbers for it are NaN or meaningless", stacklevel=3)
+
+
 def from_hf_model(
     hf_model: Any,
     tokenizer: Any = None,
@@ -699,7 +1109,10 @@ def from_hf_model(
     """An in-memory ``transformers`` causal LM as the installed TransformerLens's model.
 
     Weights unprocessed; on TransformerLens 4.x the bridge wraps ``hf_model`` itself.
+    ``metadata`` (a ``headsurgeon.json``'s contents) is checked by :func:`check_metadata`.
     """
+    label = source / METADATA_FILE if source is not None else "metadata="
+    metadata = check_metadata(metadata, label) if metadata else {}
     hf_config = hf_model.config.to_dict()
     model = backend.convert_hf(hf_model, tokenizer, name=name, prepend_bos=prepend_bos)
     model.headsurgeon_info = ModelInfo(
@@ -725,6 +1138,7 @@ def model_info(model: Model) -> ModelInfo:
     and tokenizer at each call, and nothing is stored on the model. ``prepend_bos`` is always read
     from ``model.cfg.default_prepend_bos``, so changing that setting takes effect at once.
     """
+    backend.check_model(model, "model_info")
     info = getattr(model, "headsurgeon_info", None)
     prepend_bos = bool(model.cfg.default_prepend_bos)
     if info is None:

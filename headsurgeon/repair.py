@@ -7,6 +7,8 @@ Exports:
                                         perplexities, censuses and the verdict
     recommended_config(model, ...)      the fine-tuning settings the model recommends
     DRIFT_THRESHOLD, RUN_FILE           the default drift criterion; the work folder's run file
+    finished_run(work_dir), FINISHED_FILE   whether a work folder's run finished; the file
+                                        that says so
     MAX_PPL_INCREASE                    the default tolerance on held-out perplexity
 
 The report folder (``report.md``, figures, ``model/``) is :func:`headsurgeon.reports.write_report`;
@@ -41,6 +43,7 @@ import io
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +51,8 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from headsurgeon.backend import Model
-from headsurgeon.census import run_census
+from headsurgeon.backend import Model, check_model
+from headsurgeon.census import COLUMNS, run_census
 from headsurgeon.checkpoints import checkpoint_dtype
 from headsurgeon.classify import LABELS, Thresholds, classify_heads
 from headsurgeon.data import (
@@ -67,16 +70,19 @@ from headsurgeon.errors import (
     DataError,
     InvalidArgumentError,
     OutputExistsError,
+    first_line,
 )
 from headsurgeon.evals import perplexity
 from headsurgeon.finetune import (
     FinetuneConfig,
     FinetuneResult,
     finetune,
+    load_torch_file,
     weights_digest,
 )
 from headsurgeon.importance import ablate_heads
-from headsurgeon.loading import model_info
+from headsurgeon.inputs import MAX_JSON_BYTES, describe_kind, read_json, read_text
+from headsurgeon.loading import ModelShape, model_info, model_shape
 from headsurgeon.outputs import (
     atomic_write_bytes,
     atomic_write_text,
@@ -85,20 +91,25 @@ from headsurgeon.surgery import (
     INITS,
     Heads,
     HeadSet,
+    WeightSnapshot,
     check_surgery,
     head_slices,
+    head_tensors,
     load_head_slices,
     reinit_heads,
+    restored_on_failure,
 )
 from headsurgeon.validation import check_bool, check_choice, check_int, check_number
 
 __all__ = [
     "DRIFT_THRESHOLD",
+    "FINISHED_FILE",
     "MAX_PPL_INCREASE",
     "RUN_FILE",
     "PassResult",
     "RepairConfig",
     "RepairResult",
+    "finished_run",
     "recommended_config",
     "repair",
 ]
@@ -111,6 +122,7 @@ DRIFT_THRESHOLD = 0.05
 # that and fails a diverged run (lr 1: x700).
 MAX_PPL_INCREASE = 0.10
 RUN_FILE = "run.json"
+FINISHED_FILE = "finished.json"
 # Settings that judge a run but do not change its training: a resume may change them.
 _VERDICT_SETTINGS = ("max_ppl_increase", "max_collateral")
 
@@ -333,28 +345,87 @@ def _drifted(
     return HeadSet(pairs) - trained
 
 
+def finished_run(work_dir: str | os.PathLike) -> bool:
+    """Whether ``work_dir`` holds a repair run that finished: :func:`repair` writes
+    :data:`FINISHED_FILE` there last, after every pass (a resume of it loads them all again)."""
+    return (Path(work_dir) / FINISHED_FILE).is_file()
+
+
+_PASS_DIR = re.compile(r"pass(\d{1,9})")
+_CENSUS_COLUMNS = [*COLUMNS, "label", "reason"]
+_RECORD_TYPES: dict[str, tuple[type, ...]] = {
+    "targeted": (str,),
+    "perplexity_after": (dict,),
+    "steps_done": (int,),
+    "stopped_early": (bool,),
+    "best_step": (int, type(None)),
+    "history": (dict,),
+    "losses": (list,),
+    "resumed_from": (int, type(None)),
+}
+_HISTORY_COLUMNS = ("step", "lr", "train_loss", "train_ppl", "heldout_ppl", "bos_mass")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numbers(value: object, keys: tuple[str, ...]) -> bool:
+    """Whether ``value`` is a dict holding a number under each of ``keys``."""
+    return isinstance(value, dict) and all(_is_number(value.get(key)) for key in keys)
+
+
 class _WorkDir:
     """Finished passes and fine-tuning checkpoints of one run, for ``resume``.
 
     ``run.json`` identifies the run (model digest, heads, settings); ``census_0.*`` is the first
     census; ``pass<N>/`` holds the fine-tuning checkpoint and, once the pass is over,
-    ``heads.pt`` (the trained slices), ``census.csv`` and ``done.json`` (written last). Only
-    rank 0 writes.
+    ``heads.pt`` (the trained slices), ``census.csv`` and ``census.json``, and ``done.json``
+    (written last); ``finished.json`` marks a run that finished. Only rank 0 writes. Everything
+    read back is checked first (:meth:`unusable` names the file that is not as written).
     """
 
-    def __init__(self, path: Path, rank: int) -> None:
+    def __init__(self, path: Path, rank: int, shape: ModelShape) -> None:
         self.path = path
         self.rank = rank
+        self.shape = shape
+
+    def unusable(self, path: Path, problem: str) -> CheckpointError:
+        """The one line for a resume file that is not as a run writes it."""
+        return CheckpointError(f"resume file {path} {problem}; {self.fix(path)}")
+
+    def fix(self, path: Path) -> str:
+        """What to do about a resume file that cannot be used."""
+        folder = path.parent if _PASS_DIR.fullmatch(path.parent.name) else None
+        redo = f"remove {folder} to redo that pass, or " if folder is not None else ""
+        return (
+            f"the run cannot be resumed from it: {redo}start over with --overwrite (or delete "
+            "the work folder)"
+        )
+
+    def require(self, path: Path) -> Path:
+        """``path``, after checking that it is a regular file."""
+        kind = describe_kind(path)
+        if kind is not None:
+            raise self.unusable(path, "is missing" if kind == "missing" else f"is {kind}")
+        return path
 
     def start(self, identity: dict[str, Any], resume: bool) -> None:
         run_file = self.path / RUN_FILE
-        if run_file.exists():
+        if os.path.lexists(run_file):
             if not resume:
+                state = "a finished" if finished_run(self.path) else "an interrupted"
                 raise OutputExistsError(
-                    f"{self.path} holds an interrupted run; resume it (--resume) or delete it"
+                    f"{self.path} holds {state} run; resume it (--resume) or delete it"
                 )
-            stored = _flatten(json.loads(run_file.read_text()))
-            current = _flatten(identity)
+            stored = read_json(
+                self.require(run_file), "resume file", error=CheckpointError, fix=self.fix(run_file)
+            )
+            if not (
+                isinstance(stored.get("model"), str) and isinstance(stored.get("settings"), dict)
+            ):
+                raise self.unusable(run_file, "is not a run record (model and settings)")
+            stored, current = _flatten(stored), _flatten(identity)
             changed = [
                 f"{key}: {stored.get(key)} vs {current.get(key)}"
                 for key in sorted(set(stored) | set(current))
@@ -362,14 +433,40 @@ class _WorkDir:
             ]
             if changed:
                 raise CheckpointError(
-                    f"the run in {self.path} differs ({'; '.join(changed[:3])}); resume with "
-                    "the same model, heads and options, or start a new output folder"
+                    f"the run in {self.path} differs ({'; '.join(changed[:3])[:300]}); resume "
+                    "with the same model, heads and options, or start a new output folder"
                 )
-        elif self.rank == 0:
-            atomic_write_text(run_file, json.dumps(identity, indent=2, default=str))
+            self.check_passes()
+        else:
+            others = [p.name for p in self.pass_dirs()] + [
+                name for name in ("census_0.json", "census_0.csv") if (self.path / name).exists()
+            ]
+            if others:  # a run record does not go missing by itself: these are not this run's
+                raise self.unusable(run_file, f"is missing beside {', '.join(sorted(others))}")
+            if self.rank == 0:
+                atomic_write_text(run_file, json.dumps(identity, indent=2, default=str))
 
     def pass_dir(self, index: int) -> Path:
         return self.path / f"pass{index}"
+
+    def pass_dirs(self) -> list[Path]:
+        if not self.path.is_dir():
+            return []
+        return [p for p in self.path.iterdir() if _PASS_DIR.fullmatch(p.name)]
+
+    def check_passes(self) -> None:
+        """The finished passes are 1, 2, ... without a gap, and no pass was started beyond the
+        first unfinished one: each pass's targets come from the census after the one before."""
+        numbers = sorted(int(_PASS_DIR.fullmatch(p.name)[1]) for p in self.pass_dirs())
+        done = {n for n in numbers if os.path.lexists(self.pass_dir(n) / "done.json")}
+        unfinished = next(n for n in range(1, len(done) + 2) if n not in done)
+        for n in numbers:
+            if n == 0:
+                raise self.unusable(self.pass_dir(0), "is no pass of a run (passes count from 1)")
+            if n > unfinished:
+                raise self.unusable(
+                    self.pass_dir(n), f"is there although pass {unfinished} is not finished"
+                )
 
     def save_census(self, name: str, census: pd.DataFrame, extra: dict[str, Any]) -> None:
         if self.rank != 0:
@@ -378,13 +475,55 @@ class _WorkDir:
         document = {"attrs": census.attrs, **extra}
         atomic_write_text(self.path / f"{name}.json", json.dumps(document, default=str))
 
-    def load_census(self, name: str) -> tuple[pd.DataFrame, dict[str, Any]] | None:
-        if not (self.path / f"{name}.json").exists():
+    def load_census(
+        self, name: str, fields: dict[str, tuple[type, ...]]
+    ) -> tuple[pd.DataFrame, dict[str, Any]] | None:
+        """The census ``name`` and its record, whose ``fields`` must have those types; None
+        when it was never written (its JSON is written last)."""
+        json_file, csv_file = self.path / f"{name}.json", self.path / f"{name}.csv"
+        if not os.path.lexists(json_file):
             return None
-        document = json.loads((self.path / f"{name}.json").read_text())
-        census = pd.read_csv(self.path / f"{name}.csv", keep_default_na=False, na_values=[""])
+        document = read_json(
+            self.require(json_file), "resume file", error=CheckpointError, fix=self.fix(json_file)
+        )
+        for field, types in {"attrs": (dict,), **fields}.items():
+            value = document.get(field)
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                raise self.unusable(json_file, f"holds no valid {field!r}")
+        text = read_text(
+            self.require(csv_file), "resume file", max_bytes=MAX_JSON_BYTES, error=CheckpointError
+        )
+        try:
+            census = pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
+        except ValueError as e:  # pandas' parser errors, an empty file
+            raise self.unusable(csv_file, f"is not a readable table ({first_line(e)})") from None
+        self.check_census(census, csv_file)
         census.attrs = document.pop("attrs")
         return census, document
+
+    def check_census(self, census: pd.DataFrame, path: Path) -> None:
+        """One line unless ``census`` is a classified census of every head of the model."""
+        if list(census.columns) != _CENSUS_COLUMNS:
+            raise self.unusable(path, "does not have the columns of a classified census")
+        n_layers, n_heads = self.shape.n_layers, self.shape.n_heads
+        index = census[["layer", "head"]]
+        whole = (
+            len(census) == n_layers * n_heads
+            and all(pd.api.types.is_integer_dtype(index[c]) for c in index)
+            and sorted(zip(index["layer"], index["head"], strict=True))
+            == [(layer, head) for layer in range(n_layers) for head in range(n_heads)]
+        )
+        if not whole:
+            raise self.unusable(
+                path, f"does not hold one row per head of the model ({len(census)} rows for "
+                f"{n_layers} layers x {n_heads} heads)",
+            )  # fmt: skip
+        metrics = [c for c in COLUMNS if c not in ("layer", "head")]
+        wrong = [c for c in metrics if not pd.api.types.is_numeric_dtype(census[c])]
+        if wrong:
+            raise self.unusable(path, f"holds values that are not numbers in column {wrong[0]}")
+        if not census["label"].isin(LABELS).all():
+            raise self.unusable(path, f"holds labels other than {', '.join(LABELS)}")
 
     def save_pass(self, result: PassResult, model: Model) -> None:
         if self.rank != 0:
@@ -410,21 +549,30 @@ class _WorkDir:
         )
         atomic_write_text(folder / "done.json", "{}")
 
+    def finish(self) -> None:
+        if self.rank == 0:
+            atomic_write_text(self.path / FINISHED_FILE, "{}")
+
     def load_pass(
         self, index: int, targets: HeadSet, model: Model, config: FinetuneConfig
-    ) -> tuple[pd.DataFrame, dict[str, Any], FinetuneResult] | None:
-        """Load a finished pass into ``model``: its trained slices, census and training record."""
+    ) -> tuple[pd.DataFrame, dict[str, Any], FinetuneResult, dict[str, torch.Tensor]] | None:
+        """A finished pass, checked: its census, training record and result, and the trained
+        slices (for ``model``'s ``targets``; the model is not changed). None if unfinished."""
         folder = self.pass_dir(index)
-        if not (folder / "done.json").exists():
+        if not os.path.lexists(folder / "done.json"):
             return None
-        census, record = self.load_census(f"pass{index}/census")
+        self.require(folder / "done.json")
+        loaded = self.load_census(f"pass{index}/census", _RECORD_TYPES)
+        if loaded is None:
+            raise self.unusable(folder / "census.json", "is missing (the pass is marked done)")
+        census, record = loaded
+        self.check_record(record, folder / "census.json")
         if record["targeted"] != str(targets):
             raise CheckpointError(
-                f"pass {index} in {self.path} targeted {record['targeted']}, not {targets}; "
-                "resume with the same options or start a new output folder"
+                f"pass {index} in {self.path} targeted {record['targeted'][:100]}, not "
+                f"{targets}; resume with the same options or start a new output folder"
             )
-        slices = torch.load(folder / "heads.pt", map_location="cpu", weights_only=True)
-        load_head_slices(model, targets, slices)
+        slices = self.load_slices(folder / "heads.pt", targets, model)
         training = FinetuneResult(
             heads=targets,
             config=config,
@@ -435,7 +583,42 @@ class _WorkDir:
             losses=record["losses"],
             resumed_from=record["resumed_from"],
         )
-        return census, record, training
+        return census, record, training, slices
+
+    def check_record(self, record: dict[str, Any], path: Path) -> None:
+        """One line unless a pass's training record holds what :meth:`save_pass` writes."""
+        history = record["history"]
+        columns = [history.get(c) for c in _HISTORY_COLUMNS]
+        lengths = {len(c) for c in columns if isinstance(c, list)}
+        problems = [
+            (not _numbers(record["perplexity_after"], ("train", "heldout")),
+             "no perplexities after the pass"),
+            (not all(map(_is_number, record["losses"])), "losses that are not numbers"),
+            (not (all(isinstance(c, list) and all(map(_is_number, c)) for c in columns)
+                  and len(lengths) == 1 and 0 not in lengths),
+             "no evaluation history"),
+        ]  # fmt: skip
+        for failed, problem in problems:
+            if failed:
+                raise self.unusable(path, f"holds {problem}")
+
+    def load_slices(self, path: Path, targets: HeadSet, model: Model) -> dict[str, torch.Tensor]:
+        """``heads.pt``, checked to hold every per-head tensor of ``targets`` in its shape."""
+        slices = load_torch_file(self.require(path), "resume file", fix=self.fix(path))
+        expected = {}
+        for layer, chosen in targets.by_layer().items():
+            for name, tensor in head_tensors(model, layer).items():
+                shape = (len(chosen), *tensor.heads(tensor.param).shape[1:])
+                expected[f"blocks.{layer}.attn.{name}"] = shape
+        if not isinstance(slices, dict) or set(slices) != set(expected):
+            raise self.unusable(path, f"does not hold the slices of {targets}")
+        for key, shape in expected.items():
+            value = slices[key]
+            if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+                raise self.unusable(path, f"holds no floating-point tensor as {key}")
+            if tuple(value.shape) != shape:
+                raise self.unusable(path, f"holds {key} of shape {tuple(value.shape)}, not {shape}")
+        return slices
 
 
 def _head_slices(model: Model, heads: HeadSet) -> dict[str, torch.Tensor]:
@@ -662,11 +845,13 @@ class _Run:
     def __init__(
         self, model: Model, config: RepairConfig, data: _Data,
         settings: dict[str, Any], work: _WorkDir | None, resume: bool, progress: bool,
+        snapshot: WeightSnapshot,
     ) -> None:  # fmt: skip
         self.model, self.config, self.data, self.settings = model, config, data, settings
         self.finetune_config: FinetuneConfig = config.finetune  # resolved by _resolve
         self.work, self.resume, self.progress = work, resume, progress
         self.undo: list[tuple[HeadSet, dict[str, torch.Tensor]]] = []  # targets' slices, per pass
+        self.snapshot = snapshot  # the weights before the run, should it fail
 
     def census(self) -> pd.DataFrame:
         measured = run_census(
@@ -711,10 +896,12 @@ class _Run:
                 "settings": json.loads(json.dumps(training)),
             }
             work.start(identity, self.resume)
-        stored = work.load_census("census_0") if work is not None else None
+        stored = work.load_census("census_0", {"perplexity": (dict,)}) if work is not None else None
         if stored is not None:
             current, extra = stored
             ppl = extra["perplexity"]
+            if not _numbers(ppl, ("train", "heldout")):
+                raise work.unusable(work.path / "census_0.json", "holds no valid perplexities")
         else:
             current, ppl = self.census(), self.perplexities()
             if work is not None:
@@ -729,14 +916,16 @@ class _Run:
         """Pass ``index`` on ``targets`` (loaded from the work folder when it finished there),
         judged against ``start``: the first census, its perplexities and the earlier targets."""
         work, model = self.work, self.model
-        self.undo.append((targets, _head_slices(model, targets)))
         loaded = (
             work.load_pass(index, targets, model, self.finetune_config)
             if work is not None
             else None
-        )
+        )  # read and checked before the model changes
+        self.undo.append((targets, _head_slices(model, targets)))
+        self.snapshot.add_heads(targets)
         if loaded is not None:
-            after, record, training = loaded
+            after, record, training, slices = loaded
+            load_head_slices(model, targets, slices)
             ppl_after = record["perplexity_after"]
             logger.info("pass %d: loaded from %s", index, work.pass_dir(index))
         else:
@@ -907,7 +1096,15 @@ def repair(
     model as given) or turns more than ``max_collateral`` healthy frozen heads sick damages the
     model: it recovers nothing, the run stops and fails (``ok`` False), and ``model`` goes back to
     the best pass that did no damage, or to its original weights (see :class:`RepairResult`).
+    A call that raises (any exception, ``KeyboardInterrupt`` included) gives ``model`` its
+    original weights back, bit for bit, and logs one warning saying so.
+
+    With ``work_dir`` each finished pass and fine-tuning checkpoint is kept there;
+    ``resume=True`` continues the run it holds (checked file by file; a damaged file is one
+    :class:`~headsurgeon.errors.CheckpointError` line), and :func:`finished_run` tells whether
+    the run there finished.
     """
+    check_model(model, "repair")
     check_surgery(model)  # before any census or training
     keywords = {
         "passes": passes, "init": init, "seed": seed, "thresholds": thresholds,
@@ -927,9 +1124,18 @@ def repair(
     data = _prepare_data(model, config, corpus, eval_corpus, census_data)
     settings = _settings(model, config, heads, include, data)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    work = _WorkDir(Path(work_dir), rank) if work_dir is not None else None
-    run = _Run(model, config, data, settings, work, resume, progress)
+    work = _WorkDir(Path(work_dir), rank, model_shape(model)) if work_dir is not None else None
+    with restored_on_failure(model, "repair") as snapshot:
+        run = _Run(model, config, data, settings, work, resume, progress, snapshot)
+        result = _run(run, heads, include)
+        if work is not None:
+            work.finish()
+    return result
 
+
+def _run(run: _Run, heads: HeadSet | None, include: HeadSet) -> RepairResult:
+    """The passes of :func:`repair`, and its result."""
+    model, config, settings = run.model, run.config, run.settings
     current, ppl = run.first_census()
     first, first_ppl = current, ppl
     results: list[PassResult] = []

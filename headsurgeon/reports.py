@@ -15,8 +15,9 @@ Exports:
     IMPORTANCE_NAMES                          head_importance's columns as classified tables
                                               name them (``method`` -> ``importance_method``)
 
-Every writer fills a new folder atomically (:func:`headsurgeon.outputs.atomic_directory`) and
-takes ``formats`` by one rule (:func:`headsurgeon.plots.split_formats`). The library modules
+Every writer fills a new folder atomically (:func:`headsurgeon.outputs.atomic_directory`),
+marked as headsurgeon's (``.headsurgeon-output.json``: ``overwrite`` replaces only such a folder)
+and takes ``formats`` by one rule (:func:`headsurgeon.plots.split_formats`). The library modules
 (:mod:`headsurgeon.classify`, :mod:`headsurgeon.repair`, :mod:`headsurgeon.blindness`) compute;
 this module turns their results into files, and is the one place besides
 :mod:`headsurgeon.plots` that imports plotly.
@@ -118,7 +119,7 @@ def default_out_dir(model: str | os.PathLike, suffix: str) -> Path:
     """
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(model).rstrip("/\\")).name or str(model))
     candidate, n = Path(f"{name}-{suffix}"), 2
-    while candidate.exists() or partial_dir(candidate).exists():
+    while any(os.path.lexists(p) for p in (candidate, partial_dir(candidate))):  # dangling too
         candidate, n = Path(f"{name}-{suffix}-{n}"), n + 1
     return candidate
 
@@ -297,7 +298,8 @@ def write_classification(
     ``plotly.min.js`` in the folder and work offline. ``formats=None`` writes html, and png when
     a Chromium browser is found (else one warning names the skipped PNGs); static formats given
     explicitly need a browser (:func:`headsurgeon.plots.split_formats`), checked before anything
-    is written. A folder holding files is refused unless ``overwrite``.
+    is written. A folder holding files is refused unless ``overwrite``, and even then unless
+    headsurgeon wrote it (:func:`headsurgeon.outputs.check_output_dir`).
     """
     needed = ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share"]
     require_columns(classified, [*needed, "label", "reason"])
@@ -320,7 +322,7 @@ def write_classification(
     summary = format_summary(classified)
     figures = {name: make(classified) for name, make in makers.items()}
     figures["threshold_sweep"] = plots.sweep_plot(sweep)
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite, writer="write_classification") as tmp:
         atomic_write_text(tmp / "heads.csv", classified.to_csv(index=False))
         atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")
         atomic_write_text(tmp / "threshold_sweep.csv", sweep.to_csv(index=False))
@@ -532,7 +534,8 @@ def write_report(
     ``save_model=False``, or no pass is acceptable: report.md then says so). ``formats=None`` writes
     html, and png when a Chromium browser is found (else one warning names the skipped PNGs and
     report.md links only what was written); static formats given explicitly need a browser
-    (:func:`headsurgeon.plots.split_formats`), checked before anything is written.
+    (:func:`headsurgeon.plots.split_formats`), checked before anything is written. A folder
+    holding files is refused unless ``overwrite``, and even then unless headsurgeon wrote it.
     """
     written = plots.split_formats(formats)[0]  # unknown format / no browser for one asked: now
     report = _json_safe(result.to_dict())
@@ -552,7 +555,7 @@ def write_report(
             title=f"Pass {p.index}: BOS mass, after − before",
         )  # fmt: skip
     figures["training"] = training_plot(result)
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite, writer="write_report") as tmp:
         atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")
         markdown = _markdown(report, list(figures), written, model_dir=save_model)
         atomic_write_text(tmp / "report.md", markdown)
@@ -620,7 +623,8 @@ def write_blindness(
     Files: ``blindness.csv`` (``analytic``), ``measured_by_head.csv``, ``measured_by_distance.csv``
     and ``measured_by_length.csv`` (``measured``), ``summary.txt`` (:func:`blindness_summary`)
     and the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
-    results allow), each HTML self-contained.
+    results allow), each HTML self-contained. A folder holding files is refused unless
+    ``overwrite``, and even then unless headsurgeon wrote it.
     """
     summary = blindness_summary(analytic, measured)
     figures = {}
@@ -630,7 +634,7 @@ def write_blindness(
         figures["zero_fraction"] = plots.zero_fraction_plot(measured.by_distance)
         if analytic is not None:
             figures["analytic_vs_measured"] = plots.analytic_vs_measured(measured.by_head)
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite, writer="write_blindness") as tmp:
         if analytic is not None:
             atomic_write_text(tmp / "blindness.csv", analytic.to_csv(index=False))
         if measured is not None:

@@ -18,7 +18,11 @@ Exports:
                                         and writing such copies back
     HeadMask / mask_gradients(...)      gradient masks as parameter hooks (removable)
     HeadParameters                      trainable float32 copies of the chosen slices
+    WeightSnapshot                      copies of the weights a function is about to change
+    restored_on_failure(model, what)    context manager: on any exception (Ctrl-C included) the
+                                        weights in its WeightSnapshot are put back bit for bit
     check_surgery(model)                UnsupportedArchitectureError unless heads can be operated on
+    MAX_HEADS                           the most heads a head set may name (no model has as many)
 
 Gradient masks alone do not freeze anything under AdamW: decoupled weight decay shrinks every
 element it is given, gradient or not. ``HeadParameters`` is what :mod:`headsurgeon.finetune` trains
@@ -35,7 +39,9 @@ and optimiser memory grows with the number of heads, not the size of the model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -45,7 +51,7 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor, nn
 
-from headsurgeon.backend import HEAD_TENSORS, Model, check_head_tensors, head_tensors
+from headsurgeon.backend import HEAD_TENSORS, Model, check_head_tensors, check_model, head_tensors
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.loading import ModelShape, model_shape
 from headsurgeon.validation import check_choice, check_int
@@ -63,13 +69,22 @@ __all__ = [
     "HeadMask",
     "mask_gradients",
     "HeadParameters",
+    "MAX_HEADS",
+    "WeightSnapshot",
+    "restored_on_failure",
 ]
+
+logger = logging.getLogger(__name__)
 
 # b_K has no gradient in exact arithmetic (q·b_K shifts every logit of a query row equally, and
 # softmax ignores that), so training it would only let Adam amplify rounding noise: it stays 0.
 TRAINED_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_V", "W_O")
 INITS = ("xavier_normal", "xavier_uniform")
 SICK_LABELS = ("dead", "BOS-sink")
+# More heads than any real model has (BLOOM-176B: 70 layers x 112 heads = 7,840), so a head set,
+# and every layer or head number in one, is bounded before anything is expanded or allocated:
+# "L0-100000H0-100000" is refused at once instead of filling memory.
+MAX_HEADS = 65_536
 
 _TOKEN = re.compile(r"^L(\d+)(?:-(\d+))?H(\d+)(?:-(\d+))?$", re.IGNORECASE)
 
@@ -84,9 +99,12 @@ _HEADS_FORMS = (
 )
 
 
-def _short(value: object) -> str:
-    text = repr(value)
+def _clip(text: str) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _short(value: object) -> str:
+    return _clip(repr(value))
 
 
 def _pair(item: object) -> tuple[int, int]:
@@ -98,17 +116,26 @@ def _pair(item: object) -> tuple[int, int]:
         )
     layer, head = item
     return (
-        check_int(layer, f"the layer of head {_short(item)}", minimum=0),
-        check_int(head, f"the head index of head {_short(item)}", minimum=0),
+        check_int(layer, f"the layer of head {_short(item)}", minimum=0, maximum=MAX_HEADS - 1),
+        check_int(head, f"the head index of head {_short(item)}", minimum=0, maximum=MAX_HEADS - 1),
     )
 
 
-def _ints(heads: object) -> list[int]:
-    """A layer's heads in a ``{layer: heads}`` mapping: one int or a list of ints."""
+def _ints(heads: object) -> Iterator[object]:
+    """A layer's heads in a ``{layer: heads}`` mapping: one int or an iterable of ints (read
+    lazily, so that :class:`HeadSet` can stop a huge one at :data:`MAX_HEADS`)."""
     items = [heads] if isinstance(heads, int) else heads
     if not isinstance(items, Iterable) or isinstance(items, str):
         raise InvalidArgumentError(_HEADS_FORMS.format(heads=_short(heads)))
-    return list(items)
+    return iter(items)
+
+
+def _too_many(spec: object, count: int | None = None) -> InvalidArgumentError:
+    names = "more than" if count is None else f"{count:,} heads, more than"
+    return InvalidArgumentError(
+        f"{_short(spec)} names {names} the {MAX_HEADS:,} heads a head set may hold (no model "
+        "has as many); name the heads of the model, e.g. L5H9-11"
+    )
 
 
 class HeadSet:
@@ -135,6 +162,8 @@ class HeadSet:
             )
         seen: set[tuple[int, int]] = set()
         for pair in map(_pair, heads):
+            if len(seen) >= MAX_HEADS:  # before a generator or range runs on for ever
+                raise _too_many(heads)
             if pair in seen:
                 raise InvalidArgumentError(
                     f"head {_name(*pair)} is listed twice; list each head once"
@@ -159,7 +188,7 @@ class HeadSet:
         if isinstance(heads, HeadSet):
             chosen = heads
         elif isinstance(heads, str):
-            chosen = cls.parse(heads)
+            chosen = cls.parse(heads, model)
         elif isinstance(heads, Mapping):
             chosen = cls((layer, head) for layer, hs in heads.items() for head in _ints(hs))
         elif isinstance(heads, Iterable):
@@ -170,26 +199,24 @@ class HeadSet:
 
     @classmethod
     def parse(cls, text: str, model: Model | ModelShape | None = None) -> HeadSet:
-        """Parse ``"L5H9,L6H10-15,L7-9H3"``; validate against ``model`` when given."""
+        """Parse ``"L5H9,L6H10-15,L7-9H3"``; validate against ``model`` when given.
+
+        Every range is checked (against ``model``'s shape when given, and against
+        :data:`MAX_HEADS`) before it is expanded, so a huge one fails at once.
+
+        >>> HeadSet.parse("L0-100000H0-100000")
+        Traceback (most recent call last):
+        headsurgeon.errors.InvalidArgumentError: layer and head numbers stop at 65535 ...
+        """
+        shape = None if model is None else _shape(model)
         tokens = [t.strip() for t in str(text).replace(" ", "").split(",") if t.strip()]
         if not tokens:
             raise InvalidArgumentError(f"no heads in {text!r}; write heads as L5H9,L6H10-15")
-        pairs = []
-        for token in tokens:
-            match = _TOKEN.match(token)
-            if match is None:
-                raise InvalidArgumentError(
-                    f"cannot read head {token!r}; write heads as L<layer>H<head> with optional "
-                    "ranges, e.g. L5H9,L6H10-15,L7-9H3"
-                )
-            l0, l1, h0, h1 = (None if g is None else int(g) for g in match.groups())
-            l1 = l0 if l1 is None else l1
-            h1 = h0 if h1 is None else h1
-            if l1 < l0 or h1 < h0:
-                raise InvalidArgumentError(f"range in {token!r} runs backwards; write low-high")
-            pairs.extend((layer, head) for layer in range(l0, l1 + 1) for head in range(h0, h1 + 1))
-        heads = cls(pairs)
-        return heads.validate(model) if model is not None else heads
+        ranges = [_range(token, shape) for token in tokens]
+        total = sum(len(layers) * len(heads) for layers, heads in ranges)
+        if total > MAX_HEADS:
+            raise _too_many(text, total)
+        return cls((layer, head) for layers, heads in ranges for layer in layers for head in heads)
 
     @classmethod
     def from_labels(cls, census: pd.DataFrame, labels: Iterable[str] = SICK_LABELS) -> HeadSet:
@@ -212,13 +239,10 @@ class HeadSet:
 
     def validate(self, model: Model | ModelShape) -> HeadSet:
         """Return ``self`` if every head exists in ``model``; otherwise raise saying which."""
-        shape = model if isinstance(model, ModelShape) else model_shape(model)
+        shape = _shape(model)
         for layer, head in self._heads:
             if layer >= shape.n_layers or head >= shape.n_heads:
-                raise InvalidArgumentError(
-                    f"head {_name(layer, head)} is out of range: the model has layers "
-                    f"0-{shape.n_layers - 1} and heads 0-{shape.n_heads - 1}"
-                )
+                raise _out_of_range(f"head {_name(layer, head)}", shape)
         return self
 
     @property
@@ -285,6 +309,44 @@ class HeadSet:
 Heads = HeadSet | str | Iterable[tuple[int, int]] | Mapping[int, Iterable[int]]
 
 
+def _shape(model: Model | ModelShape) -> ModelShape:
+    return model if isinstance(model, ModelShape) else model_shape(model)
+
+
+def _out_of_range(what: str, shape: ModelShape) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{what} is out of range: the model has layers 0-{shape.n_layers - 1} and heads "
+        f"0-{shape.n_heads - 1}"
+    )
+
+
+def _range(token: str, shape: ModelShape | None) -> tuple[range, range]:
+    """The layers and heads of one ``L<layers>H<heads>`` token, checked but not expanded."""
+    match = _TOKEN.match(token)
+    if match is None:
+        raise InvalidArgumentError(
+            f"cannot read head {_short(token)}; write heads as L<layer>H<head> with optional "
+            "ranges, e.g. L5H9,L6H10-15,L7-9H3"
+        )
+    # A number of more than nine digits is beyond every bound below; int() of thousands of
+    # digits would be slow, or refused.
+    l0, l1, h0, h1 = (None if g is None else int(g) if len(g) <= 9 else 10**9
+                      for g in match.groups())  # fmt: skip
+    l1 = l0 if l1 is None else l1
+    h1 = h0 if h1 is None else h1
+    if l1 < l0 or h1 < h0:
+        raise InvalidArgumentError(f"range in {_short(token)} runs backwards; write low-high")
+    if shape is not None and (l1 >= shape.n_layers or h1 >= shape.n_heads):
+        what = "head" if (l0, h0) == (l1, h1) else "range"
+        raise _out_of_range(f"{what} {_clip(token.upper())}", shape)
+    if max(l1, h1) >= MAX_HEADS:
+        raise InvalidArgumentError(
+            f"layer and head numbers stop at {MAX_HEADS - 1} (no model has more), but "
+            f"{_short(token)} goes beyond; name the heads of the model, e.g. L5H9-11"
+        )
+    return range(l0, l1 + 1), range(h0, h1 + 1)
+
+
 def check_surgery(model: Model) -> None:
     """Raise :class:`UnsupportedArchitectureError` unless every head has its own Q/K/V/O slices."""
     check_head_tensors(model)
@@ -312,6 +374,7 @@ def reinit_heads(
     other head stay untouched. Heads draw from their own seeded generator: the same ``seed`` gives
     the same weights for a head whichever other heads are in ``heads``.
     """
+    check_model(model, "reinit_heads")
     check_choice(init, "init", INITS)
     seed = check_int(seed, "seed")  # "1" and 1 would hash to the same weights
     check_surgery(model)
@@ -383,6 +446,117 @@ def load_head_slices(model: Model, heads: Heads, slices: Mapping[str, Tensor]) -
         tensor = head_tensors(model, int(layer))[name]
         weight = tensor.heads(tensor.param)
         weight[torch.tensor(by_layer[int(layer)])] = values.to(weight.device, weight.dtype)
+
+
+class WeightSnapshot:
+    """Copies of the weights a function is about to change, to put back bit for bit.
+
+    :meth:`add_heads` copies chosen heads' slices of every per-head tensor (what
+    :func:`reinit_heads` and :class:`HeadParameters` change); :meth:`add_layers` copies whole
+    per-head tensors of layers (what an optimiser over whole tensors moves, the ``"mask"``
+    strategy's). Add weights before changing them. A head or tensor already copied is not
+    copied again, and :meth:`restore` writes the copies back latest first, so the weights come
+    back as they were when each was first added. It holds only the copies, on the model's
+    device: a few heads' slices cost a few heads' memory.
+
+    >>> from headsurgeon.loading import random_model
+    >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
+    >>> before = {k: v.clone() for k, v in model.state_dict().items()}
+    >>> snapshot = WeightSnapshot(model)
+    >>> snapshot.add_heads("L1H0,L1H3")
+    >>> reinit_heads(model, "L1H0,L1H3", seed=5)
+    >>> snapshot.restore()  # True: weights had changed
+    True
+    >>> all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    True
+    """
+
+    def __init__(self, model: Model) -> None:
+        check_surgery(model)
+        self.model = model
+        self._heads = HeadSet()
+        self._paths: set[str] = set()
+        # In the order taken: (heads, their slices) or (parameter, its whole copy).
+        self._copies: list[tuple[HeadSet, dict[str, Tensor]] | tuple[nn.Parameter, Tensor]] = []
+
+    def add_heads(self, heads: Heads) -> None:
+        """Copy the slices of ``heads`` not copied yet, of every per-head tensor."""
+        new = HeadSet.of(heads, self.model) - self._heads
+        if new:
+            self._copies.append((new, head_slices(self.model, new)))
+            self._heads = self._heads | new
+
+    def add_layers(self, layers: Iterable[int], names: Iterable[str] = HEAD_TENSORS) -> None:
+        """Copy the whole tensors ``names`` (``W_Q`` ...) of ``layers`` not copied yet."""
+        names = list(names)
+        for layer in layers:
+            for name, tensor in head_tensors(self.model, layer).items():
+                if name in names and tensor.path not in self._paths:
+                    self._copies.append((tensor.param, tensor.param.detach().clone()))
+                    self._paths.add(tensor.path)
+
+    @torch.no_grad()
+    def restore(self) -> bool:
+        """Write every copy back into the model, latest first; whether any weight had changed."""
+        changed = False
+        for kept, copy in reversed(self._copies):
+            if isinstance(kept, HeadSet):
+                now = head_slices(self.model, kept)
+                changed |= any(not torch.equal(now[k], v) for k, v in copy.items())
+                load_head_slices(self.model, kept, copy)
+            else:
+                changed |= not torch.equal(kept, copy)
+                kept.copy_(copy)
+        return changed
+
+
+@dataclasses.dataclass
+class _Guard:
+    depth: int = 0  # restored_on_failure blocks open on the model
+    changed: bool = False  # whether one of them, failing, found weights changed
+
+
+# Per model (by id): fine-tuning inside a repair has a block inside a block. Each restores its
+# own copies; only the outermost says so, and only if some block had something to put back.
+_GUARDS: dict[int, _Guard] = {}
+
+
+@contextlib.contextmanager
+def restored_on_failure(model: Model, what: str) -> Iterator[WeightSnapshot]:
+    """Context manager for a function that changes ``model``'s weights in place: on any
+    exception, ``KeyboardInterrupt`` included, the weights added to the yielded
+    :class:`WeightSnapshot` are put back bit for bit before the exception goes on, and one
+    warning says so when any had changed (``what`` names the work: "repair", "fine-tuning").
+
+    >>> from headsurgeon.loading import random_model
+    >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
+    >>> w_o = model.blocks[1].attn.W_O.clone()
+    >>> with restored_on_failure(model, "an example") as snapshot:
+    ...     snapshot.add_heads("L1H2")
+    ...     reinit_heads(model, "L1H2")
+    ...     raise RuntimeError("stopped halfway")
+    Traceback (most recent call last):
+    RuntimeError: stopped halfway
+    >>> torch.equal(model.blocks[1].attn.W_O, w_o)
+    True
+    """
+    snapshot = WeightSnapshot(model)
+    guard = _GUARDS.setdefault(id(model), _Guard())
+    guard.depth += 1
+    try:
+        yield snapshot
+    except BaseException as e:
+        guard.changed |= snapshot.restore()
+        if guard.changed and guard.depth == 1:
+            logger.warning(
+                "%s stopped (%s): the model's weights are back as they were before it",
+                what, type(e).__name__,
+            )  # fmt: skip
+        raise
+    finally:
+        guard.depth -= 1
+        if not guard.depth:
+            del _GUARDS[id(model)]
 
 
 class HeadMask:
@@ -459,6 +633,7 @@ def _multiply_by(mask: Tensor) -> Callable[[Tensor], Tensor]:
 
 def mask_gradients(model: Model, heads: Heads) -> HeadMask:
     """Apply a :class:`HeadMask` and return it (call ``.remove()``, or use it in ``with``)."""
+    check_model(model, "mask_gradients")
     return HeadMask(model, heads).apply()
 
 

@@ -53,6 +53,19 @@ def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bo
     return f" {text}" if text else ""
 
 
+def _shown(value: object, longest: int = 80) -> str:
+    """``repr(value)`` for an error message, shortened: a huge integer by its size (Python
+    refuses to print one of over 4,300 digits), any other long repr cut at ``longest``.
+
+    >>> _shown(10**5000), _shown("x" * 100)[-6:]
+    ('an integer of about 5001 digits', "xx...'")
+    """
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= longest else f"{text[: longest - 4]}...{text[-1]}"
+
+
 def check_int(
     value: object, name: str, *, minimum: int | None = None, maximum: int | None = None
 ) -> int:
@@ -69,7 +82,7 @@ def check_int(
             if maximum is None or number <= maximum:
                 return number
     bounds = _bounds(minimum, maximum, False, False)
-    raise InvalidArgumentError(f"{name} must be an integer{bounds}, got {value!r}")
+    raise InvalidArgumentError(f"{name} must be an integer{bounds}, got {_shown(value)}")
 
 
 def check_number(
@@ -88,7 +101,10 @@ def check_number(
     """
     ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     if ok:
-        x = float(value)
+        try:
+            x = float(value)
+        except OverflowError:  # an integer beyond float's range: infinite for the bounds
+            x = math.inf if value > 0 else -math.inf
         ok = not math.isnan(x) and (math.isfinite(x) or not finite)
         ok = ok and (low is None or (x > low if low_open else x >= low))
         ok = ok and (high is None or (x < high if high_open else x <= high))
@@ -96,7 +112,7 @@ def check_number(
             return x
     bounds = _bounds(low, high, low_open, high_open)
     kind = "a finite number" if finite else "a number"
-    raise InvalidArgumentError(f"{name} must be {kind}{bounds}, got {value!r}")
+    raise InvalidArgumentError(f"{name} must be {kind}{bounds}, got {_shown(value)}")
 
 
 def check_choice(value: object, name: str, choices: Iterable[str]) -> str:
@@ -104,11 +120,11 @@ def check_choice(value: object, name: str, choices: Iterable[str]) -> str:
     choices = list(choices)
     if isinstance(value, str) and value in choices:
         return value
-    raise InvalidArgumentError(f"unknown {name} {value!r}; use one of {', '.join(choices)}")
+    raise InvalidArgumentError(f"unknown {name} {_shown(value)}; use one of {', '.join(choices)}")
 
 
 def check_bool(value: object, name: str) -> bool:
     """``value`` if it is ``True`` or ``False`` (numpy bools too)."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
+    raise InvalidArgumentError(f"{name} must be True or False, got {_shown(value)}")

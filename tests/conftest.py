@@ -108,3 +108,32 @@ tl3_only = pytest.mark.skipif(
     __import__("headsurgeon.backend").backend.MAJOR >= 4,
     reason="TransformerLens 3.x only (HookedTransformer from a config)",
 )
+
+
+def error_line(main, argv, capsys) -> str:
+    """Run a tool expecting exit status 2 and exactly one ``error:`` line; return that line."""
+    from headsurgeon.cli import run
+
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, [str(a) for a in argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    """Loading a model, or any analysis, fails the test: the checks must come first."""
+    import headsurgeon.cli.blindness
+    import headsurgeon.cli.repair
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded (or analysed) before the input was checked")
+
+    monkeypatch.setattr(headsurgeon.cli, "load_model", refuse)
+    monkeypatch.setattr(headsurgeon.cli.repair, "load_model", refuse)
+    monkeypatch.setattr(headsurgeon.cli.blindness, "load_model", refuse)
+    monkeypatch.setattr(headsurgeon.cli.blindness, "analytic_blindness", refuse)

@@ -185,8 +185,8 @@ def test_a_cycle_is_found():
     assert cycles(graph) == [["a", "b", "c"]]
 
 
-def test_dtypes_and_validation_are_leaves():
-    for leaf in ("headsurgeon.dtypes", "headsurgeon.validation"):
+def test_the_leaves_import_only_errors():
+    for leaf in ("headsurgeon.dtypes", "headsurgeon.validation", "headsurgeon.inputs"):
         assert import_graph()[leaf] <= {"headsurgeon", "headsurgeon.errors"}
 
 

@@ -29,6 +29,7 @@ from headsurgeon.cli import run
 from headsurgeon.cli.classify import main
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError, OutputExistsError
+from headsurgeon.outputs import MARK_FILE
 from headsurgeon.reports import format_summary, write_classification
 
 TEXT = (
@@ -163,9 +164,14 @@ def test_write_classification_refuses_existing_folder(tmp_path):
     (tmp_path / "out" / "keep.txt").write_text("x")
     with pytest.raises(OutputExistsError):
         write_classification(df, tmp_path / "out", formats=())
-    write_classification(df, tmp_path / "out", formats=("html",), overwrite=True)
+    with pytest.raises(OutputExistsError, match="did not write: keep.txt"):
+        write_classification(df, tmp_path / "out", formats=(), overwrite=True)
+    (tmp_path / "out" / "keep.txt").unlink()  # an empty folder may be written
+    write_classification(df, tmp_path / "out", formats=(), overwrite=True)
+    write_classification(df, tmp_path / "out", formats=("html",), overwrite=True)  # ours now
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         ["heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv", "plotly.min.js"]
+        + [MARK_FILE]
         + [
             f"{n}.html"
             for n in ("bos_mass", "labels", "entropy", "output_share", "threshold_sweep")

@@ -42,3 +42,44 @@ def test_bad_data_is_refused(tiny_model, tmp_path):
         to_sequences(tiny_model, None, seq_len=tiny_model.cfg.n_ctx + 1)
     with pytest.raises(InvalidArgumentError):
         list(batches(torch.zeros(2, 2, dtype=torch.long), 0))
+
+
+def test_a_str_is_always_text_and_a_path_always_a_file(tiny_model, tmp_path):
+    """One rule: ``str`` is text even when it names a file; ``os.PathLike`` is a file."""
+    from pathlib import Path
+
+    from headsurgeon.data import describe, tokenize
+
+    file = tmp_path / "corpus.txt"
+    file.write_text("file contents " * 40)
+    as_text = to_sequences(tiny_model, str(file), seq_len=4)
+    expected = tokenize(tiny_model, str(file))
+    assert as_text.flatten().tolist() == expected[: as_text.numel()]  # the path's own tokens
+    as_file = to_sequences(tiny_model, file, seq_len=4)
+    assert as_file.flatten().tolist()[:8] == tokenize(tiny_model, file.read_text())[:8]
+    mixed = to_sequences(tiny_model, [str(file), file], seq_len=4)
+    assert len(mixed) == len(as_text) + len(as_file)
+    assert describe(str(file)) == "1 text(s) given in memory"
+    assert describe([file, "/etc/passwd", "more"]) == f"{file} and 2 text(s) given in memory"
+    assert describe(Path("a.txt")) == "a.txt"
+    with pytest.raises(DataError, match="text file nope.txt does not exist"):
+        to_sequences(tiny_model, Path("nope.txt"), seq_len=4)
+
+
+def test_seq_len_and_token_tensors_are_checked_in_one_line(tiny_model):
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    for data in ("some text " * 20, tokens):
+        with pytest.raises(InvalidArgumentError, match="seq_len must be an integer >= 1, got True"):
+            to_sequences(tiny_model, data, seq_len=True)
+    with pytest.raises(DataError) as error:
+        to_sequences(tiny_model, torch.zeros(2, 8, dtype=torch.long, device="meta"), seq_len=4)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("a token tensor on the meta device")
+    with pytest.raises(DataError, match="layout torch.sparse_coo"):
+        to_sequences(tiny_model, tokens.to_sparse(), seq_len=4)
+
+
+def test_read_texts_takes_one_path_as_a_path(tmp_path):
+    file = tmp_path / "t.txt"
+    file.write_text("hello")
+    assert read_texts(file) == ["hello"] == read_texts(str(file))

@@ -23,6 +23,7 @@ from headsurgeon.errors import (
 )
 from headsurgeon.exact_alibi import use_exact_alibi
 from headsurgeon.loading import ORGANISM_DIR, ModelShape, random_model
+from headsurgeon.outputs import MARK_FILE, mark_folder
 
 ATOL = 1e-4
 
@@ -172,10 +173,11 @@ def test_failed_verification_leaves_nothing_and_replaces_nothing(tiny_model, tmp
     old = tmp_path / "old"
     old.mkdir()
     (old / "keep.txt").write_text("old")
+    mark_folder(old, "test")  # an earlier output of ours, which overwrite may replace
     with pytest.raises(CheckpointError, match="nothing written"):
         save_hf(tiny_model, old, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["old"]
-    assert [p.name for p in old.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in old.iterdir()) == [MARK_FILE, "keep.txt"]
 
 
 def test_verification_catches_hooks_that_change_the_model(tiny_model, tmp_path):

@@ -17,16 +17,15 @@ import sys
 import time
 
 import pytest
-from conftest import TEXT
+from conftest import TEXT, error_line
 
 import headsurgeon.cli
 import headsurgeon.cli.blindness
 import headsurgeon.cli.classify
 import headsurgeon.cli.repair
-from headsurgeon.cli import run
 from headsurgeon.data import read_texts, to_sequences
 from headsurgeon.errors import DataError, OutputBusyError, OutputWriteError
-from headsurgeon.outputs import atomic_directory, atomic_write_text, claim_output
+from headsurgeon.outputs import atomic_directory, atomic_write_text, claim_output, mark_folder
 
 TOOLS = {
     "classify": (headsurgeon.cli.classify.main, []),
@@ -40,31 +39,6 @@ def text_file(tmp_path):
     path = tmp_path / "text.txt"
     path.write_text(TEXT)
     return path
-
-
-@pytest.fixture()
-def no_model(monkeypatch):
-    """Loading a model, or any analysis, fails the test: the checks must come first."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded (or analysed) before the inputs were checked")
-
-    monkeypatch.setattr(headsurgeon.cli, "load_model", refuse)
-    monkeypatch.setattr(headsurgeon.cli.repair, "load_model", refuse)
-    monkeypatch.setattr(headsurgeon.cli.blindness, "load_model", refuse)
-    monkeypatch.setattr(headsurgeon.cli.blindness, "analytic_blindness", refuse)
-
-
-def error_line(main, argv, capsys) -> str:
-    """Run a tool expecting exit status 2 and exactly one ``error:`` line; return that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        run(main, [str(a) for a in argv])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, err
-    return errors[0]
 
 
 def entries(folder) -> list[str]:
@@ -329,19 +303,22 @@ def test_a_killed_writes_temporaries_are_removed_by_the_next_run(tmp_path, caplo
     out = tmp_path / "out"
     (tmp_path / ".out.tmp-0123456789ab" / "model").mkdir(parents=True)
     (tmp_path / ".out.tmp-0123456789ab" / "model" / "model.safetensors").write_bytes(b"x" * 1000)
+    mark_folder(tmp_path / ".out.tmp-0123456789ab", "test", [])  # as a run marks it first
     (tmp_path / ".report.md.tmp-0123456789ab").write_text("another output's")
     (tmp_path / ".out2.tmp-0123456789ab").mkdir()  # another output's
     with claim_output(out):
         pass
     assert entries(tmp_path) == [".out2.tmp-0123456789ab", ".report.md.tmp-0123456789ab"]
-    assert "removed 1 temporary file(s) of" in caplog.text
+    assert "removed 1 temporary folder(s) of" in caplog.text
 
 
 def test_an_output_a_killed_run_was_replacing_is_put_back(tmp_path, capsys):
     out = tmp_path / "out"
     (tmp_path / ".out.old-0123456789ab").mkdir()  # killed between the two renames
     (tmp_path / ".out.old-0123456789ab" / "heads.csv").write_text("the previous result")
+    mark_folder(tmp_path / ".out.old-0123456789ab", "test")
     (tmp_path / ".out.tmp-ba9876543210").mkdir()
+    mark_folder(tmp_path / ".out.tmp-ba9876543210", "test", [])
     with claim_output(out, overwrite=True):
         assert (out / "heads.csv").read_text() == "the previous result"
     assert entries(tmp_path) == ["out"]
@@ -387,6 +364,7 @@ def test_a_repair_that_never_trained_leaves_no_partial_and_is_not_blocked_by_one
     # What a run killed during its first census leaves: the run's identity, no training.
     (tmp_path / "out.partial").mkdir()
     (tmp_path / "out.partial" / "run.json").write_text("{}")
+    mark_folder(tmp_path / "out.partial", headsurgeon.cli.repair.WORK_WRITER)
     line = error_line(headsurgeon.cli.repair.main,
                       repair_argv(bloom_dir, text_file, "--out", out), capsys)  # fmt: skip
     assert "nothing to repair" in line  # the healthy model's census: it never trained

@@ -240,8 +240,9 @@ def test_resume_after_kill_is_bit_identical(tmp_path):
         )
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, caplog):
     model, heads, tokens = setup()
+    before = snapshot(model)
     calls = []
 
     def breaks_at_step_5(model, tokens):
@@ -249,7 +250,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
         loss = next_token_loss(model, tokens)
         return loss * float("nan") if len(calls) == 5 else loss
 
-    with pytest.raises(TrainingDivergedError, match=r"loss nan .* at step 5.*weights of step 4"):
+    diverged = r"loss nan .* at step 5.*weights from before fine-tuning.*\(step 4\) is kept"
+    with pytest.raises(TrainingDivergedError, match=diverged):
         finetune(
             model,
             heads,
@@ -259,6 +261,13 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
             checkpoint_dir=tmp_path,
             progress=False,
         )
+    # A failed call gives the model back as it was, bit for bit, and says so in one line.
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    restored = [r.getMessage() for r in caplog.records if "are back as they were" in r.getMessage()]
+    assert restored == [
+        "fine-tuning stopped (TrainingDivergedError): the model's weights are back as they were "
+        "before it"
+    ]
     kept = load_checkpoint(tmp_path)
     assert kept["step"] == 4
     with pytest.raises(OutputExistsError, match="holds a checkpoint"):  # never overwritten

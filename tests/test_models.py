@@ -30,6 +30,7 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
 )
 from headsurgeon.loading import BLOOM_SHAPES
+from headsurgeon.outputs import MARK_FILE, mark_folder
 
 ATOL = 1e-4
 
@@ -257,7 +258,10 @@ def test_save_hf_refuses_replaces_and_never_half_writes(tiny_model, tmp_path, mo
     (out / "keep.txt").write_text("old")
     with pytest.raises(OutputExistsError, match="overwrite"):
         save_hf(tiny_model, out)
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    with pytest.raises(OutputExistsError, match="did not write: keep.txt"):
+        save_hf(tiny_model, out, overwrite=True)  # not ours to replace
+    mark_folder(out, "test")  # an earlier output of ours, which overwrite may replace
+    assert sorted(p.name for p in out.iterdir()) == [MARK_FILE, "keep.txt"]
 
     def broken_writer(*args, **kwargs):
         raise OSError("disk full")
@@ -612,7 +616,7 @@ def test_weight_changes_compares_dtypes_exactly_and_rejects_bad_input(tmp_path):
     assert weight_changes(half, {name: nudged}, [(0, 1)], d_head=2).other_changed.sum() == 1
     with pytest.raises(InvalidArgumentError, match="d_head"):
         weight_changes(half, half, [(0, 0)])
-    with pytest.raises(InvalidArgumentError, match="must be an integer >= 0, got -1"):
+    with pytest.raises(InvalidArgumentError, match="must be an integer >= 0 and <= 65535, got -1"):
         weight_changes(half, half, [(0, -1)], d_head=2)
     for layer, head in [(1, 0), (0, 2)]:  # 12 rows = 2 heads of (q, k, v) x 2
         with pytest.raises(InvalidArgumentError, match=f"L{layer}H{head} is not in"):
@@ -639,3 +643,34 @@ def test_weight_changes_reads_folders_like_load_model(bloom_dir, tmp_path):
     (pickled / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="only pickled .bin weights"):
         weight_changes(pickled, bloom_dir)
+
+
+def test_weight_changes_counts_a_nan_left_in_place_as_unchanged():
+    from headsurgeon import weight_changes
+
+    name = "transformer.h.0.self_attention.dense.weight"
+    before = {name: torch.tensor([[float("nan"), 1.0], [2.0, 3.0]])}
+    after = {name: torch.tensor([[float("nan"), 1.0], [2.0, float("nan")]])}
+    table = weight_changes(before, after, d_head=1)
+    assert table.other_changed.tolist() == [1]  # the new NaN only
+
+
+def test_checkpoint_dtype_never_opens_a_fifo(bloom_dir, tmp_path):
+    import os
+
+    from headsurgeon.checkpoints import checkpoint_dtype
+
+    folder = Path(shutil.copytree(bloom_dir, tmp_path / "ckpt"))
+    model = load_model(folder)
+    for name in ("model.safetensors", "config.json"):
+        (folder / name).unlink()
+        os.mkfifo(folder / name)
+    done = []
+    reader = threading.Thread(target=lambda: done.append(checkpoint_dtype(model)), daemon=True)
+    reader.start()
+    reader.join(30)
+    try:
+        assert done == [None]  # nothing to read the dtype from: unknown, not a hang
+    finally:
+        for name in ("model.safetensors", "config.json"):  # release a blocked reader, if any
+            os.close(os.open(folder / name, os.O_RDWR | os.O_NONBLOCK))

@@ -27,6 +27,7 @@ from headsurgeon import classify_heads, load_model, plots
 from headsurgeon.cli import run
 from headsurgeon.errors import FigureExportError, InvalidArgumentError
 from headsurgeon.finetune import FinetuneConfig
+from headsurgeon.outputs import MARK_FILE
 from headsurgeon.repair import repair
 from headsurgeon.reports import write_classification, write_report
 from headsurgeon.surgery import HeadSet
@@ -106,6 +107,7 @@ def test_write_classification_without_browser_writes_all_but_pngs(no_browser, tm
     assert written == sorted(
         ["heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv", "plotly.min.js"]
         + [f"{name}.html" for name in FIGURES]
+        + [MARK_FILE]
     )
     [line] = warnings_of(caplog)
     assert line.startswith(f"warning: skipped 5 static figures in {out}/ (bos_mass.png, ")

@@ -9,15 +9,25 @@ import pytest
 
 from headsurgeon.errors import OutputExistsError
 from headsurgeon.outputs import (
+    MARK_FILE,
     atomic_directory,
     atomic_write_bytes,
     atomic_write_text,
     check_output_dir,
+    foreign_files,
+    read_mark,
 )
 
 
 def names(folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
+
+
+def previous_output(out, name="old.txt", text="old"):
+    """``out`` as an earlier run left it: written, and marked, by atomic_directory."""
+    with atomic_directory(out) as tmp:
+        atomic_write_text(tmp / name, text)
+    return out
 
 
 def test_atomic_write_replaces_whole_files(tmp_path):
@@ -61,7 +71,9 @@ def test_atomic_directory_appears_only_when_complete(tmp_path):
         atomic_write_text(tmp / "a.txt", "a")
         assert not out.exists()
         assert tmp.parent == tmp_path
-    assert names(out) == ["a.txt"]
+        assert read_mark(tmp).files == ()  # marked from the start: a killed run's is provably ours
+    assert names(out) == [MARK_FILE, "a.txt"]
+    assert read_mark(out).files == ("a.txt",) and foreign_files(out) == []
     assert names(tmp_path) == ["out"]
 
 
@@ -84,27 +96,34 @@ def test_atomic_directory_refuses_non_empty_folders_and_files(tmp_path):
     with pytest.raises(OutputExistsError, match="is a file"):
         check_output_dir(tmp_path / "file", overwrite=True)
     assert names(tmp_path) == ["file", "out"]
-    assert names(out) == ["old.txt"]
+    assert names(out) == [MARK_FILE, "old.txt"]
+    assert foreign_files(out) == ["old.txt"]  # added after the run: no longer all headsurgeon's
 
 
 def test_overwrite_replaces_only_after_success(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    out = previous_output(tmp_path / "out")
     with pytest.raises(KeyboardInterrupt), atomic_directory(out, overwrite=True) as tmp:
         atomic_write_text(tmp / "new.txt", "new")
         raise KeyboardInterrupt
-    assert names(out) == ["old.txt"]
+    assert names(out) == [MARK_FILE, "old.txt"]
     with atomic_directory(out, overwrite=True) as tmp:
         atomic_write_text(tmp / "new.txt", "new")
-    assert names(out) == ["new.txt"]
+    assert names(out) == [MARK_FILE, "new.txt"]
     assert names(tmp_path) == ["out"]
 
 
-def test_failed_rename_restores_the_old_folder(tmp_path, monkeypatch):
+def test_overwrite_refuses_a_folder_headsurgeon_did_not_write(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
+    with pytest.raises(OutputExistsError, match="did not write: old.txt; choose another"):
+        with atomic_directory(out, overwrite=True):
+            pytest.fail("the body must not run")
+    assert names(out) == ["old.txt"] and names(tmp_path) == ["out"]
+
+
+def test_failed_rename_restores_the_old_folder(tmp_path, monkeypatch):
+    out = previous_output(tmp_path / "out")
     real_replace = os.replace
 
     def replace(src, dst):
@@ -115,5 +134,5 @@ def test_failed_rename_restores_the_old_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(OSError, match="rename failed"), atomic_directory(out, True) as tmp:
         atomic_write_text(tmp / "new.txt", "new")
-    assert names(out) == ["old.txt"]
+    assert names(out) == [MARK_FILE, "old.txt"]
     assert names(tmp_path) == ["out"]

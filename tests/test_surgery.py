@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pandas as pd
 import pytest
@@ -14,11 +15,14 @@ from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.loading import ModelShape, random_model
 from headsurgeon.surgery import (
     HEAD_TENSORS,
+    MAX_HEADS,
     HeadMask,
     HeadParameters,
     HeadSet,
+    WeightSnapshot,
     mask_gradients,
     reinit_heads,
+    restored_on_failure,
 )
 
 SHAPE = ModelShape(n_layers=3, n_heads=4, d_model=32, d_vocab=64, n_ctx=32)
@@ -88,6 +92,61 @@ def test_headset_validates_against_model(base):
         HeadSet.parse("L3H0", base)
     with pytest.raises(InvalidArgumentError, match="heads 0-3"):
         HeadSet([(0, 4)]).validate(SHAPE)
+
+
+@pytest.mark.parametrize(
+    "spec, shape, message",
+    [
+        ("L0-100000H0-100000", SHAPE, "range L0-100000H0-100000 is out of range: the model has "
+         "layers 0-2 and heads 0-3"),
+        ("L0-3000H0-3000", SHAPE, "range L0-3000H0-3000 is out of range"),
+        ("L0-3000H0-3000", None, "names 9,006,001 heads, more than the 65,536 heads"),
+        ("L0-100000H0-100000", None, "layer and head numbers stop at 65535"),
+        ("L0H0,L1-256H0-255", None, "names 65,537 heads, more than"),
+        ("L" + "9" * 5000 + "H0", None, "layer and head numbers stop at 65535"),
+        ("L0H0-" + "9" * 5000, SHAPE, "is out of range"),
+        ({0: range(10**12)}, None, "must be an integer >= 0 and <= 65535"),
+        (((h // 256, h % 256) for h in range(10**12)), None, "names more than the 65,536 heads"),
+    ],
+)  # fmt: skip
+def test_huge_head_specs_are_refused_before_expansion(spec, shape, message):
+    start = time.perf_counter()
+    with pytest.raises(InvalidArgumentError, match=message) as info:
+        HeadSet.of(spec, shape)
+    assert time.perf_counter() - start < 0.5  # was 123 s for L0-3000H0-3000, and a SIGKILL
+    assert len(str(info.value).splitlines()) == 1 and len(str(info.value)) < 300
+
+
+def test_the_largest_head_set_is_still_taken():
+    assert len(HeadSet.parse("L0-255H0-255")) == MAX_HEADS
+
+
+def test_weight_snapshot_restores_heads_and_whole_tensors(model, caplog):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(KeyboardInterrupt), restored_on_failure(model, "surgery") as snapshot:
+        snapshot.add_heads("L1H0,L2H3")
+        reinit_heads(model, "L1H0,L2H3", seed=3)
+        snapshot.add_heads("L1H0")  # already copied: the first copy is what comes back
+        snapshot.add_layers([2], ["W_O"])
+        with torch.no_grad():
+            head_weight(model, 2, "W_O").add_(1.0)  # every head of layer 2
+        raise KeyboardInterrupt
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert [r.getMessage() for r in caplog.records] == [
+        "surgery stopped (KeyboardInterrupt): the model's weights are back as they were before it"
+    ]
+    caplog.clear()
+    with pytest.raises(ValueError), restored_on_failure(model, "quiet") as snapshot:
+        snapshot.add_heads("L0H1")
+        raise ValueError  # before any change: nothing to say
+    assert not caplog.records
+    with restored_on_failure(model, "done") as snapshot:
+        snapshot.add_heads("L0H1")
+    reinit_heads(model, "L0H1")  # after a block that succeeded nothing is put back
+    assert not torch.equal(head_weight(model, 0, "W_O")[1], before["blocks.0.attn.W_O"][1])
+    copies = WeightSnapshot(model)
+    copies.add_heads("L0H1")
+    assert not copies.restore()  # nothing had changed
 
 
 def test_headset_from_labels():

@@ -189,3 +189,13 @@ def test_finetune_refuses_float_tokens_rather_than_casting_them(tiny_model):
     with pytest.raises(DataError, match="training data: a token tensor holds integer token ids"):
         finetune(tiny_model, "L0H0", torch.rand(8, 16), config=FinetuneConfig(steps=2),
                  progress=False)  # fmt: skip
+
+
+def test_a_huge_integer_is_one_short_line():
+    """Python refuses to print an int of over 4,300 digits: the message gives its size instead."""
+    for check in (
+        lambda v: check_int(v, "steps", maximum=10),
+        lambda v: check_number(v, "lr", high=1),
+    ):
+        with pytest.raises(InvalidArgumentError, match="got an integer of about 5001 digits$"):
+            check(10**5000)

@@ -19,7 +19,10 @@ Exports:
     add_output_args(parser)   --out, --overwrite, --format
     claim_out(args, default)  context manager: the output folder (--out, else ``default``),
                               checked and claimed (headsurgeon.outputs.claim_output) before any
-                              model is loaded, held until the tool has written it
+                              model is loaded, held until the tool has written it; never one
+                              that is, holds or lies inside one of run_inputs(args)
+    run_inputs(args)          the files and folders a run reads: a MODEL folder (or bundled
+                              organism's), --texts, --corpus, --eval-corpus
     figure_formats(args)      the figure formats to write; --format svg/pdf without a browser
                               is a one-line error here, before any model is loaded
     load_model_from_args(a)   the model MODEL, --dtype and --device describe, which must have a
@@ -40,6 +43,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -53,7 +57,7 @@ from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.backend import Model
 from headsurgeon.data import has_tokenizer, read_texts, to_sequences
 from headsurgeon.errors import DataError, HeadsurgeonError
-from headsurgeon.loading import DEFAULT_MODEL, load_model
+from headsurgeon.loading import DEFAULT_MODEL, ORGANISM_DIR, load_model, organism_names
 from headsurgeon.outputs import claim_output
 
 __all__ = [
@@ -65,6 +69,7 @@ __all__ = [
     "TextFiles",
     "add_output_args",
     "claim_out",
+    "run_inputs",
     "figure_formats",
     "load_model_from_args",
     "require_tokenizer",
@@ -164,9 +169,15 @@ class TextFiles(argparse.Action):
 
 
 def add_output_args(parser: argparse.ArgumentParser, *, formats: bool = True) -> None:
-    parser.add_argument("--out", help="output folder (default: a new folder named after the model)")
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace an output folder that holds files"
+        "--out",
+        help="output folder (default: a new folder named after the model); never the working "
+        "directory, home or a folder the run reads (a symlink writes its target)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an output folder headsurgeon wrote (one holding other files is refused)",
     )
     if formats:
         parser.add_argument(
@@ -198,17 +209,40 @@ def figure_formats(args: argparse.Namespace) -> list[str] | None:
     return ["html", "png", *args.format]
 
 
+def run_inputs(args: argparse.Namespace) -> list[Path]:
+    """The files and folders a run of a tool reads, which its output must never touch.
+
+    MODEL when it names something on disk (a checkpoint folder), else the bundled organism's
+    folder when it names one; every file of ``--texts``, ``--corpus`` and ``--eval-corpus``.
+    (A hub model lives in the hub cache, which no output can reach by accident.)
+    """
+    inputs = []
+    model = str(getattr(args, "model", None) or "")
+    if model and os.path.lexists(model):
+        inputs.append(Path(model))
+    elif model in organism_names():
+        inputs.append(ORGANISM_DIR / model)
+    for option in ("texts", "corpus", "eval_corpus"):
+        inputs.extend(Path(p) for p in getattr(args, option, None) or [])
+    return inputs
+
+
 @contextlib.contextmanager
 def claim_out(args: argparse.Namespace, default: str | os.PathLike) -> Iterator[Path]:
-    """The output folder (``--out``, else ``default``), claimed for the run.
+    """The output folder (``--out``, else ``default``), claimed for the run; yielded resolved
+    (absolute, symlinks followed: :func:`headsurgeon.outputs.resolve_output`).
 
-    Checked before any model is loaded (:func:`headsurgeon.outputs.claim_output`): a file in the
-    way, a folder holding files without ``--overwrite``, a location that cannot be created or
-    written, or another run writing it now are one-line errors; what a killed run left there is
-    cleaned. The tool writes inside the ``with`` block; the claim ends with it.
+    Checked before any model is loaded (:func:`headsurgeon.outputs.claim_output`): a path no
+    output may take (``/``, home, the working directory or a parent of it, a dangling symlink or
+    a loop), one that is, holds or lies inside an input (:func:`run_inputs`), a file in the way,
+    a folder holding files headsurgeon did not write (even with ``--overwrite``) or any files
+    (without it), a location that cannot be created or written, or another run writing it now
+    are one-line errors; what a killed run left there (marked as ours) is cleaned. The tool
+    writes inside the ``with`` block; the claim ends with it.
     """
-    with claim_output(Path(args.out) if args.out else Path(default), args.overwrite) as out:
-        yield out
+    out = Path(args.out) if args.out else Path(default)
+    with claim_output(out, args.overwrite, inputs=run_inputs(args)) as claimed:
+        yield claimed
 
 
 def load_model_from_args(args: argparse.Namespace) -> Model:
@@ -248,6 +282,10 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     logging.getLogger("headsurgeon").setLevel(logging.INFO)
     if os.environ.get("HEADSURGEON_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        # Imports are done (see headsurgeon/__init__.py): from here Ctrl-C unwinds, so the run
+        # removes what it was writing on its way out.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = main(argv)
     except HeadsurgeonError as e:

@@ -5,11 +5,17 @@ fine-tuning settings (:func:`~headsurgeon.repair.recommended_config`), keeping f
 ``<out>.partial/`` for ``--resume``, and writes :func:`headsurgeon.reports.write_report` on rank 0
 (``--help`` lists the options). Runs data-parallel under ``torchrun``.
 
+The work folder ``<out>.partial`` is created by this tool, marked as a repair work folder
+(:data:`WORK_WRITER` in its :data:`headsurgeon.outputs.MARK_FILE`), and removed (when the run
+ends, never trained, or is started over with ``--overwrite``) only when it carries that mark: a
+file, symlink or folder of that name that the tool did not make is refused in one line and left
+as it is. ``--resume`` of a run that finished says so (and never suggests ``--overwrite``).
+
 Exit status: 0 repaired; 2 bad input (one line, ``error: ...``); 3 (:data:`EXIT_DAMAGED`) a pass
 damaged the model (report written, ``model/`` only if an earlier pass was acceptable).
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
-``run(main)``), EXIT_DAMAGED (3)
+``run(main)``), EXIT_DAMAGED (3), WORK_WRITER (the work folder's mark)
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import sys
 from collections.abc import Callable, Sequence
@@ -51,6 +58,7 @@ from headsurgeon.errors import (
 )
 from headsurgeon.finetune import DistInfo, FinetuneConfig, setup_distributed
 from headsurgeon.loading import load_model, model_shape
+from headsurgeon.outputs import atomic_directory, read_mark, resolve_output
 from headsurgeon.repair import (
     DRIFT_THRESHOLD,
     MAX_PPL_INCREASE,
@@ -64,6 +72,7 @@ from headsurgeon.surgery import INITS, HeadSet
 
 __all__ = [
     "EXIT_DAMAGED",
+    "WORK_WRITER",
     "main",
     "entry",
 ]
@@ -71,6 +80,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 EXIT_DAMAGED = 3  # 2 is bad input (headsurgeon.cli.run)
+WORK_WRITER = "repair work folder"  # the writer in the mark of <out>.partial
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -182,14 +192,19 @@ def _texts(paths: Sequence[str] | None) -> list[str] | None:
 
 
 def _prepare_output(args: argparse.Namespace, claims: contextlib.ExitStack) -> Path:
-    """The output folder, claimed for the run (held in ``claims``) before the long run; an
-    unfinished run in ``<out>.partial`` is resumed, refused, or cleared on --overwrite, and one
-    that never started training is cleared."""
+    """The output folder, claimed for the run (held in ``claims``) before the long run, and its
+    work folder ``<out>.partial``: an unfinished run there is resumed, refused, or cleared on
+    --overwrite; one that never started training is cleared (a new one is made by
+    :func:`_start_work_folder` once the model is loaded)."""
+    if args.resume:
+        _check_resume(resolve_output(args.out), args.overwrite)  # before the claim's advice
     out = claims.enter_context(claim_out(args, default_out_dir(args.model, "repaired")))
     partial = partial_dir(out)  # the claim on out covers it: no live run is using it now
-    if args.resume and not (partial / RUN_FILE).exists():
+    if os.path.lexists(partial):
+        _check_work_folder(partial, out)
+    if args.resume and not (partial / RUN_FILE).is_file():
         raise CheckpointError(f"no interrupted run to resume: {partial} has no {RUN_FILE}")
-    if not args.resume and partial.exists():
+    if not args.resume and os.path.lexists(partial):
         if not _trained(partial):
             logger.info("removed %s, left by a run that never started training", partial)
         elif not args.overwrite:
@@ -201,10 +216,61 @@ def _prepare_output(args: argparse.Namespace, claims: contextlib.ExitStack) -> P
     return out
 
 
+def _start_work_folder(partial: Path) -> None:
+    """Create the empty work folder of a new run, whose mark says this tool made it."""
+    with atomic_directory(partial, writer=WORK_WRITER):
+        pass
+
+
+def _check_resume(out: Path, overwrite: bool) -> None:
+    """Refuse a --resume of ``out`` that a finished run holds: nothing to resume, and
+    ``--overwrite`` would delete the finished run (unless an interrupted run is to replace it)."""
+    if not (out / "report.md").is_file():
+        return
+    partial = partial_dir(out)
+    if not (partial / RUN_FILE).is_file():
+        raise CheckpointError(
+            f"{out} holds a finished repair (report.md); nothing to resume: open it, or start a "
+            "new run with another --out"
+        )
+    if not overwrite:
+        raise OutputExistsError(
+            f"{out} holds a finished repair (report.md) and {partial} an interrupted run that "
+            f"would replace it when done: continue with --resume {out} --overwrite, or leave "
+            "both as they are"
+        )
+
+
+def _check_work_folder(partial: Path, out: Path) -> None:
+    """Refuse a ``partial`` this tool did not make (no work-folder mark): a user's own file,
+    symlink or folder of that name, never touched."""
+    if partial.is_dir() and not partial.is_symlink():
+        mark = read_mark(partial)
+        if mark is not None and mark.writer == WORK_WRITER:
+            return
+        what = "a folder without the mark of a repair work folder"
+    else:
+        what = "a symlink" if partial.is_symlink() else "a file"
+    raise OutputExistsError(
+        f"{partial} is in the way: the repair of {out} keeps its work there, and it is {what} "
+        "(headsurgeon did not make it, so it is left as it is); move it, or choose another --out"
+    )
+
+
 def _trained(partial: Path) -> bool:
     """Whether the work folder holds any training (a pass folder with a file: a fine-tuning
     checkpoint or a finished pass), rather than only the run's identity and first census."""
     return any(p.is_file() for p in partial.glob("pass*/*"))
+
+
+def _remove_work_folder(partial: Path) -> None:
+    """Remove ``partial`` if it still carries the work-folder mark (it is the tool's own)."""
+    mark = read_mark(partial) if partial.is_dir() and not partial.is_symlink() else None
+    if mark is None or mark.writer != WORK_WRITER:
+        logger.warning("left %s as it is: it no longer carries the mark of a repair work folder",
+                       partial)  # fmt: skip
+        return
+    shutil.rmtree(partial, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -217,7 +283,7 @@ def _keep_training(out: Path, partial: Path, rank: int):
         if rank != 0 or not partial.exists():
             raise
         if not _trained(partial):
-            shutil.rmtree(partial, ignore_errors=True)
+            _remove_work_folder(partial)
             raise
         hint = f"{partial} keeps the finished training: continue it with --resume {out}"
         if isinstance(e, OutputWriteError):
@@ -300,6 +366,8 @@ def _run(
         finetune = recommended_config(model, settings.finetune, steps=args.steps, lr=args.lr)
         settings = dataclasses.replace(settings, finetune=finetune)
         with _keep_training(out, partial, dist_info.rank):
+            if dist_info.rank == 0 and not args.resume:
+                _start_work_folder(partial)
             result = repair(
                 model, _texts(args.corpus), eval_corpus=_texts(args.eval_corpus),
                 census_data=_texts(args.texts), heads=args.heads, include=args.include,
@@ -308,7 +376,7 @@ def _run(
             )  # fmt: skip
             if dist_info.rank == 0:
                 write_report(result, out, formats=formats, overwrite=args.overwrite)
-                shutil.rmtree(partial, ignore_errors=True)
+                _remove_work_folder(partial)
     if dist_info.rank == 0:
         print((out / "report.md").read_text().split("## Pass")[0].rstrip())
         model_dir = ", model/" if result.best_pass is not None else " (no model/)"

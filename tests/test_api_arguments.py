@@ -1,0 +1,70 @@
+"""The API names its argument: every public function that takes a model says so in one line when
+given a name, a path, ``None``, a Hugging Face model or a model without weights (``meta``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import headsurgeon as hs
+from headsurgeon.errors import InvalidArgumentError
+
+# Each public model-taking function, with the least else it needs to reach its model check.
+CALLS = {
+    "run_census": lambda m: hs.run_census(m),
+    "head_importance": lambda m: hs.head_importance(m),
+    "ablate_heads": lambda m: hs.importance.ablate_heads(m, [(0, 0)]).__enter__(),
+    "measure_blindness": lambda m: hs.measure_blindness(m),
+    "mitigation": lambda m: hs.mitigation(m, "softcap").__enter__(),
+    "perplexity": lambda m: hs.perplexity(m),
+    "passkey": lambda m: hs.passkey(m),
+    "needle": lambda m: hs.needle(m),
+    "use_exact_alibi": lambda m: hs.use_exact_alibi(m),
+    "alibi_slopes": lambda m: hs.alibi_slopes(m),
+    "install_exact_alibi": lambda m: hs.exact_alibi.install_exact_alibi(m),
+    "model_info": lambda m: hs.model_info(m),
+    "save_hf": lambda m: hs.save_hf(m, "/nonexistent/never-written"),
+    "checkpoint_dtype": lambda m: hs.checkpoint_dtype(m),
+    "reinit_heads": lambda m: hs.reinit_heads(m, [(0, 0)]),
+    "mask_gradients": lambda m: hs.mask_gradients(m, [(0, 0)]),
+    "repair": lambda m: __import__("headsurgeon.repair").repair.repair(m),
+    "finetune": lambda m: __import__("headsurgeon.finetune").finetune.finetune(
+        m, [(0, 0)], torch.zeros(2, 8, dtype=torch.long)
+    ),
+}
+
+
+def one_line(error: BaseException) -> str:
+    message = str(error)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        ("organism", "is the name 'organism', not a model; load it first"),
+        (Path("organism"), "is the name 'organism', not a model; load it first"),
+        (None, "is None, not a model"),
+        (torch.nn.Linear(2, 2), "is a Linear, not a TransformerLens"),
+        (42, "is a int, not a model"),
+    ],
+    ids=["str", "Path", "None", "nn.Module", "int"],
+)
+def test_a_model_argument_that_is_not_a_model_is_one_line(name, given, said):
+    with pytest.raises(InvalidArgumentError) as caught:
+        CALLS[name](given)
+    message = one_line(caught.value)
+    assert message.startswith(f"{name}: model "), message
+    assert said in message
+
+
+def test_a_model_without_weights_is_one_line(bloom_dir):
+    model = hs.load_model(bloom_dir)
+    meta = model.to("meta")
+    for name in ("run_census", "perplexity", "measure_blindness"):
+        with pytest.raises(InvalidArgumentError, match="meta device"):
+            CALLS[name](meta)

@@ -1,0 +1,108 @@
+"""Ctrl-C at any moment of a tool's run: "interrupted", exit status 130, no traceback, and nothing
+half-written left behind (the output folder is either absent or complete, with no hidden
+temporaries beside it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(sys.executable).parent
+TOOLS = {
+    "python -m classify": [sys.executable, "-m", "headsurgeon.classify", "organism-injured"],
+    "console script": [str(SCRIPTS / "headsurgeon-classify"), "organism-injured"],
+    "python -m repair": [
+        sys.executable, "-m", "headsurgeon.repair", "organism-injured",
+        "--steps", "40", "--passes", "1", "--n-seqs", "8", "--seq-len", "64",
+    ],
+}  # fmt: skip
+
+
+def interrupt(command: list[str], delay: float, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``command`` in ``cwd``, send SIGINT after ``delay`` seconds, wait for it to end."""
+    if not Path(command[0]).exists():
+        pytest.skip(f"{command[0]} is not installed")
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(cwd)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A shell's background job (CI under some runners) inherits SIGINT ignored, and Python
+        # then keeps ignoring it: give the tool the terminal's default, as a user's shell does.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=180)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def assert_whole_or_absent(out: Path, complete_file: str, stderr: str) -> None:
+    """``out`` is absent or holds ``complete_file``; nothing hidden or partial lies beside it,
+    but a repair's resumable ``out.partial`` that the tool names."""
+    beside = sorted(p.name for p in out.parent.iterdir() if p.name != out.name)
+    if beside == [f"{out.name}.partial"]:
+        assert (out.parent / beside[0] / "run.json").is_file()
+        assert f"--resume {out}" in stderr, stderr
+        beside = []
+    assert beside == [], beside
+    assert not out.exists() or (out / complete_file).is_file(), sorted(os.listdir(out))
+
+
+@pytest.mark.slow  # subprocesses
+@pytest.mark.parametrize(
+    "tool, delay, complete_file",
+    [
+        ("python -m classify", 0.3, "summary.txt"),  # importing torch
+        ("python -m classify", 1.5, "summary.txt"),  # importing TransformerLens
+        ("python -m classify", 4.0, "summary.txt"),  # loading, census or writing
+        ("console script", 0.3, "summary.txt"),
+        ("console script", 1.5, "summary.txt"),
+        ("python -m repair", 0.3, "report.md"),
+        ("python -m repair", 12.0, "report.md"),  # the first census
+        ("python -m repair", 20.0, "report.md"),  # training
+    ],
+)
+def test_ctrl_c_is_one_line_status_130_and_leaves_nothing_half_written(
+    tmp_path, tool, delay, complete_file
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    out = run / "out"
+    result = interrupt([*TOOLS[tool], "--out", str(out)], delay, run)
+    if result.returncode == 0:  # this machine finished first: then the output must be whole
+        assert (out / complete_file).is_file()
+        return
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    # Its own line (a progress bar closed while unwinding may redraw itself after it).
+    assert "interrupted\n" in result.stderr, result.stderr
+    assert_whole_or_absent(out, complete_file, result.stderr)
+
+
+@pytest.mark.slow
+def test_an_ignored_sigint_stays_ignored(tmp_path):
+    """A tool started with SIGINT ignored (``nohup``, a background job) runs to its end."""
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [*TOOLS["python -m classify"], "--out", str(out)],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)},
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    for delay in (0.3, 3.0):
+        time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=180)
+    assert process.returncode == 0, stderr
+    assert (out / "summary.txt").is_file()
