@@ -427,7 +427,7 @@ class _WorkDir:
                 raise self.unusable(run_file, "is not a run record (model and settings)")
             stored, current = _flatten(stored), _flatten(identity)
             changed = [
-                f"{key}: {stored.get(key)} vs {current.get(key)}"
+                f"{key}: {stored.get(key)!r} vs {current.get(key)!r}"
                 for key in sorted(set(stored) | set(current))
                 if stored.get(key) != current.get(key)
             ]

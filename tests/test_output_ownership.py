@@ -51,7 +51,8 @@ FAST = ["--seq-len", "16", "--n-seqs", "2", "--threads", "1"]
 
 def snapshot(folder: Path) -> dict[str, object]:
     """Every entry under ``folder`` (symlinks not followed): a file's bytes, a link's target, a
-    folder as ``"<dir>"``. Equal snapshots: nothing was added, removed or changed."""
+    folder as ``"<dir>"``, a FIFO as ``"<special>"``. Equal snapshots: nothing was added, removed
+    or changed."""
     found: dict[str, object] = {}
     for root, dirs, files in os.walk(folder):
         for name in dirs + files:
@@ -61,6 +62,8 @@ def snapshot(folder: Path) -> dict[str, object]:
                 found[key] = ("link", os.readlink(path))
             elif path.is_dir():
                 found[key] = "<dir>"
+            elif not path.is_file():  # a FIFO: reading it would block
+                found[key] = "<special>"
             else:
                 found[key] = path.read_bytes()
     return found
@@ -523,6 +526,17 @@ def test_resume_of_a_finished_run_says_it_is_finished(bloom_dir, tmp_path, no_mo
     before = snapshot(tmp_path)
     line = error_line(REPAIR, [bloom_dir, "--resume", out], capsys)
     assert f"continue with --resume {out} --overwrite" in line
+    assert snapshot(tmp_path) == before
+
+
+def test_resume_from_a_run_file_that_is_no_regular_file(bloom_dir, tmp_path, no_model, capsys):
+    partial = tmp_path / "r8.partial"
+    with atomic_directory(partial, writer=WORK_WRITER):
+        pass
+    os.mkfifo(partial / "run.json")  # opened, it would block the run forever
+    before = snapshot(tmp_path)
+    line = error_line(REPAIR, [bloom_dir, "--resume", tmp_path / "r8"], capsys)
+    assert line.startswith(f"error: resume file {partial / 'run.json'} is a FIFO (named pipe)")
     assert snapshot(tmp_path) == before
 
 

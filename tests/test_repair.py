@@ -174,7 +174,7 @@ def test_cli_interrupted_run_resumes_to_the_same_result(
     with pytest.raises(SystemExit) as exit_info:  # the same run with other heads cannot resume
         run(main, cli_args(injured, text_file, out, "--heads", "L0H0", "--resume", str(out)))
     assert exit_info.value.code == 2
-    assert "differs (settings.heads: None vs L0H0)" in capsys.readouterr().err
+    assert "differs (settings.heads: None vs 'L0H0')" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # starting over without --resume or --overwrite is refused
         run(main, cli_args(injured, text_file, out))
 

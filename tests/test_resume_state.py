@@ -209,5 +209,5 @@ def test_a_hand_edited_run_identity_is_one_line(injured, finished, tmp_path):  #
     run = json.loads((work / RUN_FILE).read_text())
     run["settings"]["passes"] = "x" * 10_000
     (work / RUN_FILE).write_text(json.dumps(run))
-    message = resume_fails(injured, work, "differs (settings.passes: xxx")
+    message = resume_fails(injured, work, "differs (settings.passes: 'xxx")
     assert len(message) < 600

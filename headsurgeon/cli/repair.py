@@ -57,6 +57,7 @@ from headsurgeon.errors import (
     OutputWriteError,
 )
 from headsurgeon.finetune import DistInfo, FinetuneConfig, setup_distributed
+from headsurgeon.inputs import check_regular_file
 from headsurgeon.loading import load_model, model_shape
 from headsurgeon.outputs import atomic_directory, read_mark, resolve_output
 from headsurgeon.repair import (
@@ -202,8 +203,11 @@ def _prepare_output(args: argparse.Namespace, claims: contextlib.ExitStack) -> P
     partial = partial_dir(out)  # the claim on out covers it: no live run is using it now
     if os.path.lexists(partial):
         _check_work_folder(partial, out)
-    if args.resume and not (partial / RUN_FILE).is_file():
-        raise CheckpointError(f"no interrupted run to resume: {partial} has no {RUN_FILE}")
+    if args.resume:
+        run_file = partial / RUN_FILE
+        if not os.path.lexists(run_file):
+            raise CheckpointError(f"no interrupted run to resume: {partial} has no {RUN_FILE}")
+        check_regular_file(run_file, "resume file", error=CheckpointError)  # a FIFO: one line
     if not args.resume and os.path.lexists(partial):
         if not _trained(partial):
             logger.info("removed %s, left by a run that never started training", partial)
