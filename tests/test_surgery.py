@@ -113,7 +113,8 @@ def test_huge_head_specs_are_refused_before_expansion(spec, shape, message):
     start = time.perf_counter()
     with pytest.raises(InvalidArgumentError, match=message) as info:
         HeadSet.of(spec, shape)
-    assert time.perf_counter() - start < 0.5  # was 123 s for L0-3000H0-3000, and a SIGKILL
+    # Generous for a loaded machine: it was 123 s for L0-3000H0-3000, and a SIGKILL.
+    assert time.perf_counter() - start < 5
     assert len(str(info.value).splitlines()) == 1 and len(str(info.value)) < 300
 
 
