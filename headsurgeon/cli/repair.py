@@ -245,13 +245,20 @@ def _check_resume(out: Path, overwrite: bool) -> None:
         )
 
 
+def _is_work_folder(partial: Path) -> bool:
+    """Whether ``partial`` is a folder (not a symlink) carrying this tool's work-folder mark."""
+    if not partial.is_dir() or partial.is_symlink():
+        return False
+    mark = read_mark(partial)
+    return mark is not None and mark.writer == WORK_WRITER
+
+
 def _check_work_folder(partial: Path, out: Path) -> None:
     """Refuse a ``partial`` this tool did not make (no work-folder mark): a user's own file,
     symlink or folder of that name, never touched."""
+    if _is_work_folder(partial):
+        return
     if partial.is_dir() and not partial.is_symlink():
-        mark = read_mark(partial)
-        if mark is not None and mark.writer == WORK_WRITER:
-            return
         what = "a folder without the mark of a repair work folder"
     else:
         what = "a symlink" if partial.is_symlink() else "a file"
@@ -269,8 +276,7 @@ def _trained(partial: Path) -> bool:
 
 def _remove_work_folder(partial: Path) -> None:
     """Remove ``partial`` if it still carries the work-folder mark (it is the tool's own)."""
-    mark = read_mark(partial) if partial.is_dir() and not partial.is_symlink() else None
-    if mark is None or mark.writer != WORK_WRITER:
+    if not _is_work_folder(partial):
         logger.warning("left %s as it is: it no longer carries the mark of a repair work folder",
                        partial)  # fmt: skip
         return
