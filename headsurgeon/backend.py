@@ -25,6 +25,7 @@ Exports:
     hf_bias_pre_hook(build)          the same for a Hugging Face BloomAttention (training)
     builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
     run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
+    new_kv_cache(model, batch, device)  an empty key-value cache for ``run_to_layer(cache=)``
     run_from_layer(model, tokens, resid, n)  the logits of a pass entering block ``n`` with resid
     continuation_logprobs(...)       log-probabilities of continuations after one prompt
     tl_state_dict(model)             the weights under TransformerLens 3.x's names and layouts
@@ -78,6 +79,7 @@ __all__ = [
     "hf_config",
     "hub_names",
     "move",
+    "new_kv_cache",
     "run_from_layer",
     "run_to_layer",
     "tl_state_dict",
@@ -469,25 +471,46 @@ class _Stop(Exception):
     """Raised by a hook to end a forward pass once the wanted activation is in hand."""
 
 
+def new_kv_cache(model: Model, batch: int, device: torch.device) -> Any:
+    """An empty key-value cache for ``batch`` sequences, as :func:`run_to_layer`'s ``cache``.
+
+    3.x: TransformerLens's ``TransformerLensKeyValueCache``; 4.x: Hugging Face's
+    ``DynamicCache``, which the bridge's attention extends (TransformerLens 4.x keeps none).
+    """
+    if MAJOR >= 4:
+        from transformers import DynamicCache
+
+        return DynamicCache()
+    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
+
+    return TransformerLensKeyValueCache.init_cache(model.cfg, device, batch_size=batch)
+
+
 def run_to_layer(
-    model: Model, tokens: Int[Tensor, "batch pos"], stop_at_layer: int
+    model: Model, tokens: Int[Tensor, "batch pos"], stop_at_layer: int, *, cache: Any = None
 ) -> Float[Tensor, "batch pos d_model"]:
     """The residual stream after block ``stop_at_layer - 1``; no later block, no unembedding.
 
     Hooks already on the model fire as usual. (4.x's own ``stop_at_layer`` runs the final
-    LayerNorm and unembedding when it equals the number of layers.)
+    LayerNorm and unembedding when it equals the number of layers.) With ``cache`` (from
+    :func:`new_kv_cache`) the tokens continue the cached positions, and the cache grows by them.
     """
     if MAJOR < 4:
-        return model(tokens, stop_at_layer=stop_at_layer)
+        if cache is None:
+            return model(tokens, stop_at_layer=stop_at_layer)
+        ones = torch.ones_like(tokens)  # explicit: no pad-token guessing from the tokenizer
+        return model(tokens, stop_at_layer=stop_at_layer, past_kv_cache=cache,
+                     attention_mask=ones)  # fmt: skip
     found: list[Tensor] = []
 
     def stop(resid: Tensor, hook: HookPoint) -> None:
         found.append(resid)
         raise _Stop
 
+    kwargs = {} if cache is None else {"cache": cache, "use_cache": True}
     with model.hooks(fwd_hooks=[(f"blocks.{stop_at_layer - 1}.hook_resid_post", stop)]):
         try:
-            model(tokens)
+            model(tokens, **kwargs)
         except _Stop:
             pass
     return found[0]

@@ -42,6 +42,7 @@ from headsurgeon.backend import Model
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.inputs import read_text
 from headsurgeon.loading import model_info
+from headsurgeon.long_context import max_length
 from headsurgeon.validation import check_bool, check_int
 
 __all__ = [
@@ -216,9 +217,10 @@ def to_sequences(
         if bos and not bool((tokens[:, 0] == bos_token_id(model)).all()):
             tokens = torch.cat([torch.full_like(tokens[:, :1], bos_token_id(model)), tokens], dim=1)
         return tokens[:n_seqs] if n_seqs else tokens
-    if seq_len > model.cfg.n_ctx:
+    limit = max_length(model)  # None for ALiBi: no position table, any length
+    if limit is not None and seq_len > limit:
         raise DataError(
-            f"seq_len {seq_len} is beyond the model's context of {model.cfg.n_ctx} tokens; "
+            f"seq_len {seq_len} is beyond the model's context of {limit} tokens; "
             "use a shorter seq_len (--seq-len on the command line)"
         )
     body = seq_len - 1 if bos else seq_len

@@ -1,0 +1,156 @@
+"""Long sequences in bounded memory: the forward pass in blocks of query rows, exactly.
+
+A dense forward pass holds every layer's ``[batch, head, query_pos, key_pos]`` scores and
+pattern, so its memory grows as T²: 4096 tokens of a 16-head model take ~1 GiB per tensor, and a
+pattern hook doubles it. :func:`run_in_blocks` runs the sequence as consecutive blocks of
+``block_size`` query rows through the model's own key-value cache (TransformerLens 3.x's
+``TransformerLensKeyValueCache``, Hugging Face's ``DynamicCache`` under a 4.x bridge): block
+``b`` attends to the cached keys and values of every earlier position and to its own, which is
+causal attention, computed by the model's own code with its own hooks. Memory is the cache (two
+``[batch, pos, d_model]`` tensors per layer: linear in T) plus one block's attention
+(``batch x head x block x keys``); :func:`block_size` chooses the block from that memory. The
+numbers equal the dense pass's up to float32 rounding (a matmul over fewer keys sums in another
+order): census columns agree within 1e-6, see ``tests/test_long_context.py``.
+
+**What your hooks see on this path.** Every hook fires once per block, with the block's rows:
+
+* ``hook_attn_scores``, ``hook_pattern``: ``[batch, head_index, block, keys]`` where
+  ``keys = offset + block``; row ``i`` is query position ``offset + i``, column ``j`` key position
+  ``j``. :func:`query_offset` gives ``offset`` from the tensor's shape.
+* ``hook_q``, ``hook_z``, ``hook_attn_out``, ``hook_resid_*``, MLP hooks: ``[batch, block, ...]``,
+  positions ``offset ... offset + block - 1``.
+* ``hook_k``, ``hook_v``: the block's own new keys and values only (the earlier ones come from the
+  cache).
+
+With a single block (the whole sequence fits the budget) this is the ordinary dense forward pass:
+one call, square patterns, no cache.
+
+Exports:
+    DEFAULT_BLOCK_BYTES                    the attention memory one block may use by default
+    max_length(model)                      the longest sequence the model takes (None: ALiBi, any)
+    check_length(model, n_pos, what)       ``n_pos`` if the model takes it, else one line
+    block_size(model, n_pos, ...)          query rows per block for a memory budget
+    query_offset(scores)                   the query position of a block's first row
+    run_in_blocks(model, tokens, ...)      the residual stream block by block (a generator)
+
+>>> from headsurgeon.loading import ModelShape, random_model
+>>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
+>>> tokens = torch.randint(0, 64, (1, 40))  # longer than n_ctx: ALiBi has no position table
+>>> [(offset, tuple(resid.shape)) for offset, resid in run_in_blocks(model, tokens, block_size=16)]
+[(0, (1, 16, 32)), (16, (1, 16, 32)), (32, (1, 8, 32))]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from headsurgeon.backend import Model, new_kv_cache, run_to_layer
+from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.validation import check_int
+
+__all__ = [
+    "DEFAULT_BLOCK_BYTES",
+    "block_size",
+    "check_length",
+    "max_length",
+    "query_offset",
+    "run_in_blocks",
+]
+
+# Attention temporaries of one block: scores, mask, pattern and what hooks make of them.
+DEFAULT_BLOCK_BYTES = 256 * 2**20
+# Bytes per (batch, head, query, key) entry a plain forward pass keeps alive at once (float32
+# scores, the masked scores, the pattern, the causal mask): callers whose hooks make more pass more.
+FORWARD_BYTES_PER_ENTRY = 16
+# Blocks shorter than this make the per-block overhead (one model call each) dominate.
+MIN_BLOCK = 32
+
+
+def max_length(model: Model) -> int | None:
+    """The longest sequence ``model`` takes: ``None`` (any) for ALiBi, whose ``n_ctx`` is nominal
+    (it has no position table; extrapolation is the point), else ``cfg.n_ctx``.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> print(max_length(random_model(ModelShape(1, 2, 8, 9, n_ctx=16))))
+    None
+    """
+    return None if model.cfg.positional_embedding_type == "alibi" else model.cfg.n_ctx
+
+
+def check_length(model: Model, n_pos: int, what: str = "sequence length") -> int:
+    """``n_pos`` if ``model`` takes sequences that long, else one :class:`InvalidArgumentError`
+    line (models with learned or rotary positions keep their context; ALiBi models take any)."""
+    n_pos = check_int(n_pos, what, minimum=1)
+    limit = max_length(model)
+    if limit is not None and n_pos > limit:
+        raise InvalidArgumentError(
+            f"{what} {n_pos} is beyond the model's context of {limit} tokens (its "
+            f"{model.cfg.positional_embedding_type} positions end there); use a shorter one"
+        )
+    return n_pos
+
+
+def block_size(
+    model: Model,
+    n_pos: int,
+    *,
+    batch: int = 1,
+    bytes_per_entry: int = FORWARD_BYTES_PER_ENTRY,
+    budget: int = DEFAULT_BLOCK_BYTES,
+) -> int:
+    """Query rows per block so that one block's attention (``batch x head x block x n_pos``
+    entries of ``bytes_per_entry`` bytes) fits ``budget`` bytes; ``n_pos`` when the whole
+    sequence fits (the dense pass), never under 32 rows (a multiple of 32 otherwise).
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=16, d_model=64, d_vocab=9, n_ctx=16))
+    >>> block_size(model, 512), block_size(model, 4096), block_size(model, 65_536)
+    (512, 256, 32)
+    """
+    n_pos = check_int(n_pos, "n_pos", minimum=1)
+    per_row = batch * model.cfg.n_heads * n_pos * bytes_per_entry
+    rows = budget // per_row
+    if rows >= n_pos:
+        return n_pos
+    return max(MIN_BLOCK, rows // MIN_BLOCK * MIN_BLOCK)
+
+
+def query_offset(scores: Float[Tensor, "batch head_index query_pos key_pos"]) -> int:
+    """The query position of row 0 of a block's ``hook_attn_scores`` or ``hook_pattern``.
+
+    >>> query_offset(torch.zeros(1, 4, 16, 48))
+    32
+    """
+    return scores.shape[-1] - scores.shape[-2]
+
+
+def run_in_blocks(
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    *,
+    block_size: int,
+    stop_at_layer: int | None = None,
+) -> Iterator[tuple[int, Float[Tensor, "batch block d_model"]]]:
+    """Yield ``(offset, resid)`` for consecutive blocks of ``block_size`` positions: the residual
+    stream after block ``stop_at_layer - 1`` (default: the last) at positions
+    ``offset ... offset + block - 1``, neither the final LayerNorm nor the unembedding applied.
+
+    Hooks already on the model fire once per block (see the module docstring). The tokens are
+    used as they are (no BOS is added). Run it under ``torch.no_grad()`` unless you mean to
+    back-propagate through every block.
+    """
+    n_pos = tokens.shape[1]
+    block = check_int(block_size, "block_size", minimum=1)
+    stop = model.cfg.n_layers if stop_at_layer is None else stop_at_layer
+    device = torch.device(model.cfg.device or "cpu")
+    if block >= n_pos:
+        yield 0, run_to_layer(model, tokens.to(device), stop)
+        return
+    cache = new_kv_cache(model, tokens.shape[0], device)
+    for offset in range(0, n_pos, block):
+        chunk = tokens[:, offset : offset + block].to(device)
+        yield offset, run_to_layer(model, chunk, stop, cache=cache)
