@@ -27,6 +27,7 @@ one call, square patterns, no cache.
 
 Exports:
     DEFAULT_BLOCK_BYTES                    the attention memory one block may use by default
+    FORWARD_BYTES_PER_ENTRY                what a plain forward keeps per attention entry
     max_length(model)                      the longest sequence the model takes (None: ALiBi, any)
     check_length(model, n_pos, what)       ``n_pos`` if the model takes it, else one line
     block_size(model, n_pos, ...)          query rows per block for a memory budget
@@ -54,6 +55,7 @@ from headsurgeon.validation import check_int
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
+    "FORWARD_BYTES_PER_ENTRY",
     "block_size",
     "check_length",
     "max_length",

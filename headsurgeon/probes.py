@@ -31,8 +31,10 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import HookPoint, Model, run_to_layer
+from headsurgeon import long_context
+from headsurgeon.backend import HookPoint, Model
 from headsurgeon.data import batches
+from headsurgeon.long_context import FORWARD_BYTES_PER_ENTRY
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int
 
@@ -222,18 +224,29 @@ def stream(
     stop_at_layer: int | None = None,
     progress: bool = True,
     desc: str = "forward",
+    block_size: int | None = None,
+    bytes_per_entry: int = FORWARD_BYTES_PER_ENTRY,
 ) -> None:
     """Run ``tokens`` through ``model`` in batches with ``fwd_hooks``, keeping no output.
 
     Gradients are off and the pass stops after block ``stop_at_layer - 1`` (default: the last
-    block), so neither the final LayerNorm nor the unembedding is computed.
+    block), so neither the final LayerNorm nor the unembedding is computed. Sequences longer
+    than ``block_size`` query rows run in blocks (:func:`headsurgeon.long_context.run_in_blocks`:
+    exact causal attention through the key-value cache; each hook fires once per block). The
+    default block is the longest whose attention fits
+    :data:`~headsurgeon.long_context.DEFAULT_BLOCK_BYTES` at ``bytes_per_entry`` bytes per
+    ``(batch, head, query, key)`` entry (the forward's own tensors plus what the hooks keep).
     """
     batch_size = check_int(batch_size, "batch_size", minimum=1)
+    if block_size is not None:
+        block_size = check_int(block_size, "block_size", minimum=1)
     stop = model.cfg.n_layers if stop_at_layer is None else stop_at_layer
-    device = torch.device(model.cfg.device or "cpu")
-    n_batches = -(-tokens.shape[0] // batch_size)
-    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)):
-        for batch in tqdm(
-            batches(tokens, batch_size), total=n_batches, desc=desc, disable=not progress
-        ):
-            run_to_layer(model, batch.to(device), stop)
+    n_pos = tokens.shape[1]
+    rows = [block_size or long_context.block_size(model, n_pos, batch=len(b),
+                                                  bytes_per_entry=bytes_per_entry)
+            for b in batches(tokens, batch_size)]  # fmt: skip
+    bar = tqdm(total=sum(-(-n_pos // r) for r in rows), desc=desc, disable=not progress)
+    with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)), bar:
+        for batch, block in zip(batches(tokens, batch_size), rows, strict=True):
+            for _ in long_context.run_in_blocks(model, batch, block_size=block, stop_at_layer=stop):
+                bar.update()
