@@ -29,6 +29,7 @@ from headsurgeon.data import Data, describe, resolve_bos, to_sequences
 from headsurgeon.errors import DataError
 from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.loading import model_info
+from headsurgeon.long_context import max_length
 from headsurgeon.probes import HeadStats, stream
 from headsurgeon.validation import check_int
 
@@ -56,6 +57,11 @@ COLUMNS: dict[str, str] = {
 }
 
 
+# Per (batch, head, query, key) entry: the forward's scores, mask and pattern, plus the pattern
+# statistics' temporaries (entropy terms, distance-weighted weights, the distance matrix).
+CENSUS_BYTES_PER_ENTRY = 32
+
+
 def _check_rows(n_pos: int, min_query_pos: int) -> None:
     if n_pos <= min_query_pos:
         raise DataError(
@@ -66,9 +72,10 @@ def _check_rows(n_pos: int, min_query_pos: int) -> None:
 
 def _check_tokens(model: Model, tokens: Tensor, min_query_pos: int) -> None:
     n_pos = tokens.shape[1]
-    if n_pos > model.cfg.n_ctx:
+    limit = max_length(model)  # None for ALiBi: no position table, any length
+    if limit is not None and n_pos > limit:
         raise DataError(
-            f"sequences of {n_pos} tokens are beyond the model's context of {model.cfg.n_ctx}; "
+            f"sequences of {n_pos} tokens are beyond the model's context of {limit}; "
             "use shorter sequences"
         )
     _check_rows(n_pos, min_query_pos)
@@ -83,6 +90,7 @@ def run_census(
     n_seqs: int = 64,
     min_query_pos: int = 1,
     prepend_bos: bool | None = None,
+    block_size: int | None = None,
     progress: bool = True,
 ) -> pd.DataFrame:
     """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
@@ -92,6 +100,12 @@ def run_census(
     corpora, cut into ``n_seqs`` windows of ``seq_len`` tokens spread over the whole text (see
     :func:`headsurgeon.data.to_sequences`). Each metric is the mean over sequences of a
     per-sequence mean; ``bos_mass_std`` is its spread across sequences.
+
+    Long sequences run in blocks of ``block_size`` query rows (default: chosen from the memory one
+    block's attention needs, :func:`headsurgeon.long_context.block_size`; the whole sequence when
+    it fits, which is the ordinary dense pass): exact causal attention through the model's
+    key-value cache, memory linear in the sequence length. ALiBi models take any length (a
+    warning names the length they were trained on); others keep their context ``cfg.n_ctx``.
 
     ``df.attrs`` holds the run metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``,
     ``seq_len``, ``prepend_bos``, ``min_query_pos``, ``data``, ``dtype``, ``device``,
@@ -132,7 +146,8 @@ def run_census(
         )
 
     stats = HeadStats(model, min_query_pos=min_query_pos)
-    stream(model, tokens, stats.hooks(), batch_size=batch_size, progress=progress, desc="census")
+    stream(model, tokens, stats.hooks(), batch_size=batch_size, progress=progress, desc="census",
+           block_size=block_size, bytes_per_entry=CENSUS_BYTES_PER_ENTRY)  # fmt: skip
     means, stds = stats.means(), stats.stds()
 
     cfg = model.cfg

@@ -1,14 +1,18 @@
 """Streaming hook reducers: per-head attention statistics without keeping any activation.
 
-Each reducer turns one layer's activation for one batch into a few numbers per sequence and head,
-as soon as the forward pass produces it; an accumulator adds them up in float64. Nothing of size
+Each reducer turns one layer's activation for one batch (or one block of its query rows, see
+:mod:`headsurgeon.long_context`) into a few numbers per sequence and head, as soon as the forward
+pass produces it; an accumulator adds them up in float64. Nothing of size
 ``[batch, head, query_pos, key_pos]`` outlives the hook, so memory does not grow with the number of
 batches, and the unembedding is never computed.
 
 Exports:
     PATTERN_STATS                          names of the statistics ``pattern_stats`` returns
     pattern_stats(pattern, min_query_pos)  per-sequence, per-head means of one attention pattern
+    pattern_sums(pattern, min_query_pos)   the same as sums over rows, for a block of rows too
+    block_distance(offset, n_rows, n_keys)  the query-key distances of a block of rows
     write_norms(z, W_O, min_query_pos)     per-sequence mean norm of each head's residual write
+    write_sums(z, W_O, first)              the same as a sum over positions
     HeadStats                              float64 accumulator fed by forward hooks
     stream(model, tokens, fwd_hooks, ...)  run token batches through hooks, skipping the unembedding
 
@@ -23,6 +27,7 @@ Exports:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -40,8 +45,11 @@ from headsurgeon.validation import check_int
 
 __all__ = [
     "PATTERN_STATS",
+    "block_distance",
     "pattern_stats",
+    "pattern_sums",
     "write_norms",
+    "write_sums",
     "HeadStats",
     "stream",
 ]
@@ -63,6 +71,68 @@ HEAD_STATS = (*PATTERN_STATS, "output_norm")
 Hook = tuple[str | Callable[[str], bool], Callable[[Tensor, HookPoint], None]]
 
 
+def _rows(n_rows: int, offset: int, first: int) -> int:
+    """Local index of the first of ``n_rows`` rows (query positions ``offset ...``) at or after
+    query position ``first``."""
+    return min(max(first - offset, 0), n_rows)
+
+
+def pattern_sums(
+    pattern: Float[Tensor, "batch head_index query_pos key_pos"],
+    min_query_pos: int = 1,
+    distance: Float[Tensor, "query_pos key_pos"] | None = None,
+) -> tuple[Float[Tensor, "stat batch head_index"], list[int]]:
+    """Sums over query rows of each :data:`PATTERN_STATS` value, and how many rows each sums.
+
+    ``pattern`` is a causal pattern or a block of its rows (:mod:`headsurgeon.long_context`):
+    ``[.., Q, K]`` holds query positions ``K - Q ... K - 1``. Rows are those at query positions
+    ``t >= min_query_pos`` (``sink_score``: every row; ``prev_mass``: ``t >= max(min_query_pos,
+    1)``); see :func:`pattern_stats` for each statistic. ``distance`` is ``(t - k).clamp(min=0)``
+    for this block (built here when not given; callers reuse it across layers).
+    """
+    p = pattern if pattern.dtype in (torch.float32, torch.float64) else pattern.float()
+    n_rows, n_keys = p.shape[-2:]
+    offset = n_keys - n_rows
+    if offset < 0:
+        raise ValueError(f"expected a causal pattern (query_pos <= key_pos), got {tuple(p.shape)}")
+    first = _rows(n_rows, offset, min_query_pos)
+    first_prev = _rows(n_rows, offset, max(min_query_pos, 1))
+    if distance is None:
+        distance = block_distance(offset, n_rows, n_keys, p.device)
+    rows = p[..., first:, :]
+    # Element i of the (offset - 1) diagonal is A[i, offset + i - 1] (rows from 1 when offset is
+    # 0): the weight of query offset + i on its previous token.
+    previous = p.diagonal(offset=offset - 1, dim1=-2, dim2=-1)
+    previous = previous[..., first_prev - max(1 - offset, 0) :]
+    sums = torch.stack(
+        [
+            rows[..., 0].sum(-1),
+            p[..., 0].sum(-1),
+            torch.special.entr(rows).sum((-2, -1)),
+            rows.amax(-1).sum(-1),
+            # 7x faster than an einsum here (no reshape copy)
+            (rows * distance[first:].to(p.dtype)).sum((-2, -1)),
+            p.diagonal(offset=offset, dim1=-2, dim2=-1)[..., first:].sum(-1),
+            previous.sum(-1),
+        ]
+    )
+    n = n_rows - first
+    return sums, [n, n_rows, n, n, n, n, n_rows - first_prev]
+
+
+def block_distance(
+    offset: int, n_rows: int, n_keys: int, device: torch.device | str | None = None
+) -> Float[Tensor, "query_pos key_pos"]:
+    """``(t - k).clamp(min=0)`` in float32 for query positions ``offset ... offset + n_rows - 1``.
+
+    >>> block_distance(2, 2, 4)
+    tensor([[2., 1., 0., 0.],
+            [3., 2., 1., 0.]])
+    """
+    queries = torch.arange(offset, offset + n_rows, device=device)
+    return (queries[:, None] - torch.arange(n_keys, device=device)).clamp_(min=0).float()
+
+
 def pattern_stats(
     pattern: Float[Tensor, "batch head_index query_pos key_pos"], min_query_pos: int = 1
 ) -> Float[Tensor, "stat batch head_index"]:
@@ -76,35 +146,38 @@ def pattern_stats(
     * ``max_weight``: ``max_k A[t, k]``; ``mean_distance``: ``Σ_k A[t, k] (t - k)`` in tokens;
     * ``self_mass``: ``A[t, t]``; ``prev_mass``: ``A[t, t - 1]``.
 
-    Computed in float32 (or float64 for float64 patterns).
+    Computed in float32 (or float64 for float64 patterns). A block of rows (``[.., Q, K]``,
+    query positions ``K - Q ...``) gives the means over its own rows; a statistic with no row
+    in it is 0.
 
     >>> uniform = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]
     >>> [round(x, 4) for x in pattern_stats(uniform[None, None], 1)[:, 0, 0].tolist()]
     [0.4167, 0.6111, 0.8959, 0.4167, 0.75, 0.4167, 0.4167]
     """
-    p = pattern if pattern.dtype in (torch.float32, torch.float64) else pattern.float()
-    n_pos = p.shape[-1]
-    if p.shape[-2] != n_pos:
-        raise ValueError(f"expected a square causal pattern, got {tuple(p.shape)}")
+    n_pos = pattern.shape[-1]
     if not 0 <= min_query_pos < n_pos:
         raise ValueError(f"min_query_pos {min_query_pos} outside 0..{n_pos - 1}")
-    rows = p[..., min_query_pos:, :]
-    pos = torch.arange(n_pos, device=p.device)
-    distance = (pos[min_query_pos:, None] - pos[None, :]).clamp(min=0).to(p.dtype)
-    diagonal = p.diagonal(dim1=-2, dim2=-1)[..., min_query_pos:]
-    # Element i of the -1 diagonal is A[i + 1, i]: query i + 1.
-    previous = p.diagonal(offset=-1, dim1=-2, dim2=-1)[..., max(min_query_pos, 1) - 1 :]
-    return torch.stack(
-        [
-            rows[..., 0].mean(-1),
-            p[..., 0].mean(-1),
-            torch.special.entr(rows).sum(-1).mean(-1),
-            rows.amax(-1).mean(-1),
-            (rows * distance).sum(-1).mean(-1),  # 7x faster than an einsum here (no reshape copy)
-            diagonal.mean(-1),
-            previous.mean(-1) if previous.shape[-1] else torch.zeros_like(diagonal[..., 0]),
-        ]
+    sums, rows = pattern_sums(pattern, min_query_pos)
+    return (
+        sums / torch.tensor(rows, dtype=sums.dtype, device=sums.device).clamp(min=1)[:, None, None]
     )
+
+
+def write_sums(
+    z: Float[Tensor, "batch pos head_index d_head"],
+    W_O: Float[Tensor, "head_index d_head d_model"],
+    first: int = 1,
+) -> Float[Tensor, "batch head_index"]:
+    """Sum over positions ``first ...`` of ``z`` of ``‖z[t, h] @ W_O[h]‖``, per sequence and head.
+
+    Uses the per-head Gram matrix ``W_O[h] W_O[h]ᵀ`` (``[d_head, d_head]``), so the
+    ``[batch, pos, head, d_model]`` tensor of per-head writes is never formed.
+    """
+    zf = z[:, first:].float()
+    w = W_O.to(device=zf.device, dtype=torch.float32)
+    gram = torch.einsum("hdm,hem->hde", w, w)
+    squared = torch.einsum("bphd,hde,bphe->bph", zf, gram, zf)
+    return squared.clamp(min=0).sqrt().sum(1)  # rounding can make a zero norm slightly negative
 
 
 def write_norms(
@@ -114,19 +187,12 @@ def write_norms(
 ) -> Float[Tensor, "batch head_index"]:
     """Mean over positions ``t >= min_query_pos`` of ``‖z[t, h] @ W_O[h]‖``, per sequence and head.
 
-    Uses the per-head Gram matrix ``W_O[h] W_O[h]ᵀ`` (``[d_head, d_head]``), so the
-    ``[batch, pos, head, d_model]`` tensor of per-head writes is never formed.
-
     >>> W_O = torch.eye(2).repeat(3, 1, 1)  # three heads that copy z into the residual stream
     >>> z = torch.tensor([[[[3.0, 4.0], [0.0, 0.0], [1.0, 0.0]]]]).repeat(1, 2, 1, 1)
     >>> write_norms(z, W_O, 0)
     tensor([[5., 0., 1.]])
     """
-    zf = z[:, min_query_pos:].float()
-    w = W_O.to(device=zf.device, dtype=torch.float32)
-    gram = torch.einsum("hdm,hem->hde", w, w)
-    squared = torch.einsum("bphd,hde,bphe->bph", zf, gram, zf)
-    return squared.clamp(min=0).sqrt().mean(1)  # rounding can make a zero norm slightly negative
+    return write_sums(z, W_O, min_query_pos) / max(z.shape[1] - min_query_pos, 1)
 
 
 def _accumulator_dtype(device: torch.device) -> torch.dtype:
@@ -140,6 +206,10 @@ class HeadStats:
     per-sequence statistic, plus each layer's total attention write norm
     (``‖hook_attn_out - b_O‖``); all in float64 on the model's device. Use ``hooks()`` with
     :func:`stream` (or ``model.hooks``) and read ``means()``/``stds()``; ``reset()`` starts over.
+
+    A sequence run in blocks of query rows (:mod:`headsurgeon.long_context`) is summed block by
+    block: a layer's pattern hook at query offset 0 starts the next batch of sequences, and each
+    sequence's means are taken when its last block is in (at the next batch, or at ``means()``).
 
     The write norm of the whole layer comes from ``hook_attn_out`` minus ``b_O``: the sum of all
     heads' writes, without the bias that belongs to no head.
@@ -158,25 +228,77 @@ class HeadStats:
         self.squares = torch.zeros_like(self.sums)
         self.layer_write = torch.zeros(n_layers, dtype=dtype, device=self.device)
         self.counts = torch.zeros(n_layers, dtype=dtype, device=self.device)
+        # Per layer, the batch in progress: [stat, batch, head] sums over rows, rows per stat,
+        # the layer's write-norm sums [batch], the query offset of the block being run.
+        self._batch: list[_Batch | None] = [None] * n_layers
+        self._distance: tuple[tuple, Tensor] | None = None
 
-    def _add(self, layer: int, first: int, values: Float[Tensor, "stat batch head_index"]) -> None:
-        values = values.to(self.sums.device, self.sums.dtype)
-        self.sums[first : first + values.shape[0], layer] += values.sum(1)
-        self.squares[first : first + values.shape[0], layer] += values.square().sum(1)
+    def _flush(self, layer: int) -> None:
+        """Add the per-sequence means of ``layer``'s finished batch to the running sums."""
+        batch = self._batch[layer]
+        if batch is None:
+            return
+        self._batch[layer] = None
+        rows = torch.tensor(batch.rows, dtype=self.sums.dtype, device=self.sums.device)
+        means = batch.sums / rows.clamp(min=1)[:, None, None]
+        self.sums[:, layer] += means.sum(1)
+        self.squares[:, layer] += means.square().sum(1)
+        self.layer_write[layer] += (batch.layer_write / max(rows[-1].item(), 1)).sum()
+        self.counts[layer] += means.shape[1]
+
+    def _block_distance(
+        self, offset: int, n_rows: int, n_keys: int, device: torch.device
+    ) -> Tensor:
+        key = (offset, n_rows, n_keys, device)
+        if self._distance is None or self._distance[0] != key:  # the next layer reuses it
+            self._distance = (key, block_distance(offset, n_rows, n_keys, device))
+        return self._distance[1]
 
     def _pattern_hook(self, pattern: Tensor, hook: HookPoint) -> None:
-        self._add(hook.layer(), 0, pattern_stats(pattern, self.min_query_pos))
-        self.counts[hook.layer()] += pattern.shape[0]  # once per batch and layer
+        layer = hook.layer()
+        n_rows, n_keys = pattern.shape[-2:]
+        offset = n_keys - n_rows
+        if offset == 0:
+            self._flush(layer)  # a new batch of sequences
+        batch = self._batch[layer]
+        if batch is None:
+            batch = self._batch[layer] = _Batch.empty(pattern.shape[0], self.sums)
+        elif offset != batch.next_offset:
+            raise RuntimeError(
+                f"HeadStats: layer {layer} got query rows from {offset}, expected "
+                f"{batch.next_offset}: blocks must come in order"
+            )
+        distance = self._block_distance(offset, n_rows, n_keys, pattern.device)
+        sums, rows = pattern_sums(pattern, self.min_query_pos, distance)
+        batch.sums[: len(PATTERN_STATS)] += sums.to(self.sums.dtype).to(self.sums.device)
+        batch.rows = [r + n for r, n in zip(batch.rows, rows + [0], strict=True)]
+        batch.offset, batch.next_offset = offset, n_keys
 
     def _z_hook(self, z: Tensor, hook: HookPoint) -> None:
-        W_O = self.model.blocks[hook.layer()].attn.W_O
-        self._add(hook.layer(), len(PATTERN_STATS), write_norms(z, W_O, self.min_query_pos)[None])
+        layer = hook.layer()
+        batch = self._current(layer)
+        first = _rows(z.shape[1], batch.offset, self.min_query_pos)
+        W_O = self.model.blocks[layer].attn.W_O
+        written = write_sums(z, W_O, first).to(self.sums.device, self.sums.dtype)
+        batch.sums[len(PATTERN_STATS)] += written
+        batch.rows[-1] += z.shape[1] - first
 
     def _attn_out_hook(self, out: Tensor, hook: HookPoint) -> None:
         layer = hook.layer()
-        written = out[:, self.min_query_pos :].float() - self.model.blocks[layer].attn.b_O.float()
-        norms = written.norm(dim=-1).mean(-1).to(self.layer_write.device, self.layer_write.dtype)
-        self.layer_write[layer] += norms.sum()
+        batch = self._current(layer)
+        first = _rows(out.shape[1], batch.offset, self.min_query_pos)
+        written = out[:, first:].float() - self.model.blocks[layer].attn.b_O.float()
+        norms = written.norm(dim=-1).sum(-1)
+        batch.layer_write += norms.to(self.sums.device, self.sums.dtype)
+
+    def _current(self, layer: int) -> _Batch:
+        batch = self._batch[layer]
+        if batch is None:
+            raise RuntimeError(
+                f"HeadStats: blocks.{layer}.attn.hook_pattern has not fired before this hook; "
+                "use all of HeadStats.hooks() together"
+            )
+        return batch
 
     def hooks(self) -> list[Hook]:
         """Forward hooks for ``hook_pattern``, ``hook_z`` and ``hook_attn_out`` of each layer."""
@@ -189,9 +311,15 @@ class HeadStats:
             ]
         return hooks
 
+    def finish(self) -> None:
+        """Take the means of the sequences in progress (``means()`` and ``stds()`` call it)."""
+        for layer in range(self.model.cfg.n_layers):
+            self._flush(layer)
+
     @property
     def n_seqs(self) -> int:
         """Sequences seen so far."""
+        self.finish()
         return int(self.counts[0].item())
 
     def means(self) -> dict[str, np.ndarray]:
@@ -200,6 +328,7 @@ class HeadStats:
         ``output_share`` is a head's mean write norm over the mean norm of its layer's whole
         attention write.
         """
+        self.finish()
         counts = self.counts.clamp(min=1)[:, None]
         means = (self.sums / counts).double().cpu()
         result = {name: means[i].numpy() for i, name in enumerate(HEAD_STATS)}
@@ -209,10 +338,27 @@ class HeadStats:
 
     def stds(self) -> dict[str, np.ndarray]:
         """Standard deviation across sequences (ddof=1; 0 for one sequence), ``[layer, head]``."""
+        self.finish()
         n = self.counts.double().cpu()[:, None]
         sums, squares = self.sums.double().cpu(), self.squares.double().cpu()
         variance = (squares - sums.square() / n.clamp(min=1)) / (n - 1).clamp(min=1)
         return {name: variance[i].clamp(min=0).sqrt().numpy() for i, name in enumerate(HEAD_STATS)}
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One layer's sums over the rows seen so far of the batch of sequences in progress."""
+
+    sums: Tensor  # [HEAD_STATS, batch, head]: sums over rows (write norms over positions)
+    rows: list[int]  # rows (positions) each statistic summed
+    layer_write: Tensor  # [batch]: the layer's write norm summed over positions
+    offset: int  # query position of the current block's first row
+    next_offset: int
+
+    @classmethod
+    def empty(cls, n_seqs: int, like: Tensor) -> _Batch:
+        sums = like.new_zeros(len(HEAD_STATS), n_seqs, like.shape[-1])
+        return cls(sums, [0] * len(HEAD_STATS), like.new_zeros(n_seqs), 0, 0)
 
 
 def stream(
