@@ -217,7 +217,7 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
     ("extra", "message"),
     [
         (["--seq-len", "4", "--min-query-pos", "4"], "min_query_pos"),
-        (["--seq-len", "100000"], "context"),
+        (["--seq-len", "100000"], "shorter than one sequence of 100000 tokens"),
         (["--texts", "EMPTY"], "empty"),
         (["--sink-threshold", "0.99"], "below the dead threshold"),
     ],

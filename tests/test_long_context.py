@@ -13,6 +13,7 @@ from test_user_models import own_model, tokens, user_model
 from headsurgeon import load_model, run_census
 from headsurgeon.backend import run_to_layer
 from headsurgeon.blindness import mitigation
+from headsurgeon.data import to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.long_context import block_size, check_length, query_offset, run_in_blocks
 from headsurgeon.probes import HeadStats, pattern_stats, stream
@@ -91,6 +92,8 @@ def test_models_with_learned_positions_keep_their_context():
     model = user_model(positional_embedding_type="standard", n_ctx=64)
     with pytest.raises(DataError, match="beyond the model's context of 64"):
         run_census(model, tokens(1, 65), progress=False)
+    with pytest.raises(DataError, match="seq_len 65 is beyond the model's context of 64"):
+        to_sequences(model, "some text", seq_len=65)
     with pytest.raises(InvalidArgumentError, match="beyond the model's context of 64"):
         check_length(model, 65)
     # Within the context, blocks give the dense numbers on learned positions too.
