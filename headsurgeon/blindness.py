@@ -37,7 +37,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from headsurgeon import alibi
+from headsurgeon import alibi, long_context
 from headsurgeon.backend import HookPoint, Model, add_bias_hook, check_model
 from headsurgeon.data import Data, to_sequences
 from headsurgeon.dtypes import parse_dtype
@@ -64,6 +64,21 @@ logger = logging.getLogger(__name__)
 
 ANALYSED_DTYPES = ("float32", "bfloat16", "float16")
 CONVENTIONS = ("hf", "tl")
+# Keys per skipped tile: a multiple of the widest SIMD vector (16 float32 or 32 bfloat16 lanes
+# in AVX-512), so that a row's softmax without its skipped keys (each exactly 0 after exp) sums
+# its other terms in the same lanes and gives the same bits.
+_SKIP_TILE = 64
+# Nats beyond float32's zero-rounding point (-103.97: the widest of the analysed formats, and
+# the one every softmax kernel computes exp in) at which a skipped weight is certainly 0.
+_SKIP_MARGIN = 8.0
+# Entries of one chunk (one sequence, one head, rows x keys): its ~40 bytes an entry of
+# temporaries stay near the cache, and the hook's memory does not grow with the block.
+_CHUNK_ENTRIES = 2**17
+# Bytes a block's forward pass keeps per (batch, head, query, key) entry, measured: ~40 on
+# TransformerLens 3.x, ~55 on 4.x (long_context.FORWARD_BYTES_PER_ENTRY says 16), with room. The
+# hook adds one chunk, not a share of the block. Smaller blocks are also faster (4,096 tokens of
+# the organism: 3.6 s at 64 query rows, 9.3 s at 256).
+_BYTES_PER_ENTRY = 64
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -176,43 +191,133 @@ class _UnderflowCounter:
     float64 weight (0 for those far entries, which lose less than 1e-323 each). ``hf``: softmax
     in float32, probabilities cast to the dtype (Hugging Face BLOOM); ``tl``: logits cast to the
     dtype and softmax computed in it (TransformerLens 3.x).
+
+    The hook takes square scores or a block's rows (``[batch, head, Q, offset + Q]``) and works
+    through them in chunks of rows of one head of one sequence, each cut at its last query's
+    diagonal. Tiles of keys so far below every row's largest logit that they are 0 in every
+    dtype (see :func:`_skip_bound`) are counted without being computed, and their weights (each
+    below ``e^-skip_nats``) are left out of the mass.
     """
 
     def __init__(self, model: Model, dtypes: list[str], convention: str, n_pos: int):
         self.dtypes = [parse_dtype(d) for d in dtypes]
         self.convention = convention
-        shape = (len(dtypes), model.cfg.n_layers, model.cfg.n_heads, n_pos)
+        n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+        shape = (len(dtypes), n_layers, n_heads, n_pos)
         device = torch.device(model.cfg.device or "cpu")
-        self.zeros = torch.zeros(shape, dtype=torch.float64, device=device)  # by distance
-        self.mass = torch.zeros_like(self.zeros)  # float64 weight lost, by distance
-        self.max_weight = torch.zeros_like(self.zeros)  # largest weight lost, by distance
-        self.by_query = torch.zeros_like(self.zeros)  # underflowed entries, by query position
-        pos = torch.arange(n_pos, device=device)
-        self.causal = pos[:, None] >= pos[None, :]
-        self.distance = (pos[:, None] - pos[None, :])[self.causal]
+        self.counted = torch.zeros(shape, dtype=torch.float64, device=device)  # by distance
+        self.mass = torch.zeros_like(self.counted)  # float64 weight lost, by distance
+        self.max_weight = torch.zeros_like(self.counted)  # largest weight lost, by distance
+        self.by_query = torch.zeros_like(self.counted)  # underflowed entries, by query position
+        # Skipped entries (0 in every dtype) by distance, as differences: +1 where a row's
+        # skipped keys begin, -1 past its end (a running sum gives the counts).
+        self.skipped = torch.zeros(n_layers, n_heads, n_pos + 1, dtype=torch.float64,
+                                   device=device)  # fmt: skip
+        self.rows = [0] * n_layers  # query rows seen, per layer
+        self.skip_nats, self.rounding = _skip_bound(self.dtypes, convention)
+        # One chunk's rows, and their shifts (see _shifted), reused from chunk to chunk.
+        self.count_buffer = torch.empty(0, device=device)
+        self.mass_buffer = torch.empty(0, dtype=torch.float64, device=device)
+        self.nothing = torch.zeros((), dtype=torch.float64, device=device)
+
+    @property
+    def zeros(self) -> Float[Tensor, "dtype layer head_index distance"]:
+        """Underflowed entries by distance: those computed plus the skipped ones."""
+        return self.counted + self.skipped.cumsum(-1)[..., :-1]
 
     def hook(
         self, scores: Float[Tensor, "batch head_index query_pos key_pos"], hook: HookPoint
     ) -> None:
         layer = hook.layer()
-        logits = scores.detach().float()
+        n_queries, n_keys = scores.shape[-2:]
+        offset = long_context.query_offset(scores)
+        rows = max(1, _CHUNK_ENTRIES // n_keys)
+        size = rows * (n_keys + 1)  # a chunk's shifted rows (one row when a row is over budget)
+        if self.count_buffer.numel() < size:
+            self.count_buffer = self.count_buffer.new_empty(size)
+            self.mass_buffer = self.mass_buffer.new_empty(size)
+        for sequence in scores.detach().float():
+            for head, logits in enumerate(sequence):
+                for first in range(0, n_queries, rows):
+                    pos = offset + first
+                    n = min(rows, n_queries - first)
+                    # Keys past the last row's diagonal are masked for every row of the chunk.
+                    self._count(layer, head, pos, logits[first : first + n, : pos + n])
+        self.rows[layer] += scores.shape[0] * n_queries
+
+    def _count(self, layer: int, head: int, pos: int, logits: Float[Tensor, "query key"]) -> None:
+        """Add one chunk: rows ``pos ...`` of one head of one sequence, keys up to the last row."""
+        skip = self._skippable(logits, pos)
+        if skip:
+            n = logits.shape[0]
+            self.skipped[layer, head, pos - skip + 1 : pos - skip + 1 + n] += 1
+            self.skipped[layer, head, pos + 1 : pos + 1 + n] -= 1
+            self.by_query[:, layer, head, pos : pos + n] += skip
+        logits = logits[:, skip:].contiguous()
+        n, width = logits.shape
+        causal = alibi.causal_rows(n, n, logits.device)  # of the last n keys
         exact = torch.softmax(logits.double(), dim=-1)
-        causal = alibi.causal_rows(*logits.shape[-2:], logits.device)
+        shared = torch.softmax(logits, dim=-1) if self.convention == "hf" else None
+        count_rows, counts = _shifted(self.count_buffer, n, width)
+        lost_rows, lost = _shifted(self.mass_buffer, n, width)
         for i, dtype in enumerate(self.dtypes):
-            if self.convention == "hf":
-                weights = torch.softmax(logits, dim=-1).to(dtype)
+            if shared is not None:
+                weights = shared.to(dtype)
             else:
                 weights = torch.softmax(logits.to(dtype), dim=-1)
-            underflowed = (weights == 0) & causal  # [batch head q k]
-            lost = torch.where(underflowed, exact, 0.0)
-            count = underflowed.double().sum(0)
-            self.by_query[i, layer] += count.sum(-1)
-            flat = self.distance.expand(count.shape[0], -1)
-            self.zeros[i, layer].scatter_add_(1, flat, count[:, self.causal])
-            self.mass[i, layer].scatter_add_(1, flat, lost.sum(0)[:, self.causal])
-            self.max_weight[i, layer].scatter_reduce_(
-                1, flat, lost.amax(0)[:, self.causal], reduce="amax"
-            )
+            underflowed = weights == 0
+            underflowed[:, width - n :] &= causal
+            count_rows.copy_(underflowed)
+            torch.where(underflowed, exact, self.nothing, out=lost_rows)
+            self.by_query[i, layer, head, pos : pos + n] += count_rows.sum(-1)
+            self.counted[i, layer, head, :width] += counts.sum(0).flip(0)
+            self.mass[i, layer, head, :width] += lost.sum(0).flip(0)
+            top = self.max_weight[i, layer, head, :width]
+            torch.maximum(top, lost.amax(0).flip(0), out=top)
+
+    def _skippable(self, logits: Float[Tensor, "query key"], pos: int) -> int:
+        """How many leading keys of the chunk are 0 in every dtype for every row (whole tiles,
+        ending a tile before the first row's diagonal, so that what is left is never narrow)."""
+        n_tiles = (pos + 1) // _SKIP_TILE - 1
+        if n_tiles <= 0:
+            return 0
+        top = logits.amax(-1, keepdim=True)
+        tiles = logits[:, : n_tiles * _SKIP_TILE].unflatten(-1, (n_tiles, _SKIP_TILE)).amax(-1)
+        # The dtype's rounding of the logits (tl) moves the gap by at most its relative error.
+        gap = tiles - top + self.rounding * (tiles.abs() + top.abs())
+        below = (gap < -self.skip_nats).all(0)
+        return _SKIP_TILE * int(below.cumprod(0).sum())
+
+
+def _skip_bound(dtypes: list[torch.dtype], convention: str) -> tuple[float, float]:
+    """``(nats, rounding)``: a causal weight whose logit ``x`` has ``m - x - rounding (|x| + |m|)
+    > nats`` (``m`` its row's largest logit) is exactly 0 in every dtype of ``dtypes``.
+
+    Its softmax weight is at most ``e^(x - m)`` (the row's sum is at least 1), and ``exp`` in
+    float32 (where ``hf`` computes, and the widest of the three formats) rounds it to 0 past
+    ``nats``; ``tl`` first rounds the logits to the dtype, each by a relative error of at most
+    the dtype's epsilon.
+    """
+    nats = -min(alibi.float_limits(dtype).zero for dtype in [torch.float32, *dtypes])
+    rounding = max(torch.finfo(dtype).eps for dtype in dtypes) if convention == "tl" else 0.0
+    return nats + _SKIP_MARGIN, rounding
+
+
+def _shifted(
+    buffer: Float[Tensor, " size"], n: int, width: int
+) -> tuple[Float[Tensor, "query key"], Float[Tensor, "query shifted"]]:
+    """Two views of ``buffer`` for the last ``n`` rows of ``width`` keys: the rows, to be filled
+    (0 past each row's diagonal), and the same rows with row ``i`` shifted right by ``i``, so
+    that column ``c`` of every row is distance ``width - 1 - c``.
+
+    The buffer holds ``n - 1`` zeros, then the rows; the shifted view's row stride is one more
+    than the width. Its row ``i``, column ``c`` is key ``i + c - (n - 1)``; where that is
+    negative it reads the end of row ``i - 1`` (past that row's diagonal: 0) or the leading
+    zeros. Summing its columns counts by distance without a per-entry index.
+    """
+    flat = buffer[: n - 1 + n * width]
+    flat[: n - 1] = 0
+    return flat[n - 1 :].view(n, width), flat.as_strided((n, width), (width + 1, 1))
 
 
 def measure_blindness(
@@ -228,6 +333,7 @@ def measure_blindness(
     context_lengths: Sequence[int] | None = None,
     prepend_bos: bool | None = None,
     progress: bool = True,
+    block_size: int | None = None,
 ) -> BlindnessMeasurement:
     """Measure which attention weights become exactly 0 in each dtype, per head and distance.
 
@@ -239,8 +345,21 @@ def measure_blindness(
     0, which happens ~745 nats below the row's largest logit). Sums are float64 and fixed in
     size: memory does not grow with the number of batches. ``data`` is what
     :func:`headsurgeon.data.to_sequences` takes (default: the bundled held-out corpora,
-    ``n_seqs`` sequences of ``seq_len`` tokens, default ``min(1024, n_ctx)``, BOS as
+    ``n_seqs`` sequences of ``seq_len`` tokens, default 1024, or ``n_ctx`` where that is less
+    and the model has learned or rotary positions; ALiBi models take any length; BOS as
     ``prepend_bos`` or the model's convention); a token tensor is used as it is.
+
+    Long sequences run in blocks of ``block_size`` query rows through the model's key-value
+    cache (:func:`headsurgeon.long_context.run_in_blocks`; default: the longest block whose
+    attention fits :data:`~headsurgeon.long_context.DEFAULT_BLOCK_BYTES`; ``block_size=seq_len``
+    is one dense pass), and the counting works through each block in chunks of a fixed size, so
+    memory grows linearly with ``seq_len`` (4,096 tokens of the 16-head organism: ~0.5 GiB).
+    The zero counts are those of a dense pass (up to the blocks' float32 rounding of the logits
+    in later layers, ~1e-6, which can flip an entry that sits on a dtype's rounding point).
+    Entries more than ~112 nats below their row's largest logit (``tl``: plus the dtype's
+    rounding of both) are 0 in every dtype by construction: they are counted in whole tiles of
+    keys without being computed, and their weights (each below ``e^-112``) are left out of
+    ``lost_mass`` and ``max_lost_weight``.
 
     Tables (see :class:`BlindnessMeasurement`):
 
@@ -263,7 +382,14 @@ def measure_blindness(
     lengths = _context_lengths(n_pos, context_lengths)
     counter = _UnderflowCounter(model, names, convention, n_pos)
     hooks = [(lambda name: name.endswith("attn.hook_attn_scores"), counter.hook)]
-    stream(model, tokens, hooks, batch_size=batch_size, progress=progress, desc="blindness")
+    stream(model, tokens, hooks, batch_size=batch_size, progress=progress, desc="blindness",
+           block_size=block_size, bytes_per_entry=_BYTES_PER_ENTRY)  # fmt: skip
+    unread = [layer for layer, rows in enumerate(counter.rows) if rows != n_rows * n_pos]
+    if unread:  # zeros from a hook that never fired would read as a sighted model
+        raise UnsupportedArchitectureError(
+            f"measure_blindness read no attention scores of layer(s) {unread}: this model's "
+            "attention does not go through hook_attn_scores"
+        )
 
     by_head, by_distance = _head_tables(model, counter, names, convention, n_rows, n_buckets)
     by_length = _length_table(model, counter, names, lengths, n_rows)
@@ -299,10 +425,12 @@ def _check_measure_args(
         )
     check_int(n_buckets, "n_buckets", minimum=1)
     names = [dtype_name(d) for d in _names(dtypes, "dtype")]
-    seq_len = min(1024, model.cfg.n_ctx) if seq_len is None else seq_len
+    if seq_len is None:
+        seq_len = min(1024, long_context.max_length(model) or 1024)
     if isinstance(data, Tensor):
         prepend_bos = False  # the caller built the sequences
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    long_context.check_length(model, tokens.shape[1])  # a token tensor is not cut
     return names, tokens
 
 
