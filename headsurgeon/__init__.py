@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
     )
     from headsurgeon.evals import (
         Retrieval as Retrieval,
+        loss_by_position as loss_by_position,
         needle as needle,
         passkey as passkey,
         perplexity as perplexity,
@@ -68,6 +69,9 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
         load_model as load_model,
         model_info as model_info,
         model_shape as model_shape,
+    )
+    from headsurgeon.long_context import (
+        run_in_blocks as run_in_blocks,
     )
     from headsurgeon.probes import (
         HeadStats as HeadStats,
@@ -112,6 +116,7 @@ _EXPORTS = {
     "mask_gradients": "surgery",
     "measure_blindness": "blindness",
     "mitigation": "blindness",
+    "loss_by_position": "evals",
     "model_info": "loading",
     "model_shape": "loading",
     "needle": "evals",
@@ -120,6 +125,7 @@ _EXPORTS = {
     "recommended_config": "repair",
     "reinit_heads": "surgery",
     "run_census": "census",
+    "run_in_blocks": "long_context",
     "save_hf": "checkpoints",
     "threshold_sweep": "classify",
     "to_sequences": "data",

@@ -26,14 +26,16 @@ Exports:
     builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
     run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
     new_kv_cache(model, batch, device)  an empty key-value cache for ``run_to_layer(cache=)``
+    cached_length(cache)             how many positions it holds
+    shared_cache(cache, batch)       one prompt's cache, read by ``batch`` rows without copies
     run_from_layer(model, tokens, resid, n)  the logits of a pass entering block ``n`` with resid
-    continuation_logprobs(...)       log-probabilities of continuations after one prompt
     tl_state_dict(model)             the weights under TransformerLens 3.x's names and layouts
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import tempfile
 from collections.abc import Callable
@@ -68,11 +70,11 @@ __all__ = [
     "Model",
     "add_bias_hook",
     "builtin_slopes",
+    "cached_length",
     "check_architecture",
     "check_head_tensors",
     "check_model",
     "check_unprocessed",
-    "continuation_logprobs",
     "convert_hf",
     "head_tensors",
     "hf_bias_pre_hook",
@@ -82,6 +84,7 @@ __all__ = [
     "new_kv_cache",
     "run_from_layer",
     "run_to_layer",
+    "shared_cache",
     "tl_state_dict",
 ]
 
@@ -475,15 +478,125 @@ def new_kv_cache(model: Model, batch: int, device: torch.device) -> Any:
     """An empty key-value cache for ``batch`` sequences, as :func:`run_to_layer`'s ``cache``.
 
     3.x: TransformerLens's ``TransformerLensKeyValueCache``; 4.x: Hugging Face's
-    ``DynamicCache``, which the bridge's attention extends (TransformerLens 4.x keeps none).
+    ``DynamicCache``, which the bridge's attention extends (TransformerLens 4.x keeps none). Both
+    keep each layer's keys and values in a buffer that doubles when full, so adding a block of
+    positions copies that block only: their own ``torch.cat`` copies every earlier position
+    again (65,536 tokens in blocks of 16: 490 s of copying alone, measured).
     """
     if MAJOR >= 4:
         from transformers import DynamicCache
 
-        return DynamicCache()
+        cache = DynamicCache()
+        cache.layer_class_to_replicate = _growing_layer_class()
+        return cache
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
-    return TransformerLensKeyValueCache.init_cache(model.cfg, device, batch_size=batch)
+    cache = TransformerLensKeyValueCache.init_cache(model.cfg, device, batch_size=batch)
+    grow = _growing_entry_class()
+    cache.entries = [grow(e.past_keys, e.past_values, e.frozen) for e in cache.entries]
+    return cache
+
+
+def _appended(store: Tensor | None, current: Tensor, new: Tensor, dim: int) -> Tensor:
+    """A buffer whose first ``current.shape[dim] + new.shape[dim]`` positions along ``dim`` are
+    ``current`` then ``new``: ``store`` written in place when ``current`` is its front part and
+    it has room, else a new buffer of twice the size."""
+    length, added = current.shape[dim], new.shape[dim]
+    owned = (
+        store is not None
+        and current.data_ptr() == store.data_ptr()
+        and current.shape[:dim] == store.shape[:dim]
+        and current.dtype == new.dtype
+    )
+    if not owned or store.shape[dim] < length + added:
+        shape = list(new.shape)
+        shape[dim] = max(length + added, 2 * length)
+        grown = new.new_empty(shape)
+        grown.narrow(dim, 0, length).copy_(current)
+        store = grown
+    store.narrow(dim, length, added).copy_(new)
+    return store
+
+
+@functools.cache
+def _growing_entry_class() -> type:
+    from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry
+
+    class GrowingEntry(TransformerLensKeyValueCacheEntry):
+        """TransformerLens's cache entry, appending into doubling buffers (see new_kv_cache)."""
+
+        stores: tuple[Tensor | None, Tensor | None] = (None, None)
+
+        def append(self, new_keys: Tensor, new_values: Tensor) -> tuple[Tensor, Tensor]:
+            if self.frozen:  # shared by continuations: TransformerLens's own copy
+                return super().append(new_keys, new_values)
+            n = self.past_keys.shape[1] + new_keys.shape[1]
+            keys = _appended(self.stores[0], self.past_keys, new_keys, 1)
+            values = _appended(self.stores[1], self.past_values, new_values, 1)
+            self.stores = (keys, values)
+            self.past_keys, self.past_values = keys.narrow(1, 0, n), values.narrow(1, 0, n)
+            return self.past_keys, self.past_values
+
+    return GrowingEntry
+
+
+@functools.cache
+def _growing_layer_class() -> type:
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """Hugging Face's dynamic cache layer, appending into doubling buffers (new_kv_cache)."""
+
+        stores: tuple[Tensor | None, Tensor | None] = (None, None)
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+            n = self.keys.shape[-2] + key_states.shape[-2]
+            keys = _appended(self.stores[0], self.keys, key_states, self.keys.dim() - 2)
+            values = _appended(self.stores[1], self.values, value_states, self.values.dim() - 2)
+            self.stores = (keys, values)
+            self.keys, self.values = keys.narrow(-2, 0, n), values.narrow(-2, 0, n)
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
+def cached_length(cache: Any) -> int:
+    """How many positions a :func:`new_kv_cache` holds (0 if the attention ignored it)."""
+    return cache.get_seq_length() if MAJOR >= 4 else cache.previous_attention_mask.shape[1]
+
+
+def shared_cache(cache: Any, batch: int) -> Any:
+    """A key-value cache holding one prompt, made to serve a call of ``batch`` continuations:
+    each row reads the prompt's keys and values (a view, not a copy) and nothing is added.
+
+    3.x: TransformerLens's ``freeze()``, the entries viewed as ``batch`` rows. 4.x: a
+    ``DynamicCache`` over the prompt's layers whose ``update`` returns them before the new keys
+    and values but keeps none (``DynamicCache`` itself would keep ``batch`` copies).
+    """
+    if MAJOR < 4:
+        cache.freeze()
+        for entry in cache.entries:  # 3.x reads the cache as the call's batch
+            entry.past_keys = entry.past_keys[:1].expand(batch, -1, -1, -1)
+            entry.past_values = entry.past_values[:1].expand(batch, -1, -1, -1)
+        cache.previous_attention_mask = cache.previous_attention_mask[:1].expand(batch, -1)
+        return cache
+    from transformers import DynamicCache
+
+    class Shared(DynamicCache):
+        def update(
+            self, keys: Tensor, values: Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[Tensor, Tensor]:
+            past = self.layers[layer_idx]
+            rows = (len(keys), -1, -1, -1)
+            return (torch.cat([past.keys.expand(rows), keys], dim=-2),
+                    torch.cat([past.values.expand(rows), values], dim=-2))  # fmt: skip
+
+    shared = Shared()
+    shared.layers = cache.layers  # the lengths, masks and ALiBi positions follow the prompt's
+    return shared
 
 
 def run_to_layer(
@@ -536,42 +649,3 @@ def run_from_layer(
 
     with model.hooks(fwd_hooks=[(f"blocks.{start_at_layer}.hook_resid_pre", swap)]):
         return model(tokens)
-
-
-@torch.no_grad()
-def continuation_logprobs(
-    model: Model, prompt: Int[Tensor, " pos"], continuations: Int[Tensor, "batch width"]
-) -> Float[Tensor, "batch width+1 d_vocab"]:
-    """Next-token log-probabilities (float32, CPU) at the prompt's last position and after each
-    token of each right-padded continuation (padding after a continuation cannot change its
-    causal logits).
-
-    3.x runs the prompt once into a key-value cache that every continuation reuses; 4.x (whose
-    bridge ignores TransformerLens's cache) runs prompt + continuation for each row in one batch.
-    """
-    device = torch.device(model.cfg.device or "cpu")
-    n_rows, width = continuations.shape
-
-    def logprobs(resid: Tensor) -> Tensor:
-        return model.unembed(model.ln_final(resid)).float().log_softmax(-1).cpu()
-
-    if MAJOR >= 4:
-        rows = torch.cat([prompt[None].expand(n_rows, -1), continuations], dim=1).to(device)
-        return logprobs(run_to_layer(model, rows, model.cfg.n_layers)[:, len(prompt) - 1 :])
-    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
-    def run(tokens: Tensor) -> Tensor:
-        ones = torch.ones_like(tokens)  # explicit: no pad-token guessing from the tokenizer
-        return model(tokens.to(device), stop_at_layer=model.cfg.n_layers, past_kv_cache=cache,
-                     attention_mask=ones.to(device))  # fmt: skip
-
-    cache = TransformerLensKeyValueCache.init_cache(model.cfg, device, batch_size=1)
-    first = logprobs(run(prompt[None])[:, -1:]).expand(n_rows, -1, -1)
-    if width == 0:
-        return first
-    for entry in cache.entries:
-        entry.past_keys = entry.past_keys.expand(n_rows, -1, -1, -1)
-        entry.past_values = entry.past_values.expand(n_rows, -1, -1, -1)
-    cache.previous_attention_mask = cache.previous_attention_mask.expand(n_rows, -1)
-    cache.freeze()
-    return torch.cat([first, logprobs(run(continuations))], dim=1)

@@ -8,7 +8,7 @@ Exports:
     analytic_blindness(model)  DataFrame: blind distance per layer, head, dtype, limit
                                        (from the slopes: no weights needed)
     measure_blindness(model, data)     BlindnessMeasurement: exact zeros per head, distance and
-                                       context length, streamed over batches
+                                       context length, streamed over batches and query blocks
     BlindnessMeasurement               its tables: by_head, by_distance, by_length
     mitigation(model, kind, **params)  context manager: a mitigated ALiBi through hooks
     dtype_name(dtype)                  canonical dtype name
@@ -32,6 +32,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Float
@@ -69,15 +70,15 @@ CONVENTIONS = ("hf", "tl")
 # its other terms in the same lanes and gives the same bits.
 _SKIP_TILE = 64
 # Nats beyond float32's zero-rounding point (-103.97: the widest of the analysed formats, and
-# the one every softmax kernel computes exp in) at which a skipped weight is certainly 0.
+# the one every softmax kernel computes exp in) at which a skipped weight is certainly 0, even
+# where a kernel subtracts the row's maximum in bfloat16 (a relative error of 2^-8).
 _SKIP_MARGIN = 8.0
 # Entries of one chunk (one sequence, one head, rows x keys): its ~40 bytes an entry of
 # temporaries stay near the cache, and the hook's memory does not grow with the block.
 _CHUNK_ENTRIES = 2**17
 # Bytes a block's forward pass keeps per (batch, head, query, key) entry, measured: ~40 on
-# TransformerLens 3.x, ~55 on 4.x (long_context.FORWARD_BYTES_PER_ENTRY says 16), with room. The
-# hook adds one chunk, not a share of the block. Smaller blocks are also faster (4,096 tokens of
-# the organism: 3.6 s at 64 query rows, 9.3 s at 256).
+# TransformerLens 3.x, ~55 on 4.x (long_context.FORWARD_BYTES_PER_ENTRY counts 16), with room;
+# the hook adds one chunk, not a share of the block.
 _BYTES_PER_ENTRY = 64
 
 
@@ -350,10 +351,12 @@ def measure_blindness(
     ``prepend_bos`` or the model's convention); a token tensor is used as it is.
 
     Long sequences run in blocks of ``block_size`` query rows through the model's key-value
-    cache (:func:`headsurgeon.long_context.run_in_blocks`; default: the longest block whose
-    attention fits :data:`~headsurgeon.long_context.DEFAULT_BLOCK_BYTES`; ``block_size=seq_len``
-    is one dense pass), and the counting works through each block in chunks of a fixed size, so
-    memory grows linearly with ``seq_len`` (4,096 tokens of the 16-head organism: ~0.5 GiB).
+    cache (:func:`headsurgeon.long_context.run_in_blocks`; default:
+    :func:`~headsurgeon.long_context.block_size` for a forward pass that keeps ~64 bytes an
+    attention entry; ``block_size=seq_len`` is one dense pass), and the counting goes through
+    each block in chunks of a fixed size: one 4,096-token sequence of the 16-head organism (one
+    thread) takes ~10 s and 0.2 GiB beside the model and its data, 16,384 tokens 143 s and 0.5
+    GiB (one dense pass of 1,024 tokens took 16 s and 0.8 GiB).
     The zero counts are those of a dense pass (up to the blocks' float32 rounding of the logits
     in later layers, ~1e-6, which can flip an entry that sits on a dtype's rounding point).
     Entries more than ~112 nats below their row's largest logit (``tl``: plus the dtype's
@@ -478,7 +481,7 @@ def _head_tables(
                     }
                 )
             )
-            bucket_rows += _bucket_rows(layer, dtype, z, w, t, entries, n_rows, width)
+            bucket_rows.append(_bucket_rows(layer, dtype, z, w, t, entries, n_rows, width))
     by_head = pd.concat(head_rows, ignore_index=True)
     by_head["label"] = by_head["first_zero_distance"].notna().map({True: "blind", False: "sighted"})
     return by_head, pd.concat(bucket_rows, ignore_index=True)
@@ -493,33 +496,36 @@ def _bucket_rows(
     entries: Tensor,
     n_rows: int,
     width: int,
-) -> list[pd.DataFrame]:
-    """One layer's ``by_distance`` rows in one dtype: a frame per bucket of ``width`` distances.
+) -> pd.DataFrame:
+    """One layer's ``by_distance`` rows in one dtype: per bucket of ``width`` distances, a row
+    per head.
 
     ``zeros``, ``mass`` and ``top`` are ``[head, distance]`` sums; ``entries`` the causal entries
     at each distance."""
     n_heads, n_pos = zeros.shape
-    frames = []
-    for lo in range(0, n_pos, width):
-        hi = min(lo + width, n_pos)
-        n = entries[lo:hi].sum().item()
-        frames.append(
-            pd.DataFrame(
-                {
-                    "layer": layer,
-                    "head": range(n_heads),
-                    "dtype": dtype,
-                    "distance_lo": lo,
-                    "distance_hi": hi,
-                    "entries": n,
-                    "zero_entries": zeros[:, lo:hi].sum(-1).numpy(),
-                    "zero_fraction": (zeros[:, lo:hi].sum(-1) / n).numpy(),
-                    "lost_mass": (mass[:, lo:hi].sum(-1) / (n_rows * n_pos)).numpy(),
-                    "max_lost_weight": top[:, lo:hi].amax(-1).numpy(),
-                }
-            )
-        )
-    return frames
+    n_buckets = -(-n_pos // width)
+
+    def buckets(values: Tensor, reduce) -> Tensor:  # [..., bucket]; the last one padded with 0
+        padded = torch.nn.functional.pad(values, (0, n_buckets * width - n_pos))
+        return reduce(padded.unflatten(-1, (n_buckets, width)), -1)
+
+    lo = np.arange(0, n_pos, width)
+    n = buckets(entries, torch.sum)
+    z = buckets(zeros, torch.sum)
+    return pd.DataFrame(
+        {
+            "layer": layer,
+            "head": np.tile(np.arange(n_heads), n_buckets),
+            "dtype": dtype,
+            "distance_lo": lo.repeat(n_heads),
+            "distance_hi": np.minimum(lo + width, n_pos).repeat(n_heads),
+            "entries": n.numpy().repeat(n_heads),
+            "zero_entries": z.T.flatten().numpy(),
+            "zero_fraction": (z / n).T.flatten().numpy(),
+            "lost_mass": (buckets(mass, torch.sum) / (n_rows * n_pos)).T.flatten().numpy(),
+            "max_lost_weight": buckets(top, torch.amax).T.flatten().numpy(),
+        }
+    )
 
 
 def _length_table(

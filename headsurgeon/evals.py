@@ -1,7 +1,10 @@
-"""Evaluations: perplexity with a sliding window, passkey retrieval and needle in a haystack.
+"""Evaluations: perplexity with a sliding window, loss by position, passkey retrieval and needle
+in a haystack.
 
 Exports:
     perplexity(model, data, window, stride, batch_size)  token-weighted perplexity (float)
+    loss_by_position(model, data, length, n_seqs, ...)   mean loss per position bucket (DataFrame)
+    position_edges(length)                               its default buckets (powers of two)
     passkey(model, lengths, depths, n_trials, seed)      Retrieval: the passkey task
     needle(model, haystack_texts, lengths, depths, ...)  Retrieval: needle in a haystack
     Retrieval                                            trials, table (length x depth), summary
@@ -10,7 +13,11 @@ Exports:
     default_window(model), check_length(model, length)
 
 Every evaluation only runs the model forward, so it runs unchanged under any
-``headsurgeon.blindness.mitigation(...)``.
+``headsurgeon.blindness.mitigation(...)``. Long sequences run in blocks of query rows through the
+model's key-value cache (:mod:`headsurgeon.long_context`): memory grows linearly with the length,
+only one block's logits (``[batch, block, vocab]``) exist at a time, and the numbers equal the
+dense pass's up to float32 rounding. ALiBi models take any length (their ``n_ctx`` is nominal);
+models with learned or rotary positions keep their context (:func:`check_length`).
 """
 
 from __future__ import annotations
@@ -19,7 +26,8 @@ import dataclasses
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import pairwise
 
 import numpy as np
 import pandas as pd
@@ -27,7 +35,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import Model, check_model, continuation_logprobs
+from headsurgeon import long_context
+from headsurgeon.backend import Model, check_model
 from headsurgeon.data import (
     CORPORA,
     Data,
@@ -35,11 +44,14 @@ from headsurgeon.data import (
     batches,
     bos_token_id,
     bundled_text,
+    describe,
     resolve_bos,
+    to_sequences,
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.loading import model_info, model_shape
+from headsurgeon.long_context import continuation_logprobs, run_in_blocks
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int, check_number
 
@@ -48,6 +60,8 @@ __all__ = [
     "check_length",
     "sliding_windows",
     "perplexity",
+    "loss_by_position",
+    "position_edges",
     "Retrieval",
     "length_auc",
     "summarize",
@@ -68,14 +82,10 @@ def default_window(model: Model) -> int:
 
 
 def check_length(model: Model, length: int, what: str = "context length") -> int:
-    """Return ``length`` if the model can take it, else raise a one-line error."""
-    length = check_int(length, what, minimum=1)
-    if length > model.cfg.n_ctx:
-        raise InvalidArgumentError(
-            f"{what} {length} is beyond the model's context of {model.cfg.n_ctx} tokens; "
-            "use a shorter one"
-        )
-    return length
+    """Return ``length`` if the model can take it, else raise a one-line error: any length for
+    ALiBi models, at most ``cfg.n_ctx`` for models with positions
+    (:func:`headsurgeon.long_context.check_length`)."""
+    return long_context.check_length(model, length, what)
 
 
 def sliding_windows(
@@ -145,6 +155,27 @@ def _windows_by_length(
     return by_length
 
 
+def _next_token_nll(
+    model: Model, tokens: Int[Tensor, "batch pos"], block_size: int, first: int = 0
+) -> Iterator[tuple[int, Float[Tensor, "batch n"]]]:
+    """``(position, nll)`` block by block: ``nll[:, i]`` (float64, on the model's device) is the
+    negative log-probability of token ``position + i + 1`` given the tokens up to ``position + i``,
+    for the positions from ``first`` to the second last.
+
+    The tokens run in blocks of ``block_size`` rows (:func:`long_context.run_in_blocks`) and
+    only a block's rows from ``first`` on are unembedded, so one block's logits
+    (``[batch, block, vocab]``, log-softmaxed in float32) are the largest tensor.
+    """
+    last = tokens.shape[1] - 1  # the last position predicts nothing
+    for offset, resid in run_in_blocks(model, tokens, block_size=block_size):
+        lo, hi = max(first, offset), min(offset + resid.shape[1], last)
+        if hi <= lo:
+            continue
+        logits = model.unembed(model.ln_final(resid[:, lo - offset : hi - offset])).float()
+        targets = tokens[:, lo + 1 : hi + 1, None].to(logits.device)
+        yield lo, -logits.log_softmax(-1).gather(-1, targets)[..., 0].double()
+
+
 @torch.no_grad()
 def perplexity(
     model: Model,
@@ -155,6 +186,7 @@ def perplexity(
     batch_size: int = 8,
     prepend_bos: bool | None = None,
     max_windows: int | None = 64,
+    block_size: int | None = None,
     progress: bool = True,
 ) -> float:
     """Token-weighted perplexity ``exp(total NLL / scored tokens)`` over texts or token streams.
@@ -172,6 +204,19 @@ def perplexity(
     At most ``max_windows`` windows are scored (default 64, like the census's 64 sequences),
     evenly spaced over all of them, so the default call on the bundled corpora takes seconds, not
     minutes; ``max_windows=None`` scores every token of the data.
+
+    ALiBi models take windows of any length (beyond ``n_ctx``: length extrapolation); others at
+    most ``n_ctx`` tokens. A batch of windows runs in blocks of ``block_size`` query rows
+    (default: for ALiBi models chosen by memory, :func:`headsurgeon.long_context.block_size`; for
+    others the whole window), so memory is linear in the window: ``batch_size`` key-value caches,
+    one block's attention and one block's logits. A window of at most ``block_size`` tokens is
+    one dense pass.
+
+    Usage::
+
+        perplexity(model)  # in context: windows of the training length
+        # Beyond it (an ALiBi model): four 16k-token windows, one at a time.
+        perplexity(model, window=16384, batch_size=1, max_windows=4)
     """
     check_model(model, "perplexity")
     window = check_length(model, default_window(model) if window is None else window, "window")
@@ -179,6 +224,8 @@ def perplexity(
     stride = check_int(window // 2 if stride is None else stride, "stride", minimum=1,
                        maximum=window - 1)  # fmt: skip
     batch_size = check_int(batch_size, "batch_size", minimum=1)
+    if block_size is not None:
+        check_int(block_size, "block_size", minimum=1)
     prefix = torch.tensor([bos_token_id(model)] if resolve_bos(model, prepend_bos) else [],
                           dtype=torch.long)  # fmt: skip
     if window <= len(prefix):
@@ -194,16 +241,155 @@ def perplexity(
         tokens = torch.stack([t for t, _ in windows])
         n_scored = torch.tensor([n for _, n in windows])
         for start, batch in enumerate(batches(tokens, batch_size)):
-            batch = batch.to(model.cfg.device)
-            logits = model(batch, return_type="logits")[:, :-1].float()
-            nll = -logits.log_softmax(-1).gather(-1, batch[:, 1:, None])[..., 0]
             counts = n_scored[start * batch_size : start * batch_size + len(batch)]
-            scored = torch.arange(length - 1) >= (length - 1 - counts)[:, None]
-            total_nll += nll.double()[scored.to(nll.device)].sum().item()
+            first = length - 1 - counts  # each window's first scored position
+            block = block_size or long_context.block_size(model, length, batch=len(batch))
+            for position, nll in _next_token_nll(model, batch, block, int(first.min())):
+                scored = position + torch.arange(nll.shape[1]) >= first[:, None]
+                total_nll += nll[scored.to(nll.device)].sum().item()
             total_tokens += int(counts.sum())
             bar.update()
     bar.close()
     return math.exp(total_nll / total_tokens)
+
+
+def position_edges(length: int) -> list[int]:
+    """The default buckets of :func:`loss_by_position`: ``0, 1, 2, 4, ...`` (powers of two), then
+    ``length - 1``, the number of positions that predict a token.
+
+    >>> position_edges(20)
+    [0, 1, 2, 4, 8, 16, 19]
+    """
+    last = check_int(length, "length", minimum=2) - 1
+    return [0] + [2**k for k in range(last.bit_length()) if 2**k < last] + [last]
+
+
+def _check_edges(edges: Sequence[int], length: int) -> list[int]:
+    edges = [check_int(e, "each of edges", minimum=0, maximum=length - 1) for e in edges]
+    if len(edges) < 2 or any(b <= a for a, b in pairwise(edges)):
+        raise InvalidArgumentError(
+            f"edges must be at least two increasing positions between 0 and {length - 1} (the "
+            f"last position that predicts a token), got {edges}"
+        )
+    return edges
+
+
+def _position_table(
+    edges: list[int],
+    sums: Float[Tensor, "seq bucket"],
+    squares: Float[Tensor, " bucket"],
+) -> pd.DataFrame:
+    """:func:`loss_by_position`'s table from each sequence's summed loss per bucket and the
+    summed squares (every sequence has ``edges[i + 1] - edges[i]`` predictions in bucket ``i``)."""
+    n = len(sums)
+    per_seq = torch.tensor(edges).diff().double()
+    total = n * per_seq
+    mean = sums.sum(0) / total
+    unbiased = total / (total - 1).clamp(min=1)
+    std = ((squares / total - mean**2).clamp(min=0) * unbiased).sqrt()
+    # Tokens of one sequence are not independent: the interval comes from the sequences' means.
+    ci95 = (
+        1.96 * (sums / per_seq).std(0) / math.sqrt(n) if n > 1 else torch.full_like(mean, math.nan)
+    )
+    return pd.DataFrame(
+        {
+            "position_lo": edges[:-1],
+            "position_hi": edges[1:],
+            "tokens": total.long().numpy(),
+            "mean_nll": mean.numpy(),
+            "std": std.numpy(),
+            "ci95": ci95.numpy(),
+            "perplexity": mean.exp().numpy(),
+        }
+    )
+
+
+@torch.no_grad()
+def loss_by_position(
+    model: Model,
+    data: Data = None,
+    *,
+    length: int = 4096,
+    n_seqs: int = 4,
+    edges: Sequence[int] | None = None,
+    prepend_bos: bool | None = None,
+    batch_size: int = 1,
+    block_size: int | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Mean next-token loss by position: ALiBi's length-extrapolation curve.
+
+    ``n_seqs`` sequences of ``length`` tokens each run in one pass, ``batch_size`` at a time, in
+    blocks of ``block_size`` query rows (as in :func:`perplexity`; memory is linear in
+    ``length``: one 16k-token sequence of the 4-layer organism took 16 s and 0.9 GiB above the
+    model on one CPU thread under TransformerLens 4.x, 50 s under 3.x), and every
+    prediction is put in the bucket of its position ``p`` (the prediction of token ``p + 1``
+    from tokens ``0 ... p``). Buckets are ``edges[i] <= p < edges[i + 1]``; the default
+    (:func:`position_edges`) doubles: ``[0, 1), [1, 2), [2, 4), ... [2^k, length - 1)``.
+
+    ``data``: texts, text files (``None``: the bundled held-out corpora) or a ``[n, pos]`` token
+    tensor. Texts are cut as :func:`headsurgeon.data.to_sequences` cuts them: each text on its
+    own into non-overlapping sequences (a BOS token first when ``prepend_bos``, by default the
+    model's convention), ``n_seqs`` of them evenly spaced over all texts. Fewer texts give fewer
+    sequences (logged, and in ``attrs["n_seqs"]``); a text shorter than ``length`` gives none, and
+    if every text is, that is a one-line :class:`~headsurgeon.errors.DataError`. The bundled
+    held-out corpora hold about 290k (Shakespeare) and 210k (Python docs) tokens for the
+    organisms' tokenizer: seven sequences of 64k tokens, none of 300k. A token tensor's rows
+    (BOS-prepended by the same convention) are cut to ``length``.
+
+    Returns one row per bucket: ``position_lo``, ``position_hi`` (its positions), ``tokens``
+    (predictions in it, over all sequences), ``mean_nll`` (nats), ``std`` (of the per-token loss),
+    ``ci95`` (half-width of a 95% interval for ``mean_nll`` from the spread of the sequences' own
+    means: NaN with one sequence), ``perplexity`` (``exp(mean_nll)``) and ``in_context``
+    (``position_hi <= train_ctx``: positions the model was trained at). ``attrs``: model, data,
+    length, n_seqs, prepend_bos, train_ctx. Under a ``headsurgeon.blindness.mitigation(...)``
+    the curve is the mitigated model's.
+
+    Usage::
+
+        curve = loss_by_position(model, length=16384, n_seqs=4)
+        with mitigation(model, "log"):
+            logged = loss_by_position(model, length=16384, n_seqs=4)
+    """
+    check_model(model, "loss_by_position")
+    length = check_length(model, check_int(length, "length", minimum=2), "length")
+    n_seqs = check_int(n_seqs, "n_seqs", minimum=1)
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    if block_size is not None:
+        check_int(block_size, "block_size", minimum=1)
+    edges = _check_edges(position_edges(length) if edges is None else edges, length)
+    bos = resolve_bos(model, prepend_bos)
+    tokens = to_sequences(model, data, seq_len=length, n_seqs=n_seqs, prepend_bos=bos)
+    if tokens.shape[1] < length:
+        raise DataError(f"the token rows hold {tokens.shape[1]} tokens, fewer than length {length}")
+    tokens = tokens[:n_seqs, :length]
+    if len(tokens) < n_seqs:
+        logger.info("loss_by_position on %d sequences of %d tokens: the data hold no more",
+                    len(tokens), length)  # fmt: skip
+
+    # Positions from edges[-1] on are in no bucket: the tokens after edges[-1] never run.
+    tokens = tokens[:, : edges[-1] + 1]
+    bounds = torch.tensor(edges)
+    sums = torch.zeros(len(tokens), len(edges) - 1, dtype=torch.float64)  # per sequence
+    squares = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    bar = tqdm(total=len(tokens) * (edges[-1] - edges[0]), desc="loss by position", unit="token",
+               unit_scale=True, disable=not progress)  # fmt: skip
+    for start, batch in enumerate(batches(tokens, batch_size)):
+        block = block_size or long_context.block_size(model, tokens.shape[1], batch=len(batch))
+        rows = sums[start * batch_size : start * batch_size + len(batch)]  # a view
+        for position, nll in _next_token_nll(model, batch, block, first=edges[0]):
+            nll = nll.cpu()
+            bucket = torch.bucketize(position + torch.arange(nll.shape[1]), bounds, right=True) - 1
+            rows.index_add_(1, bucket, nll)
+            squares.index_add_(0, bucket, (nll**2).sum(0))
+            bar.update(nll.numel())
+    bar.close()
+    frame = _position_table(edges, sums, squares)
+    train_ctx = model_info(model).train_ctx or model.cfg.n_ctx
+    frame["in_context"] = frame["position_hi"] <= train_ctx
+    frame.attrs.update(model=model_info(model).name, data=describe(data), length=length,
+                       n_seqs=len(tokens), prepend_bos=bos, train_ctx=train_ctx)  # fmt: skip
+    return frame
 
 
 # --- Retrieval: passkey and needle in a haystack ---------------------------------------------
@@ -320,11 +506,11 @@ def _answer_scores(
 ) -> tuple[Float[Tensor, " candidate"], Bool[Tensor, " candidate"]]:
     """Log-likelihood of each candidate after ``prompt`` and whether greedy decoding gives it.
 
-    All candidates run as one right-padded batch after the prompt
-    (:func:`headsurgeon.backend.continuation_logprobs`: on TransformerLens 3.x from one key-value
-    cache of the prompt, so the cost is one prompt, not one per candidate). Only the answer
-    positions are unembedded. Greedy decoding produces a candidate exactly when every one of its
-    tokens is the argmax given the tokens before it.
+    All candidates run as right-padded rows after the prompt
+    (:func:`headsurgeon.long_context.continuation_logprobs`: from one key-value cache of the prompt,
+    filled in blocks, so the cost is one prompt, not one per candidate, and memory is linear in
+    its length). Only the answer positions are unembedded. Greedy decoding produces a candidate
+    exactly when every one of its tokens is the argmax given the tokens before it.
     """
     width = max(len(c) for c in candidates)
     batch = torch.zeros(len(candidates), width - 1, dtype=torch.long)
@@ -359,6 +545,7 @@ def _retrieval(
     lengths = [check_length(model, length) for length in lengths]
     if not lengths:
         raise InvalidArgumentError("give at least one context length")
+    limit = long_context.max_length(model)  # None: ALiBi, any length
     intro, question = (torch.tensor(tokenize(model, parts[k]), dtype=torch.long) for k in "iq")
     if resolve_bos(model):  # the model's position-0 convention
         intro = torch.cat([torch.tensor([bos_token_id(model)]), intro])
@@ -381,10 +568,10 @@ def _retrieval(
                 cut = round(depth * n_filler)
                 prompt = torch.cat([intro, filler[:cut], needle, filler[cut:], question])
                 answers = [torch.tensor(tokenize(model, " " + k)) for k in keys]
-                if len(prompt) + max(map(len, answers)) - 1 > model.cfg.n_ctx:
+                if limit is not None and len(prompt) + max(map(len, answers)) - 1 > limit:
                     raise InvalidArgumentError(
                         f"context length {length} leaves no room for the answer within the "
-                        f"model's {model.cfg.n_ctx} tokens; use a shorter one"
+                        f"model's {limit} tokens; use a shorter one"
                     )
                 loglik, greedy = _answer_scores(model, prompt, answers)
                 rows.append(
@@ -446,6 +633,10 @@ def passkey(
     ``n_candidates`` distinct random numbers (itself included; ties count against it), so
     ``top1_accuracy`` has chance level ``1 / n_candidates``. ``in_context``:
     ``length <= train_ctx`` (default: the model's training length, else its context).
+
+    ALiBi models take lengths beyond their nominal ``n_ctx`` (4k to 64k tokens: each prompt runs
+    once, in blocks, into a key-value cache its candidates share; memory linear in the length);
+    models with positions take at most ``n_ctx``.
     """
     check_model(model, "passkey")
     check_int(n_candidates, "n_candidates", minimum=2)

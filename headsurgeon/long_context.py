@@ -34,6 +34,7 @@ Exports:
     block_size(model, n_pos, ...)          query rows per block for a memory budget
     query_offset(scores)                   the query position of a block's first row
     run_in_blocks(model, tokens, ...)      the residual stream block by block (a generator)
+    continuation_logprobs(model, prompt, continuations)  log-probabilities after one prompt
 
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
@@ -50,8 +51,15 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import Model, new_kv_cache, run_to_layer
-from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.backend import (
+    MAJOR,
+    Model,
+    cached_length,
+    new_kv_cache,
+    run_to_layer,
+    shared_cache,
+)
+from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.validation import check_int
 
 __all__ = [
@@ -59,6 +67,7 @@ __all__ = [
     "FORWARD_BYTES_PER_ENTRY",
     "block_size",
     "check_length",
+    "continuation_logprobs",
     "max_length",
     "query_offset",
     "run_in_blocks",
@@ -112,7 +121,9 @@ def block_size(
     """Query rows per block: the fastest (64 rows, measured on CPU: the scores stay in cache and
     causal blocks skip the masked half), fewer where one block's attention (``batch x head x
     block x n_pos`` entries of ``bytes_per_entry`` bytes) would exceed ``budget`` bytes, never
-    under 16 rows; ``n_pos`` for a sequence of at most 64 tokens (one block: the dense pass).
+    under 16 rows; ``n_pos`` (one block: the dense pass) for a sequence of at most 64 tokens and
+    for a model with learned or rotary positions, whose context bounds the dense pass's memory
+    and some of whose TransformerLens 4.x bridges (GPT-2's) never fill a key-value cache.
 
     >>> from headsurgeon.loading import ModelShape, random_model
     >>> model = random_model(ModelShape(n_layers=1, n_heads=16, d_model=64, d_vocab=9, n_ctx=16))
@@ -120,11 +131,16 @@ def block_size(
     (50, 64, 16)
     """
     n_pos = check_int(n_pos, "n_pos", minimum=1)
+    if max_length(model) is not None:
+        return n_pos
     per_row = batch * model.cfg.n_heads * n_pos * bytes_per_entry
     rows = min(budget // per_row, FAST_BLOCK)
     if rows >= n_pos:
         return n_pos
     return max(MIN_BLOCK, rows // MIN_BLOCK * MIN_BLOCK)
+
+
+_block_size = block_size  # for functions whose ``block_size`` parameter hides it
 
 
 def query_offset(scores: Float[Tensor, "batch head_index query_pos key_pos"]) -> int:
@@ -159,6 +175,73 @@ def run_in_blocks(
         yield 0, run_to_layer(model, tokens.to(device), stop)
         return
     cache = new_kv_cache(model, tokens.shape[0], device)
-    for offset in range(0, n_pos, block):
+    yield from _prefill(model, tokens, block, stop, cache)
+
+
+def _prefill(
+    model: Model, tokens: Int[Tensor, "batch pos"], block: int, stop: int, cache: object
+) -> Iterator[tuple[int, Float[Tensor, "batch block d_model"]]]:
+    """:func:`run_in_blocks` into a given ``cache``, refusing a model whose attention ignores it
+    (after the first block, before a wrong one is computed)."""
+    device = torch.device(model.cfg.device or "cpu")
+    for offset in range(0, tokens.shape[1], block):
+        if offset and cached_length(cache) != offset:
+            raise UnsupportedArchitectureError(
+                f"{model.cfg.original_architecture or 'this model'}'s attention does not keep a "
+                f"key-value cache under TransformerLens {MAJOR}, so it cannot run in blocks of "
+                f"{block} positions; pass block_size={tokens.shape[1]} (one dense pass)"
+            )
         chunk = tokens[:, offset : offset + block].to(device)
         yield offset, run_to_layer(model, chunk, stop, cache=cache)
+
+
+@torch.no_grad()
+def continuation_logprobs(
+    model: Model,
+    prompt: Int[Tensor, " pos"],
+    continuations: Int[Tensor, "batch width"],
+    *,
+    block_size: int | None = None,
+) -> Float[Tensor, "batch width+1 d_vocab"]:
+    """Next-token log-probabilities (float32, CPU) at the prompt's last position and after each
+    token of each right-padded continuation (padding after a continuation cannot change its
+    causal logits).
+
+    The prompt runs once, in blocks of ``block_size`` query rows (default: chosen by memory,
+    :func:`block_size`), into a key-value cache of one sequence (3.x:
+    TransformerLens's, 4.x: Hugging Face's ``DynamicCache``) that every continuation then reads,
+    frozen, without copying it per row: the rows run a few at a time, as many as keep the
+    keys and values one layer concatenates for them within
+    :data:`DEFAULT_BLOCK_BYTES`. Memory is linear in the prompt's
+    length (a 64k-token prompt costs its cache, no T² attention and no copy per row), and the
+    numbers equal one dense pass of prompt + continuation up to float32 rounding. A model whose
+    attention leaves the cache empty runs prompt + continuation for every row instead.
+    """
+    device = torch.device(model.cfg.device or "cpu")
+    n_rows, width = continuations.shape
+    n_layers = model.cfg.n_layers
+    block = _block_size(model, len(prompt)) if block_size is None else block_size
+    block = min(check_int(block, "block_size", minimum=1), len(prompt))
+
+    def logprobs(resid: Tensor) -> Tensor:
+        return model.unembed(model.ln_final(resid)).float().log_softmax(-1).cpu()
+
+    cache = new_kv_cache(model, 1, device)
+    *_, (_, resid) = _prefill(model, prompt[None], block, n_layers, cache)
+    if cached_length(cache) != len(prompt):
+        # A 4.x bridge whose attention ignores Hugging Face's cache (GPT-2 in TransformerLens
+        # 4.3): prompt + continuation for every row, as one dense batch.
+        rows = torch.cat([prompt[None].expand(n_rows, -1), continuations], dim=1).to(device)
+        return logprobs(run_to_layer(model, rows, n_layers)[:, len(prompt) - 1 :])
+    first = logprobs(resid[:, -1:]).expand(n_rows, -1, -1)
+    if width == 0:
+        return first
+    # A row's keys and values as one layer concatenates them (float32 at most), and its scores.
+    n_keys = len(prompt) + width
+    scores = model.cfg.n_heads * width * n_keys * FORWARD_BYTES_PER_ENTRY
+    per_row = 2 * n_keys * model.cfg.d_model * 4 + scores
+    rows = []
+    for group in continuations.split(max(1, DEFAULT_BLOCK_BYTES // per_row)):
+        shared = shared_cache(cache, len(group))
+        rows.append(logprobs(run_to_layer(model, group.to(device), n_layers, cache=shared)))
+    return torch.cat([first, torch.cat(rows)], dim=1)

@@ -206,7 +206,7 @@ def test_the_alibi_math_loads_no_model_io():
 
 
 def test_the_model_modules_docstrings_name_everything_they_export():
-    for name in ("backend", "dtypes", "loading", "exact_alibi", "checkpoints"):
+    for name in ("backend", "long_context", "dtypes", "loading", "exact_alibi", "checkpoints"):
         module = importlib.import_module(f"headsurgeon.{name}")
         unlisted = [n for n in module.__all__ if n not in module.__doc__]
         assert not unlisted, f"headsurgeon.{name}'s docstring does not name {unlisted}"

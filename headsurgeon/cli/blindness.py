@@ -71,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-distance",
         type=cli.positive_int,
-        help="context length for shares and labels (default: the model's context length)",
+        help="context length for shares and labels (default: the model's context length, or "
+        "--seq-len where --measure goes further, as ALiBi models can)",
     )
     parser.add_argument("--measure", action="store_true", help="also measure on text (loads it)")
     parser.add_argument("--convention", choices=CONVENTIONS, default="hf", help="softmax dtype")
@@ -94,7 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     formats = cli.figure_formats(args)  # --format pdf without a browser: fail before any work
     dtypes = [dtype_name(d) for d in args.dtypes]
     shape = model_shape(args.model)
-    args.max_distance = shape.n_ctx if args.max_distance is None else args.max_distance
+    if args.max_distance is None:
+        # The analytic curve reaches at least as far as what is measured (ALiBi takes any length;
+        # other models refuse a --seq-len beyond their context when the data are made).
+        args.max_distance = max(shape.n_ctx, args.seq_len) if args.measure else shape.n_ctx
     params = _mitigation_params(args)
     if args.mitigation == "robust":
         params = {**params, "dtype": dtypes[0], "limit": args.limit[0]}
