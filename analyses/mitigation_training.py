@@ -10,9 +10,19 @@ top-1 of 10 candidates) by length and its AUC over log2 length, with 95% bootstr
 (trials resampled within each length and depth; the same prompts for every model, so the
 difference between two models is bootstrapped paired), and perplexity by window length.
 
+Out to the paper's regime: retrieval from L to 128L (``--long-trials`` prompts per length and
+depth beyond ``--long-from`` tokens: one 16k-token prompt costs ~15 s of CPU), and for every
+model its measured underflow blindness on one ``--blindness-length`` sequence (default 256L:
+exact zero counts per head, :func:`headsurgeon.measure_blindness` on the long-context path) and
+its loss by token position out to the same length (:func:`headsurgeon.loss_by_position`, one
+pass per sequence), so that retrieval by length stands beside the number of heads that are
+blind at that distance.
+
 Writes ``table.csv`` (the paper's layout: model x in/out-of-context AUC, perplexity at L),
 ``auc.csv`` (every AUC with its interval), ``differences.csv`` (each variant minus standard ALiBi
 of the same training seed), ``curves.csv`` (accuracy by length), ``perplexity.csv``,
+``blindness.csv`` (measured, per head), ``regime.csv`` (per model and length: top-1 accuracy
+with its interval beside the heads blind within that distance), ``loss_by_position.csv``,
 ``models.csv``, ``trials_<model>_<task>.csv``, PNG figures and ``summary.md``.
 
     python analyses/mitigation_training.py \\
@@ -28,11 +38,13 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from _common import markdown, parser, start, style, write_topic
+from plotly.subplots import make_subplots
 
 import headsurgeon as hs
 from headsurgeon.evals import length_auc
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.loading import model_info
+from headsurgeon.progress import tqdm
 
 TASKS = ("passkey", "needle")
 METRIC = "top1_accuracy"  # chance 1/10; greedy_accuracy is reported too
@@ -72,9 +84,16 @@ def main() -> None:
         required=True,
         help="LABEL=FOLDER (repeat; the variant and seed come from headsurgeon.json)",
     )
-    p.add_argument("--lengths", type=int, nargs="+", default=[96, 128, 256, 512, 1024])
+    lengths = [96, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    p.add_argument("--lengths", type=int, nargs="+", default=lengths)
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--trials", type=int, default=20, help="prompts per length and depth")
+    p.add_argument("--long-from", type=int, default=1024, help="lengths above take --long-trials")
+    p.add_argument("--long-trials", type=int, default=3, help="prompts per long length, depth")
+    p.add_argument("--ppl-max", type=int, default=1024, help="perplexity windows up to this")
+    p.add_argument("--blindness-length", type=int, default=32768,
+                   help="sequence length of measured blindness and loss by position")  # fmt: skip
+    p.add_argument("--loss-seqs", type=int, default=2, help="sequences for loss by position")
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -82,8 +101,10 @@ def main() -> None:
     folders = dict(spec.split("=", 1) for spec in args.model)
 
     trials: dict[str, dict[str, pd.DataFrame]] = {t: {} for t in TASKS}
-    models, ppl_rows, train_ctx = {}, [], None
-    for label, folder in folders.items():
+    models, ppl_rows, train_ctx, blind, losses = {}, [], None, [], []
+    groups = [([n for n in args.lengths if n <= args.long_from], args.trials),
+              ([n for n in args.lengths if n > args.long_from], args.long_trials)]  # fmt: skip
+    for label, folder in tqdm(folders.items(), desc="models"):
         model = hs.load_model(folder)
         info = model_info(model)
         training = info.metadata["training"]
@@ -93,21 +114,35 @@ def main() -> None:
         train_ctx = train_ctx or info.train_ctx
         if info.train_ctx != train_ctx:
             raise SystemExit(f"{folder}: training length {info.train_ctx}, others {train_ctx}")
-        common = {"lengths": args.lengths, "depths": args.depths, "n_trials": args.trials,
-                  "seed": args.seed}  # fmt: skip
-        trials["passkey"][label] = hs.passkey(model, **common).trials
-        trials["needle"][label] = hs.needle(model, **common).trials
-        for length in args.lengths:
+        for task, run in (("passkey", hs.passkey), ("needle", hs.needle)):
+            frames = [run(model, lengths=group, depths=args.depths, n_trials=n, seed=args.seed)
+                      .trials for group, n in groups if group]  # fmt: skip
+            trials[task][label] = pd.concat(frames, ignore_index=True)
+        for length in [n for n in args.lengths if n <= args.ppl_max]:
             ppl = hs.perplexity(model, window=length, max_windows=32, progress=False)
             ppl_rows.append({"model": label, "window": length, "perplexity": ppl})
+        measured = hs.measure_blindness(model, dtypes=["float32"], seq_len=args.blindness_length,
+                                        n_seqs=1, progress=False).by_head  # fmt: skip
+        blind.append(measured.assign(model=label))
+        curve = hs.loss_by_position(model, length=args.blindness_length, n_seqs=args.loss_seqs,
+                                    progress=False)  # fmt: skip
+        losses.append(curve.assign(model=label))
 
     auc, diffs, curves = evaluate(trials, models, train_ctx, args)
     ppl = pd.DataFrame(ppl_rows)
+    blind, losses = pd.concat(blind, ignore_index=True), pd.concat(losses, ignore_index=True)
+    regime = regime_table(trials, blind, args)
+    lengths = blind_lengths(regime, models, train_ctx)
+    long_diff = long_range_difference(trials, models, lengths, args.bootstrap, args.seed)
     table = paper_table(auc, ppl, models, train_ctx)
     figures = {f"curves_{task}": curve_figure(curves, task, train_ctx) for task in TASKS}
     figures["perplexity"] = ppl_figure(ppl, train_ctx)
+    figures["regime"] = regime_figure(regime, train_ctx)
+    figures["loss_by_position"] = loss_figure(losses, train_ctx)
     tables = {"table.csv": table, "auc.csv": auc, "differences.csv": diffs,
-              "curves.csv": curves, "perplexity.csv": ppl,
+              "curves.csv": curves, "perplexity.csv": ppl, "regime.csv": regime,
+              "long_range_differences.csv": long_diff,
+              "blindness.csv": blind, "loss_by_position.csv": losses,
               "models.csv": pd.DataFrame(models).T.rename_axis("model").reset_index()}  # fmt: skip
     for task in TASKS:
         for label, frame in trials[task].items():
@@ -122,12 +157,15 @@ def main() -> None:
             for k, m in models.items()
         ),
         f"Evaluation: lengths {args.lengths}, depths {args.depths}, {args.trials} prompts per "
-        "length and depth (the same prompts for every model), 10 candidates (top-1 chance 0.1); "
+        f"length and depth up to {args.long_from} tokens, {args.long_trials} beyond (the same "
+        "prompts for every model), 10 candidates (top-1 chance 0.1); "
         f"AUC over log2 length; 95% intervals from {args.bootstrap} bootstrap resamples of the "
         "prompts, paired across models (they cover prompt sampling, not training seeds: the seeds "
         "are separate rows).",
         "",
         *verdict(diffs),
+        "",
+        *regime_lines(regime, blind, losses, long_diff, lengths, args),
         "",
         "## The paper's layout (top-1 AUC; perplexity at the training length)",
         "",
@@ -198,6 +236,140 @@ def verdict(diffs: pd.DataFrame) -> list[str]:
     return lines
 
 
+def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion of ``k`` in ``n``.
+
+    >>> [round(x, 3) for x in wilson(15, 15)]
+    [0.796, 1.0]
+    """
+    p, z2 = k / n, z * z
+    centre, half = p + z2 / (2 * n), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return (centre - half) / (1 + z2 / n), (centre + half) / (1 + z2 / n)
+
+
+def regime_table(
+    trials: dict[str, dict[str, pd.DataFrame]], blind: pd.DataFrame, args
+) -> pd.DataFrame:
+    """Per model and length: each task's top-1 accuracy with its Wilson interval, and how many
+    heads are blind (measured, float32) within that distance, beside the analytic count."""
+    rows = []
+    for label, by_model in blind.groupby("model", sort=False):
+        first_zero = by_model["first_zero_distance"].to_numpy()
+        analytic = by_model["analytic_distance"].to_numpy()
+        for length in args.lengths:
+            row = {"model": label, "context_length": length, "n_heads": len(by_model),
+                   "blind_heads": int(np.sum(first_zero < length)),
+                   "blind_heads_analytic": int(np.sum(analytic < length))}  # fmt: skip
+            for task in TASKS:
+                frame = trials[task][label]
+                correct = frame.loc[frame["context_length"] == length, "top1_correct"]
+                low, high = wilson(float(correct.sum()), len(correct))
+                row |= {task: correct.mean(), f"{task}_ci_low": low, f"{task}_ci_high": high,
+                        f"{task}_n": len(correct)}  # fmt: skip
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def long_range_difference(
+    trials: dict[str, dict[str, pd.DataFrame]], models: dict, lengths: list[int], n: int, seed: int
+) -> pd.DataFrame:
+    """Each variant minus standard ALiBi of the same seed: top-1 accuracy over ``lengths``
+    (the mean of the length x depth cells), with a paired bootstrap interval over prompts."""
+    rng = np.random.default_rng(seed)
+    standard = {m["seed"]: k for k, m in models.items() if m["variant"] == "standard"}
+    rows = []
+    for task in TASKS if lengths else ():
+        first = next(iter(trials[task].values()))
+        inside = first[first["context_length"].isin(lengths)]
+        cells = [g.index.to_numpy() for _, g in inside.groupby(["context_length", "depth"])]
+
+        def accuracy(frame: pd.DataFrame, index: np.ndarray) -> float:
+            picked = frame.loc[index]
+            return picked.groupby(["context_length", "depth"])["top1_correct"].mean().mean()
+
+        samples = [np.concatenate([rng.choice(c, len(c)) for c in cells]) for _ in range(n)]
+        everything = np.concatenate(cells)
+        for label, frame in trials[task].items():
+            base = standard.get(models[label]["seed"])
+            if base is None or base == label:
+                continue
+            other = trials[task][base]
+            deltas = [accuracy(frame, i) - accuracy(other, i) for i in samples]
+            low, high = np.percentile(deltas, [2.5, 97.5])
+            rows.append({"task": task, "model": label, "minus": base,
+                         "accuracy": accuracy(frame, everything),
+                         "standard_accuracy": accuracy(other, everything),
+                         "difference": accuracy(frame, everything) - accuracy(other, everything),
+                         "ci_low": low, "ci_high": high})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def blind_lengths(regime: pd.DataFrame, models: dict, train_ctx: int) -> list[int]:
+    """The evaluated lengths beyond training at which at least half of every standard-ALiBi
+    model's heads are blind within the distance (measured)."""
+    standard = regime[regime["model"].map(lambda k: models[k]["variant"] == "standard")]
+    half = standard["blind_heads"] * 2 >= standard["n_heads"]
+    per_length = half.groupby(standard["context_length"]).all()
+    return [int(n) for n, ok in per_length.items() if ok and n > train_ctx]
+
+
+def regime_lines(
+    regime: pd.DataFrame,
+    blind: pd.DataFrame,
+    losses: pd.DataFrame,
+    long_diff: pd.DataFrame,
+    lengths: list[int],
+    args,
+) -> list[str]:
+    """The long-range section of the summary: where standard ALiBi's heads are blind, does the
+    variant retrieve better there, and by how much."""
+    lines = ["## The paper's regime: retrieval where standard ALiBi's heads are blind", ""]
+    if long_diff.empty:
+        lines += ["No evaluated length has half of standard ALiBi's heads blind.", ""]
+    else:
+        lines.append(f"At lengths {lengths} (at least half of each standard model's heads blind "
+                     "within the distance), top-1 accuracy averaged over lengths and depths, "
+                     "variant minus standard ALiBi of the same seed (95% paired bootstrap "
+                     "interval over prompts):")  # fmt: skip
+        lines.append("")
+        for r in long_diff.itertuples():
+            word = ("better" if r.ci_low > 0 else "worse" if r.ci_high < 0
+                    else "not distinguishable")  # fmt: skip
+            lines.append(f"- {r.task}: {r.model} {r.accuracy:.2f} vs {r.minus} "
+                         f"{r.standard_accuracy:.2f}: {r.difference:+.2f} "
+                         f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}], {word}")  # fmt: skip
+        better, worse = (long_diff["ci_low"] > 0).all(), (long_diff["ci_high"] < 0).all()
+        lines += ["", "There, the paper's direction (log-scaled distances retrieve better than "
+                  "standard ALiBi) " + ("holds" if better else "is reversed" if worse
+                                        else "is not shown") + ".", ""]  # fmt: skip
+    per_model = blind.groupby("model", sort=False)["first_zero_distance"]
+    lines.append("Measured float32 blindness on one sequence of "
+                 f"{args.blindness_length:,} tokens (first distance with an exact zero, per "
+                 "head): " + "; ".join(
+                     f"{k}: {int(v.notna().sum())} of {len(v)} heads blind, nearest at "
+                     f"{v.min():,.0f} tokens" if v.notna().any() else f"{k}: no head blind"
+                     for k, v in per_model))  # fmt: skip
+    lines.append("")
+    table = regime.pivot(index="context_length", columns="model")
+    cols = []
+    for label in regime["model"].unique():
+        for task in TASKS:
+            cols.append((f"{label} {task}", [f"{a:.2f} [{lo:.2f}, {hi:.2f}]" for a, lo, hi in zip(
+                table[(task, label)], table[(f"{task}_ci_low", label)],
+                table[(f"{task}_ci_high", label)], strict=True)]))  # fmt: skip
+        cols.append((f"{label} blind heads", [f"{b} of {n}" for b, n in zip(
+            table[("blind_heads", label)], table[("n_heads", label)], strict=True)]))  # fmt: skip
+    shown = pd.DataFrame(dict(cols), index=table.index).reset_index()
+    lines += ["Top-1 accuracy by length (95% Wilson interval over prompts) and heads blind "
+              "within that distance (measured, float32):", "", markdown(shown, 3), ""]  # fmt: skip
+    at_end = losses[losses["position_hi"] == losses["position_hi"].max()]
+    lines.append("Loss by token position (nats, the last bucket, positions "
+                 f"{int(at_end['position_lo'].iloc[0]):,}-{int(at_end['position_hi'].iloc[0]):,}"
+                 "): " + "; ".join(f"{r.model} {r.mean_nll:.2f} ± {r.ci95:.2f}"
+                                   for r in at_end.itertuples()))  # fmt: skip
+    return lines
+
+
 def paper_table(auc: pd.DataFrame, ppl: pd.DataFrame, models: dict, train_ctx: int) -> pd.DataFrame:
     """One row per model: passkey and needle top-1 AUC in/out of context, with intervals."""
     rows = []
@@ -236,6 +408,50 @@ def curve_figure(curves: pd.DataFrame, task: str, train_ctx: int) -> go.Figure:
     fig.update_yaxes(title="accuracy", range=[0, 1.02])
     style(fig, f"{task}: accuracy by context length",
           "models trained with each ALiBi variant; beyond the dashed line is out of context",
+          760, 460)  # fmt: skip
+    return fig
+
+
+def regime_figure(regime: pd.DataFrame, train_ctx: int) -> go.Figure:
+    """Top-1 accuracy by length (top) above the heads blind within that distance (bottom)."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35],
+                        vertical_spacing=0.06)  # fmt: skip
+    for label, frame in regime.groupby("model", sort=False):
+        for task in TASKS:
+            fig.add_trace(go.Scatter(
+                x=frame["context_length"], y=frame[task], mode="lines+markers",
+                name=f"{label}, {task}", line={"dash": "solid" if task == "passkey" else "dot"},
+                error_y={"type": "data", "symmetric": False,
+                         "array": frame[f"{task}_ci_high"] - frame[task],
+                         "arrayminus": frame[task] - frame[f"{task}_ci_low"]},
+            ), row=1, col=1)  # fmt: skip
+        fig.add_trace(go.Scatter(x=frame["context_length"], y=frame["blind_heads"],
+                                 mode="lines+markers", name=f"{label}, blind heads"),
+                      row=2, col=1)  # fmt: skip
+    fig.add_vline(x=np.log10(train_ctx), line_dash="dash", line_color="#444")
+    fig.update_xaxes(type="log", title="context length (tokens)", row=2, col=1)
+    fig.update_xaxes(type="log", row=1, col=1)
+    fig.update_yaxes(title="top-1 accuracy", range=[0, 1.05], row=1, col=1)
+    fig.update_yaxes(title="heads blind (float32)", row=2, col=1)
+    style(fig, "Retrieval by length beside measured blindness",
+          "dashed: training length; blind heads: first exact zero in float32 within the length",
+          820, 640)  # fmt: skip
+    return fig
+
+
+def loss_figure(losses: pd.DataFrame, train_ctx: int) -> go.Figure:
+    """Mean next-token loss by token position, one long pass per sequence."""
+    fig = go.Figure()
+    for label, frame in losses.groupby("model", sort=False):
+        centre = np.sqrt(frame["position_lo"].clip(lower=1) * frame["position_hi"])
+        fig.add_trace(go.Scatter(
+            x=centre, y=frame["mean_nll"], mode="lines+markers", name=label,
+            error_y={"type": "data", "array": frame["ci95"]},
+        ))  # fmt: skip
+    _training_length(fig, train_ctx, losses["mean_nll"].min(), losses["mean_nll"].max())
+    fig.update_xaxes(type="log", title="token position")
+    fig.update_yaxes(title="mean next-token loss (nats)")
+    style(fig, "Loss by token position", "bundled held-out corpora, one pass per sequence",
           760, 460)  # fmt: skip
     return fig
 
