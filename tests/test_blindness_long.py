@@ -186,3 +186,22 @@ def test_cli_measures_past_the_nominal_context(tmp_path, capsys):
     analytic = pd.read_csv(out / "blindness.csv")
     assert set(analytic.context_length) == {n_pos}  # the analytic shares reach what is measured
     assert pd.read_csv(out / "measured_by_length.csv").context_length.max() == n_pos
+
+
+@pytest.mark.parametrize(("seq_len", "n_seqs"), [(None, 8), (2048, 4), (16384, 1), (100_000, 1)])
+def test_cli_measures_a_fixed_budget_of_tokens_by_default(tmp_path, monkeypatch, seq_len, n_seqs):
+    import headsurgeon.cli as cli
+
+    asked = []
+
+    def load_data(model, args):
+        asked.append((args.seq_len, args.n_seqs))
+        raise InvalidArgumentError("stop here")
+
+    monkeypatch.setattr(cli, "load_data", load_data)
+    folder = make_bloom_checkpoint(tmp_path / "bloom", n_heads=8, n_layers=1)
+    argv = [folder, "--measure", "--out", tmp_path / "out"]
+    argv += [] if seq_len is None else ["--seq-len", seq_len]
+    with pytest.raises(InvalidArgumentError, match="stop here"):
+        main([str(arg) for arg in argv])
+    assert asked == [(seq_len or 1024, n_seqs)]

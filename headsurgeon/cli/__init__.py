@@ -135,7 +135,13 @@ class _SetThreads(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
-def add_data_args(parser: argparse.ArgumentParser, *, seq_len: int = 128, n_seqs: int = 64) -> None:
+def add_data_args(
+    parser: argparse.ArgumentParser,
+    *,
+    seq_len: int = 128,
+    n_seqs: int | None = 64,
+    n_seqs_help: str = "sequences to use",
+) -> None:
     group = parser.add_argument_group("data")
     group.add_argument(
         "--texts",
@@ -144,7 +150,7 @@ def add_data_args(parser: argparse.ArgumentParser, *, seq_len: int = 128, n_seqs
         action=TextFiles,
         help="UTF-8 text files (.txt or .txt.gz); default: the bundled held-out corpora",
     )
-    group.add_argument("--n-seqs", type=positive_int, default=n_seqs, help="sequences to use")
+    group.add_argument("--n-seqs", type=positive_int, default=n_seqs, help=n_seqs_help)
     group.add_argument("--seq-len", type=positive_int, default=seq_len, help="tokens per sequence")
     group.add_argument(
         "--prepend-bos",

@@ -37,6 +37,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+# Tokens --measure reads by default: 8 sequences of the default 1,024 tokens (~10 s on the
+# 16-head organism, one thread); attention work grows with the length of each sequence.
+MEASURED_TOKENS = 8192
+
+
 def _mitigation_params(args: argparse.Namespace) -> dict:
     if args.mitigation in ("clamped", "softcap"):
         if args.c is None:
@@ -89,9 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--batch-size", type=cli.positive_int, default=1, help="sequences per forward pass"
     )
-    cli.add_data_args(parser, seq_len=1024, n_seqs=8)
+    cli.add_data_args(parser, seq_len=1024, n_seqs=None,
+                      n_seqs_help=f"sequences to use (default: as many as hold "
+                      f"{MEASURED_TOKENS:,} tokens, at least one)")  # fmt: skip
     cli.add_output_args(parser)
     args = parser.parse_args(argv)
+    if args.n_seqs is None:  # a fixed budget of tokens: --seq-len 16384 measures one sequence
+        args.n_seqs = max(1, MEASURED_TOKENS // args.seq_len)
     formats = cli.figure_formats(args)  # --format pdf without a browser: fail before any work
     dtypes = [dtype_name(d) for d in args.dtypes]
     shape = model_shape(args.model)
