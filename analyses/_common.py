@@ -3,7 +3,8 @@
 Exports:
     ROOT, FIGURES                       the repository root and its ``figures/`` folder
     parser(doc, topic)                  argparse parser with --out (figures/<topic>) and --threads
-    start(args)                         set the CPU threads and logging; return the start time
+    start(args)                         refuse an --out it could not replace; set the CPU threads
+                                        and logging; return the start time
     write_topic(out, figures, tables, summary, started, extra)
                                         figures (PNG), tables (CSV/JSON/MD), anything ``extra``
                                         writes, and summary.md, as one folder written atomically;
@@ -30,7 +31,8 @@ import torch
 
 from headsurgeon import plots
 from headsurgeon.allocator import keep_freed_memory
-from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.errors import HeadsurgeonError
+from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
 from headsurgeon.plots import save_figure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,15 @@ def parser(doc: str, topic: str) -> argparse.ArgumentParser:
 
 
 def start(args: argparse.Namespace) -> float:
+    """Set threads and logging; refuse an ``--out`` that the final write could not replace.
+
+    The check comes first so that a long study never computes for hours and then fails on
+    its output folder.
+    """
+    try:
+        check_output_dir(args.out, overwrite=True)
+    except HeadsurgeonError as e:
+        raise SystemExit(f"error: {e}") from None
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
