@@ -68,8 +68,9 @@ def _configs() -> dict[str, tuple[tf.PretrainedConfig, Callable[[nn.Module, int]
                                            alibi=True, new_decoder_architecture=False,
                                            multi_query=False, parallel_attn=False, bias=True),
                            lambda m, i: m.transformer.h[i].self_attention.dense),
+        # n_ctx as published GPT-2 configs have it (transformers 5 no longer writes it).
         "GPT-2": (tf.GPT2Config(n_embd=WIDTH, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB,
-                                n_positions=n),
+                                n_positions=n, n_ctx=n),
                   lambda m, i: m.transformer.h[i].attn.c_proj),
         "GPT-NeoX": (tf.GPTNeoXConfig(hidden_size=WIDTH, num_attention_heads=HEADS,
                                       num_hidden_layers=LAYERS, intermediate_size=4 * WIDTH,

@@ -241,10 +241,12 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
     >>> [round(x, 3) for x in wilson(15, 15)]
     [0.796, 1.0]
+    >>> wilson(0, 15)[0]  # clipped: rounding would otherwise print -0.00
+    0.0
     """
     p, z2 = k / n, z * z
-    centre, half = p + z2 / (2 * n), z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return (centre - half) / (1 + z2 / n), (centre + half) / (1 + z2 / n)
+    centre, half = p + z2 / (2 * n), z * float(np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)))
+    return max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))
 
 
 def regime_table(

@@ -4,6 +4,10 @@ ALiBi adds ``-m_h * (i - j)`` to the attention logit of query ``i`` on key ``j``
 
 Exports:
     slopes(n_heads)                     per-head slopes m_h, exactly as Hugging Face BLOOM
+    mpt_slopes(n_heads, alibi_bias_max) MPT's slopes, exactly as transformers builds them
+    falcon_slopes(n_heads, d_head)      the slopes Falcon (alibi=True) applies: bf16(m_h)/sqrt(d)
+    family_slopes(family, n_heads)      the slopes transformers applies to a family's model
+    config_slopes(config)               the same for a config.json
     relative_distance(n_ctx)            the (query, key) matrix of distances i - j (0 above)
     alibi_bias(head_slopes, n_ctx)      the standard bias -m_h * (i - j), [head, query, key]
     float_limits(dtype)                 FloatLimits: ln of smallest normal, subnormal, zero point
@@ -16,7 +20,7 @@ Exports:
     bias_from_distance(kind, ...)       the bias of each kind in BIAS_KINDS (mitigations)
     soft_cap(scores, c)                 c * tanh(scores / c), masked cells kept at -inf
     check_bias_params(kind, **params)   validated mitigation parameters
-    LIMITS, BIAS_KINDS, ROBUST_MODES, FloatLimits
+    LIMITS, BIAS_KINDS, ROBUST_MODES, FloatLimits, ALIBI_FAMILIES
 
 The mitigations of the ALiBi blindness paper (arXiv:2608.03994) are not public as formulas; the
 definitions here are ours and are stated exactly in :func:`bias_from_distance`.
@@ -33,11 +37,16 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from headsurgeon.dtypes import parse_dtype
-from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.validation import check_int, check_number
 
 __all__ = [
     "slopes",
+    "mpt_slopes",
+    "falcon_slopes",
+    "config_slopes",
+    "family_slopes",
+    "ALIBI_FAMILIES",
     "relative_distance",
     "alibi_bias",
     "LIMITS",
@@ -84,6 +93,91 @@ def slopes(n_heads: int) -> Float[Tensor, " head_index"]:
         extra_powers = torch.arange(1, 1 + 2 * n_extra, 2, dtype=torch.int32)
         result = torch.cat([result, torch.pow(extra_base, extra_powers)])
     return result
+
+
+def mpt_slopes(n_heads: int, alibi_bias_max: float = 8) -> Float[Tensor, " head_index"]:
+    """MPT's ALiBi slopes, equal bit for bit to transformers' ``build_mpt_alibi_tensor``.
+
+    With ``P = 2^ceil(log2 H)`` the slopes are ``2^(-b k / P)``, ``k = 1 ... P`` and ``b =
+    alibi_bias_max``; for a head count that is not a power of two MPT takes the odd-numbered
+    ``k`` first, then the even ones, and keeps ``H``. With ``b = 8`` they equal BLOOM's
+    (:func:`slopes`) for every head count. transformers' ``MptModel`` calls it without
+    ``alibi_bias_max`` (8 whatever ``config.attn_config`` says): see :func:`config_slopes`.
+
+    >>> [round(x, 6) for x in mpt_slopes(4, alibi_bias_max=16).tolist()]
+    [0.0625, 0.003906, 0.000244, 1.5e-05]
+    >>> all(torch.allclose(mpt_slopes(h), slopes(h), rtol=1e-6) for h in (4, 6, 12, 16, 112))
+    True
+    """
+    n_heads = check_int(n_heads, "n_heads", minimum=1)
+    alibi_bias_max = check_number(alibi_bias_max, "alibi_bias_max", low=0, low_open=True)
+    power = 2 ** math.ceil(math.log2(n_heads))
+    base = torch.arange(1, power + 1, dtype=torch.int64).float() * (alibi_bias_max / power)
+    result = 1.0 / torch.pow(2, base)
+    if power != n_heads:
+        result = torch.cat([result[1::2], result[::2]])[:n_heads]
+    return result
+
+
+def falcon_slopes(n_heads: int, d_head: int) -> Float[Tensor, " head_index"]:
+    """The ALiBi slopes a Falcon model with ``alibi=True`` applies, per token of distance.
+
+    transformers' Falcon builds BLOOM's bias ``m_h j`` (key position ``j``) in bfloat16 and
+    adds ``m_h j / sqrt(d_head)`` to the already scaled logits ``q.k / sqrt(d_head)``, so the
+    slope is ``bf16(m_h) / sqrt(d_head)`` (float32, computed as transformers does). Positions up
+    to 256 are exact in bfloat16; past them transformers rounds ``m_h j`` to 8 significant
+    bits, so the bias steps (by 2 positions' worth from 256 to 512, 4 to 1024, ...) around the
+    line these slopes draw. The measured tools read the logits themselves and are exact there.
+
+    >>> falcon_slopes(4, 16)
+    tensor([0.0625, 0.0156, 0.0039, 0.0010])
+    >>> round(falcon_slopes(16, 64)[0].item(), 6), round(slopes(16)[0].item() / 8, 6)
+    (0.088379, 0.088388)
+    """
+    n_heads = check_int(n_heads, "n_heads", minimum=1)
+    d_head = check_int(d_head, "d_head", minimum=1)
+    return slopes(n_heads).bfloat16().float() / math.sqrt(d_head)
+
+
+ALIBI_FAMILIES = ("bloom", "mpt", "falcon")
+
+
+def family_slopes(
+    family: str, n_heads: int, d_head: int | None = None
+) -> Float[Tensor, " head_index"]:
+    """The ALiBi slopes transformers applies for a model of one of :data:`ALIBI_FAMILIES`:
+    BLOOM (:func:`slopes`), MPT (:func:`mpt_slopes` with ``alibi_bias_max`` 8, the value
+    transformers' ``MptModel`` uses whatever the config says) or Falcon with ``alibi=True``
+    (:func:`falcon_slopes`, which needs ``d_head``).
+
+    >>> family_slopes("falcon", 2, d_head=4)
+    tensor([0.0312, 0.0020])
+    """
+    if family == "bloom":
+        return slopes(n_heads)
+    if family == "mpt":
+        return mpt_slopes(n_heads)
+    if family == "falcon":
+        return falcon_slopes(n_heads, d_head)
+    raise InvalidArgumentError(f"unknown ALiBi family {family!r}; use one of bloom, mpt, falcon")
+
+
+def config_slopes(config: dict) -> Float[Tensor, " head_index"]:
+    """:func:`family_slopes` for a Hugging Face ``config.json`` (a dict); one
+    :class:`UnsupportedArchitectureError` line for a model without ALiBi.
+
+    >>> config_slopes({"model_type": "mpt", "n_heads": 2, "attn_config": {"alibi_bias_max": 16}})
+    tensor([0.0625, 0.0039])
+    """
+    family = config.get("model_type")
+    if family not in ALIBI_FAMILIES or (family == "falcon" and not config.get("alibi")):
+        raise UnsupportedArchitectureError(
+            f"model_type {family} {'without alibi ' if family == 'falcon' else ''}has no ALiBi "
+            "slopes (headsurgeon knows BLOOM's, MPT's, and Falcon's with alibi: true)"
+        )
+    n_heads = config[{"bloom": "n_head", "mpt": "n_heads"}.get(family, "num_attention_heads")]
+    d_head = config["hidden_size"] // n_heads if family == "falcon" else None
+    return family_slopes(family, n_heads, d_head)
 
 
 def relative_distance(n_ctx: int) -> Float[Tensor, "query_pos key_pos"]:

@@ -22,7 +22,9 @@ Exports:
     check_head_tensors(model)        one-line error unless every head has its own Q/K/V/O
     check_unprocessed(model)         one-line error if a 4.x bridge's weights were processed
     add_bias_hook(attn, build)       make one attention layer use ``build``'s ALiBi bias
-    hf_bias_pre_hook(build)          the same for a Hugging Face BloomAttention (training)
+    hf_bias_pre_hook(build)          the same for a Hugging Face BLOOM/MPT/Falcon attention
+    attention_family(attn)           which of those an attention layer is ("bloom", ...)
+    ALIBI_ATTENTION                  transformers' ALiBi attention classes -> their family
     builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
     run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
     new_kv_cache(model, batch, device)  an empty key-value cache for ``run_to_layer(cache=)``
@@ -63,12 +65,14 @@ else:
     from transformer_lens import HookedTransformer as Model
 
 __all__ = [
+    "ALIBI_ATTENTION",
     "HEAD_TENSORS",
     "MAJOR",
     "HeadTensor",
     "HookPoint",
     "Model",
     "add_bias_hook",
+    "attention_family",
     "builtin_slopes",
     "cached_length",
     "check_architecture",
@@ -154,6 +158,7 @@ def check_architecture(
                 f"{file} is not supported by TransformerLens 4.x (no architecture adapter); "
                 f"{SUPPORTED}"
             )
+        _check_variant(hf_config, file)
         return None
     from transformer_lens import loading_from_pretrained as tl_loading
 
@@ -167,17 +172,42 @@ def check_architecture(
         raise CheckpointError(f"{file}: {what}; correct it or re-export the checkpoint") from e
     # AttributeError: TransformerLens 3.x reading a field transformers 5 no longer has (GPT-2).
     except (NotImplementedError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UnsupportedArchitectureError(
-            f"architecture {architecture} (model_type {hf_config.get('model_type')}) in {file} is "
-            f"not supported by TransformerLens 3.x ({first_line(e)}); {SUPPORTED}"
-        ) from e
+        raise _unsupported_by_tl3(architecture, hf_config, file, e) from e
 
 
 SUPPORTED = (
     "headsurgeon loads BLOOM (model_type bloom, BloomForCausalLM) and the causal language models "
     f"TransformerLens {MAJOR}.x converts (e.g. LlamaForCausalLM, GPTNeoXForCausalLM, "
-    "OPTForCausalLM)"
+    "OPTForCausalLM"
+    + (", MptForCausalLM, FalconForCausalLM)" if MAJOR >= 4 else "; MPT and Falcon need 4.x)")
 )
+
+
+def _unsupported_by_tl3(
+    architecture: str, hf_config: dict[str, Any], where: object, error: Exception
+) -> UnsupportedArchitectureError:
+    if hf_config.get("model_type") == "gpt2" and "n_ctx" in str(error):
+        # transformers 5 no longer writes GPT-2's n_ctx, which TransformerLens 3.x reads.
+        return UnsupportedArchitectureError(
+            f"GPT-2 config in {where} has no n_ctx, which TransformerLens 3.x needs; add "
+            f'"n_ctx": {hf_config.get("n_positions", 1024)} (its n_positions) to config.json'
+        )
+    return UnsupportedArchitectureError(
+        f"architecture {architecture} (model_type {hf_config.get('model_type')}) in {where} is "
+        f"not supported by TransformerLens 3.x ({first_line(error)}); {SUPPORTED}"
+    )
+
+
+def _check_variant(hf_config: dict[str, Any], where: object) -> None:
+    """One line for a 4.x architecture variant that TransformerLens 4.x converts wrongly."""
+    if hf_config.get("model_type") == "falcon" and hf_config.get("new_decoder_architecture"):
+        # Its fused query_key_value is grouped per key-value head (each group's queries, key,
+        # value); TransformerLens 4.3 splits it as [Q; K; V] (logits off by 0.3 on a tiny model).
+        raise UnsupportedArchitectureError(
+            f"Falcon with new_decoder_architecture (grouped key-value heads) in {where} is not "
+            f"supported: TransformerLens {version('transformer-lens')} splits its grouped "
+            "query_key_value in the wrong order, so its attention would not be the model's"
+        )
 
 
 def convert_hf(
@@ -186,16 +216,23 @@ def convert_hf(
     """``hf_model`` as the installed major's model, weights unprocessed (no folding, no centring).
 
     3.x copies the weights into a new ``HookedTransformer``; 4.x wraps ``hf_model`` itself (its
-    modules become the bridge's: do not use ``hf_model`` on its own afterwards).
+    modules become the bridge's: do not use ``hf_model`` on its own afterwards), switched to
+    ``transformers``' eager attention: a bridge that delegates attention to the Hugging Face
+    module (OPT's) can only show the pattern that module returns, and fused kernels (sdpa)
+    return none.
     """
     architecture = (hf_model.config.architectures or [type(hf_model).__name__])[0]
     if MAJOR >= 4:
         from transformer_lens.model_bridge.sources import build_bridge_from_module
 
+        if getattr(hf_model.config, "_attn_implementation", "eager") != "eager":
+            hf_model.set_attn_implementation("eager")
+        _check_variant(hf_model.config.to_dict(), f"the {type(hf_model).__name__}")
         # Booted from the module in memory: no hub lookup, no compatibility-mode processing.
         model = build_bridge_from_module(
             hf_model, architecture, hf_config=hf_model.config, tokenizer=tokenizer, model_name=name
         )
+        _pass_mpt_cache(model)
         if prepend_bos is not None:
             model.cfg.default_prepend_bos = prepend_bos
         if model.cfg.positional_embedding_type == "alibi":
@@ -221,9 +258,15 @@ def _hooked_transformer(
         file = Path(tmp) / "config.json"
         config = json.loads(file.read_text()) | {"architectures": [architecture]}
         file.write_text(json.dumps(config))
-        cfg = tl_loading.get_pretrained_model_config(
-            tmp, fold_ln=False, dtype=dtype, device="cpu", default_prepend_bos=prepend_bos
-        )
+        try:
+            cfg = tl_loading.get_pretrained_model_config(
+                tmp, fold_ln=False, dtype=dtype, device="cpu", default_prepend_bos=prepend_bos
+            )
+        # NotImplementedError: no 3.x adapter (MPT, Falcon); AttributeError: 3.x reading a field
+        # transformers 5 no longer has (GPT-2's n_ctx).
+        except (NotImplementedError, AttributeError) as e:
+            where = f"the in-memory {type(hf_model).__name__}"
+            raise _unsupported_by_tl3(architecture, config, where, e) from e
         state_dict = tl_loading.get_pretrained_state_dict(tmp, cfg, hf_model=hf_model)
     if cfg.positional_embedding_type == "alibi":
         # Unused by ALiBi models; TransformerLens would otherwise fill it with uninitialised memory.
@@ -282,7 +325,14 @@ def _same(t: Tensor) -> Tensor:
 
 
 def head_tensors(model: Model, layer: int) -> dict[str, HeadTensor]:
-    """``{name: HeadTensor}`` for ``W_Q, W_K, W_V, b_Q, b_K, b_V, W_O`` of one layer.
+    """``{name: HeadTensor}`` for ``W_Q, W_K, W_V, b_Q, b_K, b_V, W_O`` of one layer: those the
+    model has. Attention without biases (MPT, Falcon with ``bias=False``) has no ``b_Q``, ``b_K``,
+    ``b_V``: callers iterate over what is there, or test ``name in tensors``.
+
+    On 4.x every family's bridge (BLOOM, MPT, Falcon-ALiBi) splits its fused QKV into ``q``/``k``/
+    ``v`` linear layers, each ``[head * d_head, d_model]`` with heads in order (the forward pass
+    reads those, never the stale fused copy), and ``o`` is the Hugging Face output projection:
+    the views are the same for all three.
 
     >>> from headsurgeon.loading import ModelShape, random_model
     >>> model = random_model(ModelShape(n_layers=1, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
@@ -306,14 +356,15 @@ def head_tensors(model: Model, layer: int) -> dict[str, HeadTensor]:
             f"W_{x}", paths[id(linear.weight)], linear.weight,
             lambda t: t.view(n, d_head, d_model).transpose(1, 2),
         )  # fmt: skip
-        out[f"b_{x}"] = HeadTensor(
-            f"b_{x}", paths[id(linear.bias)], linear.bias, lambda t: t.view(n, d_head)
-        )
+        if linear.bias is not None:
+            out[f"b_{x}"] = HeadTensor(
+                f"b_{x}", paths[id(linear.bias)], linear.bias, lambda t: t.view(n, d_head)
+            )
     dense = attn.o.original_component.weight
     out["W_O"] = HeadTensor(
         "W_O", paths[id(dense)], dense, lambda t: t.view(d_model, n, d_head).permute(1, 2, 0)
     )
-    return out
+    return {name: out[name] for name in HEAD_TENSORS if name in out}
 
 
 def _parameter_paths(model: nn.Module) -> dict[int, str]:
@@ -321,22 +372,49 @@ def _parameter_paths(model: nn.Module) -> dict[int, str]:
 
 
 def check_head_tensors(model: Model) -> None:
-    """Raise :class:`UnsupportedArchitectureError` unless every head has its own Q/K/V/O."""
+    """Raise :class:`UnsupportedArchitectureError` unless every head has its own Q/K/V/O.
+
+    Q/K/V biases may be absent (all three or none); keys and values shared by several heads
+    (Falcon's ``multi_query``, grouped KV, ``new_decoder_architecture``) are refused, naming it.
+    """
+    reason = _shared_kv(model) or _unsplit(model)
+    if reason is not None:
+        raise UnsupportedArchitectureError(
+            f"{type(model.blocks[0].attn).__name__} has {reason}; head surgery needs every head "
+            "to have its own query, key, value and output slices"
+        )
+
+
+def _shared_kv(model: Model) -> str | None:
+    """Why the heads share keys and values, or None if each head has its own."""
+    config = model.original_model.config if MAJOR >= 4 else None  # read at every head_tensors
+    n_kv = getattr(model.cfg, "n_key_value_heads", None)
+    if getattr(config, "new_decoder_architecture", False):
+        # Its fused QKV is grouped per KV head; TransformerLens 4.3 splits it as [Q; K; V].
+        return "Falcon's new_decoder_architecture (grouped key-value heads)"
+    if getattr(config, "multi_query", False):
+        return f"multi-query attention (all {model.cfg.n_heads} heads share one key and value)"
+    if n_kv not in (None, model.cfg.n_heads):
+        return f"grouped-query attention ({n_kv} key-value heads for {model.cfg.n_heads} heads)"
+    return None
+
+
+def _unsplit(model: Model) -> str | None:
+    """Why the attention has no per-head Q/K/V/O tensors (3.x parameters, 4.x linear layers)."""
     attn = model.blocks[0].attn
     if MAJOR < 4:
-        ok = all(isinstance(getattr(attn, name, None), nn.Parameter) for name in HEAD_TENSORS)
-    else:
-        linears = [getattr(getattr(attn, x, None), "original_component", None) for x in "qkvo"]
-        ok = (
-            all(isinstance(m, nn.Linear) and m.bias is not None for m in linears)
-            and getattr(model.cfg, "n_key_value_heads", None) in (None, model.cfg.n_heads)
-            and linears[0].weight.shape == (model.cfg.n_heads * model.cfg.d_head, model.cfg.d_model)
-        )
-    if not ok:
-        raise UnsupportedArchitectureError(
-            f"{type(attn).__name__} has no per-head {', '.join(HEAD_TENSORS)} parameters "
-            "(grouped-query, fused or quantised attention); head surgery needs standard attention"
-        )
+        if all(isinstance(getattr(attn, name, None), nn.Parameter) for name in HEAD_TENSORS):
+            return None
+        return f"no per-head {', '.join(HEAD_TENSORS)} parameters (quantised attention?)"
+    linears = [getattr(getattr(attn, x, None), "original_component", None) for x in "qkvo"]
+    width = model.cfg.n_heads * model.cfg.d_head
+    if not all(isinstance(m, nn.Linear) for m in linears):
+        return "no separate q, k, v and o linear layers (fused or quantised attention)"
+    if any(m.weight.shape != (width, model.cfg.d_model) for m in linears[:3]):
+        return "query, key or value projections narrower than n_heads x d_head"
+    if len({m.bias is None for m in linears[:3]}) > 1:
+        return "biases on some of its query, key and value projections but not all"
+    return None
 
 
 def check_unprocessed(model: Model) -> None:
@@ -406,21 +484,54 @@ class _BiasHandle:
             self.attn.alibi = self.saved
 
 
-def hf_bias_pre_hook(build: BiasBuilder) -> Callable[[nn.Module, tuple, dict], tuple]:
-    """A forward pre-hook (``with_kwargs=True``) for Hugging Face's ``BloomAttention`` (and the
-    4.x bridge's, which takes the same call) whose ``alibi`` argument becomes ``build``'s bias.
+# transformers' ALiBi attention classes, by family; each takes its bias another way.
+ALIBI_ATTENTION = {"BloomAttention": "bloom", "MptAttention": "mpt", "FalconAttention": "falcon"}
 
-    Hugging Face passes ``slope x key position`` (``[batch * head, 1, key]``); the bias here has
-    every row (``[batch * head, query, key]``), so any function of ``i - j`` works, in training
-    (``analyses/train_organism.py --bias``) as in inference.
+
+def attention_family(attn: nn.Module) -> str:
+    """Which Hugging Face attention class ``attn`` is or wraps (a 4.x bridge's attention wraps
+    one), as a family of :data:`ALIBI_ATTENTION`: ``"mpt"``, ``"falcon"``, else ``"bloom"`` (3.x's
+    attention too). Each takes its ALiBi bias through another argument (:func:`hf_bias_pre_hook`).
+    """
+    name = type(getattr(attn, "original_component", None) or attn).__name__
+    return ALIBI_ATTENTION.get(name, "bloom")
+
+
+def hf_bias_pre_hook(build: BiasBuilder) -> Callable[[nn.Module, tuple, dict], tuple]:
+    """A forward pre-hook (``with_kwargs=True``) for a Hugging Face ALiBi attention layer
+    (``BloomAttention``, ``MptAttention``, ``FalconAttention``, or the 4.x bridge's wrapping
+    one, which takes the same call) whose ALiBi bias becomes ``build``'s, for every row.
+
+    Each takes it differently, all added to the already scaled ``q.k / sqrt(d_head)``:
+
+    * BLOOM: ``alibi``, ``slope x key position`` (``[batch * head, 1, key]``), becomes
+      ``[batch * head, query, key]``;
+    * MPT: ``position_bias`` (``[head, 1, max_seq_len]``, sliced to the keys) becomes
+      ``[head, query, key]``: ``build`` covers every length, also past ``max_seq_len``, where
+      transformers' own tensor ends;
+    * Falcon: the bias is in the additive ``attention_mask`` (``[batch, head, query, key]``, the
+      float minimum where masked); its unmasked cells become the bias.
+
+    So any function of ``i - j`` works, in training (``analyses/train_organism.py --bias``) as
+    in inference.
     """
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden = args[0] if args else kwargs["hidden_states"]
         batch, n_queries = hidden.shape[:2]
-        n_keys = kwargs["alibi"].shape[-1] if kwargs.get("alibi") is not None else n_queries
-        bias = build(n_queries, n_keys, hidden.device)
-        bias = bias.to(hidden.dtype)[None].expand(batch, -1, -1, -1)
+        family = attention_family(module)
+        key_count = kwargs.get("alibi" if family == "bloom" else "attention_mask")
+        n_keys = n_queries if key_count is None else key_count.shape[-1]
+        bias = build(n_queries, n_keys, hidden.device).to(hidden.dtype)
+        if family == "mpt":  # broadcast over the batch by the attention itself
+            return args, kwargs | {"position_bias": bias}
+        if family == "falcon":
+            mask = kwargs["attention_mask"]
+            lowest = torch.finfo(mask.dtype).min
+            # Masked cells hold the float minimum (future keys, padding), far below any bias.
+            masked = torch.where(mask <= lowest / 2, lowest, bias.to(mask.dtype))
+            return args, kwargs | {"attention_mask": masked}
+        bias = bias[None].expand(batch, -1, -1, -1)
         return args, kwargs | {"alibi": bias.reshape(-1, n_queries, n_keys)}
 
     return hook
@@ -433,9 +544,9 @@ def add_bias_hook(attn: nn.Module, build: BiasBuilder) -> _BiasHandle:
     bias. 3.x adds ``module.alibi[:, -query_ctx:, :key_ctx]`` and rebuilds it with its
     power-of-two slopes only when ``key_ctx`` outgrows it: a tensor holding exactly this call's
     rows is used as is, and keeps ``hook_attn_scores`` equal to ``q.k/sqrt(d) + bias`` (a longer
-    cached one would shift every row by a constant). 4.x adds the Hugging Face call's ``alibi``
-    argument (``[batch * head, 1 or query, key]``): it is replaced by the bias for every row.
-    ``handle.remove()`` undoes it.
+    cached one would shift every row by a constant). 4.x adds the bias the Hugging Face call
+    passes (BLOOM's ``alibi``, MPT's ``position_bias``, Falcon's ``attention_mask``): it is
+    replaced by the bias for every row (:func:`hf_bias_pre_hook`). ``handle.remove()`` undoes it.
     """
     if MAJOR >= 4:
         hook = hf_bias_pre_hook(build)
@@ -455,13 +566,16 @@ def add_bias_hook(attn: nn.Module, build: BiasBuilder) -> _BiasHandle:
 def builtin_slopes(model: Model) -> Float[Tensor, " head_index"]:
     """The ALiBi slopes the model's attention applies without headsurgeon's hook (float32).
 
-    3.x: what its attention class builds (``2^(-8(h+1)/H)`` for every head count). 4.x: the
-    Hugging Face model's own ``build_alibi_tensor``, exact for every head count.
+    3.x: what its attention class builds (``2^(-8(h+1)/H)`` for every head count). 4.x: what
+    transformers applies for the model's config, exact for every head count: BLOOM's
+    ``build_alibi_tensor``, MPT's (``alibi_bias_max`` 8, as ``MptModel`` calls it), Falcon's
+    bias per token of distance (``bf16(m_h) / sqrt(d_head)``); see
+    :func:`headsurgeon.alibi.config_slopes`.
     """
     from headsurgeon import alibi
 
     if MAJOR >= 4:
-        return alibi.slopes(model.cfg.n_heads)
+        return alibi.config_slopes(hf_config(model))
     # The bias the attention class itself builds for two positions: row 1 is [-m_h, 0].
     bias = type(model.blocks[0].attn).create_alibi_bias(model.cfg.n_heads, 2, "cpu")
     return -bias[:, 1, 0].to(torch.float32)
@@ -495,6 +609,25 @@ def new_kv_cache(model: Model, batch: int, device: torch.device) -> Any:
     grow = _growing_entry_class()
     cache.entries = [grow(e.past_keys, e.past_values, e.frozen) for e in cache.entries]
     return cache
+
+
+def _pass_mpt_cache(model: Model) -> None:
+    """Make a 4.x bridge's MPT attention use the key-value cache transformers hands it.
+
+    ``MptBlock`` passes it as ``cache=``; TransformerLens 4.3's attention looks for
+    ``past_key_values`` or ``layer_past`` only, so without this every cached call (blocks of a
+    long sequence, continuations of a prompt) would attend to its own positions alone.
+    """
+
+    def rename(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("cache") is not None and kwargs.get("layer_past") is None:
+            kwargs = dict(kwargs)
+            kwargs["layer_past"] = kwargs.pop("cache")
+        return args, kwargs
+
+    for block in model.blocks:
+        if attention_family(block.attn) == "mpt":
+            block.attn.register_forward_pre_hook(rename, with_kwargs=True)
 
 
 def _appended(store: Tensor | None, current: Tensor, new: Tensor, dim: int) -> Tensor:

@@ -48,7 +48,7 @@ from headsurgeon.errors import (
 )
 from headsurgeon.exact_alibi import alibi_slopes, bias_builder, trained_bias
 from headsurgeon.loading import model_info, model_metadata, model_shape
-from headsurgeon.probes import stream
+from headsurgeon.probes import stream, unfired
 from headsurgeon.validation import check_choice, check_int
 
 __all__ = [
@@ -80,6 +80,8 @@ _CHUNK_ENTRIES = 2**17
 # TransformerLens 3.x, ~55 on 4.x (long_context.FORWARD_BYTES_PER_ENTRY counts 16), with room;
 # the hook adds one chunk, not a share of the block.
 _BYTES_PER_ENTRY = 64
+# A causal-masked score is below this (no real logit is).
+_MASKED = -1e4
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -131,7 +133,12 @@ def analytic_blindness(
         context_length = shape.n_ctx
     context_length = check_int(context_length, "context_length", minimum=1)
     is_model = isinstance(model, Model)
-    head_slopes = alibi_slopes(model) if is_model else alibi.slopes(shape.n_heads)
+    if is_model:
+        head_slopes = alibi_slopes(model)
+    else:  # the slopes transformers applies to a model of the family (MPT's, Falcon's, BLOOM's)
+        head_slopes = alibi.family_slopes(
+            shape.family, shape.n_heads, shape.d_model // shape.n_heads
+        )
     if bias is None:
         bias, params = trained_bias(model_metadata(model))
     frames = []
@@ -201,6 +208,7 @@ class _UnderflowCounter:
     """
 
     def __init__(self, model: Model, dtypes: list[str], convention: str, n_pos: int):
+        self.model = model
         self.dtypes = [parse_dtype(d) for d in dtypes]
         self.convention = convention
         n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
@@ -232,6 +240,15 @@ class _UnderflowCounter:
         layer = hook.layer()
         n_queries, n_keys = scores.shape[-2:]
         offset = long_context.query_offset(scores)
+        # Real scores mask the keys after each query (-inf, or the float minimum on 4.x); a
+        # bridge that passes the softmax weights here (OPT's on 4.x) has 0 there instead.
+        if n_queries > 1 and not bool((scores[..., 0, offset + 1] < _MASKED).all()):
+            raise UnsupportedArchitectureError(
+                f"measure_blindness cannot measure {model_info(self.model).name}: its "
+                f"blocks.{layer}.attn.hook_attn_scores does not hold the causal-masked "
+                "pre-softmax scores (the attention runs inside transformers, which passes its "
+                "softmax weights there), so underflow cannot be counted exactly"
+            )
         rows = max(1, _CHUNK_ENTRIES // n_keys)
         size = rows * (n_keys + 1)  # a chunk's shifted rows (one row when a row is over budget)
         if self.count_buffer.numel() < size:
@@ -348,7 +365,14 @@ def measure_blindness(
     :func:`headsurgeon.data.to_sequences` takes (default: the bundled held-out corpora,
     ``n_seqs`` sequences of ``seq_len`` tokens, default 1024, or ``n_ctx`` where that is less
     and the model has learned or rotary positions; ALiBi models take any length; BOS as
-    ``prepend_bos`` or the model's convention); a token tensor is used as it is.
+    ``prepend_bos`` or the model's convention); a token tensor is used exactly as given.
+
+    Those scores must be real: a model whose ``hook_attn_scores`` does not fire in every layer,
+    or holds anything but the causal-masked pre-softmax scores (OPT's TransformerLens 4.x bridge
+    passes its softmax weights there), raises
+    :class:`~headsurgeon.errors.UnsupportedArchitectureError` naming the hook, never zero counts.
+    Grouped-query attention is measured per query head; attention in parallel with the MLP
+    (GPT-NeoX) like any other.
 
     Long sequences run in blocks of ``block_size`` query rows through the model's key-value
     cache (:func:`headsurgeon.long_context.run_in_blocks`; default:
@@ -389,10 +413,8 @@ def measure_blindness(
            block_size=block_size, bytes_per_entry=_BYTES_PER_ENTRY)  # fmt: skip
     unread = [layer for layer, rows in enumerate(counter.rows) if rows != n_rows * n_pos]
     if unread:  # zeros from a hook that never fired would read as a sighted model
-        raise UnsupportedArchitectureError(
-            f"measure_blindness read no attention scores of layer(s) {unread}: this model's "
-            "attention does not go through hook_attn_scores"
-        )
+        raise unfired(model, "measure_blindness", f"blocks.{unread[0]}.attn.hook_attn_scores",
+                      unread)  # fmt: skip
 
     by_head, by_distance = _head_tables(model, counter, names, convention, n_rows, n_buckets)
     by_length = _length_table(model, counter, names, lengths, n_rows)
@@ -430,8 +452,6 @@ def _check_measure_args(
     names = [dtype_name(d) for d in _names(dtypes, "dtype")]
     if seq_len is None:
         seq_len = min(1024, long_context.max_length(model) or 1024)
-    if isinstance(data, Tensor):
-        prepend_bos = False  # the caller built the sequences
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     long_context.check_length(model, tokens.shape[1])  # a token tensor is not cut
     return names, tokens

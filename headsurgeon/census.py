@@ -8,9 +8,11 @@ The census streams the data through the model with forward hooks (:mod:`headsurg
 layer's attention pattern is reduced to per-head float64 sums as soon as it exists, no activation
 is cached and the unembedding is never computed, so memory does not grow with the data.
 
-Position 0 follows the model's own convention (BLOOM prepends no BOS token, so "BOS mass" is the
-weight on the first text token, as in the surgery paper); ``prepend_bos`` overrides it and
-``df.attrs["prepend_bos"]`` records what was used. Per-query metrics average query rows
+A token tensor is used exactly as given, on every model. Texts follow the model's own position-0
+convention (BLOOM prepends no BOS token, so "BOS mass" is the weight on the first text token, as
+in the surgery paper); ``prepend_bos`` overrides it. ``df.attrs["prepend_bos"]`` records whether
+position 0 holds the BOS token and ``df.attrs["bos_rule"]`` the rule that put it there
+(:func:`headsurgeon.data.position_zero`). Per-query metrics average query rows
 ``t >= min_query_pos``: the default 1 drops row 0, which can only attend to position 0 and so adds
 ``1/seq_len`` of BOS mass to every head; ``min_query_pos=0`` reproduces the paper's metric.
 """
@@ -25,7 +27,7 @@ import pandas as pd
 from torch import Tensor
 
 from headsurgeon.backend import Model, check_model
-from headsurgeon.data import Data, describe, resolve_bos, to_sequences
+from headsurgeon.data import Data, describe, position_zero, to_sequences
 from headsurgeon.errors import DataError
 from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.loading import model_info
@@ -96,7 +98,8 @@ def run_census(
     """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
 
     ``data`` is texts, text files or a ``[n_seqs, seq_len]`` token tensor (its first ``n_seqs``
-    rows used as they are; ``seq_len`` ignored); default: the held-out split of the bundled
+    rows used exactly as given on every model: no BOS token is added; ``seq_len`` ignored);
+    default: the held-out split of the bundled
     corpora, cut into ``n_seqs`` windows of ``seq_len`` tokens spread over the whole text (see
     :func:`headsurgeon.data.to_sequences`). Each metric is the mean over sequences of a
     per-sequence mean; ``bos_mass_std`` is its spread across sequences.
@@ -108,8 +111,16 @@ def run_census(
     warning names the length they were trained on); others keep their context ``cfg.n_ctx``.
 
     ``df.attrs`` holds the run metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``,
-    ``seq_len``, ``prepend_bos``, ``min_query_pos``, ``data``, ``dtype``, ``device``,
-    ``positional``.
+    ``seq_len``, ``prepend_bos`` (position 0 holds the BOS token), ``bos_rule`` (why: the
+    tensor as given, or the BOS convention applied to texts), ``min_query_pos``, ``data``,
+    ``dtype``, ``device``, ``positional``.
+
+    Every hook the census reads (``hook_pattern``, ``hook_z``, ``hook_attn_out``) must fire in
+    every layer: a model whose attention does not expose one (OPT's TransformerLens 4.x bridge
+    without eager attention, say) raises :class:`~headsurgeon.errors.UnsupportedArchitectureError`
+    naming the hook, never a row of zeros. Grouped-query attention is measured per query head
+    (each has its own pattern and ``z``); attention in parallel with the MLP (GPT-NeoX) changes
+    nothing here.
 
     >>> import torch
     >>> from headsurgeon.loading import ModelShape, random_model
@@ -126,11 +137,11 @@ def run_census(
     min_query_pos = check_int(min_query_pos, "min_query_pos", minimum=0)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     info = model_info(model)
-    bos = resolve_bos(model, prepend_bos)
     if not isinstance(data, Tensor):  # a token tensor is used as it is
         _check_rows(seq_len, min_query_pos)  # before tokenising a whole corpus
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     _check_tokens(model, tokens, min_query_pos)
+    holds_bos, bos_rule = position_zero(model, data, tokens, prepend_bos)
     if not isinstance(data, Tensor) and tokens.shape[0] < n_seqs:
         logger.warning(
             "the data holds only %d sequences of %d tokens (asked for %d)",
@@ -148,6 +159,7 @@ def run_census(
     stats = HeadStats(model, min_query_pos=min_query_pos)
     stream(model, tokens, stats.hooks(), batch_size=batch_size, progress=progress, desc="census",
            block_size=block_size, bytes_per_entry=CENSUS_BYTES_PER_ENTRY)  # fmt: skip
+    stats.check_fired(len(tokens), "run_census")
     means, stds = stats.means(), stats.stds()
 
     cfg = model.cfg
@@ -169,7 +181,8 @@ def run_census(
         "n_heads": cfg.n_heads,
         "n_seqs": int(tokens.shape[0]),
         "seq_len": int(tokens.shape[1]),
-        "prepend_bos": bos,
+        "prepend_bos": holds_bos,
+        "bos_rule": bos_rule,
         "min_query_pos": min_query_pos,
         "data": describe(data),
         "dtype": str(cfg.dtype).removeprefix("torch."),

@@ -1,19 +1,21 @@
 """BLOOM checkpoints in Hugging Face's layout: export, its checks, and diffing two checkpoints.
 
 Exports:
-    save_hf(model, out_dir, overwrite, dtype, verify)  BLOOM checkpoint, checked by reloading it
+    save_hf(model, out_dir, overwrite, dtype, verify)  BLOOM, MPT or Falcon checkpoint, checked
+                                             by reloading it
     checkpoint_dtype(model)                  the dtype of the checkpoint a model was loaded from
-    hf_state_dict(model)                     BLOOM weights in Hugging Face layout
+    hf_state_dict(model)                     the weights in their family's Hugging Face layout
     weight_changes(before, after, heads)     per tensor: changes inside / outside heads' slices
     StateDict, EXPORT_ATOL, EXPORT_RTOL
 
-The layout knowledge lives here: the fused ``query_key_value`` in BLOOM's per-head (q, k, v)
-order, ``dense``'s per-head columns, tied embeddings, and which TransformerLens settings BLOOM's
-format can express.
+The layout knowledge lives here: the fused ``query_key_value`` in BLOOM's (and Falcon's) per-head
+(q, k, v) order, MPT's ``Wqkv`` as [Q; K; V], ``dense``'s per-head columns, tied embeddings, and
+which TransformerLens settings BLOOM's format can express.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -47,11 +49,13 @@ from headsurgeon.loading import (
     check_checkpoint,
     model_info,
     model_shape,
+    pickled_tensors,
     read_json,
     resolve_model,
     safetensors_header,
     stored_tensors,
     tl_config,
+    weight_files,
 )
 from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
 from headsurgeon.surgery import Heads, HeadSet
@@ -70,9 +74,46 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a family keeps its fused attention projection in Hugging Face's names, its row
+    order, and the embedding weight ``lm_head`` may be tied to."""
+
+    qkv: str  # per layer, e.g. "transformer.h.{}.self_attention.query_key_value"
+    interleaved: bool  # rows per head (q, k, v), BLOOM's and Falcon's; else [Q; K; V], MPT's
+    embeddings: str
+    family: str
+
+
+_BLOOM_LAYOUT = _Layout(
+    "transformer.h.{}.self_attention.query_key_value", True,
+    "transformer.word_embeddings.weight", "BLOOM",
+)  # fmt: skip
+# transformers' modeling code: BloomAttention and FalconAttention (neither multi-query nor
+# new_decoder_architecture) view the fused output as [..., head, 3, d_head]; MptAttention
+# chunks it into thirds.
+_LAYOUTS = {
+    "BloomForCausalLM": _BLOOM_LAYOUT,
+    "FalconForCausalLM": dataclasses.replace(_BLOOM_LAYOUT, family="Falcon"),
+    "MptForCausalLM": _Layout("transformer.blocks.{}.attn.Wqkv", False, "transformer.wte.weight",
+                              "MPT"),
+}  # fmt: skip
+
+
+def _architecture(model: Model) -> str:
+    """The Hugging Face class ``model`` computes as: 4.x's wrapped model; BLOOM's on 3.x, the
+    only family headsurgeon exports there (:func:`_bloom_differences` checks the rest)."""
+    return type(model.original_model).__name__ if backend.MAJOR >= 4 else "BloomForCausalLM"
+
+
 def _bloom_config(model: Model, info: ModelInfo) -> dict[str, Any]:
-    cfg = model.cfg
+    """The ``config.json`` of the export: BLOOM's from TransformerLens's config, or an MPT's or a
+    Falcon's own (a 4.x bridge computes with the Hugging Face model, config included)."""
+    architecture = _architecture(model)
     config = dict(info.hf_config)
+    if architecture in _LAYOUTS and architecture != "BloomForCausalLM":
+        return config | {"architectures": [architecture]}
+    cfg = model.cfg
     config.update(
         architectures=["BloomForCausalLM"],
         model_type="bloom",
@@ -87,11 +128,24 @@ def _bloom_config(model: Model, info: ModelInfo) -> dict[str, Any]:
 
 
 def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
-    """BLOOM state dict in Hugging Face layout (fused query_key_value), inverse of TL's loader.
+    """The weights in the Hugging Face layout of the model's family (BLOOM, MPT, Falcon).
+
+    3.x (BLOOM): the inverse of TransformerLens's loader, the fused ``query_key_value`` rebuilt
+    from the per-head tensors. 4.x: the tensors of the Hugging Face model the bridge wraps, under
+    that family's names, with each layer's fused QKV (``query_key_value``, MPT's ``Wqkv``) rebuilt
+    from the bridge's ``q``/``k``/``v`` layers, the ones its forward pass reads (the fused copy
+    it keeps is stale once heads are edited).
 
     Tensors are contiguous and on the CPU; those that already were may share memory with the
     model, so clone before editing them.
     """
+    check_model(model, "hf_state_dict")
+    out = _bridge_state(model) if backend.MAJOR >= 4 else _bloom_state(model)
+    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
+def _bloom_state(model: Model) -> dict[str, Tensor]:
+    """A TransformerLens 3.x BLOOM's weights under BloomForCausalLM's names."""
     cfg = model.cfg
     sd = backend.tl_state_dict(model)
     out = {
@@ -123,7 +177,50 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
         out[h + "mlp.dense_h_to_4h.bias"] = sd[p + "mlp.b_in"]
         out[h + "mlp.dense_4h_to_h.weight"] = sd[p + "mlp.W_out"].T
         out[h + "mlp.dense_4h_to_h.bias"] = sd[p + "mlp.b_out"]
-    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+    return out
+
+
+def _bridge_state(model: Model) -> dict[str, Tensor]:
+    """A 4.x bridge's weights under its Hugging Face class's own names (see hf_state_dict)."""
+    backend.check_unprocessed(model)
+    hf = model.original_model
+    layout = _LAYOUTS.get(type(hf).__name__)
+    if layout is None:
+        raise UnsupportedArchitectureError(
+            f"hf_state_dict writes BLOOM, MPT and Falcon models, not {type(hf).__name__}"
+        )
+    # The family's names, from an empty model of the same class and config (no memory).
+    with torch.device("meta"):
+        names = list(type(hf)(copy.deepcopy(hf.config)).state_dict())
+    found: dict[str, Tensor] = {}
+    for name, tensor in hf.state_dict(keep_vars=True).items():
+        # The bridge wraps each module as "<name>._original_component"; its own aliases (q, k,
+        # v, ln1, ...) are not among the family's names.
+        found.setdefault(name.replace("._original_component", ""), tensor)
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise UnsupportedArchitectureError(
+            f"the bridge has no tensor for {len(missing)} {type(hf).__name__} weight(s), e.g. "
+            f"{missing[0]}; hf_state_dict cannot write it"
+        )
+    out = {name: found[name] for name in names}
+    interleaved = layout.interleaved and not hf.config.to_dict().get("multi_query")
+    for layer, block in enumerate(model.blocks):
+        linears = [getattr(block.attn, x).original_component for x in "qkv"]
+        fused = layout.qkv.format(layer)
+        out[fused + ".weight"] = _fused([m.weight for m in linears], model.cfg.n_heads, interleaved)
+        if linears[0].bias is not None:
+            biases = [m.bias for m in linears]
+            out[fused + ".bias"] = _fused(biases, model.cfg.n_heads, interleaved)
+    return out
+
+
+def _fused(parts: list[Tensor], n_heads: int, interleaved: bool) -> Tensor:
+    """Q, K, V projections (rows ``[head * d_head]``) as one fused tensor: per head (q, k, v)
+    rows when ``interleaved``, else Q's rows, then K's, then V's."""
+    if not interleaved:
+        return torch.cat(parts)
+    return torch.stack([p.unflatten(0, (n_heads, -1)) for p in parts], dim=1).flatten(0, 2)
 
 
 # HookedTransformerConfig fields that do not change what a model computes (names, devices,
@@ -150,11 +247,15 @@ _TOLERANCE = "1e-4 + 1e-5"
 
 
 def _bloom_differences(model: Model, config: dict[str, Any]) -> list[str]:
-    """What ``model`` computes that the BLOOM ``config`` (and BLOOM's weights) cannot express.
+    """What ``model`` computes that the BLOOM ``config`` (and BLOOM's weights) cannot express;
+    for an MPT or a Falcon on 4.x, what its own family's ``config`` cannot.
 
     The reference is the TransformerLens config that ``config`` itself converts to, so every
     field TransformerLens knows is compared, not a hand-kept list of BLOOM's settings.
     """
+    layout = _LAYOUTS.get(_architecture(model))
+    if layout is not None and layout.family != "BLOOM":
+        return _family_differences(model, config, layout.family)
     cfg = model.cfg
     with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
@@ -181,6 +282,20 @@ def _bloom_differences(model: Model, config: dict[str, Any]) -> list[str]:
         found.append(slopes)
     if torch.any(model.unembed.b_U != 0):
         found.append("a non-zero unembedding bias b_U (BLOOM has none)")
+    return found
+
+
+def _family_differences(model: Model, config: dict[str, Any], family: str) -> list[str]:
+    """What an MPT's or a Falcon's own format cannot express. The 4.x bridge computes with the
+    Hugging Face model itself: only what headsurgeon adds can differ (and the reload check
+    compares the logits: a bridge that computes something else, e.g. one built by hand on a
+    Falcon with new_decoder_architecture, fails it)."""
+    found = []
+    kind, _ = trained_bias(model_info(model).metadata)
+    if kind != "standard":
+        found.append(f"{kind} ALiBi ({family} in transformers computes standard ALiBi only)")
+    if torch.any(model.unembed.b_U != 0):
+        found.append(f"a non-zero unembedding bias b_U ({family} has none)")
     return found
 
 
@@ -281,23 +396,26 @@ def _float32_logits(model: Model, tokens: Tensor) -> Tensor:
 
 
 def _verify_export(model: Model, folder: Path, unrounded: dict[str, Tensor] | None) -> float | None:
-    """Reload ``folder`` with ``transformers`` (float32) and compare logits with ``model``'s.
+    """Reload ``folder`` with ``transformers`` (float32, the class its ``config.json`` names) and
+    compare logits with ``model``'s.
 
     ``unrounded``: the weights before rounding to the written dtype, when rounding changed any;
     the export is then checked with them, and how far rounding moves the logits is returned.
     """
-    from transformers import BloomForCausalLM
+    import transformers
     from transformers.utils import logging as hf_logging
 
+    architecture = read_json(folder / "config.json")["architectures"][0]
     device = model.embed.W_E.device
-    tokens = _probe_tokens(model, device)
+    # MPT builds its ALiBi for max_seq_len positions and computes no more.
+    tokens = _probe_tokens(model, device)[:, : model_info(model).hf_config.get("max_seq_len")]
     tf32 = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # TF32 would exceed the tolerance by itself
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
         expected = _float32_logits(model, tokens)
-        hf, loading = BloomForCausalLM.from_pretrained(
+        hf, loading = getattr(transformers, architecture).from_pretrained(
             folder, dtype=torch.float32, local_files_only=True, output_loading_info=True
         )
         bad = sorted(loading["missing_keys"]) + sorted(str(k) for k in loading["mismatched_keys"])
@@ -342,9 +460,13 @@ def save_hf(
     dtype: str | torch.dtype | None = None,
     verify: bool = True,
 ) -> Path:
-    """Export a BLOOM model (3.x HookedTransformer, 4.x bridge) as a Hugging Face checkpoint folder.
+    """Export a model as a Hugging Face checkpoint folder of its own family: BLOOM (3.x
+    HookedTransformer, 4.x bridge), MPT and Falcon (4.x bridge: ``MptForCausalLM``,
+    ``FalconForCausalLM``, its ``config.json`` as loaded).
 
-    The fused ``query_key_value`` is rebuilt in BLOOM's per-head (q, k, v) layout; embeddings stay
+    The fused QKV is rebuilt in the family's layout (BLOOM's and Falcon's ``query_key_value``
+    per head (q, k, v); MPT's ``Wqkv`` as [Q; K; V]; multi-query Falcon's as [Q; k; v]) from the
+    per-head weights the model computes with (:func:`hf_state_dict`); embeddings stay
     tied where the source tied them and ``W_U`` still equals ``W_E.T`` (otherwise ``lm_head`` is
     written separately and the config unties them). Tokenizer files are copied from the source
     folder verbatim when there is one. The folder appears atomically, marked as headsurgeon's
@@ -353,12 +475,14 @@ def save_hf(
     not write is never replaced), and so is the folder the model was loaded from, one holding
     it or one inside it (:func:`headsurgeon.outputs.check_output_dir`).
 
-    Before anything is written, a model that BLOOM's format cannot represent is refused with one
-    :class:`UnsupportedArchitectureError` naming every difference (slopes that are not BLOOM's,
-    another activation, positional scheme or normalisation, no embedding LayerNorm, folded
-    weights, ...). ``dtype``: the written dtype (recorded in ``config.json``); by default the
-    dtype of the checkpoint the model came from (:func:`checkpoint_dtype`; the organisms'
-    float16), else the model's own. ``verify`` (default): before the folder is renamed into
+    Before anything is written, a model that its family's format cannot represent is refused with
+    one :class:`UnsupportedArchitectureError` naming every difference (for BLOOM: slopes that are
+    not BLOOM's, another activation, positional scheme or normalisation, no embedding LayerNorm,
+    folded weights, ...; for MPT and Falcon, which the 4.x bridge computes with their own
+    modules: an ALiBi variant, an unembedding bias).
+    ``dtype``: the written dtype (recorded in ``config.json``); by default the dtype of the
+    checkpoint the model came from (:func:`checkpoint_dtype`; the organisms' float16), else the
+    model's own. ``verify`` (default): before the folder is renamed into
     place, it is reloaded with ``transformers`` in float32 and its logits on a few random token
     sequences are compared with the model's own (computed in float32); a gap above
     ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
@@ -372,10 +496,12 @@ def save_hf(
     backend.check_unprocessed(model)
     info = model_info(model)
     config = _bloom_config(model, info)
+    family = _LAYOUTS.get(config["architectures"][0], _BLOOM_LAYOUT).family
     differences = _bloom_differences(model, config)
     if differences:
+        why, article = "; ".join(differences), "an" if family == "MPT" else "a"
         raise UnsupportedArchitectureError(
-            f"save_hf cannot write {info.name!r} as a BLOOM checkpoint: {'; '.join(differences)}"
+            f"save_hf cannot write {info.name!r} as {article} {family} checkpoint: {why}"
         )
     save_dtype = parse_dtype(dtype) if dtype is not None else None
     save_dtype = save_dtype or checkpoint_dtype(model) or model.embed.W_E.dtype
@@ -417,8 +543,9 @@ def _cast_state(
     """The Hugging Face state in ``save_dtype`` (``lm_head`` dropped, and ``config`` marked, when
     tied), the state before the cast, and how many weights the cast rounded."""
     state = hf_state_dict(model)
+    embeddings = _LAYOUTS[config["architectures"][0]].embeddings
     tied = config.get("tie_word_embeddings", True) and torch.equal(
-        state["lm_head.weight"], state["transformer.word_embeddings.weight"]
+        state["lm_head.weight"], state[embeddings]
     )
     config["tie_word_embeddings"] = bool(tied)
     if tied:
@@ -462,11 +589,11 @@ StateDict = Mapping[str, Tensor]
 
 
 class _SafetensorsState(Mapping[str, Tensor]):
-    """A checkpoint folder's tensors (every shard), read one at a time when asked for."""
+    """Tensors of safetensors files (a checkpoint's shards), read one at a time when asked for."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, files: list[Path]) -> None:
         self._files: dict[str, Path] = {}
-        for file in sorted(directory.glob("*.safetensors")):
+        for file in files:
             # The header read bounded, a regular file only: never map a FIFO or a device.
             self._files.update(dict.fromkeys(safetensors_header(file), file))
 
@@ -483,19 +610,66 @@ class _SafetensorsState(Mapping[str, Tensor]):
         return len(self._files)
 
 
-def _checkpoint_state(checkpoint: StateDict | str | os.PathLike) -> tuple[StateDict, int | None]:
-    """A checkpoint's Hugging Face state dict (lazy for folders) and head width (when known)."""
+def _pickled_state(files: list[Path]) -> dict[str, Tensor]:
+    """Tensors of pickled ``pytorch_model*.bin`` files, memory-mapped: pages are read on access."""
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state |= pickled_tensors(file, map_location="cpu", mmap=True)
+    return state
+
+
+# The one key scheme weight_changes compares in: BloomForCausalLM's, as save_hf writes it.
+# BloomModel's names (bigscience's published files: "h.0...", "word_embeddings.weight") gain
+# the "transformer." prefix; a checkpoint without lm_head ties it to the word embeddings.
+_PREFIX = "transformer."
+_LM_HEAD, _EMBEDDINGS = "lm_head.weight", "transformer.word_embeddings.weight"
+
+
+class _BloomNames(Mapping[str, Tensor]):
+    """A BLOOM state under BloomForCausalLM's names (see :func:`weight_changes`)."""
+
+    def __init__(self, state: StateDict, which: str) -> None:
+        self._state = state
+        self._names: dict[str, str] = {}  # ours -> the state's
+        for name in state:
+            ours = name if name.startswith((_PREFIX, "lm_head.")) else _PREFIX + name
+            if ours in self._names:
+                raise CheckpointError(
+                    f"the {which} checkpoint holds both {self._names[ours]} and {name}: two "
+                    "layouts of one tensor; re-export it (load_model, then save_hf)"
+                )
+            self._names[ours] = name
+
+    def tie_lm_head(self) -> None:
+        """Read an absent ``lm_head.weight`` as the word embeddings, as BLOOM ties them."""
+        if _LM_HEAD not in self._names and _EMBEDDINGS in self._names:
+            self._names[_LM_HEAD] = self._names[_EMBEDDINGS]
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._state[self._names[name]]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _checkpoint_state(
+    checkpoint: StateDict | str | os.PathLike, which: str
+) -> tuple[_BloomNames, int | None]:
+    """A checkpoint's state under BloomForCausalLM's names (lazy for folders) and its head width
+    (when known). A folder is validated as :func:`~headsurgeon.loading.load_model` does first."""
     if isinstance(checkpoint, Mapping):
-        return checkpoint, None
+        return _BloomNames(checkpoint, which), None
     _, directory = resolve_model(checkpoint)
     check_checkpoint(directory)
-    if not any(directory.glob("*.safetensors")):
-        raise CheckpointError(
-            f"{directory} has only pickled .bin weights; re-export it as safetensors "
-            "(load_model, then save_hf)"
-        )
+    files = weight_files(directory)
+    state: StateDict = (
+        _SafetensorsState(files) if files[0].suffix == ".safetensors" else _pickled_state(files)
+    )
     shape = model_shape(directory)  # the config read as load_model reads it, aliases included
-    return _SafetensorsState(directory), shape.d_model // shape.n_heads
+    return _BloomNames(state, which), shape.d_model // shape.n_heads
 
 
 def weight_changes(
@@ -510,28 +684,40 @@ def weight_changes(
     ``before``/``after``: Hugging Face state dicts, or anything
     :func:`~headsurgeon.loading.load_model` takes (checkpoint folders, bundled organisms' names),
     whose tensors are then read one at a time so two large checkpoints need not fit in memory
-    together. A head's slices are its rows of the fused ``query_key_value`` weight and bias (per
+    together. Folders may hold safetensors or pickled ``pytorch_model*.bin`` weights, in one file
+    or sharded with an index (:func:`~headsurgeon.loading.weight_files`).
+
+    Both sides are compared under one key scheme, ``BloomForCausalLM``'s (what :func:`save_hf`
+    and ``save_pretrained`` write: ``transformer.h.0.self_attention.query_key_value.weight``,
+    ``transformer.word_embeddings.weight``, ``lm_head.weight``): the names of ``BloomModel``
+    (bigscience's published checkpoints: ``h.0.self_attention...``, ``word_embeddings.weight``)
+    get the ``transformer.`` prefix, and a side without ``lm_head.weight``, whose embeddings are
+    therefore tied, reads it as its word embeddings when the other side stores one. So a
+    published checkpoint compares with its repair's export. Rows are named in that scheme.
+
+    A head's slices are its rows of the fused ``query_key_value`` weight and bias (per
     head ``(q, k, v) x d_head``, BLOOM's layout) and its ``d_head`` columns of the output
     projection ``dense.weight``; everything else (``dense.bias`` included) is shared by all heads.
     Values are compared exactly in the wider of the two dtypes (float16 -> float32 is exact), so a
     repair or a planting that must leave every other weight bit-identical can be checked: the
     ``other_changed`` column must sum to 0. ``d_head`` is read from a folder's ``config.json``
-    unless given. One row per tensor of ``before``: ``tensor``, ``dtype_before``, ``dtype_after``,
-    ``elements``, ``head_elements``, ``head_changed``, ``other_changed``.
+    unless given. A tensor only one side has raises :class:`CheckpointError`. One row per
+    tensor: ``tensor``, ``dtype_before``, ``dtype_after``, ``elements``, ``head_elements``,
+    ``head_changed``, ``other_changed``.
 
     >>> qkv = "transformer.h.0.self_attention.query_key_value.weight"
     >>> dense = "transformer.h.0.self_attention.dense.weight"
     >>> before = {qkv: torch.zeros(12, 4), dense: torch.zeros(4, 4)}  # 2 heads of width 2
-    >>> after = {name: weight.clone() for name, weight in before.items()}
-    >>> after[qkv][0, 0] = 1.0  # head 0's query
-    >>> after[dense][0, 3] = 1.0  # head 1's output column
+    >>> after = {name.removeprefix("transformer."): w.clone() for name, w in before.items()}
+    >>> after["h.0.self_attention.query_key_value.weight"][0, 0] = 1.0  # head 0's query
+    >>> after["h.0.self_attention.dense.weight"][0, 3] = 1.0  # head 1's output column
     >>> changes = weight_changes(before, after, [(0, 1)], d_head=2)
     >>> changes[["head_changed", "other_changed"]].values.tolist()
     [[0, 1], [1, 0]]
     """
     heads = list(HeadSet.of(heads))  # any form HeadSet.of takes, checked before any reading
-    before_state, before_width = _checkpoint_state(before)
-    after_state, after_width = _checkpoint_state(after)
+    before_state, before_width = _checkpoint_state(before, "first")
+    after_state, after_width = _checkpoint_state(after, "second")
     d_head = d_head or before_width or after_width
     if d_head is not None:
         d_head = check_int(d_head, "d_head", minimum=1)
@@ -539,19 +725,23 @@ def weight_changes(
         raise InvalidArgumentError("d_head is unknown for state dicts; pass d_head=")
     qkv_rows = {}  # per layer of the heads: read once, not once per head
     for layer in {layer for layer, _ in heads}:
-        qkv = before_state.get(f"transformer.h.{layer}.self_attention.query_key_value.weight")
+        qkv = before_state.get(f"{_PREFIX}h.{layer}.self_attention.query_key_value.weight")
         qkv_rows[layer] = 0 if qkv is None else qkv.shape[0]
     for layer, head in heads:
         if not 0 <= head < qkv_rows[layer] // (3 * d_head):
             raise InvalidArgumentError(
                 f"head L{layer}H{head} is not in the first checkpoint; pass heads of its model"
             )
-    missing = sorted(set(before_state) - set(after_state))
-    if missing:
-        raise CheckpointError(
-            f"the second checkpoint lacks {len(missing)} tensor(s) of the first, e.g. "
-            f"{missing[0]}; compare checkpoints of the same model"
-        )
+    if (_LM_HEAD in before_state) != (_LM_HEAD in after_state):
+        before_state.tie_lm_head()
+        after_state.tie_lm_head()
+    for which, lacking, other in (("second", after_state, before_state),
+                                  ("first", before_state, after_state)):  # fmt: skip
+        if missing := sorted(set(other) - set(lacking)):
+            raise CheckpointError(
+                f"the {which} checkpoint lacks {len(missing)} tensor(s) of the other, e.g. "
+                f"{missing[0]}; compare checkpoints of the same model"
+            )
     # One tensor pair at a time, inside a call, so none outlives its row (a lazy folder then
     # holds at most the largest tensor of each checkpoint).
     rows = [_tensor_changes(name, before_state[name], after_state[name], heads, d_head)
@@ -574,7 +764,7 @@ def _tensor_changes(
         changed &= ~(old.isnan() & new.isnan())
     in_heads = torch.zeros(old.shape, dtype=torch.bool)
     for layer, head in heads:
-        prefix = f"transformer.h.{layer}.self_attention."
+        prefix = f"{_PREFIX}h.{layer}.self_attention."
         if name in (prefix + "query_key_value.weight", prefix + "query_key_value.bias"):
             in_heads[head * 3 * d_head : (head + 1) * 3 * d_head] = True
         elif name == prefix + "dense.weight":

@@ -10,6 +10,8 @@ Exports:
     to_sequences(model, data, ...)       [n_seqs, seq_len] token tensor from texts, files or tokens
     bos_token_id(model)                  the model's BOS token id, or None (no tokenizer, no BOS)
     resolve_bos(model, prepend_bos)      whether position 0 gets a BOS token (None: convention)
+    position_zero(model, data, tokens, prepend_bos)   what position 0 holds and the rule that
+                                         put it there, for run metadata
     batches(tokens, batch_size)          consecutive batches of a token tensor
     describe(data, default)              a short description of data for run metadata
     HELD_OUT                             its default: the description of the bundled held-out text
@@ -17,9 +19,11 @@ Exports:
 Data is a ``str`` (always text, even one that names a file), an ``os.PathLike`` such as
 ``pathlib.Path`` (always a file to read), a list mixing the two, or a token tensor.
 
-Position 0 of every sequence follows the model's own convention (``model.cfg.default_prepend_bos``;
+One BOS rule for every model: a token tensor is used exactly as given, never given a BOS
+token (``prepend_bos=True`` with a tensor only checks that its rows already start with one).
+Sequences cut from texts follow the model's own convention (``model.cfg.default_prepend_bos``;
 BLOOM and the bundled organisms prepend no BOS token) unless ``prepend_bos`` overrides it. A model
-without a tokenizer has no known BOS id: by convention its token tensors are used as given.
+without a tokenizer has no known BOS id, so its texts are never given one either.
 
 >>> sorted(CORPORA)
 ['python-docs', 'shakespeare']
@@ -55,6 +59,7 @@ __all__ = [
     "to_sequences",
     "bos_token_id",
     "resolve_bos",
+    "position_zero",
     "batches",
     "describe",
     "HELD_OUT",
@@ -202,20 +207,27 @@ def to_sequences(
     checked (:func:`read_texts`); a list may mix the two. Or a ``[n_seqs, seq_len]`` token tensor.
 
     Each text is tokenised on its own and cut into non-overlapping windows of ``seq_len`` tokens
-    (``seq_len - 1`` text tokens after a BOS token when ``prepend_bos``). With ``n_seqs`` the
-    windows are taken evenly spaced over all texts, so a sample spans the whole corpus. A token
-    tensor is checked and returned as is, with a BOS column prepended when the convention asks
-    for one and its sequences do not already start with it (so sequences made here can be passed
-    on without doubling the BOS token).
+    (``seq_len - 1`` text tokens after a BOS token when ``prepend_bos``, by default the model's
+    convention). With ``n_seqs`` the windows are taken evenly spaced over all texts, so a sample
+    spans the whole corpus.
+
+    A token tensor is checked (:func:`check_token_ids`) and used exactly as given, whatever the
+    model's convention (its first ``n_seqs`` rows; ``seq_len`` does not apply): sequences made
+    here pass on unchanged. ``prepend_bos=True`` with a tensor whose rows do not all start with
+    the BOS token is refused in one line rather than changing the tensor.
     """
     bos = resolve_bos(model, prepend_bos)
     n_seqs = None if n_seqs is None else check_int(n_seqs, "n_seqs", minimum=1)
     # Checked for tensors too, where it does not apply: a bad value is never silently accepted.
     seq_len = check_int(seq_len, "seq_len", minimum=1)
-    if isinstance(data, Tensor):  # used as it is: seq_len does not apply
+    if isinstance(data, Tensor):
         tokens = check_token_ids(model, data)
-        if bos and not bool((tokens[:, 0] == bos_token_id(model)).all()):
-            tokens = torch.cat([torch.full_like(tokens[:, :1], bos_token_id(model)), tokens], dim=1)
+        if prepend_bos and not _starts_with_bos(model, tokens):
+            raise DataError(
+                f"prepend_bos=True, but the token tensor's rows do not all start with the BOS "
+                f"token (id {bos_token_id(model)}); a token tensor is used exactly as given: "
+                "put the BOS column in it yourself, or pass the texts"
+            )
         return tokens[:n_seqs] if n_seqs else tokens
     limit = max_length(model)  # None for ALiBi: no position table, any length
     if limit is not None and seq_len > limit:
@@ -302,6 +314,35 @@ def resolve_bos(model: Model, prepend_bos: bool | None = None) -> bool:
             "to prepend; pass token sequences that start with it and prepend_bos=False"
         )
     return False
+
+
+def _starts_with_bos(model: Model, tokens: Tensor) -> bool:
+    bos = bos_token_id(model)
+    return bos is not None and bool((tokens[:, 0] == bos).all())
+
+
+def position_zero(
+    model: Model, data: Data, tokens: Tensor, prepend_bos: bool | None = None
+) -> tuple[bool, str]:
+    """What position 0 of ``tokens`` (made from ``data`` by :func:`to_sequences`) holds, and
+    the rule that put it there: ``(holds_bos, rule)``, as the analyses record them in ``attrs``
+    (``prepend_bos`` and ``bos_rule``).
+
+    ``holds_bos``: every sequence starts with the model's BOS token (a token tensor's own first
+    column counts too). ``rule`` says in words which rule of :func:`to_sequences` applied.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=8))
+    >>> position_zero(model, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4))
+    (False, 'token tensor used exactly as given (no BOS token added)')
+    """
+    if isinstance(data, Tensor):
+        rule = "token tensor used exactly as given (no BOS token added)"
+        return _starts_with_bos(model, tokens), rule
+    why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
+    if resolve_bos(model, prepend_bos):
+        return True, f"BOS token (id {bos_token_id(model)}) prepended to each text window ({why})"
+    return False, f"no BOS token: position 0 is the first text token ({why})"
 
 
 def batches(

@@ -45,6 +45,7 @@ from headsurgeon.data import (
     bos_token_id,
     bundled_text,
     describe,
+    position_zero,
     resolve_bos,
     to_sequences,
     tokenize,
@@ -197,9 +198,11 @@ def perplexity(
     overlapping windows every ``stride`` tokens (default ``window // 2``); every token except
     a stream's first (which has no context unless a BOS token is prepended) is scored exactly
     once, by the window in which it has the most context. With a BOS token (``prepend_bos``, by
-    default the model's convention) every window starts with it; a token stream that already
-    starts with it (as :func:`headsurgeon.data.to_sequences` makes them) is not given a second
-    one. Log-probabilities are taken in float32 and summed in float64.
+    default the model's convention for texts) every window starts with it; a token stream that
+    already starts with it (as :func:`headsurgeon.data.to_sequences` makes them) is not given a
+    second one. A token tensor is used as given: its windows get a BOS token only when
+    ``prepend_bos=True`` asks for one explicitly, never by convention. Log-probabilities are
+    taken in float32 and summed in float64.
 
     At most ``max_windows`` windows are scored (default 64, like the census's 64 sequences),
     evenly spaced over all of them, so the default call on the bundled corpora takes seconds, not
@@ -226,8 +229,8 @@ def perplexity(
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     if block_size is not None:
         check_int(block_size, "block_size", minimum=1)
-    prefix = torch.tensor([bos_token_id(model)] if resolve_bos(model, prepend_bos) else [],
-                          dtype=torch.long)  # fmt: skip
+    bos = resolve_bos(model, prepend_bos) and (prepend_bos or not isinstance(data, Tensor))
+    prefix = torch.tensor([bos_token_id(model)] if bos else [], dtype=torch.long)
     if window <= len(prefix):
         raise InvalidArgumentError("window must be at least 2 when a BOS token is prepended")
     if max_windows is not None:
@@ -335,7 +338,8 @@ def loss_by_position(
     if every text is, that is a one-line :class:`~headsurgeon.errors.DataError`. The bundled
     held-out corpora hold about 290k (Shakespeare) and 210k (Python docs) tokens for the
     organisms' tokenizer: seven sequences of 64k tokens, none of 300k. A token tensor's rows
-    (BOS-prepended by the same convention) are cut to ``length``.
+    are used as given (no BOS token added, :func:`~headsurgeon.data.to_sequences`), cut to
+    ``length``.
 
     Returns one row per bucket: ``position_lo``, ``position_hi`` (its positions), ``tokens``
     (predictions in it, over all sequences), ``mean_nll`` (nats), ``std`` (of the per-token loss),
@@ -358,8 +362,8 @@ def loss_by_position(
     if block_size is not None:
         check_int(block_size, "block_size", minimum=1)
     edges = _check_edges(position_edges(length) if edges is None else edges, length)
-    bos = resolve_bos(model, prepend_bos)
-    tokens = to_sequences(model, data, seq_len=length, n_seqs=n_seqs, prepend_bos=bos)
+    tokens = to_sequences(model, data, seq_len=length, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    bos = position_zero(model, data, tokens, prepend_bos)[0]
     if tokens.shape[1] < length:
         raise DataError(f"the token rows hold {tokens.shape[1]} tokens, fewer than length {length}")
     tokens = tokens[:n_seqs, :length]

@@ -9,13 +9,20 @@ pre-hook that puts a bias tensor built for the call's query and key counts in pl
 :func:`headsurgeon.blindness.mitigation` changes the bias, on TransformerLens 3.x and 4.x alike
 (4.x takes Hugging Face's exact slopes; the hook keeps the bias relative, ``-m (i - j)``, as 3.x).
 
+MPT and Falcon with ``alibi=True`` (TransformerLens 4.x only) apply other slopes than BLOOM:
+MPT's formula with ``alibi_bias_max`` (transformers always uses 8, whatever the config says:
+:func:`headsurgeon.alibi.mpt_slopes`), and Falcon adds BLOOM's bias divided by ``sqrt(d_head)``
+(:func:`headsurgeon.alibi.falcon_slopes`). Every slope reported or used here is the one the
+model applies per token of distance, added to the scaled logits ``q.k / sqrt(d_head)``.
+
 Exports:
     alibi_slopes(model)                      the ALiBi slopes a model applies, read from it
+    exact_slopes(model)                      the slopes transformers applies for its checkpoint
     use_exact_alibi(model)                   Hugging Face's ALiBi slopes for any head count
     install_exact_alibi(model, kind, ...)    the same, silently (for models built from checkpoints),
                                              with the ALiBi variant a model was trained with
     trained_bias(metadata), TRAINABLE_BIASES the variant a headsurgeon.json records, checked
-    install_hf_bias(hf_model, kind, ...)     the same variant on a transformers BLOOM (training)
+    install_hf_bias(hf_model, kind, ...)     the same variant on a transformers ALiBi model
     inexact_slopes(model)                    why a model's slopes are not BLOOM's, or None
     shared_bias(...)                         one cached ALiBi bias per kind and shape
     bias_builder(kind, params, head_slopes)  a BiasBuilder of shared_bias for one kind
@@ -34,9 +41,12 @@ from torch import Tensor
 
 from headsurgeon import alibi
 from headsurgeon.backend import (
+    ALIBI_ATTENTION,
+    MAJOR,
     BiasBuilder,
     Model,
     add_bias_hook,
+    attention_family,
     builtin_slopes,
     check_model,
     hf_bias_pre_hook,
@@ -47,6 +57,7 @@ __all__ = [
     "BiasBuilder",
     "alibi_slopes",
     "bias_builder",
+    "exact_slopes",
     "inexact_slopes",
     "install_exact_alibi",
     "install_hf_bias",
@@ -86,9 +97,16 @@ def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> 
     its ``headsurgeon.json`` by ``analyses/train_organism.py --bias``), applied for good, so the
     model computes what it was trained to compute everywhere; a mitigation still replaces it for
     the length of a ``with`` block. See :func:`trained_bias`.
+
+    The slopes are those transformers applies (:func:`exact_slopes`). A standard Falcon gets no
+    hook: transformers hands its attention the exact bias already (in the attention mask, with
+    its bfloat16 positions, which a relative bias would not reproduce past 256 tokens). MPT's
+    hook also lets it run past ``max_seq_len``, where transformers' bias tensor ends.
     """
     check_model(model, "install_exact_alibi")
-    head_slopes = tuple(alibi.slopes(model.cfg.n_heads).tolist())
+    if kind == "standard" and attention_family(model.blocks[0].attn) == "falcon":
+        return
+    head_slopes = tuple(exact_slopes(model).tolist())
     build = bias_builder(kind, params, head_slopes)
     for block in model.blocks:
         attn = block.attn
@@ -97,19 +115,20 @@ def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> 
 
 
 def install_hf_bias(hf_model: torch.nn.Module, kind: str = "standard", **params: Any) -> list:
-    """Make a ``transformers`` BLOOM (``BloomForCausalLM``) compute with the ALiBi variant
-    ``kind``: the same bias :func:`install_exact_alibi` gives a TransformerLens model, through
-    :func:`headsurgeon.backend.hf_bias_pre_hook` on each attention layer. How
+    """Make a ``transformers`` ALiBi model (BLOOM, MPT, Falcon with ``alibi=True``) compute with
+    the ALiBi variant ``kind``: the same bias :func:`install_exact_alibi` gives a TransformerLens
+    model, from the slopes transformers applies (:func:`headsurgeon.alibi.config_slopes`),
+    through :func:`headsurgeon.backend.hf_bias_pre_hook` on each attention layer. How
     ``analyses/train_organism.py --bias`` trains a variant and ``save_hf`` checks its export.
     Returns the hook handles (``handle.remove()`` undoes it).
     """
     params = alibi.check_bias_params(kind, **params)
-    config = hf_model.config
-    head_slopes = tuple(alibi.slopes(config.n_head).tolist())
+    head_slopes = tuple(alibi.config_slopes(hf_model.config.to_dict()).tolist())
     build = bias_builder(kind, params, head_slopes)
     return [
-        block.self_attention.register_forward_pre_hook(hf_bias_pre_hook(build), with_kwargs=True)
-        for block in hf_model.transformer.h
+        module.register_forward_pre_hook(hf_bias_pre_hook(build), with_kwargs=True)
+        for module in hf_model.modules()
+        if type(module).__name__ in ALIBI_ATTENTION
     ]
 
 
@@ -162,7 +181,7 @@ def use_exact_alibi(model: Model) -> None:
             f"use_exact_alibi applies to ALiBi models; this one uses "
             f"{model.cfg.positional_embedding_type} positions"
         )
-    before, exact = alibi_slopes(model), alibi.slopes(model.cfg.n_heads)
+    before, exact = alibi_slopes(model), exact_slopes(model)
     if not torch.equal(before, exact):
         warnings.warn(
             "use_exact_alibi changes this model's ALiBi slopes from "
@@ -198,8 +217,16 @@ def alibi_slopes(model: Model) -> Float[Tensor, " head_index"]:
         )
     attn = model.blocks[0].attn
     if getattr(attn, "headsurgeon_alibi_hook", None) is not None:
-        return alibi.slopes(model.cfg.n_heads)
+        return exact_slopes(model)
     return builtin_slopes(model)
+
+
+def exact_slopes(model: Model) -> Float[Tensor, " head_index"]:
+    """The slopes transformers applies for ``model``'s checkpoint (float32): on 4.x those its
+    attention applies by itself (:func:`headsurgeon.backend.builtin_slopes`: BLOOM's, MPT's with
+    ``alibi_bias_max`` 8, Falcon's ``bf16(m_h) / sqrt(d_head)``); on 3.x, whose models are all
+    BLOOM, :func:`headsurgeon.alibi.slopes`."""
+    return builtin_slopes(model) if MAJOR >= 4 else alibi.slopes(model.cfg.n_heads)
 
 
 def inexact_slopes(model: Model) -> str | None:
@@ -210,7 +237,7 @@ def inexact_slopes(model: Model) -> str | None:
     cfg = model.cfg
     if cfg.positional_embedding_type != "alibi":
         return None
-    applied, exact = alibi_slopes(model), alibi.slopes(cfg.n_heads)
+    applied, exact = alibi_slopes(model), exact_slopes(model)
     if torch.allclose(applied, exact, rtol=1e-6, atol=0.0):
         return None
     return (

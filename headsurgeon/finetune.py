@@ -77,6 +77,7 @@ from headsurgeon.surgery import (
     HeadParameters,
     Heads,
     HeadSet,
+    check_surgery,
     head_masks,
     head_slices,
     load_head_slices,
@@ -648,6 +649,7 @@ def finetune(
     ``resume=True`` continues from it.
     """
     check_model(model, "finetune")
+    check_surgery(model)  # heads sharing keys and values: one line, before the data is read
     job = _make_job(model, heads, train, eval_data, config, checkpoint_dir, resume, progress)
     with restored_on_failure(model, "fine-tuning") as snapshot:
         if job.cfg.strategy == "mask":  # the optimiser moves whole tensors before after_step

@@ -50,10 +50,10 @@ from torch import Tensor
 
 from headsurgeon.backend import HookPoint, Model, check_model, run_from_layer
 from headsurgeon.census import _check_tokens
-from headsurgeon.data import Data, describe, resolve_bos, to_sequences
+from headsurgeon.data import Data, describe, position_zero, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.loading import model_info
-from headsurgeon.probes import stream
+from headsurgeon.probes import check_fired, stream
 from headsurgeon.progress import tqdm
 from headsurgeon.surgery import Heads, HeadSet
 from headsurgeon.validation import check_bool, check_choice, check_int
@@ -118,6 +118,13 @@ def _z_hooks(model: Model, fn: Callable) -> list[tuple[str, Callable]]:
     return [(f"blocks.{layer}.attn.hook_z", fn) for layer in range(model.cfg.n_layers)]
 
 
+def _require(model: Model, seen: Sequence[int] | dict[int, Any], hook: str = "attn.hook_z") -> None:
+    """One line unless ``blocks.{layer}.`` + ``hook`` fired in every layer (``seen``: the
+    layers it fired in)."""
+    fired = [int(layer in seen) for layer in range(model.cfg.n_layers)]
+    check_fired(model, "head_importance", {f"blocks.{{layer}}.{hook}": fired})
+
+
 def _mean_z(
     model: Model, tokens: Tensor, batch_size: int, progress: bool
 ) -> Float[Tensor, "layer head_index d_head"]:
@@ -130,6 +137,7 @@ def _mean_z(
 
     stream(model, tokens, _z_hooks(model, add), batch_size=batch_size, progress=progress,
            desc="mean z")  # fmt: skip
+    _require(model, sums)
     means = torch.stack([sums[layer] for layer in range(model.cfg.n_layers)])
     return (means / (tokens.shape[0] * tokens.shape[1])).to(model.cfg.dtype)
 
@@ -142,6 +150,7 @@ def _donor_z(model: Model, donors: Tensor) -> list[Tensor]:
         found[hook.layer()] = z.clone()
 
     stream(model, donors, _z_hooks(model, keep), batch_size=len(donors), progress=False)
+    _require(model, found)
     return [found[layer] for layer in range(model.cfg.n_layers)]
 
 
@@ -198,6 +207,7 @@ def _clean_pass(model: Model, batch: Tensor) -> tuple[Float[Tensor, " batch"], l
     names = [f"blocks.{layer}.hook_resid_pre" for layer in range(model.cfg.n_layers)]
     with model.hooks(fwd_hooks=[(name, keep) for name in names]):
         losses = _seq_losses(model(batch), batch)
+    _require(model, resid, "hook_resid_pre")
     return losses, [resid[layer] for layer in range(model.cfg.n_layers)]
 
 
@@ -217,8 +227,10 @@ def _ablated_losses(
     layer and is only computed from tokens.
     """
     n, copies = len(batch), len(heads)
+    fired: list[int] = []
 
     def ablate(z: Tensor, hook: HookPoint) -> Tensor:
+        fired.append(layer)
         stacked = z.unflatten(0, (copies, n))
         for i, head in enumerate(heads):
             stacked[i, :, :, head] = fill(layer, stacked[i])[:, :, head]
@@ -230,6 +242,8 @@ def _ablated_losses(
             logits = model(tokens)
         else:
             logits = run_from_layer(model, tokens, resid_pre.repeat(copies, 1, 1), layer)
+    if not fired:  # the pass ran without the ablation: its loss change would read as 0
+        _require(model, [other for other in range(model.cfg.n_layers) if other != layer])
     return _seq_losses(logits, tokens).view(copies, n)
 
 
@@ -283,6 +297,7 @@ def _attribution(
         fill = fills(rows)
         with torch.enable_grad(), model.hooks(fwd_hooks=_z_hooks(model, tap)):
             losses = _seq_losses(model(batch), batch)
+            _require(model, shifts)
             layers = range(cfg.n_layers)
             grads = torch.autograd.grad(losses.sum(), [shifts[layer] for layer in layers])
         totals.add_clean(losses.detach())
@@ -325,11 +340,19 @@ def head_importance(
     :func:`compare_importance`.
 
     ``data``, ``seq_len``, ``n_seqs`` and ``prepend_bos`` as in :func:`headsurgeon.run_census`
-    (a token tensor is used as it is). ``batch_size`` sequences run together; exact ablation
-    stacks ``heads_per_pass`` copies of them into one pass (default: as many heads as keep the
-    pass's logits within 2^26 elements). ``df.attrs`` holds the run metadata: ``model``,
-    ``n_layers``, ``n_heads``, ``n_seqs``, ``seq_len``, ``n_tokens`` (predicted tokens),
-    ``prepend_bos``, ``data``, ``method``, ``ablation``, ``clean_loss``, ``dtype``, ``device``.
+    (a token tensor is used exactly as given, on every model). ``batch_size`` sequences run
+    together; exact ablation stacks ``heads_per_pass`` copies of them into one pass (default: as
+    many heads as keep the pass's logits within 2^26 elements). ``df.attrs`` holds the run
+    metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``, ``seq_len``, ``n_tokens``
+    (predicted tokens), ``prepend_bos`` (position 0 holds the BOS token), ``bos_rule`` (see
+    :func:`headsurgeon.data.position_zero`), ``data``, ``method``, ``ablation``, ``clean_loss``,
+    ``dtype``, ``device``.
+
+    Every model whose ``blocks.{l}.attn.hook_z`` (and ``hook_resid_pre``) fire in every layer
+    is measured: grouped-query attention per query head (its ``z`` is per query head; the
+    shared keys and values stay), attention in parallel with the MLP (GPT-NeoX) as any other.
+    A hook that did not fire raises :class:`~headsurgeon.errors.UnsupportedArchitectureError`
+    naming it, never a loss change of 0.
 
     >>> from headsurgeon.loading import ModelShape, random_model
     >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
@@ -353,12 +376,12 @@ def head_importance(
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     progress = check_bool(progress, "progress")
     info = model_info(model)
-    bos = resolve_bos(model, prepend_bos)
     if not isinstance(data, Tensor):  # a token tensor is used as it is
         _check_predicts(check_int(seq_len, "seq_len", minimum=1))  # before tokenising a corpus
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     _check_predicts(tokens.shape[1])
     _check_tokens(model, tokens, 1)  # within the context (to_sequences checked the ids)
+    holds_bos, bos_rule = position_zero(model, data, tokens, prepend_bos)
     if ablation == "resample" and len(tokens) < 2:
         raise DataError("resample ablation needs at least 2 sequences; give more data")
     cfg = model.cfg
@@ -394,7 +417,8 @@ def head_importance(
         "n_seqs": int(n),
         "seq_len": int(pos),
         "n_tokens": int(n * (pos - 1)),
-        "prepend_bos": bos,
+        "prepend_bos": holds_bos,
+        "bos_rule": bos_rule,
         "data": describe(data),
         "method": method,
         "ablation": ablation,

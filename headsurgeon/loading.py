@@ -13,6 +13,8 @@ Exports:
     check_checkpoint(directory)              a checkpoint folder validated before reading weights
     check_metadata(data, path)               a headsurgeon.json's contents checked (one schema)
     stored_tensors(directory), StoredTensor  dtype and shape of each stored tensor, from headers
+    weight_files(directory)                  its weight files (safetensors, or pickled; shards)
+    pickled_tensors(file)                    the tensors of one pickled .bin file, checked
     safetensors_header(file)                 the same for one safetensors file, checked
     read_json(path), tl_config(config_dir)   a checkpoint's JSON; TransformerLens's config for it
     METADATA_FILE, TOKENIZER_FILES           the files of a checkpoint folder besides weights
@@ -76,6 +78,7 @@ __all__ = [
     "model_metadata",
     "model_shape",
     "organism_names",
+    "pickled_tensors",
     "random_hf_bloom",
     "random_model",
     "read_json",
@@ -83,6 +86,7 @@ __all__ = [
     "safetensors_header",
     "stored_tensors",
     "tl_config",
+    "weight_files",
 ]
 
 logger = logging.getLogger(__name__)
@@ -101,7 +105,8 @@ TOKENIZER_FILES = (
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """The sizes that weight-free analyses need."""
+    """The sizes that weight-free analyses need; ``family`` says whose ALiBi slopes an ALiBi
+    model applies (:func:`headsurgeon.alibi.family_slopes`: ``bloom``, ``mpt`` or ``falcon``)."""
 
     n_layers: int
     n_heads: int
@@ -109,6 +114,7 @@ class ModelShape:
     d_vocab: int
     n_ctx: int
     positional: str = "alibi"
+    family: str = "bloom"
 
 
 # Published BLOOM configurations (Hugging Face config.json of each bigscience checkpoint).
@@ -165,11 +171,13 @@ def _local_shape(directory: Path) -> ModelShape:
     _check_files(directory)
     file = directory / "config.json"
     config = read_json(file)
+    if config.get("model_type") in ("mpt", "falcon"):
+        return _config_shape(file, config)
     bloom = _bloom_config(file, config)
     if bloom is None:
         raise UnsupportedArchitectureError(
-            f"{file} is not a BLOOM config and shapes by folder are known for BLOOM only; "
-            "pass the loaded model (load_model) instead"
+            f"{file} is not a BLOOM, MPT or Falcon config and shapes by folder are known for "
+            "BLOOM, MPT and Falcon only; pass the loaded model (load_model) instead"
         )
     _check_training(directory, bloom, _folder_metadata(directory))
     if _has_weights(directory):
@@ -181,6 +189,26 @@ def _local_shape(directory: Path) -> ModelShape:
         d_vocab=bloom["vocab_size"],
         n_ctx=bloom["seq_length"],
     )
+
+
+def _config_shape(file: Path, config: dict[str, Any]) -> ModelShape:
+    """An MPT or Falcon config's shape, its values checked by its transformers config class."""
+    from transformers import AutoConfig
+
+    family = config["model_type"]
+    try:
+        hf = AutoConfig.for_model(**config)
+        sizes = [hf.num_hidden_layers, hf.num_attention_heads, hf.hidden_size, hf.vocab_size,
+                 hf.max_seq_len if family == "mpt" else hf.max_position_embeddings]  # fmt: skip
+    except Exception as e:  # transformers' validation: TypeError, ValueError, its own errors
+        raise CheckpointError(f"{file}: {first_line(e)}; correct it or re-export it") from e
+    if not all(_is_int(size) and size > 0 for size in sizes) or sizes[2] % sizes[1]:
+        raise CheckpointError(
+            f"{file}: layers, heads, width, vocabulary and context {sizes} are not positive "
+            "integers with the width a multiple of the heads; correct it or re-export it"
+        )
+    alibi = family == "mpt" or bool(hf.alibi)  # transformers' MPT always applies ALiBi
+    return ModelShape(*sizes, positional="alibi" if alibi else "rotary", family=family)
 
 
 def model_metadata(model: str | os.PathLike | Model) -> dict[str, Any]:
@@ -202,10 +230,12 @@ def model_shape(model: str | os.PathLike | Model) -> ModelShape:
     if isinstance(model, Model):
         cfg = model.cfg
         # TransformerLens sets n_ctx = 2048 for every BLOOM; the checkpoint's own value wins.
-        n_ctx = model_info(model).hf_config.get("seq_length", cfg.n_ctx)
+        hf_config = model_info(model).hf_config
+        n_ctx = hf_config.get("seq_length", cfg.n_ctx)
+        family = hf_config.get("model_type")
         return ModelShape(
             cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_vocab, n_ctx,
-            cfg.positional_embedding_type,
+            cfg.positional_embedding_type, family if family in ("mpt", "falcon") else "bloom",
         )  # fmt: skip
     name = str(model)
     key = name.lower()
@@ -579,31 +609,103 @@ def _header_entry(name: str, entry: Any, invalid: Any) -> tuple[StoredTensor, in
     return StoredTensor(dtype, tuple(shape)), offsets[0], offsets[1]
 
 
+# The weight files transformers reads, by preference: an index naming the shards, else the files.
+_WEIGHT_FORMATS = (
+    ("model.safetensors.index.json", "*.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+)
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files of a checkpoint folder, in the format transformers prefers.
+
+    safetensors before pickled ``pytorch_model*.bin``; for a sharded checkpoint (an index,
+    ``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``), the shards its
+    ``weight_map`` names, each of which must be in the folder (other files are not weights).
+    [] when the folder has none.
+    """
+    return _weights(directory)[0]
+
+
+def _weights(directory: Path) -> tuple[list[Path], Path | None, dict[str, str] | None]:
+    """:func:`weight_files`, with the shard index they come from and its ``weight_map``."""
+    for index_name, pattern in _WEIGHT_FORMATS:
+        index = _shard_index(directory / index_name)
+        if index is not None:
+            files = [directory / name for name in sorted(set(index.values()))]
+            return files, directory / index_name, index
+        if files := sorted(directory.glob(pattern)):
+            return files, None, None
+    return [], None, None
+
+
+def _shard_index(file: Path) -> dict[str, str] | None:
+    """A shard index's ``weight_map`` (tensor -> file), checked; None without an index."""
+    if not os.path.lexists(file):
+        return None
+    weight_map = read_json(file).get("weight_map")
+    if not (
+        isinstance(weight_map, dict)
+        and weight_map
+        and all(isinstance(v, str) and v and Path(v).name == v for v in weight_map.values())
+    ):
+        raise CheckpointError(
+            f"{file} has no weight_map of tensor names to shard files in its folder; "
+            "re-download or re-export the checkpoint"
+        )
+    missing = sorted(name for name in set(weight_map.values())
+                     if not os.path.lexists(file.parent / name))  # fmt: skip
+    if missing:
+        raise CheckpointError(
+            f"{file.parent} lacks the shard {missing[0]}{_more(missing, 'shards')} that "
+            f"{file.name} names; re-download or re-export the checkpoint"
+        )
+    return weight_map
+
+
 def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
     """Name -> :class:`StoredTensor` of every tensor of a checkpoint folder, from the file
     headers only (no weights are read); each file is checked to be a regular file first.
 
-    safetensors files are preferred, as transformers prefers them; a corrupt file raises.
+    The files are :func:`weight_files` (safetensors preferred, as transformers prefers them; the
+    shards a shard index names). A corrupt file raises, and so does a tensor stored in two
+    files or a shard index that names other tensors than its shards hold.
     """
     found: dict[str, StoredTensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        found |= safetensors_header(file)
-    if found:
-        return found
-    for file in sorted(directory.glob("pytorch_model*.bin")):
-        inputs.check_regular_file(file, "", error=CheckpointError)
-        try:  # on the meta device torch reads the pickle, never the tensor data
-            state = torch.load(file, map_location="meta", weights_only=True)
-        except Exception as e:  # torch raises OSError, RuntimeError, EOFError, UnpicklingError
-            raise CheckpointError(_corrupt_bin(directory)) from e
-        if not isinstance(state, dict):
-            raise CheckpointError(_corrupt_bin(directory))
-        found |= {
-            k: StoredTensor(str(v.dtype).removeprefix("torch."), tuple(v.shape))
-            for k, v in state.items()
-            if isinstance(v, torch.Tensor)
-        }
+    files, index_file, index = _weights(directory)
+    for file in files:
+        if file.suffix == ".safetensors":
+            tensors = safetensors_header(file)
+        else:  # on the meta device torch reads the pickle, never the tensor data
+            tensors = {
+                k: StoredTensor(str(v.dtype).removeprefix("torch."), tuple(v.shape))
+                for k, v in pickled_tensors(file, map_location="meta").items()
+            }
+        if twice := sorted(found.keys() & tensors.keys()):
+            raise CheckpointError(
+                f"{directory}: tensor {twice[0]}{_more(twice)} is stored in {file.name} and in "
+                "another weight file; remove the stale file or re-export the checkpoint"
+            )
+        found |= tensors
+    if index is not None and (odd := sorted(index.keys() ^ found.keys())):
+        raise CheckpointError(
+            f"{index_file} and its shards disagree on {_some(odd)} (each must be "
+            "in the shard the index names); re-download or re-export the checkpoint"
+        )
     return found
+
+
+def pickled_tensors(file: Path, **load_args: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a pickled ``pytorch_model*.bin``: ``torch.load(file, weights_only=True,
+    **load_args)`` of a regular file, a truncated or corrupt one one :class:`CheckpointError`."""
+    inputs.check_regular_file(file, "", error=CheckpointError)
+    try:
+        state = torch.load(file, weights_only=True, **load_args)
+    except Exception as e:  # torch raises OSError, RuntimeError, EOFError, UnpicklingError
+        raise CheckpointError(_corrupt_bin(file.parent)) from e
+    if not isinstance(state, dict):
+        raise CheckpointError(_corrupt_bin(file.parent))
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 # The files of a checkpoint folder that transformers, safetensors or headsurgeon may open, and
@@ -621,7 +723,7 @@ _SIDE_FILES = {
     "sentencepiece.bpe.model": inputs.MAX_TEXT_BYTES,
     "vocab.txt": inputs.MAX_TEXT_BYTES,
 }
-_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+_WEIGHT_PATTERNS = tuple(pattern for _, pattern in _WEIGHT_FORMATS)
 
 
 def _check_files(directory: Path) -> None:
@@ -746,8 +848,8 @@ def _check_bloom_tensors(
         )
 
 
-def _more(names: list[str]) -> str:
-    return f" ({len(names) - 1} more tensors too)" if len(names) > 1 else ""
+def _more(names: list[str], what: str = "tensors") -> str:
+    return f" ({len(names) - 1} more {what} too)" if len(names) > 1 else ""
 
 
 def _some(names: list[str], shown: int = 3) -> str:
@@ -1127,8 +1229,21 @@ def from_hf_model(
     if model.cfg.positional_embedding_type == "alibi":
         kind, params = trained_bias(metadata or {})
         install_exact_alibi(model, kind, **params)
+        _warn_ignored_bias_max(hf_config)
     model.eval()
     return model
+
+
+def _warn_ignored_bias_max(hf_config: dict[str, Any]) -> None:
+    """Warn when an MPT config asks for slopes transformers does not apply."""
+    bias_max = (hf_config.get("attn_config") or {}).get("alibi_bias_max", 8)
+    if hf_config.get("model_type") == "mpt" and bias_max != 8:
+        warnings.warn(
+            f"the MPT config sets attn_config.alibi_bias_max={bias_max}, but transformers' "
+            "MptModel applies the ALiBi slopes of alibi_bias_max=8 (it never passes the config's "
+            "value); headsurgeon measures what transformers computes, with those slopes",
+            stacklevel=3,
+        )
 
 
 def model_info(model: Model) -> ModelInfo:

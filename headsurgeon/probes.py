@@ -14,6 +14,8 @@ Exports:
     write_sums(z, W_O, first)              the same as a sum over positions
     HeadStats                              float64 accumulator fed by forward hooks
     stream(model, tokens, fwd_hooks, ...)  run token batches through hooks, skipping the unembedding
+    unfired(model, analysis, hook, layers) the one-line error for a hook that never fired
+    check_fired(model, analysis, counts)   raise it unless each hook fired in every layer
 
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +39,10 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import HookPoint, Model
+from headsurgeon.backend import MAJOR, HookPoint, Model
 from headsurgeon.data import batches
+from headsurgeon.errors import UnsupportedArchitectureError
+from headsurgeon.loading import model_info
 from headsurgeon.long_context import FORWARD_BYTES_PER_ENTRY
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int
@@ -50,6 +55,8 @@ __all__ = [
     "write_sums",
     "HeadStats",
     "stream",
+    "unfired",
+    "check_fired",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +72,8 @@ PATTERN_STATS = (
 )
 # Head statistics HeadStats accumulates: the pattern statistics, then each head's write norm.
 HEAD_STATS = (*PATTERN_STATS, "output_norm")
+# The hooks HeadStats reads in each layer (``blocks.{layer}.`` + name).
+HEAD_HOOKS = ("attn.hook_pattern", "attn.hook_z", "hook_attn_out")
 
 Hook = tuple[str | Callable[[str], bool], Callable[[Tensor, HookPoint], None]]
 
@@ -167,11 +176,18 @@ def write_sums(
     Uses the per-head Gram matrix ``W_O[h] W_O[h]ᵀ`` (``[d_head, d_head]``), so the
     ``[batch, pos, head, d_model]`` tensor of per-head writes is never formed.
     """
-    zf = z[:, first:].float()
+    return _write_norms_by_position(z[:, first:], W_O).sum(1)
+
+
+def _write_norms_by_position(
+    z: Float[Tensor, "batch pos head_index d_head"], W_O: Float[Tensor, "head_index d_head d_model"]
+) -> Float[Tensor, "batch pos head_index"]:
+    """``‖z[t, h] @ W_O[h]‖`` at every position, in float32 (see :func:`write_sums`)."""
+    zf = z.float()
     w = W_O.to(device=zf.device, dtype=torch.float32)
     gram = torch.einsum("hdm,hem->hde", w, w)
     squared = torch.einsum("bphd,hde,bphe->bph", zf, gram, zf)
-    return squared.clamp(min=0).sqrt().sum(1)  # rounding can make a zero norm slightly negative
+    return squared.clamp(min=0).sqrt()  # rounding can make a zero norm slightly negative
 
 
 def write_norms(
@@ -201,12 +217,20 @@ class HeadStats:
     (``‖hook_attn_out - b_O‖``); all in float64 on the model's device. Use ``hooks()`` with
     :func:`stream` (or ``model.hooks``) and read ``means()``/``stds()``; ``reset()`` starts over.
 
+    A layer's three hooks (``hook_pattern``, ``hook_z``, ``hook_attn_out``) may fire in any order
+    (TransformerLens 4.x fires an OPT's pattern after its output): each keeps its per-position
+    values until the layer's other two have fired for the same rows, then the three are added
+    together. A hook that fires again before the others did means one of them never fires in
+    this model: that raises :class:`~headsurgeon.errors.UnsupportedArchitectureError` at once,
+    and :meth:`check_fired` after the pass catches a hook that never fired at all.
+
     A sequence run in blocks of query rows (:mod:`headsurgeon.long_context`) is summed block by
-    block: a layer's pattern hook at query offset 0 starts the next batch of sequences, and each
+    block: a layer's pattern at query offset 0 starts the next batch of sequences, and each
     sequence's means are taken when its last block is in (at the next batch, or at ``means()``).
 
-    The write norm of the whole layer comes from ``hook_attn_out`` minus ``b_O``: the sum of all
-    heads' writes, without the bias that belongs to no head.
+    The write norm of the whole layer comes from ``hook_attn_out`` minus ``b_O`` (models without
+    attention biases have none): the sum of all heads' writes, without the bias that belongs to
+    no head.
     """
 
     def __init__(self, model: Model, *, min_query_pos: int = 1):
@@ -225,6 +249,10 @@ class HeadStats:
         # Per layer, the batch in progress: [stat, batch, head] sums over rows, rows per stat,
         # the layer's write-norm sums [batch], the query offset of the block being run.
         self._batch: list[_Batch | None] = [None] * n_layers
+        # Per layer, what each hook gave for the block of rows whose hooks are not all in yet.
+        self._pending: list[dict[str, Any]] = [{} for _ in range(n_layers)]
+        # Per layer, the blocks each hook has fired for.
+        self.fired = {name: [0] * n_layers for name in HEAD_HOOKS}
 
     def _flush(self, layer: int) -> None:
         """Add the per-sequence means of ``layer``'s finished batch to the running sums."""
@@ -239,66 +267,82 @@ class HeadStats:
         self.layer_write[layer] += (batch.layer_write / max(rows[-1].item(), 1)).sum()
         self.counts[layer] += means.shape[1]
 
-    def _pattern_hook(self, pattern: Tensor, hook: HookPoint) -> None:
-        layer = hook.layer()
-        n_rows, n_keys = pattern.shape[-2:]
-        offset = n_keys - n_rows
+    def _arrive(self, layer: int, name: str, value: Any) -> None:
+        """Keep one hook's values for ``layer``'s current block; add the block once all are in."""
+        pending = self._pending[layer]
+        if name in pending:  # the others did not fire for the previous block: they never will
+            missing = [hook for hook in HEAD_HOOKS if hook not in pending]
+            raise unfired(self.model, "the census", f"blocks.{layer}.{missing[0]}", [layer])
+        pending[name] = value
+        self.fired[name][layer] += 1
+        if len(pending) == len(HEAD_HOOKS):
+            self._pending[layer] = {}
+            self._add_block(layer, *(pending[hook] for hook in HEAD_HOOKS))
+
+    def _add_block(
+        self, layer: int, pattern: tuple[Tensor, list[int], int, int], writes: Tensor,
+        layer_write: Tensor,
+    ) -> None:  # fmt: skip
+        sums, rows, offset, n_keys = pattern
         if offset == 0:
             self._flush(layer)  # a new batch of sequences
         batch = self._batch[layer]
         if batch is None:
-            batch = self._batch[layer] = _Batch.empty(pattern.shape[0], self.sums)
+            batch = self._batch[layer] = _Batch.empty(sums.shape[1], self.sums)
         elif offset != batch.next_offset:
             raise RuntimeError(
                 f"HeadStats: layer {layer} got query rows from {offset}, expected "
                 f"{batch.next_offset}: blocks must come in order"
             )
-        sums, rows = pattern_sums(pattern, self.min_query_pos)
-        batch.sums[: len(PATTERN_STATS)] += sums.to(self.sums.dtype).to(self.sums.device)
-        batch.rows = [r + n for r, n in zip(batch.rows, rows + [0], strict=True)]
+        first = _rows(writes.shape[1], offset, self.min_query_pos)
+        batch.sums[: len(PATTERN_STATS)] += sums
+        batch.sums[len(PATTERN_STATS)] += writes[:, first:].sum(1).to(self.sums.dtype)
+        batch.layer_write += layer_write[:, first:].sum(-1).to(self.sums.dtype)
+        n_written = writes.shape[1] - first
+        batch.rows = [r + n for r, n in zip(batch.rows, [*rows, n_written], strict=True)]
         batch.offset, batch.next_offset = offset, n_keys
 
+    def _pattern_hook(self, pattern: Tensor, hook: HookPoint) -> None:
+        n_rows, n_keys = pattern.shape[-2:]
+        sums, rows = pattern_sums(pattern, self.min_query_pos)
+        sums = sums.to(self.sums.device, self.sums.dtype)
+        self._arrive(hook.layer(), "attn.hook_pattern", (sums, rows, n_keys - n_rows, n_keys))
+
     def _z_hook(self, z: Tensor, hook: HookPoint) -> None:
-        layer = hook.layer()
-        batch = self._current(layer)
-        first = _rows(z.shape[1], batch.offset, self.min_query_pos)
-        W_O = self.model.blocks[layer].attn.W_O
-        written = write_sums(z, W_O, first).to(self.sums.device, self.sums.dtype)
-        batch.sums[len(PATTERN_STATS)] += written
-        batch.rows[-1] += z.shape[1] - first
+        W_O = self.model.blocks[hook.layer()].attn.W_O
+        writes = _write_norms_by_position(z, W_O).to(self.sums.device)
+        self._arrive(hook.layer(), "attn.hook_z", writes)
 
     def _attn_out_hook(self, out: Tensor, hook: HookPoint) -> None:
-        layer = hook.layer()
-        batch = self._current(layer)
-        first = _rows(out.shape[1], batch.offset, self.min_query_pos)
-        written = out[:, first:].float() - self.model.blocks[layer].attn.b_O.float()
-        norms = written.norm(dim=-1).sum(-1)
-        batch.layer_write += norms.to(self.sums.device, self.sums.dtype)
-
-    def _current(self, layer: int) -> _Batch:
-        batch = self._batch[layer]
-        if batch is None:
-            raise RuntimeError(
-                f"HeadStats: blocks.{layer}.attn.hook_pattern has not fired before this hook; "
-                "use all of HeadStats.hooks() together"
-            )
-        return batch
+        b_O = self.model.blocks[hook.layer()].attn.b_O
+        written = out.float() if b_O is None else out.float() - b_O.float()
+        self._arrive(hook.layer(), "hook_attn_out", written.norm(dim=-1).to(self.sums.device))
 
     def hooks(self) -> list[Hook]:
         """Forward hooks for ``hook_pattern``, ``hook_z`` and ``hook_attn_out`` of each layer."""
-        hooks: list[Hook] = []
-        for layer in range(self.model.cfg.n_layers):
-            hooks += [
-                (f"blocks.{layer}.attn.hook_pattern", self._pattern_hook),
-                (f"blocks.{layer}.attn.hook_z", self._z_hook),
-                (f"blocks.{layer}.hook_attn_out", self._attn_out_hook),
-            ]
-        return hooks
+        readers = (self._pattern_hook, self._z_hook, self._attn_out_hook)
+        return [
+            (f"blocks.{layer}.{name}", reader)
+            for layer in range(self.model.cfg.n_layers)
+            for name, reader in zip(HEAD_HOOKS, readers, strict=True)
+        ]
 
     def finish(self) -> None:
         """Take the means of the sequences in progress (``means()`` and ``stds()`` call it)."""
         for layer in range(self.model.cfg.n_layers):
             self._flush(layer)
+
+    def check_fired(self, n_seqs: int, analysis: str = "the census") -> None:
+        """Raise :class:`~headsurgeon.errors.UnsupportedArchitectureError` unless every layer's
+        hooks fired for all ``n_seqs`` sequences streamed (a hook that never fired would leave
+        its statistics at 0)."""
+        self.finish()
+        short = [layer for layer, count in enumerate(self.counts.tolist()) if count != n_seqs]
+        if short:
+            most = max(self.fired[name][short[0]] for name in HEAD_HOOKS)
+            missing = next(name for name in HEAD_HOOKS if self.fired[name][short[0]] < most or
+                           not most)  # fmt: skip
+            raise unfired(self.model, analysis, f"blocks.{short[0]}.{missing}", short)
 
     @property
     def n_seqs(self) -> int:
@@ -327,6 +371,32 @@ class HeadStats:
         sums, squares = self.sums.double().cpu(), self.squares.double().cpu()
         variance = (squares - sums.square() / n.clamp(min=1)) / (n - 1).clamp(min=1)
         return {name: variance[i].clamp(min=0).sqrt().numpy() for i, name in enumerate(HEAD_STATS)}
+
+
+def unfired(
+    model: Model, analysis: str, hook: str, layers: Sequence[int]
+) -> UnsupportedArchitectureError:
+    """The one-line error for a hook that never fired: an analysis reports nothing it did not
+    see (its sums would read as zeros)."""
+    info = model_info(model)
+    architecture = (info.hf_config.get("architectures") or [None])[0] or getattr(
+        model.cfg, "original_architecture", None) or type(model).__name__  # fmt: skip
+    where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
+    return UnsupportedArchitectureError(
+        f"{analysis} cannot measure {info.name} ({architecture}, attention "
+        f"{type(model.blocks[0].attn).__name__}): {hook} never fired in {where} under "
+        f"TransformerLens {MAJOR}.x, so there is nothing exact to report (models converted by "
+        "headsurgeon.loading.from_hf_model run eager attention, which shows what it can)"
+    )
+
+
+def check_fired(model: Model, analysis: str, counts: dict[str, Sequence[int]]) -> None:
+    """Raise :func:`unfired`'s error unless each hook (``{name: calls per layer}``, names with a
+    ``{layer}`` field) fired at least once in every layer."""
+    for name, per_layer in counts.items():
+        silent = [layer for layer, n in enumerate(per_layer) if not n]
+        if silent:
+            raise unfired(model, analysis, name.format(layer=silent[0]), silent)
 
 
 @dataclasses.dataclass

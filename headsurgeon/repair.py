@@ -5,6 +5,7 @@ Exports:
     RepairConfig                        its settings (census, classification, surgery, training)
     RepairResult, PassResult            per-pass targets, recoveries, drift, collateral damage,
                                         perplexities, censuses and the verdict
+    head_failures(before, after, heads) the targets sick at the end, each with why
     recommended_config(model, ...)      the fine-tuning settings the model recommends
     DRIFT_THRESHOLD, RUN_FILE           the default drift criterion; the work folder's run file
     finished_run(work_dir), FINISHED_FILE   whether a work folder's run finished; the file
@@ -30,6 +31,12 @@ perplexity is damage. A damaged pass recovers nothing and ends the run, which th
 (:attr:`RepairResult.ok`). The model left in place is that of the best pass that did no damage
 (most targets healthy, then the lowest held-out perplexity); with none, the model gets its
 original weights back.
+
+Every target that is sick in the model left in place is a failure of that head
+(:func:`head_failures`): one still sick, and one that was healthy and turned sick by being
+targeted (an ``include`` or explicit head). The latter makes the model worse: the run is not
+``ok`` either (verdict ``worse``). Heads merely still sick leave it ``ok`` (verdict
+``incomplete``): the model is no worse than it was.
 
 With ``work_dir`` every finished pass and every fine-tuning checkpoint is kept there, so
 ``resume=True`` continues an interrupted run where it stopped, bit-identical on CPU. The CLI keeps
@@ -110,6 +117,7 @@ __all__ = [
     "RepairConfig",
     "RepairResult",
     "finished_run",
+    "head_failures",
     "recommended_config",
     "repair",
 ]
@@ -137,6 +145,7 @@ class PassResult:
     the heads healthy there, targeted by no pass so far and sick after this one;
     ``perplexity_change``, the relative change of each perplexity; ``failure``, why the pass
     counts as damage (None: it does not). Perplexities are ``{"train": ..., "heldout": ...}``.
+    ``worsened``: targets healthy before the pass and sick after it (its verdict is ``worse``).
     """
 
     index: int
@@ -161,6 +170,10 @@ class PassResult:
     def recovery_rate(self) -> float:
         return len(self.recovered) / len(self.targeted)
 
+    @property
+    def worsened(self) -> HeadSet:
+        return _worsened(self.census_before, self.census_after, self.targeted)
+
     def head_table(self) -> pd.DataFrame:
         """One row per target: label, BOS mass and output share before and after the pass."""
         columns = ["layer", "head", "label", "bos_mass", "output_share"]
@@ -181,7 +194,7 @@ class PassResult:
             "recovered": self.recovered.names(),
             "still_sick": self.still_sick.names(),
             "recovery_rate": self.recovery_rate,
-            "verdict": "damaged" if self.damaged else "ok",
+            "verdict": "damaged" if self.damaged else "worse" if self.worsened else "ok",
             "failure_reason": self.failure,
             "collateral": {"count": len(self.collateral), "heads": self.collateral.names()},
             "perplexity_before": self.perplexity_before,
@@ -209,8 +222,12 @@ class RepairResult:
     ``census_after`` is the census of that model. ``targeted`` is every head some pass targeted;
     ``recovered`` those healthy in ``census_after`` (none without a ``best_pass``); ``drifted``
     the heads no pass targeted whose BOS mass moved by more than the drift threshold between the
-    first census and ``census_after``. ``ok`` is False when some pass damaged the model
-    (``failure_reason`` says which and why; see :class:`PassResult`). ``pruned``: the training
+    first census and ``census_after``. ``failed_heads``: every target sick in ``census_after``,
+    with why (:func:`head_failures`); ``worsened``: those of them healthy in the first census.
+    ``verdict``: ``failed`` when some pass damaged the model (see :class:`PassResult`),
+    ``worse`` when a target turned sick, ``incomplete`` when targets are still sick, ``ok``
+    otherwise; ``ok`` is False for ``failed`` and ``worse`` (``failure_reason`` says which
+    pass or heads, and why). ``pruned``: the training
     and held-out perplexity of the model as given with pass 1's targets pruned instead
     (``{"mean": ..., "zero": ...}``: their ``z`` mean- or zero-ablated), the alternative the
     surgery paper argues against; :meth:`prune_vs_repair` sets them beside the repair.
@@ -226,21 +243,46 @@ class RepairResult:
     pruned: dict[str, dict[str, float]] | None = None
 
     @property
+    def verdict(self) -> str:
+        """``failed``, ``worse``, ``incomplete`` or ``ok`` (see the class's description)."""
+        if any(p.damaged for p in self.passes):
+            return "failed"
+        if self.worsened:
+            return "worse"
+        return "incomplete" if self.failed_heads else "ok"
+
+    @property
     def ok(self) -> bool:
-        return not any(p.damaged for p in self.passes)
+        """No pass damaged the model and no target turned sick: it is no worse than it was."""
+        return self.verdict in ("ok", "incomplete")
+
+    @property
+    def failed_heads(self) -> dict[str, str]:
+        """Each target sick in ``census_after`` (by name) and why (:func:`head_failures`)."""
+        return head_failures(self.census_before, self.census_after, self.targeted)
+
+    @property
+    def worsened(self) -> HeadSet:
+        """Targets healthy before the first pass and sick in ``census_after``."""
+        return _worsened(self.census_before, self.census_after, self.targeted)
 
     @property
     def failure_reason(self) -> str | None:
-        """Which pass damaged the model and why, and which model ``model`` holds; None if ok."""
+        """Which pass damaged the model, or which targets turned sick, and why, and which model
+        ``model`` holds; None if ok."""
         damaged = [p for p in self.passes if p.damaged]
-        if not damaged:
+        if not damaged and not self.worsened:
             return None
         kept = (
             f"the model of pass {self.best_pass} is kept"
             if self.best_pass is not None
             else "no pass is acceptable, so no repaired model is kept"
         )
-        return f"pass {damaged[0].index} damaged the model ({damaged[0].failure}); {kept}"
+        if damaged:
+            return f"pass {damaged[0].index} damaged the model ({damaged[0].failure}); {kept}"
+        failures = self.failed_heads
+        turned = "; ".join(f"{name}: {failures[name]}" for name in self.worsened.names())
+        return f"{len(self.worsened)} targeted head(s) turned sick ({turned}); {kept}"
 
     @property
     def best(self) -> PassResult | None:
@@ -300,8 +342,10 @@ class RepairResult:
         best = self.best
         return {
             "model": model_info(self.model).name,
-            "verdict": "ok" if self.ok else "failed",
+            "verdict": self.verdict,
             "failure_reason": self.failure_reason,
+            "failed_heads": self.failed_heads,
+            "worsened": self.worsened.names(),
             "best_pass": self.best_pass,
             "max_ppl_increase": self.settings["max_ppl_increase"],
             "max_collateral": self.settings["max_collateral"],
@@ -330,6 +374,41 @@ class RepairResult:
 
 def _healthy(census: pd.DataFrame) -> int:
     return int((census["label"] == "healthy").sum())
+
+
+def _worsened(before: pd.DataFrame, after: pd.DataFrame, targeted: HeadSet) -> HeadSet:
+    """The ``targeted`` heads healthy in ``before`` and sick in ``after``."""
+    return (targeted & _healthy_set(before)) - _healthy_set(after)
+
+
+def head_failures(before: pd.DataFrame, after: pd.DataFrame, targeted: Heads) -> dict[str, str]:
+    """The ``targeted`` heads that are sick in ``after``, by name, each with why.
+
+    ``before``, ``after``: classified censuses (``layer``, ``head``, ``label``) of the model
+    before the first pass and of the model kept. A target sick in both is ``still <label>`` (or
+    ``<label> before, <label> after``); one healthy before and sick after turned sick by being
+    targeted. Targets healthy in ``after`` are no failures.
+
+    >>> before = pd.DataFrame({"layer": [0, 0, 0], "head": [0, 1, 2],
+    ...                        "label": ["healthy", "BOS-sink", "dead"]})
+    >>> after = before.assign(label=["dead", "BOS-sink", "healthy"])
+    >>> head_failures(before, after, "L0H0-2")
+    {'L0H0': 'healthy before, dead after being targeted', 'L0H1': 'still BOS-sink'}
+    """
+    was = before.set_index(["layer", "head"])["label"]
+    now = after.set_index(["layer", "head"])["label"]
+    heads = HeadSet.of(targeted)
+    failures = {}
+    for pair, name in zip(heads, heads.names(), strict=True):
+        if now[pair] == "healthy":
+            continue
+        if was[pair] == "healthy":
+            failures[name] = f"healthy before, {now[pair]} after being targeted"
+        elif was[pair] == now[pair]:
+            failures[name] = f"still {now[pair]}"
+        else:
+            failures[name] = f"{was[pair]} before, {now[pair]} after"
+    return failures
 
 
 def _counts(census: pd.DataFrame) -> dict[str, int]:

@@ -384,35 +384,43 @@ def _heads(names: list[str]) -> str:
 
 
 def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
-    """The verdict paragraph of report.md: failed or not, which model is kept, and its damage."""
+    """The verdict paragraph of report.md: the verdict, which model is kept, its damage, and
+    the targets that failed."""
     limit = report["max_ppl_increase"]
     limits = (
         f"Damage limits: held-out perplexity at most "
         f"{'unlimited' if limit is None else f'+{limit:.0%}'} over the model before repair, at "
         f"most {report['max_collateral']} healthy frozen head(s) turning sick."
     )
+    failed = report["failed_heads"]
+    failures = (
+        ["Failed heads (targets sick at the end): "
+         f"{'; '.join(f'{name} ({why})' for name, why in failed.items())}."]
+        if failed else []
+    )  # fmt: skip
     best = report["best_pass"]
     if best is None:
         kept = "No pass is acceptable: the report has no repaired model" + (
             "." if not model_dir else " and no `model/` is written."
         )
-        return [f"**Verdict: {report['verdict']}**: {report['failure_reason']}.", kept, limits]
+        return [f"**Verdict: {report['verdict']}**: {report['failure_reason']}.", kept, limits,
+                *failures]  # fmt: skip
     ppl, change = report["perplexity"], report["perplexity_change"]
     after = {split: report["passes"][best - 1]["perplexity_after"][split] for split in ppl}
     costs = ", ".join(
         f"{name} perplexity {ppl[split][0]:.3f} → {after[split]:.3f} ({change[split]:+.1%})"
         for name, split in (("held-out", "heldout"), ("training", "train"))
     )
-    headline = (
-        f"**Verdict: failed**: {report['failure_reason']}."
-        if report["verdict"] == "failed"
-        else "**Verdict: ok**: no pass damaged the model."
-    )
+    headline = {
+        "ok": "no pass damaged the model and every target is healthy.",
+        "incomplete": f"no pass damaged the model, but {len(failed)} target(s) are still sick.",
+    }.get(report["verdict"], f"{report['failure_reason']}.")
     return [
-        headline,
+        f"**Verdict: {report['verdict']}**: {headline}",
         f"Kept model{' (`model/`)' if model_dir else ''}: pass {best}; {costs}; healthy frozen "
         f"heads turned sick: {_heads(report['collateral']['heads'])}.",
         limits,
+        *failures,
     ]
 
 

@@ -369,10 +369,11 @@ def reinit_heads(
     """Re-initialise the chosen heads in place, as the surgery paper does.
 
     Each head's ``W_Q``, ``W_K``, ``W_V`` slice (``[d_model, d_head]``: Xavier fans of one head)
-    is drawn afresh in float32 and cast to the model's dtype; its ``b_Q``, ``b_K``, ``b_V`` and
-    ``W_O`` slice are zeroed, so the head writes nothing until it is trained. ``b_O`` and every
-    other head stay untouched. Heads draw from their own seeded generator: the same ``seed`` gives
-    the same weights for a head whichever other heads are in ``heads``.
+    is drawn afresh in float32 and cast to the model's dtype; its ``b_Q``, ``b_K``, ``b_V`` (in
+    models that have them: MPT has none) and ``W_O`` slice are zeroed, so the head writes nothing
+    until it is trained. ``b_O`` and every other head stay untouched. Heads draw from their own
+    seeded generator: the same ``seed`` gives the same weights for a head whichever other heads
+    are in ``heads``.
     """
     check_model(model, "reinit_heads")
     check_choice(init, "init", INITS)
@@ -388,7 +389,8 @@ def reinit_heads(
             fresh = fill(torch.empty(weight.shape[1:], dtype=torch.float32), generator=generator)
             weight[head] = fresh.to(weight.dtype)
         for name in ("b_Q", "b_K", "b_V", "W_O"):
-            tensors[name].heads(tensors[name].param)[head] = 0
+            if name in tensors:
+                tensors[name].heads(tensors[name].param)[head] = 0
 
 
 def head_masks(model: Model, heads: Heads) -> dict[str, Bool[Tensor, "..."]]:
@@ -412,8 +414,9 @@ def head_masks(model: Model, heads: Heads) -> dict[str, Bool[Tensor, "..."]]:
 def head_slices(
     model: Model, heads: Heads, names: Iterable[str] = HEAD_TENSORS
 ) -> dict[str, Tensor]:
-    """Copies of the chosen heads' slices of the tensors ``names``, by TransformerLens 3.x name
-    and layout on either major (``blocks.1.attn.W_Q``: ``[n_chosen_in_layer1, d_model, d_head]``),
+    """Copies of the chosen heads' slices of the tensors ``names`` that the model has (no
+    ``b_Q``, ``b_K``, ``b_V`` without attention biases), by TransformerLens 3.x name and layout
+    on either major (``blocks.1.attn.W_Q``: ``[n_chosen_in_layer1, d_model, d_head]``),
     in the parameters' dtype and device. :func:`load_head_slices` writes them back.
 
     >>> from headsurgeon.loading import random_model
@@ -431,7 +434,7 @@ def head_slices(
     out = {}
     for layer, chosen in heads.by_layer().items():
         tensors = head_tensors(model, layer)
-        for name in names:
+        for name in [name for name in names if name in tensors]:
             view = tensors[name].heads(tensors[name].param.detach())
             out[f"blocks.{layer}.attn.{name}"] = view[torch.tensor(chosen)].clone()
     return out
@@ -640,8 +643,8 @@ def mask_gradients(model: Model, heads: Heads) -> HeadMask:
 class HeadParameters(nn.Module):
     """Trainable float32 copies of the chosen heads' slices, spliced into the model's forward.
 
-    The slices are those of ``TRAINED_TENSORS``: all per-head tensors but ``b_K``, which has no
-    gradient (it shifts a whole row of logits) and keeps its value.
+    The slices are those of ``TRAINED_TENSORS`` the model has: all per-head tensors but ``b_K``,
+    which has no gradient (it shifts a whole row of logits) and keeps its value.
 
     Holds one parameter per (layer, tensor name) with the chosen heads stacked on the first
     axis, e.g. ``L5.W_Q`` of shape ``[n_chosen_in_layer5, d_model, d_head]``. :meth:`call` runs a
@@ -673,6 +676,7 @@ class HeadParameters(nn.Module):
                         tensors[name].heads(tensors[name].param.detach())[index].float().clone()
                     )
                     for name in TRAINED_TENSORS
+                    if name in tensors
                 }
             )
 

@@ -198,6 +198,7 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
     assert len(heads) == 8 and {"label", "reason", "bos_mass_std"} <= set(heads.columns)
     meta = json.loads((out / "heads.json").read_text())
     assert meta["metadata"]["prepend_bos"] is True
+    assert "prepended to each text window (prepend_bos=True)" in meta["metadata"]["bos_rule"]
     assert meta["metadata"]["thresholds"]["sink"] == 0.5
     assert meta["metadata"]["data"] == str(texts) and "torch" in meta["metadata"]["versions"]
     assert len(meta["heads"]) == 8 and "output_share" in meta["columns"]

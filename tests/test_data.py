@@ -21,12 +21,16 @@ def test_sequences_follow_the_bos_convention_without_doubling(tiny_model):
     with_bos = to_sequences(tiny_model, None, seq_len=16, n_seqs=4, prepend_bos=True)
     assert with_bos.shape == (4, 16) and bool((with_bos[:, 0] == bos).all())
     assert not bool((with_bos[:, 1] == bos).any())
-    # Sequences made here pass through unchanged, whatever the convention says.
+    # A token tensor is used exactly as given, whatever the convention says.
     again = to_sequences(tiny_model, with_bos, seq_len=16, prepend_bos=True)
     assert torch.equal(again, with_bos)
     plain = to_sequences(tiny_model, None, seq_len=16, n_seqs=4, prepend_bos=False)
     assert not bool((plain[:, 0] == bos).all())
-    assert torch.equal(to_sequences(tiny_model, plain, seq_len=16, prepend_bos=True)[:, 1:], plain)
+    tiny_model.cfg.default_prepend_bos = True
+    assert torch.equal(to_sequences(tiny_model, plain, seq_len=16), plain)
+    assert torch.equal(to_sequences(tiny_model, plain, prepend_bos=False), plain)
+    with pytest.raises(DataError, match="do not all start with the BOS token"):
+        to_sequences(tiny_model, plain, seq_len=16, prepend_bos=True)
 
 
 def test_bad_data_is_refused(tiny_model, tmp_path):

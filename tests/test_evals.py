@@ -74,8 +74,13 @@ def test_bos_first_sequences_get_no_second_bos(tiny_model):
     assert (sequences[:, 0] == tiny_model.tokenizer.bos_token_id).all()
     expected = math.exp(tiny_model(sequences, return_type="loss").item())
     assert perplexity(tiny_model, sequences, window=40) == pytest.approx(expected, rel=1e-5)
-    # Without their BOS column the same sequences get one prepended: the same perplexity.
-    assert perplexity(tiny_model, sequences[:, 1:], window=40) == pytest.approx(expected, rel=1e-5)
+    # Without their BOS column they are used as given (one BOS rule for token tensors) ...
+    plain = sequences[:, 1:]
+    as_given = math.exp(tiny_model(plain, return_type="loss").item())
+    assert perplexity(tiny_model, plain, window=40) == pytest.approx(as_given, rel=1e-5)
+    # ... unless prepend_bos=True asks for a BOS token in every window: the same perplexity.
+    with_bos = perplexity(tiny_model, plain, window=40, prepend_bos=True)
+    assert with_bos == pytest.approx(expected, rel=1e-5)
 
 
 def test_retrieval_prompts_follow_the_bos_convention(tiny_model):

@@ -14,7 +14,7 @@ from headsurgeon import load_model, run_census
 from headsurgeon.backend import run_to_layer
 from headsurgeon.blindness import mitigation
 from headsurgeon.data import to_sequences
-from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.long_context import block_size, check_length, query_offset, run_in_blocks
 from headsurgeon.probes import HeadStats, pattern_stats, stream
 
@@ -125,19 +125,28 @@ def test_a_users_hook_sees_one_block_of_rows_at_a_time(tiny_model):
 
 def test_head_stats_refuses_blocks_out_of_order(tiny_model):
     stats = HeadStats(tiny_model)
-    hook = dict((n, f) for n, f in stats.hooks())["blocks.0.attn.hook_pattern"]
+    pattern, z, out = (f for _, f in stats.hooks()[:3])  # layer 0's, in HEAD_HOOKS order
 
     class Point:
         def layer(self):
             return 0
 
-    hook(torch.full((1, 4, 8, 8), 1 / 8).tril(), Point())
+    def block(weights):  # all three hooks of layer 0 for one block of 8 rows
+        pattern(weights, Point())
+        z(torch.ones(1, 8, 4, 8), Point())
+        out(torch.ones(1, 8, 32), Point())
+
+    block(torch.full((1, 4, 8, 8), 1 / 8).tril())
     with pytest.raises(RuntimeError, match="got query rows from 16, expected 8"):
-        hook(torch.full((1, 4, 8, 24), 1 / 24), Point())
+        block(torch.full((1, 4, 8, 24), 1 / 24))
 
 
 def test_a_census_hook_without_its_pattern_hook_is_an_error_not_zeros(tiny_model):
     stats = HeadStats(tiny_model)
-    z_only = [(n, f) for n, f in stats.hooks() if n.endswith("hook_z")]
-    with pytest.raises(RuntimeError, match="hook_pattern has not fired"):
-        stream(tiny_model, tokens(1, 8), z_only, progress=False)
+    no_pattern = [(n, f) for n, f in stats.hooks() if not n.endswith("hook_pattern")]
+    stream(tiny_model, tokens(1, 8), no_pattern, progress=False)
+    with pytest.raises(UnsupportedArchitectureError, match="blocks.0.attn.hook_pattern never"):
+        stats.check_fired(1)
+    # A second batch shows it at once: the z of the first still waits for its pattern.
+    with pytest.raises(UnsupportedArchitectureError, match="hook_pattern never fired in layer 0"):
+        stream(tiny_model, tokens(2, 8), no_pattern, batch_size=1, progress=False)

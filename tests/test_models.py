@@ -641,8 +641,7 @@ def test_weight_changes_reads_folders_like_load_model(bloom_dir, tmp_path):
     pickled = Path(shutil.copytree(bloom_dir, tmp_path / "pickled"))
     torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
     (pickled / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="only pickled .bin weights"):
-        weight_changes(pickled, bloom_dir)
+    assert weight_changes(pickled, bloom_dir).other_changed.sum() == 0  # pickles compare too
 
 
 def test_weight_changes_counts_a_nan_left_in_place_as_unchanged():

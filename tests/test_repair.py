@@ -7,6 +7,7 @@ import logging
 import math
 import shutil
 
+import pandas as pd
 import pytest
 import torch
 from conftest import TEXT, head_weight
@@ -18,11 +19,11 @@ import headsurgeon.repair as repair_module
 from headsurgeon import load_model, plots, save_hf
 from headsurgeon.classify import Thresholds
 from headsurgeon.cli import run
-from headsurgeon.cli.repair import EXIT_DAMAGED, main
+from headsurgeon.cli.repair import EXIT_DAMAGED, EXIT_WORSE, main
 from headsurgeon.data import to_sequences
 from headsurgeon.evals import perplexity
 from headsurgeon.finetune import FinetuneConfig, bos_mass_objective, finetune
-from headsurgeon.repair import repair
+from headsurgeon.repair import PassResult, RepairResult, head_failures, repair
 from headsurgeon.reports import write_classification, write_report
 from headsurgeon.surgery import HeadSet
 
@@ -303,6 +304,102 @@ def test_a_later_damaging_pass_is_undone_and_the_best_pass_kept(injured, monkeyp
         assert torch.equal(kept[name], value), name
 
 
+def labelled(*labels):
+    """A classified census of one layer whose head i has ``labels[i]``."""
+    return pd.DataFrame({"layer": 0, "head": range(len(labels)), "label": list(labels)})
+
+
+def judged(before, after, targeted, failure=None):
+    """The verdict of a one-pass run from its censuses alone (no model is needed to judge)."""
+    targeted = HeadSet.parse(targeted)
+    one = PassResult(
+        index=1, targeted=targeted, recovered=HeadSet(), still_sick=HeadSet(), drifted=HeadSet(),
+        census_before=before, census_after=after, perplexity_before={}, perplexity_after={},
+        training=None, failure=failure,
+    )  # fmt: skip
+    return RepairResult(model=None, passes=[one], census_before=before, census_after=after,
+                        settings={}, best_pass=None if failure else 1)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("after", "verdict", "failed"),
+    [
+        (("healthy", "healthy", "healthy"), "ok", {}),
+        (("healthy", "BOS-sink", "healthy"), "incomplete", {"L0H1": "still BOS-sink"}),
+        (("healthy", "dead", "BOS-sink"), "incomplete",
+         {"L0H1": "BOS-sink before, dead after", "L0H2": "still BOS-sink"}),
+        (("dead", "healthy", "healthy"), "worse",
+         {"L0H0": "healthy before, dead after being targeted"}),
+    ],
+)  # fmt: skip
+def test_a_target_that_ends_sick_is_a_failure_of_that_head(after, verdict, failed):
+    before = labelled("healthy", "BOS-sink", "BOS-sink")  # L0H0 forced: --heads L0H0-2
+    result = judged(before, labelled(*after), "L0H0-2")
+    assert head_failures(before, labelled(*after), "L0H0-2") == failed
+    assert result.failed_heads == failed and result.verdict == verdict
+    assert result.ok == (verdict != "worse") and (result.failure_reason is None) == result.ok
+    assert result.worsened == (HeadSet([(0, 0)]) if verdict == "worse" else HeadSet())
+    assert result.passes[0].worsened == result.worsened
+    if verdict == "worse":
+        assert result.failure_reason == (
+            "1 targeted head(s) turned sick (L0H0: healthy before, dead after being targeted); "
+            "the model of pass 1 is kept"
+        )
+    # A frozen head turning sick is collateral damage, not a failure of a target.
+    assert judged(before, labelled(*after), "L0H1-2").worsened == HeadSet()
+    # A damaging pass outranks everything: its reason is given, the failed heads still listed.
+    damaged = judged(before, labelled(*after), "L0H0-2", failure="held-out perplexity up")
+    assert damaged.verdict == "failed" and damaged.failure_reason.startswith("pass 1 damaged")
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "code", "verdict", "why"),
+    [
+        ("healthy", "dead", EXIT_WORSE, "worse", "healthy before, dead after being targeted"),
+        ("BOS-sink", "BOS-sink", 0, "incomplete", "still BOS-sink"),
+    ],
+)
+def test_cli_exit_status_says_a_forced_head_ended_sick(
+    bloom_dir, text_file, tmp_path, capsys, monkeypatch, before, after, code, verdict, why
+):
+    # Training cannot be relied on to make a healthy head sick: the censuses say L0H0 is
+    # `before` before the pass and `after` after it, whatever the training did.
+    measure = repair_module._Run.census
+    calls = []
+
+    def l0h0_labelled(run):
+        census = measure(run)
+        census.loc[(census.layer == 0) & (census["head"] == 0), "label"] = (before, after)[
+            bool(calls)
+        ]
+        calls.append(None)
+        return census
+
+    monkeypatch.setattr(repair_module._Run, "census", l0h0_labelled)
+    out = tmp_path / "out"
+    args = [
+        str(bloom_dir), "--texts", str(text_file), "--corpus", str(text_file),
+        "--eval-corpus", str(text_file), "--seq-len", "32", "--n-seqs", "8",
+        "--train-seq-len", "32", "--steps", "2", "--batch-size", "4", "--passes", "1",
+        "--heads", "L0H0", "--quiet", "--out", str(out),
+    ]  # fmt: skip
+    assert main(args) == code and len(calls) == 2
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"] == verdict and report["failed_heads"] == {"L0H0": why}
+    assert report["recovered"] == [] and (out / "model").is_dir()
+    assert report["passes"][0]["verdict"] == ("worse" if code else "ok")
+    captured = capsys.readouterr()
+    assert f"**Verdict: {verdict}**" in captured.out
+    assert f"Failed heads (targets sick at the end): L0H0 ({why})." in captured.out
+    if code:
+        assert captured.err.strip().endswith(
+            f"repair failed: 1 targeted head(s) turned sick (L0H0: {why}); "
+            "the model of pass 1 is kept"
+        )
+    else:
+        assert "repair failed" not in captured.err
+
+
 def test_cli_help_names_the_damage_limits_and_exit_status(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
@@ -310,6 +407,7 @@ def test_cli_help_names_the_damage_limits_and_exit_status(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--max-ppl-increase FRACTION" in text and "default 0.1, i.e. +10%" in text
     assert "--max-collateral N" in text and f"{EXIT_DAMAGED} a pass damaged the model" in text
+    assert f"{EXIT_WORSE} a targeted head that was healthy ended sick" in text
 
 
 def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file, tmp_path, capsys):

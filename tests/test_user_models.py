@@ -158,10 +158,15 @@ def test_the_bos_convention_is_read_at_each_call(tiny_model):
     from headsurgeon.data import to_sequences
 
     bos = tiny_model.tokenizer.bos_token_id
-    assert (to_sequences(tiny_model, tokens(2, 8))[:, 0] != bos).all()
+    text = "a text to cut into sequences " * 20
+    assert (to_sequences(tiny_model, text, seq_len=8)[:, 0] != bos).all()
     tiny_model.cfg.default_prepend_bos = True  # after a first use
-    assert (to_sequences(tiny_model, tokens(2, 8))[:, 0] == bos).all()
-    assert run_census(tiny_model, tokens(2, 16), progress=False).attrs["prepend_bos"] is True
+    assert (to_sequences(tiny_model, text, seq_len=8)[:, 0] == bos).all()
+    census = run_census(tiny_model, text, seq_len=16, n_seqs=2, progress=False)
+    assert census.attrs["prepend_bos"] is True and "convention" in census.attrs["bos_rule"]
+    # A token tensor is used exactly as given (one BOS rule for every model).
+    given = run_census(tiny_model, tokens(2, 16), progress=False)
+    assert given.attrs["prepend_bos"] is False and given.attrs["seq_len"] == 16
 
 
 def test_repair_takes_token_tensors():

@@ -35,7 +35,7 @@ from headsurgeon.cli import (
     positive_int,
     run,
 )
-from headsurgeon.data import describe
+from headsurgeon.data import describe, position_zero
 from headsurgeon.importance import METHODS, head_importance
 from headsurgeon.reports import (
     IMPORTANCE_NAMES,
@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prepend_bos=args.prepend_bos,
         )
         census.attrs["data"] = describe(args.texts)  # the files, not "token tensor of shape"
+        census.attrs["bos_rule"] = position_zero(model, args.texts, tokens, args.prepend_bos)[1]
         classified = classify_heads(census, thresholds)
         if args.importance:
             classified = _with_importance(classified, model, tokens, args)

@@ -11,11 +11,13 @@ ends, never trained, or is started over with ``--overwrite``) only when it carri
 file, symlink or folder of that name that the tool did not make is refused in one line and left
 as it is. ``--resume`` of a run that finished says so (and never suggests ``--overwrite``).
 
-Exit status: 0 repaired; 2 bad input (one line, ``error: ...``); 3 (:data:`EXIT_DAMAGED`) a pass
-damaged the model (report written, ``model/`` only if an earlier pass was acceptable).
+Exit status: 0 repaired, no head worse (targets still sick are listed as failed heads);
+2 bad input (one line, ``error: ...``); 3 (:data:`EXIT_DAMAGED`) a pass damaged the model (report
+written, ``model/`` only if an earlier pass was acceptable); 4 (:data:`EXIT_WORSE`) a targeted
+head that was healthy ended sick (report and ``model/`` written; the report names the heads).
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
-``run(main)``), EXIT_DAMAGED (3), WORK_WRITER (the work folder's mark)
+``run(main)``), EXIT_DAMAGED (3), EXIT_WORSE (4), WORK_WRITER (the work folder's mark)
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from headsurgeon.surgery import INITS, HeadSet
 
 __all__ = [
     "EXIT_DAMAGED",
+    "EXIT_WORSE",
     "WORK_WRITER",
     "main",
     "entry",
@@ -81,6 +84,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 EXIT_DAMAGED = 3  # 2 is bad input (headsurgeon.cli.run)
+EXIT_WORSE = 4
+_EXIT = {"ok": 0, "incomplete": 0, "failed": EXIT_DAMAGED, "worse": EXIT_WORSE}
 WORK_WRITER = "repair work folder"  # the writer in the mark of <out>.partial
 
 
@@ -90,9 +95,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Surgical repair of dead and BOS-sink heads: census, re-initialise the "
         "chosen heads, fine-tune only their slices, census again; repeat on the heads still "
         "sick. Runs data-parallel under torchrun.",
-        epilog=f"exit status: 0 repaired; 2 bad input; {EXIT_DAMAGED} a pass damaged the model "
-        "(held-out perplexity or collateral heads beyond the limits): the report says why, and "
-        "model/ holds the best earlier pass, or is not written when no pass is acceptable",
+        epilog=f"exit status: 0 repaired, no head worse (targets still sick are listed as "
+        f"failed heads); 2 bad input; {EXIT_DAMAGED} a pass damaged the model (held-out "
+        "perplexity or collateral heads beyond the limits): the report says why, and model/ "
+        "holds the best earlier pass, or is not written when no pass is acceptable; "
+        f"{EXIT_WORSE} a targeted head that was healthy ended sick: the report names it",
     )
     add_model_args(parser)
     add_data_args(parser)  # the census data, as in the classify CLI
@@ -393,7 +400,7 @@ def _run(
         print(f"\nwrote {out}/: report.md, report.json, censuses, figures{model_dir}")
         if not result.ok:
             print(f"repair failed: {result.failure_reason}", file=sys.stderr)
-    return 0 if result.ok else EXIT_DAMAGED
+    return _EXIT[result.verdict]
 
 
 def entry() -> None:
