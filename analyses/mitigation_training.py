@@ -5,7 +5,7 @@ The blindness paper's Table 3 at organism scale: models trained by ``analyses/tr
 with ``--bias standard`` and ``--bias log`` under identical budgets (same shape, steps, data
 order, seed and retrieval mix) are loaded with ``headsurgeon.load_model``, which applies the
 variant their ``headsurgeon.json`` records, and evaluated in context (lengths <= the training
-length L) and out of context (2L-8L): passkey and needle-in-a-haystack accuracy (greedy and
+length L) and out of context (beyond L): passkey and needle-in-a-haystack accuracy (greedy and
 top-1 of 10 candidates) by length and its AUC over log2 length, with 95% bootstrap intervals
 (trials resampled within each length and depth; the same prompts for every model, so the
 difference between two models is bootstrapped paired), and perplexity by window length.

@@ -110,7 +110,7 @@ def pattern_sums(
         [
             rows[..., 0].sum(-1),
             p[..., 0].sum(-1),
-            torch.special.entr(rows).sum((-2, -1)),
+            _entropy_sums(rows),
             rows.amax(-1).sum(-1),
             _distance_sums(rows, offset, first),
             p.diagonal(offset=offset, dim1=-2, dim2=-1)[..., first:].sum(-1),
@@ -119,6 +119,23 @@ def pattern_sums(
     )
     n = n_rows - first
     return sums, [n, n_rows, n, n, n, n, n_rows - first_prev]
+
+
+def _entropy_sums(
+    rows: Float[Tensor, "batch head_index query_pos key_pos"],
+) -> Float[Tensor, "batch head_index"]:
+    """``-Σ_t Σ_k A[t, k] ln A[t, k]`` with ``0 ln 0 = 0``, the census's costliest reduction.
+
+    ``ln`` of the weights clamped to the smallest normal float, times the weights, in place:
+    1.5-2x faster than ``torch.special.entr`` on CPU, with the same pairwise sum. The clamp
+    changes only subnormal weights' terms (< 1e-36 each in float32), below any sum's rounding.
+
+    >>> a = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])
+    >>> round(_entropy_sums(a).item(), 6)  # 0 + ln 2
+    0.693147
+    """
+    logs = rows.clamp_min(torch.finfo(rows.dtype).tiny).log_()
+    return -logs.mul_(rows).sum((-2, -1))
 
 
 def _distance_sums(
