@@ -34,6 +34,8 @@ with its interval beside the heads blind within that distance), ``loss_by_positi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -44,11 +46,15 @@ import headsurgeon as hs
 from headsurgeon.evals import length_auc
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.loading import model_info
+from headsurgeon.plots import save_figure
 from headsurgeon.progress import tqdm
 
 TASKS = ("passkey", "needle")
 METRIC = "top1_accuracy"  # chance 1/10; greedy_accuracy is reported too
 SPLITS = ("in_context", "out_of_context")
+# One colour per model, the same in every figure (plotly's default cycle gives a model's
+# passkey and another model's needle the same blue).
+COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2")
 
 
 def auc_by_split(trials: pd.DataFrame, train_ctx: int, column: str) -> dict[str, float]:
@@ -96,9 +102,14 @@ def main() -> None:
     p.add_argument("--loss-seqs", type=int, default=2, help="sequences for loss by position")
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--replot", action="store_true", help="only redraw a finished run's figures from its CSVs"
+    )
     args = p.parse_args()
-    started = start(args)
     folders = dict(spec.split("=", 1) for spec in args.model)
+    if args.replot:
+        return replot(Path(args.out), folders)
+    started = start(args)
 
     trials: dict[str, dict[str, pd.DataFrame]] = {t: {} for t in TASKS}
     models, ppl_rows, train_ctx, blind, losses = {}, [], None, [], []
@@ -135,10 +146,7 @@ def main() -> None:
     lengths = blind_lengths(regime, models, train_ctx)
     long_diff = long_range_difference(trials, models, lengths, args.bootstrap, args.seed)
     table = paper_table(auc, ppl, models, train_ctx)
-    figures = {f"curves_{task}": curve_figure(curves, task, train_ctx) for task in TASKS}
-    figures["perplexity"] = ppl_figure(ppl, train_ctx)
-    figures["regime"] = regime_figure(regime, train_ctx)
-    figures["loss_by_position"] = loss_figure(losses, train_ctx)
+    figures = all_figures(curves, ppl, regime, losses, train_ctx)
     tables = {"table.csv": table, "auc.csv": auc, "differences.csv": diffs,
               "curves.csv": curves, "perplexity.csv": ppl, "regime.csv": regime,
               "long_range_differences.csv": long_diff,
@@ -387,22 +395,51 @@ def paper_table(auc: pd.DataFrame, ppl: pd.DataFrame, models: dict, train_ctx: i
     return pd.DataFrame(rows)
 
 
-def _training_length(fig: go.Figure, train_ctx: int, low: float, high: float) -> None:
-    """A dashed vertical line at the training length (a trace: shapes misplace on log axes)."""
+def _training_length(
+    fig: go.Figure, train_ctx: int, low: float, high: float, row: int | None = None
+) -> None:
+    """A dashed vertical line at the training length, labelled at its foot (a trace: shapes
+    misplace on log axes)."""
     fig.add_trace(go.Scatter(
         x=[train_ctx, train_ctx], y=[low, high], mode="lines+text",
-        line={"dash": "dash", "color": "#444"}, text=["training length", ""],
+        line={"dash": "dash", "color": "#888"}, text=["training length" if row != 2 else "", ""],
         textposition="top right", showlegend=False, hoverinfo="skip",
-    ))  # fmt: skip
+    ), **({"row": row, "col": 1} if row else {}))  # fmt: skip
+
+
+def all_figures(
+    curves: pd.DataFrame,
+    ppl: pd.DataFrame,
+    regime: pd.DataFrame,
+    losses: pd.DataFrame,
+    train_ctx: int,
+) -> dict[str, go.Figure]:
+    figures = {f"curves_{task}": curve_figure(curves, task, train_ctx) for task in TASKS}
+    figures["perplexity"] = ppl_figure(ppl, train_ctx)
+    figures["regime"] = regime_figure(regime, train_ctx)
+    figures["loss_by_position"] = loss_figure(losses, train_ctx)
+    return figures
+
+
+def replot(out: Path, folders: dict[str, str]) -> None:
+    """Redraw the PNGs of a finished run in ``out`` from its CSVs (the study takes ~90 min)."""
+    train_ctx = model_info(hs.load_model(next(iter(folders.values())))).train_ctx
+    frames = {n: pd.read_csv(out / f"{n}.csv")
+              for n in ("curves", "perplexity", "regime", "loss_by_position")}  # fmt: skip
+    figures = all_figures(*frames.values(), train_ctx)
+    for name, fig in figures.items():
+        save_figure(fig, out / f"{name}.png", scale=1.5)
+    print(f"redrew {', '.join(figures)} in {out}")
 
 
 def curve_figure(curves: pd.DataFrame, task: str, train_ctx: int) -> go.Figure:
     fig = go.Figure()
+    colours = dict(zip(curves["model"].unique(), COLOURS, strict=False))
     for (label, metric), frame in curves[curves["task"] == task].groupby(["model", "metric"]):
         fig.add_trace(go.Scatter(
             x=frame["context_length"], y=frame["accuracy"], mode="lines+markers",
             name=f"{label}, {metric.removesuffix('_correct')}",
-            line={"dash": "solid" if metric == "top1_correct" else "dot"},
+            line={"color": colours[label], "dash": "solid" if metric == "top1_correct" else "dot"},
         ))  # fmt: skip
     _training_length(fig, train_ctx, 0, 1)
     fig.add_hline(y=0.1, line_dash="dot", annotation_text="top-1 chance")
@@ -415,42 +452,54 @@ def curve_figure(curves: pd.DataFrame, task: str, train_ctx: int) -> go.Figure:
 
 
 def regime_figure(regime: pd.DataFrame, train_ctx: int) -> go.Figure:
-    """Top-1 accuracy by length (top) above the heads blind within that distance (bottom)."""
+    """Top-1 accuracy by length (top) above the heads blind within that distance (bottom).
+
+    One colour per model; passkey solid, needle dotted.
+    """
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35],
                         vertical_spacing=0.06)  # fmt: skip
-    for label, frame in regime.groupby("model", sort=False):
+    models = regime.groupby("model", sort=False)
+    for i, ((label, frame), colour) in enumerate(zip(models, COLOURS, strict=False)):
         for task in TASKS:
             fig.add_trace(go.Scatter(
                 x=frame["context_length"], y=frame[task], mode="lines+markers",
-                name=f"{label}, {task}", line={"dash": "solid" if task == "passkey" else "dot"},
+                name=f"{label}, {task}", legendgroup=label,
+                line={"color": colour, "dash": "solid" if task == "passkey" else "dot"},
                 error_y={"type": "data", "symmetric": False,
                          "array": frame[f"{task}_ci_high"] - frame[task],
                          "arrayminus": frame[task] - frame[f"{task}_ci_low"]},
             ), row=1, col=1)  # fmt: skip
-        fig.add_trace(go.Scatter(x=frame["context_length"], y=frame["blind_heads"],
-                                 mode="lines+markers", name=f"{label}, blind heads"),
-                      row=2, col=1)  # fmt: skip
-    fig.add_vline(x=np.log10(train_ctx), line_dash="dash", line_color="#444")
-    fig.update_xaxes(type="log", title="context length (tokens)", row=2, col=1)
+        fig.add_trace(go.Scatter(
+            x=frame["context_length"], y=frame["blind_heads"], mode="lines+markers",
+            name=f"{label}, blind heads", legendgroup=label,
+            # Widest first, so a model whose count equals an earlier one's still shows beneath.
+            line={"color": colour, "dash": "dash", "width": 2 + 2 * (len(models) - 1 - i)},
+            marker={"symbol": "square"},
+        ), row=2, col=1)  # fmt: skip
+    _training_length(fig, train_ctx, 0, 1.05, row=1)
+    _training_length(fig, train_ctx, 0, regime["n_heads"].max(), row=2)
     fig.update_xaxes(type="log", row=1, col=1)
-    fig.update_yaxes(title="top-1 accuracy", range=[0, 1.05], row=1, col=1)
+    fig.update_xaxes(type="log", title="context length (tokens)", row=2, col=1)
+    fig.update_yaxes(title="top-1 accuracy", range=[0, 1.08], row=1, col=1)
     fig.update_yaxes(title="heads blind (float32)", row=2, col=1)
     style(fig, "Retrieval by length beside measured blindness",
-          "dashed: training length; blind heads: first exact zero in float32 within the length",
-          820, 640)  # fmt: skip
+          "dashed grey: training length; blind heads: first exact zero in float32 within the "
+          "length", 860, 680)  # fmt: skip
     return fig
 
 
 def loss_figure(losses: pd.DataFrame, train_ctx: int) -> go.Figure:
     """Mean next-token loss by token position, one long pass per sequence."""
     fig = go.Figure()
-    for label, frame in losses.groupby("model", sort=False):
+    for (label, frame), colour in zip(losses.groupby("model", sort=False), COLOURS, strict=False):
         centre = np.sqrt(frame["position_lo"].clip(lower=1) * frame["position_hi"])
         fig.add_trace(go.Scatter(
             x=centre, y=frame["mean_nll"], mode="lines+markers", name=label,
+            line={"color": colour},
             error_y={"type": "data", "array": frame["ci95"]},
         ))  # fmt: skip
-    _training_length(fig, train_ctx, losses["mean_nll"].min(), losses["mean_nll"].max())
+    low, high = losses["mean_nll"] - losses["ci95"], losses["mean_nll"] + losses["ci95"]
+    _training_length(fig, train_ctx, low.min(), high.max())
     fig.update_xaxes(type="log", title="token position")
     fig.update_yaxes(title="mean next-token loss (nats)")
     style(fig, "Loss by token position", "bundled held-out corpora, one pass per sequence",
@@ -460,9 +509,9 @@ def loss_figure(losses: pd.DataFrame, train_ctx: int) -> go.Figure:
 
 def ppl_figure(ppl: pd.DataFrame, train_ctx: int) -> go.Figure:
     fig = go.Figure()
-    for label, frame in ppl.groupby("model", sort=False):
+    for (label, frame), colour in zip(ppl.groupby("model", sort=False), COLOURS, strict=False):
         fig.add_trace(go.Scatter(x=frame["window"], y=frame["perplexity"], mode="lines+markers",
-                                 name=label))  # fmt: skip
+                                 name=label, line={"color": colour}))  # fmt: skip
     _training_length(fig, train_ctx, ppl["perplexity"].min(), ppl["perplexity"].max())
     fig.update_xaxes(type="log", title="window (tokens)")
     fig.update_yaxes(type="log", title="held-out perplexity")
