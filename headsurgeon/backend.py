@@ -17,6 +17,8 @@ Exports:
     check_model(model, name)         one line unless ``model`` is a loaded model (not a name, a
                                      path, ``None``, a Hugging Face model or one on ``meta``)
     move(model, device)              ``model.to(device)`` without TransformerLens's printing
+    offloaded(model)                 the modules whose weights Accelerate keeps on CPU or disk
+    resident(module)                 those weights loaded for a ``with`` block (read them there)
     HEAD_TENSORS                     the per-head attention tensors, TransformerLens 3.x names
     HeadTensor, head_tensors(model, layer)   per-head views of the parameters attention uses
     check_head_tensors(model)        one-line error unless every head has its own Q/K/V/O
@@ -36,11 +38,12 @@ Exports:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,8 @@ __all__ = [
     "hf_config",
     "hub_names",
     "move",
+    "offloaded",
+    "resident",
     "new_kv_cache",
     "run_from_layer",
     "run_to_layer",
@@ -96,9 +101,12 @@ BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query
 HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
 
 
-def check_model(model: object, name: str, *, argument: str = "model") -> None:
+def check_model(model: object, name: str, *, argument: str = "model", writes: bool = False) -> None:
     """One :class:`~headsurgeon.errors.InvalidArgumentError` line unless ``model`` is a loaded
-    model of this TransformerLens major; ``name`` is the function that was called.
+    model of this TransformerLens major; ``name`` is the function that was called. With
+    ``writes`` (the function changes weights), also for a model whose ``device_map`` offloads
+    weights to CPU or disk (:mod:`headsurgeon.placement`): Accelerate reloads those from their
+    offload copy at every forward, so an update to them would be lost.
 
     >>> check_model(None, "run_census")
     Traceback (most recent call last):
@@ -107,10 +115,17 @@ def check_model(model: object, name: str, *, argument: str = "model") -> None:
     """
     if isinstance(model, Model):
         parameter = next(model.parameters(), None)
-        if parameter is not None and parameter.device.type == "meta":
+        away = offloaded(model)
+        if parameter is not None and parameter.device.type == "meta" and not away:
             raise InvalidArgumentError(
                 f"{name}: {argument} is on the meta device (no weights); load its weights, e.g. "
                 "with load_model or load_state_dict(..., assign=True)"
+            )
+        if writes and away:
+            raise InvalidArgumentError(
+                f"{name}: {argument} keeps weights offloaded to CPU or disk by its device_map "
+                f"({away[0]}{' and more' if len(away) > 1 else ''}), where an update would be "
+                "lost; load it with device=, or a device_map and max_memory that fit it on GPUs"
             )
         return
     if isinstance(model, str | Path):
@@ -292,6 +307,39 @@ def hf_config(model: Model) -> dict[str, Any]:
     if MAJOR < 4:
         return {}
     return model.original_model.config.to_dict()
+
+
+def offloaded(model: nn.Module) -> list[str]:
+    """The modules whose weights Accelerate keeps offloaded (loaded only in their forward)."""
+    from accelerate.utils import has_offloaded_params
+
+    # Named as a user's device_map names them, without a 4.x bridge's wrapper attributes.
+    return [
+        name.replace("._original_component", "").replace("original_model.", "")
+        for name, module in model.named_modules()
+        if has_offloaded_params(module)
+    ]
+
+
+@contextlib.contextmanager
+def resident(module: nn.Module, *, recurse: bool = True) -> Iterator[nn.Module]:
+    """``module`` with every Accelerate-offloaded weight beneath it (``recurse=False``: its own)
+    loaded for the ``with`` block.
+
+    A model dispatched with a ``device_map`` that offloads to ``cpu`` or ``disk`` keeps those
+    weights on the meta device and loads them only inside the owning module's forward; a hook
+    that reads a weight of another module (the census reads ``W_O`` in ``hook_z``, before the
+    output projection ran) goes through this. A no-op for weights already resident: a module
+    whose own forward is running (and loaded them) keeps them through it.
+    """
+    from accelerate.utils import align_module_device, has_offloaded_params
+
+    with contextlib.ExitStack() as stack:
+        for sub in module.modules() if recurse else [module]:
+            own = sub.parameters(recurse=False)
+            if has_offloaded_params(sub) and any(p.device.type == "meta" for p in own):
+                stack.enter_context(align_module_device(sub))
+        yield module
 
 
 def move(model: Model, device: torch.device) -> Model:

@@ -139,7 +139,7 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
     Tensors are contiguous and on the CPU; those that already were may share memory with the
     model, so clone before editing them.
     """
-    check_model(model, "hf_state_dict")
+    check_model(model, "hf_state_dict", writes=True)
     out = _bridge_state(model) if backend.MAJOR >= 4 else _bloom_state(model)
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
@@ -488,7 +488,7 @@ def save_hf(
     ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
     float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
     """
-    check_model(model, "save_hf")
+    check_model(model, "save_hf", writes=True)
     # Where the model was loaded from (headsurgeon.loading records it): never written over.
     source = getattr(getattr(model, "headsurgeon_info", None), "source", None)
     inputs = [source] if source is not None else []

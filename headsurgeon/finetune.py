@@ -648,7 +648,7 @@ def finetune(
     call, bit for bit, and one warning says so; the last checkpoint is untouched, so
     ``resume=True`` continues from it.
     """
-    check_model(model, "finetune")
+    check_model(model, "finetune", writes=True)
     check_surgery(model)  # heads sharing keys and values: one line, before the data is read
     job = _make_job(model, heads, train, eval_data, config, checkpoint_dir, resume, progress)
     with restored_on_failure(model, "fine-tuning") as snapshot:

@@ -1,7 +1,7 @@
 """Loading models (by name, bundled organism or local folder) and the facts the tools need.
 
 Exports:
-    load_model(model, dtype, device)  TransformerLens model, unprocessed weights, exact ALiBi
+    load_model(model, dtype, device, device_map, ...)  TransformerLens model, exact ALiBi
     from_hf_model(hf_model, tokenizer, ...)  wrap an in-memory transformers model
     random_model(shape, seed)                random-weight BLOOM of a given or named shape
     random_hf_bloom(shape, seed)             the same, as a transformers model
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from headsurgeon import backend, inputs
-from headsurgeon.backend import Model
+from headsurgeon.backend import MAJOR, Model
 from headsurgeon.dtypes import parse_device, parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
@@ -59,6 +59,7 @@ from headsurgeon.errors import (
     first_line,
 )
 from headsurgeon.exact_alibi import install_exact_alibi, trained_bias
+from headsurgeon.placement import adopt, check_placement, dispatch, from_pretrained_args
 from headsurgeon.validation import check_bool
 
 __all__ = [
@@ -1090,7 +1091,10 @@ def load_model(
     model: str | os.PathLike = DEFAULT_MODEL,
     *,
     dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = None,
+    device_map: str | dict[str, int | str] | None = None,
+    max_memory: dict[int | str, int | str] | None = None,
+    offload_folder: str | os.PathLike | None = None,
     allow_nonfinite: bool = False,
 ) -> Model:
     """Load a model with unprocessed weights and exact ALiBi.
@@ -1108,12 +1112,20 @@ def load_model(
     refused in one :class:`CheckpointError` line naming a few of the tensors (a census would
     report their heads as dead); ``allow_nonfinite=True`` loads them with a warning instead,
     to inspect a broken model.
+
+    ``device`` (default cpu) puts the whole model on one device; ``device_map``, ``max_memory``
+    and ``offload_folder`` spread it over GPUs, CPU memory and disk with Hugging Face Accelerate,
+    as :mod:`headsurgeon.placement` describes (a model larger than the memory given to it, on
+    TransformerLens 4.x).
     """
     torch_dtype = parse_dtype(dtype)
-    torch_device = parse_device(device)
+    placement = check_placement(device_map, max_memory, offload_folder, device)
+    torch_device = parse_device(device if device is not None else "cpu")
     allow_nonfinite = check_bool(allow_nonfinite, "allow_nonfinite")
     name, directory = resolve_model(model)
     metadata = _checked_folder(directory)
+    # 4.x reads the checkpoint straight into the map; 3.x dispatches the model it built.
+    streamed, folder = from_pretrained_args(placement) if placement and MAJOR >= 4 else ({}, None)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -1127,6 +1139,7 @@ def load_model(
             local_files_only=True,
             trust_remote_code=False,
             output_loading_info=True,
+            **streamed,
         )
     except (OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(
@@ -1173,20 +1186,30 @@ def load_model(
         ),
         metadata=metadata,
     )
+    if folder is not None:
+        return adopt(loaded, hf_model, folder)
+    if placement is not None:
+        return dispatch(loaded, placement)
     return backend.move(loaded, torch_device)
 
 
 def _check_finite(hf_model: Any, directory: Path, allow: bool) -> None:
     """Refuse (or, with ``allow``, warn about) weights holding NaN or infinity: one pass over the
-    state dict, in slices so that no temporary is larger than 16 M elements."""
-    bad, seen = [], set()
-    for name, tensor in hf_model.state_dict().items():
-        if not tensor.is_floating_point() or tensor.data_ptr() in seen:
-            continue  # a tied weight is checked once
-        seen.add(tensor.data_ptr())
-        flat = tensor.detach().reshape(-1)
-        if not all(bool(torch.isfinite(part).all()) for part in flat.split(1 << 24)):
-            bad.append(name)
+    weights, module by module (offloaded ones loaded one module at a time), in slices so that no
+    temporary is larger than 16 M elements."""
+    bad = []
+    weights = {name for name, _ in hf_model.named_parameters()}  # a tied weight once
+    weights |= {name for name, _ in hf_model.named_buffers()}
+    for prefix, module in hf_model.named_modules():
+        with backend.resident(module, recurse=False):
+            own = [*module.named_parameters(prefix, recurse=False)]
+            own += module.named_buffers(prefix, recurse=False)
+            for name, tensor in own:
+                if name not in weights or not tensor.is_floating_point():
+                    continue
+                flat = tensor.detach().reshape(-1)
+                if not all(bool(torch.isfinite(part).all()) for part in flat.split(1 << 24)):
+                    bad.append(name)
     if not bad:
         return
     message = f"{directory} holds NaN or infinite values in {_some(bad)}"

@@ -39,7 +39,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import MAJOR, HookPoint, Model
+from headsurgeon.backend import MAJOR, HookPoint, Model, resident
 from headsurgeon.data import batches
 from headsurgeon.errors import UnsupportedArchitectureError
 from headsurgeon.loading import model_info
@@ -326,13 +326,14 @@ class HeadStats:
         self._arrive(hook.layer(), "attn.hook_pattern", (sums, rows, n_keys - n_rows, n_keys))
 
     def _z_hook(self, z: Tensor, hook: HookPoint) -> None:
-        W_O = self.model.blocks[hook.layer()].attn.W_O
-        writes = _write_norms_by_position(z, W_O).to(self.sums.device)
+        with resident(self.model.blocks[hook.layer()].attn) as attn:
+            writes = _write_norms_by_position(z, attn.W_O).to(self.sums.device)
         self._arrive(hook.layer(), "attn.hook_z", writes)
 
     def _attn_out_hook(self, out: Tensor, hook: HookPoint) -> None:
-        b_O = self.model.blocks[hook.layer()].attn.b_O
-        written = out.float() if b_O is None else out.float() - b_O.float()
+        with resident(self.model.blocks[hook.layer()].attn) as attn:
+            b_O = attn.b_O
+            written = out.float() if b_O is None else out.float() - b_O.float()
         self._arrive(hook.layer(), "hook_attn_out", written.norm(dim=-1).to(self.sums.device))
 
     def hooks(self) -> list[Hook]:

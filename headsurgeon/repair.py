@@ -1183,7 +1183,7 @@ def repair(
     :class:`~headsurgeon.errors.CheckpointError` line), and :func:`finished_run` tells whether
     the run there finished.
     """
-    check_model(model, "repair")
+    check_model(model, "repair", writes=True)
     check_surgery(model)  # before any census or training
     keywords = {
         "passes": passes, "init": init, "seed": seed, "thresholds": thresholds,

@@ -375,7 +375,7 @@ def reinit_heads(
     seeded generator: the same ``seed`` gives the same weights for a head whichever other heads
     are in ``heads``.
     """
-    check_model(model, "reinit_heads")
+    check_model(model, "reinit_heads", writes=True)
     check_choice(init, "init", INITS)
     seed = check_int(seed, "seed")  # "1" and 1 would hash to the same weights
     check_surgery(model)
@@ -636,7 +636,7 @@ def _multiply_by(mask: Tensor) -> Callable[[Tensor], Tensor]:
 
 def mask_gradients(model: Model, heads: Heads) -> HeadMask:
     """Apply a :class:`HeadMask` and return it (call ``.remove()``, or use it in ``with``)."""
-    check_model(model, "mask_gradients")
+    check_model(model, "mask_gradients", writes=True)
     return HeadMask(model, heads).apply()
 
 

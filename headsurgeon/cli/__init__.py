@@ -11,7 +11,11 @@ library module, whose ``__main__`` block hands over to ``headsurgeon.cli.<tool>`
 Exports:
     ArgumentParser            argparse with one-line usage errors (exit code 2)
     positive_int, non_negative_int   argparse types for counts
-    add_model_args(parser)    MODEL, --dtype (unless dtype=False), --device, --threads
+    device_map, max_memory    argparse types of --device-map (auto, MODULE=DEVICE,...) and
+                              --max-memory (DEVICE=SIZE,...)
+    add_model_args(parser)    MODEL, --dtype (unless dtype=False), --device, --device-map,
+                              --max-memory, --offload-folder, --threads
+    placement_args(args)      load_model's device, device_map, max_memory, offload_folder
     add_data_args(parser)     --texts, --n-seqs, --seq-len, --prepend-bos/--no-prepend-bos
     TextFiles                 the argparse action of a FILE option: each file read and checked
                               when parsed (missing, a folder, binary, not UTF-8: one line), so a
@@ -25,7 +29,7 @@ Exports:
                               organism's), --texts, --corpus, --eval-corpus
     figure_formats(args)      the figure formats to write; --format svg/pdf without a browser
                               is a one-line error here, before any model is loaded
-    load_model_from_args(a)   the model MODEL, --dtype and --device describe, which must have a
+    load_model_from_args(a)   the model MODEL, --dtype and the device options describe, with a
                               tokenizer for the tool's text (require_tokenizer)
     require_tokenizer(m, a)   one line, not "pass token tensors", for a model without tokenizer
     load_data(model, args)    the token sequences the data options describe
@@ -72,6 +76,9 @@ __all__ = [
     "run_inputs",
     "figure_formats",
     "load_model_from_args",
+    "placement_args",
+    "device_map",
+    "max_memory",
     "require_tokenizer",
     "load_data",
     "run",
@@ -90,7 +97,24 @@ def add_model_args(parser: argparse.ArgumentParser, *, dtype: bool = True) -> No
     )
     if dtype:
         parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps")
+    parser.add_argument("--device", help="cpu (default), cuda, cuda:N, mps: the whole model")
+    parser.add_argument(
+        "--device-map",
+        type=device_map,
+        help="spread the model with Hugging Face Accelerate: auto, balanced, balanced_low_0, "
+        "sequential, or MODULE=DEVICE,... (devices 0, cuda:N, cpu, disk; modules as the "
+        "installed TransformerLens names them: blocks.N on 3.x, transformer.h.N on 4.x)",
+    )
+    parser.add_argument(
+        "--max-memory",
+        type=max_memory,
+        help="memory per device for --device-map (default auto), e.g. 0=14GiB,cpu=30GiB",
+    )
+    parser.add_argument(
+        "--offload-folder",
+        help="where weights the map puts on disk are written (a private subfolder, removed "
+        "after the run; default: the system's temporary folder)",
+    )
     parser.add_argument(
         "--threads",
         type=positive_int,
@@ -111,6 +135,35 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
+
+
+def _pairs(text: str, what: str) -> dict[str, str]:
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if not pairs or any(not k.strip() or not sep or not v.strip() for k, sep, v in pairs):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def device_map(text: str) -> str | dict[str, str]:
+    """An argparse ``type``: a strategy (``auto``) or ``MODULE=DEVICE,...``, checked by
+    :func:`headsurgeon.placement.check_placement` at load."""
+    return text if "=" not in text else _pairs(text, "auto or MODULE=DEVICE,...")
+
+
+def max_memory(text: str) -> dict[str, str]:
+    """An argparse ``type``: ``DEVICE=SIZE,...`` (``0=14GiB,cpu=30GiB``)."""
+    return _pairs(text, "DEVICE=SIZE,... such as 0=14GiB,cpu=30GiB")
+
+
+def placement_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``load_model``'s device arguments from --device, --device-map, --max-memory and
+    --offload-folder."""
+    return {
+        "device": args.device,
+        "device_map": args.device_map,
+        "max_memory": args.max_memory,
+        "offload_folder": args.offload_folder,
+    }
 
 
 def positive_int(text: str) -> int:
@@ -252,7 +305,7 @@ def claim_out(args: argparse.Namespace, default: str | os.PathLike) -> Iterator[
 
 
 def load_model_from_args(args: argparse.Namespace) -> Model:
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model = load_model(args.model, dtype=args.dtype, **placement_args(args))
     require_tokenizer(model, args)
     return model
 

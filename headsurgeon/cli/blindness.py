@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.warning("note: %s", e)
         measured = None
         if args.measure:
-            model = load_model(args.model, dtype="float32", device=args.device)
+            model = load_model(args.model, dtype="float32", **cli.placement_args(args))
             cli.require_tokenizer(model, args)
             tokens = cli.load_data(model, args)
             applied = mitigation(model, args.mitigation, **params) if args.mitigation else None

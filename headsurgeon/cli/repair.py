@@ -45,6 +45,7 @@ from headsurgeon.cli import (
     claim_out,
     figure_formats,
     non_negative_int,
+    placement_args,
     positive_int,
     require_tokenizer,
     run,
@@ -360,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         drift_threshold=args.drift_threshold, finetune=config, save_dtype=args.save_dtype,
         max_ppl_increase=args.max_ppl_increase, max_collateral=args.max_collateral,
     )  # fmt: skip
-    dist_info = setup_distributed(args.device)
+    dist_info = setup_distributed(args.device or "cpu")
     try:
         return _run(args, settings, formats, dist_info)
     finally:
@@ -377,7 +378,10 @@ def _run(
         # One decision on rank 0, before any rank writes; rank 0 holds the claim to the end.
         out = _on_rank0(lambda: _prepare_output(args, claims))
         partial = partial_dir(out)
-        model = load_model(args.model, dtype=args.dtype, device=dist_info.device)
+        placement = placement_args(args)
+        if not args.device_map and not args.max_memory:
+            placement["device"] = dist_info.device  # this rank's GPU under torchrun
+        model = load_model(args.model, dtype=args.dtype, **placement)
         require_tokenizer(model, args, "its text (--texts, --corpus, --eval-corpus or the "
                           "bundled corpora)")  # fmt: skip
         finetune = recommended_config(model, settings.finetune, steps=args.steps, lr=args.lr)

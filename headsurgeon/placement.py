@@ -1,0 +1,283 @@
+"""Placing a model over several devices, CPU memory and disk, with Hugging Face Accelerate.
+
+    load_model("bloom-1b7", dtype="float16", device_map="auto", max_memory={"cpu": "1GiB"})
+    load_model("bloom-7b1", device_map="auto", max_memory={0: "14GiB", 1: "14GiB", "cpu": "60GiB"})
+
+:func:`headsurgeon.load_model` takes the arguments Hugging Face users know, and the tools take
+them as ``--device-map``, ``--max-memory`` and ``--offload-folder``:
+
+- ``device_map``: ``"auto"`` (fill the GPUs in order, then CPU memory, then disk), ``"balanced"``,
+  ``"balanced_low_0"``, ``"sequential"``, or ``{module name: device}`` with devices ``0``,
+  ``"cuda:1"``, ``"cpu"``, ``"disk"``. The names are those of the model as the installed
+  TransformerLens holds it: ``embed``, ``blocks.0``, ..., ``ln_final``, ``unembed`` on 3.x; the
+  Hugging Face module names (``transformer.word_embeddings``, ``transformer.h.0``, ...) on 4.x,
+  whose bridge wraps the Hugging Face model itself.
+- ``max_memory``: ``{device: size}``, sizes in bytes or as ``"1GiB"``, ``"500MB"``; alone it
+  means ``device_map="auto"``.
+- ``offload_folder``: where weights placed on ``"disk"`` are written. headsurgeon makes a private
+  folder inside it for each model (removed when the model is garbage collected) and never
+  touches anything else there; without it, the system's temporary folder.
+
+Where the weights go, and how they are run, is Accelerate's: on 4.x ``from_pretrained`` reads the
+checkpoint straight into the map, so a model larger than the memory given to it never passes
+through memory whole (TransformerLens 4.x materialises offloaded weights for its own reads); on
+3.x the ``HookedTransformer`` is built in memory first, then dispatched with
+``accelerate.dispatch_model`` (so loading needs the model's size in memory once). Weights placed
+on ``"cpu"`` beside GPUs, or on ``"disk"``, stay on the meta device and are loaded by the
+module's own forward; the census reads them through :func:`headsurgeon.backend.resident`.
+
+Reading tools (census, classify, blindness, importance, perplexity, retrieval) give the same
+numbers as on one device. Tools that change weights (surgery, fine-tuning, repair, export)
+refuse a model with offloaded weights in one line: a weight Accelerate reloads from its offload
+copy at every forward cannot keep an update.
+
+Exports:
+    check_placement(device_map, max_memory, offload_folder, device)   a checked Placement, or
+                                     None for one device (one line for a bad argument)
+    Placement                        device_map, max_memory (bytes), offload_folder
+    STRATEGIES                       the device_map strategies: auto, balanced, ...
+    from_pretrained_args(placement)  4.x: from_pretrained's arguments and a private folder
+    adopt(model, hf_model, folder)   4.x: the bridge over such a model, its input device set
+    dispatch(model, placement)       3.x: a HookedTransformer dispatched over the placement
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headsurgeon.backend import MAJOR, Model
+from headsurgeon.errors import InvalidArgumentError
+
+__all__ = [
+    "STRATEGIES",
+    "Placement",
+    "adopt",
+    "check_placement",
+    "dispatch",
+    "from_pretrained_args",
+]
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+# The TransformerLens 3.x module that must stay on one device: a block's residual stream.
+_TL3_BLOCK = "TransformerBlock"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A checked ``device_map`` / ``max_memory`` / ``offload_folder``."""
+
+    device_map: str | dict[str, int | str]
+    max_memory: dict[int | str, int] | None = None
+    offload_folder: Path | None = None
+
+
+def _device(value: Any, where: str) -> int | str:
+    """A device_map or max_memory device: a GPU index, ``cuda:N``, ``mps``, ``cpu`` or ``disk``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("cpu", "disk", "mps") or (text.startswith("cuda:") and text[5:].isdigit()):
+            return int(text[5:]) if text.startswith("cuda:") else text
+        if text.isdigit():
+            return int(text)
+    raise InvalidArgumentError(
+        f"{where}: unknown device {value!r}; use a GPU index (0), cuda:N, mps, cpu or disk"
+    )
+
+
+def _size(value: Any, where: str) -> int:
+    from accelerate.utils import convert_file_size_to_int
+
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        try:
+            size = convert_file_size_to_int(value.strip())
+        except ValueError:
+            size = 0
+        if size > 0:
+            return size
+    raise InvalidArgumentError(
+        f"{where}: {value!r} is not a memory size; use bytes or a size such as 1GiB or 500MB"
+    )
+
+
+def check_placement(
+    device_map: str | dict[str, Any] | None,
+    max_memory: dict[Any, Any] | None,
+    offload_folder: str | os.PathLike | None,
+    device: str | torch.device | None,
+) -> Placement | None:
+    """The placement these arguments ask for, or ``None`` for one device; one
+    :class:`~headsurgeon.errors.InvalidArgumentError` line for a bad one.
+
+    >>> check_placement(None, {"cpu": "1GiB"}, None, None)
+    Placement(device_map='auto', max_memory={'cpu': 1073741824}, offload_folder=None)
+    >>> check_placement("auto", None, None, "cuda")
+    Traceback (most recent call last):
+    ...
+    headsurgeon.errors.InvalidArgumentError: pass device or device_map, not both: ...
+    """
+    if device_map is None and max_memory is None:
+        if offload_folder is not None:
+            raise InvalidArgumentError(
+                "offload_folder is used only with device_map or max_memory; pass one of them"
+            )
+        return None
+    if device is not None:
+        raise InvalidArgumentError(
+            "pass device or device_map, not both: a device_map places every module itself"
+        )
+    device_map = _check_device_map("auto" if device_map is None else device_map)
+    if max_memory is not None:
+        max_memory = _check_max_memory(max_memory)
+    folder = None
+    if offload_folder is not None:
+        folder = Path(offload_folder)
+        if folder.exists() and not folder.is_dir():
+            raise InvalidArgumentError(f"offload_folder {folder} is a file; give a folder")
+    return Placement(device_map, max_memory, folder)
+
+
+def _check_device_map(device_map: Any) -> str | dict[str, int | str]:
+    if isinstance(device_map, str):
+        if device_map not in STRATEGIES:
+            raise InvalidArgumentError(
+                f"device_map={device_map!r}: use one of {', '.join(STRATEGIES)} or a "
+                "{module name: device} dict"
+            )
+        return device_map
+    if isinstance(device_map, dict) and device_map:
+        return {str(k): _device(v, f"device_map[{k!r}]") for k, v in device_map.items()}
+    raise InvalidArgumentError(
+        f"device_map must be a strategy ({', '.join(STRATEGIES)}) or a non-empty "
+        f"{{module name: device}} dict, got {device_map!r}"
+    )
+
+
+def _check_max_memory(max_memory: Any) -> dict[int | str, int]:
+    if not isinstance(max_memory, dict) or not max_memory:
+        raise InvalidArgumentError(
+            f"max_memory must be a non-empty {{device: size}} dict, got {max_memory!r}"
+        )
+    checked = {
+        _device(k, "max_memory"): _size(v, f"max_memory[{k!r}]") for k, v in max_memory.items()
+    }
+    if "disk" in checked:
+        raise InvalidArgumentError("max_memory limits memory; disk takes what is left over")
+    return checked
+
+
+def _private_folder(placement: Placement) -> Path:
+    """A new folder for one model's offloaded weights (inside ``offload_folder`` when given)."""
+    parent = placement.offload_folder
+    if parent is not None:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InvalidArgumentError(
+                f"cannot create offload_folder {parent} ({e.strerror}); give a writable folder"
+            ) from e
+    return Path(tempfile.mkdtemp(prefix="headsurgeon-offload-", dir=parent))
+
+
+def _forget_with(model: Any, folder: Path) -> None:
+    """Remove ``folder`` (ours: made by :func:`_private_folder`) when ``model`` is collected."""
+    weakref.finalize(model, shutil.rmtree, folder, ignore_errors=True)
+
+
+def from_pretrained_args(placement: Placement) -> tuple[dict[str, Any], Path]:
+    """``from_pretrained`` keyword arguments for 4.x, and the private offload folder made."""
+    folder = _private_folder(placement)
+    args = {"device_map": placement.device_map, "offload_folder": str(folder)}
+    if placement.max_memory is not None:
+        args["max_memory"] = placement.max_memory
+    return args, folder
+
+
+def adopt(model: Model, hf_model: Any, folder: Path) -> Model:
+    """A 4.x bridge over a ``hf_model`` loaded with :func:`from_pretrained_args`: its input
+    device recorded, its offload folder removed with it."""
+    model.cfg.device = str(_execution_device(model.embed))
+    model.cfg.n_devices = len({str(v) for v in hf_model.hf_device_map.values()} - {"disk"})
+    _forget_with(model, folder)
+    return model
+
+
+def dispatch(model: Model, placement: Placement) -> Model:
+    """Dispatch a TransformerLens 3.x model over ``placement`` with ``accelerate.dispatch_model``
+    (blocks kept whole); its offload folder is removed with it."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    device_map = placement.device_map
+    if isinstance(device_map, str):
+        max_memory = placement.max_memory
+        if device_map.startswith("balanced"):
+            max_memory = get_balanced_memory(
+                model,
+                max_memory=max_memory,
+                no_split_module_classes=[_TL3_BLOCK],
+                low_zero=device_map == "balanced_low_0",
+            )
+        device_map = infer_auto_device_map(
+            model, max_memory=max_memory, no_split_module_classes=[_TL3_BLOCK]
+        )
+        if "" in device_map:  # all on one device: Accelerate offloads nothing for the name ""
+            device_map = {
+                name: device_map[""]
+                for name, child in model.named_children()
+                if next(child.parameters(), None) is not None
+            }
+    else:
+        _check_names(model, device_map)
+    folder = _private_folder(placement)
+    logger.info("device map: %s", device_map)
+    model = dispatch_model(model, device_map=device_map, offload_dir=folder)
+    model.cfg.device = str(_execution_device(model.embed))
+    _forget_with(model, folder)
+    return model
+
+
+def _check_names(model: Model, device_map: dict[str, int | str]) -> None:
+    """Every weight placed exactly once by a ``{module name: device}`` map of 3.x names."""
+    names = [n for n, _ in model.named_parameters()]
+    unknown = [k for k in device_map if k and not any(n.startswith(k + ".") for n in names)]
+    if unknown:
+        raise InvalidArgumentError(
+            f"device_map names {unknown[0]!r}, not a module of this model; TransformerLens "
+            f"{MAJOR}.x names them embed, blocks.0 ... blocks.{model.cfg.n_layers - 1}, "
+            "ln_final, unembed"
+        )
+    unplaced = [
+        n
+        for n in names
+        if "" not in device_map and not any(n.startswith(k + ".") for k in device_map)
+    ]
+    if unplaced:
+        raise InvalidArgumentError(
+            f"device_map places no device for {unplaced[0]}; name its module (or a parent) too"
+        )
+
+
+def _execution_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` computes: its Accelerate hook's execution device, else its weights'."""
+    for sub in (getattr(module, "original_component", None), module):
+        hook = getattr(sub, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    first = next(module.parameters())
+    return first.device if first.device.type != "meta" else torch.device("cpu")

@@ -1,0 +1,152 @@
+"""A model spread over CPU memory and disk with Accelerate gives the single-device numbers."""
+
+from __future__ import annotations
+
+import gc
+
+import pandas as pd
+import pytest
+import torch
+
+import headsurgeon as hs
+from headsurgeon.backend import MAJOR
+from headsurgeon.cli.classify import main as classify_main
+from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.finetune import finetune
+from headsurgeon.placement import check_placement
+from tests.conftest import error_line
+
+
+def split_map(n_layers: int) -> dict[str, str]:
+    """Every other block on disk, the rest in memory, in the installed major's module names."""
+    if MAJOR >= 4:
+        ends = {"transformer.word_embeddings": "cpu", "transformer.ln_f": "cpu", "lm_head": "cpu",
+                "transformer.word_embeddings_layernorm": "cpu"}  # fmt: skip
+        block = "transformer.h.{}"
+    else:
+        ends = {"embed": "cpu", "pos_embed": "cpu", "ln_final": "cpu", "unembed": "cpu"}
+        block = "blocks.{}"
+    return ends | {block.format(i): "disk" if i % 2 else "cpu" for i in range(n_layers)}
+
+
+@pytest.fixture(scope="module")
+def whole(bloom_dir):
+    return hs.load_model(bloom_dir)
+
+
+def numbers(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.select_dtypes("number")
+
+
+@pytest.mark.parametrize("how", ["split", "all on disk"])
+def test_census_blindness_importance_identical(bloom_dir, whole, tmp_path, how):
+    placement = (
+        {"device_map": split_map(whole.cfg.n_layers)}
+        if how == "split"
+        else {"max_memory": {"cpu": 1000}}  # nothing fits: every weight goes to disk
+    )
+    model = hs.load_model(bloom_dir, offload_folder=tmp_path, **placement)
+    assert hs.backend.offloaded(model), "nothing was offloaded: the test would prove nothing"
+    tokens = torch.randint(
+        0, whole.cfg.d_vocab, (3, 40), generator=torch.Generator().manual_seed(0)
+    )
+    split = hs.run_census(model, tokens, progress=False)
+    pd.testing.assert_frame_equal(
+        numbers(split), numbers(hs.run_census(whole, tokens, progress=False))
+    )
+    measured = hs.measure_blindness(model, tokens, dtypes=["float16"], progress=False).by_head
+    reference = hs.measure_blindness(whole, tokens, dtypes=["float16"], progress=False).by_head
+    pd.testing.assert_frame_equal(numbers(measured), numbers(reference))
+    importance = [
+        numbers(hs.head_importance(m, tokens, n_seqs=3, seq_len=40, progress=False))
+        for m in (model, whole)
+    ]
+    pd.testing.assert_frame_equal(*importance)
+    assert hs.perplexity(model, tokens, progress=False) == hs.perplexity(
+        whole, tokens, progress=False
+    )
+
+
+def test_offload_folder_keeps_the_users_files(bloom_dir, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    model = hs.load_model(bloom_dir, device_map=split_map(2), offload_folder=tmp_path)
+    private = [p for p in tmp_path.iterdir() if p.name != "notes.txt"]
+    assert len(private) == 1 and private[0].name.startswith("headsurgeon-offload-")
+    del model
+    gc.collect()
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_tools_that_change_weights_refuse_offloaded_models(bloom_dir, tmp_path):
+    model = hs.load_model(bloom_dir, device_map=split_map(2), offload_folder=tmp_path)
+    for call in (
+        lambda: hs.reinit_heads(model, "L1H0"),
+        lambda: hs.save_hf(model, tmp_path / "export"),
+        lambda: finetune(model, "L1H0", torch.zeros(2, 16, dtype=torch.long)),
+    ):
+        with pytest.raises(
+            InvalidArgumentError, match="offloaded to CPU or disk by its device_map"
+        ):
+            call()
+    assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("auto", None, None, "cpu"), "pass device or device_map, not both"),
+        (("fast", None, None, None), "device_map='fast': use one of auto"),
+        (({}, None, None, None), "non-empty"),
+        (({"blocks.0": "gpu"}, None, None, None), "unknown device 'gpu'"),
+        ((None, {"cpu": "lots"}, None, None), "not a memory size"),
+        ((None, {"cpu": -1}, None, None), "not a memory size"),
+        ((None, {"disk": "1GiB"}, None, None), "disk takes what is left"),
+        ((None, None, "/tmp", None), "offload_folder is used only with"),
+    ],
+)
+def test_bad_placement_is_one_line(args, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        check_placement(*args)
+
+
+def test_placement_parses_sizes_and_devices():
+    placement = check_placement(
+        {"a": "cuda:1", "b": "1", "c": "Disk"}, {0: "1KiB", "cpu": 5}, None, None
+    )
+    assert placement.device_map == {"a": 1, "b": 1, "c": "disk"}
+    assert placement.max_memory == {0: 1024, "cpu": 5}
+
+
+def test_offload_folder_that_is_a_file(bloom_dir, tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(InvalidArgumentError, match="is a file"):
+        hs.load_model(bloom_dir, device_map="auto", offload_folder=tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "x"
+
+
+@pytest.mark.skipif(MAJOR >= 4, reason="3.x names: the map is checked by headsurgeon")
+def test_unknown_or_missing_module_names(bloom_dir):
+    with pytest.raises(InvalidArgumentError, match="names 'transformer.h.0', not a module"):
+        hs.load_model(bloom_dir, device_map={"transformer.h.0": "cpu"})
+    with pytest.raises(InvalidArgumentError, match="places no device for embed.W_E"):
+        hs.load_model(bloom_dir, device_map={"blocks.0": "cpu"})
+
+
+def test_cli_flags(bloom_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    common = [bloom_dir, "--n-seqs", 2, "--seq-len", 32, "--out", out]
+    line = error_line(classify_main, [*common, "--max-memory", "cpu"], capsys)
+    assert "--max-memory" in line and "DEVICE=SIZE" in line
+    line = error_line(classify_main, [*common, "--max-memory", "cpu=lots"], capsys)
+    assert "not a memory size" in line
+    line = error_line(classify_main, [*common, "--device", "cpu", "--device-map", "auto"], capsys)
+    assert "not both" in line
+    assert not out.exists()
+    spread = ",".join(f"{k}={v}" for k, v in split_map(2).items())
+    argv = [*common, "--device-map", spread, "--offload-folder", tmp_path / "off"]
+    assert classify_main([str(a) for a in argv]) == 0
+    assert classify_main([str(a) for a in [*common[:-2], "--out", tmp_path / "one"]]) == 0
+    split, one = (pd.read_csv(p / "heads.csv") for p in (out, tmp_path / "one"))
+    pd.testing.assert_frame_equal(numbers(split), numbers(one))
+    assert list((tmp_path / "off").iterdir()) == []
