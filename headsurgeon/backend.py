@@ -17,6 +17,7 @@ Exports:
     check_model(model, name)         one line unless ``model`` is a loaded model (not a name, a
                                      path, ``None``, a Hugging Face model or one on ``meta``)
     move(model, device)              ``model.to(device)`` without TransformerLens's printing
+    without_kv_cache(model)          no key-value cache filled in the ``with`` block (4.x's default)
     offloaded(model)                 the modules whose weights Accelerate keeps on CPU or disk
     resident(module)                 those weights loaded for a ``with`` block (read them there)
     HEAD_TENSORS                     the per-head attention tensors, TransformerLens 3.x names
@@ -88,6 +89,7 @@ __all__ = [
     "hf_config",
     "hub_names",
     "move",
+    "without_kv_cache",
     "offloaded",
     "resident",
     "new_kv_cache",
@@ -340,6 +342,25 @@ def resident(module: nn.Module, *, recurse: bool = True) -> Iterator[nn.Module]:
             if has_offloaded_params(sub) and any(p.device.type == "meta" for p in own):
                 stack.enter_context(align_module_device(sub))
         yield module
+
+
+@contextlib.contextmanager
+def without_kv_cache(model: Model) -> Iterator[Model]:
+    """``model`` keeping no key-value cache in its forward passes, for the ``with`` block.
+
+    A 4.x bridge's Hugging Face model fills a cache in every pass by default; a block run again
+    (activation checkpointing) would append its keys a second time. 3.x keeps none unless given.
+    """
+    config = getattr(getattr(model, "original_model", None), "config", None)
+    if MAJOR < 4 or config is None:
+        yield model
+        return
+    before = config.use_cache
+    config.use_cache = False
+    try:
+        yield model
+    finally:
+        config.use_cache = before
 
 
 def move(model: Model, device: torch.device) -> Model:

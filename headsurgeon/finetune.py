@@ -6,6 +6,8 @@ Exports:
     finetune(model, heads, train, ...)  AdamW + warm-up/cosine on the chosen heads; resumable, DDP
     make_trainer(model, heads, ...)     the module a step trains (SliceTrainer or MaskTrainer)
     next_token_loss(model, tokens)      the default objective: mean next-token cross-entropy
+                                        (``chunk=``: over that many positions at a time)
+    checkpointed_blocks(model)          context manager: blocks recomputed in the backward pass
     head_bos_mass(model, tokens, heads) differentiable BOS mass of chosen heads
     bos_mass_objective(heads, target)   objective that pushes heads' attention to position 0
     warmup_cosine(warmup, steps)        the learning-rate factor of a step
@@ -40,14 +42,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import logging
 import math
 import os
 import pickle
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +60,15 @@ import torch
 import torch.distributed as dist
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from headsurgeon.backend import Model, check_model, head_tensors, run_to_layer
+from headsurgeon.backend import (
+    Model,
+    check_model,
+    head_tensors,
+    run_to_layer,
+    without_kv_cache,
+)
 from headsurgeon.data import check_token_ids
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
@@ -96,6 +107,7 @@ __all__ = [
     "SliceTrainer",
     "TrainingDivergedError",
     "bos_mass_objective",
+    "checkpointed_blocks",
     "finetune",
     "head_bos_mass",
     "load_checkpoint",
@@ -134,6 +146,13 @@ class FinetuneConfig:
     ``eval_every=None`` evaluates ten times per run; ``patience`` stops after that many
     evaluations without a lower held-out loss (and ``restore_best`` goes back to the best one).
     ``checkpoint_every=None`` checkpoints at every evaluation.
+
+    Memory (the defaults are the fastest; see the README's sizes section for measurements):
+    ``gradient_checkpointing`` keeps only each block's input for the backward pass and
+    recomputes the block there (:func:`checkpointed_blocks`); ``loss_chunk`` computes the default
+    next-token loss over that many positions at a time, so the float32 logits of the whole batch
+    (``batch x pos x vocabulary``: 0.5 GB per 512-token sequence of BLOOM's 250,880 tokens) are
+    never held at once (:func:`next_token_loss`).
     """
 
     steps: int = 200
@@ -153,6 +172,8 @@ class FinetuneConfig:
     min_query_pos: int = 1
     strategy: str = "slices"
     seed: int = 0
+    gradient_checkpointing: bool = False
+    loss_chunk: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()  # at the boundary: a bad setting fails where it is written
@@ -188,6 +209,11 @@ class FinetuneConfig:
         check_choice(self.strategy, "strategy", STRATEGIES)
         self.min_query_pos = check_int(self.min_query_pos, "min_query_pos", minimum=0)
         self.restore_best = check_bool(self.restore_best, "restore_best")
+        self.gradient_checkpointing = check_bool(
+            self.gradient_checkpointing, "gradient_checkpointing"
+        )
+        if self.loss_chunk is not None:
+            self.loss_chunk = check_int(self.loss_chunk, "loss_chunk", minimum=1)
         self.seed = check_int(self.seed, "seed")
         return self
 
@@ -237,9 +263,78 @@ def warmup_cosine(warmup: int, steps: int) -> Callable[[int], float]:
     return factor
 
 
-def next_token_loss(model: Model, tokens: Int[Tensor, "batch pos"]) -> Tensor:
-    """Mean next-token cross-entropy over the batch (the default objective)."""
-    return model(tokens, return_type="loss")
+def next_token_loss(
+    model: Model, tokens: Int[Tensor, "batch pos"], *, chunk: int | None = None
+) -> Tensor:
+    """Mean next-token cross-entropy over the batch (the default objective).
+
+    With ``chunk``, the final LayerNorm, unembedding and cross-entropy run over ``chunk``
+    positions at a time, each recomputed in the backward pass (activation checkpointing): the
+    same loss (to float rounding) without ever holding the whole batch's logits.
+    """
+    if chunk is None:
+        return model(tokens, return_type="loss")
+    resid = run_to_layer(model, tokens, model.cfg.n_layers)[:, :-1]
+    flat = resid.reshape(-1, 1, resid.shape[-1])  # LayerNorm and unembedding are per position
+    targets = tokens[:, 1:].reshape(-1).to(resid.device)
+
+    def nll_sum(x: Tensor, target: Tensor) -> Tensor:
+        logits = model.unembed(model.ln_final(x))[:, 0].float()
+        return torch.nn.functional.cross_entropy(logits, target, reduction="sum")
+
+    total = sum(
+        checkpoint(nll_sum, flat[lo : lo + chunk], targets[lo : lo + chunk], use_reentrant=False)
+        for lo in range(0, len(targets), chunk)
+    )
+    return total / len(targets)
+
+
+@contextlib.contextmanager
+def checkpointed_blocks(model: Model) -> Iterator[Model]:
+    """``model`` whose blocks keep only their inputs for the backward pass and run again there
+    (activation checkpointing), for the ``with`` block.
+
+    The backward pass of a repair step runs through every block above the lowest trained layer;
+    their attention patterns and MLP activations (``O(layers x batch x pos x (heads x pos +
+    4 d_model))``) are what a step holds at long sequences and large batches. Recomputation
+    costs one more forward of those blocks. The tensors a block computes with (including the
+    trainable slices :class:`headsurgeon.surgery.HeadParameters` splices in with
+    ``functional_call``) are captured at the forward and used again in the recomputation.
+    """
+    inside = threading.local()
+
+    def checkpointed(block: nn.Module) -> Callable[..., Any]:
+        forward = block.forward
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if getattr(inside, "block", False) or not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            tensors = dict(block.named_parameters()) | dict(block.named_buffers())
+
+            def again() -> Any:
+                inside.block = True
+                try:
+                    return torch.func.functional_call(block, tensors, args, kwargs)
+                finally:
+                    inside.block = False
+
+            return checkpoint(again, use_reentrant=False)
+
+        return run
+
+    blocks = list(model.blocks)
+    stack = contextlib.ExitStack()
+    stack.enter_context(without_kv_cache(model))  # a recomputed block would append twice
+    # On the instance itself: a 4.x bridge component forwards attribute writes to the Hugging
+    # Face module it wraps, whose forward it calls.
+    for block in blocks:
+        object.__setattr__(block, "forward", checkpointed(block))
+    with stack:
+        try:
+            yield model
+        finally:
+            for block in blocks:
+                object.__delattr__(block, "forward")  # the class's forward again
 
 
 def head_bos_mass(
@@ -659,9 +754,8 @@ def finetune(
         model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
         model.requires_grad_(False)  # the mask strategy re-enables its own tensors
         try:
-            trainer = make_trainer(
-                model, job.heads, objective or next_token_loss, strategy=job.cfg.strategy
-            )
+            objective = objective or functools.partial(next_token_loss, chunk=job.cfg.loss_chunk)
+            trainer = make_trainer(model, job.heads, objective, strategy=job.cfg.strategy)
             try:
                 return _Loop(job, trainer).run()
             finally:
@@ -980,15 +1074,17 @@ class _Loop:
             total=cfg.steps, initial=self.step, desc=f"fine-tune {len(job.heads)} heads",
             disable=not job.progress or job.rank != 0, dynamic_ncols=True,
         )  # fmt: skip
-        while self.step < cfg.steps and not state.stopped_early:
-            loss_value = self.train_step(autocast)
-            bar.update()
-            lr = self.optimizer.param_groups[0]["lr"]
-            bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
-            if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
-                self.evaluate()
-            if self.step % cfg.checkpoint_interval == 0 and self.step < cfg.steps:
-                self.save()
+        recompute = checkpointed_blocks(job.model) if cfg.gradient_checkpointing else None
+        with recompute or contextlib.nullcontext():  # evaluations (no gradient) pass through
+            while self.step < cfg.steps and not state.stopped_early:
+                loss_value = self.train_step(autocast)
+                bar.update()
+                lr = self.optimizer.param_groups[0]["lr"]
+                bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+                if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
+                    self.evaluate()
+                if self.step % cfg.checkpoint_interval == 0 and self.step < cfg.steps:
+                    self.save()
         bar.close()
         if state.stopped_early:
             logger.info("early stop at step %d: no better held-out loss in %d evaluations",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,9 +21,11 @@ from headsurgeon.finetune import (
     FinetuneConfig,
     TrainingDivergedError,
     bos_mass_objective,
+    checkpointed_blocks,
     finetune,
     head_bos_mass,
     load_checkpoint,
+    make_trainer,
     next_token_loss,
 )
 from headsurgeon.loading import ModelShape, random_model
@@ -91,6 +94,56 @@ def test_frozen_weights_stay_bit_identical_with_weight_decay(strategy, autocast)
     assert not torch.equal(head_weight(model, 2, "W_O")[3], head_view(model, before, 2, "W_O")[3])
     assert torch.all(head_weight(model, 2, "b_K")[3] == 0)  # no gradient: not trained
     assert all(p.requires_grad for p in model.parameters())  # restored afterwards
+
+
+def test_chunked_loss_equals_the_whole_loss_and_its_gradient():
+    model, _, tokens = setup()
+    batch = tokens[:5]
+    whole = next_token_loss(model, batch)
+    for chunk in (1, 7, 75, 1000):  # one position, ragged, exact, more than there are
+        assert torch.allclose(next_token_loss(model, batch, chunk=chunk), whole, atol=1e-6)
+    W_O = head_tensors(model, 2)["W_O"].param
+    W_O.requires_grad_(True)
+    (expected,) = torch.autograd.grad(next_token_loss(model, batch), W_O)
+    (chunked,) = torch.autograd.grad(next_token_loss(model, batch, chunk=9), W_O)
+    assert expected.abs().max() > 0
+    assert torch.allclose(chunked, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["slices", "mask"])
+def test_memory_switches_train_the_same_heads_the_same_way(strategy):
+    runs = []
+    for switches in ({}, {"gradient_checkpointing": True, "loss_chunk": 10}):
+        model, heads, tokens = setup("L0H1,L2H3")  # backward through every block
+        before = snapshot(model)
+        result = finetune(model, heads, tokens, config=config(strategy=strategy, **switches),
+                          progress=False)  # fmt: skip
+        assert outside(model, before, heads) == []
+        runs.append((result.losses, head_weight(model, 0, "W_Q")[1].clone(), model))
+    (losses, trained, _), (losses2, trained2, model) = runs
+    assert losses2 == pytest.approx(losses, abs=1e-5)
+    assert torch.allclose(trained2, trained, atol=1e-5)
+    assert not any("forward" in vars(block) for block in model.blocks)  # the class's again
+
+
+def test_checkpointed_blocks_keep_only_block_inputs():
+    model, heads, tokens = setup("L0H1")
+    model.requires_grad_(False)
+    trainer = make_trainer(model, heads)
+    saved = {}
+    for recompute in (False, True):
+        sizes = []
+
+        def pack(t, sizes=sizes):
+            sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with checkpointed_blocks(model) if recompute else contextlib.nullcontext():
+                loss = trainer(tokens[:4])
+        loss.backward()
+        saved[recompute] = sum(sizes)
+    assert saved[True] < saved[False] / 2
 
 
 def test_naive_gradient_mask_with_adamw_moves_frozen_weights():
@@ -343,6 +396,8 @@ def test_bad_input():
         dict(grad_accum=0),
         dict(strategy="all"),
         dict(autocast="float16"),
+        dict(loss_chunk=0),
+        dict(gradient_checkpointing="yes"),
     ]:
         with pytest.raises(InvalidArgumentError):
             config(**bad).validate()
