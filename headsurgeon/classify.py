@@ -7,6 +7,7 @@ Exports:
     classify_heads(census, thresholds)       census + ``label`` and ``reason`` columns
     threshold_sweep(census, thresholds)      label counts as each threshold moves
     thresholds_of(df)                        the thresholds a classified table records
+    sick_shares(classified_by_model, bands)  per model and layer band: label counts, sick share
     require_columns(df, columns)             InvalidArgumentError unless df is a census with them
 
 The summary and files the CLI writes are in :mod:`headsurgeon.reports` (``format_summary``,
@@ -25,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.validation import check_number
+from headsurgeon.validation import check_int, check_number
 
 __all__ = [
     "LABELS",
@@ -41,6 +42,7 @@ __all__ = [
     "classify_heads",
     "threshold_sweep",
     "thresholds_of",
+    "sick_shares",
 ]
 
 logger = logging.getLogger(__name__)
@@ -207,6 +209,40 @@ def threshold_sweep(census: pd.DataFrame, thresholds: Thresholds = Thresholds())
     sweep["sick"] = sweep["BOS-sink"] + sweep["dead"]
     sweep.attrs = dict(census.attrs) | {"thresholds": dataclasses.asdict(thresholds)}
     return sweep
+
+
+def sick_shares(classified: Mapping[str, pd.DataFrame], bands: int = 3) -> pd.DataFrame:
+    """The surgery paper's cross-scale table: per model, its heads in ``bands`` equal bands of
+    layers (lower, middle, upper for 3) and all together, with the count of each label, ``sick``
+    (BOS-sink + dead) and ``sick_share``.
+
+    >>> df = pd.DataFrame({"layer": [0, 0, 1, 1, 2, 2], "head": [0, 1] * 3,
+    ...                    "label": ["dead", "healthy", "healthy", "healthy", "BOS-sink", "dead"]})
+    >>> sick_shares({"tiny": df})[["band", "layers", "n_heads", "sick", "sick_share"]]
+         band layers  n_heads  sick  sick_share
+    0   lower    0-0        2     1         0.5
+    1  middle    1-1        2     0         0.0
+    2   upper    2-2        2     2         1.0
+    3     all    0-2        6     3         0.5
+    """
+    bands = check_int(bands, "bands", minimum=1)
+    names = ("lower", "middle", "upper") if bands == 3 else [f"band {i + 1}" for i in range(bands)]
+    rows = []
+    for model, df in classified.items():
+        require_columns(df, ["layer", "label"])
+        n_layers = int(df["layer"].max()) + 1
+        edges = np.linspace(0, n_layers, min(bands, n_layers) + 1).round().astype(int)
+        spans = [
+            (names[i], lo, hi) for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True))
+        ]
+        for band, lo, hi in [*spans, ("all", 0, n_layers)]:
+            heads = df[(df["layer"] >= lo) & (df["layer"] < hi)]
+            counts = {label: int((heads["label"] == label).sum()) for label in LABELS}
+            sick = counts["BOS-sink"] + counts["dead"]
+            rows.append({"model": model, "band": band, "layers": f"{lo}-{hi - 1}",
+                         "n_heads": len(heads), **counts, "sick": sick,
+                         "sick_share": sick / max(len(heads), 1)})  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 def thresholds_of(df: pd.DataFrame) -> Thresholds:

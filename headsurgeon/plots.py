@@ -13,6 +13,7 @@ Exports:
     diff_grid(before, after, metric)   after - before, heads whose label changed outlined
     sweep_plot(sweep)                  label counts against each threshold
     models_grid({name: df}, metric)    several models side by side, one colour scale
+    sick_share_plot(shares)            sick share per layer band, one line per model
     blind_distance_grid(df)            blind distance per head, dtype and underflow limit
     zero_fraction_plot(by_distance)    share of exact-zero weights against distance, per head
     analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
@@ -88,6 +89,7 @@ __all__ = [
     "retrieval_heatmap",
     "save_figure",
     "save_figures",
+    "sick_share_plot",
     "split_formats",
     "style",
     "sweep_plot",
@@ -787,6 +789,35 @@ def models_grid(
 
 
 INSTALL_BROWSER = "install Chromium (apt-get install -y chromium) or set BROWSER_PATH"
+
+
+@_notebook_figure
+def sick_share_plot(shares: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Share of sick heads (BOS-sink + dead) per layer band, one line per model: the surgery
+    paper's cross-scale comparison, from :func:`headsurgeon.classify.sick_shares`. Each model's
+    share over all its heads is in its legend entry."""
+    _check(shares, ["model", "band", "sick_share", "sick", "n_heads"], "shares")
+    fig = go.Figure()
+    palette = list(OKABE_ITO.values())
+    for i, (model, rows) in enumerate(shares.groupby("model", sort=False)):
+        total = rows[rows["band"] == "all"]
+        bands = rows[rows["band"] != "all"]
+        overall = f" (all: {total['sick_share'].iloc[0]:.0%})" if len(total) else ""
+        fig.add_trace(go.Scatter(
+            x=bands["band"], y=bands["sick_share"],
+            mode="lines+markers", name=f"{model}{overall}",
+            line={"color": palette[i % len(palette)], "width": 2.5}, marker={"size": 9},
+            customdata=bands[["sick", "n_heads", "layers"]].to_numpy(),
+            hovertemplate=f"{model}<br>%{{x}} layers (%{{customdata[2]}})<br>sick share "
+                          "%{y:.1%} (%{customdata[0]} of %{customdata[1]} heads)<extra></extra>",
+        ))  # fmt: skip
+    fig.update_yaxes(
+        title_text="sick heads (BOS-sink + dead)", tickformat=".0%", rangemode="tozero"
+    )
+    fig.update_xaxes(title_text="layer band (each model's layers in thirds)")
+    subtitle = "share of each band's heads labelled BOS-sink or dead"
+    _layout(fig, title or "Sick heads across models", subtitle, (560, 340), colorbar=False)
+    return fig
 
 
 def _browser() -> tuple[str | None, str]:

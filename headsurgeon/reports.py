@@ -5,12 +5,15 @@ Exports:
                                               (with an importance section when it has one)
     write_classification(df, out_dir, ...)    heads.csv, heads.json, sweep, summary and figures
                                               (importance columns and figures when present)
+    write_cross_scale({model: df}, out_dir)   several models: each one's classification in a
+                                              subfolder, the cross-scale table and figures
     write_report(result, out_dir, ...)        a repair's report.md, report.json, censuses,
                                               figures and model/
     training_plot(result)                     objective, perplexities and BOS mass over the steps
     blindness_summary(analytic, measured)     the blindness CLI's text summary
     write_blindness(out_dir, analytic, ...)   the blindness CLI's tables, summary and figures
     default_out_dir(model, suffix)            ``<model>-<suffix>[-N]`` in the working directory
+    model_folder_name(model)                  a model's name as a folder name
     partial_dir(out)                          ``<out>.partial``, where an unfinished repair lives
     IMPORTANCE_NAMES                          head_importance's columns as classified tables
                                               name them (``method`` -> ``importance_method``)
@@ -31,7 +34,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,9 +52,11 @@ from headsurgeon.classify import (
     NEAR,
     label_heads,
     require_columns,
+    sick_shares,
     threshold_sweep,
     thresholds_of,
 )
+from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.importance import COLUMNS as IMPORTANCE_COLUMNS, DORMANT_SE, is_dormant
 from headsurgeon.loading import model_info
 from headsurgeon.outputs import atomic_directory, atomic_write_text
@@ -65,11 +70,13 @@ __all__ = [
     "IMPORTANCE_NAMES",
     "blindness_summary",
     "default_out_dir",
+    "model_folder_name",
     "format_summary",
     "partial_dir",
     "training_plot",
     "write_blindness",
     "write_classification",
+    "write_cross_scale",
     "write_report",
 ]
 
@@ -112,12 +119,18 @@ def partial_dir(out: str | os.PathLike) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+def model_folder_name(model: str | os.PathLike) -> str:
+    """A model's name as a folder name (``bigscience/bloom-560m`` -> ``bloom-560m``)."""
+    name = Path(str(model).rstrip("/\\")).name or str(model)
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+
+
 def default_out_dir(model: str | os.PathLike, suffix: str) -> Path:
     """A new folder in the working directory named after the model (``<name>-<suffix>[-N]``).
 
     A name is taken when the folder exists or an unfinished run of it (:func:`partial_dir`) does.
     """
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(model).rstrip("/\\")).name or str(model))
+    name = model_folder_name(model)
     candidate, n = Path(f"{name}-{suffix}"), 2
     while any(os.path.lexists(p) for p in (candidate, partial_dir(candidate))):  # dangling too
         candidate, n = Path(f"{name}-{suffix}-{n}"), n + 1
@@ -327,6 +340,46 @@ def write_classification(
         atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")
         atomic_write_text(tmp / "threshold_sweep.csv", sweep.to_csv(index=False))
         atomic_write_text(tmp / "summary.txt", summary + "\n")
+        skipped = plots.save_figures(figures, tmp, formats)
+    plots.warn_skipped(skipped, out_dir)
+    return Path(out_dir)
+
+
+def write_cross_scale(
+    classified: Mapping[str, pd.DataFrame],
+    out_dir: str | os.PathLike,
+    *,
+    formats: Sequence[str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write several models' classifications and their comparison to a new folder, atomically.
+
+    ``<model>/`` per model (:func:`write_classification`'s files), ``cross_scale.csv``
+    (:func:`headsurgeon.classify.sick_shares`: label counts and sick share per model and layer
+    band), ``summary.txt`` (that table as text) and the figures ``sick_share``
+    (:func:`headsurgeon.plots.sick_share_plot`) and ``bos_mass`` (the models' BOS-mass grids
+    side by side, :func:`headsurgeon.plots.models_grid`).
+    """
+    folders = {model_folder_name(name): name for name in classified}
+    if len(folders) < len(classified):
+        raise InvalidArgumentError(
+            f"two models share a folder name among {', '.join(map(str, classified))}; "
+            "give them distinct names"
+        )
+    plots.split_formats(formats)  # checked before anything is written
+    shares = sick_shares(classified)
+    figures = {
+        "sick_share": plots.sick_share_plot(shares),
+        "bos_mass": plots.models_grid(dict(classified), "bos_mass"),
+    }
+    table = shares[shares["band"] == "all"].drop(columns=["band", "layers"])
+    with atomic_directory(out_dir, overwrite=overwrite, writer="write_cross_scale") as tmp:
+        for folder, name in folders.items():
+            write_classification(classified[name], tmp / folder, formats=formats)
+        atomic_write_text(tmp / "cross_scale.csv", shares.to_csv(index=False))
+        text = "Sick heads (BOS-sink + dead) per model:\n" + table.to_string(index=False)
+        text += "\n\nBy layer band:\n" + shares.to_string(index=False)
+        atomic_write_text(tmp / "summary.txt", text + "\n")
         skipped = plots.save_figures(figures, tmp, formats)
     plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)

@@ -6,12 +6,13 @@ import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import head_weight
+from conftest import error_line, head_weight
 
 from headsurgeon import (
     Thresholds,
@@ -396,3 +397,34 @@ def test_cli_census_and_importance_take_every_sequence_asked_for(bloom_dir, tmp_
     assert main(argv) == 0
     meta = json.loads((out / "heads.json").read_text())["metadata"]
     assert meta["n_seqs"] == 70 and meta["importance_n_tokens"] == 70 * 3
+
+
+def test_cli_several_models_one_folder_each_and_the_cross_scale_table(
+    planted, bloom6_dir, tmp_path, capsys
+):
+    model, _ = planted
+    checkpoint = save_hf(model, tmp_path / "planted")
+    out = tmp_path / "scales"
+    texts = tmp_path / "text.txt"
+    texts.write_text(TEXT)
+    common = ["--texts", str(texts), "--seq-len", "32", "--n-seqs", "8", "--prepend-bos"]
+    assert main([str(checkpoint), str(bloom6_dir), *common, "--out", str(out)]) == 0
+    assert {"planted", bloom6_dir.name, "cross_scale.csv", "summary.txt"} <= {
+        p.name for p in out.iterdir()
+    }
+    shares = pd.read_csv(out / "cross_scale.csv")
+    for name in ("planted", bloom6_dir.name):
+        heads = pd.read_csv(out / name / "heads.csv")
+        mine = shares[shares["model"].map(lambda m, n=name: Path(m).name == n)]
+        whole = mine[mine["band"] == "all"].iloc[0]
+        assert whole["n_heads"] == len(heads)
+        assert whole["sick"] == heads["label"].isin(["BOS-sink", "dead"]).sum()
+        assert mine[mine["band"] != "all"]["n_heads"].sum() == len(heads)
+    planted_all = shares[(shares["band"] == "all") & shares["model"].str.endswith("planted")]
+    assert planted_all["sick"].iloc[0] == 3  # the planted model's BOS-sink and 2 dead heads
+
+
+def test_cli_several_models_refused_before_loading(planted, tmp_path, capsys):
+    line = error_line(main, ["organism", "organism", "--out", tmp_path / "x"], capsys)
+    assert "share an output folder name" in line
+    assert not (tmp_path / "x").exists()

@@ -87,13 +87,19 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def add_model_args(parser: argparse.ArgumentParser, *, dtype: bool = True) -> None:
-    """MODEL, --device, --threads and (unless ``dtype=False``: a tool that fixes it) --dtype."""
+def add_model_args(
+    parser: argparse.ArgumentParser, *, dtype: bool = True, many: bool = False
+) -> None:
+    """MODEL (``many``: MODEL ..., a list), the device options, --threads and (unless
+    ``dtype=False``: a tool that fixes it) --dtype."""
     parser.add_argument(
         "model",
-        nargs="?",
-        default=DEFAULT_MODEL,
-        help=f"model name, bundled organism or checkpoint folder (default: {DEFAULT_MODEL})",
+        nargs="*" if many else "?",
+        default=[DEFAULT_MODEL] if many else DEFAULT_MODEL,
+        help=f"model name, bundled organism or checkpoint folder (default: {DEFAULT_MODEL})"
+        + (
+            "; several: each in turn, one in memory at a time, and their comparison" if many else ""
+        ),
     )
     if dtype:
         parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
@@ -271,16 +277,18 @@ def figure_formats(args: argparse.Namespace) -> list[str] | None:
 def run_inputs(args: argparse.Namespace) -> list[Path]:
     """The files and folders a run of a tool reads, which its output must never touch.
 
-    MODEL when it names something on disk (a checkpoint folder), else the bundled organism's
-    folder when it names one; every file of ``--texts``, ``--corpus`` and ``--eval-corpus``.
+    MODEL (each of several) when it names something on disk (a checkpoint folder), else the
+    bundled organism's folder when it names one; every file of ``--texts``, ``--corpus`` and
+    ``--eval-corpus``.
     (A hub model lives in the hub cache, which no output can reach by accident.)
     """
     inputs = []
-    model = str(getattr(args, "model", None) or "")
-    if model and os.path.lexists(model):
-        inputs.append(Path(model))
-    elif model in organism_names():
-        inputs.append(ORGANISM_DIR / model)
+    models = getattr(args, "model", None) or []
+    for model in map(str, models if isinstance(models, list) else [models]):
+        if os.path.lexists(model):
+            inputs.append(Path(model))
+        elif model in organism_names():
+            inputs.append(ORGANISM_DIR / model)
     for option in ("texts", "corpus", "eval_corpus"):
         inputs.extend(Path(p) for p in getattr(args, option, None) or [])
     return inputs

@@ -7,12 +7,19 @@ head's :func:`headsurgeon.importance.head_importance` on the same sequences (mer
 columns: the labels stay as they are); prints :func:`headsurgeon.reports.format_summary` and
 writes :func:`headsurgeon.reports.write_classification` (``--help`` lists the options).
 
+Several models (``python -m headsurgeon.classify bloom-560m bloom-1b7 bloom-3b``) are classified
+in turn on the same options, one in memory at a time, and written together by
+:func:`headsurgeon.reports.write_cross_scale`: one folder per model and the paper's cross-scale
+table and figure (sick share per model and layer band).
+
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import logging
 from collections.abc import Sequence
 
 import pandas as pd
@@ -41,13 +48,17 @@ from headsurgeon.reports import (
     IMPORTANCE_NAMES,
     default_out_dir,
     format_summary,
+    model_folder_name,
     write_classification,
+    write_cross_scale,
 )
 
 __all__ = [
     "main",
     "entry",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Census of every attention head, a label per head (healthy, BOS-sink, dead), "
         "tables and head-grid figures.",
     )
-    add_model_args(parser)
+    add_model_args(parser, many=True)
     add_data_args(parser)
     census_args = parser.add_argument_group("census")
     census_args.add_argument(
@@ -99,30 +110,49 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
     formats = figure_formats(args)  # --format svg/pdf without a browser: fail before the census
-    with claim_out(args, default_out_dir(args.model, "heads")) as out:  # before the census
-        model = load_model_from_args(args)
-        tokens = load_data(model, args)  # cut once: census and importance share them
-        census = run_census(
-            model,
-            tokens,
-            batch_size=args.batch_size,
-            n_seqs=len(tokens),
-            min_query_pos=args.min_query_pos,
-            prepend_bos=args.prepend_bos,
-        )
-        census.attrs["data"] = describe(args.texts)  # the files, not "token tensor of shape"
-        census.attrs["bos_rule"] = position_zero(model, args.texts, tokens, args.prepend_bos)[1]
-        classified = classify_heads(census, thresholds)
-        if args.importance:
-            classified = _with_importance(classified, model, tokens, args)
-        print(format_summary(classified, top=args.top))
-        written = plots.split_formats(formats)[0]
-        write_classification(classified, out, formats=formats, overwrite=args.overwrite)
-    print(
-        f"\nwrote {out}/: heads.csv, heads.json, summary.txt, threshold_sweep.csv, figures "
-        f"({', '.join(written)})"
-    )
+    models = args.model
+    if len({model_folder_name(m) for m in models}) < len(models):
+        parser.error(f"two of the models {' '.join(models)} would share an output folder name")
+    default = default_out_dir(models[0] if len(models) == 1 else "cross-scale", "heads")
+    with claim_out(args, default) as out:  # before the census
+        if len(models) == 1:
+            classified = _classify(argparse.Namespace(**vars(args) | {"model": models[0]}),
+                                   thresholds)  # fmt: skip
+            write_classification(classified, out, formats=formats, overwrite=args.overwrite)
+            files = "heads.csv, heads.json, summary.txt, threshold_sweep.csv, figures"
+        else:
+            tables = {}
+            for model in models:  # one model in memory at a time
+                logger.info("classifying %s (%d of %d)", model, len(tables) + 1, len(models))
+                tables[model] = _classify(argparse.Namespace(**vars(args) | {"model": model}),
+                                          thresholds)  # fmt: skip
+                gc.collect()
+            write_cross_scale(tables, out, formats=formats, overwrite=args.overwrite)
+            files = "one folder per model, cross_scale.csv, summary.txt, figures"
+    written = plots.split_formats(formats)[0]
+    print(f"\nwrote {out}/: {files} ({', '.join(written)})")
     return 0
+
+
+def _classify(args: argparse.Namespace, thresholds: Thresholds) -> pd.DataFrame:
+    """Load ``args.model``, take its census (and importance), label its heads; print the summary."""
+    model = load_model_from_args(args)
+    tokens = load_data(model, args)  # cut once: census and importance share them
+    census = run_census(
+        model,
+        tokens,
+        batch_size=args.batch_size,
+        n_seqs=len(tokens),
+        min_query_pos=args.min_query_pos,
+        prepend_bos=args.prepend_bos,
+    )
+    census.attrs["data"] = describe(args.texts)  # the files, not "token tensor of shape"
+    census.attrs["bos_rule"] = position_zero(model, args.texts, tokens, args.prepend_bos)[1]
+    classified = classify_heads(census, thresholds)
+    if args.importance:
+        classified = _with_importance(classified, model, tokens, args)
+    print(format_summary(classified, top=args.top))
+    return classified
 
 
 def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> None:
