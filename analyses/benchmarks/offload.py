@@ -1,0 +1,149 @@
+"""Benchmark: a census of a checkpoint several times larger than the memory it is given.
+
+A random-weight BLOOM checkpoint of ``--shape`` (default bloom-1b7: 3.4 GB in float16) is written
+once to ``--checkpoint`` (safetensors, as ``save_pretrained`` writes it). Then, each in a fresh
+process, the same census (``headsurgeon.run_census`` on ``--n-seqs`` random sequences of
+``--seq-len`` tokens) runs twice:
+
+* ``offloaded``  ``load_model(..., max_memory={"cpu": --budget}, offload_folder=...)``: Accelerate
+                 keeps what does not fit on disk (TransformerLens 4.x: ``from_pretrained`` reads
+                 the checkpoint straight into that placement);
+* ``whole``      ``load_model(...)`` with no limit, the reference.
+
+Peak memory is the process's resident high-water mark (``VmHWM``) from start to end, loading
+included; the two censuses must agree exactly. Run it under TransformerLens 4.x (3.x builds the
+model in memory before dispatching it, so it needs the whole model's size once).
+
+    .venv4/bin/python analyses/benchmarks/offload.py                      # bloom-1b7, 1 GiB
+    .venv4/bin/python analyses/benchmarks/offload.py --shape 4x8x256 --budget 2MB   # trial
+
+Writes ``--out`` (default ``figures/benchmarks/offload.md``) and a JSON beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from _shapes import parse_shape
+
+import headsurgeon as hs
+from headsurgeon.backend import MAJOR
+from headsurgeon.loading import random_hf_bloom
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
+
+
+def child(args: argparse.Namespace, method: str) -> dict:
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="offload-bench-") as folder:
+        placement = {"max_memory": {"cpu": args.budget}, "offload_folder": folder}
+        model = hs.load_model(args.checkpoint, dtype=args.dtype,
+                              **(placement if method == "offloaded" else {}))  # fmt: skip
+        loaded = time.perf_counter() - start
+        offloaded = hs.backend.offloaded(model)
+        tokens = torch.randint(10, model.cfg.d_vocab, (args.n_seqs, args.seq_len),
+                               generator=torch.Generator().manual_seed(0))  # fmt: skip
+        census = hs.run_census(model, tokens, progress=False)
+    return {
+        "method": method,
+        "load_s": loaded,
+        "total_s": time.perf_counter() - start,
+        "peak_gib": _status("VmHWM") / GIB,
+        "offloaded_modules": len(offloaded),
+        "census": census.to_json(orient="split"),
+    }
+
+
+def make_checkpoint(args: argparse.Namespace) -> float:
+    """Write the random checkpoint once (skipped when its config is there); its size in GB."""
+    folder = Path(args.checkpoint)
+    if not (folder / "config.json").exists():
+        print(f"writing a random {args.shape} checkpoint to {folder} ...", flush=True)
+        hf = random_hf_bloom(parse_shape(args.shape), seed=0, dtype=args.dtype)
+        hf.save_pretrained(folder, safe_serialization=True)
+        del hf
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
+
+
+def run(args: argparse.Namespace, method: str) -> dict:
+    command = [sys.executable, __file__, *sys.argv[1:], "--child", method]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"method": method, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="bloom-1b7")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--budget", default="1GiB", help="max_memory for the CPU")
+    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(),
+                        "headsurgeon-bench-bloom-1b7-float16"))  # fmt: skip
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--n-seqs", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "figures/benchmarks/offload.md")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args, args.child)), flush=True)
+        return
+    size = make_checkpoint(args)
+    rows = {m: run(args, m) for m in ("offloaded", "whole")}
+    budget = hs.placement.check_placement(None, {"cpu": args.budget}, None, None).max_memory["cpu"]
+    lines = [
+        f"# Census of a {args.shape} checkpoint ({size:.2f} GB, {args.dtype}) in "
+        f"{args.budget} of CPU memory",
+        "",
+        f"`python analyses/benchmarks/offload.py {' '.join(sys.argv[1:])}` under TransformerLens "
+        f"{MAJOR}.x, {args.threads} thread(s), {os.cpu_count()} cores, "
+        f"{time.strftime('%Y-%m-%d')}; census of {args.n_seqs} x {args.seq_len} random tokens. "
+        "Peak: the process's resident high-water mark, loading included.",
+        "",
+        "| method | peak (GiB) | peak / budget | offloaded modules | load (s) | total (s) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for method, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {method} | {r['error']} | | | | |")
+            continue
+        ratio = r["peak_gib"] * GIB / budget
+        cells = [f"{r['peak_gib']:.2f}", f"{ratio:.2f}x", r["offloaded_modules"],
+                 f"{r['load_s']:.0f}", f"{r['total_s']:.0f}"]  # fmt: skip
+        lines.append(f"| {method} | " + " | ".join(map(str, cells)) + " |")
+    if all("census" in r for r in rows.values()):
+        a, b = (pd.read_json(io.StringIO(r["census"]), orient="split") for r in rows.values())
+        numbers = a.select_dtypes("number").columns
+        diff = float((a[numbers] - b[numbers]).abs().max().max())
+        lines += ["", f"Largest census difference, offloaded vs whole: {diff:g}."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    slim = {m: {k: v for k, v in r.items() if k != "census"} for m, r in rows.items()}
+    args.out.with_suffix(".json").write_text(
+        json.dumps({"argv": sys.argv[1:], "rows": slim}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
