@@ -124,10 +124,11 @@ def falcon_slopes(n_heads: int, d_head: int) -> Float[Tensor, " head_index"]:
 
     transformers' Falcon builds BLOOM's bias ``m_h j`` (key position ``j``) in bfloat16 and
     adds ``m_h j / sqrt(d_head)`` to the already scaled logits ``q.k / sqrt(d_head)``, so the
-    slope is ``bf16(m_h) / sqrt(d_head)`` (float32, computed as transformers does). Positions up
-    to 256 are exact in bfloat16; past them transformers rounds ``m_h j`` to 8 significant
-    bits, so the bias steps (by 2 positions' worth from 256 to 512, 4 to 1024, ...) around the
-    line these slopes draw. The measured tools read the logits themselves and are exact there.
+    slope is ``bf16(m_h) / sqrt(d_head)`` (float32, computed as transformers does). The product
+    ``m_h j`` is a bfloat16 too, rounded to 8 significant bits at every position (relative error
+    up to 2^-9; for a slope that is not a power of two from a few positions on, for one that is
+    past 256): the bias transformers applies scatters around the line these slopes draw. The
+    measured tools read the logits themselves and are exact there.
 
     >>> falcon_slopes(4, 16)
     tensor([0.0625, 0.0156, 0.0039, 0.0010])

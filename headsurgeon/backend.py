@@ -123,6 +123,8 @@ def check_model(model: object, name: str, *, argument: str = "model", writes: bo
                 f"{name}: {argument} is on the meta device (no weights); load its weights, e.g. "
                 "with load_model or load_state_dict(..., assign=True)"
             )
+        if MAJOR >= 4:  # a bridge the user built, not through convert_hf
+            _check_variant(model.original_model.config.to_dict(), f"{name}'s {argument}")
         if writes and away:
             raise InvalidArgumentError(
                 f"{name}: {argument} keeps weights offloaded to CPU or disk by its device_map "
@@ -242,9 +244,9 @@ def convert_hf(
     if MAJOR >= 4:
         from transformer_lens.model_bridge.sources import build_bridge_from_module
 
+        _check_variant(hf_model.config.to_dict(), f"the {type(hf_model).__name__}")
         if getattr(hf_model.config, "_attn_implementation", "eager") != "eager":
             hf_model.set_attn_implementation("eager")
-        _check_variant(hf_model.config.to_dict(), f"the {type(hf_model).__name__}")
         # Booted from the module in memory: no hub lookup, no compatibility-mode processing.
         model = build_bridge_from_module(
             hf_model, architecture, hf_config=hf_model.config, tokenizer=tokenizer, model_name=name

@@ -723,15 +723,7 @@ def weight_changes(
         d_head = check_int(d_head, "d_head", minimum=1)
     if heads and d_head is None:
         raise InvalidArgumentError("d_head is unknown for state dicts; pass d_head=")
-    qkv_rows = {}  # per layer of the heads: read once, not once per head
-    for layer in {layer for layer, _ in heads}:
-        qkv = before_state.get(f"{_PREFIX}h.{layer}.self_attention.query_key_value.weight")
-        qkv_rows[layer] = 0 if qkv is None else qkv.shape[0]
-    for layer, head in heads:
-        if not 0 <= head < qkv_rows[layer] // (3 * d_head):
-            raise InvalidArgumentError(
-                f"head L{layer}H{head} is not in the first checkpoint; pass heads of its model"
-            )
+    _check_heads(before_state, heads, d_head)
     if (_LM_HEAD in before_state) != (_LM_HEAD in after_state):
         before_state.tie_lm_head()
         after_state.tie_lm_head()
@@ -747,6 +739,29 @@ def weight_changes(
     rows = [_tensor_changes(name, before_state[name], after_state[name], heads, d_head)
             for name in before_state]  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def _check_heads(state: Mapping[str, Tensor], heads: list[tuple[int, int]], d_head: int) -> None:
+    """One line unless every head is in ``state``'s BLOOM-layout query_key_value."""
+    other_layout = UnsupportedArchitectureError(
+        "weight_changes splits BLOOM's per-head query_key_value rows; this checkpoint's fused "
+        "attention (MPT's Wqkv, or multi-query keys and values) has another layout: compare "
+        "it with heads=() (every change then counts as other_changed)"
+    )
+    if heads and any(".attn.Wqkv." in name for name in state):
+        raise other_layout
+    qkv_rows = {}  # per layer of the heads: read once, not once per head
+    for layer in {layer for layer, _ in heads}:
+        qkv = state.get(f"{_PREFIX}h.{layer}.self_attention.query_key_value.weight")
+        dense = state.get(f"{_PREFIX}h.{layer}.self_attention.dense.weight")
+        qkv_rows[layer] = 0 if qkv is None else qkv.shape[0]
+        if dense is not None and qkv_rows[layer] != 3 * dense.shape[1]:  # not q, k, v per head
+            raise other_layout
+    for layer, head in heads:
+        if not 0 <= head < qkv_rows[layer] // (3 * d_head):
+            raise InvalidArgumentError(
+                f"head L{layer}H{head} is not in the first checkpoint; pass heads of its model"
+            )
 
 
 def _tensor_changes(

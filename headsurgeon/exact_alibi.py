@@ -99,8 +99,9 @@ def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> 
     the length of a ``with`` block. See :func:`trained_bias`.
 
     The slopes are those transformers applies (:func:`exact_slopes`). A standard Falcon gets no
-    hook: transformers hands its attention the exact bias already (in the attention mask, with
-    its bfloat16 positions, which a relative bias would not reproduce past 256 tokens). MPT's
+    hook: transformers hands its attention its own bias already (in the attention mask, its
+    bfloat16 products ``m_h j`` rounded at every position, which a relative bias would not
+    reproduce), so the model computes exactly what transformers computes. MPT's
     hook also lets it run past ``max_seq_len``, where transformers' bias tensor ends.
     """
     check_model(model, "install_exact_alibi")
@@ -120,9 +121,12 @@ def install_hf_bias(hf_model: torch.nn.Module, kind: str = "standard", **params:
     model, from the slopes transformers applies (:func:`headsurgeon.alibi.config_slopes`),
     through :func:`headsurgeon.backend.hf_bias_pre_hook` on each attention layer. How
     ``analyses/train_organism.py --bias`` trains a variant and ``save_hf`` checks its export.
-    Returns the hook handles (``handle.remove()`` undoes it).
+    Returns the hook handles (``handle.remove()`` undoes it). A standard Falcon gets none, as
+    in :func:`install_exact_alibi`: its own bias is the one its checkpoint was trained with.
     """
     params = alibi.check_bias_params(kind, **params)
+    if kind == "standard" and hf_model.config.model_type == "falcon":
+        return []
     head_slopes = tuple(alibi.config_slopes(hf_model.config.to_dict()).tolist())
     build = bias_builder(kind, params, head_slopes)
     return [

@@ -358,8 +358,8 @@ class HeadStats:
         short = [layer for layer, count in enumerate(self.counts.tolist()) if count != n_seqs]
         if short:
             most = max(self.fired[name][short[0]] for name in HEAD_HOOKS)
-            missing = next(name for name in HEAD_HOOKS if self.fired[name][short[0]] < most or
-                           not most)  # fmt: skip
+            lagging = (n for n in HEAD_HOOKS if self.fired[n][short[0]] < most or not most)
+            missing = next(lagging, HEAD_HOOKS[0])
             raise unfired(self.model, analysis, f"blocks.{short[0]}.{missing}", short)
 
     @property

@@ -431,3 +431,21 @@ def test_grouped_falcon_is_refused_in_one_line(tmp_path):
         with pytest.raises(UnsupportedArchitectureError, match="new_decoder_architecture") as e:
             load()
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["mpt", "falcon-mq"])
+def test_weight_changes_refuses_per_head_slices_of_other_fused_layouts(family):
+    from headsurgeon.checkpoints import weight_changes
+    from headsurgeon.errors import UnsupportedArchitectureError
+
+    state = hf_model(family).state_dict()
+    changed = {name: t.clone() for name, t in state.items()}
+    with pytest.raises(UnsupportedArchitectureError, match="another layout"):
+        weight_changes(state, changed, [(0, 1)], d_head=16)
+    assert weight_changes(state, changed)["other_changed"].sum() == 0  # heads=(): a plain diff
+
+
+def test_falcon_standard_bias_is_its_own_on_both_paths():
+    from headsurgeon.exact_alibi import install_hf_bias
+
+    assert install_hf_bias(hf_model("falcon"), "standard") == []

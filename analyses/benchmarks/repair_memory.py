@@ -138,7 +138,8 @@ def table(args: argparse.Namespace, rows: list[dict]) -> str:
         f"# One repair step: {args.shape}, {args.dtype} weights, bfloat16 autocast, "
         f"batch x {args.seq_len} tokens, {args.threads} CPU thread(s)",
         "",
-        f"`python analyses/benchmarks/repair_memory.py {' '.join(sys.argv[1:])}` on "
+        f"`python analyses/benchmarks/repair_memory.py {' '.join(sys.argv[1:])}` (in parts: "
+        "`--append`) on "
         f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}. Peak: resident memory (VmHWM) "
         "over two steps, CPU as the proxy for a GPU's allocated memory; step: above the "
         "model and batch held before it.",
@@ -166,6 +167,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ceiling-gib", type=float, default=18.0)
     parser.add_argument("--out", type=Path, default=ROOT / "figures/benchmarks/repair_memory.md")
+    parser.add_argument(
+        "--append", action="store_true", help="add to the rows of --out's JSON (a run in parts)"
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -177,7 +181,8 @@ def main() -> None:
             result = {"status": f"{kind}: {type(error).__name__}: {str(error)[:160]}"}
         print(json.dumps(result), flush=True)
         return
-    rows = []
+    saved = args.out.with_suffix(".json")
+    rows = json.loads(saved.read_text())["rows"] if args.append and saved.exists() else []
     for switch in args.switches:
         for batch in sorted(args.batches):
             result = run_child(args, switch, batch) | {"switch": switch, "batch": batch}
@@ -185,8 +190,7 @@ def main() -> None:
             print(json.dumps(result), flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(table(args, rows))
-            args.out.with_suffix(".json").write_text(json.dumps(
-                {"argv": sys.argv[1:], "rows": rows}, indent=2))  # fmt: skip
+            saved.write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=2))
             if result["status"] != "ok":
                 break  # larger batches of this switch need more
 
