@@ -200,9 +200,21 @@ def _write_norms_by_position(
     z: Float[Tensor, "batch pos head_index d_head"], W_O: Float[Tensor, "head_index d_head d_model"]
 ) -> Float[Tensor, "batch pos head_index"]:
     """``‖z[t, h] @ W_O[h]‖`` at every position, in float32 (see :func:`write_sums`)."""
+    return _norms_from_gram(z, _gram(W_O, z.device))
+
+
+def _gram(
+    W_O: Float[Tensor, "head_index d_head d_model"], device: torch.device
+) -> Float[Tensor, "head_index d_head d_head"]:
+    """Each head's ``W_O[h] W_O[h]ᵀ`` in float32."""
+    w = W_O.to(device=device, dtype=torch.float32)
+    return torch.einsum("hdm,hem->hde", w, w)
+
+
+def _norms_from_gram(
+    z: Float[Tensor, "batch pos head_index d_head"], gram: Float[Tensor, "head_index d_head d_head"]
+) -> Float[Tensor, "batch pos head_index"]:
     zf = z.float()
-    w = W_O.to(device=zf.device, dtype=torch.float32)
-    gram = torch.einsum("hdm,hem->hde", w, w)
     squared = torch.einsum("bphd,hde,bphe->bph", zf, gram, zf)
     return squared.clamp(min=0).sqrt()  # rounding can make a zero norm slightly negative
 
@@ -270,6 +282,8 @@ class HeadStats:
         self._pending: list[dict[str, Any]] = [{} for _ in range(n_layers)]
         # Per layer, the blocks each hook has fired for.
         self.fired = {name: [0] * n_layers for name in HEAD_HOOKS}
+        # Per layer, each head's W_O W_Oᵀ (float32, [head, d_head, d_head]), made at first use.
+        self._grams: dict[int, Tensor] = {}
 
     def _flush(self, layer: int) -> None:
         """Add the per-sequence means of ``layer``'s finished batch to the running sums."""
@@ -326,9 +340,12 @@ class HeadStats:
         self._arrive(hook.layer(), "attn.hook_pattern", (sums, rows, n_keys - n_rows, n_keys))
 
     def _z_hook(self, z: Tensor, hook: HookPoint) -> None:
-        with resident(self.model.blocks[hook.layer()].attn) as attn:
-            writes = _write_norms_by_position(z, attn.W_O).to(self.sums.device)
-        self._arrive(hook.layer(), "attn.hook_z", writes)
+        layer = hook.layer()
+        if layer not in self._grams:  # weights are frozen during a census: once per layer
+            with resident(self.model.blocks[layer].attn) as attn:
+                self._grams[layer] = _gram(attn.W_O, z.device)
+        writes = _norms_from_gram(z, self._grams[layer]).to(self.sums.device)
+        self._arrive(layer, "attn.hook_z", writes)
 
     def _attn_out_hook(self, out: Tensor, hook: HookPoint) -> None:
         with resident(self.model.blocks[hook.layer()].attn) as attn:
