@@ -754,7 +754,9 @@ def finetune(
         model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
         model.requires_grad_(False)  # the mask strategy re-enables its own tensors
         try:
-            objective = objective or functools.partial(next_token_loss, chunk=job.cfg.loss_chunk)
+            if objective is None and job.cfg.loss_chunk is not None:
+                objective = functools.partial(next_token_loss, chunk=job.cfg.loss_chunk)
+            objective = objective or next_token_loss
             trainer = make_trainer(model, job.heads, objective, strategy=job.cfg.strategy)
             try:
                 return _Loop(job, trainer).run()
