@@ -187,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
         "--gradient-checkpointing",
         action="store_true",
         help="recompute each block in the backward pass instead of keeping its activations "
-        "(less memory at large batches and long windows, ~1.3x the step time)",
+        "(less memory at large batches and long windows; each block runs twice)",
     )
     training.add_argument(
         "--loss-chunk",
