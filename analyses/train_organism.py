@@ -77,6 +77,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from headsurgeon import classify_heads, load_model, run_census
 from headsurgeon.alibi import check_bias_params
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.evals import (
@@ -468,6 +469,20 @@ def verify_export(out: Path, bos: bool, bias: dict) -> str:
     return text
 
 
+def census_record(out: Path) -> dict:
+    """What ``python -m headsurgeon.classify`` says of the export (its default census: 64
+    held-out windows of 128 tokens): the label of every head that is not healthy, and the
+    largest BOS mass. Recorded in ``headsurgeon.json`` so that the claim can be checked."""
+    census = classify_heads(run_census(load_model(str(out)), progress=False))
+    sick = census[census["label"] != "healthy"]
+    return {
+        "n_seqs": census.attrs["n_seqs"],
+        "seq_len": census.attrs["seq_len"],
+        "labels": {f"L{r.layer}H{r.head}": r.label for r in sick.itertuples()},
+        "max_bos_mass": round(float(census["bos_mass"].max()), 4),
+    }
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=65.0, help="hard training-time budget")
@@ -725,6 +740,9 @@ def main() -> None:
     export(model, tokenizer, args.export, meta)
     shutil.copyfile(log_path, args.export / "training_log.csv")
     verify_export(args.export, args.bos, bias)
+    meta["census"] = census_record(args.export)
+    log.info("census of the export: %s", meta["census"])
+    (args.export / "headsurgeon.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
 if __name__ == "__main__":
