@@ -11,8 +11,8 @@ BOS first); nothing was planted. This script asks of it what the surgery paper a
    (dormant: |delta loss| <= 2 standard errors).
 3. Prune versus repair: ``headsurgeon.repair`` with the settings of
    ``python -m headsurgeon.repair MODEL --steps S --lr LR`` (its report is written to
-   ``repair/``, the same files the CLI writes, without the model), held-out perplexity of the
-   model, the model with its sick heads pruned (mean- and zero-ablated) and the repaired model;
+   ``repair-<model>/``, the same files the CLI writes, without the model), held-out perplexity
+   of the model, the model with its sick heads pruned (mean- and zero-ablated) and the repaired model;
    recovery per pass; how the frozen heads' BOS masses moved (the paper's global
    redistribution). The same repair trained on the organism's own mixture (text with spans)
    instead of text only (the paper's curated-versus-noisy data question).
@@ -21,19 +21,19 @@ BOS first); nothing was planted. This script asks of it what the surgery paper a
    and trajectories beside the organism's.
 
     python analyses/natural_collapse.py
-    python analyses/natural_collapse.py --model organism-collapsed \\
+    python analyses/natural_collapse.py --model analyses/collapse_alibi \\
         --control analyses/collapse_control --steps 300 --lr 2e-3
 
 Writes ``figures/natural_collapse/``: ``summary.md``, ``heads.csv`` (census, slopes, importance
 of every head of both models), ``trajectories.csv``/``.png`` (BOS mass per head over training),
-``prune_vs_repair.csv``, ``redistribution.csv`` (frozen heads' BOS mass before and after each
-repair), ``repair/`` (the report of the text-only repair).
+``prune_vs_repair.csv``, ``redistribution.csv`` (every head's BOS mass before and after each
+repair; ``frozen``: not targeted), ``repair-<model>/`` (the report of each text-only repair).
+Models with no sick head are not repaired (``headsurgeon.repair`` has nothing to do).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -134,7 +134,7 @@ def mixture_windows(model, n: int) -> torch.Tensor:
     return train_organism.sample_batch(data, gen, n)
 
 
-def moved(result: RepairResult, name: str) -> pd.DataFrame:
+def moved(result: RepairResult, key: tuple[str, str]) -> pd.DataFrame:
     """BOS mass of every head before and after a repair; ``frozen``: not targeted."""
     before = result.census_before.set_index(["layer", "head"])["bos_mass"]
     after = result.census_after.set_index(["layer", "head"])["bos_mass"]
@@ -145,13 +145,20 @@ def moved(result: RepairResult, name: str) -> pd.DataFrame:
         head_name=names,
         frozen=[n not in targeted for n in names],
         change=table["bos_after"] - table["bos_before"],
-        repair=name,
+        model=key[0],
+        repair_data=key[1],
     )
 
 
 def main() -> None:
     p = parser(__doc__, "natural_collapse")
-    p.add_argument("--model", default="organism-collapsed", help="the naturally collapsed model")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=ROOT / "analyses" / "collapse_alibi",
+        help="the recipe's ALiBi model (organism-collapsed, were it bundled: no run of the "
+        "recipe reached the sink threshold, so the exported run lives here)",
+    )
     p.add_argument(
         "--control",
         type=Path,
@@ -163,49 +170,61 @@ def main() -> None:
     args = p.parse_args()
     started = start(args)
 
-    model = load_model(args.model)
-    source = model_info(model).source
-    control = load_model(str(args.control))
-    heads = pd.concat([census_table(model, args.model), census_table(control, "control")])
+    names = {"ALiBi": str(args.model), "control": str(args.control)}
+    models = {label: load_model(name) for label, name in names.items()}
+    heads = pd.concat([census_table(m, label) for label, m in models.items()])
     sick = {
-        name: set(
-            sub.loc[sub["label"] != "healthy"].apply(lambda r: f"L{r.layer}H{r['head']}", axis=1)
-        )
-        for name, sub in heads.groupby("model")
+        label: {f"L{r.layer}H{r.head}" for r in sub.itertuples() if r.label != "healthy"}
+        for label, sub in heads.groupby("model")
     }
-    traj = pd.concat([trajectories(source, args.model), trajectories(args.control, "control")])
+    traj = pd.concat([trajectories(model_info(m).source, label) for label, m in models.items()])
 
-    figures = {"trajectories": trajectory_figure(traj, sick)}
-    tables = {"heads.csv": heads, "trajectories.csv": traj}
-    repairs: dict[str, RepairResult] = {}
-    if sick[args.model]:  # repair refuses a model with nothing to repair
-        config = FinetuneConfig(steps=args.steps, lr=args.lr)
-        repairs["text only"] = repair(model, finetune_config=config, progress=False)
-        repairs["training mixture"] = repair(
-            load_model(args.model),
-            mixture_windows(model, MIXTURE_WINDOWS),
+    config = FinetuneConfig(steps=args.steps, lr=args.lr)
+    repairs: dict[tuple[str, str], RepairResult] = {}
+    for label, name in names.items():
+        if not sick[label]:  # repair refuses a model with nothing to repair
+            continue
+        repairs[label, "text only"] = repair(
+            load_model(name), finetune_config=config, progress=False
+        )
+        repairs[label, "training mixture"] = repair(
+            load_model(name),
+            mixture_windows(models[label], MIXTURE_WINDOWS),
             finetune_config=config,
             progress=False,
         )
+    tables = {"heads.csv": heads, "trajectories.csv": traj}
+    if repairs:
         tables["prune_vs_repair.csv"] = pd.DataFrame(
-            [repair_row(name, result) for name, result in repairs.items()]
+            [repair_row(key, result) for key, result in repairs.items()]
         )
-        tables["redistribution.csv"] = pd.concat([moved(r, n) for n, r in repairs.items()])
+        tables["redistribution.csv"] = pd.concat(
+            [moved(result, key) for key, result in repairs.items()]
+        )
 
-    def report(folder: Path) -> None:
-        """The text-only repair's report: what ``python -m headsurgeon.repair`` writes."""
-        if "text only" in repairs:
-            write_report(repairs["text only"], folder / "repair", save_model=False)
+    def reports(folder: Path) -> None:
+        """Each text-only repair's report: what ``python -m headsurgeon.repair`` writes."""
+        for (label, data), result in repairs.items():
+            if data == "text only":
+                write_report(result, folder / f"repair-{label}", save_model=False)
 
-    summary = summarise(args, model, heads, sick, traj, tables, repairs.get("text only"))
-    write_topic(args.out, figures, tables, summary, started, extra=report)
+    summary = summarise(args, models, heads, sick, traj, tables)
+    write_topic(
+        args.out,
+        {"trajectories": trajectory_figure(traj, sick)},
+        tables,
+        summary,
+        started,
+        extra=reports,
+    )
 
 
-def repair_row(name: str, result: RepairResult) -> dict[str, object]:
+def repair_row(key: tuple[str, str], result: RepairResult) -> dict[str, object]:
     """One repair's recovery and the held-out perplexity of model, pruned and repaired."""
     pvr = result.prune_vs_repair() or {}
     return {
-        "repair data": name,
+        "model": key[0],
+        "repair data": key[1],
         "targeted": ", ".join(result.targeted.names()),
         "recovered": len(result.recovered),
         "recovery_rate": result.recovery_rate,
@@ -219,92 +238,80 @@ def repair_row(name: str, result: RepairResult) -> dict[str, object]:
         "ppl_pruned_zero": (pvr.get("pruned_zero") or {}).get("heldout"),
         "ppl_repaired": (pvr.get("repaired") or {}).get("heldout"),
         "drifted": ", ".join(result.drifted.names()),
-        "max_frozen_bos_change": moved(result, name).query("frozen")["change"].abs().max(),
+        "max_frozen_bos_change": moved(result, key).query("frozen")["change"].abs().max(),
     }
 
 
 def summarise(
     args: argparse.Namespace,
-    model: Model,
+    models: dict[str, Model],
     heads: pd.DataFrame,
     sick: dict[str, set[str]],
     traj: pd.DataFrame,
     tables: dict[str, pd.DataFrame],
-    text: RepairResult | None,
 ) -> list[str]:
-    """summary.md: the numbers, then which of the paper's claims hold here."""
-    meta = model_info(model).metadata
-    training = meta["training"]
-    mine = heads[heads["model"] == args.model]
-    ctrl = heads[heads["model"] == "control"]
-    control_meta = json.loads((args.control / "headsurgeon.json").read_text())["training"]
-    sick_rows = mine[mine["label"] != "healthy"]
-    healthy = mine[mine["label"] == "healthy"]
+    """summary.md: the numbers of both models (the claims are stated in the README)."""
     peak = traj.groupby(["model", "head"])["bos_mass"].max()
     lines = [
-        f"# {args.model}: natural collapse and the surgery paper's claims",
+        "# Natural collapse: the recipe with ALiBi and without positional bias",
         "",
-        f"Model: {meta['description']} Trained {training['minutes']} min "
-        f"({training['steps']} steps, {training['tokens_seen']:,} tokens); stopped: "
-        f"{training.get('stopped', 'n/a')}. Control (the same recipe, no positional bias): "
-        f"{control_meta['minutes']} min, {control_meta['steps']} steps; stopped: "
-        f"{control_meta.get('stopped', 'n/a')}.",
-        "",
-        "## Sick heads and where",
-        "",
-        f"- {args.model}: {len(sick_rows)} of {len(mine)} heads sick "
-        f"({fmt_heads(sorted(sick[args.model]))}); control: {len(sick['control'])} "
-        f"({fmt_heads(sorted(sick['control']))}). Census: 64 x 128 held-out tokens.",
-        f"- Slopes of the sick heads: {fmt_values(sick_rows['slope'], '.4g')}; the model's "
-        f"slopes run {mine['slope'].max():.4g} ... {mine['slope'].min():.4g}.",
-        "",
-        markdown(
-            sick_rows[["layer", "head", "slope", "bos_mass", "label", "dloss_mean", "dloss_zero"]],
-            4,
-        )
-        if len(sick_rows)
-        else "(no sick head)",
-        "",
-        "Largest BOS mass reached during training (held-out text, 8 windows of the training "
-        "log) per model: "
-        + ", ".join(f"{m} {peak[m].max():.3f} ({peak[m].idxmax()})" for m in traj["model"].unique())
-        + ".",
-        "",
-        "## Dormancy (loss increase when the head's output is ablated, nats)",
-        "",
-        f"- Sick heads: mean ablation {fmt_values(sick_rows['dloss_mean'])}, zero ablation "
-        f"{fmt_values(sick_rows['dloss_zero'])}; dormant (|delta| <= 2 SE) by mean ablation: "
-        f"{int(sick_rows['dormant_mean'].sum())}/{len(sick_rows)}, by zero ablation: "
-        f"{int(sick_rows['dormant_zero'].sum())}/{len(sick_rows)}.",
-        f"- Healthy heads: median mean-ablation cost {healthy['dloss_mean'].median():.4f}, "
-        f"median zero-ablation cost {healthy['dloss_zero'].median():.4f}; healthy heads dormant "
-        f"by mean ablation: {int(healthy['dormant_mean'].sum())}/{len(healthy)}.",
-        "",
-        "## Prune versus repair",
+        f"ALiBi model: `{args.model.relative_to(ROOT)}`; control: `{args.control.relative_to(ROOT)}`. Census: the "
+        "classify CLI's default, 64 x 128 held-out tokens; importance: mean and zero ablation "
+        "on the same kind of data (dormant: |delta loss| <= 2 SE).",
         "",
     ]
-    if text is None:
-        lines += ["No head is sick: nothing to prune or repair.", ""]
-    else:
+    for label, model in models.items():
+        training = model_info(model).metadata["training"]
+        mine = heads[heads["model"] == label]
+        sick_rows = mine[mine["label"] != "healthy"]
+        healthy = mine[mine["label"] == "healthy"]
         lines += [
-            f"Repair: {args.steps} steps at lr {args.lr:g} per pass, up to 2 passes "
-            f"(`python -m headsurgeon.repair {args.model} --steps {args.steps} --lr "
-            f"{args.lr:g}`; report in `repair/`), once on the bundled training text and once "
-            f"on {MIXTURE_WINDOWS} windows of the organism's own training mixture. Perplexity: "
-            "the repair's held-out windows of the bundled held-out text.",
+            f"## {label}",
+            "",
+            f"{model_info(model).metadata['description']} Trained {training['minutes']} min "
+            f"({training['steps']} steps, {training['tokens_seen']:,} tokens); stopped: "
+            f"{training.get('stopped', 'n/a')}.",
+            "",
+            f"- Sick heads: {len(sick_rows)} of {len(mine)} ({fmt_heads(sorted(sick[label]))}); "
+            f"largest census BOS mass {mine['bos_mass'].max():.3f} "
+            f"({mine_head(mine)}); largest BOS mass in training (8 held-out windows per "
+            f"evaluation): {peak[label].max():.3f} ({peak[label].idxmax()}).",
+            f"- Slopes of the sick heads: {fmt_values(sick_rows['slope'], '.4g')} (the model's "
+            f"run {mine['slope'].max():.4g} ... {mine['slope'].min():.4g}).",
+            f"- Dormancy of the sick heads: mean ablation {fmt_values(sick_rows['dloss_mean'])}, "
+            f"zero ablation {fmt_values(sick_rows['dloss_zero'])} nats; dormant by mean / zero "
+            f"ablation: {int(sick_rows['dormant_mean'].sum())} / "
+            f"{int(sick_rows['dormant_zero'].sum())} of {len(sick_rows)}.",
+            f"- Healthy heads: median cost {healthy['dloss_mean'].median():.4f} (mean ablation), "
+            f"{healthy['dloss_zero'].median():.4f} (zero ablation) nats; dormant by mean "
+            f"ablation: {int(healthy['dormant_mean'].sum())} of {len(healthy)}.",
+            "",
+        ]
+        if len(sick_rows):
+            columns = ["layer", "head", "slope", "bos_mass", "label", "dloss_mean", "dloss_zero"]
+            lines += [markdown(sick_rows[columns], 4), ""]
+    lines += ["## Prune versus repair", ""]
+    if "prune_vs_repair.csv" in tables:
+        lines += [
+            f"Repair: {args.steps} steps at lr {args.lr:g} per pass, up to 2 passes (as "
+            f"`python -m headsurgeon.repair MODEL --steps {args.steps} --lr {args.lr:g}`; "
+            "reports in `repair-<model>/`), on the bundled training text and on "
+            f"{MIXTURE_WINDOWS} windows of the model's own training mixture. Perplexity: the "
+            "repair's held-out windows of the bundled held-out text (ppl_model: as trained; "
+            "pruned: the targets' z mean- or zero-ablated).",
             "",
             markdown(tables["prune_vs_repair.csv"], 4),
             "",
         ]
-    lines += [
-        "## Control without positional bias",
-        "",
-        f"- Sick heads: {len(sick['control'])} ({fmt_heads(sorted(sick['control']))}); largest "
-        f"census BOS mass {ctrl['bos_mass'].max():.3f}, against {mine['bos_mass'].max():.3f} "
-        "with ALiBi.",
-        "",
-    ]
+    else:
+        lines += ["No model has a sick head: nothing to prune or repair.", ""]
     return lines
+
+
+def mine_head(table: pd.DataFrame) -> str:
+    """``L{layer}H{head}`` of the head with the largest BOS mass."""
+    row = table.loc[table["bos_mass"].idxmax()]
+    return f"L{row['layer']}H{row['head']}"
 
 
 def fmt_values(values: pd.Series, spec: str = "+.4f") -> str:
