@@ -1,8 +1,10 @@
 """The surgery paper's questions on a naturally collapsed organism (issue 29).
 
-``organism-collapsed`` grew its sick heads from its training objective alone
-(``analyses/train_organism.py --span-share``: natural text with synthetic context-free spans,
-BOS first); nothing was planted. This script asks of it what the surgery paper asks of BLOOM:
+The recipe of ``analyses/train_organism.py --span-share`` (natural text with synthetic
+context-free spans, BOS first) is meant to grow sick heads from the training objective alone,
+nothing planted; a run that crosses the sink threshold is bundled as ``organism-collapsed``.
+None has yet (the runs shipped in ``analyses/collapse_alibi`` and ``analyses/collapse_control``
+peaked below 0.5). This script asks of such models what the surgery paper asks of BLOOM:
 
 1. Which heads are sick, and where: the census (``headsurgeon.run_census``, the classify CLI's
    default 64 x 128 held-out tokens) with each head's layer and ALiBi slope, and every head's
@@ -12,8 +14,8 @@ BOS first); nothing was planted. This script asks of it what the surgery paper a
 3. Prune versus repair: ``headsurgeon.repair`` with the settings of
    ``python -m headsurgeon.repair MODEL --steps S --lr LR`` (its report is written to
    ``repair-<model>/``, the same files the CLI writes, without the model), held-out perplexity
-   of the model, the model with its sick heads pruned (mean- and zero-ablated) and the repaired model;
-   recovery per pass; how the frozen heads' BOS masses moved (the paper's global
+   of the model, the model with its sick heads pruned (mean- and zero-ablated) and the
+   repaired model; recovery per pass; how the frozen heads' BOS masses moved (the paper's global
    redistribution). The same repair trained on the organism's own mixture (text with spans)
    instead of text only (the paper's curated-versus-noisy data question).
 4. The causal control: the same recipe with no positional bias (``--control``: a model trained
@@ -255,7 +257,8 @@ def summarise(
     lines = [
         "# Natural collapse: the recipe with ALiBi and without positional bias",
         "",
-        f"ALiBi model: `{args.model.relative_to(ROOT)}`; control: `{args.control.relative_to(ROOT)}`. Census: the "
+        f"ALiBi model: `{args.model.relative_to(ROOT)}`; control: "
+        f"`{args.control.relative_to(ROOT)}`. Census: the "
         "classify CLI's default, 64 x 128 held-out tokens; importance: mean and zero ablation "
         "on the same kind of data (dormant: |delta loss| <= 2 SE).",
         "",
