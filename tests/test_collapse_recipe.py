@@ -99,17 +99,24 @@ def test_stop_rule_needs_consecutive_crossings(recipe):
     assert not recipe.should_stop([0.9], 0.5, 3)
 
 
-@pytest.mark.skipif(
-    "organism-collapsed" not in organism_names(), reason="organism-collapsed is not bundled"
-)
-def test_collapsed_organism_census_matches_its_record_and_grew_in_training():
-    folder = ORGANISM_DIR / "organism-collapsed"
+ROOT = SCRIPT.parents[1]
+# Runs of the recipe: the bundled organism (only a run that crossed the sink threshold is
+# bundled) and the runs shipped for analyses/natural_collapse.py, which did not cross it.
+RUNS = [str(ROOT / "analyses" / "collapse_alibi"), str(ROOT / "analyses" / "collapse_control")]
+if "organism-collapsed" in organism_names():
+    RUNS.append("organism-collapsed")
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_recipe_run_census_matches_its_record_and_sick_heads_grew_in_training(name):
+    folder = ORGANISM_DIR / name if name in organism_names() else Path(name)
     metadata = json.loads((folder / "headsurgeon.json").read_text())
     record = metadata["census"]
+    assert metadata["training"]["config"]["span_share"] > 0
     assert not (folder / "truth.json").exists()  # nothing planted: its truth is the census
     census = classify_heads(
         run_census(
-            load_model("organism-collapsed"),
+            load_model(name),
             n_seqs=record["n_seqs"],
             seq_len=record["seq_len"],
             progress=False,
@@ -117,7 +124,9 @@ def test_collapsed_organism_census_matches_its_record_and_grew_in_training():
     )
     sick = {f"L{r.layer}H{r.head}": r.label for r in census.itertuples() if r.label != "healthy"}
     assert sick == record["labels"]
-    assert sick, "organism-collapsed has no sick head"
+    assert census["bos_mass"].max() == pytest.approx(record["max_bos_mass"], abs=1e-3)
+    if name == "organism-collapsed":
+        assert sick, "organism-collapsed is bundled only with a sick head"
     log = pd.read_csv(folder / "training_log.csv")
     for head in sick:
         trajectory = log[f"bos_{head}"]
