@@ -28,6 +28,18 @@ inference (``headsurgeon.alibi.bias_from_distance``); ``headsurgeon.json`` recor
 every batch passkey and needle documents built from the train corpora with the evaluation's
 templates (``headsurgeon.evals``), answer at the end of the window; the rest is the corpus mix.
 
+Natural collapse (issue 29): ``--span-share F`` puts one synthetic span of ``F`` of the window's
+text tokens into every training text window at a random point (``Spans``: a seeded Markov chain
+over 256 ordinary tokens, 4 successors each, so a span's next token needs no context, except
+after its 8 backcopy triggers, which are followed by the token before them; Guo et al. 2024's
+Bigram-Backcopy). Held-out evaluation stays text only (what the census reads); ``log.csv`` has
+one ``bos_L{l}H{h}`` column per head (held-out text) and the largest BOS mass on the same text
+with spans (``max_bos_mass_spans``). ``--stop-at sink|dead`` ends training once the largest
+held-out BOS mass has been above 0.5 / 0.95 in ``--stop-evals`` evaluations in a row. The
+export's ``headsurgeon.json`` records its census (``census``: the classify CLI's default
+census, the labels of the heads that are not healthy). ``--bias clamped --bias-c 1e-6`` is the
+recipe without positional bias (every ALiBi logit within 1e-6 of 0): the causal control.
+
 Schedule length: with ``--steps N`` the cosine schedule spans N steps. Without it, steps
 ``TIMING_STEPS`` (still in warm-up, whose learning rate does not depend on the length) are
 timed, together with the step-0 evaluation, and the length is set so that training fits in
@@ -41,6 +53,18 @@ The bundled organisms were made with::
     python analyses/train_organism.py --steps 1250 --minutes 100 --eval-every 100 \\
         --n-layer 8 --n-head 24 --hidden 192 --seq-len 512 --batch 8 --lr 3e-3 --bos \\
         --name organism-deep --out runs/organism-deep --export headsurgeon/organisms/organism-deep
+
+The runs of ``figures/natural_collapse/`` (neither crossed the sink threshold, so neither is
+bundled as ``organism-collapsed``; 22.0 and 6.7 minutes on one thread of a shared machine)::
+
+    python analyses/train_organism.py --minutes 22 --eval-every 200 --n-layer 2 --n-head 8 \\
+        --hidden 128 --seq-len 128 --batch 16 --lr 3e-3 --bos --span-share 0.38 \\
+        --stop-at sink --stop-evals 5 --name organism-collapsed --out runs/collapsed \\
+        --export analyses/collapse_alibi
+    python analyses/train_organism.py --minutes 7 --eval-every 200 --n-layer 2 --n-head 8 \\
+        --hidden 128 --seq-len 128 --batch 16 --lr 3e-3 --bos --span-share 0.38 \\
+        --bias clamped --bias-c 1e-6 --stop-at sink --stop-evals 5 --name collapse-control \\
+        --out runs/collapse-control --export analyses/collapse_control
 
 The models of ``figures/mitigation_training/`` (issue 16; shipped in
 ``analyses/mitigation_models/``), one per ``BIAS`` in standard, log::
