@@ -257,6 +257,9 @@ def summarise(
     lines = [
         "# Natural collapse: the recipe with ALiBi and without positional bias",
         "",
+        "The control's `slope` column is its configuration's nominal slope; it trained and runs "
+        "with every bias clamped to within 1e-6 of 0 (`--bias clamped --bias-c 1e-6`).",
+        "",
         f"ALiBi model: `{args.model.relative_to(ROOT)}`; control: "
         f"`{args.control.relative_to(ROOT)}`. Census: the "
         "classify CLI's default, 64 x 128 held-out tokens; importance: mean and zero ablation "
@@ -290,9 +293,14 @@ def summarise(
             f"ablation: {int(healthy['dormant_mean'].sum())} of {len(healthy)}.",
             "",
         ]
-        if len(sick_rows):
-            columns = ["layer", "head", "slope", "bos_mass", "label", "dloss_mean", "dloss_zero"]
-            lines += [markdown(sick_rows[columns], 4), ""]
+        # The heads nearest the threshold, sick or not: where collapse would come from.
+        columns = ["layer", "head", "slope", "bos_mass", "label", "dloss_mean", "dloss_zero"]
+        lines += [
+            "Largest BOS masses (census) and what ablating those heads costs (nats):",
+            "",
+            markdown(mine.nlargest(3, "bos_mass")[columns], 4),
+            "",
+        ]
     lines += ["## Prune versus repair", ""]
     if "prune_vs_repair.csv" in tables:
         lines += [
