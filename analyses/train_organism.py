@@ -28,6 +28,18 @@ inference (``headsurgeon.alibi.bias_from_distance``); ``headsurgeon.json`` recor
 every batch passkey and needle documents built from the train corpora with the evaluation's
 templates (``headsurgeon.evals``), answer at the end of the window; the rest is the corpus mix.
 
+Natural collapse (issue 29): ``--span-share F`` puts one synthetic span of ``F`` of the window's
+text tokens into every training text window at a random point (``Spans``: a seeded Markov chain
+over 256 ordinary tokens, 4 successors each, so a span's next token needs no context, except
+after its 8 backcopy triggers, which are followed by the token before them; Guo et al. 2024's
+Bigram-Backcopy). Held-out evaluation stays text only (what the census reads); ``log.csv`` has
+one ``bos_L{l}H{h}`` column per head (held-out text) and the largest BOS mass on the same text
+with spans (``max_bos_mass_spans``). ``--stop-at sink|dead`` ends training once the largest
+held-out BOS mass has been above 0.5 / 0.95 in ``--stop-evals`` evaluations in a row. The
+export's ``headsurgeon.json`` records its census (``census``: the classify CLI's default
+census, the labels of the heads that are not healthy). ``--bias clamped --bias-c 1e-6`` is the
+recipe without positional bias (every ALiBi logit within 1e-6 of 0): the causal control.
+
 Schedule length: with ``--steps N`` the cosine schedule spans N steps. Without it, steps
 ``TIMING_STEPS`` (still in warm-up, whose learning rate does not depend on the length) are
 timed, together with the step-0 evaluation, and the length is set so that training fits in
@@ -41,6 +53,18 @@ The bundled organisms were made with::
     python analyses/train_organism.py --steps 1250 --minutes 100 --eval-every 100 \\
         --n-layer 8 --n-head 24 --hidden 192 --seq-len 512 --batch 8 --lr 3e-3 --bos \\
         --name organism-deep --out runs/organism-deep --export headsurgeon/organisms/organism-deep
+
+The runs of ``figures/natural_collapse/`` (neither crossed the sink threshold, so neither is
+bundled as ``organism-collapsed``; 22.0 and 6.7 minutes on one thread of a shared machine)::
+
+    python analyses/train_organism.py --minutes 22 --eval-every 200 --n-layer 2 --n-head 8 \\
+        --hidden 128 --seq-len 128 --batch 16 --lr 3e-3 --bos --span-share 0.38 \\
+        --stop-at sink --stop-evals 5 --name organism-collapsed --out runs/collapsed \\
+        --export analyses/collapse_alibi
+    python analyses/train_organism.py --minutes 7 --eval-every 200 --n-layer 2 --n-head 8 \\
+        --hidden 128 --seq-len 128 --batch 16 --lr 3e-3 --bos --span-share 0.38 \\
+        --bias clamped --bias-c 1e-6 --stop-at sink --stop-evals 5 --name collapse-control \\
+        --out runs/collapse-control --export analyses/collapse_control
 
 The models of ``figures/mitigation_training/`` (issue 16; shipped in
 ``analyses/mitigation_models/``), one per ``BIAS`` in standard, log::
@@ -64,7 +88,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -77,6 +101,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from headsurgeon import classify_heads, load_model, run_census
 from headsurgeon.alibi import check_bias_params
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.evals import (
@@ -104,6 +129,15 @@ TIMING_STEPS = (10, 40)  # steps timed (after a few warm-up steps) to plan the s
 EVAL_SEQS = 16  # per held-out corpus
 BOS_SEQS = 4  # per held-out corpus
 EXPORT_LIMIT_BYTES = 10 * 1024 * 1024
+# Synthetic spans (--span-share): a seeded Markov chain over SPAN_ALPHABET ordinary tokens, each
+# with SPAN_SUCCESSORS equally likely successors (its next token needs no context), and
+# SPAN_TRIGGERS of those tokens are triggers, followed by the token before them instead
+# (Guo et al. 2024's Bigram-Backcopy, arXiv:2410.13835: the one place a span needs attention).
+SPAN_ALPHABET = 256
+SPAN_SUCCESSORS = 4
+SPAN_TRIGGERS = 8
+SINK_THRESHOLD = 0.5  # headsurgeon.classify's BOS-sink and dead thresholds
+DEAD_THRESHOLD = 0.95
 LOG_FIELDS = [
     "step",
     "tokens",
@@ -113,8 +147,46 @@ LOG_FIELDS = [
     "heldout_python_docs",
     "max_bos_mass",
     "max_bos_head",
+    "max_bos_mass_spans",
+    "max_bos_head_spans",
     "minutes",
-]
+]  # then one bos_L{layer}H{head} column per head: its BOS mass on the held-out text windows
+
+
+@dataclass
+class Spans:
+    """The synthetic span language: ``successors[i]`` are the tokens that may follow
+    ``alphabet[i]``; a token of ``triggers`` is followed by the token before it."""
+
+    alphabet: torch.Tensor  # (SPAN_ALPHABET,) token ids
+    successors: torch.Tensor  # (SPAN_ALPHABET, SPAN_SUCCESSORS) token ids
+    triggers: torch.Tensor  # (SPAN_TRIGGERS,) token ids, a subset of alphabet
+
+    @classmethod
+    def build(cls, seed: int) -> Spans:
+        """The span language of ``seed``: ordinary (non-special) tokens only."""
+        g = torch.Generator().manual_seed(seed)
+        n_special = len(SPECIAL_TOKENS)
+        alphabet = n_special + torch.randperm(VOCAB_SIZE - n_special, generator=g)[:SPAN_ALPHABET]
+        successors = alphabet[
+            torch.randint(0, SPAN_ALPHABET, (SPAN_ALPHABET, SPAN_SUCCESSORS), generator=g)
+        ]
+        return cls(alphabet, successors, alphabet[:SPAN_TRIGGERS])
+
+    def sample(self, length: int, gen: torch.Generator) -> torch.Tensor:
+        """One span of ``length`` tokens starting at a random non-trigger token."""
+        index = {t: i for i, t in enumerate(self.alphabet.tolist())}
+        trigger = set(self.triggers.tolist())
+        first = int(torch.randint(SPAN_TRIGGERS, SPAN_ALPHABET, (1,), generator=gen))
+        tokens = [int(self.alphabet[first])]
+        draws = torch.randint(0, SPAN_SUCCESSORS, (length,), generator=gen).tolist()
+        while len(tokens) < length:
+            current = tokens[-1]
+            if current in trigger and len(tokens) >= 2:
+                tokens.append(tokens[-2])
+            else:
+                tokens.append(int(self.successors[index[current], draws[len(tokens)]]))
+        return torch.tensor(tokens, dtype=torch.long)
 
 
 @dataclass
@@ -125,13 +197,29 @@ class Data:
     heldout: dict[str, torch.Tensor]  # (EVAL_SEQS, seq_len) per domain
     seq_len: int
     bos: bool  # every window starts with BOS_ID (and holds seq_len - 1 text tokens)
+    spans: Spans | None = None  # with span_len > 0: every training text window holds one span
+    span_len: int = 0
+    heldout_spans: dict[str, torch.Tensor] = field(default_factory=dict)  # (BOS_SEQS, seq_len)
 
     def window(self, stream: torch.Tensor, start: int) -> torch.Tensor:
-        """The training window of ``stream`` starting at ``start``."""
+        """The (text-only) window of ``stream`` starting at ``start``."""
         if not self.bos:
             return stream[start : start + self.seq_len]
         text = stream[start : start + self.seq_len - 1]
         return torch.cat([torch.tensor([BOS_ID]), text])
+
+    def mixed_window(self, stream: torch.Tensor, start: int, gen: torch.Generator) -> torch.Tensor:
+        """A training window: text of ``stream`` from ``start`` with one synthetic span of
+        ``span_len`` tokens inserted at a random point (BOS first with ``bos``)."""
+        if not self.span_len:
+            return self.window(stream, start)
+        assert self.spans is not None
+        n_text = self.seq_len - self.bos - self.span_len
+        text = stream[start : start + n_text]
+        cut = int(torch.randint(0, n_text + 1, (1,), generator=gen))
+        head = [torch.tensor([BOS_ID])] if self.bos else []
+        span = self.spans.sample(self.span_len, gen)
+        return torch.cat([*head, text[:cut], span, text[cut:]])
 
 
 def read_corpus(name: str) -> str:
@@ -167,18 +255,36 @@ def encode(tokenizer: PreTrainedTokenizerFast, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def load_data(tokenizer: PreTrainedTokenizerFast, seq_len: int, bos: bool) -> Data:
-    """Tokenize the train streams and cut ``EVAL_SEQS`` evenly spaced held-out windows."""
+def load_data(
+    tokenizer: PreTrainedTokenizerFast,
+    seq_len: int,
+    bos: bool,
+    span_share: float = 0.0,
+    seed: int = 0,
+) -> Data:
+    """Tokenize the train streams and cut ``EVAL_SEQS`` evenly spaced held-out windows (text
+    only, as the census reads them). ``span_share`` of every training text window's tokens are a
+    synthetic span (:class:`Spans` of ``seed``)."""
+    span_len = round(span_share * (seq_len - bos))
+    if not 0 <= span_len < seq_len - bos:
+        raise ValueError(f"--span-share {span_share} leaves no text in a {seq_len}-token window")
     data = Data(
         train={d: encode(tokenizer, read_corpus(f"{d}-train")) for d in DOMAINS},
         heldout={},
         seq_len=seq_len,
         bos=bos,
+        spans=Spans.build(seed) if span_len else None,
+        span_len=span_len,
     )
+    span_gen = torch.Generator().manual_seed(seed + 2)
     for d in DOMAINS:
         stream = encode(tokenizer, read_corpus(f"{d}-heldout"))
         stride = (len(stream) - seq_len) // (EVAL_SEQS - 1)
         data.heldout[d] = torch.stack([data.window(stream, i * stride) for i in range(EVAL_SEQS)])
+        if span_len:  # the same held-out text with spans: BOS mass where the spans are
+            data.heldout_spans[d] = torch.stack(
+                [data.mixed_window(stream, i * stride, span_gen) for i in range(BOS_SEQS)]
+            )
         log.info("%s: %d train tokens", d, len(data.train[d]))
     return data
 
@@ -197,7 +303,7 @@ def sample_batch(
     for i, d in enumerate(DOMAINS):
         n = text_rows // len(DOMAINS) + (i < text_rows % len(DOMAINS))
         starts = torch.randint(0, len(data.train[d]) - data.seq_len, (n,), generator=gen)
-        rows += [data.window(data.train[d], s) for s in starts.tolist()]
+        rows += [data.mixed_window(data.train[d], s, gen) for s in starts.tolist()]
     return torch.stack(rows)
 
 
@@ -281,21 +387,47 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     )
 
 
+def bos_masses(model: BloomForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The (n_layer, n_head) BOS masses of ``ids``: mean over windows and queries t >= 1 of the
+    attention on position 0 (the census's definition)."""
+    attentions = model(input_ids=ids, output_attentions=True).attentions
+    # (layer, batch, head, query, key) -> mean over batch and queries t >= 1 of key 0
+    return torch.stack([a[:, :, 1:, 0].float().mean(dim=(0, 2)) for a in attentions])
+
+
 @torch.no_grad()
-def evaluate(model: BloomForCausalLM, data: Data) -> tuple[dict[str, float], torch.Tensor]:
-    """Held-out loss per domain and the (n_layer, n_head) BOS-mass matrix."""
+def evaluate(
+    model: BloomForCausalLM, data: Data
+) -> tuple[dict[str, float], torch.Tensor, torch.Tensor | None]:
+    """Held-out loss per domain, the (n_layer, n_head) BOS-mass matrix on held-out text and,
+    with spans, on the same text with spans inserted (else None)."""
     model.eval()
     losses = {}
     for d in DOMAINS:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(input_ids=data.heldout[d], labels=data.heldout[d])
         losses[d] = out.loss.item()
-    ids = torch.cat([data.heldout[d][:BOS_SEQS] for d in DOMAINS])
-    attentions = model(input_ids=ids, output_attentions=True).attentions
-    # (layer, batch, head, query, key) -> mean over batch and queries t >= 1 of key 0
-    bos = torch.stack([a[:, :, 1:, 0].float().mean(dim=(0, 2)) for a in attentions])
+    bos = bos_masses(model, torch.cat([data.heldout[d][:BOS_SEQS] for d in DOMAINS]))
+    spans = None
+    if data.heldout_spans:
+        spans = bos_masses(model, torch.cat([data.heldout_spans[d] for d in DOMAINS]))
     model.train()
-    return losses, bos
+    return losses, bos, spans
+
+
+def head_name(flat: int, n_head: int) -> str:
+    """``L{layer}H{head}`` of a flat head index."""
+    return f"L{flat // n_head}H{flat % n_head}"
+
+
+def should_stop(history: list[float], threshold: float, evals: int) -> bool:
+    """Whether the largest BOS mass was above ``threshold`` in each of the last ``evals``
+    evaluations (one crossing could be noise of the 8 evaluation windows).
+
+    >>> should_stop([0.2, 0.51, 0.6], 0.5, 2), should_stop([0.51, 0.4, 0.6], 0.5, 2)
+    (True, False)
+    """
+    return len(history) >= evals and all(m > threshold for m in history[-evals:])
 
 
 def atomic_save(obj: object, path: Path) -> None:
@@ -361,6 +493,20 @@ def verify_export(out: Path, bos: bool, bias: dict) -> str:
     return text
 
 
+def census_record(out: Path) -> dict:
+    """What ``python -m headsurgeon.classify`` says of the export (its default census: 64
+    held-out windows of 128 tokens): the label of every head that is not healthy, and the
+    largest BOS mass. Recorded in ``headsurgeon.json`` so that the claim can be checked."""
+    census = classify_heads(run_census(load_model(str(out)), progress=False))
+    sick = census[census["label"] != "healthy"]
+    return {
+        "n_seqs": census.attrs["n_seqs"],
+        "seq_len": census.attrs["seq_len"],
+        "labels": {f"L{r.layer}H{r.head}": r.label for r in sick.itertuples()},
+        "max_bos_mass": round(float(census["bos_mass"].max()), 4),
+    }
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=65.0, help="hard training-time budget")
@@ -400,6 +546,21 @@ def parse_args() -> argparse.Namespace:
         default=0.0,
         help="share of each batch that is passkey/needle documents (headsurgeon.evals' tasks)",
     )
+    p.add_argument(
+        "--span-share",
+        type=float,
+        default=0.0,
+        help="share of every training text window that is one synthetic span (Spans: a Markov "
+        "chain whose next token needs no context, with backcopy triggers); 0: text only",
+    )
+    p.add_argument(
+        "--stop-at",
+        choices=("none", "sink", "dead"),
+        default="none",
+        help=f"stop once the largest held-out BOS mass is above the sink ({SINK_THRESHOLD}) or "
+        f"dead ({DEAD_THRESHOLD}) threshold in --stop-evals evaluations in a row",
+    )
+    p.add_argument("--stop-evals", type=int, default=3, help="evaluations in a row for --stop-at")
     return p.parse_args()
 
 
@@ -422,7 +583,7 @@ def main() -> None:
         tokenizer = train_tokenizer([read_corpus(f"{d}-train") for d in DOMAINS])
         tokenizer.save_pretrained(tok_dir)
         log.info("tokenizer trained in %.1f s", time.perf_counter() - t0)
-    data = load_data(tokenizer, args.seq_len, args.bos)
+    data = load_data(tokenizer, args.seq_len, args.bos, args.span_share, args.seed)
 
     model = build_model(args)
     bias = {"kind": args.bias, "params": bias_params(args)}
@@ -447,7 +608,8 @@ def main() -> None:
     log_path = args.out / "log.csv"
     new_log = not (args.resume and log_path.exists())
     log_file = open(log_path, "w" if new_log else "a", newline="")
-    writer = csv.DictWriter(log_file, fieldnames=LOG_FIELDS)
+    head_columns = [f"bos_{head_name(i, args.n_head)}" for i in range(args.n_layer * args.n_head)]
+    writer = csv.DictWriter(log_file, fieldnames=LOG_FIELDS + head_columns)
     if new_log:
         writer.writeheader()
 
@@ -455,14 +617,15 @@ def main() -> None:
     train_losses: list[float] = []
     eval_seconds = 0.0
     last_eval: tuple[int, dict[str, float], torch.Tensor] | None = None
+    threshold = {"none": math.inf, "sink": SINK_THRESHOLD, "dead": DEAD_THRESHOLD}[args.stop_at]
+    max_history: list[float] = []
 
     def log_eval() -> None:
         nonlocal eval_seconds, last_eval
         t = time.perf_counter()
-        losses, bos = evaluate(model, data)
+        losses, bos, span_bos = evaluate(model, data)
         eval_seconds = time.perf_counter() - t
-        flat = int(bos.argmax())
-        head = f"L{flat // bos.shape[1]}H{flat % bos.shape[1]}"
+        max_history.append(bos.max().item())
         row = {
             "step": step,
             "tokens": tokens_seen,
@@ -471,12 +634,19 @@ def main() -> None:
             "heldout_shakespeare": f"{losses['shakespeare']:.4f}",
             "heldout_python_docs": f"{losses['python-docs']:.4f}",
             "max_bos_mass": f"{bos.max().item():.4f}",
-            "max_bos_head": head,
+            "max_bos_head": head_name(int(bos.argmax()), args.n_head),
+            "max_bos_mass_spans": "" if span_bos is None else f"{span_bos.max().item():.4f}",
+            "max_bos_head_spans": ""
+            if span_bos is None
+            else head_name(int(span_bos.argmax()), args.n_head),
             "minutes": f"{elapsed / 60:.2f}",
         }
+        row.update(
+            {c: f"{v:.4f}" for c, v in zip(head_columns, bos.flatten().tolist(), strict=True)}
+        )
         writer.writerow(row)
         log_file.flush()
-        log.info(" ".join(f"{k}={v}" for k, v in row.items()))
+        log.info(" ".join(f"{k}={row[k]}" for k in LOG_FIELDS))
         train_losses.clear()
         last_eval = (step, losses, bos)
 
@@ -501,6 +671,7 @@ def main() -> None:
     if step == 0:
         log_eval()
     timing_start = 0.0
+    stopped = ""
     while elapsed < budget and (total_steps is None or step < total_steps):
         t = time.perf_counter()
         lr = lr_at(step, total_steps or WARMUP_STEPS, args.lr)
@@ -529,6 +700,10 @@ def main() -> None:
             log_eval()
             checkpoint()
             elapsed += time.perf_counter() - t
+            if should_stop(max_history, threshold, args.stop_evals):
+                stopped = f"largest BOS mass above {threshold} in {args.stop_evals} evaluations"
+                log.info("stopping at step %d: %s", step, stopped)
+                break
 
     if last_eval is None or last_eval[0] != step:
         log_eval()
@@ -547,7 +722,8 @@ def main() -> None:
             f"({args.bias} ALiBi) "
             "trained from scratch on CPU by analyses/train_organism.py on a 50/50 mix of "
             f"Shakespeare and the Python documentation in {args.seq_len}-token windows "
-            f"({args.retrieval_share:.0%} passkey/needle documents); "
+            f"({args.retrieval_share:.0%} passkey/needle documents; "
+            f"{data.span_len} tokens of every text window a synthetic span); "
             "byte-level BPE vocab 4096, "
             + ("every window starting with BOS." if args.bos else "no BOS.")
         ),
@@ -564,7 +740,10 @@ def main() -> None:
                 "weight_decay": args.weight_decay,
                 "parameters": n_params,
                 "retrieval_share": args.retrieval_share,
+                "span_share": args.span_share,
+                "span_len": data.span_len,
             },
+            "stopped": stopped or "schedule or --minutes budget ended",
             "steps": step,
             "planned_steps": total_steps,
             "tokens_seen": tokens_seen,
@@ -585,6 +764,9 @@ def main() -> None:
     export(model, tokenizer, args.export, meta)
     shutil.copyfile(log_path, args.export / "training_log.csv")
     verify_export(args.export, args.bos, bias)
+    meta["census"] = census_record(args.export)
+    log.info("census of the export: %s", meta["census"])
+    (args.export / "headsurgeon.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
 if __name__ == "__main__":
