@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import head_weight
 
 from headsurgeon import load_model, plots
