@@ -1434,6 +1434,12 @@ def _one_sequence(model: Model, text_or_tokens: str | Tensor | Sequence[int]) ->
     )
 
 
+def _shown_tokens(model: Model, tokens: Tensor) -> list[str]:
+    """The sequence's tokens as plotly labels show text (it reads tags: ``<s>`` would strike
+    the rest through)."""
+    return [escape(t, quote=False) for t in token_strings(model, tokens[0])]
+
+
 def _head_facts(model: Model, census: pd.DataFrame | None) -> Callable[[int, int], str]:
     """``(layer, head) -> "L1H7 · BOS-sink · slope 0.0039 · 0 beyond 2,231"``: the head's label
     (from ``census``), ALiBi slope and blind distance (exact zeros in the model's dtype)."""
@@ -1558,7 +1564,7 @@ def attention_pattern(
     check_model(model, "attention_pattern")
     tokens = _one_sequence(model, text_or_tokens)
     w = attention_weights(model, tokens, heads, max_cells=max_cells, block_size=block_size)
-    names = token_strings(model, tokens[0])
+    names = _shown_tokens(model, tokens)
     facts, blind = _head_facts(model, census), _blind_distances(model, w.heads)
     cols = min(len(w.heads), 3)
     n_rows = -(-len(w.heads) // cols)
@@ -1611,7 +1617,7 @@ def pattern_diff(
     read = {"max_cells": max_cells, "block_size": block_size}
     before = attention_weights(model_before, tokens, heads, **read)
     after = attention_weights(model_after, tokens, heads, **read)
-    names = token_strings(model_before, tokens[0])
+    names = _shown_tokens(model_before, tokens)
     blind = _blind_distances(model_after, after.heads)
     titles = [f"{name} {label}" for name in HeadSet(before.heads).names()
               for label in ("before", "after", "after − before")]  # fmt: skip

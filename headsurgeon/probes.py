@@ -20,6 +20,9 @@ Exports:
                                            max-pooled into cells of ``step`` x ``step`` positions
     attention_weights(model, tokens, heads, max_cells)
                                            them, from ``hook_pattern``, block by block
+    PatternSample, sample_patterns(model, tokens, ...)
+                                           every head's weights on the first positions of a few
+                                           sequences (what a report page shows)
 
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
@@ -64,6 +67,8 @@ __all__ = [
     "check_fired",
     "AttentionWeights",
     "attention_weights",
+    "PatternSample",
+    "sample_patterns",
 ]
 
 logger = logging.getLogger(__name__)
@@ -605,3 +610,38 @@ def attention_weights(
         step=step,
         n_pos=n_pos,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class PatternSample:
+    """Every head's attention weights on a few sequences: ``tokens[i]`` (the positions read) and
+    ``weights[i]`` (:class:`AttentionWeights` of all heads, layer-major) per sequence."""
+
+    tokens: Int[Tensor, "seq pos"]
+    weights: tuple[AttentionWeights, ...]
+
+
+def sample_patterns(
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    *,
+    n_seqs: int = 2,
+    n_pos: int | None = 48,
+    max_cells: int | None = None,
+) -> PatternSample:
+    """Every head's weights on the first ``n_pos`` positions (``None``: all) of the first
+    ``n_seqs`` rows of ``tokens``, max-pooled beyond ``max_cells`` (see
+    :func:`attention_weights`). Causal attention makes the first positions of a sequence exactly
+    what the whole sequence's first rows hold: a short sample of a run's own sequences.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
+    >>> sample = sample_patterns(model, torch.randint(0, 64, (3, 80)), n_pos=10)
+    >>> tuple(sample.tokens.shape), sample.weights[0].weights.shape
+    ((2, 10), (8, 10, 10))
+    """
+    rows = tokens[: check_int(n_seqs, "n_seqs", minimum=1), :n_pos]
+    everything = [(layer, head) for layer in range(model.cfg.n_layers)
+                  for head in range(model.cfg.n_heads)]  # fmt: skip
+    read = [attention_weights(model, row, everything, max_cells=max_cells) for row in rows]
+    return PatternSample(tokens=rows.cpu(), weights=tuple(read))

@@ -117,10 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             classified = _with_importance(classified, model, tokens, args)
         print(format_summary(classified, top=args.top))
         written = plots.split_formats(formats)[0]
-        write_classification(classified, out, formats=formats, overwrite=args.overwrite)
+        write_classification(classified, out, formats=formats, overwrite=args.overwrite,
+                             model=model, tokens=tokens)  # fmt: skip
     print(
-        f"\nwrote {out}/: heads.csv, heads.json, summary.txt, threshold_sweep.csv, figures "
-        f"({', '.join(written)})"
+        f"\nwrote {out}/: index.html (open it in a browser), heads.csv, heads.json, "
+        f"summary.txt, threshold_sweep.csv, figures ({', '.join(written)})"
     )
     return 0
 
