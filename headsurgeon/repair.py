@@ -232,7 +232,7 @@ class RepairResult:
     and held-out perplexity of the model as given with pass 1's targets pruned instead
     (``{"mean": ..., "zero": ...}``: their ``z`` mean- or zero-ablated), the alternative the
     surgery paper argues against; :meth:`prune_vs_repair` sets them beside the repair.
-    ``patterns``: every head's attention on the first positions of the first census sequences
+    ``patterns``: every head's attention on the first positions of the first census sequence
     (:func:`headsurgeon.probes.sample_patterns`) before the first pass (``"before"``) and after
     each pass (``"pass 1"``, ...), for the report page's before / after view.
     """
@@ -937,11 +937,12 @@ class _Run:
         self.undo: list[tuple[HeadSet, dict[str, torch.Tensor]]] = []  # targets' slices, per pass
         self.snapshot = snapshot  # the weights before the run, should it fail
         # Every head's attention at each stage, read while the model is in that stage (a short
-        # forward of a few census rows; passes are undone in place, so it cannot be read later).
+        # forward of one census row; passes are undone in place, so it cannot be read later).
+        # One row: a report page of bloom-560m's 384 heads at three stages stays under 10 MB.
         self.patterns: dict[str, PatternSample] = {}
 
     def sample(self, stage: str) -> None:
-        self.patterns[stage] = sample_patterns(self.model, self.data.census)
+        self.patterns[stage] = sample_patterns(self.model, self.data.census, n_seqs=1)
 
     def census(self) -> pd.DataFrame:
         measured = run_census(

@@ -22,11 +22,12 @@ from headsurgeon.errors import FigureExportError
 from headsurgeon.finetune import FinetuneConfig
 from headsurgeon.loading import ModelShape, organism_names, random_model
 from headsurgeon.outputs import read_mark
-from headsurgeon.probes import attention_weights
+from headsurgeon.probes import attention_weights, sample_patterns
 from headsurgeon.repair import repair
 from headsurgeon.reports import (
     PAGE,
     PAGE_POSITIONS,
+    _write_page,
     open_page,
     write_blindness,
     write_classification,
@@ -84,6 +85,14 @@ def test_a_bloom_560m_sized_page_stays_under_10_mb(tmp_path):
     out = write_classification(census, tmp_path / "out", formats=(), model=model, tokens=tokens)
     size = (out / PAGE).stat().st_size
     assert len(page_data(out)["patterns"][0][0]) == 384
+    assert size < 10 * 2**20, f"{size / 2**20:.1f} MiB"
+    # A repair's page: three stages (before, two passes) of one sequence each, as repair keeps.
+    sample = sample_patterns(model, tokens, n_seqs=1)
+    (tmp_path / "repair").mkdir()
+    stages = {"before": census, "pass 1": census, "pass 2": census}
+    _write_page(tmp_path / "repair", title="repair", summary="", grid=plots.label_grid(census),
+                shape=(24, 16), stages=stages, samples=[sample] * 3, model=model)  # fmt: skip
+    size = (tmp_path / "repair" / PAGE).stat().st_size
     assert size < 10 * 2**20, f"{size / 2**20:.1f} MiB"
 
 
