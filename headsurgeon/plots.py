@@ -1435,9 +1435,9 @@ def _one_sequence(model: Model, text_or_tokens: str | Tensor | Sequence[int]) ->
 
 
 def _shown_tokens(model: Model, tokens: Tensor) -> list[str]:
-    """The sequence's tokens as plotly labels show text (it reads tags: ``<s>`` would strike
-    the rest through)."""
-    return [escape(t, quote=False) for t in token_strings(model, tokens[0])]
+    """``"<position> <token>"`` per position (unique, so they can name a category axis), escaped
+    as plotly shows text (it reads tags: ``<s>`` would strike the rest through)."""
+    return [f"{i} {escape(t, quote=False)}" for i, t in enumerate(token_strings(model, tokens[0]))]
 
 
 def _head_facts(model: Model, census: pd.DataFrame | None) -> Callable[[int, int], str]:
@@ -1469,34 +1469,45 @@ def _blind_distances(model: Model, heads: Sequence[tuple[int, int]]) -> list[flo
 
 
 def _pattern_trace(
-    w: AttentionWeights, i: int, tokens: list[str], z: np.ndarray | None = None, **heatmap
+    w: AttentionWeights,
+    i: int,
+    labels: list[str],
+    before: AttentionWeights | None = None,
+    **heatmap,
 ) -> go.Heatmap:
-    """Heatmap of head ``i`` of ``w`` (or of ``z``, same cells): future cells blank, hover with
-    the exact weight and the (query, key) token pair it belongs to."""
-    values = w.weights[i] if z is None else z
-    rows, cols = np.indices(values.shape)
-    shown = np.where(cols <= rows, values, np.nan)
-    q, k = w.query[i], w.key[i]
-    names = np.asarray(tokens, dtype=object)
-    custom = np.stack([q, k, names[q], names[k], w.weights[i]], axis=-1)
-    where = "query %{customdata[0]} “%{customdata[2]}” → key %{customdata[1]} “%{customdata[3]}”"
-    if w.step > 1:
-        where = f"largest of a {w.step}×{w.step} cell: " + where
-    value = "weight %{customdata[4]:.6g}" if z is None else "%{z:+.6g}"
-    template = f"{where}<br>{value}<extra></extra>"
-    return go.Heatmap(z=shown, customdata=custom, hovertemplate=template, hoverongaps=False,
-                      **heatmap)  # fmt: skip
-
-
-def _pattern_axes(fig: go.Figure, w: AttentionWeights, tokens: list[str], row: int, col: int):
-    """Token labels for a short sequence (every position), positions for a pooled one; query 0
-    on top."""
+    """Heatmap of head ``i`` of ``w`` (with ``before``: of the change from it), future cells
+    blank. Hover gives the exact weight(s) and where: the (query, key) tokens for a short
+    sequence, whose axes are labelled ``"<position> <token>"``; for a pooled one the positions
+    of each cell's largest weight (numbers only: the figure stays small)."""
     n = w.weights.shape[-1]
-    if w.step == 1 and n <= 64:
-        ticks = {"tickmode": "array", "tickvals": list(range(n)), "ticktext": tokens}
+    values = w.weights[i] if before is None else w.weights[i] - before.weights[i]
+    shown = np.where(np.tri(n, dtype=bool), values, np.nan)
+    columns: list[np.ndarray] = []
+    if w.step == 1:
+        lines = ["query %{y} → key %{x}"]
     else:
-        every = max(1, n // 8)
-        vals = list(range(0, n, every))
+        columns += [w.query[i], w.key[i]]
+        lines = [f"largest weight of a {w.step}×{w.step} cell: query %{{customdata[0]}} → key "
+                 "%{customdata[1]}"]  # fmt: skip
+    if before is None:
+        lines.append("weight %{z:.6g}")  # z holds the weight itself
+    else:
+        j = len(columns)
+        columns += [before.weights[i], w.weights[i]]
+        lines.append(f"%{{customdata[{j}]:.6g}} → %{{customdata[{j + 1}]:.6g}} (%{{z:+.6g}})")
+    custom = np.stack(columns, axis=-1).astype(np.float64) if columns else None
+    axis = labels if w.step == 1 else None
+    return go.Heatmap(z=shown, x=axis, y=axis, customdata=custom, hoverongaps=False,
+                      hovertemplate="<br>".join(lines) + "<extra></extra>", **heatmap)  # fmt: skip
+
+
+def _pattern_axes(fig: go.Figure, w: AttentionWeights, row: int, col: int) -> None:
+    """Category axes of ``"<position> <token>"`` for a short sequence, positions for a pooled
+    one; query 0 on top."""
+    n = w.weights.shape[-1]
+    ticks: dict = {}
+    if w.step > 1:
+        vals = list(range(0, n, max(1, n // 8)))
         ticks = {"tickmode": "array", "tickvals": vals, "ticktext": [str(v * w.step) for v in vals]}
     fig.update_xaxes(range=[-0.5, n - 0.5], tickangle=-60, tickfont={"size": 11}, showgrid=False,
                      zeroline=False, row=row, col=col, **ticks)  # fmt: skip
@@ -1573,7 +1584,7 @@ def attention_pattern(
     for i in range(len(w.heads)):
         row, col = i // cols + 1, i % cols + 1
         fig.add_trace(_pattern_trace(w, i, names, coloraxis="coloraxis"), row=row, col=col)
-        _pattern_axes(fig, w, names, row, col)
+        _pattern_axes(fig, w, row, col)
         _pattern_marks(fig, w, blind[i], row, col)
     fig.update_layout(
         coloraxis={
@@ -1628,10 +1639,11 @@ def pattern_diff(
     bound = max(float(np.abs(change).max()), 1e-9)
     for i in range(n):
         panels = ((before, None, "coloraxis"), (after, None, "coloraxis"),
-                  (after, change[i], "coloraxis2"))  # fmt: skip
-        for col, (w, z, axis) in enumerate(panels, start=1):
-            fig.add_trace(_pattern_trace(w, i, names, z, coloraxis=axis), row=i + 1, col=col)
-            _pattern_axes(fig, w, names, i + 1, col)
+                  (after, before, "coloraxis2"))  # fmt: skip
+        for col, (w, base, axis) in enumerate(panels, start=1):
+            trace = _pattern_trace(w, i, names, base, coloraxis=axis)
+            fig.add_trace(trace, row=i + 1, col=col)
+            _pattern_axes(fig, w, i + 1, col)
             _pattern_marks(fig, w, blind[i], i + 1, col)
     fig.update_layout(
         coloraxis={"colorscale": "Viridis", "cmin": 0, "cmax": 1,

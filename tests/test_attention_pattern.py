@@ -58,9 +58,8 @@ def test_the_figure_shows_those_weights_for_every_head_form(organism, eager_atte
         np.testing.assert_allclose(z[lower], expected[lower], atol=1e-6, rtol=0)
         assert np.isnan(z[~lower]).all()  # future keys left blank
         assert "L1H7" in fig.layout.annotations[0].text
-    axis = fig.layout.xaxis
-    assert list(axis.ticktext)[:2] == ["To", "·be"]  # tokens label the axes
-    assert "“%{customdata[2]}”" in fig.data[0].hovertemplate  # hover: the token pair
+    assert list(fig.data[0].x[:2]) == ["0 To", "1 ·be"]  # tokens label the axes
+    assert "query %{y} → key %{x}" in fig.data[0].hovertemplate  # hover: the token pair
 
 
 @needs_organisms
@@ -107,10 +106,11 @@ def test_pooling_keeps_exact_weights_and_where_they_are():
             q, k = pooled.query[i, r, c], pooled.key[i, r, c]
             assert full.weights[i, q, k] == pooled.weights[i, r, c]  # the exact weight, located
     fig = plots.attention_pattern(model, tokens, "L1H0", max_cells=37, block_size=64)
-    assert "largest of a 9×9 cell" in fig.data[0].hovertemplate
+    assert "largest weight of a 9×9 cell" in fig.data[0].hovertemplate
     assert "max-pooled" in fig.layout.title.subtitle.text
     custom = np.asarray(fig.data[0].customdata)
-    assert float(custom[3, 1, 4]) == pooled.weights[0, 3, 1]  # hover shows the exact weight
+    assert np.asarray(fig.data[0].z)[3, 1] == pooled.weights[0, 3, 1]  # hover: the exact weight
+    assert tuple(custom[3, 1]) == (pooled.query[0, 3, 1], pooled.key[0, 3, 1])  # and where
 
 
 def test_blocks_agree_with_the_dense_pass_and_nothing_stays_on_the_model():
@@ -134,6 +134,8 @@ def test_pattern_diff_shows_before_after_and_the_change():
     z = [np.nan_to_num(np.asarray(t.z, dtype=float)) for t in fig.data]
     assert len(z) == 3
     np.testing.assert_allclose(z[2], z[1] - z[0], atol=1e-7)
+    both = np.asarray(fig.data[2].customdata)  # hover on the change: both weights
+    np.testing.assert_allclose(np.tril(both[..., 0]), z[0], atol=1e-7)
     assert [a.text for a in fig.layout.annotations][:3] == [
         "L1H2 before",
         "L1H2 after",
