@@ -5,6 +5,8 @@ Exports:
     bundled_text(name, split)            a bundled corpus as one string
     read_texts(paths)                    the texts of files: regular files only, bounded reads
     tokenize(model, text)                token ids with the model's own tokenizer, no special tokens
+    encode(model, text, prepend_bos)     one text as a [1, pos] token tensor, BOS by the convention
+    token_strings(model, tokens)         each token id as readable text (axis labels, hover)
     has_tokenizer(model)                 whether the model can tokenise text at all
     check_token_ids(model, tokens)       a token tensor checked: integer ids within the vocabulary
     to_sequences(model, data, ...)       [n_seqs, seq_len] token tensor from texts, files or tokens
@@ -55,6 +57,8 @@ __all__ = [
     "bundled_text",
     "read_texts",
     "tokenize",
+    "encode",
+    "token_strings",
     "has_tokenizer",
     "to_sequences",
     "bos_token_id",
@@ -116,6 +120,27 @@ def tokenize(model: Model, text: str) -> list[int]:
             "(tokenizer.json, tokenizer_config.json) to the model folder, or pass token tensors"
         )
     return list(_token_ids(tokenizer, text))
+
+
+def encode(model: Model, text: str, prepend_bos: bool | None = None) -> Int[Tensor, "1 pos"]:
+    """``text`` as one ``[1, pos]`` sequence: its tokens, after a BOS token when ``prepend_bos``
+    (default: the model's convention, :func:`resolve_bos`), as :func:`to_sequences` cuts texts."""
+    ids = tokenize(model, text)
+    if resolve_bos(model, prepend_bos):
+        ids = [bos_token_id(model), *ids]
+    if not ids:
+        raise DataError("the text has no tokens; give some text")
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def token_strings(model: Model, tokens: Int[Tensor, " pos"]) -> list[str]:
+    """Each token of a sequence as readable text: the tokenizer's decoding of that one id (``#id``
+    for a model without a tokenizer), with spaces and line breaks made visible (``·``, ``⏎``)."""
+    tokenizer = _tokenizer(model)
+    ids = [int(t) for t in torch.as_tensor(tokens).flatten()]
+    if tokenizer is None:
+        return [f"#{i}" for i in ids]
+    return [tokenizer.decode([i]).replace(" ", "·").replace("\n", "⏎") or f"#{i}" for i in ids]
 
 
 def has_tokenizer(model: Model) -> bool:

@@ -12,6 +12,11 @@ Exports:
     training_plot(result)                     objective, perplexities and BOS mass over the steps
     blindness_summary(analytic, measured)     the blindness CLI's text summary
     write_blindness(out_dir, analytic, ...)   the blindness CLI's tables, summary and figures
+    PAGE                                      ``index.html``: every writer's one-page report
+                                              (summary, clickable head grid, each head's metrics
+                                              and attention on the run's own sequences)
+    open_page(page, click, screenshot=)       open such a page in headless Chromium, click a
+                                              head, report console errors (PageView)
     default_out_dir(model, suffix)            ``<model>-<suffix>[-N]`` in the working directory
     model_folder_name(model)                  a model's name as a folder name
     partial_dir(out)                          ``<out>.partial``, where an unfinished repair lives
@@ -28,8 +33,11 @@ this module turns their results into files, and is the one place besides
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import dataclasses
 import datetime
+import html
 import json
 import math
 import os
@@ -43,8 +51,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
+from torch import Tensor
 
 from headsurgeon import alibi, plots
+from headsurgeon.backend import Model
 from headsurgeon.census import COLUMNS
 from headsurgeon.checkpoints import save_hf
 from headsurgeon.classify import (
@@ -56,10 +66,13 @@ from headsurgeon.classify import (
     threshold_sweep,
     thresholds_of,
 )
+from headsurgeon.data import describe, to_sequences, token_strings
 from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.importance import COLUMNS as IMPORTANCE_COLUMNS, DORMANT_SE, is_dormant
 from headsurgeon.loading import model_info
-from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.outputs import atomic_directory, atomic_write_bytes, atomic_write_text
+from headsurgeon.probes import PatternSample, sample_patterns
 from headsurgeon.surgery import HeadSet
 
 if TYPE_CHECKING:
@@ -68,6 +81,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IMPORTANCE_NAMES",
+    "PAGE",
+    "PageView",
+    "open_page",
     "blindness_summary",
     "default_out_dir",
     "model_folder_name",
@@ -295,6 +311,8 @@ def write_classification(
     metadata: dict[str, Any] | None = None,
     formats: Sequence[str] | None = None,
     overwrite: bool = False,
+    model: Model | None = None,
+    tokens: Tensor | None = None,
 ) -> Path:
     """Write a classification to a new folder, atomically; return the folder.
 
@@ -313,6 +331,11 @@ def write_classification(
     explicitly need a browser (:func:`headsurgeon.plots.split_formats`), checked before anything
     is written. A folder holding files is refused unless ``overwrite``, and even then unless
     headsurgeon wrote it (:func:`headsurgeon.outputs.check_output_dir`).
+
+    ``index.html`` puts it on one offline page: the summary, the BOS-mass grid where clicking a
+    head shows its metrics (importance included) and, given the ``model``, its attention on the
+    first positions of the first sequences of ``tokens`` (the census's; default: the bundled
+    held-out text), and the other figures.
     """
     needed = ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share"]
     require_columns(classified, [*needed, "label", "reason"])
@@ -335,12 +358,25 @@ def write_classification(
     summary = format_summary(classified)
     figures = {name: make(classified) for name, make in makers.items()}
     figures["threshold_sweep"] = plots.sweep_plot(sweep)
+    samples = _census_samples(model, tokens)
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_classification") as tmp:
         atomic_write_text(tmp / "heads.csv", classified.to_csv(index=False))
         atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")
         atomic_write_text(tmp / "threshold_sweep.csv", sweep.to_csv(index=False))
         atomic_write_text(tmp / "summary.txt", summary + "\n")
         skipped = plots.save_figures(figures, tmp, formats)
+        _write_page(
+            tmp,
+            title=f"Heads of {info.get('model', 'the model')}",
+            summary=summary,
+            grid=figures["bos_mass"],
+            shape=(int(classified["layer"].max()) + 1, int(classified["head"].max()) + 1),
+            stages={"census": classified},
+            samples=samples,
+            model=model,
+            figures={name: fig for name, fig in figures.items() if name not in FIGURES},
+            note=_samples_note(samples, info.get("data")),
+        )
     plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)
 
@@ -597,6 +633,10 @@ def write_report(
     report.md links only what was written); static formats given explicitly need a browser
     (:func:`headsurgeon.plots.split_formats`), checked before anything is written. A folder
     holding files is refused unless ``overwrite``, and even then unless headsurgeon wrote it.
+
+    ``index.html`` puts it on one offline page: report.md, the grid of BOS-mass changes where
+    clicking a head shows its metrics before and after each pass and its attention in each
+    stage side by side (``result.patterns``), the training and label figures.
     """
     written = plots.split_formats(formats)[0]  # unknown format / no browser for one asked: now
     report = _json_safe(result.to_dict())
@@ -630,6 +670,22 @@ def write_report(
                 tmp / f"training_pass{p.index}.csv", p.training.history.to_csv(index=False)
             )
         skipped = plots.save_figures(figures, tmp, formats)
+        stages = {"before": result.census_before}
+        stages |= {f"pass {p.index}": p.census_after for p in result.passes}
+        samples = [result.patterns[stage] for stage in stages if stage in result.patterns]
+        _write_page(
+            tmp,
+            title=f"Repair of {report['model']}",
+            summary=markdown,
+            grid=figures["bos_mass_diff"],
+            shape=(int(result.census_before["layer"].max()) + 1,
+                   int(result.census_before["head"].max()) + 1),
+            stages=stages,
+            samples=samples if len(samples) == len(stages) else [],
+            model=result.model,
+            figures={name: figures[name] for name in ("training", "labels_before", "labels_after")},
+            note=_samples_note(samples, report["settings"].get("census_data"), "each stage"),
+        )  # fmt: skip
         if save_model and result.best_pass is not None:  # no acceptable pass: no model
             save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
     plots.warn_skipped(skipped, out_dir)
@@ -678,6 +734,8 @@ def write_blindness(
     *,
     formats: Sequence[str] | None = None,
     overwrite: bool = False,
+    model: Model | None = None,
+    tokens: Tensor | None = None,
 ) -> Path:
     """Write a blindness analysis to a new folder, atomically; return the folder.
 
@@ -686,6 +744,11 @@ def write_blindness(
     and the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
     results allow), each HTML self-contained. A folder holding files is refused unless
     ``overwrite``, and even then unless headsurgeon wrote it.
+
+    ``index.html`` puts it on one offline page: the summary, a grid of blind distances where
+    clicking a head shows its distances per dtype, its measured share of exact zeros by distance
+    against them and, given the ``model``, its attention on the first measured sequence of
+    ``tokens`` (max-pooled to 64 cells a side), with the blind distance drawn in.
     """
     summary = blindness_summary(analytic, measured)
     figures = {}
@@ -704,5 +767,357 @@ def write_blindness(
                 atomic_write_text(tmp / f"measured_{table}.csv", frame.to_csv(index=False))
         atomic_write_text(tmp / "summary.txt", summary + "\n")
         skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
+        if analytic is not None or measured is not None:
+            _write_blindness_page(tmp, summary, analytic, measured, figures, model, tokens)
     plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)
+
+
+# --- the report page: index.html ------------------------------------------------------------------
+
+PAGE = "index.html"
+# Each head's attention on the page: the first positions of a few of the run's own sequences,
+# stored as float16 (3 significant digits) lower triangles: 384 heads x 2 x 48 positions ~2.4 MB.
+PAGE_SEQS = 2
+PAGE_POSITIONS = 48
+# A long sequence (blindness) is max-pooled to this many cells a side on the page.
+PAGE_CELLS = 64
+PAGE_SKIP = ("layer", "head")
+# The page: markup, style and the small script that draws the grid, a head and its patterns.
+PAGE_TEMPLATE = Path(__file__).parent / "templates" / "index.html"
+
+
+def _packed(weights: np.ndarray) -> str:
+    """The lower triangle (diagonal included) of a ``[n, n]`` matrix, row by row, as base64 of
+    little-endian float16: what the page's ``unpack`` reads."""
+    rows, cols = np.tril_indices(weights.shape[-1])
+    return base64.b64encode(weights[rows, cols].astype("<f2").tobytes()).decode("ascii")
+
+
+def _page_patterns(
+    model: Model | None, samples: Sequence[PatternSample]
+) -> tuple[list[dict[str, Any]], list[list[list[str]]]]:
+    """The page's sequences (tokens as text, cell size) and, per stage and sequence, every head's
+    packed weights (layer-major)."""
+    if not samples:
+        return [], []
+    first = samples[0]
+    sequences = [
+        {
+            "label": f"sequence {i + 1}: positions 0-{w.n_pos - 1}",
+            "tokens": token_strings(model, tokens) if model is not None else [],
+            "step": w.step,
+            "n_pos": w.n_pos,
+        }
+        for i, (tokens, w) in enumerate(zip(first.tokens, first.weights, strict=True))
+    ]
+    packed = [[[_packed(m) for m in w.weights] for w in sample.weights] for sample in samples]
+    return sequences, packed
+
+
+def _metrics(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Per head (layer-major), its row of ``df`` as ``{column: value}`` (numbers rounded)."""
+    rows = df.sort_values(["layer", "head"]).to_dict(orient="records")
+    return [
+        {
+            k: (float(f"{v:.5g}") if isinstance(v, float) and math.isfinite(v) else _json_safe(v))
+            for k, v in row.items()
+            if k not in PAGE_SKIP
+        }
+        for row in rows
+    ]
+
+
+def _blind(model: Model | None, n_layers: int, n_heads: int) -> list[float | None]:
+    """Each head's distance from which its weights are exactly 0 (float32; None: never or no
+    ALiBi), for the dashed line of the page's patterns."""
+    if model is None or model.cfg.positional_embedding_type != "alibi":
+        return [None] * (n_layers * n_heads)
+    slopes = alibi_slopes(model).tolist()
+    distances = [alibi.blind_distance(m, model.cfg.dtype, "zero") for m in slopes]
+    return [_json_safe(float(distances[h])) for _ in range(n_layers) for h in range(n_heads)]
+
+
+def _figure_data(fig: go.Figure) -> dict[str, Any]:
+    return json.loads(fig.to_json())
+
+
+def _write_page(
+    folder: Path,
+    *,
+    title: str,
+    summary: str,
+    grid: go.Figure,
+    shape: tuple[int, int],
+    stages: dict[str, pd.DataFrame],
+    samples: Sequence[PatternSample] = (),
+    model: Model | None = None,
+    figures: dict[str, go.Figure] | None = None,
+    curves: dict[str, Any] | None = None,
+    note: str = "",
+) -> None:
+    """Write ``folder/index.html``: one offline page (plotly.js inlined once) with the run's
+    summary, ``grid`` (click a head), and per head its metrics in each of ``stages`` (name ->
+    one row per head), its attention in each stage of ``samples`` (same order) and its
+    ``curves``; ``figures`` below, and links to the folder's other files."""
+    n_layers, n_heads = shape
+    sequences, packed = _page_patterns(model, samples)
+    names = [f"L{layer}H{head}" for layer in range(n_layers) for head in range(n_heads)]
+    metrics = {stage: _metrics(df) for stage, df in stages.items()}
+    data = {
+        "title": title,
+        "summary": summary,
+        "note": note,
+        "grid": _figure_data(grid),
+        "n_heads": n_heads,
+        "names": names,
+        "stages": list(stages),
+        "metrics": metrics,
+        "blind": _blind(model, n_layers, n_heads),
+        "sequences": sequences,
+        "patterns": packed,
+        "curves": curves or {},
+        "figures": [
+            {"name": name, "figure": _figure_data(fig)} for name, fig in (figures or {}).items()
+        ],
+        "files": sorted(
+            p.name
+            for p in folder.iterdir()
+            if p.name != PAGE and p.is_file() and not p.name.startswith(".")
+        ),  # fmt: skip
+    }
+    from plotly.offline import get_plotlyjs
+
+    payload = json.dumps(_json_safe(data), separators=(",", ":")).replace("</", "<\\/")
+    page = (
+        PAGE_TEMPLATE.read_text(encoding="utf-8")
+        .replace("{{title}}", html.escape(title))
+        .replace("{{plotly}}", get_plotlyjs())
+        .replace("{{data}}", payload)
+    )
+    atomic_write_text(folder / PAGE, page)
+
+
+def _census_samples(model: Model | None, tokens: Tensor | None) -> list[PatternSample]:
+    """Every head's attention on the page's share of ``tokens`` (default: the bundled held-out
+    text, cut as the census cuts it); none without a model."""
+    if model is None:
+        return []
+    if tokens is None:
+        tokens = to_sequences(model, None, seq_len=PAGE_POSITIONS, n_seqs=PAGE_SEQS)
+    return [sample_patterns(model, tokens, n_seqs=PAGE_SEQS, n_pos=PAGE_POSITIONS)]
+
+
+def _samples_note(samples: Sequence[PatternSample], data: object, where: str = "") -> str:
+    """The page's line saying what its attention patterns show."""
+    if not samples:
+        return "No model was given to the writer: the page shows metrics, not attention patterns."
+    weights = samples[0].weights[0]
+    shown = (f"the first {weights.n_pos} positions of the first {len(samples[0].weights)}"
+             if weights.step == 1 else f"{weights.n_pos} positions (max-pooled: each cell the "
+             f"largest weight of {weights.step} x {weights.step}) of the first")  # fmt: skip
+    return (
+        f"Attention{f' in {where}' if where else ''}: {shown} of the run's sequences "
+        f"({data or describe(None)}), from hook_pattern as the census reads it; weights rounded "
+        "to float16 (3 significant digits: headsurgeon.plots.attention_pattern gives them "
+        "exactly). Red box: position 0; dashed line: the blind distance (weights exactly 0 "
+        "to its left)."
+    )
+
+
+def _blindness_table(
+    analytic: pd.DataFrame | None, measured: BlindnessMeasurement | None
+) -> pd.DataFrame:
+    """One row per head: blind distance per dtype and limit, measured first zero and share of
+    zeros per dtype."""
+    keys = ["layer", "head"]
+    parts = []
+    if analytic is not None:
+        wide = analytic.pivot_table(index=keys, columns=["dtype", "limit"],
+                                    values="blind_distance", sort=False)  # fmt: skip
+        wide.columns = [f"blind distance {d} {limit}" for d, limit in wide.columns]
+        parts.append(wide)
+        parts.append(analytic.groupby(keys)[["slope"]].first())
+    if measured is not None:
+        by_head = measured.by_head
+        for column, name in (("first_zero_distance", "first zero"), ("zero_fraction", "zeros")):
+            wide = by_head.pivot_table(index=keys, columns="dtype", values=column, sort=False,
+                                       dropna=False)  # fmt: skip
+            wide.columns = [f"measured {name} {d}" for d in wide.columns]
+            parts.append(wide)
+        if analytic is None:
+            parts.append(by_head.groupby(keys)[["slope"]].first())
+    table = pd.concat(parts, axis=1).reset_index()
+    return table.loc[:, ~table.columns.duplicated()]
+
+
+def _zero_curves(measured: BlindnessMeasurement, table: pd.DataFrame) -> dict[str, Any]:
+    """Per head name, the measured share of exact zeros by distance (one line per dtype) and
+    the analytic blind distances (zero limit) as vertical lines, for the page."""
+    colours = dict(zip(plots.DTYPE_MARKERS, (c for _, c in plots.DTYPE_MARKERS.values()),
+                       strict=True))  # fmt: skip
+    curves: dict[str, Any] = {}
+    rows = measured.by_distance
+    for (layer, head), sub in rows.groupby(["layer", "head"], sort=True):
+        traces, shapes = [], []
+        for dtype, part in sub.groupby("dtype", sort=False):
+            middle = (part["distance_lo"] + part["distance_hi"] - 1) / 2
+            colour = colours.get(dtype, "#000000")
+            share = part["zero_fraction"].round(4).tolist()
+            traces.append({"x": middle.round(1).tolist(), "y": share, "mode": "lines",
+                           "name": dtype, "line": {"color": colour}})  # fmt: skip
+            column = f"blind distance {dtype} zero"
+            row = table[(table["layer"] == layer) & (table["head"] == head)]
+            if column in row and math.isfinite(float(row[column].iloc[0])):
+                x = float(row[column].iloc[0])
+                shapes.append({"type": "line", "x0": x, "x1": x, "y0": 0, "y1": 1,
+                               "line": {"color": colour, "dash": "dot"}})  # fmt: skip
+        curves[f"L{layer}H{head}"] = {"traces": traces, "shapes": shapes}
+    return curves
+
+
+def _write_blindness_page(
+    folder: Path,
+    summary: str,
+    analytic: pd.DataFrame | None,
+    measured: BlindnessMeasurement | None,
+    figures: dict[str, go.Figure],
+    model: Model | None,
+    tokens: Tensor | None,
+) -> None:
+    """The blindness run's ``index.html`` (see :func:`write_blindness`)."""
+    table = _blindness_table(analytic, measured)
+    metric = next(c for c in table.columns if c.startswith(("blind distance", "measured first")))
+    grid_table = table.assign(log10_distance=np.log10(table[metric].astype(float)))
+    grid = plots.head_grid(grid_table, "log10_distance", title=f"log₁₀ {metric} (tokens)")
+    samples = []
+    if model is not None and tokens is not None:
+        samples = [sample_patterns(model, tokens, n_seqs=1, n_pos=None, max_cells=PAGE_CELLS)]
+    source = (analytic if analytic is not None else measured.by_head).attrs
+    _write_page(
+        folder,
+        title=f"Blindness of {source.get('model', 'the model')}",
+        summary=summary,
+        grid=grid,
+        shape=(int(table["layer"].max()) + 1, int(table["head"].max()) + 1),
+        stages={"blindness": table},
+        samples=samples,
+        model=model,
+        figures=figures,
+        curves=_zero_curves(measured, table) if measured is not None else None,
+        note=_samples_note(samples, "the measured text"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PageView:
+    """What :func:`open_page` saw: the page's console errors and uncaught exceptions, the head
+    shown after the click (``None``: none), and that head's first attention pattern as drawn
+    (``[query][key]`` weights, ``None`` above the diagonal)."""
+
+    errors: list[str]
+    shown: str | None
+    pattern: list[list[float | None]] | None
+
+
+# Runs in the page: the grid cell of a head, in CSS pixels of the viewport.
+_CELL_JS = """(() => {
+  const g = document.getElementById("grid"), xa = g._fullLayout.xaxis, ya = g._fullLayout.yaxis;
+  const box = g.querySelector(".nsewdrag").getBoundingClientRect();
+  return [box.left + xa.l2p(%d), box.top + ya.l2p(%d)];
+})()"""
+_SHOWN_JS = """(() => {
+  const name = document.getElementById("head-name"), plot = document.querySelector("div.pattern");
+  return [name ? name.textContent : null, plot && plot.data ? plot.data[0].z : null];
+})()"""
+
+
+def open_page(
+    page: str | os.PathLike,
+    click: str | None = None,
+    *,
+    screenshot: str | os.PathLike | None = None,
+    size: tuple[int, int] = (1400, 1000),
+) -> PageView:
+    """Open a report page (``index.html``) in headless Chromium, click the head ``click``
+    (``"L1H7"``) in its grid with the mouse, and say what happened (:class:`PageView`);
+    ``screenshot`` saves the viewport (``size`` pixels) as PNG.
+
+    Needs the Chromium the static figures use (:func:`headsurgeon.plots.require_browser`: one
+    :class:`~headsurgeon.errors.FigureExportError` line without one). For tests and README
+    screenshots: a page that renders with no console error and shows the clicked head works.
+    """
+    browser = plots.require_browser("opening a report page")
+    url = Path(page).resolve().as_uri()
+    pair = None if click is None else next(iter(HeadSet.parse(click)))
+    return asyncio.run(_visit(browser, url, pair, screenshot, size))
+
+
+class _ConsoleErrors:
+    """Collects a page's uncaught exceptions, ``console.error`` calls and error log entries."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    async def thrown(self, event: dict) -> None:
+        details = event["params"]["exceptionDetails"]
+        self.errors.append(details.get("exception", {}).get("description") or details["text"])
+
+    async def console(self, event: dict) -> None:
+        if event["params"]["type"] in ("error", "assert"):
+            self.errors.append(" ".join(str(a.get("value", a)) for a in event["params"]["args"]))
+
+    async def logged(self, event: dict) -> None:
+        if event["params"]["entry"]["level"] == "error":
+            self.errors.append(event["params"]["entry"]["text"])
+
+    def listen(self, tab: Any) -> None:
+        tab.subscribe("Runtime.exceptionThrown", self.thrown)
+        tab.subscribe("Runtime.consoleAPICalled", self.console)
+        tab.subscribe("Log.entryAdded", self.logged)
+
+
+async def _command(tab: Any, method: str, **params: Any) -> dict:
+    """One DevTools command's result."""
+    return (await tab.send_command(method, params=params or None)).get("result", {})
+
+
+async def _evaluate(tab: Any, expression: str) -> Any:
+    found = await _command(tab, "Runtime.evaluate", expression=expression, returnByValue=True)
+    return found.get("result", {}).get("value")
+
+
+async def _click(tab: Any, pair: tuple[int, int]) -> None:
+    """Click a head's cell of the grid as plotly sees a click: the pointer moves onto it, then
+    presses; then give the head's plots time to draw."""
+    x, y = await _evaluate(tab, _CELL_JS % (pair[1], pair[0]))
+    for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+        await _command(tab, "Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left",
+                       clickCount=1)  # fmt: skip
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)
+
+
+async def _visit(
+    browser: str, url: str, pair: tuple[int, int] | None, screenshot: Any, size: tuple[int, int]
+) -> PageView:
+    import choreographer
+
+    errors = _ConsoleErrors()
+    async with choreographer.Browser(browser, headless=True) as chromium:
+        tab = chromium.get_tab()
+        errors.listen(tab)
+        for domain in ("Runtime", "Log", "Page"):
+            await _command(tab, f"{domain}.enable")
+        await _command(tab, "Emulation.setDeviceMetricsOverride", width=size[0], height=size[1],
+                       deviceScaleFactor=1, mobile=False)  # fmt: skip
+        loaded = tab.subscribe_once("Page.loadEventFired")
+        await _command(tab, "Page.navigate", url=url)
+        await loaded
+        if pair is not None:
+            await _click(tab, pair)
+        shown, pattern = await _evaluate(tab, _SHOWN_JS)
+        if screenshot is not None:
+            image = await _command(tab, "Page.captureScreenshot", format="png")
+            atomic_write_bytes(screenshot, base64.b64decode(image["data"]))
+    return PageView(errors=errors.errors, shown=shown, pattern=pattern)

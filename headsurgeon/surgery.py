@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import numbers
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -175,12 +176,12 @@ class HeadSet:
     def of(cls, heads: Heads, model: Model | ModelShape | None = None) -> HeadSet:
         """Heads in any usual form, as a :class:`HeadSet`; validated against ``model`` if given.
 
-        Takes a ``HeadSet``, text (``"L5H9-11,L6H0"``), ``(layer, head)`` pairs or
-        ``{layer: [heads]}`` (TransformerLens's ``detect_head`` style). Every public function that
-        takes heads goes through here.
+        Takes a ``HeadSet``, text (``"L5H9-11,L6H0"``), ``(layer, head)`` pairs, one pair
+        ``(layer, head)`` or ``{layer: [heads]}`` (TransformerLens's ``detect_head`` style). Every
+        public function that takes heads goes through here.
 
-        >>> [str(HeadSet.of(x)) for x in ("L1H0-1", [(1, 0), (1, 1)], {1: [0, 1]})]
-        ['L1H0-1', 'L1H0-1', 'L1H0-1']
+        >>> [str(HeadSet.of(x)) for x in ("L1H0-1", [(1, 0), (1, 1)], {1: [0, 1]}, (1, 0))]
+        ['L1H0-1', 'L1H0-1', 'L1H0-1', 'L1H0']
         >>> HeadSet.of(5)
         Traceback (most recent call last):
         headsurgeon.errors.InvalidArgumentError: heads must be a HeadSet, text such as ...
@@ -191,6 +192,12 @@ class HeadSet:
             chosen = cls.parse(heads, model)
         elif isinstance(heads, Mapping):
             chosen = cls((layer, head) for layer, hs in heads.items() for head in _ints(hs))
+        elif (
+            isinstance(heads, tuple)
+            and len(heads) == 2
+            and all(isinstance(x, numbers.Integral) for x in heads)
+        ):  # one (layer, head) pair: integers cannot be pairs, so this reads only one way
+            chosen = cls([heads])
         elif isinstance(heads, Iterable):
             chosen = cls(heads)
         else:

@@ -172,7 +172,7 @@ def test_write_classification_refuses_existing_folder(tmp_path):
     write_classification(df, tmp_path / "out", formats=("html",), overwrite=True)  # ours now
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         ["heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv", "plotly.min.js"]
-        + [MARK_FILE]
+        + [MARK_FILE, "index.html"]
         + [
             f"{n}.html"
             for n in ("bos_mass", "labels", "entropy", "output_share", "threshold_sweep")
@@ -292,7 +292,7 @@ def test_write_classification_carries_importance_columns_and_figures(tmp_path):
     df = importance_frame()
     df.attrs |= {"importance_method": "attribution", "importance_ablation": "mean"}
     out = write_classification(df, tmp_path / "out", formats=("html",))
-    figures = sorted(p.stem for p in out.glob("*.html"))
+    figures = sorted(p.stem for p in out.glob("*.html") if p.name != "index.html")
     assert figures == sorted(["bos_mass", "labels", "entropy", "output_share", "threshold_sweep",
                               "importance", "bos_vs_importance"])  # fmt: skip
     heads = pd.read_csv(out / "heads.csv")

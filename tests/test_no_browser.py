@@ -106,6 +106,7 @@ def test_write_classification_without_browser_writes_all_but_pngs(no_browser, tm
     written = sorted(p.name for p in out.iterdir())
     assert written == sorted(
         ["heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv", "plotly.min.js"]
+        + ["index.html"]  # the report page needs no browser to be written
         + [f"{name}.html" for name in FIGURES]
         + [MARK_FILE]
     )

@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.measure:
                 raise
             logger.warning("note: %s", e)
-        measured = None
+        measured = model = tokens = None
         if args.measure:
             model = load_model(args.model, dtype="float32", **cli.placement_args(args))
             cli.require_tokenizer(model, args)
@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     batch_size=args.batch_size,
                 )  # fmt: skip
         print(blindness_summary(analytic, measured))
-        write_blindness(out, analytic, measured, formats=formats, overwrite=args.overwrite)
+        write_blindness(out, analytic, measured, formats=formats, overwrite=args.overwrite,
+                        model=model, tokens=tokens)  # fmt: skip
     print(f"wrote {out}/")
     return 0
 

@@ -116,16 +116,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     default = default_out_dir(models[0] if len(models) == 1 else "cross-scale", "heads")
     with claim_out(args, default) as out:  # before the census
         if len(models) == 1:
-            classified = _classify(argparse.Namespace(**vars(args) | {"model": models[0]}),
-                                   thresholds)  # fmt: skip
-            write_classification(classified, out, formats=formats, overwrite=args.overwrite)
-            files = "heads.csv, heads.json, summary.txt, threshold_sweep.csv, figures"
+            one = argparse.Namespace(**vars(args) | {"model": models[0]})
+            classified, model, tokens = _classify(one, thresholds)
+            # The report page shows the heads' attention on the run's own sequences.
+            write_classification(classified, out, formats=formats, overwrite=args.overwrite,
+                                 model=model, tokens=tokens)  # fmt: skip
+            files = "index.html (open it in a browser), heads.csv, heads.json, summary.txt, "
+            files += "threshold_sweep.csv, figures"
         else:
             tables = {}
             for model in models:  # one model in memory at a time
                 logger.info("classifying %s (%d of %d)", model, len(tables) + 1, len(models))
-                tables[model] = _classify(argparse.Namespace(**vars(args) | {"model": model}),
-                                          thresholds)  # fmt: skip
+                each = argparse.Namespace(**vars(args) | {"model": model})
+                tables[model] = _classify(each, thresholds)[0]
                 gc.collect()
             write_cross_scale(tables, out, formats=formats, overwrite=args.overwrite)
             files = "one folder per model, cross_scale.csv, summary.txt, figures"
@@ -134,8 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _classify(args: argparse.Namespace, thresholds: Thresholds) -> pd.DataFrame:
-    """Load ``args.model``, take its census (and importance), label its heads; print the summary."""
+def _classify(
+    args: argparse.Namespace, thresholds: Thresholds
+) -> tuple[pd.DataFrame, Model, Tensor]:
+    """Load ``args.model``, take its census (and importance), label its heads; print the summary.
+    Returns the labelled table, the model and the sequences."""
     model = load_model_from_args(args)
     tokens = load_data(model, args)  # cut once: census and importance share them
     census = run_census(
@@ -152,7 +158,7 @@ def _classify(args: argparse.Namespace, thresholds: Thresholds) -> pd.DataFrame:
     if args.importance:
         classified = _with_importance(classified, model, tokens, args)
     print(format_summary(classified, top=args.top))
-    return classified
+    return classified, model, tokens
 
 
 def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> None:
