@@ -40,6 +40,7 @@ import math
 import os
 import pickle
 import re
+import shutil
 import tempfile
 import threading
 import warnings
@@ -1125,7 +1126,32 @@ def load_model(
     name, directory = resolve_model(model)
     metadata = _checked_folder(directory)
     # 4.x reads the checkpoint straight into the map; 3.x dispatches the model it built.
-    streamed, folder = from_pretrained_args(placement) if placement and MAJOR >= 4 else ({}, None)
+    if placement and MAJOR >= 4:
+        streamed, folder = from_pretrained_args(placement, directory)
+    else:
+        streamed, folder = {}, None
+    try:
+        loaded = _load_folder(directory, name, metadata, torch_dtype, allow_nonfinite, streamed)
+    except BaseException:
+        if folder is not None:  # ours, made above; the model it was for never came
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if folder is not None:
+        return adopt(loaded, folder)
+    if placement is not None:
+        return dispatch(loaded, placement)
+    return backend.move(loaded, torch_device)
+
+
+def _load_folder(
+    directory: Path,
+    name: str,
+    metadata: dict[str, Any],
+    torch_dtype: torch.dtype,
+    allow_nonfinite: bool,
+    streamed: dict[str, Any],
+) -> Model:
+    """The checked folder's model (``streamed``: from_pretrained's placement arguments)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -1174,7 +1200,7 @@ def load_model(
                 f"the tokenizer files in {directory} are unreadable ({first_line(e)}); "
                 "re-export the tokenizer, or remove its files to load the weights alone"
             ) from e
-    loaded = from_hf_model(
+    return from_hf_model(
         hf_model,
         tokenizer,
         name=name,
@@ -1186,11 +1212,6 @@ def load_model(
         ),
         metadata=metadata,
     )
-    if folder is not None:
-        return adopt(loaded, hf_model, folder)
-    if placement is not None:
-        return dispatch(loaded, placement)
-    return backend.move(loaded, torch_device)
 
 
 def _check_finite(hf_model: Any, directory: Path, allow: bool) -> None:

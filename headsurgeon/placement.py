@@ -36,8 +36,9 @@ Exports:
                                      None for one device (one line for a bad argument)
     Placement                        device_map, max_memory (bytes), offload_folder
     STRATEGIES                       the device_map strategies: auto, balanced, ...
-    from_pretrained_args(placement)  4.x: from_pretrained's arguments and a private folder
-    adopt(model, hf_model, folder)   4.x: the bridge over such a model, its input device set
+    from_pretrained_args(placement, directory)  4.x: from_pretrained's arguments (a dict map
+                                     checked first) and a private offload folder
+    adopt(model, folder)             4.x: the bridge over such a model, its input device set
     dispatch(model, placement)       3.x: a HookedTransformer dispatched over the placement
 """
 
@@ -198,8 +199,21 @@ def _forget_with(model: Any, folder: Path) -> None:
     weakref.finalize(model, shutil.rmtree, folder, ignore_errors=True)
 
 
-def from_pretrained_args(placement: Placement) -> tuple[dict[str, Any], Path]:
-    """``from_pretrained`` keyword arguments for 4.x, and the private offload folder made."""
+def from_pretrained_args(placement: Placement, directory: Path) -> tuple[dict[str, Any], Path]:
+    """``from_pretrained`` keyword arguments for 4.x, and the private offload folder made.
+
+    A ``{module: device}`` map is checked against the Hugging Face model of ``directory``'s
+    config, built without weights: transformers ignores a name it does not know.
+    """
+    if isinstance(placement.device_map, dict):
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config)
+        hint = "the Hugging Face module names (transformer.h.0, lm_head, ...)"
+        _check_names(skeleton, placement.device_map, hint)
     folder = _private_folder(placement)
     args = {"device_map": placement.device_map, "offload_folder": str(folder)}
     if placement.max_memory is not None:
@@ -207,11 +221,12 @@ def from_pretrained_args(placement: Placement) -> tuple[dict[str, Any], Path]:
     return args, folder
 
 
-def adopt(model: Model, hf_model: Any, folder: Path) -> Model:
-    """A 4.x bridge over a ``hf_model`` loaded with :func:`from_pretrained_args`: its input
-    device recorded, its offload folder removed with it."""
+def adopt(model: Model, folder: Path) -> Model:
+    """A 4.x bridge over a Hugging Face model loaded with :func:`from_pretrained_args`: its
+    input device recorded, its offload folder removed with it."""
+    placed = model.original_model.hf_device_map.values()
     model.cfg.device = str(_execution_device(model.embed))
-    model.cfg.n_devices = len({str(v) for v in hf_model.hf_device_map.values()} - {"disk"})
+    model.cfg.n_devices = len({str(v) for v in placed} - {"disk"})
     _forget_with(model, folder)
     return model
 
@@ -242,24 +257,28 @@ def dispatch(model: Model, placement: Placement) -> Model:
                 if next(child.parameters(), None) is not None
             }
     else:
-        _check_names(model, device_map)
+        hint = f"embed, blocks.0 ... blocks.{model.cfg.n_layers - 1}, ln_final, unembed"
+        _check_names(model, device_map, hint)
     folder = _private_folder(placement)
     logger.info("device map: %s", device_map)
-    model = dispatch_model(model, device_map=device_map, offload_dir=folder)
+    try:
+        model = dispatch_model(model, device_map=device_map, offload_dir=folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # ours, made above
+        raise
     model.cfg.device = str(_execution_device(model.embed))
     _forget_with(model, folder)
     return model
 
 
-def _check_names(model: Model, device_map: dict[str, int | str]) -> None:
-    """Every weight placed exactly once by a ``{module name: device}`` map of 3.x names."""
-    names = [n for n, _ in model.named_parameters()]
+def _check_names(model: torch.nn.Module, device_map: dict[str, int | str], hint: str) -> None:
+    """Every weight of ``model`` placed by a ``{module name: device}`` map naming its modules."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     unknown = [k for k in device_map if k and not any(n.startswith(k + ".") for n in names)]
     if unknown:
         raise InvalidArgumentError(
             f"device_map names {unknown[0]!r}, not a module of this model; TransformerLens "
-            f"{MAJOR}.x names them embed, blocks.0 ... blocks.{model.cfg.n_layers - 1}, "
-            "ln_final, unembed"
+            f"{MAJOR}.x names them {hint}"
         )
     unplaced = [
         n
