@@ -224,9 +224,10 @@ def from_pretrained_args(placement: Placement, directory: Path) -> tuple[dict[st
 def adopt(model: Model, folder: Path) -> Model:
     """A 4.x bridge over a Hugging Face model loaded with :func:`from_pretrained_args`: its
     input device recorded, its offload folder removed with it."""
-    placed = model.original_model.hf_device_map.values()
+    # transformers sets no hf_device_map when the whole model landed on one device.
+    placed = getattr(model.original_model, "hf_device_map", None) or {"": "one device"}
     model.cfg.device = str(_execution_device(model.embed))
-    model.cfg.n_devices = len({str(v) for v in placed} - {"disk"})
+    model.cfg.n_devices = max(1, len({str(v) for v in placed.values()} - {"disk"}))
     _forget_with(model, folder)
     return model
 

@@ -67,6 +67,16 @@ def test_census_blindness_importance_identical(bloom_dir, whole, tmp_path, how):
     )
 
 
+def test_a_budget_the_whole_model_fits_gives_the_same_census(bloom_dir, whole):
+    model = hs.load_model(bloom_dir, max_memory={"cpu": "1GiB"})
+    assert not hs.backend.offloaded(model)
+    tokens = torch.randint(
+        0, whole.cfg.d_vocab, (2, 24), generator=torch.Generator().manual_seed(2)
+    )
+    census = [numbers(hs.run_census(m, tokens, progress=False)) for m in (model, whole)]
+    pd.testing.assert_frame_equal(*census)
+
+
 def test_offload_folder_keeps_the_users_files(bloom_dir, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     model = hs.load_model(bloom_dir, device_map=split_map(2), offload_folder=tmp_path)
