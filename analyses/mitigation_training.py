@@ -11,12 +11,12 @@ top-1 of 10 candidates) by length and its AUC over log2 length, with 95% bootstr
 difference between two models is bootstrapped paired), and perplexity by window length.
 
 Out to the paper's regime: retrieval from L to 128L (``--long-trials`` prompts per length and
-depth beyond ``--long-from`` tokens: one 16k-token prompt costs ~15 s of CPU), and for every
-model its measured underflow blindness on one ``--blindness-length`` sequence (default 256L:
-exact zero counts per head, :func:`headsurgeon.measure_blindness` on the long-context path) and
-its loss by token position out to the same length (:func:`headsurgeon.loss_by_position`, one
-pass per sequence), so that retrieval by length stands beside the number of heads that are
-blind at that distance.
+depth beyond ``--long-from`` tokens; one prompt of one CPU thread costs 66 s at 16,384 tokens and
+245-298 s at 32,768, measured), and for every model its measured underflow blindness on one
+``--blindness-length`` sequence (default 256L: exact zero counts per head,
+:func:`headsurgeon.measure_blindness` on the long-context path) and its loss by token position
+out to the same length (:func:`headsurgeon.loss_by_position`, one pass per sequence), so that
+retrieval by length stands beside the number of heads that are blind at that distance.
 
 Writes ``table.csv`` (the paper's layout: model x in/out-of-context AUC, perplexity at L),
 ``auc.csv`` (every AUC with its interval), ``differences.csv`` (each variant minus standard ALiBi
