@@ -94,9 +94,13 @@ def write_topic(
         wall, cpu = (time.perf_counter() - started) / 60, time.process_time() / 60
         threads = torch.get_num_threads()
         # The CPU time says what the script costs when the shared machine is busy.
-        lines = [*summary, "", f"Run time: {wall:.1f} min wall clock, {cpu:.1f} min CPU "
-                 f"({threads} torch thread(s); {os.cpu_count()} CPU cores shared with other "
-                 "jobs)."]  # fmt: skip
+        lines = [
+            *summary,
+            "",
+            f"Run time: {wall:.1f} min wall clock, {cpu:.1f} min CPU "
+            f"({threads} torch thread(s); {os.cpu_count()} CPU cores shared with other "
+            "jobs).",
+        ]
         atomic_write_text(tmp / "summary.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return Path(out)
@@ -165,5 +169,12 @@ def style(
 ) -> None:
     """The house style (:func:`headsurgeon.plots.style`) with the analyses' margins."""
     margin = {"l": left, "r": 30, "t": 105, "b": 70}
-    plots.style(fig, title=title, subtitle=subtitle, width=width, height=height, margin=margin,
-                title_xref="container")  # fmt: skip
+    plots.style(
+        fig,
+        title=title,
+        subtitle=subtitle,
+        width=width,
+        height=height,
+        margin=margin,
+        title_xref="container",
+    )

@@ -77,9 +77,15 @@ def _train_line(fig: go.Figure, train_ctx: int) -> None:
     fig.add_vline(x=train_ctx, line={"color": "#888888", "dash": "dash"})
     # Annotations on a log axis take log10 coordinates (shapes take data coordinates).
     fig.add_annotation(
-        x=np.log10(train_ctx), y=1, yref="paper", text=f"training length {train_ctx}",
-        showarrow=False, xanchor="left", yanchor="top", font={"size": 12, "color": "#555555"},
-    )  # fmt: skip
+        x=np.log10(train_ctx),
+        y=1,
+        yref="paper",
+        text=f"training length {train_ctx}",
+        showarrow=False,
+        xanchor="left",
+        yanchor="top",
+        font={"size": 12, "color": "#555555"},
+    )
 
 
 # --- 1. analytic --------------------------------------------------------------------------

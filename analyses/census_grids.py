@@ -84,9 +84,15 @@ def slope_figure(censuses: dict[str, pd.DataFrame], sink: float, dead: float) ->
             )
             if col == 1:
                 fig.add_annotation(
-                    x=0, xref="x domain", y=value, text=f"{name} {value:g}", showarrow=False,
-                    xanchor="left", yanchor="bottom", font={"size": 11, "color": "#555555"},
-                )  # fmt: skip
+                    x=0,
+                    xref="x domain",
+                    y=value,
+                    text=f"{name} {value:g}",
+                    showarrow=False,
+                    xanchor="left",
+                    yanchor="bottom",
+                    font={"size": 11, "color": "#555555"},
+                )
     fig.update_xaxes(type="log", title_text="ALiBi slope m_h (log)", dtick=1, showgrid=True)
     fig.update_yaxes(range=[-0.03, 1.03], showgrid=True, gridcolor="#EEEEEE")
     fig.update_yaxes(title_text="BOS mass", row=1, col=1)
@@ -129,21 +135,34 @@ def training_figure(logs: dict[str, pd.DataFrame]) -> go.Figure:
         for column, dash in (("heldout_shakespeare", "solid"), ("heldout_python_docs", "dot")):
             fig.add_trace(
                 go.Scatter(
-                    x=tokens, y=log[column], mode="lines", name=name, legendgroup=name,
-                    showlegend=dash == "solid", line={"color": colour, "dash": dash},
+                    x=tokens,
+                    y=log[column],
+                    mode="lines",
+                    name=name,
+                    legendgroup=name,
+                    showlegend=dash == "solid",
+                    line={"color": colour, "dash": dash},
                     hovertemplate=f"{name} {column}: " + "%{y:.3f} at %{x:.2f}M<extra></extra>",
                 ),
-                row=1, col=1,
-            )  # fmt: skip
+                row=1,
+                col=1,
+            )
         fig.add_trace(
             go.Scatter(
-                x=tokens, y=log["max_bos_mass"], mode="lines+markers", name=name,
-                legendgroup=name, showlegend=False, line={"color": colour},
-                marker={"size": 5}, text=log["max_bos_head"],
+                x=tokens,
+                y=log["max_bos_mass"],
+                mode="lines+markers",
+                name=name,
+                legendgroup=name,
+                showlegend=False,
+                line={"color": colour},
+                marker={"size": 5},
+                text=log["max_bos_head"],
                 hovertemplate="%{x:.2f}M tokens: %{y:.3f} (%{text})<extra></extra>",
             ),
-            row=1, col=2,
-        )  # fmt: skip
+            row=1,
+            col=2,
+        )
     fig.update_xaxes(title_text="training tokens (millions)", showgrid=True, gridcolor="#EEEEEE")
     fig.update_yaxes(showgrid=True, gridcolor="#EEEEEE")
     fig.update_yaxes(title_text="loss (nats/token)", range=[3, 6], row=1, col=1)

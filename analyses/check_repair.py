@@ -55,14 +55,20 @@ def main() -> None:
     changes = weight_changes(args.injured, args.out / "model", heads)
     a = acceptance(report, ppl, changes)
 
-    print(f"- targeted {a['targeted']} heads ({heads}); recovered {a['recovered']} "
-          f"({a['recovery_rate']:.0%}); frozen heads drifted: {a['drifted']}")  # fmt: skip
-    print(f"- held-out perplexity ({args.n_seqs} x {args.seq_len} tokens, BOS first): uninjured "
-          f"{ppl['uninjured']:.2f}, injured {ppl['injured']:.2f}, repaired {ppl['repaired']:.2f} "
-          f"({a['ppl_gap']:+.2%} vs uninjured)")  # fmt: skip
-    print(f"- weights: {len(changes)} tensors; {a['untouched_changed']} of {a['untouched']:,} "
-          f"untouched elements differ from the input; {a['head_elements']:,} elements "
-          "in the repaired slices")  # fmt: skip
+    print(
+        f"- targeted {a['targeted']} heads ({heads}); recovered {a['recovered']} "
+        f"({a['recovery_rate']:.0%}); frozen heads drifted: {a['drifted']}"
+    )
+    print(
+        f"- held-out perplexity ({args.n_seqs} x {args.seq_len} tokens, BOS first): uninjured "
+        f"{ppl['uninjured']:.2f}, injured {ppl['injured']:.2f}, repaired {ppl['repaired']:.2f} "
+        f"({a['ppl_gap']:+.2%} vs uninjured)"
+    )
+    print(
+        f"- weights: {len(changes)} tensors; {a['untouched_changed']} of {a['untouched']:,} "
+        f"untouched elements differ from the input; {a['head_elements']:,} elements "
+        "in the repaired slices"
+    )
 
 
 if __name__ == "__main__":

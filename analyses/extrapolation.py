@@ -46,8 +46,11 @@ def mitigations(c: float, length: int) -> dict[str, dict]:
 
 def main() -> None:
     p = parser(__doc__, "extrapolation")
-    p.add_argument("--base", default="analyses/mitigation_models/standard",
-                   help="the model the mitigations are applied to")  # fmt: skip
+    p.add_argument(
+        "--base",
+        default="analyses/mitigation_models/standard",
+        help="the model the mitigations are applied to",
+    )
     p.add_argument("--model", action="append", default=[], help="LABEL=FOLDER, also evaluated")
     p.add_argument("--length", type=int, default=16384, help="tokens per sequence")
     p.add_argument("--n-seqs", type=int, default=1, help="sequences (one pass each)")
@@ -83,28 +86,39 @@ def main() -> None:
                 index=["position_lo", "position_hi"], columns="curve", values="mean_nll", sort=False
             ).reset_index(),
             3,
-        ),  # fmt: skip
+        ),
     ]
-    write_topic(args.out, {"loss_by_position": figure(curves, blind, train_ctx)},
-                {"loss_by_position.csv": curves, "blind_heads.csv": blind}, summary,
-                started)  # fmt: skip
+    write_topic(
+        args.out,
+        {"loss_by_position": figure(curves, blind, train_ctx)},
+        {"loss_by_position.csv": curves, "blind_heads.csv": blind},
+        summary,
+        started,
+    )
 
 
 def findings(curves: pd.DataFrame, blind: pd.DataFrame, train_ctx: int) -> list[str]:
     """Each curve's loss in context, at the far end, and the change between them."""
-    lines = ["| curve | loss in context (nats) | loss in the last bucket | change |",
-             "|---|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| curve | loss in context (nats) | loss in the last bucket | change |",
+        "|---|---:|---:|---:|",
+    ]
     for label, frame in curves.groupby("curve", sort=False):
         inside = frame[frame["position_hi"] <= train_ctx]
         near = np.average(inside["mean_nll"], weights=inside["tokens"])
         far = frame.iloc[-1]
         spread = f" ± {far.ci95:.3f}" if np.isfinite(far.ci95) else ""  # NaN: one sequence
-        lines.append(f"| {label} | {near:.3f} | {far.mean_nll:.3f}{spread} "
-                     f"(positions {int(far.position_lo):,}-{int(far.position_hi):,}) | "
-                     f"{far.mean_nll - near:+.3f} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {near:.3f} | {far.mean_nll:.3f}{spread} "
+            f"(positions {int(far.position_lo):,}-{int(far.position_hi):,}) | "
+            f"{far.mean_nll - near:+.3f} |"
+        )
     distances = np.sort(blind["blind_distance"].dropna().unique())
-    lines += ["", "Analytic float32 blind distances of the bare model's heads ('normal' "
-              "limit, tokens): " + ", ".join(f"{d:,.0f}" for d in distances)]  # fmt: skip
+    lines += [
+        "",
+        "Analytic float32 blind distances of the bare model's heads ('normal' "
+        "limit, tokens): " + ", ".join(f"{d:,.0f}" for d in distances),
+    ]
     return lines
 
 
@@ -112,16 +126,27 @@ def figure(curves: pd.DataFrame, blind: pd.DataFrame, train_ctx: int) -> go.Figu
     fig = go.Figure()
     for label, frame in curves.groupby("curve", sort=False):
         centre = np.sqrt(frame["position_lo"].clip(lower=1) * frame["position_hi"])
-        fig.add_trace(go.Scatter(x=centre, y=frame["mean_nll"], mode="lines+markers", name=label,
-                                 error_y={"type": "data", "array": frame["ci95"]}))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=centre,
+                y=frame["mean_nll"],
+                mode="lines+markers",
+                name=label,
+                error_y={"type": "data", "array": frame["ci95"]},
+            )
+        )
     for distance in np.sort(blind["blind_distance"].dropna().unique()):
         fig.add_vline(x=np.log10(distance), line_dash="dot", line_color="#bbb")
     fig.add_vline(x=np.log10(train_ctx), line_dash="dash", line_color="#444")
     fig.update_xaxes(type="log", title="token position")
     fig.update_yaxes(title="mean next-token loss (nats)")
-    style(fig, "Loss by token position, with each mitigation",
-          "dashed: training length; dotted: analytic float32 blind distance of each head",
-          820, 480)  # fmt: skip
+    style(
+        fig,
+        "Loss by token position, with each mitigation",
+        "dashed: training length; dotted: analytic float32 blind distance of each head",
+        820,
+        480,
+    )
     return fig
 
 

@@ -57,35 +57,78 @@ def _configs() -> dict[str, tuple[tf.PretrainedConfig, Callable[[nn.Module, int]
     """Family -> (config, the attention output projection of layer i of its causal LM)."""
     n = 2 * BLINDNESS_LEN  # learned and rotary positions: room for every length used
     return {
-        "BLOOM": (tf.BloomConfig(hidden_size=WIDTH, n_head=HEADS, n_layer=LAYERS,
-                                 vocab_size=VOCAB),
-                  lambda m, i: m.transformer.h[i].self_attention.dense),
-        "MPT": (tf.MptConfig(d_model=WIDTH, n_heads=HEADS, n_layers=LAYERS, vocab_size=VOCAB,
-                             max_seq_len=n, attn_config={"alibi": True, "alibi_bias_max": 16}),
-                lambda m, i: m.transformer.blocks[i].attn.out_proj),
-        "Falcon (ALiBi)": (tf.FalconConfig(hidden_size=WIDTH, num_attention_heads=HEADS,
-                                           num_hidden_layers=LAYERS, vocab_size=VOCAB,
-                                           alibi=True, new_decoder_architecture=False,
-                                           multi_query=False, parallel_attn=False, bias=True),
-                           lambda m, i: m.transformer.h[i].self_attention.dense),
+        "BLOOM": (
+            tf.BloomConfig(hidden_size=WIDTH, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB),
+            lambda m, i: m.transformer.h[i].self_attention.dense,
+        ),
+        "MPT": (
+            tf.MptConfig(
+                d_model=WIDTH,
+                n_heads=HEADS,
+                n_layers=LAYERS,
+                vocab_size=VOCAB,
+                max_seq_len=n,
+                attn_config={"alibi": True, "alibi_bias_max": 16},
+            ),
+            lambda m, i: m.transformer.blocks[i].attn.out_proj,
+        ),
+        "Falcon (ALiBi)": (
+            tf.FalconConfig(
+                hidden_size=WIDTH,
+                num_attention_heads=HEADS,
+                num_hidden_layers=LAYERS,
+                vocab_size=VOCAB,
+                alibi=True,
+                new_decoder_architecture=False,
+                multi_query=False,
+                parallel_attn=False,
+                bias=True,
+            ),
+            lambda m, i: m.transformer.h[i].self_attention.dense,
+        ),
         # n_ctx as published GPT-2 configs have it (transformers 5 no longer writes it).
-        "GPT-2": (tf.GPT2Config(n_embd=WIDTH, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB,
-                                n_positions=n, n_ctx=n),
-                  lambda m, i: m.transformer.h[i].attn.c_proj),
-        "GPT-NeoX": (tf.GPTNeoXConfig(hidden_size=WIDTH, num_attention_heads=HEADS,
-                                      num_hidden_layers=LAYERS, intermediate_size=4 * WIDTH,
-                                      vocab_size=VOCAB, max_position_embeddings=n),
-                     lambda m, i: m.gpt_neox.layers[i].attention.dense),
-        "Llama (GQA 4/2)": (tf.LlamaConfig(hidden_size=WIDTH, num_attention_heads=HEADS,
-                                           num_key_value_heads=HEADS // 2,
-                                           num_hidden_layers=LAYERS, intermediate_size=2 * WIDTH,
-                                           vocab_size=VOCAB, max_position_embeddings=n),
-                            lambda m, i: m.model.layers[i].self_attn.o_proj),
-        "OPT": (tf.OPTConfig(hidden_size=WIDTH, num_attention_heads=HEADS,
-                             num_hidden_layers=LAYERS, ffn_dim=4 * WIDTH, vocab_size=VOCAB,
-                             max_position_embeddings=n, word_embed_proj_dim=WIDTH),
-                lambda m, i: m.model.decoder.layers[i].self_attn.out_proj),
-    }  # fmt: skip
+        "GPT-2": (
+            tf.GPT2Config(
+                n_embd=WIDTH, n_head=HEADS, n_layer=LAYERS, vocab_size=VOCAB, n_positions=n, n_ctx=n
+            ),
+            lambda m, i: m.transformer.h[i].attn.c_proj,
+        ),
+        "GPT-NeoX": (
+            tf.GPTNeoXConfig(
+                hidden_size=WIDTH,
+                num_attention_heads=HEADS,
+                num_hidden_layers=LAYERS,
+                intermediate_size=4 * WIDTH,
+                vocab_size=VOCAB,
+                max_position_embeddings=n,
+            ),
+            lambda m, i: m.gpt_neox.layers[i].attention.dense,
+        ),
+        "Llama (GQA 4/2)": (
+            tf.LlamaConfig(
+                hidden_size=WIDTH,
+                num_attention_heads=HEADS,
+                num_key_value_heads=HEADS // 2,
+                num_hidden_layers=LAYERS,
+                intermediate_size=2 * WIDTH,
+                vocab_size=VOCAB,
+                max_position_embeddings=n,
+            ),
+            lambda m, i: m.model.layers[i].self_attn.o_proj,
+        ),
+        "OPT": (
+            tf.OPTConfig(
+                hidden_size=WIDTH,
+                num_attention_heads=HEADS,
+                num_hidden_layers=LAYERS,
+                ffn_dim=4 * WIDTH,
+                vocab_size=VOCAB,
+                max_position_embeddings=n,
+                word_embed_proj_dim=WIDTH,
+            ),
+            lambda m, i: m.model.decoder.layers[i].self_attn.out_proj,
+        ),
+    }
 
 
 def build(config: tf.PretrainedConfig, folder: Path) -> nn.Module:
@@ -145,10 +188,11 @@ def eager_census(patterns, writes, min_query_pos: int = 1) -> pd.DataFrame:
             "max_weight": later.amax(-1).mean(-1),
             "mean_distance": (later * distance).sum(-1).mean(-1),
             "self_mass": later.diagonal(min_query_pos, -2, -1).mean(-1),
-            "prev_mass": a[:, :, max(min_query_pos, 1) :].diagonal(max(min_query_pos, 1) - 1,
-                                                                    -2, -1).mean(-1),
+            "prev_mass": a[:, :, max(min_query_pos, 1) :]
+            .diagonal(max(min_query_pos, 1) - 1, -2, -1)
+            .mean(-1),
             "output_norm": w[:, min_query_pos:].norm(dim=-1).mean(1),
-        }  # fmt: skip
+        }
         layer_norm = w[:, min_query_pos:].sum(2).norm(dim=-1).mean(1)  # [batch]
         for head in range(HEADS):
             row = {"layer": layer, "head": head}
@@ -209,11 +253,24 @@ def check_repair(model, hf, out_proj, tokens) -> float:
     masks = head_masks(model, "L0H0")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     steps = FinetuneConfig(steps=4, batch_size=2, eval_seqs=2, lr=1e-3)
-    config = RepairConfig(passes=1, census_seq_len=64, census_n_seqs=2, n_eval_seqs=2,
-                          train_seq_len=64, finetune=steps)  # fmt: skip
+    config = RepairConfig(
+        passes=1,
+        census_seq_len=64,
+        census_n_seqs=2,
+        n_eval_seqs=2,
+        train_seq_len=64,
+        finetune=steps,
+    )
     corpus = torch.randint(0, VOCAB, (8, 64), generator=torch.Generator().manual_seed(1))
-    repair(model, corpus, eval_corpus=corpus[:2], census_data=corpus[:2], heads="L0H0",
-              config=config, progress=False)  # fmt: skip
+    repair(
+        model,
+        corpus,
+        eval_corpus=corpus[:2],
+        census_data=corpus[:2],
+        heads="L0H0",
+        config=config,
+        progress=False,
+    )
     outside, inside = 0.0, 0.0
     for name, p in model.named_parameters():
         change = (p.detach() - before[name]).abs()
@@ -235,8 +292,13 @@ def check_export(model, hf, out_proj, tokens) -> float:
     return float((ours.detach().float() - theirs.float()).abs().max())
 
 
-CHECKS = {"census": check_census, "blindness": check_blindness, "importance": check_importance,
-          "repair": check_repair, "export": check_export}  # fmt: skip
+CHECKS = {
+    "census": check_census,
+    "blindness": check_blindness,
+    "importance": check_importance,
+    "repair": check_repair,
+    "export": check_export,
+}
 
 
 def cell(task: str, check: Callable[..., float], *args: object) -> tuple[str, float | None]:

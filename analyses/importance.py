@@ -53,8 +53,9 @@ def importance_table(model, tokens, census: pd.DataFrame) -> tuple[pd.DataFrame,
         df = head_importance(model, tokens, method=method, ablation=ablation, progress=False)
         seconds[prefix] = time.process_time() - began
         columns = {"delta_loss": f"{prefix}_delta_loss", "delta_loss_se": f"{prefix}_se"}
-        table = table.merge(df[["layer", "head", *columns]].rename(columns=columns),
-                            on=["layer", "head"])  # fmt: skip
+        table = table.merge(
+            df[["layer", "head", *columns]].rename(columns=columns), on=["layer", "head"]
+        )
         table["clean_loss"] = df["clean_loss"]
     table.attrs = census.attrs
     return table, seconds
@@ -63,8 +64,9 @@ def importance_table(model, tokens, census: pd.DataFrame) -> tuple[pd.DataFrame,
 def as_importance(table: pd.DataFrame, prefix: str) -> pd.DataFrame:
     """One run's columns under head_importance's names (for plots and compare_importance)."""
     method, ablation = next((m, a) for p, m, a in RUNS if p == prefix)
-    out = table.rename(columns={f"{prefix}_delta_loss": "delta_loss", f"{prefix}_se":
-                                "delta_loss_se"})  # fmt: skip
+    out = table.rename(
+        columns={f"{prefix}_delta_loss": "delta_loss", f"{prefix}_se": "delta_loss_se"}
+    )
     out = out.assign(method=method, ablation=ablation)
     out.attrs = dict(table.attrs) | {"importance_method": method, "importance_ablation": ablation}
     return out
@@ -84,32 +86,51 @@ def scatter_figure(tables: dict[str, pd.DataFrame], agreement: pd.DataFrame) -> 
         for ablation, colour in colours.items():
             fig.add_trace(
                 go.Scatter(
-                    x=t[f"{ablation}_delta_loss"], y=t[f"attr_{ablation}_delta_loss"],
-                    mode="markers", name=f"{ablation} ablation", legendgroup=ablation,
+                    x=t[f"{ablation}_delta_loss"],
+                    y=t[f"attr_{ablation}_delta_loss"],
+                    mode="markers",
+                    name=f"{ablation} ablation",
+                    legendgroup=ablation,
                     showlegend=col == 1,
-                    marker={"color": colour, "size": 7, "opacity": 0.75,
-                            "symbol": "circle" if ablation == "mean" else "diamond"},
+                    marker={
+                        "color": colour,
+                        "size": 7,
+                        "opacity": 0.75,
+                        "symbol": "circle" if ablation == "mean" else "diamond",
+                    },
                     text=[f"L{r.layer}H{r.head} ({r.label})" for r in t.itertuples()],
                     hovertemplate="%{text}: exact %{x:.4g}, attribution %{y:.4g}<extra></extra>",
                 ),
-                row=1, col=col,
-            )  # fmt: skip
+                row=1,
+                col=col,
+            )
         values = t[[f"{a}_delta_loss" for a in colours] + [f"attr_{a}_delta_loss" for a in colours]]
         lo, hi = float(np.nanmin(values.to_numpy())), float(np.nanmax(values.to_numpy()))
         fig.add_trace(
-            go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="attribution = exact",
-                       showlegend=col == 1, line={"color": "#888888", "dash": "dot", "width": 1},
-                       hoverinfo="skip"),
-            row=1, col=col,
-        )  # fmt: skip
+            go.Scatter(
+                x=[lo, hi],
+                y=[lo, hi],
+                mode="lines",
+                name="attribution = exact",
+                showlegend=col == 1,
+                line={"color": "#888888", "dash": "dot", "width": 1},
+                hoverinfo="skip",
+            ),
+            row=1,
+            col=col,
+        )
         fig.update_xaxes(title_text="exact Δ loss (nats)", row=1, col=col)
     fig.update_yaxes(title_text="attribution estimate (nats)", row=1, col=1)
     fig.update_xaxes(showgrid=True, gridcolor="#EEEEEE", zeroline=False)
     fig.update_yaxes(showgrid=True, gridcolor="#EEEEEE", zeroline=False)
     fig.update_annotations(font={"size": 13})
-    style(fig, "Attribution patching against exact ablation",
-          "one marker per head; dotted: equal; ρ: Spearman rank correlation",
-          80 + 360 * len(names) + 170, 500)  # fmt: skip
+    style(
+        fig,
+        "Attribution patching against exact ablation",
+        "one marker per head; dotted: equal; ρ: Spearman rank correlation",
+        80 + 360 * len(names) + 170,
+        500,
+    )
     fig.update_layout(margin={"l": 80, "r": 170, "t": 130, "b": 70})
     return fig
 
@@ -147,8 +168,12 @@ def planted_table(tables: dict[str, pd.DataFrame], truth: list[dict], name: str)
 
 def main() -> None:
     p = parser(__doc__, "importance")
-    p.add_argument("--models", nargs="+", default=["organism", "organism-deep", "organism-injured"],
-                   help="bundled organisms or checkpoint folders")  # fmt: skip
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=["organism", "organism-deep", "organism-injured"],
+        help="bundled organisms or checkpoint folders",
+    )
     p.add_argument("--n-seqs", type=int, default=32, help="held-out sequences per model")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     args = p.parse_args()
@@ -165,12 +190,16 @@ def main() -> None:
         for ablation in ("mean", "zero"):
             exact = as_importance(tables[name], ablation)
             estimate = as_importance(tables[name], f"attr_{ablation}")
-            agreement_rows.append({
-                "model": name, "ablation": ablation, **compare_importance(exact, estimate),
-                "exact_cpu_s": seconds[ablation],
-                "attribution_cpu_s": seconds[f"attr_{ablation}"],
-                "speed-up": seconds[ablation] / seconds[f"attr_{ablation}"],
-            })  # fmt: skip
+            agreement_rows.append(
+                {
+                    "model": name,
+                    "ablation": ablation,
+                    **compare_importance(exact, estimate),
+                    "exact_cpu_s": seconds[ablation],
+                    "attribution_cpu_s": seconds[f"attr_{ablation}"],
+                    "speed-up": seconds[ablation] / seconds[f"attr_{ablation}"],
+                }
+            )
         truth_path = Path(model_info(model).source or "") / "truth.json"
         if model_info(model).source is not None and truth_path.exists():
             truth, injured_name = json.loads(truth_path.read_text())["injuries"], name
@@ -203,17 +232,19 @@ def main() -> None:
     for name, t in tables.items():
         top = t.nlargest(3, "mean_delta_loss")
         sick = t[t["label"] != "healthy"]
-        rows.append({
-            "model": name,
-            "heads": len(t),
-            "clean loss": round(float(t["clean_loss"].iloc[0]), 4),
-            "median Δ (mean)": t["mean_delta_loss"].median(),
-            "max Δ (mean)": t["mean_delta_loss"].max(),
-            "top heads": fmt_heads([f"L{r.layer}H{r.head}" for r in top.itertuples()]),
-            "dormant (mean)": int(is_dormant(t["mean_delta_loss"], t["mean_se"]).sum()),
-            "max Δ (zero)": t["zero_delta_loss"].max(),
-            "sick heads": len(sick),
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": name,
+                "heads": len(t),
+                "clean loss": round(float(t["clean_loss"].iloc[0]), 4),
+                "median Δ (mean)": t["mean_delta_loss"].median(),
+                "max Δ (mean)": t["mean_delta_loss"].max(),
+                "top heads": fmt_heads([f"L{r.layer}H{r.head}" for r in top.itertuples()]),
+                "dormant (mean)": int(is_dormant(t["mean_delta_loss"], t["mean_se"]).sum()),
+                "max Δ (zero)": t["zero_delta_loss"].max(),
+                "sick heads": len(sick),
+            }
+        )
     lines += [markdown(pd.DataFrame(rows)), "", "## Attribution against exact ablation", ""]
     lines += [markdown(agreement, digits=3), ""]
     if truth is not None and injured_name is not None:
@@ -245,14 +276,19 @@ def prune_vs_repair_lines(report_file: Path) -> list[str]:
     comparison = json.loads(report_file.read_text()).get("prune_vs_repair")
     if comparison is None:
         return ["", f"({report_file} predates prune versus repair: rerun repair_organism.py.)"]
-    rows = [("before repair", comparison["injured"]),
-            ("pruned: the targets mean-ablated", comparison["pruned_mean"]),
-            ("pruned: the targets zero-ablated", comparison["pruned_zero"]),
-            ("repaired", comparison["repaired"])]  # fmt: skip
+    rows = [
+        ("before repair", comparison["injured"]),
+        ("pruned: the targets mean-ablated", comparison["pruned_mean"]),
+        ("pruned: the targets zero-ablated", comparison["pruned_zero"]),
+        ("repaired", comparison["repaired"]),
+    ]
     table = pd.DataFrame(
-        [{"model": name, "train PPL": p["train"], "held-out PPL": p["heldout"]}
-         for name, p in rows if p is not None]
-    )  # fmt: skip
+        [
+            {"model": name, "train PPL": p["train"], "held-out PPL": p["heldout"]}
+            for name, p in rows
+            if p is not None
+        ]
+    )
     return [
         "",
         "## Prune versus repair",

@@ -97,8 +97,12 @@ def main() -> None:
     p.add_argument("--long-from", type=int, default=1024, help="lengths above take --long-trials")
     p.add_argument("--long-trials", type=int, default=3, help="prompts per long length, depth")
     p.add_argument("--ppl-max", type=int, default=1024, help="perplexity windows up to this")
-    p.add_argument("--blindness-length", type=int, default=32768,
-                   help="sequence length of measured blindness and loss by position")  # fmt: skip
+    p.add_argument(
+        "--blindness-length",
+        type=int,
+        default=32768,
+        help="sequence length of measured blindness and loss by position",
+    )
     p.add_argument("--loss-seqs", type=int, default=2, help="sequences for loss by position")
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
@@ -113,30 +117,42 @@ def main() -> None:
 
     trials: dict[str, dict[str, pd.DataFrame]] = {t: {} for t in TASKS}
     models, ppl_rows, train_ctx, blind, losses = {}, [], None, [], []
-    groups = [([n for n in args.lengths if n <= args.long_from], args.trials),
-              ([n for n in args.lengths if n > args.long_from], args.long_trials)]  # fmt: skip
+    groups = [
+        ([n for n in args.lengths if n <= args.long_from], args.trials),
+        ([n for n in args.lengths if n > args.long_from], args.long_trials),
+    ]
     for label, folder in tqdm(folders.items(), desc="models"):
         model = hs.load_model(folder)
         info = model_info(model)
         training = info.metadata["training"]
-        models[label] = {"variant": trained_bias(info.metadata)[0], "seed": training["seed"],
-                         "steps": training["steps"], "tokens": training["tokens_seen"],
-                         "minutes": training["minutes"], "folder": folder}  # fmt: skip
+        models[label] = {
+            "variant": trained_bias(info.metadata)[0],
+            "seed": training["seed"],
+            "steps": training["steps"],
+            "tokens": training["tokens_seen"],
+            "minutes": training["minutes"],
+            "folder": folder,
+        }
         train_ctx = train_ctx or info.train_ctx
         if info.train_ctx != train_ctx:
             raise SystemExit(f"{folder}: training length {info.train_ctx}, others {train_ctx}")
         for task, run in (("passkey", hs.passkey), ("needle", hs.needle)):
-            frames = [run(model, lengths=group, depths=args.depths, n_trials=n, seed=args.seed)
-                      .trials for group, n in groups if group]  # fmt: skip
+            frames = [
+                run(model, lengths=group, depths=args.depths, n_trials=n, seed=args.seed).trials
+                for group, n in groups
+                if group
+            ]
             trials[task][label] = pd.concat(frames, ignore_index=True)
         for length in [n for n in args.lengths if n <= args.ppl_max]:
             ppl = hs.perplexity(model, window=length, max_windows=32, progress=False)
             ppl_rows.append({"model": label, "window": length, "perplexity": ppl})
-        measured = hs.measure_blindness(model, dtypes=["float32"], seq_len=args.blindness_length,
-                                        n_seqs=1, progress=False).by_head  # fmt: skip
+        measured = hs.measure_blindness(
+            model, dtypes=["float32"], seq_len=args.blindness_length, n_seqs=1, progress=False
+        ).by_head
         blind.append(measured.assign(model=label))
-        curve = hs.loss_by_position(model, length=args.blindness_length, n_seqs=args.loss_seqs,
-                                    progress=False)  # fmt: skip
+        curve = hs.loss_by_position(
+            model, length=args.blindness_length, n_seqs=args.loss_seqs, progress=False
+        )
         losses.append(curve.assign(model=label))
 
     auc, diffs, curves = evaluate(trials, models, train_ctx, args)
@@ -147,11 +163,18 @@ def main() -> None:
     long_diff = long_range_difference(trials, models, lengths, args.bootstrap, args.seed)
     table = paper_table(auc, ppl, models, train_ctx)
     figures = all_figures(curves, ppl, regime, losses, train_ctx)
-    tables = {"table.csv": table, "auc.csv": auc, "differences.csv": diffs,
-              "curves.csv": curves, "perplexity.csv": ppl, "regime.csv": regime,
-              "long_range_differences.csv": long_diff,
-              "blindness.csv": blind, "loss_by_position.csv": losses,
-              "models.csv": pd.DataFrame(models).T.rename_axis("model").reset_index()}  # fmt: skip
+    tables = {
+        "table.csv": table,
+        "auc.csv": auc,
+        "differences.csv": diffs,
+        "curves.csv": curves,
+        "perplexity.csv": ppl,
+        "regime.csv": regime,
+        "long_range_differences.csv": long_diff,
+        "blindness.csv": blind,
+        "loss_by_position.csv": losses,
+        "models.csv": pd.DataFrame(models).T.rename_axis("model").reset_index(),
+    }
     for task in TASKS:
         for label, frame in trials[task].items():
             tables[f"trials_{label}_{task}.csv"] = frame
@@ -200,24 +223,47 @@ def evaluate(
                 base = standard.get(models[label]["seed"])
                 for split in SPLITS:
                     low, high = np.nanpercentile(samples[f"{label}/{split}"], [2.5, 97.5])
-                    auc_rows.append({"task": task, "metric": column, "model": label,
-                                     "variant": models[label]["variant"], "split": split,
-                                     "auc": point[split], "ci_low": low,
-                                     "ci_high": high})  # fmt: skip
+                    auc_rows.append(
+                        {
+                            "task": task,
+                            "metric": column,
+                            "model": label,
+                            "variant": models[label]["variant"],
+                            "split": split,
+                            "auc": point[split],
+                            "ci_low": low,
+                            "ci_high": high,
+                        }
+                    )
                     if base is None or base == label:
                         continue
                     delta = samples[f"{label}/{split}"] - samples[f"{base}/{split}"]
                     low, high = np.nanpercentile(delta, [2.5, 97.5])
-                    diff_rows.append({"task": task, "metric": column, "model": label,
-                                      "minus": base, "split": split,
-                                      "difference": point[split] - points[base][split],
-                                      "ci_low": low, "ci_high": high,
-                                      "share_not_below": float(np.mean(delta >= 0))})  # fmt: skip
+                    diff_rows.append(
+                        {
+                            "task": task,
+                            "metric": column,
+                            "model": label,
+                            "minus": base,
+                            "split": split,
+                            "difference": point[split] - points[base][split],
+                            "ci_low": low,
+                            "ci_high": high,
+                            "share_not_below": float(np.mean(delta >= 0)),
+                        }
+                    )
             for label, frame in trials[task].items():
                 by_length = frame.groupby("context_length")[column].mean()
-                curve_rows += [{"task": task, "metric": column, "model": label,
-                                "context_length": n, "accuracy": a}
-                               for n, a in by_length.items()]  # fmt: skip
+                curve_rows += [
+                    {
+                        "task": task,
+                        "metric": column,
+                        "model": label,
+                        "context_length": n,
+                        "accuracy": a,
+                    }
+                    for n, a in by_length.items()
+                ]
     return pd.DataFrame(auc_rows), pd.DataFrame(diff_rows), pd.DataFrame(curve_rows)
 
 
@@ -228,19 +274,27 @@ def verdict(diffs: pd.DataFrame) -> list[str]:
         return ["No model to compare with standard ALiBi of the same seed."]
     lines = ["## Answer", ""]
     for task, frame in rows.groupby("task", sort=False):
-        parts = [f"{r.model} {r.difference:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
-                 for r in frame.itertuples()]  # fmt: skip
+        parts = [
+            f"{r.model} {r.difference:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
+            for r in frame.itertuples()
+        ]
         above = (frame["ci_low"] > 0).all()
         below = (frame["ci_high"] < 0).all()
         word = "better" if above else "worse" if below else "not distinguishable from standard"
         status = f"{word} in every seed" if above or below else word
-        lines.append(f"- {task}, out of context, variant minus standard ALiBi (top-1 AUC, 95% "
-                     f"CI over prompts): {'; '.join(parts)}: {status}")  # fmt: skip
+        lines.append(
+            f"- {task}, out of context, variant minus standard ALiBi (top-1 AUC, 95% "
+            f"CI over prompts): {'; '.join(parts)}: {status}"
+        )
     worse = (rows["ci_high"] < 0).all()
     better = (rows["ci_low"] > 0).all()
-    lines += ["", "The paper's direction (log-scaled distances retrieve better out of context "
-              "than standard ALiBi) " + ("holds" if better else "is reversed" if worse
-                                         else "is not shown") + " at this scale."]  # fmt: skip
+    lines += [
+        "",
+        "The paper's direction (log-scaled distances retrieve better out of context "
+        "than standard ALiBi) "
+        + ("holds" if better else "is reversed" if worse else "is not shown")
+        + " at this scale.",
+    ]
     return lines
 
 
@@ -267,15 +321,23 @@ def regime_table(
         first_zero = by_model["first_zero_distance"].to_numpy()
         analytic = by_model["analytic_distance"].to_numpy()
         for length in args.lengths:
-            row = {"model": label, "context_length": length, "n_heads": len(by_model),
-                   "blind_heads": int(np.sum(first_zero < length)),
-                   "blind_heads_analytic": int(np.sum(analytic < length))}  # fmt: skip
+            row = {
+                "model": label,
+                "context_length": length,
+                "n_heads": len(by_model),
+                "blind_heads": int(np.sum(first_zero < length)),
+                "blind_heads_analytic": int(np.sum(analytic < length)),
+            }
             for task in TASKS:
                 frame = trials[task][label]
                 correct = frame.loc[frame["context_length"] == length, "top1_correct"]
                 low, high = wilson(float(correct.sum()), len(correct))
-                row |= {task: correct.mean(), f"{task}_ci_low": low, f"{task}_ci_high": high,
-                        f"{task}_n": len(correct)}  # fmt: skip
+                row |= {
+                    task: correct.mean(),
+                    f"{task}_ci_low": low,
+                    f"{task}_ci_high": high,
+                    f"{task}_n": len(correct),
+                }
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -306,11 +368,18 @@ def long_range_difference(
             other = trials[task][base]
             deltas = [accuracy(frame, i) - accuracy(other, i) for i in samples]
             low, high = np.percentile(deltas, [2.5, 97.5])
-            rows.append({"task": task, "model": label, "minus": base,
-                         "accuracy": accuracy(frame, everything),
-                         "standard_accuracy": accuracy(other, everything),
-                         "difference": accuracy(frame, everything) - accuracy(other, everything),
-                         "ci_low": low, "ci_high": high})  # fmt: skip
+            rows.append(
+                {
+                    "task": task,
+                    "model": label,
+                    "minus": base,
+                    "accuracy": accuracy(frame, everything),
+                    "standard_accuracy": accuracy(other, everything),
+                    "difference": accuracy(frame, everything) - accuracy(other, everything),
+                    "ci_low": low,
+                    "ci_high": high,
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -337,46 +406,85 @@ def regime_lines(
     if long_diff.empty:
         lines += ["No evaluated length has half of standard ALiBi's heads blind.", ""]
     else:
-        lines.append(f"At lengths {lengths} (at least half of each standard model's heads blind "
-                     "within the distance), top-1 accuracy averaged over lengths and depths, "
-                     "variant minus standard ALiBi of the same seed (95% paired bootstrap "
-                     "interval over prompts):")  # fmt: skip
+        lines.append(
+            f"At lengths {lengths} (at least half of each standard model's heads blind "
+            "within the distance), top-1 accuracy averaged over lengths and depths, "
+            "variant minus standard ALiBi of the same seed (95% paired bootstrap "
+            "interval over prompts):"
+        )
         lines.append("")
         for r in long_diff.itertuples():
-            word = ("better" if r.ci_low > 0 else "worse" if r.ci_high < 0
-                    else "not distinguishable")  # fmt: skip
-            lines.append(f"- {r.task}: {r.model} {r.accuracy:.2f} vs {r.minus} "
-                         f"{r.standard_accuracy:.2f}: {r.difference:+.2f} "
-                         f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}], {word}")  # fmt: skip
+            word = "better" if r.ci_low > 0 else "worse" if r.ci_high < 0 else "not distinguishable"
+            lines.append(
+                f"- {r.task}: {r.model} {r.accuracy:.2f} vs {r.minus} "
+                f"{r.standard_accuracy:.2f}: {r.difference:+.2f} "
+                f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}], {word}"
+            )
         better, worse = (long_diff["ci_low"] > 0).all(), (long_diff["ci_high"] < 0).all()
-        lines += ["", "There, the paper's direction (log-scaled distances retrieve better than "
-                  "standard ALiBi) " + ("holds" if better else "is reversed" if worse
-                                        else "is not shown") + ".", ""]  # fmt: skip
+        lines += [
+            "",
+            "There, the paper's direction (log-scaled distances retrieve better than "
+            "standard ALiBi) "
+            + ("holds" if better else "is reversed" if worse else "is not shown")
+            + ".",
+            "",
+        ]
     per_model = blind.groupby("model", sort=False)["first_zero_distance"]
-    lines.append("Measured float32 blindness on one sequence of "
-                 f"{args.blindness_length:,} tokens (first distance with an exact zero, per "
-                 "head): " + "; ".join(
-                     f"{k}: {int(v.notna().sum())} of {len(v)} heads blind, nearest at "
-                     f"{v.min():,.0f} tokens" if v.notna().any() else f"{k}: no head blind"
-                     for k, v in per_model))  # fmt: skip
+    lines.append(
+        "Measured float32 blindness on one sequence of "
+        f"{args.blindness_length:,} tokens (first distance with an exact zero, per "
+        "head): "
+        + "; ".join(
+            f"{k}: {int(v.notna().sum())} of {len(v)} heads blind, nearest at {v.min():,.0f} tokens"
+            if v.notna().any()
+            else f"{k}: no head blind"
+            for k, v in per_model
+        )
+    )
     lines.append("")
     table = regime.pivot(index="context_length", columns="model")
     cols = []
     for label in regime["model"].unique():
         for task in TASKS:
-            cols.append((f"{label} {task}", [f"{a:.2f} [{lo:.2f}, {hi:.2f}]" for a, lo, hi in zip(
-                table[(task, label)], table[(f"{task}_ci_low", label)],
-                table[(f"{task}_ci_high", label)], strict=True)]))  # fmt: skip
-        cols.append((f"{label} blind heads", [f"{b} of {n}" for b, n in zip(
-            table[("blind_heads", label)], table[("n_heads", label)], strict=True)]))  # fmt: skip
+            cols.append(
+                (
+                    f"{label} {task}",
+                    [
+                        f"{a:.2f} [{lo:.2f}, {hi:.2f}]"
+                        for a, lo, hi in zip(
+                            table[(task, label)],
+                            table[(f"{task}_ci_low", label)],
+                            table[(f"{task}_ci_high", label)],
+                            strict=True,
+                        )
+                    ],
+                )
+            )
+        cols.append(
+            (
+                f"{label} blind heads",
+                [
+                    f"{b} of {n}"
+                    for b, n in zip(
+                        table[("blind_heads", label)], table[("n_heads", label)], strict=True
+                    )
+                ],
+            )
+        )
     shown = pd.DataFrame(dict(cols), index=table.index).reset_index()
-    lines += ["Top-1 accuracy by length (95% Wilson interval over prompts) and heads blind "
-              "within that distance (measured, float32):", "", markdown(shown, 3), ""]  # fmt: skip
+    lines += [
+        "Top-1 accuracy by length (95% Wilson interval over prompts) and heads blind "
+        "within that distance (measured, float32):",
+        "",
+        markdown(shown, 3),
+        "",
+    ]
     at_end = losses[losses["position_hi"] == losses["position_hi"].max()]
-    lines.append("Loss by token position (nats, the last bucket, positions "
-                 f"{int(at_end['position_lo'].iloc[0]):,}-{int(at_end['position_hi'].iloc[0]):,}"
-                 "): " + "; ".join(f"{r.model} {r.mean_nll:.2f} ± {r.ci95:.2f}"
-                                   for r in at_end.itertuples()))  # fmt: skip
+    lines.append(
+        "Loss by token position (nats, the last bucket, positions "
+        f"{int(at_end['position_lo'].iloc[0]):,}-{int(at_end['position_hi'].iloc[0]):,}"
+        "): " + "; ".join(f"{r.model} {r.mean_nll:.2f} ± {r.ci95:.2f}" for r in at_end.itertuples())
+    )
     return lines
 
 
@@ -400,11 +508,19 @@ def _training_length(
 ) -> None:
     """A dashed vertical line at the training length, labelled at its foot (a trace: shapes
     misplace on log axes)."""
-    fig.add_trace(go.Scatter(
-        x=[train_ctx, train_ctx], y=[low, high], mode="lines+text",
-        line={"dash": "dash", "color": "#888"}, text=["training length" if row != 2 else "", ""],
-        textposition="top right", showlegend=False, hoverinfo="skip",
-    ), **({"row": row, "col": 1} if row else {}))  # fmt: skip
+    fig.add_trace(
+        go.Scatter(
+            x=[train_ctx, train_ctx],
+            y=[low, high],
+            mode="lines+text",
+            line={"dash": "dash", "color": "#888"},
+            text=["training length" if row != 2 else "", ""],
+            textposition="top right",
+            showlegend=False,
+            hoverinfo="skip",
+        ),
+        **({"row": row, "col": 1} if row else {}),
+    )
 
 
 def all_figures(
@@ -424,8 +540,10 @@ def all_figures(
 def replot(out: Path, folders: dict[str, str]) -> None:
     """Redraw the PNGs of a finished run in ``out`` from its CSVs (the study takes ~90 min)."""
     train_ctx = model_info(hs.load_model(next(iter(folders.values())))).train_ctx
-    frames = {n: pd.read_csv(out / f"{n}.csv")
-              for n in ("curves", "perplexity", "regime", "loss_by_position")}  # fmt: skip
+    frames = {
+        n: pd.read_csv(out / f"{n}.csv")
+        for n in ("curves", "perplexity", "regime", "loss_by_position")
+    }
     figures = all_figures(*frames.values(), train_ctx)
     for name, fig in figures.items():
         save_figure(fig, out / f"{name}.png", scale=1.5)
@@ -436,18 +554,29 @@ def curve_figure(curves: pd.DataFrame, task: str, train_ctx: int) -> go.Figure:
     fig = go.Figure()
     colours = dict(zip(curves["model"].unique(), COLOURS, strict=False))
     for (label, metric), frame in curves[curves["task"] == task].groupby(["model", "metric"]):
-        fig.add_trace(go.Scatter(
-            x=frame["context_length"], y=frame["accuracy"], mode="lines+markers",
-            name=f"{label}, {metric.removesuffix('_correct')}",
-            line={"color": colours[label], "dash": "solid" if metric == "top1_correct" else "dot"},
-        ))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=frame["context_length"],
+                y=frame["accuracy"],
+                mode="lines+markers",
+                name=f"{label}, {metric.removesuffix('_correct')}",
+                line={
+                    "color": colours[label],
+                    "dash": "solid" if metric == "top1_correct" else "dot",
+                },
+            )
+        )
     _training_length(fig, train_ctx, 0, 1)
     fig.add_hline(y=0.1, line_dash="dot", annotation_text="top-1 chance")
     fig.update_xaxes(type="log", title="context length (tokens)")
     fig.update_yaxes(title="accuracy", range=[0, 1.02])
-    style(fig, f"{task}: accuracy by context length",
-          "models trained with each ALiBi variant; beyond the dashed line is out of context",
-          760, 460)  # fmt: skip
+    style(
+        fig,
+        f"{task}: accuracy by context length",
+        "models trained with each ALiBi variant; beyond the dashed line is out of context",
+        760,
+        460,
+    )
     return fig
 
 
@@ -456,35 +585,57 @@ def regime_figure(regime: pd.DataFrame, train_ctx: int) -> go.Figure:
 
     One colour per model; passkey solid, needle dotted.
     """
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35],
-                        vertical_spacing=0.06)  # fmt: skip
+    fig = make_subplots(
+        rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35], vertical_spacing=0.06
+    )
     models = regime.groupby("model", sort=False)
     for i, ((label, frame), colour) in enumerate(zip(models, COLOURS, strict=False)):
         for task in TASKS:
-            fig.add_trace(go.Scatter(
-                x=frame["context_length"], y=frame[task], mode="lines+markers",
-                name=f"{label}, {task}", legendgroup=label,
-                line={"color": colour, "dash": "solid" if task == "passkey" else "dot"},
-                error_y={"type": "data", "symmetric": False,
-                         "array": frame[f"{task}_ci_high"] - frame[task],
-                         "arrayminus": frame[task] - frame[f"{task}_ci_low"]},
-            ), row=1, col=1)  # fmt: skip
-        fig.add_trace(go.Scatter(
-            x=frame["context_length"], y=frame["blind_heads"], mode="lines+markers",
-            name=f"{label}, blind heads", legendgroup=label,
-            # Widest first, so a model whose count equals an earlier one's still shows beneath.
-            line={"color": colour, "dash": "dash", "width": 2 + 2 * (len(models) - 1 - i)},
-            marker={"symbol": "square"},
-        ), row=2, col=1)  # fmt: skip
+            fig.add_trace(
+                go.Scatter(
+                    x=frame["context_length"],
+                    y=frame[task],
+                    mode="lines+markers",
+                    name=f"{label}, {task}",
+                    legendgroup=label,
+                    line={"color": colour, "dash": "solid" if task == "passkey" else "dot"},
+                    error_y={
+                        "type": "data",
+                        "symmetric": False,
+                        "array": frame[f"{task}_ci_high"] - frame[task],
+                        "arrayminus": frame[task] - frame[f"{task}_ci_low"],
+                    },
+                ),
+                row=1,
+                col=1,
+            )
+        fig.add_trace(
+            go.Scatter(
+                x=frame["context_length"],
+                y=frame["blind_heads"],
+                mode="lines+markers",
+                name=f"{label}, blind heads",
+                legendgroup=label,
+                # Widest first, so a model whose count equals an earlier one's still shows beneath.
+                line={"color": colour, "dash": "dash", "width": 2 + 2 * (len(models) - 1 - i)},
+                marker={"symbol": "square"},
+            ),
+            row=2,
+            col=1,
+        )
     _training_length(fig, train_ctx, 0, 1.05, row=1)
     _training_length(fig, train_ctx, 0, regime["n_heads"].max(), row=2)
     fig.update_xaxes(type="log", row=1, col=1)
     fig.update_xaxes(type="log", title="context length (tokens)", row=2, col=1)
     fig.update_yaxes(title="top-1 accuracy", range=[0, 1.08], row=1, col=1)
     fig.update_yaxes(title="heads blind (float32)", row=2, col=1)
-    style(fig, "Retrieval by length beside measured blindness",
-          "dashed grey: training length; blind heads: first exact zero in float32 within the "
-          "length", 860, 680)  # fmt: skip
+    style(
+        fig,
+        "Retrieval by length beside measured blindness",
+        "dashed grey: training length; blind heads: first exact zero in float32 within the length",
+        860,
+        680,
+    )
     return fig
 
 
@@ -493,30 +644,42 @@ def loss_figure(losses: pd.DataFrame, train_ctx: int) -> go.Figure:
     fig = go.Figure()
     for (label, frame), colour in zip(losses.groupby("model", sort=False), COLOURS, strict=False):
         centre = np.sqrt(frame["position_lo"].clip(lower=1) * frame["position_hi"])
-        fig.add_trace(go.Scatter(
-            x=centre, y=frame["mean_nll"], mode="lines+markers", name=label,
-            line={"color": colour},
-            error_y={"type": "data", "array": frame["ci95"]},
-        ))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=centre,
+                y=frame["mean_nll"],
+                mode="lines+markers",
+                name=label,
+                line={"color": colour},
+                error_y={"type": "data", "array": frame["ci95"]},
+            )
+        )
     low, high = losses["mean_nll"] - losses["ci95"], losses["mean_nll"] + losses["ci95"]
     _training_length(fig, train_ctx, low.min(), high.max())
     fig.update_xaxes(type="log", title="token position")
     fig.update_yaxes(title="mean next-token loss (nats)")
-    style(fig, "Loss by token position", "bundled held-out corpora, one pass per sequence",
-          760, 460)  # fmt: skip
+    style(
+        fig, "Loss by token position", "bundled held-out corpora, one pass per sequence", 760, 460
+    )
     return fig
 
 
 def ppl_figure(ppl: pd.DataFrame, train_ctx: int) -> go.Figure:
     fig = go.Figure()
     for (label, frame), colour in zip(ppl.groupby("model", sort=False), COLOURS, strict=False):
-        fig.add_trace(go.Scatter(x=frame["window"], y=frame["perplexity"], mode="lines+markers",
-                                 name=label, line={"color": colour}))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=frame["window"],
+                y=frame["perplexity"],
+                mode="lines+markers",
+                name=label,
+                line={"color": colour},
+            )
+        )
     _training_length(fig, train_ctx, ppl["perplexity"].min(), ppl["perplexity"].max())
     fig.update_xaxes(type="log", title="window (tokens)")
     fig.update_yaxes(type="log", title="held-out perplexity")
-    style(fig, "Perplexity by window length", "bundled held-out corpora, 32 windows each",
-          760, 460)  # fmt: skip
+    style(fig, "Perplexity by window length", "bundled held-out corpora, 32 windows each", 760, 460)
     return fig
 
 

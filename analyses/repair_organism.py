@@ -190,8 +190,10 @@ def main() -> None:
     targeted = set(result.targeted.names())
     settings = report["settings"]
     ft, train_shape, census_shape = (
-        settings["finetune"], settings["train_sequences"], settings["census_sequences"]
-    )  # fmt: skip
+        settings["finetune"],
+        settings["train_sequences"],
+        settings["census_sequences"],
+    )
     lines = [
         f"# Repair of {model_info(result.model).name}",
         "",

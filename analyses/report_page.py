@@ -45,8 +45,14 @@ def main() -> None:
             f"- head shown after the click: {view.shown}",
             f"- its mean weight on position 0 (rows 1-, first sequence, as drawn): {column0:.3f}",
         ]
-        write_topic(args.out, {}, {}, summary, started,
-                    extra=lambda folder: shutil.copy(shot, folder / shot.name))  # fmt: skip
+        write_topic(
+            args.out,
+            {},
+            {},
+            summary,
+            started,
+            extra=lambda folder: shutil.copy(shot, folder / shot.name),
+        )
     finally:
         shutil.rmtree(run.parent, ignore_errors=True)
 

@@ -154,8 +154,10 @@ def measure_memory(args: argparse.Namespace, name: str) -> dict[str, float]:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         run()
-        return {"extra": (torch.cuda.max_memory_allocated() - before) / GIB,
-                "peak": torch.cuda.max_memory_allocated() / GIB}  # fmt: skip
+        return {
+            "extra": (torch.cuda.max_memory_allocated() - before) / GIB,
+            "peak": torch.cuda.max_memory_allocated() / GIB,
+        }
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # return the construction's freed memory
     with RssSampler() as sampler:
         before = sampler.peak
@@ -223,13 +225,20 @@ def main() -> None:
     # The methods agree: the census's BOS mass equals the transformers path's.
     if "transformers" in args.methods:
         with torch.no_grad():
-            census = run_census(tl, tokens, batch_size=args.batch_size, n_seqs=len(tokens),
-                                progress=False)  # fmt: skip
-            hf_bos = torch.stack([
-                pattern_stats(p, 1)[0].double().mean(0)
-                for b in tokens.split(args.batch_size)
-                for p in hf(b.to(args.device), output_attentions=True).attentions
-            ]).view(args.n_batches, tl.cfg.n_layers, -1).mean(0)  # fmt: skip
+            census = run_census(
+                tl, tokens, batch_size=args.batch_size, n_seqs=len(tokens), progress=False
+            )
+            hf_bos = (
+                torch.stack(
+                    [
+                        pattern_stats(p, 1)[0].double().mean(0)
+                        for b in tokens.split(args.batch_size)
+                        for p in hf(b.to(args.device), output_attentions=True).attentions
+                    ]
+                )
+                .view(args.n_batches, tl.cfg.n_layers, -1)
+                .mean(0)
+            )
         gap = (torch.tensor(census["bos_mass"].to_numpy()) - hf_bos.flatten().cpu()).abs().max()
         print(f"  max |census - transformers| BOS mass: {gap.item():.2e}")
     del hf, tl, runners  # the runners hold the models: free them before the memory runs
@@ -265,8 +274,10 @@ def main() -> None:
     print("\n".join(lines))
     if "census" in results and "run_with_cache" in results:
         c, r = results["census"], results["run_with_cache"]
-        print(f"census vs run_with_cache: {r['time_s'] / c['time_s']:.2f}x faster, "
-              f"{r['extra'] / c['extra']:.2f}x less extra peak memory")  # fmt: skip
+        print(
+            f"census vs run_with_cache: {r['time_s'] / c['time_s']:.2f}x faster, "
+            f"{r['extra'] / c['extra']:.2f}x less extra peak memory"
+        )
     if args.out:
         setup = {k: v for k, v in vars(args).items() if k not in ("passthrough", "memory_of")}
         with open(args.out, "w") as f:

@@ -125,8 +125,10 @@ class Bench:
             ratio = f"{r['time_s'] / base[r['shape']]:.2f}x" if base.get(r["shape"]) else ""
             extra = f"{r['extra_gib']:.2f}" if "extra_gib" in r else ""
             peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else ""
-            lines.append(f"| {r['shape']} | {r['task']} | {r['time_s'] * 1e3:.1f} | {ratio} | "
-                         f"{extra} | {peak} |")  # fmt: skip
+            lines.append(
+                f"| {r['shape']} | {r['task']} | {r['time_s'] * 1e3:.1f} | {ratio} | "
+                f"{extra} | {peak} |"
+            )
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text("\n".join(lines) + "\n")
         a.out.with_suffix(".json").write_text(
@@ -162,8 +164,11 @@ def tl_rows(bench: Bench, shape: str, model, tokens: torch.Tensor, long: int | N
             model(tokens)
 
     bench.row(shape, "forward", forward)
-    bench.row(shape, "census", lambda: hs.run_census(model, tokens, batch_size=n, n_seqs=n,
-                                                     progress=False))  # fmt: skip
+    bench.row(
+        shape,
+        "census",
+        lambda: hs.run_census(model, tokens, batch_size=n, n_seqs=n, progress=False),
+    )
     heads = HeadSet((layer, model.cfg.n_heads - 1) for layer in range(model.cfg.n_layers))
     for label, switches in (("default", {}), ("checkpointing + loss_chunk 512", {"chunk": 512})):
         model.requires_grad_(False)
@@ -183,8 +188,12 @@ def tl_rows(bench: Bench, shape: str, model, tokens: torch.Tensor, long: int | N
         del trainer, optimizer
     if long:
         sequence = torch.randint(10, model.cfg.d_vocab, (1, long), device=tokens.device)
-        bench.row(shape, f"long census (1 x {long:,} tokens)", lambda: hs.run_census(
-            model, sequence, n_seqs=1, progress=False), repeats=1)  # fmt: skip
+        bench.row(
+            shape,
+            f"long census (1 x {long:,} tokens)",
+            lambda: hs.run_census(model, sequence, n_seqs=1, progress=False),
+            repeats=1,
+        )
 
 
 def blindness_row(bench: Bench, shape: str, tokens: torch.Tensor) -> None:
@@ -193,8 +202,11 @@ def blindness_row(bench: Bench, shape: str, tokens: torch.Tensor) -> None:
         hf = random_hf_bloom(parse_shape(shape), seed=0, dtype="float32")
     model = hs.backend.move(from_hf_model(hf, name=f"random-{shape}"), bench.device)
     dtypes, n = ["bfloat16", "float16"], len(tokens)
-    bench.row(shape, "measured blindness (bfloat16, float16)", lambda: hs.measure_blindness(
-        model, tokens, dtypes=dtypes, n_seqs=n, progress=False))  # fmt: skip
+    bench.row(
+        shape,
+        "measured blindness (bfloat16, float16)",
+        lambda: hs.measure_blindness(model, tokens, dtypes=dtypes, n_seqs=n, progress=False),
+    )
 
 
 def main() -> None:

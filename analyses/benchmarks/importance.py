@@ -50,8 +50,7 @@ def bench(name: str, model, tokens: torch.Tensor, batch_size: int) -> dict:
                 model(batch)
 
     def run(method):
-        return head_importance(model, tokens, method=method, batch_size=batch_size,
-                               progress=False)  # fmt: skip
+        return head_importance(model, tokens, method=method, batch_size=batch_size, progress=False)
 
     forward()  # warm-up: first-call allocations
     _, t_forward, c_forward = timed(forward)
@@ -73,8 +72,11 @@ def bench(name: str, model, tokens: torch.Tensor, batch_size: int) -> dict:
         **agreement,
         "max_abs_delta": float(exact["delta_loss"].abs().max()),
     }
-    print(f"  {name}: forward {t_forward:.2f} s, exact {t_exact:.1f} s, attribution "
-          f"{t_attr:.2f} s, Spearman {agreement['spearman']:.3f}", flush=True)  # fmt: skip
+    print(
+        f"  {name}: forward {t_forward:.2f} s, exact {t_exact:.1f} s, attribution "
+        f"{t_attr:.2f} s, Spearman {agreement['spearman']:.3f}",
+        flush=True,
+    )
     return row
 
 
@@ -118,8 +120,9 @@ def main() -> None:
     model = random_model(parse_shape(args.shape), seed=0)
     generator = torch.Generator().manual_seed(1)
     # Ids from 10 up avoid the special tokens, as in analyses/benchmarks/census.py.
-    tokens = torch.randint(10, model.cfg.d_vocab, (args.batch_size, args.seq_len),
-                           generator=generator)  # fmt: skip
+    tokens = torch.randint(
+        10, model.cfg.d_vocab, (args.batch_size, args.seq_len), generator=generator
+    )
     rows.append(bench(f"random {args.shape}", model, tokens, batch_size=args.batch_size))
 
     text = table(rows)

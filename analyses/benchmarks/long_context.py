@@ -94,8 +94,18 @@ LENGTHS = tuple(2**k for k in range(9, 17))  # 512 ... 65,536
 WARMUP_TOKENS = 128
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[2]
-FIELDS = ("task", "method", "n_pos", "status", "time_s", "extra_gib", "peak_gib", "block",
-          "times_s", "wall_s")  # fmt: skip
+FIELDS = (
+    "task",
+    "method",
+    "n_pos",
+    "status",
+    "time_s",
+    "extra_gib",
+    "peak_gib",
+    "block",
+    "times_s",
+    "wall_s",
+)
 
 
 # --- the child: one (task, method, T) ---------------------------------------------------------
@@ -118,8 +128,9 @@ def build(args: argparse.Namespace, method: str) -> Any:
         folder = resolve_model(args.model)[1]
         hf = BloomForCausalLM.from_pretrained(folder, attn_implementation=impl, dtype=torch.float32)
     if hf.config._attn_implementation != impl:
-        raise ValueError(f"transformers runs BLOOM with {hf.config._attn_implementation} "
-                         f"attention, not {impl}")  # fmt: skip
+        raise ValueError(
+            f"transformers runs BLOOM with {hf.config._attn_implementation} attention, not {impl}"
+        )
     return hf.eval()
 
 
@@ -152,11 +163,13 @@ def runner(task: str, method: str, model: Any) -> Callable[[torch.Tensor], list[
             stream(model, tokens, [], batch_size=1, progress=False, block_size=block(tokens))
             return None
         if task == "census":
-            df = run_census(model, tokens, batch_size=1, n_seqs=1, progress=False,
-                            block_size=block(tokens))  # fmt: skip
+            df = run_census(
+                model, tokens, batch_size=1, n_seqs=1, progress=False, block_size=block(tokens)
+            )
             return df["bos_mass"].tolist()
-        measured = measure_blindness(model, tokens, n_seqs=1, batch_size=1, progress=False,
-                                     block_size=block(tokens))  # fmt: skip
+        measured = measure_blindness(
+            model, tokens, n_seqs=1, batch_size=1, progress=False, block_size=block(tokens)
+        )
         return measured.by_head["zero_fraction"].tolist()
 
     return tl_run
@@ -347,12 +360,16 @@ def max_gap(a: dict | None, b: dict | None) -> str:
 
 
 def rows_table(rows: list[dict]) -> list[str]:
-    lines = ["| task | method | T | status | time (s) | extra peak (GiB) | process peak (GiB) | "
-             "block |", "|---|---|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| task | method | T | status | time (s) | extra peak (GiB) | process peak (GiB) | block |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['task']} | {r['method']} | {r['n_pos']:,} | {r['status']} | "
-                     f"{fmt(r.get('time_s'))} | {fmt(r.get('extra_gib'))} | "
-                     f"{fmt(r.get('peak_gib'))} | {r.get('block') or ''} |")  # fmt: skip
+        lines.append(
+            f"| {r['task']} | {r['method']} | {r['n_pos']:,} | {r['status']} | "
+            f"{fmt(r.get('time_s'))} | {fmt(r.get('extra_gib'))} | "
+            f"{fmt(r.get('peak_gib'))} | {r.get('block') or ''} |"
+        )
     return lines
 
 
@@ -374,31 +391,39 @@ def reached(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 
 def census_vs_forward(rows: dict, lengths: list[int]) -> list[str]:
-    lines = ["| T | blocked census (s) | blocked forward (s) | dense forward (s) | "
-             "census / blocked forward | census / dense forward | "
-             "max abs BOS mass gap: blocked vs dense | blocked vs hf-eager |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| T | blocked census (s) | blocked forward (s) | dense forward (s) | "
+        "census / blocked forward | census / dense forward | "
+        "max abs BOS mass gap: blocked vs dense | blocked vs hf-eager |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for n in lengths:
         c, bf = ok(rows, "census", "blocked", n), ok(rows, "forward", "blocked", n)
         df = ok(rows, "forward", "dense", n)
         t = {k: r and r["time_s"] for k, r in (("c", c), ("bf", bf), ("df", df))}
         gaps = [max_gap(c, ok(rows, "census", m, n)) for m in ("dense", "hf-eager")]
-        lines.append(f"| {n:,} | {fmt(t['c'])} | {fmt(t['bf'])} | {fmt(t['df'])} | "
-                     f"{ratio(t['c'], t['bf'])} | {ratio(t['c'], t['df'])} | "
-                     f"{gaps[0]} | {gaps[1]} |")  # fmt: skip
+        lines.append(
+            f"| {n:,} | {fmt(t['c'])} | {fmt(t['bf'])} | {fmt(t['df'])} | "
+            f"{ratio(t['c'], t['bf'])} | {ratio(t['c'], t['df'])} | "
+            f"{gaps[0]} | {gaps[1]} |"
+        )
     return lines
 
 
 def blindness_speedup(rows: dict, lengths: list[int]) -> list[str]:
-    lines = ["| T | blocked (s) | dense (s) | dense / blocked time | blocked extra peak (GiB) | "
-             "dense extra peak (GiB) | max abs zero-fraction gap |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| T | blocked (s) | dense (s) | dense / blocked time | blocked extra peak (GiB) | "
+        "dense extra peak (GiB) | max abs zero-fraction gap |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for n in lengths:
         b, d = ok(rows, "blindness", "blocked", n), ok(rows, "blindness", "dense", n)
-        lines.append(f"| {n:,} | {fmt(b and b['time_s'])} | {fmt(d and d['time_s'])} | "
-                     f"{ratio(d and d['time_s'], b and b['time_s'])} | "
-                     f"{fmt(b and b['extra_gib'])} | {fmt(d and d['extra_gib'])} | "
-                     f"{max_gap(b, d)} |")  # fmt: skip
+        lines.append(
+            f"| {n:,} | {fmt(b and b['time_s'])} | {fmt(d and d['time_s'])} | "
+            f"{ratio(d and d['time_s'], b and b['time_s'])} | "
+            f"{fmt(b and b['extra_gib'])} | {fmt(d and d['extra_gib'])} | "
+            f"{max_gap(b, d)} |"
+        )
     return lines
 
 
@@ -424,11 +449,19 @@ def report(args: argparse.Namespace, rows: list[dict], info: dict, started: str)
         *reached(rows, args),
     ]
     if "census" in args.tasks and "forward" in args.tasks:
-        lines += ["", "## Census against a plain forward (the goal: census / forward <= 1)", "",
-                  *census_vs_forward(by_key, args.lengths)]  # fmt: skip
+        lines += [
+            "",
+            "## Census against a plain forward (the goal: census / forward <= 1)",
+            "",
+            *census_vs_forward(by_key, args.lengths),
+        ]
     if "blindness" in args.tasks:
-        lines += ["", "## Blindness: blocked against dense", "",
-                  *blindness_speedup(by_key, args.lengths)]  # fmt: skip
+        lines += [
+            "",
+            "## Blindness: blocked against dense",
+            "",
+            *blindness_speedup(by_key, args.lengths),
+        ]
     return [*lines, "", "## Every run", "", *rows_table(rows)]
 
 
@@ -458,13 +491,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per row")
     parser.add_argument("--max-memory-gib", type=float, default=20, help="RSS ceiling per row")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="children keep freed buffers, as the CLI does")  # fmt: skip
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="children keep freed buffers, as the CLI does",
+    )
     parser.add_argument("--out", default=str(ROOT / "figures/benchmarks/long_context.md"))
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.passthrough = ["--model", args.model, "--repeats", str(args.repeats),
-                        "--threads", str(args.threads)]  # fmt: skip
+    args.passthrough = [
+        "--model",
+        args.model,
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+    ]
     args.passthrough += ["--shape", args.shape] if args.shape else []
     args.passthrough += ["--keep-freed-memory"] if args.keep_freed_memory else []
     args.command = shlex.join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]])

@@ -50,12 +50,17 @@ def child(args: argparse.Namespace, method: str) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="offload-bench-") as folder:
         placement = {"max_memory": {"cpu": args.budget}, "offload_folder": folder}
-        model = hs.load_model(args.checkpoint, dtype=args.dtype,
-                              **(placement if method == "offloaded" else {}))  # fmt: skip
+        model = hs.load_model(
+            args.checkpoint, dtype=args.dtype, **(placement if method == "offloaded" else {})
+        )
         loaded = time.perf_counter() - start
         offloaded = hs.backend.offloaded(model)
-        tokens = torch.randint(10, model.cfg.d_vocab, (args.n_seqs, args.seq_len),
-                               generator=torch.Generator().manual_seed(0))  # fmt: skip
+        tokens = torch.randint(
+            10,
+            model.cfg.d_vocab,
+            (args.n_seqs, args.seq_len),
+            generator=torch.Generator().manual_seed(0),
+        )
         census = hs.run_census(model, tokens, progress=False)
     return {
         "method": method,
@@ -92,8 +97,10 @@ def main() -> None:
     parser.add_argument("--shape", default="bloom-1b7")
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--budget", default="1GiB", help="max_memory for the CPU")
-    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(),
-                        "headsurgeon-bench-bloom-1b7-float16"))  # fmt: skip
+    parser.add_argument(
+        "--checkpoint",
+        default=os.path.join(tempfile.gettempdir(), "headsurgeon-bench-bloom-1b7-float16"),
+    )
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--n-seqs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
@@ -123,8 +130,13 @@ def main() -> None:
             lines.append(f"| {method} | {r['error']} | | | | |")
             continue
         ratio = r["peak_gib"] * GIB / budget
-        cells = [f"{r['peak_gib']:.2f}", f"{ratio:.2f}x", r["offloaded_modules"],
-                 f"{r['load_s']:.0f}", f"{r['total_s']:.0f}"]  # fmt: skip
+        cells = [
+            f"{r['peak_gib']:.2f}",
+            f"{ratio:.2f}x",
+            r["offloaded_modules"],
+            f"{r['load_s']:.0f}",
+            f"{r['total_s']:.0f}",
+        ]
         lines.append(f"| {method} | " + " | ".join(map(str, cells)) + " |")
     if all("census" in r for r in rows.values()):
         a, b = (pd.read_json(io.StringIO(r["census"]), orient="split") for r in rows.values())

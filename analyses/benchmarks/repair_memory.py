@@ -70,16 +70,19 @@ def step_memory(args: argparse.Namespace, switch: str, batch: int) -> dict:
     torch.set_num_threads(args.threads)
     settings = SWITCHES[switch]
     model = random_model(parse_shape(args.shape), dtype=args.dtype)
-    heads = HeadSet.parse(args.heads, model) if args.heads else HeadSet(
-        (layer, model.cfg.n_heads - 1) for layer in range(model.cfg.n_layers)
-    )  # fmt: skip
+    heads = (
+        HeadSet.parse(args.heads, model)
+        if args.heads
+        else HeadSet((layer, model.cfg.n_heads - 1) for layer in range(model.cfg.n_layers))
+    )
     model.requires_grad_(False)
     objective = functools.partial(next_token_loss, chunk=settings.get("loss_chunk"))
     trainer = make_trainer(model, heads, objective)
     params = trainer.trainable()
     optimizer = torch.optim.AdamW(params, lr=5e-5)
-    tokens = torch.randint(10, model.cfg.d_vocab, (batch, args.seq_len),
-                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    tokens = torch.randint(
+        10, model.cfg.d_vocab, (batch, args.seq_len), generator=torch.Generator().manual_seed(0)
+    )
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     recompute = settings.get("gradient_checkpointing", False)
     memory: dict[str, int] = {}
@@ -149,8 +152,10 @@ def table(args: argparse.Namespace, rows: list[dict]) -> str:
     ]
     for r in rows:
         if r["status"] == "ok":
-            lines.append(f"| {r['switch']} | {r['batch']} | {r['step_gib']:.2f} | "
-                         f"{r['peak_gib']:.2f} | {r['time_s']:.1f} | ok |")  # fmt: skip
+            lines.append(
+                f"| {r['switch']} | {r['batch']} | {r['step_gib']:.2f} | "
+                f"{r['peak_gib']:.2f} | {r['time_s']:.1f} | ok |"
+            )
         else:
             lines.append(f"| {r['switch']} | {r['batch']} | | | | {r['status']} |")
     return "\n".join(lines) + "\n"

@@ -95,9 +95,11 @@ def trained_elements(method: str, model, heads: HeadSet) -> int:
 def measure(args: argparse.Namespace, method: str) -> dict:
     """In this fresh process: build, then set up and step while sampling memory."""
     model = build(args.model, args.dtype)
-    heads = HeadSet.parse(args.heads, model) if args.heads else default_heads(
-        model.cfg.n_layers, model.cfg.n_heads
-    )  # fmt: skip
+    heads = (
+        HeadSet.parse(args.heads, model)
+        if args.heads
+        else default_heads(model.cfg.n_layers, model.cfg.n_heads)
+    )
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(
         10, model.cfg.d_vocab, (args.batch_size, args.seq_len), generator=generator
@@ -120,11 +122,16 @@ def measure(args: argparse.Namespace, method: str) -> dict:
         if torch.is_tensor(t)
     )
     result = {
-        "time_s": statistics.median(times), "times_s": times, "trained": n_trained,
-        "optimizer_mib": state / MIB, "extra_gib": (sampler.peak - before) / GIB,
-        "peak_gib": sampler.peak / GIB, "n_heads": len(heads), "heads": str(heads),
+        "time_s": statistics.median(times),
+        "times_s": times,
+        "trained": n_trained,
+        "optimizer_mib": state / MIB,
+        "extra_gib": (sampler.peak - before) / GIB,
+        "peak_gib": sampler.peak / GIB,
+        "n_heads": len(heads),
+        "heads": str(heads),
         "model_params": sum(p.numel() for p in model.parameters()),
-    }  # fmt: skip
+    }
     if method != "full":
         n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
         top = list(HeadSet((i, h) for i in range(n_layers // 2, n_layers) for h in range(n_heads)))
@@ -160,8 +167,11 @@ def main() -> None:
         print(json.dumps(measure(args, args.measure)))
         return
 
-    print(f"# repair step: {args.model}, batch {args.batch_size} x {args.seq_len}, "
-          f"{args.dtype}, {args.threads} thread(s)", flush=True)  # fmt: skip
+    print(
+        f"# repair step: {args.model}, batch {args.batch_size} x {args.seq_len}, "
+        f"{args.dtype}, {args.threads} thread(s)",
+        flush=True,
+    )
     results = {}
     for method in args.methods:
         results[method] = r = fresh_process(__file__, "--measure", method, args.passthrough)
@@ -171,8 +181,10 @@ def main() -> None:
     if not measured:
         raise SystemExit("every method failed")
     first = next(iter(measured.values()))
-    print(f"model: {first['model_params'] / 1e6:.1f}M parameters; repaired heads: "
-          f"{first['n_heads']} ({first['heads']})")  # fmt: skip
+    print(
+        f"model: {first['model_params'] / 1e6:.1f}M parameters; repaired heads: "
+        f"{first['n_heads']} ({first['heads']})"
+    )
     base = measured.get("full")
     lines = [
         "| method | trained elements | time / step (s) | / full | extra peak (GiB) | / full | "
@@ -192,9 +204,13 @@ def main() -> None:
     sweeps = {m: r["sweep"] for m, r in measured.items() if "sweep" in r}
     if sweeps:
         sizes = list(next(iter(sweeps.values())))
-        lines += ["", "| repaired heads (top half) | " + " | ".join(
-            f"{m} AdamW state (MiB)" for m in sweeps) + " |",
-            "|---:|" + "---:|" * len(sweeps)]  # fmt: skip
+        lines += [
+            "",
+            "| repaired heads (top half) | "
+            + " | ".join(f"{m} AdamW state (MiB)" for m in sweeps)
+            + " |",
+            "|---:|" + "---:|" * len(sweeps),
+        ]
         for n in sizes:
             cells = [f"{sweeps[m][n]:.1f}" for m in sweeps]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")

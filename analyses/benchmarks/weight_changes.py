@@ -57,8 +57,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="bloom-560m", help="BLOOM name or LAYERSxHEADSxWIDTH")
     parser.add_argument("--heads", default="L12-23H9-15", help="heads re-initialised in 'after'")
-    parser.add_argument("--compare", nargs=3, metavar=("METHOD", "BEFORE", "AFTER"),
-                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument(
+        "--compare", nargs=3, metavar=("METHOD", "BEFORE", "AFTER"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     heads = HeadSet.parse(args.heads)
@@ -86,8 +87,10 @@ def main() -> None:
                 print(f"| {method} | {r['error']} | | | |")
                 continue
             ratio = r["extra_gib"] / results["eager"]["extra_gib"]
-            print(f"| {method} | {r['extra_gib']:.2f} GiB | {ratio:.2f}x | {r['seconds']:.1f} s "
-                  f"| {r['head_changed']:,} / {r['other_changed']:,} |")  # fmt: skip
+            print(
+                f"| {method} | {r['extra_gib']:.2f} GiB | {ratio:.2f}x | {r['seconds']:.1f} s "
+                f"| {r['head_changed']:,} / {r['other_changed']:,} |"
+            )
 
 
 if __name__ == "__main__":
