@@ -61,6 +61,10 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
         FinetuneResult as FinetuneResult,
         bos_mass_objective as bos_mass_objective,
     )
+    from headsurgeon.heads import (
+        Heads as Heads,
+        HeadSet as HeadSet,
+    )
     from headsurgeon.importance import (
         head_importance as head_importance,
     )
@@ -84,8 +88,6 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
     from headsurgeon.surgery import (
         HeadMask as HeadMask,
         HeadParameters as HeadParameters,
-        Heads as Heads,
-        HeadSet as HeadSet,
         mask_gradients as mask_gradients,
         reinit_heads as reinit_heads,
     )
@@ -97,9 +99,9 @@ _EXPORTS = {
     "FinetuneResult": "finetune",
     "HeadMask": "surgery",
     "HeadParameters": "surgery",
-    "HeadSet": "surgery",
+    "HeadSet": "heads",
     "HeadStats": "probes",
-    "Heads": "surgery",
+    "Heads": "heads",
     "ModelShape": "loading",
     "RepairConfig": "repair",
     "RepairResult": "repair",

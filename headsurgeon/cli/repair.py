@@ -60,6 +60,7 @@ from headsurgeon.errors import (
     OutputWriteError,
 )
 from headsurgeon.finetune import DistInfo, FinetuneConfig, setup_distributed
+from headsurgeon.heads import HeadSet
 from headsurgeon.inputs import check_regular_file
 from headsurgeon.loading import load_model, model_shape
 from headsurgeon.outputs import atomic_directory, read_mark, resolve_output
@@ -72,7 +73,7 @@ from headsurgeon.repair import (
     repair,
 )
 from headsurgeon.reports import default_out_dir, partial_dir, write_report
-from headsurgeon.surgery import INITS, HeadSet
+from headsurgeon.surgery import INITS
 
 __all__ = [
     "EXIT_DAMAGED",
