@@ -51,6 +51,7 @@ from headsurgeon.cli import (
     run,
 )
 from headsurgeon.data import read_texts
+from headsurgeon.distributed import DistInfo, setup_distributed
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
     CheckpointError,
@@ -59,7 +60,7 @@ from headsurgeon.errors import (
     OutputExistsError,
     OutputWriteError,
 )
-from headsurgeon.finetune import DistInfo, FinetuneConfig, setup_distributed
+from headsurgeon.finetune import FinetuneConfig
 from headsurgeon.heads import HeadSet
 from headsurgeon.inputs import check_regular_file
 from headsurgeon.loading import load_model, model_shape
