@@ -361,7 +361,9 @@ def test_no_library_module_imports_plotting_or_the_command_line_even_inside_func
 def test_the_tools_main_blocks_hand_over_to_the_cli_package():
     files = module_files()
     for tool in TOOLS:
-        tree = ast.parse(files[f"headsurgeon.{tool}"].read_text())
+        # A tool that is a package (headsurgeon.repair) runs its __main__.py under python -m.
+        path = files.get(f"headsurgeon.{tool}.__main__", files[f"headsurgeon.{tool}"])
+        tree = ast.parse(path.read_text())
         [block] = [node for node in tree.body if is_main_block(node)]
         imported = {n.module for n in ast.walk(block) if isinstance(n, ast.ImportFrom)}
         assert imported == {f"headsurgeon.cli.{tool}"}, tool

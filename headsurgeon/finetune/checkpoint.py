@@ -28,9 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headsurgeon.backend import (
-    Model,
-)
+from headsurgeon.backend import Model
 from headsurgeon.errors import (
     CheckpointError,
     first_line,
@@ -39,9 +37,7 @@ from headsurgeon.finetune.config import FinetuneConfig
 from headsurgeon.heads import HeadSet
 from headsurgeon.inputs import check_regular_file
 from headsurgeon.outputs import atomic_write_bytes
-from headsurgeon.surgery import (
-    head_masks,
-)
+from headsurgeon.surgery import head_masks
 
 __all__ = [
     "CHECKPOINT_FILE",

@@ -17,9 +17,7 @@ import dataclasses
 
 import pandas as pd
 
-from headsurgeon.errors import (
-    InvalidArgumentError,
-)
+from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import HeadSet
 from headsurgeon.validation import check_bool, check_choice, check_int, check_number
 

@@ -29,9 +29,7 @@ from headsurgeon.backend import (
     head_tensors,
     without_kv_cache,
 )
-from headsurgeon.errors import (
-    InvalidArgumentError,
-)
+from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.finetune.config import STRATEGIES
 from headsurgeon.finetune.objectives import Objective, next_token_loss
 from headsurgeon.heads import HeadSet
