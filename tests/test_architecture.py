@@ -61,14 +61,11 @@ def module_files() -> dict[str, Path]:
 
 
 def lazy_exports() -> dict[str, str]:
-    """``headsurgeon._EXPORTS``: public name -> module, imported when the name is first used."""
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets
-        ):
-            return {k: f"headsurgeon.{v}" for k, v in ast.literal_eval(node.value).items()}
-    return {}
+    """``headsurgeon``'s public names -> the module that serves each on first use (read from the
+    ``TYPE_CHECKING`` block of ``__init__.py``, as ``headsurgeon._exports`` reads it)."""
+    import headsurgeon
+
+    return {name: module for name, (module, _) in headsurgeon._exports().items()}
 
 
 def is_main_block(node: ast.AST) -> bool:
@@ -412,24 +409,22 @@ def test_plots_exports_every_public_function_and_names_it_in_its_docstring():
     assert not unlisted, f"plots' docstring does not name {unlisted}"
 
 
-def test_the_type_checking_imports_and_the_lazy_exports_agree():
-    """What IDEs see (the TYPE_CHECKING block) is what ``import headsurgeon`` serves."""
+def test_the_type_checking_imports_are_what_the_package_serves():
+    """What IDEs see (the TYPE_CHECKING block) is what ``import headsurgeon`` serves: one list."""
     import headsurgeon
 
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    spelled = {
-        alias.name: node.module.removeprefix("headsurgeon.")
-        for block in tree.body
-        if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
-        for node in block.body
-        if isinstance(node, ast.ImportFrom)
-        for alias in node.names
-    }
-    assert spelled == headsurgeon._EXPORTS
-    for name, module in headsurgeon._EXPORTS.items():
-        assert getattr(headsurgeon, name) is getattr(
-            importlib.import_module(f"headsurgeon.{module}"), name
-        ), name
+    assert sorted(headsurgeon._EXPORTS) == headsurgeon.__all__
+    assert {
+        "repair_heads",
+        "finetune_heads",
+        "classify_heads",
+        "reinit_heads",
+        "ablate_heads",
+    } <= set(headsurgeon.__all__)
+    for name, (module, attribute) in headsurgeon._EXPORTS.items():
+        assert getattr(headsurgeon, name) is getattr(importlib.import_module(module), attribute)
+    assert headsurgeon.repair_heads is importlib.import_module("headsurgeon.repair").repair
+    assert headsurgeon.finetune_heads is importlib.import_module("headsurgeon.finetune").finetune
 
 
 @pytest.mark.parametrize("name", sorted(module_files()))
@@ -439,7 +434,7 @@ def test_every_module_declares_and_documents_what_it_exports(name):
     path = module_files()[name]
     tree = ast.parse(path.read_text())
     if name == "headsurgeon":
-        return  # the package gathers its API in _EXPORTS (tested above)
+        return  # the package gathers its API in its TYPE_CHECKING block (tested above)
     declared = [
         node.value
         for node in tree.body
