@@ -286,11 +286,11 @@ def _shape(model: Model | ModelShape) -> _Shape:
     set is checked against, read without importing the models layer (this module is a leaf)."""
     shape = getattr(model, "cfg", model)
     n_layers, n_heads = getattr(shape, "n_layers", None), getattr(shape, "n_heads", None)
-    if not (isinstance(n_layers, int) and isinstance(n_heads, int)):
+    if not (isinstance(n_layers, numbers.Integral) and isinstance(n_heads, numbers.Integral)):
         raise InvalidArgumentError(
             f"cannot check heads against {_short(model)}: give a model or a ModelShape"
         )
-    return _Shape(n_layers, n_heads)
+    return _Shape(int(n_layers), int(n_heads))
 
 
 def _out_of_range(what: str, shape: _Shape) -> InvalidArgumentError:
