@@ -3,23 +3,30 @@
 The public API gathers here; each concept lives in its own module (README: Architecture). Names
 are imported on first use (PEP 562): ``import headsurgeon`` stays light, and
 ``python -m headsurgeon.<tool>`` runs each tool's module as ``__main__`` without the package
-importing a second copy first. The ``TYPE_CHECKING`` block below spells every import out, so IDEs
-and type checkers see the same names.
+importing a second copy first. The ``TYPE_CHECKING`` block below is the one list of the API: IDEs
+and type checkers read its imports, and :func:`_exports` reads the same block from this file to
+serve each name lazily.
 
-Two functions share their module's name and are not exported here, because ``import
-headsurgeon.repair`` makes ``headsurgeon.repair`` the module: ``from headsurgeon.repair import
-repair`` (the pipeline, also ``python -m headsurgeon.repair``) and ``from headsurgeon.finetune
-import finetune``.
+The verbs are functions: ``classify_heads``, ``reinit_heads``, ``ablate_heads``, and
+``repair_heads`` (the repair pipeline, also ``python -m headsurgeon.repair``) and
+``finetune_heads`` (masked fine-tuning). The last two are exported under those names because
+``headsurgeon.repair`` and ``headsurgeon.finetune`` are packages (``import headsurgeon.repair``
+makes ``headsurgeon.repair`` the package); ``from headsurgeon.repair import repair`` and ``from
+headsurgeon.finetune import finetune`` are the same functions.
 """
 
+import ast
 import importlib
 import importlib.util
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
+# The API: explicit re-exports (``X as X``, or a verb's own name) for IDEs and type checkers,
+# and, read by _exports, what ``import headsurgeon`` serves on first use. One list for both.
+if TYPE_CHECKING:
     from headsurgeon.allocator import (
         keep_freed_memory as keep_freed_memory,
     )
@@ -60,8 +67,14 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
         FinetuneConfig as FinetuneConfig,
         FinetuneResult as FinetuneResult,
         bos_mass_objective as bos_mass_objective,
+        finetune as finetune_heads,  # noqa: F401 (a verb: served by _exports)
+    )
+    from headsurgeon.heads import (
+        Heads as Heads,
+        HeadSet as HeadSet,
     )
     from headsurgeon.importance import (
+        ablate_heads as ablate_heads,
         head_importance as head_importance,
     )
     from headsurgeon.loading import (
@@ -80,58 +93,34 @@ if TYPE_CHECKING:  # explicit re-exports (``X as X``) for IDEs and type checkers
         RepairConfig as RepairConfig,
         RepairResult as RepairResult,
         recommended_config as recommended_config,
+        repair as repair_heads,  # noqa: F401 (a verb: served by _exports)
     )
     from headsurgeon.surgery import (
         HeadMask as HeadMask,
         HeadParameters as HeadParameters,
-        Heads as Heads,
-        HeadSet as HeadSet,
         mask_gradients as mask_gradients,
         reinit_heads as reinit_heads,
     )
 
-# Public name -> the module (under headsurgeon) that defines it.
-_EXPORTS = {
-    "BlindnessMeasurement": "blindness",
-    "FinetuneConfig": "finetune",
-    "FinetuneResult": "finetune",
-    "HeadMask": "surgery",
-    "HeadParameters": "surgery",
-    "HeadSet": "surgery",
-    "HeadStats": "probes",
-    "Heads": "surgery",
-    "ModelShape": "loading",
-    "RepairConfig": "repair",
-    "RepairResult": "repair",
-    "Retrieval": "evals",
-    "Thresholds": "classify",
-    "alibi_slopes": "exact_alibi",
-    "analytic_blindness": "blindness",
-    "bos_mass_objective": "finetune",
-    "checkpoint_dtype": "checkpoints",
-    "classify_heads": "classify",
-    "head_importance": "importance",
-    "keep_freed_memory": "allocator",
-    "load_model": "loading",
-    "mask_gradients": "surgery",
-    "measure_blindness": "blindness",
-    "mitigation": "blindness",
-    "loss_by_position": "evals",
-    "model_info": "loading",
-    "model_shape": "loading",
-    "needle": "evals",
-    "passkey": "evals",
-    "perplexity": "evals",
-    "recommended_config": "repair",
-    "reinit_heads": "surgery",
-    "run_census": "census",
-    "run_in_blocks": "long_context",
-    "save_hf": "checkpoints",
-    "threshold_sweep": "classify",
-    "to_sequences": "data",
-    "use_exact_alibi": "exact_alibi",
-    "weight_changes": "checkpoints",
-}
+
+def _exports() -> dict[str, tuple[str, str]]:
+    """Public name -> (module, its name there): the imports of the ``TYPE_CHECKING`` block above,
+    read from this file (a few milliseconds, once), so that one list serves both readers."""
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    [block] = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+    ]
+    return {
+        alias.asname or alias.name: (node.module, alias.name)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+
+
+_EXPORTS = _exports()
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 _TOOLS = ("headsurgeon-classify", "headsurgeon-blindness", "headsurgeon-repair")
@@ -167,7 +156,8 @@ importlib.import_module("headsurgeon.progress")
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"headsurgeon.{_EXPORTS[name]}"), name)
+        module, attribute = _EXPORTS[name]
+        value = getattr(importlib.import_module(module), attribute)
     elif not name.startswith("_") and importlib.util.find_spec(f"headsurgeon.{name}"):
         value = importlib.import_module(f"headsurgeon.{name}")  # e.g. headsurgeon.plots
     else:

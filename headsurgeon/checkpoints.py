@@ -42,6 +42,7 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
 )
 from headsurgeon.exact_alibi import inexact_slopes, install_hf_bias, trained_bias
+from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import (
     METADATA_FILE,
     TOKENIZER_FILES,
@@ -58,7 +59,6 @@ from headsurgeon.loading import (
     weight_files,
 )
 from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
-from headsurgeon.surgery import Heads, HeadSet
 from headsurgeon.validation import check_int
 
 __all__ = [

@@ -1,7 +1,7 @@
 """Head classification: healthy, BOS-sink or dead, with the reason; and how the counts move.
 
 Exports:
-    LABELS                                   ("healthy", "BOS-sink", "dead")
+    LABELS                                   ("healthy", "BOS-sink", "dead"), from headsurgeon.heads
     Thresholds                               the classification thresholds (validated dataclass)
     label_heads(bos_mass, output_share, t)   the label rule on arrays
     classify_heads(census, thresholds)       census + ``label`` and ``reason`` columns
@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.heads import LABELS
 from headsurgeon.validation import check_int, check_number
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LABELS = ("healthy", "BOS-sink", "dead")
 # Number of heads whose BOS mass lies this close to the sink threshold: the count's sensitivity.
 NEAR = 0.05
 

@@ -52,10 +52,10 @@ from headsurgeon.backend import HookPoint, Model, check_model, run_from_layer
 from headsurgeon.census import _check_tokens
 from headsurgeon.data import Data, describe, position_zero, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import model_info
 from headsurgeon.probes import check_fired, stream
 from headsurgeon.progress import tqdm
-from headsurgeon.surgery import Heads, HeadSet
 from headsurgeon.validation import check_bool, check_choice, check_int
 
 __all__ = [

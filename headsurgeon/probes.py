@@ -49,10 +49,10 @@ from headsurgeon import long_context
 from headsurgeon.backend import MAJOR, HookPoint, Model, check_model, resident
 from headsurgeon.data import batches, check_token_ids
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import model_info
 from headsurgeon.long_context import FORWARD_BYTES_PER_ENTRY
 from headsurgeon.progress import tqdm
-from headsurgeon.surgery import Heads, HeadSet
 from headsurgeon.validation import check_int
 
 __all__ = [

@@ -1,5 +1,6 @@
-"""The package's layering: no import cycles (function-level imports count), pure math stays pure,
-the library imports neither plotting nor the command line."""
+"""The package's layering: each module imports only from its own layer or the layers below (the
+README's Architecture table, :data:`LAYERS`), no import cycles (function-level imports count), pure
+math stays pure, the library imports neither plotting nor the command line."""
 
 from __future__ import annotations
 
@@ -12,6 +13,40 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "headsurgeon"
+
+# The README's layers (Architecture), lowest first: a module may import from its own layer and the
+# layers below, never above. Spelled out here rather than parsed from the README, whose prose and
+# layout change for readers (and may move into the documentation site): a table reshaped for them
+# must not silently change what is enforced. A module of a subpackage (``repair.pipeline``) is in
+# its package's layer; a new module must be placed here first (test_every_module_has_a_layer).
+LAYERS = {
+    "leaves": (
+        "errors",
+        "validation",
+        "dtypes",
+        "inputs",
+        "outputs",
+        "allocator",
+        "progress",
+        "heads",
+    ),
+    "pure math": ("alibi",),
+    "models": ("backend", "long_context", "exact_alibi", "placement", "loading", "checkpoints"),
+    "library": (
+        "data",
+        "probes",
+        "census",
+        "classify",
+        "surgery",
+        "distributed",
+        "finetune",
+        "evals",
+        "importance",
+        "blindness",
+        "repair",
+    ),
+    "presentation": ("plots", "reports", "cli"),
+}
 
 
 def module_files() -> dict[str, Path]:
@@ -26,14 +61,11 @@ def module_files() -> dict[str, Path]:
 
 
 def lazy_exports() -> dict[str, str]:
-    """``headsurgeon._EXPORTS``: public name -> module, imported when the name is first used."""
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets
-        ):
-            return {k: f"headsurgeon.{v}" for k, v in ast.literal_eval(node.value).items()}
-    return {}
+    """``headsurgeon``'s public names -> the module that serves each on first use (read from the
+    ``TYPE_CHECKING`` block of ``__init__.py``, as ``headsurgeon._exports`` reads it)."""
+    import headsurgeon
+
+    return {name: module for name, (module, _) in headsurgeon._exports().items()}
 
 
 def is_main_block(node: ast.AST) -> bool:
@@ -69,8 +101,11 @@ def nodes_that_run(tree: ast.AST) -> list[ast.AST]:
 def imports_of(name: str, path: Path, modules: set[str], exports: dict[str, str]) -> set[str]:
     """The package modules that ``name`` imports anywhere in its file (functions included).
 
-    Importing ``a.b.c`` runs ``a`` and ``a.b`` first, so parent packages count too;
-    ``from headsurgeon import load_model`` counts as importing the module that defines it.
+    Importing ``a.b.c`` runs ``a`` and ``a.b`` first, so parent packages count too, except the
+    packages ``name`` itself lies in: those are already being imported when ``name`` runs (a
+    package's ``__init__`` importing its modules, which import each other, is no cycle; naming
+    the package itself, ``from headsurgeon.repair import X`` inside ``headsurgeon.repair.*``, still
+    counts). ``from headsurgeon import load_model`` counts as importing the module that defines it.
     A ``if __name__ == "__main__":`` block is skipped: it runs only in the ``__main__`` module of
     ``python -m``, a separate module that nothing imports, so it cannot close a cycle.
     """
@@ -81,7 +116,8 @@ def imports_of(name: str, path: Path, modules: set[str], exports: dict[str, str]
         parts = target.split(".")
         for i in range(1, len(parts) + 1):
             prefix = ".".join(parts[:i])
-            if prefix in modules:
+            own_package = i < len(parts) and name.startswith(prefix + ".")
+            if prefix in modules and not own_package:
                 found.add(prefix)
 
     for node in nodes_that_run(ast.parse(path.read_text())):
@@ -180,6 +216,20 @@ def test_no_import_cycles_in_the_package():
     assert cycles(import_graph()) == []
 
 
+def test_a_package_importing_its_own_modules_is_no_cycle_but_importing_its_init_is(tmp_path):
+    modules = {"headsurgeon", "headsurgeon.repair", "headsurgeon.repair.policy"}
+    path = tmp_path / "pipeline.py"
+    path.write_text("from headsurgeon.repair.policy import f\n")
+    assert imports_of("headsurgeon.repair.pipeline", path, modules, {}) == {
+        "headsurgeon.repair.policy"
+    }
+    path.write_text("from headsurgeon.repair.policy import f\nfrom headsurgeon.repair import g\n")
+    assert imports_of("headsurgeon.repair.pipeline", path, modules, {}) == {
+        "headsurgeon.repair",
+        "headsurgeon.repair.policy",
+    }
+
+
 def test_a_cycle_is_found():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
@@ -188,6 +238,61 @@ def test_a_cycle_is_found():
 def test_the_leaves_import_only_errors():
     for leaf in ("headsurgeon.dtypes", "headsurgeon.validation", "headsurgeon.inputs"):
         assert import_graph()[leaf] <= {"headsurgeon", "headsurgeon.errors"}
+
+
+# --- the layer order ------------------------------------------------------------------------------
+
+LAYER_OF = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
+LAYER_NAMES = list(LAYERS)
+
+
+def layer_of(module: str) -> int | None:
+    """The rank of ``module``'s layer in :data:`LAYERS` (0: leaves); None for the package root,
+    the lazy facade that serves every layer's names (it imports only ``progress`` itself)."""
+    parts = module.split(".")
+    return None if len(parts) == 1 else LAYER_OF.get(parts[1], -1)
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """One line per import that goes up the layers, naming both modules and their layers."""
+    problems = []
+    for name in sorted(graph):
+        own = layer_of(name)
+        for target in sorted(graph[name]):
+            theirs = layer_of(target)
+            if own is not None and theirs is not None and theirs > own:
+                problems.append(
+                    f"{name} ({LAYER_NAMES[own]}) imports {target} ({LAYER_NAMES[theirs]}): a "
+                    "module may import only from its own layer or the layers below "
+                    "(README: Architecture; tests/test_architecture.py: LAYERS)"
+                )
+    return problems
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(name for name in module_files() if layer_of(name) == -1)
+    assert not unplaced, f"place {unplaced} in a layer of LAYERS (and the README's table)"
+    placed = [module for modules in LAYERS.values() for module in modules]
+    assert len(placed) == len(set(placed)), "a module is in two layers"
+
+
+def test_each_module_imports_only_from_its_own_layer_or_below():
+    problems = layer_violations(import_graph())
+    assert not problems, "\n".join(problems)
+
+
+def test_an_import_up_the_layers_is_named():
+    graph = {
+        "headsurgeon.checkpoints": {"headsurgeon.surgery", "headsurgeon.heads"},
+        "headsurgeon.heads": {"headsurgeon.errors"},
+        "headsurgeon.repair.pipeline": {"headsurgeon.repair.policy", "headsurgeon.loading"},
+        "headsurgeon": {"headsurgeon.progress"},
+    }
+    assert layer_violations(graph) == [
+        "headsurgeon.checkpoints (models) imports headsurgeon.surgery (library): a module may "
+        "import only from its own layer or the layers below (README: Architecture; "
+        "tests/test_architecture.py: LAYERS)"
+    ]
 
 
 @pytest.mark.slow  # a subprocess
@@ -253,7 +358,9 @@ def test_no_library_module_imports_plotting_or_the_command_line_even_inside_func
 def test_the_tools_main_blocks_hand_over_to_the_cli_package():
     files = module_files()
     for tool in TOOLS:
-        tree = ast.parse(files[f"headsurgeon.{tool}"].read_text())
+        # A tool that is a package (headsurgeon.repair) runs its __main__.py under python -m.
+        path = files.get(f"headsurgeon.{tool}.__main__", files[f"headsurgeon.{tool}"])
+        tree = ast.parse(path.read_text())
         [block] = [node for node in tree.body if is_main_block(node)]
         imported = {n.module for n in ast.walk(block) if isinstance(n, ast.ImportFrom)}
         assert imported == {f"headsurgeon.cli.{tool}"}, tool
@@ -302,24 +409,22 @@ def test_plots_exports_every_public_function_and_names_it_in_its_docstring():
     assert not unlisted, f"plots' docstring does not name {unlisted}"
 
 
-def test_the_type_checking_imports_and_the_lazy_exports_agree():
-    """What IDEs see (the TYPE_CHECKING block) is what ``import headsurgeon`` serves."""
+def test_the_type_checking_imports_are_what_the_package_serves():
+    """What IDEs see (the TYPE_CHECKING block) is what ``import headsurgeon`` serves: one list."""
     import headsurgeon
 
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
-    spelled = {
-        alias.name: node.module.removeprefix("headsurgeon.")
-        for block in tree.body
-        if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
-        for node in block.body
-        if isinstance(node, ast.ImportFrom)
-        for alias in node.names
-    }
-    assert spelled == headsurgeon._EXPORTS
-    for name, module in headsurgeon._EXPORTS.items():
-        assert getattr(headsurgeon, name) is getattr(
-            importlib.import_module(f"headsurgeon.{module}"), name
-        ), name
+    assert sorted(headsurgeon._EXPORTS) == headsurgeon.__all__
+    assert {
+        "repair_heads",
+        "finetune_heads",
+        "classify_heads",
+        "reinit_heads",
+        "ablate_heads",
+    } <= set(headsurgeon.__all__)
+    for name, (module, attribute) in headsurgeon._EXPORTS.items():
+        assert getattr(headsurgeon, name) is getattr(importlib.import_module(module), attribute)
+    assert headsurgeon.repair_heads is importlib.import_module("headsurgeon.repair").repair
+    assert headsurgeon.finetune_heads is importlib.import_module("headsurgeon.finetune").finetune
 
 
 @pytest.mark.parametrize("name", sorted(module_files()))
@@ -329,7 +434,7 @@ def test_every_module_declares_and_documents_what_it_exports(name):
     path = module_files()[name]
     tree = ast.parse(path.read_text())
     if name == "headsurgeon":
-        return  # the package gathers its API in _EXPORTS (tested above)
+        return  # the package gathers its API in its TYPE_CHECKING block (tested above)
     declared = [
         node.value
         for node in tree.body

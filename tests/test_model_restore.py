@@ -11,8 +11,8 @@ from conftest import TEXT
 from test_finetune import config, setup
 from test_repair import injured  # noqa: F401 (a fixture)
 
-import headsurgeon.finetune as finetune_module
-import headsurgeon.repair as repair_module
+import headsurgeon.finetune.trainer as finetune_module
+import headsurgeon.repair.pipeline as repair_module
 from headsurgeon import load_model
 from headsurgeon.classify import Thresholds
 from headsurgeon.finetune import MaskTrainer, finetune

@@ -14,8 +14,8 @@ from conftest import TEXT, head_weight
 from safetensors.torch import load_file
 from test_finetune import outside, snapshot
 
-import headsurgeon.finetune as finetune_module
-import headsurgeon.repair as repair_module
+import headsurgeon.finetune.trainer as finetune_module
+import headsurgeon.repair.pipeline as repair_module
 from headsurgeon import load_model, plots, save_hf
 from headsurgeon.classify import Thresholds
 from headsurgeon.cli import run

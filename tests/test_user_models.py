@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tl3_only
 
-import headsurgeon.repair as repair_module
+import headsurgeon.repair.pipeline as repair_module
 from headsurgeon import (
     FinetuneConfig,
     HeadSet,

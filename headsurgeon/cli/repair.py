@@ -51,6 +51,7 @@ from headsurgeon.cli import (
     run,
 )
 from headsurgeon.data import read_texts
+from headsurgeon.distributed import DistInfo, setup_distributed
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
     CheckpointError,
@@ -59,7 +60,8 @@ from headsurgeon.errors import (
     OutputExistsError,
     OutputWriteError,
 )
-from headsurgeon.finetune import DistInfo, FinetuneConfig, setup_distributed
+from headsurgeon.finetune import FinetuneConfig
+from headsurgeon.heads import HeadSet
 from headsurgeon.inputs import check_regular_file
 from headsurgeon.loading import load_model, model_shape
 from headsurgeon.outputs import atomic_directory, read_mark, resolve_output
@@ -72,7 +74,7 @@ from headsurgeon.repair import (
     repair,
 )
 from headsurgeon.reports import default_out_dir, partial_dir, write_report
-from headsurgeon.surgery import INITS, HeadSet
+from headsurgeon.surgery import INITS
 
 __all__ = [
     "EXIT_DAMAGED",

@@ -1,0 +1,589 @@
+"""The trainer: AdamW with warm-up and cosine decay on the chosen heads' slices, resumable, DDP.
+
+Exports:
+    finetune(model, heads, train, ...)  train the chosen heads' slices in place; every other
+                                        weight stays bit-identical
+    finetune_checked(...)               the same on sequences already checked (each repair pass)
+    check_sequences(model, train, eval) the token checks :func:`finetune` makes, once
+    warmup_cosine(warmup, steps)        the learning-rate factor of a step
+    TrainingDivergedError               a NaN or infinite loss stopped the run
+
+:func:`finetune` checks its inputs once (:class:`_Job`), then runs the loop (:class:`_Loop`):
+seeded batches, gradient accumulation, clipping, evaluations, checkpoints
+(:mod:`headsurgeon.finetune.checkpoint`) and early stopping. The strategies that keep frozen
+weights frozen are :mod:`headsurgeon.finetune.strategies`.
+
+>>> warmup_cosine(warmup=2, steps=6)(0), warmup_cosine(warmup=2, steps=6)(2)
+(0.5, 1.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from jaxtyping import Int
+from torch import Tensor, nn
+
+from headsurgeon.backend import (
+    Model,
+    check_model,
+)
+from headsurgeon.data import check_token_ids
+from headsurgeon.distributed import rank_and_world
+from headsurgeon.dtypes import check_trainable
+from headsurgeon.errors import (
+    DataError,
+    HeadsurgeonError,
+    InvalidArgumentError,
+    OutputExistsError,
+    first_line,
+)
+from headsurgeon.finetune.checkpoint import (
+    CHECKPOINT_FILE,
+    CHECKPOINT_FORMAT,
+    _bad_checkpoint,
+    _check_progress,
+    _check_resume,
+    _config_dict,
+    _Progress,
+    _rng_state,
+    _save_checkpoint,
+    _set_rng_state,
+    _tensors_like,
+    load_checkpoint,
+    weights_digest,
+)
+from headsurgeon.finetune.config import FinetuneConfig, FinetuneResult
+from headsurgeon.finetune.objectives import Objective, head_bos_mass, next_token_loss
+from headsurgeon.finetune.strategies import (
+    MaskTrainer,
+    SliceTrainer,
+    checkpointed_blocks,
+    make_trainer,
+)
+from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.progress import tqdm
+from headsurgeon.surgery import (
+    TRAINED_TENSORS,
+    check_surgery,
+    restored_on_failure,
+)
+
+__all__ = [
+    "TrainingDivergedError",
+    "check_sequences",
+    "finetune",
+    "finetune_checked",
+    "warmup_cosine",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDivergedError(HeadsurgeonError, FloatingPointError):
+    """The loss or the gradient norm became NaN or infinite; the last good checkpoint is kept."""
+
+
+def warmup_cosine(warmup: int, steps: int) -> Callable[[int], float]:
+    """Learning-rate factor of step ``i`` (0-based): linear warm-up to 1, then cosine towards 0.
+
+    >>> f = warmup_cosine(warmup=0, steps=4)
+    >>> [round(f(i), 3) for i in range(4)]
+    [1.0, 0.854, 0.5, 0.146]
+    """
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (i - warmup) / max(1, steps - warmup)))
+
+    return factor
+
+
+def _global_rows(
+    n: int, step: int, micro: int, cfg: FinetuneConfig, global_batch: int, cache: dict
+) -> Tensor:
+    """Rows of one global micro-batch: consecutive positions in a stream of seeded epoch shuffles,
+    so the data order depends only on the step (resume needs no data-loader state)."""
+    start = (step * cfg.grad_accum + micro) * global_batch
+    rows = []
+    for position in range(start, start + global_batch):
+        epoch = position // n
+        if epoch not in cache:
+            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+            cache.clear()  # epochs are visited in order: keep one permutation
+            cache[epoch] = torch.randperm(n, generator=generator)
+        rows.append(int(cache[epoch][position % n]))
+    return torch.tensor(rows)
+
+
+def _evaluate(
+    model: Model,
+    heads: HeadSet,
+    cfg: FinetuneConfig,
+    train_eval: Tensor,
+    heldout: Tensor | None,
+) -> dict[str, float]:
+    from headsurgeon.evals import perplexity
+
+    window = train_eval.shape[1]
+    row: dict[str, float] = {
+        "train_ppl": perplexity(
+            model, train_eval, window=window, prepend_bos=False, max_windows=None, progress=False
+        )
+    }
+    row["heldout_ppl"] = (
+        perplexity(
+            model,
+            heldout,
+            window=heldout.shape[1],
+            prepend_bos=False,
+            max_windows=None,
+            progress=False,
+        )
+        if heldout is not None
+        else float("nan")
+    )
+    with torch.no_grad():
+        mass = head_bos_mass(
+            model,
+            (heldout if heldout is not None else train_eval).to(model.cfg.device),
+            heads,
+            min_query_pos=cfg.min_query_pos,
+        )
+    row["bos_mass"] = mass.mean().item()
+    row["bos_mass_max"] = mass.max().item()
+    return row
+
+
+def finetune(
+    model: Model,
+    heads: Heads,
+    train: Int[Tensor, "batch pos"],
+    *,
+    eval_data: Int[Tensor, "batch pos"] | None = None,
+    config: FinetuneConfig | None = None,
+    objective: Objective | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> FinetuneResult:
+    """Train the chosen heads' slices in place; every other weight stays bit-identical.
+
+    ``train`` and ``eval_data`` are token sequences (e.g. from
+    :func:`headsurgeon.data.to_sequences`; position 0 already follows the model's convention).
+    Batches come from seeded shuffles of ``train``, so a run is reproducible on CPU. Evaluation
+    (every ``config.eval_interval`` steps, at step 0 and at the end) reports training and
+    held-out perplexity on up to ``eval_seqs`` sequences and the trained heads' BOS mass.
+
+    With ``checkpoint_dir``, ``checkpoint.pt`` (trained slices, optimiser, scheduler, RNG state,
+    history) is written atomically every ``config.checkpoint_interval`` steps and at the end, by
+    rank 0 only. ``resume=True`` continues from it (the result is bit-identical to an
+    uninterrupted run); without it an existing checkpoint is an error, never overwritten. Under
+    ``torchrun`` (an initialised process group) the trainable tensors are wrapped in
+    ``DistributedDataParallel`` and each process takes its share of every batch.
+
+    If the call fails (any exception, :class:`TrainingDivergedError` on a NaN or infinite loss or
+    gradient, ``KeyboardInterrupt`` included), the model gets back the weights it had before the
+    call, bit for bit, and one warning says so; the last checkpoint is untouched, so
+    ``resume=True`` continues from it.
+    """
+    return _finetune(
+        model,
+        heads,
+        train,
+        eval_data,
+        config,
+        objective,
+        checkpoint_dir,
+        resume,
+        progress,
+        tokens_checked=False,
+    )
+
+
+def finetune_checked(
+    model: Model,
+    heads: Heads,
+    train: Int[Tensor, "batch pos"],
+    *,
+    eval_data: Int[Tensor, "batch pos"] | None = None,
+    config: FinetuneConfig | None = None,
+    objective: Objective | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> FinetuneResult:
+    """:func:`finetune` on token sequences that :func:`check_sequences` (or
+    :func:`headsurgeon.data.to_sequences`, for a tensor it was given) already checked against this
+    model: the same run without scanning them again. Each pass of a repair calls it, so a run's
+    tokens are checked once, not once per pass."""
+    return _finetune(
+        model,
+        heads,
+        train,
+        eval_data,
+        config,
+        objective,
+        checkpoint_dir,
+        resume,
+        progress,
+        tokens_checked=True,
+    )
+
+
+def check_sequences(
+    model: Model, train: Any, eval_data: Any = None
+) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"] | None]:
+    """The training and evaluation token tensors as :func:`finetune` checks them
+    (:func:`headsurgeon.data.check_token_ids`, the message saying which data it was)."""
+    train = _check_tokens(model, train, "training")
+    if eval_data is not None:
+        eval_data = _check_tokens(model, eval_data, "evaluation")
+    return train, eval_data
+
+
+def _finetune(
+    model: Model,
+    heads: Heads,
+    train: Any,
+    eval_data: Any,
+    config: FinetuneConfig | None,
+    objective: Objective | None,
+    checkpoint_dir: str | os.PathLike | None,
+    resume: bool,
+    progress: bool,
+    *,
+    tokens_checked: bool,
+) -> FinetuneResult:
+    """:func:`finetune`, its token sequences checked already or not."""
+    check_model(model, "finetune", writes=True)
+    check_surgery(model)  # heads sharing keys and values: one line, before the data is read
+    job = _make_job(
+        model, heads, train, eval_data, config, checkpoint_dir, resume, progress, tokens_checked
+    )
+    with restored_on_failure(model, "fine-tuning") as snapshot:
+        if job.cfg.strategy == "mask":  # the optimiser moves whole tensors before after_step
+            snapshot.add_layers(job.heads.layers, TRAINED_TENSORS)
+        else:
+            snapshot.add_heads(job.heads)
+        model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+        model.requires_grad_(False)  # the mask strategy re-enables its own tensors
+        try:
+            if objective is None and job.cfg.loss_chunk is not None:
+                objective = functools.partial(next_token_loss, chunk=job.cfg.loss_chunk)
+            objective = objective or next_token_loss
+            trainer = make_trainer(model, job.heads, objective, strategy=job.cfg.strategy)
+            try:
+                return _Loop(job, trainer).run()
+            finally:
+                trainer.close()
+        finally:
+            for name, p in model.named_parameters():
+                p.requires_grad_(model_grad[name])
+
+
+@dataclasses.dataclass
+class _Job:
+    """A fine-tuning run's validated inputs (made by :func:`_make_job`)."""
+
+    model: Model
+    heads: HeadSet
+    cfg: FinetuneConfig
+    train: Tensor
+    train_eval: Tensor  # up to eval_seqs training rows, spread evenly
+    heldout: Tensor | None  # up to eval_seqs held-out rows
+    identity: dict[str, Any]  # what a resumed checkpoint must match
+    device: torch.device
+    rank: int
+    world: int
+    checkpoint_dir: Path | None
+    resume: bool
+    progress: bool
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return self.checkpoint_dir / CHECKPOINT_FILE if self.checkpoint_dir is not None else None
+
+
+def _make_job(
+    model: Model,
+    heads: Heads,
+    train: Any,
+    eval_data: Any,
+    config: FinetuneConfig | None,
+    checkpoint_dir: str | os.PathLike | None,
+    resume: bool,
+    progress: bool,
+    tokens_checked: bool,
+) -> _Job:
+    """Check :func:`finetune`'s inputs once (the token sequences unless ``tokens_checked``); the
+    evaluation rows and the run's identity."""
+    cfg = (config or FinetuneConfig()).validate()
+    heads = HeadSet.of(heads, model)
+    if not heads:
+        raise InvalidArgumentError("nothing to fine-tune: the head set is empty")
+    check_trainable(model.cfg.dtype)
+    rank, world = rank_and_world()
+    if not tokens_checked:
+        train, eval_data = check_sequences(model, train, eval_data)
+    global_batch = cfg.batch_size * world
+    if len(train) < global_batch:
+        raise DataError(
+            f"the training data has {len(train)} sequences, fewer than one batch of "
+            f"{global_batch}; give more text or a smaller batch size"
+        )
+    if cfg.patience is not None and eval_data is None:
+        raise InvalidArgumentError("early stopping (patience) needs held-out evaluation data")
+    spread = torch.linspace(0, len(train) - 1, min(cfg.eval_seqs, len(train))).round().long()
+    identity = {
+        "model": model.cfg.model_name,
+        "heads": str(heads),
+        "fingerprint": weights_digest(model, excluding=heads),
+        "world_size": world,
+        "config": _config_dict(cfg),
+    }
+    return _Job(
+        model=model,
+        heads=heads,
+        cfg=cfg,
+        train=train,
+        train_eval=train[spread],
+        heldout=eval_data[: cfg.eval_seqs] if eval_data is not None else None,
+        identity=identity,
+        device=torch.device(model.cfg.device),
+        rank=rank,
+        world=world,
+        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None else None,
+        resume=resume,
+        progress=progress,
+    )
+
+
+def _check_tokens(model: Model, tokens: Any, what: str) -> Tensor:
+    """:func:`headsurgeon.data.check_token_ids`, its message saying which data it was."""
+    try:
+        return check_token_ids(model, tokens)
+    except DataError as e:
+        raise DataError(f"{what} data: {e}") from None
+
+
+class _Loop:
+    """The training loop of one :class:`_Job`: optimiser, schedule, checkpoints, evaluations."""
+
+    def __init__(self, job: _Job, trainer: SliceTrainer | MaskTrainer) -> None:
+        self.job, self.trainer = job, trainer
+        cfg, device = job.cfg, job.device
+        self.params = trainer.trainable()
+        self.module: nn.Module = trainer
+        if job.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.module = DistributedDataParallel(
+                trainer, device_ids=[device.index] if device.type == "cuda" else None,
+                broadcast_buffers=False,
+            )  # fmt: skip
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(cfg.warmup, cfg.steps)
+        )
+        self.state = _Progress()
+        self.step = 0
+        self.resumed_from: int | None = None
+        self.saved_step: int | None = None  # of the checkpoint on disk, if any
+        self.rows_cache: dict[int, Tensor] = {}
+
+    def restore(self) -> None:
+        """Continue from the checkpoint in the job's folder, if there is one (and it may)."""
+        job = self.job
+        checkpoint = load_checkpoint(job.checkpoint_dir) if job.checkpoint_dir is not None else None
+        if checkpoint is None:
+            return
+        path = job.checkpoint_path
+        if not job.resume:
+            raise OutputExistsError(
+                f"{path} holds a checkpoint; continue it (resume=True, --resume) or use another "
+                "folder"
+            )
+        _check_resume(checkpoint, path, job.identity)
+        self.check_state(checkpoint, path)
+        self.trainer.load_slices(checkpoint["slices"])
+        try:  # the parts are checked; torch checks the rest of what it reads
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.scheduler.load_state_dict(checkpoint["scheduler"])
+            _set_rng_state(checkpoint["rng"])
+        except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
+            raise _bad_checkpoint(
+                path, f"holds an unusable optimiser, schedule or random state ({first_line(e)})"
+            ) from None
+        self.state = _Progress(**checkpoint["progress"])
+        self.step = self.resumed_from = self.saved_step = checkpoint["step"]
+        logger.info("resuming %s from step %d", job.heads, self.step)
+
+    def check_state(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """One line unless the checkpoint's training state fits this run: its step, the names
+        and shapes of its slices and optimiser moments, its schedule, random and progress
+        state (a truncated, hand-edited or foreign file is refused before any of it is used)."""
+        step = checkpoint["step"]
+        if not 0 <= step <= self.job.cfg.steps:
+            raise _bad_checkpoint(path, f"is at step {step}, outside 0-{self.job.cfg.steps}")
+        expected = self.trainer.slices()
+        _tensors_like(checkpoint["slices"], expected, path, "slices")
+        optimizer = checkpoint["optimizer"]
+        groups, moments = optimizer.get("param_groups"), optimizer.get("state")
+        if not (isinstance(groups, list) and len(groups) == 1 and isinstance(moments, dict)):
+            raise _bad_checkpoint(path, "holds an optimiser state of another shape")
+        for index, entry in moments.items():
+            if not (isinstance(index, int) and 0 <= index < len(self.params)):
+                raise _bad_checkpoint(path, f"holds optimiser state for a tensor {index!r}")
+            shape = self.params[index].shape
+            for name in ("exp_avg", "exp_avg_sq"):
+                moment = entry.get(name) if isinstance(entry, dict) else None
+                if not (isinstance(moment, Tensor) and moment.shape == shape):
+                    raise _bad_checkpoint(path, f"holds no {name} of shape {tuple(shape)}")
+        scheduler = checkpoint["scheduler"]
+        if set(scheduler) != set(self.scheduler.state_dict()) or scheduler["last_epoch"] != step:
+            raise _bad_checkpoint(path, f"holds a schedule that is not at step {step}")
+        rng = checkpoint["rng"].get("torch")
+        if not (isinstance(rng, Tensor) and rng.dtype == torch.uint8
+                and rng.shape == torch.get_rng_state().shape):  # fmt: skip
+            raise _bad_checkpoint(path, "holds no usable random state")
+        _check_progress(checkpoint["progress"], step, expected, path)
+
+    def save(self) -> None:
+        path = self.job.checkpoint_path
+        if path is None:
+            return
+        if self.job.rank == 0:
+            _save_checkpoint(
+                path,
+                {
+                    "format": CHECKPOINT_FORMAT, **self.job.identity, "step": self.step,
+                    "slices": self.trainer.slices(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "rng": _rng_state(),
+                    "progress": self.state.to_dict(),
+                },
+            )  # fmt: skip
+        self.saved_step = self.step  # every rank: its divergence message names the checkpoint
+
+    def evaluate(self) -> None:
+        job, state = self.job, self.state
+        losses = state.since_eval
+        row = {
+            "step": self.step,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "train_loss": sum(losses) / len(losses) if losses else math.nan,
+        }
+        row.update(_evaluate(job.model, job.heads, job.cfg, job.train_eval, job.heldout))
+        state.history.append(row)
+        state.since_eval = []
+        # Only what was measured: no loss before the first step, no held-out ppl without data.
+        known = [f"loss {row['train_loss']:.4f}"] if losses else []
+        known.append(f"train ppl {row['train_ppl']:.3f}")
+        if job.heldout is not None:
+            known.append(f"held-out ppl {row['heldout_ppl']:.3f}")
+        logger.info("step %d: %s, BOS mass %.3f", self.step, ", ".join(known), row["bos_mass"])
+        heldout_loss = math.log(row["heldout_ppl"]) if job.heldout is not None else math.nan
+        if heldout_loss < state.best_loss:
+            state.best_loss, state.best_step = heldout_loss, self.step
+            state.best_slices, state.bad_evals = self.trainer.slices(), 0
+        elif job.cfg.patience is not None:
+            state.bad_evals += 1
+            state.stopped_early = state.bad_evals >= job.cfg.patience
+
+    def train_step(self, autocast: torch.autocast) -> float:
+        """One optimiser step over ``grad_accum`` micro-batches; its mean loss."""
+        job, cfg, step = self.job, self.job.cfg, self.step
+        total = torch.zeros((), device=job.device)
+        for micro in range(cfg.grad_accum):
+            rows = _global_rows(
+                len(job.train), step, micro, cfg, cfg.batch_size * job.world, self.rows_cache
+            )
+            mine = rows[job.rank * cfg.batch_size : (job.rank + 1) * cfg.batch_size]
+            batch = job.train[mine].to(job.device)
+            sync = micro == cfg.grad_accum - 1 or job.world == 1
+            with contextlib.nullcontext() if sync else self.module.no_sync(), autocast:
+                loss = self.module(batch).float() / cfg.grad_accum
+            loss.backward()
+            total += loss.detach()
+        if job.world > 1:
+            dist.all_reduce(total)
+            total /= job.world
+        loss_value = total.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm or math.inf)
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm.item())):
+            self.optimizer.zero_grad(set_to_none=True)
+            path = job.checkpoint_path
+            kept = (
+                f"checkpoint {path} (step {self.saved_step}) is kept"
+                if self.saved_step is not None
+                else "no checkpoint was written"
+            )
+            raise TrainingDivergedError(
+                f"loss {loss_value} (gradient norm {grad_norm.item()}) at step {step + 1}: "
+                f"training stopped, the model keeps its weights from before fine-tuning and "
+                f"{kept}; lower the learning rate or train in float32"
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.trainer.after_step()
+        self.step += 1
+        self.state.losses.append(loss_value)
+        self.state.since_eval.append(loss_value)
+        return loss_value
+
+    def run(self) -> FinetuneResult:
+        job, cfg = self.job, self.job.cfg
+        self.restore()
+        state = self.state
+        if not state.history:
+            self.evaluate()
+        enabled = cfg.autocast == "bfloat16"
+        autocast = torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=enabled)
+        bar = tqdm(
+            total=cfg.steps, initial=self.step, desc=f"fine-tune {len(job.heads)} heads",
+            disable=not job.progress or job.rank != 0, dynamic_ncols=True,
+        )  # fmt: skip
+        recompute = checkpointed_blocks(job.model) if cfg.gradient_checkpointing else None
+        with recompute or contextlib.nullcontext():  # evaluations (no gradient) pass through
+            while self.step < cfg.steps and not state.stopped_early:
+                loss_value = self.train_step(autocast)
+                bar.update()
+                lr = self.optimizer.param_groups[0]["lr"]
+                bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
+                if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
+                    self.evaluate()
+                if self.step % cfg.checkpoint_interval == 0 and self.step < cfg.steps:
+                    self.save()
+        bar.close()
+        if state.stopped_early:
+            logger.info("early stop at step %d: no better held-out loss in %d evaluations",
+                        self.step, cfg.patience)  # fmt: skip
+            if cfg.restore_best and state.best_slices is not None:
+                self.trainer.load_slices(state.best_slices)
+                self.trainer.after_step()
+        self.save()
+        return FinetuneResult(
+            heads=job.heads,
+            config=cfg,
+            steps_done=self.step,
+            stopped_early=state.stopped_early,
+            best_step=state.best_step,
+            history=pd.DataFrame(state.history),
+            losses=list(state.losses),
+            resumed_from=self.resumed_from,
+        )

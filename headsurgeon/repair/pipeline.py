@@ -1,0 +1,464 @@
+"""The repair pipeline: census, choose heads, re-initialise, masked fine-tune, census again.
+
+Exports:
+    repair(model, corpus, ...)          the pipeline (also ``headsurgeon.repair_heads``); returns
+                                        a :class:`~headsurgeon.repair.RepairResult`
+
+One run: resolve the settings once (:func:`headsurgeon.repair.config.resolve_config`), cut the
+token sequences once (checked once, however many passes train on them), measure the first
+census and perplexities, then pass by pass re-initialise the targets
+(:func:`headsurgeon.surgery.reinit_heads`), train only their slices
+(:func:`headsurgeon.finetune.trainer.finetune_checked`), round them through the save dtype and
+measure again. Every decision (targets, damage, the pass kept) is
+:mod:`headsurgeon.repair.policy`'s, taken on rank 0 (:func:`headsurgeon.distributed.from_rank0`);
+the work folder is :mod:`headsurgeon.repair.resume`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+import headsurgeon.repair.policy as policy
+from headsurgeon.backend import Model, check_model
+from headsurgeon.census import run_census
+from headsurgeon.classify import classify_heads
+from headsurgeon.data import (
+    CORPORA,
+    HELD_OUT,
+    Data,
+    bundled_text,
+    describe,
+    resolve_bos,
+    to_sequences,
+)
+from headsurgeon.distributed import from_rank0, rank_and_world
+from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.evals import perplexity
+from headsurgeon.finetune import FinetuneConfig, FinetuneResult
+from headsurgeon.finetune.trainer import check_sequences, finetune_checked
+from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.importance import ablate_heads
+from headsurgeon.loading import ModelInfo, model_info, model_shape
+from headsurgeon.probes import PatternSample, sample_patterns
+from headsurgeon.repair.config import RepairConfig, resolve_config
+from headsurgeon.repair.results import PassResult, RepairResult
+from headsurgeon.repair.resume import WorkDir, cpu_head_slices, has_numbers
+from headsurgeon.surgery import (
+    WeightSnapshot,
+    check_surgery,
+    head_slices,
+    load_head_slices,
+    reinit_heads,
+    restored_on_failure,
+)
+
+__all__ = ["repair"]
+
+logger = logging.getLogger(__name__)
+
+
+def _agree(heads: HeadSet) -> HeadSet:
+    """Rank 0's head set on every rank."""
+    text = from_rank0(str(heads))
+    return HeadSet.parse(text) if text else HeadSet()
+
+
+def _default_train_data() -> list[str]:
+    return [bundled_text(name, "train") for name in CORPORA]
+
+
+def _split_off_eval_rows(
+    tokens: torch.Tensor, n_eval_seqs: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows, held-out rows): the last ``min(n_eval_seqs, n // 8)`` rows held out."""
+    n_eval = min(n_eval_seqs, len(tokens) // 8)
+    if n_eval < 1:
+        raise DataError(
+            f"a model without a tokenizer needs held-out tokens: pass eval_corpus= and "
+            f"census_data= as token tensors, or at least 8 training rows (got {len(tokens)})"
+        )
+    return tokens[:-n_eval], tokens[-n_eval:]
+
+
+def _round_heads(model: Model, heads: HeadSet, dtype: torch.dtype) -> None:
+    """Round the heads' slices through ``dtype``, so the model is exactly what a save writes."""
+    rounded = {name: t.to(dtype) for name, t in head_slices(model, heads).items()}
+    load_head_slices(model, heads, rounded)
+
+
+@dataclasses.dataclass
+class _Data:
+    """The token sets of a run and how the settings describe them."""
+
+    train: torch.Tensor
+    train_eval: torch.Tensor  # up to n_eval_seqs training rows, spread evenly
+    eval: torch.Tensor
+    census: torch.Tensor
+    train_desc: str
+    eval_desc: str
+    census_desc: str
+
+
+def _prepare_data(
+    model: Model,
+    info: ModelInfo,
+    config: RepairConfig,
+    corpus: Data,
+    eval_corpus: Data,
+    census_data: Data,
+) -> _Data:
+    """Cut the training, evaluation and census sequences (see :func:`repair`), the training and
+    evaluation ones checked once for every pass to train on."""
+    seq_len = config.train_seq_len
+    prepend_bos, n_eval_seqs = config.prepend_bos, config.n_eval_seqs
+    train_tokens = to_sequences(
+        model,
+        _default_train_data() if corpus is None else corpus,
+        seq_len=seq_len,
+        prepend_bos=prepend_bos,
+    )
+    eval_desc, census_desc = describe(eval_corpus, HELD_OUT), describe(census_data, HELD_OUT)
+    needs_text = eval_corpus is None or census_data is None
+    can_read_text = (info.tokenizer or model.tokenizer) is not None
+    if needs_text and not can_read_text and isinstance(corpus, torch.Tensor):
+        train_tokens, rows = _split_off_eval_rows(train_tokens, n_eval_seqs)
+        held_out = f"the last {len(rows)} rows of the training tensor (held out of training)"
+        logger.info("no tokenizer: evaluating and measuring on %s", held_out)
+        if eval_corpus is None:
+            eval_corpus, eval_desc = rows, held_out
+        if census_data is None:
+            census_data, census_desc = rows, held_out
+    eval_tokens = to_sequences(
+        model, eval_corpus, seq_len=seq_len, n_seqs=n_eval_seqs, prepend_bos=prepend_bos
+    )
+    if not (isinstance(corpus, torch.Tensor) and isinstance(eval_corpus, torch.Tensor)):
+        # to_sequences checked the tensors it was given; ids cut from texts are checked here
+        train_tokens, eval_tokens = check_sequences(model, train_tokens, eval_tokens)
+    census_tokens = to_sequences(
+        model, census_data, seq_len=config.census_seq_len, n_seqs=config.census_n_seqs,
+        prepend_bos=prepend_bos,
+    )  # fmt: skip
+    spread = torch.linspace(0, len(train_tokens) - 1, min(n_eval_seqs, len(train_tokens)))
+    return _Data(
+        train=train_tokens,
+        train_eval=train_tokens[spread.round().long()],
+        eval=eval_tokens,
+        census=census_tokens,
+        train_desc=describe(corpus, "bundled training corpora (shakespeare, python-docs)"),
+        eval_desc=eval_desc,
+        census_desc=census_desc,
+    )
+
+
+def _settings(
+    model: Model, config: RepairConfig, heads: HeadSet | None, include: HeadSet, data: _Data
+) -> dict[str, Any]:
+    """The run's settings, as ``report.json`` and the resume identity hold them."""
+    return {
+        "heads": None if heads is None else str(heads),
+        "include": str(include) or None,
+        "passes": config.passes,
+        "init": config.init,
+        "seed": config.seed,
+        "thresholds": dataclasses.asdict(config.thresholds),
+        "drift_threshold": config.drift_threshold,
+        "max_ppl_increase": config.max_ppl_increase,
+        "max_collateral": config.max_collateral,
+        "finetune": dataclasses.asdict(config.finetune),
+        "train_data": data.train_desc,
+        "train_sequences": list(data.train.shape),
+        "eval_data": data.eval_desc,
+        "eval_sequences": list(data.eval.shape),
+        "census_data": data.census_desc,
+        "census_sequences": list(data.census.shape),
+        "min_query_pos": config.min_query_pos,
+        "prepend_bos": resolve_bos(model, config.prepend_bos),
+        "save_dtype": str(config.save_dtype).removeprefix("torch."),
+    }
+
+
+class _Run:
+    """One repair run's steps: a census, the perplexities, choosing targets, a pass, its verdict,
+    and going back to the best pass."""
+
+    def __init__(
+        self, model: Model, config: RepairConfig, data: _Data,
+        settings: dict[str, Any], work: WorkDir | None, resume: bool, progress: bool,
+        snapshot: WeightSnapshot,
+    ) -> None:  # fmt: skip
+        self.model, self.config, self.data, self.settings = model, config, data, settings
+        self.finetune_config: FinetuneConfig = config.finetune  # resolved by resolve_config
+        self.work, self.resume, self.progress = work, resume, progress
+        self.undo: list[tuple[HeadSet, dict[str, torch.Tensor]]] = []  # targets' slices, per pass
+        self.snapshot = snapshot  # the weights before the run, should it fail
+        # Every head's attention at each stage, read while the model is in that stage (a short
+        # forward of one census row; passes are undone in place, so it cannot be read later).
+        # One row: a report page of bloom-560m's 384 heads at three stages stays under 10 MB.
+        self.patterns: dict[str, PatternSample] = {}
+
+    def sample(self, stage: str) -> None:
+        self.patterns[stage] = sample_patterns(self.model, self.data.census, n_seqs=1)
+
+    def census(self) -> pd.DataFrame:
+        measured = run_census(
+            self.model,
+            self.data.census,
+            batch_size=self.finetune_config.batch_size,
+            min_query_pos=self.config.min_query_pos,
+            progress=self.progress,
+        )
+        measured.attrs["data"] = self.settings["census_data"]
+        return classify_heads(measured, self.config.thresholds)
+
+    def perplexities(self) -> dict[str, float]:
+        def ppl(tokens: torch.Tensor) -> float:
+            return perplexity(self.model, tokens, window=self.config.train_seq_len,
+                              batch_size=self.finetune_config.batch_size, prepend_bos=False,
+                              max_windows=None, progress=False)  # fmt: skip
+
+        return {"train": ppl(self.data.train_eval), "heldout": ppl(self.data.eval)}
+
+    def pruned_perplexities(self, heads: HeadSet) -> dict[str, dict[str, float]]:
+        """The perplexities with ``heads`` pruned instead of repaired: mean- and zero-ablated
+        (the mean over the census sequences)."""
+        pruned = {}
+        batch_size = self.finetune_config.batch_size
+        for ablation in ("mean", "zero"):
+            data = self.data.census
+            with ablate_heads(self.model, heads, ablation, data, batch_size=batch_size,
+                              progress=False):  # fmt: skip
+                pruned[ablation] = self.perplexities()
+        described = (f"{k} ablation {_format_ppl(v)}" for k, v in pruned.items())
+        logger.info("pruned instead: %s", ", ".join(described))
+        return pruned
+
+    def first_census(self) -> tuple[pd.DataFrame, dict[str, float]]:
+        """The census and perplexities before any pass (stored in the work folder, if any)."""
+        work = self.work
+        if work is not None:
+            work.begin(self.model, self.settings, self.resume)
+        stored = work.load_census("census_0", {"perplexity": (dict,)}) if work is not None else None
+        if stored is not None:
+            current, extra = stored
+            ppl = extra["perplexity"]
+            if not has_numbers(ppl, ("train", "heldout")):
+                raise work.unusable(work.path / "census_0.json", "holds no valid perplexities")
+        else:
+            current, ppl = self.census(), self.perplexities()
+            if work is not None:
+                work.save_census("census_0", current, {"perplexity": ppl})
+        logger.info("census: %s; perplexity %s", policy.label_counts(current), _format_ppl(ppl))
+        self.sample("before")
+        return current, ppl
+
+    def run_pass(
+        self, index: int, targets: HeadSet, current: pd.DataFrame, ppl: dict[str, float],
+        start: tuple[pd.DataFrame, dict[str, float], HeadSet],
+    ) -> PassResult:  # fmt: skip
+        """Pass ``index`` on ``targets`` (loaded from the work folder when it finished there),
+        judged against ``start``: the first census, its perplexities and the earlier targets."""
+        work, model = self.work, self.model
+        loaded = (
+            work.load_pass(index, targets, model, self.finetune_config)
+            if work is not None
+            else None
+        )  # read and checked before the model changes
+        self.undo.append((targets, cpu_head_slices(model, targets)))
+        self.snapshot.add_heads(targets)
+        if loaded is not None:
+            after, record, training, slices = loaded
+            load_head_slices(model, targets, slices)
+            ppl_after = record["perplexity_after"]
+            logger.info("pass %d: loaded from %s", index, work.pass_dir(index))
+        else:
+            after, ppl_after, training = self._train_pass(index, targets)
+        self.sample(f"pass {index}")
+        first, first_ppl, earlier = start
+        collateral = policy.collateral_damage(first, after, earlier, targets)
+        change = policy.perplexity_change(first_ppl, ppl_after)
+        failure = from_rank0(policy.damage(first_ppl, ppl_after, change, collateral, self.config))
+        healthy = HeadSet() if failure is not None else policy.healthy_set(after)
+        result = PassResult(
+            index=index,
+            targeted=targets,
+            recovered=targets & healthy,
+            still_sick=targets - healthy,
+            drifted=policy.drifted(current, after, targets, self.config.drift_threshold),
+            census_before=current,
+            census_after=after,
+            perplexity_before=ppl,
+            perplexity_after=ppl_after,
+            training=training,
+            collateral=collateral,
+            perplexity_change=change,
+            failure=failure,
+        )
+        if work is not None and loaded is None:
+            work.save_pass(result, model)
+        logger.info(
+            "pass %d: %d/%d recovered, %d frozen heads drifted, %d turned sick; perplexity %s",
+            index, len(result.recovered), len(targets), len(result.drifted), len(collateral),
+            _format_ppl(ppl_after),
+        )  # fmt: skip
+        if failure is not None:
+            logger.warning("pass %d damaged the model: %s", index, failure)
+        return result
+
+    def go_back_to(self, index: int | None) -> None:
+        """Undo the passes after pass ``index`` (all of them for None), latest first."""
+        kept = 0 if index is None else index
+        while len(self.undo) > kept:
+            heads, slices = self.undo.pop()
+            load_head_slices(self.model, heads, slices)
+
+    def _train_pass(
+        self, index: int, targets: HeadSet
+    ) -> tuple[pd.DataFrame, dict[str, float], FinetuneResult]:
+        """Re-initialise, fine-tune and round ``targets``; the census and perplexities after."""
+        logger.info("pass %d: re-initialising and fine-tuning %d heads: %s",
+                    index, len(targets), targets)  # fmt: skip
+        reinit_heads(self.model, targets, init=self.config.init, seed=self.config.seed + index - 1)
+        training = finetune_checked(  # _prepare_data checked the sequences
+            self.model,
+            targets,
+            self.data.train,
+            eval_data=self.data.eval,
+            config=self.finetune_config,
+            checkpoint_dir=self.work.pass_dir(index) if self.work is not None else None,
+            resume=self.resume,
+            progress=self.progress,
+        )
+        _round_heads(self.model, targets, self.config.save_dtype)
+        return self.census(), self.perplexities(), training
+
+
+def repair(
+    model: Model,
+    corpus: Data = None,
+    *,
+    config: RepairConfig | None = None,
+    heads: Heads | None = None,
+    include: Heads | None = None,
+    eval_corpus: Data = None,
+    census_data: Data = None,
+    work_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    **settings: Any,
+) -> RepairResult:
+    """Repair ``model`` in place, pass by pass; return what each pass did.
+
+    ``config`` (a :class:`~headsurgeon.repair.RepairConfig`) holds the settings; or give them
+    as keywords, by the names of its fields, not both: ``passes``, ``init``, ``seed``,
+    ``thresholds``, ``census_seq_len``, ``census_n_seqs``, ``min_query_pos``, ``prepend_bos``,
+    ``train_seq_len``, ``n_eval_seqs``, ``drift_threshold``, ``save_dtype``,
+    ``max_ppl_increase``, ``max_collateral``, and ``finetune_config`` for its ``finetune``
+    (``repair(model, passes=1)`` is ``repair(model, config=RepairConfig(passes=1))``). Any other
+    keyword is one :class:`~headsurgeon.errors.InvalidArgumentError` line.
+
+    ``corpus`` (default: the bundled training corpora) is cut into sequences of
+    ``train_seq_len`` tokens (default: the model's training length, at most 512) for fine-tuning;
+    ``eval_corpus`` (default: the bundled held-out corpora) gives the held-out perplexity,
+    ``n_eval_seqs`` sequences of it. The census runs on ``census_data`` (default: the bundled
+    held-out corpora; ``census_n_seqs`` x ``census_seq_len`` tokens, query rows from
+    ``min_query_pos``) and is classified with ``thresholds`` (default: :class:`Thresholds`).
+    ``heads`` replaces the census's choice of pass-1 targets; ``include`` adds heads to it. Each
+    pass fine-tunes with ``finetune_config`` (default: :class:`FinetuneConfig` with the steps and
+    learning rate the model recommends, see :func:`recommended_config`: the settings
+    ``python -m headsurgeon.repair`` uses) and re-initialises with ``init`` and seed
+    ``seed + pass - 1``.
+
+    ``corpus``, ``eval_corpus`` and ``census_data`` may be token tensors ``[n, seq]`` (used as
+    they are). A model without a tokenizer cannot read the bundled corpora: there, unless given,
+    the evaluation and census sequences are the last ``min(n_eval_seqs, n // 8)`` rows of the
+    ``corpus`` tensor, held out of training.
+
+    The trained slices are rounded through ``save_dtype`` after each pass (default: the dtype of
+    the checkpoint the model was loaded from, else the model's own), so every number measured
+    after a pass is that of the model as :func:`headsurgeon.save_hf` writes it in that dtype.
+
+    A pass that raises held-out perplexity by more than ``max_ppl_increase`` (relative to the
+    model as given) or turns more than ``max_collateral`` healthy frozen heads sick damages the
+    model: it recovers nothing, the run stops and fails (``ok`` False), and ``model`` goes back to
+    the best pass that did no damage, or to its original weights (see :class:`RepairResult`).
+    A call that raises (any exception, ``KeyboardInterrupt`` included) gives ``model`` its
+    original weights back, bit for bit, and logs one warning saying so.
+
+    With ``work_dir`` each finished pass and fine-tuning checkpoint is kept there;
+    ``resume=True`` continues the run it holds (checked file by file; a damaged file is one
+    :class:`~headsurgeon.errors.CheckpointError` line), and :func:`finished_run` tells whether
+    the run there finished.
+    """
+    check_model(model, "repair", writes=True)
+    check_surgery(model)  # before any census or training
+    info = model_info(model)  # once: the settings and the data both read it
+    config = resolve_config(model, info, config, settings)
+    heads = None if heads is None else HeadSet.of(heads, model)
+    include = None if include is None else HeadSet.of(include, model)
+    if heads is not None and not heads:
+        raise InvalidArgumentError("nothing to repair: the head set is empty")
+    include = include or HeadSet()
+    data = _prepare_data(model, info, config, corpus, eval_corpus, census_data)
+    run_settings = _settings(model, config, heads, include, data)
+    rank, _ = rank_and_world()
+    work = WorkDir(Path(work_dir), rank, model_shape(model)) if work_dir is not None else None
+    with restored_on_failure(model, "repair") as snapshot:
+        run = _Run(model, config, data, run_settings, work, resume, progress, snapshot)
+        result = _run(run, heads, include)
+        if work is not None:
+            work.finish()
+    return result
+
+
+def _run(run: _Run, heads: HeadSet | None, include: HeadSet) -> RepairResult:
+    """The passes of :func:`repair`, and its result."""
+    model, config, settings = run.model, run.config, run.settings
+    current, ppl = run.first_census()
+    first, first_ppl = current, ppl
+    results: list[PassResult] = []
+    targeted = HeadSet()
+    first_targets = _agree(policy.targets(1, current, heads, include))
+    pruned = run.pruned_perplexities(first_targets) if first_targets else None
+    for index in range(1, config.passes + 1):
+        targets = (
+            first_targets if index == 1 else _agree(policy.targets(index, current, heads, include))
+        )
+        if not targets:
+            if index == 1:
+                raise InvalidArgumentError(
+                    "nothing to repair: the census labels no head dead or BOS-sink; pass heads "
+                    "(--heads) or include (--include) to operate on chosen heads"
+                )
+            logger.info("pass %d: no sick heads left, stopping", index)
+            break
+        result = run.run_pass(index, targets, current, ppl, (first, first_ppl, targeted))
+        results.append(result)
+        if result.damaged:
+            break  # the next targets would come from a damaged model
+        current, ppl, targeted = result.census_after, result.perplexity_after, targeted | targets
+    best = from_rank0(policy.best_pass(results))
+    if best != results[-1].index:
+        logger.info("keeping the model of %s", f"pass {best}" if best else "no pass (original)")
+    run.go_back_to(best)
+    return RepairResult(
+        model=model,
+        passes=results,
+        census_before=first,
+        census_after=first if best is None else results[best - 1].census_after,
+        settings=settings,
+        drift_threshold=config.drift_threshold,
+        best_pass=best,
+        pruned=pruned,
+        patterns=run.patterns,
+    )
+
+
+def _format_ppl(ppl: dict[str, float]) -> str:
+    return f"train {ppl['train']:.3f}, held-out {ppl['heldout']:.3f}"

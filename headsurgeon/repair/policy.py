@@ -1,0 +1,169 @@
+"""Repair policy: which heads to target, what counts as damage, which pass is best.
+
+Pure functions of classified censuses (``layer``, ``head``, ``label``, ``bos_mass``) and
+perplexities (``{"train": ..., "heldout": ...}``): no model, no files, no processes.
+:mod:`headsurgeon.repair.pipeline` takes each decision on rank 0 and hands it to every rank.
+
+Exports:
+    targets(index, census, heads, include)  pass ``index``'s targets
+    perplexity_change(first_ppl, ppl_after)  the relative change of each perplexity
+    collateral_damage(first, after, earlier, targeted)  frozen heads healthy before, sick after
+    damage(first_ppl, ppl_after, change, collateral, config)  why a pass counts as damage
+    best_pass(passes)                   the pass whose model is kept (None: the original)
+    head_failures(before, after, heads) the targets sick at the end, each with why
+    healthy_set(census), healthy_count(census), label_counts(census)  a census's healthy heads,
+                                        their count, the count of each label
+    worsened(before, after, targeted)   targets healthy before and sick after
+    drifted(before, after, trained, threshold)  untrained heads whose BOS mass moved
+
+>>> census = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0],
+...                        "label": ["healthy", "BOS-sink", "dead"]})
+>>> str(targets(1, census, None, HeadSet.parse("L0H0"))), str(targets(2, census, None, HeadSet()))
+('L0H0-1,L1H0', 'L0H1,L1H0')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from headsurgeon.heads import LABELS, Heads, HeadSet
+from headsurgeon.repair.config import RepairConfig
+
+if TYPE_CHECKING:  # an annotation: results build on this module
+    from headsurgeon.repair.results import PassResult
+
+
+__all__ = [
+    "best_pass",
+    "collateral_damage",
+    "damage",
+    "drifted",
+    "head_failures",
+    "healthy_count",
+    "healthy_set",
+    "label_counts",
+    "perplexity_change",
+    "targets",
+    "worsened",
+]
+
+
+def targets(index: int, census: pd.DataFrame, heads: HeadSet | None, include: HeadSet) -> HeadSet:
+    """Pass ``index``'s targets: pass 1 the sick heads (or ``heads``) and ``include``; later
+    passes the heads still sick (within ``heads | include``, if ``heads`` is given)."""
+    sick = HeadSet.from_labels(census)
+    if index == 1:
+        return (sick if heads is None else heads) | include
+    return sick if heads is None else sick & (heads | include)
+
+
+def healthy_set(census: pd.DataFrame) -> HeadSet:
+    """The heads a classified census labels healthy."""
+    return HeadSet.from_labels(census, labels=["healthy"])
+
+
+def healthy_count(census: pd.DataFrame) -> int:
+    """How many heads a classified census labels healthy."""
+    return int((census["label"] == "healthy").sum())
+
+
+def label_counts(census: pd.DataFrame) -> dict[str, int]:
+    """How many heads a classified census gives each label (every label, zeros included)."""
+    return {label: int((census["label"] == label).sum()) for label in LABELS}
+
+
+def worsened(before: pd.DataFrame, after: pd.DataFrame, targeted: HeadSet) -> HeadSet:
+    """The ``targeted`` heads healthy in ``before`` and sick in ``after``."""
+    return (targeted & healthy_set(before)) - healthy_set(after)
+
+
+def drifted(
+    before: pd.DataFrame, after: pd.DataFrame, trained: HeadSet, threshold: float
+) -> HeadSet:
+    """The heads not in ``trained`` whose BOS mass moved by more than ``threshold``."""
+    merged = before.merge(after, on=["layer", "head"], suffixes=("_before", "_after"))
+    moved = (merged["bos_mass_after"] - merged["bos_mass_before"]).abs() > threshold
+    pairs = zip(merged.loc[moved, "layer"], merged.loc[moved, "head"], strict=True)
+    return HeadSet(pairs) - trained
+
+
+def head_failures(before: pd.DataFrame, after: pd.DataFrame, targeted: Heads) -> dict[str, str]:
+    """The ``targeted`` heads that are sick in ``after``, by name, each with why.
+
+    ``before``, ``after``: classified censuses (``layer``, ``head``, ``label``) of the model
+    before the first pass and of the model kept. A target sick in both is ``still <label>`` (or
+    ``<label> before, <label> after``); one healthy before and sick after turned sick by being
+    targeted. Targets healthy in ``after`` are no failures.
+
+    >>> before = pd.DataFrame({"layer": [0, 0, 0], "head": [0, 1, 2],
+    ...                        "label": ["healthy", "BOS-sink", "dead"]})
+    >>> after = before.assign(label=["dead", "BOS-sink", "healthy"])
+    >>> head_failures(before, after, "L0H0-2")
+    {'L0H0': 'healthy before, dead after being targeted', 'L0H1': 'still BOS-sink'}
+    """
+    was = before.set_index(["layer", "head"])["label"]
+    now = after.set_index(["layer", "head"])["label"]
+    heads = HeadSet.of(targeted)
+    failures = {}
+    for pair, name in zip(heads, heads.names(), strict=True):
+        if now[pair] == "healthy":
+            continue
+        if was[pair] == "healthy":
+            failures[name] = f"healthy before, {now[pair]} after being targeted"
+        elif was[pair] == now[pair]:
+            failures[name] = f"still {now[pair]}"
+        else:
+            failures[name] = f"{was[pair]} before, {now[pair]} after"
+    return failures
+
+
+def perplexity_change(first_ppl: dict[str, float], ppl_after: dict[str, float]) -> dict[str, float]:
+    """The relative change of each perplexity against the model before the first pass."""
+    return {split: ppl_after[split] / first_ppl[split] - 1 for split in ("train", "heldout")}
+
+
+def damage(
+    first_ppl: dict[str, float],
+    ppl_after: dict[str, float],
+    change: dict[str, float],
+    collateral: HeadSet,
+    config: RepairConfig,
+) -> str | None:
+    """Why a pass with these perplexities (``change``: :func:`perplexity_change`) and
+    ``collateral`` heads (:func:`collateral_damage`) counts as damage; None if not."""
+    problems = []
+    if not change["heldout"] <= config.max_ppl_increase:  # NaN included
+        problems.append(
+            f"held-out perplexity {first_ppl['heldout']:.2f} -> {ppl_after['heldout']:.2f} "
+            f"({change['heldout']:+.1%}, at most +{config.max_ppl_increase:.0%} allowed)"
+        )
+    if len(collateral) > config.max_collateral:
+        problems.append(
+            f"{len(collateral)} healthy frozen head(s) turned sick ({collateral}; at most "
+            f"{config.max_collateral} allowed)"
+        )
+    return "; ".join(problems) or None
+
+
+def best_pass(results: Sequence[PassResult]) -> int | None:
+    """The pass with the most targets healthy after it, then the lowest held-out perplexity,
+    among those that did no damage; None if every pass did."""
+    targeted = HeadSet()
+    ranked = []
+    for p in results:
+        targeted = targeted | p.targeted
+        if not p.damaged:
+            healthy = len(targeted & healthy_set(p.census_after))
+            ranked.append((-healthy, p.perplexity_after["heldout"], p.index))
+    return min(ranked)[2] if ranked else None
+
+
+def collateral_damage(
+    first: pd.DataFrame, after: pd.DataFrame, earlier: HeadSet, targeted: HeadSet
+) -> HeadSet:
+    """The heads healthy in ``first`` (the census before the first pass), targeted neither by an
+    earlier pass nor by this one, and sick in ``after``: the collateral damage of a pass."""
+    return healthy_set(first) - healthy_set(after) - earlier - targeted

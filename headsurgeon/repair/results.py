@@ -1,0 +1,275 @@
+"""What a repair run did: each pass, and the whole run with its verdict, and their JSON.
+
+Exports:
+    PassResult                          one pass: targets, recoveries, drift, collateral damage,
+                                        perplexities, censuses and why it counts as damage
+    RepairResult                        the whole run: the passes, the pass kept, the verdict
+                                        (``failed``, ``worse``, ``incomplete``, ``ok``) and
+                                        ``to_dict()``, the content of ``report.json``
+
+The rules behind the verdicts (damage, the best pass, each head's failure) are
+:mod:`headsurgeon.repair.policy`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pandas as pd
+
+import headsurgeon.repair.policy as policy
+from headsurgeon.backend import Model
+from headsurgeon.finetune import FinetuneResult
+from headsurgeon.heads import HeadSet
+from headsurgeon.loading import model_info
+from headsurgeon.probes import PatternSample
+from headsurgeon.repair.config import DRIFT_THRESHOLD
+
+__all__ = [
+    "PassResult",
+    "RepairResult",
+]
+
+
+@dataclasses.dataclass
+class PassResult:
+    """One pass: what it targeted, what recovered, what drifted, and the model before and after.
+
+    ``recovered``: targets labelled healthy after the pass, none if the pass damaged the model;
+    ``still_sick``: the other targets; ``drifted``: heads frozen in this pass whose BOS mass moved
+    by more than the drift threshold. Against the model before the first pass: ``collateral``,
+    the heads healthy there, targeted by no pass so far and sick after this one;
+    ``perplexity_change``, the relative change of each perplexity; ``failure``, why the pass
+    counts as damage (None: it does not). Perplexities are ``{"train": ..., "heldout": ...}``.
+    ``worsened``: targets healthy before the pass and sick after it (its verdict is ``worse``).
+    """
+
+    index: int
+    targeted: HeadSet
+    recovered: HeadSet
+    still_sick: HeadSet
+    drifted: HeadSet
+    census_before: pd.DataFrame
+    census_after: pd.DataFrame
+    perplexity_before: dict[str, float]
+    perplexity_after: dict[str, float]
+    training: FinetuneResult
+    collateral: HeadSet = dataclasses.field(default_factory=HeadSet)
+    perplexity_change: dict[str, float] = dataclasses.field(default_factory=dict)
+    failure: str | None = None
+
+    @property
+    def damaged(self) -> bool:
+        return self.failure is not None
+
+    @property
+    def recovery_rate(self) -> float:
+        return len(self.recovered) / len(self.targeted)
+
+    @property
+    def worsened(self) -> HeadSet:
+        return policy.worsened(self.census_before, self.census_after, self.targeted)
+
+    def head_table(self) -> pd.DataFrame:
+        """One row per target: label, BOS mass and output share before and after the pass."""
+        columns = ["layer", "head", "label", "bos_mass", "output_share"]
+        merged = self.census_before[columns].merge(
+            self.census_after[columns], on=["layer", "head"], suffixes=("_before", "_after")
+        )
+        pairs = zip(merged["layer"].tolist(), merged["head"].tolist(), strict=True)
+        chosen = [pair in self.targeted for pair in pairs]
+        table = merged[chosen].reset_index(drop=True)
+        table.insert(0, "name", [f"L{r.layer}H{r.head}" for r in table.itertuples()])
+        return table.drop(columns=["layer", "head"])
+
+    def to_dict(self) -> dict[str, Any]:
+        history = self.training.history
+        return {
+            "pass": self.index,
+            "targeted": self.targeted.names(),
+            "recovered": self.recovered.names(),
+            "still_sick": self.still_sick.names(),
+            "recovery_rate": self.recovery_rate,
+            "verdict": "damaged" if self.damaged else "worse" if self.worsened else "ok",
+            "failure_reason": self.failure,
+            "collateral": {"count": len(self.collateral), "heads": self.collateral.names()},
+            "perplexity_before": self.perplexity_before,
+            "perplexity_after": self.perplexity_after,
+            "perplexity_change": self.perplexity_change,
+            "drift": {"count": len(self.drifted), "heads": self.drifted.names()},
+            "healthy_before": policy.healthy_count(self.census_before),
+            "healthy_after": policy.healthy_count(self.census_after),
+            "heads": self.head_table().to_dict(orient="records"),
+            "training": {
+                "steps": self.training.steps_done,
+                "stopped_early": self.training.stopped_early,
+                "best_step": self.training.best_step,
+                "final_loss": self.training.losses[-1] if self.training.losses else None,
+                "final_bos_mass": float(history["bos_mass"].iloc[-1]),
+            },
+        }
+
+
+@dataclasses.dataclass
+class RepairResult:
+    """A whole repair run. ``model`` (edited in place) holds the model of pass ``best_pass``, the
+    best pass that did not damage it; with none (``best_pass`` None) its original weights.
+
+    ``census_after`` is the census of that model. ``targeted`` is every head some pass targeted;
+    ``recovered`` those healthy in ``census_after`` (none without a ``best_pass``); ``drifted``
+    the heads no pass targeted whose BOS mass moved by more than the drift threshold between the
+    first census and ``census_after``. ``failed_heads``: every target sick in ``census_after``,
+    with why (:func:`head_failures`); ``worsened``: those of them healthy in the first census.
+    ``verdict``: ``failed`` when some pass damaged the model (see :class:`PassResult`),
+    ``worse`` when a target turned sick, ``incomplete`` when targets are still sick, ``ok``
+    otherwise; ``ok`` is False for ``failed`` and ``worse`` (``failure_reason`` says which
+    pass or heads, and why). ``pruned``: the training
+    and held-out perplexity of the model as given with pass 1's targets pruned instead
+    (``{"mean": ..., "zero": ...}``: their ``z`` mean- or zero-ablated), the alternative the
+    surgery paper argues against; :meth:`prune_vs_repair` sets them beside the repair.
+    ``patterns``: every head's attention on the first positions of the first census sequence
+    (:func:`headsurgeon.probes.sample_patterns`) before the first pass (``"before"``) and after
+    each pass (``"pass 1"``, ...), for the report page's before / after view.
+    """
+
+    model: Model
+    passes: list[PassResult]
+    census_before: pd.DataFrame
+    census_after: pd.DataFrame
+    settings: dict[str, Any]
+    drift_threshold: float = DRIFT_THRESHOLD
+    best_pass: int | None = None
+    pruned: dict[str, dict[str, float]] | None = None
+    patterns: dict[str, PatternSample] = dataclasses.field(default_factory=dict)
+
+    @property
+    def verdict(self) -> str:
+        """``failed``, ``worse``, ``incomplete`` or ``ok`` (see the class's description)."""
+        if any(p.damaged for p in self.passes):
+            return "failed"
+        if self.worsened:
+            return "worse"
+        return "incomplete" if self.failed_heads else "ok"
+
+    @property
+    def ok(self) -> bool:
+        """No pass damaged the model and no target turned sick: it is no worse than it was."""
+        return self.verdict in ("ok", "incomplete")
+
+    @property
+    def failed_heads(self) -> dict[str, str]:
+        """Each target sick in ``census_after`` (by name) and why (:func:`head_failures`)."""
+        return policy.head_failures(self.census_before, self.census_after, self.targeted)
+
+    @property
+    def worsened(self) -> HeadSet:
+        """Targets healthy before the first pass and sick in ``census_after``."""
+        return policy.worsened(self.census_before, self.census_after, self.targeted)
+
+    @property
+    def failure_reason(self) -> str | None:
+        """Which pass damaged the model, or which targets turned sick, and why, and which model
+        ``model`` holds; None if ok."""
+        damaged = [p for p in self.passes if p.damaged]
+        if not damaged and not self.worsened:
+            return None
+        kept = (
+            f"the model of pass {self.best_pass} is kept"
+            if self.best_pass is not None
+            else "no pass is acceptable, so no repaired model is kept"
+        )
+        if damaged:
+            return f"pass {damaged[0].index} damaged the model ({damaged[0].failure}); {kept}"
+        failures = self.failed_heads
+        turned = "; ".join(f"{name}: {failures[name]}" for name in self.worsened.names())
+        return f"{len(self.worsened)} targeted head(s) turned sick ({turned}); {kept}"
+
+    @property
+    def best(self) -> PassResult | None:
+        return None if self.best_pass is None else self.passes[self.best_pass - 1]
+
+    @property
+    def targeted(self) -> HeadSet:
+        out = HeadSet()
+        for p in self.passes:
+            out = out | p.targeted
+        return out
+
+    @property
+    def recovered(self) -> HeadSet:
+        if self.best_pass is None:
+            return HeadSet()
+        healthy = HeadSet.from_labels(self.census_after, labels=["healthy"])
+        return self.targeted & healthy
+
+    @property
+    def collateral(self) -> HeadSet:
+        """Frozen heads healthy before the first pass and sick in ``model``."""
+        return HeadSet() if self.best is None else self.best.collateral
+
+    @property
+    def still_sick(self) -> HeadSet:
+        return self.targeted - self.recovered
+
+    @property
+    def recovery_rate(self) -> float:
+        return len(self.recovered) / len(self.targeted)
+
+    @property
+    def drifted(self) -> HeadSet:
+        return policy.drifted(
+            self.census_before, self.census_after, self.targeted, self.drift_threshold
+        )
+
+    def perplexities(self) -> dict[str, list[float]]:
+        """Training and held-out perplexity before the first pass and after each pass."""
+        stages = [self.passes[0].perplexity_before] + [p.perplexity_after for p in self.passes]
+        return {split: [s[split] for s in stages] for split in ("train", "heldout")}
+
+    def prune_vs_repair(self) -> dict[str, Any] | None:
+        """Perplexities of the model before repair, with pass 1's targets pruned (mean- and
+        zero-ablated), and of the kept repaired model (None without one)."""
+        if self.pruned is None:
+            return None
+        return {
+            "heads": self.passes[0].targeted.names(),
+            "injured": self.passes[0].perplexity_before,
+            "pruned_mean": self.pruned["mean"],
+            "pruned_zero": self.pruned["zero"],
+            "repaired": None if self.best is None else self.best.perplexity_after,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The content of ``report.json``."""
+        best = self.best
+        return {
+            "model": model_info(self.model).name,
+            "verdict": self.verdict,
+            "failure_reason": self.failure_reason,
+            "failed_heads": self.failed_heads,
+            "worsened": self.worsened.names(),
+            "best_pass": self.best_pass,
+            "max_ppl_increase": self.settings["max_ppl_increase"],
+            "max_collateral": self.settings["max_collateral"],
+            "collateral": {"count": len(self.collateral), "heads": self.collateral.names()},
+            "perplexity_change": None if best is None else best.perplexity_change,
+            "n_heads": len(self.census_before),
+            "targeted": self.targeted.names(),
+            "recovered": self.recovered.names(),
+            "still_sick": self.still_sick.names(),
+            "recovery_rate": self.recovery_rate,
+            "healthy_before": policy.healthy_count(self.census_before),
+            "healthy_after": policy.healthy_count(self.census_after),
+            "labels_before": policy.label_counts(self.census_before),
+            "labels_after": policy.label_counts(self.census_after),
+            "perplexity": self.perplexities(),
+            "prune_vs_repair": self.prune_vs_repair(),
+            "drift": {
+                "threshold": self.drift_threshold,
+                "count": len(self.drifted),
+                "heads": self.drifted.names(),
+            },
+            "passes": [p.to_dict() for p in self.passes],
+            "settings": self.settings,
+        }
