@@ -1,0 +1,59 @@
+"""MkDocs hooks: the parts of the pages that the code produces, filled in at build time.
+
+Markers a page may hold, each on a line of its own:
+    <!-- cli-help: TOOL -->   the output of ``python -m headsurgeon.TOOL --help`` (classify,
+                              blindness, repair), so a tool page's options are the parser's
+    <!-- public-names -->     the table of ``headsurgeon``'s public names and the module each
+                              comes from, read from ``_EXPORTS`` in ``headsurgeon/__init__.py``
+
+The help runs the installed package in a subprocess (the docs extra installs it); a tool that
+fails to print its help fails the build with its error.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI_HELP = re.compile(r"^<!-- cli-help: (\w+) -->$", re.M)
+PUBLIC_NAMES = re.compile(r"^<!-- public-names -->$", re.M)
+
+
+@cache
+def cli_help(tool: str) -> str:
+    """``python -m headsurgeon.<tool> --help``, 100 columns wide, as a fenced block."""
+    env = dict(os.environ, COLUMNS="100")
+    command = [sys.executable, "-m", f"headsurgeon.{tool}", "--help"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    if done.returncode != 0:
+        raise PluginError(f"python -m headsurgeon.{tool} --help failed:\n{done.stderr}")
+    return f"```text\n{done.stdout.rstrip()}\n```"
+
+
+def public_names() -> str:
+    """A table of ``headsurgeon._EXPORTS``: each public name linked to its reference entry."""
+    tree = ast.parse((ROOT / "headsurgeon" / "__init__.py").read_text())
+    exports = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)
+    )
+    rows = []
+    for name, module in sorted(exports.items(), key=lambda item: (item[1], item[0])):
+        where = f"headsurgeon.{module}"
+        rows.append(f"| [`{name}`][{where}.{name}] | [`{where}`][{where}] |")
+    return "\n".join(["| name | defined in |", "|---|---|", *rows])
+
+
+def on_page_markdown(markdown: str, **kwargs) -> str:
+    markdown = CLI_HELP.sub(lambda match: cli_help(match.group(1)), markdown)
+    return PUBLIC_NAMES.sub(lambda match: public_names(), markdown)
