@@ -24,9 +24,12 @@ def _role(match: re.Match) -> str:
 
 def _fence_doctests(lines: list[str]) -> list[str]:
     out: list[str] = []
+    fenced = False  # inside a fence already (a docstring that has one, or a second pass)
     i = 0
     while i < len(lines):
-        if not lines[i].lstrip().startswith(">>>"):
+        if lines[i].lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not lines[i].lstrip().startswith(">>>"):
             out.append(lines[i])
             i += 1
             continue

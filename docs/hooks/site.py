@@ -5,6 +5,10 @@ Markers a page may hold, each on a line of its own:
                               blindness, repair), so a tool page's options are the parser's
     <!-- public-names -->     the table of ``headsurgeon``'s public names and the module each
                               comes from, read from ``_EXPORTS`` in ``headsurgeon/__init__.py``
+    --8<-- "figures/....md"   a markdown file an analysis script wrote under figures/, included
+                              (at the line's indent) with its headings moved three levels down,
+                              so its title nests under the page's section instead of becoming a
+                              second page title; other --8<-- lines are pymdownx.snippets'
 
 The help runs the installed package in a subprocess (the docs extra installs it); a tool that
 fails to print its help fails the build with its error.
@@ -25,6 +29,8 @@ from mkdocs.exceptions import PluginError
 ROOT = Path(__file__).resolve().parents[2]
 CLI_HELP = re.compile(r"^<!-- cli-help: (\w+) -->$", re.M)
 PUBLIC_NAMES = re.compile(r"^<!-- public-names -->$", re.M)
+FIGURES_MARKDOWN = re.compile(r'^( *)--8<-- "(figures/[^"]+\.md)"$', re.M)
+HEADING = re.compile(r"^(#{1,3}) ", re.M)
 
 
 @cache
@@ -54,6 +60,17 @@ def public_names() -> str:
     return "\n".join(["| name | defined in |", "|---|---|", *rows])
 
 
+def figures_markdown(match: re.Match) -> str:
+    """The file a ``--8<--`` line names, headings three levels down, indented as the line."""
+    indent, name = match.groups()
+    path = ROOT / name
+    if not path.is_file():
+        raise PluginError(f"{name} is included by a page but does not exist")
+    text = HEADING.sub(lambda heading: f"###{heading.group(1)} ", path.read_text())
+    return "\n".join(indent + line if line else "" for line in text.splitlines())
+
+
 def on_page_markdown(markdown: str, **kwargs) -> str:
+    markdown = FIGURES_MARKDOWN.sub(figures_markdown, markdown)
     markdown = CLI_HELP.sub(lambda match: cli_help(match.group(1)), markdown)
     return PUBLIC_NAMES.sub(lambda match: public_names(), markdown)
