@@ -10,6 +10,11 @@ Markers a page may hold, each on a line of its own:
                               so its title nests under the page's section instead of becoming a
                               second page title; other --8<-- lines are pymdownx.snippets'
 
+And a check: every module of ``headsurgeon`` (``headsurgeon/X.py``, or a package
+``headsurgeon/X/``) has a ``::: headsurgeon.X`` section on a page under ``docs/api/``, else a
+warning, which fails ``mkdocs build --strict``: a new or renamed module gets its place in the
+reference when it is made.
+
 The help runs the installed package in a subprocess (the docs extra installs it); a tool that
 fails to print its help fails the build with its error.
 """
@@ -17,6 +22,7 @@ fails to print its help fails the build with its error.
 from __future__ import annotations
 
 import ast
+import logging
 import os
 import re
 import subprocess
@@ -27,6 +33,7 @@ from pathlib import Path
 from mkdocs.exceptions import PluginError
 
 ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger(f"mkdocs.plugins.{__name__}")  # counted by --strict
 CLI_HELP = re.compile(r"^<!-- cli-help: (\w+) -->$", re.M)
 PUBLIC_NAMES = re.compile(r"^<!-- public-names -->$", re.M)
 FIGURES_MARKDOWN = re.compile(r'^( *)--8<-- "(figures/[^"]+\.md)"$', re.M)
@@ -68,6 +75,23 @@ def figures_markdown(match: re.Match) -> str:
         raise PluginError(f"{name} is included by a page but does not exist")
     text = HEADING.sub(lambda heading: f"###{heading.group(1)} ", path.read_text())
     return "\n".join(indent + line if line else "" for line in text.splitlines())
+
+
+def modules() -> list[str]:
+    """The dotted names of headsurgeon's top-level modules and packages."""
+    package = ROOT / "headsurgeon"
+    files = [p.stem for p in package.glob("*.py") if p.stem != "__init__"]
+    folders = [p.parent.name for p in package.glob("*/__init__.py")]
+    return sorted(f"headsurgeon.{name}" for name in files + folders if not name.startswith("_"))
+
+
+def on_pre_build(config, **kwargs) -> None:
+    pages = Path(config["docs_dir"]) / "api"
+    text = "\n".join(page.read_text() for page in pages.glob("*.md"))
+    documented = set(re.findall(r"^::: (headsurgeon[\w.]*)$", text, re.M))
+    for module in modules():
+        if module not in documented:
+            log.warning(f"{module} is on no API page: add '::: {module}' to a page in docs/api/")
 
 
 def on_page_markdown(markdown: str, **kwargs) -> str:
