@@ -42,8 +42,8 @@ HEADING = re.compile(r"^(#{1,3}) ", re.M)
 
 @cache
 def cli_help(tool: str) -> str:
-    """``python -m headsurgeon.<tool> --help``, 100 columns wide, as a fenced block."""
-    env = dict(os.environ, COLUMNS="100")
+    """``python -m headsurgeon.<tool> --help``, 80 columns wide (a page's width), fenced."""
+    env = dict(os.environ, COLUMNS="80")
     command = [sys.executable, "-m", f"headsurgeon.{tool}", "--help"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     if done.returncode != 0:
