@@ -30,6 +30,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
+from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.exceptions import PluginError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +86,7 @@ def modules() -> list[str]:
     return sorted(f"headsurgeon.{name}" for name in files + folders if not name.startswith("_"))
 
 
-def on_pre_build(config, **kwargs) -> None:
+def on_pre_build(config: MkDocsConfig, **kwargs) -> None:
     pages = Path(config["docs_dir"]) / "api"
     text = "\n".join(page.read_text() for page in pages.glob("*.md"))
     documented = set(re.findall(r"^::: (headsurgeon[\w.]*)$", text, re.M))
