@@ -252,7 +252,7 @@ def summarise(
     traj: pd.DataFrame,
     tables: dict[str, pd.DataFrame],
 ) -> list[str]:
-    """summary.md: the numbers of both models (the claims are stated in the README)."""
+    """summary.md: the numbers of both models (the claims are stated in docs/organisms.md)."""
     peak = traj.groupby(["model", "head"])["bos_mass"].max()
     lines = [
         "# Natural collapse: the recipe with ALiBi and without positional bias",

@@ -1,5 +1,6 @@
 """The report page (index.html) of a classify run, as a reader sees it: headless Chromium opens
-it, clicks a head in the grid, and the screenshot goes to figures/report/ (the README's).
+it, clicks a head in the grid, and the screenshot goes to figures/report/ (shown in
+docs/tools/classify.md).
 
 Runs ``python -m headsurgeon.classify MODEL`` (its defaults: 64 held-out sequences of 128 tokens)
 into a temporary folder, opens its ``index.html`` with :func:`headsurgeon.reports.open_page`,

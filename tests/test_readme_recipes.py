@@ -1,4 +1,7 @@
-"""The README's TransformerLens 4 recipe runs as written, and headsurgeon measures its model."""
+"""The docs' TransformerLens 4 recipe runs as written, and headsurgeon measures its model.
+
+The recipe lives on the TransformerLens 3 vs 4 page of the documentation site.
+"""
 
 from __future__ import annotations
 
@@ -13,19 +16,19 @@ import torch
 import headsurgeon as hs
 from headsurgeon.backend import MAJOR
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "transformerlens.md"
 
 
 def recipe(marker: str) -> str:
-    """The README's one python block that mentions ``marker``, dedented as a list item's."""
-    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", README.read_text(), re.S | re.M)
+    """The page's one python block that mentions ``marker``, dedented as a list item's."""
+    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", PAGE.read_text(), re.S | re.M)
     found = [textwrap.dedent(body) for _, body in blocks if marker in body]
     assert len(found) == 1, f"{len(found)} python blocks mention {marker}"
     return found[0]
 
 
 @pytest.mark.skipif(MAJOR < 4, reason="a TransformerLens 4 recipe (bridges)")
-def test_the_readmes_bridge_recipe_runs_and_its_census_is_exact():
+def test_the_docs_bridge_recipe_runs_and_its_census_is_exact():
     from transformers import BloomConfig, BloomForCausalLM
 
     block = recipe("build_bridge_from_module")
@@ -34,7 +37,7 @@ def test_the_readmes_bridge_recipe_runs_and_its_census_is_exact():
     hf_model = BloomForCausalLM(config).eval()
     reference = copy.deepcopy(hf_model)  # the bridge takes over hf_model's modules
     namespace = {"hf_model": hf_model}
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(block, "docs/transformerlens.md", "exec"), namespace)
     model = namespace["model"]
 
     tokens = torch.randint(0, 64, (3, 24), generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,70 @@
+"""A griffe extension: headsurgeon's docstrings, written to be read as text, rendered as Markdown.
+
+The docstrings are prose with reST-style roles (``:func:`x```), doctests and aligned
+"Exports:" tables. Markdown would run the doctests and the tables into paragraphs, so:
+    - a role is dropped, keeping its code (``:class:`~a.B``` -> ```B```, as Sphinx shows it);
+    - a run of doctest lines (from ``>>>`` to the next blank line) becomes a ``pycon`` block;
+    - an indented block right under a line ending in ``:`` becomes a code block, keeping its
+      alignment (Markdown needs a blank line before it).
+"""
+
+from __future__ import annotations
+
+import re
+
+import griffe
+
+ROLE = re.compile(r":(?:func|class|mod|data|meth|attr|exc|obj|const):`(~?)([^`]+)`")
+
+
+def _role(match: re.Match) -> str:
+    tilde, target = match.groups()
+    return f"`{target.rsplit('.', 1)[-1] if tilde else target}`"
+
+
+def _fence_doctests(lines: list[str]) -> list[str]:
+    out: list[str] = []
+    fenced = False  # inside a fence already (a docstring that has one, or a second pass)
+    i = 0
+    while i < len(lines):
+        if lines[i].lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not lines[i].lstrip().startswith(">>>"):
+            out.append(lines[i])
+            i += 1
+            continue
+        indent = len(lines[i]) - len(lines[i].lstrip())
+        block = []
+        while i < len(lines) and lines[i].strip():
+            block.append(lines[i][indent:])
+            i += 1
+        if out and out[-1].strip():
+            out.append("")
+        out += ["```pycon", *block, "```"]
+    return out
+
+
+def _separate_indented_blocks(lines: list[str]) -> list[str]:
+    out: list[str] = []
+    for line in lines:
+        previous = out[-1] if out else ""
+        starts_block = line.startswith("    ") and not previous.startswith(" ")
+        if starts_block and previous.rstrip().endswith(":") and previous.strip():
+            out.append("")
+        out.append(line)
+    return out
+
+
+def markdown(text: str) -> str:
+    """A docstring's text as the Markdown mkdocstrings renders."""
+    text = ROLE.sub(_role, text)
+    lines = _separate_indented_blocks(text.splitlines())
+    return "\n".join(_fence_doctests(lines))
+
+
+class MarkdownDocstrings(griffe.Extension):
+    """Rewrite every docstring once it is loaded (see the module docstring)."""
+
+    def on_object(self, *, obj: griffe.Object, **kwargs) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = markdown(obj.docstring.value)
