@@ -393,20 +393,29 @@ def test_importing_a_library_module_loads_no_plotting_and_no_cli(name):
 
 def test_plots_exports_every_public_function_and_names_it_in_its_docstring():
     import inspect
+    import pkgutil
 
     from headsurgeon import plots
 
+    modules = [plots] + [
+        importlib.import_module(f"{plots.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(plots.__path__)
+    ]
     public = {
         name
-        for name, value in vars(plots).items()
+        for module in modules
+        for name, value in vars(module).items()
         if not name.startswith("_")
         and (inspect.isfunction(value) or inspect.isclass(value))
-        and value.__module__ == plots.__name__
+        and value.__module__ == module.__name__
     }
     assert public <= set(plots.__all__)
     assert all(hasattr(plots, name) for name in plots.__all__)
     unlisted = [name for name in plots.__all__ if name not in plots.__doc__]
     assert not unlisted, f"plots' docstring does not name {unlisted}"
+    for module in modules:
+        unnamed = [name for name in module.__all__ if name not in module.__doc__]
+        assert not unnamed, f"{module.__name__}'s docstring does not name {unnamed}"
 
 
 def test_the_type_checking_imports_are_what_the_package_serves():

@@ -1,0 +1,179 @@
+"""Figures: head grids (layers x heads), label maps, repair diffs, threshold sweeps; and export.
+
+Every function takes DataFrames (one row per head, as :func:`headsurgeon.run_census` and
+:func:`headsurgeon.classify_heads` return) and returns a :class:`Figure` (a
+``plotly.graph_objects.Figure``) that renders inline in Jupyter; :func:`save_figure` writes it.
+Colour scales are colour-blind safe (viridis, a blue-red diverging scale, Okabe-Ito colours),
+labels are drawn as symbols as well as colours (so they survive greyscale print), fonts are sized
+for a paper figure at 2x scale, and hovering a cell shows every metric of the head.
+
+Exports:
+    head_grid(df, metric)              heatmap of one metric; BOS-sink / dead heads marked
+    label_grid(df)                     the label of every head
+    diff_grid(before, after, metric)   after - before, heads whose label changed outlined
+    sweep_plot(sweep)                  label counts against each threshold
+    models_grid({name: df}, metric)    several models side by side, one colour scale
+    sick_share_plot(shares)            sick share per layer band, one line per model
+    blind_distance_grid(df)            blind distance per head, dtype and underflow limit
+    zero_fraction_plot(by_distance)    share of exact-zero weights against distance, per head
+    analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
+    retrieval_heatmap(table, metric)   depth x context length of a passkey/needle metric
+    importance_grid(df)                delta_loss per head (head_importance), diverging colour
+    bos_vs_importance(df)              BOS mass against delta_loss, by label: dormant sinks
+    attention_pattern(model, text, heads)
+                                       query x key weights of heads on a text (exact, from the
+                                       census's hook; max-pooled beyond MAX_CELLS positions)
+    pattern_diff(before, after, text, heads)
+                                       those weights before, after and the change, per head
+    style(fig, title=..., ...)         the house layout (template, fonts, title, size) every
+                                       figure here, in reports and in analyses/ goes through
+    save_figure(fig, path)             .html, .png, .svg or .pdf, written atomically
+    save_figures(figs, folder, fmts)   every figure in every format; static ones skipped
+                                       without a browser (see split_formats)
+    split_formats(formats)             the formats to write and the static ones to skip
+    require_browser(what)              FigureExportError (one line, the fix) without Chromium
+    has_browser()                      whether static figures can be written here
+    warn_skipped(names, folder)        the one warning line about skipped static figures
+    Figure                             go.Figure that also shows as HTML and PNG in notebooks
+    FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
+    MAX_CELLS                          positions a side above which patterns are max-pooled
+    FONT, OKABE_ITO                    the house font and the colour-blind-safe palette
+
+Modules (each name above is importable from ``headsurgeon.plots`` itself):
+    grids        head_grid, label_grid, diff_grid, models_grid: one cell per head
+    counts       sweep_plot, sick_share_plot: how many heads are sick, by threshold, band, model
+    importance   importance_grid, bos_vs_importance: what removing a head costs
+    evaluation   blind_distance_grid, zero_fraction_plot, analytic_vs_measured,
+                 retrieval_heatmap: blindness and retrieval
+    patterns     attention_pattern, pattern_diff: one head's attention on a text
+    layout       style, FONT, OKABE_ITO: the house style, and the helpers the figures share
+    notebook     Figure, NOTEBOOK_OUTPUTS: the notebook output
+    export       save_figure, save_figures, split_formats, the browser: the files
+
+Static formats (png, svg, pdf) go through kaleido and a Chromium browser; html needs nothing.
+Writers that take ``formats`` (:func:`save_figures`, ``reports.write_classification``,
+``reports.write_report``) follow one rule: ``formats=None`` (the default) writes html, and png
+when a browser is found; without one the PNGs are skipped and one warning names them and the
+fix. Formats given explicitly are all required: a static one without a browser raises
+:class:`~headsurgeon.errors.FigureExportError` before anything is written.
+
+In Jupyter a :class:`Figure` shows through the user's plotly renderer as usual (interactive,
+``application/vnd.plotly.v1+json``) and its output also carries ``text/html`` (plotly.js from
+the CDN, with the PNG inside as a fallback) and ``image/png`` (when a browser is found), so it
+still shows where the notebook is viewed as a file: GitHub, nbviewer, an HTML export.
+``NOTEBOOK_OUTPUTS`` chooses these extra representations (``()`` for plotly's own output only);
+plotly's settings (``plotly.io.renderers``) are never changed.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+# Each module's exports; the names imported ``as`` themselves are not in ``__all__`` but stay
+# importable from here as they were before the split (the figures' constants, helpers the tests
+# call).
+from headsurgeon.plots import notebook
+from headsurgeon.plots.counts import (
+    SWEEP_PANELS as SWEEP_PANELS,
+    SWEEP_STYLE as SWEEP_STYLE,
+    sick_share_plot,
+    sweep_plot,
+)
+from headsurgeon.plots.evaluation import (
+    DTYPE_MARKERS as DTYPE_MARKERS,
+    RETRIEVAL_METRICS as RETRIEVAL_METRICS,
+    analytic_vs_measured,
+    blind_distance_grid,
+    retrieval_heatmap,
+    zero_fraction_plot,
+)
+from headsurgeon.plots.export import (
+    DEFAULT_FORMATS as DEFAULT_FORMATS,
+    FORMATS,
+    INSTALL_BROWSER as INSTALL_BROWSER,
+    STATIC_FORMATS,
+    _quiet_browser_exit as _quiet_browser_exit,
+    has_browser,
+    require_browser,
+    save_figure,
+    save_figures,
+    split_formats,
+    warn_skipped,
+)
+from headsurgeon.plots.grids import (
+    HOVER_SKIP as HOVER_SKIP,
+    LABEL_COLOURS as LABEL_COLOURS,
+    LABEL_MARKERS as LABEL_MARKERS,
+    METRICS as METRICS,
+    diff_grid,
+    head_grid,
+    label_grid,
+    models_grid,
+)
+from headsurgeon.plots.importance import (
+    IMPORTANCE_MARKERS as IMPORTANCE_MARKERS,
+    bos_vs_importance,
+    importance_grid,
+)
+from headsurgeon.plots.layout import FONT, OKABE_ITO, style
+from headsurgeon.plots.notebook import (
+    Figure,
+    _mimetype_renderers_in_ipython as _mimetype_renderers_in_ipython,
+)
+from headsurgeon.plots.patterns import MAX_CELLS, attention_pattern, pattern_diff
+
+__all__ = [
+    "FONT",
+    "FORMATS",
+    "OKABE_ITO",
+    "STATIC_FORMATS",
+    "Figure",
+    "MAX_CELLS",
+    "analytic_vs_measured",
+    "attention_pattern",
+    "blind_distance_grid",
+    "bos_vs_importance",
+    "diff_grid",
+    "has_browser",
+    "head_grid",
+    "importance_grid",
+    "label_grid",
+    "models_grid",
+    "pattern_diff",
+    "require_browser",
+    "retrieval_heatmap",
+    "save_figure",
+    "save_figures",
+    "sick_share_plot",
+    "split_formats",
+    "style",
+    "sweep_plot",
+    "warn_skipped",
+    "zero_fraction_plot",
+]
+
+
+def _setting(module: types.ModuleType, name: str) -> property:
+    """A package attribute that reads and assigns ``module.<name>``."""
+    return property(lambda _: getattr(module, name), lambda _, value: setattr(module, name, value))
+
+
+class _Package(types.ModuleType):
+    """This package's module type: its settings are those of the module that reads them.
+
+    Users assign them on the package, as the README does (``plots.NOTEBOOK_OUTPUTS = ()``), and
+    tests monkeypatch them there; a module's own attribute would only shadow the value the
+    notebook module reads, so the package holds a property (a module cannot hold one itself).
+    """
+
+    NOTEBOOK_OUTPUTS = _setting(notebook, "NOTEBOOK_OUTPUTS")
+    NOTEBOOK_SCALE = _setting(notebook, "NOTEBOOK_SCALE")
+
+
+def __dir__() -> list[str]:
+    settings = [name for name, value in vars(_Package).items() if isinstance(value, property)]
+    return sorted([*globals(), *settings])
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,317 @@
+"""Blindness and evaluation figures: where ALiBi heads stop seeing, and what retrieval finds.
+
+Exports:
+    blind_distance_grid(df)            blind distance per head, dtype and underflow limit
+    zero_fraction_plot(by_distance)    share of exact-zero weights against distance, per head
+    analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
+    retrieval_heatmap(table, metric)   depth x context length of a passkey/needle metric
+
+>>> from headsurgeon.blindness import analytic_blindness
+>>> table = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
+>>> fig = blind_distance_grid(table)  # head 0 is blind beyond 124 tokens, in bold: < 2048
+>>> fig.data[1].y, fig.data[1].text[0][:3].tolist()
+(('float32 · normal',), ['<b>124</b>', '<b>175</b>', '<b>248</b>'])
+
+The blindness figures take :mod:`headsurgeon.blindness` tables: the analytic blind distance of
+every head (:func:`~headsurgeon.blindness.analytic_blindness`), and the weights that really
+underflow to exactly 0 (:func:`~headsurgeon.blindness.measure_blindness`). The retrieval heat
+map takes a passkey or needle result of :mod:`headsurgeon.evals`. Distances span dozens of
+orders of magnitude: colours and axes are logarithmic, cells print them short (``2.2k``,
+``4.4e53``, ``∞``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from headsurgeon.plots.layout import OKABE_ITO, _check, _compact, style
+from headsurgeon.plots.notebook import _notebook_figure
+
+__all__ = ["analytic_vs_measured", "blind_distance_grid", "retrieval_heatmap", "zero_fraction_plot"]
+
+
+def _eval_layout(fig: go.Figure, title: str, subtitle: str, width: int, height: int) -> None:
+    margin = {"l": 80, "r": 30, "t": 95 if subtitle else 65, "b": 70}
+    style(fig, title=title, subtitle=subtitle, width=width, height=height, margin=margin,
+          subtitle_size=12)  # fmt: skip
+
+
+@_notebook_figure
+def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Blind distance of every head (columns) per dtype and underflow limit (rows), log colours.
+
+    Takes :func:`headsurgeon.blindness.analytic_blindness` output; ALiBi slopes are the same in
+    every layer, so layer 0 stands for all. Cells show the distance in tokens (``∞``: never
+    blind); bold cells are blind within the table's context.
+    """
+    _check(df, ["layer", "head", "dtype", "limit", "blind_distance"], "blindness table")
+    rows = df[df["layer"] == df["layer"].min()]
+    keys = list(dict.fromkeys(zip(rows["dtype"], rows["limit"], strict=True)))
+    n_heads = int(rows["head"].max()) + 1
+    z = np.full((len(keys), n_heads), np.nan)
+    text = np.full((len(keys), n_heads), "", dtype=object)
+    for i, key in enumerate(keys):
+        sub = rows[(rows["dtype"] == key[0]) & (rows["limit"] == key[1])]
+        for head, d, label in zip(
+            sub["head"], sub["blind_distance"], sub.get("label", ""), strict=False
+        ):
+            z[i, head] = np.log10(d) if np.isfinite(d) else np.nan
+            text[i, head] = f"<b>{_compact(d)}</b>" if label == "blind" else _compact(d)
+    finite = z[np.isfinite(z)]
+    top = float(finite.max()) if finite.size else 1.0
+    never = np.where(np.isnan(z), top, np.nan)  # never-blind cells: drawn in grey
+    cell_w = float(np.clip(900 / n_heads, 22, 64))
+    fig = go.Figure(
+        [
+            go.Heatmap(
+                z=never,
+                x=list(range(n_heads)),
+                y=[f"{d} · {t}" for d, t in keys],
+                colorscale=[[0, "#E5E5E5"], [1, "#E5E5E5"]],
+                showscale=False,
+                hoverinfo="skip",
+            ),
+            go.Heatmap(
+                z=z,
+                x=list(range(n_heads)),
+                y=[f"{d} · {t}" for d, t in keys],
+                text=text,
+                texttemplate="%{text}",
+                textfont={"size": 11 if n_heads <= 16 else 8},
+                colorscale="Cividis",
+                zmin=float(finite.min()) if finite.size else 0.0,
+                zmax=top,
+                xgap=1,
+                ygap=1,
+                colorbar={
+                    "title": {"text": "log₁₀ tokens", "side": "right"},
+                    "thickness": 16,
+                },
+                hovertemplate="head %{x}, %{y}: %{text} tokens<extra></extra>",
+            ),
+        ]
+    )
+    fig.update_xaxes(title_text="head", tickmode="linear", dtick=1 if n_heads <= 16 else 4)
+    fig.update_yaxes(autorange="reversed", title_text="")
+    a = df.attrs
+    subtitle = (
+        f"{a.get('model', '')} · {a.get('bias', 'standard')} ALiBi · same in every layer · "
+        f"bold: blind within {a.get('context_length', '')} tokens"
+    )
+    _eval_layout(
+        fig,
+        title or "Blind distance per head (tokens)",
+        subtitle,
+        width=round(190 + n_heads * cell_w + 110),
+        height=round(165 + 34 * len(keys)),
+    )
+    return fig
+
+
+def _sequential(n: int) -> list[str]:
+    """``n`` colours along viridis (colour-blind safe and monotone in lightness)."""
+    from plotly.colors import sample_colorscale
+
+    return sample_colorscale("Viridis", [0.9 * i / max(n - 1, 1) for i in range(n)])
+
+
+@_notebook_figure
+def zero_fraction_plot(by_distance: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Share of weights that underflow to exactly 0 against distance, one line per head.
+
+    Takes ``measure_blindness(...).by_distance``; one panel per dtype, layers pooled (entries
+    weighted). Heads with no underflow in any dtype are left out (named in the subtitle).
+    """
+    cols = ["head", "dtype", "distance_lo", "distance_hi", "entries", "zero_entries"]
+    _check(by_distance, cols, "by_distance table")
+    pooled = by_distance.groupby(["dtype", "head", "distance_lo", "distance_hi"], sort=False)[
+        ["entries", "zero_entries"]
+    ].sum()
+    pooled = pooled.reset_index()
+    pooled["fraction"] = pooled["zero_entries"] / pooled["entries"]
+    pooled["distance"] = (pooled["distance_lo"] + pooled["distance_hi"] - 1) / 2
+    dtypes = list(dict.fromkeys(pooled["dtype"]))
+    heads = sorted(pooled["head"].unique())
+    blind = sorted(pooled.loc[pooled["zero_entries"] > 0, "head"].unique())
+    colours = dict(zip(heads, _sequential(len(heads)), strict=True))
+    fig = make_subplots(
+        rows=1, cols=len(dtypes), subplot_titles=dtypes, shared_yaxes=True, horizontal_spacing=0.04
+    )
+    for col, dtype in enumerate(dtypes, start=1):
+        for head in blind:
+            sub = pooled[(pooled["dtype"] == dtype) & (pooled["head"] == head)]
+            fig.add_trace(
+                go.Scatter(
+                    x=sub["distance"],
+                    y=sub["fraction"],
+                    mode="lines",
+                    line={"color": colours[head], "width": 2},
+                    name=f"head {head}",
+                    legendgroup=str(head),
+                    showlegend=col == 1,
+                    hovertemplate=f"head {head}, distance %{{x:.0f}}: %{{y:.3f}}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
+    fig.update_xaxes(title_text="distance i − j (tokens)", rangemode="tozero")
+    fig.update_yaxes(range=[-0.02, 1.02])
+    fig.update_yaxes(title_text="share of weights = 0", row=1, col=1)
+    fig.update_annotations(font={"size": 14})
+    sighted = [h for h in heads if h not in blind]
+    subtitle = "layers pooled" + (
+        f" · no underflow: heads {', '.join(map(str, sighted))}" if sighted else ""
+    )
+    _eval_layout(
+        fig,
+        title or "Attention weights that underflow to exactly 0",
+        subtitle,
+        width=120 + 330 * len(dtypes) + 110,
+        height=430,
+    )
+    fig.update_layout(legend={"title": {"text": ""}, "x": 1.01, "y": 1})
+    return fig
+
+
+DTYPE_MARKERS = {
+    "float32": ("circle", OKABE_ITO["blue"]),
+    "bfloat16": ("square", OKABE_ITO["orange"]),
+    "float16": ("diamond", OKABE_ITO["green"]),
+}
+
+
+@_notebook_figure
+def analytic_vs_measured(by_head: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Measured first zero distance against the analytic blind distance, per head and dtype.
+
+    Takes ``measure_blindness(...).by_head``. Filled markers: the head's smallest distance with an
+    exact zero in any layer; open markers at the top: no zero within the measured length. The
+    analytic distance (``zero`` limit, equal content logits) bounds the measured one from
+    above; the softmax normaliser and content logits pull real zeros closer.
+    """
+    _check(by_head, ["head", "dtype", "analytic_distance", "first_zero_distance"], "by_head table")
+    seq_len = by_head.attrs.get("seq_len") or float(by_head["first_zero_distance"].max())
+    per_head = by_head.groupby(["dtype", "head"], sort=False).agg(
+        analytic=("analytic_distance", "first"), measured=("first_zero_distance", "min")
+    )
+    per_head = per_head.reset_index()
+    fig = go.Figure()
+    for dtype, sub in per_head.groupby("dtype", sort=False):
+        symbol, colour = DTYPE_MARKERS.get(dtype, ("circle", OKABE_ITO["black"]))
+        for seen, part in sub.groupby(sub["measured"].notna()):
+            fig.add_trace(
+                go.Scatter(
+                    x=part["analytic"],
+                    y=part["measured"] if seen else np.full(len(part), seq_len),
+                    mode="markers",
+                    marker={
+                        "symbol": symbol if seen else f"{symbol}-open",
+                        "color": colour,
+                        "size": 10,
+                        "line": {"width": 1, "color": "white" if seen else colour},
+                    },
+                    name=dtype if seen else f"{dtype}: no zero ≤ {seq_len}",
+                    customdata=part["head"],
+                    hovertemplate="head %{customdata}: analytic %{x:.0f}, measured %{y:.0f}"
+                    "<extra></extra>",
+                )
+            )
+    finite = per_head["analytic"][np.isfinite(per_head["analytic"])]
+    measured = per_head["measured"].dropna()
+    lo = max(1.0, min(finite.min(), measured.min() if len(measured) else seq_len) / 1.5)
+    x_hi, y_hi = float(finite.max()) * 1.5, seq_len * 1.6
+    diagonal = min(x_hi, y_hi)
+    fig.add_trace(
+        go.Scatter(
+            x=[lo, diagonal],
+            y=[lo, diagonal],
+            mode="lines",
+            line={"color": "#888888", "dash": "dot", "width": 1.5},
+            name="measured = analytic",
+            hoverinfo="skip",
+        )
+    )
+    fig.add_hline(
+        y=seq_len,
+        line={"color": "#BBBBBB", "width": 1},
+        annotation={"text": f"measured length {seq_len}", "font": {"size": 12}},
+        annotation_position="bottom left",
+    )
+    log_axis = {"type": "log", "dtick": 1, "ticks": "outside", "showgrid": True}
+    fig.update_xaxes(
+        title_text="analytic blind distance (tokens)", range=np.log10([lo, x_hi]), **log_axis
+    )
+    fig.update_yaxes(
+        title_text="measured first zero (tokens)", range=np.log10([lo, y_hi]), **log_axis
+    )
+    a = by_head.attrs
+    subtitle = f"{a.get('model', '')} · {a.get('n_seqs', '')} × {seq_len} tokens · zero limit"
+    _eval_layout(fig, title or "Analytic versus measured blindness", subtitle, 860, 520)
+    fig.update_layout(legend={"x": 1.02, "y": 1, "font": {"size": 13}})
+    return fig
+
+
+RETRIEVAL_METRICS = {  # title, colour-bar title
+    "top1_accuracy": ("top-1 accuracy (log-likelihood rank)", "top-1"),
+    "greedy_accuracy": ("greedy exact match", "exact match"),
+    "mean_rank": ("mean rank of the true key", "mean rank"),
+}
+
+
+@_notebook_figure
+def retrieval_heatmap(
+    table: pd.DataFrame, metric: str = "top1_accuracy", *, title: str | None = None
+) -> go.Figure:
+    """Depth x context-length heat map of a retrieval metric (``passkey``/``needle`` ``.table``).
+
+    A dashed line separates lengths within the training length from those beyond it.
+    """
+    _check(table, ["context_length", "depth", metric], "retrieval table")
+    grid = table.pivot_table(index="depth", columns="context_length", values=metric)
+    names = RETRIEVAL_METRICS.get(metric, (metric, metric))
+    lengths = [str(x) for x in grid.columns]
+    accuracy = metric != "mean_rank"
+    text = [[f"{v:.0%}" if accuracy else f"{v:.1f}" for v in row] for row in grid.to_numpy()]
+    fig = go.Figure(
+        go.Heatmap(
+            z=grid.to_numpy(),
+            x=lengths,
+            y=[f"{d:.0%}" for d in grid.index],
+            text=text,
+            texttemplate="%{text}",
+            colorscale="Cividis" if accuracy else "Cividis_r",
+            zmin=0 if accuracy else 1,
+            zmax=1 if accuracy else float(table.get("n_candidates", pd.Series([10])).max()),
+            xgap=2,
+            ygap=2,
+            colorbar={"title": {"text": names[1], "side": "right"}, "thickness": 16},
+            hovertemplate="length %{x}, depth %{y}: %{text}<extra></extra>",
+        )
+    )
+    a = table.attrs
+    train_ctx = a.get("train_ctx")
+    inside = [int(x) <= train_ctx for x in grid.columns] if train_ctx else []
+    if any(inside) and not all(inside):
+        fig.add_vline(x=sum(inside) - 0.5, line={"color": "black", "dash": "dash", "width": 3})
+        fig.add_annotation(
+            x=sum(inside) - 0.5, y=1.02, yref="paper", text=f"train length {train_ctx}",
+            showarrow=False, xanchor="center", yanchor="bottom", font={"size": 12},
+        )  # fmt: skip
+    fig.update_xaxes(title_text="context length (tokens)", type="category")
+    fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category")
+    chance = table["chance"].iloc[0] if "chance" in table and metric == "top1_accuracy" else None
+    subtitle = f"{a.get('model', '')} · {int(table['n_trials'].iloc[0])} trials per cell" + (
+        f" · chance {chance:.0%}" if chance is not None else ""
+    )
+    task = a.get("task", "retrieval")
+    _eval_layout(
+        fig,
+        title or f"{task}: {names[0]}",
+        subtitle,
+        width=round(180 + 80 * len(lengths) + 150),
+        height=round(200 + 50 * len(grid.index)),
+    )
+    return fig

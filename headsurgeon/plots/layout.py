@@ -1,0 +1,172 @@
+"""The house style every figure shares: fonts, the colour-blind-safe palette, titles and sizes.
+
+Exports:
+    style(fig, title=..., ...)   the house layout: template, fonts, title, subtitle, size
+    FONT                         the house font (Helvetica, 15 px)
+    OKABE_ITO                    Okabe & Ito's colours, told apart with every common deficiency
+
+>>> import plotly.graph_objects as go
+>>> fig = style(go.Figure(), title="BOS mass", subtitle="organism · 64 seqs", width=600)
+>>> fig.layout.width, fig.layout.title.x
+(600, 0.0)
+
+Every figure of :mod:`headsurgeon.plots`, of :mod:`headsurgeon.reports` and of ``analyses/``
+goes through :func:`style` (the plotly_white template, paper fonts, a left-aligned title and a
+grey subtitle). The figures here lay themselves out in pixels around their plot area
+(:func:`_layout`: the subtitle wrapped to the figure's width, the legend under the x axis, the
+margins grown to fit both), so a cell is the same size whatever the figure holds. The
+DataFrame check and the short number format the figure modules share live here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from headsurgeon.errors import InvalidArgumentError
+
+__all__ = ["FONT", "OKABE_ITO", "style"]
+
+FONT = {"family": "Helvetica, Arial, sans-serif", "size": 15, "color": "#222222"}
+# Okabe & Ito (2008) colours: distinguishable with every common colour-vision deficiency.
+OKABE_ITO = {
+    "orange": "#E69F00",
+    "sky": "#56B4E9",
+    "green": "#009E73",
+    "blue": "#0072B2",
+    "vermillion": "#D55E00",
+    "purple": "#CC79A7",
+    "black": "#000000",
+}
+
+
+def style(
+    fig: go.Figure,
+    *,
+    title: str,
+    subtitle: str = "",
+    width: float | None = None,
+    height: float | None = None,
+    margin: Mapping[str, float] | None = None,
+    template: str = "plotly_white",
+    title_size: float | None = None,
+    subtitle_size: float = 13,
+    title_xref: str = "paper",
+) -> go.Figure:
+    """The house layout of every figure: template, paper fonts, a left-aligned title and subtitle.
+
+    ``width`` and ``height`` in pixels (rounded), ``margin`` as plotly's ``{"l", "r", "t", "b"}``;
+    ``None`` leaves plotly's default. ``title_xref="paper"`` aligns the title with the plot area,
+    ``"container"`` with the figure's edge. Returns ``fig``, restyled in place.
+    """
+    title_layout: dict = {
+        "text": title,
+        "subtitle": {"text": subtitle, "font": {"size": subtitle_size, "color": "#555555"}},
+        "x": 0.0,
+        "xanchor": "left",
+        "xref": title_xref,
+    }
+    if title_size is not None:
+        title_layout["font"] = {"size": title_size}
+    layout: dict = {"template": template, "font": FONT, "title": title_layout}
+    if width is not None:
+        layout["width"] = round(width)
+    if height is not None:
+        layout["height"] = round(height)
+    if margin is not None:
+        layout["margin"] = dict(margin)
+    fig.update_layout(**layout, plot_bgcolor="white")
+    return fig
+
+
+def _layout(
+    fig: go.Figure,
+    title: str,
+    subtitle: str,
+    plot_size: tuple[float, float],
+    *,
+    colorbar: bool = True,
+    axis_title: bool = True,
+    panel_titles: bool = False,
+) -> None:
+    """Title, fonts and a pixel layout around a plot area of ``plot_size``.
+
+    The subtitle wraps to the figure's width and the legend (the named scatter traces) sits
+    under the x axis, with the margins grown to fit both.
+    """
+    plot_w, plot_h = plot_size
+    margin = {"l": 75, "r": 105 if colorbar else 20}
+    width = margin["l"] + plot_w + margin["r"]
+    lines = _wrap(subtitle, width - margin["l"] - 10)
+    margin["t"] = 58 + (20 * len(lines) + 12 if lines else 0) + (28 if panel_titles else 0)
+    names = [t.name for t in fig.data if t.type == "scatter" and t.showlegend is not False]
+    rows = _legend_rows([n for n in names if n], width - 20)
+    below = 62 if axis_title else 38  # tick labels (and the x axis title)
+    margin["b"] = below + (28 * rows + 12 if rows else 0)
+    height = margin["t"] + plot_h + margin["b"]
+    style(fig, title=title, subtitle="<br>".join(lines), width=width, height=height,
+          margin=margin, title_size=19)  # fmt: skip
+    fig.update_layout(
+        showlegend=rows > 0,
+        legend={
+            "orientation": "h",
+            "x": 0,
+            "xanchor": "left",
+            "y": -below / plot_h,
+            "yanchor": "top",
+        },
+    )
+
+
+def _wrap(text: str, width: float) -> list[str]:
+    """Break ``text`` at its " · " separators into lines about ``width`` px wide (13 px font)."""
+    lines: list[str] = []
+    for part in text.split(" · ") if text else []:
+        if lines and 7.0 * (len(lines[-1]) + 3 + len(part)) <= width:
+            lines[-1] += " · " + part
+        else:
+            lines.append(part)
+    return lines
+
+
+def _legend_rows(names: Sequence[str], width: float) -> int:
+    """Rows a horizontal legend of ``names`` wraps into at ``width`` px (15 px font)."""
+    rows, used = 0, width
+    for name in names:
+        entry = 45 + 8.5 * len(name)
+        if used + entry > width:
+            rows, used = rows + 1, 0.0
+        used += entry
+    return rows
+
+
+def _check(df: pd.DataFrame, columns: Sequence[str], what: str = "df") -> None:
+    if not isinstance(df, pd.DataFrame):
+        raise InvalidArgumentError(f"{what} must be a DataFrame, got {type(df).__name__}")
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise InvalidArgumentError(
+            f"{what} lacks column(s) {', '.join(missing)}; pass a census (run_census) "
+            "or classification (classify_heads)"
+        )
+    if df.empty:
+        raise InvalidArgumentError(f"{what} has no rows; pass a census with at least one head")
+
+
+def _compact(x: float) -> str:
+    """Short cell text for a distance: ``124``, ``2.2k``, ``4.4e53``, ``∞``.
+
+    >>> [_compact(x) for x in (124.0, 22359.0, 4.37e53, float("inf"))]
+    ['124', '22k', '4.4e53', '∞']
+    """
+    if not np.isfinite(x):
+        return "∞"
+    if x < 1e4:
+        return f"{x:.0f}"
+    if x < 1e6:
+        return f"{x / 1e3:.0f}k"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
