@@ -4,7 +4,8 @@ Markers a page may hold, each on a line of its own:
     <!-- cli-help: TOOL -->   the output of ``python -m headsurgeon.TOOL --help`` (classify,
                               blindness, repair), so a tool page's options are the parser's
     <!-- public-names -->     the table of ``headsurgeon``'s public names and the module each
-                              comes from, read from ``_EXPORTS`` in ``headsurgeon/__init__.py``
+                              comes from, read from the ``TYPE_CHECKING`` block of
+                              ``headsurgeon/__init__.py``
     --8<-- "figures/....md"   a markdown file an analysis script wrote under figures/, included
                               (at the line's indent) with its headings moved three levels down,
                               so its title nests under the page's section instead of becoming a
@@ -53,18 +54,23 @@ def cli_help(tool: str) -> str:
 
 
 def public_names() -> str:
-    """A table of ``headsurgeon._EXPORTS``: each public name linked to its reference entry."""
+    """A table of the package root's names (the imports of ``headsurgeon/__init__.py``'s
+    ``TYPE_CHECKING`` block, the one list of the API): each linked to its reference entry."""
     tree = ast.parse((ROOT / "headsurgeon" / "__init__.py").read_text())
-    exports = next(
-        ast.literal_eval(node.value)
+    [block] = [
+        node
         for node in tree.body
-        if isinstance(node, ast.Assign)
-        and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets)
-    )
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+    ]
+    exports = [
+        (alias.asname or alias.name, node.module, alias.name)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    ]
     rows = []
-    for name, module in sorted(exports.items(), key=lambda item: (item[1], item[0])):
-        where = f"headsurgeon.{module}"
-        rows.append(f"| [`{name}`][{where}.{name}] | [`{where}`][{where}] |")
+    for name, where, original in sorted(exports, key=lambda item: (item[1], item[0])):
+        rows.append(f"| [`{name}`][{where}.{original}] | [`{where}`][{where}] |")
     return "\n".join(["| name | defined in |", "|---|---|", *rows])
 
 
