@@ -93,7 +93,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ORGANISM_DIR = Path(__file__).parent / "organisms"
+ORGANISM_DIR = Path(__file__).parents[1] / "organisms"
 DEFAULT_MODEL = "organism-injured"
 METADATA_FILE = "headsurgeon.json"
 TOKENIZER_FILES = (

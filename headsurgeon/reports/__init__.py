@@ -784,7 +784,7 @@ PAGE_POSITIONS = 48
 PAGE_CELLS = 64
 PAGE_SKIP = ("layer", "head")
 # The page: markup, style and the small script that draws the grid, a head and its patterns.
-PAGE_TEMPLATE = Path(__file__).parent / "templates" / "index.html"
+PAGE_TEMPLATE = Path(__file__).parents[1] / "templates" / "index.html"
 
 
 def _packed(weights: np.ndarray) -> str:
