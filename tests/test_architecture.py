@@ -69,8 +69,11 @@ def nodes_that_run(tree: ast.AST) -> list[ast.AST]:
 def imports_of(name: str, path: Path, modules: set[str], exports: dict[str, str]) -> set[str]:
     """The package modules that ``name`` imports anywhere in its file (functions included).
 
-    Importing ``a.b.c`` runs ``a`` and ``a.b`` first, so parent packages count too;
-    ``from headsurgeon import load_model`` counts as importing the module that defines it.
+    Importing ``a.b.c`` runs ``a`` and ``a.b`` first, so parent packages count too, except the
+    packages ``name`` itself lies in: those are already being imported when ``name`` runs (a
+    package's ``__init__`` importing its modules, which import each other, is no cycle; naming
+    the package itself, ``from headsurgeon.repair import X`` inside ``headsurgeon.repair.*``, still
+    counts). ``from headsurgeon import load_model`` counts as importing the module that defines it.
     A ``if __name__ == "__main__":`` block is skipped: it runs only in the ``__main__`` module of
     ``python -m``, a separate module that nothing imports, so it cannot close a cycle.
     """
@@ -81,7 +84,8 @@ def imports_of(name: str, path: Path, modules: set[str], exports: dict[str, str]
         parts = target.split(".")
         for i in range(1, len(parts) + 1):
             prefix = ".".join(parts[:i])
-            if prefix in modules:
+            own_package = i < len(parts) and name.startswith(prefix + ".")
+            if prefix in modules and not own_package:
                 found.add(prefix)
 
     for node in nodes_that_run(ast.parse(path.read_text())):
