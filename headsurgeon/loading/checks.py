@@ -1,5 +1,6 @@
 """Checkpoint validation: a folder checked before any of its weights is read (they may be many GB).
 
+Exports:
     check_checkpoint(directory)   regular files, config.json against the stored tensors' shapes
                                   and dtypes, headsurgeon.json against config.json
     tl_config(config_dir)         TransformerLens's own check that it converts a config.json

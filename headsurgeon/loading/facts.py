@@ -1,5 +1,6 @@
 """The facts the tools need about a model: its shape, where it came from, its conventions.
 
+Exports:
     model_shape(model)      ModelShape of a model, a BLOOM name (no weights needed), a bundled
                             organism or a checkpoint folder (validated, weights unread)
     model_info(model)       ModelInfo: name, source folder, BOS convention, training context

@@ -1,5 +1,6 @@
 """The files of a checkpoint folder, checked and read without reading a weight.
 
+Exports:
     stored_tensors(directory)        name -> StoredTensor (dtype, shape) of every stored tensor,
                                      from the file headers alone
     weight_files(directory)          the weight files transformers reads (safetensors, else

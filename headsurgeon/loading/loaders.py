@@ -1,5 +1,6 @@
 """Loading a model: from a name, a bundled organism or a folder, from memory, or random.
 
+Exports:
     load_model(model, dtype, device, device_map, ...)   TransformerLens model, exact ALiBi
     from_hf_model(hf_model, tokenizer, ...)              wrap an in-memory transformers model
     random_model(shape, seed)                            random-weight BLOOM of a given shape

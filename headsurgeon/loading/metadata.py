@@ -1,5 +1,6 @@
 """``headsurgeon.json``: the one schema of what headsurgeon records beside a checkpoint.
 
+Exports:
     check_metadata(data, path)   the file's contents if every known field has its type and range
 
 >>> check_metadata({"prepend_bos": None, "notes": "kept as they are"}, "headsurgeon.json")

@@ -1,5 +1,6 @@
 """Where a model comes from: a bundled organism, the Hugging Face hub or a local folder.
 
+Exports:
     resolve_model(model)   (display name, local checkpoint folder) of a user's model argument
     organism_names()       short names of the model organisms bundled with the package
     ORGANISM_DIR           their folder; DEFAULT_MODEL, the tools' default model
