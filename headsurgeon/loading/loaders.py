@@ -1,0 +1,270 @@
+"""Loading a model: from a name, a bundled organism or a folder, from memory, or random.
+
+Exports:
+    load_model(model, dtype, device, device_map, ...)   TransformerLens model, exact ALiBi
+    from_hf_model(hf_model, tokenizer, ...)              wrap an in-memory transformers model
+    random_model(shape, seed)                            random-weight BLOOM of a given shape
+    random_hf_bloom(shape, seed)                         the same, as a transformers model
+
+The folder is validated first (:func:`headsurgeon.loading.checks.check_checkpoint`), then read by
+transformers (safetensors; ``torch.load(weights_only=True)`` for legacy ``.bin``; remote code never
+trusted) and converted by the installed TransformerLens with its weights unprocessed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headsurgeon import backend
+from headsurgeon.backend import MAJOR, Model
+from headsurgeon.dtypes import parse_device, parse_dtype
+from headsurgeon.errors import CheckpointError, first_line
+from headsurgeon.exact_alibi import install_exact_alibi, trained_bias
+from headsurgeon.loading.checks import _checked_folder
+from headsurgeon.loading.facts import ModelInfo, ModelShape, model_shape
+from headsurgeon.loading.files import METADATA_FILE, TOKENIZER_FILES, _corrupt_bin, _some
+from headsurgeon.loading.metadata import check_metadata
+from headsurgeon.loading.sources import DEFAULT_MODEL, resolve_model
+from headsurgeon.placement import adopt, check_placement, dispatch, from_pretrained_args
+from headsurgeon.validation import check_bool
+
+__all__ = [
+    "from_hf_model",
+    "load_model",
+    "random_hf_bloom",
+    "random_model",
+]
+
+
+def load_model(
+    model: str | os.PathLike = DEFAULT_MODEL,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device | None = None,
+    device_map: str | dict[str, int | str] | None = None,
+    max_memory: dict[int | str, int | str] | None = None,
+    offload_folder: str | os.PathLike | None = None,
+    allow_nonfinite: bool = False,
+) -> Model:
+    """Load a model with unprocessed weights and exact ALiBi.
+
+    A ``HookedTransformer`` on TransformerLens 3.x, a ``TransformerBridge`` on 4.x.
+
+    ``model`` is a bundled organism (``organism``, ``organism-injured``), a TransformerLens
+    name or alias (``bloom-560m``, ``bigscience/bloom-560m``; from the Hugging Face cache, else
+    downloaded; ``HF_HUB_OFFLINE=1`` respected), or a local Hugging Face checkpoint folder (never
+    touches the network). Files are read as safetensors (``torch.load(weights_only=True)`` for
+    legacy ``.bin``); remote code is never trusted.
+
+    The folder is checked first (:func:`check_checkpoint`: regular files, config against the
+    weights' shapes and dtypes, ``headsurgeon.json``). Weights that hold NaN or infinity are
+    refused in one :class:`CheckpointError` line naming a few of the tensors (a census would
+    report their heads as dead); ``allow_nonfinite=True`` loads them with a warning instead,
+    to inspect a broken model.
+
+    ``device`` (default cpu) puts the whole model on one device; ``device_map``, ``max_memory``
+    and ``offload_folder`` spread it over GPUs, CPU memory and disk with Hugging Face Accelerate,
+    as :mod:`headsurgeon.placement` describes (a model larger than the memory given to it, on
+    TransformerLens 4.x).
+    """
+    torch_dtype = parse_dtype(dtype)
+    placement = check_placement(device_map, max_memory, offload_folder, device)
+    torch_device = parse_device(device if device is not None else "cpu")
+    allow_nonfinite = check_bool(allow_nonfinite, "allow_nonfinite")
+    name, directory = resolve_model(model)
+    metadata = _checked_folder(directory)
+    # 4.x reads the checkpoint straight into the map; 3.x dispatches the model it built.
+    if placement and MAJOR >= 4:
+        streamed, folder = from_pretrained_args(placement, directory)
+    else:
+        streamed, folder = {}, None
+    try:
+        loaded = _load_folder(directory, name, metadata, torch_dtype, allow_nonfinite, streamed)
+    except BaseException:
+        if folder is not None:  # ours, made above; the model it was for never came
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if folder is not None:
+        return adopt(loaded, folder)
+    if placement is not None:
+        return dispatch(loaded, placement)
+    return backend.move(loaded, torch_device)
+
+
+def _load_folder(
+    directory: Path,
+    name: str,
+    metadata: dict[str, Any],
+    torch_dtype: torch.dtype,
+    allow_nonfinite: bool,
+    streamed: dict[str, Any],
+) -> Model:
+    """The checked folder's model (``streamed``: from_pretrained's placement arguments)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # Reading local weights takes well under a second; its progress bar is only noise.
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        hf_model, loading = AutoModelForCausalLM.from_pretrained(
+            directory,
+            dtype=torch_dtype,
+            local_files_only=True,
+            trust_remote_code=False,
+            output_loading_info=True,
+            **streamed,
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"transformers could not load {directory} ({first_line(e)}); "
+            "re-download or re-export the checkpoint"
+        ) from e
+    except (EOFError, pickle.UnpicklingError) as e:  # legacy .bin: torch's unpickler
+        raise CheckpointError(_corrupt_bin(directory)) from e
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+    # transformers fills missing or misshapen tensors with random values and ignores unused ones,
+    # and only logs it. check_checkpoint has compared a BLOOM's tensors already; this covers the
+    # other architectures.
+    bad = sorted(loading["missing_keys"]) + sorted(str(k) for k in loading["mismatched_keys"])
+    if bad:
+        raise CheckpointError(
+            f"{directory} lacks or misshapes {_some(bad)}; re-download or re-export the checkpoint"
+        )
+    if unused := sorted(loading["unexpected_keys"]):
+        raise CheckpointError(
+            f"{directory} holds {_some(unused)} that its config.json leaves unused; "
+            "correct config.json or re-export the checkpoint"
+        )
+    _check_finite(hf_model, directory, allow_nonfinite)
+    tokenizer = None
+    if any((directory / f).exists() for f in TOKENIZER_FILES):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except Exception as e:  # JSON, tokenizers (Rust) and sentencepiece errors alike
+            raise CheckpointError(
+                f"the tokenizer files in {directory} are unreadable ({first_line(e)}); "
+                "re-export the tokenizer, or remove its files to load the weights alone"
+            ) from e
+    return from_hf_model(
+        hf_model,
+        tokenizer,
+        name=name,
+        source=directory,
+        prepend_bos=metadata.get("prepend_bos"),
+        # analyses/train_organism.py records it under training.config.seq_len
+        train_ctx=metadata.get("training", {}).get(
+            "seq_len", metadata.get("training", {}).get("config", {}).get("seq_len")
+        ),
+        metadata=metadata,
+    )
+
+
+def _check_finite(hf_model: Any, directory: Path, allow: bool) -> None:
+    """Refuse (or, with ``allow``, warn about) weights holding NaN or infinity: one pass over the
+    weights, module by module (offloaded ones loaded one module at a time), in slices so that no
+    temporary is larger than 16 M elements."""
+    bad = []
+    weights = {name for name, _ in hf_model.named_parameters()}  # a tied weight once
+    weights |= {name for name, _ in hf_model.named_buffers()}
+    for prefix, module in hf_model.named_modules():
+        with backend.resident(module, recurse=False):
+            own = [*module.named_parameters(prefix, recurse=False)]
+            own += module.named_buffers(prefix, recurse=False)
+            for name, tensor in own:
+                if name not in weights or not tensor.is_floating_point():
+                    continue
+                flat = tensor.detach().reshape(-1)
+                if not all(bool(torch.isfinite(part).all()) for part in flat.split(1 << 24)):
+                    bad.append(name)
+    if not bad:
+        return
+    message = f"{directory} holds NaN or infinite values in {_some(bad)}"
+    if not allow:
+        raise CheckpointError(
+            f"{message}; re-export or re-train the checkpoint, or pass allow_nonfinite=True to "
+            "load_model to inspect it"
+        )
+    warnings.warn(f"{message}; the tools' numbers for it are NaN or meaningless", stacklevel=3)
+
+
+def from_hf_model(
+    hf_model: Any,
+    tokenizer: Any = None,
+    *,
+    name: str = "model",
+    source: Path | None = None,
+    prepend_bos: bool | None = None,
+    train_ctx: int | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Model:
+    """An in-memory ``transformers`` causal LM as the installed TransformerLens's model.
+
+    Weights unprocessed; on TransformerLens 4.x the bridge wraps ``hf_model`` itself.
+    ``metadata`` (a ``headsurgeon.json``'s contents) is checked by :func:`check_metadata`.
+    """
+    label = source / METADATA_FILE if source is not None else "metadata="
+    metadata = check_metadata(metadata, label) if metadata else {}
+    hf_config = hf_model.config.to_dict()
+    model = backend.convert_hf(hf_model, tokenizer, name=name, prepend_bos=prepend_bos)
+    model.headsurgeon_info = ModelInfo(
+        name=name,
+        source=source,
+        prepend_bos=bool(model.cfg.default_prepend_bos),
+        train_ctx=train_ctx,
+        hf_config=hf_config,
+        metadata=metadata or {},
+        tokenizer=tokenizer,
+    )
+    if model.cfg.positional_embedding_type == "alibi":
+        kind, params = trained_bias(metadata or {})
+        install_exact_alibi(model, kind, **params)
+        _warn_ignored_bias_max(hf_config)
+    model.eval()
+    return model
+
+
+def _warn_ignored_bias_max(hf_config: dict[str, Any]) -> None:
+    """Warn when an MPT config asks for slopes transformers does not apply."""
+    bias_max = (hf_config.get("attn_config") or {}).get("alibi_bias_max", 8)
+    if hf_config.get("model_type") == "mpt" and bias_max != 8:
+        warnings.warn(
+            f"the MPT config sets attn_config.alibi_bias_max={bias_max}, but transformers' "
+            "MptModel applies the ALiBi slopes of alibi_bias_max=8 (it never passes the config's "
+            "value); headsurgeon measures what transformers computes, with those slopes",
+            stacklevel=3,
+        )
+
+
+def random_hf_bloom(shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32") -> Any:
+    """A ``transformers`` BLOOM with random weights (its own initialisation) of a given shape."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    if isinstance(shape, str):
+        shape = model_shape(shape)
+    config = BloomConfig(
+        vocab_size=shape.d_vocab,
+        hidden_size=shape.d_model,
+        n_layer=shape.n_layers,
+        n_head=shape.n_heads,
+        seq_length=shape.n_ctx,
+        architectures=["BloomForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    return BloomForCausalLM(config).to(parse_dtype(dtype)).eval()
+
+
+def random_model(shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32") -> Model:
+    """A BLOOM TransformerLens model with random weights of a given or named shape."""
+    hf_model = random_hf_bloom(shape, seed=seed, dtype=dtype)
+    cfg = hf_model.config
+    return from_hf_model(hf_model, name=f"random-{cfg.n_layer}x{cfg.n_head}x{cfg.hidden_size}")

@@ -1,0 +1,197 @@
+"""The files and summary of a blindness analysis: what the blindness CLI prints and writes.
+
+Exports:
+    blindness_summary(analytic, measured)      the text summary: the steepest heads' blind
+                                               distances, the measured shares of exact zeros
+    write_blindness(out_dir, analytic, ...)    its tables, summary, figures and index.html
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from torch import Tensor
+
+from headsurgeon import alibi, plots
+from headsurgeon.backend import Model
+from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.probes import sample_patterns
+from headsurgeon.reports.page import PAGE_CELLS, _samples_note, _write_page
+
+if TYPE_CHECKING:
+    from headsurgeon.blindness import BlindnessMeasurement
+
+__all__ = [
+    "blindness_summary",
+    "write_blindness",
+]
+
+
+def blindness_summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurement | None) -> str:
+    """The blindness CLI's summary: blind distances of the steepest heads, measured shares."""
+    lines = []
+    if analytic is not None:
+        context_length = analytic.attrs["context_length"]
+        lines.append(
+            f"{analytic.attrs['model']}: blind distance (tokens) of the steepest heads, "
+            f"{analytic.attrs['bias']} ALiBi; share of a {context_length}-token context blind"
+        )
+        layer0 = analytic[analytic["layer"] == 0]
+        for (dtype, limit), rows in layer0.groupby(["dtype", "limit"], sort=False):
+            steep = rows.sort_values("slope", ascending=False).head(4)
+            heads = ", ".join(
+                f"h{h}={d:.4g}" for h, d in zip(steep["head"], steep["blind_distance"], strict=True)
+            )
+            share = alibi.blind_share(
+                torch.tensor(rows["blind_distance"].to_numpy()), context_length
+            )
+            lines.append(f"  {dtype:9s} {limit:9s} {heads}  | share {share:.1%}")
+    if measured is not None:
+        lines.append(
+            f"measured ({measured.convention} convention, {measured.n_seqs} × {measured.seq_len} "
+            "tokens): share of attention entries that underflow to exactly 0"
+        )
+        for dtype, rows in measured.by_length.groupby("dtype", sort=False):
+            shares = ", ".join(
+                f"{n}: {s:.2%}" for n, s in zip(rows["context_length"], rows["share"], strict=True)
+            )
+            lines.append(f"  {dtype:9s} {shares}")
+    return "\n".join(lines)
+
+
+def write_blindness(
+    out_dir: str | os.PathLike,
+    analytic: pd.DataFrame | None,
+    measured: BlindnessMeasurement | None,
+    *,
+    formats: Sequence[str] | None = None,
+    overwrite: bool = False,
+    model: Model | None = None,
+    tokens: Tensor | None = None,
+) -> Path:
+    """Write a blindness analysis to a new folder, atomically; return the folder.
+
+    Files: ``blindness.csv`` (``analytic``), ``measured_by_head.csv``, ``measured_by_distance.csv``
+    and ``measured_by_length.csv`` (``measured``), ``summary.txt`` (:func:`blindness_summary`)
+    and the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
+    results allow), each HTML self-contained. A folder holding files is refused unless
+    ``overwrite``, and even then unless headsurgeon wrote it.
+
+    ``index.html`` puts it on one offline page: the summary, a grid of blind distances where
+    clicking a head shows its distances per dtype, its measured share of exact zeros by distance
+    against them and, given the ``model``, its attention on the first measured sequence of
+    ``tokens`` (max-pooled to 64 cells a side), with the blind distance drawn in.
+    """
+    summary = blindness_summary(analytic, measured)
+    figures = {}
+    if analytic is not None:
+        figures["blind_distance"] = plots.blind_distance_grid(analytic)
+    if measured is not None:
+        figures["zero_fraction"] = plots.zero_fraction_plot(measured.by_distance)
+        if analytic is not None:
+            figures["analytic_vs_measured"] = plots.analytic_vs_measured(measured.by_head)
+    with atomic_directory(out_dir, overwrite=overwrite, writer="write_blindness") as tmp:
+        if analytic is not None:
+            atomic_write_text(tmp / "blindness.csv", analytic.to_csv(index=False))
+        if measured is not None:
+            for table in ("by_head", "by_distance", "by_length"):
+                frame = getattr(measured, table)
+                atomic_write_text(tmp / f"measured_{table}.csv", frame.to_csv(index=False))
+        atomic_write_text(tmp / "summary.txt", summary + "\n")
+        skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
+        if analytic is not None or measured is not None:
+            _write_blindness_page(tmp, summary, analytic, measured, figures, model, tokens)
+    plots.warn_skipped(skipped, out_dir)
+    return Path(out_dir)
+
+
+def _blindness_table(
+    analytic: pd.DataFrame | None, measured: BlindnessMeasurement | None
+) -> pd.DataFrame:
+    """One row per head: blind distance per dtype and limit, measured first zero and share of
+    zeros per dtype."""
+    keys = ["layer", "head"]
+    parts = []
+    if analytic is not None:
+        wide = analytic.pivot_table(index=keys, columns=["dtype", "limit"],
+                                    values="blind_distance", sort=False)  # fmt: skip
+        wide.columns = [f"blind distance {d} {limit}" for d, limit in wide.columns]
+        parts.append(wide)
+        parts.append(analytic.groupby(keys)[["slope"]].first())
+    if measured is not None:
+        by_head = measured.by_head
+        for column, name in (("first_zero_distance", "first zero"), ("zero_fraction", "zeros")):
+            wide = by_head.pivot_table(index=keys, columns="dtype", values=column, sort=False,
+                                       dropna=False)  # fmt: skip
+            wide.columns = [f"measured {name} {d}" for d in wide.columns]
+            parts.append(wide)
+        if analytic is None:
+            parts.append(by_head.groupby(keys)[["slope"]].first())
+    table = pd.concat(parts, axis=1).reset_index()
+    return table.loc[:, ~table.columns.duplicated()]
+
+
+def _zero_curves(measured: BlindnessMeasurement, table: pd.DataFrame) -> dict[str, Any]:
+    """Per head name, the measured share of exact zeros by distance (one line per dtype) and
+    the analytic blind distances (zero limit) as vertical lines, for the page."""
+    colours = dict(zip(plots.DTYPE_MARKERS, (c for _, c in plots.DTYPE_MARKERS.values()),
+                       strict=True))  # fmt: skip
+    curves: dict[str, Any] = {}
+    rows = measured.by_distance
+    for (layer, head), sub in rows.groupby(["layer", "head"], sort=True):
+        traces, shapes = [], []
+        for dtype, part in sub.groupby("dtype", sort=False):
+            middle = (part["distance_lo"] + part["distance_hi"] - 1) / 2
+            colour = colours.get(dtype, "#000000")
+            share = part["zero_fraction"].round(4).tolist()
+            traces.append({"x": middle.round(1).tolist(), "y": share, "mode": "lines",
+                           "name": dtype, "line": {"color": colour}})  # fmt: skip
+            column = f"blind distance {dtype} zero"
+            row = table[(table["layer"] == layer) & (table["head"] == head)]
+            if column in row and math.isfinite(float(row[column].iloc[0])):
+                x = float(row[column].iloc[0])
+                shapes.append({"type": "line", "x0": x, "x1": x, "y0": 0, "y1": 1,
+                               "line": {"color": colour, "dash": "dot"}})  # fmt: skip
+        curves[f"L{layer}H{head}"] = {"traces": traces, "shapes": shapes}
+    return curves
+
+
+def _write_blindness_page(
+    folder: Path,
+    summary: str,
+    analytic: pd.DataFrame | None,
+    measured: BlindnessMeasurement | None,
+    figures: dict[str, go.Figure],
+    model: Model | None,
+    tokens: Tensor | None,
+) -> None:
+    """The blindness run's ``index.html`` (see :func:`write_blindness`)."""
+    table = _blindness_table(analytic, measured)
+    metric = next(c for c in table.columns if c.startswith(("blind distance", "measured first")))
+    grid_table = table.assign(log10_distance=np.log10(table[metric].astype(float)))
+    grid = plots.head_grid(grid_table, "log10_distance", title=f"log₁₀ {metric} (tokens)")
+    samples = []
+    if model is not None and tokens is not None:
+        samples = [sample_patterns(model, tokens, n_seqs=1, n_pos=None, max_cells=PAGE_CELLS)]
+    source = (analytic if analytic is not None else measured.by_head).attrs
+    _write_page(
+        folder,
+        title=f"Blindness of {source.get('model', 'the model')}",
+        summary=summary,
+        grid=grid,
+        shape=(int(table["layer"].max()) + 1, int(table["head"].max()) + 1),
+        stages={"blindness": table},
+        samples=samples,
+        model=model,
+        figures=figures,
+        curves=_zero_curves(measured, table) if measured is not None else None,
+        note=_samples_note(samples, "the measured text"),
+    )

@@ -1,0 +1,330 @@
+"""The files and summary of a classification: what the classify CLI prints and writes.
+
+Exports:
+    format_summary(classified)                the text summary (an importance section when the
+                                              table has head_importance's columns)
+    write_classification(df, out_dir, ...)    heads.csv, heads.json, sweep, summary, figures and
+                                              index.html
+    write_cross_scale({model: df}, out_dir)   several models: each one's classification in a
+                                              subfolder, the cross-scale table and figures
+    IMPORTANCE_NAMES                          head_importance's columns as classified tables
+                                              name them (``method`` -> ``importance_method``)
+    FIGURES, IMPORTANCE_FIGURES               the figures of a classification by file name (the
+                                              second set for tables with importance columns)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from torch import Tensor
+
+from headsurgeon import plots
+from headsurgeon.backend import Model
+from headsurgeon.census import COLUMNS
+from headsurgeon.classify import (
+    LABELS,
+    NEAR,
+    label_heads,
+    require_columns,
+    sick_shares,
+    threshold_sweep,
+    thresholds_of,
+)
+from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.importance import COLUMNS as IMPORTANCE_COLUMNS, DORMANT_SE, is_dormant
+from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.reports.folders import model_folder_name
+from headsurgeon.reports.page import _census_samples, _samples_note, _write_page
+from headsurgeon.reports.records import _json_safe, _versions
+
+__all__ = [
+    "FIGURES",
+    "IMPORTANCE_FIGURES",
+    "IMPORTANCE_NAMES",
+    "format_summary",
+    "write_classification",
+    "write_cross_scale",
+]
+
+
+def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
+    """The compact text summary: counts per label, sensitivity, a per-layer table, top sinks.
+
+    A table with :func:`headsurgeon.head_importance` columns (``delta_loss``, ``delta_loss_se``,
+    merged on ``layer`` and ``head``) adds an importance section: per label, how many heads are
+    dormant (``|delta_loss| <= 2 SE``: removing them changes nothing measurable) and how many
+    work, the working sick heads, and the ``top`` heads by ``delta_loss``.
+    """
+    require_columns(
+        classified,
+        ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share", "label"],
+    )
+    t = thresholds_of(classified)
+    attrs = classified.attrs
+    counts = classified["label"].value_counts()
+    lines = []
+    if attrs:
+        position0 = "BOS token" if attrs.get("prepend_bos") else "first text token"
+        lines.append(
+            f"{attrs.get('model', 'model')}: {attrs.get('n_layers')} layers x "
+            f"{attrs.get('n_heads')} heads, {attrs.get('n_seqs')} sequences x "
+            f"{attrs.get('seq_len')} tokens, position 0 = {position0}, query rows t >= "
+            f"{attrs.get('min_query_pos')}"
+        )
+    total = len(classified)
+    lines.append(
+        "labels: "
+        + ", ".join(f"{label} {counts.get(label, 0)}" for label in LABELS)
+        + f"  (sick {total - counts.get('healthy', 0)}/{total} = "
+        f"{(total - counts.get('healthy', 0)) / max(total, 1):.1%})"
+    )
+    lines.append(
+        f"rule: dead if BOS mass > {t.dead:g} or output share < {t.min_output_share:g}; "
+        f"BOS-sink if BOS mass > {t.sink:g}"
+    )
+    bos, share = classified["bos_mass"].to_numpy(), classified["output_share"].to_numpy()
+    low, high = max(t.sink - NEAR, 0.0), min(t.sink + NEAR, t.dead - 1e-9)
+    most, fewest = (
+        int(np.sum(label_heads(bos, share, dataclasses.replace(t, sink=s)) != "healthy"))
+        for s in (low, high)
+    )
+    near = int(np.sum(np.abs(bos - t.sink) <= NEAR))
+    lines.append(
+        f"sensitivity: {near} head(s) have BOS mass within {NEAR} of the sink threshold; "
+        f"sick count {fewest}-{most} for sink thresholds {low:.2f}-{high:.2f}"
+    )
+    per_layer = pd.crosstab(classified["layer"], classified["label"])
+    per_layer = per_layer.reindex(columns=list(LABELS), fill_value=0).join(
+        classified.groupby("layer").agg(
+            bos_mean=("bos_mass", "mean"), bos_max=("bos_mass", "max"), entropy=("entropy", "mean")
+        )
+    )
+    per_layer.columns.name = None
+    lines += ["", "per layer:", per_layer.to_string(float_format="{:.3f}".format)]
+    strongest = classified.nlargest(top, "bos_mass")
+    shown = ["layer", "head", "slope", "bos_mass", "bos_mass_std", "entropy", "output_share"]
+    shown = [c for c in shown if c in classified.columns] + ["label"]
+    lines += [
+        "",
+        f"strongest sinks (top {len(strongest)} by BOS mass):",
+        strongest[shown].to_string(index=False, float_format="{:.4f}".format),
+    ]
+    if _has_importance(classified):
+        lines += ["", *_importance_lines(classified, top)]
+    return "\n".join(lines)
+
+
+def _has_importance(df: pd.DataFrame) -> bool:
+    """Whether a classified table carries :func:`headsurgeon.head_importance` columns."""
+    return {"delta_loss", "delta_loss_se"} <= set(df.columns)
+
+
+def _importance_setting(df: pd.DataFrame, name: str) -> Any:
+    """``importance_<name>`` from the attrs, else from the column of that name, else None."""
+    key = f"importance_{name}"
+    if key in df.attrs:
+        return df.attrs[key]
+    return df[key].iloc[0] if key in df.columns and len(df) else None
+
+
+def _importance_how(df: pd.DataFrame) -> str:
+    """How delta_loss was found, for the summary: ``mean ablation``, ``attribution estimate of
+    mean ablation``, or ``""`` when the table does not record it."""
+    method, ablation = _importance_setting(df, "method"), _importance_setting(df, "ablation")
+    if method == "attribution":
+        return f"attribution estimate of {ablation} ablation"
+    return "" if method is None else f"{method} ablation"
+
+
+def _importance_lines(classified: pd.DataFrame, top: int) -> list[str]:
+    """The summary's importance section: dormant and working heads per label, the working sick
+    heads and the most important heads."""
+    how = _importance_how(classified)
+    clean = ""
+    if "clean_loss" in classified.columns and len(classified):
+        clean = f"; clean loss {float(classified['clean_loss'].iloc[0]):.4f} nats"
+    dormant = is_dormant(classified["delta_loss"], classified["delta_loss_se"])
+    labels = classified["label"]
+    split = ", ".join(
+        f"{label} {int((rows & dormant).sum())}/{int((rows & ~dormant).sum())}"
+        for label, rows in ((label, labels == label) for label in LABELS)
+    )
+    working = classified[(labels != "healthy") & ~dormant]
+    working = working.loc[working["delta_loss"].abs().sort_values(ascending=False).index]
+    names = [
+        f"L{r.layer}H{r.head} ({r.label}) {r.delta_loss:+.4g} ± {r.delta_loss_se:.2g}"
+        for r in working.head(top).itertuples()
+    ]
+    more = f", ... ({len(working) - top} more)" if len(working) > top else ""
+    important = classified.nlargest(top, "delta_loss")
+    shown = ["layer", "head", "bos_mass", "output_share", "delta_loss", "delta_loss_se", "label"]
+    return [
+        f"importance{f' ({how})' if how else ''}: delta_loss = rise of the loss (nats) when a "
+        f"head's output is replaced{clean}",
+        f"dormant (|delta_loss| <= {DORMANT_SE:g} SE) / working: {split}",
+        f"working sick heads: {', '.join(names) or 'none'}{more}",
+        "",
+        f"most important heads (top {len(important)} by delta_loss):",
+        important[shown].to_string(
+            index=False,
+            float_format="{:.4f}".format,
+            formatters={"delta_loss": "{:.4g}".format, "delta_loss_se": "{:.2g}".format},
+        ),
+    ]
+
+
+FIGURES = {
+    "bos_mass": lambda df: plots.head_grid(df, "bos_mass"),
+    "labels": plots.label_grid,
+    "entropy": lambda df: plots.head_grid(df, "entropy"),
+    "output_share": lambda df: plots.head_grid(df, "output_share"),
+}
+# head_importance's columns as a classified table names them (method alone would be ambiguous).
+IMPORTANCE_NAMES = {
+    "delta_loss": "delta_loss",
+    "delta_loss_se": "delta_loss_se",
+    "clean_loss": "clean_loss",
+    "method": "importance_method",
+    "ablation": "importance_ablation",
+}
+# Added when the table carries importance columns (_has_importance).
+IMPORTANCE_FIGURES = {
+    "importance": plots.importance_grid,
+    "bos_vs_importance": plots.bos_vs_importance,
+}
+
+
+def write_classification(
+    classified: pd.DataFrame,
+    out_dir: str | os.PathLike,
+    *,
+    sweep: pd.DataFrame | None = None,
+    metadata: dict[str, Any] | None = None,
+    formats: Sequence[str] | None = None,
+    overwrite: bool = False,
+    model: Model | None = None,
+    tokens: Tensor | None = None,
+) -> Path:
+    """Write a classification to a new folder, atomically; return the folder.
+
+    Files: ``heads.csv`` (one row per head), ``heads.json`` (``metadata``: the census and
+    classification ``attrs``, ``metadata``, versions and time; ``columns``: what each column
+    means; ``heads``: the rows), ``summary.txt``, ``threshold_sweep.csv`` and the figures
+    ``bos_mass``, ``labels``, ``entropy``, ``output_share`` and ``threshold_sweep`` in each of
+    ``formats`` (html, png, svg, pdf; none for ``formats=()``). A table carrying importance
+    columns (``delta_loss``, ``delta_loss_se``, ``clean_loss``, ``importance_method``,
+    ``importance_ablation``: :func:`headsurgeon.head_importance` merged on ``layer`` and ``head``)
+    keeps them in both tables, describes them in ``columns`` and adds the figures
+    ``importance`` (:func:`headsurgeon.plots.importance_grid`) and ``bos_vs_importance``
+    (:func:`headsurgeon.plots.bos_vs_importance`). The HTML figures share one
+    ``plotly.min.js`` in the folder and work offline. ``formats=None`` writes html, and png when
+    a Chromium browser is found (else one warning names the skipped PNGs); static formats given
+    explicitly need a browser (:func:`headsurgeon.plots.split_formats`), checked before anything
+    is written. A folder holding files is refused unless ``overwrite``, and even then unless
+    headsurgeon wrote it (:func:`headsurgeon.outputs.check_output_dir`).
+
+    ``index.html`` puts it on one offline page: the summary, the BOS-mass grid where clicking a
+    head shows its metrics (importance included) and, given the ``model``, its attention on the
+    first positions of the first sequences of ``tokens`` (the census's; default: the bundled
+    held-out text), and the other figures.
+    """
+    needed = ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share"]
+    require_columns(classified, [*needed, "label", "reason"])
+    plots.split_formats(formats)  # an unknown format, or no browser for one asked for: fail now
+    sweep = threshold_sweep(classified, thresholds_of(classified)) if sweep is None else sweep
+    info = dict(classified.attrs) | (metadata or {})
+    info |= {"versions": _versions(), "created": datetime.datetime.now().astimezone().isoformat()}
+    records = [
+        {k: _json_safe(v) for k, v in row.items()} for row in classified.to_dict(orient="records")
+    ]
+    columns = COLUMNS | {
+        "label": f"one of {', '.join(LABELS)} (see reason)",
+        "reason": "why the head got its label",
+    }
+    makers = dict(FIGURES)
+    if _has_importance(classified):
+        columns |= _importance_columns(classified)
+        makers |= IMPORTANCE_FIGURES
+    document = {"metadata": info, "columns": columns, "heads": records}
+    summary = format_summary(classified)
+    figures = {name: make(classified) for name, make in makers.items()}
+    figures["threshold_sweep"] = plots.sweep_plot(sweep)
+    samples = _census_samples(model, tokens)
+    with atomic_directory(out_dir, overwrite=overwrite, writer="write_classification") as tmp:
+        atomic_write_text(tmp / "heads.csv", classified.to_csv(index=False))
+        atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")
+        atomic_write_text(tmp / "threshold_sweep.csv", sweep.to_csv(index=False))
+        atomic_write_text(tmp / "summary.txt", summary + "\n")
+        skipped = plots.save_figures(figures, tmp, formats)
+        _write_page(
+            tmp,
+            title=f"Heads of {info.get('model', 'the model')}",
+            summary=summary,
+            grid=figures["bos_mass"],
+            shape=(int(classified["layer"].max()) + 1, int(classified["head"].max()) + 1),
+            stages={"census": classified},
+            samples=samples,
+            model=model,
+            figures={name: fig for name, fig in figures.items() if name not in FIGURES},
+            note=_samples_note(samples, info.get("data")),
+        )
+    plots.warn_skipped(skipped, out_dir)
+    return Path(out_dir)
+
+
+def write_cross_scale(
+    classified: Mapping[str, pd.DataFrame],
+    out_dir: str | os.PathLike,
+    *,
+    formats: Sequence[str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write several models' classifications and their comparison to a new folder, atomically.
+
+    ``<model>/`` per model (:func:`write_classification`'s files), ``cross_scale.csv``
+    (:func:`headsurgeon.classify.sick_shares`: label counts and sick share per model and layer
+    band), ``summary.txt`` (that table as text) and the figures ``sick_share``
+    (:func:`headsurgeon.plots.sick_share_plot`) and ``bos_mass`` (the models' BOS-mass grids
+    side by side, :func:`headsurgeon.plots.models_grid`).
+    """
+    folders = {model_folder_name(name): name for name in classified}
+    if len(folders) < len(classified):
+        raise InvalidArgumentError(
+            f"two models share a folder name among {', '.join(map(str, classified))}; "
+            "give them distinct names"
+        )
+    plots.split_formats(formats)  # checked before anything is written
+    shares = sick_shares(classified)
+    figures = {
+        "sick_share": plots.sick_share_plot(shares),
+        "bos_mass": plots.models_grid(dict(classified), "bos_mass"),
+    }
+    table = shares[shares["band"] == "all"].drop(columns=["band", "layers"])
+    with atomic_directory(out_dir, overwrite=overwrite, writer="write_cross_scale") as tmp:
+        for folder, name in folders.items():
+            write_classification(classified[name], tmp / folder, formats=formats)
+        atomic_write_text(tmp / "cross_scale.csv", shares.to_csv(index=False))
+        text = "Sick heads (BOS-sink + dead) per model:\n" + table.to_string(index=False)
+        text += "\n\nBy layer band:\n" + shares.to_string(index=False)
+        atomic_write_text(tmp / "summary.txt", text + "\n")
+        skipped = plots.save_figures(figures, tmp, formats)
+    plots.warn_skipped(skipped, out_dir)
+    return Path(out_dir)
+
+
+def _importance_columns(classified: pd.DataFrame) -> dict[str, str]:
+    """What each importance column of ``classified`` means."""
+    return {
+        ours: IMPORTANCE_COLUMNS[theirs]
+        for theirs, ours in IMPORTANCE_NAMES.items()
+        if ours in classified.columns
+    }

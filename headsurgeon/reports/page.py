@@ -1,0 +1,197 @@
+"""``index.html``: the one offline page every writer adds to its folder.
+
+Exports:
+    PAGE                          the page's file name
+    PAGE_SEQS, PAGE_POSITIONS     each head's attention: the first positions of a few sequences
+    PAGE_CELLS                    a long sequence max-pooled to this many cells a side
+    PAGE_SKIP                     the table columns not shown among a head's metrics
+    PAGE_TEMPLATE                 the page's markup, style and script
+
+The page holds the run's summary, a grid of heads (click one), each head's metrics in each stage,
+its attention on the run's own sequences (float16 lower triangles, base64) and curves, and the
+figures; plotly.js is inlined once, and the markup, style and script come from
+``headsurgeon/templates/index.html``. :func:`headsurgeon.reports.open_page` opens it in headless
+Chromium.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from torch import Tensor
+
+from headsurgeon import alibi
+from headsurgeon.backend import Model
+from headsurgeon.data import describe, to_sequences, token_strings
+from headsurgeon.exact_alibi import alibi_slopes
+from headsurgeon.outputs import atomic_write_text
+from headsurgeon.probes import PatternSample, sample_patterns
+from headsurgeon.reports.records import _json_safe
+
+__all__ = [
+    "PAGE",
+    "PAGE_CELLS",
+    "PAGE_POSITIONS",
+    "PAGE_SEQS",
+    "PAGE_SKIP",
+    "PAGE_TEMPLATE",
+]
+
+
+PAGE = "index.html"
+# Each head's attention on the page: the first positions of a few of the run's own sequences,
+# stored as float16 (3 significant digits) lower triangles: 384 heads x 2 x 48 positions ~2.4 MB.
+PAGE_SEQS = 2
+PAGE_POSITIONS = 48
+# A long sequence (blindness) is max-pooled to this many cells a side on the page.
+PAGE_CELLS = 64
+PAGE_SKIP = ("layer", "head")
+# The page: markup, style and the small script that draws the grid, a head and its patterns.
+PAGE_TEMPLATE = Path(__file__).parents[1] / "templates" / "index.html"
+
+
+def _packed(weights: np.ndarray) -> str:
+    """The lower triangle (diagonal included) of a ``[n, n]`` matrix, row by row, as base64 of
+    little-endian float16: what the page's ``unpack`` reads."""
+    rows, cols = np.tril_indices(weights.shape[-1])
+    return base64.b64encode(weights[rows, cols].astype("<f2").tobytes()).decode("ascii")
+
+
+def _page_patterns(
+    model: Model | None, samples: Sequence[PatternSample]
+) -> tuple[list[dict[str, Any]], list[list[list[str]]]]:
+    """The page's sequences (tokens as text, cell size) and, per stage and sequence, every head's
+    packed weights (layer-major)."""
+    if not samples:
+        return [], []
+    first = samples[0]
+    sequences = [
+        {
+            "label": f"sequence {i + 1}: positions 0-{w.n_pos - 1}",
+            "tokens": token_strings(model, tokens) if model is not None else [],
+            "step": w.step,
+            "n_pos": w.n_pos,
+        }
+        for i, (tokens, w) in enumerate(zip(first.tokens, first.weights, strict=True))
+    ]
+    packed = [[[_packed(m) for m in w.weights] for w in sample.weights] for sample in samples]
+    return sequences, packed
+
+
+def _metrics(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Per head (layer-major), its row of ``df`` as ``{column: value}`` (numbers rounded)."""
+    rows = df.sort_values(["layer", "head"]).to_dict(orient="records")
+    return [
+        {
+            k: (float(f"{v:.5g}") if isinstance(v, float) and math.isfinite(v) else _json_safe(v))
+            for k, v in row.items()
+            if k not in PAGE_SKIP
+        }
+        for row in rows
+    ]
+
+
+def _blind(model: Model | None, n_layers: int, n_heads: int) -> list[float | None]:
+    """Each head's distance from which its weights are exactly 0 (float32; None: never or no
+    ALiBi), for the dashed line of the page's patterns."""
+    if model is None or model.cfg.positional_embedding_type != "alibi":
+        return [None] * (n_layers * n_heads)
+    slopes = alibi_slopes(model).tolist()
+    distances = [alibi.blind_distance(m, model.cfg.dtype, "zero") for m in slopes]
+    return [_json_safe(float(distances[h])) for _ in range(n_layers) for h in range(n_heads)]
+
+
+def _figure_data(fig: go.Figure) -> dict[str, Any]:
+    return json.loads(fig.to_json())
+
+
+def _write_page(
+    folder: Path,
+    *,
+    title: str,
+    summary: str,
+    grid: go.Figure,
+    shape: tuple[int, int],
+    stages: dict[str, pd.DataFrame],
+    samples: Sequence[PatternSample] = (),
+    model: Model | None = None,
+    figures: dict[str, go.Figure] | None = None,
+    curves: dict[str, Any] | None = None,
+    note: str = "",
+) -> None:
+    """Write ``folder/index.html``: one offline page (plotly.js inlined once) with the run's
+    summary, ``grid`` (click a head), and per head its metrics in each of ``stages`` (name ->
+    one row per head), its attention in each stage of ``samples`` (same order) and its
+    ``curves``; ``figures`` below, and links to the folder's other files."""
+    n_layers, n_heads = shape
+    sequences, packed = _page_patterns(model, samples)
+    names = [f"L{layer}H{head}" for layer in range(n_layers) for head in range(n_heads)]
+    metrics = {stage: _metrics(df) for stage, df in stages.items()}
+    data = {
+        "title": title,
+        "summary": summary,
+        "note": note,
+        "grid": _figure_data(grid),
+        "n_heads": n_heads,
+        "names": names,
+        "stages": list(stages),
+        "metrics": metrics,
+        "blind": _blind(model, n_layers, n_heads),
+        "sequences": sequences,
+        "patterns": packed,
+        "curves": curves or {},
+        "figures": [
+            {"name": name, "figure": _figure_data(fig)} for name, fig in (figures or {}).items()
+        ],
+        "files": sorted(
+            p.name
+            for p in folder.iterdir()
+            if p.name != PAGE and p.is_file() and not p.name.startswith(".")
+        ),  # fmt: skip
+    }
+    from plotly.offline import get_plotlyjs
+
+    payload = json.dumps(_json_safe(data), separators=(",", ":")).replace("</", "<\\/")
+    page = (
+        PAGE_TEMPLATE.read_text(encoding="utf-8")
+        .replace("{{title}}", html.escape(title))
+        .replace("{{plotly}}", get_plotlyjs())
+        .replace("{{data}}", payload)
+    )
+    atomic_write_text(folder / PAGE, page)
+
+
+def _census_samples(model: Model | None, tokens: Tensor | None) -> list[PatternSample]:
+    """Every head's attention on the page's share of ``tokens`` (default: the bundled held-out
+    text, cut as the census cuts it); none without a model."""
+    if model is None:
+        return []
+    if tokens is None:
+        tokens = to_sequences(model, None, seq_len=PAGE_POSITIONS, n_seqs=PAGE_SEQS)
+    return [sample_patterns(model, tokens, n_seqs=PAGE_SEQS, n_pos=PAGE_POSITIONS)]
+
+
+def _samples_note(samples: Sequence[PatternSample], data: object, where: str = "") -> str:
+    """The page's line saying what its attention patterns show."""
+    if not samples:
+        return "No model was given to the writer: the page shows metrics, not attention patterns."
+    weights = samples[0].weights[0]
+    shown = (f"the first {weights.n_pos} positions of the first {len(samples[0].weights)}"
+             if weights.step == 1 else f"{weights.n_pos} positions (max-pooled: each cell the "
+             f"largest weight of {weights.step} x {weights.step}) of the first")  # fmt: skip
+    return (
+        f"Attention{f' in {where}' if where else ''}: {shown} of the run's sequences "
+        f"({data or describe(None)}), from hook_pattern as the census reads it; weights rounded "
+        "to float16 (3 significant digits: headsurgeon.plots.attention_pattern gives them "
+        "exactly). Red box: position 0; dashed line: the blind distance (weights exactly 0 "
+        "to its left)."
+    )

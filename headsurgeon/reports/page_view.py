@@ -1,0 +1,138 @@
+"""A report page opened in headless Chromium, as a reader would: for tests and screenshots.
+
+Exports:
+    open_page(page, click, screenshot=)   open ``index.html``, click a head in its grid, report
+                                          console errors and what the page then shows (PageView)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from headsurgeon import plots
+from headsurgeon.outputs import atomic_write_bytes
+from headsurgeon.surgery import HeadSet
+
+__all__ = [
+    "PageView",
+    "open_page",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PageView:
+    """What :func:`open_page` saw: the page's console errors and uncaught exceptions, the head
+    shown after the click (``None``: none), and that head's first attention pattern as drawn
+    (``[query][key]`` weights, ``None`` above the diagonal)."""
+
+    errors: list[str]
+    shown: str | None
+    pattern: list[list[float | None]] | None
+
+
+# Runs in the page: the grid cell of a head, in CSS pixels of the viewport.
+_CELL_JS = """(() => {
+  const g = document.getElementById("grid"), xa = g._fullLayout.xaxis, ya = g._fullLayout.yaxis;
+  const box = g.querySelector(".nsewdrag").getBoundingClientRect();
+  return [box.left + xa.l2p(%d), box.top + ya.l2p(%d)];
+})()"""
+_SHOWN_JS = """(() => {
+  const name = document.getElementById("head-name"), plot = document.querySelector("div.pattern");
+  return [name ? name.textContent : null, plot && plot.data ? plot.data[0].z : null];
+})()"""
+
+
+def open_page(
+    page: str | os.PathLike,
+    click: str | None = None,
+    *,
+    screenshot: str | os.PathLike | None = None,
+    size: tuple[int, int] = (1400, 1000),
+) -> PageView:
+    """Open a report page (``index.html``) in headless Chromium, click the head ``click``
+    (``"L1H7"``) in its grid with the mouse, and say what happened (:class:`PageView`);
+    ``screenshot`` saves the viewport (``size`` pixels) as PNG.
+
+    Needs the Chromium the static figures use (:func:`headsurgeon.plots.require_browser`: one
+    :class:`~headsurgeon.errors.FigureExportError` line without one). For tests and README
+    screenshots: a page that renders with no console error and shows the clicked head works.
+    """
+    browser = plots.require_browser("opening a report page")
+    url = Path(page).resolve().as_uri()
+    pair = None if click is None else next(iter(HeadSet.parse(click)))
+    return asyncio.run(_visit(browser, url, pair, screenshot, size))
+
+
+class _ConsoleErrors:
+    """Collects a page's uncaught exceptions, ``console.error`` calls and error log entries."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    async def thrown(self, event: dict) -> None:
+        details = event["params"]["exceptionDetails"]
+        self.errors.append(details.get("exception", {}).get("description") or details["text"])
+
+    async def console(self, event: dict) -> None:
+        if event["params"]["type"] in ("error", "assert"):
+            self.errors.append(" ".join(str(a.get("value", a)) for a in event["params"]["args"]))
+
+    async def logged(self, event: dict) -> None:
+        if event["params"]["entry"]["level"] == "error":
+            self.errors.append(event["params"]["entry"]["text"])
+
+    def listen(self, tab: Any) -> None:
+        tab.subscribe("Runtime.exceptionThrown", self.thrown)
+        tab.subscribe("Runtime.consoleAPICalled", self.console)
+        tab.subscribe("Log.entryAdded", self.logged)
+
+
+async def _command(tab: Any, method: str, **params: Any) -> dict:
+    """One DevTools command's result."""
+    return (await tab.send_command(method, params=params or None)).get("result", {})
+
+
+async def _evaluate(tab: Any, expression: str) -> Any:
+    found = await _command(tab, "Runtime.evaluate", expression=expression, returnByValue=True)
+    return found.get("result", {}).get("value")
+
+
+async def _click(tab: Any, pair: tuple[int, int]) -> None:
+    """Click a head's cell of the grid as plotly sees a click: the pointer moves onto it, then
+    presses; then give the head's plots time to draw."""
+    x, y = await _evaluate(tab, _CELL_JS % (pair[1], pair[0]))
+    for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+        await _command(tab, "Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left",
+                       clickCount=1)  # fmt: skip
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)
+
+
+async def _visit(
+    browser: str, url: str, pair: tuple[int, int] | None, screenshot: Any, size: tuple[int, int]
+) -> PageView:
+    import choreographer
+
+    errors = _ConsoleErrors()
+    async with choreographer.Browser(browser, headless=True) as chromium:
+        tab = chromium.get_tab()
+        errors.listen(tab)
+        for domain in ("Runtime", "Log", "Page"):
+            await _command(tab, f"{domain}.enable")
+        await _command(tab, "Emulation.setDeviceMetricsOverride", width=size[0], height=size[1],
+                       deviceScaleFactor=1, mobile=False)  # fmt: skip
+        loaded = tab.subscribe_once("Page.loadEventFired")
+        await _command(tab, "Page.navigate", url=url)
+        await loaded
+        if pair is not None:
+            await _click(tab, pair)
+        shown, pattern = await _evaluate(tab, _SHOWN_JS)
+        if screenshot is not None:
+            image = await _command(tab, "Page.captureScreenshot", format="png")
+            atomic_write_bytes(screenshot, base64.b64decode(image["data"]))
+    return PageView(errors=errors.errors, shown=shown, pattern=pattern)

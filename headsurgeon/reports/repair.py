@@ -1,0 +1,297 @@
+"""The report folder of a repair: report.md, report.json, censuses, figures and ``model/``.
+
+Exports:
+    write_report(result, out_dir, ...)   the folder the repair CLI writes (its rank 0)
+    training_plot(result)                objective, perplexities and BOS mass over the steps
+
+report.md opens with the verdict (which pass is kept and what it cost), then the passes in a
+table and one section each, head by head, the figures and the settings.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from headsurgeon import plots
+from headsurgeon.checkpoints import save_hf
+from headsurgeon.loading import model_info
+from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.reports.page import _samples_note, _write_page
+from headsurgeon.reports.records import _json_safe, _versions
+from headsurgeon.surgery import HeadSet
+
+if TYPE_CHECKING:
+    from headsurgeon.repair import RepairResult
+
+__all__ = [
+    "training_plot",
+    "write_report",
+]
+
+
+def training_plot(result: RepairResult) -> go.Figure:
+    """Objective, training and held-out perplexity and the targets' BOS mass over the steps,
+    one line per pass."""
+    panels = [
+        ("train_loss", "objective"),
+        ("train_ppl", "training perplexity"),
+        ("heldout_ppl", "held-out perplexity"),
+        ("bos_mass", "BOS mass of targets"),
+    ]
+    fig = plots.Figure(  # the package's figure class: it also shows in saved notebooks
+        make_subplots(rows=1, cols=len(panels), subplot_titles=[t for _, t in panels])
+    )
+    colours = list(plots.OKABE_ITO.values())
+    for p in result.passes:
+        history = p.training.history
+        colour = colours[(p.index - 1) % len(colours)]
+        for col, (column, _) in enumerate(panels, start=1):
+            fig.add_trace(
+                go.Scatter(
+                    x=history["step"],
+                    y=history[column],
+                    mode="lines+markers",
+                    name=f"pass {p.index} ({len(p.targeted)} heads)",
+                    legendgroup=f"pass{p.index}",
+                    showlegend=col == 1,
+                    line={"color": colour},
+                ),
+                row=1,
+                col=col,
+            )
+            fig.update_xaxes(title_text="step", row=1, col=col)
+    title = f"Masked fine-tuning of {model_info(result.model).name}"
+    return plots.style(fig, title=title, width=1400, height=380, template="simple_white")
+
+
+def _heads(names: list[str]) -> str:
+    return str(HeadSet(_pairs(names))) if names else "none"
+
+
+def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
+    """The verdict paragraph of report.md: the verdict, which model is kept, its damage, and
+    the targets that failed."""
+    limit = report["max_ppl_increase"]
+    limits = (
+        f"Damage limits: held-out perplexity at most "
+        f"{'unlimited' if limit is None else f'+{limit:.0%}'} over the model before repair, at "
+        f"most {report['max_collateral']} healthy frozen head(s) turning sick."
+    )
+    failed = report["failed_heads"]
+    failures = (
+        ["Failed heads (targets sick at the end): "
+         f"{'; '.join(f'{name} ({why})' for name, why in failed.items())}."]
+        if failed else []
+    )  # fmt: skip
+    best = report["best_pass"]
+    if best is None:
+        kept = "No pass is acceptable: the report has no repaired model" + (
+            "." if not model_dir else " and no `model/` is written."
+        )
+        return [f"**Verdict: {report['verdict']}**: {report['failure_reason']}.", kept, limits,
+                *failures]  # fmt: skip
+    ppl, change = report["perplexity"], report["perplexity_change"]
+    after = {split: report["passes"][best - 1]["perplexity_after"][split] for split in ppl}
+    costs = ", ".join(
+        f"{name} perplexity {ppl[split][0]:.3f} → {after[split]:.3f} ({change[split]:+.1%})"
+        for name, split in (("held-out", "heldout"), ("training", "train"))
+    )
+    headline = {
+        "ok": "no pass damaged the model and every target is healthy.",
+        "incomplete": f"no pass damaged the model, but {len(failed)} target(s) are still sick.",
+    }.get(report["verdict"], f"{report['failure_reason']}.")
+    return [
+        f"**Verdict: {report['verdict']}**: {headline}",
+        f"Kept model{' (`model/`)' if model_dir else ''}: pass {best}; {costs}; healthy frozen "
+        f"heads turned sick: {_heads(report['collateral']['heads'])}.",
+        limits,
+        *failures,
+    ]
+
+
+def _prune_vs_repair(report: dict[str, Any]) -> list[str]:
+    """The summary line and table: the model before repair, pruned instead, and repaired."""
+    comparison = report.get("prune_vs_repair")
+    if comparison is None:
+        return []
+    rows = [("before repair", comparison["injured"]),
+            ("pruned: targets mean-ablated", comparison["pruned_mean"]),
+            ("pruned: targets zero-ablated", comparison["pruned_zero"]),
+            ("repaired (kept model)", comparison["repaired"])]  # fmt: skip
+    shown = [(name, ppl) for name, ppl in rows if ppl is not None]
+    summary = ", ".join(f"{name} {ppl['heldout']:.3f}" for name, ppl in shown)
+    return [
+        "",
+        f"Prune versus repair of {_heads(comparison['heads'])} (pass 1's targets), held-out "
+        f"perplexity: {summary}.",
+        "",
+        "| model | train PPL | held-out PPL |",
+        "|---|---|---|",
+        *(f"| {name} | {ppl['train']:.3f} | {ppl['heldout']:.3f} |" for name, ppl in shown),
+    ]
+
+
+def _markdown(
+    report: dict[str, Any], figures: Sequence[str], formats: Sequence[str], model_dir: bool
+) -> str:
+    ppl = report["perplexity"]
+    lines = [
+        f"# Repair of {report['model']}",
+        "",
+        *_verdict(report, model_dir),
+        "",
+        f"Heads targeted: **{len(report['targeted'])}**, recovered (healthy after): "
+        f"**{len(report['recovered'])}** ({report['recovery_rate']:.1%}); still sick: "
+        f"{_heads(report['still_sick'])}.",
+        f"Healthy heads: {report['healthy_before']} → {report['healthy_after']} of "
+        f"{report['n_heads']} ({'the kept model' if report['best_pass'] else 'no pass kept'}). "
+        "Frozen heads that drifted (|Δ BOS mass| > "
+        f"{report['drift']['threshold']}): {report['drift']['count']}.",
+        *_prune_vs_repair(report),
+        "",
+        "| stage | targeted | recovered | rate | still sick | drifted | turned sick | "
+        "train PPL | held-out PPL | healthy | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| before | | | | | | | {ppl['train'][0]:.3f} | {ppl['heldout'][0]:.3f} | "
+        f"{report['healthy_before']} | |",
+    ]
+    for p in report["passes"]:
+        lines.append(
+            f"| pass {p['pass']} | {len(p['targeted'])} | {len(p['recovered'])} | "
+            f"{p['recovery_rate']:.1%} | {len(p['still_sick'])} | {p['drift']['count']} | "
+            f"{p['collateral']['count']} | {p['perplexity_after']['train']:.3f} | "
+            f"{p['perplexity_after']['heldout']:.3f} | {p['healthy_after']} | {p['verdict']} |"
+        )
+    lines += [""]
+    for p in report["passes"]:
+        training = p["training"]
+        lines += [
+            f"## Pass {p['pass']}",
+            "",
+            f"- targeted: {_heads(p['targeted'])}",
+            f"- recovered: {_heads(p['recovered'])}",
+            f"- still sick: {_heads(p['still_sick'])}",
+            f"- drifted frozen heads: {_heads(p['drift']['heads'])}",
+            f"- healthy frozen heads turned sick: {_heads(p['collateral']['heads'])}",
+            f"- verdict: {p['verdict']}"
+            + (f" ({p['failure_reason']}; it counts no head recovered)" if p["failure_reason"]
+               else ""),
+            f"- fine-tuning: {training['steps']} steps"
+            + (f", stopped early (best step {training['best_step']})"
+               if training["stopped_early"] else "")
+            + f", final objective {training['final_loss']:.4f}, final BOS mass of targets "
+            f"{training['final_bos_mass']:.3f}",
+            "",
+            "| head | label before | BOS mass | output share | label after | BOS mass | "
+            "output share |",
+            "|---|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        lines += [
+            f"| {h['name']} | {h['label_before']} | {h['bos_mass_before']:.3f} | "
+            f"{h['output_share_before']:.3f} | {h['label_after']} | {h['bos_mass_after']:.3f} | "
+            f"{h['output_share_after']:.3f} |"
+            for h in p["heads"]
+        ]
+        lines += [""]
+    lines += ["## Figures", ""]
+    for name in figures:
+        links = ", ".join(f"[{fmt}]({name}.{fmt})" for fmt in formats)
+        lines.append(f"- {name}: {links}")
+        if "png" in formats:
+            lines += ["", f"![{name}]({name}.png)", ""]
+    settings = report["settings"]
+    lines += ["", "## Settings", "", "```json", json.dumps(settings, indent=2), "```", ""]
+    return "\n".join(lines)
+
+
+def _pairs(names: Sequence[str]) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in re.findall(r"\d+", name)) for name in names]
+
+
+def write_report(
+    result: RepairResult,
+    out_dir: str | os.PathLike,
+    *,
+    formats: Sequence[str] | None = None,
+    overwrite: bool = False,
+    save_model: bool = True,
+) -> Path:
+    """Write a repair's report folder atomically; return it.
+
+    Files: ``report.md``, ``report.json`` (:meth:`RepairResult.to_dict` plus versions and time),
+    ``census_before.csv`` and ``census_after.csv`` (the classify CLI's ``heads.csv`` columns),
+    ``census_pass<N>.csv`` after each earlier pass, ``training_pass<N>.csv`` (evaluation
+    history), the figures ``labels_before``, ``labels_after``, ``bos_mass_diff`` (whole run),
+    ``pass<N>_bos_mass_diff`` and ``training`` in each of ``formats``, and ``model/``, the repaired
+    model (the best pass that did not damage it) as a Hugging Face checkpoint (unless
+    ``save_model=False``, or no pass is acceptable: report.md then says so). ``formats=None`` writes
+    html, and png when a Chromium browser is found (else one warning names the skipped PNGs and
+    report.md links only what was written); static formats given explicitly need a browser
+    (:func:`headsurgeon.plots.split_formats`), checked before anything is written. A folder
+    holding files is refused unless ``overwrite``, and even then unless headsurgeon wrote it.
+
+    ``index.html`` puts it on one offline page: report.md, the grid of BOS-mass changes where
+    clicking a head shows its metrics before and after each pass and its attention in each
+    stage side by side (``result.patterns``), the training and label figures.
+    """
+    written = plots.split_formats(formats)[0]  # unknown format / no browser for one asked: now
+    report = _json_safe(result.to_dict())
+    report["versions"] = _versions()
+    report["created"] = datetime.datetime.now().astimezone().isoformat()
+    figures = {
+        "labels_before": plots.label_grid(result.census_before, title="Labels before repair"),
+        "labels_after": plots.label_grid(result.census_after, title="Labels after repair"),
+        "bos_mass_diff": plots.diff_grid(
+            result.census_before, result.census_after, "bos_mass",
+            title="BOS mass, after repair − before",
+        ),
+    }  # fmt: skip
+    for p in result.passes:
+        figures[f"pass{p.index}_bos_mass_diff"] = plots.diff_grid(
+            p.census_before, p.census_after, "bos_mass",
+            title=f"Pass {p.index}: BOS mass, after − before",
+        )  # fmt: skip
+    figures["training"] = training_plot(result)
+    with atomic_directory(out_dir, overwrite=overwrite, writer="write_report") as tmp:
+        atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")
+        markdown = _markdown(report, list(figures), written, model_dir=save_model)
+        atomic_write_text(tmp / "report.md", markdown)
+        atomic_write_text(tmp / "census_before.csv", result.census_before.to_csv(index=False))
+        atomic_write_text(tmp / "census_after.csv", result.census_after.to_csv(index=False))
+        for p in result.passes:
+            if p is not result.passes[-1]:
+                census_csv = p.census_after.to_csv(index=False)
+                atomic_write_text(tmp / f"census_pass{p.index}.csv", census_csv)
+            atomic_write_text(
+                tmp / f"training_pass{p.index}.csv", p.training.history.to_csv(index=False)
+            )
+        skipped = plots.save_figures(figures, tmp, formats)
+        stages = {"before": result.census_before}
+        stages |= {f"pass {p.index}": p.census_after for p in result.passes}
+        samples = [result.patterns[stage] for stage in stages if stage in result.patterns]
+        _write_page(
+            tmp,
+            title=f"Repair of {report['model']}",
+            summary=markdown,
+            grid=figures["bos_mass_diff"],
+            shape=(int(result.census_before["layer"].max()) + 1,
+                   int(result.census_before["head"].max()) + 1),
+            stages=stages,
+            samples=samples if len(samples) == len(stages) else [],
+            model=result.model,
+            figures={name: figures[name] for name in ("training", "labels_before", "labels_after")},
+            note=_samples_note(samples, report["settings"].get("census_data"), "each stage"),
+        )  # fmt: skip
+        if save_model and result.best_pass is not None:  # no acceptable pass: no model
+            save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
+    plots.warn_skipped(skipped, out_dir)
+    return Path(out_dir)
