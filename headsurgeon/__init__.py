@@ -1,6 +1,6 @@
 """headsurgeon: census, underflow blindness and surgical repair of ALiBi attention heads.
 
-The public API gathers here; each concept lives in its own module (README: Architecture). Names
+The public API gathers here; each concept lives in its own module (docs/architecture.md). Names
 are imported on first use (PEP 562): ``import headsurgeon`` stays light, and
 ``python -m headsurgeon.<tool>`` runs each tool's module as ``__main__`` without the package
 importing a second copy first. The ``TYPE_CHECKING`` block below is the one list of the API: IDEs

@@ -1,11 +1,12 @@
 """The package's layering: each module imports only from its own layer or the layers below (the
-README's Architecture table, :data:`LAYERS`), no import cycles (function-level imports count), pure
+docs/architecture.md's table, :data:`LAYERS`), no import cycles (function-level imports count), pure
 math stays pure, the library imports neither plotting nor the command line."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,11 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "headsurgeon"
 
-# The README's layers (Architecture), lowest first: a module may import from its own layer and the
-# layers below, never above. Spelled out here rather than parsed from the README, whose prose and
-# layout change for readers (and may move into the documentation site): a table reshaped for them
-# must not silently change what is enforced. A module of a subpackage (``repair.pipeline``) is in
-# its package's layer; a new module must be placed here first (test_every_module_has_a_layer).
+# The layers of docs/architecture.md, lowest first: a module may import from its own layer and the
+# layers below, never above. Spelled out here and checked against the page's table
+# (test_the_architecture_page_lists_these_layers), so that neither can change alone. A module of
+# a subpackage (``repair.pipeline``) is in its package's layer; a new module must be placed here
+# first (test_every_module_has_a_layer).
 LAYERS = {
     "leaves": (
         "errors",
@@ -264,16 +265,29 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
                 problems.append(
                     f"{name} ({LAYER_NAMES[own]}) imports {target} ({LAYER_NAMES[theirs]}): a "
                     "module may import only from its own layer or the layers below "
-                    "(README: Architecture; tests/test_architecture.py: LAYERS)"
+                    "(docs/architecture.md; tests/test_architecture.py: LAYERS)"
                 )
     return problems
 
 
 def test_every_module_has_a_layer():
     unplaced = sorted(name for name in module_files() if layer_of(name) == -1)
-    assert not unplaced, f"place {unplaced} in a layer of LAYERS (and the README's table)"
+    assert not unplaced, f"place {unplaced} in a layer of LAYERS (and docs/architecture.md's table)"
     placed = [module for modules in LAYERS.values() for module in modules]
     assert len(placed) == len(set(placed)), "a module is in two layers"
+
+
+def test_the_architecture_page_lists_these_layers():
+    """docs/architecture.md's table names the same layers, in the same order, with the same
+    modules (the names in backticks of its second column) as :data:`LAYERS`."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = [line.split("|")[1:3] for line in page.splitlines() if line.startswith("| ")]
+    table = {
+        layer.strip(): tuple(re.findall(r"`(\w+)`", modules))
+        for layer, modules in rows
+        if layer.strip() != "layer"
+    }
+    assert table == LAYERS
 
 
 def test_each_module_imports_only_from_its_own_layer_or_below():
@@ -290,7 +304,7 @@ def test_an_import_up_the_layers_is_named():
     }
     assert layer_violations(graph) == [
         "headsurgeon.checkpoints (models) imports headsurgeon.surgery (library): a module may "
-        "import only from its own layer or the layers below (README: Architecture; "
+        "import only from its own layer or the layers below (docs/architecture.md; "
         "tests/test_architecture.py: LAYERS)"
     ]
 

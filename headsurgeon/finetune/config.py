@@ -40,7 +40,7 @@ class FinetuneConfig:
     evaluations without a lower held-out loss (and ``restore_best`` goes back to the best one).
     ``checkpoint_every=None`` checkpoints at every evaluation.
 
-    Memory (the defaults are the fastest; see the README's sizes section for measurements):
+    Memory (the defaults are the fastest; see the docs' sizes and memory page for measurements):
     ``gradient_checkpointing`` keeps only each block's input for the backward pass and
     recomputes the block there (:func:`checkpointed_blocks`); ``loss_chunk`` computes the default
     next-token loss over that many positions at a time, so the float32 logits of the whole batch

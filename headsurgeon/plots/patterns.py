@@ -35,11 +35,11 @@ from headsurgeon.backend import Model, check_model
 from headsurgeon.data import bos_token_id, encode, resolve_bos, token_strings
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.exact_alibi import alibi_slopes
+from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import model_info
 from headsurgeon.plots.layout import OKABE_ITO, _check, _compact, _wrap, style
 from headsurgeon.plots.notebook import _notebook_figure
 from headsurgeon.probes import AttentionWeights, attention_weights
-from headsurgeon.surgery import Heads, HeadSet
 
 __all__ = ["MAX_CELLS", "attention_pattern", "pattern_diff"]
 

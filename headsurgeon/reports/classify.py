@@ -31,7 +31,6 @@ from headsurgeon import plots
 from headsurgeon.backend import Model
 from headsurgeon.census import COLUMNS
 from headsurgeon.classify import (
-    LABELS,
     NEAR,
     label_heads,
     require_columns,
@@ -40,6 +39,7 @@ from headsurgeon.classify import (
     thresholds_of,
 )
 from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.heads import LABELS
 from headsurgeon.importance import COLUMNS as IMPORTANCE_COLUMNS, DORMANT_SE, is_dormant
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.reports.folders import model_folder_name

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from headsurgeon import plots
+from headsurgeon.heads import HeadSet
 from headsurgeon.outputs import atomic_write_bytes
-from headsurgeon.surgery import HeadSet
 
 __all__ = [
     "PageView",

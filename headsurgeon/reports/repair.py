@@ -23,11 +23,11 @@ from plotly.subplots import make_subplots
 
 from headsurgeon import plots
 from headsurgeon.checkpoints import save_hf
+from headsurgeon.heads import HeadSet
 from headsurgeon.loading import model_info
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.reports.page import _samples_note, _write_page
 from headsurgeon.reports.records import _json_safe, _versions
-from headsurgeon.surgery import HeadSet
 
 if TYPE_CHECKING:
     from headsurgeon.repair import RepairResult
