@@ -424,9 +424,11 @@ def head_tensors(model: Model, layer: int) -> dict[str, HeadTensor]:
     for x in "QKV":
         linear = getattr(attn, x.lower()).original_component
         out[f"W_{x}"] = HeadTensor(
-            f"W_{x}", paths[id(linear.weight)], linear.weight,
+            f"W_{x}",
+            paths[id(linear.weight)],
+            linear.weight,
             lambda t: t.view(n, d_head, d_model).transpose(1, 2),
-        )  # fmt: skip
+        )
         if linear.bias is not None:
             out[f"b_{x}"] = HeadTensor(
                 f"b_{x}", paths[id(linear.bias)], linear.bias, lambda t: t.view(n, d_head)
@@ -795,8 +797,10 @@ def shared_cache(cache: Any, batch: int) -> Any:
         ) -> tuple[Tensor, Tensor]:
             past = self.layers[layer_idx]
             rows = (len(keys), -1, -1, -1)
-            return (torch.cat([past.keys.expand(rows), keys], dim=-2),
-                    torch.cat([past.values.expand(rows), values], dim=-2))  # fmt: skip
+            return (
+                torch.cat([past.keys.expand(rows), keys], dim=-2),
+                torch.cat([past.values.expand(rows), values], dim=-2),
+            )
 
     shared = Shared()
     shared.layers = cache.layers  # the lengths, masks and ALiBi positions follow the prompt's
@@ -816,8 +820,7 @@ def run_to_layer(
         if cache is None:
             return model(tokens, stop_at_layer=stop_at_layer)
         ones = torch.ones_like(tokens)  # explicit: no pad-token guessing from the tokenizer
-        return model(tokens, stop_at_layer=stop_at_layer, past_kv_cache=cache,
-                     attention_mask=ones)  # fmt: skip
+        return model(tokens, stop_at_layer=stop_at_layer, past_kv_cache=cache, attention_mask=ones)
     found: list[Tensor] = []
 
     def stop(resid: Tensor, hook: HookPoint) -> None:

@@ -220,8 +220,7 @@ class _UnderflowCounter:
         self.by_query = torch.zeros_like(self.counted)  # underflowed entries, by query position
         # Skipped entries (0 in every dtype) by distance, as differences: +1 where a row's
         # skipped keys begin, -1 past its end (a running sum gives the counts).
-        self.skipped = torch.zeros(n_layers, n_heads, n_pos + 1, dtype=torch.float64,
-                                   device=device)  # fmt: skip
+        self.skipped = torch.zeros(n_layers, n_heads, n_pos + 1, dtype=torch.float64, device=device)
         self.rows = [0] * n_layers  # query rows seen, per layer
         self.skip_nats, self.rounding = _skip_bound(self.dtypes, convention)
         # One chunk's rows, and their shifts (see _shifted), reused from chunk to chunk.
@@ -403,18 +402,28 @@ def measure_blindness(
       every length up to ``seq_len`` (default: powers of two, and ``seq_len``).
     """
     check_model(model, "measure_blindness")
-    names, tokens = _check_measure_args(model, data, dtypes, convention, seq_len, n_seqs,
-                                        n_buckets, prepend_bos)  # fmt: skip
+    names, tokens = _check_measure_args(
+        model, data, dtypes, convention, seq_len, n_seqs, n_buckets, prepend_bos
+    )
     n_rows, n_pos = tokens.shape
     lengths = _context_lengths(n_pos, context_lengths)
     counter = _UnderflowCounter(model, names, convention, n_pos)
     hooks = [(lambda name: name.endswith("attn.hook_attn_scores"), counter.hook)]
-    stream(model, tokens, hooks, batch_size=batch_size, progress=progress, desc="blindness",
-           block_size=block_size, bytes_per_entry=_BYTES_PER_ENTRY)  # fmt: skip
+    stream(
+        model,
+        tokens,
+        hooks,
+        batch_size=batch_size,
+        progress=progress,
+        desc="blindness",
+        block_size=block_size,
+        bytes_per_entry=_BYTES_PER_ENTRY,
+    )
     unread = [layer for layer, rows in enumerate(counter.rows) if rows != n_rows * n_pos]
     if unread:  # zeros from a hook that never fired would read as a sighted model
-        raise unfired(model, "measure_blindness", f"blocks.{unread[0]}.attn.hook_attn_scores",
-                      unread)  # fmt: skip
+        raise unfired(
+            model, "measure_blindness", f"blocks.{unread[0]}.attn.hook_attn_scores", unread
+        )
 
     by_head, by_distance = _head_tables(model, counter, names, convention, n_rows, n_buckets)
     by_length = _length_table(model, counter, names, lengths, n_rows)

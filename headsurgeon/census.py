@@ -157,8 +157,16 @@ def run_census(
         )
 
     stats = HeadStats(model, min_query_pos=min_query_pos)
-    stream(model, tokens, stats.hooks(), batch_size=batch_size, progress=progress, desc="census",
-           block_size=block_size, bytes_per_entry=CENSUS_BYTES_PER_ENTRY)  # fmt: skip
+    stream(
+        model,
+        tokens,
+        stats.hooks(),
+        batch_size=batch_size,
+        progress=progress,
+        desc="census",
+        block_size=block_size,
+        bytes_per_entry=CENSUS_BYTES_PER_ENTRY,
+    )
     stats.check_fired(len(tokens), "run_census")
     means, stds = stats.means(), stats.stds()
 

@@ -86,18 +86,21 @@ class _Layout:
 
 
 _BLOOM_LAYOUT = _Layout(
-    "transformer.h.{}.self_attention.query_key_value", True,
-    "transformer.word_embeddings.weight", "BLOOM",
-)  # fmt: skip
+    "transformer.h.{}.self_attention.query_key_value",
+    True,
+    "transformer.word_embeddings.weight",
+    "BLOOM",
+)
 # transformers' modeling code: BloomAttention and FalconAttention (neither multi-query nor
 # new_decoder_architecture) view the fused output as [..., head, 3, d_head]; MptAttention
 # chunks it into thirds.
 _LAYOUTS = {
     "BloomForCausalLM": _BLOOM_LAYOUT,
     "FalconForCausalLM": dataclasses.replace(_BLOOM_LAYOUT, family="Falcon"),
-    "MptForCausalLM": _Layout("transformer.blocks.{}.attn.Wqkv", False, "transformer.wte.weight",
-                              "MPT"),
-}  # fmt: skip
+    "MptForCausalLM": _Layout(
+        "transformer.blocks.{}.attn.Wqkv", False, "transformer.wte.weight", "MPT"
+    ),
+}
 
 
 def _architecture(model: Model) -> str:
@@ -227,15 +230,41 @@ def _fused(parts: list[Tensor], n_heads: int, interleaved: bool) -> Tensor:
 # initialisation, hook points, tokenizer conventions), that config.json states (n_ctx as
 # seq_length, dtype) or that only apply to positional schemes other than ALiBi (whose own field,
 # positional_embedding_type, is compared).
-_NOT_COMPUTED = frozenset({
-    "model_name", "tokenizer_name", "tokenizer_prepends_bos", "default_prepend_bos",
-    "original_architecture", "n_ctx", "dtype", "device", "n_devices", "seed", "init_mode",
-    "init_weights", "initializer_range", "n_params", "from_checkpoint", "trust_remote_code",
-    "use_attn_result", "use_split_qkv_input", "use_hook_mlp_in", "use_attn_in", "use_hook_tokens",
-    "tie_word_embeddings", "decoder_start_token_id", "train_seq_length", "window_size",
-    "attn_types", "experts_per_token", "norm_topk_prob", "use_dynamic_ntk_rope",
-    "use_NTK_by_parts_rope", "use_yarn_rope",
-})  # fmt: skip
+_NOT_COMPUTED = frozenset(
+    {
+        "model_name",
+        "tokenizer_name",
+        "tokenizer_prepends_bos",
+        "default_prepend_bos",
+        "original_architecture",
+        "n_ctx",
+        "dtype",
+        "device",
+        "n_devices",
+        "seed",
+        "init_mode",
+        "init_weights",
+        "initializer_range",
+        "n_params",
+        "from_checkpoint",
+        "trust_remote_code",
+        "use_attn_result",
+        "use_split_qkv_input",
+        "use_hook_mlp_in",
+        "use_attn_in",
+        "use_hook_tokens",
+        "tie_word_embeddings",
+        "decoder_start_token_id",
+        "train_seq_length",
+        "window_size",
+        "attn_types",
+        "experts_per_token",
+        "norm_topk_prob",
+        "use_dynamic_ntk_rope",
+        "use_NTK_by_parts_rope",
+        "use_yarn_rope",
+    }
+)
 _NOT_COMPUTED_PREFIXES = ("checkpoint_", "rotary_", "NTK_", "yarn_", "relative_attention_")
 # TransformerLens's names for BLOOM's activation, the tanh approximation of GELU.
 _TANH_GELU = frozenset({"gelu_new", "gelu_fast", "gelu_pytorch_tanh"})
@@ -380,8 +409,11 @@ def _float32_logits(model: Model, tokens: Tensor) -> Tensor:
     A float16 or bfloat16 model runs this one forward pass on float32 copies of its tensors;
     then each tensor gets its own storage back (the same memory, so views stay views).
     """
-    narrow = [t for t in (*model.parameters(), *model.buffers())
-              if t.is_floating_point() and t.dtype != torch.float32]  # fmt: skip
+    narrow = [
+        t
+        for t in (*model.parameters(), *model.buffers())
+        if t.is_floating_point() and t.dtype != torch.float32
+    ]
     storages, cfg_dtype = [t.data for t in narrow], model.cfg.dtype
     try:
         for t in narrow:
@@ -531,8 +563,10 @@ def save_hf(
         logger.info(
             "%s records its %s ALiBi in %s: headsurgeon.load_model applies it; transformers on "
             "its own computes standard ALiBi",
-            out_dir, kind, METADATA_FILE,
-        )  # fmt: skip
+            out_dir,
+            kind,
+            METADATA_FILE,
+        )
     logger.debug("saved %s to %s", info.name, out_dir)  # callers name their own folders
     return Path(out_dir)
 
@@ -727,8 +761,10 @@ def weight_changes(
     if (_LM_HEAD in before_state) != (_LM_HEAD in after_state):
         before_state.tie_lm_head()
         after_state.tie_lm_head()
-    for which, lacking, other in (("second", after_state, before_state),
-                                  ("first", before_state, after_state)):  # fmt: skip
+    for which, lacking, other in (
+        ("second", after_state, before_state),
+        ("first", before_state, after_state),
+    ):
         if missing := sorted(set(other) - set(lacking)):
             raise CheckpointError(
                 f"the {which} checkpoint lacks {len(missing)} tensor(s) of the other, e.g. "
@@ -736,8 +772,10 @@ def weight_changes(
             )
     # One tensor pair at a time, inside a call, so none outlives its row (a lazy folder then
     # holds at most the largest tensor of each checkpoint).
-    rows = [_tensor_changes(name, before_state[name], after_state[name], heads, d_head)
-            for name in before_state]  # fmt: skip
+    rows = [
+        _tensor_changes(name, before_state[name], after_state[name], heads, d_head)
+        for name in before_state
+    ]
     return pd.DataFrame(rows)
 
 

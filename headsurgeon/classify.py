@@ -239,9 +239,17 @@ def sick_shares(classified: Mapping[str, pd.DataFrame], bands: int = 3) -> pd.Da
             heads = df[(df["layer"] >= lo) & (df["layer"] < hi)]
             counts = {label: int((heads["label"] == label).sum()) for label in LABELS}
             sick = counts["BOS-sink"] + counts["dead"]
-            rows.append({"model": model, "band": band, "layers": f"{lo}-{hi - 1}",
-                         "n_heads": len(heads), **counts, "sick": sick,
-                         "sick_share": sick / max(len(heads), 1)})  # fmt: skip
+            rows.append(
+                {
+                    "model": model,
+                    "band": band,
+                    "layers": f"{lo}-{hi - 1}",
+                    "n_heads": len(heads),
+                    **counts,
+                    "sick": sick,
+                    "sick_share": sick / max(len(heads), 1),
+                }
+            )
     return pd.DataFrame(rows)
 
 

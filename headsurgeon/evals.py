@@ -140,13 +140,15 @@ def _windows_by_length(
     for stream in streams:
         if len(prefix) and len(stream) > 1 and stream[0] == prefix[0]:
             stream = stream[1:]  # e.g. from to_sequences: already BOS-first; never score BOS twice
-        spans += [(stream, *span) for span in sliding_windows(len(stream), window, stride,
-                                                              len(prefix))]  # fmt: skip
+        spans += [
+            (stream, *span) for span in sliding_windows(len(stream), window, stride, len(prefix))
+        ]
     if not spans:
         raise DataError("no token has context to be scored; give texts of at least two tokens")
     if max_windows is not None and len(spans) > max_windows:
-        logger.info("perplexity on %d of %d windows (max_windows=None: all)", max_windows,
-                    len(spans))  # fmt: skip
+        logger.info(
+            "perplexity on %d of %d windows (max_windows=None: all)", max_windows, len(spans)
+        )
         picks = torch.linspace(0, len(spans) - 1, max_windows).round().long().tolist()
         spans = [spans[i] for i in picks]
     by_length: dict[int, list[tuple[Tensor, int]]] = defaultdict(list)
@@ -224,8 +226,9 @@ def perplexity(
     check_model(model, "perplexity")
     window = check_length(model, default_window(model) if window is None else window, "window")
     # A stride of window or more would skip tokens.
-    stride = check_int(window // 2 if stride is None else stride, "stride", minimum=1,
-                       maximum=window - 1)  # fmt: skip
+    stride = check_int(
+        window // 2 if stride is None else stride, "stride", minimum=1, maximum=window - 1
+    )
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     if block_size is not None:
         check_int(block_size, "block_size", minimum=1)
@@ -368,16 +371,24 @@ def loss_by_position(
         raise DataError(f"the token rows hold {tokens.shape[1]} tokens, fewer than length {length}")
     tokens = tokens[:n_seqs, :length]
     if len(tokens) < n_seqs:
-        logger.info("loss_by_position on %d sequences of %d tokens: the data hold no more",
-                    len(tokens), length)  # fmt: skip
+        logger.info(
+            "loss_by_position on %d sequences of %d tokens: the data hold no more",
+            len(tokens),
+            length,
+        )
 
     # Positions from edges[-1] on are in no bucket: the tokens after edges[-1] never run.
     tokens = tokens[:, : edges[-1] + 1]
     bounds = torch.tensor(edges)
     sums = torch.zeros(len(tokens), len(edges) - 1, dtype=torch.float64)  # per sequence
     squares = torch.zeros(len(edges) - 1, dtype=torch.float64)
-    bar = tqdm(total=len(tokens) * (edges[-1] - edges[0]), desc="loss by position", unit="token",
-               unit_scale=True, disable=not progress)  # fmt: skip
+    bar = tqdm(
+        total=len(tokens) * (edges[-1] - edges[0]),
+        desc="loss by position",
+        unit="token",
+        unit_scale=True,
+        disable=not progress,
+    )
     for start, batch in enumerate(batches(tokens, batch_size)):
         block = block_size or long_context.block_size(model, tokens.shape[1], batch=len(batch))
         rows = sums[start * batch_size : start * batch_size + len(batch)]  # a view
@@ -391,8 +402,14 @@ def loss_by_position(
     frame = _position_table(edges, sums, squares)
     train_ctx = model_info(model).train_ctx or model.cfg.n_ctx
     frame["in_context"] = frame["position_hi"] <= train_ctx
-    frame.attrs.update(model=model_info(model).name, data=describe(data), length=length,
-                       n_seqs=len(tokens), prepend_bos=bos, train_ctx=train_ctx)  # fmt: skip
+    frame.attrs.update(
+        model=model_info(model).name,
+        data=describe(data),
+        length=length,
+        n_seqs=len(tokens),
+        prepend_bos=bos,
+        train_ctx=train_ctx,
+    )
     return frame
 
 
@@ -408,10 +425,31 @@ NEEDLE_SENTENCE = " The special magic word is {key}. "
 NEEDLE_QUESTION = "\nWhat is the special magic word? The special magic word is"
 # Common, single-word values of the needle; distractors are drawn from the same list.
 NEEDLE_WORDS = (
-    "apple", "river", "lantern", "violin", "tiger", "marble", "garden", "rocket",
-    "pepper", "castle", "falcon", "mirror", "velvet", "thunder", "orchid", "copper",
-    "island", "candle", "dragon", "meadow", "anchor", "harbor", "silver", "winter",
-)  # fmt: skip
+    "apple",
+    "river",
+    "lantern",
+    "violin",
+    "tiger",
+    "marble",
+    "garden",
+    "rocket",
+    "pepper",
+    "castle",
+    "falcon",
+    "mirror",
+    "velvet",
+    "thunder",
+    "orchid",
+    "copper",
+    "island",
+    "candle",
+    "dragon",
+    "meadow",
+    "anchor",
+    "harbor",
+    "silver",
+    "winter",
+)
 METRICS = ("greedy_accuracy", "top1_accuracy")
 
 
@@ -655,9 +693,17 @@ def passkey(
 
     parts = {"i": PASSKEY_INTRO, "n": PASSKEY_NEEDLE, "q": PASSKEY_QUESTION}
     return _retrieval(
-        model, "passkey", text, parts, draw,
-        lengths=lengths, depths=depths, n_trials=n_trials, seed=seed, train_ctx=train_ctx,
-    )  # fmt: skip
+        model,
+        "passkey",
+        text,
+        parts,
+        draw,
+        lengths=lengths,
+        depths=depths,
+        n_trials=n_trials,
+        seed=seed,
+        train_ctx=train_ctx,
+    )
 
 
 def needle(
@@ -691,6 +737,14 @@ def needle(
 
     parts = {"i": "", "n": NEEDLE_SENTENCE, "q": NEEDLE_QUESTION}
     return _retrieval(
-        model, "needle", "\n\n".join(_texts(haystack_texts)), parts, draw,
-        lengths=lengths, depths=depths, n_trials=n_trials, seed=seed, train_ctx=train_ctx,
-    )  # fmt: skip
+        model,
+        "needle",
+        "\n\n".join(_texts(haystack_texts)),
+        parts,
+        draw,
+        lengths=lengths,
+        depths=depths,
+        n_trials=n_trials,
+        seed=seed,
+        train_ctx=train_ctx,
+    )

@@ -310,8 +310,9 @@ def _range(token: str, shape: _Shape | None) -> tuple[range, range]:
         )
     # A number of more than nine digits is beyond every bound below; int() of thousands of
     # digits would be slow, or refused.
-    l0, l1, h0, h1 = (None if g is None else int(g) if len(g) <= 9 else 10**9
-                      for g in match.groups())  # fmt: skip
+    l0, l1, h0, h1 = (
+        None if g is None else int(g) if len(g) <= 9 else 10**9 for g in match.groups()
+    )
     l1 = l0 if l1 is None else l1
     h1 = h0 if h1 is None else h1
     if l1 < l0 or h1 < h0:

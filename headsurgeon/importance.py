@@ -135,8 +135,9 @@ def _mean_z(
         total = z.double().sum((0, 1))
         sums[hook.layer()] = sums[hook.layer()] + total if hook.layer() in sums else total
 
-    stream(model, tokens, _z_hooks(model, add), batch_size=batch_size, progress=progress,
-           desc="mean z")  # fmt: skip
+    stream(
+        model, tokens, _z_hooks(model, add), batch_size=batch_size, progress=progress, desc="mean z"
+    )
     _require(model, sums)
     means = torch.stack([sums[layer] for layer in range(model.cfg.n_layers)])
     return (means / (tokens.shape[0] * tokens.shape[1])).to(model.cfg.dtype)
@@ -257,8 +258,10 @@ def _exact(
 ) -> _Totals:
     cfg = model.cfg
     totals = _Totals(cfg.n_layers, cfg.n_heads)
-    chunks = [range(h, min(h + heads_per_pass, cfg.n_heads))
-              for h in range(0, cfg.n_heads, heads_per_pass)]  # fmt: skip
+    chunks = [
+        range(h, min(h + heads_per_pass, cfg.n_heads))
+        for h in range(0, cfg.n_heads, heads_per_pass)
+    ]
     for rows in torch.arange(len(tokens)).split(batch_size):
         batch = tokens[rows].to(cfg.device)
         clean, resid = _clean_pass(model, batch)
@@ -387,8 +390,9 @@ def head_importance(
     cfg = model.cfg
     n, pos = tokens.shape
     if heads_per_pass is None:
-        heads_per_pass = max(1, min(cfg.n_heads, LOGIT_BUDGET // (min(batch_size, n) * pos
-                                                                 * cfg.d_vocab)))  # fmt: skip
+        heads_per_pass = max(
+            1, min(cfg.n_heads, LOGIT_BUDGET // (min(batch_size, n) * pos * cfg.d_vocab))
+        )
     heads_per_pass = check_int(heads_per_pass, "heads_per_pass", minimum=1)
 
     fills = _fills(model, ablation, tokens, batch_size, progress)
@@ -401,15 +405,17 @@ def head_importance(
     delta, se = totals.mean_se()
     clean_loss = totals.clean / totals.n
     layer, head = np.divmod(np.arange(cfg.n_layers * cfg.n_heads), cfg.n_heads)
-    df = pd.DataFrame({
-        "layer": layer,
-        "head": head,
-        "delta_loss": delta.ravel(),
-        "delta_loss_se": se.ravel(),
-        "clean_loss": clean_loss,
-        "method": method,
-        "ablation": ablation,
-    })  # fmt: skip
+    df = pd.DataFrame(
+        {
+            "layer": layer,
+            "head": head,
+            "delta_loss": delta.ravel(),
+            "delta_loss_se": se.ravel(),
+            "clean_loss": clean_loss,
+            "method": method,
+            "ablation": ablation,
+        }
+    )
     df.attrs = {
         "model": info.name,
         "n_layers": cfg.n_layers,

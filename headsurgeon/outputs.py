@@ -479,8 +479,12 @@ def _discard(old: Path, path: Path) -> None:
     """Remove ``old``, the folder ``path`` replaced, unless files appeared in it meanwhile."""
     foreign = foreign_files(old)
     if foreign:
-        logger.warning("kept %s, the previous %s: files appeared in it while it was replaced (%s)",
-                       old, path.name, ", ".join(foreign[:_SHOWN]))  # fmt: skip
+        logger.warning(
+            "kept %s, the previous %s: files appeared in it while it was replaced (%s)",
+            old,
+            path.name,
+            ", ".join(foreign[:_SHOWN]),
+        )
         return
     shutil.rmtree(old, ignore_errors=True)
 
@@ -622,8 +626,9 @@ def _lock(fd: int, lock: Path, path: Path) -> None:
             "wait for it to finish, or choose another output folder"
         ) from None
     except OSError as e:  # e.g. ENOLCK: a network file system without locks
-        logger.warning("note: cannot lock %s (%s): a second run into it is not detected",
-                       lock, e.strerror)  # fmt: skip
+        logger.warning(
+            "note: cannot lock %s (%s): a second run into it is not detected", lock, e.strerror
+        )
 
 
 def _acquire(lock: Path, path: Path) -> int:
@@ -677,23 +682,32 @@ def _remove_leftovers(path: Path) -> None:
     """
     ours, others = _leftovers(path)
     for p in others:
-        logger.warning("left %s as it is: it is named like a leftover of %s, but nothing proves "
-                       "headsurgeon wrote all of it (no %s listing it)",
-                       p, path.name, MARK_FILE)  # fmt: skip
+        logger.warning(
+            "left %s as it is: it is named like a leftover of %s, but nothing proves "
+            "headsurgeon wrote all of it (no %s listing it)",
+            p,
+            path.name,
+            MARK_FILE,
+        )
     olds = sorted((p for p in ours if ".old-" in p.name), key=lambda p: p.stat().st_mtime)
     if olds and not os.path.lexists(path):
         os.replace(olds[-1], path)
         ours.remove(olds[-1])
-        logger.warning("restored %s from %s, left by a run killed while replacing it",
-                       path, olds[-1].name)  # fmt: skip
+        logger.warning(
+            "restored %s from %s, left by a run killed while replacing it", path, olds[-1].name
+        )
     if not ours:
         return
     size = 0
     for p in ours:
         size += sum(f.lstat().st_size for f in p.rglob("*") if not f.is_dir())
         shutil.rmtree(p, ignore_errors=True)
-    logger.info("removed %d temporary folder(s) of %s left by a killed run (%.1f MB)",
-                len(ours), path, size / 1e6)  # fmt: skip
+    logger.info(
+        "removed %d temporary folder(s) of %s left by a killed run (%.1f MB)",
+        len(ours),
+        path,
+        size / 1e6,
+    )
 
 
 @contextlib.contextmanager

@@ -323,9 +323,12 @@ class HeadStats:
             self._add_block(layer, *(pending[hook] for hook in HEAD_HOOKS))
 
     def _add_block(
-        self, layer: int, pattern: tuple[Tensor, list[int], int, int], writes: Tensor,
+        self,
+        layer: int,
+        pattern: tuple[Tensor, list[int], int, int],
+        writes: Tensor,
         layer_write: Tensor,
-    ) -> None:  # fmt: skip
+    ) -> None:
         sums, rows, offset, n_keys = pattern
         if offset == 0:
             self._flush(layer)  # a new batch of sequences
@@ -426,8 +429,11 @@ def unfired(
     """The one-line error for a hook that never fired: an analysis reports nothing it did not
     see (its sums would read as zeros)."""
     info = model_info(model)
-    architecture = (info.hf_config.get("architectures") or [None])[0] or getattr(
-        model.cfg, "original_architecture", None) or type(model).__name__  # fmt: skip
+    architecture = (
+        (info.hf_config.get("architectures") or [None])[0]
+        or getattr(model.cfg, "original_architecture", None)
+        or type(model).__name__
+    )
     where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
     return UnsupportedArchitectureError(
         f"{analysis} cannot measure {info.name} ({architecture}, attention "
@@ -489,9 +495,11 @@ def stream(
         block_size = check_int(block_size, "block_size", minimum=1)
     stop = model.cfg.n_layers if stop_at_layer is None else stop_at_layer
     n_pos = tokens.shape[1]
-    rows = [block_size or long_context.block_size(model, n_pos, batch=len(b),
-                                                  bytes_per_entry=bytes_per_entry)
-            for b in batches(tokens, batch_size)]  # fmt: skip
+    rows = [
+        block_size
+        or long_context.block_size(model, n_pos, batch=len(b), bytes_per_entry=bytes_per_entry)
+        for b in batches(tokens, batch_size)
+    ]
     bar = tqdm(total=sum(-(-n_pos // r) for r in rows), desc=desc, disable=not progress)
     with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)), bar:
         for batch, block in zip(batches(tokens, batch_size), rows, strict=True):
@@ -616,10 +624,15 @@ def attention_weights(
     with torch.no_grad(), model.hooks(fwd_hooks=hooks):
         for _ in long_context.run_in_blocks(model, tokens, block_size=block, stop_at_layer=stop):
             pass
-    check_fired(model, "attention_weights",
-                {"blocks.{layer}.attn.hook_pattern": [pooled.fired[layer] if layer in
-                                                      chosen.layers else 1
-                                                      for layer in range(stop)]})  # fmt: skip
+    check_fired(
+        model,
+        "attention_weights",
+        {
+            "blocks.{layer}.attn.hook_pattern": [
+                pooled.fired[layer] if layer in chosen.layers else 1 for layer in range(stop)
+            ]
+        },
+    )
     return AttentionWeights(
         heads=tuple(chosen),
         weights=pooled.weights.numpy(),
@@ -659,7 +672,8 @@ def sample_patterns(
     ((2, 10), (8, 10, 10))
     """
     rows = tokens[: check_int(n_seqs, "n_seqs", minimum=1), :n_pos]
-    everything = [(layer, head) for layer in range(model.cfg.n_layers)
-                  for head in range(model.cfg.n_heads)]  # fmt: skip
+    everything = [
+        (layer, head) for layer in range(model.cfg.n_layers) for head in range(model.cfg.n_heads)
+    ]
     read = [attention_weights(model, row, everything, max_cells=max_cells) for row in rows]
     return PatternSample(tokens=rows.cpu(), weights=tuple(read))

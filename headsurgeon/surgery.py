@@ -283,8 +283,9 @@ def restored_on_failure(model: Model, what: str) -> Iterator[WeightSnapshot]:
         if guard.changed and guard.depth == 1:
             logger.warning(
                 "%s stopped (%s): the model's weights are back as they were before it",
-                what, type(e).__name__,
-            )  # fmt: skip
+                what,
+                type(e).__name__,
+            )
         raise
     finally:
         guard.depth -= 1

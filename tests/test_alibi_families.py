@@ -39,16 +39,31 @@ def hf_model(family: str, *, n_heads: int = 4, d_model: int = 64, scale: float =
     torch.manual_seed(0)
     if family == "mpt":
         attn = {"alibi": True, "alibi_bias_max": 16}
-        config = MptConfig(d_model=d_model, n_heads=n_heads, n_layers=2, vocab_size=128,
-                           max_seq_len=64, attn_config=attn, **extra)  # fmt: skip
+        config = MptConfig(
+            d_model=d_model,
+            n_heads=n_heads,
+            n_layers=2,
+            vocab_size=128,
+            max_seq_len=64,
+            attn_config=attn,
+            **extra,
+        )
         model = MptForCausalLM(config)
     else:
-        falcon_rw = {"new_decoder_architecture": False, "multi_query": False,
-                     "parallel_attn": False, "bias": True}  # fmt: skip
+        falcon_rw = {
+            "new_decoder_architecture": False,
+            "multi_query": False,
+            "parallel_attn": False,
+            "bias": True,
+        }
         config = FalconConfig(
-            hidden_size=d_model, num_attention_heads=n_heads, num_hidden_layers=2, vocab_size=128,
-            alibi=True, **(falcon_rw | FALCON[family] | extra),
-        )  # fmt: skip
+            hidden_size=d_model,
+            num_attention_heads=n_heads,
+            num_hidden_layers=2,
+            vocab_size=128,
+            alibi=True,
+            **(falcon_rw | FALCON[family] | extra),
+        )
         model = FalconForCausalLM(config)
     model.config._attn_implementation = "eager"
     with torch.no_grad():
@@ -223,8 +238,15 @@ def test_measured_zeros_are_eager_zeros(family, block_size):
     distance are exactly the eager pattern's zeros on causal entries."""
     hf = hf_model(family, scale=40.0)
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(2))
-    measured = measure_blindness(converted(hf), tokens, dtypes=["float32"], n_seqs=2,
-                                 n_buckets=32, block_size=block_size, progress=False)  # fmt: skip
+    measured = measure_blindness(
+        converted(hf),
+        tokens,
+        dtypes=["float32"],
+        n_seqs=2,
+        n_buckets=32,
+        block_size=block_size,
+        progress=False,
+    )
     got = measured.by_distance.pivot_table(
         index=["layer", "head"], columns="distance_lo", values="zero_entries"
     ).to_numpy()
@@ -282,13 +304,17 @@ def test_zero_ablation_importance_matches_eager(family):
 def _scores(model, tokens, block_size=None):
     """Layer 0's hook_attn_scores, the blocks' rows put together."""
     rows = []
-    with model.hooks(fwd_hooks=[("blocks.0.attn.hook_attn_scores",
-                                 lambda s, hook: rows.append(s.detach().clone()))]):  # fmt: skip
+    with model.hooks(
+        fwd_hooks=[
+            ("blocks.0.attn.hook_attn_scores", lambda s, hook: rows.append(s.detach().clone()))
+        ]
+    ):
         run_census(model, tokens, block_size=block_size, progress=False)
     n = tokens.shape[1]
     lowest = torch.finfo(torch.float32).min  # keys after a block: masked
-    return torch.cat([torch.nn.functional.pad(r, (0, n - r.shape[-1]), value=lowest) for r in rows],
-                     dim=-2)  # fmt: skip
+    return torch.cat(
+        [torch.nn.functional.pad(r, (0, n - r.shape[-1]), value=lowest) for r in rows], dim=-2
+    )
 
 
 @needs_tl4
@@ -303,8 +329,10 @@ def test_mitigation_changes_the_bias_as_for_bloom(family, kind, params):
     slopes = alibi_slopes(model)
     d = alibi.distance_rows(32, 32)
     causal = alibi.causal_rows(32, 32)
-    expected = (alibi.bias_from_distance(kind, slopes, d, **params)
-                - alibi.bias_from_distance("standard", slopes, d))[None]  # fmt: skip
+    expected = (
+        alibi.bias_from_distance(kind, slopes, d, **params)
+        - alibi.bias_from_distance("standard", slopes, d)
+    )[None]
     plain = run_census(model, tokens, progress=False)
     with mitigation(model, "standard"):
         standard = _scores(model, tokens)
@@ -354,8 +382,9 @@ def test_mpt_runs_past_max_seq_len_as_alibi_extrapolates():
         hf(tokens)
     patterns = []
     model = converted(hf)
-    with model.hooks(fwd_hooks=[("blocks.1.attn.hook_pattern",
-                                 lambda p, hook: patterns.append(p))]):  # fmt: skip
+    with model.hooks(
+        fwd_hooks=[("blocks.1.attn.hook_pattern", lambda p, hook: patterns.append(p))]
+    ):
         model(tokens)
     reference = eager(hf, tokens[:, :64])[0][1]
     torch.testing.assert_close(patterns[0][..., :64, :64].double(), reference, atol=1e-6, rtol=0)

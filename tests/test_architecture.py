@@ -337,8 +337,18 @@ def test_the_model_modules_docstrings_name_everything_they_export():
 # Modules that draw, write reports or parse command lines; nothing in the library imports them.
 PRESENTATION = ("headsurgeon.plots", "headsurgeon.reports", "headsurgeon.cli")
 # The library modules the issue names, checked in a fresh interpreter each.
-LIBRARY = ("alibi", "probes", "census", "classify", "surgery", "finetune", "evals", "blindness",
-           "repair", "data")  # fmt: skip
+LIBRARY = (
+    "alibi",
+    "probes",
+    "census",
+    "classify",
+    "surgery",
+    "finetune",
+    "evals",
+    "blindness",
+    "repair",
+    "data",
+)
 TOOLS = ("classify", "blindness", "repair")  # python -m headsurgeon.<tool>
 
 

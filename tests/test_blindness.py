@@ -204,8 +204,14 @@ def plain_transformer():
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     cfg = HookedTransformerConfig(
-        n_layers=1, d_model=16, d_head=4, n_heads=4, n_ctx=32, d_vocab=50, act_fn="gelu",
-    )  # fmt: skip
+        n_layers=1,
+        d_model=16,
+        d_head=4,
+        n_heads=4,
+        n_ctx=32,
+        d_vocab=50,
+        act_fn="gelu",
+    )
     return HookedTransformer(cfg)
 
 
@@ -217,9 +223,14 @@ def rotary_model():
     from headsurgeon.loading import from_hf_model
 
     config = GPTNeoXConfig(
-        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
-        vocab_size=50, max_position_embeddings=32, architectures=["GPTNeoXForCausalLM"],
-    )  # fmt: skip
+        num_hidden_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=32,
+        architectures=["GPTNeoXForCausalLM"],
+    )
     torch.manual_seed(0)
     return from_hf_model(GPTNeoXForCausalLM(config).eval(), name="neox")
 
@@ -247,9 +258,16 @@ def test_mitigations_keep_a_transformerlens_models_own_slopes():
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     cfg = HookedTransformerConfig(
-        n_layers=2, d_model=24, d_head=4, n_heads=6, n_ctx=64, d_vocab=50, act_fn="gelu",
-        positional_embedding_type="alibi", seed=0,
-    )  # fmt: skip
+        n_layers=2,
+        d_model=24,
+        d_head=4,
+        n_heads=6,
+        n_ctx=64,
+        d_vocab=50,
+        act_fn="gelu",
+        positional_embedding_type="alibi",
+        seed=0,
+    )
     model = HookedTransformer(cfg)
     tokens = _tokens(2, 40) % 50
     plain = model(tokens)

@@ -145,9 +145,14 @@ def test_learned_positions_keep_their_context():
     from headsurgeon.loading import from_hf_model
 
     config = GPTNeoXConfig(
-        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
-        vocab_size=50, max_position_embeddings=32, architectures=["GPTNeoXForCausalLM"],
-    )  # fmt: skip
+        num_hidden_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=32,
+        architectures=["GPTNeoXForCausalLM"],
+    )
     torch.manual_seed(0)
     model = from_hf_model(GPTNeoXForCausalLM(config).eval(), name="neox")
     with pytest.raises(InvalidArgumentError, match="beyond the model's context of 32"):
@@ -179,8 +184,20 @@ def test_cli_measures_past_the_nominal_context(tmp_path, capsys):
     folder = make_bloom_checkpoint(tmp_path / "bloom", n_heads=8, n_layers=1)
     n_pos = model_shape(folder).n_ctx + 52
     out = tmp_path / "out"
-    argv = [folder, "--measure", "--seq-len", n_pos, "--n-seqs", 1, "--dtypes", "float16",
-            "--limit", "zero", "--out", out]  # fmt: skip
+    argv = [
+        folder,
+        "--measure",
+        "--seq-len",
+        n_pos,
+        "--n-seqs",
+        1,
+        "--dtypes",
+        "float16",
+        "--limit",
+        "zero",
+        "--out",
+        out,
+    ]
     assert main([str(arg) for arg in argv]) == 0
     capsys.readouterr()
     analytic = pd.read_csv(out / "blindness.csv")

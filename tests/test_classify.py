@@ -111,9 +111,16 @@ def test_planted_heads_get_their_labels_and_the_rest_are_healthy(planted):
 def census_frame(bos, share=None):
     n = len(bos)
     share = [0.3] * n if share is None else share
-    return pd.DataFrame({"layer": np.arange(n) // 4, "head": np.arange(n) % 4,
-                         "bos_mass": bos, "bos_mass_std": [0.01] * n, "entropy": [1.0] * n,
-                         "output_share": share})  # fmt: skip
+    return pd.DataFrame(
+        {
+            "layer": np.arange(n) // 4,
+            "head": np.arange(n) % 4,
+            "bos_mass": bos,
+            "bos_mass_std": [0.01] * n,
+            "entropy": [1.0] * n,
+            "output_share": share,
+        }
+    )
 
 
 def test_label_boundaries_are_strict_inequalities():
@@ -125,9 +132,16 @@ def test_label_boundaries_are_strict_inequalities():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"sink": 0.9, "dead": 0.8}, {"sink": 0.5, "dead": 0.5}, {"sink": -0.1},
-     {"dead": 1.5}, {"min_output_share": 1.0}, {"sink": float("nan")}, {"dead": "0.9"}],
-)  # fmt: skip
+    [
+        {"sink": 0.9, "dead": 0.8},
+        {"sink": 0.5, "dead": 0.5},
+        {"sink": -0.1},
+        {"dead": 1.5},
+        {"min_output_share": 1.0},
+        {"sink": float("nan")},
+        {"dead": "0.9"},
+    ],
+)
 def test_invalid_thresholds_are_refused(kwargs):
     with pytest.raises(InvalidArgumentError):
         Thresholds(**kwargs)
@@ -150,8 +164,15 @@ def test_threshold_sweep_counts_match_classification():
 
 def test_summary_reports_counts_and_sensitivity():
     census = census_frame([0.1, 0.48, 0.52, 0.97, 0.2, 0.1, 0.3, 0.49])
-    census.attrs = {"model": "m", "n_layers": 2, "n_heads": 4, "n_seqs": 5, "seq_len": 9,
-                    "prepend_bos": False, "min_query_pos": 1}  # fmt: skip
+    census.attrs = {
+        "model": "m",
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_seqs": 5,
+        "seq_len": 9,
+        "prepend_bos": False,
+        "min_query_pos": 1,
+    }
     text = format_summary(classify_heads(census), top=3)
     assert "healthy 6, BOS-sink 1, dead 1" in text
     assert "3 head(s) have BOS mass within 0.05" in text
@@ -190,8 +211,19 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
     texts.write_text(TEXT)
     out = tmp_path / "result"
     static = ["--format", "svg", "pdf"] if plots.has_browser() else []  # else: html only
-    argv = [str(checkpoint), "--texts", str(texts), "--seq-len", "32", "--n-seqs", "8",
-            "--prepend-bos", "--out", str(out), *static]  # fmt: skip
+    argv = [
+        str(checkpoint),
+        "--texts",
+        str(texts),
+        "--seq-len",
+        "32",
+        "--n-seqs",
+        "8",
+        "--prepend-bos",
+        "--out",
+        str(out),
+        *static,
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "healthy 5, BOS-sink 1, dead 2" in printed and "strongest sinks" in printed
@@ -293,16 +325,30 @@ def test_write_classification_carries_importance_columns_and_figures(tmp_path):
     df.attrs |= {"importance_method": "attribution", "importance_ablation": "mean"}
     out = write_classification(df, tmp_path / "out", formats=("html",))
     figures = sorted(p.stem for p in out.glob("*.html") if p.name != "index.html")
-    assert figures == sorted(["bos_mass", "labels", "entropy", "output_share", "threshold_sweep",
-                              "importance", "bos_vs_importance"])  # fmt: skip
+    assert figures == sorted(
+        [
+            "bos_mass",
+            "labels",
+            "entropy",
+            "output_share",
+            "threshold_sweep",
+            "importance",
+            "bos_vs_importance",
+        ]
+    )
     heads = pd.read_csv(out / "heads.csv")
     np.testing.assert_array_equal(heads["delta_loss"], df["delta_loss"])
     assert (heads["importance_method"] == "attribution").all()
     meta = json.loads((out / "heads.json").read_text())
     assert meta["metadata"]["importance_method"] == "attribution"
     assert meta["metadata"]["importance_ablation"] == "mean"
-    assert {"delta_loss", "delta_loss_se", "clean_loss", "importance_method",
-            "importance_ablation"} <= set(meta["columns"])  # fmt: skip
+    assert {
+        "delta_loss",
+        "delta_loss_se",
+        "clean_loss",
+        "importance_method",
+        "importance_ablation",
+    } <= set(meta["columns"])
     assert meta["heads"][5]["delta_loss"] == -0.2
     assert "working sick heads: L0H3" in (out / "summary.txt").read_text()
 
@@ -325,8 +371,18 @@ def test_cli_importance_adds_columns_and_figures_and_keeps_labels(planted, tmp_p
     checkpoint = save_hf(model, tmp_path / "planted")
     texts = tmp_path / "text.txt"
     texts.write_text(TEXT)
-    argv = [str(checkpoint), "--texts", str(texts), "--seq-len", "32", "--n-seqs", "8",
-            "--prepend-bos", "--batch-size", "3"]  # fmt: skip
+    argv = [
+        str(checkpoint),
+        "--texts",
+        str(texts),
+        "--seq-len",
+        "32",
+        "--n-seqs",
+        "8",
+        "--prepend-bos",
+        "--batch-size",
+        "3",
+    ]
     assert main([*argv, "--out", str(tmp_path / "plain")]) == 0
     plain_summary = capsys.readouterr().out
     assert "delta_loss" not in plain_summary
@@ -351,9 +407,11 @@ def test_cli_importance_adds_columns_and_figures_and_keeps_labels(planted, tmp_p
     assert silent["delta_loss"] == 0 and silent["delta_loss_se"] == 0
     assert (heads["delta_loss"].abs() > 1e-6).sum() >= 4  # the other heads do matter
     dormant = heads["delta_loss"].abs() <= 2 * heads["delta_loss_se"]
-    split = ", ".join(f"{label} {(dormant & (heads['label'] == label)).sum()}/"
-                      f"{(~dormant & (heads['label'] == label)).sum()}"
-                      for label in ("healthy", "BOS-sink", "dead"))  # fmt: skip
+    split = ", ".join(
+        f"{label} {(dormant & (heads['label'] == label)).sum()}/"
+        f"{(~dormant & (heads['label'] == label)).sum()}"
+        for label in ("healthy", "BOS-sink", "dead")
+    )
     assert f"dormant (|delta_loss| <= 2 SE) / working: {split}" in summary
     assert "importance (mean ablation)" in summary and "most important heads" in summary
 
@@ -392,8 +450,21 @@ def test_cli_census_and_importance_take_every_sequence_asked_for(bloom_dir, tmp_
     monkeypatch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kwargs: None))
     (tmp_path / "text.txt").write_text(TEXT)
     out = tmp_path / "out"
-    argv = [str(bloom_dir), "--texts", str(tmp_path / "text.txt"), "--n-seqs", "70", "--seq-len",
-            "4", "--batch-size", "70", "--importance", "zero", "--out", str(out)]  # fmt: skip
+    argv = [
+        str(bloom_dir),
+        "--texts",
+        str(tmp_path / "text.txt"),
+        "--n-seqs",
+        "70",
+        "--seq-len",
+        "4",
+        "--batch-size",
+        "70",
+        "--importance",
+        "zero",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     meta = json.loads((out / "heads.json").read_text())["metadata"]
     assert meta["n_seqs"] == 70 and meta["importance_n_tokens"] == 70 * 3

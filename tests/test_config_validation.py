@@ -275,9 +275,14 @@ def test_bundled_organisms_pass(no_weight_reads):
 def test_other_architectures_still_load_and_their_unused_weights_are_refused(tmp_path):
     """A Llama loads as before; with a layer dropped from its config, the weights left over fail."""
     config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=320, max_position_embeddings=64,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=320,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     assert load_model(tmp_path).cfg.n_layers == 2
@@ -300,10 +305,21 @@ def test_other_architectures_still_load_and_their_unused_weights_are_refused(tmp
 def test_classify_cli_exits_2_with_one_line(folder, tmp_path, changes, expected):
     edit_config(folder, changes)
     result = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", str(folder), "--threads", "1",
-         "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "headsurgeon.classify",
+            str(folder),
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines

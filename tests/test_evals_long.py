@@ -50,8 +50,9 @@ def test_perplexity_in_blocks_equals_the_dense_pass(tiny_model, kind, params):
         blocked = perplexity(tiny_model, stream, block_size=16, **kwargs)
         rows = ids(3, 120, seed=2)
         loss = dense_nll(tiny_model, rows).mean().item()
-        assert math.log(perplexity(tiny_model, rows, window=120, block_size=32,
-                                   progress=False)) == pytest.approx(loss, abs=1e-5)  # fmt: skip
+        assert math.log(
+            perplexity(tiny_model, rows, window=120, block_size=32, progress=False)
+        ) == pytest.approx(loss, abs=1e-5)
     assert math.log(blocked) == pytest.approx(math.log(dense), abs=1e-5)
 
 
@@ -91,8 +92,14 @@ def test_continuations_after_a_prompt_beyond_the_nominal_context(tiny_model):
         got = continuation_logprobs(tiny_model, prompt, continuations)
         expected = full_sequence_logprobs(tiny_model, prompt, continuations)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    result = passkey(tiny_model, lengths=[tiny_model.cfg.n_ctx + 64], depths=[0.5], n_trials=1,
-                     n_candidates=2, train_ctx=128)  # fmt: skip
+    result = passkey(
+        tiny_model,
+        lengths=[tiny_model.cfg.n_ctx + 64],
+        depths=[0.5],
+        n_trials=1,
+        n_candidates=2,
+        train_ctx=128,
+    )
     assert result.table.in_context.tolist() == [False]
     assert result.trials.context_length.tolist() == [tiny_model.cfg.n_ctx + 64]
 
@@ -105,8 +112,9 @@ def bucket_means(nll: torch.Tensor, edges: list[int]) -> list[float]:
 def test_loss_by_position_in_blocks_equals_the_dense_pass(tiny_model, kind, params):
     rows = ids(3, 200, seed=8)
     with applied(tiny_model, kind, params):
-        curve = loss_by_position(tiny_model, rows, length=200, n_seqs=3, block_size=16,
-                                 progress=False)  # fmt: skip
+        curve = loss_by_position(
+            tiny_model, rows, length=200, n_seqs=3, block_size=16, progress=False
+        )
         nll = dense_nll(tiny_model, rows)
     if kind:  # in force: some token losses move by 10x the tolerance and more
         assert (nll - dense_nll(tiny_model, rows)).abs().max() > 1e-4
@@ -186,9 +194,12 @@ def test_models_with_learned_positions_keep_their_context():
     expected = bucket_means(dense_nll(model, data), position_edges(64))
     assert curve.mean_nll.tolist() == pytest.approx(expected, abs=1e-5)
     prompt, continuations = tokens(1, 40)[0], tokens(3, 4, seed=1)
-    torch.testing.assert_close(continuation_logprobs(model, prompt, continuations),
-                               full_sequence_logprobs(model, prompt, continuations),
-                               rtol=0, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        continuation_logprobs(model, prompt, continuations),
+        full_sequence_logprobs(model, prompt, continuations),
+        rtol=0,
+        atol=1e-5,
+    )
     if MAJOR >= 4:  # asked for blocks the bridge cannot run: one line, never a wrong number
         with pytest.raises(UnsupportedArchitectureError, match="does not keep a key-value cache"):
             continuation_logprobs(model, prompt, continuations, block_size=16)

@@ -36,9 +36,18 @@ def tl_model(**changes):
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     args = dict(
-        n_layers=2, d_model=48, n_heads=6, d_head=8, n_ctx=32, d_vocab=64, act_fn="gelu_new",
-        positional_embedding_type="alibi", normalization_type="LN", post_embedding_ln=True, seed=0,
-    )  # fmt: skip
+        n_layers=2,
+        d_model=48,
+        n_heads=6,
+        d_head=8,
+        n_ctx=32,
+        d_vocab=64,
+        act_fn="gelu_new",
+        positional_embedding_type="alibi",
+        normalization_type="LN",
+        post_embedding_ln=True,
+        seed=0,
+    )
     args.update(changes)
     model = HookedTransformer(HookedTransformerConfig(**args))
     with torch.no_grad():  # TransformerLens initialises LayerNorms and biases to constants
@@ -109,7 +118,7 @@ def test_transformer_lens_slopes_refused_then_exported_after_use_exact_alibi(tmp
             {"positional_embedding_type": "standard", "post_embedding_ln": False},
             "standard positions (BLOOM uses ALiBi); no embedding LayerNorm",
         ),
-    ],  # fmt: skip
+    ],
 )
 def test_what_bloom_cannot_express_is_refused_by_name(changes, named, tmp_path):
     # 4 heads: TransformerLens's slopes are BLOOM's, so only the change is named.
@@ -133,8 +142,13 @@ def test_another_architecture_is_refused_by_name(tmp_path):
 
     from headsurgeon.loading import from_hf_model
 
-    config = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                           num_attention_heads=4, intermediate_size=128)  # fmt: skip
+    config = GPTNeoXConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=128,
+    )
     torch.manual_seed(0)
     model = from_hf_model(GPTNeoXForCausalLM(config).eval())
     assert "architecture GPTNeoXForCausalLM" in refusal(model, tmp_path / "out")

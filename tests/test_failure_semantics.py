@@ -93,8 +93,12 @@ def test_a_folder_that_is_not_writable_fails_before_the_model_loads(
 def test_unwritable_out_fails_before_the_census(bloom_dir, tmp_path):
     (tmp_path / "file").write_text("x")
     argv = [str(bloom_dir), "--threads", "1", "--out", str(tmp_path / "file" / "out")]
-    done = subprocess.run([sys.executable, "-m", "headsurgeon.classify", *argv],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "headsurgeon.classify", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()  # no census progress bar: it never started
     assert line == f"error: cannot create {tmp_path}/file/out: {tmp_path}/file is a file; " + (
@@ -136,8 +140,21 @@ def test_a_write_error_deep_in_an_output_names_its_final_path(tmp_path, monkeypa
     assert entries(tmp_path) == []
 
 
-REPAIR_ARGS = ["--seq-len", "32", "--n-seqs", "8", "--train-seq-len", "32", "--steps", "2",
-               "--batch-size", "4", "--passes", "1", "--quiet"]  # fmt: skip
+REPAIR_ARGS = [
+    "--seq-len",
+    "32",
+    "--n-seqs",
+    "8",
+    "--train-seq-len",
+    "32",
+    "--steps",
+    "2",
+    "--batch-size",
+    "4",
+    "--passes",
+    "1",
+    "--quiet",
+]
 
 
 def repair_argv(bloom_dir, text_file, *extra):
@@ -195,9 +212,14 @@ def bad_texts(tmp_path):
 
 @pytest.mark.parametrize(
     "tool, option",
-    [("classify", "--texts"), ("blindness", "--texts"), ("repair", "--texts"),
-     ("repair", "--corpus"), ("repair", "--eval-corpus")],
-)  # fmt: skip
+    [
+        ("classify", "--texts"),
+        ("blindness", "--texts"),
+        ("repair", "--texts"),
+        ("repair", "--corpus"),
+        ("repair", "--eval-corpus"),
+    ],
+)
 def test_a_text_path_that_is_no_text_file_is_one_line_before_loading(
     tool, option, bloom_dir, tmp_path, no_model, capsys, monkeypatch
 ):
@@ -241,19 +263,39 @@ tool.entry()
 @pytest.mark.slow  # subprocesses
 def test_two_concurrent_classify_runs_into_one_folder(bloom_dir, text_file, tmp_path):
     out = tmp_path / "out"
-    argv = [str(bloom_dir), "--texts", str(text_file), "--seq-len", "32", "--n-seqs", "4",
-            "--threads", "1", "--out", str(out)]  # fmt: skip
+    argv = [
+        str(bloom_dir),
+        "--texts",
+        str(text_file),
+        "--seq-len",
+        "32",
+        "--n-seqs",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     env = dict(os.environ, GO=str(tmp_path / "go"))
-    first = subprocess.Popen([sys.executable, "-c", HOLD, *argv], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-c", HOLD, *argv],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / ".out.lock").exists() or not (tmp_path / ".out.lock").read_text():
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.05)
         # The first run holds the folder and waits in its census: the second starts now.
-        second = subprocess.run([sys.executable, "-m", "headsurgeon.classify", *argv],
-                                capture_output=True, text=True, timeout=300)  # fmt: skip
+        second = subprocess.run(
+            [sys.executable, "-m", "headsurgeon.classify", *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert first.poll() is None  # really concurrent: the first is still running
     finally:
         (tmp_path / "go").touch()
@@ -343,8 +385,9 @@ def test_a_folder_that_appeared_meanwhile_is_kept_without_overwrite(tmp_path):
 
 def test_repair_refuses_float16_before_loading(bloom_dir, tmp_path, no_model, capsys):
     out = tmp_path / "out"
-    line = error_line(headsurgeon.cli.repair.main, [bloom_dir, "--dtype", "float16", "--out", out],
-                      capsys)  # fmt: skip
+    line = error_line(
+        headsurgeon.cli.repair.main, [bloom_dir, "--dtype", "float16", "--out", out], capsys
+    )
     assert line.startswith("error: --dtype float16: fine-tuning a float16 model needs loss")
     assert entries(tmp_path) == []
 
@@ -366,8 +409,9 @@ def test_a_repair_that_never_trained_leaves_no_partial_and_is_not_blocked_by_one
     (tmp_path / "out.partial").mkdir()
     (tmp_path / "out.partial" / "run.json").write_text("{}")
     mark_folder(tmp_path / "out.partial", headsurgeon.cli.repair.WORK_WRITER)
-    line = error_line(headsurgeon.cli.repair.main,
-                      repair_argv(bloom_dir, text_file, "--out", out), capsys)  # fmt: skip
+    line = error_line(
+        headsurgeon.cli.repair.main, repair_argv(bloom_dir, text_file, "--out", out), capsys
+    )
     assert "nothing to repair" in line  # the healthy model's census: it never trained
     assert entries(tmp_path) == ["text.txt"]
 

@@ -32,16 +32,27 @@ def hf_model(family: str, seed: int = 0, **changes):
     torch.manual_seed(seed)
     if family == "mpt":
         config = MptConfig(
-            d_model=64, n_heads=4, n_layers=2, vocab_size=128, max_seq_len=64,
-            attn_config={"alibi": True, "alibi_bias_max": 16}, **changes,
-        )  # fmt: skip
+            d_model=64,
+            n_heads=4,
+            n_layers=2,
+            vocab_size=128,
+            max_seq_len=64,
+            attn_config={"alibi": True, "alibi_bias_max": 16},
+            **changes,
+        )
         model = MptForCausalLM(config)
     else:
         args = dict(
-            hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=128, alibi=True,
-            new_decoder_architecture=False, multi_query=False, parallel_attn=False,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            vocab_size=128,
+            alibi=True,
+            new_decoder_architecture=False,
+            multi_query=False,
+            parallel_attn=False,
             bias=family == "falcon",
-        )  # fmt: skip
+        )
         model = FalconForCausalLM(FalconConfig(**(args | changes)))
     model.config._attn_implementation = "eager"
     with torch.no_grad():  # constant initial biases and LayerNorms would hide a wrong mapping
@@ -99,10 +110,11 @@ def test_head_slices_are_what_transformers_computes_per_head(family):
     layer = 1
     seen = {}
     hook = hf_attention(reference, layer).register_forward_hook(
-        lambda m, args, kwargs, out: seen.update(x=kwargs.get("hidden_states", args and args[0]),
-                                                 out=out[0], pattern=out[1]),
+        lambda m, args, kwargs, out: seen.update(
+            x=kwargs.get("hidden_states", args and args[0]), out=out[0], pattern=out[1]
+        ),
         with_kwargs=True,
-    )  # fmt: skip
+    )
     with torch.no_grad():
         reference(tokens, output_attentions=True)
     hook.remove()
@@ -182,18 +194,29 @@ def test_masked_finetuning_moves_only_the_chosen_slices(family, strategy):
     _, model = pair(family)
     before = bridge_state(model)
     decay = 0.1 if strategy == "slices" else 0.0  # slices: decay reaches only the copies
-    config = FinetuneConfig(steps=3, batch_size=2, lr=1e-2, eval_every=3, eval_seqs=2,
-                            strategy=strategy, weight_decay=decay)  # fmt: skip
-    finetune(model, "L0H1,L1H3", toks(8, 16), config=config, progress=False)  # fmt: skip
+    config = FinetuneConfig(
+        steps=3,
+        batch_size=2,
+        lr=1e-2,
+        eval_every=3,
+        eval_seqs=2,
+        strategy=strategy,
+        weight_decay=decay,
+    )
+    finetune(model, "L0H1,L1H3", toks(8, 16), config=config, progress=False)
     masks = head_masks(model, "L0H1,L1H3")
     for name, p in model.named_parameters():
         mask = masks.get(name, torch.zeros_like(p, dtype=torch.bool))
         assert torch.equal(p[~mask], before[name][~mask]), name  # bit-identical outside
-    trained = {name: (p[masks[name]] != before[name][masks[name]]).any()
-               for name, p in model.named_parameters() if name in masks}  # fmt: skip
+    trained = {
+        name: (p[masks[name]] != before[name][masks[name]]).any()
+        for name, p in model.named_parameters()
+        if name in masks
+    }
     # Every chosen tensor moved, except b_K (no gradient: it shifts a whole row of logits).
-    expected = {t.path for layer in (0, 1) for n, t in head_tensors(model, layer).items()
-                if n != "b_K"}  # fmt: skip
+    expected = {
+        t.path for layer in (0, 1) for n, t in head_tensors(model, layer).items() if n != "b_K"
+    }
     assert {name for name, moved in trained.items() if moved} == expected
 
 
@@ -216,8 +239,11 @@ def test_heads_sharing_keys_and_values_are_refused_in_one_line(changes, match):
     # Built by hand: load_model and from_hf_model refuse new_decoder_architecture outright.
     model = build_bridge_from_module(hf, "FalconForCausalLM", hf_config=hf.config)
     before = bridge_state(model)
-    for call in (lambda: check_head_tensors(model), lambda: reinit_heads(model, "L0H0"),
-                 lambda: finetune(model, "L0H0", toks(4, 8), progress=False)):  # fmt: skip
+    for call in (
+        lambda: check_head_tensors(model),
+        lambda: reinit_heads(model, "L0H0"),
+        lambda: finetune(model, "L0H0", toks(4, 8), progress=False),
+    ):
         with pytest.raises(UnsupportedArchitectureError, match=match) as error:
             call()
         assert "\n" not in str(error.value)
@@ -248,8 +274,9 @@ def test_export_writes_the_familys_own_layout_and_transformers_computes_the_mode
     exported = type(reference).from_pretrained(folder, dtype=torch.float32).eval()
     exported.config._attn_implementation = "eager"
     tokens = toks(3, 20)
-    torch.testing.assert_close(hf_logits(exported, tokens), logits(model, tokens), atol=ATOL,
-                               rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        hf_logits(exported, tokens), logits(model, tokens), atol=ATOL, rtol=0
+    )
     written = load_file(folder / "model.safetensors")
     assert set(written) <= set(source) and "lm_head.weight" not in written  # tied, as the source
     for name, tensor in written.items():
@@ -289,15 +316,24 @@ def test_repair_end_to_end_changes_only_the_targets_and_exports(family, tmp_path
     _, model = pair(family)
     before = bridge_state(model)
     data = torch.randint(0, 128, (40, 32), generator=torch.Generator().manual_seed(2))
-    result = repair(model, data, heads="L1H2", passes=1, progress=False,
-                    finetune_config=FinetuneConfig(steps=2, batch_size=4, lr=1e-2))  # fmt: skip
+    result = repair(
+        model,
+        data,
+        heads="L1H2",
+        passes=1,
+        progress=False,
+        finetune_config=FinetuneConfig(steps=2, batch_size=4, lr=1e-2),
+    )
     assert str(result.passes[0].targeted) == "L1H2"
     assert set(result.census_after["head"]) == set(range(4))  # every head measured after
     masks = head_masks(model, "L1H2")
     for name, p in model.named_parameters():
         mask = masks.get(name, torch.zeros_like(p, dtype=torch.bool))
         assert torch.equal(p[~mask], before[name][~mask]), name
-    assert any(not torch.equal(p[masks[n]], before[n][masks[n]])
-               for n, p in model.named_parameters() if n in masks)  # fmt: skip
+    assert any(
+        not torch.equal(p[masks[n]], before[n][masks[n]])
+        for n, p in model.named_parameters()
+        if n in masks
+    )
     folder = save_hf(model, tmp_path / "repaired", dtype="float32")  # checked by reloading
     assert (folder / "model.safetensors").is_file()

@@ -116,8 +116,9 @@ def test_memory_switches_train_the_same_heads_the_same_way(strategy):
     for switches in ({}, {"gradient_checkpointing": True, "loss_chunk": 10}):
         model, heads, tokens = setup("L0H1,L2H3")  # backward through every block
         before = snapshot(model)
-        result = finetune(model, heads, tokens, config=config(strategy=strategy, **switches),
-                          progress=False)  # fmt: skip
+        result = finetune(
+            model, heads, tokens, config=config(strategy=strategy, **switches), progress=False
+        )
         assert outside(model, before, heads) == []
         runs.append((result.losses, head_weight(model, 0, "W_Q")[1].clone(), model))
     (losses, trained, _), (losses2, trained2, model) = runs
@@ -324,8 +325,9 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, caplog):
     kept = load_checkpoint(tmp_path)
     assert kept["step"] == 4
     with pytest.raises(OutputExistsError, match="holds a checkpoint"):  # never overwritten
-        finetune(model, heads, tokens, config=config(steps=8), checkpoint_dir=tmp_path,
-                 progress=False)  # fmt: skip
+        finetune(
+            model, heads, tokens, config=config(steps=8), checkpoint_dir=tmp_path, progress=False
+        )
     reference, heads, tokens = setup()
     finetune(reference, heads, tokens, config=config(steps=8), progress=False)
     # The model keeps the weights of the last good step: four steps of the same schedule.

@@ -82,13 +82,15 @@ def test_silenced_head_costs_exactly_nothing(injured, injured_tokens):
 def test_exact_ablation_equals_a_brute_force_hook_loop(injured, injured_tokens, ablation):
     # Batches of 2 of 5 sequences (a short last one), 3 heads per stacked pass (16 = 5*3 + 1):
     # streaming, stacking and the cyclic resample donors across batches are all exercised.
-    df = head_importance(injured, injured_tokens, method=ablation, batch_size=2,
-                         heads_per_pass=3, progress=False)  # fmt: skip
+    df = head_importance(
+        injured, injured_tokens, method=ablation, batch_size=2, heads_per_pass=3, progress=False
+    )
     delta, se = brute_force(injured, injured_tokens, ablation)
     np.testing.assert_allclose(grid(df), delta, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(grid(df, "delta_loss_se"), se, atol=2e-5, rtol=1e-3)
-    np.testing.assert_allclose(df["clean_loss"], seq_losses(injured, injured_tokens).mean(),
-                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        df["clean_loss"], seq_losses(injured, injured_tokens).mean(), rtol=1e-6
+    )
     assert (df["method"] == ablation).all() and (df["ablation"] == ablation).all()
 
 
@@ -132,8 +134,9 @@ def test_attribution_is_the_derivative_of_a_partial_ablation(ablation):
     """Attribution = d/d eps of the loss with z -> z + eps (z' - z), at eps = 0 (float64)."""
     model = float64_model()
     tokens = torch.randint(0, 40, (3, 12), generator=torch.Generator().manual_seed(0))
-    estimate = head_importance(model, tokens, method="attribution", ablation=ablation,
-                               batch_size=2, progress=False)  # fmt: skip
+    estimate = head_importance(
+        model, tokens, method="attribution", ablation=ablation, batch_size=2, progress=False
+    )
     with torch.no_grad():
         _, donors = model.run_with_cache(tokens.roll(-1, 0))
     # A central difference: 4.x's BLOOM attention takes its softmax in float32 even in a float64
@@ -194,9 +197,17 @@ def test_importance_figures_draw_the_numbers():
 
     rng = np.random.default_rng(0)
     layer, head = np.divmod(np.arange(12), 4)
-    df = pd.DataFrame({"layer": layer, "head": head, "delta_loss": rng.normal(0, 0.1, 12),
-                       "delta_loss_se": 0.01, "clean_loss": 3.0, "method": "mean",
-                       "ablation": "mean"})  # fmt: skip
+    df = pd.DataFrame(
+        {
+            "layer": layer,
+            "head": head,
+            "delta_loss": rng.normal(0, 0.1, 12),
+            "delta_loss_se": 0.01,
+            "clean_loss": 3.0,
+            "method": "mean",
+            "ablation": "mean",
+        }
+    )
     df["bos_mass"] = rng.uniform(0, 1, 12)
     df["label"] = ["healthy"] * 9 + ["BOS-sink", "BOS-sink", "dead"]
     grid_fig = plots.importance_grid(df)
@@ -221,8 +232,10 @@ def test_ablate_heads_matches_hooks_and_leaves_the_model_as_it_was(tiny_model):
     tokens = torch.randint(0, tiny_model.cfg.d_vocab, (4, 12))
     clean = tiny_model(tokens)
     _, cache = tiny_model.run_with_cache(tokens, names_filter=lambda n: n.endswith("hook_z"))
-    replacements = {"zero": lambda z: torch.zeros_like(z),
-                    "mean": lambda z: z.mean((0, 1), keepdim=True).expand_as(z)}  # fmt: skip
+    replacements = {
+        "zero": lambda z: torch.zeros_like(z),
+        "mean": lambda z: z.mean((0, 1), keepdim=True).expand_as(z),
+    }
     for ablation, value in replacements.items():
 
         def replace(z, hook, value=value):

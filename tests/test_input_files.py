@@ -224,8 +224,9 @@ def folder(bloom_dir, tmp_path):
     return Path(shutil.copytree(bloom_dir, tmp_path / "ckpt"))
 
 
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json",
-                                  "headsurgeon.json"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["config.json", "model.safetensors", "tokenizer.json", "headsurgeon.json"]
+)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_model_file_that_is_no_regular_file(folder, fifos, name, kind):
     path = folder / name

@@ -18,10 +18,20 @@ TOOLS = {
     "python -m classify": [sys.executable, "-m", "headsurgeon.classify", "organism-injured"],
     "console script": [str(SCRIPTS / "headsurgeon-classify"), "organism-injured"],
     "python -m repair": [
-        sys.executable, "-m", "headsurgeon.repair", "organism-injured",
-        "--steps", "40", "--passes", "1", "--n-seqs", "8", "--seq-len", "64",
+        sys.executable,
+        "-m",
+        "headsurgeon.repair",
+        "organism-injured",
+        "--steps",
+        "40",
+        "--passes",
+        "1",
+        "--n-seqs",
+        "8",
+        "--seq-len",
+        "64",
     ],
-}  # fmt: skip
+}
 
 
 def interrupt(command: list[str], delay: float, cwd: Path) -> subprocess.CompletedProcess:

@@ -18,15 +18,26 @@ from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchi
 from headsurgeon.long_context import block_size, check_length, query_offset, run_in_blocks
 from headsurgeon.probes import HeadStats, pattern_stats, stream
 
-NUMERIC = ["bos_mass", "bos_mass_std", "sink_score", "entropy", "max_weight", "mean_distance",
-           "self_mass", "prev_mass", "output_norm", "output_share"]  # fmt: skip
+NUMERIC = [
+    "bos_mass",
+    "bos_mass_std",
+    "sink_score",
+    "entropy",
+    "max_weight",
+    "mean_distance",
+    "self_mass",
+    "prev_mass",
+    "output_norm",
+    "output_share",
+]
 
 
 def assert_same_census(blocked: pd.DataFrame, dense: pd.DataFrame) -> None:
     """Census columns within 1e-6 (relative for the large ones, such as distances in tokens)."""
     for column in NUMERIC:
-        np.testing.assert_allclose(blocked[column], dense[column], rtol=1e-6, atol=1e-6,
-                                   err_msg=column)  # fmt: skip
+        np.testing.assert_allclose(
+            blocked[column], dense[column], rtol=1e-6, atol=1e-6, err_msg=column
+        )
 
 
 def test_blocks_give_the_dense_residual_stream(tiny_model):
@@ -99,8 +110,10 @@ def test_models_with_learned_positions_keep_their_context():
         check_length(model, 65)
     # Within the context, blocks give the dense numbers on learned positions too.
     ids = tokens(2, 64)
-    assert_same_census(run_census(model, ids, block_size=16, progress=False),
-                       run_census(model, ids, block_size=64, progress=False))  # fmt: skip
+    assert_same_census(
+        run_census(model, ids, block_size=16, progress=False),
+        run_census(model, ids, block_size=64, progress=False),
+    )
 
 
 def test_a_users_hook_sees_one_block_of_rows_at_a_time(tiny_model):

@@ -43,22 +43,61 @@ REFUSED = {
 # Per family: config class, model class, sizes (2 layers, 4 heads of 8), and the output
 # projection of layer {}, whose input is the heads' concatenated z.
 SPECS = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", "transformer.h.{}.attn.c_proj",
-             dict(n_positions=64, n_embd=32, n_layer=2, n_head=4, initializer_range=INIT)),
-    "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", "gpt_neox.layers.{}.attention.dense",
-             dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=64, max_position_embeddings=64, use_parallel_residual=True,
-                  initializer_range=INIT)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", "model.layers.{}.self_attn.o_proj",
-              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                   initializer_range=INIT)),
-    "opt": ("OPTConfig", "OPTForCausalLM", "model.decoder.layers.{}.self_attn.out_proj",
-            dict(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-                 max_position_embeddings=64, word_embed_proj_dim=32, init_std=INIT)),
-    "bloom": ("BloomConfig", "BloomForCausalLM", "transformer.h.{}.self_attention.dense",
-              dict(hidden_size=32, n_layer=2, n_head=4, initializer_range=INIT)),
-}  # fmt: skip
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        "transformer.h.{}.attn.c_proj",
+        dict(n_positions=64, n_embd=32, n_layer=2, n_head=4, initializer_range=INIT),
+    ),
+    "neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        "gpt_neox.layers.{}.attention.dense",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            use_parallel_residual=True,
+            initializer_range=INIT,
+        ),
+    ),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        "model.layers.{}.self_attn.o_proj",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            initializer_range=INIT,
+        ),
+    ),
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        "model.decoder.layers.{}.self_attn.out_proj",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            init_std=INIT,
+        ),
+    ),
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        "transformer.h.{}.self_attention.dense",
+        dict(hidden_size=32, n_layer=2, n_head=4, initializer_range=INIT),
+    ),
+}
 
 
 def hf_family(family: str, tokenizer) -> torch.nn.Module:
@@ -145,8 +184,10 @@ def eager(reference: torch.nn.Module, ids: torch.Tensor, ablate: tuple[int, int]
 
         return keep
 
-    handles = [output_projection(reference, layer).register_forward_pre_hook(hook_for(layer))
-               for layer in range(n_layers)]  # fmt: skip
+    handles = [
+        output_projection(reference, layer).register_forward_pre_hook(hook_for(layer))
+        for layer in range(n_layers)
+    ]
     try:
         with torch.no_grad():
             out = reference(ids, output_attentions=True)
@@ -210,8 +251,9 @@ def test_census_equals_eager_attention(name):
     for column, values in expected.items():
         if column == "slope" and name == "bloom":
             continue  # ALiBi slopes: tests/test_alibi_slopes.py
-        np.testing.assert_allclose(census[column].to_numpy(), values, rtol=0, atol=TOLERANCE,
-                                   err_msg=f"{name} {column}")  # fmt: skip
+        np.testing.assert_allclose(
+            census[column].to_numpy(), values, rtol=0, atol=TOLERANCE, err_msg=f"{name} {column}"
+        )
     # Peaked patterns: the comparison is not between near-uniform rows.
     assert census["max_weight"].max() > 0.5
 
@@ -230,8 +272,13 @@ def test_census_in_blocks_of_query_rows_equals_eager_attention(name):
     census = run_census(model, ids, block_size=5, progress=False)
     for column, values in brute_census(reference, ids).items():
         if column != "slope":
-            np.testing.assert_allclose(census[column].to_numpy(), values, rtol=0,
-                                       atol=TOLERANCE, err_msg=f"{name} {column}")  # fmt: skip
+            np.testing.assert_allclose(
+                census[column].to_numpy(),
+                values,
+                rtol=0,
+                atol=TOLERANCE,
+                err_msg=f"{name} {column}",
+            )
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -263,10 +310,14 @@ def test_zero_ablation_equals_eager_with_the_head_zeroed(name):
     assert df.attrs["prepend_bos"] is False and df.attrs["seq_len"] == N_POS
     clean = eager(reference, ids)[2]
     n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
-    expected = [(eager(reference, ids, (layer, head))[2] - clean).mean().item()
-                for layer in range(n_layers) for head in range(n_heads)]  # fmt: skip
-    np.testing.assert_allclose(df["delta_loss"].to_numpy(), expected, rtol=0, atol=TOLERANCE,
-                               err_msg=name)  # fmt: skip
+    expected = [
+        (eager(reference, ids, (layer, head))[2] - clean).mean().item()
+        for layer in range(n_layers)
+        for head in range(n_heads)
+    ]
+    np.testing.assert_allclose(
+        df["delta_loss"].to_numpy(), expected, rtol=0, atol=TOLERANCE, err_msg=name
+    )
     assert df["clean_loss"].iloc[0] == pytest.approx(clean.mean().item(), abs=TOLERANCE)
     assert np.abs(expected).max() > 1e-3  # heads matter: not zero against zero
 
@@ -296,8 +347,11 @@ def test_a_hook_that_never_fired_is_one_line_never_zeros(monkeypatch):
 
     model, _ = loaded("bloom")
     every = HeadStats.hooks
-    monkeypatch.setattr(HeadStats, "hooks", lambda self: [
-        (name, f) for name, f in every(self) if name != "blocks.1.attn.hook_pattern"])  # fmt: skip
+    monkeypatch.setattr(
+        HeadStats,
+        "hooks",
+        lambda self: [(name, f) for name, f in every(self) if name != "blocks.1.attn.hook_pattern"],
+    )
     with pytest.raises(UnsupportedArchitectureError, match="blocks.1.attn.hook_pattern never"):
         run_census(model, tokens(), batch_size=3, progress=False)
     monkeypatch.setattr(headsurgeon.importance, "stream", lambda *args, **kwargs: None)
@@ -329,10 +383,18 @@ def test_repair_runs_on_opt():
     from headsurgeon.repair import repair
 
     model = from_hf_model(hf_family("opt", tokenizer()), tokenizer(), name="opt")  # repaired
-    data = torch.randint(4, len(tokenizer()), (24, N_POS),
-                         generator=torch.Generator().manual_seed(3))  # fmt: skip
-    result = repair(model, data, heads="L1H2", passes=1, census_seq_len=N_POS,
-                    train_seq_len=N_POS, finetune_config=FinetuneConfig(steps=1, batch_size=4),
-                    progress=False)  # fmt: skip
+    data = torch.randint(
+        4, len(tokenizer()), (24, N_POS), generator=torch.Generator().manual_seed(3)
+    )
+    result = repair(
+        model,
+        data,
+        heads="L1H2",
+        passes=1,
+        census_seq_len=N_POS,
+        train_seq_len=N_POS,
+        finetune_config=FinetuneConfig(steps=1, batch_size=4),
+        progress=False,
+    )
     assert str(result.passes[0].targeted) == "L1H2"
     assert result.passes[0].census_before["max_weight"].max() > 0.5  # patterns were read

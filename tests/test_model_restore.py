@@ -20,10 +20,17 @@ from headsurgeon.repair import repair
 
 # Two passes: output shares < 0.2 leave heads sick after pass 1 (see tests/test_repair.py).
 SETTINGS = dict(
-    census_data=TEXT, census_seq_len=32, census_n_seqs=16, prepend_bos=True, train_seq_len=32,
-    progress=False, thresholds=Thresholds(min_output_share=0.2), max_collateral=2, passes=2,
+    census_data=TEXT,
+    census_seq_len=32,
+    census_n_seqs=16,
+    prepend_bos=True,
+    train_seq_len=32,
+    progress=False,
+    thresholds=Thresholds(min_output_share=0.2),
+    max_collateral=2,
+    passes=2,
     finetune_config=config(steps=4, eval_every=4, lr=1e-2, weight_decay=0.0),
-)  # fmt: skip
+)
 
 
 def state(model) -> dict[str, torch.Tensor]:

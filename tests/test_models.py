@@ -245,9 +245,10 @@ def test_editing_the_unembedding_of_a_tied_model(bloom_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is not untied
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert ("lm_head.weight" in f.keys()) is untied
-        assert torch.equal(f.get_tensor("lm_head.weight" if untied else
-                                        "transformer.word_embeddings.weight"),
-                           model.unembed.W_U.T)  # fmt: skip
+        assert torch.equal(
+            f.get_tensor("lm_head.weight" if untied else "transformer.word_embeddings.weight"),
+            model.unembed.W_U.T,
+        )
     toks = tokens(2, 20, model.cfg.d_vocab)
     assert max_logit_gap(model, hf_model(out), toks) < ATOL
 
@@ -297,13 +298,22 @@ def test_save_hf_refuses_processed_weights(bloom_dir, tmp_path):
 
 def test_bloom_shapes_by_name_without_network(no_network, bloom6_dir, tiny_model):
     assert set(BLOOM_SHAPES) == {
-        "bloom-560m", "bloom-1b1", "bloom-1b7", "bloom-3b", "bloom-7b1", "bloom-176b"
-    }  # fmt: skip
+        "bloom-560m",
+        "bloom-1b1",
+        "bloom-1b7",
+        "bloom-3b",
+        "bloom-7b1",
+        "bloom-176b",
+    }
     heads = {name: model_shape(name).n_heads for name in BLOOM_SHAPES}
     assert heads == {
-        "bloom-560m": 16, "bloom-1b1": 16, "bloom-1b7": 16,
-        "bloom-3b": 32, "bloom-7b1": 32, "bloom-176b": 112,
-    }  # fmt: skip
+        "bloom-560m": 16,
+        "bloom-1b1": 16,
+        "bloom-1b7": 16,
+        "bloom-3b": 32,
+        "bloom-7b1": 32,
+        "bloom-176b": 112,
+    }
     assert model_shape("bloom-560m").n_layers == 24 and model_shape("bloom-560m").d_model == 1024
     assert model_shape("bloom-7b1").d_model == 4096 and model_shape("bloom-3b").n_layers == 30
     assert model_shape("bigscience/bloom-1b7") == BLOOM_SHAPES["bloom-1b7"]

@@ -128,10 +128,20 @@ def test_write_report_without_browser_writes_model_and_report_skips_pngs(
 ):
     model = load_model(bloom_dir)
     result = repair(
-        model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32, census_n_seqs=4,
-        prepend_bos=True, train_seq_len=32, n_eval_seqs=2, passes=1, heads=HeadSet([(1, 1)]),
-        progress=False, finetune_config=FinetuneConfig(steps=2, batch_size=2, eval_every=2),
-    )  # fmt: skip
+        model,
+        TEXT,
+        eval_corpus=TEXT,
+        census_data=TEXT,
+        census_seq_len=32,
+        census_n_seqs=4,
+        prepend_bos=True,
+        train_seq_len=32,
+        n_eval_seqs=2,
+        passes=1,
+        heads=HeadSet([(1, 1)]),
+        progress=False,
+        finetune_config=FinetuneConfig(steps=2, batch_size=2, eval_every=2),
+    )
     out = write_report(result, tmp_path / "out")
     files = {p.name for p in out.iterdir()}
     assert {"report.md", "report.json", "model", "training.html", "labels_after.html"} <= files
@@ -179,13 +189,28 @@ def test_classify_cli_without_browser_exits_0_with_one_warning(bloom_dir, tmp_pa
     """The README's command on a machine whose browser kaleido cannot use (a subprocess)."""
     (tmp_path / "text.txt").write_text(TEXT)
     out = tmp_path / "out"
-    argv = [str(bloom_dir), "--texts", str(tmp_path / "text.txt"), "--seq-len", "32",
-            "--n-seqs", "4", "--threads", "1", "--out", str(out)]  # fmt: skip
+    argv = [
+        str(bloom_dir),
+        "--texts",
+        str(tmp_path / "text.txt"),
+        "--seq-len",
+        "32",
+        "--n-seqs",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     env = dict(os.environ, BROWSER_PATH=str(tmp_path / "no-chromium"))
     result = subprocess.run(
         [sys.executable, "-m", "headsurgeon.classify", *argv],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     files = sorted(p.name for p in out.iterdir())

@@ -129,8 +129,11 @@ def test_an_output_is_marked_with_every_file_it_holds(tmp_path):
     mark = read_mark(out)
     assert mark.writer == "write_report" and mark.version and mark.created
     assert mark.files == (
-        "empty/", "model/.headsurgeon-output.json", "model/config.json", "report.md"
-    )  # fmt: skip
+        "empty/",
+        "model/.headsurgeon-output.json",
+        "model/config.json",
+        "report.md",
+    )
     assert read_mark(out / "model").files == ("config.json",)
     document = json.loads((out / MARK_FILE).read_text())
     assert document["written_by"] == "headsurgeon" and document["files"] == list(mark.files)
@@ -302,8 +305,11 @@ def test_save_hf_never_writes_over_the_folder_it_loaded_from(bloom_dir, tmp_path
     (source / "truth.json").write_text('{"dead": []}')
     model = load_model(source)
     before = snapshot(tmp_path)
-    for out, relation in [(source, "is the input"), (source.parent, "holds the input"),
-                          (source / "export", "is inside the input")]:  # fmt: skip
+    for out, relation in [
+        (source, "is the input"),
+        (source.parent, "holds the input"),
+        (source / "export", "is inside the input"),
+    ]:
         with pytest.raises(OutputExistsError, match=relation):
             save_hf(model, out, overwrite=True)
     assert snapshot(tmp_path) == before
@@ -500,9 +506,26 @@ def test_a_marked_partial_that_never_trained_is_removed(bloom_dir, text_file, tm
     partial = tmp_path / "out.partial"
     with atomic_directory(partial, writer=WORK_WRITER) as tmp:
         atomic_write_text(tmp / "run.json", "{}")  # a run killed in its first census
-    argv = [bloom_dir, "--texts", text_file, "--corpus", text_file, "--eval-corpus", text_file,
-            "--seq-len", "32", "--n-seqs", "4", "--train-seq-len", "32", "--quiet",
-            "--threads", "1", "--out", out]  # fmt: skip
+    argv = [
+        bloom_dir,
+        "--texts",
+        text_file,
+        "--corpus",
+        text_file,
+        "--eval-corpus",
+        text_file,
+        "--seq-len",
+        "32",
+        "--n-seqs",
+        "4",
+        "--train-seq-len",
+        "32",
+        "--quiet",
+        "--threads",
+        "1",
+        "--out",
+        out,
+    ]
     line = error_line(REPAIR, argv, capsys)
     assert "nothing to repair" in line  # the healthy model: this run never trained either
     assert sorted(os.listdir(tmp_path)) == ["corpus"]  # both work folders gone, nothing beside
@@ -566,11 +589,27 @@ def test_overwrite_of_a_home_style_folder_from_the_shell(tmp_path):
     folder = documents(home / "somefolder")
     before = snapshot(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", "organism-injured", "--n-seqs", "2",
-         "--seq-len", "16", "--threads", "1", "--out", str(folder), "--overwrite"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "headsurgeon.classify",
+            "organism-injured",
+            "--n-seqs",
+            "2",
+            "--seq-len",
+            "16",
+            "--threads",
+            "1",
+            "--out",
+            str(folder),
+            "--overwrite",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
         env={**os.environ, "HOME": str(home)},
-    )  # fmt: skip
+    )
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()  # no census progress: it never started
     assert line.startswith(f"error: output folder {folder} already holds files headsurgeon ")

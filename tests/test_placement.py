@@ -20,8 +20,12 @@ from tests.conftest import error_line
 def split_map(n_layers: int) -> dict[str, str]:
     """Every other block on disk, the rest in memory, in the installed major's module names."""
     if MAJOR >= 4:
-        ends = {"transformer.word_embeddings": "cpu", "transformer.ln_f": "cpu", "lm_head": "cpu",
-                "transformer.word_embeddings_layernorm": "cpu"}  # fmt: skip
+        ends = {
+            "transformer.word_embeddings": "cpu",
+            "transformer.ln_f": "cpu",
+            "lm_head": "cpu",
+            "transformer.word_embeddings_layernorm": "cpu",
+        }
         block = "transformer.h.{}"
     else:
         ends = {"embed": "cpu", "pos_embed": "cpu", "ln_final": "cpu", "unembed": "cpu"}

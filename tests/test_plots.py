@@ -14,14 +14,26 @@ from headsurgeon.errors import FigureExportError, InvalidArgumentError
 def classified(n_layers=3, n_heads=4, seed=0, sinks=((1, 3),), dead=((2, 2),)):
     rng = np.random.default_rng(seed)
     layer, head = np.divmod(np.arange(n_layers * n_heads), n_heads)
-    df = pd.DataFrame({"layer": layer, "head": head, "bos_mass": rng.random(layer.size) * 0.4,
-                       "bos_mass_std": 0.01, "entropy": rng.random(layer.size) * 3,
-                       "output_share": 0.2 + rng.random(layer.size) * 0.1})  # fmt: skip
+    df = pd.DataFrame(
+        {
+            "layer": layer,
+            "head": head,
+            "bos_mass": rng.random(layer.size) * 0.4,
+            "bos_mass_std": 0.01,
+            "entropy": rng.random(layer.size) * 3,
+            "output_share": 0.2 + rng.random(layer.size) * 0.1,
+        }
+    )
     for heads, mass in ((sinks, 0.8), (dead, 0.99)):
         for layer_index, head_index in heads:
             df.loc[(df["layer"] == layer_index) & (df["head"] == head_index), "bos_mass"] = mass
-    df.attrs = {"model": "toy", "n_seqs": 4, "seq_len": 16, "prepend_bos": False,
-                "min_query_pos": 1}  # fmt: skip
+    df.attrs = {
+        "model": "toy",
+        "n_seqs": 4,
+        "seq_len": 16,
+        "prepend_bos": False,
+        "min_query_pos": 1,
+    }
     return classify_heads(df)
 
 

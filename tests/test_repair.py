@@ -37,8 +37,9 @@ def injured(bloom_dir, tmp_path_factory):
     tokens = to_sequences(model, TEXT, seq_len=32, prepend_bos=True)
     sink = HeadSet([SINK])
     config = FinetuneConfig(steps=30, lr=0.1, batch_size=4, eval_every=30)
-    finetune(model, sink, tokens, objective=bos_mass_objective(sink, 0.8), config=config,
-             progress=False)  # fmt: skip
+    finetune(
+        model, sink, tokens, objective=bos_mass_objective(sink, 0.8), config=config, progress=False
+    )
     with torch.no_grad():
         head_weight(model, DEAD[0], "W_O")[DEAD[1]] = 0
     return save_hf(model, tmp_path_factory.mktemp("injured") / "model")
@@ -60,10 +61,18 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
     before = snapshot(model)
     with caplog.at_level(logging.INFO, logger="headsurgeon"):
         result = repair(
-            model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32,
-            census_n_seqs=16, prepend_bos=True, train_seq_len=32, passes=2, progress=False,
+            model,
+            TEXT,
+            eval_corpus=TEXT,
+            census_data=TEXT,
+            census_seq_len=32,
+            census_n_seqs=16,
+            prepend_bos=True,
+            train_seq_len=32,
+            passes=2,
+            progress=False,
             finetune_config=FinetuneConfig(steps=20, lr=3e-3, batch_size=4),
-        )  # fmt: skip
+        )
     assert label(result.census_before, SINK) == "BOS-sink"
     assert label(result.census_before, DEAD) == "dead"
     first = result.passes[0]
@@ -113,8 +122,15 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
         return z
 
     def ppl():
-        return perplexity(fresh, held_out, window=32, batch_size=8, prepend_bos=False,
-                          max_windows=None, progress=False)  # fmt: skip
+        return perplexity(
+            fresh,
+            held_out,
+            window=32,
+            batch_size=8,
+            prepend_bos=False,
+            max_windows=None,
+            progress=False,
+        )
 
     with fresh.hooks(fwd_hooks=[("blocks.1.attn.hook_z", zero_targets)]):
         brute = ppl()
@@ -139,12 +155,35 @@ def cli_args(injured, text_file, out, *extra):
     # --min-output-share 0.2 leaves heads sick after pass 1; it also labels the two healthy heads
     # beside the loud repaired ones in layer 1 dead (collateral), which --max-collateral allows.
     return [
-        str(injured), "--texts", str(text_file), "--corpus", str(text_file),
-        "--eval-corpus", str(text_file), "--prepend-bos", "--seq-len", "32", "--n-seqs", "16",
-        "--train-seq-len", "32", "--steps", "4", "--batch-size", "4", "--lr", "1e-2",
-        "--min-output-share", "0.2", "--max-collateral", "2", "--quiet", "--out", str(out),
+        str(injured),
+        "--texts",
+        str(text_file),
+        "--corpus",
+        str(text_file),
+        "--eval-corpus",
+        str(text_file),
+        "--prepend-bos",
+        "--seq-len",
+        "32",
+        "--n-seqs",
+        "16",
+        "--train-seq-len",
+        "32",
+        "--steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--lr",
+        "1e-2",
+        "--min-output-share",
+        "0.2",
+        "--max-collateral",
+        "2",
+        "--quiet",
+        "--out",
+        str(out),
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def test_cli_interrupted_run_resumes_to_the_same_result(
@@ -222,22 +261,48 @@ DIVERGING = ("--steps", "20", "--lr", "1", "--max-grad-norm", "1e30", "--warmup"
 def diverging_args(injured, text_file, out, *extra):
     """lr 1 without clipping: the repaired heads drown their two healthy layer-mates (dead)."""
     return [
-        str(injured), "--texts", str(text_file), "--corpus", str(text_file),
-        "--eval-corpus", str(text_file), "--prepend-bos", "--seq-len", "32", "--n-seqs", "16",
-        "--train-seq-len", "32", "--batch-size", "4", *DIVERGING, "--quiet", "--out", str(out),
+        str(injured),
+        "--texts",
+        str(text_file),
+        "--corpus",
+        str(text_file),
+        "--eval-corpus",
+        str(text_file),
+        "--prepend-bos",
+        "--seq-len",
+        "32",
+        "--n-seqs",
+        "16",
+        "--train-seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        *DIVERGING,
+        "--quiet",
+        "--out",
+        str(out),
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def test_a_damaging_repair_fails_and_gives_the_model_back(injured, text_file, tmp_path, capsys):
     model = load_model(injured)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = repair(
-        model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32, census_n_seqs=16,
-        prepend_bos=True, train_seq_len=32, passes=2, progress=False,
-        finetune_config=FinetuneConfig(steps=20, lr=1.0, batch_size=4, warmup_steps=0,
-                                       max_grad_norm=1e30),
-    )  # fmt: skip
+        model,
+        TEXT,
+        eval_corpus=TEXT,
+        census_data=TEXT,
+        census_seq_len=32,
+        census_n_seqs=16,
+        prepend_bos=True,
+        train_seq_len=32,
+        passes=2,
+        progress=False,
+        finetune_config=FinetuneConfig(
+            steps=20, lr=1.0, batch_size=4, warmup_steps=0, max_grad_norm=1e30
+        ),
+    )
     assert len(result.passes) == 1  # the run stops at the damaging pass
     damaged = result.passes[0]
     assert damaged.collateral == HeadSet([(1, 0), (1, 2)]) and "turned sick" in damaged.failure
@@ -275,10 +340,16 @@ def test_a_damaging_repair_fails_and_gives_the_model_back(injured, text_file, tm
 
 def test_a_later_damaging_pass_is_undone_and_the_best_pass_kept(injured, monkeypatch):
     settings = dict(
-        census_data=TEXT, census_seq_len=32, census_n_seqs=16, prepend_bos=True,
-        train_seq_len=32, progress=False, thresholds=Thresholds(min_output_share=0.2),
-        max_collateral=2, finetune_config=FinetuneConfig(steps=4, lr=1e-2, batch_size=4),
-    )  # fmt: skip
+        census_data=TEXT,
+        census_seq_len=32,
+        census_n_seqs=16,
+        prepend_bos=True,
+        train_seq_len=32,
+        progress=False,
+        thresholds=Thresholds(min_output_share=0.2),
+        max_collateral=2,
+        finetune_config=FinetuneConfig(steps=4, lr=1e-2, batch_size=4),
+    )
     one_pass = load_model(injured)
     repair(one_pass, TEXT, eval_corpus=TEXT, passes=1, **settings)
     measure = repair_module._Run.perplexities
@@ -313,12 +384,26 @@ def judged(before, after, targeted, failure=None):
     """The verdict of a one-pass run from its censuses alone (no model is needed to judge)."""
     targeted = HeadSet.parse(targeted)
     one = PassResult(
-        index=1, targeted=targeted, recovered=HeadSet(), still_sick=HeadSet(), drifted=HeadSet(),
-        census_before=before, census_after=after, perplexity_before={}, perplexity_after={},
-        training=None, failure=failure,
-    )  # fmt: skip
-    return RepairResult(model=None, passes=[one], census_before=before, census_after=after,
-                        settings={}, best_pass=None if failure else 1)  # fmt: skip
+        index=1,
+        targeted=targeted,
+        recovered=HeadSet(),
+        still_sick=HeadSet(),
+        drifted=HeadSet(),
+        census_before=before,
+        census_after=after,
+        perplexity_before={},
+        perplexity_after={},
+        training=None,
+        failure=failure,
+    )
+    return RepairResult(
+        model=None,
+        passes=[one],
+        census_before=before,
+        census_after=after,
+        settings={},
+        best_pass=None if failure else 1,
+    )
 
 
 @pytest.mark.parametrize(
@@ -326,12 +411,18 @@ def judged(before, after, targeted, failure=None):
     [
         (("healthy", "healthy", "healthy"), "ok", {}),
         (("healthy", "BOS-sink", "healthy"), "incomplete", {"L0H1": "still BOS-sink"}),
-        (("healthy", "dead", "BOS-sink"), "incomplete",
-         {"L0H1": "BOS-sink before, dead after", "L0H2": "still BOS-sink"}),
-        (("dead", "healthy", "healthy"), "worse",
-         {"L0H0": "healthy before, dead after being targeted"}),
+        (
+            ("healthy", "dead", "BOS-sink"),
+            "incomplete",
+            {"L0H1": "BOS-sink before, dead after", "L0H2": "still BOS-sink"},
+        ),
+        (
+            ("dead", "healthy", "healthy"),
+            "worse",
+            {"L0H0": "healthy before, dead after being targeted"},
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_target_that_ends_sick_is_a_failure_of_that_head(after, verdict, failed):
     before = labelled("healthy", "BOS-sink", "BOS-sink")  # L0H0 forced: --heads L0H0-2
     result = judged(before, labelled(*after), "L0H0-2")
@@ -378,11 +469,31 @@ def test_cli_exit_status_says_a_forced_head_ended_sick(
     monkeypatch.setattr(repair_module._Run, "census", l0h0_labelled)
     out = tmp_path / "out"
     args = [
-        str(bloom_dir), "--texts", str(text_file), "--corpus", str(text_file),
-        "--eval-corpus", str(text_file), "--seq-len", "32", "--n-seqs", "8",
-        "--train-seq-len", "32", "--steps", "2", "--batch-size", "4", "--passes", "1",
-        "--heads", "L0H0", "--quiet", "--out", str(out),
-    ]  # fmt: skip
+        str(bloom_dir),
+        "--texts",
+        str(text_file),
+        "--corpus",
+        str(text_file),
+        "--eval-corpus",
+        str(text_file),
+        "--seq-len",
+        "32",
+        "--n-seqs",
+        "8",
+        "--train-seq-len",
+        "32",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--passes",
+        "1",
+        "--heads",
+        "L0H0",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert main(args) == code and len(calls) == 2
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"] == verdict and report["failed_heads"] == {"L0H0": why}
@@ -413,9 +524,27 @@ def test_cli_help_names_the_damage_limits_and_exit_status(capsys):
 def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file, tmp_path, capsys):
     out = tmp_path / "out"
     with pytest.raises(SystemExit):
-        run(main, [str(bloom_dir), "--texts", str(text_file), "--corpus", str(text_file),
-                   "--eval-corpus", str(text_file), "--seq-len", "32", "--n-seqs", "8",
-                   "--train-seq-len", "32", "--quiet", "--out", str(out)])  # fmt: skip
+        run(
+            main,
+            [
+                str(bloom_dir),
+                "--texts",
+                str(text_file),
+                "--corpus",
+                str(text_file),
+                "--eval-corpus",
+                str(text_file),
+                "--seq-len",
+                "32",
+                "--n-seqs",
+                "8",
+                "--train-seq-len",
+                "32",
+                "--quiet",
+                "--out",
+                str(out),
+            ],
+        )
     assert "nothing to repair" in capsys.readouterr().err
     assert not out.exists()
     out.mkdir()
@@ -440,16 +569,37 @@ def recommending(injured, tmp_path_factory):
 def test_python_repair_gives_the_clis_report(recommending, text_file, tmp_path):
     out = tmp_path / "cli"
     args = [
-        str(recommending), "--texts", str(text_file), "--corpus", str(text_file),
-        "--eval-corpus", str(text_file), "--prepend-bos", "--seq-len", "32", "--n-seqs", "16",
-        "--train-seq-len", "32", "--quiet", "--out", str(out),
-    ]  # fmt: skip
+        str(recommending),
+        "--texts",
+        str(text_file),
+        "--corpus",
+        str(text_file),
+        "--eval-corpus",
+        str(text_file),
+        "--prepend-bos",
+        "--seq-len",
+        "32",
+        "--n-seqs",
+        "16",
+        "--train-seq-len",
+        "32",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     cli = json.loads((out / "report.json").read_text())
     api = repair(
-        load_model(recommending), [text_file], eval_corpus=[text_file], census_data=[text_file],
-        census_seq_len=32, census_n_seqs=16, prepend_bos=True, train_seq_len=32, progress=False,
-    ).to_dict()  # fmt: skip
+        load_model(recommending),
+        [text_file],
+        eval_corpus=[text_file],
+        census_data=[text_file],
+        census_seq_len=32,
+        census_n_seqs=16,
+        prepend_bos=True,
+        train_seq_len=32,
+        progress=False,
+    ).to_dict()
     api = json.loads(json.dumps(api))  # as report.json holds it (tuples become lists)
     assert api["settings"]["finetune"]["steps"] == 6 and api["settings"]["finetune"]["lr"] == 1e-2
     described = ("train_data", "eval_data", "census_data")  # the CLI reads files, then passes text
@@ -485,8 +635,12 @@ def test_python_m_repair_shows_its_progress_messages(injured, text_file, tmp_pat
     import sys
 
     args = cli_args(injured, text_file, tmp_path / "out", "--passes", "1")
-    done = subprocess.run([sys.executable, "-m", "headsurgeon.repair", *args],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "headsurgeon.repair", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     # Under -m the library module runs as __main__ and hands over to headsurgeon.cli.repair;
     # the pipeline's messages must still reach the user.

@@ -60,8 +60,9 @@ def unpack(b64: str, n: int) -> np.ndarray:
 def test_classification_page_holds_every_head_and_its_exact_weights(tiny_model, tmp_path):
     tokens = to_sequences(tiny_model, TEXT, seq_len=64, n_seqs=3)
     census = classify_heads(run_census(tiny_model, tokens, progress=False))
-    out = write_classification(census, tmp_path / "out", formats=(), model=tiny_model,
-                               tokens=tokens)  # fmt: skip
+    out = write_classification(
+        census, tmp_path / "out", formats=(), model=tiny_model, tokens=tokens
+    )
     assert PAGE in read_mark(out).files  # --overwrite may replace it: it is ours
     data = page_data(out)
     assert data["names"] == [f"L{layer}H{head}" for layer in range(2) for head in range(4)]
@@ -90,19 +91,35 @@ def test_a_bloom_560m_sized_page_stays_under_10_mb(tmp_path):
     sample = sample_patterns(model, tokens, n_seqs=1)
     (tmp_path / "repair").mkdir()
     stages = {"before": census, "pass 1": census, "pass 2": census}
-    _write_page(tmp_path / "repair", title="repair", summary="", grid=plots.label_grid(census),
-                shape=(24, 16), stages=stages, samples=[sample] * 3, model=model)  # fmt: skip
+    _write_page(
+        tmp_path / "repair",
+        title="repair",
+        summary="",
+        grid=plots.label_grid(census),
+        shape=(24, 16),
+        stages=stages,
+        samples=[sample] * 3,
+        model=model,
+    )
     size = (tmp_path / "repair" / PAGE).stat().st_size
     assert size < 10 * 2**20, f"{size / 2**20:.1f} MiB"
 
 
 def test_repair_page_shows_every_stage_side_by_side(tiny_model, tmp_path):
     result = repair(
-        tiny_model, TEXT, eval_corpus=TEXT, census_data=TEXT, census_seq_len=32, census_n_seqs=4,
-        train_seq_len=32, heads="L1H2", passes=1, progress=False,
+        tiny_model,
+        TEXT,
+        eval_corpus=TEXT,
+        census_data=TEXT,
+        census_seq_len=32,
+        census_n_seqs=4,
+        train_seq_len=32,
+        heads="L1H2",
+        passes=1,
+        progress=False,
         finetune_config=FinetuneConfig(steps=2, lr=1e-3, batch_size=2),
         max_ppl_increase=float("inf"),
-    )  # fmt: skip
+    )
     assert set(result.patterns) == {"before", "pass 1"}
     out = write_report(result, tmp_path / "out", formats=("html",), save_model=False)
     data = page_data(out)
@@ -117,8 +134,9 @@ def test_blindness_page_has_curves_per_head(tiny_model, tmp_path):
     tokens = to_sequences(tiny_model, TEXT, seq_len=256, n_seqs=1)
     analytic = analytic_blindness(tiny_model, context_length=256)
     measured = measure_blindness(tiny_model, tokens)
-    out = write_blindness(tmp_path / "out", analytic, measured, formats=("html",),
-                          model=tiny_model, tokens=tokens)  # fmt: skip
+    out = write_blindness(
+        tmp_path / "out", analytic, measured, formats=("html",), model=tiny_model, tokens=tokens
+    )
     data = page_data(out)
     curve = data["curves"]["L1H0"]
     assert [t["name"] for t in curve["traces"]] == list(dict.fromkeys(measured.by_head.dtype))
@@ -131,8 +149,7 @@ def test_blindness_page_has_curves_per_head(tiny_model, tmp_path):
 @pytest.mark.skipif("organism-injured" not in organism_names(), reason="no bundled organisms")
 def test_clicking_a_sink_in_chromium_shows_its_attention_on_column_0(tmp_path, capsys):
     """The issue's acceptance: classify organism-injured, open index.html, click L1H7."""
-    assert classify_main(["organism-injured", "--n-seqs", "8", "--out",
-                          str(tmp_path / "out")]) == 0  # fmt: skip
+    assert classify_main(["organism-injured", "--n-seqs", "8", "--out", str(tmp_path / "out")]) == 0
     view = open_page(tmp_path / "out" / PAGE, "L1H7", screenshot=tmp_path / "page.png")
     assert view.errors == []
     assert view.shown == "L1H7"

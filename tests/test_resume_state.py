@@ -21,10 +21,17 @@ from headsurgeon.finetune import CHECKPOINT_FILE, finetune, load_checkpoint
 from headsurgeon.repair import FINISHED_FILE, RUN_FILE, finished_run, repair
 
 SETTINGS = dict(
-    census_data=TEXT, census_seq_len=32, census_n_seqs=16, prepend_bos=True, train_seq_len=32,
-    progress=False, thresholds=Thresholds(min_output_share=0.2), max_collateral=2, passes=2,
+    census_data=TEXT,
+    census_seq_len=32,
+    census_n_seqs=16,
+    prepend_bos=True,
+    train_seq_len=32,
+    progress=False,
+    thresholds=Thresholds(min_output_share=0.2),
+    max_collateral=2,
+    passes=2,
     finetune_config=config(steps=2, eval_every=2, lr=1e-2),
-)  # fmt: skip
+)
 
 
 class Planted:
@@ -86,32 +93,60 @@ def test_a_finished_run_is_marked_and_resumes_from_its_files(injured, finished, 
     [
         (RUN_FILE, truncate, ["run.json is not readable JSON", "cannot be resumed from it"]),
         (RUN_FILE, lambda p: p.write_text("[1, 2]"), ["holds a JSON list, not an object"]),
-        (RUN_FILE, lambda p: p.write_text('{"model": 5, "settings": {}}'),
-         ["run.json is not a run record"]),
+        (
+            RUN_FILE,
+            lambda p: p.write_text('{"model": 5, "settings": {}}'),
+            ["run.json is not a run record"],
+        ),
         ("census_0.json", truncate, ["census_0.json is not readable JSON"]),
-        ("census_0.json", lambda p: p.write_text('{"attrs": {}, "perplexity": {"train": "x"}}'),
-         ["census_0.json holds no valid perplexities"]),
-        ("census_0.csv", truncate,
-         ["census_0.csv does not hold one row per head", "2 layers x 4 heads"]),
+        (
+            "census_0.json",
+            lambda p: p.write_text('{"attrs": {}, "perplexity": {"train": "x"}}'),
+            ["census_0.json holds no valid perplexities"],
+        ),
+        (
+            "census_0.csv",
+            truncate,
+            ["census_0.csv does not hold one row per head", "2 layers x 4 heads"],
+        ),
         ("census_0.csv", lambda p: p.unlink(), ["census_0.csv is missing"]),
         ("pass1/census.json", truncate, ["pass1/census.json is not readable JSON"]),
-        ("pass1/census.json", lambda p: p.write_text(p.read_text().replace(
-            '"steps_done": 2', '"steps_done": "2"')), ["holds no valid 'steps_done'"]),
-        ("pass1/census.json", lambda p: p.write_text(p.read_text().replace(
-            '"losses": [', '"losses": ["x", ')), ["holds losses that are not numbers"]),
+        (
+            "pass1/census.json",
+            lambda p: p.write_text(p.read_text().replace('"steps_done": 2', '"steps_done": "2"')),
+            ["holds no valid 'steps_done'"],
+        ),
+        (
+            "pass1/census.json",
+            lambda p: p.write_text(p.read_text().replace('"losses": [', '"losses": ["x", ')),
+            ["holds losses that are not numbers"],
+        ),
         ("pass1/census.csv", truncate, ["pass1/census.csv does not hold one row per head"]),
-        ("pass1/census.csv", lambda p: p.write_text(p.read_text().replace("healthy", "fine")),
-         ["holds labels other than"]),
+        (
+            "pass1/census.csv",
+            lambda p: p.write_text(p.read_text().replace("healthy", "fine")),
+            ["holds labels other than"],
+        ),
         ("pass1/heads.pt", truncate, ["pass1/heads.pt is not readable"]),
-        ("pass1/heads.pt", lambda p: torch.save({"blocks.1.attn.W_Q": torch.zeros(2)}, p),
-         ["does not hold the slices of"]),
-        ("pass2/heads.pt", lambda p: torch.save(
-            {k: v[..., :1] for k, v in torch.load(p, weights_only=True).items()}, p),
-         ["pass2/heads.pt holds blocks.", "of shape"]),
-        ("pass1/done.json", lambda p: p.unlink(),
-         ["pass2 is there although pass 1 is not finished"]),
+        (
+            "pass1/heads.pt",
+            lambda p: torch.save({"blocks.1.attn.W_Q": torch.zeros(2)}, p),
+            ["does not hold the slices of"],
+        ),
+        (
+            "pass2/heads.pt",
+            lambda p: torch.save(
+                {k: v[..., :1] for k, v in torch.load(p, weights_only=True).items()}, p
+            ),
+            ["pass2/heads.pt holds blocks.", "of shape"],
+        ),
+        (
+            "pass1/done.json",
+            lambda p: p.unlink(),
+            ["pass2 is there although pass 1 is not finished"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_damaged_resume_files_are_one_line(injured, finished, tmp_path, name, damage, needles):  # noqa: F811
     work = copy(finished, tmp_path)
     damage(work / name)
@@ -128,8 +163,12 @@ def test_a_planted_pickle_in_heads_pt_never_runs(injured, finished, tmp_path, ho
         torch.save(planted, work / "pass2" / "heads.pt")
     else:
         (work / "pass2" / "heads.pt").write_bytes(pickle.dumps(planted))
-    message = resume_fails(injured, work, "pass2/heads.pt is not a trusted file written by "
-                           "headsurgeon", "it was not loaded")  # fmt: skip
+    message = resume_fails(
+        injured,
+        work,
+        "pass2/heads.pt is not a trusted file written by headsurgeon",
+        "it was not loaded",
+    )
     assert not marker.exists()
     assert "remove" in message and "pass2" in message
 
@@ -137,16 +176,29 @@ def test_a_planted_pickle_in_heads_pt_never_runs(injured, finished, tmp_path, ho
 def trained_checkpoint(tmp_path):
     """The checkpoint of a finished fine-tuning run (step 6), and how to resume it."""
     model, heads, tokens = setup()
-    finetune(model, heads, tokens, config=config(steps=6, checkpoint_every=2), progress=False,
-             checkpoint_dir=tmp_path)  # fmt: skip
+    finetune(
+        model,
+        heads,
+        tokens,
+        config=config(steps=6, checkpoint_every=2),
+        progress=False,
+        checkpoint_dir=tmp_path,
+    )
     path = tmp_path / CHECKPOINT_FILE
 
     def resume():
         model, heads, tokens = setup()
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(CheckpointError) as info:
-            finetune(model, heads, tokens, config=config(steps=6, checkpoint_every=2),
-                     checkpoint_dir=tmp_path, resume=True, progress=False)  # fmt: skip
+            finetune(
+                model,
+                heads,
+                tokens,
+                config=config(steps=6, checkpoint_every=2),
+                checkpoint_dir=tmp_path,
+                resume=True,
+                progress=False,
+            )
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
         message = str(info.value)
         assert len(message.splitlines()) == 1 and "weights_only" not in message, message
@@ -170,19 +222,31 @@ def edited(path, change):
         (lambda p: edited(p, lambda s: s.pop("optimizer")), "lacks optimizer"),
         (lambda p: edited(p, lambda s: s.update(step="4")), "holds a str as its step"),
         (lambda p: edited(p, lambda s: s.update(step=60)), "is at step 60, outside 0-6"),
-        (lambda p: edited(p, lambda s: s["slices"].update(
-            {k: v[:1] for k, v in s["slices"].items()})), "of shape"),
+        (
+            lambda p: edited(
+                p, lambda s: s["slices"].update({k: v[:1] for k, v in s["slices"].items()})
+            ),
+            "of shape",
+        ),
         (lambda p: edited(p, lambda s: s["slices"].popitem()), "holds slices"),
         (lambda p: edited(p, lambda s: s["progress"]["losses"].pop()), "5 losses for 6 steps"),
         (lambda p: edited(p, lambda s: s["progress"].pop("history")), "progress record"),
-        (lambda p: edited(p, lambda s: s["scheduler"].update(last_epoch=2)),
-         "schedule that is not at step 6"),
-        (lambda p: edited(p, lambda s: s["optimizer"]["state"][0].update(
-            exp_avg=torch.zeros(3))), "holds no exp_avg of shape"),
-        (lambda p: edited(p, lambda s: s["rng"].update(torch=torch.zeros(3))),
-         "no usable random state"),
+        (
+            lambda p: edited(p, lambda s: s["scheduler"].update(last_epoch=2)),
+            "schedule that is not at step 6",
+        ),
+        (
+            lambda p: edited(
+                p, lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3))
+            ),
+            "holds no exp_avg of shape",
+        ),
+        (
+            lambda p: edited(p, lambda s: s["rng"].update(torch=torch.zeros(3))),
+            "no usable random state",
+        ),
     ],
-)  # fmt: skip
+)
 def test_damaged_checkpoints_are_one_line(tmp_path, damage, needle):
     path, resume = trained_checkpoint(tmp_path)
     assert load_checkpoint(tmp_path)["step"] == 6

@@ -97,8 +97,11 @@ def test_headset_validates_against_model(base):
 @pytest.mark.parametrize(
     "spec, shape, message",
     [
-        ("L0-100000H0-100000", SHAPE, "range L0-100000H0-100000 is out of range: the model has "
-         "layers 0-2 and heads 0-3"),
+        (
+            "L0-100000H0-100000",
+            SHAPE,
+            "range L0-100000H0-100000 is out of range: the model has layers 0-2 and heads 0-3",
+        ),
         ("L0-3000H0-3000", SHAPE, "range L0-3000H0-3000 is out of range"),
         ("L0-3000H0-3000", None, "names 9,006,001 heads, more than the 65,536 heads"),
         ("L0-100000H0-100000", None, "layer and head numbers stop at 65535"),
@@ -108,7 +111,7 @@ def test_headset_validates_against_model(base):
         ({0: range(10**12)}, None, "must be an integer >= 0 and <= 65535"),
         (((h // 256, h % 256) for h in range(10**12)), None, "names more than the 65,536 heads"),
     ],
-)  # fmt: skip
+)
 def test_huge_head_specs_are_refused_before_expansion(spec, shape, message):
     start = time.perf_counter()
     with pytest.raises(InvalidArgumentError, match=message) as info:
@@ -276,8 +279,10 @@ def test_head_parameters_splice_and_write_back(model):
     assert torch.equal(model(batch), params.call(model, lambda m, t: m(t), batch))
 
 
-@pytest.mark.parametrize("form", [HeadSet.parse("L1H0,L1H2"), "L1H0,L1H2", [(1, 0), (1, 2)],
-                                  {1: [0, 2]}, ((1, 0), [1, 2])])  # fmt: skip
+@pytest.mark.parametrize(
+    "form",
+    [HeadSet.parse("L1H0,L1H2"), "L1H0,L1H2", [(1, 0), (1, 2)], {1: [0, 2]}, ((1, 0), [1, 2])],
+)
 def test_heads_are_taken_in_any_usual_form(model, form):
     before = weights(model)
     reinit_heads(model, form)
@@ -289,11 +294,18 @@ def test_heads_are_taken_in_any_usual_form(model, form):
 
 @pytest.mark.parametrize(
     ("form", "message"),
-    [(5, "heads must be"), ([1, 2], "cannot read head 1"), ({1: "x"}, "heads must be"),
-         ([(1.5, 2)], "must be an integer"), (["L1H2"], "HeadSet.of"), ([(0, -1)], ">= 0"),
-         ([(True, 0)], "must be an integer"),
-     ("L9H0", "out of range"), ({0: [0, 0]}, "listed twice")],
-)  # fmt: skip
+    [
+        (5, "heads must be"),
+        ([1, 2], "cannot read head 1"),
+        ({1: "x"}, "heads must be"),
+        ([(1.5, 2)], "must be an integer"),
+        (["L1H2"], "HeadSet.of"),
+        ([(0, -1)], ">= 0"),
+        ([(True, 0)], "must be an integer"),
+        ("L9H0", "out of range"),
+        ({0: [0, 0]}, "listed twice"),
+    ],
+)
 def test_heads_in_an_unusable_form_are_one_line_errors(model, form, message):
     with pytest.raises(InvalidArgumentError, match=message):
         reinit_heads(model, form)

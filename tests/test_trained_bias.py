@@ -99,12 +99,40 @@ def test_train_organism_trains_a_variant_that_load_model_applies(tmp_path):
     assert "--bias {standard,clamped,log,robust}" in help_text and "--retrieval-share" in help_text
     export = tmp_path / "export"
     subprocess.run(
-        [sys.executable, str(script), "--steps", "2", "--minutes", "2", "--n-layer", "1",
-         "--n-head", "2", "--hidden", "16", "--seq-len", "96", "--batch", "4", "--bias", "clamped",
-         "--bias-c", "3", "--retrieval-share", "0.5", "--eval-every", "1", "--out",
-         str(tmp_path / "run"), "--export", str(export)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(script),
+            "--steps",
+            "2",
+            "--minutes",
+            "2",
+            "--n-layer",
+            "1",
+            "--n-head",
+            "2",
+            "--hidden",
+            "16",
+            "--seq-len",
+            "96",
+            "--batch",
+            "4",
+            "--bias",
+            "clamped",
+            "--bias-c",
+            "3",
+            "--retrieval-share",
+            "0.5",
+            "--eval-every",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+            "--export",
+            str(export),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     metadata = json.loads((export / METADATA_FILE).read_text())
     assert trained_bias(metadata) == ("clamped", {"c": 3.0})
     assert metadata["training"]["config"]["retrieval_share"] == 0.5

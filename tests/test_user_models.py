@@ -42,9 +42,17 @@ def user_model(n_heads: int = 6, **overrides):
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     cfg = dict(
-        n_layers=2, d_model=8 * n_heads, d_head=8, n_heads=n_heads, n_ctx=256, d_vocab=97,
-        act_fn="gelu_new", normalization_type="LN", positional_embedding_type="alibi", seed=0,
-    )  # fmt: skip
+        n_layers=2,
+        d_model=8 * n_heads,
+        d_head=8,
+        n_heads=n_heads,
+        n_ctx=256,
+        d_vocab=97,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        positional_embedding_type="alibi",
+        seed=0,
+    )
     return HookedTransformer(HookedTransformerConfig(**(cfg | overrides))).eval()
 
 
@@ -55,8 +63,13 @@ def user_bridge(n_heads: int = 6):
     from transformers import BloomConfig, BloomForCausalLM
 
     # A setting only the Hugging Face config holds: save_hf must write it.
-    config = BloomConfig(vocab_size=97, hidden_size=8 * n_heads, n_layer=2, n_head=n_heads,
-                         apply_residual_connection_post_layernorm=True)  # fmt: skip
+    config = BloomConfig(
+        vocab_size=97,
+        hidden_size=8 * n_heads,
+        n_layer=2,
+        n_head=n_heads,
+        apply_residual_connection_post_layernorm=True,
+    )
     torch.manual_seed(0)
     hf = BloomForCausalLM(config).eval()
     return build_bridge_from_module(hf, "BloomForCausalLM", hf_config=config, model_name="mine")
@@ -173,9 +186,13 @@ def test_repair_takes_token_tensors():
     model = own_model()
     data = tokens(40, 32)
     result = repair(
-        model, data, heads=HeadSet.parse("L1H2"), passes=1, progress=False,
+        model,
+        data,
+        heads=HeadSet.parse("L1H2"),
+        passes=1,
+        progress=False,
         finetune_config=FinetuneConfig(steps=2, batch_size=4),
-    )  # fmt: skip
+    )
     settings = result.settings
     assert settings["train_data"] == "token tensor of shape [40, 32]"
     assert settings["train_sequences"] == [35, 32] and settings["eval_sequences"] == [5, 32]
@@ -208,8 +225,14 @@ def test_a_bridge_a_tool_cannot_support_fails_before_any_work(monkeypatch):
         raise AssertionError("the census ran before the model was checked")
 
     monkeypatch.setattr(repair_module, "run_census", no_census)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     llama = LlamaForCausalLM(config).eval()  # grouped-query attention, rotary positions
     model = build_bridge_from_module(llama, "LlamaForCausalLM", hf_config=config)
     with pytest.raises(UnsupportedArchitectureError, match="grouped-query"):
@@ -225,8 +248,15 @@ def test_repair_settings_as_keywords_or_as_one_config():
     from headsurgeon.errors import InvalidArgumentError
 
     data, training = tokens(40, 32), FinetuneConfig(steps=2, batch_size=4)
-    by_keywords = repair(own_model(), data, heads="L1H2", passes=1, finetune_config=training,
-                         census_n_seqs=4, progress=False)  # fmt: skip
+    by_keywords = repair(
+        own_model(),
+        data,
+        heads="L1H2",
+        passes=1,
+        finetune_config=training,
+        census_n_seqs=4,
+        progress=False,
+    )
     config = RepairConfig(passes=1, finetune=training, census_n_seqs=4)
     by_config = repair(own_model(), data, heads="L1H2", config=config, progress=False)
     assert by_config.to_dict() == by_keywords.to_dict()

@@ -24,9 +24,13 @@ from headsurgeon.validation import check_bool, check_choice, check_int, check_nu
 
 @pytest.mark.parametrize(
     ("value", "kwargs", "expected"),
-    [(3, {"minimum": 1}, 3), (np.int64(4), {}, 4), (torch.tensor(5), {"maximum": 5}, 5),
-     (0, {"minimum": 0}, 0)],
-)  # fmt: skip
+    [
+        (3, {"minimum": 1}, 3),
+        (np.int64(4), {}, 4),
+        (torch.tensor(5), {"maximum": 5}, 5),
+        (0, {"minimum": 0}, 0),
+    ],
+)
 def test_check_int_accepts_integers_of_any_library(value, kwargs, expected):
     result = check_int(value, "n", **kwargs)
     assert result == expected and type(result) is int
@@ -34,9 +38,17 @@ def test_check_int_accepts_integers_of_any_library(value, kwargs, expected):
 
 @pytest.mark.parametrize(
     ("value", "kwargs"),
-    [(True, {}), (2.0, {}), ("2", {}), (None, {}), (0, {"minimum": 1}), (6, {"maximum": 5}),
-     (np.bool_(True), {}), (torch.tensor(1.0), {})],
-)  # fmt: skip
+    [
+        (True, {}),
+        (2.0, {}),
+        ("2", {}),
+        (None, {}),
+        (0, {"minimum": 1}),
+        (6, {"maximum": 5}),
+        (np.bool_(True), {}),
+        (torch.tensor(1.0), {}),
+    ],
+)
 def test_check_int_refuses_what_is_not_an_integer_in_range(value, kwargs):
     with pytest.raises(InvalidArgumentError, match=r"^n must be an integer.*, got "):
         check_int(value, "n", **kwargs)
@@ -46,8 +58,14 @@ def test_check_number_bounds_open_and_closed_and_non_finite():
     assert check_number(np.float32(0.5), "x", low=0, high=1) == 0.5
     assert check_number(1, "x", low=0, high=1) == 1.0
     assert check_number(math.inf, "x", low=0, finite=False) == math.inf
-    refused = [(0.0, {"low": 0, "low_open": True}), (1.0, {"high": 1, "high_open": True}),
-               (math.nan, {"finite": False}), (math.inf, {}), ("0.5", {}), (False, {})]  # fmt: skip
+    refused = [
+        (0.0, {"low": 0, "low_open": True}),
+        (1.0, {"high": 1, "high_open": True}),
+        (math.nan, {"finite": False}),
+        (math.inf, {}),
+        ("0.5", {}),
+        (False, {}),
+    ]
     for value, kwargs in refused:
         with pytest.raises(InvalidArgumentError, match="^x must be"):
             check_number(value, "x", **kwargs)
@@ -64,9 +82,15 @@ def test_check_choice_and_check_bool():
 
 @pytest.mark.parametrize(
     ("heads", "message"),
-    [([(1.5, 2)], "must be an integer"), (["L1H2"], "HeadSet.of"), ("L1H2", "HeadSet.of"),
-     ([(0, 1, 2)], "cannot read head"), ([(0, -1)], ">= 0"), (7, "takes \\(layer, head\\) pairs")],
-)  # fmt: skip
+    [
+        ([(1.5, 2)], "must be an integer"),
+        (["L1H2"], "HeadSet.of"),
+        ("L1H2", "HeadSet.of"),
+        ([(0, 1, 2)], "cannot read head"),
+        ([(0, -1)], ">= 0"),
+        (7, "takes \\(layer, head\\) pairs"),
+    ],
+)
 def test_headset_never_truncates_or_raises_raw(heads, message):
     with pytest.raises(InvalidArgumentError, match=message):
         HeadSet(heads)
@@ -78,9 +102,14 @@ def test_headset_takes_numpy_and_tensor_rows():
 
 
 def test_classification_never_calls_a_non_finite_head_healthy(caplog):
-    census = pd.DataFrame({"layer": [0, 0, 0, 0], "head": [0, 1, 2, 3],
-                           "bos_mass": [np.nan, 0.1, np.inf, 0.1],
-                           "output_share": [0.3, np.nan, 0.3, 0.3]})  # fmt: skip
+    census = pd.DataFrame(
+        {
+            "layer": [0, 0, 0, 0],
+            "head": [0, 1, 2, 3],
+            "bos_mass": [np.nan, 0.1, np.inf, 0.1],
+            "output_share": [0.3, np.nan, 0.3, 0.3],
+        }
+    )
     df = classify_heads(census)
     assert df["label"].tolist() == ["dead", "dead", "dead", "healthy"]
     assert df["reason"][0].startswith("metrics not finite")
@@ -95,11 +124,13 @@ def test_classification_refuses_text_columns():
 
 @pytest.mark.parametrize(
     ("tokens", "message"),
-    [(torch.rand(2, 16), "integer token ids, got dtype torch.float32"),
-     (torch.ones(2, 16, dtype=torch.bool), "integer token ids"),
-     (torch.zeros(16, dtype=torch.long), r"\[n_seqs, seq_len\]"),
-     (torch.full((2, 16), 10_000), "token ids must lie in 0..")],
-)  # fmt: skip
+    [
+        (torch.rand(2, 16), "integer token ids, got dtype torch.float32"),
+        (torch.ones(2, 16, dtype=torch.bool), "integer token ids"),
+        (torch.zeros(16, dtype=torch.long), r"\[n_seqs, seq_len\]"),
+        (torch.full((2, 16), 10_000), "token ids must lie in 0.."),
+    ],
+)
 def test_census_refuses_tokens_that_are_not_token_ids(tiny_model, tokens, message):
     with pytest.raises(DataError, match=message):
         run_census(tiny_model, tokens, progress=False)
@@ -107,9 +138,17 @@ def test_census_refuses_tokens_that_are_not_token_ids(tiny_model, tokens, messag
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"min_query_pos": "1"}, {"steps": 10.0}, {"lr": math.nan}, {"betas": (0.9,)},
-     {"strategy": "all"}, {"restore_best": "yes"}, {"warmup_steps": 200}, {"max_grad_norm": 0}],
-)  # fmt: skip
+    [
+        {"min_query_pos": "1"},
+        {"steps": 10.0},
+        {"lr": math.nan},
+        {"betas": (0.9,)},
+        {"strategy": "all"},
+        {"restore_best": "yes"},
+        {"warmup_steps": 200},
+        {"max_grad_norm": 0},
+    ],
+)
 def test_finetune_config_is_checked_on_creation(kwargs):
     with pytest.raises(InvalidArgumentError):
         FinetuneConfig(**kwargs)
@@ -139,12 +178,18 @@ def test_thresholds_store_plain_floats():
 
 @pytest.mark.parametrize(
     ("main", "argv", "message"),
-    [(classify_cli.main, ["--top", "-1"], "argument --top: expected an integer >= 0, got '-1'"),
-     (classify_cli.main, ["--n-seqs", "0"], "argument --n-seqs: expected a positive integer"),
-     (blindness_cli.main, ["--robust-context", "0"], "argument --robust-context: expected a pos"),
-     (blindness_cli.main, ["--dtype", "float16"], "unrecognized arguments: --dtype"),
-     (blindness_cli.main, ["--max-distance", "-5"], "argument --max-distance: expected a pos")],
-)  # fmt: skip
+    [
+        (classify_cli.main, ["--top", "-1"], "argument --top: expected an integer >= 0, got '-1'"),
+        (classify_cli.main, ["--n-seqs", "0"], "argument --n-seqs: expected a positive integer"),
+        (
+            blindness_cli.main,
+            ["--robust-context", "0"],
+            "argument --robust-context: expected a pos",
+        ),
+        (blindness_cli.main, ["--dtype", "float16"], "unrecognized arguments: --dtype"),
+        (blindness_cli.main, ["--max-distance", "-5"], "argument --max-distance: expected a pos"),
+    ],
+)
 def test_cli_values_out_of_range_are_one_line_before_any_work(main, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -156,8 +201,21 @@ def test_cli_values_out_of_range_are_one_line_before_any_work(main, argv, messag
 
 def test_robust_context_defaults_to_the_max_distance_not_through_or(tmp_path, capsys):
     out = tmp_path / "b"
-    blindness_cli.main(["bloom-560m", "--mitigation", "robust", "--max-distance", "512",
-                        "--dtypes", "float32", "--limit", "normal", "--out", str(out)])  # fmt: skip
+    blindness_cli.main(
+        [
+            "bloom-560m",
+            "--mitigation",
+            "robust",
+            "--max-distance",
+            "512",
+            "--dtypes",
+            "float32",
+            "--limit",
+            "normal",
+            "--out",
+            str(out),
+        ]
+    )
     table = pd.read_csv(out / "blindness.csv")
     # Robust slopes for a 512-token context keep every head sighted within it.
     assert (table["label"] == "sighted").all()
@@ -187,8 +245,9 @@ def test_finetune_refuses_float_tokens_rather_than_casting_them(tiny_model):
     from headsurgeon.finetune import finetune
 
     with pytest.raises(DataError, match="training data: a token tensor holds integer token ids"):
-        finetune(tiny_model, "L0H0", torch.rand(8, 16), config=FinetuneConfig(steps=2),
-                 progress=False)  # fmt: skip
+        finetune(
+            tiny_model, "L0H0", torch.rand(8, 16), config=FinetuneConfig(steps=2), progress=False
+        )
 
 
 def test_a_huge_integer_is_one_short_line():

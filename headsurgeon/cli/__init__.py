@@ -337,8 +337,11 @@ def load_data(model: Model, args: argparse.Namespace) -> Int[Tensor, "batch pos"
         model, args.texts, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=args.prepend_bos
     )
     if len(tokens) < args.n_seqs:
-        logger.warning("the data holds only %d sequences of %d tokens (asked for %d)",
-                       *tokens.shape, args.n_seqs)  # fmt: skip
+        logger.warning(
+            "the data holds only %d sequences of %d tokens (asked for %d)",
+            *tokens.shape,
+            args.n_seqs,
+        )
     return tokens
 
 

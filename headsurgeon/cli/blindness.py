@@ -94,9 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--batch-size", type=cli.positive_int, default=1, help="sequences per forward pass"
     )
-    cli.add_data_args(parser, seq_len=1024, n_seqs=None,
-                      n_seqs_help=f"sequences to use (default: as many as hold "
-                      f"{MEASURED_TOKENS:,} tokens, at least one)")  # fmt: skip
+    cli.add_data_args(
+        parser,
+        seq_len=1024,
+        n_seqs=None,
+        n_seqs_help=f"sequences to use (default: as many as hold "
+        f"{MEASURED_TOKENS:,} tokens, at least one)",
+    )
     cli.add_output_args(parser)
     args = parser.parse_args(argv)
     if args.n_seqs is None:  # a fixed budget of tokens: --seq-len 16384 measures one sequence
@@ -136,12 +140,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             applied = mitigation(model, args.mitigation, **params) if args.mitigation else None
             with applied or contextlib.nullcontext():
                 measured = measure_blindness(
-                    model, tokens, dtypes=dtypes, convention=args.convention,
+                    model,
+                    tokens,
+                    dtypes=dtypes,
+                    convention=args.convention,
                     batch_size=args.batch_size,
-                )  # fmt: skip
+                )
         print(blindness_summary(analytic, measured))
-        write_blindness(out, analytic, measured, formats=formats, overwrite=args.overwrite,
-                        model=model, tokens=tokens)  # fmt: skip
+        write_blindness(
+            out,
+            analytic,
+            measured,
+            formats=formats,
+            overwrite=args.overwrite,
+            model=model,
+            tokens=tokens,
+        )
     print(f"wrote {out}/")
     return 0
 

@@ -119,8 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             one = argparse.Namespace(**vars(args) | {"model": models[0]})
             classified, model, tokens = _classify(one, thresholds)
             # The report page shows the heads' attention on the run's own sequences.
-            write_classification(classified, out, formats=formats, overwrite=args.overwrite,
-                                 model=model, tokens=tokens)  # fmt: skip
+            write_classification(
+                classified,
+                out,
+                formats=formats,
+                overwrite=args.overwrite,
+                model=model,
+                tokens=tokens,
+            )
             files = "index.html (open it in a browser), heads.csv, heads.json, summary.txt, "
             files += "threshold_sweep.csv, figures"
         else:
@@ -171,8 +177,10 @@ def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> 
             "predicts nothing)"
         )
     if args.importance == "resample" and args.n_seqs < 2:
-        parser.error("--importance resample takes each head's output from another sequence; "
-                     "use --n-seqs 2 or more")  # fmt: skip
+        parser.error(
+            "--importance resample takes each head's output from another sequence; "
+            "use --n-seqs 2 or more"
+        )
 
 
 def _with_importance(

@@ -204,8 +204,9 @@ def _parser() -> argparse.ArgumentParser:
         "the trained slices are rounded to it before the final census",
     )
     add_output_args(parser)
-    parser.add_argument("--resume", metavar="DIR",
-                        help="continue the interrupted run whose --out was DIR")  # fmt: skip
+    parser.add_argument(
+        "--resume", metavar="DIR", help="continue the interrupted run whose --out was DIR"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
 
@@ -299,8 +300,9 @@ def _trained(partial: Path) -> bool:
 def _remove_work_folder(partial: Path) -> None:
     """Remove ``partial`` if it still carries the work-folder mark (it is the tool's own)."""
     if not _is_work_folder(partial):
-        logger.warning("left %s as it is: it no longer carries the mark of a repair work folder",
-                       partial)  # fmt: skip
+        logger.warning(
+            "left %s as it is: it no longer carries the mark of a repair work folder", partial
+        )
         return
     shutil.rmtree(partial, ignore_errors=True)
 
@@ -360,22 +362,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = FinetuneConfig(
         steps=FinetuneConfig.steps if args.steps is None else args.steps,
         lr=FinetuneConfig.lr if args.lr is None else args.lr,
-        weight_decay=args.weight_decay, warmup_steps=args.warmup,
-        batch_size=args.batch_size, grad_accum=args.grad_accum,
-        max_grad_norm=args.max_grad_norm, autocast=args.autocast, eval_every=args.eval_every,
-        patience=args.patience, min_query_pos=args.min_query_pos, strategy=args.strategy,
-        seed=args.seed, gradient_checkpointing=args.gradient_checkpointing,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        max_grad_norm=args.max_grad_norm,
+        autocast=args.autocast,
+        eval_every=args.eval_every,
+        patience=args.patience,
+        min_query_pos=args.min_query_pos,
+        strategy=args.strategy,
+        seed=args.seed,
+        gradient_checkpointing=args.gradient_checkpointing,
         loss_chunk=args.loss_chunk,
-    )  # fmt: skip
+    )
     settings = RepairConfig(  # every setting checked here, before any model is loaded
-        passes=args.passes, init=args.init, seed=args.seed,
+        passes=args.passes,
+        init=args.init,
+        seed=args.seed,
         thresholds=Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share),
-        census_seq_len=args.seq_len, census_n_seqs=args.n_seqs,
-        min_query_pos=args.min_query_pos, prepend_bos=args.prepend_bos,
-        train_seq_len=args.train_seq_len, n_eval_seqs=args.n_eval_seqs,
-        drift_threshold=args.drift_threshold, finetune=config, save_dtype=args.save_dtype,
-        max_ppl_increase=args.max_ppl_increase, max_collateral=args.max_collateral,
-    )  # fmt: skip
+        census_seq_len=args.seq_len,
+        census_n_seqs=args.n_seqs,
+        min_query_pos=args.min_query_pos,
+        prepend_bos=args.prepend_bos,
+        train_seq_len=args.train_seq_len,
+        n_eval_seqs=args.n_eval_seqs,
+        drift_threshold=args.drift_threshold,
+        finetune=config,
+        save_dtype=args.save_dtype,
+        max_ppl_increase=args.max_ppl_increase,
+        max_collateral=args.max_collateral,
+    )
     dist_info = setup_distributed(args.device or "cpu")
     try:
         return _run(args, settings, formats, dist_info)
@@ -385,9 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(
-    args: argparse.Namespace, settings: RepairConfig, formats: list[str] | None,
+    args: argparse.Namespace,
+    settings: RepairConfig,
+    formats: list[str] | None,
     dist_info: DistInfo,
-) -> int:  # fmt: skip
+) -> int:
     """Claim the output, load the model, repair it and write the report (rank 0)."""
     with contextlib.ExitStack() as claims:
         # One decision on rank 0, before any rank writes; rank 0 holds the claim to the end.
@@ -397,19 +416,26 @@ def _run(
         if not args.device_map and not args.max_memory:
             placement["device"] = dist_info.device  # this rank's GPU under torchrun
         model = load_model(args.model, dtype=args.dtype, **placement)
-        require_tokenizer(model, args, "its text (--texts, --corpus, --eval-corpus or the "
-                          "bundled corpora)")  # fmt: skip
+        require_tokenizer(
+            model, args, "its text (--texts, --corpus, --eval-corpus or the bundled corpora)"
+        )
         finetune = recommended_config(model, settings.finetune, steps=args.steps, lr=args.lr)
         settings = dataclasses.replace(settings, finetune=finetune)
         with _keep_training(out, partial, dist_info.rank):
             if dist_info.rank == 0 and not args.resume:
                 _start_work_folder(partial)
             result = repair(
-                model, _texts(args.corpus), eval_corpus=_texts(args.eval_corpus),
-                census_data=_texts(args.texts), heads=args.heads, include=args.include,
-                config=settings, work_dir=partial, resume=bool(args.resume),
+                model,
+                _texts(args.corpus),
+                eval_corpus=_texts(args.eval_corpus),
+                census_data=_texts(args.texts),
+                heads=args.heads,
+                include=args.include,
+                config=settings,
+                work_dir=partial,
+                resume=bool(args.resume),
                 progress=not args.quiet,
-            )  # fmt: skip
+            )
             if dist_info.rank == 0:
                 write_report(result, out, formats=formats, overwrite=args.overwrite)
                 _remove_work_folder(partial)

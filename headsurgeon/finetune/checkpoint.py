@@ -132,8 +132,14 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
     missing = [key for key in (*_IDENTITY_KEYS, *_STATE_KEYS) if key not in state]
     if missing:
         raise _bad_checkpoint(path, f"lacks {', '.join(missing)}")
-    types = {"step": int, "slices": dict, "optimizer": dict, "scheduler": dict, "rng": dict,
-             "progress": dict}  # fmt: skip
+    types = {
+        "step": int,
+        "slices": dict,
+        "optimizer": dict,
+        "scheduler": dict,
+        "rng": dict,
+        "progress": dict,
+    }
     for key, kind in types.items():
         if not isinstance(state[key], kind) or isinstance(state[key], bool):
             raise _bad_checkpoint(path, f"holds a {type(state[key]).__name__} as its {key}")
@@ -160,9 +166,9 @@ def _tensors_like(
             raise _bad_checkpoint(path, f"holds no floating-point tensor as {what} {name}")
         if value.shape != tensor.shape:
             raise _bad_checkpoint(
-                path, f"holds {what} {name} of shape {tuple(value.shape)}, not "
-                f"{tuple(tensor.shape)}",
-            )  # fmt: skip
+                path,
+                f"holds {what} {name} of shape {tuple(value.shape)}, not {tuple(tensor.shape)}",
+            )
     return given
 
 
@@ -223,13 +229,17 @@ def _check_progress(
     problems = [
         (not all(map(_is_number, numbers)), "losses that are not numbers"),
         (len(progress["losses"]) != step, f"{len(progress['losses'])} losses for {step} steps"),
-        (not all(isinstance(r, dict) and all(map(_is_number, r.values())) for r in rows),
-         "an evaluation history that is not rows of numbers"),
+        (
+            not all(isinstance(r, dict) and all(map(_is_number, r.values())) for r in rows),
+            "an evaluation history that is not rows of numbers",
+        ),
         (not isinstance(progress["bad_evals"], int), "a count of evaluations that is no integer"),
         (not isinstance(progress["stopped_early"], bool), "no early-stopping flag"),
-        (not (progress["best_step"] is None or isinstance(progress["best_step"], int)),
-         "a best step that is no integer"),
-    ]  # fmt: skip
+        (
+            not (progress["best_step"] is None or isinstance(progress["best_step"], int)),
+            "a best step that is no integer",
+        ),
+    ]
     for failed, problem in problems:
         if failed:
             raise _bad_checkpoint(path, f"holds {problem}")

@@ -391,9 +391,10 @@ class _Loop:
             from torch.nn.parallel import DistributedDataParallel
 
             self.module = DistributedDataParallel(
-                trainer, device_ids=[device.index] if device.type == "cuda" else None,
+                trainer,
+                device_ids=[device.index] if device.type == "cuda" else None,
                 broadcast_buffers=False,
-            )  # fmt: skip
+            )
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -458,8 +459,11 @@ class _Loop:
         if set(scheduler) != set(self.scheduler.state_dict()) or scheduler["last_epoch"] != step:
             raise _bad_checkpoint(path, f"holds a schedule that is not at step {step}")
         rng = checkpoint["rng"].get("torch")
-        if not (isinstance(rng, Tensor) and rng.dtype == torch.uint8
-                and rng.shape == torch.get_rng_state().shape):  # fmt: skip
+        if not (
+            isinstance(rng, Tensor)
+            and rng.dtype == torch.uint8
+            and rng.shape == torch.get_rng_state().shape
+        ):
             raise _bad_checkpoint(path, "holds no usable random state")
         _check_progress(checkpoint["progress"], step, expected, path)
 
@@ -471,12 +475,16 @@ class _Loop:
             _save_checkpoint(
                 path,
                 {
-                    "format": CHECKPOINT_FORMAT, **self.job.identity, "step": self.step,
-                    "slices": self.trainer.slices(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "rng": _rng_state(),
+                    "format": CHECKPOINT_FORMAT,
+                    **self.job.identity,
+                    "step": self.step,
+                    "slices": self.trainer.slices(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "rng": _rng_state(),
                     "progress": self.state.to_dict(),
                 },
-            )  # fmt: skip
+            )
         self.saved_step = self.step  # every rank: its divergence message names the checkpoint
 
     def evaluate(self) -> None:
@@ -555,9 +563,12 @@ class _Loop:
         enabled = cfg.autocast == "bfloat16"
         autocast = torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=enabled)
         bar = tqdm(
-            total=cfg.steps, initial=self.step, desc=f"fine-tune {len(job.heads)} heads",
-            disable=not job.progress or job.rank != 0, dynamic_ncols=True,
-        )  # fmt: skip
+            total=cfg.steps,
+            initial=self.step,
+            desc=f"fine-tune {len(job.heads)} heads",
+            disable=not job.progress or job.rank != 0,
+            dynamic_ncols=True,
+        )
         recompute = checkpointed_blocks(job.model) if cfg.gradient_checkpointing else None
         with recompute or contextlib.nullcontext():  # evaluations (no gradient) pass through
             while self.step < cfg.steps and not state.stopped_early:
@@ -571,8 +582,11 @@ class _Loop:
                     self.save()
         bar.close()
         if state.stopped_early:
-            logger.info("early stop at step %d: no better held-out loss in %d evaluations",
-                        self.step, cfg.patience)  # fmt: skip
+            logger.info(
+                "early stop at step %d: no better held-out loss in %d evaluations",
+                self.step,
+                cfg.patience,
+            )
             if cfg.restore_best and state.best_slices is not None:
                 self.trainer.load_slices(state.best_slices)
                 self.trainer.after_step()

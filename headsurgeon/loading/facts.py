@@ -98,9 +98,14 @@ def model_shape(model: str | os.PathLike | Model) -> ModelShape:
         n_ctx = hf_config.get("seq_length", cfg.n_ctx)
         family = hf_config.get("model_type")
         return ModelShape(
-            cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_vocab, n_ctx,
-            cfg.positional_embedding_type, family if family in ("mpt", "falcon") else "bloom",
-        )  # fmt: skip
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.d_model,
+            cfg.d_vocab,
+            n_ctx,
+            cfg.positional_embedding_type,
+            family if family in ("mpt", "falcon") else "bloom",
+        )
     name = str(model)
     key = name.lower()
     if key in BLOOM_SHAPES:
@@ -178,8 +183,13 @@ def _config_shape(file: Path, config: dict[str, Any]) -> ModelShape:
     family = config["model_type"]
     try:
         hf = AutoConfig.for_model(**config)
-        sizes = [hf.num_hidden_layers, hf.num_attention_heads, hf.hidden_size, hf.vocab_size,
-                 hf.max_seq_len if family == "mpt" else hf.max_position_embeddings]  # fmt: skip
+        sizes = [
+            hf.num_hidden_layers,
+            hf.num_attention_heads,
+            hf.hidden_size,
+            hf.vocab_size,
+            hf.max_seq_len if family == "mpt" else hf.max_position_embeddings,
+        ]
     except Exception as e:  # transformers' validation: TypeError, ValueError, its own errors
         raise CheckpointError(f"{file}: {first_line(e)}; correct it or re-export it") from e
     if not all(_is_int(size) and size > 0 for size in sizes) or sizes[2] % sizes[1]:

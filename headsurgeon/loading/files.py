@@ -67,16 +67,41 @@ def _is_int(value: Any) -> bool:
 
 # safetensors' dtype names, as torch names them; the floating ones are what weights may be.
 _SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
-    "U8": "uint8", "BOOL": "bool", "C64": "complex64",
-}  # fmt: skip
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "C64": "complex64",
+}
 _DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
-    "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4,
-    "uint16": 2, "uint8": 1, "bool": 1, "complex64": 8,
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+}
 _WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 
@@ -218,8 +243,9 @@ def _shard_index(file: Path) -> dict[str, str] | None:
             f"{file} has no weight_map of tensor names to shard files in its folder; "
             "re-download or re-export the checkpoint"
         )
-    missing = sorted(name for name in set(weight_map.values())
-                     if not os.path.lexists(file.parent / name))  # fmt: skip
+    missing = sorted(
+        name for name in set(weight_map.values()) if not os.path.lexists(file.parent / name)
+    )
     if missing:
         raise CheckpointError(
             f"{file.parent} lacks the shard {missing[0]}{_more(missing, 'shards')} that "

@@ -62,9 +62,13 @@ class _Value:
 
     def describe(self) -> str:
         what = {
-            "int": "an integer", "number": "a finite number", "bool": "true or false",
-            "str": "a string", "list": "a list", "dict": "an object",
-        }[self.kind]  # fmt: skip
+            "int": "an integer",
+            "number": "a finite number",
+            "bool": "true or false",
+            "str": "a string",
+            "list": "a list",
+            "dict": "an object",
+        }[self.kind]
         bounds = []
         if self.low is not None:
             bounds.append(f"{'>' if self.low_open else '>='} {self.low:g}")
@@ -106,7 +110,7 @@ _METADATA = _Value(
                         "peak_lr": _Value("number", low=0, low_open=True),
                         "weight_decay": _Value("number", low=0),
                         "retrieval_share": _Value("number", low=0, high=1),
-                    },  # fmt: skip
+                    },
                 ),
                 "steps": _STEPS,
                 "planned_steps": _STEPS,
@@ -184,8 +188,9 @@ def _check_value(value: Any, spec: _Value, field: str, path: str) -> None:
                 f"{', '.join(known)}), so it would be ignored; remove it"
             )
         elif close := difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.8):
-            logger.warning("%s: unknown field %s is kept but not used; did you mean %s?",
-                           path, name, close[0])  # fmt: skip
+            logger.warning(
+                "%s: unknown field %s is kept but not used; did you mean %s?", path, name, close[0]
+            )
 
 
 def _folder_metadata(directory: Path) -> dict[str, Any]:

@@ -117,14 +117,19 @@ def sick_share_plot(shares: pd.DataFrame, *, title: str | None = None) -> go.Fig
         total = rows[rows["band"] == "all"]
         bands = rows[rows["band"] != "all"]
         overall = f" (all: {total['sick_share'].iloc[0]:.0%})" if len(total) else ""
-        fig.add_trace(go.Scatter(
-            x=bands["band"], y=bands["sick_share"],
-            mode="lines+markers", name=f"{model}{overall}",
-            line={"color": palette[i % len(palette)], "width": 2.5}, marker={"size": 9},
-            customdata=bands[["sick", "n_heads", "layers"]].to_numpy(),
-            hovertemplate=f"{model}<br>%{{x}} layers (%{{customdata[2]}})<br>sick share "
-                          "%{y:.1%} (%{customdata[0]} of %{customdata[1]} heads)<extra></extra>",
-        ))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=bands["band"],
+                y=bands["sick_share"],
+                mode="lines+markers",
+                name=f"{model}{overall}",
+                line={"color": palette[i % len(palette)], "width": 2.5},
+                marker={"size": 9},
+                customdata=bands[["sick", "n_heads", "layers"]].to_numpy(),
+                hovertemplate=f"{model}<br>%{{x}} layers (%{{customdata[2]}})<br>sick share "
+                "%{y:.1%} (%{customdata[0]} of %{customdata[1]} heads)<extra></extra>",
+            )
+        )
     fig.update_yaxes(
         title_text="sick heads (BOS-sink + dead)", tickformat=".0%", rangemode="tozero"
     )

@@ -35,8 +35,15 @@ __all__ = ["analytic_vs_measured", "blind_distance_grid", "retrieval_heatmap", "
 
 def _eval_layout(fig: go.Figure, title: str, subtitle: str, width: int, height: int) -> None:
     margin = {"l": 80, "r": 30, "t": 95 if subtitle else 65, "b": 70}
-    style(fig, title=title, subtitle=subtitle, width=width, height=height, margin=margin,
-          subtitle_size=12)  # fmt: skip
+    style(
+        fig,
+        title=title,
+        subtitle=subtitle,
+        width=width,
+        height=height,
+        margin=margin,
+        subtitle_size=12,
+    )
 
 
 @_notebook_figure
@@ -297,9 +304,15 @@ def retrieval_heatmap(
     if any(inside) and not all(inside):
         fig.add_vline(x=sum(inside) - 0.5, line={"color": "black", "dash": "dash", "width": 3})
         fig.add_annotation(
-            x=sum(inside) - 0.5, y=1.02, yref="paper", text=f"train length {train_ctx}",
-            showarrow=False, xanchor="center", yanchor="bottom", font={"size": 12},
-        )  # fmt: skip
+            x=sum(inside) - 0.5,
+            y=1.02,
+            yref="paper",
+            text=f"train length {train_ctx}",
+            showarrow=False,
+            xanchor="center",
+            yanchor="bottom",
+            font={"size": 12},
+        )
     fig.update_xaxes(title_text="context length (tokens)", type="category")
     fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category")
     chance = table["chance"].iloc[0] if "chance" in table and metric == "top1_accuracy" else None

@@ -38,8 +38,9 @@ def _importance_subtitle(df: pd.DataFrame) -> str:
         ablation = df["ablation"].iloc[0]
     parts = [str(a.get("model", ""))]
     if method:
-        parts.append(f"{method} of {ablation} ablation" if method == "attribution"
-                     else f"{method} ablation")  # fmt: skip
+        parts.append(
+            f"{method} of {ablation} ablation" if method == "attribution" else f"{method} ablation"
+        )
     if "n_seqs" in a:
         parts.append(f"{a['n_seqs']} seqs × {a.get('seq_len')} tokens")
     if "clean_loss" in df.columns:
@@ -61,8 +62,12 @@ def importance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     fig.update_traces(colorbar_title_text="Δ loss (nats)", selector={"type": "heatmap"})
     n_layers, n_heads = _shape(df)
     default = "Head importance: loss increase when the head is removed"
-    _layout(fig, title or default, _importance_subtitle(df),
-            _plot_size(n_layers, n_heads, _cell(n_heads)))  # fmt: skip
+    _layout(
+        fig,
+        title or default,
+        _importance_subtitle(df),
+        _plot_size(n_layers, n_heads, _cell(n_heads)),
+    )
     return fig
 
 
@@ -104,10 +109,21 @@ def bos_vs_importance(df: pd.DataFrame, *, title: str | None = None) -> go.Figur
             )
         )
     fig.add_hline(y=0, line={"color": "#666666", "width": 1, "dash": "dot"})
-    fig.update_xaxes(title_text="BOS mass", range=[-0.02, 1.02], ticks="outside",
-                     showgrid=True, gridcolor="#EEEEEE", zeroline=False)  # fmt: skip
-    fig.update_yaxes(title_text="Δ loss when removed (nats)", ticks="outside", showgrid=True,
-                     gridcolor="#EEEEEE", zeroline=False)  # fmt: skip
+    fig.update_xaxes(
+        title_text="BOS mass",
+        range=[-0.02, 1.02],
+        ticks="outside",
+        showgrid=True,
+        gridcolor="#EEEEEE",
+        zeroline=False,
+    )
+    fig.update_yaxes(
+        title_text="Δ loss when removed (nats)",
+        ticks="outside",
+        showgrid=True,
+        gridcolor="#EEEEEE",
+        zeroline=False,
+    )
     default = "Attention sinks against causal importance"
     _layout(fig, title or default, _importance_subtitle(df), (520, 380), colorbar=False)
     return fig

@@ -107,8 +107,15 @@ def _layout(
     below = 62 if axis_title else 38  # tick labels (and the x axis title)
     margin["b"] = below + (28 * rows + 12 if rows else 0)
     height = margin["t"] + plot_h + margin["b"]
-    style(fig, title=title, subtitle="<br>".join(lines), width=width, height=height,
-          margin=margin, title_size=19)  # fmt: skip
+    style(
+        fig,
+        title=title,
+        subtitle="<br>".join(lines),
+        width=width,
+        height=height,
+        margin=margin,
+        title_size=19,
+    )
     fig.update_layout(
         showlegend=rows > 0,
         legend={

@@ -113,8 +113,10 @@ def _pattern_trace(
         lines = ["query %{y} → key %{x}"]
     else:
         columns += [w.query[i], w.key[i]]
-        lines = [f"largest weight of a {w.step}×{w.step} cell: query %{{customdata[0]}} → key "
-                 "%{customdata[1]}"]  # fmt: skip
+        lines = [
+            f"largest weight of a {w.step}×{w.step} cell: query %{{customdata[0]}} → key "
+            "%{customdata[1]}"
+        ]
     if before is None:
         lines.append("weight %{z:.6g}")  # z holds the weight itself
     else:
@@ -123,8 +125,15 @@ def _pattern_trace(
         lines.append(f"%{{customdata[{j}]:.6g}} → %{{customdata[{j + 1}]:.6g}} (%{{z:+.6g}})")
     custom = np.stack(columns, axis=-1).astype(np.float64) if columns else None
     axis = labels if w.step == 1 else None
-    return go.Heatmap(z=shown, x=axis, y=axis, customdata=custom, hoverongaps=False,
-                      hovertemplate="<br>".join(lines) + "<extra></extra>", **heatmap)  # fmt: skip
+    return go.Heatmap(
+        z=shown,
+        x=axis,
+        y=axis,
+        customdata=custom,
+        hoverongaps=False,
+        hovertemplate="<br>".join(lines) + "<extra></extra>",
+        **heatmap,
+    )
 
 
 def _pattern_axes(fig: go.Figure, w: AttentionWeights, row: int, col: int) -> None:
@@ -135,10 +144,25 @@ def _pattern_axes(fig: go.Figure, w: AttentionWeights, row: int, col: int) -> No
     if w.step > 1:
         vals = list(range(0, n, max(1, n // 8)))
         ticks = {"tickmode": "array", "tickvals": vals, "ticktext": [str(v * w.step) for v in vals]}
-    fig.update_xaxes(range=[-0.5, n - 0.5], tickangle=-60, tickfont={"size": 11}, showgrid=False,
-                     zeroline=False, row=row, col=col, **ticks)  # fmt: skip
-    fig.update_yaxes(range=[n - 0.5, -0.5], tickfont={"size": 11}, showgrid=False, zeroline=False,
-                     row=row, col=col, **ticks)  # fmt: skip
+    fig.update_xaxes(
+        range=[-0.5, n - 0.5],
+        tickangle=-60,
+        tickfont={"size": 11},
+        showgrid=False,
+        zeroline=False,
+        row=row,
+        col=col,
+        **ticks,
+    )
+    fig.update_yaxes(
+        range=[n - 0.5, -0.5],
+        tickfont={"size": 11},
+        showgrid=False,
+        zeroline=False,
+        row=row,
+        col=col,
+        **ticks,
+    )
 
 
 def _pattern_marks(fig: go.Figure, w: AttentionWeights, blind: float, row: int, col: int) -> None:
@@ -149,18 +173,32 @@ def _pattern_marks(fig: go.Figure, w: AttentionWeights, blind: float, row: int, 
     fig.add_shape(type="rect", x0=-0.5, x1=0.5, y0=-0.5, y1=n - 0.5, line=box, row=row, col=col)
     if blind < w.n_pos:
         s = w.step
-        fig.add_shape(type="line", x0=-0.5, y0=blind / s - 0.5, x1=(w.n_pos - blind) / s - 0.5,
-                      y1=n - 0.5, line={"color": OKABE_ITO["sky"], "width": 2, "dash": "dash"},
-                      row=row, col=col)  # fmt: skip
+        fig.add_shape(
+            type="line",
+            x0=-0.5,
+            y0=blind / s - 0.5,
+            x1=(w.n_pos - blind) / s - 0.5,
+            y1=n - 0.5,
+            line={"color": OKABE_ITO["sky"], "width": 2, "dash": "dash"},
+            row=row,
+            col=col,
+        )
 
 
 def _pattern_title(model: Model, tokens: Tensor, w: AttentionWeights, what: str) -> tuple:
     info = model_info(model)
     text = "".join(token_strings(model, tokens[0, :24])).replace("·", " ")
-    position0 = "BOS token" if resolve_bos(model) and w.n_pos and tokens[0, 0] == bos_token_id(
-        model) else "first token"  # fmt: skip
-    parts = [info.name, f"{w.n_pos} tokens", f"red box: position 0 ({position0})",
-             "dashed: weights exactly 0 left of it (blind distance)"]  # fmt: skip
+    position0 = (
+        "BOS token"
+        if resolve_bos(model) and w.n_pos and tokens[0, 0] == bos_token_id(model)
+        else "first token"
+    )
+    parts = [
+        info.name,
+        f"{w.n_pos} tokens",
+        f"red box: position 0 ({position0})",
+        "dashed: weights exactly 0 left of it (blind distance)",
+    ]
     if w.step > 1:
         parts.append(f"max-pooled: each cell is the largest of {w.step}×{w.step} weights")
     return f"{what} on “{text}{'…' if w.n_pos > 24 else ''}”", " · ".join(parts)
@@ -205,8 +243,13 @@ def attention_pattern(
     facts, blind = _head_facts(model, census), _blind_distances(model, w.heads)
     cols = min(len(w.heads), 3)
     n_rows = -(-len(w.heads) // cols)
-    fig = make_subplots(rows=n_rows, cols=cols, subplot_titles=[facts(*h) for h in w.heads],
-                        horizontal_spacing=0.1, vertical_spacing=0.16 / n_rows)  # fmt: skip
+    fig = make_subplots(
+        rows=n_rows,
+        cols=cols,
+        subplot_titles=[facts(*h) for h in w.heads],
+        horizontal_spacing=0.1,
+        vertical_spacing=0.16 / n_rows,
+    )
     for i in range(len(w.heads)):
         row, col = i // cols + 1, i % cols + 1
         fig.add_trace(_pattern_trace(w, i, names, coloraxis="coloraxis"), row=row, col=col)
@@ -223,9 +266,14 @@ def attention_pattern(
     fig.update_annotations(font={"size": 13})
     default, subtitle = _pattern_title(model, tokens, w, "Attention")
     side = 380
-    style(fig, title=title or default, subtitle="<br>".join(_wrap(subtitle, side * cols)),
-          width=110 + side * cols + 110, height=150 + (side + 60) * n_rows,
-          margin={"l": 90, "r": 40, "t": 140, "b": 70})  # fmt: skip
+    style(
+        fig,
+        title=title or default,
+        subtitle="<br>".join(_wrap(subtitle, side * cols)),
+        width=110 + side * cols + 110,
+        height=150 + (side + 60) * n_rows,
+        margin={"l": 90, "r": 40, "t": 140, "b": 70},
+    )
     return fig
 
 
@@ -256,31 +304,51 @@ def pattern_diff(
     after = attention_weights(model_after, tokens, heads, **read)
     names = _shown_tokens(model_before, tokens)
     blind = _blind_distances(model_after, after.heads)
-    titles = [f"{name} {label}" for name in HeadSet(before.heads).names()
-              for label in ("before", "after", "after − before")]  # fmt: skip
+    titles = [
+        f"{name} {label}"
+        for name in HeadSet(before.heads).names()
+        for label in ("before", "after", "after − before")
+    ]
     n = len(before.heads)
-    fig = make_subplots(rows=n, cols=3, subplot_titles=titles, horizontal_spacing=0.08,
-                        vertical_spacing=0.16 / n)  # fmt: skip
+    fig = make_subplots(
+        rows=n, cols=3, subplot_titles=titles, horizontal_spacing=0.08, vertical_spacing=0.16 / n
+    )
     change = after.weights - before.weights
     bound = max(float(np.abs(change).max()), 1e-9)
     for i in range(n):
-        panels = ((before, None, "coloraxis"), (after, None, "coloraxis"),
-                  (after, before, "coloraxis2"))  # fmt: skip
+        panels = (
+            (before, None, "coloraxis"),
+            (after, None, "coloraxis"),
+            (after, before, "coloraxis2"),
+        )
         for col, (w, base, axis) in enumerate(panels, start=1):
             trace = _pattern_trace(w, i, names, base, coloraxis=axis)
             fig.add_trace(trace, row=i + 1, col=col)
             _pattern_axes(fig, w, i + 1, col)
             _pattern_marks(fig, w, blind[i], i + 1, col)
     fig.update_layout(
-        coloraxis={"colorscale": "Viridis", "cmin": 0, "cmax": 1,
-                   "colorbar": {"title": {"text": "weight"}, "x": 1.02, "len": 0.45, "y": 0.75}},
-        coloraxis2={"colorscale": "RdBu_r", "cmin": -bound, "cmax": bound,
-                    "colorbar": {"title": {"text": "change"}, "x": 1.02, "len": 0.45, "y": 0.2}},
-    )  # fmt: skip
+        coloraxis={
+            "colorscale": "Viridis",
+            "cmin": 0,
+            "cmax": 1,
+            "colorbar": {"title": {"text": "weight"}, "x": 1.02, "len": 0.45, "y": 0.75},
+        },
+        coloraxis2={
+            "colorscale": "RdBu_r",
+            "cmin": -bound,
+            "cmax": bound,
+            "colorbar": {"title": {"text": "change"}, "x": 1.02, "len": 0.45, "y": 0.2},
+        },
+    )
     fig.update_annotations(font={"size": 13})
     default, subtitle = _pattern_title(model_before, tokens, after, "Attention before and after")
     side = 330
-    style(fig, title=title or default, subtitle="<br>".join(_wrap(subtitle, side * 3)),
-          width=110 + side * 3 + 120, height=150 + (side + 60) * n,
-          margin={"l": 90, "r": 40, "t": 140, "b": 70})  # fmt: skip
+    style(
+        fig,
+        title=title or default,
+        subtitle="<br>".join(_wrap(subtitle, side * 3)),
+        width=110 + side * 3 + 120,
+        height=150 + (side + 60) * n,
+        margin={"l": 90, "r": 40, "t": 140, "b": 70},
+    )
     return fig

@@ -142,9 +142,12 @@ def _prepare_data(
         # to_sequences checked the tensors it was given; ids cut from texts are checked here
         train_tokens, eval_tokens = check_sequences(model, train_tokens, eval_tokens)
     census_tokens = to_sequences(
-        model, census_data, seq_len=config.census_seq_len, n_seqs=config.census_n_seqs,
+        model,
+        census_data,
+        seq_len=config.census_seq_len,
+        n_seqs=config.census_n_seqs,
         prepend_bos=prepend_bos,
-    )  # fmt: skip
+    )
     spread = torch.linspace(0, len(train_tokens) - 1, min(n_eval_seqs, len(train_tokens)))
     return _Data(
         train=train_tokens,
@@ -189,10 +192,16 @@ class _Run:
     and going back to the best pass."""
 
     def __init__(
-        self, model: Model, config: RepairConfig, data: _Data,
-        settings: dict[str, Any], work: WorkDir | None, resume: bool, progress: bool,
+        self,
+        model: Model,
+        config: RepairConfig,
+        data: _Data,
+        settings: dict[str, Any],
+        work: WorkDir | None,
+        resume: bool,
+        progress: bool,
         snapshot: WeightSnapshot,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model, self.config, self.data, self.settings = model, config, data, settings
         self.finetune_config: FinetuneConfig = config.finetune  # resolved by resolve_config
         self.work, self.resume, self.progress = work, resume, progress
@@ -219,9 +228,15 @@ class _Run:
 
     def perplexities(self) -> dict[str, float]:
         def ppl(tokens: torch.Tensor) -> float:
-            return perplexity(self.model, tokens, window=self.config.train_seq_len,
-                              batch_size=self.finetune_config.batch_size, prepend_bos=False,
-                              max_windows=None, progress=False)  # fmt: skip
+            return perplexity(
+                self.model,
+                tokens,
+                window=self.config.train_seq_len,
+                batch_size=self.finetune_config.batch_size,
+                prepend_bos=False,
+                max_windows=None,
+                progress=False,
+            )
 
         return {"train": ppl(self.data.train_eval), "heldout": ppl(self.data.eval)}
 
@@ -232,8 +247,9 @@ class _Run:
         batch_size = self.finetune_config.batch_size
         for ablation in ("mean", "zero"):
             data = self.data.census
-            with ablate_heads(self.model, heads, ablation, data, batch_size=batch_size,
-                              progress=False):  # fmt: skip
+            with ablate_heads(
+                self.model, heads, ablation, data, batch_size=batch_size, progress=False
+            ):
                 pruned[ablation] = self.perplexities()
         described = (f"{k} ablation {_format_ppl(v)}" for k, v in pruned.items())
         logger.info("pruned instead: %s", ", ".join(described))
@@ -259,9 +275,13 @@ class _Run:
         return current, ppl
 
     def run_pass(
-        self, index: int, targets: HeadSet, current: pd.DataFrame, ppl: dict[str, float],
+        self,
+        index: int,
+        targets: HeadSet,
+        current: pd.DataFrame,
+        ppl: dict[str, float],
         start: tuple[pd.DataFrame, dict[str, float], HeadSet],
-    ) -> PassResult:  # fmt: skip
+    ) -> PassResult:
         """Pass ``index`` on ``targets`` (loaded from the work folder when it finished there),
         judged against ``start``: the first census, its perplexities and the earlier targets."""
         work, model = self.work, self.model
@@ -304,9 +324,13 @@ class _Run:
             work.save_pass(result, model)
         logger.info(
             "pass %d: %d/%d recovered, %d frozen heads drifted, %d turned sick; perplexity %s",
-            index, len(result.recovered), len(targets), len(result.drifted), len(collateral),
+            index,
+            len(result.recovered),
+            len(targets),
+            len(result.drifted),
+            len(collateral),
             _format_ppl(ppl_after),
-        )  # fmt: skip
+        )
         if failure is not None:
             logger.warning("pass %d damaged the model: %s", index, failure)
         return result
@@ -322,8 +346,9 @@ class _Run:
         self, index: int, targets: HeadSet
     ) -> tuple[pd.DataFrame, dict[str, float], FinetuneResult]:
         """Re-initialise, fine-tune and round ``targets``; the census and perplexities after."""
-        logger.info("pass %d: re-initialising and fine-tuning %d heads: %s",
-                    index, len(targets), targets)  # fmt: skip
+        logger.info(
+            "pass %d: re-initialising and fine-tuning %d heads: %s", index, len(targets), targets
+        )
         reinit_heads(self.model, targets, init=self.config.init, seed=self.config.seed + index - 1)
         training = finetune_checked(  # _prepare_data checked the sequences
             self.model,

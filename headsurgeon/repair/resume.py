@@ -247,9 +247,10 @@ class WorkDir:
         )
         if not whole:
             raise self.unusable(
-                path, f"does not hold one row per head of the model ({len(census)} rows for "
+                path,
+                f"does not hold one row per head of the model ({len(census)} rows for "
                 f"{n_layers} layers x {n_heads} heads)",
-            )  # fmt: skip
+            )
         metrics = [c for c in COLUMNS if c not in ("layer", "head")]
         wrong = [c for c in metrics if not pd.api.types.is_numeric_dtype(census[c])]
         if wrong:
@@ -323,13 +324,20 @@ class WorkDir:
         columns = [history.get(c) for c in _HISTORY_COLUMNS]
         lengths = {len(c) for c in columns if isinstance(c, list)}
         problems = [
-            (not has_numbers(record["perplexity_after"], ("train", "heldout")),
-             "no perplexities after the pass"),
+            (
+                not has_numbers(record["perplexity_after"], ("train", "heldout")),
+                "no perplexities after the pass",
+            ),
             (not all(map(_is_number, record["losses"])), "losses that are not numbers"),
-            (not (all(isinstance(c, list) and all(map(_is_number, c)) for c in columns)
-                  and len(lengths) == 1 and 0 not in lengths),
-             "no evaluation history"),
-        ]  # fmt: skip
+            (
+                not (
+                    all(isinstance(c, list) and all(map(_is_number, c)) for c in columns)
+                    and len(lengths) == 1
+                    and 0 not in lengths
+                ),
+                "no evaluation history",
+            ),
+        ]
         for failed, problem in problems:
             if failed:
                 raise self.unusable(path, f"holds {problem}")

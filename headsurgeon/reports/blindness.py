@@ -121,16 +121,18 @@ def _blindness_table(
     keys = ["layer", "head"]
     parts = []
     if analytic is not None:
-        wide = analytic.pivot_table(index=keys, columns=["dtype", "limit"],
-                                    values="blind_distance", sort=False)  # fmt: skip
+        wide = analytic.pivot_table(
+            index=keys, columns=["dtype", "limit"], values="blind_distance", sort=False
+        )
         wide.columns = [f"blind distance {d} {limit}" for d, limit in wide.columns]
         parts.append(wide)
         parts.append(analytic.groupby(keys)[["slope"]].first())
     if measured is not None:
         by_head = measured.by_head
         for column, name in (("first_zero_distance", "first zero"), ("zero_fraction", "zeros")):
-            wide = by_head.pivot_table(index=keys, columns="dtype", values=column, sort=False,
-                                       dropna=False)  # fmt: skip
+            wide = by_head.pivot_table(
+                index=keys, columns="dtype", values=column, sort=False, dropna=False
+            )
             wide.columns = [f"measured {name} {d}" for d in wide.columns]
             parts.append(wide)
         if analytic is None:
@@ -142,8 +144,9 @@ def _blindness_table(
 def _zero_curves(measured: BlindnessMeasurement, table: pd.DataFrame) -> dict[str, Any]:
     """Per head name, the measured share of exact zeros by distance (one line per dtype) and
     the analytic blind distances (zero limit) as vertical lines, for the page."""
-    colours = dict(zip(plots.DTYPE_MARKERS, (c for _, c in plots.DTYPE_MARKERS.values()),
-                       strict=True))  # fmt: skip
+    colours = dict(
+        zip(plots.DTYPE_MARKERS, (c for _, c in plots.DTYPE_MARKERS.values()), strict=True)
+    )
     curves: dict[str, Any] = {}
     rows = measured.by_distance
     for (layer, head), sub in rows.groupby(["layer", "head"], sort=True):
@@ -152,14 +155,29 @@ def _zero_curves(measured: BlindnessMeasurement, table: pd.DataFrame) -> dict[st
             middle = (part["distance_lo"] + part["distance_hi"] - 1) / 2
             colour = colours.get(dtype, "#000000")
             share = part["zero_fraction"].round(4).tolist()
-            traces.append({"x": middle.round(1).tolist(), "y": share, "mode": "lines",
-                           "name": dtype, "line": {"color": colour}})  # fmt: skip
+            traces.append(
+                {
+                    "x": middle.round(1).tolist(),
+                    "y": share,
+                    "mode": "lines",
+                    "name": dtype,
+                    "line": {"color": colour},
+                }
+            )
             column = f"blind distance {dtype} zero"
             row = table[(table["layer"] == layer) & (table["head"] == head)]
             if column in row and math.isfinite(float(row[column].iloc[0])):
                 x = float(row[column].iloc[0])
-                shapes.append({"type": "line", "x0": x, "x1": x, "y0": 0, "y1": 1,
-                               "line": {"color": colour, "dash": "dot"}})  # fmt: skip
+                shapes.append(
+                    {
+                        "type": "line",
+                        "x0": x,
+                        "x1": x,
+                        "y0": 0,
+                        "y1": 1,
+                        "line": {"color": colour, "dash": "dot"},
+                    }
+                )
         curves[f"L{layer}H{head}"] = {"traces": traces, "shapes": shapes}
     return curves
 

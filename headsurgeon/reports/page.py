@@ -156,7 +156,7 @@ def _write_page(
             p.name
             for p in folder.iterdir()
             if p.name != PAGE and p.is_file() and not p.name.startswith(".")
-        ),  # fmt: skip
+        ),
     }
     from plotly.offline import get_plotlyjs
 
@@ -185,9 +185,12 @@ def _samples_note(samples: Sequence[PatternSample], data: object, where: str = "
     if not samples:
         return "No model was given to the writer: the page shows metrics, not attention patterns."
     weights = samples[0].weights[0]
-    shown = (f"the first {weights.n_pos} positions of the first {len(samples[0].weights)}"
-             if weights.step == 1 else f"{weights.n_pos} positions (max-pooled: each cell the "
-             f"largest weight of {weights.step} x {weights.step}) of the first")  # fmt: skip
+    shown = (
+        f"the first {weights.n_pos} positions of the first {len(samples[0].weights)}"
+        if weights.step == 1
+        else f"{weights.n_pos} positions (max-pooled: each cell the "
+        f"largest weight of {weights.step} x {weights.step}) of the first"
+    )
     return (
         f"Attention{f' in {where}' if where else ''}: {shown} of the run's sequences "
         f"({data or describe(None)}), from hook_pattern as the census reads it; weights rounded "

@@ -107,8 +107,9 @@ async def _click(tab: Any, pair: tuple[int, int]) -> None:
     presses; then give the head's plots time to draw."""
     x, y = await _evaluate(tab, _CELL_JS % (pair[1], pair[0]))
     for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
-        await _command(tab, "Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left",
-                       clickCount=1)  # fmt: skip
+        await _command(
+            tab, "Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1
+        )
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.5)
 
@@ -124,8 +125,14 @@ async def _visit(
         errors.listen(tab)
         for domain in ("Runtime", "Log", "Page"):
             await _command(tab, f"{domain}.enable")
-        await _command(tab, "Emulation.setDeviceMetricsOverride", width=size[0], height=size[1],
-                       deviceScaleFactor=1, mobile=False)  # fmt: skip
+        await _command(
+            tab,
+            "Emulation.setDeviceMetricsOverride",
+            width=size[0],
+            height=size[1],
+            deviceScaleFactor=1,
+            mobile=False,
+        )
         loaded = tab.subscribe_once("Page.loadEventFired")
         await _command(tab, "Page.navigate", url=url)
         await loaded

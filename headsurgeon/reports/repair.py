@@ -88,17 +88,24 @@ def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
     )
     failed = report["failed_heads"]
     failures = (
-        ["Failed heads (targets sick at the end): "
-         f"{'; '.join(f'{name} ({why})' for name, why in failed.items())}."]
-        if failed else []
-    )  # fmt: skip
+        [
+            "Failed heads (targets sick at the end): "
+            f"{'; '.join(f'{name} ({why})' for name, why in failed.items())}."
+        ]
+        if failed
+        else []
+    )
     best = report["best_pass"]
     if best is None:
         kept = "No pass is acceptable: the report has no repaired model" + (
             "." if not model_dir else " and no `model/` is written."
         )
-        return [f"**Verdict: {report['verdict']}**: {report['failure_reason']}.", kept, limits,
-                *failures]  # fmt: skip
+        return [
+            f"**Verdict: {report['verdict']}**: {report['failure_reason']}.",
+            kept,
+            limits,
+            *failures,
+        ]
     ppl, change = report["perplexity"], report["perplexity_change"]
     after = {split: report["passes"][best - 1]["perplexity_after"][split] for split in ppl}
     costs = ", ".join(
@@ -123,10 +130,12 @@ def _prune_vs_repair(report: dict[str, Any]) -> list[str]:
     comparison = report.get("prune_vs_repair")
     if comparison is None:
         return []
-    rows = [("before repair", comparison["injured"]),
-            ("pruned: targets mean-ablated", comparison["pruned_mean"]),
-            ("pruned: targets zero-ablated", comparison["pruned_zero"]),
-            ("repaired (kept model)", comparison["repaired"])]  # fmt: skip
+    rows = [
+        ("before repair", comparison["injured"]),
+        ("pruned: targets mean-ablated", comparison["pruned_mean"]),
+        ("pruned: targets zero-ablated", comparison["pruned_zero"]),
+        ("repaired (kept model)", comparison["repaired"]),
+    ]
     shown = [(name, ppl) for name, ppl in rows if ppl is not None]
     summary = ", ".join(f"{name} {ppl['heldout']:.3f}" for name, ppl in shown)
     return [
@@ -183,18 +192,24 @@ def _markdown(
             f"- drifted frozen heads: {_heads(p['drift']['heads'])}",
             f"- healthy frozen heads turned sick: {_heads(p['collateral']['heads'])}",
             f"- verdict: {p['verdict']}"
-            + (f" ({p['failure_reason']}; it counts no head recovered)" if p["failure_reason"]
-               else ""),
+            + (
+                f" ({p['failure_reason']}; it counts no head recovered)"
+                if p["failure_reason"]
+                else ""
+            ),
             f"- fine-tuning: {training['steps']} steps"
-            + (f", stopped early (best step {training['best_step']})"
-               if training["stopped_early"] else "")
+            + (
+                f", stopped early (best step {training['best_step']})"
+                if training["stopped_early"]
+                else ""
+            )
             + f", final objective {training['final_loss']:.4f}, final BOS mass of targets "
             f"{training['final_bos_mass']:.3f}",
             "",
             "| head | label before | BOS mass | output share | label after | BOS mass | "
             "output share |",
             "|---|---|---|---|---|---|---|",
-        ]  # fmt: skip
+        ]
         lines += [
             f"| {h['name']} | {h['label_before']} | {h['bos_mass_before']:.3f} | "
             f"{h['output_share_before']:.3f} | {h['label_after']} | {h['bos_mass_after']:.3f} | "
@@ -251,15 +266,19 @@ def write_report(
         "labels_before": plots.label_grid(result.census_before, title="Labels before repair"),
         "labels_after": plots.label_grid(result.census_after, title="Labels after repair"),
         "bos_mass_diff": plots.diff_grid(
-            result.census_before, result.census_after, "bos_mass",
+            result.census_before,
+            result.census_after,
+            "bos_mass",
             title="BOS mass, after repair − before",
         ),
-    }  # fmt: skip
+    }
     for p in result.passes:
         figures[f"pass{p.index}_bos_mass_diff"] = plots.diff_grid(
-            p.census_before, p.census_after, "bos_mass",
+            p.census_before,
+            p.census_after,
+            "bos_mass",
             title=f"Pass {p.index}: BOS mass, after − before",
-        )  # fmt: skip
+        )
     figures["training"] = training_plot(result)
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_report") as tmp:
         atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")
@@ -283,14 +302,16 @@ def write_report(
             title=f"Repair of {report['model']}",
             summary=markdown,
             grid=figures["bos_mass_diff"],
-            shape=(int(result.census_before["layer"].max()) + 1,
-                   int(result.census_before["head"].max()) + 1),
+            shape=(
+                int(result.census_before["layer"].max()) + 1,
+                int(result.census_before["head"].max()) + 1,
+            ),
             stages=stages,
             samples=samples if len(samples) == len(stages) else [],
             model=result.model,
             figures={name: figures[name] for name in ("training", "labels_before", "labels_after")},
             note=_samples_note(samples, report["settings"].get("census_data"), "each stage"),
-        )  # fmt: skip
+        )
         if save_model and result.best_pass is not None:  # no acceptable pass: no model
             save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
     plots.warn_skipped(skipped, out_dir)
