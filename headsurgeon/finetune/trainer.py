@@ -203,44 +203,24 @@ def finetune(
         model,
         heads,
         train,
-        eval_data,
-        config,
-        objective,
-        checkpoint_dir,
-        resume,
-        progress,
+        eval_data=eval_data,
+        config=config,
+        objective=objective,
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        progress=progress,
         tokens_checked=False,
     )
 
 
 def finetune_checked(
-    model: Model,
-    heads: Heads,
-    train: Int[Tensor, "batch pos"],
-    *,
-    eval_data: Int[Tensor, "batch pos"] | None = None,
-    config: FinetuneConfig | None = None,
-    objective: Objective | None = None,
-    checkpoint_dir: str | os.PathLike | None = None,
-    resume: bool = False,
-    progress: bool = True,
+    model: Model, heads: Heads, train: Int[Tensor, "batch pos"], **options: Any
 ) -> FinetuneResult:
-    """:func:`finetune` on token sequences that :func:`check_sequences` (or
-    :func:`headsurgeon.data.to_sequences`, for a tensor it was given) already checked against this
-    model: the same run without scanning them again. Each pass of a repair calls it, so a run's
-    tokens are checked once, not once per pass."""
-    return _finetune(
-        model,
-        heads,
-        train,
-        eval_data,
-        config,
-        objective,
-        checkpoint_dir,
-        resume,
-        progress,
-        tokens_checked=True,
-    )
+    """:func:`finetune` (the same keyword options) on token sequences that
+    :func:`check_sequences` (or :func:`headsurgeon.data.to_sequences`, for a tensor it was given)
+    already checked against this model: the same run without scanning them again. Each pass of a
+    repair calls it, so a run's tokens are checked once, not once per pass."""
+    return _finetune(model, heads, train, tokens_checked=True, **options)
 
 
 def check_sequences(
@@ -258,13 +238,13 @@ def _finetune(
     model: Model,
     heads: Heads,
     train: Any,
-    eval_data: Any,
-    config: FinetuneConfig | None,
-    objective: Objective | None,
-    checkpoint_dir: str | os.PathLike | None,
-    resume: bool,
-    progress: bool,
     *,
+    eval_data: Any = None,
+    config: FinetuneConfig | None = None,
+    objective: Objective | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    progress: bool = True,
     tokens_checked: bool,
 ) -> FinetuneResult:
     """:func:`finetune`, its token sequences checked already or not."""
