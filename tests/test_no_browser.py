@@ -186,7 +186,7 @@ def test_cli_asked_static_format_without_browser_fails_before_loading(
 
 @pytest.mark.slow  # a subprocess
 def test_classify_cli_without_browser_exits_0_with_one_warning(bloom_dir, tmp_path):
-    """The README's command on a machine whose browser kaleido cannot use (a subprocess)."""
+    """The classify command on a machine whose browser kaleido cannot use (a subprocess)."""
     (tmp_path / "text.txt").write_text(TEXT)
     out = tmp_path / "out"
     argv = [

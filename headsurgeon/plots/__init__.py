@@ -162,7 +162,7 @@ def _setting(module: types.ModuleType, name: str) -> property:
 class _Package(types.ModuleType):
     """This package's module type: its settings are those of the module that reads them.
 
-    Users assign them on the package, as the README does (``plots.NOTEBOOK_OUTPUTS = ()``), and
+    Users assign them on the package, as the docs do (``plots.NOTEBOOK_OUTPUTS = ()``), and
     tests monkeypatch them there; a module's own attribute would only shadow the value the
     notebook module reads, so the package holds a property (a module cannot hold one itself).
     """

@@ -59,7 +59,7 @@ def open_page(
     ``screenshot`` saves the viewport (``size`` pixels) as PNG.
 
     Needs the Chromium the static figures use (:func:`headsurgeon.plots.require_browser`: one
-    :class:`~headsurgeon.errors.FigureExportError` line without one). For tests and README
+    :class:`~headsurgeon.errors.FigureExportError` line without one). For tests and documentation
     screenshots: a page that renders with no console error and shows the clicked head works.
     """
     browser = plots.require_browser("opening a report page")
