@@ -134,3 +134,6 @@ def test_repair_refuses_an_unknown_setting_in_one_line():
     assert "\n" not in str(caught.value)
     with pytest.raises(InvalidArgumentError, match="not both \\(passes\\)"):
         repair(model, config=RepairConfig(), passes=1)
+    default = RepairConfig().passes  # written beside config=, even at its default, it is refused:
+    with pytest.raises(InvalidArgumentError, match="not both \\(passes\\)"):  # never ignored
+        repair(model, config=RepairConfig(passes=1), passes=default)

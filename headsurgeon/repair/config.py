@@ -108,9 +108,6 @@ class RepairConfig:
         check_int(self.max_collateral, "max_collateral", minimum=0)
 
 
-_DEFAULTS = RepairConfig()
-
-
 # repair()'s setting keywords: RepairConfig's fields, its ``finetune`` as ``finetune_config``.
 _KEYWORDS = {
     ("finetune_config" if f.name == "finetune" else f.name): f.name
@@ -136,10 +133,10 @@ def resolve_config(
             f"{', '.join(sorted(_KEYWORDS))}"
         )
     if config is not None:
-        given = [key for key, value in keywords.items() if value != _keyword_default(key)]
-        if given:
+        if keywords:  # only the keywords a caller wrote arrive here, so each one was meant
             raise InvalidArgumentError(
-                f"give the settings either as config= or as keywords, not both ({', '.join(given)})"
+                "give the settings either as config= or as keywords, not both "
+                f"({', '.join(sorted(keywords))})"
             )
         fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
     else:
@@ -153,11 +150,6 @@ def resolve_config(
         save_dtype=parse_dtype(config.save_dtype or checkpoint_dtype(model) or model.cfg.dtype),
         train_seq_len=config.train_seq_len or min(512, info.train_ctx or n_ctx, n_ctx),
     )
-
-
-def _keyword_default(key: str) -> Any:
-    """A keyword setting's value when it is not given (None: left to the model)."""
-    return None if key in ("thresholds", "finetune_config") else getattr(_DEFAULTS, key)
 
 
 def recommended_config(
