@@ -71,6 +71,13 @@ def test_several_heads_facets_and_the_census_label(organism):
     assert len([t for t in fig.data if t.type == "heatmap"]) == 2
 
 
+@needs_organisms
+def test_a_bos_token_in_the_title_is_text_not_markup():
+    model = load_model("organism-injured")  # its BOS token "<s>" stands at position 0
+    fig = plots.attention_pattern(model, "To be", "L1H7")
+    assert fig.layout.title.text.startswith("Attention on “&lt;s&gt;To be")  # "<s>" struck it out
+
+
 def test_bad_heads_and_inputs_are_one_line_errors():
     model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
     cases = {

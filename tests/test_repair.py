@@ -151,9 +151,8 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
     torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
 
 
-def cli_args(injured, text_file, out, *extra):
-    # --min-output-share 0.2 leaves heads sick after pass 1; it also labels the two healthy heads
-    # beside the loud repaired ones in layer 1 dead (collateral), which --max-collateral allows.
+def data_args(injured, text_file):
+    """The checkpoint and one small text for the census, training and evaluation."""
     return [
         str(injured),
         "--texts",
@@ -169,9 +168,17 @@ def cli_args(injured, text_file, out, *extra):
         "16",
         "--train-seq-len",
         "32",
-        "--steps",
-        "4",
         "--batch-size",
+        "4",
+    ]
+
+
+def cli_args(injured, text_file, out, *extra):
+    # --min-output-share 0.2 leaves heads sick after pass 1; it also labels the two healthy heads
+    # beside the loud repaired ones in layer 1 dead (collateral), which --max-collateral allows.
+    return [
+        *data_args(injured, text_file),
+        "--steps",
         "4",
         "--lr",
         "1e-2",
@@ -260,29 +267,7 @@ DIVERGING = ("--steps", "20", "--lr", "1", "--max-grad-norm", "1e30", "--warmup"
 
 def diverging_args(injured, text_file, out, *extra):
     """lr 1 without clipping: the repaired heads drown their two healthy layer-mates (dead)."""
-    return [
-        str(injured),
-        "--texts",
-        str(text_file),
-        "--corpus",
-        str(text_file),
-        "--eval-corpus",
-        str(text_file),
-        "--prepend-bos",
-        "--seq-len",
-        "32",
-        "--n-seqs",
-        "16",
-        "--train-seq-len",
-        "32",
-        "--batch-size",
-        "4",
-        *DIVERGING,
-        "--quiet",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return [*data_args(injured, text_file), *DIVERGING, "--quiet", "--out", str(out), *extra]
 
 
 def test_a_damaging_repair_fails_and_gives_the_model_back(injured, text_file, tmp_path, capsys):

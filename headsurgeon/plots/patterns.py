@@ -187,14 +187,15 @@ def _pattern_marks(fig: go.Figure, w: AttentionWeights, blind: float, row: int, 
 
 def _pattern_title(model: Model, tokens: Tensor, w: AttentionWeights, what: str) -> tuple:
     info = model_info(model)
-    text = "".join(token_strings(model, tokens[0, :24])).replace("·", " ")
+    # Escaped: plotly reads titles as HTML, and a token such as BLOOM's "<s>" struck the rest out.
+    text = escape("".join(token_strings(model, tokens[0, :24])).replace("·", " "), quote=False)
     position0 = (
         "BOS token"
         if resolve_bos(model) and w.n_pos and tokens[0, 0] == bos_token_id(model)
         else "first token"
     )
     parts = [
-        info.name,
+        escape(info.name, quote=False),
         f"{w.n_pos} tokens",
         f"red box: position 0 ({position0})",
         "dashed: weights exactly 0 left of it (blind distance)",
