@@ -344,6 +344,8 @@ def bias_params(args: argparse.Namespace) -> dict:
         params["c"] = args.bias_c
     if args.bias == "robust":
         params["context"] = args.robust_context or args.seq_len
+    if args.bias == "log" and args.log_match:
+        params["match"] = args.log_match
     return check_bias_params(args.bias, **params)
 
 
@@ -539,6 +541,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bias-c", type=float, help="clamped: the bias floor (bias >= -c)")
     p.add_argument(
         "--robust-context", type=int, help="robust: context kept sighted (default --seq-len)"
+    )
+    p.add_argument(
+        "--log-match",
+        type=int,
+        help="log: slopes rescaled so the penalty at this distance equals standard ALiBi's",
     )
     p.add_argument(
         "--retrieval-share",

@@ -289,18 +289,36 @@ def robust_slopes(
     return (m * min(1.0, max_slope / m.max().item())).to(torch.float32)
 
 
+# A parameter that may be left out (its default is None); None itself marks a required one.
+_OPTIONAL = object()
+
+
+def log_match_scale(match: int | None) -> float:
+    """The factor on a ``log`` bias's slopes that makes its penalty at distance ``match`` equal
+    standard ALiBi's (``m' ln(1 + L) = m L``): ``L / ln(1 + L)``; 1 when ``match`` is None.
+
+    >>> round(log_match_scale(512), 2)
+    82.05
+    """
+    return 1.0 if match is None else match / math.log1p(match)
+
+
 def check_bias_params(kind: str, **params: object) -> dict[str, object]:
     """Validate the parameters of a bias kind; return them with defaults filled in.
 
-    ``standard`` and ``log`` take none; ``clamped`` and ``softcap`` need ``c > 0``; ``robust``
-    needs ``context`` and takes ``dtype`` (float32), ``limit`` (normal), ``mode`` (scale).
+    ``standard`` takes none; ``log`` takes ``match`` (a distance ``L``: its slopes rescaled so
+    that its penalty at ``L`` equals standard ALiBi's, see :func:`log_match_scale`; default
+    ``None``, unscaled); ``clamped`` and ``softcap`` need ``c > 0``; ``robust`` needs ``context``
+    and takes ``dtype`` (float32), ``limit`` (normal), ``mode`` (scale).
 
     >>> check_bias_params("robust", context=256)
     {'context': 256, 'dtype': 'float32', 'limit': 'normal', 'mode': 'scale'}
+    >>> check_bias_params("log")
+    {'match': None}
     """
     allowed: dict[str, dict[str, object]] = {
         "standard": {},
-        "log": {},
+        "log": {"match": _OPTIONAL},
         "clamped": {"c": None},
         "softcap": {"c": None},
         "robust": {"context": None, "dtype": "float32", "limit": "normal", "mode": "scale"},
@@ -319,6 +337,9 @@ def check_bias_params(kind: str, **params: object) -> dict[str, object]:
     missing = [name for name, value in full.items() if value is None]
     if missing:
         raise InvalidArgumentError(f"{kind} needs {', '.join(missing)}")
+    full = {name: None if value is _OPTIONAL else value for name, value in full.items()}
+    if kind == "log" and full["match"] is not None:
+        full["match"] = check_int(full["match"], "the match distance of log", minimum=1)
     if "c" in full:
         full["c"] = check_number(full["c"], f"the c of {kind}", low=0, low_open=True)
     if kind == "robust":
@@ -366,7 +387,8 @@ def bias_from_distance(
 
     * ``standard``: ``-m d``;
     * ``clamped``: ``max(-m d, -c)``: no key is ever penalised by more than ``c``;
-    * ``log``: ``-m ln(1 + d)``: the penalty grows with the log of the distance;
+    * ``log``: ``-m ln(1 + d)``: the penalty grows with the log of the distance; with
+      ``match=L``, ``-m L ln(1 + d) / ln(1 + L)``: standard's penalty at ``d = L``;
     * ``robust``: ``-m' d`` with ``m' = robust_slopes(m, context, dtype, limit, mode)``;
     * ``softcap``: ``-m d`` (standard); the cap ``c tanh(logit / c)`` acts on the whole logit,
       content plus bias, after the bias is added (:func:`soft_cap`).
@@ -383,7 +405,7 @@ def bias_from_distance(
         m = robust_slopes(m, **params)
     d = distance.to(torch.float32)[None]
     if kind == "log":
-        return -m[:, None, None] * torch.log1p(d)
+        return -m[:, None, None] * log_match_scale(params["match"]) * torch.log1p(d)
     bias = -m[:, None, None] * d
     if kind == "clamped":
         return bias.clamp(min=-params["c"])
@@ -418,7 +440,7 @@ def blind_distance(
     further (standard ALiBi). Per kind:
 
     * ``standard``: ``ceil(T / m)``; ``clamped``: the same if ``c >= T``, else never (``inf``);
-    * ``log``: ``ceil(exp(T / m) - 1)``;
+    * ``log``: ``ceil(exp(T / m') - 1)``, ``m' = m log_match_scale(match)``;
     * ``softcap`` (content logits 0): ``gap = c tanh(m d / c) < c``: ``ceil(c atanh(T / c) / m)``
       if ``c > T``, else never;
     * ``robust``: standard with slopes made robust for this ``dtype`` and ``limit``
@@ -450,7 +472,7 @@ def blind_distance(
     else:
         params = check_bias_params(bias, **params)
     if bias == "log":
-        distance = torch.expm1(t / m).ceil()
+        distance = torch.expm1(t / (m * log_match_scale(params["match"]))).ceil()
     elif bias == "softcap":
         c = params["c"]
         distance = (c * math.atanh(t / c) / m).ceil() if c > t else torch.full_like(m, math.inf)
