@@ -307,14 +307,14 @@ def check_bias_params(kind: str, **params: object) -> dict[str, object]:
     """Validate the parameters of a bias kind; return them with defaults filled in.
 
     ``standard`` takes none; ``log`` takes ``match`` (a distance ``L``: its slopes rescaled so
-    that its penalty at ``L`` equals standard ALiBi's, see :func:`log_match_scale`; default
-    ``None``, unscaled); ``clamped`` and ``softcap`` need ``c > 0``; ``robust`` needs ``context``
+    that its penalty at ``L`` equals standard ALiBi's, see :func:`log_match_scale`; left out:
+    unscaled); ``clamped`` and ``softcap`` need ``c > 0``; ``robust`` needs ``context``
     and takes ``dtype`` (float32), ``limit`` (normal), ``mode`` (scale).
 
     >>> check_bias_params("robust", context=256)
     {'context': 256, 'dtype': 'float32', 'limit': 'normal', 'mode': 'scale'}
-    >>> check_bias_params("log")
-    {'match': None}
+    >>> check_bias_params("log"), check_bias_params("log", match=512)
+    ({}, {'match': 512})
     """
     allowed: dict[str, dict[str, object]] = {
         "standard": {},
@@ -334,11 +334,14 @@ def check_bias_params(kind: str, **params: object) -> dict[str, object]:
             f"{kind} takes no parameter {', '.join(sorted(unknown))}; its parameters: {names}"
         )
     full = {**allowed[kind], **params}
-    missing = [name for name, value in full.items() if value is None]
+    missing = [
+        name for name, value in full.items() if value is None and allowed[kind][name] is None
+    ]
     if missing:
         raise InvalidArgumentError(f"{kind} needs {', '.join(missing)}")
-    full = {name: None if value is _OPTIONAL else value for name, value in full.items()}
-    if kind == "log" and full["match"] is not None:
+    # An optional parameter left out stays out, so records of older models read the same.
+    full = {name: value for name, value in full.items() if value not in (_OPTIONAL, None)}
+    if "match" in full:
         full["match"] = check_int(full["match"], "the match distance of log", minimum=1)
     if "c" in full:
         full["c"] = check_number(full["c"], f"the c of {kind}", low=0, low_open=True)
@@ -405,7 +408,7 @@ def bias_from_distance(
         m = robust_slopes(m, **params)
     d = distance.to(torch.float32)[None]
     if kind == "log":
-        return -m[:, None, None] * log_match_scale(params["match"]) * torch.log1p(d)
+        return -m[:, None, None] * log_match_scale(params.get("match")) * torch.log1p(d)
     bias = -m[:, None, None] * d
     if kind == "clamped":
         return bias.clamp(min=-params["c"])
@@ -472,7 +475,7 @@ def blind_distance(
     else:
         params = check_bias_params(bias, **params)
     if bias == "log":
-        distance = torch.expm1(t / (m * log_match_scale(params["match"]))).ceil()
+        distance = torch.expm1(t / (m * log_match_scale(params.get("match")))).ceil()
     elif bias == "softcap":
         c = params["c"]
         distance = (c * math.atanh(t / c) / m).ceil() if c > t else torch.full_like(m, math.inf)

@@ -94,6 +94,13 @@ def test_bias_kinds_follow_their_formulas():
     assert torch.equal(alibi.bias_from_distance("softcap", m, d, c=5.0), standard)
     assert torch.equal(alibi.bias_from_distance("clamped", m, d, c=1.0), standard.clamp(min=-1.0))
     assert torch.allclose(alibi.bias_from_distance("log", m, d), -m[:, None, None] * (1 + d).log())
+    # log with match=L: standard's penalty exactly at distance L, the log's shape elsewhere
+    matched = alibi.bias_from_distance("log", m, d, match=4)
+    assert torch.allclose(matched[:, 4, 0], standard[:, 4, 0])
+    assert torch.allclose(matched, -m[:, None, None] * 4 / math.log(5) * (1 + d).log())
+    assert alibi.blind_distance(0.5, bias="log", match=4) == math.ceil(
+        math.expm1(-alibi.log_limit("float32") / (0.5 * 4 / math.log(5)))
+    )
     robust = alibi.bias_from_distance("robust", m, d, context=4, dtype="float16", mode="scale")
     scale = -alibi.log_limit("float16", "normal") / (4 * 0.5)
     assert torch.allclose(robust, standard * min(1.0, scale))
@@ -142,6 +149,7 @@ def test_blind_share_counts_entries_beyond_the_blind_distance():
         (lambda: alibi.check_bias_params("clamped", c=0.0), "number > 0"),
         (lambda: alibi.check_bias_params("softcap", c=math.inf), "number > 0"),
         (lambda: alibi.check_bias_params("log", c=3.0), "takes no parameter c"),
+        (lambda: alibi.check_bias_params("log", match=0), "integer >= 1"),
         (lambda: alibi.check_bias_params("robust"), "needs context"),
         (lambda: alibi.check_bias_params("robust", context=0), "integer >= 1"),
         (lambda: alibi.check_bias_params("robust", context=9, mode="x"), "unknown robust mode"),
