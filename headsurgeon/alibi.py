@@ -306,10 +306,11 @@ def log_match_scale(match: int | None) -> float:
 def check_bias_params(kind: str, **params: object) -> dict[str, object]:
     """Validate the parameters of a bias kind; return them with defaults filled in.
 
-    ``standard`` and ``relative`` take none; ``log`` takes ``match`` (a distance ``L``: its slopes rescaled so
-    that its penalty at ``L`` equals standard ALiBi's, see :func:`log_match_scale`; default
-    ``None``, unscaled); ``clamped`` and ``softcap`` need ``c > 0``; ``robust`` needs ``context``
-    and takes ``dtype`` (float32), ``limit`` (normal), ``mode`` (scale).
+    ``standard`` and ``relative`` take none; ``log`` takes ``match`` (a distance ``L``: its
+    slopes rescaled so that its penalty at ``L`` equals standard ALiBi's, see
+    :func:`log_match_scale`; default ``None``, unscaled); ``clamped`` and ``softcap`` need
+    ``c > 0``; ``robust`` needs ``context`` and takes ``dtype`` (float32), ``limit`` (normal),
+    ``mode`` (scale).
 
     >>> check_bias_params("robust", context=256)
     {'context': 256, 'dtype': 'float32', 'limit': 'normal', 'mode': 'scale'}

@@ -31,7 +31,7 @@ Exports:
     builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
     run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
     new_kv_cache(model, batch, device)  an empty key-value cache for ``run_to_layer(cache=)``
-    hf_kv_cache()                    an empty ``DynamicCache`` for a transformers model, growing in place
+    hf_kv_cache()                    an empty ``DynamicCache`` for a transformers model
     cached_length(cache)             how many positions it holds
     shared_cache(cache, batch)       one prompt's cache, read by ``batch`` rows without copies
     run_from_layer(model, tokens, resid, n)  the logits of a pass entering block ``n`` with resid

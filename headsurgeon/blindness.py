@@ -613,12 +613,12 @@ def _soft_cap_hook(scores: Tensor, hook: HookPoint, *, c: float) -> Tensor:
 def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     """Run ``model`` with a mitigated ALiBi (see :data:`headsurgeon.alibi.BIAS_KINDS`).
 
-    No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``, ``relative``) replace each attention
-    layer's ALiBi bias through a forward pre-hook, built from the slopes the model uses
-    (:func:`headsurgeon.exact_alibi.alibi_slopes`: a TransformerLens-built model keeps its own);
-    ``softcap`` adds a hook at ``hook_attn_scores`` that maps every unmasked logit (content plus
-    bias) to ``c tanh(x / c)`` and leaves masked cells masked (``-inf`` on TransformerLens 3.x,
-    the float minimum on 4.x). On exit the model is exactly
+    No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``, ``relative``) replace
+    each attention layer's ALiBi bias through a forward pre-hook, built from the slopes the model
+    uses (:func:`headsurgeon.exact_alibi.alibi_slopes`: a TransformerLens-built model keeps its
+    own); ``softcap`` adds a hook at ``hook_attn_scores`` that maps every unmasked logit (content
+    plus bias) to ``c tanh(x / c)`` and leaves masked cells masked (``-inf`` on TransformerLens
+    3.x, the float minimum on 4.x). On exit the model is exactly
     as before: the same parameters (never touched) and cached biases, no hook left. Contexts
     nest (the inner bias wins; ``softcap`` composes with a bias kind). The formulas of every
     kind: :func:`headsurgeon.alibi.bias_from_distance`.

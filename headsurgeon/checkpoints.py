@@ -184,7 +184,9 @@ def hf_model(model: Model, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
         warnings.simplefilter("ignore")  # MPT's ignored alibi_bias_max: the slopes say it
         hf = hf_class._from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
     missing, unexpected = hf.load_state_dict(state, strict=False)
-    missing = [name for name in missing if not (name == "lm_head.weight" and hf_config.tie_word_embeddings)]
+    missing = [
+        name for name in missing if not (name == "lm_head.weight" and hf_config.tie_word_embeddings)
+    ]
     if missing or unexpected:
         raise UnsupportedArchitectureError(
             f"the {architecture} built for {info.name!r} does not take its weights (missing "

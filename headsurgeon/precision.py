@@ -120,16 +120,22 @@ class _Family:
             raise UnsupportedArchitectureError(
                 "precision_effect measures ALiBi models; this Falcon uses rotary positions"
             )
-        self.n_heads = config[{"bloom": "n_head", "mpt": "n_heads"}.get(self.name, "num_attention_heads")]
+        self.n_heads = config[
+            {"bloom": "n_head", "mpt": "n_heads"}.get(self.name, "num_attention_heads")
+        ]
         self.d_head = config[{"mpt": "d_model"}.get(self.name, "hidden_size")] // self.n_heads
         # The slopes each family multiplies positions by (Falcon: in bfloat16, see _bias), and
         # the per-token slopes of the relative form (the hooks' :func:`alibi.config_slopes`).
-        self.slopes = alibi.mpt_slopes(self.n_heads) if self.name == "mpt" else alibi.slopes(self.n_heads)
+        self.slopes = (
+            alibi.mpt_slopes(self.n_heads) if self.name == "mpt" else alibi.slopes(self.n_heads)
+        )
         relative = tuple(alibi.config_slopes(config).tolist())
         self.relative_bias = bias_builder("relative", {}, relative)
         self.modules = [m for m in hf.modules() if type(m).__name__ in _ATTENTION]
 
-    def _bias(self, n_queries: int, n_keys: int, dtype: torch.dtype, relative: bool, device) -> Tensor:
+    def _bias(
+        self, n_queries: int, n_keys: int, dtype: torch.dtype, relative: bool, device
+    ) -> Tensor:
         """The ALiBi bias as the family (or, ``relative``, the bias hook) hands it to its
         attention, cast to ``dtype`` where the family casts it."""
         if relative:  # backend.hf_bias_pre_hook: built in float32, cast to the hidden dtype
@@ -177,11 +183,20 @@ class _Family:
         if self.name == "falcon":
             from transformers.models.falcon.modeling_falcon import repeat_kv
 
-            k, v = repeat_kv(k, module.num_key_value_groups), repeat_kv(v, module.num_key_value_groups)
+            k, v = (
+                repeat_kv(k, module.num_key_value_groups),
+                repeat_kv(v, module.num_key_value_groups),
+            )
         return q, k, v
 
     def scores(
-        self, module: nn.Module, q: Tensor, k: Tensor, mask: Tensor | None, dtype: torch.dtype, relative: bool
+        self,
+        module: nn.Module,
+        q: Tensor,
+        k: Tensor,
+        mask: Tensor | None,
+        dtype: torch.dtype,
+        relative: bool,
     ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
         """The masked pre-softmax scores, formed from ``q``, ``k`` cast to ``dtype`` and the bias
         exactly as the family forms them (their dtype is the family's: ``dtype``, or float32
@@ -207,20 +222,29 @@ class _Family:
             lowest = torch.finfo(dtype).min
             masked = mask <= torch.finfo(mask.dtype).min / 2
             bias = bias[None] if relative else bias
-            bias = torch.where(masked, lowest, bias) if relative else bias.masked_fill(masked, lowest)
+            bias = (
+                torch.where(masked, lowest, bias) if relative else bias.masked_fill(masked, lowest)
+            )
             return torch.matmul(q, k.transpose(2, 3)) * module.scaling + bias
         scores = torch.matmul(q, k.transpose(-1, -2)) * module.softmax_scale + bias
         return scores if mask is None else scores.masked_fill(mask, torch.finfo(q.dtype).min)
 
-    def output(self, module: nn.Module, weights: Tensor, v: Tensor, args: dict) -> tuple[Tensor, Tensor]:
+    def output(
+        self, module: nn.Module, weights: Tensor, v: Tensor, args: dict
+    ) -> tuple[Tensor, Tensor]:
         """The attention module's return value from the weights, as the family computes it."""
         batch, n_heads, n_queries, _ = weights.shape
         if self.name == "bloom":
             from transformers.models.bloom.modeling_bloom import dropout_add
 
-            context = torch.bmm(weights.view(batch * n_heads, n_queries, -1), v.reshape(batch * n_heads, -1, self.d_head))
+            context = torch.bmm(
+                weights.view(batch * n_heads, n_queries, -1),
+                v.reshape(batch * n_heads, -1, self.d_head),
+            )
             out = module.dense(module._merge_heads(context))
-            return dropout_add(out, args["residual"], module.hidden_dropout, module.training), weights
+            return dropout_add(
+                out, args["residual"], module.hidden_dropout, module.training
+            ), weights
         context = torch.matmul(weights, v)
         if self.name == "mpt":
             context = context.permute(0, 2, 1, 3).contiguous().view(batch, n_queries, -1)
@@ -269,34 +293,52 @@ class _HeadTable:
     weights, the float64 weight they held (lost mass) and half the absolute difference of the
     weights (moved mass: the total variation, summed over a row's keys)."""
 
-    def __init__(self, family: _Family, recipes: list[_Recipe], n_layers: int, edges: list[int]) -> None:
+    def __init__(
+        self, family: _Family, recipes: list[_Recipe], n_layers: int, edges: list[int]
+    ) -> None:
         self.family, self.recipes = family, recipes
         self.edges = torch.tensor(edges)
         shape = (len(recipes), 3, n_layers, family.n_heads, len(edges) - 1)
         self.sums = torch.zeros(shape, dtype=torch.float64)
         self.entries = torch.zeros(len(edges) - 1, dtype=torch.float64)
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, mask: Tensor | None, scores: Tensor, weights: Tensor) -> None:
+    @functools.lru_cache(maxsize=1)  # noqa: B019  (one block's shape at a time, freed with it)
+    def _buckets(self, n_queries: int, n_keys: int, device: torch.device) -> Tensor:
+        """``[query * key, bucket]``: 1 where the entry is causal and its distance in the bucket;
+        a matrix product with it sums entries by bucket in one pass over them."""
+        distance = alibi.distance_rows(n_queries, n_keys, device)
+        causal = alibi.causal_rows(n_queries, n_keys, device).flatten()
+        bucket = torch.bucketize(distance, self.edges[1:-1].to(device), right=True).flatten()
+        onehot = torch.zeros(len(bucket), len(self.edges) - 1, dtype=torch.float64, device=device)
+        onehot[causal.nonzero()[:, 0], bucket[causal]] = 1.0
+        return onehot
+
+    def __call__(
+        self, layer: int, q: Tensor, k: Tensor, mask: Tensor | None, scores: Tensor, weights: Tensor
+    ) -> None:
         batch, n_heads, n_queries, n_keys = weights.shape
-        distance = alibi.distance_rows(n_queries, n_keys, weights.device)
-        causal = alibi.causal_rows(n_queries, n_keys, weights.device)
-        bucket = torch.bucketize(distance, self.edges[1:-1].to(weights.device), right=True)
-        bucket = bucket.masked_fill(~causal, 0).flatten()
+        onehot = self._buckets(n_queries, n_keys, weights.device)
         if layer == 0:
-            self.entries.index_add_(0, bucket.cpu(), causal.flatten().double().cpu() * batch)
+            self.entries += onehot.sum(0).cpu() * batch
         module = self.family.modules[layer]
+        softmax32 = None  # the float32 softmax of the float64 scores, shared by every dtype
+        formed: dict[tuple[torch.dtype, bool], Tensor] = {}
         for i, recipe in enumerate(self.recipes):
             if recipe.part == "softmax":
-                rounded = recipe.weights(scores, torch.float64)
+                if softmax32 is None:
+                    softmax32 = F.softmax(scores, dim=-1, dtype=torch.float32)
+                rounded = softmax32.to(recipe.dtype).double()
             else:  # the scores (or the whole pattern) formed in the dtype from q and k
-                formed = self.family.scores(module, q, k, mask, recipe.dtype, recipe.relative)
-                rounded = recipe.weights(formed, torch.float64)
-            zero = (rounded == 0) & causal
-            values = torch.stack(
-                [zero.double(), torch.where(zero, weights, 0.0), (weights - rounded).abs() / 2]
-            )  # [3, batch, head, query, key]
-            values = values.sum(1).flatten(-2)
-            self.sums[i, :, layer].index_add_(-1, bucket.cpu(), values.cpu())
+                key = (recipe.dtype, recipe.relative)
+                if key not in formed:
+                    formed[key] = self.family.scores(module, q, k, mask, *key)
+                rounded = recipe.weights(formed[key], torch.float64)
+            zero = rounded == 0
+            for j, values in enumerate(
+                (zero.double(), torch.where(zero, weights, 0.0), (weights - rounded).abs())
+            ):
+                by_bucket = values.view(batch * n_heads, -1) @ onehot
+                self.sums[i, j, layer] += by_bucket.view(batch, n_heads, -1).sum(0).cpu()
 
     def table(self, n_rows: int, head_slopes: list[float]) -> pd.DataFrame:
         """One row per (dtype, part, layer, head, distance bucket); masses per query row."""
@@ -319,7 +361,7 @@ class _HeadTable:
                                 "entries": self.entries[b].item(),
                                 "zero_entries": zero[b].item(),
                                 "lost_mass": lost[b].item() / n_rows,
-                                "moved_mass": moved[b].item() / n_rows,
+                                "moved_mass": moved[b].item() / 2 / n_rows,
                             }
                         )
         return pd.DataFrame(rows)
@@ -332,7 +374,7 @@ def precision_effect(
     dtypes: Sequence[str] = PRECISION_DTYPES,
     parts: Sequence[str] = PARTS,
     seq_len: int | None = None,
-    n_seqs: int = 1,
+    n_seqs: int | None = None,
     edges: Sequence[int] | None = None,
     block_size: int | None = None,
     prepend_bos: bool | None = None,
@@ -375,7 +417,8 @@ def precision_effect(
     an offloaded one is refused in one line.
 
     ``data``: what :func:`headsurgeon.data.to_sequences` takes (default: the bundled held-out
-    corpora, ``n_seqs`` sequences of ``seq_len`` tokens, default 1024). Long sequences run in
+    corpora, ``n_seqs`` sequences (default 1; every row of a token tensor) of ``seq_len`` tokens,
+    default 1024). Long sequences run in
     blocks of ``block_size`` query rows (default: by memory, :func:`headsurgeon.long_context.
     block_size`) through a key-value cache per pass, all passes block by block: memory is
     linear in ``seq_len``. Blocks round as the dense pass does up to the order of sums (a block's
@@ -425,6 +468,8 @@ def precision_effect(
         )
     if seq_len is None:
         seq_len = 1024
+    if n_seqs is None and not isinstance(data, Tensor):
+        n_seqs = 1
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     n_rows, n_pos = tokens.shape
     check_int(n_pos, "the sequence length", minimum=2)
@@ -449,7 +494,11 @@ def precision_effect(
     attrs = {
         "model": model_info(model).name,
         "family": family.name,
-        "bias": "relative" if relative else "absolute" if family.name != "mpt" else "relative to the last key",
+        "bias": "relative"
+        if relative
+        else "absolute"
+        if family.name != "mpt"
+        else "relative to the last key",
         "seq_len": n_pos,
         "n_seqs": n_rows,
         "block_size": min(block, n_pos),
@@ -536,7 +585,9 @@ def _run(
     return stats
 
 
-def _position_table(stats: dict[str, Tensor], recipes: list[_Recipe], edges: list[int]) -> pd.DataFrame:
+def _position_table(
+    stats: dict[str, Tensor], recipes: list[_Recipe], edges: list[int]
+) -> pd.DataFrame:
     """``by_position`` from the per-position statistics (see :func:`precision_effect`)."""
     rows = []
     for i, recipe in enumerate(recipes):
