@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -206,3 +207,70 @@ def test_relative_cures_bfloat16_on_the_organism():
 
     assert late(plain, "bfloat16") > 0.02
     assert abs(late(cured, "bfloat16") - late(cured, "float32")) < 0.01
+
+
+def test_cli_writes_the_counterfactual_and_leads_with_its_verdict(bloom_dir, tmp_path, capsys):
+    from headsurgeon.cli.blindness import main
+
+    out = tmp_path / "out"
+    args = [str(bloom_dir), "--measure", "--seq-len", "48", "--n-seqs", "1", "--out", str(out)]
+    assert main([*args, "--counterfactual", "precision", "--limit", "zero"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in summary[:3]] == ["precision"] * 3
+    assert "underflow to exact 0" in summary[0] and "rounding" in summary[1]
+    assert summary[0] in printed
+    by_position = pd.read_csv(out / "precision.csv")
+    assert set(by_position.dtype) == set(precision.PRECISION_DTYPES)
+    assert not pd.read_csv(out / "precision_heads.csv").empty
+    assert (out / "precision.html").exists()
+    assert "rounding changes no output measurably" in (out / "index.html").read_text()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "needs --measure"),
+        (["--measure", "--mitigation", "log"], "use --mitigation relative"),
+    ],
+)
+def test_cli_refuses_a_counterfactual_it_cannot_run(bloom_dir, tmp_path, capsys, extra, message):
+    from headsurgeon.cli import run
+    from headsurgeon.cli.blindness import main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, [str(bloom_dir), "--counterfactual", "precision", *extra, "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and message in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_the_verdict_recommends_relative_only_when_rounding_costs():
+    from headsurgeon.reports.blindness import precision_verdict
+
+    def effect(bias, dnll):
+        pos = pd.DataFrame(
+            {
+                "dtype": "bfloat16",
+                "part": ["scores", "softmax", "model"] * 2,
+                "position_lo": [0, 0, 0, 8, 8, 8],
+                "position_hi": [8, 8, 8, 15, 15, 15],
+                "tokens": 8,
+                "mean_dnll": [0, 0, 0, dnll, 0, dnll],
+                "mean_abs_dnll": [0, 0, 0, dnll, 0.001, dnll],
+                "max_abs_dnll": [0, 0, 0, dnll, 0.001, dnll],
+                "top1_agreement": 1.0,
+            }
+        )
+        pos.attrs["bias"] = bias
+        heads = pd.DataFrame(
+            {"dtype": "bfloat16", "part": "model", "layer": 0, "head": 0, "lost_mass": [1e-40]}
+        )
+        return precision.PrecisionEffect(by_position=pos, by_head=heads)
+
+    lines = precision_verdict(effect("absolute", 0.3))
+    assert "changes no output" in lines[0]
+    assert "bfloat16 from position 8" in lines[1] and "scores" in lines[1]
+    assert "recommend the relative mitigation" in lines[2]
+    assert "no mitigation needed" in precision_verdict(effect("relative", 0.001))[2]
