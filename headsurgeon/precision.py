@@ -417,12 +417,16 @@ def precision_effect(
     an offloaded one is refused in one line.
 
     ``data``: what :func:`headsurgeon.data.to_sequences` takes (default: the bundled held-out
-    corpora, ``n_seqs`` sequences (default 1; every row of a token tensor) of ``seq_len`` tokens,
-    default 1024). Long sequences run in
-    blocks of ``block_size`` query rows (default: by memory, :func:`headsurgeon.long_context.
-    block_size`) through a key-value cache per pass, all passes block by block: memory is
-    linear in ``seq_len``. Blocks round as the dense pass does up to the order of sums (a block's
-    matmul over fewer keys), ~1e-7 relative in float32, which can flip a low-precision rounding.
+    corpora, ``n_seqs`` sequences (default 1; every row of a token tensor) of ``seq_len``
+    tokens, default 1024). Long sequences run in blocks of ``block_size`` query rows (default:
+    by memory, :func:`headsurgeon.long_context.block_size`) through a key-value cache per pass,
+    all passes block by block: memory is linear in ``seq_len``. The passes run on the model's
+    device (``cfg.device``), on copies of its weights: one per dtype (float64, float32,
+    bfloat16, float16 as asked). Blocks round as the dense pass does up to the order of sums (a
+    block's matmul over fewer keys), ~1e-7 relative in float32, which can flip a low-precision
+    rounding. Cost: ten passes (seven of them in float64) and the head table; 4,096 tokens of
+    the 16-head organism took ~10 minutes on one shared CPU thread (see
+    ``figures/benchmarks/precision.md``).
 
     Tables (:class:`PrecisionEffect`):
 
@@ -434,7 +438,7 @@ def precision_effect(
       next token is float64's) and ``nll_float64`` (the reference's mean loss);
     * ``by_head``: per ``dtype``, ``part``, ``layer``, ``head`` and bucket of distances
       ``[distance_lo, distance_hi)`` (0, 1, 2, 4, ..., ``seq_len``): ``entries`` (causal
-      entries per sequence... summed over sequences), ``zero_entries`` (causal weights exactly
+      entries, summed over sequences), ``zero_entries`` (causal weights exactly
       0 in the dtype), ``lost_mass`` (the float64 weight those held) and ``moved_mass`` (half the
       absolute difference of the weights: the total variation a row's rounding moves), both
       summed over the bucket's keys and averaged over query rows, so a head's buckets add up to
@@ -477,13 +481,14 @@ def precision_effect(
     block = long_context.block_size(model, n_pos, batch=n_rows, bytes_per_entry=_BYTES_PER_ENTRY)
     block = block if block_size is None else check_int(block_size, "block_size", minimum=1)
 
-    reference = hf_model(model, torch.float64)
+    device = torch.device(model.cfg.device or "cpu")
+    reference = hf_model(model, torch.float64).to(device)
     family = _Family(reference)
     recipes = [_Recipe(part, getattr(torch, d), relative) for d in names for part in parts]
     models = {torch.float64: reference}
     for recipe in recipes:
         if recipe.model_dtype not in models:
-            models[recipe.model_dtype] = hf_model(model, recipe.model_dtype)
+            models[recipe.model_dtype] = hf_model(model, recipe.model_dtype).to(device)
     families = {dtype: _Family(hf) for dtype, hf in models.items()}
     heads = _HeadTable(family, recipes, model.cfg.n_layers, position_edges(n_pos + 1))
     stats = _run(models, families, recipes, heads, tokens, block, progress)
@@ -562,16 +567,17 @@ def _run(
         "nll": torch.zeros(n_rows, n_pos - 1, dtype=torch.float64),
     }
     starts = range(0, n_pos, block)
+    device = next(models[torch.float64].parameters()).device
     for offset in tqdm(starts, desc="precision", disable=not progress, unit="block"):
-        chunk = tokens[:, offset : offset + block]
+        chunk = tokens[:, offset : offset + block].to(device)
         # Positions of this block that predict a token (the last position predicts none).
         n = min(chunk.shape[1], n_pos - 1 - offset)
-        targets = tokens[:, offset + 1 : offset + 1 + n]
+        targets = tokens[:, offset + 1 : offset + 1 + n].to(device)
         with _recipe_attention(families[torch.float64], reference, heads):
             logits = models[torch.float64](chunk, cache=caches[0], use_cache=True).logits
         exact = logits[:, :n].double().log_softmax(-1)
         nll = -exact.gather(-1, targets[..., None])[..., 0]
-        stats["nll"][:, offset : offset + n] = nll
+        stats["nll"][:, offset : offset + n] = nll.cpu()
         for i, recipe in enumerate(recipes):
             dtype = recipe.model_dtype
             with _recipe_attention(families[dtype], recipe):
@@ -579,9 +585,9 @@ def _run(
             rounded = out[:, :n].double()
             loss = -rounded.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
             where = (i, slice(None), slice(offset, offset + n))
-            stats["dnll"][where] = loss - nll
-            stats["dlogit"][where] = (rounded - logits[:, :n]).abs().amax(-1)
-            stats["agree"][where] = rounded.argmax(-1) == logits[:, :n].argmax(-1)
+            stats["dnll"][where] = (loss - nll).cpu()
+            stats["dlogit"][where] = (rounded - logits[:, :n]).abs().amax(-1).cpu()
+            stats["agree"][where] = (rounded.argmax(-1) == logits[:, :n].argmax(-1)).cpu()
     return stats
 
 
