@@ -117,7 +117,7 @@ def _write(out: Path, args: argparse.Namespace, rows: list[dict]) -> None:
         "`precision_effect(model)` (3 dtypes x 3 parts + the float64 reference, per-head "
         "table included). Median of the repeats, seconds.",
         "",
-        "| T | block | plain (s) | counterfactual (s) | ratio | bf16 model ΔNLL, positions ≥ 1,024 |",
+        "| T | block | plain (s) | counterfactual (s) | ratio | bf16 ΔNLL at ≥ 1,024 |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
