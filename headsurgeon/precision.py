@@ -26,6 +26,7 @@ chosen (:class:`_Recipe`); long sequences run in blocks of query rows through a 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -119,6 +120,11 @@ class _Family:
         if self.name == "falcon" and not config.get("alibi"):
             raise UnsupportedArchitectureError(
                 "precision_effect measures ALiBi models; this Falcon uses rotary positions"
+            )
+        if config.get("pretraining_tp", 1) > 1 and config.get("slow_but_exact"):
+            raise UnsupportedArchitectureError(
+                "precision_effect follows BLOOM's eager attention; this config asks for its "
+                "slow_but_exact tensor-parallel sums: set slow_but_exact to false"
             )
         self.n_heads = config[
             {"bloom": "n_head", "mpt": "n_heads"}.get(self.name, "num_attention_heads")
@@ -487,8 +493,8 @@ def precision_effect(
     recipes = [_Recipe(part, getattr(torch, d), relative) for d in names for part in parts]
     models = {torch.float64: reference}
     for recipe in recipes:
-        if recipe.model_dtype not in models:
-            models[recipe.model_dtype] = hf_model(model, recipe.model_dtype).to(device)
+        if recipe.model_dtype not in models:  # float64 holds the weights exactly: one rounding
+            models[recipe.model_dtype] = copy.deepcopy(reference).to(recipe.model_dtype)
     families = {dtype: _Family(hf) for dtype, hf in models.items()}
     heads = _HeadTable(family, recipes, model.cfg.n_layers, position_edges(n_pos + 1))
     stats = _run(models, families, recipes, heads, tokens, block, progress)

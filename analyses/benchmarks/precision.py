@@ -10,7 +10,9 @@ heads x 256), in one process:
   dtypes x three parts: nine passes and the float64 reference, plus the per-head comparison of
   every recipe in every layer).
 
-The goal is a counterfactual within 3x the two plain passes. Each length runs ``--repeats``
+``no heads``: the counterfactual with the per-head table switched off (its ``_HeadTable`` made
+a no-op), to show what the table costs. The goal is a counterfactual within 3x the two plain
+passes. Each length runs ``--repeats``
 times (the median is reported), after a warm-up on 128 tokens. Written: the markdown report
 ``--out`` (command, machine, date, rows). ``--device cuda`` runs both on a GPU.
 
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 
 import headsurgeon as hs
-from headsurgeon import long_context
+from headsurgeon import long_context, precision
 from headsurgeon.backend import hf_kv_cache
 from headsurgeon.checkpoints import hf_model
 from headsurgeon.precision import _BYTES_PER_ENTRY, precision_effect
@@ -72,7 +74,7 @@ def main() -> None:
         warm = tokens[:, :128]
         plain(models, warm, block)
         precision_effect(model, warm, progress=False)
-        times = {"plain": [], "counterfactual": []}
+        times = {"plain": [], "counterfactual": [], "no_heads": []}
         for _ in range(args.repeats):
             _sync(device)
             start = time.perf_counter()
@@ -83,6 +85,15 @@ def main() -> None:
             effect = precision_effect(model, tokens, progress=False)
             _sync(device)
             times["counterfactual"].append(time.perf_counter() - start)
+            table_call = precision._HeadTable.__call__
+            precision._HeadTable.__call__ = lambda *args: None
+            try:
+                start = time.perf_counter()
+                precision_effect(model, tokens, progress=False)
+                _sync(device)
+                times["no_heads"].append(time.perf_counter() - start)
+            finally:
+                precision._HeadTable.__call__ = table_call
         median = {k: statistics.median(v) for k, v in times.items()}
         late = effect.by_position[effect.by_position.position_lo >= 1024]
         bf16 = late[(late.dtype == "bfloat16") & (late.part == "model")]
@@ -93,6 +104,7 @@ def main() -> None:
                 "plain_s": median["plain"],
                 "counterfactual_s": median["counterfactual"],
                 "ratio": median["counterfactual"] / median["plain"],
+                "no_heads_s": median["no_heads"],
                 "bf16_dnll_1024+": (bf16.mean_dnll * bf16.tokens).sum() / max(bf16.tokens.sum(), 1),
             }
         )
@@ -115,15 +127,18 @@ def _write(out: Path, args: argparse.Namespace, rows: list[dict]) -> None:
         "`plain`: the organism's transformers copy in float64 and in bfloat16, one pass each, in "
         "the same blocks through a key-value cache. `counterfactual`: "
         "`precision_effect(model)` (3 dtypes x 3 parts + the float64 reference, per-head "
-        "table included). Median of the repeats, seconds.",
+        "table included); `no heads`: the same without the per-head table. Median of the "
+        "repeats, seconds. The machine was shared (other jobs running): compare within a row.",
         "",
-        "| T | block | plain (s) | counterfactual (s) | ratio | bf16 ΔNLL at ≥ 1,024 |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| T | block | plain (s) | counterfactual (s) | ratio | no heads (s) | ratio |"
+        " bf16 ΔNLL at ≥ 1,024 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['T']:,} | {r['block']} | {r['plain_s']:.1f} | {r['counterfactual_s']:.1f} | "
-            f"{r['ratio']:.1f}x | {r['bf16_dnll_1024+']:+.3f} |"
+            f"{r['ratio']:.1f}x | {r['no_heads_s']:.1f} | {r['no_heads_s'] / r['plain_s']:.1f}x | "
+            f"{r['bf16_dnll_1024+']:+.3f} |"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
