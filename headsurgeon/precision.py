@@ -454,11 +454,17 @@ def precision_effect(
       passes above; ``model`` here is the whole pattern in the dtype from ``q``, ``k`` rounded to
       it (the projections' own rounding is left out).
 
-    ``attrs`` (both tables): ``model``, ``family``, ``bias`` (``absolute`` or ``relative``),
-    ``seq_len``, ``n_seqs``, ``block_size``, ``parts`` (what each part means) and
-    ``reference``. The measurement tests rounding only: not underflow of the model's own
-    float32 run (:func:`headsurgeon.blindness.measure_blindness`), and not other kernels
-    (fused attention, TF32 matmuls) than transformers' eager CPU/GPU ops.
+    ``attrs`` (both tables): ``model``, ``family``, ``bias`` (``absolute``, ``relative to the
+    last key`` for MPT's own, or ``relative``), ``seq_len``, ``n_seqs``, ``block_size``,
+    ``parts`` (what each part means) and ``reference``. It measures what transformers' eager
+    ops round (exact zeros included); not other kernels (fused attention, TF32 matmuls), and not
+    TransformerLens's own softmax (:func:`headsurgeon.blindness.measure_blindness` counts the
+    zeros of both conventions).
+
+    Measured on ``organism``, 4,096 held-out tokens, positions 1,024-4,094: bfloat16 model
+    ``mean_dnll`` +0.568 nats, top-1 agreement 0.46 (scores alone +0.562, softmax alone
+    +0.00003); float16 +0.038, 0.86; float32 < 1e-6, 1.000. Under ``mitigation(model,
+    "relative")``: bfloat16 +0.0002, 0.987; float16 +0.000005, 0.9997.
     """
     check_model(model, "precision_effect", writes=True)
     names = [dtype_name(d) for d in ([dtypes] if isinstance(dtypes, str) else list(dtypes))]
