@@ -276,3 +276,6 @@ def test_the_verdict_recommends_relative_only_when_rounding_costs():
     assert "bfloat16 from position 8" in lines[1] and "scores" in lines[1]
     assert "recommend the relative mitigation" in lines[2]
     assert "no mitigation needed" in precision_verdict(effect("relative", 0.001))[2]
+    rest = effect("relative", 0.02)
+    rest.by_position.loc[rest.by_position.part == "scores", "mean_abs_dnll"] = 0.001
+    assert "the rest of the model" in precision_verdict(rest)[1]

@@ -55,8 +55,9 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
 
     A dtype changes the outputs from the first position bucket from which the whole model's
     mean ``|ΔNLL|`` exceeds :data:`CHANGE_NATS` in every bucket; the part named is the one of
-    ``scores`` and ``softmax`` alone that changes the loss most from there (``model`` when
-    neither was run).
+    ``scores`` and ``softmax`` alone that changes the loss most from there, when it accounts for
+    at least half of the whole model's change (else the rest of the model; ``model`` when
+    neither part was run).
     """
     pos, heads = precision.by_position, precision.by_head
     attrs = pos.attrs
@@ -94,6 +95,9 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
             if part in set(rows["part"])
         }
         cause = max(alone, key=alone.get) if alone else whole
+        # Neither the scores nor the weights alone account for it: the rest of the model does.
+        if alone and alone[cause] < late["mean_abs_dnll"].mean() / 2:
+            cause = "the rest of the model, not the attention scores or weights"
         changes.append(f"{dtype} from position {start} ({mean:+.3f} nats after it; {cause})")
         if mean > CHANGE_NATS:
             costly.append((dtype, cause))
@@ -112,7 +116,7 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
         recommend = (
             "the relative bias is already in use and rounding still costs in "
             + ", ".join(f"{d} ({c})" for d, c in costly)
-            + ": run that dtype's attention in float32"
+            + ": compute what is named there in float32"
         )
     else:
         recommend = f"no mitigation needed for precision ({attrs.get('bias', '')} ALiBi bias)"
