@@ -209,7 +209,7 @@ def alibi_bias(
 # --- Float limits, blind distances and mitigated biases ---------------------------------------
 
 LIMITS = ("normal", "subnormal", "zero")
-BIAS_KINDS = ("standard", "clamped", "log", "softcap", "robust")
+BIAS_KINDS = ("standard", "relative", "clamped", "log", "softcap", "robust")
 ROBUST_MODES = ("scale", "clip")
 
 
@@ -306,10 +306,11 @@ def log_match_scale(match: int | None) -> float:
 def check_bias_params(kind: str, **params: object) -> dict[str, object]:
     """Validate the parameters of a bias kind; return them with defaults filled in.
 
-    ``standard`` takes none; ``log`` takes ``match`` (a distance ``L``: its slopes rescaled so
-    that its penalty at ``L`` equals standard ALiBi's, see :func:`log_match_scale`; left out:
-    unscaled); ``clamped`` and ``softcap`` need ``c > 0``; ``robust`` needs ``context``
-    and takes ``dtype`` (float32), ``limit`` (normal), ``mode`` (scale).
+    ``standard`` and ``relative`` take none; ``log`` takes ``match`` (a distance ``L``: its
+    slopes rescaled so that its penalty at ``L`` equals standard ALiBi's, see
+    :func:`log_match_scale`; left out: unscaled); ``clamped`` and ``softcap`` need ``c > 0``;
+    ``robust`` needs ``context`` and takes ``dtype`` (float32), ``limit`` (normal), ``mode``
+    (scale).
 
     >>> check_bias_params("robust", context=256)
     {'context': 256, 'dtype': 'float32', 'limit': 'normal', 'mode': 'scale'}
@@ -318,6 +319,7 @@ def check_bias_params(kind: str, **params: object) -> dict[str, object]:
     """
     allowed: dict[str, dict[str, object]] = {
         "standard": {},
+        "relative": {},
         "log": {"match": _OPTIONAL},
         "clamped": {"c": None},
         "softcap": {"c": None},
@@ -389,6 +391,12 @@ def bias_from_distance(
     """The float32 bias of a kind of ALiBi at distances ``d = i - j`` (see :data:`BIAS_KINDS`).
 
     * ``standard``: ``-m d``;
+    * ``relative``: ``-m d``, the same numbers: what it changes is where a model that adds
+      ALiBi as ``m j`` (transformers' BLOOM and Falcon: slope times key position, exact only up
+      to a constant per row) forms it. Formed from distances, each row's scores stay small near
+      the diagonal at any position, so a bfloat16 or float16 rounding of the scores keeps the
+      content logits there (:mod:`headsurgeon.precision`); on the hooks of a headsurgeon model,
+      which always add ``-m (i - j)``, it is ``standard``;
     * ``clamped``: ``max(-m d, -c)``: no key is ever penalised by more than ``c``;
     * ``log``: ``-m ln(1 + d)``: the penalty grows with the log of the distance; with
       ``match=L``, ``-m L ln(1 + d) / ln(1 + L)``: standard's penalty at ``d = L``;

@@ -31,6 +31,7 @@ Exports:
     builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
     run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
     new_kv_cache(model, batch, device)  an empty key-value cache for ``run_to_layer(cache=)``
+    hf_kv_cache()                    an empty ``DynamicCache`` for a transformers model
     cached_length(cache)             how many positions it holds
     shared_cache(cache, batch)       one prompt's cache, read by ``batch`` rows without copies
     run_from_layer(model, tokens, resid, n)  the logits of a pass entering block ``n`` with resid
@@ -87,6 +88,7 @@ __all__ = [
     "head_tensors",
     "hf_bias_pre_hook",
     "hf_config",
+    "hf_kv_cache",
     "hub_names",
     "move",
     "without_kv_cache",
@@ -671,16 +673,22 @@ def new_kv_cache(model: Model, batch: int, device: torch.device) -> Any:
     again (65,536 tokens in blocks of 16: 490 s of copying alone, measured).
     """
     if MAJOR >= 4:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        cache.layer_class_to_replicate = _growing_layer_class()
-        return cache
+        return hf_kv_cache()
     from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
 
     cache = TransformerLensKeyValueCache.init_cache(model.cfg, device, batch_size=batch)
     grow = _growing_entry_class()
     cache.entries = [grow(e.past_keys, e.past_values, e.frozen) for e in cache.entries]
+    return cache
+
+
+def hf_kv_cache() -> Any:
+    """An empty Hugging Face ``DynamicCache`` whose layers append into doubling buffers (see
+    :func:`new_kv_cache`): what a transformers model (or a 4.x bridge) takes as ``cache=``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = _growing_layer_class()
     return cache
 
 

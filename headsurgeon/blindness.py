@@ -11,6 +11,7 @@ Exports:
                                        context length, streamed over batches and query blocks
     BlindnessMeasurement               its tables: by_head, by_distance, by_length
     mitigation(model, kind, **params)  context manager: a mitigated ALiBi through hooks
+    active_mitigations(model)          the kinds of the mitigation blocks a model runs in
     dtype_name(dtype)                  canonical dtype name
     CONVENTIONS                        how a softmax is rounded: hf or tl
 
@@ -54,6 +55,7 @@ from headsurgeon.validation import check_choice, check_int
 __all__ = [
     "ANALYSED_DTYPES",
     "CONVENTIONS",
+    "active_mitigations",
     "BlindnessMeasurement",
     "analytic_blindness",
     "dtype_name",
@@ -611,12 +613,12 @@ def _soft_cap_hook(scores: Tensor, hook: HookPoint, *, c: float) -> Tensor:
 def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     """Run ``model`` with a mitigated ALiBi (see :data:`headsurgeon.alibi.BIAS_KINDS`).
 
-    No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``) replace each attention
-    layer's ALiBi bias through a forward pre-hook, built from the slopes the model uses
-    (:func:`headsurgeon.exact_alibi.alibi_slopes`: a TransformerLens-built model keeps its own);
-    ``softcap`` adds a hook at ``hook_attn_scores`` that maps every unmasked logit (content plus
-    bias) to ``c tanh(x / c)`` and leaves masked cells masked (``-inf`` on TransformerLens 3.x,
-    the float minimum on 4.x). On exit the model is exactly
+    No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``, ``relative``) replace
+    each attention layer's ALiBi bias through a forward pre-hook, built from the slopes the model
+    uses (:func:`headsurgeon.exact_alibi.alibi_slopes`: a TransformerLens-built model keeps its
+    own); ``softcap`` adds a hook at ``hook_attn_scores`` that maps every unmasked logit (content
+    plus bias) to ``c tanh(x / c)`` and leaves masked cells masked (``-inf`` on TransformerLens
+    3.x, the float minimum on 4.x). On exit the model is exactly
     as before: the same parameters (never touched) and cached biases, no hook left. Contexts
     nest (the inner bias wins; ``softcap`` composes with a bias kind). The formulas of every
     kind: :func:`headsurgeon.alibi.bias_from_distance`.
@@ -630,10 +632,37 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     """
     check_model(model, "mitigation")
     params = alibi.check_bias_params(kind, **params)
+    # Which mitigations are active, innermost last (read by active_mitigations).
+    active = model.__dict__.setdefault("headsurgeon_mitigations", [])
+    active.append(kind)
+    try:
+        with _mitigated(model, kind, params):
+            yield model
+    finally:
+        active.pop()
+
+
+def active_mitigations(model: Model) -> list[str]:
+    """The kinds of the :func:`mitigation` blocks ``model`` runs in, innermost last.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=9, n_ctx=8))
+    >>> with mitigation(model, "relative"):
+    ...     active_mitigations(model)
+    ['relative']
+    >>> active_mitigations(model)
+    []
+    """
+    return list(getattr(model, "headsurgeon_mitigations", []))
+
+
+@contextlib.contextmanager
+def _mitigated(model: Model, kind: str, params: dict) -> Iterator[None]:
+    """:func:`mitigation`'s hooks for one kind, removed on exit."""
     if kind == "softcap":
         hook = functools.partial(_soft_cap_hook, c=params["c"])
         with model.hooks(fwd_hooks=[(lambda name: name.endswith("attn.hook_attn_scores"), hook)]):
-            yield model
+            yield
         return
     if model.cfg.positional_embedding_type != "alibi":
         raise UnsupportedArchitectureError(
@@ -646,7 +675,7 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     # Registered after any exact-ALiBi hook, so it runs last and its bias is the one used.
     handles = [add_bias_hook(block.attn, build) for block in model.blocks]
     try:
-        yield model
+        yield
     finally:
         for handle in handles:
             handle.remove()

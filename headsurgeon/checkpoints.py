@@ -5,6 +5,8 @@ Exports:
                                              by reloading it
     checkpoint_dtype(model)                  the dtype of the checkpoint a model was loaded from
     hf_state_dict(model)                     the weights in their family's Hugging Face layout
+    hf_model(model, dtype)                   the transformers model of its family that computes
+                                             it (eager attention), built in memory
     weight_changes(before, after, heads)     per tensor: changes inside / outside heads' slices
     StateDict, EXPORT_ATOL, EXPORT_RTOL
 
@@ -66,6 +68,7 @@ __all__ = [
     "EXPORT_RTOL",
     "StateDict",
     "checkpoint_dtype",
+    "hf_model",
     "hf_state_dict",
     "save_hf",
     "weight_changes",
@@ -145,6 +148,51 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
     check_model(model, "hf_state_dict", writes=True)
     out = _bridge_state(model) if backend.MAJOR >= 4 else _bloom_state(model)
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
+def hf_model(model: Model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The ``transformers`` model of ``model``'s family (``BloomForCausalLM``, ``MptForCausalLM``,
+    ``FalconForCausalLM``) that computes what ``model`` computes, built in memory from
+    :func:`hf_state_dict` and the config :func:`save_hf` would write, in ``dtype`` (a
+    ``torch.dtype``, float64 included), eager
+    attention, in eval mode, on the CPU. The same checks as :func:`save_hf` refuse, in one
+    line, a model the family's format cannot express (inexact slopes, an ALiBi variant, ...).
+    Nothing is written and the model is not changed: the copy owns its weights.
+    """
+    import transformers
+
+    check_model(model, "hf_model", writes=True)
+    backend.check_unprocessed(model)
+    info = model_info(model)
+    config = _bloom_config(model, info)
+    architecture = config["architectures"][0]
+    differences = _bloom_differences(model, config)
+    if differences:
+        raise UnsupportedArchitectureError(
+            f"{info.name!r} is not a {architecture} as transformers computes it: "
+            + "; ".join(differences)
+        )
+    config.pop("torch_dtype", None)
+    hf_class = getattr(transformers, architecture)
+    state = {name: t.clone() for name, t in hf_state_dict(model).items()}
+    hf_config = hf_class.config_class.from_dict(config)
+    hf_config.tie_word_embeddings = bool(
+        hf_config.tie_word_embeddings
+        and torch.equal(state["lm_head.weight"], state[_LAYOUTS[architecture].embeddings])
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MPT's ignored alibi_bias_max: the slopes say it
+        hf = hf_class._from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [
+        name for name in missing if not (name == "lm_head.weight" and hf_config.tie_word_embeddings)
+    ]
+    if missing or unexpected:
+        raise UnsupportedArchitectureError(
+            f"the {architecture} built for {info.name!r} does not take its weights (missing "
+            f"{missing[:1]}, unexpected {unexpected[:1]})"
+        )
+    return hf.to(dtype).eval()
 
 
 def _bloom_state(model: Model) -> dict[str, Tensor]:

@@ -44,6 +44,7 @@ LAYERS = {
         "evals",
         "importance",
         "blindness",
+        "precision",
         "repair",
     ),
     "presentation": ("plots", "reports", "cli"),

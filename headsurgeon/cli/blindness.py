@@ -2,7 +2,9 @@
 
 The analytic blind distances (:func:`headsurgeon.blindness.analytic_blindness`), optionally
 measured on text under a mitigation (:func:`~headsurgeon.blindness.measure_blindness`,
-:func:`~headsurgeon.blindness.mitigation`), printed and written by
+:func:`~headsurgeon.blindness.mitigation`) and, with ``--counterfactual precision``, what
+rounding in each dtype does to the outputs (:func:`headsurgeon.precision.precision_effect`),
+printed and written by
 :func:`headsurgeon.reports.write_blindness` (``--help`` lists the options).
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
@@ -27,6 +29,7 @@ from headsurgeon.blindness import (
 )
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import load_model, model_shape
+from headsurgeon.precision import PRECISION_DTYPES, precision_effect
 from headsurgeon.reports import blindness_summary, write_blindness
 
 __all__ = [
@@ -86,6 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=alibi.BIAS_KINDS,
         help="the ALiBi kind to analyse (default: the one the model was trained with)",
     )
+    parser.add_argument(
+        "--counterfactual",
+        choices=["precision"],
+        help="with --measure: precision runs the model through transformers in float64 and with "
+        "the scores, the softmax or everything in each of --dtypes (float32, bfloat16, "
+        "float16), and reports what rounding changes by position and head (under --mitigation "
+        "relative: with the bias formed from distances)",
+    )
     parser.add_argument("--c", type=float, help="cap of clamped (bias >= -c) and softcap")
     parser.add_argument(
         "--robust-context", type=cli.positive_int, help="robust: context kept sighted"
@@ -113,6 +124,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # other models refuse a --seq-len beyond their context when the data are made).
         args.max_distance = max(shape.n_ctx, args.seq_len) if args.measure else shape.n_ctx
     params = _mitigation_params(args)
+    if args.counterfactual and not args.measure:
+        raise InvalidArgumentError(
+            "--counterfactual precision needs --measure (it loads the model)"
+        )
+    if args.counterfactual and args.mitigation not in (None, "standard", "relative"):
+        raise InvalidArgumentError(
+            f"--counterfactual precision measures the family's ALiBi or its relative form; "
+            f"drop --mitigation {args.mitigation} or use --mitigation relative"
+        )
     if args.mitigation == "robust":
         params = {**params, "dtype": dtypes[0], "limit": args.limit[0]}
     default = f"blindness-{Path(str(args.model)).name}"
@@ -132,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.measure:
                 raise
             logger.warning("note: %s", e)
-        measured = model = tokens = None
+        measured = model = tokens = precision = None
         if args.measure:
             model = load_model(args.model, dtype="float32", **cli.placement_args(args))
             cli.require_tokenizer(model, args)
@@ -146,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     convention=args.convention,
                     batch_size=args.batch_size,
                 )
-        print(blindness_summary(analytic, measured))
+                if args.counterfactual == "precision":
+                    precision = precision_effect(
+                        model, tokens, dtypes=[d for d in dtypes if d in PRECISION_DTYPES]
+                    )
+        print(blindness_summary(analytic, measured, precision))
         write_blindness(
             out,
             analytic,
@@ -155,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.overwrite,
             model=model,
             tokens=tokens,
+            precision=precision,
         )
     print(f"wrote {out}/")
     return 0

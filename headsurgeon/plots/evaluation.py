@@ -5,6 +5,7 @@ Exports:
     zero_fraction_plot(by_distance)    share of exact-zero weights against distance, per head
     analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
     retrieval_heatmap(table, metric)   depth x context length of a passkey/needle metric
+    precision_figure(by_position)      loss change by position per dtype and rounded part
 
 >>> from headsurgeon.blindness import analytic_blindness
 >>> table = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
@@ -30,7 +31,13 @@ from plotly.subplots import make_subplots
 from headsurgeon.plots.layout import OKABE_ITO, _check, _compact, style
 from headsurgeon.plots.notebook import _notebook_figure
 
-__all__ = ["analytic_vs_measured", "blind_distance_grid", "retrieval_heatmap", "zero_fraction_plot"]
+__all__ = [
+    "analytic_vs_measured",
+    "blind_distance_grid",
+    "precision_figure",
+    "retrieval_heatmap",
+    "zero_fraction_plot",
+]
 
 
 def _eval_layout(fig: go.Figure, title: str, subtitle: str, width: int, height: int) -> None:
@@ -327,4 +334,65 @@ def retrieval_heatmap(
         width=round(180 + 80 * len(lengths) + 150),
         height=round(200 + 50 * len(grid.index)),
     )
+    return fig
+
+
+PART_DASHES = {"model": "solid", "scores": "dash", "softmax": "dot"}
+
+
+@_notebook_figure
+def precision_figure(by_position: pd.DataFrame, *, title: str | None = None) -> go.Figure:
+    """Mean loss change against position: one line per dtype (colour) and part (dash).
+
+    Takes ``precision_effect(...).by_position``: ``mean_dnll`` (nats, the dtype's next-token
+    loss minus float64's; above 0 is worse) per bucket of positions, drawn at the bucket's
+    middle on a log axis; solid: the whole model in the dtype, dashed: only the attention
+    scores rounded, dotted: only the weights. The hover gives the bucket's top-1 agreement with
+    float64. The subtitle names the bias form (``attrs``).
+
+    >>> table = pd.DataFrame({"dtype": ["bfloat16"] * 2, "part": ["model"] * 2,
+    ...     "position_lo": [0, 8], "position_hi": [8, 15], "mean_dnll": [0.0, 0.2],
+    ...     "top1_agreement": [1.0, 0.9]})
+    >>> [round(float(x), 1) for x in precision_figure(table).data[0].x]
+    [4.0, 11.5]
+    """
+    cols = ["dtype", "part", "position_lo", "position_hi", "mean_dnll", "top1_agreement"]
+    _check(by_position, cols, "by_position table")
+    fig = go.Figure()
+    for (dtype, part), sub in by_position.groupby(["dtype", "part"], sort=False):
+        _, colour = DTYPE_MARKERS.get(dtype, ("circle", "#555555"))
+        middle = (sub["position_lo"] + sub["position_hi"]) / 2
+        fig.add_trace(
+            go.Scatter(
+                x=middle,
+                y=sub["mean_dnll"],
+                mode="lines+markers",
+                line={"color": colour, "width": 2, "dash": PART_DASHES.get(part, "solid")},
+                marker={"size": 6},
+                name=f"{dtype} · {part}",
+                customdata=np.stack(
+                    [sub["position_lo"], sub["position_hi"], sub["top1_agreement"]], -1
+                ),
+                hovertemplate=(
+                    f"{dtype} · {part}<br>positions %{{customdata[0]}}–%{{customdata[1]}}: "
+                    "ΔNLL %{y:.4f} nats, top-1 agreement %{customdata[2]:.3f}<extra></extra>"
+                ),
+            )
+        )
+    fig.add_hline(y=0, line={"color": "#999999", "width": 1})
+    fig.update_xaxes(title_text="position (log scale)", type="log")
+    fig.update_yaxes(title_text="mean ΔNLL vs float64 (nats)")
+    attrs = by_position.attrs
+    subtitle = " · ".join(
+        str(x)
+        for x in (
+            attrs.get("model"),
+            f"ALiBi bias {attrs['bias']}" if "bias" in attrs else None,
+            f"{attrs['n_seqs']} × {attrs['seq_len']} tokens" if "seq_len" in attrs else None,
+            "solid: whole model · dashed: scores only · dotted: weights only",
+        )
+        if x
+    )
+    _eval_layout(fig, title or "What rounding costs, by position", subtitle, width=820, height=470)
+    fig.update_layout(legend={"title": {"text": ""}, "x": 1.01, "y": 1})
     return fig

@@ -1,8 +1,12 @@
 """The files and summary of a blindness analysis: what the blindness CLI prints and writes.
 
 Exports:
-    blindness_summary(analytic, measured)      the text summary: the steepest heads' blind
-                                               distances, the measured shares of exact zeros
+    blindness_summary(analytic, measured, precision)  the text summary: first whether underflow
+                                               and rounding change the model's outputs (with a
+                                               precision counterfactual), then the steepest
+                                               heads' blind distances, the measured shares of
+                                               exact zeros
+    precision_verdict(precision)               those first lines on their own
     write_blindness(out_dir, analytic, ...)    its tables, summary, figures and index.html
 """
 
@@ -23,21 +27,130 @@ from torch import Tensor
 from headsurgeon import alibi, plots
 from headsurgeon.backend import Model
 from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.plots.evaluation import precision_figure
 from headsurgeon.probes import sample_patterns
 from headsurgeon.reports.page import PAGE_CELLS, _samples_note, _write_page
 
 if TYPE_CHECKING:
     from headsurgeon.blindness import BlindnessMeasurement
+    from headsurgeon.precision import PrecisionEffect
 
 __all__ = [
     "blindness_summary",
+    "precision_verdict",
     "write_blindness",
 ]
 
+# Mean |ΔNLL| (nats) over a position bucket from which rounding counts as changing the outputs,
+# and mean ΔNLL from which it costs (the relative bias is recommended).
+CHANGE_NATS = 0.01
+# Attention lost to exact zeros per query row below which underflow cannot move a logit
+# measurably (a weight of 1e-4 scales one value vector by 1e-4).
+NEGLIGIBLE_MASS = 1e-4
 
-def blindness_summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurement | None) -> str:
-    """The blindness CLI's summary: blind distances of the steepest heads, measured shares."""
-    lines = []
+
+def precision_verdict(precision: PrecisionEffect) -> list[str]:
+    """Three lines: whether underflow to exact 0 changes the outputs (the attention it loses);
+    whether rounding does, per dtype, from which position and through which part; what to do.
+
+    A dtype changes the outputs from the first position bucket from which the whole model's
+    mean ``|ΔNLL|`` exceeds :data:`CHANGE_NATS` in every bucket; the part named is the one of
+    ``scores`` and ``softmax`` alone that changes the loss most from there, when it accounts for
+    at least half of the whole model's change (else the rest of the model; ``model`` when
+    neither part was run).
+    """
+    pos, heads = precision.by_position, precision.by_head
+    attrs = pos.attrs
+    whole = "model" if "model" in set(pos["part"]) else pos["part"].iloc[0]
+    per_row = heads.groupby(["dtype", "part", "layer", "head"], sort=False)["lost_mass"].sum()
+    lost = per_row.groupby(level="dtype", sort=False).max()
+    worst = lost.idxmax()
+    if lost.max() < NEGLIGIBLE_MASS:
+        underflow = (
+            f"underflow to exact 0 changes no output: it takes at most {lost.max():.1e} of a "
+            f"query row's attention ({worst}; a weight that small moves nothing measurable)"
+        )
+    else:
+        underflow = (
+            f"underflow to exact 0 takes up to {lost.max():.1e} of a query row's attention "
+            f"({worst}): see the softmax part below"
+        )
+    changes, costly, quiet = [], [], []
+    for dtype, rows in pos.groupby("dtype", sort=False):
+        model_rows = rows[rows["part"] == whole]
+        # The first bucket from which every later one changes the loss: a lasting change.
+        over = (model_rows["mean_abs_dnll"] > CHANGE_NATS).to_numpy()
+        lasting = np.flip(np.cumprod(np.flip(over))).astype(bool)
+        if not lasting.any():
+            quiet.append(f"{dtype} (max |ΔNLL| {model_rows['max_abs_dnll'].max():.1g})")
+            continue
+        start = int(model_rows["position_lo"].to_numpy()[lasting.argmax()])
+        late = model_rows[model_rows["position_lo"] >= start]
+        mean = (late["mean_dnll"] * late["tokens"]).sum() / late["tokens"].sum()
+        alone = {
+            part: rows[(rows["part"] == part) & (rows["position_lo"] >= start)][
+                "mean_abs_dnll"
+            ].mean()
+            for part in ("scores", "softmax")
+            if part in set(rows["part"])
+        }
+        cause = max(alone, key=alone.get) if alone else whole
+        # Neither the scores nor the weights alone account for it: the rest of the model does.
+        if alone and alone[cause] < late["mean_abs_dnll"].mean() / 2:
+            cause = "the rest of the model, not the attention scores or weights"
+        changes.append(f"{dtype} from position {start} ({mean:+.3f} nats after it; {cause})")
+        if mean > CHANGE_NATS:
+            costly.append((dtype, cause))
+    if changes:
+        rounding = "rounding changes the outputs: " + "; ".join(changes)
+        rounding += "; not in " + ", ".join(quiet) if quiet else ""
+    else:
+        rounding = "rounding changes no output measurably: " + ", ".join(quiet)
+    if costly and attrs.get("bias") != "relative":
+        recommend = (
+            "recommend the relative mitigation (--mitigation relative, "
+            "hs.mitigation(model, 'relative')): ALiBi formed from distances keeps each row's "
+            "scores small near the diagonal, where " + ", ".join(d for d, _ in costly) + " rounds"
+        )
+    elif costly:
+        recommend = (
+            "the relative bias is already in use and rounding still costs in "
+            + ", ".join(f"{d} ({c})" for d, c in costly)
+            + ": compute what is named there in float32"
+        )
+    else:
+        recommend = f"no mitigation needed for precision ({attrs.get('bias', '')} ALiBi bias)"
+    return [f"precision: {underflow}", f"precision: {rounding}", f"precision: {recommend}"]
+
+
+def _precision_details(precision: PrecisionEffect) -> list[str]:
+    """Per dtype and part, mean ΔNLL by position bucket and top-1 agreement."""
+    pos = precision.by_position
+    attrs = pos.attrs
+    lines = [
+        f"precision counterfactual ({attrs.get('n_seqs')} × {attrs.get('seq_len')} tokens, "
+        f"{attrs.get('bias')} ALiBi bias): mean ΔNLL vs float64 (nats) by position, top-1"
+    ]
+    for (dtype, part), rows in pos.groupby(["dtype", "part"], sort=False):
+        cells = ", ".join(
+            f"{lo}: {d:+.3g}"
+            for lo, d in zip(rows["position_lo"], rows["mean_dnll"], strict=True)
+            if lo >= 64 or lo == 0
+        )
+        top1 = (rows["top1_agreement"] * rows["tokens"]).sum() / rows["tokens"].sum()
+        lines.append(f"  {dtype:9s} {part:8s} {cells} | top-1 {top1:.3f}")
+    return lines
+
+
+def blindness_summary(
+    analytic: pd.DataFrame | None,
+    measured: BlindnessMeasurement | None,
+    precision: PrecisionEffect | None = None,
+) -> str:
+    """The blindness CLI's summary: with a precision counterfactual, first its verdict
+    (:func:`precision_verdict`); then blind distances of the steepest heads, measured shares,
+    and the counterfactual's numbers."""
+    lines = precision_verdict(precision) if precision is not None else []
     if analytic is not None:
         context_length = analytic.attrs["context_length"]
         lines.append(
@@ -64,6 +177,8 @@ def blindness_summary(analytic: pd.DataFrame | None, measured: BlindnessMeasurem
                 f"{n}: {s:.2%}" for n, s in zip(rows["context_length"], rows["share"], strict=True)
             )
             lines.append(f"  {dtype:9s} {shares}")
+    if precision is not None:
+        lines.extend(_precision_details(precision))
     return "\n".join(lines)
 
 
@@ -76,13 +191,17 @@ def write_blindness(
     overwrite: bool = False,
     model: Model | None = None,
     tokens: Tensor | None = None,
+    precision: PrecisionEffect | None = None,
 ) -> Path:
     """Write a blindness analysis to a new folder, atomically; return the folder.
 
     Files: ``blindness.csv`` (``analytic``), ``measured_by_head.csv``, ``measured_by_distance.csv``
     and ``measured_by_length.csv`` (``measured``), ``summary.txt`` (:func:`blindness_summary`)
     and the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
-    results allow), each HTML self-contained. A folder holding files is refused unless
+    results allow), each HTML self-contained; with a ``precision`` counterfactual
+    (:func:`headsurgeon.precision.precision_effect`) also ``precision.csv`` (its
+    ``by_position``), ``precision_heads.csv`` (``by_head``) and the figure ``precision``, and the
+    summary (and page) lead with its verdict. A folder holding files is refused unless
     ``overwrite``, and even then unless headsurgeon wrote it.
 
     ``index.html`` puts it on one offline page: the summary, a grid of blind distances where
@@ -90,8 +209,10 @@ def write_blindness(
     against them and, given the ``model``, its attention on the first measured sequence of
     ``tokens`` (max-pooled to 64 cells a side), with the blind distance drawn in.
     """
-    summary = blindness_summary(analytic, measured)
+    summary = blindness_summary(analytic, measured, precision)
     figures = {}
+    if precision is not None:
+        figures["precision"] = precision_figure(precision.by_position)
     if analytic is not None:
         figures["blind_distance"] = plots.blind_distance_grid(analytic)
     if measured is not None:
@@ -105,6 +226,10 @@ def write_blindness(
             for table in ("by_head", "by_distance", "by_length"):
                 frame = getattr(measured, table)
                 atomic_write_text(tmp / f"measured_{table}.csv", frame.to_csv(index=False))
+        if precision is not None:
+            atomic_write_text(tmp / "precision.csv", precision.by_position.to_csv(index=False))
+            heads = precision.by_head.to_csv(index=False)
+            atomic_write_text(tmp / "precision_heads.csv", heads)
         atomic_write_text(tmp / "summary.txt", summary + "\n")
         skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
         if analytic is not None or measured is not None:
