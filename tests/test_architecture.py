@@ -44,6 +44,7 @@ LAYERS = {
         "evals",
         "importance",
         "blindness",
+        "window",
         "repair",
     ),
     "presentation": ("plots", "reports", "cli"),
