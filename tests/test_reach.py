@@ -112,3 +112,54 @@ def test_reach_extremes_and_its_argument(tiny_model):
     for bad in (-0.1, 1.5, float("nan"), "0.01"):
         with pytest.raises(InvalidArgumentError, match="reach_eps"):
             run_census(tiny_model, tokens, reach_eps=bad, progress=False)
+
+
+def test_reach_figure_joins_the_census_and_the_zeros_of_one_dtype():
+    import pandas as pd
+
+    from headsurgeon.plots.distance import reach_figure
+
+    census = pd.DataFrame(
+        {
+            "layer": [0, 0, 1, 1],
+            "head": [0, 1, 0, 1],
+            "slope": [0.25, 0.5, 0.25, 0.5],
+            "reach": [30.0, 9.0, math.inf, 12.0],
+        }
+    )
+    census.attrs.update(seq_len=512, reach_eps=0.01, model="m", n_seqs=2)
+    by_head = pd.concat(
+        [
+            pd.DataFrame(
+                {
+                    "layer": [0, 0, 1, 1],
+                    "head": [0, 1, 0, 1],
+                    "dtype": dtype,
+                    "first_zero_distance": [400.0, 200.0, math.nan, 210.0],
+                    "analytic_distance": [414.0 * k, 207.0 * k, 414.0 * k, 207.0 * k],
+                }
+            )
+            for dtype, k in [("bfloat16", 0.9), ("float32", 1.0)]
+        ]
+    )
+    fig = reach_figure(census, by_head)
+    traces = {t.name: t for t in fig.data}
+    # Steepest first within each layer, layer 0 first.
+    assert list(fig.layout.yaxis.categoryarray) == ["L0H1", "L0H0", "L1H1", "L1H0"]
+    assert list(traces["reach"].y) == ["L0H1", "L0H0", "L1H1"]
+    assert list(traces["reach"].x) == [9.0, 30.0, 12.0]
+    unbounded = traces["reach > 512 (not bounded within the sequence)"]
+    assert list(unbounded.y) == ["L1H0"] and list(unbounded.x) == [512.0]
+    assert unbounded.marker.symbol == "circle-open"
+    assert list(traces["first exact zero (float32)"].x) == [200.0, 400.0, 210.0]
+    assert list(traces["no exact zero within the sequence"].y) == ["L1H0"]
+    assert list(traces["analytic blind distance (float32)"].x) == [207.0, 414.0, 207.0, 414.0]
+    assert fig.layout.xaxis.type == "log"
+    bf16 = {t.name: t for t in reach_figure(census, by_head, dtype="bfloat16").data}
+    assert bf16["analytic blind distance (bfloat16)"].x[0] == pytest.approx(207.0 * 0.9)
+    with pytest.raises(InvalidArgumentError, match="'float16'; use one of bfloat16, float32"):
+        reach_figure(census, by_head, dtype="float16")
+    with pytest.raises(InvalidArgumentError, match="measure_blindness"):
+        reach_figure(census, by_head.drop(columns="analytic_distance"))
+    with pytest.raises(InvalidArgumentError, match="reach"):
+        reach_figure(census.drop(columns="reach"), by_head)

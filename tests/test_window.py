@@ -228,3 +228,28 @@ def test_a_trained_model_uses_its_window_as_the_brute_force_says():
     for row in effect.by_head.itertuples():
         delta = brute_nll(hf, tokens, 4, heads={(row.layer, row.head)}) - base
         assert row.dnll == pytest.approx(delta[:, :95].mean().item(), abs=1e-4)
+
+
+def test_window_figure_draws_each_bucket_and_the_pooled_change():
+    import pandas as pd
+
+    from headsurgeon.plots.distance import window_figure
+
+    table = pd.DataFrame(
+        {
+            "distance": [1, 1, 8, 8],
+            "position_lo": [0, 4, 0, 4],
+            "position_hi": [4, 16, 4, 16],
+            "tokens": [4, 12, 4, 12],
+            "dnll": [0.1, 0.5, 0.0, 0.2],
+            "dnll_se": [0.01, 0.02, 0.0, 0.03],
+        }
+    )
+    fig = window_figure(table)
+    names = [t.name for t in fig.data]
+    assert names == ["positions 0–3", "positions 4–15", "all positions"]
+    assert list(fig.data[1].y) == [0.5, 0.2] and list(fig.data[1].error_y.array) == [0.02, 0.03]
+    np.testing.assert_allclose(fig.data[2].y, [(0.4 + 6.0) / 16, 2.4 / 16])
+    assert list(fig.data[0].x) == ["1", "8"]
+    with pytest.raises(InvalidArgumentError, match="window_effect"):
+        window_figure(table.drop(columns="dnll_se"))
