@@ -312,7 +312,9 @@ def _sequences(
     model: Model, data: Data, seq_len: int, n_seqs: int, prepend_bos: bool | None
 ) -> Int[Tensor, "seq pos"]:
     """``n_seqs`` sequences of ``seq_len`` tokens (a token tensor: its rows as given)."""
-    seq_len = long_context.check_length(model, check_int(seq_len, "seq_len", minimum=3), "seq_len")
+    seq_len = check_int(seq_len, "seq_len", minimum=3)
+    if not isinstance(data, Tensor):  # a token tensor's length is its own
+        long_context.check_length(model, seq_len, "seq_len")
     n_seqs = check_int(n_seqs, "n_seqs", minimum=1)
     tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     if tokens.shape[1] < 3:

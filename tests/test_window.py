@@ -4,6 +4,7 @@ refusals."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -253,3 +254,82 @@ def test_window_figure_draws_each_bucket_and_the_pooled_change():
     assert list(fig.data[0].x) == ["1", "8"]
     with pytest.raises(InvalidArgumentError, match="window_effect"):
         window_figure(table.drop(columns="dnll_se"))
+
+
+def masked_eager_nll(reference, ids, distance=None, heads=None):
+    """Next-token NLL ``[seq, position]`` of a Hugging Face model with eager attention, each
+    layer's attention given its own 4-D mask (transformers adds one as given): causal, and for
+    the ``(layer, head)`` pairs of ``heads`` (``None``: all) only keys within ``distance`` and
+    position 0."""
+    from test_model_families import output_projection
+
+    n_seqs, n_pos = ids.shape
+    config = reference.config
+    n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
+    i, j = torch.arange(n_pos)[:, None], torch.arange(n_pos)[None, :]
+    far = (i - j > distance) & (j > 0) if distance is not None else torch.zeros_like(i > j)
+
+    def mask(layer):
+        chosen = torch.tensor([heads is None or (layer, h) in heads for h in range(n_heads)]).view(
+            -1, 1, 1
+        )
+        blocked = (j > i) | (far & chosen)  # [head, query, key]
+        return torch.zeros(n_seqs, n_heads, n_pos, n_pos).masked_fill(blocked, -math.inf)
+
+    handles = []
+    for layer in range(n_layers):
+        parent = _parent(reference, output_projection(reference, layer))
+
+        def swap(module, args, kwargs, layer=layer):
+            return args, {**kwargs, "attention_mask": mask(layer)}
+
+        handles.append(parent.register_forward_pre_hook(swap, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            positions = torch.arange(n_pos).expand(n_seqs, -1)
+            logits = reference(ids, attention_mask=mask(-1), position_ids=positions).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return -logits[:, :-1].double().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def _parent(root, module):
+    """The module that holds ``module`` as a direct child."""
+    return next(m for m in root.modules() if any(c is module for c in m.children()))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "neox", "llama", "opt", "bloom"])
+def test_window_effect_equals_eager_attention_family_by_family(name):
+    """Every family headsurgeon converts: every head cut at 2, and L0H1 alone at 1, against
+    transformers' eager attention under a custom mask (BLOOM, whose ALiBi is built from the
+    2-D mask: brute_nll), or refused in one line."""
+    from test_model_families import N_POS, REFUSED, loaded, tokens
+
+    from headsurgeon.backend import MAJOR
+    from headsurgeon.errors import UnsupportedArchitectureError
+
+    model, reference = loaded(name)
+    ids = tokens(4)
+    kwargs = dict(distances=[2], heads="L0H1", head_distance=1, progress=False)
+    if (MAJOR, name, "blindness") in REFUSED:  # its scores hook holds no scores
+        with pytest.raises(UnsupportedArchitectureError, match="pre-softmax scores") as info:
+            window_effect(model, ids, **kwargs)
+        assert "\n" not in str(info.value)
+        return
+    effect = window_effect(model, ids, edges=[0, N_POS - 1], **kwargs)
+    if name == "bloom":
+        reference = copy.deepcopy(reference).double()
+        every, one = brute_nll(reference, ids, 2), brute_nll(reference, ids, 1, {(0, 1)})
+        base = brute_nll(reference, ids)
+    else:
+        every, one = (
+            masked_eager_nll(reference, ids, 2),
+            masked_eager_nll(reference, ids, 1, {(0, 1)}),
+        )
+        base = masked_eager_nll(reference, ids)
+    assert effect.by_distance["dnll"].iloc[0] == pytest.approx(
+        (every - base).mean().item(), abs=1e-5
+    )
+    assert effect.by_head["dnll"].iloc[0] == pytest.approx((one - base).mean().item(), abs=1e-5)
+    assert abs((every - base).mean()) > 1e-3  # the cut matters: not zero against zero
