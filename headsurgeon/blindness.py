@@ -241,15 +241,9 @@ class _UnderflowCounter:
         layer = hook.layer()
         n_queries, n_keys = scores.shape[-2:]
         offset = long_context.query_offset(scores)
-        # Real scores mask the keys after each query (-inf, or the float minimum on 4.x); a
-        # bridge that passes the softmax weights here (OPT's on 4.x) has 0 there instead.
-        if n_queries > 1 and not bool((scores[..., 0, offset + 1] < _MASKED).all()):
-            raise UnsupportedArchitectureError(
-                f"measure_blindness cannot measure {model_info(self.model).name}: its "
-                f"blocks.{layer}.attn.hook_attn_scores does not hold the causal-masked "
-                "pre-softmax scores (the attention runs inside transformers, which passes its "
-                "softmax weights there), so underflow cannot be counted exactly"
-            )
+        _require_scores(
+            self.model, scores, layer, "measure_blindness", "underflow cannot be counted exactly"
+        )
         rows = max(1, _CHUNK_ENTRIES // n_keys)
         size = rows * (n_keys + 1)  # a chunk's shifted rows (one row when a row is over budget)
         if self.count_buffer.numel() < size:
@@ -306,6 +300,31 @@ class _UnderflowCounter:
         gap = tiles - top + self.rounding * (tiles.abs() + top.abs())
         below = (gap < -self.skip_nats).all(0)
         return _SKIP_TILE * int(below.cumprod(0).sum())
+
+
+def _require_scores(
+    model: Model,
+    scores: Float[Tensor, "batch head_index query_pos key_pos"],
+    layer: int,
+    analysis: str,
+    consequence: str,
+) -> None:
+    """Raise :class:`UnsupportedArchitectureError` unless ``scores`` (a block of
+    ``hook_attn_scores``) holds causal-masked pre-softmax scores.
+
+    Real scores mask the keys after each query (-inf, or the float minimum on 4.x); a bridge
+    that passes the softmax weights there (OPT's on 4.x) has 0 instead. A block of one row has
+    no masked key to check.
+    """
+    n_queries = scores.shape[-2]
+    offset = long_context.query_offset(scores)
+    if n_queries > 1 and not bool((scores[..., 0, offset + 1] < _MASKED).all()):
+        raise UnsupportedArchitectureError(
+            f"{analysis} cannot measure {model_info(model).name}: its "
+            f"blocks.{layer}.attn.hook_attn_scores does not hold the causal-masked "
+            "pre-softmax scores (the attention runs inside transformers, which passes its "
+            f"softmax weights there), so {consequence}"
+        )
 
 
 def _skip_bound(dtypes: list[torch.dtype], convention: str) -> tuple[float, float]:

@@ -33,7 +33,7 @@ from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.loading import model_info
 from headsurgeon.long_context import max_length
 from headsurgeon.probes import HeadStats, stream
-from headsurgeon.validation import check_int
+from headsurgeon.validation import check_int, check_number
 
 __all__ = [
     "COLUMNS",
@@ -56,6 +56,8 @@ COLUMNS: dict[str, str] = {
     "prev_mass": "mean attention weight A[t, t - 1] on the previous token",
     "output_norm": "mean over positions of the norm of the head's write z_h W_O[h] (no bias)",
     "output_share": "output_norm over the mean norm of the whole attention layer's write (no b_O)",
+    "reach": "smallest distance d whose mean attention mass on keys at distance >= d (position 0 "
+    "left out), over query rows t >= d + 1, is at most reach_eps; inf: none within the sequence",
 }
 
 
@@ -93,6 +95,7 @@ def run_census(
     min_query_pos: int = 1,
     prepend_bos: bool | None = None,
     block_size: int | None = None,
+    reach_eps: float = 0.01,
     progress: bool = True,
 ) -> pd.DataFrame:
     """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
@@ -110,10 +113,23 @@ def run_census(
     key-value cache, memory linear in the sequence length. ALiBi models take any length (a
     warning names the length they were trained on); others keep their context ``cfg.n_ctx``.
 
+    ``reach`` is how far back a head actually looks: the smallest distance ``d`` such that, over
+    every query row ``t >= d + 1`` of every sequence (and ``t >= min_query_pos``), the mean
+    attention mass on keys at distance ``d`` or more, position 0 left out, is at most
+    ``reach_eps``. Keys beyond it get at most that share of the head's attention, on average:
+    it measures where ALiBi's penalty (with the content logits) leaves keys negligible weight,
+    not where weights become exactly 0 (``measure_blindness``), nor whether the model's loss
+    depends on those keys (``window_effect``). It is pooled over rows (each counts once), read
+    from a per-distance mass histogram (:meth:`headsurgeon.probes.HeadStats.far_mass`), and
+    ``inf`` when no distance within the sequence qualifies: the head puts more than
+    ``reach_eps`` on the farthest keys measured (a longer ``seq_len`` may bound it). Position 0
+    is left out because a sink's mass there says nothing about distance: a head whose mean
+    weight on position 0 (over rows from 1) is at least ``1 - reach_eps`` has reach 0.
+
     ``df.attrs`` holds the run metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``,
     ``seq_len``, ``prepend_bos`` (position 0 holds the BOS token), ``bos_rule`` (why: the
-    tensor as given, or the BOS convention applied to texts), ``min_query_pos``, ``data``,
-    ``dtype``, ``device``, ``positional``.
+    tensor as given, or the BOS convention applied to texts), ``min_query_pos``, ``reach_eps``,
+    ``data``, ``dtype``, ``device``, ``positional``.
 
     Every hook the census reads (``hook_pattern``, ``hook_z``, ``hook_attn_out``) must fire in
     every layer: a model whose attention does not expose one (OPT's TransformerLens 4.x bridge
@@ -136,6 +152,7 @@ def run_census(
     check_model(model, "run_census")
     min_query_pos = check_int(min_query_pos, "min_query_pos", minimum=0)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
+    reach_eps = check_number(reach_eps, "reach_eps", low=0, high=1)
     info = model_info(model)
     if not isinstance(data, Tensor):  # a token tensor is used as it is
         _check_rows(seq_len, min_query_pos)  # before tokenising a whole corpus
@@ -181,6 +198,7 @@ def run_census(
         "bos_mass": means["bos_mass"].ravel(),
         "bos_mass_std": stds["bos_mass"].ravel(),
     }
+    means["reach"] = stats.reach(reach_eps)
     columns |= {name: means[name].ravel() for name in COLUMNS if name not in columns}
     df = pd.DataFrame(columns)
     df.attrs = {
@@ -192,6 +210,7 @@ def run_census(
         "prepend_bos": holds_bos,
         "bos_rule": bos_rule,
         "min_query_pos": min_query_pos,
+        "reach_eps": reach_eps,
         "data": describe(data),
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "device": str(cfg.device),

@@ -10,6 +10,7 @@ Exports:
     PATTERN_STATS                          names of the statistics ``pattern_stats`` returns
     pattern_stats(pattern, min_query_pos)  per-sequence, per-head means of one attention pattern
     pattern_sums(pattern, min_query_pos)   the same as sums over rows, for a block of rows too
+    distance_sums(pattern, min_query_pos)  attention mass per head and distance, summed over rows
     write_norms(z, W_O, min_query_pos)     per-sequence mean norm of each head's residual write
     write_sums(z, W_O, first)              the same as a sum over positions
     HeadStats                              float64 accumulator fed by forward hooks
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +61,7 @@ __all__ = [
     "PATTERN_STATS",
     "pattern_stats",
     "pattern_sums",
+    "distance_sums",
     "write_norms",
     "write_sums",
     "HeadStats",
@@ -88,6 +91,8 @@ HEAD_STATS = (*PATTERN_STATS, "output_norm")
 HEAD_HOOKS = ("attn.hook_pattern", "attn.hook_z", "hook_attn_out")
 
 Hook = tuple[str | Callable[[str], bool], Callable[[Tensor, HookPoint], None]]
+# Query rows distance_sums adds up in float32 before it adds them to its float64 sums.
+_DISTANCE_ROWS = 64
 
 
 def _rows(n_rows: int, offset: int, first: int) -> int:
@@ -163,6 +168,64 @@ def _distance_sums(
     keys = torch.arange(rows.shape[-1], device=rows.device, dtype=rows.dtype)
     local = torch.arange(first, first + rows.shape[-2], device=rows.device, dtype=rows.dtype)
     return (rows @ (offset - keys) + rows.sum(-1) * local).sum(-1)
+
+
+def distance_sums(
+    pattern: Float[Tensor, "batch head_index query_pos key_pos"], min_query_pos: int = 1
+) -> Float[Tensor, "head_index distance"]:
+    """``H[h, k] = Σ_b Σ_t A[b, h, t, t - k]`` over query rows ``t >= min_query_pos`` and keys
+    ``t - k >= 1`` (position 0 left out): each head's attention mass by distance, in float64.
+
+    ``pattern`` is a causal pattern or a block of its rows, as in :func:`pattern_sums`; the
+    result has one column per distance ``0 ... K - 1`` (``K`` keys). Summing the blocks of a
+    sequence gives the dense pattern's histogram.
+
+    The rows are copied once (summed over the batch) into a buffer whose row stride is one
+    more than the keys, so that a strided view puts every distance in one column (as
+    :func:`headsurgeon.blindness.measure_blindness` counts zeros): one pass over the pattern,
+    no ``[Q, K]`` distance index.
+
+    >>> uniform = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]
+    >>> distance_sums(uniform[None, None])[0]  # rows 1, 2: A[1, 1]; A[2, 2], A[2, 1]
+    tensor([0.8333, 0.3333, 0.0000], dtype=torch.float64)
+    """
+    return _mass_by_distance(pattern, min_query_pos, None)[0]
+
+
+def _mass_by_distance(
+    pattern: Float[Tensor, "batch head_index query_pos key_pos"],
+    min_query_pos: int,
+    buffer: Tensor | None,
+) -> tuple[Float[Tensor, "head_index distance"], Tensor]:
+    """:func:`distance_sums`, and its float32 buffer, to pass to the next call (``None``: a new
+    one)."""
+    n_rows, n_keys = pattern.shape[-2:]
+    offset = n_keys - n_rows
+    first = _rows(n_rows, offset, min_query_pos)
+    n, n_heads = n_rows - first, pattern.shape[1]
+    stride = n - 1 + n * n_keys  # per head: n - 1 zeros, then the n rows
+    size = n_heads * stride
+    if buffer is None or buffer.numel() < size or buffer.device != pattern.device:
+        buffer = pattern.new_empty(max(size, 1), dtype=torch.float32)
+    sums = pattern.new_zeros(n_heads, n_keys, dtype=_accumulator_dtype(pattern.device))
+    if n == 0:
+        return sums, buffer
+    flat = buffer[:size].view(n_heads, stride)
+    flat[:, : n - 1] = 0
+    rows = flat[:, n - 1 :].view(n_heads, n, n_keys)
+    if len(pattern) > 1:
+        torch.sum(pattern[:, :, first:], dim=0, dtype=torch.float32, out=rows)
+    else:
+        rows.copy_(pattern[0, :, first:])
+    rows[..., 0] = 0  # position 0 is left out
+    # Row i, column c of this view is key i + c - (n - 1) of row i: distance n_keys - 1 - c for
+    # every row. Keys before 0 read the previous row's masked end (0) or the leading zeros.
+    shifted = buffer.as_strided((n_heads, n, n_keys), (stride, n_keys + 1, 1))
+    # float32 sums of a few rows each, added in float64: a float64 reduction of float32 rows is
+    # ~30x slower on CPU, one float32 sum over thousands of rows loses digits.
+    for chunk in shifted.split(_DISTANCE_ROWS, dim=1):
+        sums += chunk.sum(1)
+    return sums.flip(-1), buffer
 
 
 def pattern_stats(
@@ -272,6 +335,10 @@ class HeadStats:
     The write norm of the whole layer comes from ``hook_attn_out`` minus ``b_O`` (models without
     attention biases have none): the sum of all heads' writes, without the bias that belongs to
     no head.
+
+    Pooled over every row of every sequence, each head's attention mass by distance
+    (:func:`distance_sums`, O(T) per head) gives :meth:`far_mass` (the mean mass at distance
+    ``d`` or more, by ``d``) and :meth:`reach` (the census's ``reach``).
     """
 
     def __init__(self, model: Model, *, min_query_pos: int = 1):
@@ -296,6 +363,11 @@ class HeadStats:
         self.fired = {name: [0] * n_layers for name in HEAD_HOOKS}
         # Per layer, each head's W_O W_Oᵀ (float32, [head, d_head, d_head]), made at first use.
         self._grams: dict[int, Tensor] = {}
+        # Pooled over every sequence: attention mass by head and distance (distance_sums), and
+        # the query rows counted, by position; both as long as the longest sequence seen.
+        self.distance_mass = torch.zeros(n_layers, n_heads, 0, dtype=dtype, device=self.device)
+        self.query_rows = torch.zeros(n_layers, 0, dtype=dtype, device=self.device)
+        self._distance_buffer: Tensor | None = None
 
     def _flush(self, layer: int) -> None:
         """Add the per-sequence means of ``layer``'s finished batch to the running sums."""
@@ -352,7 +424,23 @@ class HeadStats:
         n_rows, n_keys = pattern.shape[-2:]
         sums, rows = pattern_sums(pattern, self.min_query_pos)
         sums = sums.to(self.sums.device, self.sums.dtype)
+        self._add_distances(hook.layer(), pattern)
         self._arrive(hook.layer(), "attn.hook_pattern", (sums, rows, n_keys - n_rows, n_keys))
+
+    def _add_distances(self, layer: int, pattern: Tensor) -> None:
+        """Add a block's mass by distance, and its rows, to the pooled histograms."""
+        n_rows, n_keys = pattern.shape[-2:]
+        mass, self._distance_buffer = _mass_by_distance(
+            pattern, self.min_query_pos, self._distance_buffer
+        )
+        grow = n_keys - self.query_rows.shape[-1]
+        if grow > 0:
+            pad = torch.nn.functional.pad
+            self.distance_mass = pad(self.distance_mass, (0, grow))
+            self.query_rows = pad(self.query_rows, (0, grow))
+        self.distance_mass[layer, :, :n_keys] += mass.to(self.device, self.distance_mass.dtype)
+        first = max(n_keys - n_rows, self.min_query_pos)
+        self.query_rows[layer, first:n_keys] += len(pattern)
 
     def _z_hook(self, z: Tensor, hook: HookPoint) -> None:
         layer = hook.layer()
@@ -413,6 +501,32 @@ class HeadStats:
         layer_mean = (self.layer_write / self.counts.clamp(min=1)).double().cpu()[:, None]
         result["output_share"] = (means[HEAD_STATS.index("output_norm")] / layer_mean).numpy()
         return result
+
+    def far_mass(self) -> np.ndarray:
+        """``[layer, head, distance]``: for each distance ``d``, the mean over query rows ``t >=
+        max(d + 1, min_query_pos)`` of every sequence of the attention mass on keys at distance
+        ``d`` or more, position 0 left out (NaN where no row is that far from position 1).
+
+        Rows are pooled over sequences (each row counts once). Exact from the pooled histograms
+        whatever the blocks: ``Σ_t Σ_{k >= d} A[t, t - k]`` is the suffix sum of the mass by
+        distance, since a row ``t`` has keys ``t - k >= 1`` at distance ``k >= d`` only when
+        ``t >= d + 1``.
+        """
+        mass = self.distance_mass.double().cpu()
+        tail = mass.flip(-1).cumsum(-1).flip(-1)
+        rows = self.query_rows.double().cpu().flip(-1).cumsum(-1).flip(-1)  # rows t >= d
+        beyond = torch.nn.functional.pad(rows[:, 1:], (0, 1))  # rows t >= d + 1
+        means = tail / beyond[:, None, :]
+        return torch.where(beyond[:, None, :] > 0, means, math.nan).numpy()
+
+    def reach(self, eps: float) -> np.ndarray:
+        """``[layer, head]``: the smallest distance ``d`` whose :meth:`far_mass` is at most
+        ``eps`` (``inf`` when none is, within the longest sequence seen: the head still puts
+        more than ``eps`` on the farthest keys measured)."""
+        far = self.far_mass()
+        within = far <= eps  # NaN (no row) never qualifies
+        first = within.argmax(-1).astype(np.float64)
+        return np.where(within.any(-1), first, math.inf)
 
     def stds(self) -> dict[str, np.ndarray]:
         """Standard deviation across sequences (ddof=1; 0 for one sequence), ``[layer, head]``."""

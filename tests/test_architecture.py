@@ -45,6 +45,7 @@ LAYERS = {
         "importance",
         "blindness",
         "precision",
+        "window",
         "repair",
     ),
     "presentation": ("plots", "reports", "cli"),

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import head_weight
 from test_blindness import WITHOUT_ALIBI
+from test_reach import reference_reach
 
 from headsurgeon import run_census
 from headsurgeon.census import COLUMNS
@@ -29,6 +30,7 @@ def reference_census(model, tokens, min_query_pos=1):
     out = {name: np.zeros((model.cfg.n_layers, model.cfg.n_heads)) for name in COLUMNS}
     for layer in range(model.cfg.n_layers):
         A = cache["pattern", layer].double()
+        out["reach"][layer] = reference_reach(A.numpy(), 0.01, min_query_pos)
         z = cache["z", layer].double()
         W_O = head_weight(model, layer, "W_O").detach().double()
         writes = torch.einsum("bphd,hdm->bphm", z, W_O)  # [seq, pos, head, d_model]

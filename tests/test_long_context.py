@@ -29,6 +29,7 @@ NUMERIC = [
     "prev_mass",
     "output_norm",
     "output_share",
+    "reach",
 ]
 
 

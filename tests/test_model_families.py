@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tokenizer
+from test_reach import reference_reach
 
 from headsurgeon import head_importance, measure_blindness, run_census
 from headsurgeon.backend import MAJOR
@@ -230,6 +231,7 @@ def brute_census(reference: torch.nn.Module, ids: torch.Tensor, min_query_pos: i
         columns["prev_mass"] += previous[..., prev_rows.start - 1 :].mean((0, 2)).tolist()
         columns["output_norm"] += head_norms.tolist()
         columns["output_share"] += (head_norms / layer_norm).tolist()
+        columns["reach"] += reference_reach(A.numpy(), 0.01, min_query_pos).tolist()
     return columns
 
 

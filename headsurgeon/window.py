@@ -1,0 +1,334 @@
+"""The window counterfactual: how much the loss depends on keys beyond a distance.
+
+A head's reach (the census's ``reach``) says how far back its weights go; it does not say whether
+the model needs what lies there. :func:`window_effect` answers that: it runs the model with
+attention restricted to keys within distance ``d`` of each query (position 0 always kept; the
+cut keys are masked before the softmax, so the kept weights renormalise) and reports how much
+the next-token loss rises, by ``d`` and by position, for all heads at once; and, at one chosen
+distance, for one head at a time: which distances the model uses, and which heads use the far
+ones.
+
+Exports:
+    window_effect(model, data, ...)   WindowEffect: ΔNLL by distance and position, and per head
+    WindowEffect                      its tables: by_distance, by_head
+    window_hook(distance, heads)      the ``hook_attn_scores`` hook that cuts keys beyond a distance
+
+>>> from headsurgeon.loading import ModelShape, random_model
+>>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
+>>> tokens = torch.randint(0, 64, (2, 12))
+>>> effect = window_effect(model, tokens, distances=[2, 11], progress=False)
+>>> effect.by_distance.groupby("distance")["dnll"].apply(lambda x: bool((x == 0).all())).tolist()
+[False, True]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from headsurgeon import long_context
+from headsurgeon.backend import MAJOR, HookPoint, Model, check_model
+from headsurgeon.blindness import _require_scores
+from headsurgeon.data import Data, batches, describe, position_zero, to_sequences
+from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.evals import _check_edges, _next_token_nll, position_edges
+from headsurgeon.exact_alibi import alibi_slopes
+from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.loading import model_info
+from headsurgeon.probes import unfired
+from headsurgeon.progress import tqdm
+from headsurgeon.validation import check_int
+
+__all__ = ["WindowEffect", "window_effect", "window_hook"]
+
+# Bytes per (batch, head, query, key) entry of a forward pass with the hook: the plain pass's, the
+# cut mask and the masked copy of the scores.
+_BYTES_PER_ENTRY = long_context.FORWARD_BYTES_PER_ENTRY + 5
+
+ScoresHook = Callable[[Tensor, HookPoint], Tensor | None]
+
+
+def window_hook(distance: int, heads: Sequence[int] | None = None) -> ScoresHook:
+    """A ``hook_attn_scores`` hook that cuts every key more than ``distance`` tokens before its
+    query, except position 0, for the heads ``heads`` of the layer (``None``: all).
+
+    The cut scores get the value the model masks future keys with (``-inf`` on TransformerLens
+    3.x, the float minimum on 4.x), so the softmax gives them exactly 0 and renormalises the
+    rest. Masked (future) keys stay as they are. A block of rows (:mod:`headsurgeon.long_context`)
+    is cut by its own query positions. Where nothing is that far (``distance`` at least the
+    block's last query position minus 1) the scores are left untouched: the pass is bit for bit
+    the model's own.
+
+    >>> scores = torch.zeros(1, 1, 4, 4).masked_fill(~torch.ones(4, 4).tril().bool(), -math.inf)
+    >>> window_hook(1)(scores, None)[0, 0, 3].tolist()  # query 3: key 1 is 2 back, cut
+    [0.0, -inf, 0.0, 0.0]
+    """
+    distance = check_int(distance, "distance", minimum=0)
+    chosen = None if heads is None else list(heads)
+
+    def hook(scores: Tensor, hook: HookPoint) -> Tensor | None:
+        n_queries, n_keys = scores.shape[-2:]
+        if distance >= n_keys - 2:  # the farthest key but position 0: last query - 1
+            return None
+        query = torch.arange(n_keys - n_queries, n_keys, device=scores.device)
+        key = torch.arange(n_keys, device=scores.device)
+        cut = (query[:, None] - key > distance) & (key > 0)  # [query, key]
+        if chosen is not None:
+            only = torch.zeros(scores.shape[1], 1, 1, dtype=torch.bool, device=scores.device)
+            only[chosen] = True
+            cut = cut & only
+        masked = -math.inf if MAJOR < 4 else torch.finfo(scores.dtype).min
+        return scores.masked_fill(cut, masked)
+
+    return hook
+
+
+@dataclasses.dataclass
+class WindowEffect:
+    """Result of :func:`window_effect`.
+
+    ``by_distance``: one row per (distance, position bucket), every head cut at that distance.
+    ``by_head``: one row per head cut alone at ``head_distance`` (empty without one).
+    ``nll``: the model's own next-token loss ``[seq, position]`` (float64), which the ΔNLL are
+    measured from.
+    """
+
+    by_distance: pd.DataFrame
+    by_head: pd.DataFrame
+    nll: np.ndarray
+
+
+def _default_distances(seq_len: int) -> list[int]:
+    """Powers of two below the farthest distance a sequence of ``seq_len`` tokens has (the last
+    query to position 1), which would cut nothing.
+
+    >>> _default_distances(1024)
+    [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    """
+    return [2**k for k in range(max(seq_len - 2, 1).bit_length()) if 2**k < seq_len - 2]
+
+
+class _Counter:
+    """Counts the hook's calls per layer, checking each block holds real scores."""
+
+    def __init__(self, model: Model, hook: ScoresHook) -> None:
+        self.model, self.inner = model, hook
+        self.fired = [0] * model.cfg.n_layers
+
+    def __call__(self, scores: Tensor, hook: HookPoint) -> Tensor | None:
+        layer = hook.layer()
+        self.fired[layer] += 1
+        _require_scores(
+            self.model, scores, layer, "window_effect", "keys cannot be cut before the softmax"
+        )
+        return self.inner(scores, hook)
+
+
+def _token_nll(
+    model: Model,
+    tokens: Int[Tensor, "seq pos"],
+    hooks: dict[int, ScoresHook],
+    *,
+    batch_size: int,
+    block_size: int | None,
+) -> Float[Tensor, "seq position"]:
+    """Next-token NLL at every position (float64, CPU) with ``hooks`` (``{layer: hook}``) on the
+    layers' ``hook_attn_scores``; refuses a layer whose hook never fired."""
+    n_seqs, n_pos = tokens.shape
+    out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
+    counters = {layer: _Counter(model, hook) for layer, hook in hooks.items()}
+    fwd_hooks = [(f"blocks.{layer}.attn.hook_attn_scores", c) for layer, c in counters.items()]
+    with torch.no_grad(), model.hooks(fwd_hooks=fwd_hooks):
+        for i, batch in enumerate(batches(tokens, batch_size)):
+            rows = out[i * batch_size : i * batch_size + len(batch)]  # a view
+            block = block_size or long_context.block_size(
+                model, n_pos, batch=len(batch), bytes_per_entry=_BYTES_PER_ENTRY
+            )
+            for position, nll in _next_token_nll(model, batch, block):
+                rows[:, position : position + nll.shape[1]] = nll.cpu()
+    silent = [layer for layer, c in counters.items() if not c.fired[layer]]
+    if silent:
+        raise unfired(model, "window_effect", f"blocks.{silent[0]}.attn.hook_attn_scores", silent)
+    return out
+
+
+def _change(
+    delta: Float[Tensor, "seq position"], base: Float[Tensor, "seq position"], positions: Tensor
+) -> dict[str, float]:
+    """Mean ΔNLL over ``positions`` (a bool mask or index of positions) of every sequence, its
+    standard error from the spread of the sequences' own means (tokens of one sequence are not
+    independent; NaN for one sequence), the tokens and the model's own mean NLL there."""
+    d, b = delta[:, positions], base[:, positions]
+    n_seqs, n = d.shape
+    per_seq = d.mean(1)
+    se = per_seq.std().item() / math.sqrt(n_seqs) if n_seqs > 1 else math.nan
+    return {
+        "tokens": n_seqs * n,
+        "base_nll": b.mean().item(),
+        "dnll": d.mean().item(),
+        "dnll_se": se,
+    }
+
+
+@torch.no_grad()
+def window_effect(
+    model: Model,
+    data: Data = None,
+    *,
+    distances: Sequence[int] | None = None,
+    heads: Heads | None = None,
+    head_distance: int | None = None,
+    seq_len: int = 1024,
+    n_seqs: int = 8,
+    edges: Sequence[int] | None = None,
+    batch_size: int = 1,
+    prepend_bos: bool | None = None,
+    block_size: int | None = None,
+    progress: bool = True,
+) -> WindowEffect:
+    """The loss when attention only sees keys within ``d`` tokens: which distances the model uses.
+
+    Usage::
+
+        effect = window_effect(model, seq_len=4096, n_seqs=4)  # every head cut, d = 1, 2, 4 ...
+        effect.by_distance  # ΔNLL by d and position bucket
+        per_head = window_effect(model, distances=[], head_distance=64).by_head
+
+    Each query ``t`` keeps the keys ``t - d ... t`` and position 0; the others are masked before
+    the softmax (:func:`window_hook` at ``hook_attn_scores``, which holds the model's exact
+    logits, ALiBi and any :func:`~headsurgeon.blindness.mitigation` included), so the weights
+    of the kept keys renormalise. ``ΔNLL = NLL(cut) - NLL(model)`` per predicted token,
+    averaged over the sequences.
+
+    * For each ``d`` in ``distances`` (default: powers of two below ``seq_len - 2``), every
+      head of every layer is cut at once: ``by_distance`` has one row per (``distance``,
+      position bucket): ``position_lo``, ``position_hi`` (predictions at positions ``lo <= p <
+      hi``, the prediction of token ``p + 1``; buckets from ``edges``, default
+      :func:`headsurgeon.evals.position_edges`: 0, 1, 2, 4, ... ``seq_len - 1``), ``tokens``,
+      ``base_nll`` (the model's own mean NLL there), ``dnll`` and ``dnll_se`` (its standard
+      error from the spread of the sequences' means: NaN for one sequence).
+    * With ``head_distance``, each of ``heads`` (any head form, :meth:`headsurgeon.HeadSet.of`;
+      default: every head) is cut alone at that distance: ``by_head`` has one row per head
+      (``layer``, ``head``, ``slope``, ``distance``, ``tokens``, ``base_nll``, ``dnll``,
+      ``dnll_se``) over every prediction in ``edges``' range (those at positions up to the
+      distance add exact zeros), comparable with ``by_distance`` pooled over its buckets.
+
+    What it tests: whether the model's loss on this data depends on attention beyond ``d``,
+    with everything else exactly the model's. It does not say why (a head's far weights may be
+    small but needed, or large but redundant) nor what a model trained with that window would
+    do. Positions ``p <= d`` are unchanged by construction (every key is within reach), and a
+    ``d`` of at least ``seq_len - 2`` cuts nothing: its ΔNLL is exactly 0 (the pass is the
+    model's own, bit for bit). A negative ΔNLL is real: the far keys hurt there.
+
+    Cost: one pass of ``n_seqs`` sequences for the model, one per distance and one per head.
+    Sequences run in blocks of ``block_size`` query rows (default by memory,
+    :func:`headsurgeon.long_context.block_size`) through the key-value cache, the same blocks in
+    every pass: memory linear in ``seq_len``. ``data``, ``seq_len``, ``n_seqs`` and
+    ``prepend_bos`` as in :func:`headsurgeon.evals.loss_by_position`.
+
+    Refused in one line: a model whose ``hook_attn_scores`` does not hold the causal-masked
+    pre-softmax scores in every layer (OPT's TransformerLens 4.x bridge), ``heads`` without
+    ``head_distance``, distances below 0.
+
+    ``attrs`` of both tables: ``model``, ``data``, ``n_seqs``, ``seq_len``, ``prepend_bos``,
+    ``edges``; ``by_head``'s: ``head_distance``.
+    """
+    check_model(model, "window_effect")
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    if block_size is not None:
+        block_size = check_int(block_size, "block_size", minimum=1)
+    if heads is not None and head_distance is None:
+        raise InvalidArgumentError(
+            "heads are cut one at a time at head_distance; give head_distance=... as well"
+        )
+    if head_distance is not None:
+        head_distance = check_int(head_distance, "head_distance", minimum=0)
+    if distances is not None:
+        distances = [check_int(d, "each of distances", minimum=0) for d in distances]
+    chosen = HeadSet.of(_every_head(model) if heads is None else heads, model)
+    tokens = _sequences(model, data, seq_len, n_seqs, prepend_bos)
+    n_pos = tokens.shape[1]
+    edges = _check_edges(position_edges(n_pos) if edges is None else edges, n_pos)
+    distances = _default_distances(n_pos) if distances is None else distances
+    per_head = [] if head_distance is None else list(chosen)
+    position = torch.arange(n_pos - 1)
+    layers = range(model.cfg.n_layers)
+    bar = tqdm(total=1 + len(distances) + len(per_head), desc="window", disable=not progress)
+
+    def run(hooks: dict[int, ScoresHook]) -> Tensor:
+        nll = _token_nll(model, tokens, hooks, batch_size=batch_size, block_size=block_size)
+        bar.update()
+        return nll
+
+    with bar:
+        # The model's own pass carries the hooks too, cutting nothing: checked like the others.
+        base = run({layer: window_hook(n_pos) for layer in layers})
+        rows = []
+        for d in distances:
+            change = run({layer: window_hook(d) for layer in layers}) - base
+            for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+                part = (position >= lo) & (position < hi)
+                rows.append(
+                    {"distance": d, "position_lo": lo, "position_hi": hi}
+                    | _change(change, base, part)
+                )
+        slopes = alibi_slopes(model).double().numpy() if _is_alibi(model) else None
+        scored = (position >= edges[0]) & (position < edges[-1])
+        head_rows = []
+        for layer, head in per_head:
+            change = run({layer: window_hook(head_distance, [head])}) - base
+            slope = math.nan if slopes is None else float(slopes[head])
+            head_rows.append(
+                {"layer": layer, "head": head, "slope": slope, "distance": head_distance}
+                | _change(change, base, scored)
+            )
+    by_distance = pd.DataFrame(rows, columns=_DISTANCE_COLUMNS)
+    by_head = pd.DataFrame(head_rows, columns=_HEAD_COLUMNS)
+    attrs = {
+        "model": model_info(model).name,
+        "data": describe(data),
+        "n_seqs": len(tokens),
+        "seq_len": n_pos,
+        "prepend_bos": position_zero(model, data, tokens, prepend_bos)[0],
+        "edges": list(edges),
+    }
+    by_distance.attrs.update(attrs)
+    by_head.attrs.update(attrs, head_distance=head_distance)
+    return WindowEffect(by_distance=by_distance, by_head=by_head, nll=base.numpy())
+
+
+def _every_head(model: Model) -> list[tuple[int, int]]:
+    return [(layer, h) for layer in range(model.cfg.n_layers) for h in range(model.cfg.n_heads)]
+
+
+def _sequences(
+    model: Model, data: Data, seq_len: int, n_seqs: int, prepend_bos: bool | None
+) -> Int[Tensor, "seq pos"]:
+    """``n_seqs`` sequences of ``seq_len`` tokens (a token tensor: its rows as given)."""
+    seq_len = check_int(seq_len, "seq_len", minimum=3)
+    if not isinstance(data, Tensor):  # a token tensor's length is its own
+        long_context.check_length(model, seq_len, "seq_len")
+    n_seqs = check_int(n_seqs, "n_seqs", minimum=1)
+    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    if tokens.shape[1] < 3:
+        raise InvalidArgumentError(
+            f"sequences of {tokens.shape[1]} tokens have no key to cut; give at least 3"
+        )
+    long_context.check_length(model, tokens.shape[1])  # a token tensor is not cut
+    return tokens[:n_seqs]
+
+
+_CHANGE_COLUMNS = ["tokens", "base_nll", "dnll", "dnll_se"]
+_DISTANCE_COLUMNS = ["distance", "position_lo", "position_hi", *_CHANGE_COLUMNS]
+_HEAD_COLUMNS = ["layer", "head", "slope", "distance", *_CHANGE_COLUMNS]
+
+
+def _is_alibi(model: Model) -> bool:
+    return model.cfg.positional_embedding_type == "alibi"
