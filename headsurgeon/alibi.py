@@ -313,8 +313,8 @@ def check_bias_params(kind: str, **params: object) -> dict[str, object]:
 
     >>> check_bias_params("robust", context=256)
     {'context': 256, 'dtype': 'float32', 'limit': 'normal', 'mode': 'scale'}
-    >>> check_bias_params("log")
-    {'match': None}
+    >>> check_bias_params("log"), check_bias_params("log", match=None)
+    ({'match': None}, {'match': None})
     """
     allowed: dict[str, dict[str, object]] = {
         "standard": {},
@@ -334,7 +334,8 @@ def check_bias_params(kind: str, **params: object) -> dict[str, object]:
             f"{kind} takes no parameter {', '.join(sorted(unknown))}; its parameters: {names}"
         )
     full = {**allowed[kind], **params}
-    missing = [name for name, value in full.items() if value is None]
+    # An optional parameter given as None (e.g. parameters this function filled in) is unset.
+    missing = [n for n, v in full.items() if v is None and allowed[kind][n] is not _OPTIONAL]
     if missing:
         raise InvalidArgumentError(f"{kind} needs {', '.join(missing)}")
     full = {name: None if value is _OPTIONAL else value for name, value in full.items()}
