@@ -94,6 +94,7 @@ def main() -> None:
             path = args.cache / f"{label}_{task}.csv"
             if args.replot:
                 trials[label, task] = pd.read_csv(path)
+                seconds[label, task] = float((args.cache / f"{label}_{task}.seconds").read_text())
                 continue
             begin = time.perf_counter()
             result = retrieval_by_distance(
@@ -107,6 +108,7 @@ def main() -> None:
             seconds[label, task] = time.perf_counter() - begin
             trials[label, task] = result.trials
             result.trials.to_csv(path, index=False)
+            (args.cache / f"{label}_{task}.seconds").write_text(f"{seconds[label, task]:.1f}\n")
             logger.warning(
                 "%s %s: %.0f s; %s", label, task, seconds[label, task], where_line(result.summary)
             )
