@@ -10,6 +10,7 @@ Exports:
     retrieval_by_distance(model, task, haystack, distances, n_trials, ...)
                                                          Retrieval by the needle's distance to the
                                                          question, with a chance baseline per bin
+    DISTANCE_EDGES                                       its default bins: 0, 16, 32, ... 8192
     distance_table(trials, train_ctx)                    its table per bin from its trials
     distance_summary(table)                              where accuracy falls to that baseline
     wilson_interval(k, n)                                95% Wilson interval of a proportion

@@ -169,3 +169,34 @@ def test_summary_finds_where_accuracy_falls_to_the_baseline():
 def test_bad_arguments_are_one_line(tiny_model, kwargs, message):
     with pytest.raises(InvalidArgumentError, match=message):
         retrieval_by_distance(tiny_model, **kwargs)
+
+
+def test_the_figure_draws_the_table_its_baseline_and_every_head(tiny_model):
+    from headsurgeon.plots.evaluation import retrieval_distance_plot
+
+    table = retrieval_by_distance(tiny_model, "passkey", distances=EDGES, n_trials=3).table
+    heads = pd.DataFrame(
+        {
+            "layer": [0, 0, 1, 1],
+            "head": [0, 1, 0, 1],
+            "first_zero_distance": [200.0, np.nan, 0.0, 90.0],
+            "reach": [12.0, 30.0, 5.0, 7.0],
+        }
+    )
+    fig = retrieval_distance_plot(table, heads)
+    curve, baseline, *strip = fig.data
+    assert list(curve.y) == table.top1_accuracy.tolist()
+    assert list(curve.x) == table.mean_distance.tolist()
+    np.testing.assert_allclose(curve.y + curve.error_y.array, table.top1_accuracy_high)
+    np.testing.assert_allclose(
+        baseline.y - baseline.error_y.arrayminus, table.baseline_top1_accuracy_low
+    )
+    assert baseline.line.dash == "dash"
+    assert [list(t.x) for t in strip] == [[12, 30, 5, 7], [200, 90]]
+    assert strip[1].y[0] == "first exact zero (1 of 4 none, 1 at 0)"
+    greedy = retrieval_distance_plot(table, metric="greedy_accuracy")
+    assert len(greedy.data) == 2 and list(greedy.data[0].y) == table.greedy_accuracy.tolist()
+    with pytest.raises(InvalidArgumentError, match="reach, first_zero_distance"):
+        retrieval_distance_plot(table, heads[["layer", "head"]])
+    with pytest.raises(InvalidArgumentError, match="baseline_top1_accuracy"):
+        retrieval_distance_plot(table.drop(columns="baseline_top1_accuracy"))
