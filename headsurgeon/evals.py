@@ -861,13 +861,13 @@ def retrieval_by_distance(
     prompts, a distance ``d`` is drawn uniformly from the bin and the prompt is: the task's
     intro (after a BOS token if that is the model's convention), ``n_before`` haystack tokens,
     the needle, ``d`` haystack tokens, the question, the haystack one random stretch of held-out
-    text as in :func:`passkey` (``task="passkey"``; ``haystack``: a corpus name or text, default
-    Shakespeare) or :func:`needle` (``task="needle"``; texts or files, default both bundled
-    corpora). Every prompt is just as long as its distance needs (``n_before + d`` plus the
-    fixed parts), not padded to the longest: a prompt's cost grows with the square of its
-    length. The **distance** is exactly ``d``: the number of tokens strictly between the needle's
-    last token and the question's first (the answer is predicted ``d`` plus the question's
-    length tokens after the needle).
+    text as in :func:`passkey` (``task="passkey"``; ``haystack``: a corpus name, a text, texts or
+    files, default Shakespeare) or :func:`needle` (``task="needle"``; texts or files, default
+    both bundled corpora). Every prompt is just as long as its distance needs (``n_before + d``
+    plus the fixed parts), not padded to the longest: a prompt's cost grows with the square of
+    its length. The **distance** is exactly ``d``: the number of tokens strictly between the
+    needle's last token and the question's first (the answer is predicted ``d`` plus the
+    question's length tokens after the needle).
 
     Each prompt's **baseline** is the same token sequence with the needle's tokens deleted
     (``n_before + d`` haystack tokens between intro and question), scored against the same
@@ -897,11 +897,11 @@ def retrieval_by_distance(
     """
     check_model(model, "retrieval_by_distance")
     task = check_choice(task, "task", ("passkey", "needle"))
-    spec = (
-        _passkey_task(n_candidates, n_digits, "shakespeare" if haystack is None else haystack)
-        if task == "passkey"
-        else _needle_task(haystack, n_candidates, words)
-    )
+    if task == "needle":
+        spec = _needle_task(haystack, n_candidates, words)
+    else:  # a corpus name or one text as passkey's filler; texts or files joined like needle's
+        filler = haystack if isinstance(haystack, str) else "\n\n".join(_texts(haystack))
+        spec = _passkey_task(n_candidates, n_digits, "shakespeare" if haystack is None else filler)
     edges = _check_distance_edges(distances)
     check_int(n_trials, "n_trials", minimum=1)
     check_int(n_before, "n_before", minimum=0)
