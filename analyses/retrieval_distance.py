@@ -179,6 +179,7 @@ def bins_table(table: pd.DataFrame) -> pd.DataFrame:
             ],
             "n": table["n_trials"],
             "longest prompt": table["max_length"],
+            "in context": table["in_context"].map({True: "yes", False: "no"}),
         }
     )
     for metric, name in METRICS.items():
@@ -208,14 +209,16 @@ def model_lines(label: str, model: dict, where: pd.DataFrame, heads: pd.DataFram
         f"{model['seed']}); {zeros}."
     )
     lines.append("")
+    length = model["train_ctx"]
     for r in where[where["model"] == label].itertuples():
         above = (
-            f"above the baseline up to {r.above_up_to:.0f} tokens"
+            f"above the baseline up to {r.above_up_to:.0f} tokens ({r.above_up_to / length:.3g} L)"
             if pd.notna(r.above_up_to)
             else "above the baseline in no bin"
         )
         at = (
-            f"from {r.at_baseline_from:.0f} tokens on no bin is above it; in the first, "
+            f"from {r.at_baseline_from:.0f} tokens ({r.at_baseline_from / length:.3g} L) on no "
+            "bin is above it; in the first, "
             f"{interval(r.accuracy, r.accuracy_low, r.accuracy_high)} with the needle against "
             f"{interval(r.baseline, r.baseline_low, r.baseline_high)} without (n = {r.n_trials})"
             if pd.notna(r.at_baseline_from)
