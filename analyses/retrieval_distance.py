@@ -92,6 +92,9 @@ def main() -> None:
         }
         for task in args.tasks:
             path = args.cache / f"{label}_{task}.csv"
+            if args.replot and not path.exists():
+                logger.warning("%s %s: not scored (no %s); left out", label, task, path)
+                continue
             if args.replot:
                 trials[label, task] = pd.read_csv(path)
                 seconds[label, task] = float((args.cache / f"{label}_{task}.seconds").read_text())
