@@ -43,7 +43,7 @@ from _common import markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
 import headsurgeon as hs
-from headsurgeon.evals import length_auc
+from headsurgeon.evals import length_auc, wilson_interval
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.loading import model_info
 from headsurgeon.plots import save_figure
@@ -328,19 +328,6 @@ def verdict(diffs: pd.DataFrame) -> list[str]:
     return lines
 
 
-def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of a proportion of ``k`` in ``n``.
-
-    >>> [round(x, 3) for x in wilson(15, 15)]
-    [0.796, 1.0]
-    >>> wilson(0, 15)[0]  # clipped: rounding would otherwise print -0.00
-    0.0
-    """
-    p, z2 = k / n, z * z
-    centre, half = p + z2 / (2 * n), z * float(np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)))
-    return max(0.0, (centre - half) / (1 + z2 / n)), min(1.0, (centre + half) / (1 + z2 / n))
-
-
 def regime_table(
     trials: dict[str, dict[str, pd.DataFrame]], blind: pd.DataFrame, args
 ) -> pd.DataFrame:
@@ -361,7 +348,7 @@ def regime_table(
             for task in TASKS:
                 frame = trials[task][label]
                 correct = frame.loc[frame["context_length"] == length, "top1_correct"]
-                low, high = wilson(float(correct.sum()), len(correct))
+                low, high = wilson_interval(int(correct.sum()), len(correct))
                 row |= {
                     task: correct.mean(),
                     f"{task}_ci_low": low,

@@ -6,6 +6,9 @@ Exports:
     analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
     retrieval_heatmap(table, metric)   depth x context length of a passkey/needle metric
     precision_figure(by_position)      loss change by position per dtype and rounded part
+    retrieval_distance_plot(table, heads)
+                                       accuracy by needle distance with its chance baseline,
+                                       each head's reach and first exact zero on the same axis
 
 >>> from headsurgeon.blindness import analytic_blindness
 >>> table = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
@@ -28,6 +31,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.plots.layout import OKABE_ITO, _check, _compact, style
 from headsurgeon.plots.notebook import _notebook_figure
 
@@ -35,6 +39,7 @@ __all__ = [
     "analytic_vs_measured",
     "blind_distance_grid",
     "precision_figure",
+    "retrieval_distance_plot",
     "retrieval_heatmap",
     "zero_fraction_plot",
 ]
@@ -273,6 +278,202 @@ RETRIEVAL_METRICS = {  # title, colour-bar title
     "greedy_accuracy": ("greedy exact match", "exact match"),
     "mean_rank": ("mean rank of the true key", "mean rank"),
 }
+
+
+# What a per-head frame may hold, how the strip names it and the marker it gets.
+HEAD_MARKS = {
+    "reach": ("reach", "triangle-up"),
+    "first_zero_distance": ("first exact zero", "line-ns"),
+}
+SERIES_COLOURS = [OKABE_ITO[c] for c in ("blue", "vermillion", "green", "orange", "purple", "sky")]
+
+
+@_notebook_figure
+def retrieval_distance_plot(
+    table: pd.DataFrame,
+    heads: pd.DataFrame | None = None,
+    *,
+    metric: str = "top1_accuracy",
+    title: str | None = None,
+) -> go.Figure:
+    """Retrieval accuracy against the needle's distance to the question (log axis), with its 95%
+    interval and the chance baseline, and every head's reach and first exact zero on that axis.
+
+    ``table``: ``retrieval_by_distance(...).table`` (:mod:`headsurgeon.evals`), or several
+    concatenated with a ``model`` and/or ``task`` column: one colour per series. A point sits at
+    its bin's mean distance, its bar spans the Wilson interval; the dashed line of the same
+    colour (open markers) is the baseline: the same prompts with the needle deleted, scored
+    against the same candidates. For ``top1_accuracy`` a grey dotted line is
+    ``1 / n_candidates``. A vertical line marks the training length (a ``train_ctx`` column,
+    else ``table.attrs["train_ctx"]``).
+
+    ``heads``: one row per head with ``layer``, ``head`` and any of ``reach`` and
+    ``first_zero_distance`` (e.g. ``measure_blindness(...).by_head``), optionally ``model``:
+    a strip under the axis, one row per quantity (and model), one marker per head at its
+    distance. Heads with none (NaN: no zero within the measured length) or at distance 0 (no
+    place on a log axis) are left out and counted in the row's name. The strip shows where
+    heads stop attending or underflow, the curve where the model stops retrieving; that one
+    causes the other the figure does not show.
+    """
+    columns = ["distance_lo", "distance_hi", "mean_distance", "n_trials"]
+    columns += [f"{p}{metric}{s}" for p in ("", "baseline_") for s in ("", "_low", "_high")]
+    _check(table, columns, "retrieval-by-distance table (retrieval_by_distance(...).table)")
+    marks = _head_marks(heads)
+    fig = make_subplots(
+        rows=2 if marks else 1,
+        cols=1,
+        shared_xaxes=True,
+        row_heights=[0.72, 0.28] if marks else None,
+        vertical_spacing=0.05,
+    )
+    keys = [c for c in ("model", "task") if c in table.columns]
+    series = (
+        [(" · ".join(map(str, k)), t) for k, t in table.groupby(keys, sort=False)]
+        if keys
+        else [(str(table.attrs.get("task", "retrieval")), table)]
+    )
+    for i, (label, part) in enumerate(series):
+        _distance_series(fig, label, part, metric, SERIES_COLOURS[i % len(SERIES_COLOURS)])
+    if metric == "top1_accuracy" and "chance" in table.columns:
+        for chance in table["chance"].unique():
+            fig.add_hline(
+                y=chance,
+                line={"color": "#888888", "dash": "dot", "width": 1.5},
+                annotation={"text": f"1 / candidates = {chance:.2f}", "font": {"size": 12}},
+                annotation_position="top right",
+                row=1,
+                col=1,
+            )
+    lengths = (
+        table["train_ctx"].unique() if "train_ctx" in table else [table.attrs.get("train_ctx")]
+    )
+    for length in (float(n) for n in lengths if n):
+        fig.add_vline(x=length, line={"color": "black", "dash": "dash", "width": 2})
+        fig.add_annotation(
+            x=np.log10(length),
+            y=1.0,
+            yref="paper",
+            text=f"train length {length:.0f}",
+            showarrow=False,
+            xanchor="left",
+            yanchor="bottom",
+            font={"size": 12},
+        )
+    strip = [_head_strip(fig, heads, column) for column in marks]
+    x = np.concatenate([table["mean_distance"].to_numpy(dtype=float), *(d for _, d in strip)])
+    x = x[np.isfinite(x) & (x > 0)]
+    x_range = np.log10([max(0.5, float(x.min()) / 1.5), float(x.max()) * 1.5])
+    fig.update_xaxes(type="log", dtick=1, ticks="outside", showgrid=True, range=x_range)
+    x_title = "needle distance to the question (tokens)"
+    fig.update_xaxes(title_text=x_title, row=2 if marks else 1, col=1)
+    names = RETRIEVAL_METRICS.get(metric, (metric, metric))
+    fig.update_yaxes(title_text=names[1], range=[-0.03, 1.03], row=1, col=1)
+    if marks:
+        fig.update_yaxes(type="category", autorange="reversed", row=2, col=1)
+    n, model = table["n_trials"], table.attrs.get("model")
+    per_bin = f"{n.min()}" if n.min() == n.max() else f"{n.min()}–{n.max()}"
+    subtitle = (f"{model} · " if model and "model" not in table else "") + (
+        f"{per_bin} prompts per bin · 95% Wilson intervals · dashed: the same prompts without "
+        "the needle"
+    )
+    n_rows = sum(len(names) for names, _ in strip)
+    _eval_layout(
+        fig,
+        title or f"Retrieval by needle distance: {names[0]}",
+        subtitle,
+        width=980,
+        height=500 + (60 + 30 * n_rows if marks else 0),
+    )
+    fig.update_layout(legend={"x": 1.02, "y": 1, "font": {"size": 13}})
+    return fig
+
+
+def _head_marks(heads: pd.DataFrame | None) -> list[str]:
+    """The columns of ``heads`` the strip draws (none without ``heads``)."""
+    if heads is None:
+        return []
+    _check(heads, ["layer", "head"], "per-head table")
+    marks = [c for c in HEAD_MARKS if c in heads.columns]
+    if not marks:
+        raise InvalidArgumentError(
+            f"the per-head table has none of {', '.join(HEAD_MARKS)}; pass a census with reach "
+            "or measure_blindness(...).by_head"
+        )
+    return marks
+
+
+def _distance_series(
+    fig: go.Figure, label: str, part: pd.DataFrame, metric: str, colour: str
+) -> None:
+    """One series: the metric with the needle (solid) and without it (dashed, open markers)."""
+    for prefix, name, dash, symbol in (
+        ("", label, "solid", "circle"),
+        ("baseline_", f"{label} · no needle", "dash", "circle-open"),
+    ):
+        y = part[f"{prefix}{metric}"]
+        fig.add_trace(
+            go.Scatter(
+                x=part["mean_distance"],
+                y=y,
+                mode="lines+markers",
+                line={"color": colour, "dash": dash, "width": 1.5 if prefix else 2},
+                marker={"symbol": symbol, "size": 8, "color": colour},
+                error_y={
+                    "type": "data",
+                    "array": part[f"{prefix}{metric}_high"] - y,
+                    "arrayminus": y - part[f"{prefix}{metric}_low"],
+                    "color": colour,
+                    "thickness": 1.2,
+                    "width": 3,
+                },
+                name=name,
+                customdata=np.stack(
+                    [part["distance_lo"], part["distance_hi"], part["n_trials"]], axis=-1
+                ),
+                hovertemplate=f"{name}<br>distance %{{customdata[0]}}–%{{customdata[1]}}: "
+                "%{y:.2f} of %{customdata[2]}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
+
+
+def _head_strip(fig: go.Figure, heads: pd.DataFrame, column: str) -> tuple[list[str], np.ndarray]:
+    """One strip row per model of ``column``'s heads; returns the rows' names and distances."""
+    name, symbol = HEAD_MARKS[column]
+    groups = heads.groupby("model", sort=False) if "model" in heads else [("", heads)]
+    names, distances = [], []
+    for model, sub in groups:
+        values = sub[column].to_numpy(dtype=float)
+        seen = np.isfinite(values) & (values > 0)  # a log axis has no 0
+        none, zero = int(np.isnan(values).sum()), int((values == 0).sum())
+        notes = [f"{none} of {len(values)} none"] * bool(none) + [f"{zero} at 0"] * bool(zero)
+        row_name = (f"{model} · {name}" if model else name) + (
+            f" ({', '.join(notes)})" if notes else ""
+        )
+        names.append(row_name)
+        distances.append(values[seen])
+        fig.add_trace(
+            go.Scatter(
+                x=values[seen],
+                y=[row_name] * int(seen.sum()),
+                mode="markers",
+                marker={
+                    "symbol": symbol,
+                    "size": 12,
+                    "color": OKABE_ITO["black"],
+                    "opacity": 0.7,
+                    "line": {"width": 1.5, "color": OKABE_ITO["black"]},
+                },
+                customdata=np.stack([sub["layer"][seen], sub["head"][seen]], axis=-1),
+                hovertemplate=f"L%{{customdata[0]}}H%{{customdata[1]}}: {name} %{{x:.0f}}"
+                "<extra></extra>",
+                showlegend=False,
+            ),
+            row=2,
+            col=1,
+        )
+    return names, np.concatenate(distances)
 
 
 @_notebook_figure

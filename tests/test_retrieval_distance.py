@@ -1,0 +1,202 @@
+"""headsurgeon.evals.retrieval_by_distance: the needle where the trials say, the baseline the same
+prompt without it, the same prompts for every model, the statistics against brute force."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_evals import InductionOracle, full_sequence_logprobs
+
+from headsurgeon import backend, evals
+from headsurgeon.blindness import mitigation
+from headsurgeon.data import tokenize
+from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.evals import (
+    NEEDLE_QUESTION,
+    NEEDLE_SENTENCE,
+    PASSKEY_INTRO,
+    PASSKEY_NEEDLE,
+    PASSKEY_QUESTION,
+    distance_summary,
+    retrieval_by_distance,
+    wilson_interval,
+)
+
+EDGES = [0, 3, 20]  # two bins; the tiny tokenizer spends ~170 tokens on the fixed parts
+PARTS = {
+    "passkey": (PASSKEY_NEEDLE, PASSKEY_QUESTION),
+    "needle": (NEEDLE_SENTENCE, NEEDLE_QUESTION),
+}
+
+
+def scored_prompts(monkeypatch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Every (prompt, candidates) the evaluation scores, in order, recorded."""
+    calls = []
+    real = evals._answer_scores
+
+    def record(model, prompt, candidates):
+        calls.append((prompt.clone(), [c.clone() for c in candidates]))
+        return real(model, prompt, candidates)
+
+    monkeypatch.setattr(evals, "_answer_scores", record)
+    return calls
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_each_prompt_has_its_needle_at_the_distance_the_trials_say(tiny_model, monkeypatch, task):
+    calls = scored_prompts(monkeypatch)
+    result = retrieval_by_distance(tiny_model, task, distances=EDGES, n_trials=3, n_before=5)
+    trials, decode = result.trials, tiny_model.tokenizer.decode
+    assert len(calls) == 2 * len(trials) == 12  # a needle prompt and its baseline per trial
+    needle_text, question_text = PARTS[task]
+    intro = len(tokenize(tiny_model, PASSKEY_INTRO)) if task == "passkey" else 0
+    intro += bool(tiny_model.cfg.default_prepend_bos)
+    for row, (prompt, candidates), (baseline, baseline_candidates) in zip(
+        trials.itertuples(), calls[::2], calls[1::2], strict=True
+    ):
+        assert row.distance_lo <= row.distance < row.distance_hi
+        assert row.question_start - row.needle_end == row.distance
+        assert row.needle_start == intro + 5  # n_before haystack tokens after the intro
+        assert len(prompt) == row.prompt_length
+        assert decode(prompt[row.needle_start : row.needle_end]) == needle_text.format(key=row.key)
+        assert decode(prompt[row.question_start :]) == question_text
+        # The baseline is the needle prompt with exactly the needle's tokens deleted.
+        kept = torch.cat([prompt[: row.needle_start], prompt[row.needle_end :]])
+        assert torch.equal(baseline, kept)
+        assert all(torch.equal(a, b) for a, b in zip(candidates, baseline_candidates, strict=True))
+        assert decode(candidates[0]) == " " + row.key
+
+
+def test_the_same_prompts_for_every_model_and_seed(tiny_model, monkeypatch):
+    calls = scored_prompts(monkeypatch)
+    first = retrieval_by_distance(tiny_model, "needle", distances=EDGES, n_trials=2, seed=4)
+    seen = len(calls)
+    with mitigation(tiny_model, "softcap", c=0.5):  # another model: other outputs
+        other = retrieval_by_distance(tiny_model, "needle", distances=EDGES, n_trials=2, seed=4)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(calls[:seen], calls[seen:], strict=True))
+    prompt_columns = ["key", "distance", "needle_start", "needle_end", "prompt_length"]
+    pd.testing.assert_frame_equal(first.trials[prompt_columns], other.trials[prompt_columns])
+    assert not first.trials["true_loglik"].equals(other.trials["true_loglik"])
+    again = retrieval_by_distance(tiny_model, "needle", distances=EDGES, n_trials=2, seed=4)
+    pd.testing.assert_frame_equal(first.trials, again.trials)
+    moved = retrieval_by_distance(tiny_model, "needle", distances=EDGES, n_trials=2, seed=5)
+    assert not first.trials["key"].equals(moved.trials["key"])
+
+
+def test_an_oracle_finds_every_needle_and_no_baseline_key(tiny_model, monkeypatch):
+    monkeypatch.setattr(evals, "continuation_logprobs", full_sequence_logprobs)
+    for module in (evals, backend):  # a stand-in for a model, on purpose
+        monkeypatch.setattr(module, "check_model", lambda model, name: None)
+    result = retrieval_by_distance(
+        InductionOracle(tiny_model), "passkey", distances=EDGES, n_trials=6, n_candidates=4
+    )
+    table = result.table
+    assert (table.top1_accuracy == 1).all() and (table.greedy_accuracy == 1).all()
+    # Without the needle the oracle copies whatever followed the question's last words in the
+    # haystack: never the key, now and then a candidate's first token by coincidence.
+    assert (table.baseline_greedy_accuracy == 0).all()
+    assert (table.baseline_top1_accuracy < 0.5).all()
+    assert table.chance.tolist() == [0.25, 0.25]
+    # Both bins above the baseline: 6 of 6 against at most 1 of 6 gives disjoint intervals.
+    summary = result.summary.set_index("metric")
+    assert summary.loc["top1_accuracy", "above_up_to"] == 20
+    assert math.isnan(summary.loc["top1_accuracy", "at_baseline_from"])
+
+
+def test_the_table_counts_the_trials_with_wilson_intervals(tiny_model):
+    result = retrieval_by_distance(tiny_model, "passkey", distances=EDGES, n_trials=5, seed=1)
+    trials, table = result.trials, result.table
+    assert table.n_trials.tolist() == [5, 5] and table.distance_hi.tolist() == [3, 20]
+    for (lo, _), group in trials.groupby(["distance_lo", "distance_hi"]):
+        row = table.set_index("distance_lo").loc[lo]
+        for prefix in ("", "baseline_"):
+            k = int(group[f"{prefix}top1_correct"].sum())
+            assert row[f"{prefix}top1_accuracy"] == k / 5
+            assert (row[f"{prefix}top1_accuracy_low"], row[f"{prefix}top1_accuracy_high"]) == (
+                wilson_interval(k, 5)
+            )
+        assert row["mean_distance"] == group["distance"].mean()
+        assert row["in_context"] == (group["prompt_length"].max() <= result.train_ctx)
+    assert table.attrs["task"] == "passkey" and table.attrs["distances"] == EDGES
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 40), (1, 40), (17, 40), (40, 40), (3, 7)])
+def test_wilson_interval_is_where_the_score_test_accepts(k, n):
+    # Brute force: the proportions p whose score test |k/n - p| <= 1.96 sqrt(p(1 - p)/n) accepts.
+    p = np.linspace(0, 1, 2_000_001)
+    accepted = p[np.abs(k / n - p) <= 1.96 * np.sqrt(p * (1 - p) / n)]
+    low, high = wilson_interval(k, n)
+    assert low == pytest.approx(accepted.min(), abs=1e-6)
+    assert high == pytest.approx(accepted.max(), abs=1e-6)
+
+
+def test_summary_finds_where_accuracy_falls_to_the_baseline():
+    table = pd.DataFrame(
+        {
+            "distance_lo": [0, 16, 32, 64],
+            "distance_hi": [16, 32, 64, 128],
+            "n_trials": 40,
+            "top1_accuracy": [1.0, 0.2, 0.6, 0.1],
+            "baseline_top1_accuracy": [0.1, 0.1, 0.1, 0.1],
+        }
+    )
+    for m in ("", "baseline_"):
+        table[f"{m}top1_accuracy_low"], table[f"{m}top1_accuracy_high"] = wilson_interval(
+            table[f"{m}top1_accuracy"] * 40, 40
+        )
+    row = distance_summary(table).iloc[0]
+    # 0.2 of 40 overlaps 0.1's interval; 0.6 does not: above up to 64, at the baseline from 64.
+    assert (row.above_up_to, row.at_baseline_from, row.accuracy) == (64, 64, 0.1)
+    assert (row.baseline_low, row.baseline_high) == wilson_interval(4, 40)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"distances": [5]}, "at least two increasing"),
+        ({"distances": [10, 5]}, "at least two increasing"),
+        ({"distances": [-1, 5]}, "distances"),
+        ({"task": "haystack"}, "unknown task"),
+        ({"n_before": -1}, "n_before"),
+        ({"n_trials": 0}, "n_trials"),
+        ({"n_candidates": 1}, "n_candidates"),
+    ],
+)
+def test_bad_arguments_are_one_line(tiny_model, kwargs, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        retrieval_by_distance(tiny_model, **kwargs)
+
+
+def test_the_figure_draws_the_table_its_baseline_and_every_head(tiny_model):
+    from headsurgeon.plots.evaluation import retrieval_distance_plot
+
+    table = retrieval_by_distance(tiny_model, "passkey", distances=EDGES, n_trials=3).table
+    heads = pd.DataFrame(
+        {
+            "layer": [0, 0, 1, 1],
+            "head": [0, 1, 0, 1],
+            "first_zero_distance": [200.0, np.nan, 0.0, 90.0],
+            "reach": [12.0, 30.0, 5.0, 7.0],
+        }
+    )
+    fig = retrieval_distance_plot(table, heads)
+    curve, baseline, *strip = fig.data
+    assert list(curve.y) == table.top1_accuracy.tolist()
+    assert list(curve.x) == table.mean_distance.tolist()
+    np.testing.assert_allclose(curve.y + curve.error_y.array, table.top1_accuracy_high)
+    np.testing.assert_allclose(
+        baseline.y - baseline.error_y.arrayminus, table.baseline_top1_accuracy_low
+    )
+    assert baseline.line.dash == "dash"
+    assert [list(t.x) for t in strip] == [[12, 30, 5, 7], [200, 90]]
+    assert strip[1].y[0] == "first exact zero (1 of 4 none, 1 at 0)"
+    greedy = retrieval_distance_plot(table, metric="greedy_accuracy")
+    assert len(greedy.data) == 2 and list(greedy.data[0].y) == table.greedy_accuracy.tolist()
+    with pytest.raises(InvalidArgumentError, match="reach, first_zero_distance"):
+        retrieval_distance_plot(table, heads[["layer", "head"]])
+    with pytest.raises(InvalidArgumentError, match="baseline_top1_accuracy"):
+        retrieval_distance_plot(table.drop(columns="baseline_top1_accuracy"))
