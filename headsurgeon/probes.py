@@ -180,52 +180,47 @@ def distance_sums(
     result has one column per distance ``0 ... K - 1`` (``K`` keys). Summing the blocks of a
     sequence gives the dense pattern's histogram.
 
-    The rows are copied once (summed over the batch) into a buffer whose row stride is one
-    more than the keys, so that a strided view puts every distance in one column (as
-    :func:`headsurgeon.blindness.measure_blindness` counts zeros): one pass over the pattern,
-    no ``[Q, K]`` distance index.
+    A view of the pattern whose row stride is one more than the keys puts every distance in one
+    column (as :func:`headsurgeon.blindness.measure_blindness` counts zeros): one read of the
+    pattern, no copy, no ``[Q, K]`` distance index.
 
     >>> uniform = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]
     >>> distance_sums(uniform[None, None])[0]  # rows 1, 2: A[1, 1]; A[2, 2], A[2, 1]
     tensor([0.8333, 0.3333, 0.0000], dtype=torch.float64)
     """
-    return _mass_by_distance(pattern, min_query_pos, None)[0]
+    return _mass_by_distance(pattern, min_query_pos)
 
 
 def _mass_by_distance(
-    pattern: Float[Tensor, "batch head_index query_pos key_pos"],
-    min_query_pos: int,
-    buffer: Tensor | None,
-) -> tuple[Float[Tensor, "head_index distance"], Tensor]:
-    """:func:`distance_sums`, and its float32 buffer, to pass to the next call (``None``: a new
-    one)."""
-    n_rows, n_keys = pattern.shape[-2:]
+    pattern: Float[Tensor, "batch head_index query_pos key_pos"], min_query_pos: int
+) -> Float[Tensor, "head_index distance"]:
+    """:func:`distance_sums`, read in place through a strided view of the pattern."""
+    p = pattern if pattern.is_contiguous() else pattern.contiguous()
+    n_rows, n_keys = p.shape[-2:]
     offset = n_keys - n_rows
     first = _rows(n_rows, offset, min_query_pos)
-    n, n_heads = n_rows - first, pattern.shape[1]
-    stride = n - 1 + n * n_keys  # per head: n - 1 zeros, then the n rows
-    size = n_heads * stride
-    if buffer is None or buffer.numel() < size or buffer.device != pattern.device:
-        buffer = pattern.new_empty(max(size, 1), dtype=torch.float32)
-    sums = pattern.new_zeros(n_heads, n_keys, dtype=_accumulator_dtype(pattern.device))
-    if n == 0:
-        return sums, buffer
-    flat = buffer[:size].view(n_heads, stride)
-    flat[:, : n - 1] = 0
-    rows = flat[:, n - 1 :].view(n_heads, n, n_keys)
-    if len(pattern) > 1:
-        torch.sum(pattern[:, :, first:], dim=0, dtype=torch.float32, out=rows)
-    else:
-        rows.copy_(pattern[0, :, first:])
-    rows[..., 0] = 0  # position 0 is left out
-    # Row i, column c of this view is key i + c - (n - 1) of row i: distance n_keys - 1 - c for
-    # every row. Keys before 0 read the previous row's masked end (0) or the leading zeros.
-    shifted = buffer.as_strided((n_heads, n, n_keys), (stride, n_keys + 1, 1))
+    sums = p.new_zeros(p.shape[1], n_keys, dtype=_accumulator_dtype(p.device))
+    if first == n_rows:
+        return sums
+    if first == 0:  # row 0 has no row before it to read (below): its keys, by distance
+        sums[:, :offset] += p[:, :, 0, 1 : offset + 1].sum(0, dtype=torch.float32).flip(-1)
+        first = 1
+    n = n_rows - first
+    # Row i, column c of this view is key i + c - (n - 1) of row first + i: distance
+    # n_keys - 1 - c in every row. A negative key reads the end of the row before, which is
+    # past its diagonal (masked: 0), so the view needs no padding and nothing is copied.
+    b, h, q, k = p.stride()
+    start = p.storage_offset() + first * q - (n - 1)
+    shifted = p.as_strided((len(p), p.shape[1], n, n_keys), (b, h, q + 1, k), start)
     # float32 sums of a few rows each, added in float64: a float64 reduction of float32 rows is
     # ~30x slower on CPU, one float32 sum over thousands of rows loses digits.
-    for chunk in shifted.split(_DISTANCE_ROWS, dim=1):
-        sums += chunk.sum(1)
-    return sums.flip(-1), buffer
+    by_column = torch.zeros_like(sums)
+    for chunk in shifted.split(_DISTANCE_ROWS, dim=2):
+        by_column += chunk.sum(2, dtype=torch.float32).sum(0)  # 10x faster than sum((0, 2))
+    sums[:, :n_keys] += by_column.flip(-1)
+    # Position 0 is left out: row first + i has it at distance offset + first + i.
+    sums[:, offset + first :] -= p[:, :, first:, 0].sum(0, dtype=torch.float32)
+    return sums
 
 
 def pattern_stats(
@@ -367,7 +362,6 @@ class HeadStats:
         # the query rows counted, by position; both as long as the longest sequence seen.
         self.distance_mass = torch.zeros(n_layers, n_heads, 0, dtype=dtype, device=self.device)
         self.query_rows = torch.zeros(n_layers, 0, dtype=dtype, device=self.device)
-        self._distance_buffer: Tensor | None = None
 
     def _flush(self, layer: int) -> None:
         """Add the per-sequence means of ``layer``'s finished batch to the running sums."""
@@ -430,9 +424,7 @@ class HeadStats:
     def _add_distances(self, layer: int, pattern: Tensor) -> None:
         """Add a block's mass by distance, and its rows, to the pooled histograms."""
         n_rows, n_keys = pattern.shape[-2:]
-        mass, self._distance_buffer = _mass_by_distance(
-            pattern, self.min_query_pos, self._distance_buffer
-        )
+        mass = _mass_by_distance(pattern, self.min_query_pos)
         grow = n_keys - self.query_rows.shape[-1]
         if grow > 0:
             pad = torch.nn.functional.pad
