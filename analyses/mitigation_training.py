@@ -418,7 +418,7 @@ def distance_table(trials: dict[str, dict[str, pd.DataFrame]]) -> pd.DataFrame:
             bins = pd.cut(distance, DISTANCE_EDGES, right=False)
             for interval, group in frame.groupby(bins, observed=True):
                 k, n = int(group["top1_correct"].sum()), len(group)
-                low, high = wilson(k, n)
+                low, high = wilson_interval(k, n)
                 rows.append(
                     {
                         "model": label,
@@ -456,7 +456,7 @@ def distance_lines(by_distance: pd.DataFrame, blind: pd.DataFrame, train_ctx: in
     far_parts = []
     for (model, task), group in far:
         k, n = int(group["correct"].sum()), int(group["n"].sum())
-        low, high = wilson(k, n)
+        low, high = wilson_interval(k, n)
         chance = float(group["chance"].mean())
         word = "above chance" if low > chance else "below chance" if high < chance else "at chance"
         far_parts.append(f"{model} {task} {k}/{n} = {k / n:.2f} [{low:.2f}, {high:.2f}], {word}")

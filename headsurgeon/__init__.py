@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         needle as needle,
         passkey as passkey,
         perplexity as perplexity,
+        retrieval_by_distance as retrieval_by_distance,
     )
     from headsurgeon.exact_alibi import (
         alibi_slopes as alibi_slopes,
@@ -86,6 +87,10 @@ if TYPE_CHECKING:
     from headsurgeon.long_context import (
         run_in_blocks as run_in_blocks,
     )
+    from headsurgeon.precision import (
+        PrecisionEffect as PrecisionEffect,
+        precision_effect as precision_effect,
+    )
     from headsurgeon.probes import (
         HeadStats as HeadStats,
     )
@@ -100,6 +105,10 @@ if TYPE_CHECKING:
         HeadParameters as HeadParameters,
         mask_gradients as mask_gradients,
         reinit_heads as reinit_heads,
+    )
+    from headsurgeon.window import (
+        WindowEffect as WindowEffect,
+        window_effect as window_effect,
     )
 
 

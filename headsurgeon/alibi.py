@@ -15,6 +15,7 @@ Exports:
     blind_distance(slope, dtype, ...)   first distance where a key's weight must reach the limit
     blind_share(distances, context)     share of a context's causal entries beyond blindness
     robust_slopes(head_slopes, ...)     slopes lowered so a whole context stays above the limit
+    log_match_scale(match)              log's slope factor matching standard's penalty at L
     distance_rows(n_queries, n_keys)    distances i - j for the last queries (as TransformerLens)
     causal_rows(n_queries, n_keys)      which keys those queries may attend to (j <= i)
     bias_from_distance(kind, ...)       the bias of each kind in BIAS_KINDS (mitigations)
@@ -56,6 +57,7 @@ __all__ = [
     "float_limits",
     "log_limit",
     "robust_slopes",
+    "log_match_scale",
     "check_bias_params",
     "distance_rows",
     "causal_rows",

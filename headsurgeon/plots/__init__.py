@@ -18,6 +18,13 @@ Exports:
     zero_fraction_plot(by_distance)    share of exact-zero weights against distance, per head
     analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
     retrieval_heatmap(table, metric)   depth x context length of a passkey/needle metric
+    retrieval_distance_plot(table, heads)
+                                       accuracy by needle distance against its no-needle
+                                       baseline, each head's reach and first exact zero marked
+    precision_figure(by_position)      loss change by position per dtype and rounded part
+    reach_figure(census, by_head)      each head's reach, first exact zero and analytic blind
+                                       distance on one log-distance axis
+    window_figure(table)               loss change when attention is cut to keys within d
     importance_grid(df)                delta_loss per head (head_importance), diverging colour
     bos_vs_importance(df)              BOS mass against delta_loss, by label: dormant sinks
     attention_pattern(model, text, heads)
@@ -44,7 +51,9 @@ Modules (each name above is importable from ``headsurgeon.plots`` itself):
     counts       sweep_plot, sick_share_plot: how many heads are sick, by threshold, band, model
     importance   importance_grid, bos_vs_importance: what removing a head costs
     evaluation   blind_distance_grid, zero_fraction_plot, analytic_vs_measured,
-                 retrieval_heatmap: blindness and retrieval
+                 retrieval_heatmap, retrieval_distance_plot, precision_figure: blindness,
+                 retrieval and rounding
+    distance     reach_figure, window_figure: how far heads look, which distances the loss uses
     patterns     attention_pattern, pattern_diff: one head's attention on a text
     layout       style, FONT, OKABE_ITO: the house style, and the helpers the figures share
     notebook     Figure, NOTEBOOK_OUTPUTS: the notebook output
@@ -80,11 +89,15 @@ from headsurgeon.plots.counts import (
     sick_share_plot,
     sweep_plot,
 )
+from headsurgeon.plots.distance import reach_figure, window_figure
 from headsurgeon.plots.evaluation import (
     DTYPE_MARKERS as DTYPE_MARKERS,
+    PART_DASHES as PART_DASHES,
     RETRIEVAL_METRICS as RETRIEVAL_METRICS,
     analytic_vs_measured,
     blind_distance_grid,
+    precision_figure,
+    retrieval_distance_plot,
     retrieval_heatmap,
     zero_fraction_plot,
 )
@@ -141,7 +154,10 @@ __all__ = [
     "label_grid",
     "models_grid",
     "pattern_diff",
+    "precision_figure",
+    "reach_figure",
     "require_browser",
+    "retrieval_distance_plot",
     "retrieval_heatmap",
     "save_figure",
     "save_figures",
@@ -150,6 +166,7 @@ __all__ = [
     "style",
     "sweep_plot",
     "warn_skipped",
+    "window_figure",
     "zero_fraction_plot",
 ]
 
