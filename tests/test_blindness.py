@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 from conftest import head_weight, make_bloom_checkpoint, tl3_only
 
+import headsurgeon as hs
 from headsurgeon import alibi, load_model, plots
 from headsurgeon.backend import head_tensors
 from headsurgeon.blindness import (
@@ -310,10 +312,28 @@ def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
     assert set(table.dtype) == {"float16", "bfloat16"}
     for name in ("measured_by_head", "measured_by_distance", "measured_by_length"):
         assert not pd.read_csv(out / f"{name}.csv").empty
-    for name in ("blind_distance", "zero_fraction", "analytic_vs_measured"):
+    for name in ("blind_distance", "zero_fraction", "analytic_vs_measured", "reach"):
         assert (out / f"{name}.html").exists()
         if plots.has_browser():  # without one the PNGs are skipped (tests/test_no_browser.py)
             assert (out / f"{name}.png").stat().st_size > 1000
+    # The summary's order: whether precision matters (here: not measured), reach, exact zeros.
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("precision: not measured") and "exact zeros" in summary[1]
+    assert summary[2].startswith("reach") and "blind distance" in summary[4]
+    census = pd.read_csv(out / "census.csv")
+    assert census["reach"].notna().all() and (census["reach"] >= 0).all()
+    assert "reach" in (out / "index.html").read_text()
+
+
+def test_cli_reach_is_the_census_of_the_measured_text(bloom8_dir, tmp_path):
+    """The tool's reach column is run_census's on the same tokens, with --reach-eps."""
+    out = tmp_path / "out"
+    args = [str(bloom8_dir), "--measure", "--seq-len", "64", "--n-seqs", "2", "--out", str(out)]
+    assert main([*args, "--dtypes", "float32", "--reach-eps", "0.05"]) == 0
+    model = hs.load_model(bloom8_dir)
+    tokens = hs.to_sequences(model, seq_len=64, n_seqs=2)
+    expected = hs.run_census(model, tokens, reach_eps=0.05, progress=False)["reach"]
+    np.testing.assert_array_equal(pd.read_csv(out / "census.csv")["reach"], expected)
 
 
 @pytest.mark.parametrize(
@@ -322,6 +342,7 @@ def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
         (["bloom-560m", "--dtypes", "float64"], "unknown dtype"),
         (["bloom-560m", "--mitigation", "clamped"], "needs --c"),
         (["bloom-560m", "--max-distance", "0"], "expected a positive integer"),
+        (["bloom-560m", "--reach-eps", "2"], "--reach-eps"),
         (["no-such-model"], "unknown model"),
     ],
 )

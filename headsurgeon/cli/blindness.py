@@ -2,7 +2,8 @@
 
 The analytic blind distances (:func:`headsurgeon.blindness.analytic_blindness`), optionally
 measured on text under a mitigation (:func:`~headsurgeon.blindness.measure_blindness`,
-:func:`~headsurgeon.blindness.mitigation`) and, with ``--counterfactual precision``, what
+:func:`~headsurgeon.blindness.mitigation`) beside each head's reach (a census of the same text,
+:func:`headsurgeon.run_census`) and, with ``--counterfactual precision``, what
 rounding in each dtype does to the outputs (:func:`headsurgeon.precision.precision_effect`),
 printed and written by
 :func:`headsurgeon.reports.write_blindness` (``--help`` lists the options).
@@ -27,10 +28,12 @@ from headsurgeon.blindness import (
     measure_blindness,
     mitigation,
 )
+from headsurgeon.census import run_census
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import load_model, model_shape
 from headsurgeon.precision import PRECISION_DTYPES, precision_effect
 from headsurgeon.reports import blindness_summary, write_blindness
+from headsurgeon.validation import check_number
 
 __all__ = [
     "main",
@@ -97,6 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "float16), and reports what rounding changes by position and head (under --mitigation "
         "relative: with the bias formed from distances)",
     )
+    parser.add_argument(
+        "--reach-eps",
+        type=float,
+        default=0.01,
+        help="with --measure: a head's reach is the distance beyond which it puts at most this "
+        "share of its attention (position 0 left out), from a census of the measured text",
+    )
     parser.add_argument("--c", type=float, help="cap of clamped (bias >= -c) and softcap")
     parser.add_argument(
         "--robust-context", type=cli.positive_int, help="robust: context kept sighted"
@@ -124,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # other models refuse a --seq-len beyond their context when the data are made).
         args.max_distance = max(shape.n_ctx, args.seq_len) if args.measure else shape.n_ctx
     params = _mitigation_params(args)
+    check_number(args.reach_eps, "--reach-eps", low=0, high=1)  # before any work
     if args.counterfactual and not args.measure:
         raise InvalidArgumentError(
             "--counterfactual precision needs --measure (it loads the model)"
@@ -152,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.measure:
                 raise
             logger.warning("note: %s", e)
-        measured = model = tokens = precision = None
+        measured = model = tokens = precision = census = None
         if args.measure:
             model = load_model(args.model, dtype="float32", **cli.placement_args(args))
             cli.require_tokenizer(model, args)
@@ -166,11 +177,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     convention=args.convention,
                     batch_size=args.batch_size,
                 )
+                census = run_census(
+                    model, tokens, batch_size=args.batch_size, reach_eps=args.reach_eps
+                )
                 if args.counterfactual == "precision":
                     precision = precision_effect(
                         model, tokens, dtypes=[d for d in dtypes if d in PRECISION_DTYPES]
                     )
-        print(blindness_summary(analytic, measured, precision))
+        print(blindness_summary(analytic, measured, precision, census))
         write_blindness(
             out,
             analytic,
@@ -180,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=model,
             tokens=tokens,
             precision=precision,
+            census=census,
         )
     print(f"wrote {out}/")
     return 0

@@ -1,12 +1,15 @@
 """The files and summary of a blindness analysis: what the blindness CLI prints and writes.
 
 Exports:
-    blindness_summary(analytic, measured, precision)  the text summary: first whether underflow
-                                               and rounding change the model's outputs (with a
-                                               precision counterfactual), then the steepest
-                                               heads' blind distances, the measured shares of
-                                               exact zeros
+    blindness_summary(analytic, measured, precision, census)
+                                               the text summary: first whether underflow and
+                                               rounding change the model's outputs (with a
+                                               precision counterfactual; else where to learn
+                                               it), then how far each head looks (its reach),
+                                               then the steepest heads' blind distances and
+                                               the measured shares of exact zeros
     precision_verdict(precision)               those first lines on their own
+    reach_lines(census, measured)              the reach lines on their own
     write_blindness(out_dir, analytic, ...)    its tables, summary, figures and index.html
 """
 
@@ -27,6 +30,7 @@ from torch import Tensor
 from headsurgeon import alibi, plots
 from headsurgeon.backend import Model
 from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.plots.distance import reach_figure
 from headsurgeon.plots.evaluation import precision_figure
 from headsurgeon.probes import sample_patterns
 from headsurgeon.reports.page import PAGE_CELLS, _samples_note, _write_page
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "blindness_summary",
     "precision_verdict",
+    "reach_lines",
     "write_blindness",
 ]
 
@@ -142,15 +147,80 @@ def _precision_details(precision: PrecisionEffect) -> list[str]:
     return lines
 
 
+# What the summary says first when no precision counterfactual was run.
+UNMEASURED_PRECISION = [
+    "precision: not measured here (add --measure --counterfactual precision, or call "
+    "hs.precision_effect): whether rounding in bfloat16 or float16 changes this model's outputs, "
+    "and from which position, is what the counterfactual answers",
+    "precision: exact zeros alone change no output measurably: a weight that underflows was "
+    "below the dtype's smallest positive number, so a query row of T keys loses less than T "
+    "times that (float32 1.4e-45, bfloat16 9.2e-41, float16 6.0e-8 per key)",
+]
+
+
+def reach_lines(census: pd.DataFrame, measured: BlindnessMeasurement | None = None) -> list[str]:
+    """How far the heads look (the census's ``reach``), beside their first exact zero.
+
+    >>> census = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "slope": [0.5, 0.01],
+    ...     "reach": [12.0, float("inf")]})
+    >>> census.attrs.update(reach_eps=0.01, n_seqs=2, seq_len=64)
+    >>> reach_lines(census)[0]  # doctest: +ELLIPSIS
+    'reach (the distance beyond which a head puts at most 1% of its attention, position 0 ...'
+    """
+    attrs = census.attrs
+    reach = census["reach"].to_numpy(dtype=float)
+    finite = reach[np.isfinite(reach)]
+    lines = [
+        f"reach (the distance beyond which a head puts at most {attrs.get('reach_eps', 0.01):.0%}"
+        f" of its attention, position 0 left out; {attrs.get('n_seqs')} × "
+        f"{attrs.get('seq_len')} tokens): "
+        + (
+            f"median {np.median(finite):.0f} tokens, farthest {finite.max():.0f}"
+            if len(finite)
+            else "no head's"
+        )
+        + (
+            f"; {int((~np.isfinite(reach)).sum())} of {len(reach)} heads look beyond every "
+            "measured distance"
+            if not np.isfinite(reach).all()
+            else ""
+        )
+    ]
+    if measured is not None:
+        by_head = measured.by_head
+        dtype = "float32" if "float32" in set(by_head["dtype"]) else by_head["dtype"].iloc[0]
+        zeros = by_head[by_head["dtype"] == dtype].merge(census, on=["layer", "head"])
+        zeros = zeros[zeros["first_zero_distance"].notna()]
+        if len(zeros):
+            closer = int((zeros["reach"] < zeros["first_zero_distance"]).sum())
+            ratio = np.median(zeros["first_zero_distance"] / zeros["reach"].clip(lower=1))
+            lines.append(
+                f"reach: {closer} of {len(zeros)} heads with an exact zero in {dtype} look less "
+                f"far than their first exact zero (median ratio {ratio:.1f}x): their own "
+                "penalty, not underflow, is what limits them"
+                if closer == len(zeros)
+                else f"reach: {closer} of {len(zeros)} heads with an exact zero in {dtype} look "
+                f"less far than their first exact zero; {len(zeros) - closer} still put more "
+                f"than {attrs.get('reach_eps', 0.01):.0%} of their attention beyond it"
+            )
+    return lines
+
+
 def blindness_summary(
     analytic: pd.DataFrame | None,
     measured: BlindnessMeasurement | None,
     precision: PrecisionEffect | None = None,
+    census: pd.DataFrame | None = None,
 ) -> str:
-    """The blindness CLI's summary: with a precision counterfactual, first its verdict
-    (:func:`precision_verdict`); then blind distances of the steepest heads, measured shares,
-    and the counterfactual's numbers."""
-    lines = precision_verdict(precision) if precision is not None else []
+    """The blindness CLI's summary, in the order that matters: first whether rounding and
+    underflow change the outputs (:func:`precision_verdict` with a precision counterfactual,
+    else :data:`UNMEASURED_PRECISION`: where to learn it and why exact zeros alone cannot);
+    then how far the heads look (:func:`reach_lines`, given the ``census``); then blind
+    distances of the steepest heads, measured shares of exact zeros, and the counterfactual's
+    numbers."""
+    lines = precision_verdict(precision) if precision is not None else list(UNMEASURED_PRECISION)
+    if census is not None:
+        lines.extend(reach_lines(census, measured))
     if analytic is not None:
         context_length = analytic.attrs["context_length"]
         lines.append(
@@ -192,6 +262,7 @@ def write_blindness(
     model: Model | None = None,
     tokens: Tensor | None = None,
     precision: PrecisionEffect | None = None,
+    census: pd.DataFrame | None = None,
 ) -> Path:
     """Write a blindness analysis to a new folder, atomically; return the folder.
 
@@ -201,7 +272,10 @@ def write_blindness(
     results allow), each HTML self-contained; with a ``precision`` counterfactual
     (:func:`headsurgeon.precision.precision_effect`) also ``precision.csv`` (its
     ``by_position``), ``precision_heads.csv`` (``by_head``) and the figure ``precision``, and the
-    summary (and page) lead with its verdict. A folder holding files is refused unless
+    summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census`
+    on the measured text) also ``census.csv`` and the figure ``reach`` (each head's reach beside
+    its first exact zero and analytic distance), and the page's head table has a ``reach``
+    column. A folder holding files is refused unless
     ``overwrite``, and even then unless headsurgeon wrote it.
 
     ``index.html`` puts it on one offline page: the summary, a grid of blind distances where
@@ -209,40 +283,54 @@ def write_blindness(
     against them and, given the ``model``, its attention on the first measured sequence of
     ``tokens`` (max-pooled to 64 cells a side), with the blind distance drawn in.
     """
-    summary = blindness_summary(analytic, measured, precision)
+    summary = blindness_summary(analytic, measured, precision, census)
+    figures = _figures(analytic, measured, precision, census)
+    tables = {"blindness.csv": analytic, "census.csv": census}
+    if measured is not None:
+        tables |= {f"measured_{t}.csv": getattr(measured, t) for t in ("by_head", "by_distance")}
+        tables["measured_by_length.csv"] = measured.by_length
+    if precision is not None:
+        tables |= {"precision.csv": precision.by_position, "precision_heads.csv": precision.by_head}
+    with atomic_directory(out_dir, overwrite=overwrite, writer="write_blindness") as tmp:
+        for name, frame in tables.items():
+            if frame is not None:
+                atomic_write_text(tmp / name, frame.to_csv(index=False))
+        atomic_write_text(tmp / "summary.txt", summary + "\n")
+        skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
+        if analytic is not None or measured is not None:
+            _write_blindness_page(tmp, summary, analytic, measured, figures, model, tokens, census)
+    plots.warn_skipped(skipped, out_dir)
+    return Path(out_dir)
+
+
+def _figures(
+    analytic: pd.DataFrame | None,
+    measured: BlindnessMeasurement | None,
+    precision: PrecisionEffect | None,
+    census: pd.DataFrame | None,
+) -> dict[str, go.Figure]:
+    """The figures the results allow, in the summary's order."""
     figures = {}
     if precision is not None:
         figures["precision"] = precision_figure(precision.by_position)
+    if census is not None and measured is not None:
+        figures["reach"] = reach_figure(census, measured.by_head)
     if analytic is not None:
         figures["blind_distance"] = plots.blind_distance_grid(analytic)
     if measured is not None:
         figures["zero_fraction"] = plots.zero_fraction_plot(measured.by_distance)
         if analytic is not None:
             figures["analytic_vs_measured"] = plots.analytic_vs_measured(measured.by_head)
-    with atomic_directory(out_dir, overwrite=overwrite, writer="write_blindness") as tmp:
-        if analytic is not None:
-            atomic_write_text(tmp / "blindness.csv", analytic.to_csv(index=False))
-        if measured is not None:
-            for table in ("by_head", "by_distance", "by_length"):
-                frame = getattr(measured, table)
-                atomic_write_text(tmp / f"measured_{table}.csv", frame.to_csv(index=False))
-        if precision is not None:
-            atomic_write_text(tmp / "precision.csv", precision.by_position.to_csv(index=False))
-            heads = precision.by_head.to_csv(index=False)
-            atomic_write_text(tmp / "precision_heads.csv", heads)
-        atomic_write_text(tmp / "summary.txt", summary + "\n")
-        skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
-        if analytic is not None or measured is not None:
-            _write_blindness_page(tmp, summary, analytic, measured, figures, model, tokens)
-    plots.warn_skipped(skipped, out_dir)
-    return Path(out_dir)
+    return figures
 
 
 def _blindness_table(
-    analytic: pd.DataFrame | None, measured: BlindnessMeasurement | None
+    analytic: pd.DataFrame | None,
+    measured: BlindnessMeasurement | None,
+    census: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
-    """One row per head: blind distance per dtype and limit, measured first zero and share of
-    zeros per dtype."""
+    """One row per head: reach (given the census), blind distance per dtype and limit, measured
+    first zero and share of zeros per dtype."""
     keys = ["layer", "head"]
     parts = []
     if analytic is not None:
@@ -262,6 +350,8 @@ def _blindness_table(
             parts.append(wide)
         if analytic is None:
             parts.append(by_head.groupby(keys)[["slope"]].first())
+    if census is not None:
+        parts.append(census.set_index(keys)[["reach"]])
     table = pd.concat(parts, axis=1).reset_index()
     return table.loc[:, ~table.columns.duplicated()]
 
@@ -315,9 +405,10 @@ def _write_blindness_page(
     figures: dict[str, go.Figure],
     model: Model | None,
     tokens: Tensor | None,
+    census: pd.DataFrame | None,
 ) -> None:
     """The blindness run's ``index.html`` (see :func:`write_blindness`)."""
-    table = _blindness_table(analytic, measured)
+    table = _blindness_table(analytic, measured, census)
     metric = next(c for c in table.columns if c.startswith(("blind distance", "measured first")))
     grid_table = table.assign(log10_distance=np.log10(table[metric].astype(float)))
     grid = plots.head_grid(grid_table, "log10_distance", title=f"log₁₀ {metric} (tokens)")
