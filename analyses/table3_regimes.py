@@ -24,6 +24,16 @@ Writes ``heads.csv`` (per model and head: slope, reach, first zeros, analytic di
 ``window.csv``, ``precision.csv``, ``models.csv``, one reach figure per model, the window and
 precision figures, and ``summary.md``.
 
+The L = 512 arms were trained with (budget: 3 x ~25 min of one CPU thread, two at a time; a
+first attempt with 2,400 steps was stopped after 20 minutes, when the shared machine's load made
+it too slow to finish in the session, and restarted with 1,500)::
+
+    python analyses/train_organism.py --steps 1500 --minutes 300 --n-layer 4 --n-head 16 \\
+        --hidden 128 --seq-len 512 --batch 8 --eval-every 300 --retrieval-share 0.25 \\
+        --bias standard --name organism-512-standard --out runs/L512-standard \\
+        --export analyses/mitigation_models/L512-standard
+    # the same with --bias log (L512-log) and --bias log --log-match 512 (L512-log-match)
+
     python analyses/table3_regimes.py \\
         --model standard=analyses/mitigation_models/standard \\
         --model log=analyses/mitigation_models/log \\
