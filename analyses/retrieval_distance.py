@@ -74,6 +74,7 @@ def main() -> None:
         "--cache", type=Path, default=ROOT / "runs" / "retrieval_distance", help="trials as scored"
     )
     p.add_argument("--replot", action="store_true", help="rebuild the outputs from --cache")
+    p.add_argument("--note", default="", help="a line for the summary (e.g. what was cut)")
     args = p.parse_args()
     folders = dict(spec.split("=", 1) for spec in args.model)
     started = start(args)
@@ -245,7 +246,7 @@ def summary_lines(
         "",
         f"Models: {folders}. "
         f"Distance bins {args.distances} (tokens), {args.trials} prompts per bin and task, "
-        f"seed {args.seed}, the same prompts for every model.",
+        f"seed {args.seed}, the same prompts for every model. {args.note}".rstrip(),
         "",
         "## What the numbers test, and what they do not",
         "",
