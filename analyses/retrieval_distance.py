@@ -71,6 +71,12 @@ def main() -> None:
         help="per-head first exact zeros (layer, head, dtype, first_zero_distance, model)",
     )
     p.add_argument(
+        "--regimes",
+        type=Path,
+        default=FIGURES / "table3_regimes" / "heads.csv",
+        help="heads.csv of analyses/table3_regimes.py: each head's reach (drawn beside its zero)",
+    )
+    p.add_argument(
         "--cache", type=Path, default=ROOT / "runs" / "retrieval_distance", help="trials as scored"
     )
     p.add_argument("--replot", action="store_true", help="rebuild the outputs from --cache")
@@ -126,7 +132,7 @@ def main() -> None:
         where.append(distance_summary(table).assign(**head))
     by_distance = pd.concat(tables, ignore_index=True)
     where = pd.concat(where, ignore_index=True)
-    heads = first_zeros(args.blindness, list(folders))
+    heads = first_zeros(args.blindness, list(folders), args.regimes)
     figures = {
         f"{metric.removesuffix('_accuracy')}_{task}": distance_figure(
             by_distance[by_distance["task"] == task], heads, metric, task
@@ -152,14 +158,28 @@ def where_line(summary: pd.DataFrame) -> str:
     )
 
 
-def first_zeros(path: Path, labels: list[str]) -> pd.DataFrame:
-    """Each model's heads with their float32 first exact zero, from a ``blindness.csv``."""
-    if not path.exists():
+def first_zeros(path: Path, labels: list[str], regimes: Path | None = None) -> pd.DataFrame:
+    """Each model's heads with their float32 first exact zero, from a ``blindness.csv``, and
+    their reach (and first zero, for models the blindness table lacks) from the ``heads.csv`` of
+    ``analyses/table3_regimes.py`` when ``regimes`` exists."""
+    columns = ["model", "layer", "head", "first_zero_distance"]
+    heads = pd.DataFrame(columns=columns)
+    if path.exists():
+        blind = pd.read_csv(path)
+        blind = blind[(blind["dtype"] == "float32") & blind["model"].isin(labels)]
+        heads = blind[columns].reset_index(drop=True)
+    if regimes is not None and regimes.exists():
+        measured = pd.read_csv(regimes)
+        measured = measured[measured["model"].isin(labels)].rename(
+            columns={"first_zero_distance_float32": "first_zero_distance"}
+        )
+        keys = ["model", "layer", "head"]
+        missing = measured[~measured["model"].isin(heads["model"])][columns]
+        heads = pd.concat([heads, missing], ignore_index=True)
+        heads = heads.merge(measured[[*keys, "reach"]], on=keys, how="left")
+    if heads.empty:
         logger.warning("no %s: the figures show no heads", path)
-        return pd.DataFrame(columns=["model", "layer", "head", "first_zero_distance"])
-    blind = pd.read_csv(path)
-    blind = blind[(blind["dtype"] == "float32") & blind["model"].isin(labels)]
-    return blind[["model", "layer", "head", "first_zero_distance"]].reset_index(drop=True)
+    return heads
 
 
 def distance_figure(table: pd.DataFrame, heads: pd.DataFrame, metric: str, task: str) -> go.Figure:

@@ -133,7 +133,10 @@ def measure(model, variant: str, cache: Path, args) -> list[pd.DataFrame]:
     names = ("census", "zeros", "window", "precision")
     settings = json.dumps({k: v for k, v in vars(args).items() if k.endswith(("_len", "_seqs"))})
     if (cache / "settings.json").exists() and (cache / "settings.json").read_text() == settings:
-        return [pd.read_csv(cache / f"{name}.csv") for name in names]
+        return [  # an empty table (no precision: not standard ALiBi) is an empty file
+            pd.read_csv(f) if (f := cache / f"{name}.csv").stat().st_size > 1 else pd.DataFrame()
+            for name in names
+        ]
     census = hs.run_census(model, seq_len=args.reach_len, n_seqs=args.reach_seqs, progress=False)
     zeros = hs.measure_blindness(
         model, dtypes=["float32", "bfloat16"], seq_len=args.blind_len, n_seqs=1, progress=False
@@ -243,6 +246,7 @@ def summary_lines(models: dict, heads: pd.DataFrame, windows, precision, args) -
                 "median reach": reach.median(),
                 "max finite reach": reach.max(),
                 "smallest window costing <= 0.01 nats": min(unused) if unused else "none",
+                "dNLL at window 64": pooled.get(64, np.nan),
                 "dNLL at window 128": pooled.get(128, np.nan),
             }
         )
@@ -252,7 +256,9 @@ def summary_lines(models: dict, heads: pd.DataFrame, windows, precision, args) -
         "window (they did only where `zero within L` > 0), how far each head looks (reach), "
         "and which distances its loss depends on (windows). What it does not test: retrieval "
         "(see `figures/retrieval_distance/`) or a model of the paper's size (148M; these have "
-        "1.3M parameters and 5-12M training tokens).",
+        "1.3M parameters and 5-12M training tokens). A negative ΔNLL at a window means the "
+        "model does better without the farther keys: on text longer than it was trained on, "
+        "those keys hurt it.",
         "",
     ]
     if len(precision):
