@@ -10,7 +10,8 @@ chance baseline: what the model guesses without the information). Accuracy is to
 candidates (log-likelihood rank) and greedy exact match, each with its 95% Wilson interval over
 prompts. The same prompts for every model (one seed, one tokenizer).
 
-Beside the curves, every head's first exact zero (float32, measured on one 32,768-token sequence
+Beside the curves, every head's first exact zero and reach (from ``analyses/table3_regimes.py``'s
+``heads.csv``; first zeros of the L = 128 models measured on one 32,768-token sequence
 by ``analyses/mitigation_training.py``: its ``blindness.csv``) on the same distance axis, and
 each model's training length from its ``headsurgeon.json``.
 
@@ -224,7 +225,9 @@ def model_lines(label: str, model: dict, where: pd.DataFrame, heads: pd.DataFram
     zeros = (
         f"first exact zero (float32) of its heads: nearest {own.min():.0f}, median "
         f"{own.median():.0f} tokens ({len(own)} of "
-        f"{int((heads['model'] == label).sum())} heads have one within 32,768 tokens)"
+        f"{int((heads['model'] == label).sum())} heads have one within the measured length: "
+        "32,768 tokens for the L = 128 models (analyses/mitigation_training.py), 4,096 for "
+        "the others (analyses/table3_regimes.py))"
         if len(own)
         else "no head has an exact zero within the measured length"
     )
