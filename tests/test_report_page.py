@@ -171,3 +171,15 @@ def test_without_a_browser_the_page_is_written_and_opening_it_is_one_line(
     with pytest.raises(FigureExportError, match="needs a Chromium browser") as info:
         open_page(out / PAGE, "L0H0")
     assert "\n" not in str(info.value)
+
+
+def test_a_model_named_like_markup_reaches_the_page_only_escaped(tmp_path):
+    """A folder named '<!--<script>' once left the browser's parser inside the data block."""
+    from headsurgeon.blindness import analytic_blindness
+    from headsurgeon.reports import write_blindness
+
+    table = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["zero"])
+    table.attrs["model"] = "<!--<script>"
+    page = write_blindness(tmp_path / "out", table, None, formats=["html"]) / "index.html"
+    text = page.read_text(encoding="utf-8")
+    assert "<!--<script>" not in text and "\\u003c!--\\u003cscript\\u003e" in text

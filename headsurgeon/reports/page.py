@@ -160,7 +160,15 @@ def _write_page(
     }
     from plotly.offline import get_plotlyjs
 
-    payload = json.dumps(_json_safe(data), separators=(",", ":")).replace("</", "<\\/")
+    # Inside a <script> block "<!--" and "<script" change how the browser parses what follows
+    # (a folder named "<!--<script>" blanked the page): no "<", ">" or "&" reaches it raw; in JSON
+    # they occur only inside strings, where the \u escapes mean the same characters.
+    payload = (
+        json.dumps(_json_safe(data), separators=(",", ":"))
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+    )
     page = (
         PAGE_TEMPLATE.read_text(encoding="utf-8")
         .replace("{{title}}", html.escape(title))
