@@ -184,7 +184,7 @@ def first_zeros(path: Path, labels: list[str], regimes: Path | None = None) -> p
 
 
 def distance_figure(table: pd.DataFrame, heads: pd.DataFrame, metric: str, task: str) -> go.Figure:
-    title = f"{task}: {METRICS[metric]} by needle distance, with the baseline without the needle"
+    title = f"{task}: {METRICS[metric]} by needle distance"
     return retrieval_distance_plot(
         table.drop(columns="task"), heads if len(heads) else None, metric=metric, title=title
     )

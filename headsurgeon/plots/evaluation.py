@@ -45,6 +45,24 @@ __all__ = [
 ]
 
 
+def _mark_train_length(
+    fig: go.Figure, x: float, label_x: float, text: str, *, width: int, y: float, xanchor: str
+) -> None:
+    """A dashed vertical line at the training length, labelled above the plot (``label_x``: the
+    same place in the axis' own units, log10 on a log axis)."""
+    fig.add_vline(x=x, line={"color": "black", "dash": "dash", "width": width})
+    fig.add_annotation(
+        x=label_x,
+        y=y,
+        yref="paper",
+        text=text,
+        showarrow=False,
+        xanchor=xanchor,
+        yanchor="bottom",
+        font={"size": 12},
+    )
+
+
 def _eval_layout(fig: go.Figure, title: str, subtitle: str, width: int, height: int) -> None:
     margin = {"l": 80, "r": 30, "t": 95 if subtitle else 65, "b": 70}
     style(
@@ -347,18 +365,11 @@ def retrieval_distance_plot(
     lengths = (
         table["train_ctx"].unique() if "train_ctx" in table else [table.attrs.get("train_ctx")]
     )
-    for length in (float(n) for n in lengths if n):
-        fig.add_vline(x=length, line={"color": "black", "dash": "dash", "width": 2})
-        fig.add_annotation(
-            x=np.log10(length),
-            y=1.0,
-            yref="paper",
-            text=f"train length {length:.0f}",
-            showarrow=False,
-            xanchor="left",
-            yanchor="bottom",
-            font={"size": 12},
-        )
+    for i, length in enumerate(float(n) for n in lengths if n):
+        # Labels alternate sides of their lines, so that close training lengths keep apart.
+        side = "right" if i % 2 == 0 and len(lengths) > 1 else "left"
+        label = f"train length {length:.0f}"
+        _mark_train_length(fig, length, np.log10(length), label, width=2, y=1.0, xanchor=side)
     strip = [_head_strip(fig, heads, column) for column in marks]
     x = np.concatenate([table["mean_distance"].to_numpy(dtype=float), *(d for _, d in strip)])
     x = x[np.isfinite(x) & (x > 0)]
@@ -510,16 +521,9 @@ def retrieval_heatmap(
     train_ctx = a.get("train_ctx")
     inside = [int(x) <= train_ctx for x in grid.columns] if train_ctx else []
     if any(inside) and not all(inside):
-        fig.add_vline(x=sum(inside) - 0.5, line={"color": "black", "dash": "dash", "width": 3})
-        fig.add_annotation(
-            x=sum(inside) - 0.5,
-            y=1.02,
-            yref="paper",
-            text=f"train length {train_ctx}",
-            showarrow=False,
-            xanchor="center",
-            yanchor="bottom",
-            font={"size": 12},
+        x = sum(inside) - 0.5
+        _mark_train_length(
+            fig, x, x, f"train length {train_ctx}", width=3, y=1.02, xanchor="center"
         )
     fig.update_xaxes(title_text="context length (tokens)", type="category")
     fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category")
