@@ -150,7 +150,8 @@ LOG_FIELDS = [
     "max_bos_mass_spans",
     "max_bos_head_spans",
     "minutes",
-]  # then one bos_L{layer}H{head} column per head: its BOS mass on the held-out text windows
+]  # then per head a bos_L{layer}H{head} column (its BOS mass on the held-out text windows) and a
+# sink_L{layer}H{head} column (its sink score, Gu et al.'s alpha_1, on the same windows)
 
 
 @dataclass
@@ -389,32 +390,36 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
     )
 
 
-def bos_masses(model: BloomForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """The (n_layer, n_head) BOS masses of ``ids``: mean over windows and queries t >= 1 of the
-    attention on position 0 (the census's definition)."""
+def bos_masses(model: BloomForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (n_layer, n_head) BOS masses of ``ids`` (mean over windows and queries t >= 1 of the
+    attention on position 0: the census's ``bos_mass``) and sink scores (the same mean over every
+    query row, row 0 included: Gu et al. 2025's alpha_1, the census's ``sink_score``)."""
     attentions = model(input_ids=ids, output_attentions=True).attentions
-    # (layer, batch, head, query, key) -> mean over batch and queries t >= 1 of key 0
-    return torch.stack([a[:, :, 1:, 0].float().mean(dim=(0, 2)) for a in attentions])
+    # (layer, batch, head, query, key) -> mean over batch and queries of key 0
+    first = [a[:, :, :, 0].float() for a in attentions]
+    bos = torch.stack([f[:, :, 1:].mean(dim=(0, 2)) for f in first])
+    sink = torch.stack([f.mean(dim=(0, 2)) for f in first])
+    return bos, sink
 
 
 @torch.no_grad()
 def evaluate(
     model: BloomForCausalLM, data: Data
-) -> tuple[dict[str, float], torch.Tensor, torch.Tensor | None]:
-    """Held-out loss per domain, the (n_layer, n_head) BOS-mass matrix on held-out text and,
-    with spans, on the same text with spans inserted (else None)."""
+) -> tuple[dict[str, float], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Held-out loss per domain, the (n_layer, n_head) BOS-mass and sink-score matrices on
+    held-out text and, with spans, the BOS masses on the same text with spans (else None)."""
     model.eval()
     losses = {}
     for d in DOMAINS:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(input_ids=data.heldout[d], labels=data.heldout[d])
         losses[d] = out.loss.item()
-    bos = bos_masses(model, torch.cat([data.heldout[d][:BOS_SEQS] for d in DOMAINS]))
+    bos, sink = bos_masses(model, torch.cat([data.heldout[d][:BOS_SEQS] for d in DOMAINS]))
     spans = None
     if data.heldout_spans:
-        spans = bos_masses(model, torch.cat([data.heldout_spans[d] for d in DOMAINS]))
+        spans, _ = bos_masses(model, torch.cat([data.heldout_spans[d] for d in DOMAINS]))
     model.train()
-    return losses, bos, spans
+    return losses, bos, sink, spans
 
 
 def head_name(flat: int, n_head: int) -> str:
@@ -615,8 +620,10 @@ def main() -> None:
     log_path = args.out / "log.csv"
     new_log = not (args.resume and log_path.exists())
     log_file = open(log_path, "w" if new_log else "a", newline="")
-    head_columns = [f"bos_{head_name(i, args.n_head)}" for i in range(args.n_layer * args.n_head)]
-    writer = csv.DictWriter(log_file, fieldnames=LOG_FIELDS + head_columns)
+    heads = [head_name(i, args.n_head) for i in range(args.n_layer * args.n_head)]
+    head_columns = [f"bos_{h}" for h in heads]
+    sink_columns = [f"sink_{h}" for h in heads]
+    writer = csv.DictWriter(log_file, fieldnames=LOG_FIELDS + head_columns + sink_columns)
     if new_log:
         writer.writeheader()
 
@@ -630,7 +637,7 @@ def main() -> None:
     def log_eval() -> None:
         nonlocal eval_seconds, last_eval
         t = time.perf_counter()
-        losses, bos, span_bos = evaluate(model, data)
+        losses, bos, sink, span_bos = evaluate(model, data)
         eval_seconds = time.perf_counter() - t
         max_history.append(bos.max().item())
         row = {
@@ -648,9 +655,10 @@ def main() -> None:
             else head_name(int(span_bos.argmax()), args.n_head),
             "minutes": f"{elapsed / 60:.2f}",
         }
-        row.update(
-            {c: f"{v:.4f}" for c, v in zip(head_columns, bos.flatten().tolist(), strict=True)}
-        )
+        for columns, values in ((head_columns, bos), (sink_columns, sink)):
+            row.update(
+                {c: f"{v:.4f}" for c, v in zip(columns, values.flatten().tolist(), strict=True)}
+            )
         writer.writerow(row)
         log_file.flush()
         log.info(" ".join(f"{k}={row[k]}" for k in LOG_FIELDS))
