@@ -21,7 +21,7 @@ from headsurgeon.cli.classify import corpus_names, main
 from headsurgeon.domains import split_corpora, stack_corpora
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.importance import with_importance
-from headsurgeon.reports import PAGE, write_corpora
+from headsurgeon.reports import PAGE, open_page, write_corpora
 
 PROSE = (
     "Now is the winter of our discontent made glorious summer by this sun of York; and all the "
@@ -213,3 +213,6 @@ def test_corpus_names_reach_the_page_and_figures_only_escaped(tiny_model, tmp_pa
     text = (out / PAGE).read_text(encoding="utf-8")
     assert name not in text
     assert (out / "----script-" / "heads.csv").is_file()  # letters, digits, ".", "_", "-"
+    if plots.has_browser():  # the page works: a click shows the head (its corpora's metrics)
+        view = open_page(out / PAGE, "L1H2", screenshot=tmp_path / "page.png")
+        assert view.errors == [] and view.shown == "L1H2"
