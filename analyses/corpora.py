@@ -208,9 +208,14 @@ def main() -> None:
         "what noise alone can give; a head counts as a finding when it also stands out in the "
         "scatter (`importance_by_corpus.png`) and repeats with more sequences (`--n-seqs`).",
         "- Guo et al.'s dormant heads are attention sinks (weight parked on the first token). "
-        "Here a head's dormancy is by ablation; its BOS mass on each corpus is listed beside it "
-        "(the organisms' healthy heads put little weight on position 0 on either corpus, so "
-        "most changes here are of importance, not of label).",
+        "Here dormancy is by ablation and the label (BOS mass) is compared on its own: "
+        f"{int(summary_table['label changes'].sum())} label change(s) in all, the largest BOS-"
+        f"mass move {summary_table['max abs Δ BOS mass'].max():.3f}; so the changes listed are "
+        "of importance, not of sinks, and no head here is a sink on one corpus only.",
+        "- A head whose removal lowers the loss by more than 2 SE (negative delta_loss) counts "
+        "as active, as `is_dormant` has it: some listed changes are such heads.",
+        f"- With {args.n_seqs} sequences per corpus the standard errors are themselves rough; "
+        "more sequences would tighten both the dormancy calls and the list.",
         "- The corpora differ in vocabulary, token statistics and what position 0 holds; the "
         "comparison does not say which of these moves a head.",
         f"- Reference corpus: {first.attrs.get('reference')}; differences are python-docs minus "
