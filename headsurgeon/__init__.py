@@ -52,6 +52,10 @@ if TYPE_CHECKING:
     from headsurgeon.data import (
         to_sequences as to_sequences,
     )
+    from headsurgeon.domains import (
+        compare_corpora as compare_corpora,
+        corpus_changes as corpus_changes,
+    )
     from headsurgeon.evals import (
         Retrieval as Retrieval,
         loss_by_position as loss_by_position,

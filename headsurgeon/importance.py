@@ -8,6 +8,8 @@ Exports:
     compare_importance(exact, estimate, k)    Spearman / Pearson correlation and top-k overlap
     is_dormant(delta_loss, se)                 removing the head changes nothing measurable:
                                               |delta_loss| <= DORMANT_SE standard errors
+    with_importance(classified, importance)   a classified census with head_importance's
+                                              columns merged in (IMPORTANCE_NAMES)
     ablate_heads(model, heads, ablation, data) context manager: heads pruned (z zeroed or
                                               mean-replaced) through hooks, weights untouched
 
@@ -66,6 +68,8 @@ __all__ = [
     "compare_importance",
     "DORMANT_SE",
     "is_dormant",
+    "IMPORTANCE_NAMES",
+    "with_importance",
     "ablate_heads",
 ]
 
@@ -95,6 +99,37 @@ def is_dormant(delta_loss: Any, delta_loss_se: Any) -> Any:
     (True, False)
     """
     return abs(delta_loss) <= DORMANT_SE * delta_loss_se
+
+
+# head_importance's columns as a classified table names them (method alone would be ambiguous).
+IMPORTANCE_NAMES = {
+    "delta_loss": "delta_loss",
+    "delta_loss_se": "delta_loss_se",
+    "clean_loss": "clean_loss",
+    "method": "importance_method",
+    "ablation": "importance_ablation",
+}
+
+
+def with_importance(classified: pd.DataFrame, importance: pd.DataFrame) -> pd.DataFrame:
+    """``classified`` (a census, labelled or not) with :func:`head_importance`'s columns merged
+    on ``layer`` and ``head`` under :data:`IMPORTANCE_NAMES`; its own columns and labels as they
+    were, the importance settings added to ``attrs`` (``importance_method``,
+    ``importance_ablation``, ``importance_clean_loss``, ``importance_n_tokens``)."""
+    merged = classified.merge(
+        importance[["layer", "head", *IMPORTANCE_NAMES]].rename(columns=IMPORTANCE_NAMES),
+        on=["layer", "head"],
+        how="left",
+        validate="one_to_one",
+    )
+    a = importance.attrs
+    merged.attrs = dict(classified.attrs) | {
+        "importance_method": a["method"],
+        "importance_ablation": a["ablation"],
+        "importance_clean_loss": a["clean_loss"],
+        "importance_n_tokens": a["n_tokens"],
+    }
+    return merged
 
 
 # Elements of the stacked logits one ablation pass may hold (float32: 256 MiB): decides the

@@ -43,6 +43,7 @@ LAYERS = {
         "finetune",
         "evals",
         "importance",
+        "domains",
         "blindness",
         "precision",
         "window",

@@ -16,10 +16,12 @@ Exports:
     add_model_args(parser)    MODEL, --dtype (unless dtype=False), --device, --device-map,
                               --max-memory, --offload-folder, --threads
     placement_args(args)      load_model's device, device_map, max_memory, offload_folder
-    add_data_args(parser)     --texts, --n-seqs, --seq-len, --prepend-bos/--no-prepend-bos
+    add_data_args(parser)     --texts (corpora=True: repeatable), --n-seqs, --seq-len,
+                              --prepend-bos/--no-prepend-bos
     TextFiles                 the argparse action of a FILE option: each file read and checked
                               when parsed (missing, a folder, binary, not UTF-8: one line), so a
                               path is never taken for text
+    CorpusFiles               the same, repeatable: one corpus per occurrence (args.corpora)
     add_output_args(parser)   --out, --overwrite, --format
     claim_out(args, default)  context manager: the output folder (--out, else ``default``),
                               checked and claimed (headsurgeon.outputs.claim_output) before any
@@ -71,6 +73,7 @@ __all__ = [
     "add_model_args",
     "add_data_args",
     "TextFiles",
+    "CorpusFiles",
     "add_output_args",
     "claim_out",
     "run_inputs",
@@ -200,14 +203,23 @@ def add_data_args(
     seq_len: int = 128,
     n_seqs: int | None = 64,
     n_seqs_help: str = "sequences to use",
+    corpora: bool = False,
 ) -> None:
+    """--texts, --n-seqs, --seq-len, --prepend-bos; ``corpora``: --texts may be repeated, each
+    time one corpus (:class:`CorpusFiles`)."""
     group = parser.add_argument_group("data")
+    text_help = "UTF-8 text files (.txt or .txt.gz); default: the bundled held-out corpora"
+    if corpora:
+        text_help += (
+            ". Repeat --texts for several corpora (--texts A.txt --texts B.txt): each its own "
+            "census, and their comparison"
+        )
     group.add_argument(
         "--texts",
         nargs="+",
         metavar="FILE",
-        action=TextFiles,
-        help="UTF-8 text files (.txt or .txt.gz); default: the bundled held-out corpora",
+        action=CorpusFiles if corpora else TextFiles,
+        help=text_help,
     )
     group.add_argument("--n-seqs", type=positive_int, default=n_seqs, help=n_seqs_help)
     group.add_argument("--seq-len", type=positive_int, default=seq_len, help="tokens per sequence")
@@ -231,6 +243,18 @@ class TextFiles(argparse.Action):
         except DataError as e:
             raise DataError(f"{option_string}: {e}") from None
         setattr(namespace, self.dest, [Path(value) for value in values])
+
+
+class CorpusFiles(TextFiles):
+    """A repeatable FILE option: each occurrence is one corpus (its files checked as
+    :class:`TextFiles` checks them). ``args.corpora`` holds the groups in order; ``args.<dest>``
+    every file of every group (the run's inputs, which no output may touch)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        groups = [*(getattr(namespace, "corpora", None) or []), getattr(namespace, self.dest)]
+        namespace.corpora = groups
+        setattr(namespace, self.dest, [path for group in groups for path in group])
 
 
 def add_output_args(parser: argparse.ArgumentParser, *, formats: bool = True) -> None:

@@ -7,12 +7,19 @@ head's :func:`headsurgeon.importance.head_importance` on the same sequences (mer
 columns: the labels stay as they are); prints :func:`headsurgeon.reports.format_summary` and
 writes :func:`headsurgeon.reports.write_classification` (``--help`` lists the options).
 
+Several corpora (``--texts A.txt --texts B.txt``: each ``--texts`` one corpus, of one file or
+more) are measured in turn on the one model, each exactly as a single-corpus run, and written by
+:func:`headsurgeon.reports.write_corpora`: one folder per corpus (named after its files), the
+long table, the heads whose label or importance changes between corpora
+(:func:`headsurgeon.domains.corpus_changes`), the difference grids and one page.
+
 Several models (``python -m headsurgeon.classify bloom-560m bloom-1b7 bloom-3b``) are classified
 in turn on the same options, one in memory at a time, and written together by
 :func:`headsurgeon.reports.write_cross_scale`: one folder per model and the paper's cross-scale
 table and figure (sick share per model and layer band).
 
-Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
+Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
+``run(main)``), corpus_names(groups) (a folder-safe name per corpus from its files' names)
 """
 
 from __future__ import annotations
@@ -21,14 +28,14 @@ import argparse
 import gc
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import pandas as pd
 from torch import Tensor
 
 from headsurgeon import plots
 from headsurgeon.backend import Model
-from headsurgeon.census import run_census
-from headsurgeon.classify import Thresholds, classify_heads
+from headsurgeon.classify import Thresholds
 from headsurgeon.cli import (
     ArgumentParser,
     add_data_args,
@@ -42,20 +49,22 @@ from headsurgeon.cli import (
     positive_int,
     run,
 )
-from headsurgeon.data import describe, position_zero
-from headsurgeon.importance import METHODS, head_importance
+from headsurgeon.domains import classify_sequences, corpus_changes, stack_corpora
+from headsurgeon.importance import METHODS
 from headsurgeon.reports import (
-    IMPORTANCE_NAMES,
     default_out_dir,
+    format_corpora_summary,
     format_summary,
     model_folder_name,
     write_classification,
+    write_corpora,
     write_cross_scale,
 )
 
 __all__ = [
     "main",
     "entry",
+    "corpus_names",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tables and head-grid figures.",
     )
     add_model_args(parser, many=True)
-    add_data_args(parser)
+    add_data_args(parser, corpora=True)
     census_args = parser.add_argument_group("census")
     census_args.add_argument(
         "--min-query-pos",
@@ -113,9 +122,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = args.model
     if len({model_folder_name(m) for m in models}) < len(models):
         parser.error(f"two of the models {' '.join(models)} would share an output folder name")
-    default = default_out_dir(models[0] if len(models) == 1 else "cross-scale", "heads")
+    corpora = getattr(args, "corpora", None) or []
+    if len(corpora) > 1 and len(models) > 1:
+        parser.error(
+            f"several corpora (--texts given {len(corpora)} times) are compared on one model; "
+            f"got {len(models)} models: run one model at a time"
+        )
+    if len(corpora) > 1:
+        default = default_out_dir(models[0], "corpora")
+    else:
+        default = default_out_dir(models[0] if len(models) == 1 else "cross-scale", "heads")
     with claim_out(args, default) as out:  # before the census
-        if len(models) == 1:
+        if len(corpora) > 1:
+            one = argparse.Namespace(**vars(args) | {"model": models[0]})
+            _compare(one, thresholds, corpora, out, formats)
+            files = "index.html (open it in a browser), one folder per corpus, heads.csv, "
+            files += "changes.csv, differences.csv, corpora.json, summary.txt, figures"
+        elif len(models) == 1:
             one = argparse.Namespace(**vars(args) | {"model": models[0]})
             classified, model, tokens = _classify(one, thresholds)
             # The report page shows the heads' attention on the run's own sequences.
@@ -149,22 +172,77 @@ def _classify(
     """Load ``args.model``, take its census (and importance), label its heads; print the summary.
     Returns the labelled table, the model and the sequences."""
     model = load_model_from_args(args)
-    tokens = load_data(model, args)  # cut once: census and importance share them
-    census = run_census(
+    classified, tokens = _classify_texts(model, args, thresholds)
+    print(format_summary(classified, top=args.top))
+    return classified, model, tokens
+
+
+def _classify_texts(
+    model: Model, args: argparse.Namespace, thresholds: Thresholds
+) -> tuple[pd.DataFrame, Tensor]:
+    """``args.texts`` cut once (census and importance share the sequences) and measured."""
+    tokens = load_data(model, args)
+    classified = classify_sequences(
         model,
         tokens,
+        args.texts,
+        thresholds=thresholds,
+        importance=args.importance,
         batch_size=args.batch_size,
-        n_seqs=len(tokens),
         min_query_pos=args.min_query_pos,
         prepend_bos=args.prepend_bos,
     )
-    census.attrs["data"] = describe(args.texts)  # the files, not "token tensor of shape"
-    census.attrs["bos_rule"] = position_zero(model, args.texts, tokens, args.prepend_bos)[1]
-    classified = classify_heads(census, thresholds)
-    if args.importance:
-        classified = _with_importance(classified, model, tokens, args)
-    print(format_summary(classified, top=args.top))
-    return classified, model, tokens
+    return classified, tokens
+
+
+def corpus_names(corpora: Sequence[Sequence[Path]]) -> list[str]:
+    """A name per corpus (a group of files) from its files' names: ``a.txt.gz`` -> ``a``, several
+    files joined by ``-``, characters other than letters, digits, ``.``, ``_`` and ``-`` made
+    ``-`` (the name is a folder name too); a name met before gets ``-2``, ``-3``...
+
+    >>> corpus_names([[Path("x/a.txt")], [Path("y/a.txt.gz"), Path("b c.txt")]])
+    ['a', 'a-b-c']
+    >>> corpus_names([[Path("x/a.txt")], [Path("y/a.txt")]])
+    ['a', 'a-2']
+    """
+    names: list[str] = []
+    for files in corpora:
+        stems = [p.name.removesuffix(".gz").removesuffix(".txt") or p.name for p in files]
+        base = model_folder_name("-".join(stems)).strip(".") or "corpus"
+        name, n = base, 2
+        while name in names:
+            name, n = f"{base}-{n}", n + 1
+        names.append(name)
+    return names
+
+
+def _compare(
+    args: argparse.Namespace,
+    thresholds: Thresholds,
+    corpora: Sequence[Sequence[Path]],
+    out: Path,
+    formats: Sequence[str] | None,
+) -> None:
+    """Each corpus measured on the one model as a single-corpus run measures it; the summary
+    printed and everything written to ``out``."""
+    model = load_model_from_args(args)
+    tables, tokens = {}, {}
+    for name, files in zip(corpus_names(corpora), corpora, strict=True):
+        logger.info("corpus %s (%d of %d)", name, len(tables) + 1, len(corpora))
+        each = argparse.Namespace(**vars(args) | {"texts": list(files)})
+        tables[name], tokens[name] = _classify_texts(model, each, thresholds)
+    compared = stack_corpora(tables)
+    changes = corpus_changes(compared)
+    print(format_corpora_summary(compared, changes, top=args.top))
+    write_corpora(
+        compared,
+        out,
+        changes=changes,
+        formats=formats,
+        overwrite=args.overwrite,
+        model=model,
+        tokens=tokens,
+    )
 
 
 def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> None:
@@ -181,35 +259,6 @@ def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> 
             "--importance resample takes each head's output from another sequence; "
             "use --n-seqs 2 or more"
         )
-
-
-def _with_importance(
-    classified: pd.DataFrame, model: Model, tokens: Tensor, args: argparse.Namespace
-) -> pd.DataFrame:
-    """``classified`` with :func:`head_importance`'s columns on the same tokens; the labels and
-    census columns as they were, the importance settings in ``attrs`` (``importance_*``)."""
-    importance = head_importance(
-        model,
-        tokens,
-        method=args.importance,
-        batch_size=args.batch_size,
-        n_seqs=len(tokens),
-        prepend_bos=args.prepend_bos,
-    )
-    merged = classified.merge(
-        importance[["layer", "head", *IMPORTANCE_NAMES]].rename(columns=IMPORTANCE_NAMES),
-        on=["layer", "head"],
-        how="left",
-        validate="one_to_one",
-    )
-    a = importance.attrs
-    merged.attrs = dict(classified.attrs) | {
-        "importance_method": a["method"],
-        "importance_ablation": a["ablation"],
-        "importance_clean_loss": a["clean_loss"],
-        "importance_n_tokens": a["n_tokens"],
-    }
-    return merged
 
 
 def entry() -> None:

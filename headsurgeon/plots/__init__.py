@@ -25,6 +25,8 @@ Exports:
     reach_figure(census, by_head)      each head's reach, first exact zero and analytic blind
                                        distance on one log-distance axis
     window_figure(table)               loss change when attention is cut to keys within d
+    corpus_diff_grid(compared, metric) metric on corpus b minus on corpus a (compare_corpora)
+    corpora_grid(compared, metric)     each corpus's head grid side by side
     importance_grid(df)                delta_loss per head (head_importance), diverging colour
     bos_vs_importance(df)              BOS mass against delta_loss, by label: dormant sinks
     attention_pattern(model, text, heads)
@@ -50,6 +52,7 @@ Modules (each name above is importable from ``headsurgeon.plots`` itself):
     grids        head_grid, label_grid, diff_grid, models_grid: one cell per head
     counts       sweep_plot, sick_share_plot: how many heads are sick, by threshold, band, model
     importance   importance_grid, bos_vs_importance: what removing a head costs
+    corpora      corpus_diff_grid, corpora_grid: heads across corpora
     evaluation   blind_distance_grid, zero_fraction_plot, analytic_vs_measured,
                  retrieval_heatmap, retrieval_distance_plot, precision_figure: blindness,
                  retrieval and rounding
@@ -83,6 +86,7 @@ import types
 # importable from here as they were before the split (the figures' constants, helpers the tests
 # call).
 from headsurgeon.plots import notebook
+from headsurgeon.plots.corpora import corpora_grid, corpus_diff_grid
 from headsurgeon.plots.counts import (
     SWEEP_PANELS as SWEEP_PANELS,
     SWEEP_STYLE as SWEEP_STYLE,
@@ -147,6 +151,8 @@ __all__ = [
     "attention_pattern",
     "blind_distance_grid",
     "bos_vs_importance",
+    "corpora_grid",
+    "corpus_diff_grid",
     "diff_grid",
     "has_browser",
     "head_grid",

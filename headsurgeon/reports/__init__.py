@@ -7,6 +7,10 @@ Exports:
                                               (importance columns and figures when present)
     write_cross_scale({model: df}, out_dir)   several models: each one's classification in a
                                               subfolder, the cross-scale table and figures
+    format_corpora_summary(compared, changes) one model on several corpora: each corpus's
+                                              summary and the heads that change between them
+    write_corpora(compared, out_dir, ...)     a folder per corpus, the long and change tables,
+                                              difference grids and one page
     write_report(result, out_dir, ...)        a repair's report.md, report.json, censuses,
                                               figures and model/
     training_plot(result)                     objective, perplexities and BOS mass over the steps
@@ -36,6 +40,7 @@ The package, one module per concern (each imports only those above it):
     folders     default output folder names, ``<out>.partial``
     page        ``index.html``, the one offline page every writer adds
     classify    the classify CLI's summary and files (one model, or several across scales)
+    corpora     the classify CLI's files for one model on several corpora
     repair      a repair's report folder (report.md, report.json, ``model/``)
     blindness   the blindness CLI's summary and files
     page_view   a report page opened in headless Chromium (tests, screenshots)
@@ -49,6 +54,11 @@ from headsurgeon.reports.classify import (
     format_summary,
     write_classification,
     write_cross_scale,
+)
+from headsurgeon.reports.corpora import (
+    CORPORA_FILES as CORPORA_FILES,
+    format_corpora_summary,
+    write_corpora,
 )
 from headsurgeon.reports.folders import default_out_dir, model_folder_name, partial_dir
 from headsurgeon.reports.page import (
@@ -73,10 +83,12 @@ __all__ = [
     "default_out_dir",
     "model_folder_name",
     "format_summary",
+    "format_corpora_summary",
     "partial_dir",
     "training_plot",
     "write_blindness",
     "write_classification",
+    "write_corpora",
     "write_cross_scale",
     "write_report",
 ]

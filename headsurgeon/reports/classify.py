@@ -40,7 +40,12 @@ from headsurgeon.classify import (
 )
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import LABELS
-from headsurgeon.importance import COLUMNS as IMPORTANCE_COLUMNS, DORMANT_SE, is_dormant
+from headsurgeon.importance import (
+    COLUMNS as IMPORTANCE_COLUMNS,
+    DORMANT_SE,
+    IMPORTANCE_NAMES,
+    is_dormant,
+)
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.reports.folders import model_folder_name
 from headsurgeon.reports.page import _census_samples, _samples_note, _write_page
@@ -187,14 +192,6 @@ FIGURES = {
     "labels": plots.label_grid,
     "entropy": lambda df: plots.head_grid(df, "entropy"),
     "output_share": lambda df: plots.head_grid(df, "output_share"),
-}
-# head_importance's columns as a classified table names them (method alone would be ambiguous).
-IMPORTANCE_NAMES = {
-    "delta_loss": "delta_loss",
-    "delta_loss_se": "delta_loss_se",
-    "clean_loss": "clean_loss",
-    "method": "importance_method",
-    "ablation": "importance_ablation",
 }
 # Added when the table carries importance columns (_has_importance).
 IMPORTANCE_FIGURES = {

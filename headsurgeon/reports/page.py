@@ -127,11 +127,13 @@ def _write_page(
     figures: dict[str, go.Figure] | None = None,
     curves: dict[str, Any] | None = None,
     note: str = "",
+    pages: Sequence[str] = (),
 ) -> None:
     """Write ``folder/index.html``: one offline page (plotly.js inlined once) with the run's
     summary, ``grid`` (click a head), and per head its metrics in each of ``stages`` (name ->
     one row per head), its attention in each stage of ``samples`` (same order) and its
-    ``curves``; ``figures`` below, and links to the folder's other files."""
+    ``curves``; ``figures`` below, and links to the folder's other files and to ``pages``
+    (paths inside the folder, such as a subfolder's page)."""
     n_layers, n_heads = shape
     sequences, packed = _page_patterns(model, samples)
     names = [f"L{layer}H{head}" for layer in range(n_layers) for head in range(n_heads)]
@@ -156,7 +158,8 @@ def _write_page(
             p.name
             for p in folder.iterdir()
             if p.name != PAGE and p.is_file() and not p.name.startswith(".")
-        ),
+        )
+        + list(pages),
     }
     from plotly.offline import get_plotlyjs
 
