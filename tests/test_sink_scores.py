@@ -3,6 +3,8 @@ against a brute force from ``transformers``' eager attention, on a tiny BLOOM an
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -158,3 +160,53 @@ def test_sink_rate_refuses_what_it_cannot_answer_exactly(tiny_model):
         sink_rate(census.iloc[:0])
     with pytest.raises(InvalidArgumentError, match="sink_eps must be"):
         HeadStats(tiny_model, sink_eps=-1)
+
+
+# --- the classify tool: --preset gu, --sink-eps, heads.csv, the summary and the page ------------
+
+
+def test_classify_preset_gu_writes_both_scores(bloom_dir, tmp_path, capsys, monkeypatch):
+    from choreographer.browsers.chromium import Chromium
+    from conftest import TEXT
+
+    from headsurgeon.cli.classify import main
+
+    monkeypatch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kwargs: None))
+    (tmp_path / "text.txt").write_text(TEXT)
+    argv = [str(bloom_dir), "--texts", str(tmp_path / "text.txt"), "--preset", "gu"]
+    assert main([*argv, "--n-seqs", "6", "--out", str(tmp_path / "six")]) == 0  # explicit wins
+    printed = capsys.readouterr().out
+    assert "sink rate (Gu et al.): " in printed
+    assert (
+        "over 6 sequences x 64 tokens (Gu et al.'s protocol is 100 x 64 tokens, eps 0.3" in printed
+    )
+    assert "AHON-LN (Sandoval-Segura et al." in printed
+    heads = pd.read_csv(tmp_path / "six" / "heads.csv")
+    meta = json.loads((tmp_path / "six" / "heads.json").read_text())
+    assert (
+        {"sink_share", "ahon_ln"}
+        <= set(heads.columns)
+        <= set(meta["columns"])
+        | {
+            "label",
+            "reason",
+        }
+    )
+    assert (meta["metadata"]["n_seqs"], meta["metadata"]["seq_len"]) == (6, 64)
+    assert meta["metadata"]["sink_eps"] == 0.3
+    census = heads.copy()
+    census.attrs["sink_eps"] = meta["metadata"]["sink_eps"]
+    rate = f"{sink_rate(census):.2%} of (sequence, head) pairs have sink_score alpha_0 > 0.3"
+    assert rate in printed
+    page = (tmp_path / "six" / "index.html").read_text()
+    assert '"ahon_ln":' in page and '"sink_share":' in page and "sink rate (Gu et al.)" in page
+
+
+def test_classify_sink_eps_outside_0_1_is_one_line_before_any_model(tmp_path, capsys, no_model):
+    from conftest import error_line
+
+    from headsurgeon.cli.classify import main
+
+    line = error_line(main, ["organism", "--sink-eps", "1.5", "--out", tmp_path / "x"], capsys)
+    assert line == "error: --sink-eps must be a finite number >= 0 and <= 1, got 1.5"
+    assert not (tmp_path / "x").exists()

@@ -7,6 +7,11 @@ head's :func:`headsurgeon.importance.head_importance` on the same sequences (mer
 columns: the labels stay as they are); prints :func:`headsurgeon.reports.format_summary` and
 writes :func:`headsurgeon.reports.write_classification` (``--help`` lists the options).
 
+``--preset gu`` sets the census to Gu et al.'s sink-rate protocol
+(:data:`headsurgeon.census.GU_PROTOCOL`: ``--n-seqs 100 --seq-len 64 --sink-eps 0.3``) as
+defaults: options given explicitly win, and the summary says where the run differs from the
+protocol.
+
 Several models (``python -m headsurgeon.classify bloom-560m bloom-1b7 bloom-3b``) are classified
 in turn on the same options, one in memory at a time, and written together by
 :func:`headsurgeon.reports.write_cross_scale`: one folder per model and the paper's cross-scale
@@ -27,7 +32,7 @@ from torch import Tensor
 
 from headsurgeon import plots
 from headsurgeon.backend import Model
-from headsurgeon.census import run_census
+from headsurgeon.census import GU_PROTOCOL, run_census
 from headsurgeon.classify import Thresholds, classify_heads
 from headsurgeon.cli import (
     ArgumentParser,
@@ -52,6 +57,7 @@ from headsurgeon.reports import (
     write_classification,
     write_cross_scale,
 )
+from headsurgeon.validation import check_number
 
 __all__ = [
     "main",
@@ -59,6 +65,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# --preset NAME: census settings (argparse destinations) that become the options' defaults.
+PRESETS = {"gu": dict(GU_PROTOCOL)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,6 +87,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     census_args.add_argument(
         "--batch-size", type=positive_int, default=8, help="sequences per forward"
+    )
+    census_args.add_argument(
+        "--sink-eps",
+        type=float,
+        default=GU_PROTOCOL["sink_eps"],
+        help="Gu et al.'s epsilon: a head is a sink in a sequence when its sink_score there "
+        "exceeds it (the sink_share column, the sink rate of the summary; default 0.3)",
+    )
+    census_args.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="gu: Gu et al.'s sink-rate protocol as the defaults of --n-seqs 100 --seq-len 64 "
+        "--sink-eps 0.3 (options given explicitly win)",
     )
     census_args.add_argument(
         "--importance",
@@ -106,7 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--top", type=non_negative_int, default=10, help="sinks listed in the summary"
     )
     args = parser.parse_args(argv)
+    if args.preset:  # the preset's values as defaults; what the command line says wins
+        parser.set_defaults(**PRESETS[args.preset])
+        args = parser.parse_args(argv)
     _check_importance_args(parser, args)
+    check_number(args.sink_eps, "--sink-eps", low=0, high=1)
 
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
     formats = figure_formats(args)  # --format svg/pdf without a browser: fail before the census
@@ -157,6 +183,7 @@ def _classify(
         n_seqs=len(tokens),
         min_query_pos=args.min_query_pos,
         prepend_bos=args.prepend_bos,
+        sink_eps=args.sink_eps,
     )
     census.attrs["data"] = describe(args.texts)  # the files, not "token tensor of shape"
     census.attrs["bos_rule"] = position_zero(model, args.texts, tokens, args.prepend_bos)[1]
