@@ -210,3 +210,32 @@ def test_classify_sink_eps_outside_0_1_is_one_line_before_any_model(tmp_path, ca
     line = error_line(main, ["organism", "--sink-eps", "1.5", "--out", tmp_path / "x"], capsys)
     assert line == "error: --sink-eps must be a finite number >= 0 and <= 1, got 1.5"
     assert not (tmp_path / "x").exists()
+
+
+def test_the_summary_names_gu_protocol_when_the_run_follows_it():
+    from headsurgeon.classify import classify_heads
+    from headsurgeon.reports import format_summary
+
+    census = pd.DataFrame(
+        {
+            "layer": [0, 0, 1, 1],
+            "head": [0, 1, 0, 1],
+            "bos_mass": [0.1, 0.6, 0.2, 0.3],
+            "bos_mass_std": [0.0] * 4,
+            "entropy": [1.0] * 4,
+            "output_share": [0.3] * 4,
+            "sink_share": [0.0, 0.9, 0.1, 0.0],
+            "ahon_ln": [1.2, 0.05, 1.0, 1.0],
+        }
+    )
+    census.attrs = {"n_seqs": 100, "seq_len": 64, "sink_eps": 0.3}
+    summary = format_summary(classify_heads(census))
+    assert (
+        "sink rate (Gu et al.): 25.00% of (sequence, head) pairs have sink_score alpha_0 > 0.3, "
+        "over 100 sequences x 64 tokens (Gu et al.'s protocol)"
+    ) in summary
+    assert "low = inactive): lowest L0H1 0.050, L1H0 1.000" in summary
+    census.attrs["sink_eps"] = 0.5
+    assert "(Gu et al.'s protocol is 100 x 64 tokens, eps 0.3: --preset gu)" in format_summary(
+        classify_heads(census)
+    )
