@@ -37,7 +37,9 @@ if TYPE_CHECKING:
         mitigation as mitigation,
     )
     from headsurgeon.census import (
+        GU_PROTOCOL as GU_PROTOCOL,
         run_census as run_census,
+        sink_rate as sink_rate,
     )
     from headsurgeon.checkpoints import (
         checkpoint_dtype as checkpoint_dtype,

@@ -3,6 +3,10 @@
 Exports:
     COLUMNS                         the census columns and what each one means
     run_census(model, data, ...)    pandas DataFrame, one row per head, run metadata in ``attrs``
+    GU_PROTOCOL                     Gu et al.'s sink-rate protocol as census settings:
+                                    ``run_census(model, **GU_PROTOCOL)``
+    sink_rate(census, eps)          Gu et al.'s sink rate: the share of heads that are sinks,
+                                    per sequence, averaged over sequences
 
 The census streams the data through the model with forward hooks (:mod:`headsurgeon.probes`): each
 layer's attention pattern is reduced to per-head float64 sums as soon as it exists, no activation
@@ -15,20 +19,29 @@ position 0 holds the BOS token and ``df.attrs["bos_rule"]`` the rule that put it
 (:func:`headsurgeon.data.position_zero`). Per-query metrics average query rows
 ``t >= min_query_pos``: the default 1 drops row 0, which can only attend to position 0 and so adds
 ``1/seq_len`` of BOS mass to every head; ``min_query_pos=0`` reproduces the paper's metric.
+
+Two columns follow other papers' definitions exactly (sources and differences in
+``docs/tools/classify.md``, "Standard scores"): ``sink_score``/``sink_share`` (Gu et al., ICLR
+2025, github.com/sail-sg/Attention-Sink) and ``ahon_ln`` (Sandoval-Segura et al., ICLR 2026,
+github.com/psandovalsegura/inactive-heads).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
 from torch import Tensor
 
 from headsurgeon.backend import Model, check_model
+from headsurgeon.classify import require_columns
 from headsurgeon.data import Data, describe, position_zero, to_sequences
-from headsurgeon.errors import DataError
+from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.loading import model_info
 from headsurgeon.long_context import max_length
@@ -38,6 +51,8 @@ from headsurgeon.validation import check_int, check_number
 __all__ = [
     "COLUMNS",
     "run_census",
+    "GU_PROTOCOL",
+    "sink_rate",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,6 +64,8 @@ COLUMNS: dict[str, str] = {
     "bos_mass": "mean attention weight A[t, 0] on position 0, over query rows t >= min_query_pos",
     "bos_mass_std": "standard deviation across sequences of each sequence's BOS mass",
     "sink_score": "Gu et al.'s sink score alpha_0: mean of A[t, 0] over all query rows t >= 0",
+    "sink_share": "share of sequences whose own sink_score exceeds sink_eps (Gu et al.'s sink "
+    "indicator, per sequence; sink_rate is its mean over heads)",
     "entropy": "mean over query rows of the attention entropy -sum_k A ln A (nats)",
     "max_weight": "mean over query rows of the largest weight (Voita et al.'s confidence)",
     "mean_distance": "mean over query rows of the weighted distance sum_k A[t, k] (t - k), tokens",
@@ -56,6 +73,9 @@ COLUMNS: dict[str, str] = {
     "prev_mass": "mean attention weight A[t, t - 1] on the previous token",
     "output_norm": "mean over positions of the norm of the head's write z_h W_O[h] (no bias)",
     "output_share": "output_norm over the mean norm of the whole attention layer's write (no b_O)",
+    "ahon_ln": "Sandoval-Segura et al.'s AHON-LN: per sequence, the head's mean norm of z (its "
+    "output before W_O) over every position, over the mean of that across the layer's heads; "
+    "mean over sequences",
     "reach": "smallest distance d whose mean attention mass on keys at distance >= d (position 0 "
     "left out), over query rows t >= d + 1, is at most reach_eps; inf: none within the sequence",
 }
@@ -96,6 +116,7 @@ def run_census(
     prepend_bos: bool | None = None,
     block_size: int | None = None,
     reach_eps: float = 0.01,
+    sink_eps: float = 0.3,
     progress: bool = True,
 ) -> pd.DataFrame:
     """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
@@ -126,10 +147,20 @@ def run_census(
     is left out because a sink's mass there says nothing about distance: a head whose mean
     weight on position 0 (over rows from 1) is at least ``1 - reach_eps`` has reach 0.
 
+    ``sink_share`` is the share of sequences in which the head's own ``sink_score`` exceeds
+    ``sink_eps`` (default Gu et al.'s ε = 0.3): :func:`sink_rate` averages it over heads, which is
+    Gu et al.'s sink rate. ``ahon_ln`` is Sandoval-Segura et al.'s inactivity score: per sequence,
+    the head's mean ``‖z‖`` over every position (position 0 included, ``min_query_pos`` does not
+    apply), divided by the mean of the same over the heads of its layer; low values mark heads
+    whose output is small next to their layer's (their inactivity threshold is per sequence, e.g.
+    below 0.1). It reads ``z``, before ``W_O``, as they do: a head whose ``W_O`` slice is zero
+    (pruned, or just re-initialised) keeps its ``ahon_ln``, while ``output_norm`` drops to 0.
+    ``GU_PROTOCOL`` holds Gu et al.'s settings: ``run_census(model, **GU_PROTOCOL)``.
+
     ``df.attrs`` holds the run metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``,
     ``seq_len``, ``prepend_bos`` (position 0 holds the BOS token), ``bos_rule`` (why: the
     tensor as given, or the BOS convention applied to texts), ``min_query_pos``, ``reach_eps``,
-    ``data``, ``dtype``, ``device``, ``positional``.
+    ``sink_eps``, ``data``, ``dtype``, ``device``, ``positional``.
 
     Every hook the census reads (``hook_pattern``, ``hook_z``, ``hook_attn_out``) must fire in
     every layer: a model whose attention does not expose one (OPT's TransformerLens 4.x bridge
@@ -153,6 +184,7 @@ def run_census(
     min_query_pos = check_int(min_query_pos, "min_query_pos", minimum=0)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     reach_eps = check_number(reach_eps, "reach_eps", low=0, high=1)
+    sink_eps = check_number(sink_eps, "sink_eps", low=0, high=1)
     info = model_info(model)
     if not isinstance(data, Tensor):  # a token tensor is used as it is
         _check_rows(seq_len, min_query_pos)  # before tokenising a whole corpus
@@ -173,7 +205,7 @@ def run_census(
             info.train_ctx,
         )
 
-    stats = HeadStats(model, min_query_pos=min_query_pos)
+    stats = HeadStats(model, min_query_pos=min_query_pos, sink_eps=sink_eps)
     stream(
         model,
         tokens,
@@ -211,9 +243,73 @@ def run_census(
         "bos_rule": bos_rule,
         "min_query_pos": min_query_pos,
         "reach_eps": reach_eps,
+        "sink_eps": sink_eps,
         "data": describe(data),
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "device": str(cfg.device),
         "positional": cfg.positional_embedding_type,
     }
     return df
+
+
+# Gu et al. (arXiv:2410.10781; code: github.com/sail-sg/Attention-Sink, eval_sink_open_source.py
+# and pretrain/eval_sink_pretrain.py): 100 sequences of their first 64 tokens, epsilon 0.3.
+GU_PROTOCOL: Mapping[str, Any] = types.MappingProxyType(
+    {"n_seqs": 100, "seq_len": 64, "sink_eps": 0.3}
+)
+
+
+def sink_rate(census: pd.DataFrame, eps: float | None = None) -> float:
+    """Gu et al.'s sink rate of a census: the share of (sequence, head) pairs whose α_0 exceeds ε.
+
+    ``hs.sink_rate(hs.run_census(model, **hs.GU_PROTOCOL))`` is the number Gu et al. ("When
+    Attention Sink Emerges in Language Models", ICLR 2025) report as Sink_1^ε, in their 1-indexed
+    notation: in each sequence, each head's α_0 is its mean attention on position 0 over every
+    query row (row 0 included: the census's ``sink_score`` of that sequence); the head is a sink
+    in that sequence when α_0 > ε (strictly, as their code); the rate is the mean of that
+    indicator over sequences, layers and heads, as a fraction (they print it in percent). That
+    is the mean over heads of the census's ``sink_share``, which the census counted at its
+    ``sink_eps``.
+
+    It is not the share of heads whose mean ``sink_score`` exceeds ε: a head that is a sink in
+    half the sequences counts one half here. Nor does it use ``bos_mass``, whose rows start at
+    ``min_query_pos`` (1 by default: row 0 puts its whole weight on position 0 in every head).
+    With Gu's protocol (:data:`GU_PROTOCOL`) the census differs from their script in the data
+    only: windows of the given texts (default: the bundled held-out corpora, spread over the
+    whole text) rather than the first 64 tokens of 100 documents of their validation set, and
+    position 0 follows the model's BOS convention, as their tokenizers' defaults did.
+
+    ``eps`` (default: the census's ``sink_eps``) must be the threshold the census counted at:
+    another one cannot be answered exactly from a census, which keeps no per-sequence values,
+    and raises :class:`~headsurgeon.errors.InvalidArgumentError` naming the census to run.
+
+    >>> census = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1],
+    ...                        "sink_share": [1.0, 0.5, 0.0, 0.0]})
+    >>> census.attrs["sink_eps"] = 0.3
+    >>> sink_rate(census)
+    0.375
+    >>> sink_rate(census, eps=0.5)
+    Traceback (most recent call last):
+    headsurgeon.errors.InvalidArgumentError: this census counted sinks at sink_eps=0.3, not 0.5; ...
+    """
+    require_columns(census, ["sink_share"])
+    if eps is not None:
+        eps = check_number(eps, "eps", low=0, high=1)
+    counted = census.attrs.get("sink_eps")
+    if counted is None:
+        raise InvalidArgumentError(
+            "the census does not record the sink_eps it counted sinks at (a table read back "
+            "from a file has no attrs); set census.attrs['sink_eps'] from heads.json's metadata, "
+            "or pass what run_census returns"
+        )
+    if eps is not None and not math.isclose(eps, counted, rel_tol=0, abs_tol=1e-12):
+        raise InvalidArgumentError(
+            f"this census counted sinks at sink_eps={counted:g}, not {eps:g}; the rate at "
+            f"{eps:g} needs run_census(..., sink_eps={eps:g})"
+        )
+    shares = census["sink_share"].to_numpy(dtype=float)
+    if not len(shares) or not np.isfinite(shares).all():
+        raise InvalidArgumentError(
+            "the census's sink_share column is empty or not finite; pass what run_census returns"
+        )
+    return float(shares.mean())

@@ -111,6 +111,7 @@ def classify_sequences(
     batch_size: int = 8,
     min_query_pos: int = 1,
     prepend_bos: bool | None = None,
+    sink_eps: float = 0.3,
     progress: bool = True,
 ) -> pd.DataFrame:
     r"""The classify tool's measurement of one corpus: census, labels and (``importance``: one of
@@ -121,7 +122,7 @@ def classify_sequences(
     "token tensor". Returns :func:`headsurgeon.classify_heads`' table, with
     :func:`headsurgeon.head_importance`'s columns merged in when ``importance`` is given
     (:func:`headsurgeon.importance.with_importance`). ``thresholds``: the labels' (default
-    ``Thresholds()``).
+    ``Thresholds()``); ``sink_eps``: the census's (:func:`headsurgeon.run_census`).
     """
     census = run_census(
         model,
@@ -130,6 +131,7 @@ def classify_sequences(
         n_seqs=len(tokens),
         min_query_pos=min_query_pos,
         prepend_bos=prepend_bos,
+        sink_eps=sink_eps,
         progress=progress,
     )
     census.attrs["data"] = describe(data)  # the files, not "token tensor of shape"
@@ -160,6 +162,7 @@ def compare_corpora(
     n_seqs: int = 64,
     min_query_pos: int = 1,
     prepend_bos: bool | None = None,
+    sink_eps: float = 0.3,
     progress: bool = True,
 ) -> pd.DataFrame:
     """Every head of ``model`` on each corpus: one row per head per corpus.
@@ -201,6 +204,7 @@ def compare_corpora(
             importance=importance,
             batch_size=batch_size,
             min_query_pos=min_query_pos,
+            sink_eps=sink_eps,
             prepend_bos=prepend_bos,
             progress=progress,
         )

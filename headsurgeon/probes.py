@@ -55,7 +55,7 @@ from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import model_info
 from headsurgeon.long_context import FORWARD_BYTES_PER_ENTRY
 from headsurgeon.progress import tqdm
-from headsurgeon.validation import check_int
+from headsurgeon.validation import check_int, check_number
 
 __all__ = [
     "PATTERN_STATS",
@@ -85,8 +85,14 @@ PATTERN_STATS = (
     "self_mass",
     "prev_mass",
 )
-# Head statistics HeadStats accumulates: the pattern statistics, then each head's write norm.
-HEAD_STATS = (*PATTERN_STATS, "output_norm")
+# What HeadStats sums over the rows (positions) of a sequence: the pattern statistics, each
+# head's write norm ‖z W_O‖ (rows from min_query_pos) and the norm ‖z‖ of its output before W_O
+# (every position: Sandoval-Segura et al. average over all tokens, the first one included).
+ROW_STATS = (*PATTERN_STATS, "output_norm", "head_norm")
+# Per-sequence statistics HeadStats accumulates over sequences: the row means, except that the
+# mean ‖z‖ becomes AHON-LN (over its layer's mean across heads, in the same sequence), and Gu et
+# al.'s per-sequence sink indicator (sink_score > sink_eps).
+HEAD_STATS = (*PATTERN_STATS, "output_norm", "ahon_ln", "sink_share")
 # The hooks HeadStats reads in each layer (``blocks.{layer}.`` + name).
 HEAD_HOOKS = ("attn.hook_pattern", "attn.hook_z", "hook_attn_out")
 
@@ -309,7 +315,9 @@ def _accumulator_dtype(device: torch.device) -> torch.dtype:
 
 
 class HeadStats:
-    """Per-head running sums of :data:`PATTERN_STATS` and write norms, fed by forward hooks.
+    """Per-head running sums of :data:`PATTERN_STATS`, write norms and the two standard scores
+    (Gu et al.'s per-sequence sink indicator, Sandoval-Segura et al.'s AHON-LN), fed by forward
+    hooks.
 
     For every layer and head it keeps, over sequences, the sum and sum of squares of each
     per-sequence statistic, plus each layer's total attention write norm
@@ -334,11 +342,20 @@ class HeadStats:
     Pooled over every row of every sequence, each head's attention mass by distance
     (:func:`distance_sums`, O(T) per head) gives :meth:`far_mass` (the mean mass at distance
     ``d`` or more, by ``d``) and :meth:`reach` (the census's ``reach``).
+
+    Two statistics are taken per sequence once its last block is in, from that sequence's means:
+    ``sink_share`` adds 1 when its ``sink_score`` (α_0 of that sequence) exceeds ``sink_eps``
+    (Gu et al.'s indicator, thresholded per sequence as their code does), so its mean is the
+    share of sequences in which the head is a sink; ``ahon_ln`` adds the head's mean ``‖z‖`` over
+    every position of the sequence divided by the mean of that over the layer's heads
+    (Sandoval-Segura et al.'s AHON-LN; NaN for a sequence where every head of the layer outputs
+    exactly 0). Neither keeps anything per sequence beyond the batch in progress.
     """
 
-    def __init__(self, model: Model, *, min_query_pos: int = 1):
+    def __init__(self, model: Model, *, min_query_pos: int = 1, sink_eps: float = 0.3):
         self.model = model
         self.min_query_pos = min_query_pos
+        self.sink_eps = check_number(sink_eps, "sink_eps", low=0, high=1)
         self.device = torch.device(model.cfg.device or "cpu")
         self.reset()
 
@@ -370,11 +387,23 @@ class HeadStats:
             return
         self._batch[layer] = None
         rows = torch.tensor(batch.rows, dtype=self.sums.dtype, device=self.sums.device)
-        means = batch.sums / rows.clamp(min=1)[:, None, None]
-        self.sums[:, layer] += means.sum(1)
-        self.squares[:, layer] += means.square().sum(1)
-        self.layer_write[layer] += (batch.layer_write / max(rows[-1].item(), 1)).sum()
+        means = batch.sums / rows.clamp(min=1)[:, None, None]  # [ROW_STATS, batch, head]
+        per_sequence = self._per_sequence(means)
+        self.sums[:, layer] += per_sequence.sum(1)
+        self.squares[:, layer] += per_sequence.square().sum(1)
+        written = rows[ROW_STATS.index("output_norm")].item()
+        self.layer_write[layer] += (batch.layer_write / max(written, 1)).sum()
         self.counts[layer] += means.shape[1]
+
+    def _per_sequence(
+        self, means: Float[Tensor, "stat batch head_index"]
+    ) -> Float[Tensor, "stat batch head_index"]:
+        """:data:`HEAD_STATS` of each finished sequence from its :data:`ROW_STATS` means."""
+        norms = means[ROW_STATS.index("head_norm")]
+        ahon_ln = norms / norms.mean(-1, keepdim=True)  # 0 / 0 (a silent layer): NaN
+        sink = means[PATTERN_STATS.index("sink_score")] > self.sink_eps  # strict, as Gu's code
+        kept = means[: ROW_STATS.index("output_norm") + 1]
+        return torch.cat([kept, ahon_ln[None], sink[None].to(means.dtype)])
 
     def _arrive(self, layer: int, name: str, value: Any) -> None:
         """Keep one hook's values for ``layer``'s current block; add the block once all are in."""
@@ -392,10 +421,11 @@ class HeadStats:
         self,
         layer: int,
         pattern: tuple[Tensor, list[int], int, int],
-        writes: Tensor,
+        head_outputs: tuple[Tensor, Tensor],
         layer_write: Tensor,
     ) -> None:
         sums, rows, offset, n_keys = pattern
+        writes, head_norms = head_outputs
         if offset == 0:
             self._flush(layer)  # a new batch of sequences
         batch = self._batch[layer]
@@ -409,9 +439,11 @@ class HeadStats:
         first = _rows(writes.shape[1], offset, self.min_query_pos)
         batch.sums[: len(PATTERN_STATS)] += sums
         batch.sums[len(PATTERN_STATS)] += writes[:, first:].sum(1).to(self.sums.dtype)
+        batch.sums[len(PATTERN_STATS) + 1] += head_norms.sum(1).to(self.sums.dtype)
         batch.layer_write += layer_write[:, first:].sum(-1).to(self.sums.dtype)
-        n_written = writes.shape[1] - first
-        batch.rows = [r + n for r, n in zip(batch.rows, [*rows, n_written], strict=True)]
+        n_written, n_rows = writes.shape[1] - first, head_norms.shape[1]
+        added = [*rows, n_written, n_rows]
+        batch.rows = [r + n for r, n in zip(batch.rows, added, strict=True)]
         batch.offset, batch.next_offset = offset, n_keys
 
     def _pattern_hook(self, pattern: Tensor, hook: HookPoint) -> None:
@@ -440,7 +472,8 @@ class HeadStats:
             with resident(self.model.blocks[layer].attn) as attn:
                 self._grams[layer] = _gram(attn.W_O, z.device)
         writes = _norms_from_gram(z, self._grams[layer]).to(self.sums.device)
-        self._arrive(layer, "attn.hook_z", writes)
+        head_norms = z.float().norm(dim=-1).to(self.sums.device)  # [batch, pos, head]
+        self._arrive(layer, "attn.hook_z", (writes, head_norms))
 
     def _attn_out_hook(self, out: Tensor, hook: HookPoint) -> None:
         with resident(self.model.blocks[hook.layer()].attn) as attn:
@@ -562,7 +595,7 @@ def check_fired(model: Model, analysis: str, counts: dict[str, Sequence[int]]) -
 class _Batch:
     """One layer's sums over the rows seen so far of the batch of sequences in progress."""
 
-    sums: Tensor  # [HEAD_STATS, batch, head]: sums over rows (write norms over positions)
+    sums: Tensor  # [ROW_STATS, batch, head]: sums over rows (norms over positions)
     rows: list[int]  # rows (positions) each statistic summed
     layer_write: Tensor  # [batch]: the layer's write norm summed over positions
     offset: int  # query position of the current block's first row
@@ -570,8 +603,8 @@ class _Batch:
 
     @classmethod
     def empty(cls, n_seqs: int, like: Tensor) -> _Batch:
-        sums = like.new_zeros(len(HEAD_STATS), n_seqs, like.shape[-1])
-        return cls(sums, [0] * len(HEAD_STATS), like.new_zeros(n_seqs), 0, 0)
+        sums = like.new_zeros(len(ROW_STATS), n_seqs, like.shape[-1])
+        return cls(sums, [0] * len(ROW_STATS), like.new_zeros(n_seqs), 0, 0)
 
 
 def stream(

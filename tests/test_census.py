@@ -35,6 +35,8 @@ def reference_census(model, tokens, min_query_pos=1):
         W_O = head_weight(model, layer, "W_O").detach().double()
         writes = torch.einsum("bphd,hdm->bphm", z, W_O)  # [seq, pos, head, d_model]
         layer_norm = writes.sum(2).norm(dim=-1)[:, min_query_pos:].mean()
+        head_norms = z.norm(dim=-1).mean(1)  # [seq, head]: every position (AHON-LN's rule)
+        ahon_ln = (head_norms / head_norms.mean(-1, keepdim=True)).mean(0)
         for head in range(model.cfg.n_heads):
             a = A[:, head]
             per_seq_bos = torch.stack([a[s, min_query_pos:, 0].mean() for s in range(n_seqs)])
@@ -56,6 +58,8 @@ def reference_census(model, tokens, min_query_pos=1):
                 "prev_mass": torch.stack([a[:, t, t - 1] for t in rows if t >= 1]).mean(),
                 "output_norm": norms.mean(),
                 "output_share": norms.mean() / layer_norm,
+                "sink_share": (a[:, :, 0].mean(-1) > 0.3).double().mean(),
+                "ahon_ln": ahon_ln[head],
             }
             for name, value in values.items():
                 out[name][layer, head] = float(value)

@@ -13,6 +13,11 @@ more) are measured in turn on the one model, each exactly as a single-corpus run
 long table, the heads whose label or importance changes between corpora
 (:func:`headsurgeon.domains.corpus_changes`), the difference grids and one page.
 
+``--preset gu`` sets the census to Gu et al.'s sink-rate protocol
+(:data:`headsurgeon.census.GU_PROTOCOL`: ``--n-seqs 100 --seq-len 64 --sink-eps 0.3``) as
+defaults: options given explicitly win, and the summary says where the run differs from the
+protocol.
+
 Several models (``python -m headsurgeon.classify bloom-560m bloom-1b7 bloom-3b``) are classified
 in turn on the same options, one in memory at a time, and written together by
 :func:`headsurgeon.reports.write_cross_scale`: one folder per model and the paper's cross-scale
@@ -35,6 +40,7 @@ from torch import Tensor
 
 from headsurgeon import plots
 from headsurgeon.backend import Model
+from headsurgeon.census import GU_PROTOCOL
 from headsurgeon.classify import Thresholds
 from headsurgeon.cli import (
     ArgumentParser,
@@ -60,6 +66,7 @@ from headsurgeon.reports import (
     write_corpora,
     write_cross_scale,
 )
+from headsurgeon.validation import check_number
 
 __all__ = [
     "main",
@@ -68,6 +75,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# --preset NAME: census settings (argparse destinations) that become the options' defaults.
+PRESETS = {"gu": dict(GU_PROTOCOL)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,6 +97,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     census_args.add_argument(
         "--batch-size", type=positive_int, default=8, help="sequences per forward"
+    )
+    census_args.add_argument(
+        "--sink-eps",
+        type=float,
+        default=GU_PROTOCOL["sink_eps"],
+        help="Gu et al.'s epsilon: a head is a sink in a sequence when its sink_score there "
+        "exceeds it (the sink_share column, the sink rate of the summary; default 0.3)",
+    )
+    census_args.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="gu: Gu et al.'s sink-rate protocol as the defaults of --n-seqs 100 --seq-len 64 "
+        "--sink-eps 0.3 (options given explicitly win)",
     )
     census_args.add_argument(
         "--importance",
@@ -115,7 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--top", type=non_negative_int, default=10, help="sinks listed in the summary"
     )
     args = parser.parse_args(argv)
+    if args.preset:  # the preset's values as defaults; what the command line says wins
+        parser.set_defaults(**PRESETS[args.preset])
+        args = parser.parse_args(argv)
     _check_importance_args(parser, args)
+    check_number(args.sink_eps, "--sink-eps", low=0, high=1)
 
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
     formats = figure_formats(args)  # --format svg/pdf without a browser: fail before the census
@@ -191,6 +218,7 @@ def _classify_texts(
         batch_size=args.batch_size,
         min_query_pos=args.min_query_pos,
         prepend_bos=args.prepend_bos,
+        sink_eps=args.sink_eps,
     )
     return classified, tokens
 

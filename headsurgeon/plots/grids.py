@@ -48,6 +48,7 @@ METRICS = {
     "bos_mass": ("BOS mass", (0.0, 1.0)),
     "bos_mass_std": ("BOS mass std", None),
     "sink_score": ("sink score α₀", (0.0, 1.0)),
+    "sink_share": ("sink share (sequences with α₀ > ε)", (0.0, 1.0)),
     "entropy": ("entropy (nats)", None),
     "max_weight": ("max weight", (0.0, 1.0)),
     "mean_distance": ("mean distance (tokens)", None),
@@ -55,6 +56,7 @@ METRICS = {
     "prev_mass": ("previous-token mass", (0.0, 1.0)),
     "output_norm": ("output norm", None),
     "output_share": ("output share", None),
+    "ahon_ln": ("AHON-LN (|z| / layer mean)", None),
     "slope": ("ALiBi slope", None),
 }
 HOVER_SKIP = ("layer", "head", "label", "reason")

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from headsurgeon import plots
 from headsurgeon.backend import Model
-from headsurgeon.census import COLUMNS
+from headsurgeon.census import COLUMNS, GU_PROTOCOL, sink_rate
 from headsurgeon.classify import (
     NEAR,
     label_heads,
@@ -107,6 +107,7 @@ def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
         f"sensitivity: {near} head(s) have BOS mass within {NEAR} of the sink threshold; "
         f"sick count {fewest}-{most} for sink thresholds {low:.2f}-{high:.2f}"
     )
+    lines += _standard_score_lines(classified)
     per_layer = pd.crosstab(classified["layer"], classified["label"])
     per_layer = per_layer.reindex(columns=list(LABELS), fill_value=0).join(
         classified.groupby("layer").agg(
@@ -126,6 +127,36 @@ def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
     if _has_importance(classified):
         lines += ["", *_importance_lines(classified, top)]
     return "\n".join(lines)
+
+
+def _standard_score_lines(classified: pd.DataFrame, lowest: int = 5) -> list[str]:
+    """The summary's lines on the literature's scores: Gu et al.'s sink rate with its threshold
+    and protocol, and the heads of lowest AHON-LN (none for a table without the columns)."""
+    lines = []
+    attrs = classified.attrs
+    if "sink_share" in classified.columns and "sink_eps" in attrs:
+        eps, n_seqs, seq_len = attrs["sink_eps"], attrs.get("n_seqs"), attrs.get("seq_len")
+        gu = GU_PROTOCOL
+        ours = {"n_seqs": n_seqs, "seq_len": seq_len, "sink_eps": eps}
+        protocol = (
+            "Gu et al.'s protocol"
+            if ours == dict(gu)
+            else f"Gu et al.'s protocol is {gu['n_seqs']} x {gu['seq_len']} tokens, eps "
+            f"{gu['sink_eps']:g}: --preset gu"
+        )
+        lines.append(
+            f"sink rate (Gu et al.): {sink_rate(classified):.2%} of (sequence, head) pairs have "
+            f"sink_score alpha_0 > {eps:g}, over {n_seqs} sequences x {seq_len} tokens "
+            f"({protocol})"
+        )
+    if "ahon_ln" in classified.columns:
+        quiet = classified.nsmallest(lowest, "ahon_ln")
+        names = ", ".join(f"L{r.layer}H{r.head} {r.ahon_ln:.3f}" for r in quiet.itertuples())
+        lines.append(
+            "AHON-LN (Sandoval-Segura et al.: mean |z| of a head over its layer's mean, per "
+            f"sequence; low = inactive): lowest {names}"
+        )
+    return lines
 
 
 def _has_importance(df: pd.DataFrame) -> bool:
