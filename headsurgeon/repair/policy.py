@@ -216,7 +216,8 @@ def redistribution_summary(
 ) -> dict[str, dict[str, dict[str, object]]]:
     """Per arm and metric of a :func:`redistribution` table: ``mean_abs`` (mean |delta| over
     the heads), ``max_abs``, ``beyond`` (heads whose |delta| exceeds ``threshold``, the drift
-    criterion) and ``largest`` (the ``top`` heads by |delta|, ``{name: delta}``).
+    criterion, applied to both metrics) and ``largest`` (the ``top`` heads by |delta|, those that
+    moved at all, ``{name: delta}``).
 
     >>> table = pd.DataFrame({"name": ["L0H1", "L0H2"], "d_bos_mass_repaired": [0.1, -0.3],
     ...                       "d_output_share_repaired": [0.0, 0.02]})
@@ -229,7 +230,8 @@ def redistribution_summary(
         summary[arm] = {}
         for m in MOVED:
             delta = table.set_index("name")[f"d_{m}_{arm}"].astype(float)
-            largest = delta.abs().sort_values(ascending=False, kind="stable").index[:top]
+            ranked = delta.abs().sort_values(ascending=False, kind="stable")
+            largest = ranked[ranked > 0].index[:top]  # a head that did not move is no mover
             summary[arm][m] = {
                 "mean_abs": float(delta.abs().mean()) if len(delta) else 0.0,
                 "max_abs": float(delta.abs().max()) if len(delta) else 0.0,
