@@ -157,6 +157,7 @@ def main() -> None:
             eval_corpus=bundled_text(corpus, "heldout"),
             passes=1,
             finetune_config=corpus_config,
+            control=False,  # these test domain specialisation; the default repair has a control
             progress=False,
         )
         ppl[f"repaired ({corpus})"] = perplexities(model, sets, seq_len)

@@ -128,6 +128,11 @@ def test_a_finished_run_is_marked_and_resumes_from_its_files(injured, finished, 
             ["holds labels other than"],
         ),
         ("pass1/heads.pt", truncate, ["pass1/heads.pt is not readable"]),
+        (  # the control arm's passes are checked as the repair's are
+            "control1/heads.pt",
+            truncate,
+            ["control1/heads.pt is not readable", "control1 to redo that pass"],
+        ),
         (
             "pass1/heads.pt",
             lambda p: torch.save({"blocks.1.attn.W_Q": torch.zeros(2)}, p),

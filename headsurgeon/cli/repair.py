@@ -1,7 +1,9 @@
 """``python -m headsurgeon.repair`` (also ``headsurgeon-repair``): surgical repair, with a report.
 
 Parses the options, runs :func:`headsurgeon.repair.repair` with the model's recommended
-fine-tuning settings (:func:`~headsurgeon.repair.recommended_config`), keeping finished passes in
+fine-tuning settings (:func:`~headsurgeon.repair.recommended_config`) and its control arm (the
+kept passes' heads retrained without re-initialisation; ``--no-control`` skips it), keeping
+finished passes (and control passes) in
 ``<out>.partial/`` for ``--resume``, and writes :func:`headsurgeon.reports.write_report` on rank 0
 (``--help`` lists the options). Runs data-parallel under ``torchrun``.
 
@@ -127,6 +129,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FRACTION",
         help="a pass raising held-out perplexity by more than this (relative; default "
         f"{MAX_PPL_INCREASE:g}, i.e. +{MAX_PPL_INCREASE:.0%}%; inf: no limit) damaged the model",
+    )
+    surgery.add_argument(
+        "--no-control",
+        dest="control",
+        action="store_false",
+        help="skip the control arm (the kept passes' heads retrained without "
+        "re-initialisation, to show whether re-initialisation is what helped): half the training",
     )
     surgery.add_argument(
         "--max-collateral",
@@ -392,6 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         save_dtype=args.save_dtype,
         max_ppl_increase=args.max_ppl_increase,
         max_collateral=args.max_collateral,
+        control=args.control,
     )
     dist_info = setup_distributed(args.device or "cpu")
     try:

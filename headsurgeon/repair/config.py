@@ -84,6 +84,7 @@ class RepairConfig:
     save_dtype: str | torch.dtype | None = None
     max_ppl_increase: float = MAX_PPL_INCREASE
     max_collateral: int = 0
+    control: bool = True
 
     def __post_init__(self) -> None:
         if self.finetune is not None:
@@ -106,6 +107,7 @@ class RepairConfig:
         # 0.1 = +10%; inf turns the perplexity limit off.
         check_number(self.max_ppl_increase, "max_ppl_increase", low=0, finite=False)
         check_int(self.max_collateral, "max_collateral", minimum=0)
+        check_bool(self.control, "control")
 
 
 # repair()'s setting keywords: RepairConfig's fields, its ``finetune`` as ``finetune_config``.

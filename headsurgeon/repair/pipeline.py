@@ -9,7 +9,9 @@ token sequences once (checked once, however many passes train on them), measure 
 census and perplexities, then pass by pass re-initialise the targets
 (:func:`headsurgeon.surgery.reinit_heads`), train only their slices
 (:func:`headsurgeon.finetune.trainer.finetune_checked`), round them through the save dtype and
-measure again. Every decision (targets, damage, the pass kept) is
+measure again. Then the control arm: the kept passes' targets trained again from the weights
+they had, without re-initialisation (:meth:`_Run.control`). Every decision (targets, damage, the
+pass kept) is
 :mod:`headsurgeon.repair.policy`'s, taken on rank 0 (:func:`headsurgeon.distributed.from_rank0`);
 the work folder is :mod:`headsurgeon.repair.resume`'s.
 """
@@ -174,6 +176,7 @@ def _settings(
         "drift_threshold": config.drift_threshold,
         "max_ppl_increase": config.max_ppl_increase,
         "max_collateral": config.max_collateral,
+        "control": config.control,
         "finetune": dataclasses.asdict(config.finetune),
         "train_data": data.train_desc,
         "train_sequences": list(data.train.shape),
@@ -281,25 +284,30 @@ class _Run:
         current: pd.DataFrame,
         ppl: dict[str, float],
         start: tuple[pd.DataFrame, dict[str, float], HeadSet],
+        arm: str = "pass",
     ) -> PassResult:
-        """Pass ``index`` on ``targets`` (loaded from the work folder when it finished there),
-        judged against ``start``: the first census, its perplexities and the earlier targets."""
+        """Pass ``index`` of ``arm`` on ``targets`` (loaded from the work folder when it
+        finished there), judged against ``start``: the first census, its perplexities and the
+        earlier targets. Arm ``"pass"`` re-initialises the targets first (a repair pass, undone
+        by :meth:`go_back_to`); ``"control"`` trains them as they are."""
         work, model = self.work, self.model
         loaded = (
-            work.load_pass(index, targets, model, self.finetune_config)
+            work.load_pass(index, targets, model, self.finetune_config, arm)
             if work is not None
             else None
         )  # read and checked before the model changes
-        self.undo.append((targets, cpu_head_slices(model, targets)))
+        if arm == "pass":
+            self.undo.append((targets, cpu_head_slices(model, targets)))
         self.snapshot.add_heads(targets)
         if loaded is not None:
             after, record, training, slices = loaded
             load_head_slices(model, targets, slices)
             ppl_after = record["perplexity_after"]
-            logger.info("pass %d: loaded from %s", index, work.pass_dir(index))
+            logger.info("%s %d: loaded from %s", arm, index, work.pass_dir(index, arm))
         else:
-            after, ppl_after, training = self._train_pass(index, targets)
-        self.sample(f"pass {index}")
+            after, ppl_after, training = self._train_pass(index, targets, arm)
+        if arm == "pass":
+            self.sample(f"pass {index}")
         first, first_ppl, earlier = start
         collateral = policy.collateral_damage(first, after, earlier, targets)
         change = policy.perplexity_change(first_ppl, ppl_after)
@@ -321,9 +329,10 @@ class _Run:
             failure=failure,
         )
         if work is not None and loaded is None:
-            work.save_pass(result, model)
+            work.save_pass(result, model, arm)
         logger.info(
-            "pass %d: %d/%d recovered, %d frozen heads drifted, %d turned sick; perplexity %s",
+            "%s %d: %d/%d recovered, %d frozen heads drifted, %d turned sick; perplexity %s",
+            arm,
             index,
             len(result.recovered),
             len(targets),
@@ -332,8 +341,36 @@ class _Run:
             _format_ppl(ppl_after),
         )
         if failure is not None:
-            logger.warning("pass %d damaged the model: %s", index, failure)
+            logger.warning("%s %d damaged the model: %s", arm, index, failure)
         return result
+
+    def control(
+        self, passes: list[PassResult], start: tuple[pd.DataFrame, dict[str, float]]
+    ) -> list[PassResult]:
+        """The control arm of ``passes`` (the kept model's), from the model as given
+        (``start``: its census and perplexities): pass by pass the same targets, data, steps,
+        seed and schedule, without re-initialisation. The model holds the kept model again
+        afterwards; ``patterns["control"]`` is the control model's attention."""
+        model = self.model
+        trained = HeadSet()
+        for p in passes:
+            trained = trained | p.targeted
+        kept = cpu_head_slices(model, trained)
+        for heads, slices in reversed(self.undo):  # every target's weights as given
+            load_head_slices(model, heads, slices)
+        first, first_ppl = start
+        current, ppl, earlier = first, first_ppl, HeadSet()
+        results = []
+        for p in passes:
+            result = self.run_pass(
+                p.index, p.targeted, current, ppl, (first, first_ppl, earlier), arm="control"
+            )
+            results.append(result)
+            current, ppl = result.census_after, result.perplexity_after
+            earlier = earlier | p.targeted
+        self.sample("control")
+        load_head_slices(model, trained, kept)
+        return results
 
     def go_back_to(self, index: int | None) -> None:
         """Undo the passes after pass ``index`` (all of them for None), latest first."""
@@ -343,20 +380,23 @@ class _Run:
             load_head_slices(self.model, heads, slices)
 
     def _train_pass(
-        self, index: int, targets: HeadSet
+        self, index: int, targets: HeadSet, arm: str
     ) -> tuple[pd.DataFrame, dict[str, float], FinetuneResult]:
-        """Re-initialise, fine-tune and round ``targets``; the census and perplexities after."""
-        logger.info(
-            "pass %d: re-initialising and fine-tuning %d heads: %s", index, len(targets), targets
-        )
-        reinit_heads(self.model, targets, init=self.config.init, seed=self.config.seed + index - 1)
+        """Re-initialise (arm ``"pass"`` only), fine-tune and round ``targets``; the census and
+        perplexities after."""
+        reinit = arm == "pass"
+        what = "re-initialising and fine-tuning" if reinit else "fine-tuning (no re-initialisation)"
+        logger.info("%s %d: %s %d heads: %s", arm, index, what, len(targets), targets)
+        if reinit:
+            seed = self.config.seed + index - 1
+            reinit_heads(self.model, targets, init=self.config.init, seed=seed)
         training = finetune_checked(  # _prepare_data checked the sequences
             self.model,
             targets,
             self.data.train,
             eval_data=self.data.eval,
             config=self.finetune_config,
-            checkpoint_dir=self.work.pass_dir(index) if self.work is not None else None,
+            checkpoint_dir=self.work.pass_dir(index, arm) if self.work is not None else None,
             resume=self.resume,
             progress=self.progress,
         )
@@ -384,7 +424,8 @@ def repair(
     as keywords, by the names of its fields, not both: ``passes``, ``init``, ``seed``,
     ``thresholds``, ``census_seq_len``, ``census_n_seqs``, ``min_query_pos``, ``prepend_bos``,
     ``train_seq_len``, ``n_eval_seqs``, ``drift_threshold``, ``save_dtype``,
-    ``max_ppl_increase``, ``max_collateral``, and ``finetune_config`` for its ``finetune``
+    ``max_ppl_increase``, ``max_collateral``, ``control``, and ``finetune_config`` for its
+    ``finetune``
     (``repair(model, passes=1)`` is ``repair(model, config=RepairConfig(passes=1))``). Any other
     keyword is one :class:`~headsurgeon.errors.InvalidArgumentError` line.
 
@@ -415,6 +456,13 @@ def repair(
     the best pass that did no damage, or to its original weights (see :class:`RepairResult`).
     A call that raises (any exception, ``KeyboardInterrupt`` included) gives ``model`` its
     original weights back, bit for bit, and logs one warning saying so.
+
+    ``control`` (default True) adds the control arm (:attr:`RepairResult.control`): after the
+    passes, the kept model's targets are trained again, pass by pass, with the same data,
+    steps, seed and schedule but from their weights as given, without re-initialisation (and
+    without zeroing ``W_O``), and measured like a pass; then ``model`` holds the kept model
+    again. It answers whether re-initialisation is what helped, or retraining the same slices
+    does as well; ``control=False`` skips it (half the training).
 
     With ``work_dir`` each finished pass and fine-tuning checkpoint is kept there;
     ``resume=True`` continues the run it holds (checked file by file; a damaged file is one
@@ -472,6 +520,9 @@ def _run(run: _Run, heads: HeadSet | None, include: HeadSet) -> RepairResult:
     if best != results[-1].index:
         logger.info("keeping the model of %s", f"pass {best}" if best else "no pass (original)")
     run.go_back_to(best)
+    # The control mirrors the kept model's passes; with none kept, every pass that ran.
+    mirrored = results[: best or len(results)]
+    control = run.control(mirrored, (first, first_ppl)) if config.control else None
     return RepairResult(
         model=model,
         passes=results,
@@ -482,6 +533,7 @@ def _run(run: _Run, heads: HeadSet | None, include: HeadSet) -> RepairResult:
         best_pass=best,
         pruned=pruned,
         patterns=run.patterns,
+        control=control,
     )
 
 

@@ -15,6 +15,9 @@ Exports:
                                         their count, the count of each label
     worsened(before, after, targeted)   targets healthy before and sick after
     drifted(before, after, trained, threshold)  untrained heads whose BOS mass moved
+    redistribution(before, arms, trained)  per untrained head, how its BOS mass and output share
+                                        moved in each arm (repaired, control)
+    redistribution_summary(table, ...)  per arm and metric: mean and largest |delta|, top movers
 
 >>> census = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0],
 ...                        "label": ["healthy", "BOS-sink", "dead"]})
@@ -46,6 +49,8 @@ __all__ = [
     "healthy_set",
     "label_counts",
     "perplexity_change",
+    "redistribution",
+    "redistribution_summary",
     "targets",
     "worsened",
 ]
@@ -167,3 +172,70 @@ def collateral_damage(
     """The heads healthy in ``first`` (the census before the first pass), targeted neither by an
     earlier pass nor by this one, and sick in ``after``: the collateral damage of a pass."""
     return healthy_set(first) - healthy_set(after) - earlier - targeted
+
+
+# The two census columns whose redistribution a repair reports: where a head looks (its weight on
+# position 0) and how much it writes (its share of the layer's attention output).
+MOVED = ("bos_mass", "output_share")
+
+
+def redistribution(
+    before: pd.DataFrame, arms: dict[str, pd.DataFrame], trained: HeadSet
+) -> pd.DataFrame:
+    """How the heads outside ``trained`` moved: one row per such head (``layer``, ``head``,
+    ``name``, ``label_before``), for each metric of :data:`MOVED` its value before, and for each
+    arm (``arms``: name -> classified census after, e.g. ``repaired``, ``control``) its value
+    there (``bos_mass_repaired``) and the change (``d_bos_mass_repaired`` = after - before).
+
+    >>> before = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "label": ["healthy"] * 2,
+    ...                        "bos_mass": [0.1, 0.2], "output_share": [0.5, 0.5]})
+    >>> after = before.assign(bos_mass=[0.9, 0.25], output_share=[0.1, 0.4])
+    >>> table = redistribution(before, {"repaired": after}, HeadSet.parse("L0H0"))
+    >>> table[["name", "d_bos_mass_repaired", "d_output_share_repaired"]].round(3).values.tolist()
+    [['L0H1', 0.05, -0.1]]
+    """
+    keys = ["layer", "head"]
+    table = before[[*keys, "label", *MOVED]].rename(
+        columns={"label": "label_before", **{m: f"{m}_before" for m in MOVED}}
+    )
+    for arm, after in arms.items():
+        table = table.merge(
+            after[[*keys, *MOVED]].rename(columns={m: f"{m}_{arm}" for m in MOVED}), on=keys
+        )
+        for m in MOVED:
+            table[f"d_{m}_{arm}"] = table[f"{m}_{arm}"] - table[f"{m}_before"]
+    pairs = zip(table["layer"].tolist(), table["head"].tolist(), strict=True)
+    frozen = [pair not in trained for pair in pairs]
+    table = table[frozen].sort_values(keys).reset_index(drop=True)
+    table.insert(2, "name", [f"L{r.layer}H{r.head}" for r in table.itertuples()])
+    return table
+
+
+def redistribution_summary(
+    table: pd.DataFrame, arms: Sequence[str], threshold: float, top: int = 3
+) -> dict[str, dict[str, dict[str, object]]]:
+    """Per arm and metric of a :func:`redistribution` table: ``mean_abs`` (mean |delta| over
+    the heads), ``max_abs``, ``beyond`` (heads whose |delta| exceeds ``threshold``, the drift
+    criterion, applied to both metrics) and ``largest`` (the ``top`` heads by |delta|, those that
+    moved at all, ``{name: delta}``).
+
+    >>> table = pd.DataFrame({"name": ["L0H1", "L0H2"], "d_bos_mass_repaired": [0.1, -0.3],
+    ...                       "d_output_share_repaired": [0.0, 0.02]})
+    >>> summary = redistribution_summary(table, ["repaired"], 0.05, top=1)
+    >>> summary["repaired"]["bos_mass"]
+    {'mean_abs': 0.2, 'max_abs': 0.3, 'beyond': 2, 'largest': {'L0H2': -0.3}}
+    """
+    summary: dict[str, dict[str, dict[str, object]]] = {}
+    for arm in arms:
+        summary[arm] = {}
+        for m in MOVED:
+            delta = table.set_index("name")[f"d_{m}_{arm}"].astype(float)
+            ranked = delta.abs().sort_values(ascending=False, kind="stable")
+            largest = ranked[ranked > 0].index[:top]  # a head that did not move is no mover
+            summary[arm][m] = {
+                "mean_abs": float(delta.abs().mean()) if len(delta) else 0.0,
+                "max_abs": float(delta.abs().max()) if len(delta) else 0.0,
+                "beyond": int((delta.abs() > threshold).sum()),
+                "largest": {name: float(delta[name]) for name in largest},
+            }
+    return summary

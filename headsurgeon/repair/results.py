@@ -4,8 +4,9 @@ Exports:
     PassResult                          one pass: targets, recoveries, drift, collateral damage,
                                         perplexities, censuses and why it counts as damage
     RepairResult                        the whole run: the passes, the pass kept, the verdict
-                                        (``failed``, ``worse``, ``incomplete``, ``ok``) and
-                                        ``to_dict()``, the content of ``report.json``
+                                        (``failed``, ``worse``, ``incomplete``, ``ok``), the
+                                        control arm, the redistribution and ``to_dict()``, the
+                                        content of ``report.json``
 
 The rules behind the verdicts (damage, the best pass, each head's failure) are
 :mod:`headsurgeon.repair.policy`'s.
@@ -129,8 +130,20 @@ class RepairResult:
     (``{"mean": ..., "zero": ...}``: their ``z`` mean- or zero-ablated), the alternative the
     surgery paper argues against; :meth:`prune_vs_repair` sets them beside the repair.
     ``patterns``: every head's attention on the first positions of the first census sequence
-    (:func:`headsurgeon.probes.sample_patterns`) before the first pass (``"before"``) and after
-    each pass (``"pass 1"``, ...), for the report page's before / after view.
+    (:func:`headsurgeon.probes.sample_patterns`) before the first pass (``"before"``), after
+    each pass (``"pass 1"``, ...) and of the control model (``"control"``), for the report
+    page's before / after view.
+
+    ``control`` (None when the run skipped it, ``control=False``): the control arm, one
+    :class:`PassResult` per pass of the kept model (every pass run when none is kept). Control
+    pass ``i`` trains pass ``i``'s targets with the same data, steps, seed and schedule, but
+    from their weights as they were (no re-initialisation, ``W_O`` not zeroed), starting from
+    the model as given; its census, perplexities, recoveries, drift and damage are measured as
+    a repair pass's are (damage does not stop it: it is a comparison, never the model kept).
+    :meth:`control_summary` and :meth:`prune_vs_repair` set it beside the repair: whether
+    re-initialisation is what helped, or retraining the same slices does as well.
+    :meth:`redistribution`: how the heads no pass targeted moved (BOS mass, output share) in
+    the kept model and in the control model.
     """
 
     model: Model
@@ -142,6 +155,7 @@ class RepairResult:
     best_pass: int | None = None
     pruned: dict[str, dict[str, float]] | None = None
     patterns: dict[str, PatternSample] = dataclasses.field(default_factory=dict)
+    control: list[PassResult] | None = None
 
     @property
     def verdict(self) -> str:
@@ -229,7 +243,8 @@ class RepairResult:
 
     def prune_vs_repair(self) -> dict[str, Any] | None:
         """Perplexities of the model before repair, with pass 1's targets pruned (mean- and
-        zero-ablated), and of the kept repaired model (None without one)."""
+        zero-ablated), of the kept repaired model (None without one) and of the control model
+        (None without a control arm)."""
         if self.pruned is None:
             return None
         return {
@@ -238,11 +253,87 @@ class RepairResult:
             "pruned_mean": self.pruned["mean"],
             "pruned_zero": self.pruned["zero"],
             "repaired": None if self.best is None else self.best.perplexity_after,
+            "control": None if not self.control else self.control[-1].perplexity_after,
         }
+
+    @property
+    def control_census(self) -> pd.DataFrame | None:
+        """The classified census of the control model (None without a control arm)."""
+        return self.control[-1].census_after if self.control else None
+
+    def control_summary(self) -> dict[str, Any] | None:
+        """The control arm against the kept repair (None without a control arm): the heads it
+        retrained, how many are healthy after it (``recovered``, ``recovery_rate``) beside the
+        repair's, its labels, perplexities and their change against the model as given, the
+        frozen heads that drifted or turned sick, and why a control pass would count as damage
+        (``failure``: None if none)."""
+        if not self.control:
+            return None
+        census = self.control[-1].census_after
+        trained = HeadSet()
+        for p in self.control:
+            trained = trained | p.targeted
+        recovered = trained & policy.healthy_set(census)
+        damaged = [p for p in self.control if p.damaged]
+        failure = f"control pass {damaged[0].index}: {damaged[0].failure}" if damaged else None
+        drifted = policy.drifted(self.census_before, census, trained, self.drift_threshold)
+        return {
+            "passes": len(self.control),
+            "targeted": trained.names(),
+            "recovered": recovered.names(),
+            "still_sick": (trained - recovered).names(),
+            "recovery_rate": len(recovered) / len(trained),
+            "repair_recovered": (trained & self.recovered).names(),
+            "healthy_after": policy.healthy_count(census),
+            "labels_after": policy.label_counts(census),
+            "perplexity_after": self.control[-1].perplexity_after,
+            "perplexity_change": self.control[-1].perplexity_change,
+            "drift": {"count": len(drifted), "heads": drifted.names()},
+            "collateral": {
+                "count": len(self.control[-1].collateral),
+                "heads": self.control[-1].collateral.names(),
+            },
+            "failure": failure,
+            "heads": self._control_heads(trained, census),
+        }
+
+    def _control_heads(self, trained: HeadSet, control: pd.DataFrame) -> list[dict[str, Any]]:
+        """Per head the control retrained: label, BOS mass and output share before the first
+        pass, in the kept model (``repaired``) and in the control model."""
+        stages = {"before": self.census_before, "repaired": self.census_after, "control": control}
+        columns = ["label", "bos_mass", "output_share"]
+        table = None
+        for stage, census in stages.items():
+            part = census[["layer", "head", *columns]].rename(
+                columns={c: f"{c}_{stage}" for c in columns}
+            )
+            table = part if table is None else table.merge(part, on=["layer", "head"])
+        pairs = zip(table["layer"].tolist(), table["head"].tolist(), strict=True)
+        table = table[[pair in trained for pair in pairs]].sort_values(["layer", "head"])
+        table.insert(0, "name", [f"L{r.layer}H{r.head}" for r in table.itertuples()])
+        return table.drop(columns=["layer", "head"]).to_dict(orient="records")
+
+    def redistribution(self) -> pd.DataFrame:
+        """How the heads no pass targeted moved between the model as given and the kept model
+        (``repaired``) and the control model (``control``, with a control arm): one row per
+        such head, its BOS mass and output share before, in each arm, and the change
+        (``d_bos_mass_repaired``...; see :func:`headsurgeon.repair.policy.redistribution`).
+        ``attrs["summary"]``: per arm and metric the mean and largest |change|, the heads
+        beyond the drift threshold and the largest movers."""
+        arms = {"repaired": self.census_after}
+        if self.control:
+            arms["control"] = self.control[-1].census_after
+        table = policy.redistribution(self.census_before, arms, self.targeted)
+        table.attrs["summary"] = policy.redistribution_summary(
+            table, list(arms), self.drift_threshold
+        )
+        table.attrs["drift_threshold"] = self.drift_threshold
+        return table
 
     def to_dict(self) -> dict[str, Any]:
         """The content of ``report.json``."""
         best = self.best
+        moved = self.redistribution()
         return {
             "model": model_info(self.model).name,
             "verdict": self.verdict,
@@ -265,6 +356,12 @@ class RepairResult:
             "labels_after": policy.label_counts(self.census_after),
             "perplexity": self.perplexities(),
             "prune_vs_repair": self.prune_vs_repair(),
+            "control": self.control_summary(),
+            "control_passes": None if self.control is None else [p.to_dict() for p in self.control],
+            "redistribution": {
+                "summary": moved.attrs["summary"],
+                "heads": moved.to_dict(orient="records"),
+            },
             "drift": {
                 "threshold": self.drift_threshold,
                 "count": len(self.drifted),

@@ -69,7 +69,8 @@ def finished_run(work_dir: str | os.PathLike) -> bool:
     return (Path(work_dir) / FINISHED_FILE).is_file()
 
 
-_PASS_DIR = re.compile(r"pass(\d{1,9})")
+# A folder of one pass of either arm: the repair's (pass<N>) or the control's (control<N>).
+_ARM_DIR = re.compile(r"(?:pass|control)(\d{1,9})")
 
 
 _CENSUS_COLUMNS = [*COLUMNS, "label", "reason"]
@@ -105,7 +106,8 @@ class WorkDir:
     ``run.json`` identifies the run (model digest, heads, settings); ``census_0.*`` is the first
     census; ``pass<N>/`` holds the fine-tuning checkpoint and, once the pass is over,
     ``heads.pt`` (the trained slices), ``census.csv`` and ``census.json``, and ``done.json``
-    (written last); ``finished.json`` marks a run that finished. Only rank 0 writes. Everything
+    (written last); ``control<N>/`` holds the same for pass ``N`` of the control arm (arm
+    ``"control"``); ``finished.json`` marks a run that finished. Only rank 0 writes. Everything
     read back is checked first (:meth:`unusable` names the file that is not as written).
     """
 
@@ -120,7 +122,7 @@ class WorkDir:
 
     def fix(self, path: Path) -> str:
         """What to do about a resume file that cannot be used."""
-        folder = path.parent if _PASS_DIR.fullmatch(path.parent.name) else None
+        folder = path.parent if _ARM_DIR.fullmatch(path.parent.name) else None
         redo = f"remove {folder} to redo that pass, or " if folder is not None else ""
         return (
             f"the run cannot be resumed from it: {redo}start over with --overwrite (or delete "
@@ -157,6 +159,10 @@ class WorkDir:
                 isinstance(stored.get("model"), str) and isinstance(stored.get("settings"), dict)
             ):
                 raise self.unusable(run_file, "is not a run record (model and settings)")
+            if "control" not in stored["settings"]:  # its passes would lack their control arm
+                raise self.unusable(
+                    run_file, "is from a headsurgeon before the control arm (no settings.control)"
+                )
             stored, current = _flatten(stored), _flatten(identity)
             changed = [
                 f"{key}: {stored.get(key)!r} vs {current.get(key)!r}"
@@ -170,7 +176,7 @@ class WorkDir:
                 )
             self.check_passes()
         else:
-            others = [p.name for p in self.pass_dirs()] + [
+            others = [p.name for p in self.pass_dirs() + self.pass_dirs("control")] + [
                 name for name in ("census_0.json", "census_0.csv") if (self.path / name).exists()
             ]
             if others:  # a run record does not go missing by itself: these are not this run's
@@ -178,27 +184,34 @@ class WorkDir:
             if self.rank == 0:
                 atomic_write_text(run_file, json.dumps(identity, indent=2, default=str))
 
-    def pass_dir(self, index: int) -> Path:
-        return self.path / f"pass{index}"
+    def pass_dir(self, index: int, arm: str = "pass") -> Path:
+        """The folder of pass ``index`` of ``arm`` (``"pass"``: the repair's; ``"control"``)."""
+        return self.path / f"{arm}{index}"
 
-    def pass_dirs(self) -> list[Path]:
+    def pass_dirs(self, arm: str = "pass") -> list[Path]:
         if not self.path.is_dir():
             return []
-        return [p for p in self.path.iterdir() if _PASS_DIR.fullmatch(p.name)]
+        pattern = re.compile(rf"{arm}(\d{{1,9}})")
+        return [p for p in self.path.iterdir() if pattern.fullmatch(p.name)]
 
     def check_passes(self) -> None:
-        """The finished passes are 1, 2, ... without a gap, and no pass was started beyond the
-        first unfinished one: each pass's targets come from the census after the one before."""
-        numbers = sorted(int(_PASS_DIR.fullmatch(p.name)[1]) for p in self.pass_dirs())
-        done = {n for n in numbers if os.path.lexists(self.pass_dir(n) / "done.json")}
-        unfinished = next(n for n in range(1, len(done) + 2) if n not in done)
-        for n in numbers:
-            if n == 0:
-                raise self.unusable(self.pass_dir(0), "is no pass of a run (passes count from 1)")
-            if n > unfinished:
-                raise self.unusable(
-                    self.pass_dir(n), f"is there although pass {unfinished} is not finished"
-                )
+        """In each arm the finished passes are 1, 2, ... without a gap, and no pass was started
+        beyond the first unfinished one: each pass starts from the model the one before left."""
+        for arm in ("pass", "control"):
+            folders = self.pass_dirs(arm)
+            numbers = sorted(int(p.name.removeprefix(arm)) for p in folders)
+            done = {n for n in numbers if os.path.lexists(self.pass_dir(n, arm) / "done.json")}
+            unfinished = next(n for n in range(1, len(done) + 2) if n not in done)
+            for n in numbers:
+                if n == 0:
+                    raise self.unusable(
+                        self.pass_dir(0, arm), f"is no {arm} of a run (passes count from 1)"
+                    )
+                if n > unfinished:
+                    raise self.unusable(
+                        self.pass_dir(n, arm),
+                        f"is there although {arm} {unfinished} is not finished",
+                    )
 
     def save_census(self, name: str, census: pd.DataFrame, extra: dict[str, Any]) -> None:
         if self.rank != 0:
@@ -258,16 +271,16 @@ class WorkDir:
         if not census["label"].isin(LABELS).all():
             raise self.unusable(path, f"holds labels other than {', '.join(LABELS)}")
 
-    def save_pass(self, result: PassResult, model: Model) -> None:
+    def save_pass(self, result: PassResult, model: Model, arm: str = "pass") -> None:
         if self.rank != 0:
             return
-        folder = self.pass_dir(result.index)
+        folder = self.pass_dir(result.index, arm)
         buffer = io.BytesIO()
         torch.save(cpu_head_slices(model, result.targeted), buffer)
         atomic_write_bytes(folder / "heads.pt", buffer.getvalue())
         training = result.training
         self.save_census(
-            f"pass{result.index}/census",
+            f"{folder.name}/census",
             result.census_after,
             {
                 "targeted": str(result.targeted),
@@ -287,22 +300,23 @@ class WorkDir:
             atomic_write_text(self.path / FINISHED_FILE, "{}")
 
     def load_pass(
-        self, index: int, targets: HeadSet, model: Model, config: FinetuneConfig
+        self, index: int, targets: HeadSet, model: Model, config: FinetuneConfig, arm: str = "pass"
     ) -> tuple[pd.DataFrame, dict[str, Any], FinetuneResult, dict[str, torch.Tensor]] | None:
-        """A finished pass, checked: its census, training record and result, and the trained
-        slices (for ``model``'s ``targets``; the model is not changed). None if unfinished."""
-        folder = self.pass_dir(index)
+        """A finished pass of ``arm``, checked: its census, training record and result, and the
+        trained slices (for ``model``'s ``targets``; the model is not changed). None if
+        unfinished."""
+        folder = self.pass_dir(index, arm)
         if not os.path.lexists(folder / "done.json"):
             return None
         self.require(folder / "done.json")
-        loaded = self.load_census(f"pass{index}/census", _RECORD_TYPES)
+        loaded = self.load_census(f"{folder.name}/census", _RECORD_TYPES)
         if loaded is None:
             raise self.unusable(folder / "census.json", "is missing (the pass is marked done)")
         census, record = loaded
         self.check_record(record, folder / "census.json")
         if record["targeted"] != str(targets):
             raise CheckpointError(
-                f"pass {index} in {self.path} targeted {record['targeted'][:100]}, not "
+                f"{arm} {index} in {self.path} targeted {record['targeted'][:100]}, not "
                 f"{targets}; resume with the same options or start a new output folder"
             )
         slices = self.load_slices(folder / "heads.pt", targets, model)

@@ -4,8 +4,9 @@ Exports:
     write_report(result, out_dir, ...)   the folder the repair CLI writes (its rank 0)
     training_plot(result)                objective, perplexities and BOS mass over the steps
 
-report.md opens with the verdict (which pass is kept and what it cost), then the passes in a
-table and one section each, head by head, the figures and the settings.
+report.md opens with the verdict (which pass is kept and what it cost) and prune versus repair
+versus control, then the passes in a table and one section each, head by head, the control arm,
+the redistribution over the frozen heads, the figures and the settings.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = [
 
 def training_plot(result: RepairResult) -> go.Figure:
     """Objective, training and held-out perplexity and the targets' BOS mass over the steps,
-    one line per pass."""
+    one line per pass (dashed: the control arm's passes)."""
     panels = [
         ("train_loss", "objective"),
         ("train_ppl", "training perplexity"),
@@ -51,7 +52,9 @@ def training_plot(result: RepairResult) -> go.Figure:
         make_subplots(rows=1, cols=len(panels), subplot_titles=[t for _, t in panels])
     )
     colours = list(plots.OKABE_ITO.values())
-    for p in result.passes:
+    arms = [("pass", p, "solid") for p in result.passes]
+    arms += [("control", p, "dash") for p in result.control or []]
+    for arm, p, dash in arms:
         history = p.training.history
         colour = colours[(p.index - 1) % len(colours)]
         for col, (column, _) in enumerate(panels, start=1):
@@ -60,10 +63,10 @@ def training_plot(result: RepairResult) -> go.Figure:
                     x=history["step"],
                     y=history[column],
                     mode="lines+markers",
-                    name=f"pass {p.index} ({len(p.targeted)} heads)",
-                    legendgroup=f"pass{p.index}",
+                    name=f"{arm} {p.index} ({len(p.targeted)} heads)",
+                    legendgroup=f"{arm}{p.index}",
                     showlegend=col == 1,
-                    line={"color": colour},
+                    line={"color": colour, "dash": dash},
                 ),
                 row=1,
                 col=col,
@@ -126,27 +129,115 @@ def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
 
 
 def _prune_vs_repair(report: dict[str, Any]) -> list[str]:
-    """The summary line and table: the model before repair, pruned instead, and repaired."""
+    """The summary line and table: the model before repair, pruned instead, repaired, and
+    retrained without re-initialisation (the control), with what the comparison tests."""
     comparison = report.get("prune_vs_repair")
     if comparison is None:
         return []
+    control = report.get("control")
     rows = [
-        ("before repair", comparison["injured"]),
-        ("pruned: targets mean-ablated", comparison["pruned_mean"]),
-        ("pruned: targets zero-ablated", comparison["pruned_zero"]),
-        ("repaired (kept model)", comparison["repaired"]),
+        ("before repair", comparison["injured"], report["healthy_before"]),
+        ("pruned: targets mean-ablated", comparison["pruned_mean"], None),
+        ("pruned: targets zero-ablated", comparison["pruned_zero"], None),
+        ("repaired (kept model)", comparison["repaired"], report["healthy_after"]),
+        (
+            "control: retrained without re-initialisation",
+            comparison.get("control"),
+            None if control is None else control["healthy_after"],
+        ),
     ]
-    shown = [(name, ppl) for name, ppl in rows if ppl is not None]
-    summary = ", ".join(f"{name} {ppl['heldout']:.3f}" for name, ppl in shown)
+    shown = [(name, ppl, healthy) for name, ppl, healthy in rows if ppl is not None]
+    summary = ", ".join(f"{name} {ppl['heldout']:.3f}" for name, ppl, _ in shown)
+    tests = (
+        "Pruning tests whether the targets are needed at all; the control (the same heads "
+        "trained with the same data, steps, seed and schedule from their weights as they were) "
+        "tests whether re-initialisation is what helped: a control as good as the repair says "
+        "retraining the slices alone does it."
+        if control is not None
+        else "No control arm was run (--no-control): the report cannot say whether "
+        "re-initialisation is what helped."
+    )
     return [
         "",
-        f"Prune versus repair of {_heads(comparison['heads'])} (pass 1's targets), held-out "
-        f"perplexity: {summary}.",
+        f"Prune versus repair versus control of {_heads(comparison['heads'])} (pass 1's "
+        f"targets), held-out perplexity: {summary}. {tests}",
         "",
-        "| model | train PPL | held-out PPL |",
-        "|---|---|---|",
-        *(f"| {name} | {ppl['train']:.3f} | {ppl['heldout']:.3f} |" for name, ppl in shown),
+        "| model | train PPL | held-out PPL | healthy heads |",
+        "|---|---|---|---|",
+        *(
+            f"| {name} | {ppl['train']:.3f} | {ppl['heldout']:.3f} | "
+            f"{'' if healthy is None else healthy} |"
+            for name, ppl, healthy in shown
+        ),
     ]
+
+
+def _control(report: dict[str, Any]) -> list[str]:
+    """The control arm's section: recoveries and labels beside the repair's, its damage, and
+    each target's label after the repair and after the control."""
+    control = report.get("control")
+    if control is None:
+        return []
+    n = len(control["targeted"])
+    change = control["perplexity_change"]
+    lines = [
+        "## Control: retrained without re-initialisation",
+        "",
+        f"The kept model's {control['passes']} pass(es) again, from the model as given: the "
+        f"same {n} heads, data, steps, seed and schedule, without re-initialising Q/K/V or "
+        "zeroing W_O. Only their slices changed.",
+        "",
+        f"- healthy after: repair {len(control['repair_recovered'])}/{n}, control "
+        f"{len(control['recovered'])}/{n} ({control['recovery_rate']:.1%}); still sick after "
+        f"the control: {_heads(control['still_sick'])}",
+        f"- labels after the control: "
+        f"{', '.join(f'{k} {v}' for k, v in control['labels_after'].items())} (repair: "
+        f"{', '.join(f'{k} {v}' for k, v in report['labels_after'].items())})",
+        f"- perplexity after the control: training {control['perplexity_after']['train']:.3f} "
+        f"({change['train']:+.1%}), held-out {control['perplexity_after']['heldout']:.3f} "
+        f"({change['heldout']:+.1%}) against the model before repair",
+        f"- frozen heads that drifted: {_heads(control['drift']['heads'])}; healthy frozen "
+        f"heads turned sick: {_heads(control['collateral']['heads'])}",
+        f"- damage by the repair's limits: {control['failure'] or 'none'} (the control is a "
+        "comparison, never the model kept)",
+        "",
+        "| head | label before | BOS mass | label repaired | BOS mass | label control | "
+        "BOS mass | output share control |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {h['name']} | {h['label_before']} | {h['bos_mass_before']:.3f} | "
+        f"{h['label_repaired']} | {h['bos_mass_repaired']:.3f} | {h['label_control']} | "
+        f"{h['bos_mass_control']:.3f} | {h['output_share_control']:.3f} |"
+        for h in control["heads"]
+    ]
+    return [*lines, ""]
+
+
+def _redistribution(report: dict[str, Any]) -> list[str]:
+    """The redistribution section: how the frozen heads' BOS mass and output share moved."""
+    moved = report["redistribution"]
+    n = len(moved["heads"])
+    lines = [
+        "## Redistribution over the frozen heads",
+        "",
+        f"The {n} heads no pass targeted, against the model before repair: mean and largest "
+        f"|change| of each metric, the heads moving by more than {report['drift']['threshold']} "
+        "(the drift threshold) and the largest movers. Per head: `redistribution.csv`.",
+        "",
+        "| model | metric | mean abs change | largest abs change | beyond threshold | "
+        "largest movers |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {"repaired": "repaired (kept model)", "control": "control"}
+    for arm, metrics in moved["summary"].items():
+        for metric, summary in metrics.items():
+            movers = ", ".join(f"{k} {v:+.3f}" for k, v in summary["largest"].items())
+            lines.append(
+                f"| {names[arm]} | {metric} | {summary['mean_abs']:.4f} | "
+                f"{summary['max_abs']:.4f} | {summary['beyond']} | {movers or 'none'} |"
+            )
+    return [*lines, ""]
 
 
 def _markdown(
@@ -217,7 +308,7 @@ def _markdown(
             for h in p["heads"]
         ]
         lines += [""]
-    lines += ["## Figures", ""]
+    lines += [*_control(report), *_redistribution(report), "## Figures", ""]
     for name in figures:
         links = ", ".join(f"[{fmt}]({name}.{fmt})" for fmt in formats)
         lines.append(f"- {name}: {links}")
@@ -245,8 +336,11 @@ def write_report(
     Files: ``report.md``, ``report.json`` (:meth:`RepairResult.to_dict` plus versions and time),
     ``census_before.csv`` and ``census_after.csv`` (the classify CLI's ``heads.csv`` columns),
     ``census_pass<N>.csv`` after each earlier pass, ``training_pass<N>.csv`` (evaluation
-    history), the figures ``labels_before``, ``labels_after``, ``bos_mass_diff`` (whole run),
-    ``pass<N>_bos_mass_diff`` and ``training`` in each of ``formats``, and ``model/``, the repaired
+    history), with a control arm ``census_control.csv`` and ``training_control<N>.csv``,
+    ``redistribution.csv`` (:meth:`RepairResult.redistribution`), the figures
+    ``labels_before``, ``labels_after``, ``bos_mass_diff`` (whole run),
+    ``pass<N>_bos_mass_diff``, ``control_bos_mass_diff`` (with a control arm) and ``training``
+    in each of ``formats``, and ``model/``, the repaired
     model (the best pass that did not damage it) as a Hugging Face checkpoint (unless
     ``save_model=False``, or no pass is acceptable: report.md then says so). ``formats=None`` writes
     html, and png when a Chromium browser is found (else one warning names the skipped PNGs and
@@ -255,8 +349,9 @@ def write_report(
     holding files is refused unless ``overwrite``, and even then unless headsurgeon wrote it.
 
     ``index.html`` puts it on one offline page: report.md, the grid of BOS-mass changes where
-    clicking a head shows its metrics before and after each pass and its attention in each
-    stage side by side (``result.patterns``), the training and label figures.
+    clicking a head shows its metrics before and after each pass and in the control model, and
+    its attention in each stage side by side (``result.patterns``), the training and label
+    figures.
     """
     written = plots.split_formats(formats)[0]  # unknown format / no browser for one asked: now
     report = _json_safe(result.to_dict())
@@ -279,6 +374,13 @@ def write_report(
             "bos_mass",
             title=f"Pass {p.index}: BOS mass, after − before",
         )
+    if result.control:
+        figures["control_bos_mass_diff"] = plots.diff_grid(
+            result.census_before,
+            result.control_census,
+            "bos_mass",
+            title="BOS mass, control (retrained without re-initialisation) − before",
+        )
     figures["training"] = training_plot(result)
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_report") as tmp:
         atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")
@@ -293,9 +395,20 @@ def write_report(
             atomic_write_text(
                 tmp / f"training_pass{p.index}.csv", p.training.history.to_csv(index=False)
             )
+        for p in result.control or []:
+            atomic_write_text(
+                tmp / f"training_control{p.index}.csv", p.training.history.to_csv(index=False)
+            )
+        if result.control:
+            census_csv = result.control_census.to_csv(index=False)
+            atomic_write_text(tmp / "census_control.csv", census_csv)
+        moved = result.redistribution()
+        atomic_write_text(tmp / "redistribution.csv", moved.to_csv(index=False))
         skipped = plots.save_figures(figures, tmp, formats)
         stages = {"before": result.census_before}
         stages |= {f"pass {p.index}": p.census_after for p in result.passes}
+        if result.control:
+            stages["control"] = result.control_census
         samples = [result.patterns[stage] for stage in stages if stage in result.patterns]
         _write_page(
             tmp,
