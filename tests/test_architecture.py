@@ -46,6 +46,7 @@ LAYERS = {
         "blindness",
         "precision",
         "window",
+        "received",
         "repair",
     ),
     "presentation": ("plots", "reports", "cli"),
