@@ -211,3 +211,53 @@ def test_a_silent_layer_and_bad_arguments_are_refused(tiny_model):
         secondary_sinks(tiny_model, tokens, max_sinks=-1, progress=False)
     with pytest.raises(DataError, match="no later queries"):
         secondary_sinks(tiny_model, tokens[:, :1], progress=False)
+
+
+def test_the_classify_tool_writes_the_sinks_and_a_strip_under_each_pattern(
+    bloom_dir, tmp_path, capsys
+):
+    from test_report_page import page_data
+
+    from headsurgeon.cli.classify import main
+    from headsurgeon.reports import PAGE_POSITIONS
+
+    texts = tmp_path / "text.txt"
+    texts.write_text(TEXT)
+    argv = [*map(str, [bloom_dir, "--texts", texts, "--seq-len", "64", "--n-seqs", "4"])]
+    assert main([*argv, "--received-threshold", "0.05", "--out", str(tmp_path / "a")]) == 0
+    summary = capsys.readouterr().out
+    model = load_model(bloom_dir)
+    tokens = to_sequences(model, [texts], seq_len=64, n_seqs=4)
+    direct = secondary_sinks(model, tokens, threshold=0.05, progress=False)
+    written = pd.read_csv(tmp_path / "a" / "secondary_sinks.csv", keep_default_na=False)
+    assert len(written) > 0 and "secondary sinks: " in summary
+    assert_same_sinks(written, direct.sinks)
+    received = pd.read_csv(tmp_path / "a" / "received.csv")
+    np.testing.assert_allclose(received["received"], direct.received["received"], rtol=1e-9)
+    # The page: per stage, sequence and head (layer-major), the first positions' received mass.
+    strips = page_data(tmp_path / "a")["received"]
+    assert len(strips) == 1 and len(strips[0]) == 2 and len(strips[0][1]) == 8
+    shown = np.array(strips[0][1][6], dtype=float)  # sequence 2, L1H2
+    np.testing.assert_allclose(shown, direct.examples[1, 1, 2, :PAGE_POSITIONS], rtol=5e-3)
+    # Skipped on request: no files, no strips.
+    assert main([*argv, "--no-secondary-sinks", "--out", str(tmp_path / "b")]) == 0
+    assert "secondary sinks" not in capsys.readouterr().out
+    assert not (tmp_path / "b" / "secondary_sinks.csv").exists()
+    assert page_data(tmp_path / "b")["received"] == [[]]
+
+
+@pytest.mark.slow
+@needs_organisms
+@pytest.mark.skipif("not __import__('headsurgeon').plots.has_browser()")
+def test_the_strip_is_drawn_under_the_clicked_heads_pattern(tmp_path):
+    from headsurgeon.cli.classify import main
+    from headsurgeon.reports import PAGE, open_page
+
+    assert main(["organism", "--n-seqs", "4", "--out", str(tmp_path / "out")]) == 0
+    view = open_page(tmp_path / "out" / PAGE, "L3H1")
+    assert view.errors == [] and view.shown == "L3H1"
+    model = load_model("organism")
+    direct = secondary_sinks(model, to_sequences(model, None, seq_len=128, n_seqs=4))
+    np.testing.assert_allclose(
+        np.array(view.received, dtype=float), direct.examples[0, 3, 1, :48], rtol=5e-3
+    )
