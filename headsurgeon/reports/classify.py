@@ -125,10 +125,10 @@ def format_summary(
         f"strongest sinks (top {len(strongest)} by BOS mass):",
         strongest[shown].to_string(index=False, float_format="{:.4f}".format),
     ]
-    if _has_importance(classified):
-        lines += ["", *_importance_lines(classified, top)]
     if sinks is not None:
         lines += ["", *_sinks_lines(sinks.sinks, top)]
+    if _has_importance(classified):
+        lines += ["", *_importance_lines(classified, top)]
     return "\n".join(lines)
 
 
