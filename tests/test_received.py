@@ -261,3 +261,15 @@ def test_the_strip_is_drawn_under_the_clicked_heads_pattern(tmp_path):
     np.testing.assert_allclose(
         np.array(view.received, dtype=float), direct.examples[0, 3, 1, :48], rtol=5e-3
     )
+
+
+def test_the_tool_refuses_what_it_cannot_measure_before_loading(no_model, tmp_path, capsys):
+    from conftest import error_line
+
+    from headsurgeon.cli.classify import main
+
+    out = ["--out", tmp_path / "x"]
+    line = error_line(main, ["organism", "--seq-len", "1", "--min-query-pos", "0", *out], capsys)
+    assert "secondary sinks need --seq-len 2 or more" in line
+    line = error_line(main, ["organism", "--received-threshold", "2", *out], capsys)
+    assert "--received-threshold" in line

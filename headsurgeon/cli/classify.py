@@ -128,6 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
     check_number(args.received_threshold, "--received-threshold", low=0, high=1)
+    if args.seq_len < 2 and not args.no_secondary_sinks:
+        parser.error(
+            "secondary sinks need --seq-len 2 or more (no query follows a single token); "
+            "or give --no-secondary-sinks"
+        )
     formats = figure_formats(args)  # --format svg/pdf without a browser: fail before the census
     models = args.model
     if len({model_folder_name(m) for m in models}) < len(models):
