@@ -100,6 +100,10 @@ if TYPE_CHECKING:
     from headsurgeon.probes import (
         HeadStats as HeadStats,
     )
+    from headsurgeon.received import (
+        SecondarySinks as SecondarySinks,
+        secondary_sinks as secondary_sinks,
+    )
     from headsurgeon.repair import (
         RepairConfig as RepairConfig,
         RepairResult as RepairResult,

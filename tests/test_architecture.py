@@ -47,6 +47,7 @@ LAYERS = {
         "blindness",
         "precision",
         "window",
+        "received",
         "repair",
     ),
     "presentation": ("plots", "reports", "cli"),

@@ -4,8 +4,10 @@ Loads a model, cuts the data into token sequences once, runs
 :func:`headsurgeon.census.run_census` on them, labels every head with
 :func:`headsurgeon.classify.classify_heads`, and with ``--importance [METHOD]`` measures every
 head's :func:`headsurgeon.importance.head_importance` on the same sequences (merged as separate
-columns: the labels stay as they are); prints :func:`headsurgeon.reports.format_summary` and
-writes :func:`headsurgeon.reports.write_classification` (``--help`` lists the options).
+columns: the labels stay as they are), and unless ``--no-secondary-sinks`` the received mass of
+every key position and the secondary sinks (:func:`headsurgeon.secondary_sinks`) on the same
+sequences; prints :func:`headsurgeon.reports.format_summary` and writes
+:func:`headsurgeon.reports.write_classification` (``--help`` lists the options).
 
 Several corpora (``--texts A.txt --texts B.txt``: each ``--texts`` one corpus, of one file or
 more) are measured in turn on the one model, each exactly as a single-corpus run, and written by
@@ -57,6 +59,7 @@ from headsurgeon.cli import (
 )
 from headsurgeon.domains import classify_sequences, corpus_changes, stack_corpora
 from headsurgeon.importance import METHODS
+from headsurgeon.received import THRESHOLD, SecondarySinks, secondary_sinks
 from headsurgeon.reports import (
     default_out_dir,
     format_corpora_summary,
@@ -123,6 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "from one backward. Adds columns and figures; the labels stay as they are. Give MODEL "
         "before a bare --importance",
     )
+    census_args.add_argument(
+        "--no-secondary-sinks",
+        action="store_true",
+        help="skip the received mass of each key position and the list of secondary sinks (one "
+        "more forward over the data; written to received.csv, secondary_sinks.csv and the page)",
+    )
+    census_args.add_argument(
+        "--received-threshold",
+        type=float,
+        default=THRESHOLD,
+        help="a position after 0 is a secondary sink in a layer where some head gives it a "
+        f"received mass (mean weight from later queries) above this (default {THRESHOLD}: Gu et "
+        "al.'s epsilon)",
+    )
     limits = parser.add_argument_group("thresholds")
     defaults = Thresholds()
     limits.add_argument("--sink-threshold", type=float, default=defaults.sink, help="BOS mass")
@@ -145,6 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_number(args.sink_eps, "--sink-eps", low=0, high=1)
 
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
+    check_number(args.received_threshold, "--received-threshold", low=0, high=1)
+    if args.seq_len < 2 and not args.no_secondary_sinks:
+        parser.error(
+            "secondary sinks need --seq-len 2 or more (no query follows a single token); "
+            "or give --no-secondary-sinks"
+        )
     formats = figure_formats(args)  # --format svg/pdf without a browser: fail before the census
     models = args.model
     if len({model_folder_name(m) for m in models}) < len(models):
@@ -167,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             files += "changes.csv, differences.csv, corpora.json, summary.txt, figures"
         elif len(models) == 1:
             one = argparse.Namespace(**vars(args) | {"model": models[0]})
-            classified, model, tokens = _classify(one, thresholds)
+            classified, model, tokens, sinks = _classify(one, thresholds)
             # The report page shows the heads' attention on the run's own sequences.
             write_classification(
                 classified,
@@ -176,14 +199,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 overwrite=args.overwrite,
                 model=model,
                 tokens=tokens,
+                sinks=sinks,
             )
             files = "index.html (open it in a browser), heads.csv, heads.json, summary.txt, "
-            files += "threshold_sweep.csv, figures"
+            files += "threshold_sweep.csv, "
+            files += "" if sinks is None else "received.csv, secondary_sinks.csv, "
+            files += "figures"
         else:
             tables = {}
             for model in models:  # one model in memory at a time
                 logger.info("classifying %s (%d of %d)", model, len(tables) + 1, len(models))
-                each = argparse.Namespace(**vars(args) | {"model": model})
+                # The cross-scale folders hold no secondary sinks: not measured.
+                each = argparse.Namespace(
+                    **vars(args) | {"model": model, "no_secondary_sinks": True}
+                )
                 tables[model] = _classify(each, thresholds)[0]
                 gc.collect()
             write_cross_scale(tables, out, formats=formats, overwrite=args.overwrite)
@@ -195,13 +224,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _classify(
     args: argparse.Namespace, thresholds: Thresholds
-) -> tuple[pd.DataFrame, Model, Tensor]:
-    """Load ``args.model``, take its census (and importance), label its heads; print the summary.
-    Returns the labelled table, the model and the sequences."""
+) -> tuple[pd.DataFrame, Model, Tensor, SecondarySinks | None]:
+    """Load ``args.model``, take its census (and importance, and secondary sinks), label its
+    heads; print the summary. Returns the labelled table, the model, the sequences and the
+    secondary sinks (None with ``--no-secondary-sinks``)."""
     model = load_model_from_args(args)
     classified, tokens = _classify_texts(model, args, thresholds)
-    print(format_summary(classified, top=args.top))
-    return classified, model, tokens
+    sinks = None
+    if not args.no_secondary_sinks:
+        sinks = secondary_sinks(
+            model,
+            tokens,
+            threshold=args.received_threshold,
+            n_seqs=len(tokens),
+            batch_size=args.batch_size,
+            prepend_bos=args.prepend_bos,
+        )
+        for table in (sinks.received, sinks.sinks):
+            table.attrs |= {
+                "data": classified.attrs["data"],
+                "bos_rule": classified.attrs["bos_rule"],
+            }
+    print(format_summary(classified, top=args.top, sinks=sinks))
+    return classified, model, tokens, sinks
 
 
 def _classify_texts(

@@ -2,7 +2,8 @@
 
 Exports:
     format_summary(classified)                the text summary (an importance section when the
-                                              table has head_importance's columns)
+                                              table has head_importance's columns, a secondary
+                                              sinks section given ``sinks``)
     write_classification(df, out_dir, ...)    heads.csv, heads.json, sweep, summary, figures and
                                               index.html
     write_cross_scale({model: df}, out_dir)   several models: each one's classification in a
@@ -47,6 +48,7 @@ from headsurgeon.importance import (
     is_dormant,
 )
 from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.received import SecondarySinks
 from headsurgeon.reports.folders import model_folder_name
 from headsurgeon.reports.page import _census_samples, _samples_note, _write_page
 from headsurgeon.reports.records import _json_safe, _versions
@@ -61,8 +63,13 @@ __all__ = [
 ]
 
 
-def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
+def format_summary(
+    classified: pd.DataFrame, *, top: int = 10, sinks: SecondarySinks | None = None
+) -> str:
     """The compact text summary: counts per label, sensitivity, a per-layer table, top sinks.
+
+    ``sinks`` (:func:`headsurgeon.secondary_sinks` on the same sequences) adds a section: how
+    many positions after 0 act as sinks, by first layer and token, and the ``top`` strongest.
 
     A table with :func:`headsurgeon.head_importance` columns (``delta_loss``, ``delta_loss_se``,
     merged on ``layer`` and ``head``) adds an importance section: per label, how many heads are
@@ -124,6 +131,8 @@ def format_summary(classified: pd.DataFrame, *, top: int = 10) -> str:
         f"strongest sinks (top {len(strongest)} by BOS mass):",
         strongest[shown].to_string(index=False, float_format="{:.4f}".format),
     ]
+    if sinks is not None:
+        lines += ["", *_sinks_lines(sinks.sinks, top)]
     if _has_importance(classified):
         lines += ["", *_importance_lines(classified, top)]
     return "\n".join(lines)
@@ -156,6 +165,29 @@ def _standard_score_lines(classified: pd.DataFrame, lowest: int = 5) -> list[str
             "AHON-LN (Sandoval-Segura et al.: mean |z| of a head over its layer's mean, per "
             f"sequence; low = inactive): lowest {names}"
         )
+    return lines
+
+
+def _sinks_lines(sinks: pd.DataFrame, top: int) -> list[str]:
+    """The summary's secondary-sinks section."""
+    a = sinks.attrs
+    kept = f" ({len(sinks)} kept: max_sinks)" if a["truncated"] else ""
+    lines = [
+        f"secondary sinks: {a['n_found']}{kept} (sequence, position) pairs after position 0 whose "
+        f"received mass (mean weight from later queries) exceeds {a['threshold']:g} in some "
+        f"head, positions with >= {a['min_queries']} later queries, in {a['n_seqs']} sequences "
+        f"x {a['seq_len']} tokens"
+    ]
+    if not len(sinks):
+        return lines
+    first = sinks["first_layer"].value_counts().sort_index()
+    tokens = sinks["token"].value_counts().head(top)
+    lines += [
+        "by first layer: " + ", ".join(f"L{layer} {n}" for layer, n in first.items()),
+        "most frequent tokens: " + ", ".join(f"{token!r} {n}" for token, n in tokens.items()),
+        f"strongest (top {min(top, len(sinks))} by peak received mass):",
+        sinks.nlargest(top, "peak_received").to_string(index=False, float_format="{:.4f}".format),
+    ]
     return lines
 
 
@@ -241,6 +273,7 @@ def write_classification(
     overwrite: bool = False,
     model: Model | None = None,
     tokens: Tensor | None = None,
+    sinks: SecondarySinks | None = None,
 ) -> Path:
     """Write a classification to a new folder, atomically; return the folder.
 
@@ -264,6 +297,12 @@ def write_classification(
     head shows its metrics (importance included) and, given the ``model``, its attention on the
     first positions of the first sequences of ``tokens`` (the census's; default: the bundled
     held-out text), and the other figures.
+
+    ``sinks`` (:func:`headsurgeon.secondary_sinks` on the same ``tokens``) adds
+    ``secondary_sinks.csv`` (one row per sequence and position found), ``received.csv`` (one
+    row per layer, head and position: the mean over sequences), its section of the summary, and
+    under each head's pattern on the page a strip of the received mass of that sequence's key
+    positions.
     """
     needed = ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share"]
     require_columns(classified, [*needed, "label", "reason"])
@@ -283,7 +322,7 @@ def write_classification(
         columns |= _importance_columns(classified)
         makers |= IMPORTANCE_FIGURES
     document = {"metadata": info, "columns": columns, "heads": records}
-    summary = format_summary(classified)
+    summary = format_summary(classified, sinks=sinks)
     figures = {name: make(classified) for name, make in makers.items()}
     figures["threshold_sweep"] = plots.sweep_plot(sweep)
     samples = _census_samples(model, tokens)
@@ -292,6 +331,9 @@ def write_classification(
         atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")
         atomic_write_text(tmp / "threshold_sweep.csv", sweep.to_csv(index=False))
         atomic_write_text(tmp / "summary.txt", summary + "\n")
+        if sinks is not None:
+            atomic_write_text(tmp / "secondary_sinks.csv", sinks.sinks.to_csv(index=False))
+            atomic_write_text(tmp / "received.csv", sinks.received.to_csv(index=False))
         skipped = plots.save_figures(figures, tmp, formats)
         _write_page(
             tmp,
@@ -303,7 +345,8 @@ def write_classification(
             samples=samples,
             model=model,
             figures={name: fig for name, fig in figures.items() if name not in FIGURES},
-            note=_samples_note(samples, info.get("data")),
+            note=_samples_note(samples, info.get("data"), received=sinks is not None),
+            received=[None if sinks is None else sinks.examples],
         )
     plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)

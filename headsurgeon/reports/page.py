@@ -8,10 +8,11 @@ Exports:
     PAGE_TEMPLATE                 the page's markup, style and script
 
 The page holds the run's summary, a grid of heads (click one), each head's metrics in each stage,
-its attention on the run's own sequences (float16 lower triangles, base64) and curves, and the
-figures; plotly.js is inlined once, and the markup, style and script come from
-``headsurgeon/templates/index.html``. :func:`headsurgeon.reports.open_page` opens it in headless
-Chromium.
+its attention on the run's own sequences (float16 lower triangles, base64), under each pattern a
+strip of the received mass of its key positions where the writer has one
+(:func:`headsurgeon.secondary_sinks`'s ``examples``), its curves, and the figures; plotly.js is
+inlined once, and the markup, style and script come from ``headsurgeon/templates/index.html``.
+:func:`headsurgeon.reports.open_page` opens it in headless Chromium.
 """
 
 from __future__ import annotations
@@ -87,6 +88,31 @@ def _page_patterns(
     return sequences, packed
 
 
+def _page_received(
+    examples: Sequence[np.ndarray | None], sequences: Sequence[dict[str, Any]]
+) -> list[list[list[list[float | None]]]]:
+    """Per stage, page sequence and head (layer-major): the received mass of the key positions
+    its pattern shows, max-pooled into the pattern's cells, 3 significant digits (``None``: no
+    later query). ``examples[j]`` is stage ``j``'s ``[seq, layer, head, position]`` array of the
+    same sequences (``None``: no strip in that stage)."""
+    stages = []
+    for stage in examples:
+        if stage is None:
+            stages.append([])
+            continue
+        per_seq = []
+        for seq, values in zip(sequences, stage, strict=False):
+            n, step = seq["n_pos"], seq["step"]
+            flat = values.reshape(-1, values.shape[-1])[:, :n].astype(np.float64)
+            cells = -(-n // step)
+            padded = np.full((len(flat), cells * step), np.nan)
+            padded[:, :n] = flat
+            pooled = np.fmax.reduce(padded.reshape(len(flat), cells, step), axis=-1)
+            per_seq.append([[_json_safe(float(f"{v:.3g}")) for v in head] for head in pooled])
+        stages.append(per_seq)
+    return stages
+
+
 def _metrics(df: pd.DataFrame) -> list[dict[str, Any]]:
     """Per head (layer-major), its row of ``df`` as ``{column: value}`` (numbers rounded)."""
     rows = df.sort_values(["layer", "head"]).to_dict(orient="records")
@@ -128,11 +154,14 @@ def _write_page(
     curves: dict[str, Any] | None = None,
     note: str = "",
     pages: Sequence[str] = (),
+    received: Sequence[np.ndarray | None] = (),
 ) -> None:
     """Write ``folder/index.html``: one offline page (plotly.js inlined once) with the run's
     summary, ``grid`` (click a head), and per head its metrics in each of ``stages`` (name ->
-    one row per head), its attention in each stage of ``samples`` (same order) and its
-    ``curves``; ``figures`` below, and links to the folder's other files and to ``pages``
+    one row per head), its attention in each stage of ``samples`` (same order), under each
+    pattern the received mass of ``received[j]`` (stage ``j``'s ``[seq, layer, head,
+    position]`` array of the samples' sequences, :attr:`headsurgeon.SecondarySinks.examples`)
+    and its ``curves``; ``figures`` below, and links to the folder's other files and to ``pages``
     (paths inside the folder, such as a subfolder's page)."""
     n_layers, n_heads = shape
     sequences, packed = _page_patterns(model, samples)
@@ -150,6 +179,7 @@ def _write_page(
         "blind": _blind(model, n_layers, n_heads),
         "sequences": sequences,
         "patterns": packed,
+        "received": _page_received(received, sequences),
         "curves": curves or {},
         "figures": [
             {"name": name, "figure": _figure_data(fig)} for name, fig in (figures or {}).items()
@@ -191,7 +221,9 @@ def _census_samples(model: Model | None, tokens: Tensor | None) -> list[PatternS
     return [sample_patterns(model, tokens, n_seqs=PAGE_SEQS, n_pos=PAGE_POSITIONS)]
 
 
-def _samples_note(samples: Sequence[PatternSample], data: object, where: str = "") -> str:
+def _samples_note(
+    samples: Sequence[PatternSample], data: object, where: str = "", *, received: bool = False
+) -> str:
     """The page's line saying what its attention patterns show."""
     if not samples:
         return "No model was given to the writer: the page shows metrics, not attention patterns."
@@ -208,4 +240,10 @@ def _samples_note(samples: Sequence[PatternSample], data: object, where: str = "
         "to float16 (3 significant digits: headsurgeon.plots.attention_pattern gives them "
         "exactly). Red box: position 0; dashed line: the blind distance (weights exactly 0 "
         "to its left)."
+        + (
+            " Strip under a pattern: the received mass of each key position, the mean weight "
+            "it gets from the later queries of the whole sequence (headsurgeon.secondary_sinks)."
+            if received
+            else ""
+        )
     )

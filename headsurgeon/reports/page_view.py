@@ -27,12 +27,14 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class PageView:
     """What :func:`open_page` saw: the page's console errors and uncaught exceptions, the head
-    shown after the click (``None``: none), and that head's first attention pattern as drawn
-    (``[query][key]`` weights, ``None`` above the diagonal)."""
+    shown after the click (``None``: none), that head's first attention pattern as drawn
+    (``[query][key]`` weights, ``None`` above the diagonal) and the received-mass strip under it
+    (``[key]``; ``None`` without one)."""
 
     errors: list[str]
     shown: str | None
     pattern: list[list[float | None]] | None
+    received: list[float | None] | None = None
 
 
 # Runs in the page: the grid cell of a head, in CSS pixels of the viewport.
@@ -43,7 +45,9 @@ _CELL_JS = """(() => {
 })()"""
 _SHOWN_JS = """(() => {
   const name = document.getElementById("head-name"), plot = document.querySelector("div.pattern");
-  return [name ? name.textContent : null, plot && plot.data ? plot.data[0].z : null];
+  const strip = document.querySelector("div.received");
+  return [name ? name.textContent : null, plot && plot.data ? plot.data[0].z : null,
+          strip && strip.data ? strip.data[0].z[0] : null];
 })()"""
 
 
@@ -138,8 +142,8 @@ async def _visit(
         await loaded
         if pair is not None:
             await _click(tab, pair)
-        shown, pattern = await _evaluate(tab, _SHOWN_JS)
+        shown, pattern, received = await _evaluate(tab, _SHOWN_JS)
         if screenshot is not None:
             image = await _command(tab, "Page.captureScreenshot", format="png")
             atomic_write_bytes(screenshot, base64.b64decode(image["data"]))
-    return PageView(errors=errors.errors, shown=shown, pattern=pattern)
+    return PageView(errors=errors.errors, shown=shown, pattern=pattern, received=received)
