@@ -46,6 +46,7 @@ LAYERS = {
         "blindness",
         "precision",
         "window",
+        "sink_cache",
         "repair",
     ),
     "presentation": ("plots", "reports", "cli"),
