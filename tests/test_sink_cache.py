@@ -283,3 +283,51 @@ def test_a_trained_model_against_the_brute_force_on_its_weights():
     for row in effect.by_head.itertuples():
         delta = dense_nll(hf, tokens, 1, 8, without={(row.layer, row.head)}) - base
         assert row.dnll == pytest.approx(delta.mean().item(), abs=1e-4)
+
+
+def test_cli_sink_cache_writes_its_tables_figure_and_lines(bloom_dir, tmp_path, capsys):
+    """--sink-cache: the tables equal sink_cache_effect on the same text, the figure and the
+    summary lines are written."""
+    import pandas as pd
+
+    from headsurgeon.cli.blindness import main
+
+    out = tmp_path / "out"
+    args = [str(bloom_dir), "--sink-cache", "--sink-seq-len", "48", "--sinks", "0", "2"]
+    args += ["--windows", "6", "--sink-head-seq-len", "24", "--dtypes", "float32"]
+    assert main([*args, "--limit", "zero", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "sink cache (StreamingLLM" in printed and "need their sinks most" in printed
+    by_cache = pd.read_csv(out / "sink_cache.csv")
+    model = load_model(bloom_dir)
+    expected = sink_cache_effect(
+        model, sinks=[0, 2], windows=[6], seq_len=48, head_seq_len=24, progress=False
+    )
+    np.testing.assert_allclose(by_cache["dnll"], expected.by_cache["dnll"], rtol=0, atol=1e-9)
+    heads = pd.read_csv(out / "sink_cache_heads.csv")
+    assert list(heads["rank"]) == list(range(1, 9)) and (heads["sinks"] == 2).all()
+    assert (out / "sink_cache.html").exists()
+    assert "sink cache" in (out / "summary.txt").read_text()
+
+
+def test_sink_cache_figure_draws_each_number_of_sinks_and_the_full_context():
+    import pandas as pd
+
+    from headsurgeon.plots import sink_cache_figure
+
+    table = pd.DataFrame(
+        {
+            "sinks": [0, 0, 4, 4],
+            "window": [64, 256, 64, 256],
+            "ppl": [90.0, 60.0, 48.0, 47.0],
+            "dnll": [0.7, 0.3, 0.05, 0.03],
+            "dnll_se": [0.02, 0.01, 0.004, 0.003],
+            "full_ppl": 46.0,
+        }
+    )
+    fig = sink_cache_figure(table)
+    assert [t.name for t in fig.data] == ["0 sinks", "4 sinks", "full context"]
+    assert list(fig.data[0].y) == [90.0, 60.0] and list(fig.data[2].y) == [46.0, 46.0]
+    np.testing.assert_allclose(fig.data[1].error_y.array, [48.0 * 0.004, 47.0 * 0.003])
+    with pytest.raises(InvalidArgumentError, match="sink_cache_effect"):
+        sink_cache_figure(table.drop(columns="full_ppl"))
