@@ -110,6 +110,10 @@ if TYPE_CHECKING:
         recommended_config as recommended_config,
         repair as repair_heads,  # noqa: F401 (a verb: served by _exports)
     )
+    from headsurgeon.sink_cache import (
+        SinkCacheEffect as SinkCacheEffect,
+        sink_cache_effect as sink_cache_effect,
+    )
     from headsurgeon.surgery import (
         HeadMask as HeadMask,
         HeadParameters as HeadParameters,

@@ -34,6 +34,9 @@ Exports:
     hf_kv_cache()                    an empty ``DynamicCache`` for a transformers model
     cached_length(cache)             how many positions it holds
     shared_cache(cache, batch)       one prompt's cache, read by ``batch`` rows without copies
+    KV_POS_DIM                       the position dimension of a cache's keys and values
+    cache_contents(cache)            each layer's cached keys and values (views)
+    cache_holding(model, contents, ...)  a cache already holding given keys and values
     run_from_layer(model, tokens, resid, n)  the logits of a pass entering block ``n`` with resid
     tl_state_dict(model)             the weights under TransformerLens 3.x's names and layouts
 """
@@ -75,10 +78,13 @@ __all__ = [
     "MAJOR",
     "HeadTensor",
     "HookPoint",
+    "KV_POS_DIM",
     "Model",
     "add_bias_hook",
     "attention_family",
     "builtin_slopes",
+    "cache_contents",
+    "cache_holding",
     "cached_length",
     "check_architecture",
     "check_head_tensors",
@@ -813,6 +819,43 @@ def shared_cache(cache: Any, batch: int) -> Any:
     shared = Shared()
     shared.layers = cache.layers  # the lengths, masks and ALiBi positions follow the prompt's
     return shared
+
+
+# Where a cache keeps positions: 3.x's entries are [batch, pos, head, d_head], Hugging Face's
+# layers [batch, head, pos, d_head].
+KV_POS_DIM = 1 if MAJOR < 4 else 2
+
+
+def cache_contents(cache: Any) -> list[tuple[Tensor, Tensor]]:
+    """Each layer's keys and values in a :func:`new_kv_cache` (views, positions along
+    :data:`KV_POS_DIM`; empty when the attention left the cache empty)."""
+    if MAJOR < 4:
+        return [(entry.past_keys, entry.past_values) for entry in cache.entries]
+    return [(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized]
+
+
+def cache_holding(
+    model: Model, contents: list[tuple[Tensor, Tensor]], batch: int, device: torch.device
+) -> Any:
+    """A :func:`new_kv_cache` already holding ``contents`` (each layer's keys and values, laid
+    out as :func:`cache_contents` gives them, copied in): the next call continues after them,
+    as if they were every earlier position. Any subset of earlier positions works for a model
+    whose attention reads positions only through the cache's length (ALiBi: the bias then
+    treats cache slots as positions, which the caller's bias hook can replace)."""
+    cache = new_kv_cache(model, batch, device)
+    n_pos = contents[0][0].shape[KV_POS_DIM] if contents else 0
+    if not n_pos:
+        return cache
+    if MAJOR >= 4:
+        for layer, (keys, values) in enumerate(contents):
+            cache.update(keys, values, layer)
+        return cache
+    for entry, (keys, values) in zip(cache.entries, contents, strict=True):
+        entry.append(keys, values)
+    cache.previous_attention_mask = torch.ones(
+        batch, n_pos, dtype=cache.previous_attention_mask.dtype, device=device
+    )
+    return cache
 
 
 def run_to_layer(

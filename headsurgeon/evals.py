@@ -172,7 +172,11 @@ def _windows_by_length(
 
 
 def _next_token_nll(
-    model: Model, tokens: Int[Tensor, "batch pos"], block_size: int, first: int = 0
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    block_size: int,
+    first: int = 0,
+    keys: long_context.KeyChooser | None = None,
 ) -> Iterator[tuple[int, Float[Tensor, "batch n"]]]:
     """``(position, nll)`` block by block: ``nll[:, i]`` (float64, on the model's device) is the
     negative log-probability of token ``position + i + 1`` given the tokens up to ``position + i``,
@@ -180,10 +184,11 @@ def _next_token_nll(
 
     The tokens run in blocks of ``block_size`` rows (:func:`long_context.run_in_blocks`) and
     only a block's rows from ``first`` on are unembedded, so one block's logits
-    (``[batch, block, vocab]``, log-softmaxed in float32) are the largest tensor.
+    (``[batch, block, vocab]``, log-softmaxed in float32) are the largest tensor. ``keys``: each
+    block attends to those earlier positions only (:func:`long_context.run_in_blocks`).
     """
     last = tokens.shape[1] - 1  # the last position predicts nothing
-    for offset, resid in run_in_blocks(model, tokens, block_size=block_size):
+    for offset, resid in run_in_blocks(model, tokens, block_size=block_size, keys=keys):
         lo, hi = max(first, offset), min(offset + resid.shape[1], last)
         if hi <= lo:
             continue

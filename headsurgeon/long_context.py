@@ -33,7 +33,9 @@ Exports:
     check_length(model, n_pos, what)       ``n_pos`` if the model takes it, else one line
     block_size(model, n_pos, ...)          query rows per block for a memory budget
     query_offset(scores)                   the query position of a block's first row
-    run_in_blocks(model, tokens, ...)      the residual stream block by block (a generator)
+    run_in_blocks(model, tokens, ...)      the residual stream block by block (a generator),
+                                           optionally each block against chosen earlier keys
+    KeyChooser                             the type of that choice
     continuation_logprobs(model, prompt, continuations)  log-probabilities after one prompt
 
 >>> from headsurgeon.loading import ModelShape, random_model
@@ -45,15 +47,18 @@ Exports:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon.backend import (
+    KV_POS_DIM,
     MAJOR,
     Model,
+    cache_contents,
+    cache_holding,
     cached_length,
     new_kv_cache,
     run_to_layer,
@@ -65,6 +70,7 @@ from headsurgeon.validation import check_int
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "FORWARD_BYTES_PER_ENTRY",
+    "KeyChooser",
     "block_size",
     "check_length",
     "continuation_logprobs",
@@ -152,12 +158,18 @@ def query_offset(scores: Float[Tensor, "batch head_index query_pos key_pos"]) ->
     return scores.shape[-1] - scores.shape[-2]
 
 
+# keys(offset, n): the earlier positions (increasing, all below offset) whose keys and values the
+# block of queries offset ... offset + n - 1 reads besides its own.
+KeyChooser = Callable[[int, int], Int[Tensor, " kept"]]
+
+
 def run_in_blocks(
     model: Model,
     tokens: Int[Tensor, "batch pos"],
     *,
     block_size: int,
     stop_at_layer: int | None = None,
+    keys: KeyChooser | None = None,
 ) -> Iterator[tuple[int, Float[Tensor, "batch block d_model"]]]:
     """Yield ``(offset, resid)`` for consecutive blocks of ``block_size`` positions: the residual
     stream after block ``stop_at_layer - 1`` (default: the last) at positions
@@ -166,16 +178,74 @@ def run_in_blocks(
     Hooks already on the model fire once per block (see the module docstring). The tokens are
     used as they are (no BOS is added). Run it under ``torch.no_grad()`` unless you mean to
     back-propagate through every block.
+
+    With ``keys`` (a :data:`KeyChooser`), block ``offset`` attends only to the earlier
+    positions ``keys(offset, n)`` and its own: each layer's keys and values of every position
+    are kept as its own block computed them (memory linear in the length), and the block runs
+    on a cache holding just the chosen ones (:func:`headsurgeon.backend.cache_holding`), so it
+    costs ``block x (kept + block)`` attention entries, not ``block x offset``. The attention
+    then sees cache slots, not positions: ``hook_attn_scores`` has ``len(kept) + n`` columns,
+    and an ALiBi model's own bias counts distance in slots; a caller that wants another bias
+    puts its own through :func:`headsurgeon.backend.add_bias_hook` (what
+    :mod:`headsurgeon.sink_cache` does). ALiBi models only: positions elsewhere come from the
+    cache's length. ``keys`` is asked even for a single block (offset 0).
     """
     n_pos = tokens.shape[1]
     block = check_int(block_size, "block_size", minimum=1)
     stop = model.cfg.n_layers if stop_at_layer is None else stop_at_layer
     device = torch.device(model.cfg.device or "cpu")
+    if keys is not None:
+        if max_length(model) is not None:
+            raise UnsupportedArchitectureError(
+                f"{model.cfg.original_architecture or 'this model'} has "
+                f"{model.cfg.positional_embedding_type} positions, which a cache of chosen keys "
+                "would shift; only ALiBi models run on chosen keys"
+            )
+        yield from _chosen(model, tokens, block, stop, keys)
+        return
     if block >= n_pos:
         yield 0, run_to_layer(model, tokens.to(device), stop)
         return
     cache = new_kv_cache(model, tokens.shape[0], device)
     yield from _prefill(model, tokens, block, stop, cache)
+
+
+def _chosen(
+    model: Model, tokens: Int[Tensor, "batch pos"], block: int, stop: int, keys: KeyChooser
+) -> Iterator[tuple[int, Float[Tensor, "batch block d_model"]]]:
+    """:func:`run_in_blocks` with ``keys``: each block on a cache of its chosen positions."""
+    device = torch.device(model.cfg.device or "cpu")
+    batch, n_pos = tokens.shape
+    every: list[tuple[Tensor, Tensor]] = []  # each layer's keys and values, every position
+    for offset in range(0, n_pos, block):
+        n = min(block, n_pos - offset)
+        kept = keys(offset, n).to(device)
+        contents = [
+            (k.index_select(KV_POS_DIM, kept), v.index_select(KV_POS_DIM, kept)) for k, v in every
+        ]
+        cache = cache_holding(model, contents, batch, device)
+        resid = run_to_layer(model, tokens[:, offset : offset + n].to(device), stop, cache=cache)
+        added = cache_contents(cache)
+        if len(added) < stop or cached_length(cache) != len(kept) + n:
+            raise UnsupportedArchitectureError(
+                f"{model.cfg.original_architecture or 'this model'}'s attention does not keep a "
+                f"key-value cache under TransformerLens {MAJOR}, so it cannot run on chosen keys"
+            )
+        if not every:
+            every = [
+                tuple(_positions(t, n_pos) for t in (k, v)) for k, v in added[:stop]
+            ]  # allocated once the layout is known
+        for (k_all, v_all), (k, v) in zip(every, added, strict=False):
+            k_all.narrow(KV_POS_DIM, offset, n).copy_(k.narrow(KV_POS_DIM, len(kept), n))
+            v_all.narrow(KV_POS_DIM, offset, n).copy_(v.narrow(KV_POS_DIM, len(kept), n))
+        yield offset, resid
+
+
+def _positions(like: Tensor, n_pos: int) -> Tensor:
+    """An empty tensor like a cache's keys or values, with room for ``n_pos`` positions."""
+    shape = list(like.shape)
+    shape[KV_POS_DIM] = n_pos
+    return like.new_empty(shape)
 
 
 def _prefill(

@@ -48,6 +48,7 @@ LAYERS = {
         "precision",
         "window",
         "received",
+        "sink_cache",
         "repair",
     ),
     "presentation": ("plots", "reports", "cli"),

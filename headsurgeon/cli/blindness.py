@@ -5,7 +5,8 @@ measured on text under a mitigation (:func:`~headsurgeon.blindness.measure_blind
 :func:`~headsurgeon.blindness.mitigation`) beside each head's reach (a census of the same text,
 :func:`headsurgeon.run_census`) and, with ``--counterfactual precision``, what
 rounding in each dtype does to the outputs (:func:`headsurgeon.precision.precision_effect`),
-printed and written by
+and, with ``--sink-cache``, StreamingLLM's sink-cache test
+(:func:`headsurgeon.sink_cache_effect`), printed and written by
 :func:`headsurgeon.reports.write_blindness` (``--help`` lists the options).
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from headsurgeon import alibi, cli
+from headsurgeon.backend import Model
 from headsurgeon.blindness import (
     ANALYSED_DTYPES,
     CONVENTIONS,
@@ -33,6 +35,7 @@ from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureErro
 from headsurgeon.loading import load_model, model_shape
 from headsurgeon.precision import PRECISION_DTYPES, precision_effect
 from headsurgeon.reports import blindness_summary, write_blindness
+from headsurgeon.sink_cache import POSITIONS, SinkCacheEffect, sink_cache_effect
 from headsurgeon.validation import check_number
 
 __all__ = [
@@ -57,6 +60,25 @@ def _mitigation_params(args: argparse.Namespace) -> dict:
         context = args.max_distance if args.robust_context is None else args.robust_context
         return {"context": context, "mode": args.robust_mode}
     return {}
+
+
+def _sink_cache(args: argparse.Namespace, model: Model | None) -> tuple[Model, SinkCacheEffect]:
+    """``--sink-cache``: the model (loaded here unless --measure did) and its sink-cache test."""
+    if model is None:
+        model = load_model(args.model, dtype="float32", **cli.placement_args(args))
+        cli.require_tokenizer(model, args)
+    effect = sink_cache_effect(
+        model,
+        args.texts,
+        sinks=args.sinks,
+        windows=args.windows,
+        positions=args.sink_positions,
+        head_seq_len=args.sink_head_seq_len,
+        seq_len=args.sink_seq_len,
+        batch_size=args.batch_size,
+        prepend_bos=args.prepend_bos,
+    )
+    return model, effect
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,6 +121,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         "the scores, the softmax or everything in each of --dtypes (float32, bfloat16, "
         "float16), and reports what rounding changes by position and head (under --mitigation "
         "relative: with the bias formed from distances)",
+    )
+    group = parser.add_argument_group("sink cache (StreamingLLM)")
+    group.add_argument(
+        "--sink-cache",
+        action="store_true",
+        help="perplexity of one long sequence of the text with a cache of x first (sink) plus y "
+        "recent tokens, for each x in --sinks and y in --windows, against the full context; "
+        "and per head, the loss when it alone loses its sinks (loads the model)",
+    )
+    group.add_argument("--sinks", type=int, nargs="+", default=[0, 1, 4], metavar="X")
+    group.add_argument(
+        "--windows",
+        type=cli.positive_int,
+        nargs="+",
+        metavar="Y",
+        help="recent tokens kept (default: a quarter of the training length, and all of it)",
+    )
+    group.add_argument(
+        "--sink-positions",
+        choices=POSITIONS,
+        default="cache",
+        help="ALiBi distance of a sink: its cache slot (StreamingLLM) or its true distance",
+    )
+    group.add_argument(
+        "--sink-seq-len", type=cli.positive_int, default=16384, help="tokens of the sequence"
+    )
+    group.add_argument(
+        "--sink-head-seq-len",
+        type=cli.positive_int,
+        default=2048,
+        help="tokens of the per-head test (one pass per head), cache: the largest --sinks and "
+        "the smallest --windows",
     )
     parser.add_argument(
         "--reach-eps",
@@ -184,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     precision = precision_effect(
                         model, tokens, dtypes=[d for d in dtypes if d in PRECISION_DTYPES]
                     )
-        print(blindness_summary(analytic, measured, precision, census))
+        model, sinks = _sink_cache(args, model) if args.sink_cache else (model, None)
+        print(blindness_summary(analytic, measured, precision, census, sinks))
         write_blindness(
             out,
             analytic,
@@ -195,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokens=tokens,
             precision=precision,
             census=census,
+            sink_cache=sinks,
         )
     print(f"wrote {out}/")
     return 0

@@ -27,6 +27,7 @@ Exports:
     window_figure(table)               loss change when attention is cut to keys within d
     corpus_diff_grid(compared, metric) metric on corpus b minus on corpus a (compare_corpora)
     corpora_grid(compared, metric)     each corpus's head grid side by side
+    sink_cache_figure(by_cache)        perplexity with a cache of sinks plus recent tokens
     importance_grid(df)                delta_loss per head (head_importance), diverging colour
     bos_vs_importance(df)              BOS mass against delta_loss, by label: dormant sinks
     attention_pattern(model, text, heads)
@@ -58,6 +59,7 @@ Modules (each name above is importable from ``headsurgeon.plots`` itself):
                  retrieval and rounding
     distance     reach_figure, window_figure: how far heads look, which distances the loss uses
     patterns     attention_pattern, pattern_diff: one head's attention on a text
+    sink_cache   sink_cache_figure: perplexity with a StreamingLLM cache
     layout       style, FONT, OKABE_ITO: the house style, and the helpers the figures share
     notebook     Figure, NOTEBOOK_OUTPUTS: the notebook output
     export       save_figure, save_figures, split_formats, the browser: the files
@@ -139,6 +141,7 @@ from headsurgeon.plots.notebook import (
     _mimetype_renderers_in_ipython as _mimetype_renderers_in_ipython,
 )
 from headsurgeon.plots.patterns import MAX_CELLS, attention_pattern, pattern_diff
+from headsurgeon.plots.sink_cache import sink_cache_figure
 
 __all__ = [
     "FONT",
@@ -168,6 +171,7 @@ __all__ = [
     "save_figure",
     "save_figures",
     "sick_share_plot",
+    "sink_cache_figure",
     "split_formats",
     "style",
     "sweep_plot",

@@ -10,6 +10,7 @@ Exports:
                                                the measured shares of exact zeros
     precision_verdict(precision)               those first lines on their own
     reach_lines(census, measured)              the reach lines on their own
+    sink_cache_lines(effect)                   the sink-cache test's lines (--sink-cache)
     write_blindness(out_dir, analytic, ...)    its tables, summary, figures and index.html
 """
 
@@ -32,17 +33,20 @@ from headsurgeon.backend import Model
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.plots.distance import reach_figure
 from headsurgeon.plots.evaluation import precision_figure
+from headsurgeon.plots.sink_cache import sink_cache_figure
 from headsurgeon.probes import sample_patterns
 from headsurgeon.reports.page import PAGE_CELLS, _samples_note, _write_page
 
 if TYPE_CHECKING:
     from headsurgeon.blindness import BlindnessMeasurement
     from headsurgeon.precision import PrecisionEffect
+    from headsurgeon.sink_cache import SinkCacheEffect
 
 __all__ = [
     "blindness_summary",
     "precision_verdict",
     "reach_lines",
+    "sink_cache_lines",
     "write_blindness",
 ]
 
@@ -206,11 +210,40 @@ def reach_lines(census: pd.DataFrame, measured: BlindnessMeasurement | None = No
     return lines
 
 
+def sink_cache_lines(effect: SinkCacheEffect, n_heads: int = 5) -> list[str]:
+    """The sink-cache test (:func:`headsurgeon.sink_cache_effect`) in a few lines: perplexity
+    per cache against the full context, then the ``n_heads`` heads whose loss of the sinks
+    costs most."""
+    table, a = effect.by_cache, effect.by_cache.attrs
+    lines = [
+        f"sink cache (StreamingLLM: x sinks + y recent tokens; {a['n_seqs']} × {a['seq_len']} "
+        f"tokens, {a['positions']} ALiBi distances, trained on {a.get('train_ctx') or '?'} "
+        f"tokens): full-context perplexity {a['full_ppl']:.4g}"
+    ]
+    for row in table.itertuples():
+        lines.append(
+            f"  {row.sinks} + {row.window}: perplexity {row.ppl:.4g}, ΔNLL {row.dnll:+.4f} ± "
+            f"{row.dnll_se:.4f} ({row.dnll_evicted:+.4f} where the cache has dropped tokens)"
+        )
+    heads = effect.by_head
+    if not heads.empty:
+        top = ", ".join(
+            f"L{r.layer}H{r.head} {r.dnll:+.4f}" for r in heads.head(n_heads).itertuples()
+        )
+        x, y = int(heads["sinks"].iloc[0]), int(heads["window"].iloc[0])
+        lines.append(
+            f"  heads that need their sinks most (each alone at 0 + {y}, the others {x} + {y}, "
+            f"{heads.attrs['head_seq_len']} tokens): {top}"
+        )
+    return lines
+
+
 def blindness_summary(
     analytic: pd.DataFrame | None,
     measured: BlindnessMeasurement | None,
     precision: PrecisionEffect | None = None,
     census: pd.DataFrame | None = None,
+    sink_cache: SinkCacheEffect | None = None,
 ) -> str:
     """The blindness CLI's summary, in the order that matters: first whether rounding and
     underflow change the outputs (:func:`precision_verdict` with a precision counterfactual,
@@ -249,6 +282,8 @@ def blindness_summary(
             lines.append(f"  {dtype:9s} {shares}")
     if precision is not None:
         lines.extend(_precision_details(precision))
+    if sink_cache is not None:
+        lines.extend(sink_cache_lines(sink_cache))
     return "\n".join(lines)
 
 
@@ -263,6 +298,7 @@ def write_blindness(
     tokens: Tensor | None = None,
     precision: PrecisionEffect | None = None,
     census: pd.DataFrame | None = None,
+    sink_cache: SinkCacheEffect | None = None,
 ) -> Path:
     """Write a blindness analysis to a new folder, atomically; return the folder.
 
@@ -275,22 +311,29 @@ def write_blindness(
     summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census`
     on the measured text) also ``census.csv`` and the figure ``reach`` (each head's reach beside
     its first exact zero and analytic distance), and the page's head table has a ``reach``
-    column. A folder holding files is refused unless
-    ``overwrite``, and even then unless headsurgeon wrote it.
+    column; with a ``sink_cache`` test (:func:`headsurgeon.sink_cache_effect`) also
+    ``sink_cache.csv`` (``by_cache``), ``sink_cache_heads.csv`` (``by_head``), the figure
+    ``sink_cache`` and its summary lines (:func:`sink_cache_lines`). A folder holding files is
+    refused unless ``overwrite``, and even then unless headsurgeon wrote it.
 
     ``index.html`` puts it on one offline page: the summary, a grid of blind distances where
     clicking a head shows its distances per dtype, its measured share of exact zeros by distance
     against them and, given the ``model``, its attention on the first measured sequence of
     ``tokens`` (max-pooled to 64 cells a side), with the blind distance drawn in.
     """
-    summary = blindness_summary(analytic, measured, precision, census)
+    summary = blindness_summary(analytic, measured, precision, census, sink_cache)
     figures = _figures(analytic, measured, precision, census)
+    if sink_cache is not None:
+        figures["sink_cache"] = sink_cache_figure(sink_cache.by_cache)
     tables = {"blindness.csv": analytic, "census.csv": census}
     if measured is not None:
         tables |= {f"measured_{t}.csv": getattr(measured, t) for t in ("by_head", "by_distance")}
         tables["measured_by_length.csv"] = measured.by_length
     if precision is not None:
         tables |= {"precision.csv": precision.by_position, "precision_heads.csv": precision.by_head}
+    if sink_cache is not None:
+        tables["sink_cache.csv"] = sink_cache.by_cache
+        tables["sink_cache_heads.csv"] = sink_cache.by_head
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_blindness") as tmp:
         for name, frame in tables.items():
             if frame is not None:

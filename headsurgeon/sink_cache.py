@@ -1,0 +1,491 @@
+"""The sink-cache test: does the model need its first tokens once the cache has dropped the rest?
+
+StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024)
+keeps a key-value cache of ``x`` initial ("sink") tokens plus the ``y`` most recent ones and
+evicts everything in between; a window-only cache (``x = 0``) broke their ALiBi model (MPT-7B
+perplexity 460 with 0 + 2,048 tokens, 15 with 1 + 2,047), one kept initial token restored it.
+:func:`sink_cache_effect` runs that test exactly, on the model's own forward pass: the
+perplexity of long text with each cache ``(x, y)`` against the full-context perplexity, and,
+per head, the loss when that head alone loses its sink tokens: the heads that carry the need.
+
+**The cache, exactly.** Query ``t`` sees the keys ``j <= t`` with ``j < x`` (sinks) or
+``t - j <= y`` (the ``y`` previous tokens and itself). This is StreamingLLM's own evaluation loop
+(``examples/eval_long_ppl.py``: a token runs against the cache, then the cache is cut back to
+``start_size + recent_size``), so their ``1 + 2047`` is ``sinks=1, window=2047`` here. Every
+position's keys and values are those computed when it was the query, under its own cache, as in
+a real stream. Queries ``t <= x + y`` have lost nothing: their predictions are the full-context
+ones.
+
+**ALiBi distances** (``positions``): ``"cache"`` (default) counts distance in cache slots, as
+StreamingLLM does for ALiBi (MosaicML's MPT builds its bias from the key's index in the cache;
+transformers' ``MptAttention`` slices its bias by the cache's length; their paper: "a contiguous
+linear bias instead of a jumping one"). With the cache full the query sits in slot ``x + y``,
+its ``y`` recent keys in the slots just before it, the sinks in slots ``0 ... x - 1``: a recent
+key keeps its true distance ``t - j``, sink ``j`` gets ``x + y - j`` (in general
+``min(t, x + y) - j``): the sinks look adjacent to the window, however long ago they came.
+``"true"`` gives every key its true distance ``t - j``: the sink then carries the penalty of
+its real age (for steep heads, weight ~0 at any useful length), so ``"true"`` tests the sink
+as far-away content. The bias is the model's trained kind (standard, or the variant its
+``headsurgeon.json`` records) at these distances.
+
+Exports:
+    sink_cache_effect(model, data, ...)   SinkCacheEffect: perplexity per cache, ΔNLL per head
+    SinkCacheEffect                       its tables: by_cache, by_head, and the reference NLL
+    cache_keys(sinks, window)             the earlier positions a block of queries reads
+    POSITIONS                             the distance conventions: "cache", "true"
+
+>>> from headsurgeon.loading import ModelShape, random_model
+>>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
+>>> tokens = torch.randint(0, 64, (2, 40))
+>>> effect = sink_cache_effect(
+...     model, tokens, sinks=[0, 2], windows=[8, 60], n_seqs=2, progress=False
+... )
+>>> effect.by_cache[["sinks", "window", "evicted"]].values.tolist()
+[[0, 8, 60], [0, 60, 0], [2, 8, 56], [2, 60, 0]]
+>>> bool((effect.by_cache.query("window == 60")["dnll"].abs() < 1e-5).all())
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from headsurgeon import alibi, long_context
+from headsurgeon.backend import Model, add_bias_hook, check_model
+from headsurgeon.blindness import active_mitigations
+from headsurgeon.data import Data, batches, describe, position_zero
+from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.evals import _next_token_nll
+from headsurgeon.exact_alibi import alibi_slopes, trained_bias
+from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.loading import model_info
+from headsurgeon.probes import unfired
+from headsurgeon.progress import tqdm
+from headsurgeon.validation import check_choice, check_int
+from headsurgeon.window import _every_head, _sequences
+
+__all__ = ["POSITIONS", "SinkCacheEffect", "cache_keys", "sink_cache_effect"]
+
+logger = logging.getLogger(__name__)
+
+POSITIONS = ("cache", "true")
+
+
+@dataclasses.dataclass
+class SinkCacheEffect:
+    """Result of :func:`sink_cache_effect`.
+
+    ``by_cache``: one row per (sinks, window). ``by_head``: one row per head, the heads that
+    carry the need for sinks first (empty when no head was asked for). ``nll``: the full-context
+    next-token loss ``[seq, position]`` (float64), the reference of ``by_cache``.
+    """
+
+    by_cache: pd.DataFrame
+    by_head: pd.DataFrame
+    nll: np.ndarray
+
+
+def cache_keys(sinks: int, window: int) -> long_context.KeyChooser:
+    """The earlier positions the block of queries ``offset ... offset + n - 1`` reads with a
+    cache of ``sinks`` initial and ``window`` recent tokens: the union over its queries (each
+    query's own cut is the bias's mask), for :func:`headsurgeon.long_context.run_in_blocks`.
+
+    >>> cache_keys(2, 3)(10, 4).tolist()  # sinks 0, 1; query 10 reads back to 7
+    [0, 1, 7, 8, 9]
+    """
+
+    def keys(offset: int, n: int) -> Int[Tensor, " kept"]:
+        recent = max(0, offset - window)
+        return torch.cat([torch.arange(min(sinks, recent)), torch.arange(recent, offset)])
+
+    return keys
+
+
+class _CacheBias:
+    """One pass's bias: per layer, each head's sinks; the cut keys get ``-inf``.
+
+    ``keys`` records the block being run; ``builder(layer)`` is that layer's
+    :data:`~headsurgeon.backend.BiasBuilder`, counting its calls (a layer whose bias was never
+    built is refused, never read as no change).
+    """
+
+    def __init__(
+        self, model: Model, sinks: list[list[int]], window: int, positions: str, kind: tuple
+    ) -> None:
+        self.sinks, self.window, self.positions = sinks, window, positions
+        self.kind, self.params = kind
+        self.slopes = alibi_slopes(model)
+        self.chooser = cache_keys(max(map(max, sinks)), window)
+        self.fired = [0] * len(sinks)
+        self.block: tuple[int, Tensor] | None = None
+        self.built: dict[tuple[int, ...], Tensor] = {}
+
+    def keys(self, offset: int, n: int) -> Int[Tensor, " kept"]:
+        kept = self.chooser(offset, n)
+        self.block, self.built = (offset, kept), {}
+        return kept
+
+    def builder(self, layer: int):  # -> BiasBuilder
+        def build(n_queries: int, n_keys: int, device: torch.device) -> Tensor:
+            self.fired[layer] += 1
+            offset, kept = self.block
+            if n_keys != len(kept) + n_queries:
+                raise UnsupportedArchitectureError(
+                    f"sink_cache_effect: layer {layer} attends to {n_keys} keys where its cache "
+                    f"holds {len(kept) + n_queries}; this model's attention does not read the "
+                    "cache it is given"
+                )
+            heads = tuple(self.sinks[layer])
+            if heads not in self.built:
+                self.built[heads] = self._bias(heads, offset, n_queries, kept, device)
+            return self.built[heads]
+
+        return build
+
+    def _bias(
+        self, heads: tuple[int, ...], offset: int, n: int, kept: Tensor, device: torch.device
+    ) -> Float[Tensor, "head_index query_pos key_pos"]:
+        query = torch.arange(offset, offset + n, device=device)[:, None]
+        key = torch.cat([kept.to(device), query[:, 0]])[None, :]
+        recent = query - key <= self.window
+        bias = torch.empty(len(heads), n, key.shape[1], device=device)
+        for x in set(heads):  # at most two values: the layer's sinks and a head's 0
+            sink = key < x
+            distance = query - key
+            if self.positions == "cache":
+                distance = torch.where(sink, query.clamp(max=x + self.window) - key, distance)
+            full = alibi.bias_from_distance(
+                self.kind, self.slopes, distance.clamp(min=0), **self.params
+            ).to(device)
+            # Past keys neither sinks nor recent are out of the cache (future keys: the model's
+            # own causal mask).
+            full = full.masked_fill(~(sink | recent) & (key <= query), -math.inf)
+            chosen = torch.tensor([h == x for h in heads], device=device)
+            bias[chosen] = full[chosen]
+        return bias
+
+
+def _check_model(model: Model) -> tuple[str, dict]:
+    """The model's trained bias kind, or one line: no ALiBi, or a mitigation the bias replaces."""
+    if model.cfg.positional_embedding_type != "alibi":
+        raise UnsupportedArchitectureError(
+            f"sink_cache_effect needs ALiBi (or no) positions; {model_info(model).name} uses "
+            f"{model.cfg.positional_embedding_type} positions, which a cache of sinks plus recent "
+            "tokens would have to re-encode (StreamingLLM re-rotates rotary keys): not supported"
+        )
+    replaced = [kind for kind in active_mitigations(model) if kind not in ("standard", "softcap")]
+    if replaced:
+        raise UnsupportedArchitectureError(
+            f"sink_cache_effect builds the ALiBi bias of each cache itself from the model's "
+            f"trained kind; a {replaced[-1]} mitigation is active, whose bias it would replace: "
+            "leave its block"
+        )
+    return trained_bias(model_info(model).metadata)
+
+
+def _batch_means(
+    delta: Float[Tensor, "seq position"], base: Float[Tensor, "seq position"], chunk: int
+) -> dict[str, float]:
+    """Mean ΔNLL, its standard error by batch means (each sequence's predictions cut into
+    chunks of ``chunk`` positions; neighbouring tokens are correlated, chunk means much less),
+    the tokens and the base NLL. NaN standard error for a single chunk."""
+    means = torch.cat([part.mean(1) for part in delta.split(chunk, dim=1)])
+    se = means.std().item() / math.sqrt(len(means)) if len(means) > 1 else math.nan
+    return {
+        "tokens": delta.numel(),
+        "base_nll": base.mean().item(),
+        "dnll": delta.mean().item(),
+        "dnll_se": se,
+    }
+
+
+@torch.no_grad()
+def sink_cache_effect(
+    model: Model,
+    data: Data = None,
+    *,
+    sinks: Sequence[int] = (0, 1, 4),
+    windows: Sequence[int] | None = None,
+    positions: str = "cache",
+    heads: Heads | None = None,
+    head_cache: tuple[int, int] | None = None,
+    head_seq_len: int | None = 2048,
+    seq_len: int = 16384,
+    n_seqs: int = 1,
+    chunk: int = 512,
+    batch_size: int = 1,
+    prepend_bos: bool | None = None,
+    block_size: int | None = None,
+    progress: bool = True,
+) -> SinkCacheEffect:
+    """Perplexity with a StreamingLLM cache of sinks plus recent tokens, and the heads that need
+    the sinks.
+
+    Usage::
+
+        effect = sink_cache_effect(model)  # 16,384 held-out tokens, sinks 0, 1, 4
+        effect.by_cache   # ppl and ΔNLL against the full context, per (sinks, window)
+        effect.by_head.head(5)  # the heads whose loss of the sinks costs most
+
+    For each ``x`` in ``sinks`` and ``y`` in ``windows`` (default: a quarter of the training
+    length and the training length, :attr:`headsurgeon.loading.ModelInfo.train_ctx`), every
+    prediction is made with the cache it would have had in a stream (module docstring: query
+    ``t`` sees keys ``j < x`` and ``t - y <= j <= t``; ALiBi distances by ``positions``,
+    ``"cache"`` as StreamingLLM or ``"true"``), all heads of all layers alike. ``by_cache`` has
+    one row per (``sinks``, ``window``): ``positions``, ``tokens`` (predictions scored: every
+    position but the last of each sequence), ``nll`` and ``ppl`` over them, ``dnll`` (``nll``
+    minus the full-context ``full_nll``, same tokens; ``full_ppl``), ``dnll_se`` (batch means
+    over chunks of ``chunk`` predictions), ``evicted`` (predictions whose cache had dropped a
+    key: position ``> x + y``; the others are the full-context ones) and ``dnll_evicted``, the
+    mean ΔNLL over those (NaN if none).
+
+    Per head (``heads``, default every head; ``heads=[]`` skips it): every head keeps the cache
+    ``head_cache = (x, y)`` (default: the largest of ``sinks``, the smallest of ``windows``)
+    except one, which loses its sinks (cache ``(0, y)``: its ``y`` recent tokens only, at the
+    same distances). ``by_head`` has one row per head: ``layer``, ``head``, ``slope``,
+    ``sinks``, ``window``, ``tokens``, ``base_nll`` (every head at ``(x, y)``), ``dnll`` (the
+    loss increase when that head alone loses its sinks), ``dnll_se`` (batch means), ``rank``
+    (1: the largest ``dnll``), sorted by rank. It runs on the first ``head_seq_len`` tokens of
+    each sequence (``None``: all; one pass per head, so the default 2,048 keeps 64 heads cheap);
+    it must exceed ``x + y + 1``, or the cache drops nothing.
+
+    What it tests: whether this model, on this text, needs its first tokens once the middle of
+    the context is gone, and which heads need them; with ``y`` below the training length
+    (in-distribution windows) or above it (far distances the model never trained on). It does
+    not test what the model does with the full far context (:func:`headsurgeon.window_effect`
+    cuts by distance and keeps position 0), nor a cache trained for streaming. A negative
+    ``dnll`` is real: the dropped keys hurt there. ``x = 0`` with ``y >= seq_len - 1`` is the
+    full context computed on this path: its ``dnll`` is 0 up to float32 rounding.
+
+    Cost: one full-context pass (the model's own, in blocks: ``seq_len x seq_len / 2`` attention
+    entries per head, the bulk at long lengths), then per cache ``seq_len x (x + y + block)``:
+    each block of queries runs against only the keys its cache can hold
+    (:func:`headsurgeon.long_context.run_in_blocks` with :func:`cache_keys`), memory linear in
+    ``seq_len``. ``block_size``: query rows per block (default: ``y`` clamped to 64 ... 512 for
+    a cache, by memory for the reference). ``data``, ``seq_len``, ``n_seqs``, ``prepend_bos`` as
+    in :func:`headsurgeon.window_effect`.
+
+    Refused in one line: a model without ALiBi positions (learned or rotary positions would
+    have to be re-encoded inside the cache), an active ALiBi mitigation other than softcap (its
+    bias would be replaced), sinks below 0, windows below 1, a per-head test without sinks or
+    whose cache drops nothing.
+
+    ``attrs`` of both tables: ``model``, ``data``, ``n_seqs``, ``seq_len``, ``prepend_bos``,
+    ``positions``, ``bias`` (the ALiBi kind), ``train_ctx``, ``full_nll``, ``full_ppl``,
+    ``tests`` (the sentence above); ``by_head``'s also ``head_seq_len``.
+    """
+    check_model(model, "sink_cache_effect")
+    kind = _check_model(model)
+    positions = check_choice(positions, "positions", POSITIONS)
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    chunk = check_int(chunk, "chunk", minimum=1)
+    if block_size is not None:
+        block_size = check_int(block_size, "block_size", minimum=1)
+    sinks = sorted({check_int(x, "each of sinks", minimum=0) for x in sinks})
+    train_ctx = model_info(model).train_ctx
+    if windows is None:
+        windows = [max(1, (train_ctx or model.cfg.n_ctx) // 4), train_ctx or model.cfg.n_ctx]
+    windows = sorted({check_int(y, "each of windows", minimum=1) for y in windows})
+    if not sinks or not windows:
+        raise InvalidArgumentError("give at least one value in sinks and in windows")
+    tokens = _sequences(model, data, seq_len, n_seqs, prepend_bos)
+    n_pos = tokens.shape[1]
+    chosen, (head_x, head_y), head_pos = _per_head(
+        model, heads, head_cache, head_seq_len, (sinks[-1], windows[0]), n_pos
+    )
+    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    configs = [(x, y) for x in sinks for y in windows]
+    bar = tqdm(
+        total=1 + len(configs) + (1 + len(chosen) if chosen else 0),
+        desc="sink cache",
+        disable=not progress,
+    )
+
+    def run(cut: list[list[int]] | None, window: int, tokens: Tensor) -> Tensor:
+        start = time.perf_counter()
+        nll = _cache_nll(model, tokens, cut, window, positions, kind, batch_size, block_size)
+        what = "full context" if cut is None else f"cache {max(map(max, cut))} + {window}"
+        logger.debug("%s, %d tokens: %.1f s", what, tokens.numel(), time.perf_counter() - start)
+        bar.update()
+        return nll
+
+    with bar:
+        full = run(None, 0, tokens)
+        rows = []
+        for x, y in configs:
+            nll = run([[x] * n_heads] * n_layers, y, tokens)
+            rows.append(_cache_row(x, y, positions, nll, full, chunk))
+        head_rows = []
+        if chosen:
+            short = tokens[:, :head_pos]
+            base = run([[head_x] * n_heads] * n_layers, head_y, short)
+            slopes = alibi_slopes(model).double().numpy()
+            for layer, head in chosen:
+                cut = [[head_x] * n_heads for _ in range(n_layers)]
+                cut[layer][head] = 0
+                change = _batch_means(run(cut, head_y, short) - base, base, chunk)
+                head_rows.append(
+                    {"layer": layer, "head": head, "slope": float(slopes[head])}
+                    | {"sinks": head_x, "window": head_y}
+                    | change
+                )
+    by_cache = pd.DataFrame(rows, columns=_CACHE_COLUMNS)
+    by_head = pd.DataFrame(head_rows, columns=_HEAD_COLUMNS[:-1])
+    by_head = by_head.sort_values("dnll", ascending=False, kind="stable", ignore_index=True)
+    by_head["rank"] = np.arange(1, len(by_head) + 1)
+    attrs = {
+        "model": model_info(model).name,
+        "data": describe(data),
+        "n_seqs": len(tokens),
+        "seq_len": n_pos,
+        "prepend_bos": position_zero(model, data, tokens, prepend_bos)[0],
+        "positions": positions,
+        "bias": kind[0],
+        "train_ctx": train_ctx,
+        "full_nll": full.mean().item(),
+        "full_ppl": math.exp(full.mean().item()),
+        "tests": _TESTS,
+    }
+    by_cache.attrs.update(attrs)
+    by_head.attrs.update(attrs, head_seq_len=head_pos)
+    return SinkCacheEffect(by_cache=by_cache, by_head=by_head, nll=full.numpy())
+
+
+def _per_head(
+    model: Model,
+    heads: Heads | None,
+    head_cache: tuple[int, int] | None,
+    head_seq_len: int | None,
+    default: tuple[int, int],
+    n_pos: int,
+) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
+    """The per-head test's heads, cache and length, checked (no heads: ``heads=[]``)."""
+    chosen = [] if heads is not None and not list(heads) else None
+    if chosen is None:
+        chosen = list(HeadSet.of(_every_head(model) if heads is None else heads, model))
+    x, y = default if head_cache is None else head_cache
+    x = check_int(x, "head_cache's sinks", minimum=1 if chosen else 0)
+    y = check_int(y, "head_cache's window", minimum=1)
+    length = n_pos
+    if head_seq_len is not None:
+        length = min(n_pos, check_int(head_seq_len, "head_seq_len", minimum=3))
+    if chosen and length <= x + y + 1:
+        raise InvalidArgumentError(
+            f"per head, a cache of {x} + {y} tokens drops nothing from sequences of {length} "
+            f"tokens; give head_seq_len above {x + y + 1} or a smaller head_cache (or heads=[] "
+            "to skip the per-head test)"
+        )
+    return chosen, (x, y), length
+
+
+def _cache_row(
+    x: int,
+    y: int,
+    positions: str,
+    nll: Float[Tensor, "seq position"],
+    full: Float[Tensor, "seq position"],
+    chunk: int,
+) -> dict:
+    """One row of ``by_cache``."""
+    change = _batch_means(nll - full, full, chunk)
+    late = torch.arange(nll.shape[1]) > x + y  # predictions whose cache has dropped keys
+    return {
+        "sinks": x,
+        "window": y,
+        "positions": positions,
+        "tokens": change["tokens"],
+        "nll": nll.mean().item(),
+        "ppl": math.exp(nll.mean().item()),
+        "dnll": change["dnll"],
+        "dnll_se": change["dnll_se"],
+        "full_nll": full.mean().item(),
+        "full_ppl": math.exp(full.mean().item()),
+        "evicted": int(late.sum()) * len(nll),
+        "dnll_evicted": (nll - full)[:, late].mean().item() if late.any() else math.nan,
+    }
+
+
+_TESTS = (
+    "whether the model's loss on this text needs its first tokens once a StreamingLLM cache "
+    "(x sinks + y recent) has dropped the middle, against the full context; windows below the "
+    "training length test in-distribution distances, above it far ones; not what the model "
+    "does with the whole far context (window_effect), nor a model trained to stream"
+)
+_CACHE_COLUMNS = [
+    "sinks",
+    "window",
+    "positions",
+    "tokens",
+    "nll",
+    "ppl",
+    "dnll",
+    "dnll_se",
+    "full_nll",
+    "full_ppl",
+    "evicted",
+    "dnll_evicted",
+]
+_HEAD_COLUMNS = [
+    "layer",
+    "head",
+    "slope",
+    "sinks",
+    "window",
+    "tokens",
+    "base_nll",
+    "dnll",
+    "dnll_se",
+    "rank",
+]
+
+
+def _cache_nll(
+    model: Model,
+    tokens: Int[Tensor, "seq pos"],
+    sinks: list[list[int]] | None,
+    window: int,
+    positions: str,
+    kind: tuple[str, dict],
+    batch_size: int,
+    block_size: int | None,
+) -> Float[Tensor, "seq position"]:
+    """Next-token NLL at every position (float64, CPU): the model's own full-context pass
+    (``sinks`` None), or with the cache ``sinks[layer][head]`` + ``window`` through each layer's
+    bias; refuses a layer whose bias was never built."""
+    n_seqs, n_pos = tokens.shape
+    out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
+    bias = None if sinks is None else _CacheBias(model, sinks, window, positions, kind)
+    handles = (
+        []
+        if bias is None
+        else [add_bias_hook(block.attn, bias.builder(i)) for i, block in enumerate(model.blocks)]
+    )
+    try:
+        for i, batch in enumerate(batches(tokens, batch_size)):
+            rows = out[i * batch_size : i * batch_size + len(batch)]  # a view
+            if bias is None:
+                block = block_size or long_context.block_size(model, n_pos, batch=len(batch))
+            else:
+                block = block_size or min(max(window, 64), 512)
+            keys = None if bias is None else bias.keys
+            for position, nll in _next_token_nll(model, batch, block, keys=keys):
+                rows[:, position : position + nll.shape[1]] = nll.cpu()
+    finally:
+        for handle in handles:
+            handle.remove()
+    if bias is not None:
+        silent = [layer for layer, n in enumerate(bias.fired) if not n]
+        if silent:
+            hook = f"the bias pre-hook of blocks.{silent[0]}.attn"
+            raise unfired(model, "sink_cache_effect", hook, silent)
+    return out
