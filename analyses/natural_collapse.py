@@ -1,333 +1,368 @@
-"""The surgery paper's questions on a naturally collapsed organism (issue 29).
+"""Natural collapse, the 2x2 (issue 43): does ALiBi hold attention sinks back at organism scale?
 
-The recipe of ``analyses/train_organism.py --span-share`` (natural text with synthetic
-context-free spans, BOS first) is meant to grow sick heads from the training objective alone,
-nothing planted; a run that crosses the sink threshold is bundled as ``organism-collapsed``.
-None has yet (the runs shipped in ``analyses/collapse_alibi`` and ``analyses/collapse_control``
-peaked below 0.5). This script asks of such models what the surgery paper asks of BLOOM:
+Four arms of the recipe of ``analyses/train_organism.py --span-share`` (natural text with
+context-free synthetic spans, BOS first), trained by ``analyses/natural_collapse_2x2.sh SEED``:
+{ALiBi, no positional bias} x {weight decay 0.1, 0.5}, with the same seed (initialisation and
+data order), step count and learning-rate schedule per arm. "No positional bias" is ALiBi
+clamped to within 1e-6 of 0 (``--bias clamped --bias-c 1e-6``), so the two bias arms share
+every line of code but the bias. For every arm this script reads the training log and the
+exported model and reports:
 
-1. Which heads are sick, and where: the census (``headsurgeon.run_census``, the classify CLI's
-   default 64 x 128 held-out tokens) with each head's layer and ALiBi slope, and every head's
-   BOS mass over training from the organism's ``training_log.csv``.
-2. Are the sick heads dormant: ``headsurgeon.head_importance`` by mean and by zero ablation
-   (dormant: |delta loss| <= 2 standard errors).
-3. Prune versus repair: ``headsurgeon.repair`` with the settings of
-   ``python -m headsurgeon.repair MODEL --steps S --lr LR`` (its report is written to
-   ``repair-<model>/``, the same files the CLI writes, without the model), held-out perplexity
-   of the model, the model with its sick heads pruned (mean- and zero-ablated) and the
-   repaired model; recovery per pass; how the frozen heads' BOS masses moved (the paper's global
-   redistribution). The same repair trained on the organism's own mixture (text with spans)
-   instead of text only (the paper's curated-versus-noisy data question).
-4. The causal control: the same recipe with no positional bias (``--control``: a model trained
-   with ``--bias clamped --bias-c 1e-6``, i.e. every ALiBi logit within 1e-6 of 0), its census
-   and trajectories beside the organism's.
+1. Trajectories: every head's held-out BOS mass (query rows t >= 1: the census's ``bos_mass``)
+   and Gu et al.'s sink score (every row, row 0 included: the census's ``sink_score``) at every
+   evaluation, and the number of heads above eps = 0.3 (Gu's threshold) and 0.5 (the census's
+   BOS-sink threshold) by each measure.
+2. The final census on the training length (64 held-out windows of 256 tokens) and on Gu et al.'s
+   protocol (100 windows of 64 tokens, sink rate at eps = 0.3), each head's layer and ALiBi
+   slope, and its label.
+3. BOS mass by query position (mean over the 64 windows of A[t, 0] for every t), for the heads
+   above eps = 0.3.
+4. Whether the sinks are dormant: mean- and zero-ablation importance of every head
+   (``headsurgeon.head_importance``; dormant: |delta loss| <= 2 standard errors).
 
-    python analyses/natural_collapse.py
-    python analyses/natural_collapse.py --model analyses/collapse_alibi \\
-        --control analyses/collapse_control --steps 300 --lr 2e-3
+    analyses/natural_collapse_2x2.sh 0          # four arms, two at a time (~2 x 35 min CPU)
+    python analyses/natural_collapse.py --seeds 0
 
-Writes ``figures/natural_collapse/``: ``summary.md``, ``heads.csv`` (census, slopes, importance
-of every head of both models), ``trajectories.csv``/``.png`` (BOS mass per head over training),
-``prune_vs_repair.csv``, ``redistribution.csv`` (every head's BOS mass before and after each
-repair; ``frozen``: not targeted), ``repair-<model>/`` (the report of each text-only repair).
-Models with no sick head are not repaired (``headsurgeon.repair`` has nothing to do).
+Writes ``figures/natural_collapse/``: ``summary.md``, ``trajectories.csv`` / ``.png``,
+``counts.csv`` / ``.png``, ``heads.csv``, ``bos_by_position.csv`` / ``.png``.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-import train_organism
-from _common import ROOT, fmt_heads, markdown, parser, start, style, write_topic
+from _common import ROOT, markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
-from transformers import AutoTokenizer
 
 from headsurgeon import classify_heads, head_importance, load_model, model_info, run_census
 from headsurgeon.backend import Model
-from headsurgeon.finetune import FinetuneConfig
+from headsurgeon.data import to_sequences
 from headsurgeon.plots import OKABE_ITO
-from headsurgeon.repair import RepairResult, repair
-from headsurgeon.reports import write_report
 
-SINK = train_organism.SINK_THRESHOLD
-MIXTURE_WINDOWS = 2048  # training windows of the organism's own mixture for the mixture repair
+MODELS = ROOT / "analyses" / "natural_collapse_models"
+ARMS = {  # arm folder prefix -> (bias, weight decay)
+    "alibi-wd0.1": ("ALiBi", 0.1),
+    "alibi-wd0.5": ("ALiBi", 0.5),
+    "nobias-wd0.1": ("no bias", 0.1),
+    "nobias-wd0.5": ("no bias", 0.5),
+}
+EPS = (0.3, 0.5)  # Gu et al.'s sink threshold; the census's BOS-sink threshold
+MEASURES = {"bos_mass": "BOS mass (rows t >= 1)", "sink_score": "sink score (every row)"}
+CENSUS = {"n_seqs": 64, "seq_len": 256}  # the training window
+GU_PROTOCOL = {"n_seqs": 100, "seq_len": 64}  # Gu et al. 2025: 100 sequences of 64 tokens
 
 
-def census_table(model, name: str) -> pd.DataFrame:
-    """Census, labels and importance (mean and zero ablation) of every head, one row each."""
-    census = classify_heads(run_census(model, progress=False))
-    table = census[["layer", "head", "slope", "bos_mass", "output_share", "entropy", "label"]]
-    table = table.assign(model=name)
-    for method in ("mean", "zero"):
-        imp = head_importance(model, method=method, progress=False)
-        table = table.merge(
-            imp[["layer", "head", "delta_loss", "delta_loss_se"]].rename(
-                columns={"delta_loss": f"dloss_{method}", "delta_loss_se": f"dloss_{method}_se"}
-            ),
-            on=["layer", "head"],
+def arm_name(arm: str, seed: int) -> str:
+    bias, wd = ARMS[arm]
+    return f"{bias}, wd {wd} (seed {seed})"
+
+
+def trajectories(folder: Path, name: str) -> pd.DataFrame:
+    """Every head's BOS mass and sink score at every evaluation (one row per head and step)."""
+    log = pd.read_csv(folder / "training_log.csv")
+    frames = []
+    for measure, prefix in (("bos_mass", "bos_L"), ("sink_score", "sink_L")):
+        columns = [c for c in log.columns if c.startswith(prefix)]
+        long = log.melt(id_vars=["step", "tokens"], value_vars=columns, value_name=measure)
+        long["head"] = long["variable"].str.split("_").str[1]
+        frames.append(long.drop(columns="variable").set_index(["step", "tokens", "head"]))
+    return frames[0].join(frames[1]).reset_index().assign(arm=name)
+
+
+def counts(traj: pd.DataFrame) -> pd.DataFrame:
+    """Heads above each eps by each measure, per arm and evaluation."""
+    rows = []
+    for (arm, step), sub in traj.groupby(["arm", "step"], sort=False):
+        row = {"arm": arm, "step": step}
+        for measure in MEASURES:
+            for eps in EPS:
+                row[f"{measure}>{eps}"] = int((sub[measure] > eps).sum())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def bos_by_position(model: Model, tokens: torch.Tensor) -> np.ndarray:
+    """(n_layers, n_heads, seq_len): mean over windows of the attention on position 0 by query."""
+    out = []
+
+    def keep(pattern: torch.Tensor, hook) -> None:
+        out.append(pattern[:, :, :, 0].double().mean(0))
+
+    with torch.no_grad():
+        model.run_with_hooks(
+            tokens, return_type=None, fwd_hooks=[(lambda n: n.endswith("hook_pattern"), keep)]
         )
+    return torch.stack(out).numpy()
+
+
+def head_table(model: Model, name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Census (training length and Gu's protocol), importance by mean and zero ablation of every
+    head, and BOS mass by query position of the heads above eps = 0.3 (long format)."""
+    census = classify_heads(run_census(model, **CENSUS, progress=False))
+    gu = run_census(model, **GU_PROTOCOL, progress=False)
+    table = census[["layer", "head", "slope", "bos_mass", "sink_score", "output_share", "label"]]
+    table = table.assign(arm=name, gu_sink_score=gu["sink_score"].to_numpy())
+    for method in ("mean", "zero"):
+        imp = head_importance(model, method=method, **CENSUS, progress=False)
+        table[f"dloss_{method}"] = imp["delta_loss"].to_numpy()
+        table[f"dloss_{method}_se"] = imp["delta_loss_se"].to_numpy()
         table[f"dormant_{method}"] = (
             table[f"dloss_{method}"].abs() <= 2 * table[f"dloss_{method}_se"]
         )
-    return table
+    by_pos = bos_by_position(model, to_sequences(model, **CENSUS))
+    sinks = table[(table["sink_score"] > EPS[0]) | (table["bos_mass"] > EPS[0])]
+    rows = [
+        pd.DataFrame(
+            {"arm": name, "head": f"L{r.layer}H{r.head}", "query_pos": np.arange(by_pos.shape[2])}
+        ).assign(bos_weight=by_pos[r.layer, r.head])
+        for r in sinks.itertuples()
+    ]
+    return table, pd.concat(rows) if rows else pd.DataFrame()
 
 
-def trajectories(source: Path, name: str) -> pd.DataFrame:
-    """Every head's held-out BOS mass at each evaluation of a training log (long format)."""
-    log = pd.read_csv(source / "training_log.csv")
-    heads = [c for c in log.columns if c.startswith("bos_L")]
-    long = log.melt(id_vars=["step", "minutes"], value_vars=heads, value_name="bos_mass")
-    return long.assign(head=long["variable"].str.removeprefix("bos_"), model=name).drop(
-        columns="variable"
+def panels(names: list[str]) -> go.Figure:
+    """A 2 x 2 grid of panels, one per arm, sharing the y axis."""
+    rows = 2 if len(names) > 2 else 1
+    return make_subplots(
+        rows=rows,
+        cols=2,
+        subplot_titles=names,
+        shared_yaxes=True,
+        vertical_spacing=0.14,
+        horizontal_spacing=0.06,
     )
 
 
-def trajectory_figure(traj: pd.DataFrame, sick: dict[str, set[str]]) -> go.Figure:
-    """One panel per model: BOS mass of every head over training; sick heads coloured."""
-    models = list(traj["model"].unique())
-    fig = make_subplots(rows=1, cols=len(models), subplot_titles=models, shared_yaxes=True)
+def trajectory_figure(traj: pd.DataFrame, names: list[str], measure: str) -> go.Figure:
+    """One panel per arm: every head's ``measure`` over training; heads past 0.3 coloured."""
+    fig = panels(names)
     colours = [OKABE_ITO[c] for c in ("vermillion", "blue", "green", "orange", "purple")]
-    for col, name in enumerate(models, start=1):
-        sub = traj[traj["model"] == name]
-        ordered = sorted(sub["head"].unique(), key=lambda h: h in sick[name])  # sick drawn last
-        for head in ordered:
+    for i, name in enumerate(names):
+        sub = traj[traj["arm"] == name]
+        peak = sub.groupby("head")[measure].max()
+        marked = sorted(peak[peak > EPS[0]].index)
+        for head in sorted(peak.index, key=lambda h: h in marked):  # marked heads on top
             rows = sub[sub["head"] == head]
-            is_sick = head in sick[name]
-            colour = colours[sorted(sick[name]).index(head) % len(colours)] if is_sick else "#bbb"
+            is_marked = head in marked
             fig.add_trace(
                 go.Scatter(
-                    x=rows["minutes"],
-                    y=rows["bos_mass"],
+                    x=rows["step"],
+                    y=rows[measure],
                     mode="lines",
-                    name=f"{name} {head}",
-                    showlegend=is_sick,
-                    line={"color": colour, "width": 2.5 if is_sick else 1},
+                    name=f"{head}",
+                    legendgroup=name,
+                    showlegend=is_marked,
+                    line={
+                        "color": colours[marked.index(head) % len(colours)]
+                        if is_marked
+                        else "#bbb",
+                        "width": 2.5 if is_marked else 1,
+                    },
                 ),
-                row=1,
-                col=col,
+                row=i // 2 + 1,
+                col=i % 2 + 1,
             )
-        fig.add_hline(y=SINK, line={"dash": "dot", "color": "#555"}, row=1, col=col)
-        fig.update_xaxes(title_text="training minutes (one CPU thread)", row=1, col=col)
-    fig.update_yaxes(title_text="BOS mass (held-out text)", range=[0, 1], row=1, col=1)
+        for eps in EPS:
+            fig.add_hline(
+                y=eps, line={"dash": "dot", "color": "#555"}, row=i // 2 + 1, col=i % 2 + 1
+            )
+    fig.update_xaxes(title_text="training step (16 windows of 256 tokens each)")
+    fig.update_yaxes(title_text=MEASURES[measure], range=[0, 1])
     style(
         fig,
-        "BOS mass of every head during training",
-        "coloured: heads the final census labels sick; dotted: the sink threshold 0.5",
+        f"{MEASURES[measure]} of every head during training, per arm",
+        "held-out text, 8 windows of 256 tokens per evaluation; dotted: eps = 0.3 and 0.5; "
+        "coloured: heads that passed 0.3",
+        1200,
+        820,
+    )
+    return fig
+
+
+def counts_figure(table: pd.DataFrame, names: list[str]) -> go.Figure:
+    """Heads past eps over training, per arm, by both measures and thresholds."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=list(MEASURES.values()), shared_yaxes=True)
+    colours = [OKABE_ITO[c] for c in ("vermillion", "orange", "blue", "sky blue")]
+    for col, measure in enumerate(MEASURES, start=1):
+        for colour, name in zip(colours, names, strict=False):
+            sub = table[table["arm"] == name]
+            for eps, dash in zip(EPS, ("solid", "dot"), strict=True):
+                fig.add_trace(
+                    go.Scatter(
+                        x=sub["step"],
+                        y=sub[f"{measure}>{eps}"],
+                        mode="lines",
+                        name=f"{name}, eps {eps}",
+                        legendgroup=f"{name}{eps}",
+                        showlegend=col == 1,
+                        line={"color": colour, "dash": dash},
+                    ),
+                    row=1,
+                    col=col,
+                )
+        fig.update_xaxes(title_text="training step", row=1, col=col)
+    fig.update_yaxes(title_text="heads above eps (of 32)", row=1, col=1)
+    style(
+        fig,
+        "Sink heads over training",
+        "solid: eps = 0.3 (Gu et al.); dotted: eps = 0.5 (the census's BOS-sink threshold)",
         1200,
         520,
     )
     return fig
 
 
-def mixture_windows(model, n: int) -> torch.Tensor:
-    """``n`` training windows of the organism's own recipe (text with spans, BOS first), cut
-    with the same code and seed it was trained with (train_organism.load_data/sample_batch)."""
-    meta = model_info(model).metadata["training"]
-    config = meta["config"]
-    tokenizer = AutoTokenizer.from_pretrained(model_info(model).source)
-    data = train_organism.load_data(
-        tokenizer, config["seq_len"], True, config["span_share"], meta["seed"]
+def position_figure(by_pos: pd.DataFrame, names: list[str]) -> go.Figure:
+    """Attention on position 0 by query position, for every head past eps = 0.3."""
+    fig = panels(names)
+    colours = [OKABE_ITO[c] for c in ("vermillion", "blue", "green", "orange", "purple")]
+    for i, name in enumerate(names):
+        sub = by_pos[by_pos["arm"] == name] if len(by_pos) else by_pos
+        for j, (head, rows) in enumerate(sub.groupby("head") if len(sub) else []):
+            fig.add_trace(
+                go.Scatter(
+                    x=rows["query_pos"] + 1,
+                    y=rows["bos_weight"],
+                    mode="lines",
+                    name=f"{head}",
+                    legendgroup=name,
+                    line={"color": colours[j % len(colours)]},
+                ),
+                row=i // 2 + 1,
+                col=i % 2 + 1,
+            )
+    fig.update_xaxes(title_text="query position t + 1 (log)", type="log")
+    fig.update_yaxes(title_text="attention on position 0", range=[0, 1])
+    style(
+        fig,
+        "Attention on position 0 by query position, heads past eps = 0.3",
+        "mean over 64 held-out windows of 256 tokens; an empty panel: no head past 0.3",
+        1200,
+        820,
     )
-    gen = torch.Generator().manual_seed(meta["seed"] + 3)  # not the training batches' stream
-    return train_organism.sample_batch(data, gen, n)
+    return fig
 
 
-def moved(result: RepairResult, key: tuple[str, str]) -> pd.DataFrame:
-    """BOS mass of every head before and after a repair; ``frozen``: not targeted."""
-    before = result.census_before.set_index(["layer", "head"])["bos_mass"]
-    after = result.census_after.set_index(["layer", "head"])["bos_mass"]
-    table = pd.DataFrame({"bos_before": before, "bos_after": after}).reset_index()
-    targeted = set(result.targeted.names())
-    names = [f"L{r.layer}H{r.head}" for r in table.itertuples()]
-    return table.assign(
-        head_name=names,
-        frozen=[n not in targeted for n in names],
-        change=table["bos_after"] - table["bos_before"],
-        model=key[0],
-        repair_data=key[1],
-    )
+def summarise(
+    names: list[str],
+    models: dict[str, Model],
+    heads: pd.DataFrame,
+    count_table: pd.DataFrame,
+) -> list[str]:
+    """summary.md: the numbers per arm; the reading is in docs/organisms.md."""
+    lines = [
+        "# Natural collapse: {ALiBi, no positional bias} x {weight decay 0.1, 0.5}",
+        "",
+        "Every arm: the same seed (initialisation, data order), steps and schedule; see "
+        "`analyses/natural_collapse_2x2.sh`. BOS mass: mean attention on position 0 over query "
+        "rows t >= 1 (the census's `bos_mass`); sink score: the same over every row, row 0 "
+        "included (Gu et al.'s alpha_1, the census's `sink_score`). Census: 64 held-out windows "
+        "of 256 tokens; Gu's protocol: 100 x 64 tokens. Dormant: |delta loss| <= 2 SE under "
+        "mean / zero ablation of the head's z on the census windows.",
+        "",
+        "| arm | steps | tokens | minutes | held-out loss (Shakespeare / Python docs) | "
+        "max BOS mass | max sink score | heads sink score > 0.3 / > 0.5 | Gu-protocol sink rate "
+        "(> 0.3) | BOS-sink labels |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        training = model_info(models[name]).metadata["training"]
+        mine = heads[heads["arm"] == name]
+        loss = training["final_heldout_loss"]
+        lines.append(
+            f"| {name} | {training['steps']} | {training['tokens_seen']:,} | "
+            f"{training['minutes']} | {loss['shakespeare']:.3f} / {loss['python-docs']:.3f} | "
+            f"{mine['bos_mass'].max():.3f} ({top(mine, 'bos_mass')}) | "
+            f"{mine['sink_score'].max():.3f} ({top(mine, 'sink_score')}) | "
+            f"{int((mine['sink_score'] > 0.3).sum())} / {int((mine['sink_score'] > 0.5).sum())} | "
+            f"{(mine['gu_sink_score'] > 0.3).mean():.1%} | "
+            f"{int((mine['label'] != 'healthy').sum())} |"
+        )
+    lines += ["", "## Heads past eps = 0.3 (either measure), final models", ""]
+    columns = [
+        "arm",
+        "layer",
+        "head",
+        "slope",
+        "bos_mass",
+        "sink_score",
+        "gu_sink_score",
+        "label",
+        "dloss_mean",
+        "dloss_mean_se",
+        "dloss_zero",
+        "dormant_mean",
+        "dormant_zero",
+    ]
+    sinks = heads[(heads["bos_mass"] > EPS[0]) | (heads["sink_score"] > EPS[0])]
+    lines += [markdown(sinks[columns], 4) if len(sinks) else "None.", ""]
+    healthy = heads[~heads.index.isin(sinks.index)]
+    lines += [
+        "Other heads, for scale: median mean-ablation cost "
+        + ", ".join(
+            f"{name}: {healthy[healthy['arm'] == name]['dloss_mean'].median():.4f}"
+            for name in names
+        )
+        + " nats.",
+        "",
+        "## Trajectories",
+        "",
+        "Heads above eps over training (`counts.csv`), at the last evaluation and at their peak:",
+        "",
+    ]
+    last = count_table.groupby("arm", sort=False).last().reset_index()
+    peak = count_table.groupby("arm", sort=False).max().reset_index()
+    lines += [markdown(last.drop(columns="step").assign(at="end"), 3), ""]
+    lines += [markdown(peak.drop(columns="step").assign(at="peak"), 3), ""]
+    return lines
+
+
+def top(table: pd.DataFrame, column: str) -> str:
+    row = table.loc[table[column].idxmax()]
+    return f"L{row['layer']}H{row['head']}"
 
 
 def main() -> None:
     p = parser(__doc__, "natural_collapse")
-    p.add_argument(
-        "--model",
-        type=Path,
-        default=ROOT / "analyses" / "collapse_alibi",
-        help="the recipe's ALiBi model (organism-collapsed, were it bundled: no run of the "
-        "recipe reached the sink threshold, so the exported run lives here)",
-    )
-    p.add_argument(
-        "--control",
-        type=Path,
-        default=ROOT / "analyses" / "collapse_control",
-        help="the same recipe trained without positional bias (exported folder)",
-    )
-    p.add_argument("--steps", type=int, default=300, help="repair steps per pass")
-    p.add_argument("--lr", type=float, default=2e-3, help="repair learning rate")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of the 2x2 to read")
+    p.add_argument("--models", type=Path, default=MODELS, help="folder of the exported arms")
     args = p.parse_args()
     started = start(args)
 
-    names = {"ALiBi": str(args.model), "control": str(args.control)}
-    models = {label: load_model(name) for label, name in names.items()}
-    heads = pd.concat([census_table(m, label) for label, m in models.items()])
-    sick = {
-        label: {f"L{r.layer}H{r.head}" for r in sub.itertuples() if r.label != "healthy"}
-        for label, sub in heads.groupby("model")
+    folders = {
+        arm_name(arm, seed): args.models / f"{arm}-s{seed}" for seed in args.seeds for arm in ARMS
     }
-    traj = pd.concat([trajectories(model_info(m).source, label) for label, m in models.items()])
-
-    config = FinetuneConfig(steps=args.steps, lr=args.lr)
-    repairs: dict[tuple[str, str], RepairResult] = {}
-    for label, name in names.items():
-        if not sick[label]:  # repair refuses a model with nothing to repair
-            continue
-        repairs[label, "text only"] = repair(
-            load_model(name), finetune_config=config, progress=False
-        )
-        repairs[label, "training mixture"] = repair(
-            load_model(name),
-            mixture_windows(models[label], MIXTURE_WINDOWS),
-            finetune_config=config,
-            progress=False,
-        )
-    tables = {"heads.csv": heads, "trajectories.csv": traj}
-    if repairs:
-        tables["prune_vs_repair.csv"] = pd.DataFrame(
-            [repair_row(key, result) for key, result in repairs.items()]
-        )
-        tables["redistribution.csv"] = pd.concat(
-            [moved(result, key) for key, result in repairs.items()]
-        )
-
-    def reports(folder: Path) -> None:
-        """Each text-only repair's report: what ``python -m headsurgeon.repair`` writes."""
-        for (label, data), result in repairs.items():
-            if data == "text only":
-                write_report(result, folder / f"repair-{label}", save_model=False)
-
-    summary = summarise(args, models, heads, sick, traj, tables)
+    names = [n for n, f in folders.items() if (f / "training_log.csv").exists()]
+    missing = sorted(set(folders) - set(names))
+    if missing:
+        print(f"not trained (skipped): {', '.join(missing)}")
+    models = {name: load_model(str(folders[name])) for name in names}
+    traj = pd.concat([trajectories(folders[name], name) for name in names])
+    count_table = counts(traj)
+    tables = [head_table(models[name], name) for name in names]
+    heads = pd.concat([t for t, _ in tables], ignore_index=True)
+    by_pos = pd.concat([b for _, b in tables], ignore_index=True)
     write_topic(
         args.out,
-        {"trajectories": trajectory_figure(traj, sick)},
-        tables,
-        summary,
+        {
+            "trajectories": trajectory_figure(traj, names, "bos_mass"),
+            "trajectories_sink_score": trajectory_figure(traj, names, "sink_score"),
+            "counts": counts_figure(count_table, names),
+            "bos_by_position": position_figure(by_pos, names),
+        },
+        {
+            "trajectories.csv": traj,
+            "counts.csv": count_table,
+            "heads.csv": heads,
+            "bos_by_position.csv": by_pos,
+        },
+        summarise(names, models, heads, count_table),
         started,
-        extra=reports,
     )
-
-
-def repair_row(key: tuple[str, str], result: RepairResult) -> dict[str, object]:
-    """One repair's recovery and the held-out perplexity of model, pruned and repaired."""
-    pvr = result.prune_vs_repair() or {}
-    return {
-        "model": key[0],
-        "repair data": key[1],
-        "targeted": ", ".join(result.targeted.names()),
-        "recovered": len(result.recovered),
-        "recovery_rate": result.recovery_rate,
-        "recovered_per_pass": "; ".join(
-            f"pass {i}: {len(q.recovered)}/{len(q.targeted)}"
-            for i, q in enumerate(result.passes, start=1)
-        ),
-        "verdict": result.verdict,
-        "ppl_model": (pvr.get("injured") or {}).get("heldout"),
-        "ppl_pruned_mean": (pvr.get("pruned_mean") or {}).get("heldout"),
-        "ppl_pruned_zero": (pvr.get("pruned_zero") or {}).get("heldout"),
-        "ppl_repaired": (pvr.get("repaired") or {}).get("heldout"),
-        "drifted": ", ".join(result.drifted.names()),
-        "max_frozen_bos_change": moved(result, key).query("frozen")["change"].abs().max(),
-    }
-
-
-def summarise(
-    args: argparse.Namespace,
-    models: dict[str, Model],
-    heads: pd.DataFrame,
-    sick: dict[str, set[str]],
-    traj: pd.DataFrame,
-    tables: dict[str, pd.DataFrame],
-) -> list[str]:
-    """summary.md: the numbers of both models (the claims are stated in docs/organisms.md)."""
-    peak = traj.groupby(["model", "head"])["bos_mass"].max()
-    lines = [
-        "# Natural collapse: the recipe with ALiBi and without positional bias",
-        "",
-        "The control's `slope` column is its configuration's nominal slope; it trained and runs "
-        "with every bias clamped to within 1e-6 of 0 (`--bias clamped --bias-c 1e-6`).",
-        "",
-        f"ALiBi model: `{args.model.relative_to(ROOT)}`; control: "
-        f"`{args.control.relative_to(ROOT)}`. Census: the "
-        "classify CLI's default, 64 x 128 held-out tokens; importance: mean and zero ablation "
-        "on the same kind of data (dormant: |delta loss| <= 2 SE).",
-        "",
-    ]
-    for label, model in models.items():
-        training = model_info(model).metadata["training"]
-        mine = heads[heads["model"] == label]
-        sick_rows = mine[mine["label"] != "healthy"]
-        healthy = mine[mine["label"] == "healthy"]
-        lines += [
-            f"## {label}",
-            "",
-            f"{model_info(model).metadata['description']} Trained {training['minutes']} min "
-            f"({training['steps']} steps, {training['tokens_seen']:,} tokens); stopped: "
-            f"{training.get('stopped', 'n/a')}.",
-            "",
-            f"- Sick heads: {len(sick_rows)} of {len(mine)} ({fmt_heads(sorted(sick[label]))}); "
-            f"largest census BOS mass {mine['bos_mass'].max():.3f} "
-            f"({mine_head(mine)}); largest BOS mass in training (8 held-out windows per "
-            f"evaluation): {peak[label].max():.3f} ({peak[label].idxmax()}).",
-            f"- Slopes of the sick heads: {fmt_values(sick_rows['slope'], '.4g')} (the model's "
-            f"run {mine['slope'].max():.4g} ... {mine['slope'].min():.4g}).",
-            f"- Dormancy of the sick heads: mean ablation {fmt_values(sick_rows['dloss_mean'])}, "
-            f"zero ablation {fmt_values(sick_rows['dloss_zero'])} nats; dormant by mean / zero "
-            f"ablation: {int(sick_rows['dormant_mean'].sum())} / "
-            f"{int(sick_rows['dormant_zero'].sum())} of {len(sick_rows)}.",
-            f"- Healthy heads: median cost {healthy['dloss_mean'].median():.4f} (mean ablation), "
-            f"{healthy['dloss_zero'].median():.4f} (zero ablation) nats; dormant by mean "
-            f"ablation: {int(healthy['dormant_mean'].sum())} of {len(healthy)}.",
-            "",
-        ]
-        # The heads nearest the threshold, sick or not: where collapse would come from.
-        columns = ["layer", "head", "slope", "bos_mass", "label", "dloss_mean", "dloss_zero"]
-        lines += [
-            "Largest BOS masses (census) and what ablating those heads costs (nats):",
-            "",
-            markdown(mine.nlargest(3, "bos_mass")[columns], 4),
-            "",
-        ]
-    lines += ["## Prune versus repair", ""]
-    if "prune_vs_repair.csv" in tables:
-        lines += [
-            f"Repair: {args.steps} steps at lr {args.lr:g} per pass, up to 2 passes (as "
-            f"`python -m headsurgeon.repair MODEL --steps {args.steps} --lr {args.lr:g}`; "
-            "reports in `repair-<model>/`), on the bundled training text and on "
-            f"{MIXTURE_WINDOWS} windows of the model's own training mixture. Perplexity: the "
-            "repair's held-out windows of the bundled held-out text (ppl_model: as trained; "
-            "pruned: the targets' z mean- or zero-ablated).",
-            "",
-            markdown(tables["prune_vs_repair.csv"], 4),
-            "",
-        ]
-    else:
-        lines += ["No model has a sick head: nothing to prune or repair.", ""]
-    return lines
-
-
-def mine_head(table: pd.DataFrame) -> str:
-    """``L{layer}H{head}`` of the head with the largest BOS mass."""
-    row = table.loc[table["bos_mass"].idxmax()]
-    return f"L{row['layer']}H{row['head']}"
-
-
-def fmt_values(values: pd.Series, spec: str = "+.4f") -> str:
-    """Numbers as a comma-separated list, or ``none``."""
-    return ", ".join(f"{v:{spec}}" for v in values) or "none"
 
 
 if __name__ == "__main__":

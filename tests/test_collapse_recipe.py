@@ -100,9 +100,9 @@ def test_stop_rule_needs_consecutive_crossings(recipe):
 
 
 ROOT = SCRIPT.parents[1]
-# Runs of the recipe: the bundled organism (only a run that crossed the sink threshold is
-# bundled) and the runs shipped for analyses/natural_collapse.py, which did not cross it.
-RUNS = [str(ROOT / "analyses" / "collapse_alibi"), str(ROOT / "analyses" / "collapse_control")]
+# Runs of the recipe: the bundled organism (only an ALiBi run that crossed the sink threshold is
+# bundled) and the 2x2 shipped for analyses/natural_collapse.py (issue 43).
+RUNS = sorted(str(p) for p in (ROOT / "analyses" / "natural_collapse_models").iterdir())
 if "organism-collapsed" in organism_names():
     RUNS.append("organism-collapsed")
 

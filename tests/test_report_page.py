@@ -120,13 +120,15 @@ def test_repair_page_shows_every_stage_side_by_side(tiny_model, tmp_path):
         finetune_config=FinetuneConfig(steps=2, lr=1e-3, batch_size=2),
         max_ppl_increase=float("inf"),
     )
-    assert set(result.patterns) == {"before", "pass 1"}
+    assert set(result.patterns) == {"before", "pass 1", "control"}
     out = write_report(result, tmp_path / "out", formats=("html",), save_model=False)
     data = page_data(out)
-    assert data["stages"] == ["before", "pass 1"] and len(data["patterns"]) == 2
-    before, after = (unpack(stage[0][6], 32) for stage in data["patterns"])
-    assert np.abs(after - before).max() > 0  # the targeted head changed
-    assert np.array_equal(*(unpack(stage[0][0], 32) for stage in data["patterns"]))  # L0H0 not
+    assert data["stages"] == ["before", "pass 1", "control"] and len(data["patterns"]) == 3
+    before, after, control = (unpack(stage[0][6], 32) for stage in data["patterns"])
+    assert np.abs(after - before).max() > 0  # the targeted head changed, in both arms
+    assert np.abs(control - before).max() > 0 and np.abs(control - after).max() > 0
+    untouched = [unpack(stage[0][0], 32) for stage in data["patterns"]]  # L0H0 did not change
+    assert all(np.array_equal(untouched[0], u) for u in untouched[1:])
     assert "report.md" in data["files"] and "# Repair of" in data["summary"]
 
 
