@@ -186,7 +186,7 @@ def trajectory_figure(traj: pd.DataFrame, names: list[str], measure: str) -> go.
 def counts_figure(table: pd.DataFrame, names: list[str]) -> go.Figure:
     """Heads past eps over training, per arm, by both measures and thresholds."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=list(MEASURES.values()), shared_yaxes=True)
-    colours = [OKABE_ITO[c] for c in ("vermillion", "orange", "blue", "sky blue")]
+    colours = [OKABE_ITO[c] for c in ("vermillion", "orange", "blue", "sky")]
     for col, measure in enumerate(MEASURES, start=1):
         for colour, name in zip(colours, names, strict=False):
             sub = table[table["arm"] == name]
@@ -340,20 +340,21 @@ def main() -> None:
     missing = sorted(set(folders) - set(names))
     if missing:
         print(f"not trained (skipped): {', '.join(missing)}")
-    models = {name: load_model(str(folders[name])) for name in names}
     traj = pd.concat([trajectories(folders[name], name) for name in names])
     count_table = counts(traj)
+    figures = {  # drawn before the slow part: a figure's error costs seconds, not the census
+        "trajectories": trajectory_figure(traj, names, "bos_mass"),
+        "trajectories_sink_score": trajectory_figure(traj, names, "sink_score"),
+        "counts": counts_figure(count_table, names),
+    }
+    models = {name: load_model(str(folders[name])) for name in names}
     tables = [head_table(models[name], name) for name in names]
     heads = pd.concat([t for t, _ in tables], ignore_index=True)
     by_pos = pd.concat([b for _, b in tables], ignore_index=True)
+    figures["bos_by_position"] = position_figure(by_pos, names)
     write_topic(
         args.out,
-        {
-            "trajectories": trajectory_figure(traj, names, "bos_mass"),
-            "trajectories_sink_score": trajectory_figure(traj, names, "sink_score"),
-            "counts": counts_figure(count_table, names),
-            "bos_by_position": position_figure(by_pos, names),
-        },
+        figures,
         {
             "trajectories.csv": traj,
             "counts.csv": count_table,
