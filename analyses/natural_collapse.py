@@ -105,7 +105,11 @@ def head_table(model: Model, name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     census = classify_heads(run_census(model, **CENSUS, progress=False))
     gu = run_census(model, **GU_PROTOCOL, progress=False)
     table = census[["layer", "head", "slope", "bos_mass", "sink_score", "output_share", "label"]]
-    table = table.assign(arm=name, gu_sink_score=gu["sink_score"].to_numpy())
+    table = table.assign(
+        arm=name,
+        gu_sink_score=gu["sink_score"].to_numpy(),
+        gu_sink_share=gu["sink_share"].to_numpy(),  # its mean over heads is Gu's sink rate
+    )
     for method in ("mean", "zero"):
         imp = head_importance(model, method=method, **CENSUS, progress=False)
         table[f"dloss_{method}"] = imp["delta_loss"].to_numpy()
@@ -114,7 +118,7 @@ def head_table(model: Model, name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
             table[f"dloss_{method}"].abs() <= 2 * table[f"dloss_{method}_se"]
         )
     by_pos = bos_by_position(model, to_sequences(model, **CENSUS))
-    sinks = table[(table["sink_score"] > EPS[0]) | (table["bos_mass"] > EPS[0])]
+    sinks = table[past_eps(table)]
     rows = [
         pd.DataFrame(
             {"arm": name, "head": f"L{r.layer}H{r.head}", "query_pos": np.arange(by_pos.shape[2])}
@@ -122,6 +126,32 @@ def head_table(model: Model, name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
         for r in sinks.itertuples()
     ]
     return table, pd.concat(rows) if rows else pd.DataFrame()
+
+
+def past_eps(table: pd.DataFrame) -> pd.Series:
+    """Heads past eps = 0.3 by any measure: BOS mass or sink score on the training windows, or
+    the mean sink score under Gu's protocol (64-token windows)."""
+    return (table[["bos_mass", "sink_score", "gu_sink_score"]] > EPS[0]).any(axis=1)
+
+
+def extrapolation(traj: pd.DataFrame, name: str) -> str:
+    """When the arm's largest BOS mass would reach 0.5 at the rate it grew from step 1,000 to
+    its peak (a straight line through a curve that bends as the learning rate decays: a lower
+    bound on the steps, stated as such)."""
+    top = traj[traj["arm"] == name].groupby("step")["bos_mass"].max()
+    peak_step = int(top.idxmax())
+    start = top.index[top.index >= 1000][0]
+    if peak_step <= start:
+        return f"{name}: no growth after step {start} to extrapolate from"
+    rate = (top[peak_step] - top[start]) / (peak_step - start)
+    needed = (EPS[1] - top[peak_step]) / rate
+    return (
+        f"{name}: largest BOS mass {top[start]:.3f} at step {start}, {top[peak_step]:.3f} at "
+        f"its peak (step {peak_step}), {top.iloc[-1]:.3f} at the end; at that rate "
+        f"({rate * 1000:.3f} per 1,000 steps) 0.5 is {needed:,.0f} steps past the peak: about "
+        f"{peak_step + needed:,.0f} steps of training if it kept growing at that rate (it slowed "
+        "as the learning rate decayed, so a cosine schedule would have to be longer still)"
+    )
 
 
 def panels(names: list[str]) -> go.Figure:
@@ -153,7 +183,7 @@ def trajectory_figure(traj: pd.DataFrame, names: list[str], measure: str) -> go.
                     x=rows["step"],
                     y=rows[measure],
                     mode="lines",
-                    name=f"{head}",
+                    name=f"{name.split(' (seed')[0]}: {head}",
                     legendgroup=name,
                     showlegend=is_marked,
                     line={
@@ -228,7 +258,7 @@ def position_figure(by_pos: pd.DataFrame, names: list[str]) -> go.Figure:
                     x=rows["query_pos"] + 1,
                     y=rows["bos_weight"],
                     mode="lines",
-                    name=f"{head}",
+                    name=f"{name.split(' (seed')[0]}: {head}",
                     legendgroup=name,
                     line={"color": colours[j % len(colours)]},
                 ),
@@ -251,6 +281,7 @@ def summarise(
     names: list[str],
     models: dict[str, Model],
     heads: pd.DataFrame,
+    traj: pd.DataFrame,
     count_table: pd.DataFrame,
 ) -> list[str]:
     """summary.md: the numbers per arm; the reading is in docs/organisms.md."""
@@ -264,9 +295,10 @@ def summarise(
         "of 256 tokens; Gu's protocol: 100 x 64 tokens. Dormant: |delta loss| <= 2 SE under "
         "mean / zero ablation of the head's z on the census windows.",
         "",
-        "| arm | steps | tokens | minutes | held-out loss (Shakespeare / Python docs) | "
-        "max BOS mass | max sink score | heads sink score > 0.3 / > 0.5 | Gu-protocol sink rate "
-        "(> 0.3) | BOS-sink labels |",
+        "| arm | steps | tokens | wall minutes (shared CPU) | held-out loss (Shakespeare / "
+        "Python docs) | "
+        "max BOS mass | max sink score | heads sink score > 0.3 / > 0.5 | Gu protocol: sink rate, "
+        "heads with mean sink score > 0.3 | BOS-sink labels |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
@@ -279,10 +311,10 @@ def summarise(
             f"{mine['bos_mass'].max():.3f} ({top(mine, 'bos_mass')}) | "
             f"{mine['sink_score'].max():.3f} ({top(mine, 'sink_score')}) | "
             f"{int((mine['sink_score'] > 0.3).sum())} / {int((mine['sink_score'] > 0.5).sum())} | "
-            f"{(mine['gu_sink_score'] > 0.3).mean():.1%} | "
+            f"{mine['gu_sink_share'].mean():.1%}, {int((mine['gu_sink_score'] > 0.3).sum())} | "
             f"{int((mine['label'] != 'healthy').sum())} |"
         )
-    lines += ["", "## Heads past eps = 0.3 (either measure), final models", ""]
+    lines += ["", "## Heads past eps = 0.3 (any measure), final models", ""]
     columns = [
         "arm",
         "layer",
@@ -291,6 +323,7 @@ def summarise(
         "bos_mass",
         "sink_score",
         "gu_sink_score",
+        "gu_sink_share",
         "label",
         "dloss_mean",
         "dloss_mean_se",
@@ -298,7 +331,7 @@ def summarise(
         "dormant_mean",
         "dormant_zero",
     ]
-    sinks = heads[(heads["bos_mass"] > EPS[0]) | (heads["sink_score"] > EPS[0])]
+    sinks = heads[past_eps(heads)]
     lines += [markdown(sinks[columns], 4) if len(sinks) else "None.", ""]
     healthy = heads[~heads.index.isin(sinks.index)]
     lines += [
@@ -318,6 +351,8 @@ def summarise(
     peak = count_table.groupby("arm", sort=False).max().reset_index()
     lines += [markdown(last.drop(columns="step").assign(at="end"), 3), ""]
     lines += [markdown(peak.drop(columns="step").assign(at="peak"), 3), ""]
+    lines += ["## Extrapolation (ALiBi arms)", ""]
+    lines += [f"- {extrapolation(traj, name)}." for name in names if name.startswith("ALiBi")]
     return lines
 
 
@@ -361,7 +396,7 @@ def main() -> None:
             "heads.csv": heads,
             "bos_by_position.csv": by_pos,
         },
-        summarise(names, models, heads, count_table),
+        summarise(names, models, heads, traj, count_table),
         started,
     )
 
