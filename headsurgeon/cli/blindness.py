@@ -130,7 +130,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "recent tokens, for each x in --sinks and y in --windows, against the full context; "
         "and per head, the loss when it alone loses its sinks (loads the model)",
     )
-    group.add_argument("--sinks", type=int, nargs="+", default=[0, 1, 4], metavar="X")
+    group.add_argument(
+        "--sinks",
+        type=cli.non_negative_int,
+        nargs="+",
+        default=[0, 1, 4],
+        metavar="X",
+        help="initial (sink) tokens kept (default: 0 1 4)",
+    )
     group.add_argument(
         "--windows",
         type=cli.positive_int,
