@@ -222,6 +222,11 @@ def brute_census(reference: torch.nn.Module, ids: torch.Tensor, min_query_pos: i
         columns["bos_mass"] += per_seq_bos.mean(0).tolist()
         columns["bos_mass_std"] += per_seq_bos.std(0).tolist()
         columns["sink_score"] += A[..., 0].mean((0, 2)).tolist()
+        # Gu et al.: alpha_0 > 0.3 per sequence; Sandoval-Segura et al.: per sequence, each
+        # head's mean |z| over every position over its layer's mean across heads
+        columns["sink_share"] += (A[..., 0].mean(-1) > 0.3).double().mean(0).tolist()
+        z_norms = z.view(*z.shape[:2], n_heads, -1).norm(dim=-1).mean(1)  # [seq, head]
+        columns["ahon_ln"] += (z_norms / z_norms.mean(-1, keepdim=True)).mean(0).tolist()
         columns["entropy"] += torch.special.entr(A).sum(-1)[:, :, rows].mean((0, 2)).tolist()
         columns["max_weight"] += A[:, :, rows].amax(-1).mean((0, 2)).tolist()
         columns["mean_distance"] += (A * distance).sum(-1)[:, :, rows].mean((0, 2)).tolist()
