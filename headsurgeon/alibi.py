@@ -8,6 +8,7 @@ Exports:
     falcon_slopes(n_heads, d_head)      the slopes Falcon (alibi=True) applies: bf16(m_h)/sqrt(d)
     family_slopes(family, n_heads)      the slopes transformers applies to a family's model
     config_slopes(config)               the same for a config.json
+    transformers_slopes(config, n_heads) the same, BLOOM's without a config
     relative_distance(n_ctx)            the (query, key) matrix of distances i - j (0 above)
     alibi_bias(head_slopes, n_ctx)      the standard bias -m_h * (i - j), [head, query, key]
     float_limits(dtype)                 FloatLimits: ln of smallest normal, subnormal, zero point
@@ -46,6 +47,7 @@ __all__ = [
     "mpt_slopes",
     "falcon_slopes",
     "config_slopes",
+    "transformers_slopes",
     "family_slopes",
     "ALIBI_FAMILIES",
     "relative_distance",
@@ -181,6 +183,17 @@ def config_slopes(config: dict) -> Float[Tensor, " head_index"]:
     n_heads = config[{"bloom": "n_head", "mpt": "n_heads"}.get(family, "num_attention_heads")]
     d_head = config["hidden_size"] // n_heads if family == "falcon" else None
     return family_slopes(family, n_heads, d_head)
+
+
+def transformers_slopes(hf_config: dict, n_heads: int) -> Float[Tensor, " head_index"]:
+    """The slopes transformers applies for a checkpoint's config (:func:`config_slopes`), or
+    BLOOM's for ``n_heads`` (:func:`slopes`) when there is no config (``{}``: a TransformerLens
+    3.x model built from its own config, which is always a BLOOM).
+
+    >>> transformers_slopes({}, 2)
+    tensor([0.0625, 0.0039])
+    """
+    return config_slopes(hf_config) if hf_config else slopes(n_heads)
 
 
 def relative_distance(n_ctx: int) -> Float[Tensor, "query_pos key_pos"]:

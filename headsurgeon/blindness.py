@@ -40,15 +40,15 @@ from jaxtyping import Float
 from torch import Tensor
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import HookPoint, Model, add_bias_hook, check_model
-from headsurgeon.data import Data, to_sequences
+from headsurgeon.backend import HookPoint, Model, add_bias_hook
+from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.exact_alibi import alibi_slopes, bias_builder, trained_bias
-from headsurgeon.loading import model_info, model_metadata, model_shape
+from headsurgeon.exact_alibi import bias_builder, trained_bias
+from headsurgeon.loading import ModelInfo, model_info, model_metadata, model_shape
 from headsurgeon.probes import stream, unfired
 from headsurgeon.validation import check_choice, check_int
 
@@ -58,6 +58,7 @@ __all__ = [
     "active_mitigations",
     "BlindnessMeasurement",
     "analytic_blindness",
+    "require_scores",
     "dtype_name",
     "measure_blindness",
     "mitigation",
@@ -124,8 +125,10 @@ def analytic_blindness(
     same in every layer, so layers repeat. Raises :class:`UnsupportedArchitectureError` for
     models without ALiBi (use :func:`measure_blindness`, which applies to every model).
     """
-    shape = model_shape(model)
-    name = model_info(model).name if isinstance(model, Model) else str(model)
+    is_model = isinstance(model, Model)
+    info = model_info(model, "analytic_blindness") if is_model else None
+    shape = info.shape if is_model else model_shape(model)
+    name = info.name if is_model else str(model)
     if shape.positional != "alibi":
         raise UnsupportedArchitectureError(
             f"analytic blindness applies to ALiBi models only; {name} uses {shape.positional} "
@@ -134,15 +137,14 @@ def analytic_blindness(
     if context_length is None:
         context_length = shape.n_ctx
     context_length = check_int(context_length, "context_length", minimum=1)
-    is_model = isinstance(model, Model)
     if is_model:
-        head_slopes = alibi_slopes(model)
+        head_slopes = info.slopes
     else:  # the slopes transformers applies to a model of the family (MPT's, Falcon's, BLOOM's)
         head_slopes = alibi.family_slopes(
             shape.family, shape.n_heads, shape.d_model // shape.n_heads
         )
     if bias is None:
-        bias, params = trained_bias(model_metadata(model))
+        bias, params = trained_bias(info.metadata if is_model else model_metadata(model))
     frames = []
     for dtype in map(dtype_name, _names(dtypes, "dtype")):
         for limit in _names(limits, "limit"):
@@ -209,13 +211,15 @@ class _UnderflowCounter:
     below ``e^-skip_nats``) are left out of the mass.
     """
 
-    def __init__(self, model: Model, dtypes: list[str], convention: str, n_pos: int):
-        self.model = model
+    def __init__(
+        self, info: ModelInfo, dtypes: list[str], convention: str, n_pos: int, device: str | None
+    ):
+        self.name = info.name
         self.dtypes = [parse_dtype(d) for d in dtypes]
         self.convention = convention
-        n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+        n_layers, n_heads = info.shape.n_layers, info.shape.n_heads
         shape = (len(dtypes), n_layers, n_heads, n_pos)
-        device = torch.device(model.cfg.device or "cpu")
+        device = torch.device(device or "cpu")
         self.counted = torch.zeros(shape, dtype=torch.float64, device=device)  # by distance
         self.mass = torch.zeros_like(self.counted)  # float64 weight lost, by distance
         self.max_weight = torch.zeros_like(self.counted)  # largest weight lost, by distance
@@ -241,8 +245,8 @@ class _UnderflowCounter:
         layer = hook.layer()
         n_queries, n_keys = scores.shape[-2:]
         offset = long_context.query_offset(scores)
-        _require_scores(
-            self.model, scores, layer, "measure_blindness", "underflow cannot be counted exactly"
+        require_scores(
+            self.name, scores, layer, "measure_blindness", "underflow cannot be counted exactly"
         )
         rows = max(1, _CHUNK_ENTRIES // n_keys)
         size = rows * (n_keys + 1)  # a chunk's shifted rows (one row when a row is over budget)
@@ -302,8 +306,8 @@ class _UnderflowCounter:
         return _SKIP_TILE * int(below.cumprod(0).sum())
 
 
-def _require_scores(
-    model: Model,
+def require_scores(
+    name: str,
     scores: Float[Tensor, "batch head_index query_pos key_pos"],
     layer: int,
     analysis: str,
@@ -320,7 +324,7 @@ def _require_scores(
     offset = long_context.query_offset(scores)
     if n_queries > 1 and not bool((scores[..., 0, offset + 1] < _MASKED).all()):
         raise UnsupportedArchitectureError(
-            f"{analysis} cannot measure {model_info(model).name}: its "
+            f"{analysis} cannot measure {name}: its "
             f"blocks.{layer}.attn.hook_attn_scores does not hold the causal-masked "
             "pre-softmax scores (the attention runs inside transformers, which passes its "
             f"softmax weights there), so {consequence}"
@@ -360,7 +364,7 @@ def _shifted(
 
 def measure_blindness(
     model: Model,
-    data: Data = None,
+    data: Data | Sequences = None,
     *,
     dtypes: Sequence[str] = ANALYSED_DTYPES,
     convention: str = "hf",
@@ -422,13 +426,13 @@ def measure_blindness(
       longer sequence compute exactly what an ``L``-token sequence computes, so one pass gives
       every length up to ``seq_len`` (default: powers of two, and ``seq_len``).
     """
-    check_model(model, "measure_blindness")
+    info = model_info(model, "measure_blindness")
     names, tokens = _check_measure_args(
-        model, data, dtypes, convention, seq_len, n_seqs, n_buckets, prepend_bos
+        model, info, data, dtypes, convention, seq_len, n_seqs, n_buckets, prepend_bos
     )
     n_rows, n_pos = tokens.shape
     lengths = _context_lengths(n_pos, context_lengths)
-    counter = _UnderflowCounter(model, names, convention, n_pos)
+    counter = _UnderflowCounter(info, names, convention, n_pos, model.cfg.device)
     hooks = [(lambda name: name.endswith("attn.hook_attn_scores"), counter.hook)]
     stream(
         model,
@@ -446,10 +450,10 @@ def measure_blindness(
             model, "measure_blindness", f"blocks.{unread[0]}.attn.hook_attn_scores", unread
         )
 
-    by_head, by_distance = _head_tables(model, counter, names, convention, n_rows, n_buckets)
-    by_length = _length_table(model, counter, names, lengths, n_rows)
+    by_head, by_distance = _head_tables(info, counter, names, convention, n_rows, n_buckets)
+    by_length = _length_table(info, counter, names, lengths, n_rows)
     for table in (by_head, by_length):
-        table.attrs.update(model=model_info(model).name, n_seqs=n_rows, seq_len=n_pos)
+        table.attrs.update(model=info.name, n_seqs=n_rows, seq_len=n_pos)
     return BlindnessMeasurement(
         by_head=by_head,
         by_distance=by_distance,
@@ -462,7 +466,8 @@ def measure_blindness(
 
 def _check_measure_args(
     model: Model,
-    data: Data,
+    info: ModelInfo,
+    data: Data | Sequences,
     dtypes: Sequence[str],
     convention: str,
     seq_len: int | None,
@@ -481,14 +486,13 @@ def _check_measure_args(
     check_int(n_buckets, "n_buckets", minimum=1)
     names = [dtype_name(d) for d in _names(dtypes, "dtype")]
     if seq_len is None:
-        seq_len = min(1024, long_context.max_length(model) or 1024)
-    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    long_context.check_length(model, tokens.shape[1])  # a token tensor is not cut
-    return names, tokens
+        seq_len = min(1024, info.max_length or 1024)
+    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    return names, seqs.tokens
 
 
 def _head_tables(
-    model: Model,
+    info: ModelInfo,
     counter: _UnderflowCounter,
     names: list[str],
     convention: str,
@@ -496,9 +500,8 @@ def _head_tables(
     n_buckets: int,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``by_head`` and ``by_distance`` from the counter's sums (see :func:`measure_blindness`)."""
-    cfg = model.cfg
-    is_alibi = cfg.positional_embedding_type == "alibi"
-    head_slopes = alibi_slopes(model).double() if is_alibi else None
+    shape, is_alibi = info.shape, info.is_alibi
+    head_slopes = info.slopes.double() if is_alibi else None
     zeros, mass, top = counter.zeros.cpu(), counter.mass.cpu(), counter.max_weight.cpu()
     n_pos = zeros.shape[-1]
     distance = torch.arange(n_pos, dtype=torch.float64)
@@ -509,9 +512,9 @@ def _head_tables(
         analytic = (
             alibi.blind_distance(head_slopes, dtype, "zero")
             if is_alibi
-            else torch.full((cfg.n_heads,), math.nan)
+            else torch.full((shape.n_heads,), math.nan)
         )
-        for layer in range(cfg.n_layers):
+        for layer in range(shape.n_layers):
             z, w, t = zeros[i, layer], mass[i, layer], top[i, layer]
             seen = z > 0
             first = torch.where(seen, distance, math.inf).amin(-1)
@@ -519,7 +522,7 @@ def _head_tables(
                 pd.DataFrame(
                     {
                         "layer": layer,
-                        "head": range(cfg.n_heads),
+                        "head": range(shape.n_heads),
                         "slope": head_slopes.numpy() if is_alibi else math.nan,
                         "dtype": dtype,
                         "convention": convention,
@@ -579,7 +582,7 @@ def _bucket_rows(
 
 
 def _length_table(
-    model: Model,
+    info: ModelInfo,
     counter: _UnderflowCounter,
     names: list[str],
     lengths: list[int],
@@ -587,7 +590,7 @@ def _length_table(
 ) -> pd.DataFrame:
     """``by_length``: the share of all heads' causal entries up to each length that underflow."""
     per_query = counter.by_query.cpu().sum((1, 2)).cumsum(-1)  # [dtype, query]: up to each row
-    n_heads_total = model.cfg.n_layers * model.cfg.n_heads
+    n_heads_total = info.shape.n_layers * info.shape.n_heads
     by_length = pd.DataFrame(
         [
             {
@@ -649,13 +652,13 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
         with mitigation(model, "clamped", c=40.0), mitigation(model, "softcap", c=30.0):
             ...
     """
-    check_model(model, "mitigation")
+    info = model_info(model, "mitigation")
     params = alibi.check_bias_params(kind, **params)
     # Which mitigations are active, innermost last (read by active_mitigations).
     active = model.__dict__.setdefault("headsurgeon_mitigations", [])
     active.append(kind)
     try:
-        with _mitigated(model, kind, params):
+        with _mitigated(model, info, kind, params):
             yield model
     finally:
         active.pop()
@@ -676,20 +679,20 @@ def active_mitigations(model: Model) -> list[str]:
 
 
 @contextlib.contextmanager
-def _mitigated(model: Model, kind: str, params: dict) -> Iterator[None]:
+def _mitigated(model: Model, info: ModelInfo, kind: str, params: dict) -> Iterator[None]:
     """:func:`mitigation`'s hooks for one kind, removed on exit."""
     if kind == "softcap":
         hook = functools.partial(_soft_cap_hook, c=params["c"])
         with model.hooks(fwd_hooks=[(lambda name: name.endswith("attn.hook_attn_scores"), hook)]):
             yield
         return
-    if model.cfg.positional_embedding_type != "alibi":
+    if not info.is_alibi:
         raise UnsupportedArchitectureError(
             f"the {kind} mitigation changes an ALiBi bias, and this model uses "
-            f"{model.cfg.positional_embedding_type} positions; only softcap applies"
+            f"{info.shape.positional} positions; only softcap applies"
         )
     # The model's own slopes (TransformerLens's or the exact ones), so only the bias kind changes.
-    head_slopes = tuple(alibi_slopes(model).tolist())
+    head_slopes = tuple(info.slopes.tolist())
     build = bias_builder(kind, params, head_slopes)
     # Registered after any exact-ALiBi hook, so it runs last and its bias is the one used.
     handles = [add_bias_hook(block.attn, build) for block in model.blocks]

@@ -31,20 +31,18 @@ from __future__ import annotations
 import logging
 import math
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from torch import Tensor
 
-from headsurgeon.backend import Model, check_model
+from headsurgeon.backend import Model
 from headsurgeon.classify import require_columns
-from headsurgeon.data import Data, describe, position_zero, to_sequences
+from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.loading import model_info
-from headsurgeon.long_context import max_length
 from headsurgeon.probes import HeadStats, stream
 from headsurgeon.validation import check_int, check_number
 
@@ -94,20 +92,9 @@ def _check_rows(n_pos: int, min_query_pos: int) -> None:
         )
 
 
-def _check_tokens(model: Model, tokens: Tensor, min_query_pos: int) -> None:
-    n_pos = tokens.shape[1]
-    limit = max_length(model)  # None for ALiBi: no position table, any length
-    if limit is not None and n_pos > limit:
-        raise DataError(
-            f"sequences of {n_pos} tokens are beyond the model's context of {limit}; "
-            "use shorter sequences"
-        )
-    _check_rows(n_pos, min_query_pos)
-
-
 def run_census(
     model: Model,
-    data: Data | Sequence[str] = None,
+    data: Data | Sequences = None,
     *,
     batch_size: int = 8,
     seq_len: int = 128,
@@ -121,9 +108,9 @@ def run_census(
 ) -> pd.DataFrame:
     """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
 
-    ``data`` is texts, text files or a ``[n_seqs, seq_len]`` token tensor (its first ``n_seqs``
-    rows used exactly as given on every model: no BOS token is added; ``seq_len`` ignored);
-    default: the held-out split of the bundled
+    ``data`` is texts, text files, a ``[n_seqs, seq_len]`` token tensor or :class:`Sequences`
+    (their first ``n_seqs`` rows used exactly as given on every model: no BOS token is added;
+    ``seq_len`` and ``prepend_bos`` apply to texts only); default: the held-out split of the bundled
     corpora, cut into ``n_seqs`` windows of ``seq_len`` tokens spread over the whole text (see
     :func:`headsurgeon.data.to_sequences`). Each metric is the mean over sequences of a
     per-sequence mean; ``bos_mass_std`` is its spread across sequences.
@@ -180,35 +167,34 @@ def run_census(
     >>> census.attrs["n_seqs"], census.attrs["seq_len"], census.attrs["prepend_bos"]
     (4, 12, False)
     """
-    check_model(model, "run_census")
+    info = model_info(model, "run_census")
     min_query_pos = check_int(min_query_pos, "min_query_pos", minimum=0)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     reach_eps = check_number(reach_eps, "reach_eps", low=0, high=1)
     sink_eps = check_number(sink_eps, "sink_eps", low=0, high=1)
-    info = model_info(model)
-    if not isinstance(data, Tensor):  # a token tensor is used as it is
+    cut_here = not isinstance(data, Tensor | Sequences)  # texts: cut into n_seqs windows here
+    if cut_here:
         _check_rows(seq_len, min_query_pos)  # before tokenising a whole corpus
-    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    _check_tokens(model, tokens, min_query_pos)
-    holds_bos, bos_rule = position_zero(model, data, tokens, prepend_bos)
-    if not isinstance(data, Tensor) and tokens.shape[0] < n_seqs:
+    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    _check_rows(seqs.seq_len, min_query_pos)
+    if cut_here and seqs.n_seqs < n_seqs:
         logger.warning(
             "the data holds only %d sequences of %d tokens (asked for %d)",
-            tokens.shape[0],
-            tokens.shape[1],
+            seqs.n_seqs,
+            seqs.seq_len,
             n_seqs,
         )
-    if info.train_ctx is not None and tokens.shape[1] > info.train_ctx:
+    if info.train_ctx is not None and seqs.seq_len > info.train_ctx:
         logger.warning(
             "sequences of %d tokens are longer than the %d the model was trained on",
-            tokens.shape[1],
+            seqs.seq_len,
             info.train_ctx,
         )
 
-    stats = HeadStats(model, min_query_pos=min_query_pos, sink_eps=sink_eps)
+    stats = HeadStats(model, info, min_query_pos=min_query_pos, sink_eps=sink_eps)
     stream(
         model,
-        tokens,
+        seqs.tokens,
         stats.hooks(),
         batch_size=batch_size,
         progress=progress,
@@ -216,17 +202,16 @@ def run_census(
         block_size=block_size,
         bytes_per_entry=CENSUS_BYTES_PER_ENTRY,
     )
-    stats.check_fired(len(tokens), "run_census")
+    stats.check_fired(seqs.n_seqs, "run_census")
     means, stds = stats.means(), stats.stds()
 
-    cfg = model.cfg
-    is_alibi = cfg.positional_embedding_type == "alibi"
-    head_slopes = alibi_slopes(model).double().numpy() if is_alibi else None
-    layer, head = np.divmod(np.arange(cfg.n_layers * cfg.n_heads), cfg.n_heads)
+    cfg, shape = model.cfg, info.shape
+    layer, head = np.divmod(np.arange(shape.n_layers * shape.n_heads), shape.n_heads)
+    slopes = info.slopes.double().numpy()[head] if info.is_alibi else np.full(layer.shape, np.nan)
     columns = {
         "layer": layer,
         "head": head,
-        "slope": head_slopes[head] if is_alibi else np.full(layer.shape, np.nan),
+        "slope": slopes,
         "bos_mass": means["bos_mass"].ravel(),
         "bos_mass_std": stds["bos_mass"].ravel(),
     }
@@ -235,19 +220,19 @@ def run_census(
     df = pd.DataFrame(columns)
     df.attrs = {
         "model": info.name,
-        "n_layers": cfg.n_layers,
-        "n_heads": cfg.n_heads,
-        "n_seqs": int(tokens.shape[0]),
-        "seq_len": int(tokens.shape[1]),
-        "prepend_bos": holds_bos,
-        "bos_rule": bos_rule,
+        "n_layers": shape.n_layers,
+        "n_heads": shape.n_heads,
+        "n_seqs": seqs.n_seqs,
+        "seq_len": seqs.seq_len,
+        "prepend_bos": seqs.holds_bos,
+        "bos_rule": seqs.bos_rule,
         "min_query_pos": min_query_pos,
         "reach_eps": reach_eps,
         "sink_eps": sink_eps,
-        "data": describe(data),
+        "data": seqs.source,
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "device": str(cfg.device),
-        "positional": cfg.positional_embedding_type,
+        "positional": shape.positional,
     }
     return df
 

@@ -4,16 +4,14 @@ Exports:
     CORPORA                              names of the bundled corpora
     bundled_text(name, split)            a bundled corpus as one string
     read_texts(paths)                    the texts of files: regular files only, bounded reads
-    tokenize(model, text)                token ids with the model's own tokenizer, no special tokens
-    encode(model, text, prepend_bos)     one text as a [1, pos] token tensor, BOS by the convention
-    token_strings(model, tokens)         each token id as readable text (axis labels, hover)
-    has_tokenizer(model)                 whether the model can tokenise text at all
-    check_token_ids(model, tokens)       a token tensor checked: integer ids within the vocabulary
-    to_sequences(model, data, ...)       [n_seqs, seq_len] token tensor from texts, files or tokens
-    bos_token_id(model)                  the model's BOS token id, or None (no tokenizer, no BOS)
-    resolve_bos(model, prepend_bos)      whether position 0 gets a BOS token (None: convention)
-    position_zero(model, data, tokens, prepend_bos)   what position 0 holds and the rule that
-                                         put it there, for run metadata
+    Sequences                            checked token sequences and where they came from
+    to_sequences(model, data, ...)       Sequences from texts, files or a token tensor
+    as_sequences(info, data, ...)        the same at a verb's door (Sequences pass through)
+    tokenize(info, text)                 token ids with the model's own tokenizer, no special tokens
+    encode(info, text, prepend_bos)      one text as a [1, pos] token tensor, BOS by the convention
+    token_strings(info, tokens)          each token id as readable text (axis labels, hover)
+    check_token_ids(info, tokens)        a token tensor checked: integer ids within the vocabulary
+    resolve_bos(info, prepend_bos)       whether position 0 gets a BOS token (None: convention)
     batches(tokens, batch_size)          consecutive batches of a token tensor
     describe(data, default)              a short description of data for run metadata
     HELD_OUT                             its default: the description of the bundled held-out text
@@ -33,6 +31,7 @@ without a tokenizer has no known BOS id, so its texts are never given one either
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import os
@@ -47,11 +46,12 @@ from torch import Tensor
 from headsurgeon.backend import Model
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.inputs import read_text
-from headsurgeon.loading import model_info
-from headsurgeon.long_context import max_length
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.validation import check_bool, check_int
 
 __all__ = [
+    "Sequences",
+    "as_sequences",
     "check_token_ids",
     "CORPORA",
     "bundled_text",
@@ -59,11 +59,8 @@ __all__ = [
     "tokenize",
     "encode",
     "token_strings",
-    "has_tokenizer",
     "to_sequences",
-    "bos_token_id",
     "resolve_bos",
-    "position_zero",
     "batches",
     "describe",
     "HELD_OUT",
@@ -111,9 +108,10 @@ def _read_text(path: Path) -> str:
     return text
 
 
-def tokenize(model: Model, text: str) -> list[int]:
-    """Token ids of ``text`` from the checkpoint's own tokenizer, without special tokens."""
-    tokenizer = _tokenizer(model)
+def tokenize(info: ModelInfo, text: str) -> list[int]:
+    """Token ids of ``text`` from the model's tokenizer (``info.tokenizer``: the checkpoint's
+    own), without special tokens."""
+    tokenizer = info.tokenizer
     if tokenizer is None:
         raise DataError(
             "this model has no tokenizer, so text cannot be tokenised; add its tokenizer files "
@@ -122,34 +120,25 @@ def tokenize(model: Model, text: str) -> list[int]:
     return list(_token_ids(tokenizer, text))
 
 
-def encode(model: Model, text: str, prepend_bos: bool | None = None) -> Int[Tensor, "1 pos"]:
+def encode(info: ModelInfo, text: str, prepend_bos: bool | None = None) -> Int[Tensor, "1 pos"]:
     """``text`` as one ``[1, pos]`` sequence: its tokens, after a BOS token when ``prepend_bos``
     (default: the model's convention, :func:`resolve_bos`), as :func:`to_sequences` cuts texts."""
-    ids = tokenize(model, text)
-    if resolve_bos(model, prepend_bos):
-        ids = [bos_token_id(model), *ids]
+    ids = tokenize(info, text)
+    if resolve_bos(info, prepend_bos):
+        ids = [info.bos_token_id, *ids]
     if not ids:
         raise DataError("the text has no tokens; give some text")
     return torch.tensor([ids], dtype=torch.long)
 
 
-def token_strings(model: Model, tokens: Int[Tensor, " pos"]) -> list[str]:
+def token_strings(info: ModelInfo, tokens: Int[Tensor, " pos"]) -> list[str]:
     """Each token of a sequence as readable text: the tokenizer's decoding of that one id (``#id``
     for a model without a tokenizer), with spaces and line breaks made visible (``·``, ``⏎``)."""
-    tokenizer = _tokenizer(model)
+    tokenizer = info.tokenizer
     ids = [int(t) for t in torch.as_tensor(tokens).flatten()]
     if tokenizer is None:
         return [f"#{i}" for i in ids]
     return [tokenizer.decode([i]).replace(" ", "·").replace("\n", "⏎") or f"#{i}" for i in ids]
-
-
-def has_tokenizer(model: Model) -> bool:
-    """Whether ``model`` can tokenise text (its checkpoint's tokenizer, or TransformerLens's)."""
-    return _tokenizer(model) is not None
-
-
-def _tokenizer(model: Model) -> Any:
-    return model_info(model).tokenizer or model.tokenizer
 
 
 @functools.lru_cache(maxsize=8)
@@ -185,7 +174,7 @@ def _items(data: object) -> list[str | os.PathLike]:
     return items
 
 
-def check_token_ids(model: Model, tokens: object) -> Int[Tensor, "batch pos"]:
+def check_token_ids(info: ModelInfo, tokens: object) -> Int[Tensor, "batch pos"]:
     """``tokens`` as a ``long`` tensor if it is a non-empty ``[batch, pos]`` tensor of ids.
 
     Float or bool tensors are refused rather than cast (``torch.rand`` would become all zeros),
@@ -209,27 +198,72 @@ def check_token_ids(model: Model, tokens: object) -> Int[Tensor, "batch pos"]:
             f"a token tensor {where} holds no token ids to use; pass a dense tensor on the CPU "
             "or the model's device (e.g. tokens.to('cpu') after filling it)"
         )
-    if tokens.min() < 0 or tokens.max() >= model.cfg.d_vocab:
+    d_vocab = info.shape.d_vocab
+    if tokens.min() < 0 or tokens.max() >= d_vocab:
         raise DataError(
-            f"token ids must lie in 0..{model.cfg.d_vocab - 1}, got {tokens.min().item()}.."
+            f"token ids must lie in 0..{d_vocab - 1}, got {tokens.min().item()}.."
             f"{tokens.max().item()}; tokenise with this model's tokenizer"
         )
     return tokens.long()
 
 
+@dataclasses.dataclass(frozen=True)
+class Sequences:
+    """Token sequences checked for one model, and where they came from: what every verb works on.
+
+    Made once, at a verb's door, by :func:`as_sequences` (:func:`to_sequences` for your own
+    use); a ``Sequences`` passed to another verb of the same model is used as it is, not made or
+    checked again.
+
+    ``tokens``: the ``[n_seqs, seq_len]`` ids (``long``, within the vocabulary, no longer than
+    the model takes). ``source``: where they came from, in words, for run metadata (the files,
+    "2 text(s) given in memory", "token tensor of shape [4, 16]"; never a text's contents).
+    ``holds_bos``: every row starts with the model's BOS token. ``bos_rule``: the rule that put
+    position 0 there, in words. ``from_tensor``: the tokens were given as a tensor (used exactly
+    as given) rather than cut from texts here. ``checked_for``: the model facts they were
+    checked against (vocabulary, length limit, BOS id); another model re-checks them.
+    """
+
+    tokens: Int[Tensor, "batch pos"]
+    source: str
+    holds_bos: bool
+    bos_rule: str
+    from_tensor: bool
+    checked_for: tuple[int, int | None, int | None]
+
+    @property
+    def n_seqs(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def head(self, n: int | None) -> Sequences:
+        """The first ``n`` sequences (all for ``None``), with the same provenance."""
+        if n is None or n >= self.n_seqs:
+            return self
+        return dataclasses.replace(self, tokens=self.tokens[:n])
+
+
+def _checked_for(info: ModelInfo) -> tuple[int, int | None, int | None]:
+    return info.shape.d_vocab, info.max_length, info.bos_token_id
+
+
 def to_sequences(
     model: Model,
-    data: Data = None,
+    data: Data | Sequences = None,
     *,
     seq_len: int = 128,
     n_seqs: int | None = None,
     prepend_bos: bool | None = None,
-) -> Int[Tensor, "batch pos"]:
-    """Cut texts (default: the bundled held-out corpora) into sequences.
+) -> Sequences:
+    """Cut texts (default: the bundled held-out corpora) into checked :class:`Sequences`.
 
     ``data``: a ``str`` is always the text itself (even one that names an existing file); an
     ``os.PathLike`` (``pathlib.Path``) is a UTF-8 text file (``.gz`` decompressed), read and
-    checked (:func:`read_texts`); a list may mix the two. Or a ``[n_seqs, seq_len]`` token tensor.
+    checked (:func:`read_texts`); a list may mix the two. Or a ``[n_seqs, seq_len]`` token tensor,
+    or :class:`Sequences` made before.
 
     Each text is tokenised on its own and cut into non-overlapping windows of ``seq_len`` tokens
     (``seq_len - 1`` text tokens after a BOS token when ``prepend_bos``, by default the model's
@@ -240,32 +274,75 @@ def to_sequences(
     model's convention (its first ``n_seqs`` rows; ``seq_len`` does not apply): sequences made
     here pass on unchanged. ``prepend_bos=True`` with a tensor whose rows do not all start with
     the BOS token is refused in one line rather than changing the tensor.
+
+    Every verb takes what this returns in place of ``data``, so one sample serves many
+    measurements: ``seqs = hs.to_sequences(model, seq_len=256, n_seqs=32)``, then
+    ``hs.run_census(model, seqs)`` and ``hs.perplexity(model, seqs)``.
     """
-    bos = resolve_bos(model, prepend_bos)
+    info = model_info(model, "to_sequences")
+    return as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+
+
+def as_sequences(
+    info: ModelInfo,
+    data: Data | Sequences,
+    *,
+    seq_len: int = 128,
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
+) -> Sequences:
+    """The :class:`Sequences` of ``data`` for the model ``info`` describes: the first line of
+    every verb after :func:`~headsurgeon.loading.model_info` (see :func:`to_sequences` for what
+    ``data`` may be). :class:`Sequences` checked for this model pass through (their first
+    ``n_seqs`` rows); anything else is made and checked here, once."""
+    bos = resolve_bos(info, prepend_bos)
     n_seqs = None if n_seqs is None else check_int(n_seqs, "n_seqs", minimum=1)
     # Checked for tensors too, where it does not apply: a bad value is never silently accepted.
     seq_len = check_int(seq_len, "seq_len", minimum=1)
+    if isinstance(data, Sequences):
+        if data.checked_for == _checked_for(info):
+            return data.head(n_seqs)
+        data = data.tokens  # made for another model: checked again, as a tensor
     if isinstance(data, Tensor):
-        tokens = check_token_ids(model, data)
-        if prepend_bos and not _starts_with_bos(model, tokens):
-            raise DataError(
-                f"prepend_bos=True, but the token tensor's rows do not all start with the BOS "
-                f"token (id {bos_token_id(model)}); a token tensor is used exactly as given: "
-                "put the BOS column in it yourself, or pass the texts"
-            )
-        return tokens[:n_seqs] if n_seqs else tokens
-    limit = max_length(model)  # None for ALiBi: no position table, any length
-    if limit is not None and seq_len > limit:
+        return _tensor_sequences(info, data, n_seqs, prepend_bos)
+    _check_length(info, seq_len, "seq_len")
+    tokens = _windows(info, _texts(data), seq_len, n_seqs, bos)
+    why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
+    if bos:
+        rule = f"BOS token (id {info.bos_token_id}) prepended to each text window ({why})"
+    else:
+        rule = f"no BOS token: position 0 is the first text token ({why})"
+    return Sequences(tokens, describe(data), bos, rule, False, _checked_for(info))
+
+
+def _tensor_sequences(
+    info: ModelInfo, data: Tensor, n_seqs: int | None, prepend_bos: bool | None
+) -> Sequences:
+    tokens = check_token_ids(info, data)[:n_seqs]
+    _check_length(info, tokens.shape[1], "sequences")
+    bos = info.bos_token_id
+    holds_bos = bos is not None and bool((tokens[:, 0] == bos).all())
+    if prepend_bos and not holds_bos:
         raise DataError(
-            f"seq_len {seq_len} is beyond the model's context of {limit} tokens; "
-            "use a shorter seq_len (--seq-len on the command line)"
+            f"prepend_bos=True, but the token tensor's rows do not all start with the BOS "
+            f"token (id {bos}); a token tensor is used exactly as given: put the BOS column in "
+            "it yourself, or pass the texts"
         )
+    rule = "token tensor used exactly as given (no BOS token added)"
+    return Sequences(tokens, describe(data), holds_bos, rule, True, _checked_for(info))
+
+
+def _windows(
+    info: ModelInfo, texts: list[str], seq_len: int, n_seqs: int | None, bos: bool
+) -> Int[Tensor, "batch pos"]:
+    """Each text's non-overlapping windows (after a BOS token when ``bos``), ``n_seqs`` of them
+    evenly spaced over all texts."""
     body = seq_len - 1 if bos else seq_len
     if body < 1:
         raise InvalidArgumentError("seq_len must be at least 2 when a BOS token is prepended")
     windows = []
-    for text in _texts(data):
-        ids = torch.tensor(tokenize(model, text), dtype=torch.long)
+    for text in texts:
+        ids = torch.tensor(tokenize(info, text), dtype=torch.long)
         n = ids.numel() // body
         windows.extend(ids[: n * body].view(n, body))
     if not windows:
@@ -277,9 +354,29 @@ def to_sequences(
         picks = torch.linspace(0, len(windows) - 1, n_seqs).round().long().tolist()
         windows = [windows[i] for i in picks]
     tokens = torch.stack(windows)
+    if int(tokens.max()) >= info.shape.d_vocab:  # a tokenizer larger than the model's vocabulary
+        raise DataError(
+            f"the tokenizer gives token ids up to {int(tokens.max())}, beyond the model's "
+            f"vocabulary of {info.shape.d_vocab}; give the model the tokenizer it was trained with"
+        )
     if bos:
-        tokens = torch.cat([torch.full_like(tokens[:, :1], bos_token_id(model)), tokens], dim=1)
+        tokens = torch.cat([torch.full_like(tokens[:, :1], info.bos_token_id), tokens], dim=1)
     return tokens
+
+
+def _check_length(info: ModelInfo, n_pos: int, what: str) -> None:
+    limit = info.max_length  # None for ALiBi: no position table, any length
+    if limit is None or n_pos <= limit:
+        return
+    if what == "seq_len":
+        raise DataError(
+            f"seq_len {n_pos} is beyond the model's context of {limit} tokens; "
+            "use a shorter seq_len (--seq-len on the command line)"
+        )
+    raise DataError(
+        f"sequences of {n_pos} tokens are beyond the model's context of {limit}; "
+        "use shorter sequences"
+    )
 
 
 HELD_OUT = "bundled held-out corpora (shakespeare, python-docs)"
@@ -300,6 +397,8 @@ def describe(data: Data, default: str = HELD_OUT) -> str:
     """
     if data is None:
         return default
+    if isinstance(data, Sequences):
+        return data.source
     if isinstance(data, Tensor):
         return f"token tensor of shape {list(data.shape)}"
     items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
@@ -309,29 +408,24 @@ def describe(data: Data, default: str = HELD_OUT) -> str:
     return " and ".join(part for part in (", ".join(files), in_memory) if part)
 
 
-def bos_token_id(model: Model) -> int | None:
-    """The id of the model's BOS token; ``None`` without a tokenizer or without a BOS token."""
-    tokenizer = _tokenizer(model)
-    return None if tokenizer is None else tokenizer.bos_token_id
-
-
-def resolve_bos(model: Model, prepend_bos: bool | None = None) -> bool:
+def resolve_bos(info: ModelInfo, prepend_bos: bool | None = None) -> bool:
     """Whether position 0 gets a BOS token: ``prepend_bos``, else the model's convention.
 
-    The convention is read from ``model.cfg.default_prepend_bos`` at each call (TransformerLens's
-    config default is ``True``). A model with no known BOS id (no tokenizer) cannot follow it, so
-    its token tensors are used as given; asking for a BOS token explicitly is then an error.
+    The convention is ``info.prepend_bos`` (``model.cfg.default_prepend_bos``, read at each
+    :func:`~headsurgeon.loading.model_info`; TransformerLens's config default is ``True``). A
+    model with no known BOS id (no tokenizer) cannot follow it, so its token tensors are used as
+    given; asking for a BOS token explicitly is then an error.
 
-    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> from headsurgeon.loading import ModelShape, model_info, random_model
     >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=8))
     >>> model.cfg.default_prepend_bos = True  # no tokenizer: nothing to prepend
-    >>> resolve_bos(model), resolve_bos(model, False)
+    >>> resolve_bos(model_info(model)), resolve_bos(model_info(model), False)
     (False, False)
     """
     if prepend_bos is not None:
         prepend_bos = check_bool(prepend_bos, "prepend_bos")
-    wanted = bool(model.cfg.default_prepend_bos) if prepend_bos is None else prepend_bos
-    if not wanted or bos_token_id(model) is not None:
+    wanted = info.prepend_bos if prepend_bos is None else prepend_bos
+    if not wanted or info.bos_token_id is not None:
         return wanted
     if prepend_bos:
         raise DataError(
@@ -339,35 +433,6 @@ def resolve_bos(model: Model, prepend_bos: bool | None = None) -> bool:
             "to prepend; pass token sequences that start with it and prepend_bos=False"
         )
     return False
-
-
-def _starts_with_bos(model: Model, tokens: Tensor) -> bool:
-    bos = bos_token_id(model)
-    return bos is not None and bool((tokens[:, 0] == bos).all())
-
-
-def position_zero(
-    model: Model, data: Data, tokens: Tensor, prepend_bos: bool | None = None
-) -> tuple[bool, str]:
-    """What position 0 of ``tokens`` (made from ``data`` by :func:`to_sequences`) holds, and
-    the rule that put it there: ``(holds_bos, rule)``, as the analyses record them in ``attrs``
-    (``prepend_bos`` and ``bos_rule``).
-
-    ``holds_bos``: every sequence starts with the model's BOS token (a token tensor's own first
-    column counts too). ``rule`` says in words which rule of :func:`to_sequences` applied.
-
-    >>> from headsurgeon.loading import ModelShape, random_model
-    >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=8))
-    >>> position_zero(model, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4))
-    (False, 'token tensor used exactly as given (no BOS token added)')
-    """
-    if isinstance(data, Tensor):
-        rule = "token tensor used exactly as given (no BOS token added)"
-        return _starts_with_bos(model, tokens), rule
-    why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
-    if resolve_bos(model, prepend_bos):
-        return True, f"BOS token (id {bos_token_id(model)}) prepended to each text window ({why})"
-    return False, f"no BOS token: position 0 is the first text token ({why})"
 
 
 def batches(

@@ -41,15 +41,14 @@ from collections.abc import Mapping
 
 import numpy as np
 import pandas as pd
-from jaxtyping import Int
-from torch import Tensor
 
-from headsurgeon.backend import Model, check_model
+from headsurgeon.backend import Model
 from headsurgeon.census import run_census
 from headsurgeon.classify import Thresholds, classify_heads, require_columns
-from headsurgeon.data import Data, describe, position_zero, to_sequences
+from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.importance import DORMANT_SE, METHODS, head_importance, is_dormant, with_importance
+from headsurgeon.loading import model_info
 from headsurgeon.validation import check_choice
 
 __all__ = [
@@ -103,48 +102,41 @@ _IMPORTANCE_CHANGE = (
 
 def classify_sequences(
     model: Model,
-    tokens: Int[Tensor, "batch pos"],
-    data: Data = None,
+    seqs: Sequences,
     *,
     thresholds: Thresholds | None = None,
     importance: str | None = None,
     batch_size: int = 8,
     min_query_pos: int = 1,
-    prepend_bos: bool | None = None,
     sink_eps: float = 0.3,
     progress: bool = True,
 ) -> pd.DataFrame:
     r"""The classify tool's measurement of one corpus: census, labels and (``importance``: one of
-    :data:`headsurgeon.importance.METHODS`) importance, all on the same ``tokens``.
+    :data:`headsurgeon.importance.METHODS`) importance, all on the same sequences ``seqs``
+    (:func:`headsurgeon.to_sequences`; their ``source`` names the corpus in ``attrs``).
 
-    ``tokens`` are the sequences ``data`` was cut into (:func:`headsurgeon.to_sequences` with
-    ``prepend_bos``); ``data`` names them in ``attrs`` (``data``, ``bos_rule``) rather than
-    "token tensor". Returns :func:`headsurgeon.classify_heads`' table, with
-    :func:`headsurgeon.head_importance`'s columns merged in when ``importance`` is given
-    (:func:`headsurgeon.importance.with_importance`). ``thresholds``: the labels' (default
-    ``Thresholds()``); ``sink_eps``: the census's (:func:`headsurgeon.run_census`).
+    Returns :func:`headsurgeon.classify_heads`' table, with :func:`headsurgeon.head_importance`'s
+    columns merged in when ``importance`` is given (:func:`headsurgeon.importance.with_importance`).
+    ``thresholds``: the labels' (default ``Thresholds()``); ``sink_eps``: the census's
+    (:func:`headsurgeon.run_census`).
     """
     census = run_census(
         model,
-        tokens,
+        seqs,
         batch_size=batch_size,
-        n_seqs=len(tokens),
+        n_seqs=seqs.n_seqs,
         min_query_pos=min_query_pos,
-        prepend_bos=prepend_bos,
         sink_eps=sink_eps,
         progress=progress,
     )
-    census.attrs["data"] = describe(data)  # the files, not "token tensor of shape"
-    census.attrs["bos_rule"] = position_zero(model, data, tokens, prepend_bos)[1]
     classified = classify_heads(census, thresholds or Thresholds())
     if importance:
         measured = head_importance(
             model,
-            tokens,
+            seqs,
             method=importance,
             batch_size=batch_size,
-            n_seqs=len(tokens),
-            prepend_bos=prepend_bos,
+            n_seqs=seqs.n_seqs,
             progress=progress,
         )
         classified = with_importance(classified, measured)
@@ -184,7 +176,7 @@ def compare_corpora(
     >>> df[["corpus", "layer", "head"]].values.tolist()
     [['a', 0, 0], ['a', 0, 1], ['b', 0, 0], ['b', 0, 1]]
     """
-    check_model(model, "compare_corpora")
+    info = model_info(model, "compare_corpora")
     if not isinstance(corpora, Mapping) or not corpora:
         raise InvalidArgumentError(
             "corpora must be a non-empty mapping {name: data}, e.g. {'prose': Path('a.txt'), "
@@ -195,17 +187,15 @@ def compare_corpora(
     tables = {}
     for name, data in corpora.items():
         logger.info("corpus %s (%d of %d)", name, len(tables) + 1, len(corpora))
-        tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+        seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
         tables[name] = classify_sequences(
             model,
-            tokens,
-            data,
+            seqs,
             thresholds=thresholds,
             importance=importance,
             batch_size=batch_size,
             min_query_pos=min_query_pos,
             sink_eps=sink_eps,
-            prepend_bos=prepend_bos,
             progress=progress,
         )
     return stack_corpora(tables)

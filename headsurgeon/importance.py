@@ -50,9 +50,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import HookPoint, Model, check_model, run_from_layer
-from headsurgeon.census import _check_tokens
-from headsurgeon.data import Data, describe, position_zero, to_sequences
+from headsurgeon.backend import HookPoint, Model, run_from_layer
+from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import model_info
@@ -358,7 +357,7 @@ def _check_predicts(n_pos: int) -> None:
 
 def head_importance(
     model: Model,
-    data: Data | Sequence[str] = None,
+    data: Data | Sequences = None,
     *,
     method: str = "mean",
     ablation: str | None = None,
@@ -383,7 +382,7 @@ def head_importance(
     many heads as keep the pass's logits within 2^26 elements). ``df.attrs`` holds the run
     metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``, ``seq_len``, ``n_tokens``
     (predicted tokens), ``prepend_bos`` (position 0 holds the BOS token), ``bos_rule`` (see
-    :func:`headsurgeon.data.position_zero`), ``data``, ``method``, ``ablation``, ``clean_loss``,
+    :class:`headsurgeon.data.Sequences`), ``data``, ``method``, ``ablation``, ``clean_loss``,
     ``dtype``, ``device``.
 
     Every model whose ``blocks.{l}.attn.hook_z`` (and ``hook_resid_pre``) fire in every layer
@@ -401,7 +400,7 @@ def head_importance(
     >>> len(df), df.attrs["n_tokens"]
     (8, 44)
     """
-    check_model(model, "head_importance")
+    info = model_info(model, "head_importance")
     method = check_choice(method, "method", METHODS)
     if method != "attribution" and ablation not in (None, method):
         raise InvalidArgumentError(
@@ -413,13 +412,11 @@ def head_importance(
     ablation = check_choice(ablation, "ablation", ABLATIONS)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     progress = check_bool(progress, "progress")
-    info = model_info(model)
-    if not isinstance(data, Tensor):  # a token tensor is used as it is
-        _check_predicts(check_int(seq_len, "seq_len", minimum=1))  # before tokenising a corpus
-    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    _check_predicts(tokens.shape[1])
-    _check_tokens(model, tokens, 1)  # within the context (to_sequences checked the ids)
-    holds_bos, bos_rule = position_zero(model, data, tokens, prepend_bos)
+    if not isinstance(data, Tensor | Sequences):  # texts: checked before tokenising a corpus
+        _check_predicts(check_int(seq_len, "seq_len", minimum=1))
+    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    tokens = seqs.tokens
+    _check_predicts(seqs.seq_len)
     if ablation == "resample" and len(tokens) < 2:
         raise DataError("resample ablation needs at least 2 sequences; give more data")
     cfg = model.cfg
@@ -458,9 +455,9 @@ def head_importance(
         "n_seqs": int(n),
         "seq_len": int(pos),
         "n_tokens": int(n * (pos - 1)),
-        "prepend_bos": holds_bos,
-        "bos_rule": bos_rule,
-        "data": describe(data),
+        "prepend_bos": seqs.holds_bos,
+        "bos_rule": seqs.bos_rule,
+        "data": seqs.source,
         "method": method,
         "ablation": ablation,
         "clean_loss": clean_loss,
@@ -519,7 +516,7 @@ def ablate_heads(
     model: Model,
     heads: Heads,
     ablation: str = "mean",
-    data: Data | Sequence[str] = None,
+    data: Data | Sequences = None,
     *,
     batch_size: int = 8,
     seq_len: int = 128,
@@ -541,13 +538,14 @@ def ablate_heads(
     >>> bool((pruned != clean).any()), bool(torch.equal(model(tokens), clean))
     (True, True)
     """
-    check_model(model, "ablate_heads")
+    info = model_info(model, "ablate_heads")
     check_choice(ablation, "ablation", ("zero", "mean"))
     chosen = HeadSet.of(heads, model).by_layer()
     means = None
     if ablation == "mean":
-        tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-        means = _mean_z(model, tokens, check_int(batch_size, "batch_size", minimum=1), progress)
+        seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+        batch_size = check_int(batch_size, "batch_size", minimum=1)
+        means = _mean_z(model, seqs.tokens, batch_size, progress)
 
     def replace(z: Float[Tensor, "batch pos head_index d_head"], hook: HookPoint) -> Tensor:
         layer, index = hook.layer(), chosen[hook.layer()]

@@ -42,14 +42,14 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import Model, check_model, hf_kv_cache
+from headsurgeon.backend import Model, hf_kv_cache
 from headsurgeon.blindness import active_mitigations, dtype_name
 from headsurgeon.checkpoints import hf_model
-from headsurgeon.data import Data, to_sequences
+from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.evals import position_edges
-from headsurgeon.exact_alibi import bias_builder
-from headsurgeon.loading import model_info
+from headsurgeon.exact_alibi import bias_builder, trained_bias
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_bool, check_choice, check_int
 
@@ -375,7 +375,7 @@ class _HeadTable:
 
 def precision_effect(
     model: Model,
-    data: Data = None,
+    data: Data | Sequences = None,
     *,
     dtypes: Sequence[str] = PRECISION_DTYPES,
     parts: Sequence[str] = PARTS,
@@ -466,7 +466,7 @@ def precision_effect(
     +0.00003); float16 +0.038, 0.86; float32 < 1e-6, 1.000. Under ``mitigation(model,
     "relative")``: bfloat16 +0.0002, 0.987; float16 +0.000005, 0.9997.
     """
-    check_model(model, "precision_effect", writes=True)
+    info = model_info(model, "precision_effect", writes=True)
     names = [dtype_name(d) for d in ([dtypes] if isinstance(dtypes, str) else list(dtypes))]
     for name in names:
         check_choice(name, "dtype", PRECISION_DTYPES)
@@ -476,18 +476,18 @@ def precision_effect(
     if not names or not parts:
         raise InvalidArgumentError("give at least one dtype and one part")
     check_bool(progress, "progress")
-    relative = _bias_mode(model)
-    if model.cfg.positional_embedding_type != "alibi":
+    relative = _bias_mode(model, info)
+    if not info.is_alibi:
         raise UnsupportedArchitectureError(
-            f"precision_effect measures ALiBi models; {model_info(model).name} uses "
-            f"{model.cfg.positional_embedding_type} positions"
+            f"precision_effect measures ALiBi models; {info.name} uses "
+            f"{info.shape.positional} positions"
         )
     if seq_len is None:
         seq_len = 1024
-    if n_seqs is None and not isinstance(data, Tensor):
+    if n_seqs is None and not isinstance(data, Tensor | Sequences):
         n_seqs = 1
-    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    n_rows, n_pos = tokens.shape
+    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    tokens, (n_rows, n_pos) = seqs.tokens, seqs.tokens.shape
     check_int(n_pos, "the sequence length", minimum=2)
     edges = position_edges(n_pos) if edges is None else _check_edges(edges, n_pos)
     block = long_context.block_size(model, n_pos, batch=n_rows, bytes_per_entry=_BYTES_PER_ENTRY)
@@ -509,7 +509,7 @@ def precision_effect(
     head_slopes = alibi.config_slopes(reference.config.to_dict()).tolist()
     by_head = heads.table(n_rows * n_pos, head_slopes)
     attrs = {
-        "model": model_info(model).name,
+        "model": info.name,
         "family": family.name,
         "bias": "relative"
         if relative
@@ -528,12 +528,9 @@ def precision_effect(
     return PrecisionEffect(by_position=by_position, by_head=by_head)
 
 
-def _bias_mode(model: Model) -> bool:
+def _bias_mode(model: Model, info: ModelInfo) -> bool:
     """Whether the dtype passes form the bias from distances (``mitigation(model,
     "relative")`` active); one line for any other mitigation or a trained variant."""
-    from headsurgeon.exact_alibi import trained_bias
-    from headsurgeon.loading import model_metadata
-
     active = active_mitigations(model)
     other = [kind for kind in active if kind not in ("standard", "relative")]
     if other:
@@ -541,10 +538,10 @@ def _bias_mode(model: Model) -> bool:
             f"precision_effect measures the family's own ALiBi, or its relative form under "
             f"mitigation(model, 'relative'); a {other[-1]} mitigation is active: leave its block"
         )
-    kind, _ = trained_bias(model_metadata(model))
+    kind, _ = trained_bias(info.metadata)
     if kind != "standard":
         raise UnsupportedArchitectureError(
-            f"{model_info(model).name} was trained with {kind} ALiBi, which transformers does not "
+            f"{info.name} was trained with {kind} ALiBi, which transformers does not "
             "compute; precision_effect follows the family's own computation"
         )
     return bool(active) and active[-1] == "relative"

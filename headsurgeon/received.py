@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -49,11 +48,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from headsurgeon.backend import HookPoint, Model, check_model
-from headsurgeon.data import Data, describe, position_zero, to_sequences, token_strings
+from headsurgeon.backend import HookPoint, Model
+from headsurgeon.data import Data, Sequences, as_sequences, token_strings
 from headsurgeon.errors import DataError
 from headsurgeon.loading import model_info
-from headsurgeon.long_context import check_length
 from headsurgeon.probes import Hook, check_fired, stream
 from headsurgeon.validation import check_int, check_number
 
@@ -301,7 +299,7 @@ class SecondarySinks:
 
 def secondary_sinks(
     model: Model,
-    data: Data | Sequence[str] = None,
+    data: Data | Sequences = None,
     *,
     threshold: float = THRESHOLD,
     min_queries: int = MIN_QUERIES,
@@ -344,19 +342,18 @@ def secondary_sinks(
     length and not with the number of sequences. A layer whose ``hook_pattern`` never fires
     raises :class:`~headsurgeon.errors.UnsupportedArchitectureError`.
     """
-    check_model(model, "secondary_sinks")
+    info = model_info(model, "secondary_sinks")
     threshold = check_number(threshold, "threshold", low=0, high=1)
     min_queries = check_int(min_queries, "min_queries", minimum=1)
     max_sinks = check_int(max_sinks, "max_sinks", minimum=0)
     n_examples = check_int(n_examples, "n_examples", minimum=0)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
-    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    n_pos = check_length(model, tokens.shape[1])
+    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    tokens, n_pos = seqs.tokens, seqs.seq_len
     if n_pos < 2:
         raise DataError(
             f"sequences of {n_pos} token have no later queries; use a --seq-len of 2 or more"
         )
-    holds_bos, bos_rule = position_zero(model, data, tokens, prepend_bos)
     mass = ReceivedMass(
         model,
         n_pos,
@@ -376,27 +373,27 @@ def secondary_sinks(
     )
     mass.check_fired()
     means = mass.received()
-    n_layers, n_heads = model.cfg.n_layers, model.cfg.n_heads
+    n_layers, n_heads = info.shape.n_layers, info.shape.n_heads
     layer, head, position = np.indices((n_layers, n_heads, n_pos)).reshape(3, -1)
     received = pd.DataFrame(
         {"layer": layer, "head": head, "position": position, "received": means.ravel()}
     )
     sinks = pd.DataFrame(mass.sinks, columns=[c for c in SINK_COLUMNS if c != "token"])
     at = zip(sinks["seq"], sinks["position"], strict=True)
-    sinks.insert(2, "token", pd.Series([token_strings(model, tokens[s, p])[0] for s, p in at]))
+    sinks.insert(2, "token", pd.Series([token_strings(info, tokens[s, p])[0] for s, p in at]))
     sinks = sinks.astype({c: "int64" for c in SINK_COLUMNS if c not in ("token", "peak_received")})
     sinks["peak_received"] = sinks["peak_received"].astype("float64")
     attrs = {
-        "model": model_info(model).name,
+        "model": info.name,
         "n_layers": n_layers,
         "n_heads": n_heads,
-        "n_seqs": int(tokens.shape[0]),
+        "n_seqs": seqs.n_seqs,
         "seq_len": n_pos,
-        "prepend_bos": holds_bos,
-        "bos_rule": bos_rule,
+        "prepend_bos": seqs.holds_bos,
+        "bos_rule": seqs.bos_rule,
         "threshold": threshold,
         "min_queries": min_queries,
-        "data": describe(data),
+        "data": seqs.source,
     }
     received.attrs = dict(attrs)
     sinks.attrs = attrs | {

@@ -61,18 +61,18 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import Model, add_bias_hook, check_model
+from headsurgeon.backend import Model, add_bias_hook
 from headsurgeon.blindness import active_mitigations
-from headsurgeon.data import Data, batches, describe, position_zero
+from headsurgeon.data import Data, Sequences, batches
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.evals import _next_token_nll
-from headsurgeon.exact_alibi import alibi_slopes, trained_bias
+from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.heads import Heads, HeadSet
-from headsurgeon.loading import model_info
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_choice, check_int
-from headsurgeon.window import _every_head, _sequences
+from headsurgeon.window import _every_head, sequences_to_cut
 
 __all__ = ["POSITIONS", "SinkCacheEffect", "cache_keys", "sink_cache_effect"]
 
@@ -120,11 +120,11 @@ class _CacheBias:
     """
 
     def __init__(
-        self, model: Model, sinks: list[list[int]], window: int, positions: str, kind: tuple
+        self, slopes: Tensor, sinks: list[list[int]], window: int, positions: str, kind: tuple
     ) -> None:
         self.sinks, self.window, self.positions = sinks, window, positions
         self.kind, self.params = kind
-        self.slopes = alibi_slopes(model)
+        self.slopes = slopes
         self.chooser = cache_keys(max(map(max, sinks)), window)
         self.fired = [0] * len(sinks)
         self.block: tuple[int, Tensor] | None = None
@@ -175,12 +175,12 @@ class _CacheBias:
         return bias
 
 
-def _check_model(model: Model) -> tuple[str, dict]:
+def _check_model(model: Model, info: ModelInfo) -> tuple[str, dict]:
     """The model's trained bias kind, or one line: no ALiBi, or a mitigation the bias replaces."""
-    if model.cfg.positional_embedding_type != "alibi":
+    if not info.is_alibi:
         raise UnsupportedArchitectureError(
-            f"sink_cache_effect needs ALiBi (or no) positions; {model_info(model).name} uses "
-            f"{model.cfg.positional_embedding_type} positions, which a cache of sinks plus recent "
+            f"sink_cache_effect needs ALiBi (or no) positions; {info.name} uses "
+            f"{info.shape.positional} positions, which a cache of sinks plus recent "
             "tokens would have to re-encode (StreamingLLM re-rotates rotary keys): not supported"
         )
     replaced = [kind for kind in active_mitigations(model) if kind not in ("standard", "softcap")]
@@ -190,7 +190,7 @@ def _check_model(model: Model) -> tuple[str, dict]:
             f"trained kind; a {replaced[-1]} mitigation is active, whose bias it would replace: "
             "leave its block"
         )
-    return trained_bias(model_info(model).metadata)
+    return trained_bias(info.metadata)
 
 
 def _batch_means(
@@ -212,7 +212,7 @@ def _batch_means(
 @torch.no_grad()
 def sink_cache_effect(
     model: Model,
-    data: Data = None,
+    data: Data | Sequences = None,
     *,
     sinks: Sequence[int] = (0, 1, 4),
     windows: Sequence[int] | None = None,
@@ -284,22 +284,22 @@ def sink_cache_effect(
     ``positions``, ``bias`` (the ALiBi kind), ``train_ctx``, ``full_nll``, ``full_ppl``,
     ``tests`` (the sentence above); ``by_head``'s also ``head_seq_len``.
     """
-    check_model(model, "sink_cache_effect")
-    kind = _check_model(model)
+    info = model_info(model, "sink_cache_effect")
+    kind = _check_model(model, info)
     positions = check_choice(positions, "positions", POSITIONS)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     chunk = check_int(chunk, "chunk", minimum=1)
     if block_size is not None:
         block_size = check_int(block_size, "block_size", minimum=1)
     sinks = sorted({check_int(x, "each of sinks", minimum=0) for x in sinks})
-    train_ctx = model_info(model).train_ctx
+    train_ctx = info.train_ctx
     if windows is None:
         windows = [max(1, (train_ctx or model.cfg.n_ctx) // 4), train_ctx or model.cfg.n_ctx]
     windows = sorted({check_int(y, "each of windows", minimum=1) for y in windows})
     if not sinks or not windows:
         raise InvalidArgumentError("give at least one value in sinks and in windows")
-    tokens = _sequences(model, data, seq_len, n_seqs, prepend_bos)
-    n_pos = tokens.shape[1]
+    seqs = sequences_to_cut(info, data, seq_len, n_seqs, prepend_bos)
+    tokens, n_pos = seqs.tokens, seqs.seq_len
     chosen, (head_x, head_y), head_pos = _per_head(
         model, heads, head_cache, head_seq_len, (sinks[-1], windows[0]), n_pos
     )
@@ -313,7 +313,9 @@ def sink_cache_effect(
 
     def run(cut: list[list[int]] | None, window: int, tokens: Tensor) -> Tensor:
         start = time.perf_counter()
-        nll = _cache_nll(model, tokens, cut, window, positions, kind, batch_size, block_size)
+        nll = _cache_nll(
+            model, tokens, cut, window, positions, (info.slopes, kind), batch_size, block_size
+        )
         what = "full context" if cut is None else f"cache {max(map(max, cut))} + {window}"
         logger.debug("%s, %d tokens: %.1f s", what, tokens.numel(), time.perf_counter() - start)
         bar.update()
@@ -329,7 +331,7 @@ def sink_cache_effect(
         if chosen:
             short = tokens[:, :head_pos]
             base = run([[head_x] * n_heads] * n_layers, head_y, short)
-            slopes = alibi_slopes(model).double().numpy()
+            slopes = info.slopes.double().numpy()
             for layer, head in chosen:
                 cut = [[head_x] * n_heads for _ in range(n_layers)]
                 cut[layer][head] = 0
@@ -344,11 +346,11 @@ def sink_cache_effect(
     by_head = by_head.sort_values("dnll", ascending=False, kind="stable", ignore_index=True)
     by_head["rank"] = np.arange(1, len(by_head) + 1)
     attrs = {
-        "model": model_info(model).name,
-        "data": describe(data),
-        "n_seqs": len(tokens),
+        "model": info.name,
+        "data": seqs.source,
+        "n_seqs": seqs.n_seqs,
         "seq_len": n_pos,
-        "prepend_bos": position_zero(model, data, tokens, prepend_bos)[0],
+        "prepend_bos": seqs.holds_bos,
         "positions": positions,
         "bias": kind[0],
         "train_ctx": train_ctx,
@@ -455,16 +457,18 @@ def _cache_nll(
     sinks: list[list[int]] | None,
     window: int,
     positions: str,
-    kind: tuple[str, dict],
+    bias_of: tuple[Tensor, tuple[str, dict]],
     batch_size: int,
     block_size: int | None,
 ) -> Float[Tensor, "seq position"]:
     """Next-token NLL at every position (float64, CPU): the model's own full-context pass
     (``sinks`` None), or with the cache ``sinks[layer][head]`` + ``window`` through each layer's
-    bias; refuses a layer whose bias was never built."""
+    bias (``bias_of``: the model's slopes and trained bias kind); refuses a layer whose bias was
+    never built."""
     n_seqs, n_pos = tokens.shape
     out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
-    bias = None if sinks is None else _CacheBias(model, sinks, window, positions, kind)
+    slopes, kind = bias_of
+    bias = None if sinks is None else _CacheBias(slopes, sinks, window, positions, kind)
     handles = (
         []
         if bias is None

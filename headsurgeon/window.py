@@ -34,19 +34,18 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import MAJOR, HookPoint, Model, check_model
-from headsurgeon.blindness import _require_scores
-from headsurgeon.data import Data, batches, describe, position_zero, to_sequences
+from headsurgeon.backend import MAJOR, HookPoint, Model
+from headsurgeon.blindness import require_scores
+from headsurgeon.data import Data, Sequences, as_sequences, batches
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.evals import _check_edges, _next_token_nll, position_edges
-from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.heads import Heads, HeadSet
-from headsurgeon.loading import model_info
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int
 
-__all__ = ["WindowEffect", "window_effect", "window_hook"]
+__all__ = ["WindowEffect", "sequences_to_cut", "window_effect", "window_hook"]
 
 # Bytes per (batch, head, query, key) entry of a forward pass with the hook: the plain pass's, the
 # cut mask and the masked copy of the scores.
@@ -119,21 +118,22 @@ def _default_distances(seq_len: int) -> list[int]:
 class _Counter:
     """Counts the hook's calls per layer, checking each block holds real scores."""
 
-    def __init__(self, model: Model, hook: ScoresHook) -> None:
-        self.model, self.inner = model, hook
-        self.fired = [0] * model.cfg.n_layers
+    def __init__(self, info: ModelInfo, hook: ScoresHook) -> None:
+        self.name, self.inner = info.name, hook
+        self.fired = [0] * info.shape.n_layers
 
     def __call__(self, scores: Tensor, hook: HookPoint) -> Tensor | None:
         layer = hook.layer()
         self.fired[layer] += 1
-        _require_scores(
-            self.model, scores, layer, "window_effect", "keys cannot be cut before the softmax"
+        require_scores(
+            self.name, scores, layer, "window_effect", "keys cannot be cut before the softmax"
         )
         return self.inner(scores, hook)
 
 
 def _token_nll(
     model: Model,
+    info: ModelInfo,
     tokens: Int[Tensor, "seq pos"],
     hooks: dict[int, ScoresHook],
     *,
@@ -144,7 +144,7 @@ def _token_nll(
     layers' ``hook_attn_scores``; refuses a layer whose hook never fired."""
     n_seqs, n_pos = tokens.shape
     out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
-    counters = {layer: _Counter(model, hook) for layer, hook in hooks.items()}
+    counters = {layer: _Counter(info, hook) for layer, hook in hooks.items()}
     fwd_hooks = [(f"blocks.{layer}.attn.hook_attn_scores", c) for layer, c in counters.items()]
     with torch.no_grad(), model.hooks(fwd_hooks=fwd_hooks):
         for i, batch in enumerate(batches(tokens, batch_size)):
@@ -181,7 +181,7 @@ def _change(
 @torch.no_grad()
 def window_effect(
     model: Model,
-    data: Data = None,
+    data: Data | Sequences = None,
     *,
     distances: Sequence[int] | None = None,
     heads: Heads | None = None,
@@ -241,7 +241,7 @@ def window_effect(
     ``attrs`` of both tables: ``model``, ``data``, ``n_seqs``, ``seq_len``, ``prepend_bos``,
     ``edges``; ``by_head``'s: ``head_distance``.
     """
-    check_model(model, "window_effect")
+    info = model_info(model, "window_effect")
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     if block_size is not None:
         block_size = check_int(block_size, "block_size", minimum=1)
@@ -254,8 +254,8 @@ def window_effect(
     if distances is not None:
         distances = [check_int(d, "each of distances", minimum=0) for d in distances]
     chosen = HeadSet.of(_every_head(model) if heads is None else heads, model)
-    tokens = _sequences(model, data, seq_len, n_seqs, prepend_bos)
-    n_pos = tokens.shape[1]
+    seqs = sequences_to_cut(info, data, seq_len, n_seqs, prepend_bos)
+    tokens, n_pos = seqs.tokens, seqs.seq_len
     edges = _check_edges(position_edges(n_pos) if edges is None else edges, n_pos)
     distances = _default_distances(n_pos) if distances is None else distances
     per_head = [] if head_distance is None else list(chosen)
@@ -264,7 +264,7 @@ def window_effect(
     bar = tqdm(total=1 + len(distances) + len(per_head), desc="window", disable=not progress)
 
     def run(hooks: dict[int, ScoresHook]) -> Tensor:
-        nll = _token_nll(model, tokens, hooks, batch_size=batch_size, block_size=block_size)
+        nll = _token_nll(model, info, tokens, hooks, batch_size=batch_size, block_size=block_size)
         bar.update()
         return nll
 
@@ -280,7 +280,7 @@ def window_effect(
                     {"distance": d, "position_lo": lo, "position_hi": hi}
                     | _change(change, base, part)
                 )
-        slopes = alibi_slopes(model).double().numpy() if _is_alibi(model) else None
+        slopes = info.slopes.double().numpy() if info.is_alibi else None
         scored = (position >= edges[0]) & (position < edges[-1])
         head_rows = []
         for layer, head in per_head:
@@ -293,11 +293,11 @@ def window_effect(
     by_distance = pd.DataFrame(rows, columns=_DISTANCE_COLUMNS)
     by_head = pd.DataFrame(head_rows, columns=_HEAD_COLUMNS)
     attrs = {
-        "model": model_info(model).name,
-        "data": describe(data),
-        "n_seqs": len(tokens),
+        "model": info.name,
+        "data": seqs.source,
+        "n_seqs": seqs.n_seqs,
         "seq_len": n_pos,
-        "prepend_bos": position_zero(model, data, tokens, prepend_bos)[0],
+        "prepend_bos": seqs.holds_bos,
         "edges": list(edges),
     }
     by_distance.attrs.update(attrs)
@@ -309,27 +309,19 @@ def _every_head(model: Model) -> list[tuple[int, int]]:
     return [(layer, h) for layer in range(model.cfg.n_layers) for h in range(model.cfg.n_heads)]
 
 
-def _sequences(
-    model: Model, data: Data, seq_len: int, n_seqs: int, prepend_bos: bool | None
-) -> Int[Tensor, "seq pos"]:
-    """``n_seqs`` sequences of ``seq_len`` tokens (a token tensor: its rows as given)."""
+def sequences_to_cut(
+    info: ModelInfo, data: Data | Sequences, seq_len: int, n_seqs: int, prepend_bos: bool | None
+) -> Sequences:
+    """The sequences of a test that cuts keys: at least 3 tokens, so that some key can be cut."""
     seq_len = check_int(seq_len, "seq_len", minimum=3)
-    if not isinstance(data, Tensor):  # a token tensor's length is its own
-        long_context.check_length(model, seq_len, "seq_len")
-    n_seqs = check_int(n_seqs, "n_seqs", minimum=1)
-    tokens = to_sequences(model, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    if tokens.shape[1] < 3:
+    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    if seqs.seq_len < 3:
         raise InvalidArgumentError(
-            f"sequences of {tokens.shape[1]} tokens have no key to cut; give at least 3"
+            f"sequences of {seqs.seq_len} tokens have no key to cut; give at least 3"
         )
-    long_context.check_length(model, tokens.shape[1])  # a token tensor is not cut
-    return tokens[:n_seqs]
+    return seqs
 
 
 _CHANGE_COLUMNS = ["tokens", "base_nll", "dnll", "dnll_se"]
 _DISTANCE_COLUMNS = ["distance", "position_lo", "position_hi", *_CHANGE_COLUMNS]
 _HEAD_COLUMNS = ["layer", "head", "slope", "distance", *_CHANGE_COLUMNS]
-
-
-def _is_alibi(model: Model) -> bool:
-    return model.cfg.positional_embedding_type == "alibi"

@@ -56,14 +56,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from jaxtyping import Int
-from torch import Tensor
 
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.backend import Model
-from headsurgeon.data import has_tokenizer, read_texts, to_sequences
+from headsurgeon.data import Sequences, read_texts, to_sequences
 from headsurgeon.errors import DataError, HeadsurgeonError
-from headsurgeon.loading import DEFAULT_MODEL, ORGANISM_DIR, load_model, organism_names
+from headsurgeon.loading import DEFAULT_MODEL, ORGANISM_DIR, load_model, model_info, organism_names
 from headsurgeon.outputs import claim_output
 
 __all__ = [
@@ -345,7 +343,7 @@ def load_model_from_args(args: argparse.Namespace) -> Model:
 def require_tokenizer(model: Model, args: argparse.Namespace, what: str = "") -> None:
     """One line for a model that cannot tokenise the tool's text (``what``, default: --texts or
     the bundled corpora): the fix is a tokenizer in its folder, as a CLI cannot pass tokens."""
-    if has_tokenizer(model):
+    if model_info(model, "load_model").tokenizer is not None:
         return
     what = what or ("--texts" if getattr(args, "texts", None) else "the bundled text corpora")
     raise DataError(
@@ -354,19 +352,20 @@ def require_tokenizer(model: Model, args: argparse.Namespace, what: str = "") ->
     )
 
 
-def load_data(model: Model, args: argparse.Namespace) -> Int[Tensor, "batch pos"]:
+def load_data(model: Model, args: argparse.Namespace) -> Sequences:
     """The sequences ``--texts``, ``--seq-len``, ``--n-seqs`` and ``--prepend-bos`` describe
     (a warning when the text holds fewer than asked for)."""
-    tokens = to_sequences(
+    seqs = to_sequences(
         model, args.texts, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=args.prepend_bos
     )
-    if len(tokens) < args.n_seqs:
+    if seqs.n_seqs < args.n_seqs:
         logger.warning(
             "the data holds only %d sequences of %d tokens (asked for %d)",
-            *tokens.shape,
+            seqs.n_seqs,
+            seqs.seq_len,
             args.n_seqs,
         )
-    return tokens
+    return seqs
 
 
 def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None):

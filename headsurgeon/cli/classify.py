@@ -57,6 +57,7 @@ from headsurgeon.cli import (
     positive_int,
     run,
 )
+from headsurgeon.data import Sequences
 from headsurgeon.domains import classify_sequences, corpus_changes, stack_corpora
 from headsurgeon.importance import METHODS
 from headsurgeon.received import THRESHOLD, SecondarySinks, secondary_sinks
@@ -229,43 +230,35 @@ def _classify(
     heads; print the summary. Returns the labelled table, the model, the sequences and the
     secondary sinks (None with ``--no-secondary-sinks``)."""
     model = load_model_from_args(args)
-    classified, tokens = _classify_texts(model, args, thresholds)
+    classified, seqs = _classify_texts(model, args, thresholds)
     sinks = None
     if not args.no_secondary_sinks:
         sinks = secondary_sinks(
             model,
-            tokens,
+            seqs,
             threshold=args.received_threshold,
-            n_seqs=len(tokens),
+            n_seqs=seqs.n_seqs,
             batch_size=args.batch_size,
-            prepend_bos=args.prepend_bos,
         )
-        for table in (sinks.received, sinks.sinks):
-            table.attrs |= {
-                "data": classified.attrs["data"],
-                "bos_rule": classified.attrs["bos_rule"],
-            }
     print(format_summary(classified, top=args.top, sinks=sinks))
-    return classified, model, tokens, sinks
+    return classified, model, seqs.tokens, sinks
 
 
 def _classify_texts(
     model: Model, args: argparse.Namespace, thresholds: Thresholds
-) -> tuple[pd.DataFrame, Tensor]:
+) -> tuple[pd.DataFrame, Sequences]:
     """``args.texts`` cut once (census and importance share the sequences) and measured."""
-    tokens = load_data(model, args)
+    seqs = load_data(model, args)
     classified = classify_sequences(
         model,
-        tokens,
-        args.texts,
+        seqs,
         thresholds=thresholds,
         importance=args.importance,
         batch_size=args.batch_size,
         min_query_pos=args.min_query_pos,
-        prepend_bos=args.prepend_bos,
         sink_eps=args.sink_eps,
     )
-    return classified, tokens
+    return classified, seqs
 
 
 def corpus_names(corpora: Sequence[Sequence[Path]]) -> list[str]:
@@ -303,7 +296,8 @@ def _compare(
     for name, files in zip(corpus_names(corpora), corpora, strict=True):
         logger.info("corpus %s (%d of %d)", name, len(tables) + 1, len(corpora))
         each = argparse.Namespace(**vars(args) | {"texts": list(files)})
-        tables[name], tokens[name] = _classify_texts(model, each, thresholds)
+        tables[name], seqs = _classify_texts(model, each, thresholds)
+        tokens[name] = seqs.tokens
     compared = stack_corpora(tables)
     changes = corpus_changes(compared)
     print(format_corpora_summary(compared, changes, top=args.top))

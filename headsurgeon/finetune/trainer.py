@@ -3,13 +3,12 @@
 Exports:
     finetune(model, heads, train, ...)  train the chosen heads' slices in place; every other
                                         weight stays bit-identical
-    finetune_checked(...)               the same on sequences already checked (each repair pass)
-    check_sequences(model, train, eval) the token checks :func:`finetune` makes, once
     warmup_cosine(warmup, steps)        the learning-rate factor of a step
     TrainingDivergedError               a NaN or infinite loss stopped the run
 
-:func:`finetune` checks its inputs once (:class:`_Job`), then runs the loop (:class:`_Loop`):
-seeded batches, gradient accumulation, clipping, evaluations, checkpoints
+:func:`finetune` checks its inputs once (its sequences by
+:func:`headsurgeon.data.as_sequences`, the rest in :class:`_Job`), then runs the loop
+(:class:`_Loop`): seeded batches, gradient accumulation, clipping, evaluations, checkpoints
 (:mod:`headsurgeon.finetune.checkpoint`) and early stopping. The strategies that keep frozen
 weights frozen are :mod:`headsurgeon.finetune.strategies`.
 
@@ -32,14 +31,12 @@ from typing import Any
 import pandas as pd
 import torch
 import torch.distributed as dist
-from jaxtyping import Int
 from torch import Tensor, nn
 
 from headsurgeon.backend import (
     Model,
-    check_model,
 )
-from headsurgeon.data import check_token_ids
+from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.distributed import rank_and_world
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
@@ -73,6 +70,7 @@ from headsurgeon.finetune.strategies import (
     make_trainer,
 )
 from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.progress import tqdm
 from headsurgeon.surgery import (
     TRAINED_TENSORS,
@@ -82,9 +80,7 @@ from headsurgeon.surgery import (
 
 __all__ = [
     "TrainingDivergedError",
-    "check_sequences",
     "finetune",
-    "finetune_checked",
     "warmup_cosine",
 ]
 
@@ -170,9 +166,9 @@ def _evaluate(
 def finetune(
     model: Model,
     heads: Heads,
-    train: Int[Tensor, "batch pos"],
+    train: Data | Sequences,
     *,
-    eval_data: Int[Tensor, "batch pos"] | None = None,
+    eval_data: Data | Sequences | None = None,
     config: FinetuneConfig | None = None,
     objective: Objective | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
@@ -181,8 +177,10 @@ def finetune(
 ) -> FinetuneResult:
     """Train the chosen heads' slices in place; every other weight stays bit-identical.
 
-    ``train`` and ``eval_data`` are token sequences (e.g. from
-    :func:`headsurgeon.data.to_sequences`; position 0 already follows the model's convention).
+    ``train`` and ``eval_data`` are token sequences: :class:`~headsurgeon.data.Sequences` from
+    :func:`headsurgeon.to_sequences` (position 0 already follows the model's convention; used as
+    they are, not checked again), a ``[n, seq]`` token tensor, or texts (cut into sequences of
+    128 tokens; :func:`headsurgeon.to_sequences` for other lengths).
     Batches come from seeded shuffles of ``train``, so a run is reproducible on CPU. Evaluation
     (every ``config.eval_interval`` steps, at step 0 and at the end) reports training and
     held-out perplexity on up to ``eval_seqs`` sequences and the trained heads' BOS mass.
@@ -199,60 +197,11 @@ def finetune(
     call, bit for bit, and one warning says so; the last checkpoint is untouched, so
     ``resume=True`` continues from it.
     """
-    return _finetune(
-        model,
-        heads,
-        train,
-        eval_data=eval_data,
-        config=config,
-        objective=objective,
-        checkpoint_dir=checkpoint_dir,
-        resume=resume,
-        progress=progress,
-        tokens_checked=False,
-    )
-
-
-def finetune_checked(
-    model: Model, heads: Heads, train: Int[Tensor, "batch pos"], **options: Any
-) -> FinetuneResult:
-    """:func:`finetune` (the same keyword options) on token sequences that
-    :func:`check_sequences` (or :func:`headsurgeon.data.to_sequences`, for a tensor it was given)
-    already checked against this model: the same run without scanning them again. Each pass of a
-    repair calls it, so a run's tokens are checked once, not once per pass."""
-    return _finetune(model, heads, train, tokens_checked=True, **options)
-
-
-def check_sequences(
-    model: Model, train: Any, eval_data: Any = None
-) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"] | None]:
-    """The training and evaluation token tensors as :func:`finetune` checks them
-    (:func:`headsurgeon.data.check_token_ids`, the message saying which data it was)."""
-    train = _check_tokens(model, train, "training")
-    if eval_data is not None:
-        eval_data = _check_tokens(model, eval_data, "evaluation")
-    return train, eval_data
-
-
-def _finetune(
-    model: Model,
-    heads: Heads,
-    train: Any,
-    *,
-    eval_data: Any = None,
-    config: FinetuneConfig | None = None,
-    objective: Objective | None = None,
-    checkpoint_dir: str | os.PathLike | None = None,
-    resume: bool = False,
-    progress: bool = True,
-    tokens_checked: bool,
-) -> FinetuneResult:
-    """:func:`finetune`, its token sequences checked already or not."""
-    check_model(model, "finetune", writes=True)
+    info = model_info(model, "finetune", writes=True)
     check_surgery(model)  # heads sharing keys and values: one line, before the data is read
-    job = _make_job(
-        model, heads, train, eval_data, config, checkpoint_dir, resume, progress, tokens_checked
-    )
+    train = _sequences(info, train, "training")
+    eval_data = None if eval_data is None else _sequences(info, eval_data, "evaluation")
+    job = _make_job(model, heads, train, eval_data, config, checkpoint_dir, resume, progress)
     with restored_on_failure(model, "fine-tuning") as snapshot:
         if job.cfg.strategy == "mask":  # the optimiser moves whole tensors before after_step
             snapshot.add_layers(job.heads.layers, TRAINED_TENSORS)
@@ -272,6 +221,14 @@ def _finetune(
         finally:
             for name, p in model.named_parameters():
                 p.requires_grad_(model_grad[name])
+
+
+def _sequences(info: ModelInfo, data: Data | Sequences, what: str) -> Sequences:
+    """:func:`headsurgeon.data.as_sequences`, its message saying which data it was."""
+    try:
+        return as_sequences(info, data)
+    except DataError as e:
+        raise DataError(f"{what} data: {e}") from None
 
 
 @dataclasses.dataclass
@@ -300,24 +257,22 @@ class _Job:
 def _make_job(
     model: Model,
     heads: Heads,
-    train: Any,
-    eval_data: Any,
+    train_seqs: Sequences,
+    eval_seqs: Sequences | None,
     config: FinetuneConfig | None,
     checkpoint_dir: str | os.PathLike | None,
     resume: bool,
     progress: bool,
-    tokens_checked: bool,
 ) -> _Job:
-    """Check :func:`finetune`'s inputs once (the token sequences unless ``tokens_checked``); the
-    evaluation rows and the run's identity."""
+    """Check :func:`finetune`'s other inputs once; the evaluation rows and the run's identity."""
     cfg = (config or FinetuneConfig()).validate()
     heads = HeadSet.of(heads, model)
     if not heads:
         raise InvalidArgumentError("nothing to fine-tune: the head set is empty")
     check_trainable(model.cfg.dtype)
     rank, world = rank_and_world()
-    if not tokens_checked:
-        train, eval_data = check_sequences(model, train, eval_data)
+    train = train_seqs.tokens
+    eval_data = None if eval_seqs is None else eval_seqs.tokens
     global_batch = cfg.batch_size * world
     if len(train) < global_batch:
         raise DataError(
@@ -349,14 +304,6 @@ def _make_job(
         resume=resume,
         progress=progress,
     )
-
-
-def _check_tokens(model: Model, tokens: Any, what: str) -> Tensor:
-    """:func:`headsurgeon.data.check_token_ids`, its message saying which data it was."""
-    try:
-        return check_token_ids(model, tokens)
-    except DataError as e:
-        raise DataError(f"{what} data: {e}") from None
 
 
 class _Loop:

@@ -6,7 +6,10 @@ Exports:
     random_model(shape, seed)                random-weight BLOOM of a given or named shape
     random_hf_bloom(shape, seed)             the same, as a transformers model
     model_shape(model)               ModelShape without loading weights
-    model_info(model)                        ModelInfo: where a model came from, its conventions
+    model_info(model, caller)                the door of every verb: the model checked, and its
+                                             ModelInfo (shape, ALiBi slopes, length limit, BOS)
+    alibi_slopes(model)                      the ALiBi slopes a model applies (its info's field)
+    use_exact_alibi(model), inexact_slopes(info)   Hugging Face's exact slopes for any head count
     model_metadata(model)                    a model's or folder's headsurgeon.json, weights unread
     organism_names(), DEFAULT_MODEL, ORGANISM_DIR, BLOOM_SHAPES, ModelShape, ModelInfo
     resolve_model(model)              (display name, local checkpoint folder)
@@ -30,7 +33,9 @@ The package, layer by layer (each module imports only those above it):
     metadata   ``headsurgeon.json``'s one schema
     checks     checkpoint validation: config.json against the stored tensors
     sources    names to folders: bundled organisms, the Hugging Face hub, local folders
-    facts      ModelShape, ModelInfo and the functions that find them
+    facts      ModelShape, ModelInfo and the functions that find them (which ALiBi formula a
+               model applies is decided here, once: applied_slopes)
+    slopes     alibi_slopes, use_exact_alibi, inexact_slopes
     loaders    load_model, from_hf_model, random_model
 
 >>> model = random_model(ModelShape(n_layers=1, n_heads=6, d_model=48, d_vocab=64, n_ctx=32))
@@ -43,6 +48,7 @@ from headsurgeon.loading.facts import (
     BLOOM_SHAPES,
     ModelInfo,
     ModelShape,
+    applied_slopes,
     model_info,
     model_metadata,
     model_shape,
@@ -59,6 +65,7 @@ from headsurgeon.loading.files import (
 )
 from headsurgeon.loading.loaders import from_hf_model, load_model, random_hf_bloom, random_model
 from headsurgeon.loading.metadata import check_metadata
+from headsurgeon.loading.slopes import alibi_slopes, inexact_slopes, use_exact_alibi
 from headsurgeon.loading.sources import DEFAULT_MODEL, ORGANISM_DIR, organism_names, resolve_model
 
 __all__ = [
@@ -70,9 +77,12 @@ __all__ = [
     "ModelInfo",
     "ModelShape",
     "StoredTensor",
+    "alibi_slopes",
+    "applied_slopes",
     "check_checkpoint",
     "check_metadata",
     "from_hf_model",
+    "inexact_slopes",
     "load_model",
     "model_info",
     "model_metadata",
@@ -86,5 +96,6 @@ __all__ = [
     "safetensors_header",
     "stored_tensors",
     "tl_config",
+    "use_exact_alibi",
     "weight_files",
 ]

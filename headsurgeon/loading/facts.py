@@ -3,7 +3,9 @@
 Exports:
     model_shape(model)      ModelShape of a model, a BLOOM name (no weights needed), a bundled
                             organism or a checkpoint folder (validated, weights unread)
-    model_info(model)       ModelInfo: name, source folder, BOS convention, training context
+    model_info(model, caller)   the door of every verb: the model checked, its ModelInfo
+                            (name, source, shape, ALiBi slopes, length limit, BOS rule)
+    applied_slopes(model, hf_config)   which ALiBi formula a model applies, decided here
     model_metadata(model)   a model's or folder's headsurgeon.json, weights unread
     BLOOM_SHAPES            the published BLOOM configurations by name
 
@@ -18,7 +20,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from headsurgeon import backend
+from jaxtyping import Float
+from torch import Tensor
+
+from headsurgeon import alibi, backend
 from headsurgeon.backend import Model
 from headsurgeon.errors import (
     CheckpointError,
@@ -35,6 +40,7 @@ __all__ = [
     "BLOOM_SHAPES",
     "ModelInfo",
     "ModelShape",
+    "applied_slopes",
     "model_info",
     "model_metadata",
     "model_shape",
@@ -67,22 +73,44 @@ BLOOM_SHAPES: dict[str, ModelShape] = {
 _BLOOM_OFFICIAL = {f"bigscience/{k}": k for k in BLOOM_SHAPES} | {"bigscience/bloom": "bloom-176b"}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ModelInfo:
-    """Where a loaded model came from and the conventions the tools apply to it.
+    """The one record of what the tools need to know about a model, made at a verb's door.
 
-    ``prepend_bos`` is the model's own position-0 convention (BLOOM: no BOS token, so position 0
-    is the first text token). ``train_ctx`` is the sequence length the model was trained on, when
-    known (bundled organisms record it).
+    ``info = model_info(model, "run_census")`` checks the model once and returns this record;
+    everything below the door reads its fields instead of asking the model again.
+
+    Where the model came from (fixed when it was loaded): ``name``, ``source`` (its folder),
+    ``train_ctx`` (the sequence length it was trained on, when known: bundled organisms record
+    it), ``hf_config`` (its Hugging Face config; ``{}`` for a TransformerLens 3.x model built from
+    a TransformerLens config), ``metadata`` (its ``headsurgeon.json``), ``tokenizer`` (the
+    checkpoint's own, else TransformerLens's, else ``None``).
+
+    Read from the model at each :func:`model_info` call, because they change with its settings:
+    ``shape`` (:class:`ModelShape`), ``slopes`` (the ALiBi slopes it applies per token of
+    distance, float32, after headsurgeon's exact-slope hook if installed; ``None`` without
+    ALiBi), ``max_length`` (the longest sequence it takes: ``None`` for ALiBi, whose ``n_ctx``
+    is nominal, else ``cfg.n_ctx``), ``prepend_bos`` (its position-0 convention,
+    ``cfg.default_prepend_bos``; BLOOM: no BOS token) and ``bos_token_id`` (``None`` without a
+    tokenizer or a BOS token).
     """
 
     name: str
     source: Path | None
-    prepend_bos: bool
     train_ctx: int | None
     hf_config: dict[str, Any]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-    tokenizer: Any = None  # the checkpoint's own tokenizer (TransformerLens may wrap it)
+    tokenizer: Any = None
+    shape: ModelShape | None = None
+    slopes: Tensor | None = None
+    max_length: int | None = None
+    prepend_bos: bool = False
+    bos_token_id: int | None = None
+
+    @property
+    def is_alibi(self) -> bool:
+        """Whether the model adds an ALiBi bias (its ``slopes`` are then known)."""
+        return self.slopes is not None
 
 
 def model_shape(model: str | os.PathLike | Model) -> ModelShape:
@@ -92,20 +120,7 @@ def model_shape(model: str | os.PathLike | Model) -> ModelShape:
     112
     """
     if isinstance(model, Model):
-        cfg = model.cfg
-        # TransformerLens sets n_ctx = 2048 for every BLOOM; the checkpoint's own value wins.
-        hf_config = model_info(model).hf_config
-        n_ctx = hf_config.get("seq_length", cfg.n_ctx)
-        family = hf_config.get("model_type")
-        return ModelShape(
-            cfg.n_layers,
-            cfg.n_heads,
-            cfg.d_model,
-            cfg.d_vocab,
-            n_ctx,
-            cfg.positional_embedding_type,
-            family if family in ("mpt", "falcon") else "bloom",
-        )
+        return model_info(model, "model_shape").shape
     name = str(model)
     key = name.lower()
     if key in BLOOM_SHAPES:
@@ -123,32 +138,83 @@ def model_metadata(model: str | os.PathLike | Model) -> dict[str, Any]:
     """The ``headsurgeon.json`` of a model, a bundled organism or a local folder (no weights
     read), checked by :func:`check_metadata`; ``{}`` for a hub name or a folder without one."""
     if isinstance(model, Model):
-        return model_info(model).metadata
+        return model_info(model, "model_metadata").metadata
     name = str(model)
     folder = ORGANISM_DIR / name if name in organism_names() else Path(name)
     return _folder_metadata(folder) if folder.is_dir() else {}
 
 
-def model_info(model: Model) -> ModelInfo:
-    """The :class:`ModelInfo` of a model: where it came from and its conventions.
+def model_info(model: Model, caller: str = "model_info", *, writes: bool = False) -> ModelInfo:
+    """The :class:`ModelInfo` of ``model``, after checking that it is a usable model: the door
+    of every verb (``caller`` names the verb in the one-line error; ``writes``: the verb changes
+    weights, see :func:`headsurgeon.backend.check_model`).
 
-    Models loaded here carry theirs; for any other model one is made from its config
-    and tokenizer at each call, and nothing is stored on the model. ``prepend_bos`` is always read
-    from ``model.cfg.default_prepend_bos``, so changing that setting takes effect at once.
+    Models loaded here carry the fields fixed at loading; for any other model they are made
+    from its config and tokenizer, and nothing is stored on the model. The fields that follow
+    the model's settings are read again at each call, so ``model.cfg.default_prepend_bos =
+    True`` or :func:`~headsurgeon.loading.use_exact_alibi` take effect at once.
+
+    >>> from headsurgeon.loading import random_model
+    >>> info = model_info(random_model(ModelShape(1, 6, 24, 9, n_ctx=8)))
+    >>> [round(x, 4) for x in info.slopes.tolist()], info.max_length, info.prepend_bos
+    ([0.25, 0.0625, 0.0156, 0.0039, 0.5, 0.125], None, False)
     """
-    backend.check_model(model, "model_info")
-    info = getattr(model, "headsurgeon_info", None)
-    prepend_bos = bool(model.cfg.default_prepend_bos)
-    if info is None:
-        return ModelInfo(
+    backend.check_model(model, caller, writes=writes)
+    loaded = getattr(model, "headsurgeon_info", None)
+    if loaded is None:
+        loaded = ModelInfo(
             name=model.cfg.model_name,
             source=None,
-            prepend_bos=prepend_bos,
             train_ctx=None,
             hf_config=backend.hf_config(model),
             tokenizer=model.tokenizer,
         )
-    return dataclasses.replace(info, prepend_bos=prepend_bos)
+    tokenizer = loaded.tokenizer or model.tokenizer
+    cfg = model.cfg
+    is_alibi = cfg.positional_embedding_type == "alibi"
+    return dataclasses.replace(
+        loaded,
+        tokenizer=tokenizer,
+        shape=_shape(model, loaded.hf_config),
+        slopes=applied_slopes(model, loaded.hf_config) if is_alibi else None,
+        max_length=None if is_alibi else cfg.n_ctx,
+        prepend_bos=bool(cfg.default_prepend_bos),
+        bos_token_id=None if tokenizer is None else tokenizer.bos_token_id,
+    )
+
+
+def applied_slopes(model: Model, hf_config: dict[str, Any]) -> Float[Tensor, " head_index"]:
+    """The ALiBi slopes an ALiBi ``model`` applies (float32): the one place that decides which
+    formula of :mod:`headsurgeon.alibi` holds.
+
+    With headsurgeon's exact-slope hook (every model from :func:`load_model`, and after
+    :func:`use_exact_alibi`), or where the backend's attention applies the slopes of the
+    model's Hugging Face config by itself (TransformerLens 4.x), they are the slopes
+    transformers applies for the checkpoint (:func:`headsurgeon.alibi.config_slopes`; BLOOM's
+    :func:`headsurgeon.alibi.slopes` for a 3.x model built without one); otherwise those
+    TransformerLens 3.x builds (``2^(-8(h+1)/H)`` for every head count, exact only for powers of
+    two: :func:`headsurgeon.backend.own_alibi_slopes`).
+    """
+    hooked = getattr(model.blocks[0].attn, "headsurgeon_alibi_hook", None) is not None
+    own = None if hooked else backend.own_alibi_slopes(model.cfg.n_heads)
+    if own is not None:
+        return own
+    return alibi.config_slopes(hf_config) if hf_config else alibi.slopes(model.cfg.n_heads)
+
+
+def _shape(model: Model, hf_config: dict[str, Any]) -> ModelShape:
+    cfg = model.cfg
+    # TransformerLens sets n_ctx = 2048 for every BLOOM; the checkpoint's own value wins.
+    family = hf_config.get("model_type")
+    return ModelShape(
+        cfg.n_layers,
+        cfg.n_heads,
+        cfg.d_model,
+        cfg.d_vocab,
+        hf_config.get("seq_length", cfg.n_ctx),
+        cfg.positional_embedding_type,
+        family if family in ("mpt", "falcon") else "bloom",
+    )
 
 
 def _local_shape(directory: Path) -> ModelShape:

@@ -8,12 +8,12 @@ One run: resolve the settings once (:func:`headsurgeon.repair.config.resolve_con
 token sequences once (checked once, however many passes train on them), measure the first
 census and perplexities, then pass by pass re-initialise the targets
 (:func:`headsurgeon.surgery.reinit_heads`), train only their slices
-(:func:`headsurgeon.finetune.trainer.finetune_checked`), round them through the save dtype and
-measure again. Then the control arm: the kept passes' targets trained again from the weights
-they had, without re-initialisation (:meth:`_Run.control`). Every decision (targets, damage, the
-pass kept) is
-:mod:`headsurgeon.repair.policy`'s, taken on rank 0 (:func:`headsurgeon.distributed.from_rank0`);
-the work folder is :mod:`headsurgeon.repair.resume`'s.
+(:func:`headsurgeon.finetune.finetune`, on sequences checked once), round them through the save
+dtype and measure again. Then the control arm: the kept passes' targets trained again from the
+weights they had, without re-initialisation (:meth:`_Run.control`). Every decision (targets,
+damage, the pass kept) is :mod:`headsurgeon.repair.policy`'s, taken on rank 0
+(:func:`headsurgeon.distributed.from_rank0`); the work folder is
+:mod:`headsurgeon.repair.resume`'s.
 """
 
 from __future__ import annotations
@@ -28,26 +28,24 @@ import pandas as pd
 import torch
 
 import headsurgeon.repair.policy as policy
-from headsurgeon.backend import Model, check_model
+from headsurgeon.backend import Model
 from headsurgeon.census import run_census
 from headsurgeon.classify import classify_heads
 from headsurgeon.data import (
     CORPORA,
-    HELD_OUT,
     Data,
+    Sequences,
+    as_sequences,
     bundled_text,
-    describe,
     resolve_bos,
-    to_sequences,
 )
 from headsurgeon.distributed import from_rank0, rank_and_world
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.evals import perplexity
-from headsurgeon.finetune import FinetuneConfig, FinetuneResult
-from headsurgeon.finetune.trainer import check_sequences, finetune_checked
+from headsurgeon.finetune import FinetuneConfig, FinetuneResult, finetune
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.importance import ablate_heads
-from headsurgeon.loading import ModelInfo, model_info, model_shape
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import PatternSample, sample_patterns
 from headsurgeon.repair.config import RepairConfig, resolve_config
 from headsurgeon.repair.results import PassResult, RepairResult
@@ -76,17 +74,19 @@ def _default_train_data() -> list[str]:
     return [bundled_text(name, "train") for name in CORPORA]
 
 
-def _split_off_eval_rows(
-    tokens: torch.Tensor, n_eval_seqs: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_off_eval_rows(train: Sequences, n_eval_seqs: int) -> tuple[Sequences, Sequences]:
     """(training rows, held-out rows): the last ``min(n_eval_seqs, n // 8)`` rows held out."""
-    n_eval = min(n_eval_seqs, len(tokens) // 8)
+    n_eval = min(n_eval_seqs, train.n_seqs // 8)
     if n_eval < 1:
         raise DataError(
             f"a model without a tokenizer needs held-out tokens: pass eval_corpus= and "
-            f"census_data= as token tensors, or at least 8 training rows (got {len(tokens)})"
+            f"census_data= as token tensors, or at least 8 training rows (got {train.n_seqs})"
         )
-    return tokens[:-n_eval], tokens[-n_eval:]
+    held_out = f"the last {n_eval} rows of the training tensor (held out of training)"
+    return (
+        dataclasses.replace(train, tokens=train.tokens[:-n_eval]),
+        dataclasses.replace(train, tokens=train.tokens[-n_eval:], source=held_out),
+    )
 
 
 def _round_heads(model: Model, heads: HeadSet, dtype: torch.dtype) -> None:
@@ -97,73 +97,59 @@ def _round_heads(model: Model, heads: HeadSet, dtype: torch.dtype) -> None:
 
 @dataclasses.dataclass
 class _Data:
-    """The token sets of a run and how the settings describe them."""
+    """The sequences of a run: training, evaluation and census."""
 
-    train: torch.Tensor
+    train: Sequences
     train_eval: torch.Tensor  # up to n_eval_seqs training rows, spread evenly
-    eval: torch.Tensor
-    census: torch.Tensor
-    train_desc: str
-    eval_desc: str
-    census_desc: str
+    eval: Sequences
+    census: Sequences
+
+
+TRAINING_CORPORA = "bundled training corpora (shakespeare, python-docs)"
 
 
 def _prepare_data(
-    model: Model,
     info: ModelInfo,
     config: RepairConfig,
-    corpus: Data,
-    eval_corpus: Data,
-    census_data: Data,
+    corpus: Data | Sequences,
+    eval_corpus: Data | Sequences,
+    census_data: Data | Sequences,
 ) -> _Data:
-    """Cut the training, evaluation and census sequences (see :func:`repair`), the training and
-    evaluation ones checked once for every pass to train on."""
+    """Cut the training, evaluation and census sequences (see :func:`repair`), each checked
+    once for every pass to train and measure on."""
     seq_len = config.train_seq_len
     prepend_bos, n_eval_seqs = config.prepend_bos, config.n_eval_seqs
-    train_tokens = to_sequences(
-        model,
-        _default_train_data() if corpus is None else corpus,
-        seq_len=seq_len,
-        prepend_bos=prepend_bos,
+    if corpus is None:
+        train = as_sequences(info, _default_train_data(), seq_len=seq_len, prepend_bos=prepend_bos)
+        train = dataclasses.replace(train, source=TRAINING_CORPORA)
+    else:
+        train = as_sequences(info, corpus, seq_len=seq_len, prepend_bos=prepend_bos)
+    if (eval_corpus is None or census_data is None) and info.tokenizer is None:
+        train, rows = _split_off_eval_rows(train, n_eval_seqs)
+        logger.info("no tokenizer: evaluating and measuring on %s", rows.source)
+        eval_corpus = rows if eval_corpus is None else eval_corpus
+        census_data = rows if census_data is None else census_data
+    eval_seqs = as_sequences(
+        info, eval_corpus, seq_len=seq_len, n_seqs=n_eval_seqs, prepend_bos=prepend_bos
     )
-    eval_desc, census_desc = describe(eval_corpus, HELD_OUT), describe(census_data, HELD_OUT)
-    needs_text = eval_corpus is None or census_data is None
-    can_read_text = (info.tokenizer or model.tokenizer) is not None
-    if needs_text and not can_read_text and isinstance(corpus, torch.Tensor):
-        train_tokens, rows = _split_off_eval_rows(train_tokens, n_eval_seqs)
-        held_out = f"the last {len(rows)} rows of the training tensor (held out of training)"
-        logger.info("no tokenizer: evaluating and measuring on %s", held_out)
-        if eval_corpus is None:
-            eval_corpus, eval_desc = rows, held_out
-        if census_data is None:
-            census_data, census_desc = rows, held_out
-    eval_tokens = to_sequences(
-        model, eval_corpus, seq_len=seq_len, n_seqs=n_eval_seqs, prepend_bos=prepend_bos
-    )
-    if not (isinstance(corpus, torch.Tensor) and isinstance(eval_corpus, torch.Tensor)):
-        # to_sequences checked the tensors it was given; ids cut from texts are checked here
-        train_tokens, eval_tokens = check_sequences(model, train_tokens, eval_tokens)
-    census_tokens = to_sequences(
-        model,
+    census = as_sequences(
+        info,
         census_data,
         seq_len=config.census_seq_len,
         n_seqs=config.census_n_seqs,
         prepend_bos=prepend_bos,
     )
-    spread = torch.linspace(0, len(train_tokens) - 1, min(n_eval_seqs, len(train_tokens)))
+    spread = torch.linspace(0, train.n_seqs - 1, min(n_eval_seqs, train.n_seqs))
     return _Data(
-        train=train_tokens,
-        train_eval=train_tokens[spread.round().long()],
-        eval=eval_tokens,
-        census=census_tokens,
-        train_desc=describe(corpus, "bundled training corpora (shakespeare, python-docs)"),
-        eval_desc=eval_desc,
-        census_desc=census_desc,
+        train=train,
+        train_eval=train.tokens[spread.round().long()],
+        eval=eval_seqs,
+        census=census,
     )
 
 
 def _settings(
-    model: Model, config: RepairConfig, heads: HeadSet | None, include: HeadSet, data: _Data
+    info: ModelInfo, config: RepairConfig, heads: HeadSet | None, include: HeadSet, data: _Data
 ) -> dict[str, Any]:
     """The run's settings, as ``report.json`` and the resume identity hold them."""
     return {
@@ -178,14 +164,14 @@ def _settings(
         "max_collateral": config.max_collateral,
         "control": config.control,
         "finetune": dataclasses.asdict(config.finetune),
-        "train_data": data.train_desc,
-        "train_sequences": list(data.train.shape),
-        "eval_data": data.eval_desc,
-        "eval_sequences": list(data.eval.shape),
-        "census_data": data.census_desc,
-        "census_sequences": list(data.census.shape),
+        "train_data": data.train.source,
+        "train_sequences": list(data.train.tokens.shape),
+        "eval_data": data.eval.source,
+        "eval_sequences": list(data.eval.tokens.shape),
+        "census_data": data.census.source,
+        "census_sequences": list(data.census.tokens.shape),
         "min_query_pos": config.min_query_pos,
-        "prepend_bos": resolve_bos(model, config.prepend_bos),
+        "prepend_bos": resolve_bos(info, config.prepend_bos),
         "save_dtype": str(config.save_dtype).removeprefix("torch."),
     }
 
@@ -216,7 +202,7 @@ class _Run:
         self.patterns: dict[str, PatternSample] = {}
 
     def sample(self, stage: str) -> None:
-        self.patterns[stage] = sample_patterns(self.model, self.data.census, n_seqs=1)
+        self.patterns[stage] = sample_patterns(self.model, self.data.census.tokens, n_seqs=1)
 
     def census(self) -> pd.DataFrame:
         measured = run_census(
@@ -226,7 +212,6 @@ class _Run:
             min_query_pos=self.config.min_query_pos,
             progress=self.progress,
         )
-        measured.attrs["data"] = self.settings["census_data"]
         return classify_heads(measured, self.config.thresholds)
 
     def perplexities(self) -> dict[str, float]:
@@ -241,7 +226,7 @@ class _Run:
                 progress=False,
             )
 
-        return {"train": ppl(self.data.train_eval), "heldout": ppl(self.data.eval)}
+        return {"train": ppl(self.data.train_eval), "heldout": ppl(self.data.eval.tokens)}
 
     def pruned_perplexities(self, heads: HeadSet) -> dict[str, dict[str, float]]:
         """The perplexities with ``heads`` pruned instead of repaired: mean- and zero-ablated
@@ -390,7 +375,7 @@ class _Run:
         if reinit:
             seed = self.config.seed + index - 1
             reinit_heads(self.model, targets, init=self.config.init, seed=seed)
-        training = finetune_checked(  # _prepare_data checked the sequences
+        training = finetune(  # Sequences: checked once, by _prepare_data
             self.model,
             targets,
             self.data.train,
@@ -406,13 +391,13 @@ class _Run:
 
 def repair(
     model: Model,
-    corpus: Data = None,
+    corpus: Data | Sequences = None,
     *,
     config: RepairConfig | None = None,
     heads: Heads | None = None,
     include: Heads | None = None,
-    eval_corpus: Data = None,
-    census_data: Data = None,
+    eval_corpus: Data | Sequences = None,
+    census_data: Data | Sequences = None,
     work_dir: str | os.PathLike | None = None,
     resume: bool = False,
     progress: bool = True,
@@ -469,19 +454,18 @@ def repair(
     :class:`~headsurgeon.errors.CheckpointError` line), and :func:`finished_run` tells whether
     the run there finished.
     """
-    check_model(model, "repair", writes=True)
+    info = model_info(model, "repair", writes=True)
     check_surgery(model)  # before any census or training
-    info = model_info(model)  # once: the settings and the data both read it
     config = resolve_config(model, info, config, settings)
     heads = None if heads is None else HeadSet.of(heads, model)
     include = None if include is None else HeadSet.of(include, model)
     if heads is not None and not heads:
         raise InvalidArgumentError("nothing to repair: the head set is empty")
     include = include or HeadSet()
-    data = _prepare_data(model, info, config, corpus, eval_corpus, census_data)
-    run_settings = _settings(model, config, heads, include, data)
+    data = _prepare_data(info, config, corpus, eval_corpus, census_data)
+    run_settings = _settings(info, config, heads, include, data)
     rank, _ = rank_and_world()
-    work = WorkDir(Path(work_dir), rank, model_shape(model)) if work_dir is not None else None
+    work = WorkDir(Path(work_dir), rank, info.shape) if work_dir is not None else None
     with restored_on_failure(model, "repair") as snapshot:
         run = _Run(model, config, data, run_settings, work, resume, progress, snapshot)
         result = _run(run, heads, include)
