@@ -27,7 +27,7 @@ from headsurgeon.repair import repair
 from headsurgeon.reports import (
     PAGE,
     PAGE_POSITIONS,
-    _write_page,
+    write_page,
     open_page,
     write_blindness,
     write_classification,
@@ -91,7 +91,7 @@ def test_a_bloom_560m_sized_page_stays_under_10_mb(tmp_path):
     sample = sample_patterns(model, tokens, n_seqs=1)
     (tmp_path / "repair").mkdir()
     stages = {"before": census, "pass 1": census, "pass 2": census}
-    _write_page(
+    write_page(
         tmp_path / "repair",
         title="repair",
         summary="",

@@ -144,10 +144,12 @@ def model_metadata(model: str | os.PathLike | Model) -> dict[str, Any]:
     return _folder_metadata(folder) if folder.is_dir() else {}
 
 
-def model_info(model: Model, caller: str = "model_info", *, writes: bool = False) -> ModelInfo:
+def model_info(
+    model: Model, caller: str = "model_info", *, writes: bool = False, argument: str = "model"
+) -> ModelInfo:
     """The :class:`ModelInfo` of ``model``, after checking that it is a usable model: the door
-    of every verb (``caller`` names the verb in the one-line error; ``writes``: the verb changes
-    weights, see :func:`headsurgeon.backend.check_model`).
+    of every verb (``caller`` names the verb and ``argument`` the parameter in the one-line
+    error; ``writes``: the verb changes weights, see :func:`headsurgeon.backend.check_model`).
 
     Models loaded here carry the fields fixed at loading; for any other model they are made
     from its config and tokenizer, and nothing is stored on the model. The fields that follow
@@ -159,7 +161,7 @@ def model_info(model: Model, caller: str = "model_info", *, writes: bool = False
     >>> [round(x, 4) for x in info.slopes.tolist()], info.max_length, info.prepend_bos
     ([0.25, 0.0625, 0.0156, 0.0039, 0.5, 0.125], None, False)
     """
-    backend.check_model(model, caller, writes=writes)
+    backend.check_model(model, caller, writes=writes, argument=argument)
     loaded = getattr(model, "headsurgeon_info", None)
     if loaded is None:
         loaded = ModelInfo(

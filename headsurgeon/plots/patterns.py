@@ -31,12 +31,11 @@ from plotly.subplots import make_subplots
 from torch import Tensor
 
 from headsurgeon.alibi import blind_distance
-from headsurgeon.backend import Model, check_model
-from headsurgeon.data import bos_token_id, encode, resolve_bos, token_strings
+from headsurgeon.backend import Model
+from headsurgeon.data import encode, resolve_bos, token_strings
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.heads import Heads, HeadSet
-from headsurgeon.loading import model_info
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.plots.layout import OKABE_ITO, _check, _compact, _wrap, style
 from headsurgeon.plots.notebook import _notebook_figure
 from headsurgeon.probes import AttentionWeights, attention_weights
@@ -47,10 +46,10 @@ __all__ = ["MAX_CELLS", "attention_pattern", "pattern_diff"]
 MAX_CELLS = 256
 
 
-def _one_sequence(model: Model, text_or_tokens: str | Tensor | Sequence[int]) -> Tensor:
+def _one_sequence(info: ModelInfo, text_or_tokens: str | Tensor | Sequence[int]) -> Tensor:
     """``[1, pos]`` tokens: a text by the model's BOS convention, token ids as given."""
     if isinstance(text_or_tokens, str):
-        return encode(model, text_or_tokens)
+        return encode(info, text_or_tokens)
     if isinstance(text_or_tokens, Tensor):
         return text_or_tokens if text_or_tokens.dim() != 1 else text_or_tokens[None]
     if isinstance(text_or_tokens, Sequence) and all(isinstance(t, int) for t in text_or_tokens):
@@ -60,38 +59,42 @@ def _one_sequence(model: Model, text_or_tokens: str | Tensor | Sequence[int]) ->
     )
 
 
-def _shown_tokens(model: Model, tokens: Tensor) -> list[str]:
+def _shown_tokens(info: ModelInfo, tokens: Tensor) -> list[str]:
     """``"<position> <token>"`` per position (unique, so they can name a category axis), escaped
     as plotly shows text (it reads tags: ``<s>`` would strike the rest through)."""
-    return [f"{i} {escape(t, quote=False)}" for i, t in enumerate(token_strings(model, tokens[0]))]
+    return [f"{i} {escape(t, quote=False)}" for i, t in enumerate(token_strings(info, tokens[0]))]
 
 
-def _head_facts(model: Model, census: pd.DataFrame | None) -> Callable[[int, int], str]:
+def _head_facts(
+    info: ModelInfo, dtype: torch.dtype, census: pd.DataFrame | None
+) -> Callable[[int, int], str]:
     """``(layer, head) -> "L1H7 · BOS-sink · slope 0.0039 · 0 beyond 2,231"``: the head's label
     (from ``census``), ALiBi slope and blind distance (exact zeros in the model's dtype)."""
     labels = {}
     if census is not None:
         _check(census, ["layer", "head", "label"], "census")
         labels = {(int(r.layer), int(r.head)): r.label for r in census.itertuples()}
-    slopes = alibi_slopes(model).tolist() if model.cfg.positional_embedding_type == "alibi" else []
+    slopes = info.slopes.tolist() if info.is_alibi else []
 
     def facts(layer: int, head: int) -> str:
         parts = [f"L{layer}H{head}"] + ([labels[layer, head]] if (layer, head) in labels else [])
         if slopes:
-            blind = blind_distance(slopes[head], model.cfg.dtype, "zero")
+            blind = blind_distance(slopes[head], dtype, "zero")
             parts += [f"slope {slopes[head]:.3g}", f"0 beyond {_compact(blind)}"]
         return " · ".join(parts)
 
     return facts
 
 
-def _blind_distances(model: Model, heads: Sequence[tuple[int, int]]) -> list[float]:
-    """Each head's distance from which its weights are exactly 0 in the model's dtype (inf: never
-    or no ALiBi)."""
-    if model.cfg.positional_embedding_type != "alibi":
+def _blind_distances(
+    info: ModelInfo, dtype: torch.dtype, heads: Sequence[tuple[int, int]]
+) -> list[float]:
+    """Each head's distance from which its weights are exactly 0 in ``dtype`` (the model's; inf:
+    never or no ALiBi)."""
+    if not info.is_alibi:
         return [float("inf")] * len(heads)
-    slopes = alibi_slopes(model).tolist()
-    return [float(blind_distance(slopes[h], model.cfg.dtype, "zero")) for _, h in heads]
+    slopes = info.slopes.tolist()
+    return [float(blind_distance(slopes[h], dtype, "zero")) for _, h in heads]
 
 
 def _pattern_trace(
@@ -185,13 +188,12 @@ def _pattern_marks(fig: go.Figure, w: AttentionWeights, blind: float, row: int, 
         )
 
 
-def _pattern_title(model: Model, tokens: Tensor, w: AttentionWeights, what: str) -> tuple:
-    info = model_info(model)
+def _pattern_title(info: ModelInfo, tokens: Tensor, w: AttentionWeights, what: str) -> tuple:
     # Escaped: plotly reads titles as HTML, and a token such as BLOOM's "<s>" struck the rest out.
-    text = escape("".join(token_strings(model, tokens[0, :24])).replace("·", " "), quote=False)
+    text = escape("".join(token_strings(info, tokens[0, :24])).replace("·", " "), quote=False)
     position0 = (
         "BOS token"
-        if resolve_bos(model) and w.n_pos and tokens[0, 0] == bos_token_id(model)
+        if resolve_bos(info) and w.n_pos and tokens[0, 0] == info.bos_token_id
         else "first token"
     )
     parts = [
@@ -237,11 +239,12 @@ def attention_pattern(
     max-pooled for display, each cell the largest weight of its square, with that weight's exact
     value and (query, key) positions on hover. Nothing is kept on the model.
     """
-    check_model(model, "attention_pattern")
-    tokens = _one_sequence(model, text_or_tokens)
+    info = model_info(model, "attention_pattern")
+    tokens = _one_sequence(info, text_or_tokens)
     w = attention_weights(model, tokens, heads, max_cells=max_cells, block_size=block_size)
-    names = _shown_tokens(model, tokens)
-    facts, blind = _head_facts(model, census), _blind_distances(model, w.heads)
+    names = _shown_tokens(info, tokens)
+    dtype = model.cfg.dtype
+    facts, blind = _head_facts(info, dtype, census), _blind_distances(info, dtype, w.heads)
     cols = min(len(w.heads), 3)
     n_rows = -(-len(w.heads) // cols)
     fig = make_subplots(
@@ -265,7 +268,7 @@ def attention_pattern(
         }
     )
     fig.update_annotations(font={"size": 13})
-    default, subtitle = _pattern_title(model, tokens, w, "Attention")
+    default, subtitle = _pattern_title(info, tokens, w, "Attention")
     side = 380
     style(
         fig,
@@ -297,14 +300,14 @@ def pattern_diff(
     each cell's largest weight); the change is drawn blue (fell) to red (rose), and hovering
     shows both exact weights.
     """
-    check_model(model_before, "pattern_diff", argument="model_before")
-    check_model(model_after, "pattern_diff", argument="model_after")
-    tokens = _one_sequence(model_before, text_or_tokens)
+    info = model_info(model_before, "pattern_diff", argument="model_before")
+    info_after = model_info(model_after, "pattern_diff", argument="model_after")
+    tokens = _one_sequence(info, text_or_tokens)
     read = {"max_cells": max_cells, "block_size": block_size}
     before = attention_weights(model_before, tokens, heads, **read)
     after = attention_weights(model_after, tokens, heads, **read)
-    names = _shown_tokens(model_before, tokens)
-    blind = _blind_distances(model_after, after.heads)
+    names = _shown_tokens(info, tokens)
+    blind = _blind_distances(info_after, model_after.cfg.dtype, after.heads)
     titles = [
         f"{name} {label}"
         for name in HeadSet(before.heads).names()
@@ -342,7 +345,7 @@ def pattern_diff(
         },
     )
     fig.update_annotations(font={"size": 13})
-    default, subtitle = _pattern_title(model_before, tokens, after, "Attention before and after")
+    default, subtitle = _pattern_title(info, tokens, after, "Attention before and after")
     side = 330
     style(
         fig,

@@ -68,7 +68,7 @@ from headsurgeon.reports.page import (
     PAGE_SEQS as PAGE_SEQS,
     PAGE_SKIP as PAGE_SKIP,
     PAGE_TEMPLATE as PAGE_TEMPLATE,
-    _write_page as _write_page,  # tests/test_report_page.py writes a page of its own
+    write_page as write_page,
 )
 from headsurgeon.reports.page_view import PageView, open_page
 from headsurgeon.reports.records import VERSIONED as VERSIONED

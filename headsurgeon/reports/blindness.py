@@ -35,7 +35,7 @@ from headsurgeon.plots.distance import reach_figure
 from headsurgeon.plots.evaluation import precision_figure
 from headsurgeon.plots.sink_cache import sink_cache_figure
 from headsurgeon.probes import sample_patterns
-from headsurgeon.reports.page import PAGE_CELLS, _samples_note, _write_page
+from headsurgeon.reports.page import PAGE_CELLS, samples_note, write_page
 
 if TYPE_CHECKING:
     from headsurgeon.blindness import BlindnessMeasurement
@@ -459,7 +459,7 @@ def _write_blindness_page(
     if model is not None and tokens is not None:
         samples = [sample_patterns(model, tokens, n_seqs=1, n_pos=None, max_cells=PAGE_CELLS)]
     source = (analytic if analytic is not None else measured.by_head).attrs
-    _write_page(
+    write_page(
         folder,
         title=f"Blindness of {source.get('model', 'the model')}",
         summary=summary,
@@ -470,5 +470,5 @@ def _write_blindness_page(
         model=model,
         figures=figures,
         curves=_zero_curves(measured, table) if measured is not None else None,
-        note=_samples_note(samples, "the measured text"),
+        note=samples_note(samples, "the measured text"),
     )

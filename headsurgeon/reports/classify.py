@@ -50,7 +50,7 @@ from headsurgeon.importance import (
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.received import SecondarySinks
 from headsurgeon.reports.folders import model_folder_name
-from headsurgeon.reports.page import _census_samples, _samples_note, _write_page
+from headsurgeon.reports.page import census_samples, samples_note, write_page
 from headsurgeon.reports.records import _json_safe, _versions
 
 __all__ = [
@@ -325,7 +325,7 @@ def write_classification(
     summary = format_summary(classified, sinks=sinks)
     figures = {name: make(classified) for name, make in makers.items()}
     figures["threshold_sweep"] = plots.sweep_plot(sweep)
-    samples = _census_samples(model, tokens)
+    samples = census_samples(model, tokens)
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_classification") as tmp:
         atomic_write_text(tmp / "heads.csv", classified.to_csv(index=False))
         atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")
@@ -335,7 +335,7 @@ def write_classification(
             atomic_write_text(tmp / "secondary_sinks.csv", sinks.sinks.to_csv(index=False))
             atomic_write_text(tmp / "received.csv", sinks.received.to_csv(index=False))
         skipped = plots.save_figures(figures, tmp, formats)
-        _write_page(
+        write_page(
             tmp,
             title=f"Heads of {info.get('model', 'the model')}",
             summary=summary,
@@ -345,7 +345,7 @@ def write_classification(
             samples=samples,
             model=model,
             figures={name: fig for name, fig in figures.items() if name not in FIGURES},
-            note=_samples_note(samples, info.get("data"), received=sinks is not None),
+            note=samples_note(samples, info.get("data"), received=sinks is not None),
             received=[None if sinks is None else sinks.examples],
         )
     plots.warn_skipped(skipped, out_dir)

@@ -28,7 +28,7 @@ from headsurgeon.importance import DORMANT_SE
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.reports.classify import format_summary, write_classification
 from headsurgeon.reports.folders import model_folder_name
-from headsurgeon.reports.page import PAGE, _write_page
+from headsurgeon.reports.page import PAGE, write_page
 from headsurgeon.reports.records import _json_safe, _versions
 
 __all__ = [
@@ -227,7 +227,7 @@ def write_corpora(
         atomic_write_text(tmp / "summary.txt", summary + "\n")
         skipped = plots.save_figures(figures, tmp, formats)
         grid = next(iter(figures))
-        _write_page(
+        write_page(
             tmp,
             title=f"Heads of {info.get('model', 'the model')} on {len(tables)} corpora",
             summary=summary,

@@ -6,6 +6,9 @@ Exports:
     PAGE_CELLS                    a long sequence max-pooled to this many cells a side
     PAGE_SKIP                     the table columns not shown among a head's metrics
     PAGE_TEMPLATE                 the page's markup, style and script
+    write_page(folder, ...)       the page of a run (every tool's writer calls it)
+    census_samples(model, tokens) every head's attention on the page's share of the tokens
+    samples_note(samples, data)   the page's line saying what its attention patterns show
 
 The page holds the run's summary, a grid of heads (click one), each head's metrics in each stage,
 its attention on the run's own sequences (float16 lower triangles, base64), under each pattern a
@@ -28,12 +31,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+import torch
 from torch import Tensor
 
 from headsurgeon import alibi
 from headsurgeon.backend import Model
 from headsurgeon.data import describe, to_sequences, token_strings
-from headsurgeon.exact_alibi import alibi_slopes
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.outputs import atomic_write_text
 from headsurgeon.probes import PatternSample, sample_patterns
 from headsurgeon.reports.records import _json_safe
@@ -45,6 +49,9 @@ __all__ = [
     "PAGE_SEQS",
     "PAGE_SKIP",
     "PAGE_TEMPLATE",
+    "census_samples",
+    "samples_note",
+    "write_page",
 ]
 
 
@@ -68,7 +75,7 @@ def _packed(weights: np.ndarray) -> str:
 
 
 def _page_patterns(
-    model: Model | None, samples: Sequence[PatternSample]
+    info: ModelInfo | None, samples: Sequence[PatternSample]
 ) -> tuple[list[dict[str, Any]], list[list[list[str]]]]:
     """The page's sequences (tokens as text, cell size) and, per stage and sequence, every head's
     packed weights (layer-major)."""
@@ -78,7 +85,7 @@ def _page_patterns(
     sequences = [
         {
             "label": f"sequence {i + 1}: positions 0-{w.n_pos - 1}",
-            "tokens": token_strings(model, tokens) if model is not None else [],
+            "tokens": token_strings(info, tokens) if info is not None else [],
             "step": w.step,
             "n_pos": w.n_pos,
         }
@@ -126,13 +133,14 @@ def _metrics(df: pd.DataFrame) -> list[dict[str, Any]]:
     ]
 
 
-def _blind(model: Model | None, n_layers: int, n_heads: int) -> list[float | None]:
-    """Each head's distance from which its weights are exactly 0 (float32; None: never or no
-    ALiBi), for the dashed line of the page's patterns."""
-    if model is None or model.cfg.positional_embedding_type != "alibi":
+def _blind(
+    info: ModelInfo | None, dtype: torch.dtype | None, n_layers: int, n_heads: int
+) -> list[float | None]:
+    """Each head's distance from which its weights are exactly 0 in ``dtype`` (the model's; None:
+    never or no ALiBi), for the dashed line of the page's patterns."""
+    if info is None or not info.is_alibi:
         return [None] * (n_layers * n_heads)
-    slopes = alibi_slopes(model).tolist()
-    distances = [alibi.blind_distance(m, model.cfg.dtype, "zero") for m in slopes]
+    distances = [alibi.blind_distance(m, dtype, "zero") for m in info.slopes.tolist()]
     return [_json_safe(float(distances[h])) for _ in range(n_layers) for h in range(n_heads)]
 
 
@@ -140,7 +148,7 @@ def _figure_data(fig: go.Figure) -> dict[str, Any]:
     return json.loads(fig.to_json())
 
 
-def _write_page(
+def write_page(
     folder: Path,
     *,
     title: str,
@@ -164,7 +172,8 @@ def _write_page(
     and its ``curves``; ``figures`` below, and links to the folder's other files and to ``pages``
     (paths inside the folder, such as a subfolder's page)."""
     n_layers, n_heads = shape
-    sequences, packed = _page_patterns(model, samples)
+    info = None if model is None else model_info(model, "write_page")
+    sequences, packed = _page_patterns(info, samples)
     names = [f"L{layer}H{head}" for layer in range(n_layers) for head in range(n_heads)]
     metrics = {stage: _metrics(df) for stage, df in stages.items()}
     data = {
@@ -176,7 +185,7 @@ def _write_page(
         "names": names,
         "stages": list(stages),
         "metrics": metrics,
-        "blind": _blind(model, n_layers, n_heads),
+        "blind": _blind(info, None if model is None else model.cfg.dtype, n_layers, n_heads),
         "sequences": sequences,
         "patterns": packed,
         "received": _page_received(received, sequences),
@@ -211,17 +220,17 @@ def _write_page(
     atomic_write_text(folder / PAGE, page)
 
 
-def _census_samples(model: Model | None, tokens: Tensor | None) -> list[PatternSample]:
+def census_samples(model: Model | None, tokens: Tensor | None) -> list[PatternSample]:
     """Every head's attention on the page's share of ``tokens`` (default: the bundled held-out
     text, cut as the census cuts it); none without a model."""
     if model is None:
         return []
     if tokens is None:
-        tokens = to_sequences(model, None, seq_len=PAGE_POSITIONS, n_seqs=PAGE_SEQS)
+        tokens = to_sequences(model, None, seq_len=PAGE_POSITIONS, n_seqs=PAGE_SEQS).tokens
     return [sample_patterns(model, tokens, n_seqs=PAGE_SEQS, n_pos=PAGE_POSITIONS)]
 
 
-def _samples_note(
+def samples_note(
     samples: Sequence[PatternSample], data: object, where: str = "", *, received: bool = False
 ) -> str:
     """The page's line saying what its attention patterns show."""

@@ -27,7 +27,7 @@ from headsurgeon.checkpoints import save_hf
 from headsurgeon.heads import HeadSet
 from headsurgeon.loading import model_info
 from headsurgeon.outputs import atomic_directory, atomic_write_text
-from headsurgeon.reports.page import _samples_note, _write_page
+from headsurgeon.reports.page import samples_note, write_page
 from headsurgeon.reports.records import _json_safe, _versions
 
 if TYPE_CHECKING:
@@ -410,7 +410,7 @@ def write_report(
         if result.control:
             stages["control"] = result.control_census
         samples = [result.patterns[stage] for stage in stages if stage in result.patterns]
-        _write_page(
+        write_page(
             tmp,
             title=f"Repair of {report['model']}",
             summary=markdown,
@@ -423,7 +423,7 @@ def write_report(
             samples=samples if len(samples) == len(stages) else [],
             model=result.model,
             figures={name: figures[name] for name in ("training", "labels_before", "labels_after")},
-            note=_samples_note(samples, report["settings"].get("census_data"), "each stage"),
+            note=samples_note(samples, report["settings"].get("census_data"), "each stage"),
         )
         if save_model and result.best_pass is not None:  # no acceptable pass: no model
             save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
