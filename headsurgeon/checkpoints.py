@@ -36,6 +36,7 @@ from torch import Tensor
 
 from headsurgeon import backend
 from headsurgeon.backend import Model, check_model
+from headsurgeon.backend.weights import check_unprocessed, tl_state_dict
 from headsurgeon.dtypes import DTYPES, parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
@@ -162,7 +163,7 @@ def hf_model(model: Model, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
     import transformers
 
     check_model(model, "hf_model", writes=True)
-    backend.check_unprocessed(model)
+    check_unprocessed(model)
     info = model_info(model)
     config = _bloom_config(model, info)
     architecture = config["architectures"][0]
@@ -198,7 +199,7 @@ def hf_model(model: Model, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
 def _bloom_state(model: Model) -> dict[str, Tensor]:
     """A TransformerLens 3.x BLOOM's weights under BloomForCausalLM's names."""
     cfg = model.cfg
-    sd = backend.tl_state_dict(model)
+    sd = tl_state_dict(model)
     out = {
         "transformer.word_embeddings.weight": sd["embed.W_E"],
         "transformer.word_embeddings_layernorm.weight": sd["embed.ln.w"],
@@ -233,7 +234,7 @@ def _bloom_state(model: Model) -> dict[str, Tensor]:
 
 def _bridge_state(model: Model) -> dict[str, Tensor]:
     """A 4.x bridge's weights under its Hugging Face class's own names (see hf_state_dict)."""
-    backend.check_unprocessed(model)
+    check_unprocessed(model)
     hf = model.original_model
     layout = _LAYOUTS.get(type(hf).__name__)
     if layout is None:
@@ -573,7 +574,7 @@ def save_hf(
     source = getattr(getattr(model, "headsurgeon_info", None), "source", None)
     inputs = [source] if source is not None else []
     check_output_dir(out_dir, overwrite, inputs=inputs)  # before any work
-    backend.check_unprocessed(model)
+    check_unprocessed(model)
     info = model_info(model)
     config = _bloom_config(model, info)
     family = _LAYOUTS.get(config["architectures"][0], _BLOOM_LAYOUT).family

@@ -50,7 +50,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import HookPoint, Model, check_model, run_from_layer
+from headsurgeon.backend import HookPoint, Model, check_model
+from headsurgeon.backend.forward import run_from_layer
 from headsurgeon.census import _check_tokens
 from headsurgeon.data import Data, describe, position_zero, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError

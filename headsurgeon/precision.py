@@ -42,7 +42,8 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import Model, check_model, hf_kv_cache
+from headsurgeon.backend import Model, check_model
+from headsurgeon.backend.cache import hf_kv_cache
 from headsurgeon.blindness import active_mitigations, dtype_name
 from headsurgeon.checkpoints import hf_model
 from headsurgeon.data import Data, to_sequences
