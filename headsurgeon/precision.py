@@ -552,7 +552,7 @@ def _bias_mode(model: Model) -> bool:
 
 
 def _check_edges(edges: Sequence[int], n_pos: int) -> list[int]:
-    from headsurgeon.evals import _check_edges as check
+    from headsurgeon.evals.loss import _check_edges as check
 
     return check(edges, n_pos)
 

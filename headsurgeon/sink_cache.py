@@ -65,7 +65,7 @@ from headsurgeon.backend import Model, add_bias_hook, check_model
 from headsurgeon.blindness import active_mitigations
 from headsurgeon.data import Data, batches, describe, position_zero
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.evals import _next_token_nll
+from headsurgeon.evals.loss import _next_token_nll
 from headsurgeon.exact_alibi import alibi_slopes, trained_bias
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import model_info

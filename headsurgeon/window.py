@@ -38,7 +38,7 @@ from headsurgeon.backend import MAJOR, HookPoint, Model, check_model
 from headsurgeon.blindness import _require_scores
 from headsurgeon.data import Data, batches, describe, position_zero, to_sequences
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.evals import _check_edges, _next_token_nll, position_edges
+from headsurgeon.evals.loss import _check_edges, _next_token_nll, position_edges
 from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import model_info
