@@ -13,6 +13,9 @@ Exports:
     convert_hf(hf_model, ...)        a transformers causal LM as the major's model (unprocessed)
     hub_names()                      TransformerLens's model names and aliases -> hub names
     hf_config(model)                 the Hugging Face config a 4.x bridge computes with
+    hf_architecture(model)           the Hugging Face class it computes as ("BloomForCausalLM", ...)
+    wraps_hf_model(model)            whether it computes with a wrapped Hugging Face model's tensors
+    loads_into_device_map()          whether a device-mapped load reads the checkpoint into the map
     check_architecture(...)          TransformerLens's verdict on a config.json, before weights
     check_model(model, name)         one line unless ``model`` is a loaded model (not a name, a
                                      path, ``None``, a Hugging Face model or one on ``meta``)
@@ -72,10 +75,13 @@ __all__ = [
     "check_model",
     "convert_hf",
     "hf_bias_pre_hook",
+    "hf_architecture",
     "hf_config",
     "hub_names",
+    "loads_into_device_map",
     "move",
     "without_kv_cache",
+    "wraps_hf_model",
     "offloaded",
     "resident",
 ]
@@ -310,6 +316,25 @@ def hf_config(model: Model) -> dict[str, Any]:
     if MAJOR < 4:
         return {}
     return model.original_model.config.to_dict()
+
+
+def hf_architecture(model: Model) -> str:
+    """The Hugging Face class ``model`` computes as: 4.x's wrapped model; BLOOM's on 3.x, the
+    only family headsurgeon exports there (:func:`headsurgeon.checkpoints.save_hf` checks the
+    rest)."""
+    return type(model.original_model).__name__ if MAJOR >= 4 else "BloomForCausalLM"
+
+
+def wraps_hf_model(model: Model) -> bool:
+    """Whether ``model`` computes with the tensors of the Hugging Face model it wraps (a 4.x
+    bridge: read its weights there) rather than with TransformerLens's own copies (3.x)."""
+    return MAJOR >= 4
+
+
+def loads_into_device_map() -> bool:
+    """Whether loading with a device map reads the checkpoint straight into the map (4.x: the
+    Hugging Face model is the model) rather than dispatching the model built from it (3.x)."""
+    return MAJOR >= 4
 
 
 def offloaded(model: nn.Module) -> list[str]:
