@@ -53,7 +53,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import MAJOR, Model
+from headsurgeon.backend import TRANSFORMER_LENS, Model
 from headsurgeon.backend.cache import (
     KV_POS_DIM,
     cache_contents,
@@ -228,7 +228,7 @@ def _chosen(
         if len(added) < stop or cached_length(cache) != len(kept) + n:
             raise UnsupportedArchitectureError(
                 f"{model.cfg.original_architecture or 'this model'}'s attention does not keep a "
-                f"key-value cache under TransformerLens {MAJOR}, so it cannot run on chosen keys"
+                f"key-value cache under {TRANSFORMER_LENS}, so it cannot run on chosen keys"
             )
         if not every:
             every = [
@@ -257,7 +257,7 @@ def _prefill(
         if offset and cached_length(cache) != offset:
             raise UnsupportedArchitectureError(
                 f"{model.cfg.original_architecture or 'this model'}'s attention does not keep a "
-                f"key-value cache under TransformerLens {MAJOR}, so it cannot run in blocks of "
+                f"key-value cache under {TRANSFORMER_LENS}, so it cannot run in blocks of "
                 f"{block} positions; pass block_size={tokens.shape[1]} (one dense pass)"
             )
         chunk = tokens[:, offset : offset + block].to(device)

@@ -34,7 +34,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import MAJOR, HookPoint, Model, check_model
+from headsurgeon.backend import HookPoint, Model, check_model, masked_score
 from headsurgeon.blindness import _require_scores
 from headsurgeon.data import Data, batches, describe, position_zero, to_sequences
 from headsurgeon.errors import InvalidArgumentError
@@ -85,7 +85,7 @@ def window_hook(distance: int, heads: Sequence[int] | None = None) -> ScoresHook
             only = torch.zeros(scores.shape[1], 1, 1, dtype=torch.bool, device=scores.device)
             only[chosen] = True
             cut = cut & only
-        masked = -math.inf if MAJOR < 4 else torch.finfo(scores.dtype).min
+        masked = masked_score(scores.dtype)
         return scores.masked_fill(cut, masked)
 
     return hook

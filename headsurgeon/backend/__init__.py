@@ -10,12 +10,14 @@ TransformerLens 3.x's names (``hook_pattern``, ``hook_z``, ``W_Q[head]``) on eit
 
 Exports:
     MAJOR, Model, HookPoint          TransformerLens's major version, its model class, hook type
+    TRANSFORMER_LENS                 the installed major as messages name it ("TransformerLens 3.x")
     convert_hf(hf_model, ...)        a transformers causal LM as the major's model (unprocessed)
     hub_names()                      TransformerLens's model names and aliases -> hub names
     hf_config(model)                 the Hugging Face config a 4.x bridge computes with
     hf_architecture(model)           the Hugging Face class it computes as ("BloomForCausalLM", ...)
     wraps_hf_model(model)            whether it computes with a wrapped Hugging Face model's tensors
     loads_into_device_map()          whether a device-mapped load reads the checkpoint into the map
+    masked_score(dtype)              the score its attention gives a masked key (-inf or float min)
     check_architecture(...)          TransformerLens's verdict on a config.json, before weights
     check_model(model, name)         one line unless ``model`` is a loaded model (not a name, a
                                      path, ``None``, a Hugging Face model or one on ``meta``)
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import tempfile
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
@@ -63,9 +66,13 @@ if MAJOR >= 4:
 else:
     from transformer_lens import HookedTransformer as Model
 
+# The installed TransformerLens as messages name it.
+TRANSFORMER_LENS = f"TransformerLens {MAJOR}.x"
+
 __all__ = [
     "ALIBI_ATTENTION",
     "MAJOR",
+    "TRANSFORMER_LENS",
     "HookPoint",
     "Model",
     "add_bias_hook",
@@ -79,6 +86,7 @@ __all__ = [
     "hf_config",
     "hub_names",
     "loads_into_device_map",
+    "masked_score",
     "move",
     "without_kv_cache",
     "wraps_hf_model",
@@ -335,6 +343,12 @@ def loads_into_device_map() -> bool:
     """Whether loading with a device map reads the checkpoint straight into the map (4.x: the
     Hugging Face model is the model) rather than dispatching the model built from it (3.x)."""
     return MAJOR >= 4
+
+
+def masked_score(dtype: torch.dtype) -> float:
+    """The score the installed major's attention gives a masked (future) key: ``-inf`` on 3.x,
+    ``dtype``'s float minimum on 4.x; what a hook that masks more keys writes."""
+    return -math.inf if MAJOR < 4 else torch.finfo(dtype).min
 
 
 def offloaded(model: nn.Module) -> list[str]:
