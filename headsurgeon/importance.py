@@ -50,7 +50,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import HookPoint, Model, run_from_layer
+from headsurgeon.backend import HookPoint, Model
+from headsurgeon.backend.forward import run_from_layer
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet

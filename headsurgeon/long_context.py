@@ -53,17 +53,16 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import (
+from headsurgeon.backend import TRANSFORMER_LENS, Model
+from headsurgeon.backend.cache import (
     KV_POS_DIM,
-    MAJOR,
-    Model,
     cache_contents,
     cache_holding,
     cached_length,
     new_kv_cache,
-    run_to_layer,
     shared_cache,
 )
+from headsurgeon.backend.forward import run_to_layer
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.validation import check_int
 
@@ -182,7 +181,7 @@ def run_in_blocks(
     With ``keys`` (a :data:`KeyChooser`), block ``offset`` attends only to the earlier
     positions ``keys(offset, n)`` and its own: each layer's keys and values of every position
     are kept as its own block computed them (memory linear in the length), and the block runs
-    on a cache holding just the chosen ones (:func:`headsurgeon.backend.cache_holding`), so it
+    on a cache holding just the chosen ones (:func:`headsurgeon.backend.cache.cache_holding`), so it
     costs ``block x (kept + block)`` attention entries, not ``block x offset``. The attention
     then sees cache slots, not positions: ``hook_attn_scores`` has ``len(kept) + n`` columns,
     and an ALiBi model's own bias counts distance in slots; a caller that wants another bias
@@ -229,7 +228,7 @@ def _chosen(
         if len(added) < stop or cached_length(cache) != len(kept) + n:
             raise UnsupportedArchitectureError(
                 f"{model.cfg.original_architecture or 'this model'}'s attention does not keep a "
-                f"key-value cache under TransformerLens {MAJOR}, so it cannot run on chosen keys"
+                f"key-value cache under {TRANSFORMER_LENS}, so it cannot run on chosen keys"
             )
         if not every:
             every = [
@@ -258,7 +257,7 @@ def _prefill(
         if offset and cached_length(cache) != offset:
             raise UnsupportedArchitectureError(
                 f"{model.cfg.original_architecture or 'this model'}'s attention does not keep a "
-                f"key-value cache under TransformerLens {MAJOR}, so it cannot run in blocks of "
+                f"key-value cache under {TRANSFORMER_LENS}, so it cannot run in blocks of "
                 f"{block} positions; pass block_size={tokens.shape[1]} (one dense pass)"
             )
         chunk = tokens[:, offset : offset + block].to(device)

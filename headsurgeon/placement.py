@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from headsurgeon.backend import MAJOR, Model
+from headsurgeon.backend import TRANSFORMER_LENS, Model
 from headsurgeon.errors import InvalidArgumentError
 
 __all__ = [
@@ -278,8 +278,8 @@ def _check_names(model: torch.nn.Module, device_map: dict[str, int | str], hint:
     unknown = [k for k in device_map if k and not any(n.startswith(k + ".") for n in names)]
     if unknown:
         raise InvalidArgumentError(
-            f"device_map names {unknown[0]!r}, not a module of this model; TransformerLens "
-            f"{MAJOR}.x names them {hint}"
+            f"device_map names {unknown[0]!r}, not a module of this model; "
+            f"{TRANSFORMER_LENS} names them {hint}"
         )
     unplaced = [
         n

@@ -42,7 +42,8 @@ from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import Model, hf_kv_cache
+from headsurgeon.backend import Model
+from headsurgeon.backend.cache import hf_kv_cache
 from headsurgeon.blindness import active_mitigations, dtype_name
 from headsurgeon.checkpoints import hf_model
 from headsurgeon.data import Data, Sequences, as_sequences
@@ -548,7 +549,7 @@ def _bias_mode(model: Model, info: ModelInfo) -> bool:
 
 
 def _check_edges(edges: Sequence[int], n_pos: int) -> list[int]:
-    from headsurgeon.evals import _check_edges as check
+    from headsurgeon.evals.loss import _check_edges as check
 
     return check(edges, n_pos)
 

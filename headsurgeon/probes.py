@@ -48,7 +48,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import MAJOR, HookPoint, Model, check_model, resident
+from headsurgeon.backend import TRANSFORMER_LENS, HookPoint, Model, check_model, resident
 from headsurgeon.data import batches, check_token_ids
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.heads import Heads, HeadSet
@@ -577,7 +577,7 @@ def unfired(
     return UnsupportedArchitectureError(
         f"{analysis} cannot measure {info.name} ({architecture}, attention "
         f"{type(model.blocks[0].attn).__name__}): {hook} never fired in {where} under "
-        f"TransformerLens {MAJOR}.x, so there is nothing exact to report (models converted by "
+        f"{TRANSFORMER_LENS}, so there is nothing exact to report (models converted by "
         "headsurgeon.loading.from_hf_model run eager attention, which shows what it can)"
     )
 

@@ -65,7 +65,7 @@ from headsurgeon.backend import Model, add_bias_hook
 from headsurgeon.blindness import active_mitigations
 from headsurgeon.data import Data, Sequences, batches
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.evals import _next_token_nll
+from headsurgeon.evals.loss import _next_token_nll
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import ModelInfo, model_info

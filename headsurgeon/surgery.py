@@ -3,7 +3,7 @@
 Every per-head attention tensor is seen in TransformerLens 3.x's layout, head on the first axis
 (``W_Q``, ``W_K``, ``W_V``: ``[head, d_model, d_head]``; ``b_Q``, ``b_K``, ``b_V``:
 ``[head, d_head]``; ``W_O``: ``[head, d_head, d_model]``), so "a head's slice" is one index of
-each. On 4.x these are views (:func:`headsurgeon.backend.head_tensors`) of the bridge's
+each. On 4.x these are views (:func:`headsurgeon.backend.weights.head_tensors`) of the bridge's
 ``q``/``k``/``v``/``o`` weights, the ones its forward pass reads, never of its unused fused
 ``qkv`` copy. The output bias ``b_O`` is shared by all heads and is never touched.
 
@@ -46,7 +46,8 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor, nn
 
-from headsurgeon.backend import HEAD_TENSORS, Model, check_head_tensors, check_model, head_tensors
+from headsurgeon.backend import Model, check_model
+from headsurgeon.backend.weights import HEAD_TENSORS, check_head_tensors, head_tensors
 from headsurgeon.heads import MAX_HEADS, SICK_LABELS, Heads, HeadSet
 from headsurgeon.validation import check_choice, check_int
 

@@ -34,11 +34,11 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import MAJOR, HookPoint, Model
+from headsurgeon.backend import HookPoint, Model, masked_score
 from headsurgeon.blindness import require_scores
 from headsurgeon.data import Data, Sequences, as_sequences, batches
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.evals import _check_edges, _next_token_nll, position_edges
+from headsurgeon.evals.loss import _check_edges, _next_token_nll, position_edges
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import unfired
@@ -84,7 +84,7 @@ def window_hook(distance: int, heads: Sequence[int] | None = None) -> ScoresHook
             only = torch.zeros(scores.shape[1], 1, 1, dtype=torch.bool, device=scores.device)
             only[chosen] = True
             cut = cut & only
-        masked = -math.inf if MAJOR < 4 else torch.finfo(scores.dtype).min
+        masked = masked_score(scores.dtype)
         return scores.masked_fill(cut, masked)
 
     return hook

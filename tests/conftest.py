@@ -96,7 +96,7 @@ def one_thread():
 def head_weight(model, layer: int, name: str) -> torch.Tensor:
     """``W_Q`` ... ``W_O`` of one layer, ``[head, ...]``, as a view of the live parameter on either
     TransformerLens major (4.x's ``attn.W_Q`` is a fresh view, not the parameter)."""
-    from headsurgeon.backend import head_tensors
+    from headsurgeon.backend.weights import head_tensors
 
     tensor = head_tensors(model, layer)[name]
     return tensor.heads(tensor.param)

@@ -12,7 +12,7 @@ from conftest import head_weight, make_bloom_checkpoint, tl3_only
 
 import headsurgeon as hs
 from headsurgeon import alibi, load_model, plots
-from headsurgeon.backend import head_tensors
+from headsurgeon.backend.weights import head_tensors
 from headsurgeon.blindness import (
     ANALYSED_DTYPES,
     analytic_blindness,

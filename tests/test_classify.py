@@ -25,7 +25,7 @@ from headsurgeon import (
     threshold_sweep,
 )
 from headsurgeon.alibi import alibi_bias, slopes
-from headsurgeon.backend import tl_state_dict
+from headsurgeon.backend.weights import tl_state_dict
 from headsurgeon.cli import run
 from headsurgeon.cli.classify import main
 from headsurgeon.data import to_sequences

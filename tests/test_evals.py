@@ -8,18 +8,12 @@ import math
 import pytest
 import torch
 
-from headsurgeon import backend, evals
+from headsurgeon import backend
 from headsurgeon.blindness import mitigation
 from headsurgeon.data import to_sequences, tokenize
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.evals import (
-    PASSKEY_INTRO,
-    _answer_scores,
-    needle,
-    passkey,
-    perplexity,
-    sliding_windows,
-)
+from headsurgeon.evals import needle, passkey, perplexity, retrieval, sliding_windows
+from headsurgeon.evals.retrieval import PASSKEY_INTRO, _answer_scores
 from headsurgeon.long_context import continuation_logprobs
 
 LENGTHS = [192, 256]  # the tiny tokenizer spends ~170 tokens on the passkey prompt itself
@@ -134,8 +128,8 @@ def test_continuation_logprobs_equal_full_sequence_log_softmax(tiny_model, width
 
 def test_oracle_retrieves_perfectly_in_and_out_of_context(tiny_model, monkeypatch):
     # The oracle is no TransformerLens model: it is scored through the plain forward pass.
-    monkeypatch.setattr(evals, "continuation_logprobs", full_sequence_logprobs)
-    for module in (evals, backend):  # a stand-in for a model, on purpose
+    monkeypatch.setattr(retrieval, "continuation_logprobs", full_sequence_logprobs)
+    for module in (retrieval, backend):  # a stand-in for a model, on purpose
         monkeypatch.setattr(module, "check_model", lambda model, name: None)
     oracle = InductionOracle(tiny_model)
     for task in (passkey, needle):

@@ -11,7 +11,8 @@ import copy
 import pytest
 import torch
 
-from headsurgeon.backend import MAJOR, check_head_tensors, head_tensors
+from headsurgeon.backend import MAJOR
+from headsurgeon.backend.weights import check_head_tensors, head_tensors
 
 pytestmark = [
     pytest.mark.skipif(

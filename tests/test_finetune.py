@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import head_weight
 
-from headsurgeon.backend import head_tensors, tl_state_dict
+from headsurgeon.backend.weights import head_tensors, tl_state_dict
 from headsurgeon.errors import CheckpointError, DataError, InvalidArgumentError, OutputExistsError
 from headsurgeon.finetune import (
     CHECKPOINT_FILE,
@@ -411,7 +411,7 @@ import torch
 import torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from test_finetune import config, setup
-from headsurgeon.backend import tl_state_dict
+from headsurgeon.backend.weights import tl_state_dict
 from headsurgeon.finetune import finetune, setup_distributed
 
 torch.set_num_threads(1)

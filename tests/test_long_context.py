@@ -11,7 +11,7 @@ from conftest import tl3_only
 from test_user_models import own_model, tokens, user_model
 
 from headsurgeon import load_model, run_census
-from headsurgeon.backend import run_to_layer
+from headsurgeon.backend.forward import run_to_layer
 from headsurgeon.blindness import mitigation
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchitectureError

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from headsurgeon import alibi, backend, load_model, model_info, model_shape, save_hf
+from headsurgeon.backend.weights import head_tensors, tl_state_dict
 from headsurgeon.dtypes import parse_device, parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
@@ -199,7 +200,7 @@ def test_head_edits_export_bit_exact(bloom6_dir, tmp_path):
     toks = tokens(2, 30, model.cfg.d_vocab)
     with torch.no_grad():
         for layer in range(model.cfg.n_layers):
-            for tensor in backend.head_tensors(model, layer).values():
+            for tensor in head_tensors(model, layer).values():
                 heads = tensor.heads(tensor.param)
                 heads[layer + 1].mul_(-1.5).add_(0.25)  # every per-head tensor, one head a layer
         edited = model(toks)
@@ -207,7 +208,7 @@ def test_head_edits_export_bit_exact(bloom6_dir, tmp_path):
     with torch.no_grad():
         assert (hf_model(out)(toks).logits - edited).abs().max() < ATOL
     again = load_model(out)
-    ours, theirs = backend.tl_state_dict(model), backend.tl_state_dict(again)
+    ours, theirs = tl_state_dict(model), tl_state_dict(again)
     assert ours.keys() == theirs.keys()
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name]), name

@@ -11,19 +11,17 @@ import pytest
 import torch
 from test_evals import InductionOracle, full_sequence_logprobs
 
-from headsurgeon import backend, evals
+from headsurgeon import backend
 from headsurgeon.blindness import mitigation
 from headsurgeon.data import tokenize
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.evals import (
+from headsurgeon.evals import distance_summary, retrieval, retrieval_by_distance, wilson_interval
+from headsurgeon.evals.retrieval import (
     NEEDLE_QUESTION,
     NEEDLE_SENTENCE,
     PASSKEY_INTRO,
     PASSKEY_NEEDLE,
     PASSKEY_QUESTION,
-    distance_summary,
-    retrieval_by_distance,
-    wilson_interval,
 )
 
 EDGES = [0, 3, 20]  # two bins; the tiny tokenizer spends ~170 tokens on the fixed parts
@@ -36,13 +34,13 @@ PARTS = {
 def scored_prompts(monkeypatch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """Every (prompt, candidates) the evaluation scores, in order, recorded."""
     calls = []
-    real = evals._answer_scores
+    real = retrieval._answer_scores
 
     def record(model, prompt, candidates):
         calls.append((prompt.clone(), [c.clone() for c in candidates]))
         return real(model, prompt, candidates)
 
-    monkeypatch.setattr(evals, "_answer_scores", record)
+    monkeypatch.setattr(retrieval, "_answer_scores", record)
     return calls
 
 
@@ -88,8 +86,8 @@ def test_the_same_prompts_for_every_model_and_seed(tiny_model, monkeypatch):
 
 
 def test_an_oracle_finds_every_needle_and_no_baseline_key(tiny_model, monkeypatch):
-    monkeypatch.setattr(evals, "continuation_logprobs", full_sequence_logprobs)
-    for module in (evals, backend):  # a stand-in for a model, on purpose
+    monkeypatch.setattr(retrieval, "continuation_logprobs", full_sequence_logprobs)
+    for module in (retrieval, backend):  # a stand-in for a model, on purpose
         monkeypatch.setattr(module, "check_model", lambda model, name: None)
     result = retrieval_by_distance(
         InductionOracle(tiny_model), "passkey", distances=EDGES, n_trials=6, n_candidates=4

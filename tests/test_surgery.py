@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import head_weight
 
-from headsurgeon.backend import head_tensors, tl_state_dict
+from headsurgeon.backend.weights import head_tensors, tl_state_dict
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.loading import ModelShape, random_model
 from headsurgeon.surgery import (

@@ -13,7 +13,7 @@ import torch
 
 from headsurgeon import plots
 from headsurgeon.census import run_census
-from headsurgeon.checkpoints import weight_changes
+from headsurgeon.checkpoint_diff import weight_changes
 from headsurgeon.classify import Thresholds, classify_heads
 from headsurgeon.cli import blindness as blindness_cli, classify as classify_cli
 from headsurgeon.errors import DataError, InvalidArgumentError

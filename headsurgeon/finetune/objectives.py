@@ -20,10 +20,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from headsurgeon.backend import (
-    Model,
-    run_to_layer,
-)
+from headsurgeon.backend import Model
+from headsurgeon.backend.forward import run_to_layer
 from headsurgeon.errors import (
     DataError,
     InvalidArgumentError,

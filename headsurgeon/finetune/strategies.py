@@ -24,11 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from headsurgeon.backend import (
-    Model,
-    head_tensors,
-    without_kv_cache,
-)
+from headsurgeon.backend import Model, without_kv_cache
+from headsurgeon.backend.weights import head_tensors
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.finetune.config import STRATEGIES
 from headsurgeon.finetune.objectives import Objective, next_token_loss

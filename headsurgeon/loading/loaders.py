@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from headsurgeon import backend
-from headsurgeon.backend import MAJOR, Model
+from headsurgeon.backend import Model
 from headsurgeon.dtypes import parse_device, parse_dtype
 from headsurgeon.errors import CheckpointError, first_line
 from headsurgeon.exact_alibi import install_exact_alibi, trained_bias
@@ -81,7 +81,7 @@ def load_model(
     name, directory = resolve_model(model)
     metadata = _checked_folder(directory)
     # 4.x reads the checkpoint straight into the map; 3.x dispatches the model it built.
-    if placement and MAJOR >= 4:
+    if placement and backend.loads_into_device_map():
         streamed, folder = from_pretrained_args(placement, directory)
     else:
         streamed, folder = {}, None

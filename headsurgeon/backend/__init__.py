@@ -1,4 +1,4 @@
-"""The one module that imports TransformerLens: the same operations on its 3.x and 4.x models.
+"""The one package that imports TransformerLens: the same operations on its 3.x and 4.x models.
 
 TransformerLens 3.x models are ``HookedTransformer``\\ s, whose per-head tensors ``W_Q`` ... ``W_O``
 are parameters and whose attention reads an ALiBi tensor stored on the module. 4.x removed
@@ -10,9 +10,14 @@ TransformerLens 3.x's names (``hook_pattern``, ``hook_z``, ``W_Q[head]``) on eit
 
 Exports:
     MAJOR, Model, HookPoint          TransformerLens's major version, its model class, hook type
+    TRANSFORMER_LENS                 the installed major as messages name it ("TransformerLens 3.x")
     convert_hf(hf_model, ...)        a transformers causal LM as the major's model (unprocessed)
     hub_names()                      TransformerLens's model names and aliases -> hub names
     hf_config(model)                 the Hugging Face config a 4.x bridge computes with
+    hf_architecture(model)           the Hugging Face class it computes as ("BloomForCausalLM", ...)
+    wraps_hf_model(model)            whether it computes with a wrapped Hugging Face model's tensors
+    loads_into_device_map()          whether a device-mapped load reads the checkpoint into the map
+    masked_score(dtype)              the score its attention gives a masked key (-inf or float min)
     check_architecture(...)          TransformerLens's verdict on a config.json, before weights
     check_model(model, name)         one line unless ``model`` is a loaded model (not a name, a
                                      path, ``None``, a Hugging Face model or one on ``meta``)
@@ -20,33 +25,22 @@ Exports:
     without_kv_cache(model)          no key-value cache filled in the ``with`` block (4.x's default)
     offloaded(model)                 the modules whose weights Accelerate keeps on CPU or disk
     resident(module)                 those weights loaded for a ``with`` block (read them there)
-    HEAD_TENSORS                     the per-head attention tensors, TransformerLens 3.x names
-    HeadTensor, head_tensors(model, layer)   per-head views of the parameters attention uses
-    check_head_tensors(model)        one-line error unless every head has its own Q/K/V/O
-    check_unprocessed(model)         one-line error if a 4.x bridge's weights were processed
     add_bias_hook(attn, build)       make one attention layer use ``build``'s ALiBi bias
     hf_bias_pre_hook(build)          the same for a Hugging Face BLOOM/MPT/Falcon attention
     attention_family(attn)           which of those an attention layer is ("bloom", ...)
     ALIBI_ATTENTION                  transformers' ALiBi attention classes -> their family
     builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
-    run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
-    new_kv_cache(model, batch, device)  an empty key-value cache for ``run_to_layer(cache=)``
-    hf_kv_cache()                    an empty ``DynamicCache`` for a transformers model
-    cached_length(cache)             how many positions it holds
-    shared_cache(cache, batch)       one prompt's cache, read by ``batch`` rows without copies
-    KV_POS_DIM                       the position dimension of a cache's keys and values
-    cache_contents(cache)            each layer's cached keys and values (views)
-    cache_holding(model, contents, ...)  a cache already holding given keys and values
-    run_from_layer(model, tokens, resid, n)  the logits of a pass entering block ``n`` with resid
-    tl_state_dict(model)             the weights under TransformerLens 3.x's names and layouts
+
+The rest is in its submodules: :mod:`~headsurgeon.backend.weights` (per-head views of the
+attention weights, the weights under 3.x's names), :mod:`~headsurgeon.backend.cache` (key-value
+caches) and :mod:`~headsurgeon.backend.forward` (passes cut at a block).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import json
+import math
 import tempfile
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
@@ -54,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
@@ -72,43 +66,35 @@ if MAJOR >= 4:
 else:
     from transformer_lens import HookedTransformer as Model
 
+# The installed TransformerLens as messages name it.
+TRANSFORMER_LENS = f"TransformerLens {MAJOR}.x"
+
 __all__ = [
     "ALIBI_ATTENTION",
-    "HEAD_TENSORS",
     "MAJOR",
-    "HeadTensor",
+    "TRANSFORMER_LENS",
     "HookPoint",
-    "KV_POS_DIM",
     "Model",
     "add_bias_hook",
     "attention_family",
     "builtin_slopes",
-    "cache_contents",
-    "cache_holding",
-    "cached_length",
     "check_architecture",
-    "check_head_tensors",
     "check_model",
-    "check_unprocessed",
     "convert_hf",
-    "head_tensors",
     "hf_bias_pre_hook",
+    "hf_architecture",
     "hf_config",
-    "hf_kv_cache",
     "hub_names",
+    "loads_into_device_map",
+    "masked_score",
     "move",
     "without_kv_cache",
+    "wraps_hf_model",
     "offloaded",
     "resident",
-    "new_kv_cache",
-    "run_from_layer",
-    "run_to_layer",
-    "shared_cache",
-    "tl_state_dict",
 ]
 
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
-HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")
 
 
 def check_model(model: object, name: str, *, argument: str = "model", writes: bool = False) -> None:
@@ -314,11 +300,55 @@ def _hooked_transformer(
     return model
 
 
+def _pass_mpt_cache(model: Model) -> None:
+    """Make a 4.x bridge's MPT attention use the key-value cache transformers hands it.
+
+    ``MptBlock`` passes it as ``cache=``; TransformerLens 4.3's attention looks for
+    ``past_key_values`` or ``layer_past`` only, so without this every cached call (blocks of a
+    long sequence, continuations of a prompt) would attend to its own positions alone.
+    """
+
+    def rename(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("cache") is not None and kwargs.get("layer_past") is None:
+            kwargs = dict(kwargs)
+            kwargs["layer_past"] = kwargs.pop("cache")
+        return args, kwargs
+
+    for block in model.blocks:
+        if attention_family(block.attn) == "mpt":
+            block.attn.register_forward_pre_hook(rename, with_kwargs=True)
+
+
 def hf_config(model: Model) -> dict[str, Any]:
     """The Hugging Face config a 4.x bridge computes with; ``{}`` on 3.x, whose models keep none."""
     if MAJOR < 4:
         return {}
     return model.original_model.config.to_dict()
+
+
+def hf_architecture(model: Model) -> str:
+    """The Hugging Face class ``model`` computes as: 4.x's wrapped model; BLOOM's on 3.x, the
+    only family headsurgeon exports there (:func:`headsurgeon.checkpoints.save_hf` checks the
+    rest)."""
+    return type(model.original_model).__name__ if MAJOR >= 4 else "BloomForCausalLM"
+
+
+def wraps_hf_model(model: Model) -> bool:
+    """Whether ``model`` computes with the tensors of the Hugging Face model it wraps (a 4.x
+    bridge: read its weights there) rather than with TransformerLens's own copies (3.x)."""
+    return MAJOR >= 4
+
+
+def loads_into_device_map() -> bool:
+    """Whether loading with a device map reads the checkpoint straight into the map (4.x: the
+    Hugging Face model is the model) rather than dispatching the model built from it (3.x)."""
+    return MAJOR >= 4
+
+
+def masked_score(dtype: torch.dtype) -> float:
+    """The score the installed major's attention gives a masked (future) key: ``-inf`` on 3.x,
+    ``dtype``'s float minimum on 4.x; what a hook that masks more keys writes."""
+    return -math.inf if MAJOR < 4 else torch.finfo(dtype).min
 
 
 def offloaded(model: nn.Module) -> list[str]:
@@ -379,172 +409,6 @@ def move(model: Model, device: torch.device) -> Model:
     if MAJOR >= 4:
         model.cfg.device = str(device)  # 4.x records only the type ("cuda" for "cuda:1")
     return model
-
-
-# --- per-head weights -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadTensor:
-    """One per-head attention tensor: the parameter the forward pass uses, and how to see it
-    with heads first in TransformerLens 3.x's layout (``W_Q``: ``[head, d_model, d_head]``).
-
-    ``heads(t)`` is a view of ``t`` (the parameter, a mask or a copy of the same shape), so
-    writing ``heads(t)[h]`` writes head ``h``'s slice of ``t``.
-    """
-
-    name: str
-    path: str
-    param: nn.Parameter
-    heads: Callable[[Tensor], Tensor]
-
-
-def _same(t: Tensor) -> Tensor:
-    return t
-
-
-def head_tensors(model: Model, layer: int) -> dict[str, HeadTensor]:
-    """``{name: HeadTensor}`` for ``W_Q, W_K, W_V, b_Q, b_K, b_V, W_O`` of one layer: those the
-    model has. Attention without biases (MPT, Falcon with ``bias=False``) has no ``b_Q``, ``b_K``,
-    ``b_V``: callers iterate over what is there, or test ``name in tensors``.
-
-    On 4.x every family's bridge (BLOOM, MPT, Falcon-ALiBi) splits its fused QKV into ``q``/``k``/
-    ``v`` linear layers, each ``[head * d_head, d_model]`` with heads in order (the forward pass
-    reads those, never the stale fused copy), and ``o`` is the Hugging Face output projection:
-    the views are the same for all three.
-
-    >>> from headsurgeon.loading import ModelShape, random_model
-    >>> model = random_model(ModelShape(n_layers=1, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
-    >>> w = head_tensors(model, 0)["W_Q"]
-    >>> tuple(w.heads(w.param).shape), torch.equal(w.heads(w.param), model.blocks[0].attn.W_Q)
-    ((4, 32, 8), True)
-    """
-    check_head_tensors(model)
-    attn = model.blocks[layer].attn
-    if MAJOR < 4:
-        return {
-            name: HeadTensor(name, f"blocks.{layer}.attn.{name}", getattr(attn, name), _same)
-            for name in HEAD_TENSORS
-        }
-    n, d_head, d_model = model.cfg.n_heads, model.cfg.d_head, model.cfg.d_model
-    paths = _parameter_paths(model)
-    out = {}
-    for x in "QKV":
-        linear = getattr(attn, x.lower()).original_component
-        out[f"W_{x}"] = HeadTensor(
-            f"W_{x}",
-            paths[id(linear.weight)],
-            linear.weight,
-            lambda t: t.view(n, d_head, d_model).transpose(1, 2),
-        )
-        if linear.bias is not None:
-            out[f"b_{x}"] = HeadTensor(
-                f"b_{x}", paths[id(linear.bias)], linear.bias, lambda t: t.view(n, d_head)
-            )
-    dense = attn.o.original_component.weight
-    out["W_O"] = HeadTensor(
-        "W_O", paths[id(dense)], dense, lambda t: t.view(d_model, n, d_head).permute(1, 2, 0)
-    )
-    return {name: out[name] for name in HEAD_TENSORS if name in out}
-
-
-def _parameter_paths(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
-
-
-def check_head_tensors(model: Model) -> None:
-    """Raise :class:`UnsupportedArchitectureError` unless every head has its own Q/K/V/O.
-
-    Q/K/V biases may be absent (all three or none); keys and values shared by several heads
-    (Falcon's ``multi_query``, grouped KV, ``new_decoder_architecture``) are refused, naming it.
-    """
-    reason = _shared_kv(model) or _unsplit(model)
-    if reason is not None:
-        raise UnsupportedArchitectureError(
-            f"{type(model.blocks[0].attn).__name__} has {reason}; head surgery needs every head "
-            "to have its own query, key, value and output slices"
-        )
-
-
-def _shared_kv(model: Model) -> str | None:
-    """Why the heads share keys and values, or None if each head has its own."""
-    config = model.original_model.config if MAJOR >= 4 else None  # read at every head_tensors
-    n_kv = getattr(model.cfg, "n_key_value_heads", None)
-    if getattr(config, "new_decoder_architecture", False):
-        # Its fused QKV is grouped per KV head; TransformerLens 4.3 splits it as [Q; K; V].
-        return "Falcon's new_decoder_architecture (grouped key-value heads)"
-    if getattr(config, "multi_query", False):
-        return f"multi-query attention (all {model.cfg.n_heads} heads share one key and value)"
-    if n_kv not in (None, model.cfg.n_heads):
-        return f"grouped-query attention ({n_kv} key-value heads for {model.cfg.n_heads} heads)"
-    return None
-
-
-def _unsplit(model: Model) -> str | None:
-    """Why the attention has no per-head Q/K/V/O tensors (3.x parameters, 4.x linear layers)."""
-    attn = model.blocks[0].attn
-    if MAJOR < 4:
-        if all(isinstance(getattr(attn, name, None), nn.Parameter) for name in HEAD_TENSORS):
-            return None
-        return f"no per-head {', '.join(HEAD_TENSORS)} parameters (quantised attention?)"
-    linears = [getattr(getattr(attn, x, None), "original_component", None) for x in "qkvo"]
-    width = model.cfg.n_heads * model.cfg.d_head
-    if not all(isinstance(m, nn.Linear) for m in linears):
-        return "no separate q, k, v and o linear layers (fused or quantised attention)"
-    if any(m.weight.shape != (width, model.cfg.d_model) for m in linears[:3]):
-        return "query, key or value projections narrower than n_heads x d_head"
-    if len({m.bias is None for m in linears[:3]}) > 1:
-        return "biases on some of its query, key and value projections but not all"
-    return None
-
-
-def check_unprocessed(model: Model) -> None:
-    """Raise :class:`UnsupportedArchitectureError` if a 4.x bridge's ``process_weights`` ran.
-
-    Its forward then skips the LayerNorm parameters it folded, so they no longer say what the
-    model computes. (3.x records processing in ``cfg.normalization_type``: ``LNPre``.)
-    """
-    if MAJOR >= 4 and getattr(model, "_weights_processed", False):  # TransformerLens's flag
-        raise UnsupportedArchitectureError(
-            "the model has processed weights (process_weights folded LayerNorm into the next "
-            "layer); load it with headsurgeon.load_model, which keeps weights unprocessed"
-        )
-
-
-def tl_state_dict(model: Model) -> dict[str, Tensor]:
-    """The weights under TransformerLens 3.x's names and layouts (``blocks.0.attn.W_Q``, ...).
-
-    3.x: ``model.state_dict()``. 4.x (BLOOM): assembled from the tensors the bridge's forward pass
-    uses (its ``q``/``k``/``v`` layers, not the stale fused ``qkv`` copy); a bridge whose weights
-    ``process_weights`` folded (its LayerNorm parameters are then unused) raises.
-    """
-    if MAJOR < 4:
-        return model.state_dict()
-    check_unprocessed(model)
-    sd = {
-        "embed.W_E": model.embed.original_component.weight,
-        "embed.ln.w": model.embed_ln.original_component.weight,
-        "embed.ln.b": model.embed_ln.original_component.bias,
-        "ln_final.w": model.ln_final.original_component.weight,
-        "ln_final.b": model.ln_final.original_component.bias,
-        "unembed.W_U": model.unembed.original_component.weight.T,
-        "unembed.b_U": model.unembed.b_U,  # a zero buffer: BLOOM has no unembedding bias
-    }
-    for layer, block in enumerate(model.blocks):
-        p = f"blocks.{layer}."
-        for name, tensor in head_tensors(model, layer).items():
-            sd[p + "attn." + name] = tensor.heads(tensor.param)
-        sd[p + "attn.b_O"] = block.attn.o.original_component.bias
-        for ln in ("ln1", "ln2"):
-            sd[p + f"{ln}.w"] = getattr(block, ln).original_component.weight
-            sd[p + f"{ln}.b"] = getattr(block, ln).original_component.bias
-        mlp_in, mlp_out = (
-            block.mlp.original_component.dense_h_to_4h,
-            block.mlp.original_component.dense_4h_to_h,
-        )
-        sd[p + "mlp.W_in"], sd[p + "mlp.b_in"] = mlp_in.weight.T, mlp_in.bias
-        sd[p + "mlp.W_out"], sd[p + "mlp.b_out"] = mlp_out.weight.T, mlp_out.bias
-    return {k: v.detach() for k, v in sd.items()}
 
 
 # --- the ALiBi bias ---------------------------------------------------------------------------
@@ -660,250 +524,3 @@ def builtin_slopes(model: Model) -> Float[Tensor, " head_index"]:
     # The bias the attention class itself builds for two positions: row 1 is [-m_h, 0].
     bias = type(model.blocks[0].attn).create_alibi_bias(model.cfg.n_heads, 2, "cpu")
     return -bias[:, 1, 0].to(torch.float32)
-
-
-# --- forward passes ---------------------------------------------------------------------------
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once the wanted activation is in hand."""
-
-
-def new_kv_cache(model: Model, batch: int, device: torch.device) -> Any:
-    """An empty key-value cache for ``batch`` sequences, as :func:`run_to_layer`'s ``cache``.
-
-    3.x: TransformerLens's ``TransformerLensKeyValueCache``; 4.x: Hugging Face's
-    ``DynamicCache``, which the bridge's attention extends (TransformerLens 4.x keeps none). Both
-    keep each layer's keys and values in a buffer that doubles when full, so adding a block of
-    positions copies that block only: their own ``torch.cat`` copies every earlier position
-    again (65,536 tokens in blocks of 16: 490 s of copying alone, measured).
-    """
-    if MAJOR >= 4:
-        return hf_kv_cache()
-    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
-    cache = TransformerLensKeyValueCache.init_cache(model.cfg, device, batch_size=batch)
-    grow = _growing_entry_class()
-    cache.entries = [grow(e.past_keys, e.past_values, e.frozen) for e in cache.entries]
-    return cache
-
-
-def hf_kv_cache() -> Any:
-    """An empty Hugging Face ``DynamicCache`` whose layers append into doubling buffers (see
-    :func:`new_kv_cache`): what a transformers model (or a 4.x bridge) takes as ``cache=``."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = _growing_layer_class()
-    return cache
-
-
-def _pass_mpt_cache(model: Model) -> None:
-    """Make a 4.x bridge's MPT attention use the key-value cache transformers hands it.
-
-    ``MptBlock`` passes it as ``cache=``; TransformerLens 4.3's attention looks for
-    ``past_key_values`` or ``layer_past`` only, so without this every cached call (blocks of a
-    long sequence, continuations of a prompt) would attend to its own positions alone.
-    """
-
-    def rename(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs.get("cache") is not None and kwargs.get("layer_past") is None:
-            kwargs = dict(kwargs)
-            kwargs["layer_past"] = kwargs.pop("cache")
-        return args, kwargs
-
-    for block in model.blocks:
-        if attention_family(block.attn) == "mpt":
-            block.attn.register_forward_pre_hook(rename, with_kwargs=True)
-
-
-def _appended(store: Tensor | None, current: Tensor, new: Tensor, dim: int) -> Tensor:
-    """A buffer whose first ``current.shape[dim] + new.shape[dim]`` positions along ``dim`` are
-    ``current`` then ``new``: ``store`` written in place when ``current`` is its front part and
-    it has room, else a new buffer of twice the size."""
-    length, added = current.shape[dim], new.shape[dim]
-    owned = (
-        store is not None
-        and current.data_ptr() == store.data_ptr()
-        and current.shape[:dim] == store.shape[:dim]
-        and current.dtype == new.dtype
-    )
-    if not owned or store.shape[dim] < length + added:
-        shape = list(new.shape)
-        shape[dim] = max(length + added, 2 * length)
-        grown = new.new_empty(shape)
-        grown.narrow(dim, 0, length).copy_(current)
-        store = grown
-    store.narrow(dim, length, added).copy_(new)
-    return store
-
-
-@functools.cache
-def _growing_entry_class() -> type:
-    from transformer_lens.cache.key_value_cache_entry import TransformerLensKeyValueCacheEntry
-
-    class GrowingEntry(TransformerLensKeyValueCacheEntry):
-        """TransformerLens's cache entry, appending into doubling buffers (see new_kv_cache)."""
-
-        stores: tuple[Tensor | None, Tensor | None] = (None, None)
-
-        def append(self, new_keys: Tensor, new_values: Tensor) -> tuple[Tensor, Tensor]:
-            if self.frozen:  # shared by continuations: TransformerLens's own copy
-                return super().append(new_keys, new_values)
-            n = self.past_keys.shape[1] + new_keys.shape[1]
-            keys = _appended(self.stores[0], self.past_keys, new_keys, 1)
-            values = _appended(self.stores[1], self.past_values, new_values, 1)
-            self.stores = (keys, values)
-            self.past_keys, self.past_values = keys.narrow(1, 0, n), values.narrow(1, 0, n)
-            return self.past_keys, self.past_values
-
-    return GrowingEntry
-
-
-@functools.cache
-def _growing_layer_class() -> type:
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        """Hugging Face's dynamic cache layer, appending into doubling buffers (new_kv_cache)."""
-
-        stores: tuple[Tensor | None, Tensor | None] = (None, None)
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-                self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
-            n = self.keys.shape[-2] + key_states.shape[-2]
-            keys = _appended(self.stores[0], self.keys, key_states, self.keys.dim() - 2)
-            values = _appended(self.stores[1], self.values, value_states, self.values.dim() - 2)
-            self.stores = (keys, values)
-            self.keys, self.values = keys.narrow(-2, 0, n), values.narrow(-2, 0, n)
-            return self.keys, self.values
-
-    return GrowingLayer
-
-
-def cached_length(cache: Any) -> int:
-    """How many positions a :func:`new_kv_cache` holds (0 if the attention ignored it)."""
-    return cache.get_seq_length() if MAJOR >= 4 else cache.previous_attention_mask.shape[1]
-
-
-def shared_cache(cache: Any, batch: int) -> Any:
-    """A key-value cache holding one prompt, made to serve a call of ``batch`` continuations:
-    each row reads the prompt's keys and values (a view, not a copy) and nothing is added.
-
-    3.x: TransformerLens's ``freeze()``, the entries viewed as ``batch`` rows. 4.x: a
-    ``DynamicCache`` over the prompt's layers whose ``update`` returns them before the new keys
-    and values but keeps none (``DynamicCache`` itself would keep ``batch`` copies).
-    """
-    if MAJOR < 4:
-        cache.freeze()
-        for entry in cache.entries:  # 3.x reads the cache as the call's batch
-            entry.past_keys = entry.past_keys[:1].expand(batch, -1, -1, -1)
-            entry.past_values = entry.past_values[:1].expand(batch, -1, -1, -1)
-        cache.previous_attention_mask = cache.previous_attention_mask[:1].expand(batch, -1)
-        return cache
-    from transformers import DynamicCache
-
-    class Shared(DynamicCache):
-        def update(
-            self, keys: Tensor, values: Tensor, layer_idx: int, *args: Any, **kwargs: Any
-        ) -> tuple[Tensor, Tensor]:
-            past = self.layers[layer_idx]
-            rows = (len(keys), -1, -1, -1)
-            return (
-                torch.cat([past.keys.expand(rows), keys], dim=-2),
-                torch.cat([past.values.expand(rows), values], dim=-2),
-            )
-
-    shared = Shared()
-    shared.layers = cache.layers  # the lengths, masks and ALiBi positions follow the prompt's
-    return shared
-
-
-# Where a cache keeps positions: 3.x's entries are [batch, pos, head, d_head], Hugging Face's
-# layers [batch, head, pos, d_head].
-KV_POS_DIM = 1 if MAJOR < 4 else 2
-
-
-def cache_contents(cache: Any) -> list[tuple[Tensor, Tensor]]:
-    """Each layer's keys and values in a :func:`new_kv_cache` (views, positions along
-    :data:`KV_POS_DIM`; empty when the attention left the cache empty)."""
-    if MAJOR < 4:
-        return [(entry.past_keys, entry.past_values) for entry in cache.entries]
-    return [(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized]
-
-
-def cache_holding(
-    model: Model, contents: list[tuple[Tensor, Tensor]], batch: int, device: torch.device
-) -> Any:
-    """A :func:`new_kv_cache` already holding ``contents`` (each layer's keys and values, laid
-    out as :func:`cache_contents` gives them, copied in): the next call continues after them,
-    as if they were every earlier position. Any subset of earlier positions works for a model
-    whose attention reads positions only through the cache's length (ALiBi: the bias then
-    treats cache slots as positions, which the caller's bias hook can replace)."""
-    cache = new_kv_cache(model, batch, device)
-    n_pos = contents[0][0].shape[KV_POS_DIM] if contents else 0
-    if not n_pos:
-        return cache
-    if MAJOR >= 4:
-        for layer, (keys, values) in enumerate(contents):
-            cache.update(keys, values, layer)
-        return cache
-    for entry, (keys, values) in zip(cache.entries, contents, strict=True):
-        entry.append(keys, values)
-    cache.previous_attention_mask = torch.ones(
-        batch, n_pos, dtype=cache.previous_attention_mask.dtype, device=device
-    )
-    return cache
-
-
-def run_to_layer(
-    model: Model, tokens: Int[Tensor, "batch pos"], stop_at_layer: int, *, cache: Any = None
-) -> Float[Tensor, "batch pos d_model"]:
-    """The residual stream after block ``stop_at_layer - 1``; no later block, no unembedding.
-
-    Hooks already on the model fire as usual. (4.x's own ``stop_at_layer`` runs the final
-    LayerNorm and unembedding when it equals the number of layers.) With ``cache`` (from
-    :func:`new_kv_cache`) the tokens continue the cached positions, and the cache grows by them.
-    """
-    if MAJOR < 4:
-        if cache is None:
-            return model(tokens, stop_at_layer=stop_at_layer)
-        ones = torch.ones_like(tokens)  # explicit: no pad-token guessing from the tokenizer
-        return model(tokens, stop_at_layer=stop_at_layer, past_kv_cache=cache, attention_mask=ones)
-    found: list[Tensor] = []
-
-    def stop(resid: Tensor, hook: HookPoint) -> None:
-        found.append(resid)
-        raise _Stop
-
-    kwargs = {} if cache is None else {"cache": cache, "use_cache": True}
-    with model.hooks(fwd_hooks=[(f"blocks.{stop_at_layer - 1}.hook_resid_post", stop)]):
-        try:
-            model(tokens, **kwargs)
-        except _Stop:
-            pass
-    return found[0]
-
-
-def run_from_layer(
-    model: Model,
-    tokens: Int[Tensor, "batch pos"],
-    resid_pre: Float[Tensor, "batch pos d_model"],
-    start_at_layer: int,
-) -> Float[Tensor, "batch pos d_vocab"]:
-    """The logits of a pass whose block ``start_at_layer`` gets ``resid_pre`` as its input.
-
-    3.x starts at that block. 4.x's own ``start_at_layer`` gives wrong logits on BLOOM (off by
-    2.4 nats at block 0 on the organism) and runs the earlier blocks anyway: here the pass runs
-    from ``tokens`` and a hook swaps ``resid_pre`` in.
-    """
-    if MAJOR < 4:
-        return model(resid_pre, start_at_layer=start_at_layer)
-
-    def swap(resid: Tensor, hook: HookPoint) -> Tensor:
-        return resid_pre
-
-    with model.hooks(fwd_hooks=[(f"blocks.{start_at_layer}.hook_resid_pre", swap)]):
-        return model(tokens)

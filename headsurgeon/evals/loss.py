@@ -1,0 +1,398 @@
+"""Perplexity with a sliding window and loss by position: the language-modelling evaluations of
+:mod:`headsurgeon.evals`, and the length checks its retrieval tasks share.
+
+Exports:
+    perplexity(model, data, window, stride, batch_size)  token-weighted perplexity (float)
+    loss_by_position(model, data, length, n_seqs, ...)   mean loss per position bucket (DataFrame)
+    position_edges(length)                               its default buckets (powers of two)
+    sliding_windows(n_tokens, window, stride)            the windows perplexity scores
+    default_window(model), check_length(model, length)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import pairwise
+
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from headsurgeon import long_context
+from headsurgeon.backend import Model, check_model
+from headsurgeon.data import (
+    Data,
+    _texts,
+    batches,
+    bos_token_id,
+    describe,
+    position_zero,
+    resolve_bos,
+    to_sequences,
+    tokenize,
+)
+from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.loading import model_info, model_shape
+from headsurgeon.long_context import run_in_blocks
+from headsurgeon.progress import tqdm
+from headsurgeon.validation import check_int
+
+__all__ = [
+    "check_length",
+    "default_window",
+    "loss_by_position",
+    "perplexity",
+    "position_edges",
+    "sliding_windows",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def default_window(model: Model) -> int:
+    """The training length when known (in-context evaluation), else the model's context.
+
+    The context is the checkpoint's own ``seq_length`` when it has one (:func:`model_shape`):
+    TransformerLens gives every BLOOM ``n_ctx = 2048``.
+    """
+    return min(model_info(model).train_ctx or model_shape(model).n_ctx, model.cfg.n_ctx)
+
+
+def check_length(model: Model, length: int, what: str = "context length") -> int:
+    """Return ``length`` if the model can take it, else raise a one-line error: any length for
+    ALiBi models, at most ``cfg.n_ctx`` for models with positions
+    (:func:`headsurgeon.long_context.check_length`)."""
+    return long_context.check_length(model, length, what)
+
+
+def sliding_windows(
+    n_tokens: int, window: int, stride: int, n_prefix: int = 0
+) -> list[tuple[int, int, int]]:
+    """Windows ``(begin, end, n_scored)`` that score every predictable token exactly once.
+
+    A window feeds ``n_prefix`` prefix tokens (a BOS token) and tokens ``begin:end`` of the stream
+    and scores its last ``n_scored`` predictions: the tokens no earlier window scored. Windows
+    start every ``stride`` tokens, so after the first one each scored token sees at least
+    ``window - n_prefix - stride`` tokens of context.
+
+    >>> sliding_windows(10, window=4, stride=2)
+    [(0, 4, 3), (2, 6, 2), (4, 8, 2), (6, 10, 2)]
+    >>> sliding_windows(3, window=4, stride=2, n_prefix=1)
+    [(0, 3, 3)]
+    """
+    span = window - n_prefix
+    out, begin, done = [], 0, 0
+    while True:
+        end = min(begin + span, n_tokens)
+        first = max(done, begin + 1 - n_prefix)  # a target needs a logit before it
+        if end > first:
+            out.append((begin, end, end - first))
+        done = end
+        if end == n_tokens:
+            return out
+        begin += stride
+
+
+def _token_streams(model: Model, data: Data) -> list[Int[Tensor, " pos"]]:
+    """Data as independent token streams: each text, or each row of a token tensor."""
+    if isinstance(data, Tensor):
+        if data.ndim not in (1, 2) or data.numel() == 0:
+            raise DataError(
+                f"token tensor must be [pos] or [n, pos] and non-empty, got {data.shape}"
+            )
+        return list(data.long().reshape(-1, data.shape[-1]))
+    return [torch.tensor(tokenize(model, text), dtype=torch.long) for text in _texts(data)]
+
+
+def _windows_by_length(
+    streams: Iterable[Int[Tensor, " pos"]],
+    prefix: Int[Tensor, " prefix"],
+    window: int,
+    stride: int,
+    max_windows: int | None,
+) -> dict[int, list[tuple[Int[Tensor, " pos"], int]]]:
+    """The windows :func:`perplexity` scores, grouped by length: ``(tokens, n_scored)`` each."""
+    spans = []  # (stream, begin, end, tokens scored) of every window
+    for stream in streams:
+        if len(prefix) and len(stream) > 1 and stream[0] == prefix[0]:
+            stream = stream[1:]  # e.g. from to_sequences: already BOS-first; never score BOS twice
+        spans += [
+            (stream, *span) for span in sliding_windows(len(stream), window, stride, len(prefix))
+        ]
+    if not spans:
+        raise DataError("no token has context to be scored; give texts of at least two tokens")
+    if max_windows is not None and len(spans) > max_windows:
+        logger.info(
+            "perplexity on %d of %d windows (max_windows=None: all)", max_windows, len(spans)
+        )
+        picks = torch.linspace(0, len(spans) - 1, max_windows).round().long().tolist()
+        spans = [spans[i] for i in picks]
+    by_length: dict[int, list[tuple[Tensor, int]]] = defaultdict(list)
+    for stream, begin, end, n_scored in spans:
+        tokens = torch.cat([prefix, stream[begin:end]])
+        by_length[len(tokens)].append((tokens, n_scored))
+    return by_length
+
+
+def _next_token_nll(
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    block_size: int,
+    first: int = 0,
+    keys: long_context.KeyChooser | None = None,
+) -> Iterator[tuple[int, Float[Tensor, "batch n"]]]:
+    """``(position, nll)`` block by block: ``nll[:, i]`` (float64, on the model's device) is the
+    negative log-probability of token ``position + i + 1`` given the tokens up to ``position + i``,
+    for the positions from ``first`` to the second last.
+
+    The tokens run in blocks of ``block_size`` rows (:func:`long_context.run_in_blocks`) and
+    only a block's rows from ``first`` on are unembedded, so one block's logits
+    (``[batch, block, vocab]``, log-softmaxed in float32) are the largest tensor. ``keys``: each
+    block attends to those earlier positions only (:func:`long_context.run_in_blocks`).
+    """
+    last = tokens.shape[1] - 1  # the last position predicts nothing
+    for offset, resid in run_in_blocks(model, tokens, block_size=block_size, keys=keys):
+        lo, hi = max(first, offset), min(offset + resid.shape[1], last)
+        if hi <= lo:
+            continue
+        logits = model.unembed(model.ln_final(resid[:, lo - offset : hi - offset])).float()
+        targets = tokens[:, lo + 1 : hi + 1, None].to(logits.device)
+        yield lo, -logits.log_softmax(-1).gather(-1, targets)[..., 0].double()
+
+
+@torch.no_grad()
+def perplexity(
+    model: Model,
+    data: Data = None,
+    *,
+    window: int | None = None,
+    stride: int | None = None,
+    batch_size: int = 8,
+    prepend_bos: bool | None = None,
+    max_windows: int | None = 64,
+    block_size: int | None = None,
+    progress: bool = True,
+) -> float:
+    """Token-weighted perplexity ``exp(total NLL / scored tokens)`` over texts or token streams.
+
+    ``data``: texts, text files, a token tensor (each row an independent stream; a 1-D tensor
+    is one stream) or ``None`` for the bundled held-out corpora. Streams longer than ``window``
+    (default: the training length when known, else the model's context) are scored with
+    overlapping windows every ``stride`` tokens (default ``window // 2``); every token except
+    a stream's first (which has no context unless a BOS token is prepended) is scored exactly
+    once, by the window in which it has the most context. With a BOS token (``prepend_bos``, by
+    default the model's convention for texts) every window starts with it; a token stream that
+    already starts with it (as :func:`headsurgeon.data.to_sequences` makes them) is not given a
+    second one. A token tensor is used as given: its windows get a BOS token only when
+    ``prepend_bos=True`` asks for one explicitly, never by convention. Log-probabilities are
+    taken in float32 and summed in float64.
+
+    At most ``max_windows`` windows are scored (default 64, like the census's 64 sequences),
+    evenly spaced over all of them, so the default call on the bundled corpora takes seconds, not
+    minutes; ``max_windows=None`` scores every token of the data.
+
+    ALiBi models take windows of any length (beyond ``n_ctx``: length extrapolation); others at
+    most ``n_ctx`` tokens. A batch of windows runs in blocks of ``block_size`` query rows
+    (default: for ALiBi models chosen by memory, :func:`headsurgeon.long_context.block_size`; for
+    others the whole window), so memory is linear in the window: ``batch_size`` key-value caches,
+    one block's attention and one block's logits. A window of at most ``block_size`` tokens is
+    one dense pass.
+
+    Usage::
+
+        perplexity(model)  # in context: windows of the training length
+        # Beyond it (an ALiBi model): four 16k-token windows, one at a time.
+        perplexity(model, window=16384, batch_size=1, max_windows=4)
+    """
+    check_model(model, "perplexity")
+    window = check_length(model, default_window(model) if window is None else window, "window")
+    # A stride of window or more would skip tokens.
+    stride = check_int(
+        window // 2 if stride is None else stride, "stride", minimum=1, maximum=window - 1
+    )
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    if block_size is not None:
+        check_int(block_size, "block_size", minimum=1)
+    bos = resolve_bos(model, prepend_bos) and (prepend_bos or not isinstance(data, Tensor))
+    prefix = torch.tensor([bos_token_id(model)] if bos else [], dtype=torch.long)
+    if window <= len(prefix):
+        raise InvalidArgumentError("window must be at least 2 when a BOS token is prepended")
+    if max_windows is not None:
+        check_int(max_windows, "max_windows", minimum=1)
+
+    by_length = _windows_by_length(_token_streams(model, data), prefix, window, stride, max_windows)
+    total_nll, total_tokens = 0.0, 0
+    n_batches = sum(math.ceil(len(w) / batch_size) for w in by_length.values())
+    bar = tqdm(total=n_batches, desc="perplexity", disable=not progress or n_batches < 2)
+    for length, windows in by_length.items():
+        tokens = torch.stack([t for t, _ in windows])
+        n_scored = torch.tensor([n for _, n in windows])
+        for start, batch in enumerate(batches(tokens, batch_size)):
+            counts = n_scored[start * batch_size : start * batch_size + len(batch)]
+            first = length - 1 - counts  # each window's first scored position
+            block = block_size or long_context.block_size(model, length, batch=len(batch))
+            for position, nll in _next_token_nll(model, batch, block, int(first.min())):
+                scored = position + torch.arange(nll.shape[1]) >= first[:, None]
+                total_nll += nll[scored.to(nll.device)].sum().item()
+            total_tokens += int(counts.sum())
+            bar.update()
+    bar.close()
+    return math.exp(total_nll / total_tokens)
+
+
+def position_edges(length: int) -> list[int]:
+    """The default buckets of :func:`loss_by_position`: ``0, 1, 2, 4, ...`` (powers of two), then
+    ``length - 1``, the number of positions that predict a token.
+
+    >>> position_edges(20)
+    [0, 1, 2, 4, 8, 16, 19]
+    """
+    last = check_int(length, "length", minimum=2) - 1
+    return [0] + [2**k for k in range(last.bit_length()) if 2**k < last] + [last]
+
+
+def _check_edges(edges: Sequence[int], length: int) -> list[int]:
+    edges = [check_int(e, "each of edges", minimum=0, maximum=length - 1) for e in edges]
+    if len(edges) < 2 or any(b <= a for a, b in pairwise(edges)):
+        raise InvalidArgumentError(
+            f"edges must be at least two increasing positions between 0 and {length - 1} (the "
+            f"last position that predicts a token), got {edges}"
+        )
+    return edges
+
+
+def _position_table(
+    edges: list[int],
+    sums: Float[Tensor, "seq bucket"],
+    squares: Float[Tensor, " bucket"],
+) -> pd.DataFrame:
+    """:func:`loss_by_position`'s table from each sequence's summed loss per bucket and the
+    summed squares (every sequence has ``edges[i + 1] - edges[i]`` predictions in bucket ``i``)."""
+    n = len(sums)
+    per_seq = torch.tensor(edges).diff().double()
+    total = n * per_seq
+    mean = sums.sum(0) / total
+    unbiased = total / (total - 1).clamp(min=1)
+    std = ((squares / total - mean**2).clamp(min=0) * unbiased).sqrt()
+    # Tokens of one sequence are not independent: the interval comes from the sequences' means.
+    ci95 = (
+        1.96 * (sums / per_seq).std(0) / math.sqrt(n) if n > 1 else torch.full_like(mean, math.nan)
+    )
+    return pd.DataFrame(
+        {
+            "position_lo": edges[:-1],
+            "position_hi": edges[1:],
+            "tokens": total.long().numpy(),
+            "mean_nll": mean.numpy(),
+            "std": std.numpy(),
+            "ci95": ci95.numpy(),
+            "perplexity": mean.exp().numpy(),
+        }
+    )
+
+
+@torch.no_grad()
+def loss_by_position(
+    model: Model,
+    data: Data = None,
+    *,
+    length: int = 4096,
+    n_seqs: int = 4,
+    edges: Sequence[int] | None = None,
+    prepend_bos: bool | None = None,
+    batch_size: int = 1,
+    block_size: int | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Mean next-token loss by position: ALiBi's length-extrapolation curve.
+
+    ``n_seqs`` sequences of ``length`` tokens each run in one pass, ``batch_size`` at a time, in
+    blocks of ``block_size`` query rows (as in :func:`perplexity`; memory is linear in
+    ``length``: one 16k-token sequence of the 4-layer organism took 16 s and 0.9 GiB above the
+    model on one CPU thread under TransformerLens 4.x, 50 s under 3.x), and every
+    prediction is put in the bucket of its position ``p`` (the prediction of token ``p + 1``
+    from tokens ``0 ... p``). Buckets are ``edges[i] <= p < edges[i + 1]``; the default
+    (:func:`position_edges`) doubles: ``[0, 1), [1, 2), [2, 4), ... [2^k, length - 1)``.
+
+    ``data``: texts, text files (``None``: the bundled held-out corpora) or a ``[n, pos]`` token
+    tensor. Texts are cut as :func:`headsurgeon.data.to_sequences` cuts them: each text on its
+    own into non-overlapping sequences (a BOS token first when ``prepend_bos``, by default the
+    model's convention), ``n_seqs`` of them evenly spaced over all texts. Fewer texts give fewer
+    sequences (logged, and in ``attrs["n_seqs"]``); a text shorter than ``length`` gives none, and
+    if every text is, that is a one-line :class:`~headsurgeon.errors.DataError`. The bundled
+    held-out corpora hold about 290k (Shakespeare) and 210k (Python docs) tokens for the
+    organisms' tokenizer: seven sequences of 64k tokens, none of 300k. A token tensor's rows
+    are used as given (no BOS token added, :func:`~headsurgeon.data.to_sequences`), cut to
+    ``length``.
+
+    Returns one row per bucket: ``position_lo``, ``position_hi`` (its positions), ``tokens``
+    (predictions in it, over all sequences), ``mean_nll`` (nats), ``std`` (of the per-token loss),
+    ``ci95`` (half-width of a 95% interval for ``mean_nll`` from the spread of the sequences' own
+    means: NaN with one sequence), ``perplexity`` (``exp(mean_nll)``) and ``in_context``
+    (``position_hi <= train_ctx``: positions the model was trained at). ``attrs``: model, data,
+    length, n_seqs, prepend_bos, train_ctx. Under a ``headsurgeon.blindness.mitigation(...)``
+    the curve is the mitigated model's.
+
+    Usage::
+
+        curve = loss_by_position(model, length=16384, n_seqs=4)
+        with mitigation(model, "log"):
+            logged = loss_by_position(model, length=16384, n_seqs=4)
+    """
+    check_model(model, "loss_by_position")
+    length = check_length(model, check_int(length, "length", minimum=2), "length")
+    n_seqs = check_int(n_seqs, "n_seqs", minimum=1)
+    batch_size = check_int(batch_size, "batch_size", minimum=1)
+    if block_size is not None:
+        check_int(block_size, "block_size", minimum=1)
+    edges = _check_edges(position_edges(length) if edges is None else edges, length)
+    tokens = to_sequences(model, data, seq_len=length, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    bos = position_zero(model, data, tokens, prepend_bos)[0]
+    if tokens.shape[1] < length:
+        raise DataError(f"the token rows hold {tokens.shape[1]} tokens, fewer than length {length}")
+    tokens = tokens[:n_seqs, :length]
+    if len(tokens) < n_seqs:
+        logger.info(
+            "loss_by_position on %d sequences of %d tokens: the data hold no more",
+            len(tokens),
+            length,
+        )
+
+    # Positions from edges[-1] on are in no bucket: the tokens after edges[-1] never run.
+    tokens = tokens[:, : edges[-1] + 1]
+    bounds = torch.tensor(edges)
+    sums = torch.zeros(len(tokens), len(edges) - 1, dtype=torch.float64)  # per sequence
+    squares = torch.zeros(len(edges) - 1, dtype=torch.float64)
+    bar = tqdm(
+        total=len(tokens) * (edges[-1] - edges[0]),
+        desc="loss by position",
+        unit="token",
+        unit_scale=True,
+        disable=not progress,
+    )
+    for start, batch in enumerate(batches(tokens, batch_size)):
+        block = block_size or long_context.block_size(model, tokens.shape[1], batch=len(batch))
+        rows = sums[start * batch_size : start * batch_size + len(batch)]  # a view
+        for position, nll in _next_token_nll(model, batch, block, first=edges[0]):
+            nll = nll.cpu()
+            bucket = torch.bucketize(position + torch.arange(nll.shape[1]), bounds, right=True) - 1
+            rows.index_add_(1, bucket, nll)
+            squares.index_add_(0, bucket, (nll**2).sum(0))
+            bar.update(nll.numel())
+    bar.close()
+    frame = _position_table(edges, sums, squares)
+    train_ctx = model_info(model).train_ctx or model.cfg.n_ctx
+    frame["in_context"] = frame["position_hi"] <= train_ctx
+    frame.attrs.update(
+        model=model_info(model).name,
+        data=describe(data),
+        length=length,
+        n_seqs=len(tokens),
+        prepend_bos=bos,
+        train_ctx=train_ctx,
+    )
+    return frame
