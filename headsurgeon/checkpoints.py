@@ -45,11 +45,12 @@ from headsurgeon.errors import (
     InvalidArgumentError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.exact_alibi import inexact_slopes, install_hf_bias, trained_bias
+from headsurgeon.exact_alibi import install_hf_bias, trained_bias
 from headsurgeon.loading import (
     METADATA_FILE,
     TOKENIZER_FILES,
     ModelInfo,
+    inexact_slopes,
     model_info,
     read_json,
     stored_tensors,
@@ -148,12 +149,11 @@ def hf_model(model: Model, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
     """
     import transformers
 
-    check_model(model, "hf_model", writes=True)
+    info = model_info(model, "hf_model", writes=True)
     check_unprocessed(model)
-    info = model_info(model)
     config = _bloom_config(model, info)
     architecture = config["architectures"][0]
-    differences = _bloom_differences(model, config)
+    differences = _bloom_differences(model, info, config)
     if differences:
         raise UnsupportedArchitectureError(
             f"{info.name!r} is not a {architecture} as transformers computes it: "
@@ -310,7 +310,7 @@ EXPORT_RTOL = 1e-5
 _TOLERANCE = "1e-4 + 1e-5"
 
 
-def _bloom_differences(model: Model, config: dict[str, Any]) -> list[str]:
+def _bloom_differences(model: Model, info: ModelInfo, config: dict[str, Any]) -> list[str]:
     """What ``model`` computes that the BLOOM ``config`` (and BLOOM's weights) cannot express;
     for an MPT or a Falcon on 4.x, what its own family's ``config`` cannot.
 
@@ -319,7 +319,7 @@ def _bloom_differences(model: Model, config: dict[str, Any]) -> list[str]:
     """
     layout = _LAYOUTS.get(backend.hf_architecture(model))
     if layout is not None and layout.family != "BLOOM":
-        return _family_differences(model, config, layout.family)
+        return _family_differences(model, info, layout.family)
     cfg = model.cfg
     with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
@@ -341,7 +341,7 @@ def _bloom_differences(model: Model, config: dict[str, Any]) -> list[str]:
             continue  # sqrt(d_head): a consequence of d_head, reported as such
         if ours != theirs:
             found.append(_difference(name, ours, theirs, cfg))
-    slopes = inexact_slopes(model)
+    slopes = inexact_slopes(info)
     if slopes is not None:
         found.append(slopes)
     if torch.any(model.unembed.b_U != 0):
@@ -349,13 +349,13 @@ def _bloom_differences(model: Model, config: dict[str, Any]) -> list[str]:
     return found
 
 
-def _family_differences(model: Model, config: dict[str, Any], family: str) -> list[str]:
+def _family_differences(model: Model, info: ModelInfo, family: str) -> list[str]:
     """What an MPT's or a Falcon's own format cannot express. The 4.x bridge computes with the
     Hugging Face model itself: only what headsurgeon adds can differ (and the reload check
     compares the logits: a bridge that computes something else, e.g. one built by hand on a
     Falcon with new_decoder_architecture, fails it)."""
     found = []
-    kind, _ = trained_bias(model_info(model).metadata)
+    kind, _ = trained_bias(info.metadata)
     if kind != "standard":
         found.append(f"{kind} ALiBi ({family} in transformers computes standard ALiBi only)")
     if torch.any(model.unembed.b_U != 0):
@@ -410,8 +410,11 @@ def checkpoint_dtype(model: Model) -> torch.dtype | None:
     >>> print(checkpoint_dtype(random_model(ModelShape(1, 2, 8, 16, 8))))
     None
     """
-    check_model(model, "checkpoint_dtype")
-    source = model_info(model).source
+    return _source_dtype(model_info(model, "checkpoint_dtype").source)
+
+
+def _source_dtype(source: Path | None) -> torch.dtype | None:
+    """:func:`checkpoint_dtype` of the model loaded from ``source``."""
     if source is None or not source.is_dir():
         return None
     # Headers and config read bounded, regular files only (the folder may have changed since
@@ -462,7 +465,9 @@ def _float32_logits(model: Model, tokens: Tensor) -> Tensor:
         model.cfg.dtype = cfg_dtype
 
 
-def _verify_export(model: Model, folder: Path, unrounded: dict[str, Tensor] | None) -> float | None:
+def _verify_export(
+    model: Model, info: ModelInfo, folder: Path, unrounded: dict[str, Tensor] | None
+) -> float | None:
     """Reload ``folder`` with ``transformers`` (float32, the class its ``config.json`` names) and
     compare logits with ``model``'s.
 
@@ -475,7 +480,7 @@ def _verify_export(model: Model, folder: Path, unrounded: dict[str, Tensor] | No
     architecture = read_json(folder / "config.json")["architectures"][0]
     device = model.embed.W_E.device
     # MPT builds its ALiBi for max_seq_len positions and computes no more.
-    tokens = _probe_tokens(model, device)[:, : model_info(model).hf_config.get("max_seq_len")]
+    tokens = _probe_tokens(model, device)[:, : info.hf_config.get("max_seq_len")]
     tf32 = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # TF32 would exceed the tolerance by itself
     bar_was_on = hf_logging.is_progress_bar_enabled()
@@ -493,7 +498,7 @@ def _verify_export(model: Model, folder: Path, unrounded: dict[str, Tensor] | No
             )
         hf = hf.to(device).eval()
         # A model trained with an ALiBi variant is checked as headsurgeon loads it back.
-        kind, params = trained_bias(model_info(model).metadata)
+        kind, params = trained_bias(info.metadata)
         if kind != "standard":
             install_hf_bias(hf, kind, **params)
         with torch.no_grad():
@@ -555,23 +560,21 @@ def save_hf(
     ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
     float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
     """
-    check_model(model, "save_hf", writes=True)
+    info = model_info(model, "save_hf", writes=True)
     # Where the model was loaded from (headsurgeon.loading records it): never written over.
-    source = getattr(getattr(model, "headsurgeon_info", None), "source", None)
-    inputs = [source] if source is not None else []
+    inputs = [info.source] if info.source is not None else []
     check_output_dir(out_dir, overwrite, inputs=inputs)  # before any work
     check_unprocessed(model)
-    info = model_info(model)
     config = _bloom_config(model, info)
     family = _LAYOUTS.get(config["architectures"][0], _BLOOM_LAYOUT).family
-    differences = _bloom_differences(model, config)
+    differences = _bloom_differences(model, info, config)
     if differences:
         why, article = "; ".join(differences), "an" if family == "MPT" else "a"
         raise UnsupportedArchitectureError(
             f"save_hf cannot write {info.name!r} as {article} {family} checkpoint: {why}"
         )
     save_dtype = parse_dtype(dtype) if dtype is not None else None
-    save_dtype = save_dtype or checkpoint_dtype(model) or model.embed.W_E.dtype
+    save_dtype = save_dtype or _source_dtype(info.source) or model.embed.W_E.dtype
     dtype_name = str(save_dtype).removeprefix("torch.")
     written, unrounded, rounded = _cast_state(model, config, save_dtype)
     unrounded = unrounded if verify and rounded else None
@@ -580,7 +583,7 @@ def save_hf(
     with atomic_directory(out_dir, overwrite=overwrite, inputs=inputs, writer="save_hf") as tmp:
         _write_folder(tmp, written, config, info)
         del written
-        moved = _verify_export(model, tmp, unrounded) if verify else None
+        moved = _verify_export(model, info, tmp, unrounded) if verify else None
     if rounded:
         message = f"save_hf wrote {dtype_name}: rounding changed {rounded} weight(s) of {info.name}"
         if moved is not None:

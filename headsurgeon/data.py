@@ -12,6 +12,7 @@ Exports:
     token_strings(info, tokens)          each token id as readable text (axis labels, hover)
     check_token_ids(info, tokens)        a token tensor checked: integer ids within the vocabulary
     resolve_bos(info, prepend_bos)       whether position 0 gets a BOS token (None: convention)
+    check_length(info, n_pos, what)      n_pos if the model takes sequences that long, else one line
     batches(tokens, batch_size)          consecutive batches of a token tensor
     describe(data, default)              a short description of data for run metadata
     HELD_OUT                             its default: the description of the bundled held-out text
@@ -44,7 +45,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from headsurgeon.backend import Model
-from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.errors import DataError, HeadsurgeonError, InvalidArgumentError
 from headsurgeon.inputs import read_text
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.validation import check_bool, check_int
@@ -61,6 +62,7 @@ __all__ = [
     "token_strings",
     "to_sequences",
     "resolve_bos",
+    "check_length",
     "batches",
     "describe",
     "HELD_OUT",
@@ -305,7 +307,7 @@ def as_sequences(
         data = data.tokens  # made for another model: checked again, as a tensor
     if isinstance(data, Tensor):
         return _tensor_sequences(info, data, n_seqs, prepend_bos)
-    _check_length(info, seq_len, "seq_len")
+    check_length(info, seq_len, "seq_len", DataError)
     tokens = _windows(info, _texts(data), seq_len, n_seqs, bos)
     why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
     if bos:
@@ -319,7 +321,7 @@ def _tensor_sequences(
     info: ModelInfo, data: Tensor, n_seqs: int | None, prepend_bos: bool | None
 ) -> Sequences:
     tokens = check_token_ids(info, data)[:n_seqs]
-    _check_length(info, tokens.shape[1], "sequences")
+    check_length(info, tokens.shape[1], "the sequence length", DataError)
     bos = info.bos_token_id
     holds_bos = bos is not None and bool((tokens[:, 0] == bos).all())
     if prepend_bos and not holds_bos:
@@ -364,19 +366,28 @@ def _windows(
     return tokens
 
 
-def _check_length(info: ModelInfo, n_pos: int, what: str) -> None:
-    limit = info.max_length  # None for ALiBi: no position table, any length
-    if limit is None or n_pos <= limit:
-        return
-    if what == "seq_len":
-        raise DataError(
-            f"seq_len {n_pos} is beyond the model's context of {limit} tokens; "
-            "use a shorter seq_len (--seq-len on the command line)"
+def check_length(
+    info: ModelInfo,
+    n_pos: int,
+    what: str = "sequence length",
+    error: type[HeadsurgeonError] = InvalidArgumentError,
+) -> int:
+    """``n_pos`` if the model ``info`` describes takes sequences that long, else one ``error``
+    line: models with learned or rotary positions keep their context (``info.max_length``); ALiBi
+    models take any length.
+
+    >>> from headsurgeon.loading import ModelShape, model_info, random_model
+    >>> check_length(model_info(random_model(ModelShape(1, 2, 8, 9, n_ctx=16))), 10**6)
+    1000000
+    """
+    n_pos = check_int(n_pos, what, minimum=1)
+    limit = info.max_length
+    if limit is not None and n_pos > limit:
+        raise error(
+            f"{what} {n_pos} is beyond the model's context of {limit} tokens (its "
+            f"{info.shape.positional} positions end there); use a shorter one"
         )
-    raise DataError(
-        f"sequences of {n_pos} tokens are beyond the model's context of {limit}; "
-        "use shorter sequences"
-    )
+    return n_pos
 
 
 HELD_OUT = "bundled held-out corpora (shakespeare, python-docs)"

@@ -30,7 +30,6 @@ Exports:
     DEFAULT_BLOCK_BYTES                    the attention memory one block may use by default
     FORWARD_BYTES_PER_ENTRY                what a plain forward keeps per attention entry
     max_length(model)                      the longest sequence the model takes (None: ALiBi, any)
-    check_length(model, n_pos, what)       ``n_pos`` if the model takes it, else one line
     block_size(model, n_pos, ...)          query rows per block for a memory budget
     query_offset(scores)                   the query position of a block's first row
     run_in_blocks(model, tokens, ...)      the residual stream block by block (a generator),
@@ -63,7 +62,7 @@ from headsurgeon.backend.cache import (
     shared_cache,
 )
 from headsurgeon.backend.forward import run_to_layer
-from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.errors import UnsupportedArchitectureError
 from headsurgeon.validation import check_int
 
 __all__ = [
@@ -71,7 +70,6 @@ __all__ = [
     "FORWARD_BYTES_PER_ENTRY",
     "KeyChooser",
     "block_size",
-    "check_length",
     "continuation_logprobs",
     "max_length",
     "query_offset",
@@ -100,19 +98,6 @@ def max_length(model: Model) -> int | None:
     None
     """
     return None if model.cfg.positional_embedding_type == "alibi" else model.cfg.n_ctx
-
-
-def check_length(model: Model, n_pos: int, what: str = "sequence length") -> int:
-    """``n_pos`` if ``model`` takes sequences that long, else one :class:`InvalidArgumentError`
-    line (models with learned or rotary positions keep their context; ALiBi models take any)."""
-    n_pos = check_int(n_pos, what, minimum=1)
-    limit = max_length(model)
-    if limit is not None and n_pos > limit:
-        raise InvalidArgumentError(
-            f"{what} {n_pos} is beyond the model's context of {limit} tokens (its "
-            f"{model.cfg.positional_embedding_type} positions end there); use a shorter one"
-        )
-    return n_pos
 
 
 def block_size(

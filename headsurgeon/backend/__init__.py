@@ -29,7 +29,7 @@ Exports:
     hf_bias_pre_hook(build)          the same for a Hugging Face BLOOM/MPT/Falcon attention
     attention_family(attn)           which of those an attention layer is ("bloom", ...)
     ALIBI_ATTENTION                  transformers' ALiBi attention classes -> their family
-    builtin_slopes(model)            the ALiBi slopes the attention class applies by itself
+    own_alibi_slopes(n_heads)        the ALiBi slopes TransformerLens builds by itself (None: 4.x)
 
 The rest is in its submodules: :mod:`~headsurgeon.backend.weights` (per-head views of the
 attention weights, the weights under 3.x's names), :mod:`~headsurgeon.backend.cache` (key-value
@@ -77,7 +77,7 @@ __all__ = [
     "Model",
     "add_bias_hook",
     "attention_family",
-    "builtin_slopes",
+    "own_alibi_slopes",
     "check_architecture",
     "check_model",
     "convert_hf",
@@ -508,19 +508,15 @@ def add_bias_hook(attn: nn.Module, build: BiasBuilder) -> _BiasHandle:
     return _BiasHandle(attn, attn.register_forward_pre_hook(tl3_hook, with_kwargs=True))
 
 
-def builtin_slopes(model: Model) -> Float[Tensor, " head_index"]:
-    """The ALiBi slopes the model's attention applies without headsurgeon's hook (float32).
-
-    3.x: what its attention class builds (``2^(-8(h+1)/H)`` for every head count). 4.x: what
-    transformers applies for the model's config, exact for every head count: BLOOM's
-    ``build_alibi_tensor``, MPT's (``alibi_bias_max`` 8, as ``MptModel`` calls it), Falcon's
-    bias per token of distance (``bf16(m_h) / sqrt(d_head)``); see
-    :func:`headsurgeon.alibi.config_slopes`.
-    """
-    from headsurgeon import alibi
-
+def own_alibi_slopes(n_heads: int) -> Float[Tensor, " head_index"] | None:
+    """The ALiBi slopes TransformerLens's attention builds by itself for ``n_heads`` heads
+    (float32), read from its attention class: 3.x's ``2^(-8(h+1)/H)`` for every head count. None on
+    4.x, whose attention applies what transformers applies for the model's config (exact for
+    every head count). :func:`headsurgeon.loading.facts.applied_slopes` decides with it."""
     if MAJOR >= 4:
-        return alibi.config_slopes(hf_config(model))
+        return None
+    from transformer_lens.components import AbstractAttention
+
     # The bias the attention class itself builds for two positions: row 1 is [-m_h, 0].
-    bias = type(model.blocks[0].attn).create_alibi_bias(model.cfg.n_heads, 2, "cpu")
+    bias = AbstractAttention.create_alibi_bias(n_heads, 2, "cpu")
     return -bias[:, 1, 0].to(torch.float32)

@@ -18,14 +18,15 @@ Exports:
                                                          bin), summary
     length_auc(lengths, values), summarize(table, ...)   AUC over context lengths, in/out of context
     sliding_windows(n_tokens, window, stride)            the windows perplexity scores
-    default_window(model), check_length(model, length)
+    default_window(info, n_ctx)                          perplexity's default window
 
 Every evaluation only runs the model forward, so it runs unchanged under any
 ``headsurgeon.blindness.mitigation(...)``. Long sequences run in blocks of query rows through the
 model's key-value cache (:mod:`headsurgeon.long_context`): memory grows linearly with the length,
 only one block's logits (``[batch, block, vocab]``) exist at a time, and the numbers equal the
 dense pass's up to float32 rounding. ALiBi models take any length (their ``n_ctx`` is nominal);
-models with learned or rotary positions keep their context (:func:`check_length`).
+models with learned or rotary positions keep their context
+(:func:`headsurgeon.data.check_length`).
 
 The evaluations live in :mod:`~headsurgeon.evals.loss` (perplexity, loss by position) and
 :mod:`~headsurgeon.evals.retrieval` (passkey, needle, retrieval by distance); this package
@@ -33,7 +34,6 @@ gives their names.
 """
 
 from headsurgeon.evals.loss import (
-    check_length,
     default_window,
     loss_by_position,
     perplexity,
@@ -55,7 +55,6 @@ from headsurgeon.evals.retrieval import (
 
 __all__ = [
     "default_window",
-    "check_length",
     "sliding_windows",
     "perplexity",
     "loss_by_position",

@@ -6,7 +6,7 @@ Exports:
     loss_by_position(model, data, length, n_seqs, ...)   mean loss per position bucket (DataFrame)
     position_edges(length)                               its default buckets (powers of two)
     sliding_windows(n_tokens, window, stride)            the windows perplexity scores
-    default_window(model), check_length(model, length)
+    default_window(info, n_ctx)                          perplexity's default window
 """
 
 from __future__ import annotations
@@ -23,26 +23,24 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import Model, check_model
+from headsurgeon.backend import Model
 from headsurgeon.data import (
     Data,
+    Sequences,
     _texts,
+    as_sequences,
     batches,
-    bos_token_id,
-    describe,
-    position_zero,
+    check_length,
     resolve_bos,
-    to_sequences,
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.loading import model_info, model_shape
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.long_context import run_in_blocks
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int
 
 __all__ = [
-    "check_length",
     "default_window",
     "loss_by_position",
     "perplexity",
@@ -53,20 +51,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def default_window(model: Model) -> int:
+def default_window(info: ModelInfo, n_ctx: int) -> int:
     """The training length when known (in-context evaluation), else the model's context.
 
-    The context is the checkpoint's own ``seq_length`` when it has one (:func:`model_shape`):
-    TransformerLens gives every BLOOM ``n_ctx = 2048``.
+    The context is the checkpoint's own ``seq_length`` when it has one (``info.shape``), at most
+    TransformerLens's ``n_ctx`` (it gives every BLOOM ``n_ctx = 2048``).
     """
-    return min(model_info(model).train_ctx or model_shape(model).n_ctx, model.cfg.n_ctx)
-
-
-def check_length(model: Model, length: int, what: str = "context length") -> int:
-    """Return ``length`` if the model can take it, else raise a one-line error: any length for
-    ALiBi models, at most ``cfg.n_ctx`` for models with positions
-    (:func:`headsurgeon.long_context.check_length`)."""
-    return long_context.check_length(model, length, what)
+    return min(info.train_ctx or info.shape.n_ctx, n_ctx)
 
 
 def sliding_windows(
@@ -97,15 +88,17 @@ def sliding_windows(
         begin += stride
 
 
-def _token_streams(model: Model, data: Data) -> list[Int[Tensor, " pos"]]:
+def _token_streams(info: ModelInfo, data: Data | Sequences) -> list[Int[Tensor, " pos"]]:
     """Data as independent token streams: each text, or each row of a token tensor."""
+    if isinstance(data, Sequences):
+        return list(data.tokens)
     if isinstance(data, Tensor):
         if data.ndim not in (1, 2) or data.numel() == 0:
             raise DataError(
                 f"token tensor must be [pos] or [n, pos] and non-empty, got {data.shape}"
             )
         return list(data.long().reshape(-1, data.shape[-1]))
-    return [torch.tensor(tokenize(model, text), dtype=torch.long) for text in _texts(data)]
+    return [torch.tensor(tokenize(info, text), dtype=torch.long) for text in _texts(data)]
 
 
 def _windows_by_length(
@@ -167,7 +160,7 @@ def _next_token_nll(
 @torch.no_grad()
 def perplexity(
     model: Model,
-    data: Data = None,
+    data: Data | Sequences = None,
     *,
     window: int | None = None,
     stride: int | None = None,
@@ -208,8 +201,9 @@ def perplexity(
         # Beyond it (an ALiBi model): four 16k-token windows, one at a time.
         perplexity(model, window=16384, batch_size=1, max_windows=4)
     """
-    check_model(model, "perplexity")
-    window = check_length(model, default_window(model) if window is None else window, "window")
+    info = model_info(model, "perplexity")
+    window = default_window(info, model.cfg.n_ctx) if window is None else window
+    window = check_length(info, window, "window")
     # A stride of window or more would skip tokens.
     stride = check_int(
         window // 2 if stride is None else stride, "stride", minimum=1, maximum=window - 1
@@ -217,14 +211,15 @@ def perplexity(
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     if block_size is not None:
         check_int(block_size, "block_size", minimum=1)
-    bos = resolve_bos(model, prepend_bos) and (prepend_bos or not isinstance(data, Tensor))
-    prefix = torch.tensor([bos_token_id(model)] if bos else [], dtype=torch.long)
+    given = isinstance(data, Tensor | Sequences)  # tokens: a BOS token only when asked for
+    bos = resolve_bos(info, prepend_bos) and (prepend_bos or not given)
+    prefix = torch.tensor([info.bos_token_id] if bos else [], dtype=torch.long)
     if window <= len(prefix):
         raise InvalidArgumentError("window must be at least 2 when a BOS token is prepended")
     if max_windows is not None:
         check_int(max_windows, "max_windows", minimum=1)
 
-    by_length = _windows_by_length(_token_streams(model, data), prefix, window, stride, max_windows)
+    by_length = _windows_by_length(_token_streams(info, data), prefix, window, stride, max_windows)
     total_nll, total_tokens = 0.0, 0
     n_batches = sum(math.ceil(len(w) / batch_size) for w in by_length.values())
     bar = tqdm(total=n_batches, desc="perplexity", disable=not progress or n_batches < 2)
@@ -298,7 +293,7 @@ def _position_table(
 @torch.no_grad()
 def loss_by_position(
     model: Model,
-    data: Data = None,
+    data: Data | Sequences = None,
     *,
     length: int = 4096,
     n_seqs: int = 4,
@@ -343,15 +338,15 @@ def loss_by_position(
         with mitigation(model, "log"):
             logged = loss_by_position(model, length=16384, n_seqs=4)
     """
-    check_model(model, "loss_by_position")
-    length = check_length(model, check_int(length, "length", minimum=2), "length")
+    info = model_info(model, "loss_by_position")
+    length = check_length(info, check_int(length, "length", minimum=2), "length")
     n_seqs = check_int(n_seqs, "n_seqs", minimum=1)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     if block_size is not None:
         check_int(block_size, "block_size", minimum=1)
     edges = _check_edges(position_edges(length) if edges is None else edges, length)
-    tokens = to_sequences(model, data, seq_len=length, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    bos = position_zero(model, data, tokens, prepend_bos)[0]
+    seqs = as_sequences(info, data, seq_len=length, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    tokens = seqs.tokens
     if tokens.shape[1] < length:
         raise DataError(f"the token rows hold {tokens.shape[1]} tokens, fewer than length {length}")
     tokens = tokens[:n_seqs, :length]
@@ -385,14 +380,14 @@ def loss_by_position(
             bar.update(nll.numel())
     bar.close()
     frame = _position_table(edges, sums, squares)
-    train_ctx = model_info(model).train_ctx or model.cfg.n_ctx
+    train_ctx = info.train_ctx or model.cfg.n_ctx
     frame["in_context"] = frame["position_hi"] <= train_ctx
     frame.attrs.update(
-        model=model_info(model).name,
-        data=describe(data),
+        model=info.name,
+        data=seqs.source,
         length=length,
         n_seqs=len(tokens),
-        prepend_bos=bos,
+        prepend_bos=seqs.holds_bos,
         train_ctx=train_ctx,
     )
     return frame

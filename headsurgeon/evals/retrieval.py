@@ -32,20 +32,18 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from headsurgeon import long_context
-from headsurgeon.backend import Model, check_model
+from headsurgeon.backend import Model
 from headsurgeon.data import (
     CORPORA,
     Data,
     _texts,
-    bos_token_id,
     bundled_text,
+    check_length,
     resolve_bos,
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
-from headsurgeon.evals.loss import check_length
-from headsurgeon.loading import model_info
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.long_context import continuation_logprobs
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_choice, check_int, check_number
@@ -178,7 +176,7 @@ def _check_depths(depths: Sequence[float]) -> list[float]:
 
 
 def _filler(
-    model: Model, text: str, n_tokens: int, rng: np.random.Generator
+    info: ModelInfo, text: str, n_tokens: int, rng: np.random.Generator
 ) -> Int[Tensor, " pos"]:
     """``n_tokens`` consecutive tokens from a random place in ``text``.
 
@@ -188,7 +186,7 @@ def _filler(
     span = 4 * n_tokens + 64
     while True:
         start = int(rng.integers(0, max(1, len(text) - span)))
-        ids = tokenize(model, text[start : start + span])[1:]
+        ids = tokenize(info, text[start : start + span])[1:]
         if len(ids) >= n_tokens:
             return torch.tensor(ids[:n_tokens], dtype=torch.long)
         if span >= len(text):
@@ -261,23 +259,23 @@ def _needle_task(haystack_texts: Data, n_candidates: int, words: Sequence[str]) 
 
 
 def _intro_and_question(
-    model: Model, task: _Task
+    info: ModelInfo, task: _Task
 ) -> tuple[Int[Tensor, " intro"], Int[Tensor, " question"]]:
     """The tokens every prompt of ``task`` starts and ends with (a BOS token first if that is
     the model's position-0 convention)."""
-    intro, question = (torch.tensor(tokenize(model, task.parts[k]), dtype=torch.long) for k in "iq")
-    if resolve_bos(model):
-        intro = torch.cat([torch.tensor([bos_token_id(model)]), intro])
+    intro, question = (torch.tensor(tokenize(info, task.parts[k]), dtype=torch.long) for k in "iq")
+    if resolve_bos(info):
+        intro = torch.cat([torch.tensor([info.bos_token_id]), intro])
     return intro, question
 
 
 def _score(
-    model: Model, prompt: Int[Tensor, " pos"], keys: list[str], what: str
+    model: Model, info: ModelInfo, prompt: Int[Tensor, " pos"], keys: list[str], what: str
 ) -> dict[str, object]:
     """Greedy exact match, rank and log-likelihood of the true key (``keys[0]``) among ``keys``
     after ``prompt``; ``what`` names the prompt in the error of a model too short for it."""
-    answers = [torch.tensor(tokenize(model, " " + k)) for k in keys]
-    limit = long_context.max_length(model)  # None: ALiBi, any length
+    answers = [torch.tensor(tokenize(info, " " + k)) for k in keys]
+    limit = info.max_length  # None: ALiBi, any length
     if limit is not None and len(prompt) + max(map(len, answers)) - 1 > limit:
         raise InvalidArgumentError(
             f"{what} leaves no room for the answer within the model's {limit} tokens; use a "
@@ -293,6 +291,7 @@ def _score(
 
 def _retrieval(
     model: Model,
+    info: ModelInfo,
     task: _Task,
     *,
     lengths: Sequence[int],
@@ -305,10 +304,10 @@ def _retrieval(
     depths = _check_depths(depths)
     check_int(n_trials, "n_trials", minimum=1)
     lengths = [lengths] if not isinstance(lengths, Iterable) else lengths  # one length: 256
-    lengths = [check_length(model, length) for length in lengths]
+    lengths = [check_length(info, length) for length in lengths]
     if not lengths:
         raise InvalidArgumentError("give at least one context length")
-    intro, question = _intro_and_question(model, task)
+    intro, question = _intro_and_question(info, task)
     rng = np.random.default_rng(seed)
     rows = []
     total = len(lengths) * len(depths) * n_trials
@@ -317,14 +316,14 @@ def _retrieval(
         for depth in depths:
             for trial in range(n_trials):
                 keys = task.draw(rng)  # the true key first, then the distractors
-                needle = torch.tensor(tokenize(model, task.parts["n"].format(key=keys[0])))
+                needle = torch.tensor(tokenize(info, task.parts["n"].format(key=keys[0])))
                 n_filler = length - len(intro) - len(needle) - len(question)
                 if n_filler < 0:
                     raise InvalidArgumentError(
                         f"context length {length} is too short for the {task.name} prompt; use "
                         f"at least {length - n_filler} tokens"
                     )
-                filler = _filler(model, task.text, n_filler, rng)
+                filler = _filler(info, task.text, n_filler, rng)
                 cut = round(depth * n_filler)
                 prompt = torch.cat([intro, filler[:cut], needle, filler[cut:], question])
                 rows.append(
@@ -334,7 +333,7 @@ def _retrieval(
                         "trial": trial,
                         "key": keys[0],
                         "needle_position": len(intro) + cut,
-                        **_score(model, prompt, keys, f"context length {length}"),
+                        **_score(model, info, prompt, keys, f"context length {length}"),
                         "n_candidates": len(keys),
                     }
                 )
@@ -354,10 +353,10 @@ def _retrieval(
         )
         .assign(chance=lambda t: 1 / t["n_candidates"])
     )
-    train_ctx = train_ctx or model_info(model).train_ctx or model.cfg.n_ctx
+    train_ctx = train_ctx or info.train_ctx or model.cfg.n_ctx
     table["in_context"] = table["context_length"] <= train_ctx
     for frame in (trials, table):
-        frame.attrs.update(task=task.name, model=model_info(model).name, train_ctx=train_ctx)
+        frame.attrs.update(task=task.name, model=info.name, train_ctx=train_ctx)
     return Retrieval(task.name, trials, table, summarize(table, train_ctx), train_ctx)
 
 
@@ -390,9 +389,10 @@ def passkey(
     models with positions take at most ``n_ctx``. By the needle's distance to the question
     rather than the prompt's length: :func:`retrieval_by_distance`.
     """
-    check_model(model, "passkey")
+    info = model_info(model, "passkey")
     return _retrieval(
         model,
+        info,
         _passkey_task(n_candidates, n_digits, filler),
         lengths=lengths,
         depths=depths,
@@ -422,9 +422,10 @@ def needle(
     ``depth`` fraction of it, and :data:`NEEDLE_QUESTION` follows. Scored like :func:`passkey`,
     the other candidates being other words of the list.
     """
-    check_model(model, "needle")
+    info = model_info(model, "needle")
     return _retrieval(
         model,
+        info,
         _needle_task(haystack_texts, n_candidates, words),
         lengths=lengths,
         depths=depths,
@@ -534,7 +535,7 @@ def retrieval_by_distance(
     one 8,192-token prompt in 5 s under TransformerLens 4.x and 9 s under 3.x (one CPU thread
     on busy shared cores, measured); the default bins and baselines take about 15 min a task.
     """
-    check_model(model, "retrieval_by_distance")
+    info = model_info(model, "retrieval_by_distance")
     task = check_choice(task, "task", ("passkey", "needle"))
     if task == "needle":
         spec = _needle_task(haystack, n_candidates, words)
@@ -544,7 +545,7 @@ def retrieval_by_distance(
     edges = _check_distance_edges(distances)
     check_int(n_trials, "n_trials", minimum=1)
     check_int(n_before, "n_before", minimum=0)
-    intro, question = _intro_and_question(model, spec)
+    intro, question = _intro_and_question(info, spec)
     rng = np.random.default_rng(seed)
     rows = []
     total = (len(edges) - 1) * n_trials
@@ -553,8 +554,8 @@ def retrieval_by_distance(
         for trial in range(n_trials):
             keys = spec.draw(rng)  # the true key first, then the distractors
             distance = int(rng.integers(lo, hi))
-            needle = torch.tensor(tokenize(model, spec.parts["n"].format(key=keys[0])))
-            haystack_tokens = _filler(model, spec.text, n_before + distance, rng)
+            needle = torch.tensor(tokenize(info, spec.parts["n"].format(key=keys[0])))
+            haystack_tokens = _filler(info, spec.text, n_before + distance, rng)
             before, after = haystack_tokens[:n_before], haystack_tokens[n_before:]
             prompt = torch.cat([intro, before, needle, after, question])
             start = len(intro) + n_before
@@ -570,21 +571,22 @@ def retrieval_by_distance(
                 "question_start": start + len(needle) + distance,
                 "prompt_length": len(prompt),
                 "n_candidates": len(keys),
-                **_score(model, prompt, keys, what),
+                **_score(model, info, prompt, keys, what),
             }
             baseline = torch.cat([intro, before, after, question])  # the needle taken out
-            row.update({f"baseline_{k}": v for k, v in _score(model, baseline, keys, what).items()})
+            scored = _score(model, info, baseline, keys, what)
+            row.update({f"baseline_{k}": v for k, v in scored.items()})
             rows.append(row)
             bar.update()
     bar.close()
     trials = pd.DataFrame(rows)
     for prefix in ("", "baseline_"):
         trials[f"{prefix}top1_correct"] = trials[f"{prefix}rank"] == 1
-    train_ctx = train_ctx or model_info(model).train_ctx or model.cfg.n_ctx
+    train_ctx = train_ctx or info.train_ctx or model.cfg.n_ctx
     table = distance_table(trials, train_ctx)
     attrs = {
         "task": task,
-        "model": model_info(model).name,
+        "model": info.name,
         "train_ctx": train_ctx,
         "seed": seed,
         "n_before": n_before,

@@ -23,7 +23,7 @@ from typing import Any
 from jaxtyping import Float
 from torch import Tensor
 
-from headsurgeon import alibi, backend
+from headsurgeon import alibi, backend, long_context
 from headsurgeon.backend import Model
 from headsurgeon.errors import (
     CheckpointError,
@@ -179,7 +179,7 @@ def model_info(
         tokenizer=tokenizer,
         shape=_shape(model, loaded.hf_config),
         slopes=applied_slopes(model, loaded.hf_config) if is_alibi else None,
-        max_length=None if is_alibi else cfg.n_ctx,
+        max_length=long_context.max_length(model),
         prepend_bos=bool(cfg.default_prepend_bos),
         bos_token_id=None if tokenizer is None else tokenizer.bos_token_id,
     )
