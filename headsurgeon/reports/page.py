@@ -35,7 +35,7 @@ from headsurgeon.backend import Model
 from headsurgeon.data import describe, to_sequences, token_strings
 from headsurgeon.exact_alibi import alibi_slopes
 from headsurgeon.outputs import atomic_write_text
-from headsurgeon.probes import PatternSample, sample_patterns
+from headsurgeon.pattern_samples import PatternSample, sample_patterns
 from headsurgeon.reports.records import _json_safe
 
 __all__ = [
