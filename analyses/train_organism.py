@@ -104,7 +104,7 @@ from transformers import (
 from headsurgeon import classify_heads, load_model, run_census
 from headsurgeon.alibi import check_bias_params
 from headsurgeon.allocator import keep_freed_memory
-from headsurgeon.evals import (
+from headsurgeon.evals.retrieval import (
     NEEDLE_QUESTION,
     NEEDLE_SENTENCE,
     NEEDLE_WORDS,

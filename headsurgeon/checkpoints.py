@@ -9,6 +9,8 @@ Exports:
     hf_model(model, dtype)                   the transformers model of its family that computes
                                              it (eager attention), built in memory
     EXPORT_ATOL, EXPORT_RTOL
+    weight_changes                           :func:`headsurgeon.checkpoint_diff.weight_changes`,
+                                             re-exported for the package's root
 
 The layout knowledge lives here: the fused ``query_key_value`` in BLOOM's (and Falcon's) per-head
 (q, k, v) order, MPT's ``Wqkv`` as [Q; K; V], ``dense``'s per-head columns, tied embeddings, and

@@ -12,7 +12,7 @@ from headsurgeon import load_model, plots
 from headsurgeon.data import encode
 from headsurgeon.errors import HeadsurgeonError, InvalidArgumentError
 from headsurgeon.loading import ORGANISM_DIR, ModelShape, organism_names, random_model
-from headsurgeon.probes import attention_weights
+from headsurgeon.pattern_samples import attention_weights
 
 needs_organisms = pytest.mark.skipif(
     "organism" not in organism_names(), reason="the bundled organisms are not installed"

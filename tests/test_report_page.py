@@ -22,7 +22,7 @@ from headsurgeon.errors import FigureExportError
 from headsurgeon.finetune import FinetuneConfig
 from headsurgeon.loading import ModelShape, organism_names, random_model
 from headsurgeon.outputs import read_mark
-from headsurgeon.probes import attention_weights, sample_patterns
+from headsurgeon.pattern_samples import attention_weights, sample_patterns
 from headsurgeon.repair import repair
 from headsurgeon.reports import (
     PAGE,

@@ -36,7 +36,7 @@ import torch
 
 import headsurgeon as hs
 from headsurgeon import long_context, precision
-from headsurgeon.backend import hf_kv_cache
+from headsurgeon.backend.cache import hf_kv_cache
 from headsurgeon.checkpoints import hf_model
 from headsurgeon.precision import _BYTES_PER_ENTRY, precision_effect
 

@@ -5,8 +5,8 @@ same prompt (random tokens) and candidates:
 
 * ``batch``   every candidate appended to its own copy of the prompt, all in one batch (the
               previous implementation; cost grows with the number of candidates);
-* ``cached``  ``headsurgeon.evals._answer_scores``: the prompt once into a key-value cache, the
-              candidates continue from it in one small batch.
+* ``cached``  ``headsurgeon.evals.retrieval._answer_scores``: the prompt once into a key-value
+              cache, the candidates continue from it in one small batch.
 
 Both give the same log-likelihoods (the largest difference is printed). Times are medians of
 ``--repeats`` runs in alternating order, one thread.
@@ -24,7 +24,7 @@ import time
 import torch
 
 from headsurgeon import keep_freed_memory, load_model
-from headsurgeon.evals import _answer_scores
+from headsurgeon.evals.retrieval import _answer_scores
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ Exports:
 (3, 0.0)
 
 The weights are those of the census's hook, read block by block through the long-context path
-(:func:`headsurgeon.probes.attention_weights`), exact at any length; beyond ``MAX_CELLS``
+(:func:`headsurgeon.pattern_samples.attention_weights`), exact at any length; beyond ``MAX_CELLS``
 positions a side they are max-pooled for display, each cell the largest weight of its square,
 whose exact value and positions hover shows. Tokens label the axes of a short text; a red box
 marks position 0 (the BOS sink's key), a dashed line each head's blind distance.
@@ -36,9 +36,9 @@ from headsurgeon.data import encode, resolve_bos, token_strings
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import ModelInfo, model_info
+from headsurgeon.pattern_samples import AttentionWeights, attention_weights
 from headsurgeon.plots.layout import OKABE_ITO, _check, _compact, _wrap, style
 from headsurgeon.plots.notebook import _notebook_figure
-from headsurgeon.probes import AttentionWeights, attention_weights
 
 __all__ = ["MAX_CELLS", "attention_pattern", "pattern_diff"]
 
@@ -235,7 +235,7 @@ def attention_pattern(
 
     The weights are those of the census's hook (``hook_pattern``, the exact ALiBi
     :func:`headsurgeon.load_model` installs), read block by block through the long-context path
-    (:func:`headsurgeon.probes.attention_weights`): beyond ``max_cells`` positions they are
+    (:func:`headsurgeon.pattern_samples.attention_weights`): beyond ``max_cells`` positions they are
     max-pooled for display, each cell the largest weight of its square, with that weight's exact
     value and (query, key) positions on hover. Nothing is kept on the model.
     """

@@ -46,7 +46,7 @@ from headsurgeon.finetune import FinetuneConfig, FinetuneResult, finetune
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.importance import ablate_heads
 from headsurgeon.loading import ModelInfo, model_info
-from headsurgeon.probes import PatternSample, sample_patterns
+from headsurgeon.pattern_samples import PatternSample, sample_patterns
 from headsurgeon.repair.config import RepairConfig, resolve_config
 from headsurgeon.repair.results import PassResult, RepairResult
 from headsurgeon.repair.resume import WorkDir, cpu_head_slices, has_numbers

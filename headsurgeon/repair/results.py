@@ -24,7 +24,7 @@ from headsurgeon.backend import Model
 from headsurgeon.finetune import FinetuneResult
 from headsurgeon.heads import HeadSet
 from headsurgeon.loading import model_info
-from headsurgeon.probes import PatternSample
+from headsurgeon.pattern_samples import PatternSample
 from headsurgeon.repair.config import DRIFT_THRESHOLD
 
 __all__ = [
@@ -130,8 +130,8 @@ class RepairResult:
     (``{"mean": ..., "zero": ...}``: their ``z`` mean- or zero-ablated), the alternative the
     surgery paper argues against; :meth:`prune_vs_repair` sets them beside the repair.
     ``patterns``: every head's attention on the first positions of the first census sequence
-    (:func:`headsurgeon.probes.sample_patterns`) before the first pass (``"before"``), after
-    each pass (``"pass 1"``, ...) and of the control model (``"control"``), for the report
+    (:func:`headsurgeon.pattern_samples.sample_patterns`) before the first pass (``"before"``),
+    after each pass (``"pass 1"``, ...) and of the control model (``"control"``), for the report
     page's before / after view.
 
     ``control`` (None when the run skipped it, ``control=False``): the control arm, one

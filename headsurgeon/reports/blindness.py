@@ -31,10 +31,10 @@ from torch import Tensor
 from headsurgeon import alibi, plots
 from headsurgeon.backend import Model
 from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.pattern_samples import sample_patterns
 from headsurgeon.plots.distance import reach_figure
 from headsurgeon.plots.evaluation import precision_figure
 from headsurgeon.plots.sink_cache import sink_cache_figure
-from headsurgeon.probes import sample_patterns
 from headsurgeon.reports.page import PAGE_CELLS, samples_note, write_page
 
 if TYPE_CHECKING:

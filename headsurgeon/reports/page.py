@@ -39,7 +39,7 @@ from headsurgeon.backend import Model
 from headsurgeon.data import describe, to_sequences, token_strings
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.outputs import atomic_write_text
-from headsurgeon.probes import PatternSample, sample_patterns
+from headsurgeon.pattern_samples import PatternSample, sample_patterns
 from headsurgeon.reports.records import _json_safe
 
 __all__ = [
