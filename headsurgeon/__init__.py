@@ -66,10 +66,6 @@ if TYPE_CHECKING:
         perplexity as perplexity,
         retrieval_by_distance as retrieval_by_distance,
     )
-    from headsurgeon.exact_alibi import (
-        alibi_slopes as alibi_slopes,
-        use_exact_alibi as use_exact_alibi,
-    )
     from headsurgeon.finetune import (
         FinetuneConfig as FinetuneConfig,
         FinetuneResult as FinetuneResult,
@@ -86,9 +82,11 @@ if TYPE_CHECKING:
     )
     from headsurgeon.loading import (
         ModelShape as ModelShape,
+        alibi_slopes as alibi_slopes,
         load_model as load_model,
         model_info as model_info,
         model_shape as model_shape,
+        use_exact_alibi as use_exact_alibi,
     )
     from headsurgeon.long_context import (
         run_in_blocks as run_in_blocks,

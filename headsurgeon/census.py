@@ -191,7 +191,7 @@ def run_census(
             info.train_ctx,
         )
 
-    stats = HeadStats(model, info, min_query_pos=min_query_pos, sink_eps=sink_eps)
+    stats = HeadStats(model, min_query_pos=min_query_pos, sink_eps=sink_eps)
     stream(
         model,
         seqs.tokens,

@@ -23,10 +23,11 @@ from jaxtyping import Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import HookPoint, Model, check_model
-from headsurgeon.data import check_token_ids
+from headsurgeon.backend import HookPoint, Model
+from headsurgeon.data import check_length, check_token_ids
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.loading import model_info
 from headsurgeon.probes import check_fired
 from headsurgeon.validation import check_int
 
@@ -132,16 +133,16 @@ def attention_weights(
     ``[head, pos, pos]`` tensor is held beyond one block's and the pooled one. Nothing is kept
     on the model.
     """
-    check_model(model, "attention_weights")
+    info = model_info(model, "attention_weights")
     chosen = HeadSet.of(heads, model)
     if isinstance(tokens, Tensor) and tokens.dim() == 1:
         tokens = tokens[None]
-    tokens = check_token_ids(model, tokens)
+    tokens = check_token_ids(info, tokens)
     if tokens.shape[0] != 1:
         raise InvalidArgumentError(
             f"attention weights are read on one sequence, got {tokens.shape[0]}; pass one row"
         )
-    n_pos = long_context.check_length(model, tokens.shape[1])
+    n_pos = check_length(info, tokens.shape[1])
     step = 1 if max_cells is None else -(-n_pos // check_int(max_cells, "max_cells", minimum=1))
     pooled = _PooledPattern(list(chosen), n_pos, step)
     stop = max(chosen.layers) + 1
