@@ -371,7 +371,7 @@ def main() -> None:
     )
 
     # 2. measured, per convention, then per mitigation
-    blind_tokens = to_sequences(model, seq_len=args.context, n_seqs=args.blind_seqs)
+    blind_tokens = to_sequences(model, seq_len=args.context, n_seqs=args.blind_seqs).tokens
     by_length, measured = [], {}
     for convention in ("hf", "tl"):
         measured[convention] = measure_blindness(
@@ -407,7 +407,7 @@ def main() -> None:
     figures["mitigated_share"] = mitigation_share_figure(mitigated, short.shape[1])
 
     # 3. perplexity and retrieval under each mitigation
-    ppl_tokens = to_sequences(model, seq_len=max(args.windows), n_seqs=args.ppl_seqs)
+    ppl_tokens = to_sequences(model, seq_len=max(args.windows), n_seqs=args.ppl_seqs).tokens
     ppl_rows, summaries, cells = [], [], []
     retrieval = {"passkey": passkey, "needle": needle}
     for kind, (label, params) in kinds.items():

@@ -50,7 +50,7 @@ def main() -> None:
         if windows is None:
             windows = to_sequences(
                 model, None, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=True
-            )
+            ).tokens
         ppl[name] = perplexity(model, windows, window=args.seq_len, max_windows=None)
     changes = weight_changes(args.injured, args.out / "model", heads)
     a = acceptance(report, ppl, changes)

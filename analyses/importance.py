@@ -184,7 +184,7 @@ def main() -> None:
     for source in args.models:
         model = load_model(source)
         name = model_info(model).name
-        tokens = to_sequences(model, seq_len=args.seq_len, n_seqs=args.n_seqs)
+        tokens = to_sequences(model, seq_len=args.seq_len, n_seqs=args.n_seqs).tokens
         census = classify_heads(run_census(model, tokens, progress=False))
         tables[name], seconds = importance_table(model, tokens, census)
         for ablation in ("mean", "zero"):

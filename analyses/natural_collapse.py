@@ -117,7 +117,7 @@ def head_table(model: Model, name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
         table[f"dormant_{method}"] = (
             table[f"dloss_{method}"].abs() <= 2 * table[f"dloss_{method}_se"]
         )
-    by_pos = bos_by_position(model, to_sequences(model, **CENSUS))
+    by_pos = bos_by_position(model, to_sequences(model, **CENSUS).tokens)
     sinks = table[past_eps(table)]
     rows = [
         pd.DataFrame(

@@ -76,7 +76,7 @@ def plant(
     model, injuries, *, steps: int, lr: float, seq_len: int, seed: int, lm_weight: float
 ) -> None:
     texts = [bundled_text("shakespeare", "train"), bundled_text("python-docs", "train")]
-    train = to_sequences(model, texts, seq_len=seq_len, n_seqs=512)
+    train = to_sequences(model, texts, seq_len=seq_len, n_seqs=512).tokens
     for target in sorted({i.target_bos_mass for i in injuries if i.kind == "sink"}):
         heads = HeadSet.parse(",".join(i.head for i in injuries if i.target_bos_mass == target))
         logging.info("planting sinks at %s with target BOS mass %.2f", heads, target)

@@ -51,11 +51,13 @@ MODEL_COLOURS = {
 
 def eval_sets(model, n_seqs: int, seq_len: int) -> dict[str, torch.Tensor]:
     """The evaluation token sets: repair's own held-out mix, then each corpus's splits."""
-    sets = {"held-out mix": to_sequences(model, seq_len=seq_len, n_seqs=n_seqs)}
+    sets = {"held-out mix": to_sequences(model, seq_len=seq_len, n_seqs=n_seqs).tokens}
     for corpus in CORPORA:
         for split in ("heldout", "train"):
             text = bundled_text(corpus, split)
-            sets[f"{corpus} {split}"] = to_sequences(model, text, seq_len=seq_len, n_seqs=n_seqs)
+            sets[f"{corpus} {split}"] = to_sequences(
+                model, text, seq_len=seq_len, n_seqs=n_seqs
+            ).tokens
     return sets
 
 

@@ -176,7 +176,7 @@ def main() -> None:
 
         # The paper's protocol: one short prompt, rows t >= 0; repeated over prompts. The prompts
         # are built in the model's own position-0 convention, so run_census must not add a BOS.
-        prompts = to_sequences(model, seq_len=args.prompt_len, n_seqs=args.prompts)
+        prompts = to_sequences(model, seq_len=args.prompt_len, n_seqs=args.prompts).tokens
         for i in range(len(prompts)):
             census = run_census(
                 model, prompts[i : i + 1], min_query_pos=0, prepend_bos=False, progress=False

@@ -17,9 +17,9 @@ from headsurgeon.backend import MAJOR
 from headsurgeon.blindness import analytic_blindness, measure_blindness, mitigation
 from headsurgeon.classify import Thresholds, classify_heads
 from headsurgeon.errors import CheckpointError, UnsupportedArchitectureError
-from headsurgeon.exact_alibi import alibi_slopes, install_hf_bias
+from headsurgeon.exact_alibi import install_hf_bias
 from headsurgeon.importance import head_importance
-from headsurgeon.loading import from_hf_model, model_shape
+from headsurgeon.loading import alibi_slopes, from_hf_model, model_shape
 from headsurgeon.long_context import continuation_logprobs
 
 needs_tl4 = pytest.mark.skipif(MAJOR < 4, reason="TransformerLens 3.x has no MPT/Falcon adapter")

@@ -15,7 +15,7 @@ from headsurgeon import load_model
 from headsurgeon.blindness import ANALYSED_DTYPES, measure_blindness, mitigation
 from headsurgeon.cli.blindness import main
 from headsurgeon.dtypes import parse_dtype
-from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import ModelShape, model_shape, random_model
 
 TRAINED_LOG = Path(__file__).parents[1] / "analyses" / "mitigation_models" / "log"
@@ -155,7 +155,7 @@ def test_learned_positions_keep_their_context():
     )
     torch.manual_seed(0)
     model = from_hf_model(GPTNeoXForCausalLM(config).eval(), name="neox")
-    with pytest.raises(InvalidArgumentError, match="beyond the model's context of 32"):
+    with pytest.raises(DataError, match="beyond the model's context of 32"):
         measure_blindness(model, _tokens(40, vocab=50), progress=False)
 
 

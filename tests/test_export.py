@@ -21,8 +21,7 @@ from headsurgeon.errors import (
     OutputExistsError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.exact_alibi import use_exact_alibi
-from headsurgeon.loading import ORGANISM_DIR, ModelShape, random_model
+from headsurgeon.loading import ORGANISM_DIR, ModelShape, random_model, use_exact_alibi
 from headsurgeon.outputs import MARK_FILE, mark_folder
 
 ATOL = 1e-4

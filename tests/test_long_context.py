@@ -13,9 +13,10 @@ from test_user_models import own_model, tokens, user_model
 from headsurgeon import load_model, run_census
 from headsurgeon.backend.forward import run_to_layer
 from headsurgeon.blindness import mitigation
-from headsurgeon.data import to_sequences
+from headsurgeon.data import check_length, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.long_context import block_size, check_length, query_offset, run_in_blocks
+from headsurgeon.loading import model_info
+from headsurgeon.long_context import block_size, query_offset, run_in_blocks
 from headsurgeon.probes import HeadStats, pattern_stats, stream
 
 NUMERIC = [
@@ -93,7 +94,7 @@ def test_alibi_models_take_sequences_beyond_their_nominal_context(tiny_model, ca
     n_pos = tiny_model.cfg.n_ctx + 50
     census = run_census(tiny_model, tokens(1, n_pos), progress=False)
     assert census.attrs["seq_len"] == n_pos
-    assert check_length(tiny_model, 10**6) == 10**6
+    assert check_length(model_info(tiny_model), 10**6) == 10**6
     # The automatic block: the whole of a short sequence, 64 rows, fewer when memory is short.
     assert block_size(tiny_model, 40) == 40
     assert block_size(tiny_model, 512) == 64
@@ -108,7 +109,7 @@ def test_models_with_learned_positions_keep_their_context():
     with pytest.raises(DataError, match="seq_len 65 is beyond the model's context of 64"):
         to_sequences(model, "some text", seq_len=65)
     with pytest.raises(InvalidArgumentError, match="beyond the model's context of 64"):
-        check_length(model, 65)
+        check_length(model_info(model), 65)
     # Within the context, blocks give the dense numbers on learned positions too.
     ids = tokens(2, 64)
     assert_same_census(

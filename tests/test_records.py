@@ -8,8 +8,8 @@ by the record rather than patched into results afterwards.
 from __future__ import annotations
 
 import ast
-import re
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest

@@ -27,10 +27,10 @@ from headsurgeon.repair import repair
 from headsurgeon.reports import (
     PAGE,
     PAGE_POSITIONS,
-    write_page,
     open_page,
     write_blindness,
     write_classification,
+    write_page,
     write_report,
 )
 

@@ -25,7 +25,7 @@ from headsurgeon import (
 )
 from headsurgeon.backend import MAJOR
 from headsurgeon.errors import DataError, UnsupportedArchitectureError
-from headsurgeon.exact_alibi import alibi_slopes, use_exact_alibi
+from headsurgeon.loading import alibi_slopes, use_exact_alibi
 from headsurgeon.repair import repair
 
 # TransformerLens 3.x's slopes for 6 heads (2^(-8(h+1)/6)); Hugging Face's differ.

@@ -113,7 +113,7 @@ def main() -> None:
     print(f"# head importance: {args.threads} thread(s)", flush=True)
     rows = []
     organism = load_model(args.organism)
-    tokens = to_sequences(organism, seq_len=args.organism_seq_len, n_seqs=args.organism_seqs)
+    tokens = to_sequences(organism, seq_len=args.organism_seq_len, n_seqs=args.organism_seqs).tokens
     rows.append(bench(model_info(organism).name, organism, tokens, batch_size=8))
     del organism
 

@@ -69,7 +69,7 @@ def main() -> None:
     models = [hf_model(model, dtype).to(device) for dtype in (torch.float64, torch.bfloat16)]
     rows = []
     for length in args.lengths:
-        tokens = hs.to_sequences(model, seq_len=length, n_seqs=1).to(device)
+        tokens = hs.to_sequences(model, seq_len=length, n_seqs=1).tokens.to(device)
         block = long_context.block_size(model, length, bytes_per_entry=_BYTES_PER_ENTRY)
         warm = tokens[:, :128]
         plain(models, warm, block)

@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     model = hs.load_model(args.model)
-    tokens = to_sequences(model, None, seq_len=args.seq_len, n_seqs=1)
+    tokens = to_sequences(model, None, seq_len=args.seq_len, n_seqs=1).tokens
     passes: list[str] = []
 
     class Collect(logging.Handler):
