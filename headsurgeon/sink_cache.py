@@ -175,7 +175,7 @@ class _CacheBias:
         return bias
 
 
-def _check_model(model: Model, info: ModelInfo) -> tuple[str, dict]:
+def _trained_kind(model: Model, info: ModelInfo) -> tuple[str, dict]:
     """The model's trained bias kind, or one line: no ALiBi, or a mitigation the bias replaces."""
     if not info.is_alibi:
         raise UnsupportedArchitectureError(
@@ -285,7 +285,7 @@ def sink_cache_effect(
     ``tests`` (the sentence above); ``by_head``'s also ``head_seq_len``.
     """
     info = model_info(model, "sink_cache_effect")
-    kind = _check_model(model, info)
+    kind = _trained_kind(model, info)
     positions = check_choice(positions, "positions", POSITIONS)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     chunk = check_int(chunk, "chunk", minimum=1)
