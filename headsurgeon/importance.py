@@ -541,7 +541,7 @@ def ablate_heads(
     """
     info = model_info(model, "ablate_heads")
     check_choice(ablation, "ablation", ("zero", "mean"))
-    chosen = HeadSet.of(heads, model).by_layer()
+    chosen = HeadSet.of(heads, info.shape).by_layer()
     means = None
     if ablation == "mean":
         seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)

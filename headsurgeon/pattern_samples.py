@@ -134,7 +134,7 @@ def attention_weights(
     on the model.
     """
     info = model_info(model, "attention_weights")
-    chosen = HeadSet.of(heads, model)
+    chosen = HeadSet.of(heads, info.shape)
     if isinstance(tokens, Tensor) and tokens.dim() == 1:
         tokens = tokens[None]
     tokens = check_token_ids(info, tokens)

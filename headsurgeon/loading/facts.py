@@ -177,7 +177,7 @@ def model_info(
     return dataclasses.replace(
         loaded,
         tokenizer=tokenizer,
-        shape=_shape(model, loaded.hf_config),
+        shape=_shape(cfg, loaded.hf_config),
         slopes=applied_slopes(model, loaded.hf_config) if is_alibi else None,
         max_length=long_context.max_length(model),
         prepend_bos=bool(cfg.default_prepend_bos),
@@ -204,8 +204,8 @@ def applied_slopes(model: Model, hf_config: dict[str, Any]) -> Float[Tensor, " h
     return alibi.config_slopes(hf_config) if hf_config else alibi.slopes(model.cfg.n_heads)
 
 
-def _shape(model: Model, hf_config: dict[str, Any]) -> ModelShape:
-    cfg = model.cfg
+def _shape(cfg: Any, hf_config: dict[str, Any]) -> ModelShape:
+    """The shape of the model whose TransformerLens config is ``cfg``."""
     # TransformerLens sets n_ctx = 2048 for every BLOOM; the checkpoint's own value wins.
     family = hf_config.get("model_type")
     return ModelShape(

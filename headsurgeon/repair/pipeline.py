@@ -457,8 +457,8 @@ def repair(
     info = model_info(model, "repair", writes=True)
     check_surgery(model)  # before any census or training
     config = resolve_config(model, info, config, settings)
-    heads = None if heads is None else HeadSet.of(heads, model)
-    include = None if include is None else HeadSet.of(include, model)
+    heads = None if heads is None else HeadSet.of(heads, info.shape)
+    include = None if include is None else HeadSet.of(include, info.shape)
     if heads is not None and not heads:
         raise InvalidArgumentError("nothing to repair: the head set is empty")
     include = include or HeadSet()
