@@ -43,6 +43,7 @@ Exports:
 
 from __future__ import annotations
 
+import headsurgeon.progress  # noqa: F401  # isort: skip (tqdm set up before TransformerLens)
 import contextlib
 import dataclasses
 import functools

@@ -698,9 +698,3 @@ def _mitigated(model: Model, kind: str, params: dict) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-if __name__ == "__main__":  # python -m headsurgeon.blindness: the command-line tool
-    from headsurgeon.cli.blindness import entry
-
-    entry()
