@@ -87,3 +87,14 @@ def test_python_m_headsurgeon_help_lists_the_tools_and_version_prints_it(monkeyp
     out = capsys.readouterr().out
     assert all(f"  {tool} " in out for tool in ("classify", "blindness", "repair"))
     assert out.endswith(f"headsurgeon {version('headsurgeon')}\n")
+
+
+def test_importing_the_cli_outside_a_tool_installs_no_ctrl_c_handler():
+    """Only a starting tool (an entry, a console script) gets the one-line Ctrl-C handler; a
+    notebook or a test that imports ``headsurgeon.cli`` keeps Python's own."""
+    import signal
+
+    import headsurgeon.cli
+
+    assert not headsurgeon.cli._starting_a_tool()
+    assert signal.getsignal(signal.SIGINT) is not headsurgeon.cli._interrupted_while_starting
