@@ -107,7 +107,7 @@ _EXPORTS = {
     "window_effect": ("headsurgeon.window", "window_effect"),
 }
 
-# Specialist names the root served until 0.1: still reachable as ``headsurgeon.NAME`` for one
+# Specialist names the root used to serve: still reachable as ``headsurgeon.NAME`` for one
 # release, with a DeprecationWarning naming their module; not in ``__all__`` or ``dir()``.
 _MOVED = {
     "BlindnessMeasurement": "headsurgeon.blindness",

@@ -6,7 +6,7 @@ Markers a page may hold, each on a line of its own:
     <!-- public-names -->     the table of ``headsurgeon``'s public names and the module each
                               comes from, read from the ``TYPE_CHECKING`` block of
                               ``headsurgeon/__init__.py``
-    <!-- moved-names -->      the table of the specialist names the root served until 0.1
+    <!-- moved-names -->      the table of the specialist names the root used to serve
                               (its ``_MOVED``) and the module to import each from
     --8<-- "figures/....md"   a markdown file an analysis script wrote under figures/, included
                               (at the line's indent) with its headings moved three levels down,
