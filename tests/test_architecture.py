@@ -430,7 +430,9 @@ def test_tools_enter_through_the_cli_package_only():
         }
         assert imported == {f"headsurgeon.cli.{tool}"}, tool
         assert is_main_block(tree.body[-1]), f"headsurgeon.{tool}: the __main__ block comes last"
+    # python -m headsurgeon TOOL imports headsurgeon.cli.TOOL by name (test_cli checks it runs)
     assert import_graph()["headsurgeon.__main__"] == {"headsurgeon.outputs"}
+    assert importlib.import_module("headsurgeon.__main__").TOOLS == TOOLS
 
 
 def test_console_scripts_are_the_cli_entries():
