@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from _common import acceptance
 
-from headsurgeon import HeadSet, keep_freed_memory, load_model, perplexity, weight_changes
+from headsurgeon import HeadSet, load_model, perplexity
+from headsurgeon.allocator import keep_freed_memory
+from headsurgeon.checkpoints import weight_changes
 from headsurgeon.data import to_sequences
 
 

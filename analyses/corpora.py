@@ -25,8 +25,9 @@ import plotly.graph_objects as go
 from _common import markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
-from headsurgeon import compare_corpora, corpus_changes, load_model, model_info
+from headsurgeon import compare_corpora, load_model, model_info
 from headsurgeon.data import CORPORA, bundled_text
+from headsurgeon.domains import corpus_changes
 from headsurgeon.importance import DORMANT_SE
 from headsurgeon.plots import OKABE_ITO, corpus_diff_grid
 

@@ -1,7 +1,7 @@
 """ALiBi's length-extrapolation curve: loss by token position far beyond the training length,
 with each mitigation.
 
-One long pass per sequence (``headsurgeon.loss_by_position``, the long-context path: memory
+One long pass per sequence (``headsurgeon.evals.loss_by_position``, the long-context path: memory
 linear in the length) of a model trained at L tokens (default: the Table 3 model
 ``analyses/mitigation_models/standard``, L = 128), bare and under every mitigation applied
 through hooks (``headsurgeon.mitigation``: clamped and softcap with ``--c``, log, robust for the
@@ -29,6 +29,7 @@ import plotly.graph_objects as go
 from _common import markdown, parser, start, style, write_topic
 
 import headsurgeon as hs
+from headsurgeon.evals import loss_by_position
 from headsurgeon.loading import model_info
 from headsurgeon.progress import tqdm
 
@@ -67,7 +68,7 @@ def main() -> None:
         kwargs = dict(spec)
         context = hs.mitigation(model, kwargs.pop("kind"), **kwargs) if spec else None
         with context or contextlib.nullcontext():
-            curve = hs.loss_by_position(model, length=args.length, n_seqs=args.n_seqs)
+            curve = loss_by_position(model, length=args.length, n_seqs=args.n_seqs)
         curves.append(curve.assign(curve=label))
     curves = pd.concat(curves, ignore_index=True)
     blind = hs.analytic_blindness(base, dtypes=["float32"], limits=["normal"])

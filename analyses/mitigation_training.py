@@ -15,7 +15,7 @@ depth beyond ``--long-from`` tokens; one prompt of one CPU thread costs 66 s at 
 245-298 s at 32,768, measured), and for every model its measured underflow blindness on one
 ``--blindness-length`` sequence (default 256L: exact zero counts per head,
 :func:`headsurgeon.measure_blindness` on the long-context path) and its loss by token position
-out to the same length (:func:`headsurgeon.loss_by_position`, one pass per sequence), so that
+out to the same length (:func:`headsurgeon.evals.loss_by_position`, one pass per sequence), so that
 retrieval by length stands beside the number of heads that are blind at that distance.
 
 Writes ``table.csv`` (the paper's layout: model x in/out-of-context AUC, perplexity at L),
@@ -43,7 +43,7 @@ from _common import markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
 import headsurgeon as hs
-from headsurgeon.evals import length_auc, wilson_interval
+from headsurgeon.evals import length_auc, loss_by_position, wilson_interval
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.loading import model_info
 from headsurgeon.plots import save_figure
@@ -158,7 +158,7 @@ def main() -> None:
             model, dtypes=["float32"], seq_len=args.blindness_length, n_seqs=1, progress=False
         ).by_head
         blind.append(measured.assign(model=label))
-        curve = hs.loss_by_position(
+        curve = loss_by_position(
             model, length=args.blindness_length, n_seqs=args.loss_seqs, progress=False
         )
         losses.append(curve.assign(model=label))

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from headsurgeon import keep_freed_memory, load_model, save_hf
+from headsurgeon import load_model, save_hf
+from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.census import run_census
 from headsurgeon.classify import classify_heads
 from headsurgeon.data import bundled_text, to_sequences

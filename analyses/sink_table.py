@@ -28,15 +28,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from _common import ROOT, markdown, parser, start, style, write_topic
 
-from headsurgeon import (
-    GU_PROTOCOL,
-    classify_heads,
-    load_model,
-    model_info,
-    run_census,
-    sink_cache_effect,
-    sink_rate,
-)
+from headsurgeon import classify_heads, load_model, model_info, run_census, sink_cache_effect
+from headsurgeon.census import GU_PROTOCOL, sink_rate
 from headsurgeon.plots import OKABE_ITO
 
 MODELS = {

@@ -15,8 +15,8 @@ once before long runs.
 
 Usage::
 
-    import headsurgeon
-    headsurgeon.keep_freed_memory()  # False (and nothing changed) off glibc, e.g. macOS
+    from headsurgeon.allocator import keep_freed_memory
+    keep_freed_memory()  # False (and nothing changed) off glibc, e.g. macOS
 """
 
 from __future__ import annotations

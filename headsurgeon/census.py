@@ -247,7 +247,7 @@ GU_PROTOCOL: Mapping[str, Any] = types.MappingProxyType(
 def sink_rate(census: pd.DataFrame, eps: float | None = None) -> float:
     """Gu et al.'s sink rate of a census: the share of (sequence, head) pairs whose α_0 exceeds ε.
 
-    ``hs.sink_rate(hs.run_census(model, **hs.GU_PROTOCOL))`` is the number Gu et al. ("When
+    ``sink_rate(hs.run_census(model, **GU_PROTOCOL))`` is the number Gu et al. ("When
     Attention Sink Emerges in Language Models", ICLR 2025) report as Sink_1^ε, in their 1-indexed
     notation: in each sequence, each head's α_0 is its mean attention on position 0 over every
     query row (row 0 included: the census's ``sink_score`` of that sequence); the head is a sink

@@ -21,6 +21,8 @@ Exports:
     mark_folder(folder, writer, files)  write the mark (by default listing every file in it)
     foreign_files(folder)               what in a folder its mark does not list (all of it, for
                                         a folder without a mark)
+    headsurgeon_version()               the installed version (package metadata), as marks
+                                        record it
 
 **Ownership.** Every folder headsurgeon writes (the tools' report folders, the repair tool's
 ``NAME.partial`` work folder, :func:`headsurgeon.save_hf` exports) carries ``MARK_FILE``: a small
@@ -66,6 +68,7 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import importlib.metadata
 import json
 import logging
 import os
@@ -93,6 +96,7 @@ __all__ = [
     "atomic_directory",
     "claim_output",
     "foreign_files",
+    "headsurgeon_version",
     "mark_folder",
     "read_mark",
     "resolve_output",
@@ -192,10 +196,9 @@ class OutputMark:
     files: tuple[str, ...]
 
 
-def _version() -> str:
-    from headsurgeon import __version__
-
-    return __version__
+def headsurgeon_version() -> str:
+    """The installed headsurgeon's version: its package metadata (``headsurgeon.__version__``)."""
+    return importlib.metadata.version("headsurgeon")
 
 
 def _inside(name: object) -> bool:
@@ -260,7 +263,7 @@ def mark_folder(folder: str | os.PathLike, writer: str, files: Iterable[str] | N
     document = {
         "written_by": "headsurgeon",
         "writer": writer,
-        "version": _version(),
+        "version": headsurgeon_version(),
         "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "files": sorted(files),
     }

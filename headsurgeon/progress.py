@@ -5,7 +5,8 @@ falls back to text bars after a "IProgress not found" warning. This module gives
 ``tqdm.auto.tqdm`` when ``ipywidgets`` is installed (widgets in Jupyter, text elsewhere) and
 plain text ``tqdm.std.tqdm`` otherwise. In the second case it also imports ``tqdm.auto`` once,
 with that one warning ignored, so that TransformerLens's own ``tqdm.auto`` bars fall back to text
-silently too; ``import headsurgeon`` imports this module first for that reason. Install
+silently too; ``headsurgeon.backend``, the one module that imports TransformerLens, imports this
+module first for that reason. Install
 ``ipywidgets`` for widget bars.
 
 Exports: tqdm

@@ -10,9 +10,10 @@ import pytest
 
 # Allocate and free a 256 MiB tensor; print the resident memory (MiB) before and after the free.
 PROGRAM = """
-import os, sys, torch, headsurgeon
+import os, sys, torch
+from headsurgeon.allocator import keep_freed_memory
 if sys.argv[1] == "keep":
-    assert headsurgeon.keep_freed_memory()
+    assert keep_freed_memory()
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 x = torch.ones(64 * 2**20)

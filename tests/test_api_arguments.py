@@ -21,14 +21,14 @@ CALLS = {
     "perplexity": lambda m: hs.perplexity(m),
     "passkey": lambda m: hs.passkey(m),
     "needle": lambda m: hs.needle(m),
-    "use_exact_alibi": lambda m: hs.use_exact_alibi(m),
+    "use_exact_alibi": lambda m: hs.exact_alibi.use_exact_alibi(m),
     "alibi_slopes": lambda m: hs.alibi_slopes(m),
     "install_exact_alibi": lambda m: hs.exact_alibi.install_exact_alibi(m),
     "model_info": lambda m: hs.model_info(m),
     "save_hf": lambda m: hs.save_hf(m, "/nonexistent/never-written"),
-    "checkpoint_dtype": lambda m: hs.checkpoint_dtype(m),
+    "checkpoint_dtype": lambda m: hs.checkpoints.checkpoint_dtype(m),
     "reinit_heads": lambda m: hs.reinit_heads(m, [(0, 0)]),
-    "mask_gradients": lambda m: hs.mask_gradients(m, [(0, 0)]),
+    "mask_gradients": lambda m: hs.surgery.mask_gradients(m, [(0, 0)]),
     "repair": lambda m: __import__("headsurgeon.repair").repair.repair(m),
     "finetune": lambda m: __import__("headsurgeon.finetune").finetune.finetune(
         m, [(0, 0)], torch.zeros(2, 8, dtype=torch.long)

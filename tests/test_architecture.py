@@ -1,6 +1,7 @@
 """The package's layering: each module imports only from its own layer or the layers below (the
 docs/architecture.md's table, :data:`LAYERS`), no import cycles (function-level imports count), pure
-math stays pure, the library imports neither plotting nor the command line."""
+math stays pure, the library imports neither plotting nor the command line, and the tools enter
+through ``cli/`` only (every ``__main__.py`` is an entry, the layer above presentation)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "headsurgeon"
 # layers below, never above. Spelled out here and checked against the page's table
 # (test_the_architecture_page_lists_these_layers), so that neither can change alone. A module of
 # a subpackage (``repair.pipeline``) is in its package's layer; a new module must be placed here
-# first (test_every_module_has_a_layer).
+# first (test_every_module_has_a_layer). Every ``__main__`` module (``headsurgeon/__main__.py``,
+# ``headsurgeon/classify/__main__.py``...) is an entry, whatever package it lies in.
 LAYERS = {
     "leaves": (
         "errors",
@@ -61,6 +63,7 @@ LAYERS = {
         "repair",
     ),
     "presentation": ("plots", "reports", "cli"),
+    "entries": ("__main__",),
 }
 
 
@@ -76,11 +79,32 @@ def module_files() -> dict[str, Path]:
 
 
 def lazy_exports() -> dict[str, str]:
-    """``headsurgeon``'s public names -> the module that serves each on first use (read from the
-    ``TYPE_CHECKING`` block of ``__init__.py``, as ``headsurgeon._exports`` reads it)."""
+    """``headsurgeon``'s public names -> the module that serves each on first use: its
+    ``_EXPORTS``, and the specialist names it still serves for one release (``_MOVED``)."""
     import headsurgeon
 
-    return {name: module for name, (module, _) in headsurgeon._exports().items()}
+    return {
+        **{name: module for name, (module, _) in headsurgeon._EXPORTS.items()},
+        **headsurgeon._MOVED,
+    }
+
+
+def type_checking_imports() -> dict[str, tuple[str, str]]:
+    """Public name -> (module, its name there): the imports of ``__init__.py``'s
+    ``TYPE_CHECKING`` block, which IDEs and type checkers read."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    [block] = [node for node in tree.body if is_type_checking_block(node)]
+    return {
+        alias.asname or alias.name: (node.module, alias.name)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+
+
+def is_entry(module: str) -> bool:
+    """A ``__main__`` module: what ``python -m`` runs, and nothing imports."""
+    return module.split(".")[-1] == "__main__"
 
 
 def is_main_block(node: ast.AST) -> bool:
@@ -209,8 +233,9 @@ def test_the_import_graph_is_read_including_imports_inside_functions():
     graph = import_graph()
     assert "headsurgeon.dtypes" in graph["headsurgeon.alibi"]
     assert "headsurgeon.loading" in graph["headsurgeon.checkpoints"]
-    # headsurgeon/__init__.py imports progress through importlib.import_module
-    assert "headsurgeon.progress" in graph["headsurgeon"]
+    # headsurgeon/__init__.py serves the version through importlib.import_module
+    assert "headsurgeon.outputs" in graph["headsurgeon"]
+    assert "headsurgeon.progress" in graph["headsurgeon.backend"]
 
 
 def test_imports_in_functions_count_and_main_blocks_do_not():
@@ -262,9 +287,12 @@ LAYER_NAMES = list(LAYERS)
 
 
 def layer_of(module: str) -> int | None:
-    """The rank of ``module``'s layer in :data:`LAYERS` (0: leaves); None for the package root,
-    the lazy facade that serves every layer's names (it imports only ``progress`` itself)."""
+    """The rank of ``module``'s layer in :data:`LAYERS` (0: leaves; entries: every ``__main__``);
+    None for the package root, the lazy facade that serves every layer's names (it imports only
+    ``outputs``, for the version, itself)."""
     parts = module.split(".")
+    if is_entry(module):
+        return LAYER_OF["__main__"]
     return None if len(parts) == 1 else LAYER_OF.get(parts[1], -1)
 
 
@@ -372,7 +400,9 @@ def is_presentation(module: str) -> bool:
 
 def library_modules() -> dict[str, Path]:
     files = module_files().items()
-    return {n: p for n, p in files if n != "headsurgeon" and not is_presentation(n)}
+    return {
+        n: p for n, p in files if n != "headsurgeon" and not is_presentation(n) and not is_entry(n)
+    }
 
 
 def test_no_library_module_imports_plotting_or_the_command_line_even_inside_functions():
@@ -393,16 +423,25 @@ def test_no_library_module_imports_plotting_or_the_command_line_even_inside_func
         assert not third_party & {"plotly", "argparse", "kaleido"}, (name, third_party)
 
 
-def test_the_tools_main_blocks_hand_over_to_the_cli_package():
+def test_tools_enter_through_the_cli_package_only():
+    """No library module has a ``__main__`` block; each tool is a package whose ``__main__.py``
+    imports only ``headsurgeon.cli.<tool>`` (whose parent, ``headsurgeon.cli``, installs the
+    Ctrl-C handler before the heavy imports) and calls its ``entry``."""
     files = module_files()
+    for name, path in files.items():
+        if not is_entry(name):
+            blocks = [node for node in ast.parse(path.read_text()).body if is_main_block(node)]
+            assert not blocks or is_presentation(name), f"{name} has a __main__ block"
     for tool in TOOLS:
-        # A tool that is a package (headsurgeon.repair) runs its __main__.py under python -m.
-        path = files.get(f"headsurgeon.{tool}.__main__", files[f"headsurgeon.{tool}"])
-        tree = ast.parse(path.read_text())
-        [block] = [node for node in tree.body if is_main_block(node)]
-        imported = {n.module for n in ast.walk(block) if isinstance(n, ast.ImportFrom)}
+        tree = ast.parse(files[f"headsurgeon.{tool}.__main__"].read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+            alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names
+        }
         assert imported == {f"headsurgeon.cli.{tool}"}, tool
-        assert tree.body[-1] is block, f"headsurgeon.{tool}: the __main__ block comes last"
+        assert is_main_block(tree.body[-1]), f"headsurgeon.{tool}: the __main__ block comes last"
+    # python -m headsurgeon TOOL imports headsurgeon.cli.TOOL by name (test_cli checks it runs)
+    assert import_graph()["headsurgeon.__main__"] == {"headsurgeon.outputs"}
+    assert importlib.import_module("headsurgeon.__main__").TOOLS == TOOLS
 
 
 def test_console_scripts_are_the_cli_entries():
@@ -460,7 +499,8 @@ def test_the_type_checking_imports_are_what_the_package_serves():
     """What IDEs see (the TYPE_CHECKING block) is what ``import headsurgeon`` serves: one list."""
     import headsurgeon
 
-    assert sorted(headsurgeon._EXPORTS) == headsurgeon.__all__
+    assert type_checking_imports() == headsurgeon._EXPORTS
+    assert sorted(headsurgeon._EXPORTS) == headsurgeon.__all__ == dir(headsurgeon)
     assert {
         "repair_heads",
         "finetune_heads",
@@ -521,11 +561,6 @@ def test_only_the_backend_imports_transformer_lens():
     ), importers
 
 
-# exact_alibi.py still branches on the major itself; the lead removes that branch, then this
-# exception (issue 40, item 4).
-READS_MAJOR_OUTSIDE_THE_BACKEND = ("headsurgeon.exact_alibi",)
-
-
 def test_only_the_backend_reads_the_transformer_lens_major():
     """What differs between TransformerLens 3.x and 4.x is asked of the backend by name
     (``backend.wraps_hf_model``, ``backend.TRANSFORMER_LENS``, ...), never as ``MAJOR``."""
@@ -535,7 +570,7 @@ def test_only_the_backend_reads_the_transformer_lens_major():
         if not (name == "headsurgeon.backend" or name.startswith("headsurgeon.backend."))
         and re.search(r"\bMAJOR\b", path.read_text(encoding="utf-8"))
     }
-    assert readers <= set(READS_MAJOR_OUTSIDE_THE_BACKEND), sorted(readers)
+    assert not readers, sorted(readers)
 
 
 MAX_MODULE_LINES = 800
@@ -549,3 +584,52 @@ def test_no_module_is_longer_than_800_lines():
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
     }
     assert not long, f"modules above {MAX_MODULE_LINES} lines: {long}"
+
+
+# --- the root: a small API, no side effects -------------------------------------------------------
+
+
+@pytest.mark.slow  # a subprocess
+@pytest.mark.parametrize("argv0", ["", "-m"])  # "-m": while python -m imports a tool's parents
+def test_importing_headsurgeon_loads_no_torch_and_leaves_ctrl_c_alone(argv0):
+    code = (
+        f"import signal, sys; sys.argv[0] = {argv0!r}; before = signal.getsignal(signal.SIGINT); "
+        "import headsurgeon; "
+        "print(signal.getsignal(signal.SIGINT) is before, "
+        "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformer_lens')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip().splitlines()[-1] == "True []"
+
+
+def test_dir_shows_the_api_and_the_version_is_the_installed_one():
+    from importlib.metadata import version
+
+    import headsurgeon
+
+    assert dir(headsurgeon) == sorted(headsurgeon._EXPORTS)
+    assert 25 <= len(dir(headsurgeon)) <= 35
+    assert not {"ast", "os", "sys", "importlib", "signal", "Path"} & set(dir(headsurgeon))
+    assert headsurgeon.__version__ == version("headsurgeon")
+
+
+@pytest.mark.parametrize("name", ["sink_rate", "HeadStats", "run_in_blocks"])
+def test_a_specialist_name_warns_and_names_its_module(name):
+    import headsurgeon
+
+    module = headsurgeon._MOVED[name]
+    with pytest.warns(DeprecationWarning, match=rf"from {module} import {name}"):
+        value = getattr(headsurgeon, name)
+    assert value is getattr(importlib.import_module(module), name)
+    assert name not in headsurgeon.__all__
+    assert not set(headsurgeon._MOVED) & set(headsurgeon._EXPORTS)
+
+
+def test_modules_are_attributes_of_the_root_and_a_typo_is_an_attribute_error():
+    import headsurgeon
+
+    assert headsurgeon.plots is importlib.import_module("headsurgeon.plots")
+    with pytest.raises(AttributeError, match="no attribute 'lod_model'"):
+        headsurgeon.lod_model  # noqa: B018

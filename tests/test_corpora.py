@@ -9,16 +9,9 @@ import pandas as pd
 import pytest
 from conftest import error_line
 
-from headsurgeon import (
-    classify_heads,
-    compare_corpora,
-    corpus_changes,
-    head_importance,
-    plots,
-    run_census,
-)
+from headsurgeon import classify_heads, compare_corpora, head_importance, plots, run_census
 from headsurgeon.cli.classify import corpus_names, main
-from headsurgeon.domains import split_corpora, stack_corpora
+from headsurgeon.domains import corpus_changes, split_corpora, stack_corpora
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.importance import with_importance
 from headsurgeon.reports import PAGE, open_page, write_corpora

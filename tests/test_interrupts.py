@@ -14,23 +14,25 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(sys.executable).parent
+CLASSIFY_ARGS = ["organism-injured"]
+REPAIR_ARGS = ["organism-injured", "--steps", "40", "--passes", "1", "--n-seqs", "8"]
+REPAIR_ARGS += ["--seq-len", "64"]
+# python -m headsurgeon TOOL and the console scripts import headsurgeon.cli (which installs the
+# Ctrl-C handler) before torch. python -m headsurgeon.TOOL imports the library package TOOL
+# first and gets the handler with its __main__.py, after those imports: it is interrupted here
+# only once they are done.
 TOOLS = {
-    "python -m classify": [sys.executable, "-m", "headsurgeon.classify", "organism-injured"],
-    "console script": [str(SCRIPTS / "headsurgeon-classify"), "organism-injured"],
-    "python -m repair": [
+    "python -m headsurgeon classify": [
         sys.executable,
         "-m",
-        "headsurgeon.repair",
-        "organism-injured",
-        "--steps",
-        "40",
-        "--passes",
-        "1",
-        "--n-seqs",
-        "8",
-        "--seq-len",
-        "64",
+        "headsurgeon",
+        "classify",
+        *CLASSIFY_ARGS,
     ],
+    "python -m classify": [sys.executable, "-m", "headsurgeon.classify", *CLASSIFY_ARGS],
+    "console script": [str(SCRIPTS / "headsurgeon-classify"), *CLASSIFY_ARGS],
+    "python -m headsurgeon repair": [sys.executable, "-m", "headsurgeon", "repair", *REPAIR_ARGS],
+    "python -m repair": [sys.executable, "-m", "headsurgeon.repair", *REPAIR_ARGS],
 }
 
 
@@ -71,12 +73,12 @@ def assert_whole_or_absent(out: Path, complete_file: str, stderr: str) -> None:
 @pytest.mark.parametrize(
     "tool, delay, complete_file",
     [
-        ("python -m classify", 0.3, "summary.txt"),  # importing torch
-        ("python -m classify", 1.5, "summary.txt"),  # importing TransformerLens
+        ("python -m headsurgeon classify", 0.3, "summary.txt"),  # importing torch
+        ("python -m headsurgeon classify", 1.5, "summary.txt"),  # importing TransformerLens
         ("python -m classify", 4.0, "summary.txt"),  # loading, census or writing
         ("console script", 0.3, "summary.txt"),
         ("console script", 1.5, "summary.txt"),
-        ("python -m repair", 0.3, "report.md"),
+        ("python -m headsurgeon repair", 0.3, "report.md"),
         ("python -m repair", 12.0, "report.md"),  # the first census
         ("python -m repair", 20.0, "report.md"),  # training
     ],

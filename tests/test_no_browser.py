@@ -261,7 +261,7 @@ def test_notebook_output_carries_a_png_with_a_browser(in_notebook):
 
 
 def test_no_extra_outputs_outside_jupyter_or_when_turned_off(in_notebook, monkeypatch):
-    monkeypatch.setattr(plots, "NOTEBOOK_OUTPUTS", ())
+    monkeypatch.setattr(plots.notebook, "NOTEBOOK_OUTPUTS", ())
     bundle = plots.head_grid(classified())._repr_mimebundle_()
     assert list(bundle) == ["application/vnd.plotly.v1+json"]
     assert not plots._mimetype_renderers_in_ipython()  # pytest is no IPython: plotly's show()

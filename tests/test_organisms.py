@@ -7,7 +7,8 @@ import json
 import pandas as pd
 import pytest
 
-from headsurgeon import HeadSet, classify_heads, load_model, model_info, run_census, weight_changes
+from headsurgeon import HeadSet, classify_heads, load_model, model_info, run_census
+from headsurgeon.checkpoints import weight_changes
 from headsurgeon.loading import ORGANISM_DIR, organism_names
 
 pytestmark = pytest.mark.skipif(

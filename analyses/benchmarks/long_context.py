@@ -227,7 +227,7 @@ def out_of_memory(error: BaseException) -> bool:
 def measure(args: argparse.Namespace, task: str, method: str, n_pos: int) -> dict[str, Any]:
     """In this (fresh) process: build, warm up, then time ``--repeats`` runs at ``n_pos``."""
     if args.keep_freed_memory:
-        from headsurgeon import keep_freed_memory
+        from headsurgeon.allocator import keep_freed_memory
 
         keep_freed_memory()
     model = build(args, method)

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from headsurgeon import keep_freed_memory, load_model
+from headsurgeon import load_model
+from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.evals.retrieval import _answer_scores
 
 

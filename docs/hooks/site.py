@@ -6,6 +6,8 @@ Markers a page may hold, each on a line of its own:
     <!-- public-names -->     the table of ``headsurgeon``'s public names and the module each
                               comes from, read from the ``TYPE_CHECKING`` block of
                               ``headsurgeon/__init__.py``
+    <!-- moved-names -->      the table of the specialist names the root used to serve
+                              (its ``_MOVED``) and the module to import each from
     --8<-- "figures/....md"   a markdown file an analysis script wrote under figures/, included
                               (at the line's indent) with its headings moved three levels down,
                               so its title nests under the page's section instead of becoming a
@@ -38,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(f"mkdocs.plugins.{__name__}")  # counted by --strict
 CLI_HELP = re.compile(r"^<!-- cli-help: (\w+) -->$", re.M)
 PUBLIC_NAMES = re.compile(r"^<!-- public-names -->$", re.M)
+MOVED_NAMES = re.compile(r"^<!-- moved-names -->$", re.M)
 FIGURES_MARKDOWN = re.compile(r'^( *)--8<-- "(figures/[^"]+\.md)"$', re.M)
 HEADING = re.compile(r"^(#{1,3}) ", re.M)
 
@@ -74,6 +77,23 @@ def public_names() -> str:
     return "\n".join(["| name | defined in |", "|---|---|", *rows])
 
 
+def moved_names() -> str:
+    """A table of the names the root still serves for one release, with a DeprecationWarning
+    (``headsurgeon/__init__.py``'s ``_MOVED``): each linked to its reference entry."""
+    tree = ast.parse((ROOT / "headsurgeon" / "__init__.py").read_text())
+    [moved] = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["_MOVED"]
+    ]
+    rows = [
+        f"| [`{name}`][{where}.{name}] | `from {where} import {name}` |"
+        for name, where in sorted(moved.items(), key=lambda item: (item[1], item[0]))
+    ]
+    return "\n".join(["| name | import it with |", "|---|---|", *rows])
+
+
 def figures_markdown(match: re.Match) -> str:
     """The file a ``--8<--`` line names, headings three levels down, indented as the line."""
     indent, name = match.groups()
@@ -104,4 +124,5 @@ def on_pre_build(config: MkDocsConfig, **kwargs) -> None:
 def on_page_markdown(markdown: str, **kwargs) -> str:
     markdown = FIGURES_MARKDOWN.sub(figures_markdown, markdown)
     markdown = CLI_HELP.sub(lambda match: cli_help(match.group(1)), markdown)
+    markdown = MOVED_NAMES.sub(lambda match: moved_names(), markdown)
     return PUBLIC_NAMES.sub(lambda match: public_names(), markdown)

@@ -38,6 +38,7 @@ caches) and :mod:`~headsurgeon.backend.forward` (passes cut at a block).
 
 from __future__ import annotations
 
+import headsurgeon.progress  # noqa: F401  # isort: skip (tqdm set up before TransformerLens)
 import contextlib
 import json
 import math

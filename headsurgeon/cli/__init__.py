@@ -1,12 +1,17 @@
 """The command-line tools, and the pieces they share.
 
-Tools (each a ``main(argv)`` and an ``entry()`` that runs it through :func:`run`):
-    headsurgeon.cli.classify    ``python -m headsurgeon.classify``, ``headsurgeon-classify``
-    headsurgeon.cli.blindness   ``python -m headsurgeon.blindness``, ``headsurgeon-blindness``
-    headsurgeon.cli.repair      ``python -m headsurgeon.repair``, ``headsurgeon-repair``
+Tools (each a ``main(argv)`` and an ``entry(argv=None)`` that runs it through :func:`run`):
+    headsurgeon.cli.classify    ``python -m headsurgeon classify``, ``python -m
+                                headsurgeon.classify``, ``headsurgeon-classify``
+    headsurgeon.cli.blindness   ``python -m headsurgeon blindness``, ``python -m
+                                headsurgeon.blindness``, ``headsurgeon-blindness``
+    headsurgeon.cli.repair      ``python -m headsurgeon repair``, ``python -m
+                                headsurgeon.repair``, ``headsurgeon-repair``
 
-The library modules never import this package; ``python -m headsurgeon.<tool>`` runs the
-library module, whose ``__main__`` block hands over to ``headsurgeon.cli.<tool>``.
+The library modules never import this package. Tools enter here from the entry files (every
+``headsurgeon/**/__main__.py``, which import nothing else first) and the console scripts; this
+package's first lines install the Ctrl-C handler of a starting tool, before torch and
+TransformerLens are imported (:func:`run` puts Python's own handler back once they are).
 
 Exports:
     ArgumentParser            argparse with one-line usage errors (exit code 2)
@@ -45,12 +50,43 @@ figures by one export policy) inside the claim.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import logging
 import os
 import signal
 import sys
+
+# The console scripts; ``python -m headsurgeon[.TOOL]`` runs a ``headsurgeon.*.__main__`` entry.
+_SCRIPTS = ("headsurgeon-classify", "headsurgeon-blindness", "headsurgeon-repair")
+
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    """Ctrl-C while a tool imports torch and TransformerLens: one line and status 130, at once.
+
+    A ``KeyboardInterrupt`` raised in the middle of an import leaves half-initialised modules
+    behind (numpy then fails with a ``RecursionError``, not the interrupt), so nothing can be
+    unwound cleanly; and nothing has been written yet, so there is nothing to clean up either.
+    :func:`run` puts Python's own handler back before the tool starts work, so that from then on
+    an interrupt unwinds and removes what the run was writing.
+    """
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+def _starting_a_tool() -> bool:
+    """Whether this process is a tool starting: a console script, or ``python -m`` running one of
+    the package's ``__main__`` entries (not a notebook or a test that imports this package)."""
+    program = os.path.splitext(os.path.basename(sys.argv[0]))[0] if sys.argv else ""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return program in _SCRIPTS or (spec is not None and spec.name.startswith("headsurgeon."))
+
+
+# Before the imports below (seconds of torch and TransformerLens), and only where Ctrl-C would
+# raise (a background job's ignored SIGINT stays ignored).
+if _starting_a_tool() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+import argparse
+import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -376,7 +412,7 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     if os.environ.get("HEADSURGEON_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        # Imports are done (see headsurgeon/__init__.py): from here Ctrl-C unwinds, so the run
+        # Imports are done (see _interrupted_while_starting): from here Ctrl-C unwinds, so the run
         # removes what it was writing on its way out.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

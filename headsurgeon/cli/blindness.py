@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -263,9 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def entry() -> None:
-    """The console script ``headsurgeon-blindness`` and ``python -m headsurgeon.blindness``."""
-    cli.run(main)
+def entry(argv: Sequence[str] | None = None) -> None:
+    """The console script ``headsurgeon-blindness``, ``python -m headsurgeon blindness`` and
+    ``python -m headsurgeon.blindness``: :func:`main` with ``argv`` (default: the command
+    line's arguments)."""
+    cli.run(main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

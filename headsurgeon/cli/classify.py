@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -328,9 +329,11 @@ def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> 
         )
 
 
-def entry() -> None:
-    """The console script ``headsurgeon-classify`` and ``python -m headsurgeon.classify``."""
-    run(main)
+def entry(argv: Sequence[str] | None = None) -> None:
+    """The console script ``headsurgeon-classify``, ``python -m headsurgeon classify`` and
+    ``python -m headsurgeon.classify``: :func:`main` with ``argv`` (default: the command
+    line's arguments)."""
+    run(main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -458,9 +458,11 @@ def _run(
     return _EXIT[result.verdict]
 
 
-def entry() -> None:
-    """The console script ``headsurgeon-repair`` and ``python -m headsurgeon.repair``."""
-    run(main)
+def entry(argv: Sequence[str] | None = None) -> None:
+    """The console script ``headsurgeon-repair``, ``python -m headsurgeon repair`` and
+    ``python -m headsurgeon.repair``: :func:`main` with ``argv`` (default: the command
+    line's arguments)."""
+    run(main, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ Modules (each name above is importable from ``headsurgeon.plots`` itself):
     patterns     attention_pattern, pattern_diff: one head's attention on a text
     sink_cache   sink_cache_figure: perplexity with a StreamingLLM cache
     layout       style, FONT, OKABE_ITO: the house style, and the helpers the figures share
-    notebook     Figure, NOTEBOOK_OUTPUTS: the notebook output
+    notebook     Figure: the notebook output; its settings NOTEBOOK_OUTPUTS, NOTEBOOK_SCALE
     export       save_figure, save_figures, split_formats, the browser: the files
 
 Static formats (png, svg, pdf) go through kaleido and a Chromium browser; html needs nothing.
@@ -75,19 +75,16 @@ In Jupyter a :class:`Figure` shows through the user's plotly renderer as usual (
 ``application/vnd.plotly.v1+json``) and its output also carries ``text/html`` (plotly.js from
 the CDN, with the PNG inside as a fallback) and ``image/png`` (when a browser is found), so it
 still shows where the notebook is viewed as a file: GitHub, nbviewer, an HTML export.
-``NOTEBOOK_OUTPUTS`` chooses these extra representations (``()`` for plotly's own output only);
-plotly's settings (``plotly.io.renderers``) are never changed.
+``notebook.NOTEBOOK_OUTPUTS`` chooses these extra representations (``from headsurgeon.plots import
+notebook; notebook.NOTEBOOK_OUTPUTS = ()`` for plotly's own output only); plotly's settings
+(``plotly.io.renderers``) are never changed.
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
 # Each module's exports; the names imported ``as`` themselves are not in ``__all__`` but stay
 # importable from here as they were before the split (the figures' constants, helpers the tests
 # call).
-from headsurgeon.plots import notebook
 from headsurgeon.plots.corpora import corpora_grid, corpus_diff_grid
 from headsurgeon.plots.counts import (
     SWEEP_PANELS as SWEEP_PANELS,
@@ -181,26 +178,16 @@ __all__ = [
 ]
 
 
-def _setting(module: types.ModuleType, name: str) -> property:
-    """A package attribute that reads and assigns ``module.<name>``."""
-    return property(lambda _: getattr(module, name), lambda _, value: setattr(module, name, value))
+# The notebook settings are the notebook module's own globals, read there on every display: set
+# them there (``plots.notebook.NOTEBOOK_OUTPUTS = ()``). On the package a value would be a copy
+# that display never reads, so reading one here says where they live instead.
+_SETTINGS = ("NOTEBOOK_OUTPUTS", "NOTEBOOK_SCALE")
 
 
-class _Package(types.ModuleType):
-    """This package's module type: its settings are those of the module that reads them.
-
-    Users assign them on the package, as the docs do (``plots.NOTEBOOK_OUTPUTS = ()``), and
-    tests monkeypatch them there; a module's own attribute would only shadow the value the
-    notebook module reads, so the package holds a property (a module cannot hold one itself).
-    """
-
-    NOTEBOOK_OUTPUTS = _setting(notebook, "NOTEBOOK_OUTPUTS")
-    NOTEBOOK_SCALE = _setting(notebook, "NOTEBOOK_SCALE")
-
-
-def __dir__() -> list[str]:
-    settings = [name for name, value in vars(_Package).items() if isinstance(value, property)]
-    return sorted([*globals(), *settings])
-
-
-sys.modules[__name__].__class__ = _Package
+def __getattr__(name: str):
+    if name in _SETTINGS:
+        raise AttributeError(
+            f"{name} is a setting of headsurgeon.plots.notebook: "
+            f"from headsurgeon.plots import notebook; notebook.{name} = ..."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

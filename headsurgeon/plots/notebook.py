@@ -17,8 +17,8 @@ Every figure function of :mod:`headsurgeon.plots` returns a :class:`Figure` (thr
 (plotly.js from the CDN, with the PNG inside as a fallback) and ``image/png`` (when a browser is
 found, rendered by :mod:`headsurgeon.plots.export`), so it still shows where the notebook is
 viewed as a file: GitHub, nbviewer, an HTML export. ``NOTEBOOK_OUTPUTS`` chooses these extra
-representations (``()`` for plotly's own output only; ``headsurgeon.plots.NOTEBOOK_OUTPUTS = ()``
-sets it here); plotly's settings (``plotly.io.renderers``) are never changed.
+representations (``()`` for plotly's own output only: ``from headsurgeon.plots import notebook;
+notebook.NOTEBOOK_OUTPUTS = ()``); plotly's settings (``plotly.io.renderers``) are never changed.
 """
 
 from __future__ import annotations

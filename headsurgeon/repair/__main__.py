@@ -1,12 +1,13 @@
-"""``python -m headsurgeon.repair``: the command-line tool, :mod:`headsurgeon.cli.repair`.
+"""``python -m headsurgeon.repair``: the command-line tool :mod:`headsurgeon.cli.repair`,
+the same entry as ``python -m headsurgeon repair`` and ``headsurgeon-repair``.
 
-Exports nothing. The import stays under ``__main__``, as in the other tools' modules: nothing
-that imports the library loads the command line (``tests/test_architecture.py``).
+Exports nothing. Importing ``headsurgeon.cli`` (the parent of the tool's module) installs the
+Ctrl-C handler of a starting tool before its heavy imports.
 """
+
+from headsurgeon.cli.repair import entry
 
 __all__ = []
 
 if __name__ == "__main__":
-    from headsurgeon.cli.repair import entry
-
     entry()

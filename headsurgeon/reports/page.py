@@ -168,9 +168,10 @@ def write_page(
     summary, ``grid`` (click a head), and per head its metrics in each of ``stages`` (name ->
     one row per head), its attention in each stage of ``samples`` (same order), under each
     pattern the received mass of ``received[j]`` (stage ``j``'s ``[seq, layer, head,
-    position]`` array of the samples' sequences, :attr:`headsurgeon.SecondarySinks.examples`)
-    and its ``curves``; ``figures`` below, and links to the folder's other files and to ``pages``
-    (paths inside the folder, such as a subfolder's page)."""
+    position]`` array of the samples' sequences,
+    :attr:`headsurgeon.received.SecondarySinks.examples`) and its ``curves``; ``figures``
+    below, and links to the folder's other files and to ``pages`` (paths inside the folder, such
+    as a subfolder's page)."""
     n_layers, n_heads = shape
     info = None if model is None else model_info(model, "write_page")
     sequences, packed = _page_patterns(info, samples)

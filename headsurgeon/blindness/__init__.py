@@ -701,9 +701,3 @@ def _mitigated(model: Model, info: ModelInfo, kind: str, params: dict) -> Iterat
     finally:
         for handle in handles:
             handle.remove()
-
-
-if __name__ == "__main__":  # python -m headsurgeon.blindness: the command-line tool
-    from headsurgeon.cli.blindness import entry
-
-    entry()

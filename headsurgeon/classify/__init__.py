@@ -256,9 +256,3 @@ def sick_shares(classified: Mapping[str, pd.DataFrame], bands: int = 3) -> pd.Da
 def thresholds_of(df: pd.DataFrame) -> Thresholds:
     """The thresholds recorded in ``df.attrs`` by :func:`classify_heads` (default ones if none)."""
     return Thresholds(**df.attrs["thresholds"]) if "thresholds" in df.attrs else Thresholds()
-
-
-if __name__ == "__main__":  # python -m headsurgeon.classify: the command-line tool
-    from headsurgeon.cli.classify import entry
-
-    entry()
