@@ -1,24 +1,12 @@
 """Evaluations: perplexity with a sliding window, loss by position, passkey retrieval and needle
 in a haystack.
 
-Exports:
-    perplexity(model, data, window, stride, batch_size)  token-weighted perplexity (float)
-    loss_by_position(model, data, length, n_seqs, ...)   mean loss per position bucket (DataFrame)
-    position_edges(length)                               its default buckets (powers of two)
-    passkey(model, lengths, depths, n_trials, seed)      Retrieval: the passkey task
-    needle(model, haystack_texts, lengths, depths, ...)  Retrieval: needle in a haystack
-    retrieval_by_distance(model, task, haystack, distances, n_trials, ...)
-                                                         Retrieval by the needle's distance to the
-                                                         question, with a chance baseline per bin
-    DISTANCE_EDGES                                       its default bins: 0, 16, 32, ... 8192
-    distance_table(trials, train_ctx)                    its table per bin from its trials
-    distance_summary(table)                              where accuracy falls to that baseline
-    wilson_interval(k, n)                                95% Wilson interval of a proportion
-    Retrieval                                            trials, table (length x depth or distance
-                                                         bin), summary
-    length_auc(lengths, values), summarize(table, ...)   AUC over context lengths, in/out of context
-    sliding_windows(n_tokens, window, stride)            the windows perplexity scores
-    default_window(info, n_ctx)                          perplexity's default window
+Exports (each documented in its module):
+    from :mod:`~headsurgeon.evals.loss`       perplexity, loss_by_position, position_edges,
+                                              sliding_windows, default_window
+    from :mod:`~headsurgeon.evals.retrieval`  passkey, needle, Retrieval, length_auc, summarize,
+                                              retrieval_by_distance, DISTANCE_EDGES,
+                                              distance_table, distance_summary, wilson_interval
 
 Every evaluation only runs the model forward, so it runs unchanged under any
 ``headsurgeon.blindness.mitigation(...)``. Long sequences run in blocks of query rows through the
