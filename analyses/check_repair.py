@@ -24,7 +24,7 @@ from _common import acceptance
 
 from headsurgeon import HeadSet, load_model, perplexity
 from headsurgeon.allocator import keep_freed_memory
-from headsurgeon.checkpoints import weight_changes
+from headsurgeon.checkpoint_diff import weight_changes
 from headsurgeon.data import to_sequences
 
 

@@ -35,7 +35,7 @@ import torch
 from _common import ROOT, acceptance, fmt_heads, markdown, parser, start, style, write_topic
 
 from headsurgeon import load_model, model_info, perplexity, save_hf
-from headsurgeon.checkpoints import weight_changes
+from headsurgeon.checkpoint_diff import weight_changes
 from headsurgeon.data import CORPORA, bundled_text, to_sequences
 from headsurgeon.plots import OKABE_ITO, models_grid
 from headsurgeon.repair import RepairResult, recommended_config, repair

@@ -131,7 +131,7 @@ _MOVED = {
     "SinkCacheEffect": "headsurgeon.sink_cache",
     "sink_rate": "headsurgeon.census",
     "use_exact_alibi": "headsurgeon.loading",
-    "weight_changes": "headsurgeon.checkpoints",
+    "weight_changes": "headsurgeon.checkpoint_diff",
     "WindowEffect": "headsurgeon.window",
 }
 

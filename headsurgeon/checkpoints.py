@@ -9,8 +9,6 @@ Exports:
     hf_model(model, dtype)                   the transformers model of its family that computes
                                              it (eager attention), built in memory
     EXPORT_ATOL, EXPORT_RTOL
-    weight_changes                           :func:`headsurgeon.checkpoint_diff.weight_changes`,
-                                             re-exported for the package's root
 
 The layout knowledge lives here: the fused ``query_key_value`` in BLOOM's (and Falcon's) per-head
 (q, k, v) order, MPT's ``Wqkv`` as [Q; K; V], ``dense``'s per-head columns, tied embeddings, and
@@ -37,9 +35,6 @@ from torch import Tensor
 from headsurgeon import backend
 from headsurgeon.backend import Model, check_model
 from headsurgeon.backend.weights import check_unprocessed, tl_state_dict
-
-# Re-exported for headsurgeon/__init__.py's TYPE_CHECKING block, until it names checkpoint_diff.
-from headsurgeon.checkpoint_diff import weight_changes
 from headsurgeon.dtypes import DTYPES, parse_dtype
 from headsurgeon.errors import (
     CheckpointError,
@@ -67,7 +62,6 @@ __all__ = [
     "hf_model",
     "hf_state_dict",
     "save_hf",
-    "weight_changes",
 ]
 
 logger = logging.getLogger(__name__)

@@ -464,7 +464,7 @@ def test_grouped_falcon_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("family", ["mpt", "falcon-mq"])
 def test_weight_changes_refuses_per_head_slices_of_other_fused_layouts(family):
-    from headsurgeon.checkpoints import weight_changes
+    from headsurgeon.checkpoint_diff import weight_changes
     from headsurgeon.errors import UnsupportedArchitectureError
 
     state = hf_model(family).state_dict()

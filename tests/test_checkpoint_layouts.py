@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headsurgeon import HeadSet, load_model, reinit_heads, save_hf
-from headsurgeon.checkpoints import weight_changes
+from headsurgeon.checkpoint_diff import weight_changes
 from headsurgeon.errors import CheckpointError
 
 HEADS = HeadSet([(0, 1), (1, 2)])

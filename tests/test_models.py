@@ -585,7 +585,7 @@ def test_failed_download_is_one_clear_error(empty_hub, monkeypatch):
 
 def test_weight_changes_finds_every_change_and_only_attributes_head_slices(tiny_model, tmp_path):
     from headsurgeon import HeadSet, reinit_heads
-    from headsurgeon.checkpoints import weight_changes
+    from headsurgeon.checkpoint_diff import weight_changes
 
     heads = HeadSet.parse("L1H2")
     reinit_heads(tiny_model, heads, seed=3)
@@ -615,7 +615,7 @@ def test_weight_changes_finds_every_change_and_only_attributes_head_slices(tiny_
 
 
 def test_weight_changes_compares_dtypes_exactly_and_rejects_bad_input(tmp_path):
-    from headsurgeon.checkpoints import weight_changes
+    from headsurgeon.checkpoint_diff import weight_changes
     from headsurgeon.errors import InvalidArgumentError
 
     name = "transformer.h.0.self_attention.query_key_value.weight"
@@ -642,7 +642,7 @@ def test_weight_changes_compares_dtypes_exactly_and_rejects_bad_input(tmp_path):
 
 
 def test_weight_changes_reads_folders_like_load_model(bloom_dir, tmp_path):
-    from headsurgeon.checkpoints import weight_changes
+    from headsurgeon.checkpoint_diff import weight_changes
 
     table = weight_changes(bloom_dir, str(bloom_dir), [(1, 3)])  # d_head from config.json
     assert table.head_elements.sum() > 0 and table.head_changed.sum() == 0
@@ -657,7 +657,7 @@ def test_weight_changes_reads_folders_like_load_model(bloom_dir, tmp_path):
 
 
 def test_weight_changes_counts_a_nan_left_in_place_as_unchanged():
-    from headsurgeon.checkpoints import weight_changes
+    from headsurgeon.checkpoint_diff import weight_changes
 
     name = "transformer.h.0.self_attention.dense.weight"
     before = {name: torch.tensor([[float("nan"), 1.0], [2.0, 3.0]])}

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from headsurgeon import HeadSet, classify_heads, load_model, model_info, run_census
-from headsurgeon.checkpoints import weight_changes
+from headsurgeon.checkpoint_diff import weight_changes
 from headsurgeon.loading import ORGANISM_DIR, organism_names
 
 pytestmark = pytest.mark.skipif(

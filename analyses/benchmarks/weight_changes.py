@@ -5,7 +5,7 @@ Two Hugging Face BLOOM folders of the same random model (``--shape``, float32), 
 
 * ``eager``  both ``model.safetensors`` read whole with ``safetensors.torch.load_file``, then
              compared as state dicts (what ``analyses/check_repair.py`` did before);
-* ``lazy``   ``headsurgeon.checkpoints.weight_changes`` on the folders: one tensor of each at a
+* ``lazy``   ``headsurgeon.checkpoint_diff.weight_changes`` on the folders: one tensor of each at a
              time.
 
 Both must report the same changes. Memory: the peak resident set above the process's own before
@@ -27,7 +27,7 @@ import torch
 from census import RssSampler, fresh_process, parse_shape  # the census benchmark beside this file
 
 from headsurgeon import HeadSet, reinit_heads, save_hf
-from headsurgeon.checkpoints import weight_changes
+from headsurgeon.checkpoint_diff import weight_changes
 from headsurgeon.loading import random_model
 
 GIB = 2**30
