@@ -12,6 +12,7 @@ Exports:
     window_effect(model, data, ...)   WindowEffect: ΔNLL by distance and position, and per head
     WindowEffect                      its tables: by_distance, by_head
     window_hook(distance, heads)      the ``hook_attn_scores`` hook that cuts keys beyond a distance
+    sequences_to_cut(info, data, ...) the Sequences of a test that cuts keys (3 tokens at least)
 
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))

@@ -14,6 +14,7 @@ Exports:
     active_mitigations(model)          the kinds of the mitigation blocks a model runs in
     dtype_name(dtype)                  canonical dtype name
     CONVENTIONS                        how a softmax is rounded: hf or tl
+    require_scores(name, scores, ...)  one line unless hook_attn_scores holds pre-softmax scores
 
 Command line: ``python -m headsurgeon.blindness [MODEL] [options]`` (the tool itself is
 :mod:`headsurgeon.cli.blindness`).
