@@ -11,7 +11,7 @@ from conftest import head_weight
 from headsurgeon import load_model, plots
 from headsurgeon.data import encode
 from headsurgeon.errors import HeadsurgeonError, InvalidArgumentError
-from headsurgeon.loading import ORGANISM_DIR, ModelShape, organism_names, random_model
+from headsurgeon.loading import ORGANISM_DIR, ModelShape, model_info, organism_names, random_model
 from headsurgeon.pattern_samples import attention_weights
 
 needs_organisms = pytest.mark.skipif(
@@ -33,7 +33,7 @@ def eager_attentions(organism):
     hf = BloomForCausalLM.from_pretrained(
         ORGANISM_DIR / "organism", attn_implementation="eager", dtype=torch.float32
     ).eval()
-    tokens = encode(organism, TEXT)
+    tokens = encode(model_info(organism), TEXT)
     with torch.no_grad():
         return tokens, [a[0] for a in hf(tokens, output_attentions=True).attentions]
 

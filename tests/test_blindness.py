@@ -331,7 +331,7 @@ def test_cli_reach_is_the_census_of_the_measured_text(bloom8_dir, tmp_path):
     args = [str(bloom8_dir), "--measure", "--seq-len", "64", "--n-seqs", "2", "--out", str(out)]
     assert main([*args, "--dtypes", "float32", "--reach-eps", "0.05"]) == 0
     model = hs.load_model(bloom8_dir)
-    tokens = hs.to_sequences(model, seq_len=64, n_seqs=2)
+    tokens = hs.to_sequences(model, seq_len=64, n_seqs=2).tokens
     expected = hs.run_census(model, tokens, reach_eps=0.05, progress=False)["reach"]
     np.testing.assert_array_equal(pd.read_csv(out / "census.csv")["reach"], expected)
 

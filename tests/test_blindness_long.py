@@ -14,6 +14,7 @@ import headsurgeon.blindness as blindness
 from headsurgeon import load_model
 from headsurgeon.blindness import ANALYSED_DTYPES, measure_blindness, mitigation
 from headsurgeon.cli.blindness import main
+from headsurgeon.data import as_sequences
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import ModelShape, model_shape, random_model
@@ -130,11 +131,11 @@ def test_alibi_takes_sequences_past_its_nominal_context(steep_model, monkeypatch
     assert (head0.zero_fraction == 1).all()  # far keys are 0 (skipped, and counted)
     asked = []
 
-    def sequences(model, data, *, seq_len, n_seqs, prepend_bos):
+    def sequences(info, data, *, seq_len, n_seqs, prepend_bos):
         asked.append(seq_len)
-        return _tokens(seq_len)
+        return as_sequences(info, _tokens(seq_len))
 
-    monkeypatch.setattr(blindness, "to_sequences", sequences)
+    monkeypatch.setattr(blindness, "as_sequences", sequences)
     measure_blindness(steep_model, dtypes=["float16"], progress=False)
     assert asked == [1024]  # the default length, whatever the nominal context
 

@@ -77,7 +77,7 @@ def assert_matches_reference(census, expected):
 
 @pytest.mark.parametrize(("min_query_pos", "batch_size"), [(1, 3), (0, 8), (5, 1)])
 def test_census_equals_brute_force_reference(tiny_model, min_query_pos, batch_size):
-    tokens = to_sequences(tiny_model, TEXT, seq_len=24, n_seqs=7)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=24, n_seqs=7).tokens
     census = run_census(
         tiny_model, tokens, batch_size=batch_size, min_query_pos=min_query_pos, progress=False
     )
@@ -91,7 +91,7 @@ def test_census_equals_brute_force_reference(tiny_model, min_query_pos, batch_si
 
 def test_paper_metric_includes_row_zero(tiny_model):
     """min_query_pos=0 is the paper's BOS mass: row 0 adds its weight 1 to the mean."""
-    tokens = to_sequences(tiny_model, TEXT, seq_len=16, n_seqs=4)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=16, n_seqs=4).tokens
     paper = run_census(tiny_model, tokens, min_query_pos=0, progress=False)["bos_mass"]
     ours = run_census(tiny_model, tokens, min_query_pos=1, progress=False)["bos_mass"]
     np.testing.assert_allclose(paper, (1 + 15 * ours) / 16, atol=1e-6)
@@ -100,7 +100,7 @@ def test_paper_metric_includes_row_zero(tiny_model):
 def test_prepend_bos_override_is_used_and_recorded(tiny_model):
     census = run_census(tiny_model, TEXT, seq_len=20, n_seqs=3, prepend_bos=True, progress=False)
     assert census.attrs["prepend_bos"] is True and census.attrs["seq_len"] == 20
-    tokens = to_sequences(tiny_model, TEXT, seq_len=20, n_seqs=3, prepend_bos=True)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=20, n_seqs=3, prepend_bos=True).tokens
     assert (tokens[:, 0] == tiny_model.tokenizer.bos_token_id).all()
     assert_matches_reference(census, reference_census(tiny_model, tokens))
     default = run_census(tiny_model, TEXT, seq_len=20, n_seqs=3, progress=False)
@@ -110,7 +110,7 @@ def test_prepend_bos_override_is_used_and_recorded(tiny_model):
 def test_streaming_leaves_no_hooks_and_fixed_state(tiny_model):
     stats = HeadStats(tiny_model)
     sizes = [t.numel() for t in (stats.sums, stats.squares, stats.layer_write, stats.counts)]
-    tokens = to_sequences(tiny_model, TEXT, seq_len=16, n_seqs=6)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=16, n_seqs=6).tokens
     stream(tiny_model, tokens, stats.hooks(), batch_size=2, progress=False)
     stream(tiny_model, tokens, stats.hooks(), batch_size=5, progress=False)
     assert stats.n_seqs == 12
@@ -138,7 +138,7 @@ def test_bad_input_raises_clear_errors(tiny_model, tmp_path):
 def test_low_precision_models_give_close_numbers(bloom_dir):
     from headsurgeon import load_model
 
-    tokens = to_sequences(load_model(bloom_dir), TEXT, seq_len=24, n_seqs=4)
+    tokens = to_sequences(load_model(bloom_dir), TEXT, seq_len=24, n_seqs=4).tokens
     full = run_census(load_model(bloom_dir), tokens, progress=False)
     half = run_census(load_model(bloom_dir, dtype="bfloat16"), tokens, progress=False)
     assert half.attrs["dtype"] == "bfloat16"

@@ -82,7 +82,7 @@ def plant_sink(model, tokens, layer, head, target):
 @pytest.fixture()
 def planted(tiny_model):
     """tiny_model with a dead sink, a BOS-sink and a silenced head, plus its census tokens."""
-    tokens = to_sequences(tiny_model, TEXT, seq_len=32, n_seqs=8, prepend_bos=True)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=32, n_seqs=8, prepend_bos=True).tokens
     plant_sink(tiny_model, tokens, *DEAD, target=0.99)
     plant_sink(tiny_model, tokens, *SINK, target=0.75)
     with torch.no_grad():
@@ -396,7 +396,7 @@ def test_cli_importance_adds_columns_and_figures_and_keeps_labels(planted, tmp_p
     assert plain_summary.split("\nwrote")[0] in summary
     # The columns are head_importance's on the same sequences.
     reloaded = load_model(checkpoint)
-    tokens = to_sequences(reloaded, [texts], seq_len=32, n_seqs=8, prepend_bos=True)
+    tokens = to_sequences(reloaded, [texts], seq_len=32, n_seqs=8, prepend_bos=True).tokens
     direct = head_importance(reloaded, tokens, method="mean", batch_size=3, progress=False)
     for column in ("delta_loss", "delta_loss_se", "clean_loss"):
         np.testing.assert_allclose(heads[column], direct[column], rtol=1e-12, atol=0)

@@ -7,6 +7,7 @@ import torch
 
 from headsurgeon.data import batches, bundled_text, read_texts, to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.loading import model_info
 
 
 def test_bundled_corpora_are_real_text():
@@ -18,17 +19,17 @@ def test_bundled_corpora_are_real_text():
 
 def test_sequences_follow_the_bos_convention_without_doubling(tiny_model):
     bos = tiny_model.tokenizer.bos_token_id
-    with_bos = to_sequences(tiny_model, None, seq_len=16, n_seqs=4, prepend_bos=True)
+    with_bos = to_sequences(tiny_model, None, seq_len=16, n_seqs=4, prepend_bos=True).tokens
     assert with_bos.shape == (4, 16) and bool((with_bos[:, 0] == bos).all())
     assert not bool((with_bos[:, 1] == bos).any())
     # A token tensor is used exactly as given, whatever the convention says.
-    again = to_sequences(tiny_model, with_bos, seq_len=16, prepend_bos=True)
+    again = to_sequences(tiny_model, with_bos, seq_len=16, prepend_bos=True).tokens
     assert torch.equal(again, with_bos)
-    plain = to_sequences(tiny_model, None, seq_len=16, n_seqs=4, prepend_bos=False)
+    plain = to_sequences(tiny_model, None, seq_len=16, n_seqs=4, prepend_bos=False).tokens
     assert not bool((plain[:, 0] == bos).all())
     tiny_model.cfg.default_prepend_bos = True
-    assert torch.equal(to_sequences(tiny_model, plain, seq_len=16), plain)
-    assert torch.equal(to_sequences(tiny_model, plain, prepend_bos=False), plain)
+    assert torch.equal(to_sequences(tiny_model, plain, seq_len=16).tokens, plain)
+    assert torch.equal(to_sequences(tiny_model, plain, prepend_bos=False).tokens, plain)
     with pytest.raises(DataError, match="do not all start with the BOS token"):
         to_sequences(tiny_model, plain, seq_len=16, prepend_bos=True)
 
@@ -54,12 +55,12 @@ def test_a_str_is_always_text_and_a_path_always_a_file(tiny_model, tmp_path):
 
     file = tmp_path / "corpus.txt"
     file.write_text("file contents " * 40)
-    as_text = to_sequences(tiny_model, str(file), seq_len=4)
-    expected = tokenize(tiny_model, str(file))
+    as_text = to_sequences(tiny_model, str(file), seq_len=4).tokens
+    expected = tokenize(model_info(tiny_model), str(file))
     assert as_text.flatten().tolist() == expected[: as_text.numel()]  # the path's own tokens
-    as_file = to_sequences(tiny_model, file, seq_len=4)
-    assert as_file.flatten().tolist()[:8] == tokenize(tiny_model, file.read_text())[:8]
-    mixed = to_sequences(tiny_model, [str(file), file], seq_len=4)
+    as_file = to_sequences(tiny_model, file, seq_len=4).tokens
+    assert as_file.flatten().tolist()[:8] == tokenize(model_info(tiny_model), file.read_text())[:8]
+    mixed = to_sequences(tiny_model, [str(file), file], seq_len=4).tokens
     assert len(mixed) == len(as_text) + len(as_file)
     assert describe(str(file)) == "1 text(s) given in memory"
     assert describe([file, "/etc/passwd", "more"]) == f"{file} and 2 text(s) given in memory"

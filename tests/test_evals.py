@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from headsurgeon import backend
 from headsurgeon.blindness import mitigation
 from headsurgeon.data import to_sequences, tokenize
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.evals import needle, passkey, perplexity, retrieval, sliding_windows
 from headsurgeon.evals.retrieval import PASSKEY_INTRO, _answer_scores
+from headsurgeon.loading import model_info
 from headsurgeon.long_context import continuation_logprobs
 
 LENGTHS = [192, 256]  # the tiny tokenizer spends ~170 tokens on the passkey prompt itself
@@ -64,7 +64,7 @@ def test_perplexity_equals_the_mean_loss_when_rows_fit(tiny_model):
 def test_bos_first_sequences_get_no_second_bos(tiny_model):
     tiny_model.cfg.default_prepend_bos = True
     texts = ["The quick brown fox jumps over the lazy dog. " * 20]
-    sequences = to_sequences(tiny_model, texts, seq_len=40, n_seqs=3)
+    sequences = to_sequences(tiny_model, texts, seq_len=40, n_seqs=3).tokens
     assert (sequences[:, 0] == tiny_model.tokenizer.bos_token_id).all()
     expected = math.exp(tiny_model(sequences, return_type="loss").item())
     assert perplexity(tiny_model, sequences, window=40) == pytest.approx(expected, rel=1e-5)
@@ -78,7 +78,7 @@ def test_bos_first_sequences_get_no_second_bos(tiny_model):
 
 
 def test_retrieval_prompts_follow_the_bos_convention(tiny_model):
-    intro = len(tokenize(tiny_model, PASSKEY_INTRO))
+    intro = len(tokenize(model_info(tiny_model), PASSKEY_INTRO))
     for bos in (False, True):
         tiny_model.cfg.default_prepend_bos = bos
         result = passkey(tiny_model, lengths=[192], depths=[0.0], n_trials=1, n_candidates=2)
@@ -129,8 +129,8 @@ def test_continuation_logprobs_equal_full_sequence_log_softmax(tiny_model, width
 def test_oracle_retrieves_perfectly_in_and_out_of_context(tiny_model, monkeypatch):
     # The oracle is no TransformerLens model: it is scored through the plain forward pass.
     monkeypatch.setattr(retrieval, "continuation_logprobs", full_sequence_logprobs)
-    for module in (retrieval, backend):  # a stand-in for a model, on purpose
-        monkeypatch.setattr(module, "check_model", lambda model, name: None)
+    # A stand-in for tiny_model, on purpose: its record is tiny_model's.
+    monkeypatch.setattr(retrieval, "model_info", lambda model, name: model_info(tiny_model))
     oracle = InductionOracle(tiny_model)
     for task in (passkey, needle):
         result = task(

@@ -25,7 +25,9 @@ def injured():
 
 @pytest.fixture(scope="module")
 def injured_tokens(injured):
-    return to_sequences(injured, n_seqs=5, seq_len=16)  # BOS-first, as the organism's convention
+    return to_sequences(
+        injured, n_seqs=5, seq_len=16
+    ).tokens  # BOS-first, as the organism's convention
 
 
 def seq_losses(model, tokens, fwd_hooks=()):
@@ -95,7 +97,7 @@ def test_exact_ablation_equals_a_brute_force_hook_loop(injured, injured_tokens, 
 
 
 def test_attribution_ranks_heads_like_exact_ablation(injured):
-    tokens = to_sequences(injured, n_seqs=8, seq_len=32)
+    tokens = to_sequences(injured, n_seqs=8, seq_len=32).tokens
     exact = head_importance(injured, tokens, method="mean", progress=False)
     estimate = head_importance(injured, tokens, method="attribution", progress=False)
     assert (estimate["ablation"] == "mean").all()

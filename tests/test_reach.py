@@ -67,7 +67,7 @@ def test_reach_equals_transformers_eager_attention_for_every_organism_head():
     from transformers import BloomForCausalLM
 
     model = load_model("organism")
-    tokens = to_sequences(model, None, seq_len=1024, n_seqs=2)
+    tokens = to_sequences(model, None, seq_len=1024, n_seqs=2).tokens
     census = run_census(model, tokens, progress=False)
     hf = BloomForCausalLM.from_pretrained(
         ORGANISM_DIR / "organism", attn_implementation="eager", dtype=torch.float32

@@ -12,7 +12,7 @@ from test_attention_pattern import needs_organisms
 from headsurgeon import load_model, run_census, secondary_sinks
 from headsurgeon.data import to_sequences, token_strings
 from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.loading import ORGANISM_DIR, ModelShape, random_model
+from headsurgeon.loading import ORGANISM_DIR, ModelShape, model_info, random_model
 from headsurgeon.probes import stream
 from headsurgeon.received import SINK_COLUMNS, ReceivedMass, received_sums
 
@@ -63,7 +63,7 @@ def reference_sinks(model, tokens, A, threshold, min_queries) -> pd.DataFrame:
                 {
                     "seq": seq,
                     "position": k,
-                    "token": token_strings(model, tokens[seq])[k],
+                    "token": token_strings(model_info(model), tokens[seq])[k],
                     "first_layer": first,
                     "last_layer": end - 1,
                     "n_layers": end - first,
@@ -96,7 +96,7 @@ def assert_matches(found, model, tokens, A, threshold, min_queries) -> None:
 
 
 def test_received_mass_and_sinks_equal_transformers_eager_attention(bloom_dir, tiny_model):
-    tokens = to_sequences(tiny_model, TEXT, seq_len=40, n_seqs=5)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=40, n_seqs=5).tokens
     # A random BLOOM's heads are diffuse (largest received mass ~0.08): a low threshold gives
     # the list something to hold.
     found = secondary_sinks(
@@ -119,7 +119,7 @@ def test_received_mass_and_sinks_equal_transformers_eager_attention(bloom_dir, t
 @needs_organisms
 def test_the_organism_equals_transformers_eager_attention():
     model = load_model("organism")
-    tokens = to_sequences(model, None, seq_len=128, n_seqs=6)
+    tokens = to_sequences(model, None, seq_len=128, n_seqs=6).tokens
     found = secondary_sinks(model, tokens, progress=False)
     A = eager_attentions(ORGANISM_DIR / "organism", tokens)
     assert_matches(found, model, tokens, A, 0.3, 16)
@@ -163,7 +163,7 @@ def test_planted_sinks_are_found_with_their_first_layer_and_lifetime(block_size)
 
 
 def test_batches_and_blocks_give_the_same_numbers(tiny_model):
-    tokens = to_sequences(tiny_model, TEXT, seq_len=40, n_seqs=9)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=40, n_seqs=9).tokens
     kwargs = {"threshold": 0.06, "min_queries": 8, "progress": False}
     one = secondary_sinks(tiny_model, tokens, batch_size=1, **kwargs)
     eight = secondary_sinks(tiny_model, tokens, batch_size=8, **kwargs)
@@ -175,7 +175,7 @@ def test_batches_and_blocks_give_the_same_numbers(tiny_model):
 
 
 def test_the_list_is_capped_at_the_largest_peaks(tiny_model):
-    tokens = to_sequences(tiny_model, TEXT, seq_len=40, n_seqs=6)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=40, n_seqs=6).tokens
     kwargs = {"threshold": 0.06, "min_queries": 8, "batch_size": 2, "progress": False}
     everything = secondary_sinks(tiny_model, tokens, **kwargs).sinks
     capped = secondary_sinks(tiny_model, tokens, max_sinks=3, **kwargs).sinks
@@ -227,7 +227,7 @@ def test_the_classify_tool_writes_the_sinks_and_a_strip_under_each_pattern(
     assert main([*argv, "--received-threshold", "0.05", "--out", str(tmp_path / "a")]) == 0
     summary = capsys.readouterr().out
     model = load_model(bloom_dir)
-    tokens = to_sequences(model, [texts], seq_len=64, n_seqs=4)
+    tokens = to_sequences(model, [texts], seq_len=64, n_seqs=4).tokens
     direct = secondary_sinks(model, tokens, threshold=0.05, progress=False)
     written = pd.read_csv(tmp_path / "a" / "secondary_sinks.csv", keep_default_na=False)
     assert len(written) > 0 and "secondary sinks: " in summary
@@ -257,7 +257,7 @@ def test_the_strip_is_drawn_under_the_clicked_heads_pattern(tmp_path):
     view = open_page(tmp_path / "out" / PAGE, "L3H1")
     assert view.errors == [] and view.shown == "L3H1"
     model = load_model("organism")
-    direct = secondary_sinks(model, to_sequences(model, None, seq_len=128, n_seqs=4))
+    direct = secondary_sinks(model, to_sequences(model, None, seq_len=128, n_seqs=4).tokens)
     np.testing.assert_allclose(
         np.array(view.received, dtype=float), direct.examples[0, 3, 1, :48], rtol=5e-3
     )

@@ -34,7 +34,7 @@ SINK, DEAD = (1, 3), (1, 1)
 def injured(bloom_dir, tmp_path_factory):
     """bloom_dir with a BOS sink planted in L1H3 and L1H1 silenced (W_O = 0)."""
     model = load_model(bloom_dir)
-    tokens = to_sequences(model, TEXT, seq_len=32, prepend_bos=True)
+    tokens = to_sequences(model, TEXT, seq_len=32, prepend_bos=True).tokens
     sink = HeadSet([SINK])
     config = FinetuneConfig(steps=30, lr=0.1, batch_size=4, eval_every=30)
     finetune(
@@ -115,7 +115,9 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
     assert comparison["injured"] == result.passes[0].perplexity_before
     assert comparison["repaired"] == result.passes[0].perplexity_after
     fresh = load_model(injured)
-    held_out = to_sequences(fresh, TEXT, seq_len=32, n_seqs=32, prepend_bos=True)  # the run's
+    held_out = to_sequences(
+        fresh, TEXT, seq_len=32, n_seqs=32, prepend_bos=True
+    ).tokens  # the run's
 
     def zero_targets(z, hook):
         z[:, :, [DEAD[1], SINK[1]]] = 0
@@ -147,7 +149,7 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(out / "model")
-    tokens = to_sequences(model, TEXT, seq_len=16, n_seqs=2)
+    tokens = to_sequences(model, TEXT, seq_len=16, n_seqs=2).tokens
     torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-4)
 
 

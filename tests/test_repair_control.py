@@ -43,7 +43,7 @@ def recording(monkeypatch):
     """Wrap the pipeline's fine-tuning: record each call's heads, data, options and starting
     slices, and check that it changed nothing outside the heads' slices."""
     calls = []
-    train = repair_module.finetune_checked
+    train = repair_module.finetune
 
     def recorded(model, heads, tokens, **options):
         before = snapshot(model)
@@ -53,7 +53,7 @@ def recording(monkeypatch):
         calls.append({"heads": heads, "train": tokens, "options": options, "start": start})
         return result
 
-    monkeypatch.setattr(repair_module, "finetune_checked", recorded)
+    monkeypatch.setattr(repair_module, "finetune", recorded)
     return calls
 
 
@@ -66,7 +66,7 @@ def test_the_control_retrains_the_same_heads_from_their_own_weights(injured, mon
     assert [c["heads"] for c in calls] == [targets, targets]  # the repair pass, then the control
     fix, control = calls
     # The same data, steps, seed and schedule: the same tokens and the same options.
-    assert torch.equal(fix["train"], control["train"]) and fix["options"] == control["options"]
+    assert torch.equal(fix["train"].tokens, control["train"].tokens) and fix["options"] == control["options"]
     # The repair starts from re-initialised heads (W_O zeroed), the control from the injured
     # model's own weights, bit for bit.
     assert not fix["start"]["blocks.1.attn.W_O"].any()
@@ -84,7 +84,7 @@ def test_the_control_retrains_the_same_heads_from_their_own_weights(injured, mon
     # gives the control's perplexity and census.
     brute = load_model(injured)
     finetune(brute, targets, control["train"], **control["options"])
-    held_out = to_sequences(brute, TEXT, seq_len=32, n_seqs=32, prepend_bos=True)
+    held_out = to_sequences(brute, TEXT, seq_len=32, n_seqs=32, prepend_bos=True).tokens
     ppl = perplexity(
         brute,
         held_out,
@@ -97,7 +97,7 @@ def test_the_control_retrains_the_same_heads_from_their_own_weights(injured, mon
     assert result.control[0].perplexity_after["heldout"] == pytest.approx(ppl, rel=1e-6)
     census = run_census(
         brute,
-        to_sequences(brute, TEXT, seq_len=32, n_seqs=16, prepend_bos=True),
+        to_sequences(brute, TEXT, seq_len=32, n_seqs=16, prepend_bos=True).tokens,
         batch_size=4,
         progress=False,
     )

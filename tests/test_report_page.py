@@ -58,7 +58,7 @@ def unpack(b64: str, n: int) -> np.ndarray:
 
 
 def test_classification_page_holds_every_head_and_its_exact_weights(tiny_model, tmp_path):
-    tokens = to_sequences(tiny_model, TEXT, seq_len=64, n_seqs=3)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=64, n_seqs=3).tokens
     census = classify_heads(run_census(tiny_model, tokens, progress=False))
     out = write_classification(
         census, tmp_path / "out", formats=(), model=tiny_model, tokens=tokens
@@ -133,7 +133,7 @@ def test_repair_page_shows_every_stage_side_by_side(tiny_model, tmp_path):
 
 
 def test_blindness_page_has_curves_per_head(tiny_model, tmp_path):
-    tokens = to_sequences(tiny_model, TEXT, seq_len=256, n_seqs=1)
+    tokens = to_sequences(tiny_model, TEXT, seq_len=256, n_seqs=1).tokens
     analytic = analytic_blindness(tiny_model, context_length=256)
     measured = measure_blindness(tiny_model, tokens)
     out = write_blindness(

@@ -11,7 +11,6 @@ import pytest
 import torch
 from test_evals import InductionOracle, full_sequence_logprobs
 
-from headsurgeon import backend
 from headsurgeon.blindness import mitigation
 from headsurgeon.data import tokenize
 from headsurgeon.errors import InvalidArgumentError
@@ -23,6 +22,7 @@ from headsurgeon.evals.retrieval import (
     PASSKEY_NEEDLE,
     PASSKEY_QUESTION,
 )
+from headsurgeon.loading import model_info
 
 EDGES = [0, 3, 20]  # two bins; the tiny tokenizer spends ~170 tokens on the fixed parts
 PARTS = {
@@ -51,7 +51,7 @@ def test_each_prompt_has_its_needle_at_the_distance_the_trials_say(tiny_model, m
     trials, decode = result.trials, tiny_model.tokenizer.decode
     assert len(calls) == 2 * len(trials) == 12  # a needle prompt and its baseline per trial
     needle_text, question_text = PARTS[task]
-    intro = len(tokenize(tiny_model, PASSKEY_INTRO)) if task == "passkey" else 0
+    intro = len(tokenize(model_info(tiny_model), PASSKEY_INTRO)) if task == "passkey" else 0
     intro += bool(tiny_model.cfg.default_prepend_bos)
     for row, (prompt, candidates), (baseline, baseline_candidates) in zip(
         trials.itertuples(), calls[::2], calls[1::2], strict=True
@@ -87,8 +87,8 @@ def test_the_same_prompts_for_every_model_and_seed(tiny_model, monkeypatch):
 
 def test_an_oracle_finds_every_needle_and_no_baseline_key(tiny_model, monkeypatch):
     monkeypatch.setattr(retrieval, "continuation_logprobs", full_sequence_logprobs)
-    for module in (retrieval, backend):  # a stand-in for a model, on purpose
-        monkeypatch.setattr(module, "check_model", lambda model, name: None)
+    # A stand-in for tiny_model, on purpose: its record is tiny_model's.
+    monkeypatch.setattr(retrieval, "model_info", lambda model, name: model_info(tiny_model))
     result = retrieval_by_distance(
         InductionOracle(tiny_model), "passkey", distances=EDGES, n_trials=6, n_candidates=4
     )

@@ -101,7 +101,7 @@ def test_sink_rate_and_ahon_ln_equal_transformers_on_a_tiny_bloom(bloom_dir, tin
 def test_gu_protocol_on_the_organism_equals_transformers():
     """Gu et al.'s protocol (100 sequences x 64 tokens, eps 0.3) on the bundled organism."""
     model = hs.load_model("organism")
-    tokens = to_sequences(model, None, seq_len=GU_PROTOCOL["seq_len"], n_seqs=100)
+    tokens = to_sequences(model, None, seq_len=GU_PROTOCOL["seq_len"], n_seqs=100).tokens
     census = run_census(model, **GU_PROTOCOL, progress=False)
     assert (census.attrs["n_seqs"], census.attrs["seq_len"], census.attrs["sink_eps"]) == (
         100,

@@ -172,9 +172,9 @@ def test_the_bos_convention_is_read_at_each_call(tiny_model):
 
     bos = tiny_model.tokenizer.bos_token_id
     text = "a text to cut into sequences " * 20
-    assert (to_sequences(tiny_model, text, seq_len=8)[:, 0] != bos).all()
+    assert (to_sequences(tiny_model, text, seq_len=8).tokens[:, 0] != bos).all()
     tiny_model.cfg.default_prepend_bos = True  # after a first use
-    assert (to_sequences(tiny_model, text, seq_len=8)[:, 0] == bos).all()
+    assert (to_sequences(tiny_model, text, seq_len=8).tokens[:, 0] == bos).all()
     census = run_census(tiny_model, text, seq_len=16, n_seqs=2, progress=False)
     assert census.attrs["prepend_bos"] is True and "convention" in census.attrs["bos_rule"]
     # A token tensor is used exactly as given (one BOS rule for every model).
