@@ -225,26 +225,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.measure:
                 raise
             logger.warning("note: %s", e)
-        measured = model = tokens = precision = census = None
+        measured = model = seqs = precision = census = None
         if args.measure:
             model = load_model(args.model, dtype="float32", **cli.placement_args(args))
             cli.require_tokenizer(model, args)
-            tokens = cli.load_data(model, args)
+            seqs = cli.load_data(model, args)
             applied = mitigation(model, args.mitigation, **params) if args.mitigation else None
             with applied or contextlib.nullcontext():
                 measured = measure_blindness(
                     model,
-                    tokens,
+                    seqs,
                     dtypes=dtypes,
                     convention=args.convention,
                     batch_size=args.batch_size,
                 )
                 census = run_census(
-                    model, tokens, batch_size=args.batch_size, reach_eps=args.reach_eps
+                    model, seqs, batch_size=args.batch_size, reach_eps=args.reach_eps
                 )
                 if args.counterfactual == "precision":
                     precision = precision_effect(
-                        model, tokens, dtypes=[d for d in dtypes if d in PRECISION_DTYPES]
+                        model, seqs, dtypes=[d for d in dtypes if d in PRECISION_DTYPES]
                     )
         model, sinks = _sink_cache(args, model) if args.sink_cache else (model, None)
         print(blindness_summary(analytic, measured, precision, census, sinks))
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             formats=formats,
             overwrite=args.overwrite,
             model=model,
-            tokens=tokens,
+            tokens=None if seqs is None else seqs.tokens,
             precision=precision,
             census=census,
             sink_cache=sinks,
