@@ -137,3 +137,45 @@ def no_model(monkeypatch):
     monkeypatch.setattr(headsurgeon.cli.repair, "load_model", refuse)
     monkeypatch.setattr(headsurgeon.cli.blindness, "load_model", refuse)
     monkeypatch.setattr(headsurgeon.cli.blindness, "analytic_blindness", refuse)
+
+
+# The planted injuries of the ``injured`` checkpoint: a BOS sink and a silenced head.
+SINK, DEAD = (1, 3), (1, 1)
+
+
+@pytest.fixture(scope="module")
+def injured(bloom_dir, tmp_path_factory):
+    """bloom_dir with a BOS sink planted in L1H3 and L1H1 silenced (W_O = 0)."""
+    from headsurgeon import load_model, save_hf
+    from headsurgeon.data import to_sequences
+    from headsurgeon.finetune import FinetuneConfig, bos_mass_objective, finetune
+    from headsurgeon.heads import HeadSet
+
+    model = load_model(bloom_dir)
+    tokens = to_sequences(model, TEXT, seq_len=32, prepend_bos=True).tokens
+    sink = HeadSet([SINK])
+    config = FinetuneConfig(steps=30, lr=0.1, batch_size=4, eval_every=30)
+    finetune(
+        model, sink, tokens, objective=bos_mass_objective(sink, 0.8), config=config, progress=False
+    )
+    with torch.no_grad():
+        head_weight(model, DEAD[0], "W_O")[DEAD[1]] = 0
+    return save_hf(model, tmp_path_factory.mktemp("injured") / "model")
+
+
+NO_CHROMIUM = (
+    "no Chromium browser found (apt-get install -y chromium, or set BROWSER_PATH): "
+    "the export through a real browser is not tested here"
+)
+
+
+@pytest.fixture()
+def no_browser(monkeypatch):
+    """Kaleido's browser lookup (choreographer's search) finds nothing, as on a fresh machine."""
+    from choreographer.browsers.chromium import Chromium
+
+    from headsurgeon import plots
+
+    monkeypatch.delenv("BROWSER_PATH", raising=False)
+    monkeypatch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kwargs: None))
+    assert not plots.has_browser()

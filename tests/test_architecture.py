@@ -633,3 +633,18 @@ def test_modules_are_attributes_of_the_root_and_a_typo_is_an_attribute_error():
     assert headsurgeon.plots is importlib.import_module("headsurgeon.plots")
     with pytest.raises(AttributeError, match="no attribute 'lod_model'"):
         headsurgeon.lod_model  # noqa: B018
+
+
+def test_the_tests_mirror_the_package():
+    """Each package of headsurgeon has its tests in the folder of its name (tests/repair/ for
+    headsurgeon/repair/), and pytest's pythonpath names every such folder (their helpers import
+    one another by module name)."""
+    import tomllib
+
+    root = PACKAGE.parent
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    folders = {p.parent.name for p in (root / "tests").glob("*/test_*.py")}
+    assert packages == folders, (sorted(packages - folders), sorted(folders - packages))
+    config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    pythonpath = config["tool"]["pytest"]["ini_options"]["pythonpath"]
+    assert sorted(pythonpath) == sorted(["tests", *(f"tests/{name}" for name in packages)])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import head_weight
 from test_blindness import WITHOUT_ALIBI
-from test_reach import reference_reach
+from test_census_reach import reference_reach
 
 from headsurgeon import run_census
 from headsurgeon.census import COLUMNS

@@ -39,7 +39,7 @@ def test_model_info_is_the_one_record_of_the_model(tiny_model):
 
 
 def test_model_info_reads_the_fields_that_follow_the_model_fresh(tiny_model):
-    # (The slopes after use_exact_alibi: tests/test_user_models.py.)
+    # (The slopes after use_exact_alibi: tests/loading/test_user_models.py.)
     assert model_info(tiny_model).prepend_bos is False
     tiny_model.cfg.default_prepend_bos = True
     try:

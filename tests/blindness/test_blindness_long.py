@@ -19,7 +19,7 @@ from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import ModelShape, model_shape, random_model
 
-TRAINED_LOG = Path(__file__).parents[1] / "analyses" / "mitigation_models" / "log"
+TRAINED_LOG = Path(__file__).parents[2] / "analyses" / "mitigation_models" / "log"
 COUNTS = ["layer", "head", "dtype", "distance_lo", "zero_entries"]
 
 

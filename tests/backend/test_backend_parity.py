@@ -1,8 +1,8 @@
 """The same numbers on TransformerLens 3.x and 4.x: this file runs under whichever major is
 installed (CI runs the suite on both) and compares with numbers recorded on 3.x.
 
-The golden file is written by ``python tests/test_backend_parity.py`` under 3.x; it holds the
-census of ``organism-injured`` (16 sequences of 64 held-out tokens), its labels, and held-out
+The golden file is written by ``python tests/backend/test_backend_parity.py`` under 3.x; it holds
+the census of ``organism-injured`` (16 sequences of 64 held-out tokens), its labels, and held-out
 perplexities with standard ALiBi and under two mitigations, from the library's public API.
 """
 
@@ -19,7 +19,7 @@ import torch
 import headsurgeon as hs
 from headsurgeon import backend
 
-GOLDEN = Path(__file__).parent / "golden" / "organism_injured_tl3.json"
+GOLDEN = Path(__file__).parents[1] / "golden" / "organism_injured_tl3.json"
 ORGANISM = "organism-injured"
 CENSUS = {"seq_len": 64, "n_seqs": 16}
 PERPLEXITY = {"window": 64, "max_windows": 8}

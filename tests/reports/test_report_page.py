@@ -11,8 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import TEXT
-from test_no_browser import NO_CHROMIUM, no_browser  # noqa: F401 (a fixture)
+from conftest import NO_CHROMIUM, TEXT
 
 from headsurgeon import classify_heads, plots, run_census
 from headsurgeon.blindness import analytic_blindness, measure_blindness

@@ -219,7 +219,7 @@ def test_history_and_schedule():
 KILLED_RUN = """
 import sys, time
 import torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}
 from test_finetune import config, setup
 from headsurgeon.finetune import finetune, next_token_loss
 
@@ -236,7 +236,7 @@ finetune(model, heads, tokens, config=config(steps=20, checkpoint_every=2, eval_
 @pytest.mark.slow  # a subprocess
 def test_resume_after_kill_is_bit_identical(tmp_path):
     ckpt = tmp_path / "ckpt"
-    script = KILLED_RUN.format(tests=str(TESTS), ckpt=str(ckpt))
+    script = KILLED_RUN.format(tests=[str(TESTS), str(TESTS.parent)], ckpt=str(ckpt))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + 120
@@ -409,7 +409,7 @@ DDP_RUN = """
 import sys
 import torch
 import torch.distributed as dist
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}
 from test_finetune import config, setup
 from headsurgeon.backend.weights import tl_state_dict
 from headsurgeon.finetune import finetune, setup_distributed
@@ -427,7 +427,9 @@ dist.destroy_process_group()
 @pytest.mark.slow  # a subprocess
 def test_ddp_two_processes_match_one_process_with_double_batch(tmp_path):
     script = tmp_path / "ddp_run.py"
-    script.write_text(DDP_RUN.format(tests=str(TESTS), out=str(tmp_path / "ddp.pt")))
+    script.write_text(
+        DDP_RUN.format(tests=[str(TESTS), str(TESTS.parent)], out=str(tmp_path / "ddp.pt"))
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(
         [

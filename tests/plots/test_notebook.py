@@ -10,7 +10,7 @@ import pytest
 from headsurgeon import plots
 from headsurgeon.loading import organism_names
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "analyses" / "tour.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "analyses" / "tour.ipynb"
 NEEDED = ("organism-injured",)
 PLOTLY = "application/vnd.plotly.v1+json"
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 from conftest import TEXT
 from test_finetune import config, setup
-from test_repair import injured  # noqa: F401 (a fixture)
 
 import headsurgeon.finetune.trainer as finetune_module
 import headsurgeon.repair.pipeline as repair_module
@@ -18,7 +17,7 @@ from headsurgeon.classify import Thresholds
 from headsurgeon.finetune import MaskTrainer, finetune
 from headsurgeon.repair import repair
 
-# Two passes: output shares < 0.2 leave heads sick after pass 1 (see tests/test_repair.py).
+# Two passes: output shares < 0.2 leave heads sick after pass 1 (see tests/repair/test_repair.py).
 SETTINGS = dict(
     census_data=TEXT,
     census_seq_len=32,

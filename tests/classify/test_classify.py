@@ -236,7 +236,7 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
     assert meta["metadata"]["data"] == str(texts) and "torch" in meta["metadata"]["versions"]
     assert len(meta["heads"]) == 8 and "output_share" in meta["columns"]
     assert (out / "bos_mass.html").exists()
-    if static:  # the browser-free case: tests/test_no_browser.py
+    if static:  # the browser-free case: tests/plots/test_no_browser.py
         assert (out / "bos_mass.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (out / "labels.svg").read_text().lstrip().startswith("<svg")
         assert (out / "labels.pdf").read_bytes()[:4] == b"%PDF"

@@ -21,7 +21,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
 import pytest
-from conftest import TEXT
+from conftest import NO_CHROMIUM, TEXT
 
 from headsurgeon import classify_heads, load_model, plots
 from headsurgeon.cli import run
@@ -33,20 +33,6 @@ from headsurgeon.reports import write_classification, write_report
 from headsurgeon.surgery import HeadSet
 
 FIGURES = ("bos_mass", "labels", "entropy", "output_share", "threshold_sweep")
-NO_CHROMIUM = (
-    "no Chromium browser found (apt-get install -y chromium, or set BROWSER_PATH): "
-    "the export through a real browser is not tested here"
-)
-
-
-@pytest.fixture()
-def no_browser(monkeypatch):
-    """Kaleido's browser lookup (choreographer's search) finds nothing, as on a fresh machine."""
-    from choreographer.browsers.chromium import Chromium
-
-    monkeypatch.delenv("BROWSER_PATH", raising=False)
-    monkeypatch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kwargs: None))
-    assert not plots.has_browser()
 
 
 def classified() -> pd.DataFrame:

@@ -10,46 +10,22 @@ import shutil
 import pandas as pd
 import pytest
 import torch
-from conftest import TEXT, head_weight
+from conftest import DEAD, SINK, TEXT
 from safetensors.torch import load_file
 from test_finetune import outside, snapshot
 
 import headsurgeon.finetune.trainer as finetune_module
 import headsurgeon.repair.pipeline as repair_module
-from headsurgeon import load_model, plots, save_hf
+from headsurgeon import load_model, plots
 from headsurgeon.classify import Thresholds
 from headsurgeon.cli import run
 from headsurgeon.cli.repair import EXIT_DAMAGED, EXIT_WORSE, main
 from headsurgeon.data import to_sequences
 from headsurgeon.evals import perplexity
-from headsurgeon.finetune import FinetuneConfig, bos_mass_objective, finetune
+from headsurgeon.finetune import FinetuneConfig
 from headsurgeon.repair import PassResult, RepairResult, head_failures, repair
 from headsurgeon.reports import write_classification, write_report
 from headsurgeon.surgery import HeadSet
-
-SINK, DEAD = (1, 3), (1, 1)
-
-
-@pytest.fixture(scope="module")
-def injured(bloom_dir, tmp_path_factory):
-    """bloom_dir with a BOS sink planted in L1H3 and L1H1 silenced (W_O = 0)."""
-    model = load_model(bloom_dir)
-    tokens = to_sequences(model, TEXT, seq_len=32, prepend_bos=True).tokens
-    sink = HeadSet([SINK])
-    config = FinetuneConfig(steps=30, lr=0.1, batch_size=4, eval_every=30)
-    finetune(
-        model, sink, tokens, objective=bos_mass_objective(sink, 0.8), config=config, progress=False
-    )
-    with torch.no_grad():
-        head_weight(model, DEAD[0], "W_O")[DEAD[1]] = 0
-    return save_hf(model, tmp_path_factory.mktemp("injured") / "model")
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text(TEXT)
-    return path
 
 
 def label(census, pair):
@@ -202,7 +178,7 @@ def test_cli_interrupted_run_resumes_to_the_same_result(
     assert main(cli_args(injured, text_file, straight)) == 0
     report = json.loads((straight / "report.json").read_text())
     assert len(report["passes"]) == 2  # output shares < 0.2 leave heads sick after pass 1
-    if plots.has_browser():  # else skipped with a warning (tests/test_no_browser.py)
+    if plots.has_browser():  # else skipped with a warning (tests/plots/test_no_browser.py)
         assert (straight / "labels_after.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "straight.partial").exists()
 
@@ -603,7 +579,7 @@ def test_the_readmes_python_block_runs(recommending, tmp_path, monkeypatch):
 
     import headsurgeon as hs
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## In Python", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert 'hs.load_model("organism-injured")' in block

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tokenizer
-from test_reach import reference_reach
+from test_census_reach import reference_reach
 
 from headsurgeon import head_importance, measure_blindness, run_census
 from headsurgeon.backend import MAJOR

@@ -11,7 +11,7 @@ import torch
 from conftest import TEXT
 from safetensors.torch import load_file
 from test_finetune import outside, snapshot
-from test_repair import cli_args, injured, text_file  # noqa: F401 (fixtures)
+from test_repair import cli_args
 
 import headsurgeon.finetune.trainer as finetune_module
 import headsurgeon.repair.pipeline as repair_module
@@ -66,7 +66,10 @@ def test_the_control_retrains_the_same_heads_from_their_own_weights(injured, mon
     assert [c["heads"] for c in calls] == [targets, targets]  # the repair pass, then the control
     fix, control = calls
     # The same data, steps, seed and schedule: the same tokens and the same options.
-    assert torch.equal(fix["train"].tokens, control["train"].tokens) and fix["options"] == control["options"]
+    assert (
+        torch.equal(fix["train"].tokens, control["train"].tokens)
+        and fix["options"] == control["options"]
+    )
     # The repair starts from re-initialised heads (W_O zeroed), the control from the injured
     # model's own weights, bit for bit.
     assert not fix["start"]["blocks.1.attn.W_O"].any()

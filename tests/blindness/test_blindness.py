@@ -314,7 +314,7 @@ def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
         assert not pd.read_csv(out / f"{name}.csv").empty
     for name in ("blind_distance", "zero_fraction", "analytic_vs_measured", "reach"):
         assert (out / f"{name}.html").exists()
-        if plots.has_browser():  # without one the PNGs are skipped (tests/test_no_browser.py)
+        if plots.has_browser():  # without one the PNGs are skipped (tests/plots/test_no_browser.py)
             assert (out / f"{name}.png").stat().st_size > 1000
     # The summary's order: whether precision matters (here: not measured), reach, exact zeros.
     summary = (out / "summary.txt").read_text().splitlines()

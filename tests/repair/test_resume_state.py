@@ -12,7 +12,6 @@ import pytest
 import torch
 from conftest import TEXT
 from test_finetune import config, setup
-from test_repair import injured  # noqa: F401 (a fixture)
 
 from headsurgeon import load_model
 from headsurgeon.classify import Thresholds
