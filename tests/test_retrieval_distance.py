@@ -34,7 +34,7 @@ PARTS = {
 def scored_prompts(monkeypatch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """Every (prompt, candidates) the evaluation scores, in order, recorded."""
     calls = []
-    real = retrieval._answer_scores
+    real = retrieval.answer_scores
 
     def record(model, prompt, candidates):
         calls.append((prompt.clone(), [c.clone() for c in candidates]))
