@@ -75,6 +75,7 @@ from headsurgeon.progress import tqdm
 from headsurgeon.surgery import (
     TRAINED_TENSORS,
     check_surgery,
+    frozen_parameters,
     restored_on_failure,
 )
 
@@ -207,9 +208,8 @@ def finetune(
             snapshot.add_layers(job.heads.layers, TRAINED_TENSORS)
         else:
             snapshot.add_heads(job.heads)
-        model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
-        model.requires_grad_(False)  # the mask strategy re-enables its own tensors
-        try:
+        # Nothing of the model's own trains: the mask strategy re-enables its own tensors.
+        with frozen_parameters(model):
             if objective is None and job.cfg.loss_chunk is not None:
                 objective = functools.partial(next_token_loss, chunk=job.cfg.loss_chunk)
             objective = objective or next_token_loss
@@ -218,9 +218,6 @@ def finetune(
                 return _Loop(job, trainer).run()
             finally:
                 trainer.close()
-        finally:
-            for name, p in model.named_parameters():
-                p.requires_grad_(model_grad[name])
 
 
 def _sequences(info: ModelInfo, data: Data | Sequences, what: str) -> Sequences:
