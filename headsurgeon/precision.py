@@ -16,7 +16,7 @@ Exports:
     PrecisionEffect                      its tables: by_position, by_head
     PRECISION_DTYPES, PARTS, PART_MEANINGS
     HeadTable                            exact zeros and mass moved per recipe, head and distance
-    BYTES_PER_ENTRY                      bytes per distance bucket of its tables (memory estimates)
+    PRECISION_BYTES_PER_ENTRY            bytes a block keeps per attention entry (block sizes)
 
 The passes run on the ``transformers`` model of the family (:func:`headsurgeon.checkpoints.
 hf_model`: BLOOM, MPT, Falcon with ``alibi=True``), whose attention modules compute, for the
@@ -63,7 +63,7 @@ __all__ = [
     "PrecisionEffect",
     "precision_effect",
     "HeadTable",
-    "BYTES_PER_ENTRY",
+    "PRECISION_BYTES_PER_ENTRY",
 ]
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ PART_MEANINGS = {
 }
 # Bytes a block keeps per (batch, head, query, key) entry: the float64 scores and weights of the
 # reference, and per recipe of the head table its scores, weights and three reductions.
-BYTES_PER_ENTRY = 160
+PRECISION_BYTES_PER_ENTRY = 160
 
 
 @dataclasses.dataclass
@@ -501,7 +501,9 @@ def precision_effect(
     tokens, (n_rows, n_pos) = seqs.tokens, seqs.tokens.shape
     check_int(n_pos, "the sequence length", minimum=2)
     edges = position_edges(n_pos) if edges is None else check_edges(edges, n_pos)
-    block = long_context.block_size(model, n_pos, batch=n_rows, bytes_per_entry=BYTES_PER_ENTRY)
+    block = long_context.block_size(
+        model, n_pos, batch=n_rows, bytes_per_entry=PRECISION_BYTES_PER_ENTRY
+    )
     block = block if block_size is None else check_int(block_size, "block_size", minimum=1)
 
     device = torch.device(model.cfg.device or "cpu")

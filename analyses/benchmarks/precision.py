@@ -10,7 +10,7 @@ heads x 256), in one process:
   dtypes x three parts: nine passes and the float64 reference, plus the per-head comparison of
   every recipe in every layer).
 
-``no heads``: the counterfactual with the per-head table switched off (its ``_HeadTable`` made
+``no heads``: the counterfactual with the per-head table switched off (its ``HeadTable`` made
 a no-op), to show what the table costs. The goal is a counterfactual within 3x the two plain
 passes. Each length runs ``--repeats``
 times (the median is reported), after a warm-up on 128 tokens. Written: the markdown report
@@ -38,7 +38,7 @@ import headsurgeon as hs
 from headsurgeon import long_context, precision
 from headsurgeon.backend.cache import hf_kv_cache
 from headsurgeon.checkpoints import hf_model
-from headsurgeon.precision import BYTES_PER_ENTRY, precision_effect
+from headsurgeon.precision import PRECISION_BYTES_PER_ENTRY, precision_effect
 
 
 def _sync(device: torch.device) -> None:
@@ -70,7 +70,7 @@ def main() -> None:
     rows = []
     for length in args.lengths:
         tokens = hs.to_sequences(model, seq_len=length, n_seqs=1).tokens.to(device)
-        block = long_context.block_size(model, length, bytes_per_entry=BYTES_PER_ENTRY)
+        block = long_context.block_size(model, length, bytes_per_entry=PRECISION_BYTES_PER_ENTRY)
         warm = tokens[:, :128]
         plain(models, warm, block)
         precision_effect(model, warm, progress=False)
