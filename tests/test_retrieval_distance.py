@@ -40,7 +40,7 @@ def scored_prompts(monkeypatch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]
         calls.append((prompt.clone(), [c.clone() for c in candidates]))
         return real(model, prompt, candidates)
 
-    monkeypatch.setattr(retrieval, "_answer_scores", record)
+    monkeypatch.setattr(retrieval, "answer_scores", record)
     return calls
 
 
