@@ -16,6 +16,7 @@ Exports:
     batches(tokens, batch_size)          consecutive batches of a token tensor
     describe(data, default)              a short description of data for run metadata
     HELD_OUT                             its default: the description of the bundled held-out text
+    texts_of(data)                       the texts data stands for (a str: text; a path: a file)
 
 Data is a ``str`` (always text, even one that names a file), an ``os.PathLike`` such as
 ``pathlib.Path`` (always a file to read), a list mixing the two, or a token tensor.
@@ -66,6 +67,7 @@ __all__ = [
     "batches",
     "describe",
     "HELD_OUT",
+    "texts_of",
 ]
 
 CORPUS_DIR = Path(__file__).parent / "corpora"
@@ -149,7 +151,7 @@ def _token_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _texts(data: Data) -> list[str]:
+def texts_of(data: Data) -> list[str]:
     """The texts ``data`` stands for: a ``str`` is always text, an ``os.PathLike`` (such as
     ``pathlib.Path``) always a file to read; a list may mix the two."""
     if data is None:
@@ -308,7 +310,7 @@ def as_sequences(
     if isinstance(data, Tensor):
         return _tensor_sequences(info, data, n_seqs, prepend_bos)
     check_length(info, seq_len, "seq_len", DataError)
-    tokens = _windows(info, _texts(data), seq_len, n_seqs, bos)
+    tokens = _windows(info, texts_of(data), seq_len, n_seqs, bos)
     why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
     if bos:
         rule = f"BOS token (id {info.bos_token_id}) prepended to each text window ({why})"

@@ -9,8 +9,6 @@ Exports:
     describe_kind(path)            "a FIFO", "a folder", "a symbolic link loop", ... (or None)
     check_regular_file(path, what, max_bytes=, error=)   the path, checked to be a readable
                                    regular file (symlinks followed) of at most ``max_bytes``
-    check_folder_files(folder, names, what, error=)      the same for each of ``names`` that
-                                   exists in ``folder``
     read_bytes(path, what, max_bytes=, error=)           a checked file's bytes, read bounded
     read_text(path, what, max_bytes=, error=)            UTF-8 text (``.gz`` decompressed,
                                    bounded too), NUL and non-UTF-8 bytes found chunk by chunk
@@ -42,7 +40,6 @@ import json
 import os
 import stat
 import zlib
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +50,6 @@ __all__ = [
     "MAX_JSON_BYTES",
     "describe_kind",
     "check_regular_file",
-    "check_folder_files",
     "read_bytes",
     "read_text",
     "read_json",
@@ -137,21 +133,6 @@ def check_regular_file(
             "plausibly be; check that it is the right file"
         )
     return path
-
-
-def check_folder_files(
-    folder: str | os.PathLike,
-    names: Iterable[str],
-    what: str,
-    *,
-    error: type[HeadsurgeonError] = DataError,
-) -> None:
-    """:func:`check_regular_file` for each of ``names`` that is present in ``folder`` (a
-    dangling symlink or a FIFO counts as present)."""
-    for name in names:
-        path = Path(folder) / name
-        if path.exists() or path.is_symlink():
-            check_regular_file(path, what, error=error)
 
 
 def _open_error(path: Path, what: str, e: OSError, error: type[HeadsurgeonError]):

@@ -15,6 +15,8 @@ Exports:
                                          attention mass moved and lost by head and distance
     PrecisionEffect                      its tables: by_position, by_head
     PRECISION_DTYPES, PARTS, PART_MEANINGS
+    HeadTable                            exact zeros and mass moved per recipe, head and distance
+    PRECISION_BYTES_PER_ENTRY            bytes a block keeps per attention entry (block sizes)
 
 The passes run on the ``transformers`` model of the family (:func:`headsurgeon.checkpoints.
 hf_model`: BLOOM, MPT, Falcon with ``alibi=True``), whose attention modules compute, for the
@@ -48,13 +50,21 @@ from headsurgeon.blindness import active_mitigations, dtype_name
 from headsurgeon.checkpoints import hf_model
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.evals import position_edges
+from headsurgeon.evals.loss import check_edges, position_edges
 from headsurgeon.exact_alibi import bias_builder, trained_bias
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_bool, check_choice, check_int
 
-__all__ = ["PARTS", "PART_MEANINGS", "PRECISION_DTYPES", "PrecisionEffect", "precision_effect"]
+__all__ = [
+    "PARTS",
+    "PART_MEANINGS",
+    "PRECISION_DTYPES",
+    "PrecisionEffect",
+    "precision_effect",
+    "HeadTable",
+    "PRECISION_BYTES_PER_ENTRY",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +79,7 @@ PART_MEANINGS = {
 }
 # Bytes a block keeps per (batch, head, query, key) entry: the float64 scores and weights of the
 # reference, and per recipe of the head table its scores, weights and three reductions.
-_BYTES_PER_ENTRY = 160
+PRECISION_BYTES_PER_ENTRY = 160
 
 
 @dataclasses.dataclass
@@ -295,7 +305,7 @@ def _recipe_attention(family: _Family, recipe: _Recipe, probe: Any = None) -> It
             del module.forward
 
 
-class _HeadTable:
+class HeadTable:
     """Per recipe, layer, head and distance bucket: causal entries exactly 0 in the recipe's
     weights, the float64 weight they held (lost mass) and half the absolute difference of the
     weights (moved mass: the total variation, summed over a row's keys)."""
@@ -490,8 +500,10 @@ def precision_effect(
     seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     tokens, (n_rows, n_pos) = seqs.tokens, seqs.tokens.shape
     check_int(n_pos, "the sequence length", minimum=2)
-    edges = position_edges(n_pos) if edges is None else _check_edges(edges, n_pos)
-    block = long_context.block_size(model, n_pos, batch=n_rows, bytes_per_entry=_BYTES_PER_ENTRY)
+    edges = position_edges(n_pos) if edges is None else check_edges(edges, n_pos)
+    block = long_context.block_size(
+        model, n_pos, batch=n_rows, bytes_per_entry=PRECISION_BYTES_PER_ENTRY
+    )
     block = block if block_size is None else check_int(block_size, "block_size", minimum=1)
 
     device = torch.device(model.cfg.device or "cpu")
@@ -503,7 +515,7 @@ def precision_effect(
         if recipe.model_dtype not in models:  # float64 holds the weights exactly: one rounding
             models[recipe.model_dtype] = copy.deepcopy(reference).to(recipe.model_dtype)
     families = {dtype: _Family(hf) for dtype, hf in models.items()}
-    heads = _HeadTable(family, recipes, model.cfg.n_layers, position_edges(n_pos + 1))
+    heads = HeadTable(family, recipes, model.cfg.n_layers, position_edges(n_pos + 1))
     stats = _run(models, families, recipes, heads, tokens, block, progress)
 
     by_position = _position_table(stats, recipes, edges)
@@ -548,18 +560,12 @@ def _bias_mode(model: Model, info: ModelInfo) -> bool:
     return bool(active) and active[-1] == "relative"
 
 
-def _check_edges(edges: Sequence[int], n_pos: int) -> list[int]:
-    from headsurgeon.evals.loss import _check_edges as check
-
-    return check(edges, n_pos)
-
-
 @torch.no_grad()
 def _run(
     models: dict[torch.dtype, nn.Module],
     families: dict[torch.dtype, _Family],
     recipes: list[_Recipe],
-    heads: _HeadTable,
+    heads: HeadTable,
     tokens: Int[Tensor, "batch pos"],
     block: int,
     progress: bool,

@@ -65,14 +65,14 @@ from headsurgeon.backend import Model, add_bias_hook
 from headsurgeon.blindness import active_mitigations
 from headsurgeon.data import Data, Sequences, batches
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.evals.loss import _next_token_nll
+from headsurgeon.evals.loss import next_token_nll
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_choice, check_int
-from headsurgeon.window import _every_head, sequences_to_cut
+from headsurgeon.window import every_head, sequences_to_cut
 
 __all__ = ["POSITIONS", "SinkCacheEffect", "cache_keys", "sink_cache_effect"]
 
@@ -374,7 +374,7 @@ def _per_head(
     """The per-head test's heads, cache and length, checked (no heads: ``heads=[]``)."""
     chosen = [] if heads is not None and not list(heads) else None
     if chosen is None:
-        chosen = list(HeadSet.of(_every_head(model) if heads is None else heads, model))
+        chosen = list(HeadSet.of(every_head(model) if heads is None else heads, model))
     x, y = default if head_cache is None else head_cache
     x = check_int(x, "head_cache's sinks", minimum=1 if chosen else 0)
     y = check_int(y, "head_cache's window", minimum=1)
@@ -482,7 +482,7 @@ def _cache_nll(
             else:
                 block = block_size or min(max(window, 64), 512)
             keys = None if bias is None else bias.keys
-            for position, nll in _next_token_nll(model, batch, block, keys=keys):
+            for position, nll in next_token_nll(model, batch, block, keys=keys):
                 rows[:, position : position + nll.shape[1]] = nll.cpu()
     finally:
         for handle in handles:

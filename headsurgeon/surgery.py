@@ -16,6 +16,7 @@ Exports:
                                         and writing such copies back
     HeadMask / mask_gradients(...)      gradient masks as parameter hooks (removable)
     HeadParameters                      trainable float32 copies of the chosen slices
+    frozen_parameters(model)            context manager: no model parameter requires grad inside
     WeightSnapshot                      copies of the weights a function is about to change
     restored_on_failure(model, what)    context manager: on any exception (Ctrl-C included) the
                                         weights in its WeightSnapshot are put back bit for bit
@@ -64,6 +65,7 @@ __all__ = [
     "HeadMask",
     "mask_gradients",
     "HeadParameters",
+    "frozen_parameters",
     "MAX_HEADS",
     "SICK_LABELS",
     "WeightSnapshot",
@@ -444,20 +446,29 @@ class HeadParameters(nn.Module):
                 weight = tensors[name].heads(tensors[name].param)
                 weight[index] = trained.to(weight.dtype)
 
-    @contextlib.contextmanager
-    def frozen_model(self, model: Model) -> Iterator[Model]:
-        """Context manager: ``requires_grad=False`` on every model parameter, restored after.
 
-        With nothing in the model requiring gradient, autograd starts at the first layer that
-        uses a trainable copy: no backward work below the lowest chosen layer.
-        """
-        before = {name: p.requires_grad for name, p in model.named_parameters()}
-        model.requires_grad_(False)
-        try:
-            yield model
-        finally:
-            for name, p in model.named_parameters():
-                p.requires_grad_(before[name])
+@contextlib.contextmanager
+def frozen_parameters(model: Model) -> Iterator[Model]:
+    """Context manager: ``requires_grad=False`` on every model parameter, restored after.
+
+    With nothing in the model requiring gradient, autograd starts at the first layer that uses a
+    trainable copy (:class:`HeadParameters`): no backward work below the lowest chosen layer.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
+    >>> with frozen_parameters(model):
+    ...     any(p.requires_grad for p in model.parameters())
+    False
+    >>> all(p.requires_grad for p in model.parameters())
+    True
+    """
+    before = {name: p.requires_grad for name, p in model.named_parameters()}
+    model.requires_grad_(False)
+    try:
+        yield model
+    finally:
+        for name, p in model.named_parameters():
+            p.requires_grad_(before[name])
 
 
 class _Apply(nn.Module):

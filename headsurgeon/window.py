@@ -13,6 +13,7 @@ Exports:
     WindowEffect                      its tables: by_distance, by_head
     window_hook(distance, heads)      the ``hook_attn_scores`` hook that cuts keys beyond a distance
     sequences_to_cut(info, data, ...) the Sequences of a test that cuts keys (3 tokens at least)
+    every_head(model)                 every (layer, head) of the model
 
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
@@ -39,14 +40,14 @@ from headsurgeon.backend import HookPoint, Model, masked_score
 from headsurgeon.blindness import require_scores
 from headsurgeon.data import Data, Sequences, as_sequences, batches
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.evals.loss import _check_edges, _next_token_nll, position_edges
+from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int
 
-__all__ = ["WindowEffect", "sequences_to_cut", "window_effect", "window_hook"]
+__all__ = ["WindowEffect", "sequences_to_cut", "window_effect", "window_hook", "every_head"]
 
 # Bytes per (batch, head, query, key) entry of a forward pass with the hook: the plain pass's, the
 # cut mask and the masked copy of the scores.
@@ -153,7 +154,7 @@ def _token_nll(
             block = block_size or long_context.block_size(
                 model, n_pos, batch=len(batch), bytes_per_entry=_BYTES_PER_ENTRY
             )
-            for position, nll in _next_token_nll(model, batch, block):
+            for position, nll in next_token_nll(model, batch, block):
                 rows[:, position : position + nll.shape[1]] = nll.cpu()
     silent = [layer for layer, c in counters.items() if not c.fired[layer]]
     if silent:
@@ -254,10 +255,10 @@ def window_effect(
         head_distance = check_int(head_distance, "head_distance", minimum=0)
     if distances is not None:
         distances = [check_int(d, "each of distances", minimum=0) for d in distances]
-    chosen = HeadSet.of(_every_head(model) if heads is None else heads, model)
+    chosen = HeadSet.of(every_head(model) if heads is None else heads, model)
     seqs = sequences_to_cut(info, data, seq_len, n_seqs, prepend_bos)
     tokens, n_pos = seqs.tokens, seqs.seq_len
-    edges = _check_edges(position_edges(n_pos) if edges is None else edges, n_pos)
+    edges = check_edges(position_edges(n_pos) if edges is None else edges, n_pos)
     distances = _default_distances(n_pos) if distances is None else distances
     per_head = [] if head_distance is None else list(chosen)
     position = torch.arange(n_pos - 1)
@@ -306,7 +307,7 @@ def window_effect(
     return WindowEffect(by_distance=by_distance, by_head=by_head, nll=base.numpy())
 
 
-def _every_head(model: Model) -> list[tuple[int, int]]:
+def every_head(model: Model) -> list[tuple[int, int]]:
     return [(layer, h) for layer in range(model.cfg.n_layers) for h in range(model.cfg.n_heads)]
 
 

@@ -468,6 +468,26 @@ def test_importing_a_library_module_loads_no_plotting_and_no_cli(name):
     assert ast.literal_eval(out.strip().splitlines()[-1]) == [], f"headsurgeon.{name}"
 
 
+# Public in their module because sibling figure modules use them (an underscore means "this file
+# only"), but no figures: not served by ``headsurgeon.plots`` itself.
+PLOT_HELPERS = {
+    "base_layout",
+    "cell_size",
+    "census_subtitle",
+    "check_columns",
+    "compact_number",
+    "grid_plot_size",
+    "grid_shape",
+    "image_bytes",
+    "metric_title",
+    "mimetype_renderers_in_ipython",
+    "notebook_figure",
+    "quiet_browser_exit",
+    "sequential_colours",
+    "wrap_text",
+}
+
+
 def test_plots_exports_every_public_function_and_names_it_in_its_docstring():
     import inspect
     import pkgutil
@@ -486,7 +506,8 @@ def test_plots_exports_every_public_function_and_names_it_in_its_docstring():
         and (inspect.isfunction(value) or inspect.isclass(value))
         and value.__module__ == module.__name__
     }
-    assert public <= set(plots.__all__)
+    assert public - PLOT_HELPERS <= set(plots.__all__)
+    assert not PLOT_HELPERS & set(plots.__all__)
     assert all(hasattr(plots, name) for name in plots.__all__)
     unlisted = [name for name in plots.__all__ if name not in plots.__doc__]
     assert not unlisted, f"plots' docstring does not name {unlisted}"
@@ -648,3 +669,85 @@ def test_the_tests_mirror_the_package():
     config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
     pythonpath = config["tool"]["pytest"]["ini_options"]["pythonpath"]
     assert sorted(pythonpath) == sorted(["tests", *(f"tests/{name}" for name in packages)])
+
+
+# --- an underscore means "this file only" ---------------------------------------------------------
+
+# (importer, name, reason): the only underscored names a package module may take from another
+# file. A name another file needs is public in its module (in its __all__ and docstring), so the
+# list stays empty unless a reason is written here (issue 40, item 4).
+PRIVATE_IMPORTS: tuple[tuple[str, str, str], ...] = ()
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(name: str, source: str, modules: set[str], is_package: bool) -> set[str]:
+    """``module._name`` for every underscored name ``name``'s source takes from another package
+    module: ``from headsurgeon.x import _y`` (relative too) and ``x._y`` on an imported module
+    (``import headsurgeon.x as x``, ``from headsurgeon import x``), functions included."""
+    tree = ast.parse(source)
+    found: set[str] = set()
+    bound: dict[str, str] = {}  # local name -> the package module it is
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "headsurgeon":
+                    bound[alias.asname or "headsurgeon"] = (
+                        alias.name if alias.asname else "headsurgeon"
+                    )
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = name.split(".")
+                base = parts[: len(parts) - node.level + is_package]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                if f"{module}.{alias.name}" in modules:
+                    bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+                elif module in modules and module != name and is_private(alias.name):
+                    found.add(f"{module}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                module = ".".join([bound[value.id], *reversed(chain)])
+                if module in modules and module != name:
+                    found.add(f"{module}.{node.attr}")
+    return found
+
+
+def test_private_uses_are_found_in_both_forms():
+    modules = {"headsurgeon", "headsurgeon.plots", "headsurgeon.plots.layout", "headsurgeon.data"}
+    source = (
+        "from headsurgeon.plots.layout import _check, style\n"
+        "from . import layout as lay\n"
+        "import headsurgeon.data as data\n"
+        "import headsurgeon\n"
+        "def f(self):\n"
+        "    return lay._wrap, data._texts, headsurgeon.data._more, self._own, _local\n"
+    )
+    found = private_uses("headsurgeon.plots.grids", source, modules, is_package=False)
+    assert found == {
+        "headsurgeon.plots.layout._check",
+        "headsurgeon.plots.layout._wrap",
+        "headsurgeon.data._texts",
+        "headsurgeon.data._more",
+    }
+
+
+def test_no_module_uses_another_files_private_names():
+    files = module_files()
+    found = {
+        (importer, use)
+        for importer, path in files.items()
+        for use in private_uses(importer, path.read_text(), set(files), path.name == "__init__.py")
+    }
+    allowed = {(importer, name) for importer, name, _ in PRIVATE_IMPORTS}
+    assert len(PRIVATE_IMPORTS) <= 5, "an underscore means 'this file only': make names public"
+    assert found <= allowed, sorted(found - allowed)

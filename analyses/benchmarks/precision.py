@@ -10,7 +10,7 @@ heads x 256), in one process:
   dtypes x three parts: nine passes and the float64 reference, plus the per-head comparison of
   every recipe in every layer).
 
-``no heads``: the counterfactual with the per-head table switched off (its ``_HeadTable`` made
+``no heads``: the counterfactual with the per-head table switched off (its ``HeadTable`` made
 a no-op), to show what the table costs. The goal is a counterfactual within 3x the two plain
 passes. Each length runs ``--repeats``
 times (the median is reported), after a warm-up on 128 tokens. Written: the markdown report
@@ -38,7 +38,7 @@ import headsurgeon as hs
 from headsurgeon import long_context, precision
 from headsurgeon.backend.cache import hf_kv_cache
 from headsurgeon.checkpoints import hf_model
-from headsurgeon.precision import _BYTES_PER_ENTRY, precision_effect
+from headsurgeon.precision import PRECISION_BYTES_PER_ENTRY, precision_effect
 
 
 def _sync(device: torch.device) -> None:
@@ -70,7 +70,7 @@ def main() -> None:
     rows = []
     for length in args.lengths:
         tokens = hs.to_sequences(model, seq_len=length, n_seqs=1).tokens.to(device)
-        block = long_context.block_size(model, length, bytes_per_entry=_BYTES_PER_ENTRY)
+        block = long_context.block_size(model, length, bytes_per_entry=PRECISION_BYTES_PER_ENTRY)
         warm = tokens[:, :128]
         plain(models, warm, block)
         precision_effect(model, warm, progress=False)
@@ -85,15 +85,15 @@ def main() -> None:
             effect = precision_effect(model, tokens, progress=False)
             _sync(device)
             times["counterfactual"].append(time.perf_counter() - start)
-            table_call = precision._HeadTable.__call__
-            precision._HeadTable.__call__ = lambda *args: None
+            table_call = precision.HeadTable.__call__
+            precision.HeadTable.__call__ = lambda *args: None
             try:
                 start = time.perf_counter()
                 precision_effect(model, tokens, progress=False)
                 _sync(device)
                 times["no_heads"].append(time.perf_counter() - start)
             finally:
-                precision._HeadTable.__call__ = table_call
+                precision.HeadTable.__call__ = table_call
         median = {k: statistics.median(v) for k, v in times.items()}
         late = effect.by_position[effect.by_position.position_lo >= 1024]
         bf16 = late[(late.dtype == "bfloat16") & (late.part == "model")]

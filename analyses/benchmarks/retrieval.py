@@ -5,7 +5,7 @@ same prompt (random tokens) and candidates:
 
 * ``batch``   every candidate appended to its own copy of the prompt, all in one batch (the
               previous implementation; cost grows with the number of candidates);
-* ``cached``  ``headsurgeon.evals.retrieval._answer_scores``: the prompt once into a key-value
+* ``cached``  ``headsurgeon.evals.retrieval.answer_scores``: the prompt once into a key-value
               cache, the candidates continue from it in one small batch.
 
 Both give the same log-likelihoods (the largest difference is printed). Times are medians of
@@ -25,7 +25,7 @@ import torch
 
 from headsurgeon import load_model
 from headsurgeon.allocator import keep_freed_memory
-from headsurgeon.evals.retrieval import _answer_scores
+from headsurgeon.evals.retrieval import answer_scores
 
 
 @torch.no_grad()
@@ -65,7 +65,7 @@ def main() -> None:
             for _ in range(args.candidates)
         ]
         times: dict[str, list[float]] = {"batch": [], "cached": []}
-        methods = {"batch": batch_scores, "cached": lambda *a: _answer_scores(*a)[0]}
+        methods = {"batch": batch_scores, "cached": lambda *a: answer_scores(*a)[0]}
         results = {name: run(model, prompt, candidates) for name, run in methods.items()}  # warm-up
         for repeat in range(args.repeats):
             for name in sorted(methods, reverse=repeat % 2 == 1):

@@ -7,6 +7,8 @@ Exports:
     position_edges(length)                               its default buckets (powers of two)
     sliding_windows(n_tokens, window, stride)            the windows perplexity scores
     default_window(info, n_ctx)                          perplexity's default window
+    check_edges(edges, length)                           buckets checked: increasing, within length
+    next_token_nll(model, tokens, block_size)            (position, nll) block by block, float64
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from headsurgeon.backend import Model
 from headsurgeon.data import (
     Data,
     Sequences,
-    _texts,
     as_sequences,
     batches,
     check_length,
     resolve_bos,
+    texts_of,
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
@@ -46,6 +48,8 @@ __all__ = [
     "perplexity",
     "position_edges",
     "sliding_windows",
+    "check_edges",
+    "next_token_nll",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,7 +102,7 @@ def _token_streams(info: ModelInfo, data: Data | Sequences) -> list[Int[Tensor, 
                 f"token tensor must be [pos] or [n, pos] and non-empty, got {data.shape}"
             )
         return list(data.long().reshape(-1, data.shape[-1]))
-    return [torch.tensor(tokenize(info, text), dtype=torch.long) for text in _texts(data)]
+    return [torch.tensor(tokenize(info, text), dtype=torch.long) for text in texts_of(data)]
 
 
 def _windows_by_length(
@@ -131,7 +135,7 @@ def _windows_by_length(
     return by_length
 
 
-def _next_token_nll(
+def next_token_nll(
     model: Model,
     tokens: Int[Tensor, "batch pos"],
     block_size: int,
@@ -230,7 +234,7 @@ def perplexity(
             counts = n_scored[start * batch_size : start * batch_size + len(batch)]
             first = length - 1 - counts  # each window's first scored position
             block = block_size or long_context.block_size(model, length, batch=len(batch))
-            for position, nll in _next_token_nll(model, batch, block, int(first.min())):
+            for position, nll in next_token_nll(model, batch, block, int(first.min())):
                 scored = position + torch.arange(nll.shape[1]) >= first[:, None]
                 total_nll += nll[scored.to(nll.device)].sum().item()
             total_tokens += int(counts.sum())
@@ -250,7 +254,7 @@ def position_edges(length: int) -> list[int]:
     return [0] + [2**k for k in range(last.bit_length()) if 2**k < last] + [last]
 
 
-def _check_edges(edges: Sequence[int], length: int) -> list[int]:
+def check_edges(edges: Sequence[int], length: int) -> list[int]:
     edges = [check_int(e, "each of edges", minimum=0, maximum=length - 1) for e in edges]
     if len(edges) < 2 or any(b <= a for a, b in pairwise(edges)):
         raise InvalidArgumentError(
@@ -344,7 +348,7 @@ def loss_by_position(
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     if block_size is not None:
         check_int(block_size, "block_size", minimum=1)
-    edges = _check_edges(position_edges(length) if edges is None else edges, length)
+    edges = check_edges(position_edges(length) if edges is None else edges, length)
     seqs = as_sequences(info, data, seq_len=length, n_seqs=n_seqs, prepend_bos=prepend_bos)
     tokens = seqs.tokens
     if tokens.shape[1] < length:
@@ -372,7 +376,7 @@ def loss_by_position(
     for start, batch in enumerate(batches(tokens, batch_size)):
         block = block_size or long_context.block_size(model, tokens.shape[1], batch=len(batch))
         rows = sums[start * batch_size : start * batch_size + len(batch)]  # a view
-        for position, nll in _next_token_nll(model, batch, block, first=edges[0]):
+        for position, nll in next_token_nll(model, batch, block, first=edges[0]):
             nll = nll.cpu()
             bucket = torch.bucketize(position + torch.arange(nll.shape[1]), bounds, right=True) - 1
             rows.index_add_(1, bucket, nll)

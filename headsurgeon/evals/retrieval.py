@@ -17,6 +17,7 @@ Exports:
     length_auc(lengths, values), summarize(table, ...)   AUC over context lengths, in/out of context
     PASSKEY_INTRO, PASSKEY_NEEDLE, PASSKEY_QUESTION, NEEDLE_SENTENCE, NEEDLE_QUESTION,
     NEEDLE_WORDS                                         the prompts' text
+    answer_scores(model, prompt, candidates)             candidates' log-likelihoods, greedy hits
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from headsurgeon.backend import Model
 from headsurgeon.data import (
     CORPORA,
     Data,
-    _texts,
     bundled_text,
     check_length,
     resolve_bos,
+    texts_of,
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
@@ -59,6 +60,7 @@ __all__ = [
     "retrieval_by_distance",
     "summarize",
     "wilson_interval",
+    "answer_scores",
 ]
 
 
@@ -195,7 +197,7 @@ def _filler(
 
 
 @torch.no_grad()
-def _answer_scores(
+def answer_scores(
     model: Model, prompt: Int[Tensor, " pos"], candidates: list[Int[Tensor, " pos"]]
 ) -> tuple[Float[Tensor, " candidate"], Bool[Tensor, " candidate"]]:
     """Log-likelihood of each candidate after ``prompt`` and whether greedy decoding gives it.
@@ -255,7 +257,7 @@ def _needle_task(haystack_texts: Data, n_candidates: int, words: Sequence[str]) 
         return [str(w) for w in rng.choice(sorted(set(words)), n_candidates, replace=False)]
 
     parts = {"i": "", "n": NEEDLE_SENTENCE, "q": NEEDLE_QUESTION}
-    return _Task("needle", "\n\n".join(_texts(haystack_texts)), parts, draw)
+    return _Task("needle", "\n\n".join(texts_of(haystack_texts)), parts, draw)
 
 
 def _intro_and_question(
@@ -281,7 +283,7 @@ def _score(
             f"{what} leaves no room for the answer within the model's {limit} tokens; use a "
             "shorter one"
         )
-    loglik, greedy = _answer_scores(model, prompt, answers)
+    loglik, greedy = answer_scores(model, prompt, answers)
     return {
         "greedy_correct": bool(greedy[0]),
         "rank": 1 + int((loglik[1:] >= loglik[0]).sum()),  # ties count against
@@ -540,7 +542,7 @@ def retrieval_by_distance(
     if task == "needle":
         spec = _needle_task(haystack, n_candidates, words)
     else:  # a corpus name or one text as passkey's filler; texts or files joined like needle's
-        filler = haystack if isinstance(haystack, str) else "\n\n".join(_texts(haystack))
+        filler = haystack if isinstance(haystack, str) else "\n\n".join(texts_of(haystack))
         spec = _passkey_task(n_candidates, n_digits, "shakespeare" if haystack is None else filler)
     edges = _check_distance_edges(distances)
     check_int(n_trials, "n_trials", minimum=1)

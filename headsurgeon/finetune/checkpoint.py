@@ -6,6 +6,17 @@ Exports:
     load_torch_file(path, what, fix)    what a headsurgeon ``torch.save`` wrote, read safely
                                         (``weights_only``; any other object: refused, one line)
     weights_digest(model, excluding)    digest of the weights: a resume must see the same model
+    Progress                            what a run has done so far (to_dict: as saved)
+    save_checkpoint(path, state)        a checkpoint dict written atomically
+    check_resume(state, path, expected) a checkpoint's identity against the run resuming it
+    check_progress(progress, step, slices, path)
+                                        its progress checked against its step
+    tensors_like(given, expected, path, what)
+                                        saved tensors checked against the live ones
+    bad_checkpoint(path, problem)       the CheckpointError line for a checkpoint not as written
+    config_dict(cfg)                    the settings a checkpoint records
+    rng_state(), restore_rng_state(state)
+                                        the random state a checkpoint holds, and back
 
 A checkpoint is one ``torch.save`` dict, written atomically by rank 0: its identity (model,
 heads, weights fingerprint, world size, settings) and its state (step, trained slices, optimiser,
@@ -44,6 +55,15 @@ __all__ = [
     "load_checkpoint",
     "load_torch_file",
     "weights_digest",
+    "Progress",
+    "save_checkpoint",
+    "check_resume",
+    "check_progress",
+    "tensors_like",
+    "bad_checkpoint",
+    "config_dict",
+    "rng_state",
+    "restore_rng_state",
 ]
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -72,20 +92,20 @@ def weights_digest(model: Model, excluding: HeadSet | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     atomic_write_bytes(path, buffer.getvalue())
@@ -128,10 +148,10 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
         return None
     state = load_torch_file(path, "checkpoint", fix=_CHECKPOINT_FIX)
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise _bad_checkpoint(path, "has an unknown format")
+        raise bad_checkpoint(path, "has an unknown format")
     missing = [key for key in (*_IDENTITY_KEYS, *_STATE_KEYS) if key not in state]
     if missing:
-        raise _bad_checkpoint(path, f"lacks {', '.join(missing)}")
+        raise bad_checkpoint(path, f"lacks {', '.join(missing)}")
     types = {
         "step": int,
         "slices": dict,
@@ -142,30 +162,30 @@ def load_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
     }
     for key, kind in types.items():
         if not isinstance(state[key], kind) or isinstance(state[key], bool):
-            raise _bad_checkpoint(path, f"holds a {type(state[key]).__name__} as its {key}")
+            raise bad_checkpoint(path, f"holds a {type(state[key]).__name__} as its {key}")
     return state
 
 
-def _bad_checkpoint(path: Path, problem: str) -> CheckpointError:
+def bad_checkpoint(path: Path, problem: str) -> CheckpointError:
     return CheckpointError(
         f"checkpoint {path} {problem}: training cannot resume from it; {_CHECKPOINT_FIX}"
     )
 
 
-def _tensors_like(
+def tensors_like(
     given: object, expected: dict[str, Tensor], path: Path, what: str
 ) -> dict[str, Tensor]:
     """``given`` if it maps exactly the names of ``expected`` to floating-point tensors of the
     same shapes; else one line naming the first difference."""
     if not isinstance(given, dict) or set(given) != set(expected):
         names = sorted(given) if isinstance(given, dict) else type(given).__name__
-        raise _bad_checkpoint(path, f"holds {what} {str(names)[:120]}, not {sorted(expected)}")
+        raise bad_checkpoint(path, f"holds {what} {str(names)[:120]}, not {sorted(expected)}")
     for name, tensor in expected.items():
         value = given[name]
         if not (isinstance(value, Tensor) and value.is_floating_point()):
-            raise _bad_checkpoint(path, f"holds no floating-point tensor as {what} {name}")
+            raise bad_checkpoint(path, f"holds no floating-point tensor as {what} {name}")
         if value.shape != tensor.shape:
-            raise _bad_checkpoint(
+            raise bad_checkpoint(
                 path,
                 f"holds {what} {name} of shape {tuple(value.shape)}, not {tuple(tensor.shape)}",
             )
@@ -176,7 +196,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _config_dict(cfg: FinetuneConfig) -> dict[str, Any]:
+def config_dict(cfg: FinetuneConfig) -> dict[str, Any]:
     out = dataclasses.asdict(cfg)
     out["betas"] = list(out["betas"])
     for key in _RESUME_FREE:
@@ -184,7 +204,7 @@ def _config_dict(cfg: FinetuneConfig) -> dict[str, Any]:
     return out
 
 
-def _check_resume(state: dict, path: Path, expected: dict[str, Any]) -> None:
+def check_resume(state: dict, path: Path, expected: dict[str, Any]) -> None:
     for key, value in expected.items():
         if state[key] != value:
             what = "model" if key in ("model", "fingerprint") else key.replace("_", " ")
@@ -198,7 +218,7 @@ def _check_resume(state: dict, path: Path, expected: dict[str, Any]) -> None:
 
 
 @dataclasses.dataclass
-class _Progress:
+class Progress:
     """What a run has done so far; a checkpoint holds it as a plain dict (:meth:`to_dict`)."""
 
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
@@ -214,16 +234,16 @@ class _Progress:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
-def _check_progress(
+def check_progress(
     progress: dict[str, Any], step: int, slices: dict[str, Tensor], path: Path
 ) -> None:
-    """One line unless ``progress`` is a :meth:`_Progress.to_dict` of a run at ``step``."""
-    fields = [field.name for field in dataclasses.fields(_Progress)]
+    """One line unless ``progress`` is a :meth:`Progress.to_dict` of a run at ``step``."""
+    fields = [field.name for field in dataclasses.fields(Progress)]
     if sorted(progress) != sorted(fields):
-        raise _bad_checkpoint(path, "holds a progress record of another shape")
+        raise bad_checkpoint(path, "holds a progress record of another shape")
     lists = [progress[name] for name in ("losses", "since_eval", "history")]
     if not all(isinstance(items, list) for items in lists):
-        raise _bad_checkpoint(path, "holds a progress record of another shape")
+        raise bad_checkpoint(path, "holds a progress record of another shape")
     numbers = progress["losses"] + progress["since_eval"] + [progress["best_loss"]]
     rows = progress["history"]
     problems = [
@@ -242,6 +262,6 @@ def _check_progress(
     ]
     for failed, problem in problems:
         if failed:
-            raise _bad_checkpoint(path, f"holds {problem}")
+            raise bad_checkpoint(path, f"holds {problem}")
     if progress["best_slices"] is not None:
-        _tensors_like(progress["best_slices"], slices, path, "best slices")
+        tensors_like(progress["best_slices"], slices, path, "best slices")

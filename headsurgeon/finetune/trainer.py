@@ -49,16 +49,16 @@ from headsurgeon.errors import (
 from headsurgeon.finetune.checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_FORMAT,
-    _bad_checkpoint,
-    _check_progress,
-    _check_resume,
-    _config_dict,
-    _Progress,
-    _rng_state,
-    _save_checkpoint,
-    _set_rng_state,
-    _tensors_like,
+    Progress,
+    bad_checkpoint,
+    check_progress,
+    check_resume,
+    config_dict,
     load_checkpoint,
+    restore_rng_state,
+    rng_state,
+    save_checkpoint,
+    tensors_like,
     weights_digest,
 )
 from headsurgeon.finetune.config import FinetuneConfig, FinetuneResult
@@ -75,6 +75,7 @@ from headsurgeon.progress import tqdm
 from headsurgeon.surgery import (
     TRAINED_TENSORS,
     check_surgery,
+    frozen_parameters,
     restored_on_failure,
 )
 
@@ -207,9 +208,8 @@ def finetune(
             snapshot.add_layers(job.heads.layers, TRAINED_TENSORS)
         else:
             snapshot.add_heads(job.heads)
-        model_grad = {name: p.requires_grad for name, p in model.named_parameters()}
-        model.requires_grad_(False)  # the mask strategy re-enables its own tensors
-        try:
+        # Nothing of the model's own trains: the mask strategy re-enables its own tensors.
+        with frozen_parameters(model):
             if objective is None and job.cfg.loss_chunk is not None:
                 objective = functools.partial(next_token_loss, chunk=job.cfg.loss_chunk)
             objective = objective or next_token_loss
@@ -218,9 +218,6 @@ def finetune(
                 return _Loop(job, trainer).run()
             finally:
                 trainer.close()
-        finally:
-            for name, p in model.named_parameters():
-                p.requires_grad_(model_grad[name])
 
 
 def _sequences(info: ModelInfo, data: Data | Sequences, what: str) -> Sequences:
@@ -287,7 +284,7 @@ def _make_job(
         "heads": str(heads),
         "fingerprint": weights_digest(model, excluding=heads),
         "world_size": world,
-        "config": _config_dict(cfg),
+        "config": config_dict(cfg),
     }
     return _Job(
         model=model,
@@ -328,7 +325,7 @@ class _Loop:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(cfg.warmup, cfg.steps)
         )
-        self.state = _Progress()
+        self.state = Progress()
         self.step = 0
         self.resumed_from: int | None = None
         self.saved_step: int | None = None  # of the checkpoint on disk, if any
@@ -346,18 +343,18 @@ class _Loop:
                 f"{path} holds a checkpoint; continue it (resume=True, --resume) or use another "
                 "folder"
             )
-        _check_resume(checkpoint, path, job.identity)
+        check_resume(checkpoint, path, job.identity)
         self.check_state(checkpoint, path)
         self.trainer.load_slices(checkpoint["slices"])
         try:  # the parts are checked; torch checks the rest of what it reads
             self.optimizer.load_state_dict(checkpoint["optimizer"])
             self.scheduler.load_state_dict(checkpoint["scheduler"])
-            _set_rng_state(checkpoint["rng"])
+            restore_rng_state(checkpoint["rng"])
         except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as e:
-            raise _bad_checkpoint(
+            raise bad_checkpoint(
                 path, f"holds an unusable optimiser, schedule or random state ({first_line(e)})"
             ) from None
-        self.state = _Progress(**checkpoint["progress"])
+        self.state = Progress(**checkpoint["progress"])
         self.step = self.resumed_from = self.saved_step = checkpoint["step"]
         logger.info("resuming %s from step %d", job.heads, self.step)
 
@@ -367,39 +364,39 @@ class _Loop:
         state (a truncated, hand-edited or foreign file is refused before any of it is used)."""
         step = checkpoint["step"]
         if not 0 <= step <= self.job.cfg.steps:
-            raise _bad_checkpoint(path, f"is at step {step}, outside 0-{self.job.cfg.steps}")
+            raise bad_checkpoint(path, f"is at step {step}, outside 0-{self.job.cfg.steps}")
         expected = self.trainer.slices()
-        _tensors_like(checkpoint["slices"], expected, path, "slices")
+        tensors_like(checkpoint["slices"], expected, path, "slices")
         optimizer = checkpoint["optimizer"]
         groups, moments = optimizer.get("param_groups"), optimizer.get("state")
         if not (isinstance(groups, list) and len(groups) == 1 and isinstance(moments, dict)):
-            raise _bad_checkpoint(path, "holds an optimiser state of another shape")
+            raise bad_checkpoint(path, "holds an optimiser state of another shape")
         for index, entry in moments.items():
             if not (isinstance(index, int) and 0 <= index < len(self.params)):
-                raise _bad_checkpoint(path, f"holds optimiser state for a tensor {index!r}")
+                raise bad_checkpoint(path, f"holds optimiser state for a tensor {index!r}")
             shape = self.params[index].shape
             for name in ("exp_avg", "exp_avg_sq"):
                 moment = entry.get(name) if isinstance(entry, dict) else None
                 if not (isinstance(moment, Tensor) and moment.shape == shape):
-                    raise _bad_checkpoint(path, f"holds no {name} of shape {tuple(shape)}")
+                    raise bad_checkpoint(path, f"holds no {name} of shape {tuple(shape)}")
         scheduler = checkpoint["scheduler"]
         if set(scheduler) != set(self.scheduler.state_dict()) or scheduler["last_epoch"] != step:
-            raise _bad_checkpoint(path, f"holds a schedule that is not at step {step}")
+            raise bad_checkpoint(path, f"holds a schedule that is not at step {step}")
         rng = checkpoint["rng"].get("torch")
         if not (
             isinstance(rng, Tensor)
             and rng.dtype == torch.uint8
             and rng.shape == torch.get_rng_state().shape
         ):
-            raise _bad_checkpoint(path, "holds no usable random state")
-        _check_progress(checkpoint["progress"], step, expected, path)
+            raise bad_checkpoint(path, "holds no usable random state")
+        check_progress(checkpoint["progress"], step, expected, path)
 
     def save(self) -> None:
         path = self.job.checkpoint_path
         if path is None:
             return
         if self.job.rank == 0:
-            _save_checkpoint(
+            save_checkpoint(
                 path,
                 {
                     "format": CHECKPOINT_FORMAT,
@@ -408,7 +405,7 @@ class _Loop:
                     "slices": self.trainer.slices(),
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
-                    "rng": _rng_state(),
+                    "rng": rng_state(),
                     "progress": self.state.to_dict(),
                 },
             )

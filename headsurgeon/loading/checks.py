@@ -4,6 +4,12 @@ Exports:
     check_checkpoint(directory)   regular files, config.json against the stored tensors' shapes
                                   and dtypes, headsurgeon.json against config.json
     tl_config(config_dir)         TransformerLens's own check that it converts a config.json
+    checked_folder(directory)     check_checkpoint, returning the folder's headsurgeon.json
+    bloom_config(file, config)    a BLOOM config.json's validated values (None: not BLOOM)
+    check_bloom_tensors(directory, config, bloom, found)
+                                  BLOOM weights' names, shapes, dtypes
+    check_training(directory, bloom, metadata)
+                                  headsurgeon.json's training sizes vs config
 
 A BLOOM ``config.json`` is checked field by field (:data:`_BLOOM_FIELDS`) and against the tensors
 the file headers declare (:func:`headsurgeon.loading.files.stored_tensors`); any other
@@ -28,22 +34,26 @@ import torch
 from headsurgeon import backend
 from headsurgeon.errors import CheckpointError, ModelNotFoundError, UnsupportedArchitectureError
 from headsurgeon.loading.files import (
-    _WEIGHT_DTYPES,
     METADATA_FILE,
+    WEIGHT_DTYPES,
     StoredTensor,
-    _check_files,
-    _has_weights,
-    _is_int,
-    _more,
-    _some,
+    check_files,
+    has_weights,
+    is_int,
+    more_names,
     read_json,
+    some_names,
     stored_tensors,
 )
-from headsurgeon.loading.metadata import _folder_metadata
+from headsurgeon.loading.metadata import folder_metadata
 
 __all__ = [
     "check_checkpoint",
     "tl_config",
+    "checked_folder",
+    "bloom_config",
+    "check_bloom_tensors",
+    "check_training",
 ]
 
 
@@ -61,10 +71,10 @@ def check_checkpoint(directory: Path) -> None:
     relabelled header). ``headsurgeon.json`` must pass :func:`check_metadata`, and the sizes of
     the training run it records (``training.config``) must be those of ``config.json``.
     """
-    _checked_folder(directory)
+    checked_folder(directory)
 
 
-def _checked_folder(directory: Path) -> dict[str, Any]:
+def checked_folder(directory: Path) -> dict[str, Any]:
     """:func:`check_checkpoint`, returning the folder's checked ``headsurgeon.json`` ({})."""
     if not directory.is_dir():
         raise ModelNotFoundError(f"{directory} is not a folder; pass a checkpoint folder")
@@ -74,13 +84,13 @@ def _checked_folder(directory: Path) -> dict[str, Any]:
             f"{directory} has no config.json; pass a Hugging Face checkpoint folder "
             "(config.json, *.safetensors, tokenizer files)"
         )
-    _check_files(directory)
+    check_files(directory)
     config = read_json(file)
-    bloom = _bloom_config(file, config)
-    metadata = _folder_metadata(directory)
+    bloom = bloom_config(file, config)
+    metadata = folder_metadata(directory)
     if bloom is not None:
-        _check_training(directory, bloom, metadata)
-    if not _has_weights(directory):
+        check_training(directory, bloom, metadata)
+    if not has_weights(directory):
         raise CheckpointError(
             f"{directory} has no weights (*.safetensors); re-export or re-download"
         )
@@ -89,7 +99,7 @@ def _checked_folder(directory: Path) -> dict[str, Any]:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         tl_config(Path(tmp), source=file)  # errors name the user's file, not this copy
     if bloom is not None:
-        _check_bloom_tensors(directory, config, bloom, found)
+        check_bloom_tensors(directory, config, bloom, found)
     return metadata
 
 
@@ -132,8 +142,8 @@ class _Field:
             return isinstance(value, bool)
         if self.kind == "token":
             ids = value if isinstance(value, list) and value else [value]
-            return value is None or all(_is_int(i) and i >= 0 for i in ids)
-        number = _is_int(value) or (self.kind == "number" and isinstance(value, float))
+            return value is None or all(is_int(i) and i >= 0 for i in ids)
+        number = is_int(value) or (self.kind == "number" and isinstance(value, float))
         return number and math.isfinite(value) and self._in_range(value)
 
     def _in_range(self, value: float) -> bool:
@@ -175,7 +185,7 @@ _BLOOM_FIELDS: dict[str, _Field] = {
 _BLOOM_DEFAULTS = {"seq_length": 2048, "tie_word_embeddings": True}
 
 
-def _bloom_config(file: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+def bloom_config(file: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     """The validated values of a BLOOM ``config.json`` by BloomConfig's names; None for a config
     of another architecture that transformers and TransformerLens may still load."""
     if not _is_bloom(file, config):
@@ -306,35 +316,35 @@ def _check_bloom_weights(
         )
     if missing := sorted(expected.keys() - found.keys()):
         raise CheckpointError(
-            f"{directory} lacks {_some(missing)} that {file} needs; "
+            f"{directory} lacks {some_names(missing)} that {file} needs; "
             "re-download or re-export the checkpoint"
         )
     if unused := sorted(found.keys() - expected.keys()):
         raise CheckpointError(
-            f"{directory} holds {_some(unused)} that {file} leaves unused; "
+            f"{directory} holds {some_names(unused)} that {file} leaves unused; "
             "correct config.json or re-export the checkpoint"
         )
 
 
-def _check_bloom_tensors(
+def check_bloom_tensors(
     directory: Path, config: dict[str, Any], bloom: dict[str, Any], found: dict[str, StoredTensor]
 ) -> None:
     """:func:`_check_bloom_weights`, then the dtypes: every BLOOM weight is floating point, and
     of the dtype config.json states (``dtype`` or ``torch_dtype``), else of one dtype."""
     _check_bloom_weights(directory, bloom, {k: t.shape for k, t in found.items()})
     file = directory / "config.json"
-    if odd := sorted(k for k, t in found.items() if t.dtype not in _WEIGHT_DTYPES):
+    if odd := sorted(k for k, t in found.items() if t.dtype not in WEIGHT_DTYPES):
         raise CheckpointError(
-            f"{directory}: tensor {odd[0]} is {found[odd[0]].dtype}{_more(odd)}, not floating "
+            f"{directory}: tensor {odd[0]} is {found[odd[0]].dtype}{more_names(odd)}, not floating "
             "point (float16, bfloat16 or float32): a relabelled or corrupt header; re-download "
             "or re-export the checkpoint"
         )
     stated = [(k, config[k]) for k in ("dtype", "torch_dtype") if config.get(k) is not None]
     for key, value in stated:
-        if not (isinstance(value, str) and value.removeprefix("torch.") in _WEIGHT_DTYPES):
+        if not (isinstance(value, str) and value.removeprefix("torch.") in WEIGHT_DTYPES):
             raise CheckpointError(
                 f"{file}: {key} is {json.dumps(value)}, expected one of "
-                f"{', '.join(_WEIGHT_DTYPES)} or null; correct it or re-export the checkpoint"
+                f"{', '.join(WEIGHT_DTYPES)} or null; correct it or re-export the checkpoint"
             )
     if len({v.removeprefix("torch.") for _, v in stated}) > 1:
         both = " and ".join(f"{k} {json.dumps(v)}" for k, v in stated)
@@ -346,7 +356,7 @@ def _check_bloom_tensors(
         want, source = max(set(dtypes), key=dtypes.count), "the other tensors are"
     if wrong := sorted(k for k, t in found.items() if t.dtype != want):
         raise CheckpointError(
-            f"{directory}: tensor {wrong[0]} is {found[wrong[0]].dtype}{_more(wrong)} but "
+            f"{directory}: tensor {wrong[0]} is {found[wrong[0]].dtype}{more_names(wrong)} but "
             f"{source} {want}: a relabelled or corrupt header, or a wrong config; re-download or "
             "re-export the checkpoint"
         )
@@ -357,7 +367,7 @@ def _check_bloom_tensors(
 _TRAINED_SIZES = ("n_layer", "n_head", "hidden_size", "vocab_size")
 
 
-def _check_training(directory: Path, bloom: dict[str, Any], metadata: dict[str, Any]) -> None:
+def check_training(directory: Path, bloom: dict[str, Any], metadata: dict[str, Any]) -> None:
     """The sizes ``headsurgeon.json`` records for the training run must be config.json's."""
     trained = metadata.get("training", {}).get("config", {})
     for size in _TRAINED_SIZES:

@@ -31,10 +31,10 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
     first_line,
 )
-from headsurgeon.loading.checks import _bloom_config, _check_bloom_tensors, _check_training
-from headsurgeon.loading.files import _check_files, _has_weights, _is_int, read_json, stored_tensors
-from headsurgeon.loading.metadata import _folder_metadata
-from headsurgeon.loading.sources import ORGANISM_DIR, _unknown_message, organism_names
+from headsurgeon.loading.checks import bloom_config, check_bloom_tensors, check_training
+from headsurgeon.loading.files import check_files, has_weights, is_int, read_json, stored_tensors
+from headsurgeon.loading.metadata import folder_metadata
+from headsurgeon.loading.sources import ORGANISM_DIR, organism_names, unknown_message
 
 __all__ = [
     "BLOOM_SHAPES",
@@ -131,7 +131,7 @@ def model_shape(model: str | os.PathLike | Model) -> ModelShape:
         return _local_shape(ORGANISM_DIR / name)
     if Path(name).is_dir() and os.path.lexists(Path(name) / "config.json"):
         return _local_shape(Path(name))
-    raise UnknownModelError(_unknown_message(name, list(BLOOM_SHAPES) + organism_names()))
+    raise UnknownModelError(unknown_message(name, list(BLOOM_SHAPES) + organism_names()))
 
 
 def model_metadata(model: str | os.PathLike | Model) -> dict[str, Any]:
@@ -141,7 +141,7 @@ def model_metadata(model: str | os.PathLike | Model) -> dict[str, Any]:
         return model_info(model, "model_metadata").metadata
     name = str(model)
     folder = ORGANISM_DIR / name if name in organism_names() else Path(name)
-    return _folder_metadata(folder) if folder.is_dir() else {}
+    return folder_metadata(folder) if folder.is_dir() else {}
 
 
 def model_info(
@@ -221,20 +221,20 @@ def _shape(cfg: Any, hf_config: dict[str, Any]) -> ModelShape:
 
 def _local_shape(directory: Path) -> ModelShape:
     """A folder's shape from its validated config, checked against its weights when present."""
-    _check_files(directory)
+    check_files(directory)
     file = directory / "config.json"
     config = read_json(file)
     if config.get("model_type") in ("mpt", "falcon"):
         return _config_shape(file, config)
-    bloom = _bloom_config(file, config)
+    bloom = bloom_config(file, config)
     if bloom is None:
         raise UnsupportedArchitectureError(
             f"{file} is not a BLOOM, MPT or Falcon config and shapes by folder are known for "
             "BLOOM, MPT and Falcon only; pass the loaded model (load_model) instead"
         )
-    _check_training(directory, bloom, _folder_metadata(directory))
-    if _has_weights(directory):
-        _check_bloom_tensors(directory, config, bloom, stored_tensors(directory))
+    check_training(directory, bloom, folder_metadata(directory))
+    if has_weights(directory):
+        check_bloom_tensors(directory, config, bloom, stored_tensors(directory))
     return ModelShape(
         n_layers=bloom["n_layer"],
         n_heads=bloom["n_head"],
@@ -260,7 +260,7 @@ def _config_shape(file: Path, config: dict[str, Any]) -> ModelShape:
         ]
     except Exception as e:  # transformers' validation: TypeError, ValueError, its own errors
         raise CheckpointError(f"{file}: {first_line(e)}; correct it or re-export it") from e
-    if not all(_is_int(size) and size > 0 for size in sizes) or sizes[2] % sizes[1]:
+    if not all(is_int(size) and size > 0 for size in sizes) or sizes[2] % sizes[1]:
         raise CheckpointError(
             f"{file}: layers, heads, width, vocabulary and context {sizes} are not positive "
             "integers with the width a multiple of the heads; correct it or re-export it"

@@ -9,6 +9,13 @@ Exports:
     pickled_tensors(file)            one pickled ``.bin`` file's tensors, checked
     read_json(path)                  a checkpoint's JSON file: bounded, one object
     METADATA_FILE, TOKENIZER_FILES   the files of a checkpoint folder besides config and weights
+    check_files(directory)           one line for a file to open that is not a sane one
+    has_weights(directory)           whether the folder holds weight files
+    WEIGHT_DTYPES                    the floating dtypes weights may have
+    is_int(value)                    an int that is not a bool (JSON true is no count)
+    some_names(names), more_names(names)
+                                     a few tensor names and a count, for messages
+    corrupt_bin(directory)           the message for truncated or corrupt *.bin weights
 
 Every file that will be opened is first checked to be a readable regular file of plausible size
 (a FIFO would block transformers for ever, ``/dev/zero`` fill memory), and a corrupt one is one
@@ -41,6 +48,13 @@ __all__ = [
     "safetensors_header",
     "stored_tensors",
     "weight_files",
+    "check_files",
+    "has_weights",
+    "WEIGHT_DTYPES",
+    "is_int",
+    "some_names",
+    "more_names",
+    "corrupt_bin",
 ]
 
 
@@ -61,7 +75,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return inputs.read_json(path, "", error=CheckpointError, fix="re-export the checkpoint")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no layer count
 
 
@@ -102,7 +116,7 @@ _DTYPE_BYTES = {
     "bool": 1,
     "complex64": 8,
 }
-_WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 
 
@@ -183,10 +197,10 @@ def _header_entry(name: str, entry: Any, invalid: Any) -> tuple[StoredTensor, in
     if not (
         dtype
         and isinstance(shape, list)
-        and all(_is_int(n) and n >= 0 for n in shape)
+        and all(is_int(n) and n >= 0 for n in shape)
         and isinstance(offsets, list)
         and len(offsets) == 2
-        and all(_is_int(n) for n in offsets)
+        and all(is_int(n) for n in offsets)
         and 0 <= offsets[0] <= offsets[1]
     ):
         raise invalid(f"tensor {name} has no valid dtype, shape and data_offsets")
@@ -248,7 +262,7 @@ def _shard_index(file: Path) -> dict[str, str] | None:
     )
     if missing:
         raise CheckpointError(
-            f"{file.parent} lacks the shard {missing[0]}{_more(missing, 'shards')} that "
+            f"{file.parent} lacks the shard {missing[0]}{more_names(missing, 'shards')} that "
             f"{file.name} names; re-download or re-export the checkpoint"
         )
     return weight_map
@@ -274,13 +288,13 @@ def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
             }
         if twice := sorted(found.keys() & tensors.keys()):
             raise CheckpointError(
-                f"{directory}: tensor {twice[0]}{_more(twice)} is stored in {file.name} and in "
-                "another weight file; remove the stale file or re-export the checkpoint"
+                f"{directory}: tensor {twice[0]}{more_names(twice)} is stored in {file.name} and "
+                "in another weight file; remove the stale file or re-export the checkpoint"
             )
         found |= tensors
     if index is not None and (odd := sorted(index.keys() ^ found.keys())):
         raise CheckpointError(
-            f"{index_file} and its shards disagree on {_some(odd)} (each must be "
+            f"{index_file} and its shards disagree on {some_names(odd)} (each must be "
             "in the shard the index names); re-download or re-export the checkpoint"
         )
     return found
@@ -293,13 +307,13 @@ def pickled_tensors(file: Path, **load_args: Any) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(file, weights_only=True, **load_args)
     except Exception as e:  # torch raises OSError, RuntimeError, EOFError, UnpicklingError
-        raise CheckpointError(_corrupt_bin(file.parent)) from e
+        raise CheckpointError(corrupt_bin(file.parent)) from e
     if not isinstance(state, dict):
-        raise CheckpointError(_corrupt_bin(file.parent))
+        raise CheckpointError(corrupt_bin(file.parent))
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _has_weights(directory: Path) -> bool:
+def has_weights(directory: Path) -> bool:
     return any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
 
 
@@ -321,7 +335,7 @@ _SIDE_FILES = {
 _WEIGHT_PATTERNS = tuple(pattern for _, pattern in _WEIGHT_FORMATS)
 
 
-def _check_files(directory: Path) -> None:
+def check_files(directory: Path) -> None:
     """One line for any file of the folder that will be opened and is not a readable regular
     file of plausible size: a FIFO would block transformers for ever, /dev/zero fill memory."""
     bounds = dict(_SIDE_FILES)
@@ -334,18 +348,18 @@ def _check_files(directory: Path) -> None:
             inputs.check_regular_file(path, "", max_bytes=max_bytes, error=CheckpointError)
 
 
-def _corrupt_bin(directory: Path) -> str:
+def corrupt_bin(directory: Path) -> str:
     return (
         f"the PyTorch weights (*.bin) in {directory} are truncated or corrupt; "
         "re-download the checkpoint or re-export it as safetensors"
     )
 
 
-def _more(names: list[str], what: str = "tensors") -> str:
+def more_names(names: list[str], what: str = "tensors") -> str:
     return f" ({len(names) - 1} more {what} too)" if len(names) > 1 else ""
 
 
-def _some(names: list[str], shown: int = 3) -> str:
+def some_names(names: list[str], shown: int = 3) -> str:
     """``n weight(s): a, b, c and k more``: a few names, then a count."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return f"{len(names)} weight(s): {', '.join(names[:shown])}{more}"

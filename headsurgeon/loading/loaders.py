@@ -27,9 +27,9 @@ from headsurgeon.backend import Model
 from headsurgeon.dtypes import parse_device, parse_dtype
 from headsurgeon.errors import CheckpointError, first_line
 from headsurgeon.exact_alibi import install_exact_alibi, trained_bias
-from headsurgeon.loading.checks import _checked_folder
+from headsurgeon.loading.checks import checked_folder
 from headsurgeon.loading.facts import ModelInfo, ModelShape, model_shape
-from headsurgeon.loading.files import METADATA_FILE, TOKENIZER_FILES, _corrupt_bin, _some
+from headsurgeon.loading.files import METADATA_FILE, TOKENIZER_FILES, corrupt_bin, some_names
 from headsurgeon.loading.metadata import check_metadata
 from headsurgeon.loading.sources import DEFAULT_MODEL, resolve_model
 from headsurgeon.placement import adopt, check_placement, dispatch, from_pretrained_args
@@ -79,7 +79,7 @@ def load_model(
     torch_device = parse_device(device if device is not None else "cpu")
     allow_nonfinite = check_bool(allow_nonfinite, "allow_nonfinite")
     name, directory = resolve_model(model)
-    metadata = _checked_folder(directory)
+    metadata = checked_folder(directory)
     # 4.x reads the checkpoint straight into the map; 3.x dispatches the model it built.
     if placement and backend.loads_into_device_map():
         streamed, folder = from_pretrained_args(placement, directory)
@@ -128,7 +128,7 @@ def _load_folder(
             "re-download or re-export the checkpoint"
         ) from e
     except (EOFError, pickle.UnpicklingError) as e:  # legacy .bin: torch's unpickler
-        raise CheckpointError(_corrupt_bin(directory)) from e
+        raise CheckpointError(corrupt_bin(directory)) from e
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
@@ -138,11 +138,12 @@ def _load_folder(
     bad = sorted(loading["missing_keys"]) + sorted(str(k) for k in loading["mismatched_keys"])
     if bad:
         raise CheckpointError(
-            f"{directory} lacks or misshapes {_some(bad)}; re-download or re-export the checkpoint"
+            f"{directory} lacks or misshapes {some_names(bad)}; "
+            "re-download or re-export the checkpoint"
         )
     if unused := sorted(loading["unexpected_keys"]):
         raise CheckpointError(
-            f"{directory} holds {_some(unused)} that its config.json leaves unused; "
+            f"{directory} holds {some_names(unused)} that its config.json leaves unused; "
             "correct config.json or re-export the checkpoint"
         )
     _check_finite(hf_model, directory, allow_nonfinite)
@@ -188,7 +189,7 @@ def _check_finite(hf_model: Any, directory: Path, allow: bool) -> None:
                     bad.append(name)
     if not bad:
         return
-    message = f"{directory} holds NaN or infinite values in {_some(bad)}"
+    message = f"{directory} holds NaN or infinite values in {some_names(bad)}"
     if not allow:
         raise CheckpointError(
             f"{message}; re-export or re-train the checkpoint, or pass allow_nonfinite=True to "

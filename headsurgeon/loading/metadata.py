@@ -2,6 +2,7 @@
 
 Exports:
     check_metadata(data, path)   the file's contents if every known field has its type and range
+    folder_metadata(directory)   the folder's headsurgeon.json, read and checked ({})
 
 >>> check_metadata({"prepend_bos": None, "notes": "kept as they are"}, "headsurgeon.json")
 {'prepend_bos': None, 'notes': 'kept as they are'}
@@ -24,11 +25,9 @@ from typing import Any
 
 from headsurgeon.errors import CheckpointError, first_line
 from headsurgeon.exact_alibi import trained_bias
-from headsurgeon.loading.files import METADATA_FILE, _is_int, read_json
+from headsurgeon.loading.files import METADATA_FILE, is_int, read_json
 
-__all__ = [
-    "check_metadata",
-]
+__all__ = ["check_metadata", "folder_metadata"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ class _Value:
         if value is None:
             return self.nullable
         if self.kind in ("int", "number"):
-            number = _is_int(value) or (self.kind == "number" and isinstance(value, float))
+            number = is_int(value) or (self.kind == "number" and isinstance(value, float))
             return number and math.isfinite(value) and self._in_range(value)
         types = {"bool": bool, "str": str, "list": list, "dict": dict}
         return isinstance(value, types[self.kind])
@@ -193,7 +192,7 @@ def _check_value(value: Any, spec: _Value, field: str, path: str) -> None:
             )
 
 
-def _folder_metadata(directory: Path) -> dict[str, Any]:
+def folder_metadata(directory: Path) -> dict[str, Any]:
     """The folder's ``headsurgeon.json``, read bounded and checked; ``{}`` without one."""
     file = directory / METADATA_FILE
     if not os.path.lexists(file):

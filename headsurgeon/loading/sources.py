@@ -4,6 +4,8 @@ Exports:
     resolve_model(model)   (display name, local checkpoint folder) of a user's model argument
     organism_names()       short names of the model organisms bundled with the package
     ORGANISM_DIR           their folder; DEFAULT_MODEL, the tools' default model
+    unknown_message(name, candidates)
+                           the unknown-model line with the closest names
 
 A hub name (any TransformerLens name or alias) is read from the Hugging Face cache, else
 downloaded after one bounded probe of the hub (``HF_HUB_OFFLINE=1`` respected); an unknown name
@@ -23,14 +25,9 @@ from pathlib import Path
 
 from headsurgeon import backend
 from headsurgeon.errors import ModelNotFoundError, UnknownModelError, first_line
-from headsurgeon.loading.files import TOKENIZER_FILES, _has_weights
+from headsurgeon.loading.files import TOKENIZER_FILES, has_weights
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "ORGANISM_DIR",
-    "organism_names",
-    "resolve_model",
-]
+__all__ = ["DEFAULT_MODEL", "ORGANISM_DIR", "organism_names", "resolve_model", "unknown_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +48,7 @@ def _hub_names() -> dict[str, str]:
     return backend.hub_names()
 
 
-def _unknown_message(name: str, candidates: list[str]) -> str:
+def unknown_message(name: str, candidates: list[str]) -> str:
     by_lower = {c.lower(): c for c in candidates}
     close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(by_lower[c] for c in close)}? " if close else ""
@@ -94,7 +91,7 @@ def _hub_snapshot(official: str) -> Path:
     patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
     try:
         cached = Path(snapshot_download(official, allow_patterns=patterns, local_files_only=True))
-        if _has_weights(cached):
+        if has_weights(cached):
             return cached
     except LocalEntryNotFoundError:
         pass
@@ -111,7 +108,7 @@ def _hub_snapshot(official: str) -> Path:
     logger.info("downloading %s", official)
     try:
         folder = Path(snapshot_download(official, allow_patterns=patterns))
-        if not _has_weights(folder):  # older repositories ship only pickled weights
+        if not has_weights(folder):  # older repositories ship only pickled weights
             folder = Path(snapshot_download(official, allow_patterns=["pytorch_model*.bin*"]))
     except Exception as e:  # the hub client raises many types (HTTP, connection, disk)
         raise ModelNotFoundError(f"downloading {official} failed ({first_line(e)}); {how}") from e
@@ -133,4 +130,4 @@ def resolve_model(model: str | os.PathLike) -> tuple[str, Path]:
         return name, _hub_snapshot(official)
     if looks_like_path:
         raise ModelNotFoundError(f"model folder {name} does not exist; check the path")
-    raise UnknownModelError(_unknown_message(name, list(_hub_names()) + organism_names()))
+    raise UnknownModelError(unknown_message(name, list(_hub_names()) + organism_names()))

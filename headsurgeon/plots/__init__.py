@@ -109,7 +109,6 @@ from headsurgeon.plots.export import (
     FORMATS,
     INSTALL_BROWSER as INSTALL_BROWSER,
     STATIC_FORMATS,
-    _quiet_browser_exit as _quiet_browser_exit,
     has_browser,
     require_browser,
     save_figure,
@@ -133,10 +132,7 @@ from headsurgeon.plots.importance import (
     importance_grid,
 )
 from headsurgeon.plots.layout import FONT, OKABE_ITO, style
-from headsurgeon.plots.notebook import (
-    Figure,
-    _mimetype_renderers_in_ipython as _mimetype_renderers_in_ipython,
-)
+from headsurgeon.plots.notebook import Figure
 from headsurgeon.plots.patterns import MAX_CELLS, attention_pattern, pattern_diff
 from headsurgeon.plots.sink_cache import sink_cache_figure
 

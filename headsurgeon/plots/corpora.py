@@ -26,15 +26,15 @@ import plotly.graph_objects as go
 
 from headsurgeon.domains import corpus_changes, split_corpora
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.plots.grids import _cell, _title, diff_grid, models_grid
-from headsurgeon.plots.layout import OKABE_ITO, _check
-from headsurgeon.plots.notebook import _notebook_figure
+from headsurgeon.plots.grids import cell_size, diff_grid, metric_title, models_grid
+from headsurgeon.plots.layout import OKABE_ITO, check_columns
+from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["corpora_grid", "corpus_diff_grid"]
 
 
 def _corpora(compared: pd.DataFrame) -> list[str]:
-    _check(compared, ["corpus", "layer", "head"], "compared")
+    check_columns(compared, ["corpus", "layer", "head"], "compared")
     return list(dict.fromkeys(compared["corpus"]))
 
 
@@ -46,7 +46,7 @@ def _pick(names: list[str], name: str | None, default: int, what: str) -> str:
     return name
 
 
-@_notebook_figure
+@notebook_figure
 def corpus_diff_grid(
     compared: pd.DataFrame,
     metric: str = "bos_mass",
@@ -73,7 +73,7 @@ def corpus_diff_grid(
         before,
         after,
         metric,
-        title=title or f"{_title(metric)}: {shown_b} − {shown_a}",
+        title=title or f"{metric_title(metric)}: {shown_b} − {shown_a}",
     )
     if {"delta_loss", "delta_loss_se", "label"} <= set(compared.columns):
         changes = corpus_changes(compared[compared["corpus"].isin([a, b])], reference=a)
@@ -87,7 +87,7 @@ def corpus_diff_grid(
                 name=f"dormancy changed ({len(moved)})",
                 marker={
                     "symbol": "diamond",
-                    "size": 0.35 * _cell(n_heads),
+                    "size": 0.35 * cell_size(n_heads),
                     "color": OKABE_ITO["green"],
                     "line": {"color": "black", "width": 1},
                 },
@@ -98,7 +98,7 @@ def corpus_diff_grid(
     return fig
 
 
-@_notebook_figure
+@notebook_figure
 def corpora_grid(
     compared: pd.DataFrame, metric: str = "bos_mass", *, title: str | None = None
 ) -> go.Figure:
@@ -107,4 +107,4 @@ def corpora_grid(
     marked)."""
     _corpora(compared)
     panels = {html.escape(name): df for name, df in split_corpora(compared).items()}
-    return models_grid(panels, metric, title=title or f"{_title(metric)} per corpus")
+    return models_grid(panels, metric, title=title or f"{metric_title(metric)} per corpus")

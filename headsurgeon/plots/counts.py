@@ -22,9 +22,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from headsurgeon.plots.grids import _subtitle
-from headsurgeon.plots.layout import OKABE_ITO, _check, _layout
-from headsurgeon.plots.notebook import _notebook_figure
+from headsurgeon.plots.grids import census_subtitle
+from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns
+from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["sick_share_plot", "sweep_plot"]
 
@@ -41,7 +41,7 @@ SWEEP_PANELS = {
 }
 
 
-@_notebook_figure
+@notebook_figure
 def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Head counts per label (and sick = BOS-sink + dead) as each threshold moves.
 
@@ -49,7 +49,7 @@ def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     the threshold in use. A flat ``sick`` curve around it means the count is robust; a steep one
     means it depends on the choice.
     """
-    _check(sweep, ["threshold", "value", "sick"], "sweep")
+    check_columns(sweep, ["threshold", "value", "sick"], "sweep")
     panels = [p for p in SWEEP_PANELS if p in set(sweep["threshold"])]
     fig = make_subplots(
         rows=1,
@@ -93,10 +93,10 @@ def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     fig.update_xaxes(showgrid=True, gridcolor="#EEEEEE", ticks="outside")
     fig.update_annotations(font={"size": 14})
     default = "Label counts against each threshold"
-    _layout(
+    base_layout(
         fig,
         title or default,
-        _subtitle(sweep),
+        census_subtitle(sweep),
         (300 * len(panels), 300),
         colorbar=False,
         axis_title=False,
@@ -105,12 +105,12 @@ def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     return fig
 
 
-@_notebook_figure
+@notebook_figure
 def sick_share_plot(shares: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Share of sick heads (BOS-sink + dead) per layer band, one line per model: the surgery
     paper's cross-scale comparison, from :func:`headsurgeon.classify.sick_shares`. Each model's
     share over all its heads is in its legend entry."""
-    _check(shares, ["model", "band", "sick_share", "sick", "n_heads"], "shares")
+    check_columns(shares, ["model", "band", "sick_share", "sick", "n_heads"], "shares")
     fig = go.Figure()
     palette = list(OKABE_ITO.values())
     for i, (model, rows) in enumerate(shares.groupby("model", sort=False)):
@@ -135,5 +135,5 @@ def sick_share_plot(shares: pd.DataFrame, *, title: str | None = None) -> go.Fig
     )
     fig.update_xaxes(title_text="layer band (each model's layers in thirds)")
     subtitle = "share of each band's heads labelled BOS-sink or dead"
-    _layout(fig, title or "Sick heads across models", subtitle, (560, 340), colorbar=False)
+    base_layout(fig, title or "Sick heads across models", subtitle, (560, 340), colorbar=False)
     return fig

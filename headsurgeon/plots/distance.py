@@ -33,24 +33,14 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.plots.evaluation import _sequential
-from headsurgeon.plots.layout import OKABE_ITO, _check, _wrap, style
-from headsurgeon.plots.notebook import _notebook_figure
+from headsurgeon.plots.evaluation import sequential_colours
+from headsurgeon.plots.layout import OKABE_ITO, check_columns, style, wrap_text
+from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["reach_figure", "window_figure"]
 
 # Pixels per head row of reach_figure.
 _ROW = 13
-
-
-def _require(df: pd.DataFrame, columns: list[str], what: str, source: str) -> None:
-    if not isinstance(df, pd.DataFrame):
-        raise InvalidArgumentError(f"{what} must be a DataFrame, got {type(df).__name__}")
-    missing = [c for c in columns if c not in df.columns]
-    if missing:
-        raise InvalidArgumentError(f"{what} lacks column(s) {', '.join(missing)}; pass {source}")
-    if df.empty:
-        raise InvalidArgumentError(f"{what} has no rows; pass {source}")
 
 
 def _one_dtype(by_head: pd.DataFrame, dtype: str | None) -> tuple[pd.DataFrame, str]:
@@ -74,7 +64,7 @@ def _marker(symbol: str, colour: str, open_: bool = False) -> dict:
     }
 
 
-@_notebook_figure
+@notebook_figure
 def reach_figure(
     census: pd.DataFrame,
     by_head: pd.DataFrame,
@@ -100,8 +90,8 @@ def reach_figure(
         zeros = hs.measure_blindness(model, seq_len=4096, n_seqs=4)
         reach_figure(census, zeros.by_head, dtype="bfloat16")
     """
-    _check(census, ["layer", "head", "reach"], "census")
-    _require(
+    check_columns(census, ["layer", "head", "reach"], "census")
+    check_columns(
         by_head,
         ["layer", "head", "dtype", "first_zero_distance", "analytic_distance"],
         "by_head table",
@@ -195,7 +185,7 @@ def reach_figure(
         f"that distance or more ≤ {eps:g} (position 0 left out) · zeros: {dtype}, "
         f"{by_head.attrs.get('n_seqs', '')} × {zero_len} tokens · heads by layer, steepest first"
     )
-    lines = _wrap(subtitle, 900 - 100)
+    lines = wrap_text(subtitle, 900 - 100)
     style(
         fig,
         title=title or "How far each head looks",
@@ -214,7 +204,7 @@ def _largest(values: pd.Series) -> float:
     return float(finite.max()) if len(finite) else 1.0
 
 
-@_notebook_figure
+@notebook_figure
 def window_figure(table: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """ΔNLL against the window ``d`` every head was cut to, one line per position bucket.
 
@@ -225,11 +215,11 @@ def window_figure(table: pd.DataFrame, *, title: str | None = None) -> go.Figure
     ΔNLL is exactly 0.
     """
     columns = ["distance", "position_lo", "position_hi", "tokens", "dnll", "dnll_se"]
-    _require(table, columns, "window table", "window_effect(...).by_distance")
+    check_columns(table, columns, "window table", "window_effect(...).by_distance")
     distances = sorted(table["distance"].unique())
     x = [str(d) for d in distances]
     buckets = list(dict.fromkeys(zip(table["position_lo"], table["position_hi"], strict=True)))
-    colours = _sequential(len(buckets))
+    colours = sequential_colours(len(buckets))
     fig = go.Figure()
     for (lo, hi), colour in zip(buckets, colours, strict=True):
         part = table[(table["position_lo"] == lo) & (table["position_hi"] == hi)]
@@ -272,7 +262,7 @@ def window_figure(table: pd.DataFrame, *, title: str | None = None) -> go.Figure
         "head cut at once, masked before the softmax · error bars: one standard error"
     )
     width = round(260 + 70 * len(x) + 220)
-    lines = _wrap(subtitle, width - 100)
+    lines = wrap_text(subtitle, width - 100)
     style(
         fig,
         title=title or "Loss when attention is cut to a window",

@@ -9,6 +9,7 @@ Exports:
     retrieval_distance_plot(table, heads)
                                        accuracy by needle distance with its chance baseline,
                                        each head's reach and first exact zero on the same axis
+    sequential_colours(n)              n colours along viridis (the distance figures share them)
 
 >>> from headsurgeon.blindness import analytic_blindness
 >>> table = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
@@ -32,8 +33,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.plots.layout import OKABE_ITO, _check, _compact, style
-from headsurgeon.plots.notebook import _notebook_figure
+from headsurgeon.plots.layout import OKABE_ITO, check_columns, compact_number, style
+from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = [
     "analytic_vs_measured",
@@ -42,6 +43,7 @@ __all__ = [
     "retrieval_distance_plot",
     "retrieval_heatmap",
     "zero_fraction_plot",
+    "sequential_colours",
 ]
 
 
@@ -76,7 +78,7 @@ def _eval_layout(fig: go.Figure, title: str, subtitle: str, width: int, height: 
     )
 
 
-@_notebook_figure
+@notebook_figure
 def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Blind distance of every head (columns) per dtype and underflow limit (rows), log colours.
 
@@ -84,7 +86,7 @@ def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Fig
     every layer, so layer 0 stands for all. Cells show the distance in tokens (``∞``: never
     blind); bold cells are blind within the table's context.
     """
-    _check(df, ["layer", "head", "dtype", "limit", "blind_distance"], "blindness table")
+    check_columns(df, ["layer", "head", "dtype", "limit", "blind_distance"], "blindness table")
     rows = df[df["layer"] == df["layer"].min()]
     keys = list(dict.fromkeys(zip(rows["dtype"], rows["limit"], strict=True)))
     n_heads = int(rows["head"].max()) + 1
@@ -96,7 +98,7 @@ def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Fig
             sub["head"], sub["blind_distance"], sub.get("label", ""), strict=False
         ):
             z[i, head] = np.log10(d) if np.isfinite(d) else np.nan
-            text[i, head] = f"<b>{_compact(d)}</b>" if label == "blind" else _compact(d)
+            text[i, head] = f"<b>{compact_number(d)}</b>" if label == "blind" else compact_number(d)
     finite = z[np.isfinite(z)]
     top = float(finite.max()) if finite.size else 1.0
     never = np.where(np.isnan(z), top, np.nan)  # never-blind cells: drawn in grey
@@ -148,14 +150,14 @@ def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Fig
     return fig
 
 
-def _sequential(n: int) -> list[str]:
+def sequential_colours(n: int) -> list[str]:
     """``n`` colours along viridis (colour-blind safe and monotone in lightness)."""
     from plotly.colors import sample_colorscale
 
     return sample_colorscale("Viridis", [0.9 * i / max(n - 1, 1) for i in range(n)])
 
 
-@_notebook_figure
+@notebook_figure
 def zero_fraction_plot(by_distance: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Share of weights that underflow to exactly 0 against distance, one line per head.
 
@@ -163,7 +165,7 @@ def zero_fraction_plot(by_distance: pd.DataFrame, *, title: str | None = None) -
     weighted). Heads with no underflow in any dtype are left out (named in the subtitle).
     """
     cols = ["head", "dtype", "distance_lo", "distance_hi", "entries", "zero_entries"]
-    _check(by_distance, cols, "by_distance table")
+    check_columns(by_distance, cols, "by_distance table")
     pooled = by_distance.groupby(["dtype", "head", "distance_lo", "distance_hi"], sort=False)[
         ["entries", "zero_entries"]
     ].sum()
@@ -173,7 +175,7 @@ def zero_fraction_plot(by_distance: pd.DataFrame, *, title: str | None = None) -
     dtypes = list(dict.fromkeys(pooled["dtype"]))
     heads = sorted(pooled["head"].unique())
     blind = sorted(pooled.loc[pooled["zero_entries"] > 0, "head"].unique())
-    colours = dict(zip(heads, _sequential(len(heads)), strict=True))
+    colours = dict(zip(heads, sequential_colours(len(heads)), strict=True))
     fig = make_subplots(
         rows=1, cols=len(dtypes), subplot_titles=dtypes, shared_yaxes=True, horizontal_spacing=0.04
     )
@@ -220,7 +222,7 @@ DTYPE_MARKERS = {
 }
 
 
-@_notebook_figure
+@notebook_figure
 def analytic_vs_measured(by_head: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Measured first zero distance against the analytic blind distance, per head and dtype.
 
@@ -229,7 +231,9 @@ def analytic_vs_measured(by_head: pd.DataFrame, *, title: str | None = None) -> 
     analytic distance (``zero`` limit, equal content logits) bounds the measured one from
     above; the softmax normaliser and content logits pull real zeros closer.
     """
-    _check(by_head, ["head", "dtype", "analytic_distance", "first_zero_distance"], "by_head table")
+    check_columns(
+        by_head, ["head", "dtype", "analytic_distance", "first_zero_distance"], "by_head table"
+    )
     seq_len = by_head.attrs.get("seq_len") or float(by_head["first_zero_distance"].max())
     per_head = by_head.groupby(["dtype", "head"], sort=False).agg(
         analytic=("analytic_distance", "first"), measured=("first_zero_distance", "min")
@@ -306,7 +310,7 @@ HEAD_MARKS = {
 SERIES_COLOURS = [OKABE_ITO[c] for c in ("blue", "vermillion", "green", "orange", "purple", "sky")]
 
 
-@_notebook_figure
+@notebook_figure
 def retrieval_distance_plot(
     table: pd.DataFrame,
     heads: pd.DataFrame | None = None,
@@ -335,7 +339,7 @@ def retrieval_distance_plot(
     """
     columns = ["distance_lo", "distance_hi", "mean_distance", "n_trials"]
     columns += [f"{p}{metric}{s}" for p in ("", "baseline_") for s in ("", "_low", "_high")]
-    _check(table, columns, "retrieval-by-distance table (retrieval_by_distance(...).table)")
+    check_columns(table, columns, "retrieval-by-distance table (retrieval_by_distance(...).table)")
     marks = _head_marks(heads)
     fig = make_subplots(
         rows=2 if marks else 1,
@@ -403,7 +407,7 @@ def _head_marks(heads: pd.DataFrame | None) -> list[str]:
     """The columns of ``heads`` the strip draws (none without ``heads``)."""
     if heads is None:
         return []
-    _check(heads, ["layer", "head"], "per-head table")
+    check_columns(heads, ["layer", "head"], "per-head table")
     marks = [c for c in HEAD_MARKS if c in heads.columns]
     if not marks:
         raise InvalidArgumentError(
@@ -487,7 +491,7 @@ def _head_strip(fig: go.Figure, heads: pd.DataFrame, column: str) -> tuple[list[
     return names, np.concatenate(distances)
 
 
-@_notebook_figure
+@notebook_figure
 def retrieval_heatmap(
     table: pd.DataFrame, metric: str = "top1_accuracy", *, title: str | None = None
 ) -> go.Figure:
@@ -495,7 +499,7 @@ def retrieval_heatmap(
 
     A dashed line separates lengths within the training length from those beyond it.
     """
-    _check(table, ["context_length", "depth", metric], "retrieval table")
+    check_columns(table, ["context_length", "depth", metric], "retrieval table")
     grid = table.pivot_table(index="depth", columns="context_length", values=metric)
     names = RETRIEVAL_METRICS.get(metric, (metric, metric))
     lengths = [str(x) for x in grid.columns]
@@ -545,7 +549,7 @@ def retrieval_heatmap(
 PART_DASHES = {"model": "solid", "scores": "dash", "softmax": "dot"}
 
 
-@_notebook_figure
+@notebook_figure
 def precision_figure(by_position: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Mean loss change against position: one line per dtype (colour) and part (dash).
 
@@ -562,7 +566,7 @@ def precision_figure(by_position: pd.DataFrame, *, title: str | None = None) -> 
     [4.0, 11.5]
     """
     cols = ["dtype", "part", "position_lo", "position_hi", "mean_dnll", "top1_agreement"]
-    _check(by_position, cols, "by_position table")
+    check_columns(by_position, cols, "by_position table")
     fig = go.Figure()
     for (dtype, part), sub in by_position.groupby(["dtype", "part"], sort=False):
         _, colour = DTYPE_MARKERS.get(dtype, ("circle", "#555555"))

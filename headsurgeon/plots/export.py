@@ -9,6 +9,8 @@ Exports:
     has_browser()                      whether static figures can be written here
     warn_skipped(names, folder)        the one warning line about skipped static figures
     FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
+    image_bytes(fig, fmt, scale)       static image bytes through kaleido (one Chromium kept)
+    quiet_browser_exit()               silence choreographer's exit noise (once)
 
 >>> split_formats(["html"])
 (['html'], [])
@@ -46,6 +48,8 @@ __all__ = [
     "save_figures",
     "split_formats",
     "warn_skipped",
+    "image_bytes",
+    "quiet_browser_exit",
 ]
 
 FORMATS = ("html", "png", "svg", "pdf")
@@ -119,20 +123,20 @@ class _ByeFilter(logging.Filter):
         )
 
 
-def _quiet_browser_exit() -> None:
+def quiet_browser_exit() -> None:
     """Install :class:`_ByeFilter` on choreographer's pipe logger (once)."""
     pipe_logger = logging.getLogger("choreographer.channels.pipe")
     if not any(isinstance(f, _ByeFilter) for f in pipe_logger.filters):
         pipe_logger.addFilter(_ByeFilter())
 
 
-def _image(fig: go.Figure, fmt: str, scale: float) -> bytes:
+def image_bytes(fig: go.Figure, fmt: str, scale: float) -> bytes:
     """Static image bytes through kaleido; one Chromium is kept running for later exports."""
     import kaleido
 
     require_browser(f"saving a figure as {fmt}")  # fail with the fix, not deep inside kaleido
     if not _server["running"]:
-        _quiet_browser_exit()
+        quiet_browser_exit()
         kaleido.start_sync_server(silence_warnings=True)  # ~0.3 s per image after the first
         _server["running"] = True
     layout = fig.layout
@@ -181,7 +185,7 @@ def save_figure(
             atomic_write_text(path.parent / "plotly.min.js", get_plotlyjs())
         atomic_write_text(path, html)
     else:
-        atomic_write_bytes(path, _image(fig, fmt, scale))
+        atomic_write_bytes(path, image_bytes(fig, fmt, scale))
     logger.debug("wrote %s", path)
     return path
 

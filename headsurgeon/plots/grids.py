@@ -5,6 +5,11 @@ Exports:
     label_grid(df)                     the label of every head
     diff_grid(before, after, metric)   after - before, heads whose label changed outlined
     models_grid({name: df}, metric)    several models side by side, one colour scale
+    cell_size(n_heads), grid_plot_size(...)
+                                       a head cell's pixels; a grid's plot area
+    grid_shape(df)                     (n_layers, n_heads) of a per-head table
+    metric_title(metric)               a metric's display title
+    census_subtitle(df)                model, data and position 0 of a census, for subtitles
 
 >>> import pandas as pd
 >>> df = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1],
@@ -31,10 +36,20 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.plots.layout import OKABE_ITO, _check, _layout
-from headsurgeon.plots.notebook import _notebook_figure
+from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns
+from headsurgeon.plots.notebook import notebook_figure
 
-__all__ = ["diff_grid", "head_grid", "label_grid", "models_grid"]
+__all__ = [
+    "diff_grid",
+    "head_grid",
+    "label_grid",
+    "models_grid",
+    "cell_size",
+    "grid_plot_size",
+    "grid_shape",
+    "metric_title",
+    "census_subtitle",
+]
 
 LABEL_COLOURS = {"healthy": "#DDDDDD", "BOS-sink": OKABE_ITO["orange"], "dead": "#1A1A1A"}
 # Marker styles that stay visible on both ends of viridis: white core with a dark rim, or the
@@ -62,17 +77,17 @@ METRICS = {
 HOVER_SKIP = ("layer", "head", "label", "reason")
 
 
-def _title(metric: str) -> str:
+def metric_title(metric: str) -> str:
     return METRICS.get(metric, (metric, None))[0]
 
 
-def _shape(df: pd.DataFrame) -> tuple[int, int]:
+def grid_shape(df: pd.DataFrame) -> tuple[int, int]:
     return int(df["layer"].max()) + 1, int(df["head"].max()) + 1
 
 
 def _matrix(df: pd.DataFrame, column: str) -> np.ndarray:
     """``[layer, head]`` array of a column; cells without a row are NaN (or None)."""
-    n_layers, n_heads = _shape(df)
+    n_layers, n_heads = grid_shape(df)
     values = df[column].to_numpy()
     out = np.full((n_layers, n_heads), np.nan if values.dtype.kind in "fiub" else None, object)
     out[df["layer"].to_numpy(), df["head"].to_numpy()] = values
@@ -95,7 +110,7 @@ def _hover(df: pd.DataFrame) -> tuple[np.ndarray, str]:
     return data, "<br>".join(lines) + "<extra></extra>"
 
 
-def _cell(n_heads: int, width: float = 480) -> float:
+def cell_size(n_heads: int, width: float = 480) -> float:
     """Cell size in pixels: the heads fill about ``width`` px (a paper column at 2x export)."""
     return float(np.clip(width / n_heads, 8, 48))
 
@@ -146,7 +161,7 @@ def _axes(fig: go.Figure, n_layers: int, n_heads: int, cell: float, **where) -> 
     )
 
 
-def _subtitle(df: pd.DataFrame) -> str:
+def census_subtitle(df: pd.DataFrame) -> str:
     a = df.attrs
     if "n_seqs" not in a:
         return ""
@@ -157,11 +172,11 @@ def _subtitle(df: pd.DataFrame) -> str:
     )
 
 
-def _plot_size(n_layers: int, n_heads: int, cell: float) -> tuple[float, float]:
+def grid_plot_size(n_layers: int, n_heads: int, cell: float) -> tuple[float, float]:
     return max(n_heads * cell, 240), max(n_layers * cell, 160)
 
 
-@_notebook_figure
+@notebook_figure
 def head_grid(
     df: pd.DataFrame,
     metric: str = "bos_mass",
@@ -176,9 +191,9 @@ def head_grid(
     figures of different models compare; other metrics use their data range unless ``zrange``.
     Hovering a cell shows the head's label, reason and every metric.
     """
-    _check(df, ["layer", "head", metric])
-    n_layers, n_heads = _shape(df)
-    cell = _cell(n_heads)
+    check_columns(df, ["layer", "head", metric])
+    n_layers, n_heads = grid_shape(df)
+    cell = cell_size(n_heads)
     custom, template = _hover(df)
     zrange = zrange or METRICS.get(metric, (None, None))[1]
     z = _matrix(df, metric)
@@ -190,7 +205,7 @@ def head_grid(
             colorscale=colorscale,
             zmin=zrange[0] if zrange else None,
             zmax=zrange[1] if zrange else None,
-            colorbar={"title": {"text": _title(metric), "side": "right"}, "thickness": 16},
+            colorbar={"title": {"text": metric_title(metric), "side": "right"}, "thickness": 16},
             customdata=custom,
             hovertemplate=template,
             xgap=1,
@@ -200,18 +215,18 @@ def head_grid(
     for trace in _label_markers(df, cell):
         fig.add_trace(trace)
     _axes(fig, n_layers, n_heads, cell)
-    plot_size = _plot_size(n_layers, n_heads, cell)
-    default = _title(metric)[0].upper() + _title(metric)[1:]
-    _layout(fig, title or default, _subtitle(df), plot_size)
+    plot_size = grid_plot_size(n_layers, n_heads, cell)
+    default = metric_title(metric)[0].upper() + metric_title(metric)[1:]
+    base_layout(fig, title or default, census_subtitle(df), plot_size)
     return fig
 
 
-@_notebook_figure
+@notebook_figure
 def label_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """The label of every head: healthy (light grey), BOS-sink (orange ○), dead (black ×)."""
-    _check(df, ["layer", "head", "label"])
-    n_layers, n_heads = _shape(df)
-    cell = _cell(n_heads)
+    check_columns(df, ["layer", "head", "label"])
+    n_layers, n_heads = grid_shape(df)
+    cell = cell_size(n_heads)
     labels = list(LABEL_COLOURS)
     codes = df["label"].map({label: i for i, label in enumerate(labels)})
     if codes.isna().any():
@@ -258,12 +273,12 @@ def label_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     total = len(df)
     sick = total - counts.get("healthy", 0)
     default = f"Head labels: {sick}/{total} sick ({sick / total:.1%})"
-    plot_size = _plot_size(n_layers, n_heads, cell)
-    _layout(fig, title or default, _subtitle(df), plot_size)  # same size as a head_grid
+    plot_size = grid_plot_size(n_layers, n_heads, cell)
+    base_layout(fig, title or default, census_subtitle(df), plot_size)  # same size as a head_grid
     return fig
 
 
-@_notebook_figure
+@notebook_figure
 def diff_grid(
     before: pd.DataFrame,
     after: pd.DataFrame,
@@ -276,8 +291,8 @@ def diff_grid(
     Both frames must cover the same heads (matched on ``layer`` and ``head``). Blue is a fall,
     red a rise, white no change; hover shows both values and both labels.
     """
-    _check(before, ["layer", "head", metric], "before")
-    _check(after, ["layer", "head", metric], "after")
+    check_columns(before, ["layer", "head", metric], "before")
+    check_columns(after, ["layer", "head", metric], "after")
     keys = ["layer", "head"]
     if set(map(tuple, before[keys].to_numpy())) != set(map(tuple, after[keys].to_numpy())):
         raise InvalidArgumentError("before and after cover different heads; compare one model")
@@ -287,8 +302,8 @@ def diff_grid(
         after[keys + [metric] + extra], on=keys, suffixes=("_before", "_after")
     )
     merged["change"] = merged[f"{metric}_after"] - merged[f"{metric}_before"]
-    n_layers, n_heads = _shape(merged)
-    cell = _cell(n_heads)
+    n_layers, n_heads = grid_shape(merged)
+    cell = cell_size(n_heads)
     bound = max(float(np.nanmax(np.abs(merged["change"]))), 1e-9)
     fields = [f"{metric}_before", f"{metric}_after", "change"]
     lines = ["<b>layer %{y}, head %{x}</b>"]
@@ -306,7 +321,10 @@ def diff_grid(
             zmid=0,
             zmin=-bound,
             zmax=bound,
-            colorbar={"title": {"text": f"Δ {_title(metric)}", "side": "right"}, "thickness": 16},
+            colorbar={
+                "title": {"text": f"Δ {metric_title(metric)}", "side": "right"},
+                "thickness": 16,
+            },
             customdata=custom,
             hovertemplate="<br>".join(lines) + "<extra></extra>",
             xgap=1,
@@ -331,13 +349,13 @@ def diff_grid(
             )
         )
     _axes(fig, n_layers, n_heads, cell)
-    default = f"Change in {_title(metric)} (after − before)"
-    plot_size = _plot_size(n_layers, n_heads, cell)
-    _layout(fig, title or default, _subtitle(after), plot_size)
+    default = f"Change in {metric_title(metric)} (after − before)"
+    plot_size = grid_plot_size(n_layers, n_heads, cell)
+    base_layout(fig, title or default, census_subtitle(after), plot_size)
     return fig
 
 
-@_notebook_figure
+@notebook_figure
 def models_grid(
     dfs: Mapping[str, pd.DataFrame], metric: str = "bos_mass", *, title: str | None = None
 ) -> go.Figure:
@@ -348,11 +366,11 @@ def models_grid(
     if not dfs:
         raise InvalidArgumentError("models_grid needs at least one {name: DataFrame} entry")
     for name, df in dfs.items():
-        _check(df, ["layer", "head", metric], f"the DataFrame of {name}")
-    shapes = {name: _shape(df) for name, df in dfs.items()}
+        check_columns(df, ["layer", "head", metric], f"the DataFrame of {name}")
+    shapes = {name: grid_shape(df) for name, df in dfs.items()}
     max_layers = max(s[0] for s in shapes.values())
     total_heads = sum(s[1] for s in shapes.values())
-    cell = _cell(total_heads, 800)
+    cell = cell_size(total_heads, 800)
     fixed = METRICS.get(metric, (None, None))[1]
     values = np.concatenate([df[metric].to_numpy(float) for df in dfs.values()])
     zmin, zmax = fixed or (float(np.nanmin(values)), float(np.nanmax(values)))
@@ -401,10 +419,12 @@ def models_grid(
             "colorscale": "Viridis",
             "cmin": zmin,
             "cmax": zmax,
-            "colorbar": {"title": {"text": _title(metric), "side": "right"}, "thickness": 16},
+            "colorbar": {"title": {"text": metric_title(metric), "side": "right"}, "thickness": 16},
         }
     )
     plot_w = total_heads * cell * (1 + 0.05 * (len(dfs) - 1))
     plot_size = (plot_w, max_layers * cell)
-    _layout(fig, title or f"{_title(metric)} across models", "", plot_size, panel_titles=True)
+    base_layout(
+        fig, title or f"{metric_title(metric)} across models", "", plot_size, panel_titles=True
+    )
     return fig

@@ -20,9 +20,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from headsurgeon.plots.grids import _cell, _plot_size, _shape, head_grid
-from headsurgeon.plots.layout import OKABE_ITO, _check, _layout
-from headsurgeon.plots.notebook import _notebook_figure
+from headsurgeon.plots.grids import cell_size, grid_plot_size, grid_shape, head_grid
+from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns
+from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["bos_vs_importance", "importance_grid"]
 
@@ -48,7 +48,7 @@ def _importance_subtitle(df: pd.DataFrame) -> str:
     return " · ".join(p for p in parts if p)
 
 
-@_notebook_figure
+@notebook_figure
 def importance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """Layers x heads heatmap of ``delta_loss``: what removing each head costs (nats).
 
@@ -56,17 +56,17 @@ def importance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     (then BOS-sink ○ and dead × heads are marked as in :func:`head_grid`). The diverging colour
     scale is centred on 0: red heads raise the loss when removed, blue ones lower it.
     """
-    _check(df, ["layer", "head", "delta_loss"], "importance table")
+    check_columns(df, ["layer", "head", "delta_loss"], "importance table")
     bound = max(float(np.nanmax(np.abs(df["delta_loss"].to_numpy()))), 1e-9)
     fig = head_grid(df, "delta_loss", colorscale="RdBu_r", zrange=(-bound, bound))
     fig.update_traces(colorbar_title_text="Δ loss (nats)", selector={"type": "heatmap"})
-    n_layers, n_heads = _shape(df)
+    n_layers, n_heads = grid_shape(df)
     default = "Head importance: loss increase when the head is removed"
-    _layout(
+    base_layout(
         fig,
         title or default,
         _importance_subtitle(df),
-        _plot_size(n_layers, n_heads, _cell(n_heads)),
+        grid_plot_size(n_layers, n_heads, cell_size(n_heads)),
     )
     return fig
 
@@ -78,7 +78,7 @@ IMPORTANCE_MARKERS = {  # label -> marker; healthy darker than in label_grid, fo
 }
 
 
-@_notebook_figure
+@notebook_figure
 def bos_vs_importance(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     """BOS mass against ``delta_loss`` per head, coloured by label: which sinks are dormant.
 
@@ -86,7 +86,7 @@ def bos_vs_importance(df: pd.DataFrame, *, title: str | None = None) -> go.Figur
     ``head`` (columns ``bos_mass``, ``label``, ``delta_loss``; ``delta_loss_se`` draws error
     bars). A sink near the zero line is dormant (removing it costs nothing); one above it works.
     """
-    _check(df, ["layer", "head", "bos_mass", "label", "delta_loss"], "merged table")
+    check_columns(df, ["layer", "head", "bos_mass", "label", "delta_loss"], "merged table")
     fig = go.Figure()
     for label, marker in IMPORTANCE_MARKERS.items():
         rows = df[df["label"] == label]
@@ -125,5 +125,5 @@ def bos_vs_importance(df: pd.DataFrame, *, title: str | None = None) -> go.Figur
         zeroline=False,
     )
     default = "Attention sinks against causal importance"
-    _layout(fig, title or default, _importance_subtitle(df), (520, 380), colorbar=False)
+    base_layout(fig, title or default, _importance_subtitle(df), (520, 380), colorbar=False)
     return fig

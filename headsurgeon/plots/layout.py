@@ -4,6 +4,12 @@ Exports:
     style(fig, title=..., ...)   the house layout: template, fonts, title, subtitle, size
     FONT                         the house font (Helvetica, 15 px)
     OKABE_ITO                    Okabe & Ito's colours, told apart with every common deficiency
+    base_layout(fig, title, subtitle, plot_size)
+                                 a pixel layout around a plot area
+    check_columns(df, columns, what, source)
+                                 one line unless df has the columns and rows
+    wrap_text(text, width)       a subtitle broken at its separators to a width
+    compact_number(x)            short cell text for a distance: 124, 2.2k, 4.4e53, ∞
 
 >>> import plotly.graph_objects as go
 >>> fig = style(go.Figure(), title="BOS mass", subtitle="organism · 64 seqs", width=600)
@@ -13,7 +19,7 @@ Exports:
 Every figure of :mod:`headsurgeon.plots`, of :mod:`headsurgeon.reports` and of ``analyses/``
 goes through :func:`style` (the plotly_white template, paper fonts, a left-aligned title and a
 grey subtitle). The figures here lay themselves out in pixels around their plot area
-(:func:`_layout`: the subtitle wrapped to the figure's width, the legend under the x axis, the
+(:func:`base_layout`: the subtitle wrapped to the figure's width, the legend under the x axis, the
 margins grown to fit both), so a cell is the same size whatever the figure holds. The
 DataFrame check and the short number format the figure modules share live here too.
 """
@@ -28,7 +34,15 @@ import plotly.graph_objects as go
 
 from headsurgeon.errors import InvalidArgumentError
 
-__all__ = ["FONT", "OKABE_ITO", "style"]
+__all__ = [
+    "FONT",
+    "OKABE_ITO",
+    "style",
+    "base_layout",
+    "check_columns",
+    "wrap_text",
+    "compact_number",
+]
 
 FONT = {"family": "Helvetica, Arial, sans-serif", "size": 15, "color": "#222222"}
 # Okabe & Ito (2008) colours: distinguishable with every common colour-vision deficiency.
@@ -82,7 +96,7 @@ def style(
     return fig
 
 
-def _layout(
+def base_layout(
     fig: go.Figure,
     title: str,
     subtitle: str,
@@ -100,7 +114,7 @@ def _layout(
     plot_w, plot_h = plot_size
     margin = {"l": 75, "r": 105 if colorbar else 20}
     width = margin["l"] + plot_w + margin["r"]
-    lines = _wrap(subtitle, width - margin["l"] - 10)
+    lines = wrap_text(subtitle, width - margin["l"] - 10)
     margin["t"] = 58 + (20 * len(lines) + 12 if lines else 0) + (28 if panel_titles else 0)
     names = [t.name for t in fig.data if t.type == "scatter" and t.showlegend is not False]
     rows = _legend_rows([n for n in names if n], width - 20)
@@ -128,7 +142,7 @@ def _layout(
     )
 
 
-def _wrap(text: str, width: float) -> list[str]:
+def wrap_text(text: str, width: float) -> list[str]:
     """Break ``text`` at its " · " separators into lines about ``width`` px wide (13 px font)."""
     lines: list[str] = []
     for part in text.split(" · ") if text else []:
@@ -150,23 +164,27 @@ def _legend_rows(names: Sequence[str], width: float) -> int:
     return rows
 
 
-def _check(df: pd.DataFrame, columns: Sequence[str], what: str = "df") -> None:
+def check_columns(
+    df: pd.DataFrame, columns: Sequence[str], what: str = "df", source: str | None = None
+) -> None:
+    """One line unless ``df`` is a DataFrame with ``columns`` and at least one row; the message
+    says to pass ``source`` (default: a census or classification)."""
     if not isinstance(df, pd.DataFrame):
         raise InvalidArgumentError(f"{what} must be a DataFrame, got {type(df).__name__}")
     missing = [c for c in columns if c not in df.columns]
     if missing:
-        raise InvalidArgumentError(
-            f"{what} lacks column(s) {', '.join(missing)}; pass a census (run_census) "
-            "or classification (classify_heads)"
-        )
+        source_ = source or "a census (run_census) or classification (classify_heads)"
+        raise InvalidArgumentError(f"{what} lacks column(s) {', '.join(missing)}; pass {source_}")
     if df.empty:
-        raise InvalidArgumentError(f"{what} has no rows; pass a census with at least one head")
+        raise InvalidArgumentError(
+            f"{what} has no rows; pass {source or 'a census with at least one head'}"
+        )
 
 
-def _compact(x: float) -> str:
+def compact_number(x: float) -> str:
     """Short cell text for a distance: ``124``, ``2.2k``, ``4.4e53``, ``∞``.
 
-    >>> [_compact(x) for x in (124.0, 22359.0, 4.37e53, float("inf"))]
+    >>> [compact_number(x) for x in (124.0, 22359.0, 4.37e53, float("inf"))]
     ['124', '22k', '4.4e53', '∞']
     """
     if not np.isfinite(x):

@@ -4,15 +4,18 @@ Exports:
     Figure             go.Figure that also shows as HTML and PNG in notebooks
     NOTEBOOK_OUTPUTS   the extra representations: ("text/html", "image/png")
     NOTEBOOK_SCALE     the pixel scale of the notebook PNG (1: the figure's own size)
+    notebook_figure    decorator: a figure function's result as a Figure
+    mimetype_renderers_in_ipython()
+                       whether plotly's renderers give notebook output
 
->>> @_notebook_figure
+>>> @notebook_figure
 ... def empty() -> go.Figure:
 ...     return go.Figure()
 >>> type(empty()).__name__, isinstance(empty(), go.Figure)
 ('Figure', True)
 
 Every figure function of :mod:`headsurgeon.plots` returns a :class:`Figure` (through
-:func:`_notebook_figure`). In Jupyter it shows through the user's plotly renderer as usual
+:func:`notebook_figure`). In Jupyter it shows through the user's plotly renderer as usual
 (interactive, ``application/vnd.plotly.v1+json``) and its output also carries ``text/html``
 (plotly.js from the CDN, with the PNG inside as a fallback) and ``image/png`` (when a browser is
 found, rendered by :mod:`headsurgeon.plots.export`), so it still shows where the notebook is
@@ -34,11 +37,17 @@ from html import escape
 import plotly.graph_objects as go
 
 from headsurgeon.errors import FigureExportError
-from headsurgeon.plots.export import _image, has_browser
+from headsurgeon.plots.export import has_browser, image_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NOTEBOOK_OUTPUTS", "NOTEBOOK_SCALE", "Figure"]
+__all__ = [
+    "NOTEBOOK_OUTPUTS",
+    "NOTEBOOK_SCALE",
+    "Figure",
+    "notebook_figure",
+    "mimetype_renderers_in_ipython",
+]
 
 # What a Figure's notebook output carries besides the plotly renderer's own representation.
 NOTEBOOK_OUTPUTS = ("text/html", "image/png")
@@ -72,7 +81,7 @@ class Figure(go.Figure):
     def show(self, *args, **kwargs):
         """Display the figure (see :meth:`plotly.graph_objects.Figure.show`)."""
         bundle = None
-        if not args and kwargs.get("renderer") is None and _mimetype_renderers_in_ipython():
+        if not args and kwargs.get("renderer") is None and mimetype_renderers_in_ipython():
             kwargs.pop("renderer", None)
             bundle = self._repr_mimebundle_(**kwargs)
         if not bundle:
@@ -83,7 +92,7 @@ class Figure(go.Figure):
         return None
 
 
-def _mimetype_renderers_in_ipython() -> bool:
+def mimetype_renderers_in_ipython() -> bool:
     """Whether plotly's default renderers all produce notebook output, inside IPython."""
     import plotly.io as pio
     from plotly.io.base_renderers import MimetypeRenderer
@@ -106,7 +115,7 @@ def _with_static_outputs(fig: go.Figure, bundle: dict) -> dict:
     png = bundle.get("image/png")
     if png is None and "image/png" in NOTEBOOK_OUTPUTS and has_browser():
         try:
-            png = base64.b64encode(_image(fig, "png", NOTEBOOK_SCALE)).decode("ascii")
+            png = base64.b64encode(image_bytes(fig, "png", NOTEBOOK_SCALE)).decode("ascii")
         except FigureExportError as e:
             logger.debug("no notebook PNG: %s", e)
         else:
@@ -141,7 +150,7 @@ def _notebook_html(fig: go.Figure, png: str | None) -> str:
     return html
 
 
-def _notebook_figure(make: Callable[..., go.Figure]) -> Callable[..., Figure]:
+def notebook_figure(make: Callable[..., go.Figure]) -> Callable[..., Figure]:
     """Decorator: the figure ``make`` returns, as a :class:`Figure`."""
 
     @functools.wraps(make)

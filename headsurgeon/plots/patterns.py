@@ -37,8 +37,8 @@ from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.pattern_samples import AttentionWeights, attention_weights
-from headsurgeon.plots.layout import OKABE_ITO, _check, _compact, _wrap, style
-from headsurgeon.plots.notebook import _notebook_figure
+from headsurgeon.plots.layout import OKABE_ITO, check_columns, compact_number, style, wrap_text
+from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["MAX_CELLS", "attention_pattern", "pattern_diff"]
 
@@ -72,7 +72,7 @@ def _head_facts(
     (from ``census``), ALiBi slope and blind distance (exact zeros in the model's dtype)."""
     labels = {}
     if census is not None:
-        _check(census, ["layer", "head", "label"], "census")
+        check_columns(census, ["layer", "head", "label"], "census")
         labels = {(int(r.layer), int(r.head)): r.label for r in census.itertuples()}
     slopes = info.slopes.tolist() if info.is_alibi else []
 
@@ -80,7 +80,7 @@ def _head_facts(
         parts = [f"L{layer}H{head}"] + ([labels[layer, head]] if (layer, head) in labels else [])
         if slopes:
             blind = blind_distance(slopes[head], dtype, "zero")
-            parts += [f"slope {slopes[head]:.3g}", f"0 beyond {_compact(blind)}"]
+            parts += [f"slope {slopes[head]:.3g}", f"0 beyond {compact_number(blind)}"]
         return " · ".join(parts)
 
     return facts
@@ -207,7 +207,7 @@ def _pattern_title(info: ModelInfo, tokens: Tensor, w: AttentionWeights, what: s
     return f"{what} on “{text}{'…' if w.n_pos > 24 else ''}”", " · ".join(parts)
 
 
-@_notebook_figure
+@notebook_figure
 def attention_pattern(
     model: Model,
     text_or_tokens: str | Tensor | Sequence[int],
@@ -273,7 +273,7 @@ def attention_pattern(
     style(
         fig,
         title=title or default,
-        subtitle="<br>".join(_wrap(subtitle, side * cols)),
+        subtitle="<br>".join(wrap_text(subtitle, side * cols)),
         width=110 + side * cols + 110,
         height=150 + (side + 60) * n_rows,
         margin={"l": 90, "r": 40, "t": 140, "b": 70},
@@ -281,7 +281,7 @@ def attention_pattern(
     return fig
 
 
-@_notebook_figure
+@notebook_figure
 def pattern_diff(
     model_before: Model,
     model_after: Model,
@@ -350,7 +350,7 @@ def pattern_diff(
     style(
         fig,
         title=title or default,
-        subtitle="<br>".join(_wrap(subtitle, side * 3)),
+        subtitle="<br>".join(wrap_text(subtitle, side * 3)),
         width=110 + side * 3 + 120,
         height=150 + (side + 60) * n,
         margin={"l": 90, "r": 40, "t": 140, "b": 70},

@@ -18,9 +18,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from headsurgeon.plots.distance import _require
-from headsurgeon.plots.evaluation import _sequential
-from headsurgeon.plots.layout import OKABE_ITO, _wrap, style
+from headsurgeon.plots.evaluation import sequential_colours
+from headsurgeon.plots.layout import OKABE_ITO, check_columns, style, wrap_text
 
 __all__ = ["sink_cache_figure"]
 
@@ -34,12 +33,12 @@ def sink_cache_figure(by_cache: pd.DataFrame, *, title: str | None = None) -> go
     far above the others is StreamingLLM's finding: the model needs its first tokens.
     """
     columns = ["sinks", "window", "ppl", "dnll", "dnll_se", "full_ppl"]
-    _require(by_cache, columns, "sink-cache table", "sink_cache_effect(...).by_cache")
+    check_columns(by_cache, columns, "sink-cache table", "sink_cache_effect(...).by_cache")
     windows = sorted(by_cache["window"].unique())
     x = [str(y) for y in windows]
     sinks = sorted(by_cache["sinks"].unique())
     fig = go.Figure()
-    for n, colour in zip(sinks, _sequential(len(sinks)), strict=True):
+    for n, colour in zip(sinks, sequential_colours(len(sinks)), strict=True):
         part = by_cache[by_cache["sinks"] == n].set_index("window").reindex(windows)
         name = f"{n} sink{'' if n == 1 else 's'}"
         fig.add_trace(
@@ -81,7 +80,7 @@ def sink_cache_figure(by_cache: pd.DataFrame, *, title: str | None = None) -> go
         f"{a.get('train_ctx') or '?'} tokens · error bars: one standard error"
     )
     width = round(480 + 60 * len(x))
-    lines = _wrap(subtitle, width - 100)
+    lines = wrap_text(subtitle, width - 100)
     style(
         fig,
         title=title or "Perplexity with a cache of sinks plus recent tokens",

@@ -51,7 +51,7 @@ from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.received import SecondarySinks
 from headsurgeon.reports.folders import model_folder_name
 from headsurgeon.reports.page import census_samples, samples_note, write_page
-from headsurgeon.reports.records import _json_safe, _versions
+from headsurgeon.reports.records import json_safe, package_versions
 
 __all__ = [
     "FIGURES",
@@ -309,9 +309,12 @@ def write_classification(
     plots.split_formats(formats)  # an unknown format, or no browser for one asked for: fail now
     sweep = threshold_sweep(classified, thresholds_of(classified)) if sweep is None else sweep
     info = dict(classified.attrs) | (metadata or {})
-    info |= {"versions": _versions(), "created": datetime.datetime.now().astimezone().isoformat()}
+    info |= {
+        "versions": package_versions(),
+        "created": datetime.datetime.now().astimezone().isoformat(),
+    }
     records = [
-        {k: _json_safe(v) for k, v in row.items()} for row in classified.to_dict(orient="records")
+        {k: json_safe(v) for k, v in row.items()} for row in classified.to_dict(orient="records")
     ]
     columns = COLUMNS | {
         "label": f"one of {', '.join(LABELS)} (see reason)",

@@ -29,7 +29,7 @@ from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.reports.classify import format_summary, write_classification
 from headsurgeon.reports.folders import model_folder_name
 from headsurgeon.reports.page import PAGE, write_page
-from headsurgeon.reports.records import _json_safe, _versions
+from headsurgeon.reports.records import json_safe, package_versions
 
 __all__ = [
     "CORPORA_FILES",
@@ -193,7 +193,10 @@ def write_corpora(
     figures = _figures(compared)
     importance = "importance_changed" in changes.columns
     info = {k: v for k, v in compared.attrs.items() if k != "corpus_attrs"}
-    info |= {"versions": _versions(), "created": datetime.datetime.now().astimezone().isoformat()}
+    info |= {
+        "versions": package_versions(),
+        "created": datetime.datetime.now().astimezone().isoformat(),
+    }
     document = {
         "metadata": info,
         "corpora": {
@@ -203,7 +206,7 @@ def write_corpora(
         "rule": _rule(importance),
         "columns": {c: CHANGE_COLUMNS[c] for c in changes.columns},
         "changes": [
-            {k: _json_safe(v) for k, v in row.items()}
+            {k: json_safe(v) for k, v in row.items()}
             for row in changes[changes["changed"]].to_dict(orient="records")
         ],
     }
@@ -222,7 +225,7 @@ def write_corpora(
         atomic_write_text(tmp / "differences.csv", changes.to_csv(index=False))
         atomic_write_text(tmp / "changes.csv", changes[changes["changed"]].to_csv(index=False))
         atomic_write_text(
-            tmp / "corpora.json", json.dumps(_json_safe(document), indent=2, default=str) + "\n"
+            tmp / "corpora.json", json.dumps(json_safe(document), indent=2, default=str) + "\n"
         )
         atomic_write_text(tmp / "summary.txt", summary + "\n")
         skipped = plots.save_figures(figures, tmp, formats)

@@ -40,7 +40,7 @@ from headsurgeon.data import describe, to_sequences, token_strings
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.outputs import atomic_write_text
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
-from headsurgeon.reports.records import _json_safe
+from headsurgeon.reports.records import json_safe
 
 __all__ = [
     "PAGE",
@@ -115,7 +115,7 @@ def _page_received(
             padded = np.full((len(flat), cells * step), np.nan)
             padded[:, :n] = flat
             pooled = np.fmax.reduce(padded.reshape(len(flat), cells, step), axis=-1)
-            per_seq.append([[_json_safe(float(f"{v:.3g}")) for v in head] for head in pooled])
+            per_seq.append([[json_safe(float(f"{v:.3g}")) for v in head] for head in pooled])
         stages.append(per_seq)
     return stages
 
@@ -125,7 +125,7 @@ def _metrics(df: pd.DataFrame) -> list[dict[str, Any]]:
     rows = df.sort_values(["layer", "head"]).to_dict(orient="records")
     return [
         {
-            k: (float(f"{v:.5g}") if isinstance(v, float) and math.isfinite(v) else _json_safe(v))
+            k: (float(f"{v:.5g}") if isinstance(v, float) and math.isfinite(v) else json_safe(v))
             for k, v in row.items()
             if k not in PAGE_SKIP
         }
@@ -141,7 +141,7 @@ def _blind(
     if info is None or not info.is_alibi:
         return [None] * (n_layers * n_heads)
     distances = [alibi.blind_distance(m, dtype, "zero") for m in info.slopes.tolist()]
-    return [_json_safe(float(distances[h])) for _ in range(n_layers) for h in range(n_heads)]
+    return [json_safe(float(distances[h])) for _ in range(n_layers) for h in range(n_heads)]
 
 
 def _figure_data(fig: go.Figure) -> dict[str, Any]:
@@ -207,7 +207,7 @@ def write_page(
     # (a folder named "<!--<script>" blanked the page): no "<", ">" or "&" reaches it raw; in JSON
     # they occur only inside strings, where the \u escapes mean the same characters.
     payload = (
-        json.dumps(_json_safe(data), separators=(",", ":"))
+        json.dumps(json_safe(data), separators=(",", ":"))
         .replace("<", "\\u003c")
         .replace(">", "\\u003e")
         .replace("&", "\\u0026")

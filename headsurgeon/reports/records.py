@@ -2,8 +2,12 @@
 
 Exports:
     VERSIONED   the packages whose versions ``heads.json`` and ``report.json`` record
+    json_safe(value)
+                NaN and infinities as None, numpy scalars as Python, in depth
+    package_versions()
+                the installed versions of VERSIONED
 
-Every JSON file a writer emits goes through :func:`_json_safe` (NaN and infinities as ``null``).
+Every JSON file a writer emits goes through :func:`json_safe` (NaN and infinities as ``null``).
 """
 
 from __future__ import annotations
@@ -13,16 +17,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "VERSIONED",
-]
+__all__ = ["VERSIONED", "json_safe", "package_versions"]
 
 
 # Recorded in heads.json and report.json.
 VERSIONED = ("headsurgeon", "torch", "transformer-lens", "transformers", "plotly")
 
 
-def _versions() -> dict[str, str]:
+def package_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     result = {}
@@ -34,18 +36,18 @@ def _versions() -> dict[str, str]:
     return result
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """``value`` with NaN and infinities as ``None`` and numpy scalars as Python ones, in depth.
 
-    >>> _json_safe({"a": [1.0, float("nan")], "b": np.int64(3)})
+    >>> json_safe({"a": [1.0, float("nan")], "b": np.int64(3)})
     {'a': [1.0, None], 'b': 3}
     """
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, np.generic):
-        return _json_safe(value.item())
+        return json_safe(value.item())
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value

@@ -28,7 +28,7 @@ from headsurgeon.heads import HeadSet
 from headsurgeon.loading import model_info
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.reports.page import samples_note, write_page
-from headsurgeon.reports.records import _json_safe, _versions
+from headsurgeon.reports.records import json_safe, package_versions
 
 if TYPE_CHECKING:
     from headsurgeon.repair import RepairResult
@@ -354,8 +354,8 @@ def write_report(
     figures.
     """
     written = plots.split_formats(formats)[0]  # unknown format / no browser for one asked: now
-    report = _json_safe(result.to_dict())
-    report["versions"] = _versions()
+    report = json_safe(result.to_dict())
+    report["versions"] = package_versions()
     report["created"] = datetime.datetime.now().astimezone().isoformat()
     figures = {
         "labels_before": plots.label_grid(result.census_before, title="Labels before repair"),

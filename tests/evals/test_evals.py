@@ -12,7 +12,7 @@ from headsurgeon.blindness import mitigation
 from headsurgeon.data import to_sequences, tokenize
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.evals import needle, passkey, perplexity, retrieval, sliding_windows
-from headsurgeon.evals.retrieval import PASSKEY_INTRO, _answer_scores
+from headsurgeon.evals.retrieval import PASSKEY_INTRO, answer_scores
 from headsurgeon.loading import model_info
 from headsurgeon.long_context import continuation_logprobs
 
@@ -172,11 +172,11 @@ def test_cached_answer_scores_equal_one_forward_per_candidate(tiny_model, kind, 
     with contextlib.ExitStack() as stack:
         if kind:
             stack.enter_context(mitigation(tiny_model, kind, **params))
-        loglik, greedy = _answer_scores(tiny_model, prompt, candidates)
+        loglik, greedy = answer_scores(tiny_model, prompt, candidates)
         expected_loglik, expected_greedy = brute_force_scores(tiny_model, prompt, candidates)
     torch.testing.assert_close(loglik, expected_loglik, atol=1e-4, rtol=1e-5)
     assert torch.equal(greedy, expected_greedy)
-    single = _answer_scores(tiny_model, prompt, [c[:1] for c in candidates])[0]
+    single = answer_scores(tiny_model, prompt, [c[:1] for c in candidates])[0]
     torch.testing.assert_close(
         single,
         brute_force_scores(tiny_model, prompt, [c[:1] for c in candidates])[0],

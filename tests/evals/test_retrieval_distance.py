@@ -34,13 +34,13 @@ PARTS = {
 def scored_prompts(monkeypatch) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """Every (prompt, candidates) the evaluation scores, in order, recorded."""
     calls = []
-    real = retrieval._answer_scores
+    real = retrieval.answer_scores
 
     def record(model, prompt, candidates):
         calls.append((prompt.clone(), [c.clone() for c in candidates]))
         return real(model, prompt, candidates)
 
-    monkeypatch.setattr(retrieval, "_answer_scores", record)
+    monkeypatch.setattr(retrieval, "answer_scores", record)
     return calls
 
 

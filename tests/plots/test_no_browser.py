@@ -250,7 +250,9 @@ def test_no_extra_outputs_outside_jupyter_or_when_turned_off(in_notebook, monkey
     monkeypatch.setattr(plots.notebook, "NOTEBOOK_OUTPUTS", ())
     bundle = plots.head_grid(classified())._repr_mimebundle_()
     assert list(bundle) == ["application/vnd.plotly.v1+json"]
-    assert not plots._mimetype_renderers_in_ipython()  # pytest is no IPython: plotly's show()
+    assert (
+        not plots.notebook.mimetype_renderers_in_ipython()
+    )  # pytest is no IPython: plotly's show()
 
 
 # --- the browser's exit noise ---
@@ -288,7 +290,7 @@ def _read_through_close(payload: bytes):
 
 
 def test_the_wrappers_bye_marker_is_not_logged_as_a_json_error(caplog):
-    plots._quiet_browser_exit()
+    plots.export.quiet_browser_exit()
     event = b'{"method":"Inspector.detached","params":{}}\x00'
     assert _read_through_close(event + b"{bye}\n") == [
         {"method": "Inspector.detached", "params": {}}

@@ -182,7 +182,7 @@ def test_cli_interrupted_run_resumes_to_the_same_result(
         assert (straight / "labels_after.png").read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "straight.partial").exists()
 
-    save = finetune_module._save_checkpoint
+    save = finetune_module.save_checkpoint
 
     def killed_in_pass_2(path, state):
         save(path, state)
@@ -190,7 +190,7 @@ def test_cli_interrupted_run_resumes_to_the_same_result(
             raise KeyboardInterrupt  # like Ctrl-C right after the first checkpoint of pass 2
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(finetune_module, "_save_checkpoint", killed_in_pass_2)
+    monkeypatch.setattr(finetune_module, "save_checkpoint", killed_in_pass_2)
     with pytest.raises(KeyboardInterrupt):
         main(cli_args(injured, text_file, out))
     monkeypatch.undo()

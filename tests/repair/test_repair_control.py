@@ -191,7 +191,7 @@ def test_cli_resumes_inside_the_control_arm_and_refuses_old_work_folders(
 ):
     straight = tmp_path / "straight"
     assert main(cli_args(injured, text_file, straight, "--passes", "1")) == 0
-    save = finetune_module._save_checkpoint
+    save = finetune_module.save_checkpoint
 
     def killed_in_control(path, state):
         save(path, state)
@@ -199,7 +199,7 @@ def test_cli_resumes_inside_the_control_arm_and_refuses_old_work_folders(
             raise KeyboardInterrupt  # Ctrl-C right after the control's first checkpoint
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(finetune_module, "_save_checkpoint", killed_in_control)
+    monkeypatch.setattr(finetune_module, "save_checkpoint", killed_in_control)
     with pytest.raises(KeyboardInterrupt):
         main(cli_args(injured, text_file, out, "--passes", "1"))
     monkeypatch.undo()
