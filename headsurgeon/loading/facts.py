@@ -92,7 +92,9 @@ class ModelInfo:
     ALiBi), ``max_length`` (the longest sequence it takes: ``None`` for ALiBi, whose ``n_ctx``
     is nominal, else ``cfg.n_ctx``), ``prepend_bos`` (its position-0 convention,
     ``cfg.default_prepend_bos``; BLOOM: no BOS token) and ``bos_token_id`` (``None`` without a
-    tokenizer or a BOS token).
+    tokenizer or a BOS token). ``transformer_lens``: the TransformerLens major it runs on
+    (``"TransformerLens 3.x"``); what differs between majors is asked of
+    :mod:`headsurgeon.backend` by name.
     """
 
     name: str
@@ -106,6 +108,7 @@ class ModelInfo:
     max_length: int | None = None
     prepend_bos: bool = False
     bos_token_id: int | None = None
+    transformer_lens: str = backend.TRANSFORMER_LENS
 
     @property
     def is_alibi(self) -> bool:
