@@ -21,7 +21,7 @@ CALLS = {
     "perplexity": lambda m: hs.perplexity(m),
     "passkey": lambda m: hs.passkey(m),
     "needle": lambda m: hs.needle(m),
-    "use_exact_alibi": lambda m: hs.exact_alibi.use_exact_alibi(m),
+    "use_exact_alibi": lambda m: hs.loading.use_exact_alibi(m),
     "alibi_slopes": lambda m: hs.alibi_slopes(m),
     "install_exact_alibi": lambda m: hs.exact_alibi.install_exact_alibi(m),
     "model_info": lambda m: hs.model_info(m),
