@@ -638,7 +638,7 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
 
     No weight changes: ``clamped``, ``log``, ``robust`` (and ``standard``, ``relative``) replace
     each attention layer's ALiBi bias through a forward pre-hook, built from the slopes the model
-    uses (:func:`headsurgeon.exact_alibi.alibi_slopes`: a TransformerLens-built model keeps its
+    uses (:func:`headsurgeon.loading.alibi_slopes`: a TransformerLens-built model keeps its
     own); ``softcap`` adds a hook at ``hook_attn_scores`` that maps every unmasked logit (content
     plus bias) to ``c tanh(x / c)`` and leaves masked cells masked (``-inf`` on TransformerLens
     3.x, the float minimum on 4.x). On exit the model is exactly
