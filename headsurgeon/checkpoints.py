@@ -100,7 +100,9 @@ def _bloom_config(model: Model, info: ModelInfo) -> dict[str, Any]:
     """The ``config.json`` of the export: BLOOM's from TransformerLens's config, or an MPT's or a
     Falcon's own (a 4.x bridge computes with the Hugging Face model, config included)."""
     architecture = backend.hf_architecture(model)
-    config = dict(info.hf_config)
+    # transformers records the folder a model was loaded from: the export names the model instead
+    # (an absolute source path would carry the user's home into a checkpoint meant to be shared).
+    config = dict(info.hf_config) | {"_name_or_path": info.name}
     if architecture in _LAYOUTS and architecture != "BloomForCausalLM":
         return config | {"architectures": [architecture]}
     cfg = model.cfg

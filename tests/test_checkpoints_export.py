@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -292,3 +293,14 @@ def test_exported_files_follow_the_umask_like_any_other_file(tiny_model, tmp_pat
         os.umask(old)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
+
+
+def test_the_export_names_its_source_model_not_the_folder_it_was_read_from(bloom_dir, tmp_path):
+    """transformers records the source folder as ``_name_or_path``: a shared checkpoint would
+    carry the user's home folder."""
+    source = shutil.copytree(bloom_dir, tmp_path / "home" / "my-model")
+    out = save_hf(load_model(source), tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["_name_or_path"] == "my-model"
+    leaks = [p.name for p in out.iterdir() if str(tmp_path / "home").encode() in p.read_bytes()]
+    assert leaks == []

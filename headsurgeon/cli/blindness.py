@@ -63,6 +63,15 @@ def _mitigation_params(args: argparse.Namespace) -> dict:
     return {}
 
 
+def _shown_name(model: str) -> str:
+    """The model as the outputs name it: a local folder by its own name (a path as typed would
+    carry the user's home into the page, summary.txt and figures), else the name as typed; what
+    load_model names it (resolve_model's display name), without resolving a hub name (an
+    analytic run downloads nothing)."""
+    path = Path(model).expanduser()
+    return path.resolve().name or model if path.is_dir() else model
+
+
 def _sink_cache(args: argparse.Namespace, model: Model | None) -> tuple[Model, SinkCacheEffect]:
     """``--sink-cache``: the model (loaded here unless --measure did) and its sink-cache test."""
     if model is None:
@@ -221,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 context_length=args.max_distance,
                 **analytic_params,
             )
+            analytic.attrs["model"] = _shown_name(args.model)
         except UnsupportedArchitectureError as e:
             if not args.measure:
                 raise

@@ -24,6 +24,7 @@ import base64
 import html
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,31 @@ def _figure_data(fig: go.Figure) -> dict[str, Any]:
     return json.loads(fig.to_json())
 
 
+# Inside a <script> block "</script", "<!--" and "<script" change how the browser parses what
+# follows (a folder named "<!--<script>" blanked the page): no "<", ">" or "&" reaches it raw. In
+# JSON they occur only inside strings, where the \u escapes mean the same characters.
+_SCRIPT_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
+_FIELD = re.compile(r"\{\{(\w+)\}\}")
+
+
+def _script_json(value: Any) -> str:
+    """``value`` as JSON text that can sit inside a ``<script>`` element whatever its strings
+    hold: ``<``, ``>`` and ``&`` written as ``\\u`` escapes, and (``json.dumps``'s
+    ``ensure_ascii``) every non-ASCII character too, U+2028 and U+2029 (line ends to older
+    JavaScript) included; ``JSON.parse`` reads back the same strings.
+
+    >>> print(_script_json({"name": "</script><!--\\u2028"}))
+    {"name":"\\u003c/script\\u003e\\u003c!--\\u2028"}
+    """
+    return json.dumps(json_safe(value), separators=(",", ":")).translate(_SCRIPT_ESCAPES)
+
+
+def _fill(template: str, **fields: str) -> str:
+    """``template`` with each ``{{name}}`` replaced by ``fields[name]``, in one pass over the
+    template: a field's text (a folder named ``{{data}}``) is never scanned for fields again."""
+    return _FIELD.sub(lambda m: fields[m[1]], template)
+
+
 def write_page(
     folder: Path,
     *,
@@ -203,20 +229,11 @@ def write_page(
     }
     from plotly.offline import get_plotlyjs
 
-    # Inside a <script> block "<!--" and "<script" change how the browser parses what follows
-    # (a folder named "<!--<script>" blanked the page): no "<", ">" or "&" reaches it raw; in JSON
-    # they occur only inside strings, where the \u escapes mean the same characters.
-    payload = (
-        json.dumps(json_safe(data), separators=(",", ":"))
-        .replace("<", "\\u003c")
-        .replace(">", "\\u003e")
-        .replace("&", "\\u0026")
-    )
-    page = (
-        PAGE_TEMPLATE.read_text(encoding="utf-8")
-        .replace("{{title}}", html.escape(title))
-        .replace("{{plotly}}", get_plotlyjs())
-        .replace("{{data}}", payload)
+    page = _fill(
+        PAGE_TEMPLATE.read_text(encoding="utf-8"),
+        title=html.escape(title),
+        plotly=get_plotlyjs(),
+        data=_script_json(data),
     )
     atomic_write_text(folder / PAGE, page)
 

@@ -29,12 +29,19 @@ class PageView:
     """What :func:`open_page` saw: the page's console errors and uncaught exceptions, the head
     shown after the click (``None``: none), that head's first attention pattern as drawn
     (``[query][key]`` weights, ``None`` above the diagonal) and the received-mass strip under it
-    (``[key]``; ``None`` without one)."""
+    (``[key]``; ``None`` without one); the page's heading and its ``<title>`` as shown, the
+    head's metric table as text (``[row][cell]``, header first; ``[]`` without a head) and the
+    messages of the dialogs (``alert``, ``confirm``, ``prompt``) the page opened, which a page
+    never does: one means it ran what its data said."""
 
     errors: list[str]
     shown: str | None
     pattern: list[list[float | None]] | None
     received: list[float | None] | None = None
+    title: str | None = None
+    document_title: str | None = None
+    table: list[list[str]] = dataclasses.field(default_factory=list)
+    dialogs: list[str] = dataclasses.field(default_factory=list)
 
 
 # Runs in the page: the grid cell of a head, in CSS pixels of the viewport.
@@ -45,9 +52,12 @@ _CELL_JS = """(() => {
 })()"""
 _SHOWN_JS = """(() => {
   const name = document.getElementById("head-name"), plot = document.querySelector("div.pattern");
-  const strip = document.querySelector("div.received");
+  const strip = document.querySelector("div.received"), heading = document.getElementById("title");
+  const table = [...document.querySelectorAll("#head table tr")].map(
+    tr => [...tr.cells].map(cell => cell.textContent));
   return [name ? name.textContent : null, plot && plot.data ? plot.data[0].z : null,
-          strip && strip.data ? strip.data[0].z[0] : null];
+          strip && strip.data ? strip.data[0].z[0] : null, heading ? heading.textContent : null,
+          document.title, table];
 })()"""
 
 
@@ -73,10 +83,13 @@ def open_page(
 
 
 class _ConsoleErrors:
-    """Collects a page's uncaught exceptions, ``console.error`` calls and error log entries."""
+    """Collects a page's uncaught exceptions, ``console.error`` calls and error log entries, and
+    the dialogs it opens."""
 
-    def __init__(self) -> None:
+    def __init__(self, tab: Any) -> None:
         self.errors: list[str] = []
+        self.dialogs: list[str] = []
+        self.tab = tab
 
     async def thrown(self, event: dict) -> None:
         details = event["params"]["exceptionDetails"]
@@ -90,10 +103,16 @@ class _ConsoleErrors:
         if event["params"]["entry"]["level"] == "error":
             self.errors.append(event["params"]["entry"]["text"])
 
-    def listen(self, tab: Any) -> None:
-        tab.subscribe("Runtime.exceptionThrown", self.thrown)
-        tab.subscribe("Runtime.consoleAPICalled", self.console)
-        tab.subscribe("Log.entryAdded", self.logged)
+    async def dialog(self, event: dict) -> None:
+        """A dialog blocks the page until answered: note its message, then dismiss it."""
+        self.dialogs.append(event["params"]["message"])
+        await _command(self.tab, "Page.handleJavaScriptDialog", accept=False)
+
+    def listen(self) -> None:
+        self.tab.subscribe("Runtime.exceptionThrown", self.thrown)
+        self.tab.subscribe("Runtime.consoleAPICalled", self.console)
+        self.tab.subscribe("Log.entryAdded", self.logged)
+        self.tab.subscribe("Page.javascriptDialogOpening", self.dialog)
 
 
 async def _command(tab: Any, method: str, **params: Any) -> dict:
@@ -123,10 +142,10 @@ async def _visit(
 ) -> PageView:
     import choreographer
 
-    errors = _ConsoleErrors()
     async with choreographer.Browser(browser, headless=True) as chromium:
         tab = chromium.get_tab()
-        errors.listen(tab)
+        errors = _ConsoleErrors(tab)
+        errors.listen()
         for domain in ("Runtime", "Log", "Page"):
             await _command(tab, f"{domain}.enable")
         await _command(
@@ -142,8 +161,17 @@ async def _visit(
         await loaded
         if pair is not None:
             await _click(tab, pair)
-        shown, pattern, received = await _evaluate(tab, _SHOWN_JS)
+        shown, pattern, received, title, document_title, table = await _evaluate(tab, _SHOWN_JS)
         if screenshot is not None:
             image = await _command(tab, "Page.captureScreenshot", format="png")
             atomic_write_bytes(screenshot, base64.b64decode(image["data"]))
-    return PageView(errors=errors.errors, shown=shown, pattern=pattern, received=received)
+    return PageView(
+        errors=errors.errors,
+        shown=shown,
+        pattern=pattern,
+        received=received,
+        title=title,
+        document_title=document_title,
+        table=table,
+        dialogs=errors.dialogs,
+    )

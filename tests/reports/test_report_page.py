@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from headsurgeon.repair import repair
 from headsurgeon.reports import (
     PAGE,
     PAGE_POSITIONS,
+    PAGE_TEMPLATE,
     open_page,
     write_blindness,
     write_classification,
@@ -184,3 +186,134 @@ def test_a_model_named_like_markup_reaches_the_page_only_escaped(tmp_path):
     page = write_blindness(tmp_path / "out", table, None, formats=["html"]) / "index.html"
     text = page.read_text(encoding="utf-8")
     assert "<!--<script>" not in text and "\\u003c!--\\u003cscript\\u003e" in text
+
+
+# Hostile text: a model folder or corpus so named once blanked the page (the browser's parser left
+# inside the data block), and a template field's name was once replaced by the field.
+HOSTILE = "<!--<script>"
+FIELDS = "{{data}} {{plotly}} {{title}}"
+# A column name or value that runs if the page builds its table with innerHTML.
+SCRIPTED = "<img src=x onerror=alert(1)>"
+
+
+def small_census():
+    model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=16, d_vocab=64, n_ctx=16))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return model, tokens, classify_heads(run_census(model, tokens, progress=False))
+
+
+def test_the_template_is_filled_once_so_field_names_in_user_text_stay_text(tmp_path):
+    model, tokens, census = small_census()
+    pages = {}
+    for name in ("plain", FIELDS):
+        (tmp_path / name).mkdir()
+        write_page(
+            tmp_path / name,
+            title=name,
+            summary=f"{name}\u2028{name}\u2029",
+            grid=plots.label_grid(census),
+            shape=(1, 2),
+            stages={"census": census},
+        )
+        pages[name] = (tmp_path / name / PAGE).read_text(encoding="utf-8")
+    page = pages[FIELDS]
+    assert f"<title>{FIELDS}</title>" in page  # as typed, not the data or plotly.js
+    assert len(page) - len(pages["plain"]) < 100  # the three fields, filled once each
+    data = page_data(tmp_path / FIELDS)
+    assert data["title"] == FIELDS and data["summary"] == f"{FIELDS}\u2028{FIELDS}\u2029"
+    block = page[page.index('id="data">') :]
+    assert "\u2028" not in block and "\u2029" not in block  # line ends to older JavaScript
+
+
+def test_markup_in_names_and_values_reaches_the_page_only_escaped(tmp_path):
+    model, tokens, census = small_census()
+    census[SCRIPTED] = SCRIPTED
+    census.attrs["model"] = HOSTILE
+    out = write_classification(census, tmp_path / "out", formats=(), model=model, tokens=tokens)
+    page = (out / PAGE).read_text(encoding="utf-8")
+    start = page.index('id="data">') + len('id="data">')
+    block = page[start : page.index("</script>", start)]
+    assert not set("<>&") & set(block)  # nothing in the data can end or comment the block
+    assert "<title>Heads of &lt;!--&lt;script&gt;</title>" in page
+    data = page_data(out)
+    assert data["title"] == f"Heads of {HOSTILE}"
+    assert data["metrics"]["census"][0][SCRIPTED] == SCRIPTED
+    assert "innerHTML" not in PAGE_TEMPLATE.read_text()  # the table is built with textContent
+
+
+@pytest.fixture(scope="module")
+def hostile_runs(bloom_dir, tmp_path_factory):
+    """Every tool, from the command line, on a copy of ``bloom_dir`` in ``<home>/<!--<script>`` and
+    on corpora so named: ``(home, {tool: output folder})``. No png figures (a second each)."""
+    from choreographer.browsers.chromium import Chromium
+
+    from headsurgeon.cli.blindness import main as blindness_main
+    from headsurgeon.cli.repair import main as repair_main
+
+    root = tmp_path_factory.mktemp("hostile")
+    home = root / "home"
+    model = str(shutil.copytree(bloom_dir, home / HOSTILE))
+    (root / "texts").mkdir()
+    first, second = root / "texts" / f"{HOSTILE}.txt", root / "texts" / f"{FIELDS}.txt"
+    first.write_text(TEXT)
+    second.write_text(TEXT[::-1])
+    data = ["--texts", str(first), "--seq-len", "32", "--n-seqs", "8", "--prepend-bos"]
+    both = [*data, "--texts", str(second)]
+    repair = ["--corpus", str(first), "--eval-corpus", str(first), "--train-seq-len", "32"]
+    repair += ["--batch-size", "4", "--steps", "4", "--lr", "1e-2", "--passes", "1"]
+    repair += ["--heads", "L1H3", "--no-control", "--max-collateral", "8", "--quiet", *data]
+    runs = {
+        "classify": (classify_main, data),
+        "corpora": (classify_main, both),
+        "blindness": (blindness_main, ["--measure", *data]),
+        "repair": (repair_main, repair),
+    }
+    outs = {tool: root / tool for tool in runs}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("BROWSER_PATH", raising=False)
+        patch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kwargs: None))
+        for tool, (main, args) in runs.items():
+            assert main([model, *args, "--out", str(outs[tool])]) == 0
+    return home, outs
+
+
+def test_no_output_names_the_folder_the_model_was_read_from(hostile_runs):
+    """Reports and checkpoints are sent to others: a model given as a path is named by its folder
+    (the tool prints where it wrote, on the terminal only)."""
+    home, outs = hostile_runs
+    written = [p for out in outs.values() for p in sorted(out.rglob("*")) if p.is_file()]
+    assert {"heads.json", "summary.txt", "report.json", "config.json"} <= {p.name for p in written}
+    leaks = [str(p) for p in written if str(home).encode() in p.read_bytes()]
+    assert leaks == []
+    config = json.loads((outs["repair"] / "model" / "config.json").read_text())
+    assert config["_name_or_path"] == HOSTILE
+    blindness = (outs["blindness"] / "summary.txt").read_text(encoding="utf-8")
+    assert f"{HOSTILE}: blind distance" in blindness
+
+
+@needs_browser
+@pytest.mark.slow
+def test_every_page_of_a_model_and_corpora_named_like_markup_works_in_chromium(hostile_runs):
+    """Each tool's page renders, clicks and titles itself with the names as typed."""
+    _, outs = hostile_runs
+    pages = [out / PAGE for out in outs.values()] + sorted(outs["corpora"].glob(f"*/{PAGE}"))
+    assert len(pages) == 6
+    for page in pages:
+        view = open_page(page, "L1H3")
+        assert (view.errors, view.dialogs, view.shown) == ([], [], "L1H3"), page
+        assert HOSTILE in view.title and view.document_title == view.title, page
+        assert len(view.table) > 1 and (view.pattern is None) == (page.parent == outs["corpora"])
+
+
+@needs_browser
+@pytest.mark.slow
+def test_a_column_named_or_valued_like_a_script_shows_as_text_and_runs_nothing(tmp_path):
+    """Through the API: the metric table once ran a column's name or value (innerHTML)."""
+    model, tokens, census = small_census()
+    census[SCRIPTED] = SCRIPTED
+    census.attrs["model"] = SCRIPTED  # in the title and the figures' (plotly reads tags there)
+    out = write_classification(census, tmp_path / "out", formats=(), model=model, tokens=tokens)
+    assert SCRIPTED in json.dumps(page_data(out)["grid"])
+    view = open_page(out / PAGE, "L0H1")
+    assert (view.errors, view.dialogs, view.shown) == ([], [], "L0H1")
+    assert [SCRIPTED, SCRIPTED] in view.table and view.title == f"Heads of {SCRIPTED}"
