@@ -398,12 +398,13 @@ HELD_OUT = "bundled held-out corpora (shakespeare, python-docs)"
 def describe(data: Data, default: str = HELD_OUT) -> str:
     """A short description of ``data`` for run metadata (``default`` when it is ``None``).
 
-    Files (``os.PathLike`` items) are named; ``str`` items are texts, counted, whatever they say.
+    Files (``os.PathLike`` items) are named by their file name, never their folder (outputs carry
+    no machine paths); ``str`` items are texts, counted, whatever they say.
 
     >>> from pathlib import Path
     >>> describe(torch.zeros(2, 8)), describe(["some text", "/etc/passwd"])
     ('token tensor of shape [2, 8]', '2 text(s) given in memory')
-    >>> describe([Path("a.txt"), "more text"])
+    >>> describe([Path("/home/me/corpora/a.txt"), "more text"])
     'a.txt and 1 text(s) given in memory'
     >>> describe(None, default="bundled training corpora")
     'bundled training corpora'
@@ -415,7 +416,7 @@ def describe(data: Data, default: str = HELD_OUT) -> str:
     if isinstance(data, Tensor):
         return f"token tensor of shape {list(data.shape)}"
     items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
-    files = [os.fspath(x) for x in items if isinstance(x, os.PathLike)]
+    files = [Path(x).name for x in items if isinstance(x, os.PathLike)]
     texts = len(items) - len(files)
     in_memory = f"{texts} text(s) given in memory" if texts else ""
     return " and ".join(part for part in (", ".join(files), in_memory) if part)

@@ -63,7 +63,7 @@ def test_a_str_is_always_text_and_a_path_always_a_file(tiny_model, tmp_path):
     mixed = to_sequences(tiny_model, [str(file), file], seq_len=4).tokens
     assert len(mixed) == len(as_text) + len(as_file)
     assert describe(str(file)) == "1 text(s) given in memory"
-    assert describe([file, "/etc/passwd", "more"]) == f"{file} and 2 text(s) given in memory"
+    assert describe([file, "/etc/passwd", "more"]) == f"{file.name} and 2 text(s) given in memory"
     assert describe(Path("a.txt")) == "a.txt"
     with pytest.raises(DataError, match="text file nope.txt does not exist"):
         to_sequences(tiny_model, Path("nope.txt"), seq_len=4)

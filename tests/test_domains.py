@@ -161,7 +161,7 @@ def test_cli_two_corpora_end_to_end(bloom_dir, tmp_path, capsys, html_only):
     changes = pd.read_csv(out / "changes.csv", keep_default_na=False)
     assert len(changes) == differences["changed"].sum() and (changes["change"] != "").all()
     meta = json.loads((out / "corpora.json").read_text())
-    assert meta["corpora"]["code"]["data"] == code and meta["reference"] == "prose"
+    assert meta["corpora"]["code"]["data"] == "code.txt" and meta["reference"] == "prose"
     assert len(meta["changes"]) == len(changes) and "2 SE" in meta["rule"]
     for figure in ("bos_mass_diff", "bos_mass_corpora", "delta_loss_diff", "delta_loss_corpora"):
         assert (out / f"{figure}.html").is_file()

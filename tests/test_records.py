@@ -76,7 +76,7 @@ def test_sequences_record_where_they_came_from_and_pass_through(tiny_model, tmp_
     corpus.write_text(TEXT)
     seqs = to_sequences(tiny_model, corpus, seq_len=16, n_seqs=4)
     assert isinstance(seqs, Sequences) and seqs.tokens.shape == (4, 16)
-    assert seqs.source == str(corpus) and not seqs.from_tensor
+    assert seqs.source == corpus.name and not seqs.from_tensor
     assert seqs.holds_bos is False and "first text token" in seqs.bos_rule
     info = model_info(tiny_model)
     assert as_sequences(info, seqs) is seqs  # used as it is, not made or checked again
@@ -90,7 +90,7 @@ def test_a_verb_reports_the_source_of_its_sequences_without_patching(tiny_model,
     corpus.write_text(TEXT)
     seqs = to_sequences(tiny_model, corpus, seq_len=16, n_seqs=4, prepend_bos=True)
     census = hs.run_census(tiny_model, seqs, progress=False)
-    assert census.attrs["data"] == str(corpus)
+    assert census.attrs["data"] == corpus.name
     assert census.attrs["prepend_bos"] is True and census.attrs["bos_rule"] == seqs.bos_rule
     assert census.attrs["n_seqs"] == 4  # not n_seqs=64: a Sequences is used as given
 

@@ -233,7 +233,7 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
     assert meta["metadata"]["prepend_bos"] is True
     assert "prepended to each text window (prepend_bos=True)" in meta["metadata"]["bos_rule"]
     assert meta["metadata"]["thresholds"]["sink"] == 0.5
-    assert meta["metadata"]["data"] == str(texts) and "torch" in meta["metadata"]["versions"]
+    assert meta["metadata"]["data"] == texts.name and "torch" in meta["metadata"]["versions"]
     assert len(meta["heads"]) == 8 and "output_share" in meta["columns"]
     assert (out / "bos_mass.html").exists()
     if static:  # the browser-free case: tests/plots/test_no_browser.py
@@ -417,7 +417,7 @@ def test_cli_importance_adds_columns_and_figures_and_keeps_labels(planted, tmp_p
 
     meta = json.loads((tmp_path / "imp" / "heads.json").read_text())["metadata"]
     assert meta["importance_method"] == meta["importance_ablation"] == "mean"
-    assert meta["importance_n_tokens"] == 8 * 31 and meta["data"] == str(texts)
+    assert meta["importance_n_tokens"] == 8 * 31 and meta["data"] == texts.name
     assert meta["importance_clean_loss"] == pytest.approx(direct.attrs["clean_loss"], rel=1e-12)
     for name in ("importance", "bos_vs_importance"):
         assert (tmp_path / "imp" / f"{name}.html").exists()
