@@ -19,7 +19,8 @@ Exports:
     texts_of(data)                       the texts data stands for (a str: text; a path: a file)
 
 Data is a ``str`` (always text, even one that names a file), an ``os.PathLike`` such as
-``pathlib.Path`` (always a file to read), a list mixing the two, or a token tensor.
+``pathlib.Path`` (always a file to read), a list mixing the two, a token tensor, or
+:class:`Sequences` made before (used as they are).
 
 One BOS rule for every model: a token tensor is used exactly as given, never given a BOS
 token (``prepend_bos=True`` with a tensor only checks that its rows already start with one).
@@ -242,6 +243,12 @@ class Sequences:
     @property
     def seq_len(self) -> int:
         return int(self.tokens.shape[1])
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequences({self.n_seqs} x {self.seq_len} tokens from {self.source}; "
+            f"{self.bos_rule})"
+        )
 
     def head(self, n: int | None) -> Sequences:
         """The first ``n`` sequences (all for ``None``), with the same provenance."""
