@@ -246,8 +246,7 @@ class Sequences:
 
     def __repr__(self) -> str:
         return (
-            f"Sequences({self.n_seqs} x {self.seq_len} tokens from {self.source}; "
-            f"{self.bos_rule})"
+            f"Sequences({self.n_seqs} x {self.seq_len} tokens from {self.source}; {self.bos_rule})"
         )
 
     def head(self, n: int | None) -> Sequences:
