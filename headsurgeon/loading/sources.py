@@ -6,6 +6,8 @@ Exports:
     ORGANISM_DIR           their folder; DEFAULT_MODEL, the tools' default model
     unknown_message(name, candidates)
                            the unknown-model line with the closest names
+    download_command(official)
+                           the ``hf download`` command that fills the cache for a hub model
 
 A hub name (any TransformerLens name or alias) is read from the Hugging Face cache, else
 downloaded after one bounded probe of the hub (``HF_HUB_OFFLINE=1`` respected); an unknown name
@@ -27,7 +29,14 @@ from headsurgeon import backend
 from headsurgeon.errors import ModelNotFoundError, UnknownModelError, first_line
 from headsurgeon.loading.files import TOKENIZER_FILES, has_weights
 
-__all__ = ["DEFAULT_MODEL", "ORGANISM_DIR", "organism_names", "resolve_model", "unknown_message"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "ORGANISM_DIR",
+    "download_command",
+    "organism_names",
+    "resolve_model",
+    "unknown_message",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +92,18 @@ def _hub_reachable(timeout: float = 2.0) -> bool:
     return bool(answered)
 
 
+def download_command(official: str) -> str:
+    """The command that puts the files :func:`resolve_model` reads of a hub model into the
+    Hugging Face cache: huggingface_hub's ``hf`` (installed with it; ``huggingface-cli`` is gone).
+
+    >>> download_command("bigscience/bloom-560m")  # doctest: +NORMALIZE_WHITESPACE
+    'hf download bigscience/bloom-560m --include "*.json" --include "*.safetensors"
+     --include merges.txt'
+    """
+    patterns = ('"*.json"', '"*.safetensors"', "merges.txt")
+    return " ".join(["hf download", official, *(f"--include {p}" for p in patterns)])
+
+
 def _hub_snapshot(official: str) -> Path:
     """The local folder of a hub model: from the cache, else downloaded (with progress bars)."""
     from huggingface_hub import constants, snapshot_download
@@ -96,7 +117,7 @@ def _hub_snapshot(official: str) -> Path:
     except LocalEntryNotFoundError:
         pass
     how = (
-        f"download it on a connected machine (huggingface-cli download {official}) and copy the "
+        f"download it on a connected machine ({download_command(official)}) and copy the "
         "Hugging Face cache here, or pass a local checkpoint folder"
     )
     missing = f"{official} is not in the local Hugging Face cache"

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import shlex
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +35,7 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
 )
 from headsurgeon.loading import BLOOM_SHAPES
+from headsurgeon.loading.sources import download_command
 from headsurgeon.outputs import MARK_FILE, mark_folder
 
 ATOL = 1e-4
@@ -524,6 +529,24 @@ def test_offline_and_not_cached_fails_at_once(empty_hub, monkeypatch, no_network
     message = one_line(error)
     assert "bigscience/bloom-560m" in message and "HF_HUB_OFFLINE" in message
     assert "local checkpoint folder" in message
+    assert download_command("bigscience/bloom-560m") in message
+
+
+@pytest.mark.slow  # subprocesses
+def test_the_suggested_download_command_runs_in_this_environment(tmp_path):
+    """The advice names a program the installed huggingface_hub provides, with options it takes:
+    its --help works, and the command itself (dry run, offline) fails on the network, not on
+    its usage."""
+    command = shlex.split(download_command("bigscience/bloom-560m"))
+    program = Path(sys.executable).parent / command[0]
+    assert program.is_file(), f"{command[0]} is not installed beside {sys.executable}"
+    helped = subprocess.run([program, command[1], "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "--include" in helped.stdout
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    dry = subprocess.run(
+        [program, *command[1:], "--dry-run"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert "No such option" not in dry.stderr and "Usage:" not in dry.stderr, dry.stderr
 
 
 def test_cached_model_loads_offline(empty_hub, monkeypatch, no_network, bloom_dir):
