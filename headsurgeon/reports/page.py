@@ -7,6 +7,7 @@ Exports:
     PAGE_SKIP                     the table columns not shown among a head's metrics
     PAGE_TEMPLATE                 the page's markup, style and script
     write_page(folder, ...)       the page of a run (every tool's writer calls it)
+    summary_html(summary, fmt)    the summary as HTML: Markdown rendered, or text in a <pre>
     census_samples(model, tokens) every head's attention on the page's share of the tokens
     samples_note(samples, data)   the page's line saying what its attention patterns show
 
@@ -42,6 +43,7 @@ from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.outputs import atomic_write_text
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
 from headsurgeon.reports.records import json_safe
+from headsurgeon.validation import check_choice
 
 __all__ = [
     "PAGE",
@@ -51,6 +53,7 @@ __all__ = [
     "PAGE_SKIP",
     "PAGE_TEMPLATE",
     "census_samples",
+    "summary_html",
     "samples_note",
     "write_page",
 ]
@@ -179,6 +182,7 @@ def write_page(
     *,
     title: str,
     summary: str,
+    summary_format: str = "text",
     grid: go.Figure,
     shape: tuple[int, int],
     stages: dict[str, pd.DataFrame],
@@ -205,7 +209,6 @@ def write_page(
     metrics = {stage: _metrics(df) for stage, df in stages.items()}
     data = {
         "title": title,
-        "summary": summary,
         "note": note,
         "grid": _figure_data(grid),
         "n_heads": n_heads,
@@ -232,10 +235,34 @@ def write_page(
     page = _fill(
         PAGE_TEMPLATE.read_text(encoding="utf-8"),
         title=html.escape(title),
+        prompt=html.escape(
+            "Click a head in the grid to see its metrics"
+            + (" and its attention on the run's own sequences." if samples else "."),
+            quote=False,
+        ),
+        summary=summary_html(summary, summary_format),
         plotly=get_plotlyjs(),
         data=_script_json(data),
     )
     atomic_write_text(folder / PAGE, page)
+
+
+def summary_html(summary: str, summary_format: str = "text") -> str:
+    r"""The page's summary as HTML: ``"markdown"`` (a report.md) rendered by markdown-it-py
+    (CommonMark with tables; raw HTML in it is shown as text, never run), ``"text"`` (a tool's
+    summary lines) escaped in a ``<pre>``.
+
+    >>> "<td>&lt;i&gt;</td>" in summary_html("| a | b |\n|---|---|\n| <i> | 2 |", "markdown")
+    True
+    >>> summary_html("L0H1 <b>")
+    '<pre>L0H1 &lt;b&gt;</pre>'
+    """
+    if summary_format == "markdown":
+        from markdown_it import MarkdownIt
+
+        return MarkdownIt("commonmark", {"html": False}).enable("table").render(summary)
+    check_choice(summary_format, "summary_format", ("text", "markdown"))
+    return f"<pre>{html.escape(summary)}</pre>"
 
 
 def census_samples(model: Model | None, tokens: Tensor | None) -> list[PatternSample]:
@@ -253,7 +280,7 @@ def samples_note(
 ) -> str:
     """The page's line saying what its attention patterns show."""
     if not samples:
-        return "No model was given to the writer: the page shows metrics, not attention patterns."
+        return "This run read no attention patterns: the page shows each head's metrics."
     weights = samples[0].weights[0]
     shown = (
         f"the first {weights.n_pos} positions of the first {len(samples[0].weights)}"

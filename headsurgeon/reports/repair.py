@@ -414,6 +414,7 @@ def write_report(
             tmp,
             title=f"Repair of {report['model']}",
             summary=markdown,
+            summary_format="markdown",
             grid=figures["bos_mass_diff"],
             shape=(
                 int(result.census_before["layer"].max()) + 1,

@@ -76,7 +76,9 @@ def test_classification_page_holds_every_head_and_its_exact_weights(tiny_model, 
     assert "threshold_sweep" in [f["name"] for f in data["figures"]]
     # Without a model: the page still comes, with metrics and a line saying why no patterns.
     bare = page_data(write_classification(census, tmp_path / "bare", formats=()))
-    assert bare["patterns"] == [] and "No model" in bare["note"]
+    assert bare["patterns"] == [] and "no attention patterns" in bare["note"]
+    page = (tmp_path / "bare" / PAGE).read_text()
+    assert "see its metrics." in page and "its attention" not in page  # no promise of patterns
 
 
 def test_a_bloom_560m_sized_page_stays_under_10_mb(tmp_path):
@@ -130,7 +132,12 @@ def test_repair_page_shows_every_stage_side_by_side(tiny_model, tmp_path):
     assert np.abs(control - before).max() > 0 and np.abs(control - after).max() > 0
     untouched = [unpack(stage[0][0], 32) for stage in data["patterns"]]  # L0H0 did not change
     assert all(np.array_equal(untouched[0], u) for u in untouched[1:])
-    assert "report.md" in data["files"] and "# Repair of" in data["summary"]
+    assert "report.md" in data["files"]
+    # report.md rendered as HTML: headings and tables, not Markdown source in a <pre>.
+    page = (out / PAGE).read_text()
+    summary = page[page.index('<div id="summary">') : page.index('<div id="figures">')]
+    assert "<h1>Repair of" in summary and "<table>" in summary and "**" not in summary
+    assert "its attention on the run's own sequences" in page
 
 
 def test_blindness_page_has_curves_per_head(tiny_model, tmp_path):
@@ -218,9 +225,10 @@ def test_the_template_is_filled_once_so_field_names_in_user_text_stay_text(tmp_p
         pages[name] = (tmp_path / name / PAGE).read_text(encoding="utf-8")
     page = pages[FIELDS]
     assert f"<title>{FIELDS}</title>" in page  # as typed, not the data or plotly.js
-    assert len(page) - len(pages["plain"]) < 100  # the three fields, filled once each
+    assert len(page) - len(pages["plain"]) < 200  # the four fields, filled once each
+    assert f"<pre>{FIELDS}\u2028{FIELDS}\u2029</pre>" in page
     data = page_data(tmp_path / FIELDS)
-    assert data["title"] == FIELDS and data["summary"] == f"{FIELDS}\u2028{FIELDS}\u2029"
+    assert data["title"] == FIELDS
     block = page[page.index('id="data">') :]
     assert "\u2028" not in block and "\u2029" not in block  # line ends to older JavaScript
 
