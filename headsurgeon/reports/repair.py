@@ -41,11 +41,16 @@ __all__ = [
 
 def training_plot(result: RepairResult) -> go.Figure:
     """Objective, training and held-out perplexity and the targets' BOS mass over the steps,
-    one line per pass (dashed: the control arm's passes)."""
+    one line per pass (dashed: the control arm's passes). The perplexities are the fine-tuning's
+    own evaluation: its first ``eval_seqs`` held-out (and spread training) sequences, fewer than
+    the report's perplexities, which use all ``n_eval_seqs``: the panel titles say how many."""
+    k = result.passes[0].training.config.eval_seqs if result.passes else None
+    n_eval = (result.settings.get("eval_sequences") or [None])[0]
+    heldout = f" ({min(k, n_eval)} of the {n_eval} sequences)" if k and n_eval else ""
     panels = [
-        ("train_loss", "objective"),
-        ("train_ppl", "training perplexity"),
-        ("heldout_ppl", "held-out perplexity"),
+        ("train_loss", "objective (nats)"),
+        ("train_ppl", f"training perplexity ({k} sequences)" if k else "training perplexity"),
+        ("heldout_ppl", f"held-out perplexity{heldout}"),
         ("bos_mass", "BOS mass of targets"),
     ]
     fig = plots.Figure(  # the package's figure class: it also shows in saved notebooks
@@ -271,6 +276,14 @@ def _markdown(
             f"{p['collateral']['count']} | {p['perplexity_after']['train']:.3f} | "
             f"{p['perplexity_after']['heldout']:.3f} | {p['healthy_after']} | {p['verdict']} |"
         )
+    n_eval, length = (report["settings"].get("eval_sequences") or [None, None])[:2]
+    if n_eval:
+        lines += [
+            "",
+            f"Perplexities: train and held-out, each on {n_eval} sequences of {length} tokens "
+            "scored whole (the training figure's curves use the fine-tuning's own first "
+            "`eval_seqs` of them, so their values differ).",
+        ]
     lines += [""]
     for p in report["passes"]:
         training = p["training"]
