@@ -4,8 +4,10 @@ The docstrings are prose with reST-style roles (``:func:`x```), doctests and ali
 "Exports:" tables. Markdown would run the doctests and the tables into paragraphs, so:
     - a role is dropped, keeping its code (``:class:`~a.B``` -> ```B```, as Sphinx shows it);
     - a run of doctest lines (from ``>>>`` to the next blank line) becomes a ``pycon`` block;
-    - an indented block right under a line ending in ``:`` becomes a code block, keeping its
-      alignment (Markdown needs a blank line before it).
+    - an "Exports:" block (a name, two spaces or more, what it is; continuation lines indented
+      further) becomes a two-column table, which wraps to the page's width;
+    - any other indented block right under a line ending in ``:`` becomes a code block, keeping
+      its alignment (Markdown needs a blank line before it).
 """
 
 from __future__ import annotations
@@ -55,10 +57,40 @@ def _separate_indented_blocks(lines: list[str]) -> list[str]:
     return out
 
 
+def _cell(text: str) -> str:
+    return text.strip().replace("|", "\\|")
+
+
+def _exports_tables(lines: list[str]) -> list[str]:
+    """Each ``Exports:`` block as a Markdown table: ``| name | what |``."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        out.append(line)
+        i += 1
+        if line.strip() != "Exports:":
+            continue
+        rows: list[list[str]] = []
+        while i < len(lines) and lines[i].startswith("    ") and lines[i].strip():
+            entry = lines[i][4:]
+            if entry.startswith(" ") and rows:  # a continuation of the row above
+                rows[-1][1] = f"{rows[-1][1]} {entry.strip()}".strip()
+            else:
+                parts = re.split(r"\s{2,}", entry.strip(), maxsplit=1)
+                rows.append([parts[0], parts[1] if len(parts) > 1 else ""])
+            i += 1
+        out[-1] = "**Exports**"
+        out += ["", "| name | what |", "|---|---|"]
+        out += [f"| `{_cell(name)}` | {_cell(what)} |" for name, what in rows]
+        out.append("")
+    return out
+
+
 def markdown(text: str) -> str:
     """A docstring's text as the Markdown mkdocstrings renders."""
     text = ROLE.sub(_role, text)
-    lines = _separate_indented_blocks(text.splitlines())
+    lines = _separate_indented_blocks(_exports_tables(text.splitlines()))
     return "\n".join(_fence_doctests(lines))
 
 

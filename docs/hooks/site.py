@@ -13,6 +13,13 @@ Markers a page may hold, each on a line of its own:
                               so its title nests under the page's section instead of becoming a
                               second page title; other --8<-- lines are pymdownx.snippets'
 
+Offline: the site is read from disk (``site/index.html``, no server) and asks nothing of the
+network. Material's ``offline`` plugin makes the links and the search work from ``file://``,
+``theme.font: false`` keeps web fonts out, and the tour notebook's figures, whose saved HTML
+loads plotly.js from its CDN, get the copy of plotly.js that the installed plotly package ships
+(``assets/javascripts/plotly.min.js``, written once per build; ``tests/test_docs_site.py`` opens
+every page from disk in headless Chromium and fails on a request that leaves the machine).
+
 And a check: every module of ``headsurgeon`` (``headsurgeon/X.py``, or a package
 ``headsurgeon/X/``) has a ``::: headsurgeon.X`` section on a page under ``docs/api/``, else a
 warning, which fails ``mkdocs build --strict``: a new or renamed module gets its place in the
@@ -126,3 +133,33 @@ def on_page_markdown(markdown: str, **kwargs) -> str:
     markdown = CLI_HELP.sub(lambda match: cli_help(match.group(1)), markdown)
     markdown = MOVED_NAMES.sub(lambda match: moved_names(), markdown)
     return PUBLIC_NAMES.sub(lambda match: public_names(), markdown)
+
+
+PLOTLY_JS = "assets/javascripts/plotly.min.js"
+# Scripts the pages would load from the network, and the site's own copy of each: plotly.js
+# (the tour's saved figure HTML, headsurgeon.plots.notebook, pins a CDN copy by an integrity
+# hash that a local copy need not match) and the WebWorker shim Material's offline search loads
+# from unpkg under file:// (vendored in docs/javascripts/).
+LOCAL_SCRIPTS = {
+    re.compile(r'<script[^>]*src="https://cdn\.plot\.ly/[^"]+"[^>]*>'): PLOTLY_JS,
+    re.compile(r'<script[^>]*src="https://unpkg\.com/iframe-worker/shim"[^>]*>'): (
+        "javascripts/iframe-worker-shim.js"
+    ),
+}
+
+
+def on_post_page(output: str, page, config: MkDocsConfig, **kwargs) -> str:
+    """Scripts that pages would load from the network load the site's own copy instead."""
+    up = "../" * page.file.dest_uri.count("/")
+    for remote, local in LOCAL_SCRIPTS.items():
+        output = remote.sub(f'<script charset="utf-8" src="{up}{local}">', output)
+    return output
+
+
+def on_post_build(config: MkDocsConfig, **kwargs) -> None:
+    """The copy of plotly.js the pages load: the installed plotly package's own bundle."""
+    from plotly.offline import get_plotlyjs
+
+    target = Path(config["site_dir"]) / PLOTLY_JS
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(get_plotlyjs(), encoding="utf-8")
