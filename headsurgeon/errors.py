@@ -5,8 +5,8 @@ names the problem and the fix. The command-line tools print that line and exit w
 
 Exports: HeadsurgeonError, UnknownModelError, ModelNotFoundError, CheckpointError,
 UnsupportedArchitectureError, InvalidArgumentError, DataError, OutputExistsError,
-OutputWriteError, OutputBusyError, FigureExportError; first_line(error), the first line of an
-error's message for quoting inside one of ours.
+OutputWriteError, OutputBusyError, FigureExportError, ModelInUseError; first_line(error), the
+first line of an error's message for quoting inside one of ours.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ __all__ = [
     "OutputWriteError",
     "OutputBusyError",
     "FigureExportError",
+    "ModelInUseError",
     "first_line",
 ]
 
@@ -69,6 +70,11 @@ class OutputBusyError(HeadsurgeonError, BlockingIOError):
 
 class FigureExportError(HeadsurgeonError, RuntimeError):
     """A static figure that cannot be written (no Chromium browser for kaleido, unknown format)."""
+
+
+class ModelInUseError(HeadsurgeonError, RuntimeError):
+    """A model that a call in another thread is using (hooks act on every thread; see
+    :mod:`headsurgeon.inuse`): give each thread its own ``copy.deepcopy(model)``."""
 
 
 def first_line(error: BaseException) -> str:
