@@ -6,10 +6,13 @@ names the problem and the fix. The command-line tools print that line and exit w
 Exports: HeadsurgeonError, UnknownModelError, ModelNotFoundError, CheckpointError,
 UnsupportedArchitectureError, InvalidArgumentError, DataError, OutputExistsError,
 OutputWriteError, OutputBusyError, FigureExportError, ModelInUseError; first_line(error), the
-first line of an error's message for quoting inside one of ours.
+first line of an error's message for quoting inside one of ours; shown(text), text made safe for
+a terminal (control characters escaped, as in a Python string literal).
 """
 
 from __future__ import annotations
+
+import unicodedata
 
 __all__ = [
     "HeadsurgeonError",
@@ -25,6 +28,7 @@ __all__ = [
     "FigureExportError",
     "ModelInUseError",
     "first_line",
+    "shown",
 ]
 
 
@@ -84,3 +88,29 @@ def first_line(error: BaseException) -> str:
     ('bad value', 'KeyError')
     """
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+# Control (Cc: ESC, BEL, CSI...), format (Cf: bidirectional overrides) and line/paragraph
+# separators: what can move a terminal's cursor, recolour it or reorder what it shows.
+_HIDDEN = ("Cc", "Cf", "Zl", "Zp")
+
+
+def shown(text: object, *, keep: str = "\n\t") -> str:
+    r"""``text`` as a terminal may show it: every control character but those in ``keep`` written
+    as its Python escape (``\x1b``, ``\x07``, ``\u202e``), so a folder or corpus named with
+    escape codes prints its name, never recolours or rewrites the terminal. Everything the tools
+    print that may hold a name (error lines, summaries, log lines, paths) goes through it;
+    ``keep=""`` for a line that must stay one line.
+
+    >>> print(shown("model\x1b[31m red\x07\u202eevil\nnext"))
+    model\x1b[31m red\x07\u202eevil
+    next
+    >>> shown("a\nb", keep="")
+    'a\\nb'
+    """
+    return "".join(
+        c.encode("unicode_escape").decode("ascii")
+        if c not in keep and unicodedata.category(c) in _HIDDEN
+        else c
+        for c in str(text)
+    )

@@ -273,7 +273,7 @@ def attention_pattern(
     style(
         fig,
         title=title or default,
-        subtitle="<br>".join(wrap_text(subtitle, side * cols)),
+        subtitle=wrap_text(subtitle, side * cols),
         width=110 + side * cols + 110,
         height=150 + (side + 60) * n_rows,
         margin={"l": 90, "r": 40, "t": 140, "b": 70},
@@ -350,7 +350,7 @@ def pattern_diff(
     style(
         fig,
         title=title or default,
-        subtitle="<br>".join(wrap_text(subtitle, side * 3)),
+        subtitle=wrap_text(subtitle, side * 3),
         width=110 + side * 3 + 120,
         height=150 + (side + 60) * n,
         margin={"l": 90, "r": 40, "t": 140, "b": 70},
