@@ -105,7 +105,7 @@ def style(
 
 
 def literal(text: object) -> str:
-    """``text`` for a figure's title, subtitle, panel title or hover label, shown as written:
+    r"""``text`` for a figure's title, subtitle, panel title or hover label, shown as written:
     plotly reads tags (``<b>``, ``<br>``, ``<a href>``) and entities in these, and a control
     character stops a static export, so ``<``, ``>``, ``&`` become entities and control
     characters their Python escapes (:func:`headsurgeon.errors.shown`).
