@@ -530,7 +530,8 @@ def ablate_heads(
     """Inside the block, ``heads`` are pruned: their ``z`` is 0 (``"zero"``) or its mean over
     ``data`` (``"mean"``, the default: what :func:`head_importance` calls mean ablation; ``data``
     as there, the bundled held-out corpora by default) at every position. Hooks only: the weights
-    are untouched and the model is as before once the block ends.
+    are untouched and the model is as before once the block ends. The block holds the model, as
+    :func:`headsurgeon.mitigation` does (another thread's verb on it is refused in one line).
 
     >>> from headsurgeon.loading import ModelShape, random_model
     >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=8))

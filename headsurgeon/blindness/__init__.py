@@ -646,7 +646,9 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     3.x, the float minimum on 4.x). On exit the model is exactly
     as before: the same parameters (never touched) and cached biases, no hook left. Contexts
     nest (the inner bias wins; ``softcap`` composes with a bias kind). The formulas of every
-    kind: :func:`headsurgeon.alibi.bias_from_distance`.
+    kind: :func:`headsurgeon.alibi.bias_from_distance`. The hooks act on every thread, so the
+    block holds the model (:mod:`headsurgeon.inuse`): another thread's verb on it is refused
+    in one line until the block ends; give that thread its own ``copy.deepcopy(model)``.
 
     Usage::
 
