@@ -6,7 +6,9 @@ model. So a verb that installs hooks, runs forward passes or changes weights hol
 its whole call (a context manager such as ``mitigation`` or ``ablate_heads`` for its block); the
 same thread may nest verbs (a census inside ``with mitigation(model, ...)``), another thread is
 refused at once with :class:`~headsurgeon.errors.ModelInUseError`, never left to read a number the
-first thread's hooks changed. Threads that each hold their own ``copy.deepcopy(model)`` run freely.
+first thread's hooks changed. Threads that each hold their own ``copy.deepcopy(model)`` run freely
+(a copy made inside a ``mitigation`` or ``ablate_heads`` block keeps that block's hooks: copy
+before entering one).
 
 Exports:
     holding(model, verb)   context manager: ``model`` held by this thread for ``verb``
@@ -99,7 +101,8 @@ def holding(model: Any, verb: str) -> Iterator[None]:
             raise ModelInUseError(
                 f"{verb}: the model is in use by {hold.verb} in thread {hold.name}; a model's "
                 "hooks act on every thread, so give each thread its own copy "
-                "(copy.deepcopy(model)) or wait for that call to end"
+                "(copy.deepcopy(model), made outside any mitigation or ablate_heads block: a copy "
+                "keeps the hooks of the block it was made in) or wait for that call to end"
             )
         hold.depth += 1
     try:
