@@ -42,6 +42,7 @@ from headsurgeon.backend import Model
 from headsurgeon.classify import require_columns
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
 from headsurgeon.probes import HeadStats, stream
 from headsurgeon.validation import check_int, check_number
@@ -92,6 +93,7 @@ def _check_rows(n_pos: int, min_query_pos: int) -> None:
         )
 
 
+@holds_model("run_census")
 def run_census(
     model: Model,
     data: Data | Sequences = None,

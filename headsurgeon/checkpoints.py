@@ -43,6 +43,7 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
 )
 from headsurgeon.exact_alibi import install_hf_bias, trained_bias
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import (
     METADATA_FILE,
     TOKENIZER_FILES,
@@ -119,6 +120,7 @@ def _bloom_config(model: Model, info: ModelInfo) -> dict[str, Any]:
     return config
 
 
+@holds_model("hf_state_dict")
 def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
     """The weights in the Hugging Face layout of the model's family (BLOOM, MPT, Falcon).
 
@@ -136,6 +138,7 @@ def hf_state_dict(model: Model) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 
+@holds_model("hf_model")
 def hf_model(model: Model, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The ``transformers`` model of ``model``'s family (``BloomForCausalLM``, ``MptForCausalLM``,
     ``FalconForCausalLM``) that computes what ``model`` computes, built in memory from
@@ -522,6 +525,7 @@ def _verify_export(
     return None if unrounded is None else (written - expected).abs().max().item()
 
 
+@holds_model("save_hf")
 def save_hf(
     model: Model,
     out_dir: str | os.PathLike,

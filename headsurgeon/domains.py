@@ -48,6 +48,7 @@ from headsurgeon.classify import Thresholds, classify_heads, require_columns
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.importance import DORMANT_SE, METHODS, head_importance, is_dormant, with_importance
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
 from headsurgeon.validation import check_choice
 
@@ -143,6 +144,7 @@ def classify_sequences(
     return classified
 
 
+@holds_model("compare_corpora")
 def compare_corpora(
     model: Model,
     corpora: Mapping[str, Data],

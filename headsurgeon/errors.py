@@ -5,11 +5,14 @@ names the problem and the fix. The command-line tools print that line and exit w
 
 Exports: HeadsurgeonError, UnknownModelError, ModelNotFoundError, CheckpointError,
 UnsupportedArchitectureError, InvalidArgumentError, DataError, OutputExistsError,
-OutputWriteError, OutputBusyError, FigureExportError; first_line(error), the first line of an
-error's message for quoting inside one of ours.
+OutputWriteError, OutputBusyError, FigureExportError, ModelInUseError; first_line(error), the
+first line of an error's message for quoting inside one of ours; shown(text), text made safe for
+a terminal (control characters escaped, as in a Python string literal).
 """
 
 from __future__ import annotations
+
+import unicodedata
 
 __all__ = [
     "HeadsurgeonError",
@@ -23,7 +26,9 @@ __all__ = [
     "OutputWriteError",
     "OutputBusyError",
     "FigureExportError",
+    "ModelInUseError",
     "first_line",
+    "shown",
 ]
 
 
@@ -71,6 +76,11 @@ class FigureExportError(HeadsurgeonError, RuntimeError):
     """A static figure that cannot be written (no Chromium browser for kaleido, unknown format)."""
 
 
+class ModelInUseError(HeadsurgeonError, RuntimeError):
+    """A model that a call in another thread is using (hooks act on every thread; see
+    :mod:`headsurgeon.inuse`): give each thread its own ``copy.deepcopy(model)``."""
+
+
 def first_line(error: BaseException) -> str:
     r"""The first line of ``error``'s message (its type's name when it has none).
 
@@ -78,3 +88,29 @@ def first_line(error: BaseException) -> str:
     ('bad value', 'KeyError')
     """
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+# Control (Cc: ESC, BEL, CSI...), format (Cf: bidirectional overrides) and line/paragraph
+# separators: what can move a terminal's cursor, recolour it or reorder what it shows.
+_HIDDEN = ("Cc", "Cf", "Zl", "Zp")
+
+
+def shown(text: object, *, keep: str = "\n\t") -> str:
+    r"""``text`` as a terminal may show it: every control character but those in ``keep`` written
+    as its Python escape (``\x1b``, ``\x07``, ``\u202e``), so a folder or corpus named with
+    escape codes prints its name, never recolours or rewrites the terminal. Everything the tools
+    print that may hold a name (error lines, summaries, log lines, paths) goes through it;
+    ``keep=""`` for a line that must stay one line.
+
+    >>> print(shown("model\x1b[31m red\x07\u202eevil\nnext"))
+    model\x1b[31m red\x07\u202eevil
+    next
+    >>> shown("a\nb", keep="")
+    'a\\nb'
+    """
+    return "".join(
+        c.encode("unicode_escape").decode("ascii")
+        if c not in keep and unicodedata.category(c) in _HIDDEN
+        else c
+        for c in str(text)
+    )

@@ -55,6 +55,7 @@ from headsurgeon.backend.forward import run_from_layer
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.inuse import holding, holds_model
 from headsurgeon.loading import model_info
 from headsurgeon.probes import check_fired, stream
 from headsurgeon.progress import tqdm
@@ -356,6 +357,7 @@ def _check_predicts(n_pos: int) -> None:
         )
 
 
+@holds_model("head_importance")
 def head_importance(
     model: Model,
     data: Data | Sequences = None,
@@ -528,7 +530,8 @@ def ablate_heads(
     """Inside the block, ``heads`` are pruned: their ``z`` is 0 (``"zero"``) or its mean over
     ``data`` (``"mean"``, the default: what :func:`head_importance` calls mean ablation; ``data``
     as there, the bundled held-out corpora by default) at every position. Hooks only: the weights
-    are untouched and the model is as before once the block ends.
+    are untouched and the model is as before once the block ends. The block holds the model, as
+    :func:`headsurgeon.mitigation` does (another thread's verb on it is refused in one line).
 
     >>> from headsurgeon.loading import ModelShape, random_model
     >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=8))
@@ -542,18 +545,20 @@ def ablate_heads(
     info = model_info(model, "ablate_heads")
     check_choice(ablation, "ablation", ("zero", "mean"))
     chosen = HeadSet.of(heads, info.shape).by_layer()
-    means = None
-    if ablation == "mean":
-        seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-        batch_size = check_int(batch_size, "batch_size", minimum=1)
-        means = _mean_z(model, seqs.tokens, batch_size, progress)
+    # Held for the whole block, the means' forwards included: hooks act on every thread.
+    with holding(model, "ablate_heads"):
+        means = None
+        if ablation == "mean":
+            seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+            batch_size = check_int(batch_size, "batch_size", minimum=1)
+            means = _mean_z(model, seqs.tokens, batch_size, progress)
 
-    def replace(z: Float[Tensor, "batch pos head_index d_head"], hook: HookPoint) -> Tensor:
-        layer, index = hook.layer(), chosen[hook.layer()]
-        z = z.clone()
-        z[:, :, index] = 0 if means is None else means[layer, index].to(z.device)
-        return z
+        def replace(z: Float[Tensor, "batch pos head_index d_head"], hook: HookPoint) -> Tensor:
+            layer, index = hook.layer(), chosen[hook.layer()]
+            z = z.clone()
+            z[:, :, index] = 0 if means is None else means[layer, index].to(z.device)
+            return z
 
-    hooks = [(f"blocks.{layer}.attn.hook_z", replace) for layer in chosen]
-    with model.hooks(fwd_hooks=hooks):
-        yield model
+        hooks = [(f"blocks.{layer}.attn.hook_z", replace) for layer in chosen]
+        with model.hooks(fwd_hooks=hooks):
+            yield model

@@ -63,6 +63,7 @@ from headsurgeon.backend.cache import (
 )
 from headsurgeon.backend.forward import run_to_layer
 from headsurgeon.errors import UnsupportedArchitectureError
+from headsurgeon.inuse import holds_model
 from headsurgeon.validation import check_int
 
 __all__ = [
@@ -147,6 +148,7 @@ def query_offset(scores: Float[Tensor, "batch head_index query_pos key_pos"]) ->
 KeyChooser = Callable[[int, int], Int[Tensor, " kept"]]
 
 
+@holds_model("run_in_blocks")
 def run_in_blocks(
     model: Model,
     tokens: Int[Tensor, "batch pos"],

@@ -27,6 +27,7 @@ from headsurgeon.backend import HookPoint, Model
 from headsurgeon.data import check_length, check_token_ids
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
 from headsurgeon.probes import check_fired
 from headsurgeon.validation import check_int
@@ -107,6 +108,7 @@ class _PooledPattern:
         self.key[chosen_heads, rows, :c] = torch.where(better, key.expand_as(query), kept_key)
 
 
+@holds_model("attention_weights")
 def attention_weights(
     model: Model,
     tokens: Int[Tensor, "1 pos"],

@@ -52,6 +52,7 @@ from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.evals.loss import check_edges, position_edges
 from headsurgeon.exact_alibi import bias_builder, trained_bias
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_bool, check_choice, check_int
@@ -384,6 +385,7 @@ class HeadTable:
         return pd.DataFrame(rows)
 
 
+@holds_model("precision_effect")
 def precision_effect(
     model: Model,
     data: Data | Sequences = None,

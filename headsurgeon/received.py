@@ -51,6 +51,7 @@ from torch import Tensor
 from headsurgeon.backend import HookPoint, Model
 from headsurgeon.data import Data, Sequences, as_sequences, token_strings
 from headsurgeon.errors import DataError
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
 from headsurgeon.probes import Hook, check_fired, stream
 from headsurgeon.validation import check_int, check_number
@@ -297,6 +298,7 @@ class SecondarySinks:
         return summed
 
 
+@holds_model("secondary_sinks")
 def secondary_sinks(
     model: Model,
     data: Data | Sequences = None,

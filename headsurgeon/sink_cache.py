@@ -68,6 +68,7 @@ from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureErro
 from headsurgeon.evals.loss import next_token_nll
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
@@ -210,6 +211,7 @@ def _batch_means(
 
 
 @torch.no_grad()
+@holds_model("sink_cache_effect")
 def sink_cache_effect(
     model: Model,
     data: Data | Sequences = None,

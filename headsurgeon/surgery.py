@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from headsurgeon.backend import Model, check_model
 from headsurgeon.backend.weights import HEAD_TENSORS, check_head_tensors, head_tensors
 from headsurgeon.heads import MAX_HEADS, SICK_LABELS, Heads, HeadSet
+from headsurgeon.inuse import holds_model
 from headsurgeon.validation import check_choice, check_int
 
 __all__ = [
@@ -92,6 +93,7 @@ def _head_seed(seed: int, layer: int, head: int) -> int:
 
 
 @torch.no_grad()
+@holds_model("reinit_heads")
 def reinit_heads(
     model: Model,
     heads: Heads,

@@ -42,6 +42,7 @@ from headsurgeon.data import Data, Sequences, as_sequences, batches
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges
 from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
@@ -181,6 +182,7 @@ def _change(
 
 
 @torch.no_grad()
+@holds_model("window_effect")
 def window_effect(
     model: Model,
     data: Data | Sequences = None,

@@ -32,6 +32,7 @@ LAYERS = {
         "allocator",
         "progress",
         "heads",
+        "inuse",
     ),
     "pure math": ("alibi",),
     "models": (

@@ -49,6 +49,7 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
 )
 from headsurgeon.exact_alibi import bias_builder, trained_bias
+from headsurgeon.inuse import holding, holds_model
 from headsurgeon.loading import ModelInfo, model_info, model_metadata, model_shape
 from headsurgeon.probes import stream, unfired
 from headsurgeon.validation import check_choice, check_int
@@ -363,6 +364,7 @@ def _shifted(
     return flat[n - 1 :].view(n, width), flat.as_strided((n, width), (width + 1, 1))
 
 
+@holds_model("measure_blindness")
 def measure_blindness(
     model: Model,
     data: Data | Sequences = None,
@@ -644,7 +646,9 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     3.x, the float minimum on 4.x). On exit the model is exactly
     as before: the same parameters (never touched) and cached biases, no hook left. Contexts
     nest (the inner bias wins; ``softcap`` composes with a bias kind). The formulas of every
-    kind: :func:`headsurgeon.alibi.bias_from_distance`.
+    kind: :func:`headsurgeon.alibi.bias_from_distance`. The hooks act on every thread, so the
+    block holds the model (:mod:`headsurgeon.inuse`): another thread's verb on it is refused
+    in one line until the block ends; give that thread its own ``copy.deepcopy(model)``.
 
     Usage::
 
@@ -655,14 +659,16 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     """
     info = model_info(model, "mitigation")
     params = alibi.check_bias_params(kind, **params)
-    # Which mitigations are active, innermost last (read by active_mitigations).
-    active = model.__dict__.setdefault("headsurgeon_mitigations", [])
-    active.append(kind)
-    try:
-        with _mitigated(model, info, kind, params):
-            yield model
-    finally:
-        active.pop()
+    # Held for the whole block: its hooks act on every thread's forward of this model.
+    with holding(model, "mitigation"):
+        # Which mitigations are active, innermost last (read by active_mitigations).
+        active = model.__dict__.setdefault("headsurgeon_mitigations", [])
+        active.append(kind)
+        try:
+            with _mitigated(model, info, kind, params):
+                yield model
+        finally:
+            active.pop()
 
 
 def active_mitigations(model: Model) -> list[str]:

@@ -96,7 +96,7 @@ import torch
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.backend import Model
 from headsurgeon.data import Sequences, read_texts, to_sequences
-from headsurgeon.errors import DataError, HeadsurgeonError
+from headsurgeon.errors import DataError, HeadsurgeonError, shown
 from headsurgeon.loading import DEFAULT_MODEL, ORGANISM_DIR, load_model, model_info, organism_names
 from headsurgeon.outputs import claim_output
 
@@ -177,7 +177,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} ({self.prog} --help lists the options)\n")
+        self.exit(2, f"error: {shown(message, keep='')} ({self.prog} --help lists the options)\n")
 
 
 def _pairs(text: str, what: str) -> dict[str, str]:
@@ -404,10 +404,20 @@ def load_data(model: Model, args: argparse.Namespace) -> Sequences:
     return seqs
 
 
+class _ShownFormatter(logging.Formatter):
+    """Log lines with their control characters escaped (:func:`headsurgeon.errors.shown`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return shown(super().format(record))
+
+
 def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None):
     """Run a CLI ``main``: user errors become ``error: <one line>`` on stderr and exit code 2."""
     # Our progress messages at INFO; other libraries' (kaleido, choreographer) only when they warn.
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # Log lines quote names (folders, corpus files): escape codes in them are shown, not obeyed.
+    handler = logging.StreamHandler()
+    handler.setFormatter(_ShownFormatter("%(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("headsurgeon").setLevel(logging.INFO)
     if os.environ.get("HEADSURGEON_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
@@ -418,7 +428,7 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     try:
         code = main(argv)
     except HeadsurgeonError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {shown(e, keep='')}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -32,7 +32,7 @@ from headsurgeon.blindness import (
     mitigation,
 )
 from headsurgeon.census import run_census
-from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError, shown
 from headsurgeon.loading import load_model, model_shape
 from headsurgeon.precision import PRECISION_DTYPES, precision_effect
 from headsurgeon.reports import blindness_summary, write_blindness
@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             census=census,
             sink_cache=sinks,
         )
-    print(f"wrote {out}/")
+    print(f"wrote {shown(out)}/")
     return 0
 
 

@@ -60,6 +60,7 @@ from headsurgeon.cli import (
 )
 from headsurgeon.data import Sequences
 from headsurgeon.domains import classify_sequences, corpus_changes, stack_corpora
+from headsurgeon.errors import shown
 from headsurgeon.importance import METHODS
 from headsurgeon.received import THRESHOLD, SecondarySinks, secondary_sinks
 from headsurgeon.reports import (
@@ -220,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_cross_scale(tables, out, formats=formats, overwrite=args.overwrite)
             files = "one folder per model, cross_scale.csv, summary.txt, figures"
     written = plots.split_formats(formats)[0]
-    print(f"\nwrote {out}/: {files} ({', '.join(written)})")
+    print(f"\nwrote {shown(out)}/: {files} ({', '.join(written)})")
     return 0
 
 

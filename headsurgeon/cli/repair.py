@@ -61,6 +61,7 @@ from headsurgeon.errors import (
     InvalidArgumentError,
     OutputExistsError,
     OutputWriteError,
+    shown,
 )
 from headsurgeon.finetune import FinetuneConfig
 from headsurgeon.heads import HeadSet
@@ -450,11 +451,11 @@ def _run(
                 write_report(result, out, formats=formats, overwrite=args.overwrite)
                 _remove_work_folder(partial)
     if dist_info.rank == 0:
-        print((out / "report.md").read_text().split("## Pass")[0].rstrip())
+        print(shown((out / "report.md").read_text().split("## Pass")[0].rstrip()))
         model_dir = ", model/" if result.best_pass is not None else " (no model/)"
-        print(f"\nwrote {out}/: report.md, report.json, censuses, figures{model_dir}")
+        print(f"\nwrote {shown(out)}/: report.md, report.json, censuses, figures{model_dir}")
         if not result.ok:
-            print(f"repair failed: {result.failure_reason}", file=sys.stderr)
+            print(f"repair failed: {shown(result.failure_reason)}", file=sys.stderr)
     return _EXIT[result.verdict]
 
 

@@ -37,6 +37,7 @@ from headsurgeon.data import (
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.long_context import run_in_blocks
 from headsurgeon.progress import tqdm
@@ -162,6 +163,7 @@ def next_token_nll(
 
 
 @torch.no_grad()
+@holds_model("perplexity")
 def perplexity(
     model: Model,
     data: Data | Sequences = None,
@@ -295,6 +297,7 @@ def _position_table(
 
 
 @torch.no_grad()
+@holds_model("loss_by_position")
 def loss_by_position(
     model: Model,
     data: Data | Sequences = None,

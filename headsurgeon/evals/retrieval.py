@@ -44,6 +44,7 @@ from headsurgeon.data import (
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.long_context import continuation_logprobs
 from headsurgeon.progress import tqdm
@@ -362,6 +363,7 @@ def _retrieval(
     return Retrieval(task.name, trials, table, summarize(table, train_ctx), train_ctx)
 
 
+@holds_model("passkey")
 def passkey(
     model: Model,
     *,
@@ -404,6 +406,7 @@ def passkey(
     )
 
 
+@holds_model("needle")
 def needle(
     model: Model,
     haystack_texts: Data = None,
@@ -472,6 +475,7 @@ def _check_distance_edges(edges: Sequence[int]) -> list[int]:
 
 
 @torch.no_grad()
+@holds_model("retrieval_by_distance")
 def retrieval_by_distance(
     model: Model,
     task: str = "passkey",

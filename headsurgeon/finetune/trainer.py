@@ -70,6 +70,7 @@ from headsurgeon.finetune.strategies import (
     make_trainer,
 )
 from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.progress import tqdm
 from headsurgeon.surgery import (
@@ -164,6 +165,7 @@ def _evaluate(
     return row
 
 
+@holds_model("finetune")
 def finetune(
     model: Model,
     heads: Heads,

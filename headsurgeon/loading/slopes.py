@@ -21,6 +21,7 @@ from headsurgeon import alibi
 from headsurgeon.backend import Model
 from headsurgeon.errors import UnsupportedArchitectureError
 from headsurgeon.exact_alibi import install_exact_alibi
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading.facts import ModelInfo, model_info
 
 __all__ = ["alibi_slopes", "inexact_slopes", "use_exact_alibi"]
@@ -50,6 +51,7 @@ def alibi_slopes(model: Model) -> Float[Tensor, " head_index"]:
     return info.slopes
 
 
+@holds_model("use_exact_alibi")
 def use_exact_alibi(model: Model) -> None:
     """Give every attention layer Hugging Face's exact ALiBi slopes (idempotent).
 

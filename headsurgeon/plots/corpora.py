@@ -68,12 +68,11 @@ def corpus_diff_grid(
     b = _pick(names, b, 1, "b")
     tables = split_corpora(compared)
     before, after = tables[a], tables[b]
-    shown_a, shown_b = html.escape(a), html.escape(b)
     fig = diff_grid(
         before,
         after,
         metric,
-        title=title or f"{metric_title(metric)}: {shown_b} − {shown_a}",
+        title=title or f"{metric_title(metric)}: {b} − {a}",  # style() escapes names
     )
     if {"delta_loss", "delta_loss_se", "label"} <= set(compared.columns):
         changes = corpus_changes(compared[compared["corpus"].isin([a, b])], reference=a)
@@ -106,5 +105,5 @@ def corpora_grid(
     (:func:`headsurgeon.plots.models_grid`, one panel per corpus, BOS-sink and dead heads
     marked)."""
     _corpora(compared)
-    panels = {html.escape(name): df for name, df in split_corpora(compared).items()}
+    panels = split_corpora(compared)  # models_grid escapes the names
     return models_grid(panels, metric, title=title or f"{metric_title(metric)} per corpus")

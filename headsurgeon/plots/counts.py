@@ -23,7 +23,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from headsurgeon.plots.grids import census_subtitle
-from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns
+from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns, literal
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["sick_share_plot", "sweep_plot"]
@@ -122,12 +122,12 @@ def sick_share_plot(shares: pd.DataFrame, *, title: str | None = None) -> go.Fig
                 x=bands["band"],
                 y=bands["sick_share"],
                 mode="lines+markers",
-                name=f"{model}{overall}",
+                name=f"{literal(model)}{overall}",
                 line={"color": palette[i % len(palette)], "width": 2.5},
                 marker={"size": 9},
                 customdata=bands[["sick", "n_heads", "layers"]].to_numpy(),
-                hovertemplate=f"{model}<br>%{{x}} layers (%{{customdata[2]}})<br>sick share "
-                "%{y:.1%} (%{customdata[0]} of %{customdata[1]} heads)<extra></extra>",
+                hovertemplate=f"{literal(model)}<br>%{{x}} layers (%{{customdata[2]}})<br>"
+                "sick share %{y:.1%} (%{customdata[0]} of %{customdata[1]} heads)<extra></extra>",
             )
         )
     fig.update_yaxes(

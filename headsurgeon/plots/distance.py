@@ -189,7 +189,7 @@ def reach_figure(
     style(
         fig,
         title=title or "How far each head looks",
-        subtitle="<br>".join(lines),
+        subtitle=lines,
         width=900,
         height=round(160 + 18 * len(lines) + _ROW * len(df)),
         margin={"l": 70, "r": 30, "t": 70 + 18 * len(lines), "b": 120},
@@ -266,7 +266,7 @@ def window_figure(table: pd.DataFrame, *, title: str | None = None) -> go.Figure
     style(
         fig,
         title=title or "Loss when attention is cut to a window",
-        subtitle="<br>".join(lines),
+        subtitle=lines,
         width=width,
         height=450 + 18 * len(lines),
         margin={"l": 80, "r": 220, "t": 70 + 18 * len(lines), "b": 70},

@@ -36,7 +36,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns
+from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns, literal
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = [
@@ -380,9 +380,9 @@ def models_grid(
         column_widths=[shapes[n][1] for n in dfs],
         horizontal_spacing=0.05,
         subplot_titles=[
-            f"{name} ({(df['label'] != 'healthy').mean():.0%} sick)"
+            literal(name) + (f" ({(df['label'] != 'healthy').mean():.0%} sick)")
             if "label" in df.columns
-            else name
+            else literal(name)
             for name, df in dfs.items()
         ],
     )
@@ -397,7 +397,7 @@ def models_grid(
                 y=list(range(n_layers)),
                 coloraxis="coloraxis",
                 customdata=custom,
-                hovertemplate=f"{name}<br>" + template,
+                hovertemplate=f"{literal(name)}<br>" + template,
                 xgap=1,
                 ygap=1,
             ),

@@ -26,18 +26,20 @@ DataFrame check and the short number format the figure modules share live here t
 
 from __future__ import annotations
 
+import html
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.errors import InvalidArgumentError, shown
 
 __all__ = [
     "FONT",
     "OKABE_ITO",
     "style",
+    "literal",
     "base_layout",
     "check_columns",
     "wrap_text",
@@ -61,7 +63,7 @@ def style(
     fig: go.Figure,
     *,
     title: str,
-    subtitle: str = "",
+    subtitle: str | Sequence[str] = "",
     width: float | None = None,
     height: float | None = None,
     margin: Mapping[str, float] | None = None,
@@ -74,11 +76,17 @@ def style(
 
     ``width`` and ``height`` in pixels (rounded), ``margin`` as plotly's ``{"l", "r", "t", "b"}``;
     ``None`` leaves plotly's default. ``title_xref="paper"`` aligns the title with the plot area,
-    ``"container"`` with the figure's edge. Returns ``fig``, restyled in place.
+    ``"container"`` with the figure's edge. Title and subtitle are plain text, shown as written
+    (:func:`literal`: a model named ``<b>x</b>`` is not bold); a subtitle given as lines is
+    shown one per line. Returns ``fig``, restyled in place.
     """
+    lines = [subtitle] if isinstance(subtitle, str) else list(subtitle)
     title_layout: dict = {
-        "text": title,
-        "subtitle": {"text": subtitle, "font": {"size": subtitle_size, "color": "#555555"}},
+        "text": literal(title),
+        "subtitle": {
+            "text": "<br>".join(literal(line) for line in lines if line),
+            "font": {"size": subtitle_size, "color": "#555555"},
+        },
         "x": 0.0,
         "xanchor": "left",
         "xref": title_xref,
@@ -94,6 +102,18 @@ def style(
         layout["margin"] = dict(margin)
     fig.update_layout(**layout, plot_bgcolor="white")
     return fig
+
+
+def literal(text: object) -> str:
+    r"""``text`` for a figure's title, subtitle, panel title or hover label, shown as written:
+    plotly reads tags (``<b>``, ``<br>``, ``<a href>``) and entities in these, and a control
+    character stops a static export, so ``<``, ``>``, ``&`` become entities and control
+    characters their Python escapes (:func:`headsurgeon.errors.shown`).
+
+    >>> literal("<b>x</b> & <!--\x1b[31m")
+    '&lt;b&gt;x&lt;/b&gt; &amp; &lt;!--\\x1b[31m'
+    """
+    return html.escape(shown(text, keep=""), quote=False)
 
 
 def base_layout(
@@ -124,7 +144,7 @@ def base_layout(
     style(
         fig,
         title=title,
-        subtitle="<br>".join(lines),
+        subtitle=lines,
         width=width,
         height=height,
         margin=margin,

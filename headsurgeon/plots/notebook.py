@@ -32,7 +32,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable
-from html import escape
+from html import escape, unescape
 
 import plotly.graph_objects as go
 
@@ -143,7 +143,7 @@ def _notebook_html(fig: go.Figure, png: str | None) -> str:
     if png is not None:
         width, height = fig.layout.width, fig.layout.height
         size = f' width="{width}" height="{height}"' if width and height else ""
-        alt = escape(re.sub(r"<[^>]+>", "", fig.layout.title.text or "figure"))
+        alt = escape(unescape(re.sub(r"<[^>]+>", "", fig.layout.title.text or "figure")))
         image = f'<img id="{div_id}-png" src="data:image/png;base64,{png}" alt="{alt}"{size}>'
         empty_div = re.compile(rf'(<div id="{div_id}"[^>]*>)(</div>)')
         html = empty_div.sub(lambda m: m[1] + image + m[2], html, count=1)

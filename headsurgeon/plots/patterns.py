@@ -189,15 +189,15 @@ def _pattern_marks(fig: go.Figure, w: AttentionWeights, blind: float, row: int, 
 
 
 def _pattern_title(info: ModelInfo, tokens: Tensor, w: AttentionWeights, what: str) -> tuple:
-    # Escaped: plotly reads titles as HTML, and a token such as BLOOM's "<s>" struck the rest out.
-    text = escape("".join(token_strings(info, tokens[0, :24])).replace("·", " "), quote=False)
+    # Plain text, escaped by style(): a token such as BLOOM's "<s>" would strike the rest out.
+    text = "".join(token_strings(info, tokens[0, :24])).replace("·", " ")
     position0 = (
         "BOS token"
         if resolve_bos(info) and w.n_pos and tokens[0, 0] == info.bos_token_id
         else "first token"
     )
     parts = [
-        escape(info.name, quote=False),
+        info.name,
         f"{w.n_pos} tokens",
         f"red box: position 0 ({position0})",
         "dashed: weights exactly 0 left of it (blind distance)",
@@ -273,7 +273,7 @@ def attention_pattern(
     style(
         fig,
         title=title or default,
-        subtitle="<br>".join(wrap_text(subtitle, side * cols)),
+        subtitle=wrap_text(subtitle, side * cols),
         width=110 + side * cols + 110,
         height=150 + (side + 60) * n_rows,
         margin={"l": 90, "r": 40, "t": 140, "b": 70},
@@ -350,7 +350,7 @@ def pattern_diff(
     style(
         fig,
         title=title or default,
-        subtitle="<br>".join(wrap_text(subtitle, side * 3)),
+        subtitle=wrap_text(subtitle, side * 3),
         width=110 + side * 3 + 120,
         height=150 + (side + 60) * n,
         margin={"l": 90, "r": 40, "t": 140, "b": 70},

@@ -84,7 +84,7 @@ def sink_cache_figure(by_cache: pd.DataFrame, *, title: str | None = None) -> go
     style(
         fig,
         title=title or "Perplexity with a cache of sinks plus recent tokens",
-        subtitle="<br>".join(lines),
+        subtitle=lines,
         width=width,
         height=450 + 18 * len(lines),
         margin={"l": 80, "r": 160, "t": 70 + 18 * len(lines), "b": 70},

@@ -45,6 +45,7 @@ from headsurgeon.evals import perplexity
 from headsurgeon.finetune import FinetuneConfig, FinetuneResult, finetune
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.importance import ablate_heads
+from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
 from headsurgeon.repair.config import RepairConfig, resolve_config
@@ -389,6 +390,7 @@ class _Run:
         return self.census(), self.perplexities(), training
 
 
+@holds_model("repair")
 def repair(
     model: Model,
     corpus: Data | Sequences = None,

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from headsurgeon import alibi, plots
 from headsurgeon.backend import Model
+from headsurgeon.errors import shown
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.pattern_samples import sample_patterns
 from headsurgeon.plots.distance import reach_figure
@@ -284,7 +285,7 @@ def blindness_summary(
         lines.extend(_precision_details(precision))
     if sink_cache is not None:
         lines.extend(sink_cache_lines(sink_cache))
-    return "\n".join(lines)
+    return shown("\n".join(lines))
 
 
 def write_blindness(

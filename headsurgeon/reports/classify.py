@@ -39,7 +39,7 @@ from headsurgeon.classify import (
     threshold_sweep,
     thresholds_of,
 )
-from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.errors import InvalidArgumentError, shown
 from headsurgeon.heads import LABELS
 from headsurgeon.importance import (
     COLUMNS as IMPORTANCE_COLUMNS,
@@ -124,18 +124,18 @@ def format_summary(
     per_layer.columns.name = None
     lines += ["", "per layer:", per_layer.to_string(float_format="{:.3f}".format)]
     strongest = classified.nlargest(top, "bos_mass")
-    shown = ["layer", "head", "slope", "bos_mass", "bos_mass_std", "entropy", "output_share"]
-    shown = [c for c in shown if c in classified.columns] + ["label"]
+    listed = ["layer", "head", "slope", "bos_mass", "bos_mass_std", "entropy", "output_share"]
+    listed = [c for c in listed if c in classified.columns] + ["label"]
     lines += [
         "",
         f"strongest sinks (top {len(strongest)} by BOS mass):",
-        strongest[shown].to_string(index=False, float_format="{:.4f}".format),
+        strongest[listed].to_string(index=False, float_format="{:.4f}".format),
     ]
     if sinks is not None:
         lines += ["", *_sinks_lines(sinks.sinks, top)]
     if _has_importance(classified):
         lines += ["", *_importance_lines(classified, top)]
-    return "\n".join(lines)
+    return shown("\n".join(lines))
 
 
 def _standard_score_lines(classified: pd.DataFrame, lowest: int = 5) -> list[str]:
@@ -234,7 +234,7 @@ def _importance_lines(classified: pd.DataFrame, top: int) -> list[str]:
     ]
     more = f", ... ({len(working) - top} more)" if len(working) > top else ""
     important = classified.nlargest(top, "delta_loss")
-    shown = ["layer", "head", "bos_mass", "output_share", "delta_loss", "delta_loss_se", "label"]
+    listed = ["layer", "head", "bos_mass", "output_share", "delta_loss", "delta_loss_se", "label"]
     return [
         f"importance{f' ({how})' if how else ''}: delta_loss = rise of the loss (nats) when a "
         f"head's output is replaced{clean}",
@@ -242,7 +242,7 @@ def _importance_lines(classified: pd.DataFrame, top: int) -> list[str]:
         f"working sick heads: {', '.join(names) or 'none'}{more}",
         "",
         f"most important heads (top {len(important)} by delta_loss):",
-        important[shown].to_string(
+        important[listed].to_string(
             index=False,
             float_format="{:.4f}".format,
             formatters={"delta_loss": "{:.4g}".format, "delta_loss_se": "{:.2g}".format},

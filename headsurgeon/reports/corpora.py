@@ -23,7 +23,7 @@ from torch import Tensor
 from headsurgeon import plots
 from headsurgeon.backend import Model
 from headsurgeon.domains import CHANGE_COLUMNS, corpus_changes, split_corpora
-from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.errors import InvalidArgumentError, shown
 from headsurgeon.importance import DORMANT_SE
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.reports.classify import format_summary, write_classification
@@ -113,10 +113,10 @@ def format_corpora_summary(
         if changed.empty:
             lines.append("no head changes")
             continue
-        shown = [c for c in _SHOWN if c in changed.columns]
+        listed = [c for c in _SHOWN if c in changed.columns]
         lines += [
             f"heads that change ({len(changed)}):",
-            changed[shown]
+            changed[listed]
             .head(_LISTED)
             .to_string(
                 index=False,
@@ -126,7 +126,7 @@ def format_corpora_summary(
         ]
         if len(changed) > _LISTED:
             lines.append(f"... ({len(changed) - _LISTED} more in changes.csv)")
-    return "\n".join(lines)
+    return shown("\n".join(lines))
 
 
 def _figures(compared: pd.DataFrame) -> dict[str, Any]:

@@ -1,0 +1,140 @@
+"""One model, one thread at a time: the guard every verb that hooks or runs a model takes.
+
+TransformerLens's hooks belong to the model, not to a thread: a :func:`~headsurgeon.mitigation`
+block or a census's probes in one thread act on every other thread's forward passes of the same
+model. So a verb that installs hooks, runs forward passes or changes weights holds its model for
+its whole call (a context manager such as ``mitigation`` or ``ablate_heads`` for its block); the
+same thread may nest verbs (a census inside ``with mitigation(model, ...)``), another thread is
+refused at once with :class:`~headsurgeon.errors.ModelInUseError`, never left to read a number the
+first thread's hooks changed. Threads that each hold their own ``copy.deepcopy(model)`` run freely
+(a copy made inside a ``mitigation`` or ``ablate_heads`` block keeps that block's hooks: copy
+before entering one).
+
+Exports:
+    holding(model, verb)   context manager: ``model`` held by this thread for ``verb``
+    holds_model(verb)      decorator: the same around a whole call (its ``model`` argument)
+    holder(model)          who holds ``model`` now, in words, or None
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from headsurgeon.errors import ModelInUseError
+
+__all__ = ["holding", "holds_model", "holder"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass
+class _Hold:
+    thread: int  # threading.get_ident() of the holder
+    name: str  # the holder thread's name, for the message
+    verb: str  # the outermost verb it runs
+    depth: int  # nested holds by that thread
+
+
+# Held models, keyed weakly so a model dropped while held (a thread killed mid-call) is
+# forgotten; not stored on the model itself, so copy.deepcopy(model) starts free.
+_holds: weakref.WeakKeyDictionary[Any, _Hold] = weakref.WeakKeyDictionary()
+_table_lock = threading.Lock()
+
+
+def holder(model: Any) -> str | None:
+    """Who holds ``model`` now (``"run_census in thread MainThread"``), or None when free.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(1, 1)
+    >>> with holding(model, "run_census"):
+    ...     holder(model)
+    'run_census in thread MainThread'
+    >>> holder(model) is None
+    True
+    """
+    with _table_lock:
+        hold = _holds.get(model)
+        return None if hold is None else f"{hold.verb} in thread {hold.name}"
+
+
+@contextlib.contextmanager
+def holding(model: Any, verb: str) -> Iterator[None]:
+    """Hold ``model`` for ``verb`` in this thread until the block ends (re-entrant).
+
+    Raises :class:`~headsurgeon.errors.ModelInUseError` at once, without waiting, when another
+    thread holds it: waiting could deadlock two threads that each hold one model and want the
+    other's, and a verb that ran after a wait would still race a user's own forward passes.
+
+    >>> import threading, torch
+    >>> model, refused = torch.nn.Linear(1, 1), []
+    >>> def census():
+    ...     try:
+    ...         with holding(model, "run_census"):
+    ...             pass
+    ...     except Exception as error:
+    ...         refused.append(str(error))
+    >>> with holding(model, "mitigation"), holding(model, "perplexity"):  # nesting: one thread
+    ...     worker = threading.Thread(target=census, name="worker")
+    ...     worker.start(); worker.join()
+    >>> print(refused[0])  # doctest: +ELLIPSIS
+    run_census: the model is in use by mitigation in thread MainThread; ...
+    """
+    try:
+        weakref.ref(model)
+        hash(model)
+    except TypeError:  # not a model at all: the verb's door refuses it in its own words
+        yield
+        return
+    me = threading.get_ident()
+    with _table_lock:
+        hold = _holds.get(model)
+        if hold is None:
+            hold = _holds[model] = _Hold(me, threading.current_thread().name, verb, 0)
+        elif hold.thread != me:
+            raise ModelInUseError(
+                f"{verb}: the model is in use by {hold.verb} in thread {hold.name}; a model's "
+                "hooks act on every thread, so give each thread its own copy "
+                "(copy.deepcopy(model), made outside any mitigation or ablate_heads block: a copy "
+                "keeps the hooks of the block it was made in) or wait for that call to end"
+            )
+        hold.depth += 1
+    try:
+        yield
+    finally:
+        with _table_lock:
+            hold.depth -= 1
+            if hold.depth == 0:
+                _holds.pop(model, None)
+
+
+def holds_model(verb: str, *, argument: str = "model") -> Callable[[F], F]:
+    """Decorator: the call holds its ``argument`` (the model) for ``verb`` (see :func:`holding`).
+
+    For plain functions; a context manager (a generator) holds the model inside its body, with
+    :func:`holding` around its ``yield``, so the hold lasts for the user's block.
+    """
+
+    def decorate(function: F) -> F:
+        position = list(inspect.signature(function).parameters).index(argument)
+
+        @functools.wraps(function)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if argument in kwargs:
+                model = kwargs[argument]
+            elif position < len(args):
+                model = args[position]
+            else:  # missing: Python's own TypeError says so
+                return function(*args, **kwargs)
+            with holding(model, verb):
+                return function(*args, **kwargs)
+
+        return call  # type: ignore[return-value]
+
+    return decorate
