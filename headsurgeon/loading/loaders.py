@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,13 @@ from headsurgeon.loading.facts import ModelInfo, ModelShape, model_shape
 from headsurgeon.loading.files import METADATA_FILE, TOKENIZER_FILES, corrupt_bin, some_names
 from headsurgeon.loading.metadata import check_metadata
 from headsurgeon.loading.sources import DEFAULT_MODEL, resolve_model
-from headsurgeon.placement import adopt, check_placement, dispatch, from_pretrained_args
+from headsurgeon.placement import (
+    adopt,
+    check_placement,
+    dispatch,
+    from_pretrained_args,
+    release_offload,
+)
 from headsurgeon.validation import check_bool
 
 __all__ = [
@@ -89,7 +94,7 @@ def load_model(
         loaded = _load_folder(directory, name, metadata, torch_dtype, allow_nonfinite, streamed)
     except BaseException:
         if folder is not None:  # ours, made above; the model it was for never came
-            shutil.rmtree(folder, ignore_errors=True)
+            release_offload(folder)
         raise
     if folder is not None:
         return adopt(loaded, folder)

@@ -36,8 +36,10 @@ TOOLS = {
 }
 
 
-def interrupt(command: list[str], delay: float, cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``command`` in ``cwd``, send SIGINT after ``delay`` seconds, wait for it to end."""
+def interrupt(
+    command: list[str], delay: float, cwd: Path, signum: int = signal.SIGINT
+) -> subprocess.CompletedProcess:
+    """Run ``command`` in ``cwd``, send ``signum`` after ``delay`` seconds, wait for it to end."""
     if not Path(command[0]).exists():
         pytest.skip(f"{command[0]} is not installed")
     process = subprocess.Popen(
@@ -52,7 +54,7 @@ def interrupt(command: list[str], delay: float, cwd: Path) -> subprocess.Complet
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(delay)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=180)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
@@ -98,6 +100,57 @@ def test_ctrl_c_is_one_line_status_130_and_leaves_nothing_half_written(
     # Its own line (a progress bar closed while unwinding may redraw itself after it).
     assert "interrupted\n" in result.stderr, result.stderr
     assert_whole_or_absent(out, complete_file, result.stderr)
+
+
+@pytest.mark.slow  # subprocesses
+@pytest.mark.parametrize(
+    "tool, delay, complete_file",
+    [
+        ("python -m headsurgeon classify", 0.3, "summary.txt"),  # importing torch
+        ("python -m classify", 4.0, "summary.txt"),  # loading, census or writing
+        ("python -m repair", 20.0, "report.md"),  # training: the --resume hint
+    ],
+)
+def test_sigterm_is_handled_as_ctrl_c_with_status_143(tmp_path, tool, delay, complete_file):
+    """``kill`` (a scheduler's stop) gets Ctrl-C's cleanup and hint, with its own status."""
+    run = tmp_path / "run"
+    run.mkdir()
+    out = run / "out"
+    result = interrupt([*TOOLS[tool], "--out", str(out)], delay, run, signal.SIGTERM)
+    if result.returncode == 0:
+        assert (out / complete_file).is_file()
+        return
+    assert result.returncode == 143, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "terminated\n" in result.stderr, result.stderr
+    assert_whole_or_absent(out, complete_file, result.stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_removes_the_private_offload_copy(tmp_path):
+    """A SIGTERM'd run's weights placed on disk do not outlive it: signalled once its private
+    offload folder exists, it removes that folder on its way out, and nothing else there."""
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    (offload / "notes.txt").write_text("mine")
+    placement = ["--max-memory", "cpu=1000", "--offload-folder", str(offload)]  # all on disk
+    command = [*TOOLS["python -m classify"], *placement, "--out", str(tmp_path / "out")]
+    process = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(offload.glob("headsurgeon-offload-*")) and process.poll() is None:
+        assert time.monotonic() < deadline, "no offload folder was made"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=180)
+    assert process.returncode == 143, stderr
+    assert "Traceback" not in stderr, stderr
+    assert [p.name for p in offload.iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.slow
