@@ -210,10 +210,14 @@ def _private_folder(placement: Placement) -> Path:
                 f"cannot create offload_folder {parent} ({e.strerror}); give a writable folder"
             ) from e
     _remove_stale(Path(tempfile.gettempdir()) if parent is None else parent)
-    folder = Path(tempfile.mkdtemp(prefix=_PRIVATE_PREFIX, dir=parent))
-    fd = os.open(folder / _OWNER_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    # Made under a hidden name and renamed once its owner file is locked: another run's
+    # _remove_stale never sees it unlocked.
+    staging = Path(tempfile.mkdtemp(prefix="." + _PRIVATE_PREFIX, dir=parent))
+    fd = os.open(staging / _OWNER_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with contextlib.suppress(OSError):  # a file system without locks: never taken as stale
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    folder = staging.with_name(staging.name.removeprefix("."))
+    os.rename(staging, folder)
     _OWNED[folder] = fd
     return folder
 
