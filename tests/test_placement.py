@@ -191,6 +191,13 @@ def test_an_offload_folder_in_the_output_or_an_input_is_refused_before_loading(
     assert list(tmp_path.iterdir()) == [] and not (bloom_dir / "offload").exists()
 
 
+def test_load_model_refuses_an_offload_folder_in_the_model_folder(bloom_dir):
+    for folder in (bloom_dir, bloom_dir / "offload"):
+        with pytest.raises(InvalidArgumentError, match="the model folder"):
+            hs.load_model(bloom_dir, device_map="auto", offload_folder=folder)
+    assert not (bloom_dir / "offload").exists()
+
+
 def test_offload_folders_killed_runs_left_are_removed_by_the_next_run(bloom_dir, tmp_path, caplog):
     """A private folder whose owner file is unlocked (its run was killed: locks die with their
     process) is removed, in one line; a live run's, and anything without the owner file, stay."""
