@@ -54,7 +54,12 @@ from headsurgeon.loading import (
     stored_tensors,
     tl_config,
 )
-from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
+from headsurgeon.outputs import (
+    atomic_directory,
+    atomic_write_text,
+    check_output_dir,
+    claim_output,
+)
 
 __all__ = [
     "EXPORT_ATOL",
@@ -547,7 +552,10 @@ def save_hf(
     (:data:`headsurgeon.outputs.MARK_FILE`); a non-empty ``out_dir`` is refused unless
     ``overwrite=True``, and even then unless headsurgeon wrote it (a folder holding files it did
     not write is never replaced), and so is the folder the model was loaded from, one holding
-    it or one inside it (:func:`headsurgeon.outputs.check_output_dir`).
+    it or one inside it (:func:`headsurgeon.outputs.check_output_dir`). The save claims
+    ``out_dir`` (:func:`headsurgeon.outputs.claim_output`): a second save to it while one runs is
+    one :class:`~headsurgeon.errors.OutputBusyError` line, and the hidden partial folder a killed
+    save left beside it (``.NAME.tmp-*``, marked as headsurgeon's) is removed, said in one line.
 
     Before anything is written, a model that its family's format cannot represent is refused with
     one :class:`UnsupportedArchitectureError` naming every difference (for BLOOM: slopes that are
@@ -582,7 +590,11 @@ def save_hf(
     unrounded = unrounded if verify and rounded else None
     config.pop("torch_dtype", None)  # transformers 5 calls it dtype; the old key would conflict
     config["dtype"] = dtype_name
-    with atomic_directory(out_dir, overwrite=overwrite, inputs=inputs, writer="save_hf") as tmp:
+    # The claim removes what a killed save to out_dir left (its marked .NAME.tmp-*), in one line.
+    with (
+        claim_output(out_dir, overwrite, inputs=inputs) as out,
+        atomic_directory(out, overwrite=overwrite, inputs=inputs, writer="save_hf") as tmp,
+    ):
         _write_folder(tmp, written, config, info)
         del written
         moved = _verify_export(model, info, tmp, unrounded) if verify else None

@@ -105,6 +105,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MARK_FILE = ".headsurgeon-output.json"
+PARTIAL_SUFFIX = ".partial"  # NAME.partial: the live work folder of a run writing NAME
 _MARK_MAX = 16 << 20  # bytes: a mark lists file names; anything larger is not one of ours
 _SHOWN = 3  # foreign names quoted in a refusal
 
@@ -662,18 +663,29 @@ def _leftovers(path: Path) -> tuple[list[Path], list[Path]]:
     """The hidden temporaries beside ``path`` (``.NAME.tmp-*``, ``.NAME.old-*``): those that
     are ours, and those that are not (which are never touched).
 
-    A temporary is ours when it carries our mark (written first, before any file); a previous
-    output being replaced, when its mark also lists everything in it (a user may have added
-    files to it before it was replaced).
+    A temporary is ours when it carries our mark (written first, before any file), or holds
+    only the temporary of that first mark; a previous output being replaced, when its mark also
+    lists everything in it (a user may have added files to it before it was replaced).
     """
     pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-[0-9a-f]{{12}}")
     ours, others = [], []
     for p in sorted(path.parent.iterdir()):
         if match := pattern.fullmatch(p.name):
-            mine = p.is_dir() and not p.is_symlink() and read_mark(p) is not None
-            mine = mine and (match[1] == "tmp" or not foreign_files(p))
+            folder = p.is_dir() and not p.is_symlink()
+            if match[1] == "tmp":  # marked, or killed while its first mark was being written
+                mine = folder and (read_mark(p) is not None or _unmarked_start(p))
+            else:
+                mine = folder and read_mark(p) is not None and not foreign_files(p)
             (ours if mine else others).append(p)
     return ours, others
+
+
+def _unmarked_start(tmp: Path) -> bool:
+    """Whether the temporary ``tmp`` holds nothing but the temporary of its first mark (or
+    nothing): :func:`atomic_directory` was killed before that mark was in place."""
+    mark_tmp = re.compile(rf"\.{re.escape(MARK_FILE)}\.tmp-[0-9a-f]{{12}}")
+    with os.scandir(tmp) as scan:
+        return all(e.is_file(follow_symlinks=False) and mark_tmp.fullmatch(e.name) for e in scan)
 
 
 def _remove_leftovers(path: Path) -> None:
@@ -714,6 +726,28 @@ def _remove_leftovers(path: Path) -> None:
 
 
 @contextlib.contextmanager
+def _holding(path: Path, lock: Path, busy: str | None = None) -> Iterator[None]:
+    """Hold ``lock`` (:func:`_acquire`, ``path`` named in its messages) for the ``with`` block;
+    then remove it if it is still the file we locked. ``busy``: what a lock held by another run
+    means, instead of "``path`` is being written"."""
+    try:
+        fd = _acquire(lock, path)
+    except OutputBusyError:
+        if busy is None:
+            raise
+        raise OutputBusyError(
+            f"{busy} ({_owner(lock)}); wait for it to finish, or choose another output folder"
+        ) from None
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if _same_file(lock, fd):
+                os.unlink(lock)
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def claim_output(
     path: str | os.PathLike, overwrite: bool = False, *, inputs: Iterable[str | os.PathLike] = ()
 ) -> Iterator[Path]:
@@ -729,33 +763,33 @@ def claim_output(
     process, so a killed run's lock is simply taken over, together with the hidden temporaries it
     left (removed when they carry our mark; a previous output it was replacing is restored). A
     ``.NAME.lock`` that is not a lock file of ours is refused in one line. Related names a run
-    keeps beside ``path`` (the repair tool's ``NAME.partial``) are covered by the same claim. On
-    exit the lock file is removed (if it is still ours), and the parent folders created here too
-    if nothing was written.
+    keeps beside ``path`` (the repair tool's ``NAME.partial``) are covered by the same claim: a
+    claim of ``NAME.partial`` also takes ``NAME``'s lock, so no other tool's output replaces a
+    live work folder. On exit the lock file is removed (if it is still ours), and the parent
+    folders created here too if nothing was written.
     """
     path = check_output_dir(path, overwrite, inputs=inputs)
     created = [p for p in reversed(path.parents) if not p.exists()]
-    lock = _lock_path(path)
-    fd = None
     try:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = _acquire(lock, path)
-        except OSError as e:
-            if isinstance(e, HeadsurgeonError):
-                raise
-            if e.filename == str(lock):
-                e.filename = None  # name the output, not its hidden lock file
-            raise _write_error(e, path, verb="cannot create") from e
-        _remove_leftovers(path)  # may put back an output a killed run was replacing
-        check_output_dir(path, overwrite, inputs=inputs)  # again: a run may have finished
-        yield path
+        with contextlib.ExitStack() as held:
+            lock = _lock_path(path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                held.enter_context(_holding(path, lock))
+                if path.name.endswith(PARTIAL_SUFFIX) and path.name != PARTIAL_SUFFIX:
+                    owner = path.with_name(path.name.removesuffix(PARTIAL_SUFFIX))
+                    busy = f"{path} is the live work folder of a run writing {owner} now"
+                    held.enter_context(_holding(owner, _lock_path(owner), busy))
+            except OSError as e:
+                if isinstance(e, HeadsurgeonError):
+                    raise
+                if e.filename is not None and Path(e.filename).name.endswith(".lock"):
+                    e.filename = None  # name the output, not its hidden lock file
+                raise _write_error(e, path, verb="cannot create") from e
+            _remove_leftovers(path)  # may put back an output a killed run was replacing
+            check_output_dir(path, overwrite, inputs=inputs)  # again: a run may have finished
+            yield path
     finally:
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                if _same_file(lock, fd):
-                    os.unlink(lock)
-            os.close(fd)
         if not path.exists():
             for folder in reversed(created):
                 with contextlib.suppress(OSError):

@@ -15,8 +15,10 @@ them as ``--device-map``, ``--max-memory`` and ``--offload-folder``:
 - ``max_memory``: ``{device: size}``, sizes in bytes or as ``"1GiB"``, ``"500MB"``; alone it
   means ``device_map="auto"``.
 - ``offload_folder``: where weights placed on ``"disk"`` are written. headsurgeon makes a private
-  folder inside it for each model (removed when the model is garbage collected) and never
-  touches anything else there; without it, the system's temporary folder.
+  folder inside it for each model (removed when the model is garbage collected, or at exit after
+  Ctrl-C or SIGTERM; one a killed run left, known by its owner file whose lock died with it, is
+  removed by the next run placing a model there) and never touches anything else there; without
+  it, the system's temporary folder.
 
 Where the weights go, and how they are run, is Accelerate's: on 4.x ``from_pretrained`` reads the
 checkpoint straight into the map, so a model larger than the memory given to it never passes
@@ -40,16 +42,22 @@ Exports:
                                      checked first) and a private offload folder
     adopt(model, folder)             4.x: the bridge over such a model, its input device set
     dispatch(model, placement)       3.x: a HookedTransformer dispatched over the placement
+    release_offload(folder)          remove a private offload folder made here (a failed load)
+    check_offload_folder(folder, taken)  one line for an offload folder that is, or lies in, the
+                                     output or an input (the tools check it before loading)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +70,11 @@ __all__ = [
     "STRATEGIES",
     "Placement",
     "adopt",
+    "check_offload_folder",
     "check_placement",
     "dispatch",
     "from_pretrained_args",
+    "release_offload",
 ]
 
 logger = logging.getLogger(__name__)
@@ -104,8 +114,9 @@ def _size(value: Any, where: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     if isinstance(value, str):
-        try:
-            size = convert_file_size_to_int(value.strip())
+        try:  # a plain number is bytes (Accelerate's parser takes only sizes with a unit)
+            text = value.strip()
+            size = int(text) if text.isdigit() else convert_file_size_to_int(text)
         except ValueError:
             size = 0
         if size > 0:
@@ -181,8 +192,15 @@ def _check_max_memory(max_memory: Any) -> dict[int | str, int]:
     return checked
 
 
+# A model's private offload folder, and the file whose lock says its run is alive.
+_PRIVATE_PREFIX = "headsurgeon-offload-"
+_OWNER_FILE = ".headsurgeon-offload.lock"
+_OWNED: dict[Path, int] = {}  # private folder -> its locked owner file, while this run holds it
+
+
 def _private_folder(placement: Placement) -> Path:
-    """A new folder for one model's offloaded weights (inside ``offload_folder`` when given)."""
+    """A new folder for one model's offloaded weights (inside ``offload_folder`` when given),
+    holding a locked owner file, after removing those that killed runs left there."""
     parent = placement.offload_folder
     if parent is not None:
         try:
@@ -191,12 +209,90 @@ def _private_folder(placement: Placement) -> Path:
             raise InvalidArgumentError(
                 f"cannot create offload_folder {parent} ({e.strerror}); give a writable folder"
             ) from e
-    return Path(tempfile.mkdtemp(prefix="headsurgeon-offload-", dir=parent))
+    _remove_stale(Path(tempfile.gettempdir()) if parent is None else parent)
+    # Made under a hidden name and renamed once its owner file is locked: another run's
+    # _remove_stale never sees it unlocked.
+    staging = Path(tempfile.mkdtemp(prefix="." + _PRIVATE_PREFIX, dir=parent))
+    fd = os.open(staging / _OWNER_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with contextlib.suppress(OSError):  # a file system without locks: never taken as stale
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    folder = staging.with_name(staging.name.removeprefix("."))
+    os.rename(staging, folder)
+    _OWNED[folder] = fd
+    return folder
+
+
+def _stale(folder: Path) -> bool:
+    """Whether ``folder`` is a private offload folder whose run is gone: its owner file (ours by
+    name and place) can be locked, and locks die with their process."""
+    if folder.is_symlink() or not folder.is_dir() or folder in _OWNED:
+        return False
+    try:
+        fd = os.open(folder / _OWNER_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False  # no owner file: nothing proves it is ours
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False  # held by a live run (or no locks here: never guess)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(parent: Path) -> None:
+    """Remove the private offload folders in ``parent`` that killed runs left, in one line."""
+    with contextlib.suppress(OSError):
+        stale = [p for p in parent.glob(_PRIVATE_PREFIX + "*") if _stale(p)]
+        if stale:
+            size = sum(f.lstat().st_size for p in stale for f in p.rglob("*") if f.is_file())
+            for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
+            logger.info(
+                "removed %d offload folder(s) in %s left by killed runs (%.1f MB)",
+                len(stale),
+                parent,
+                size / 1e6,
+            )
+
+
+def release_offload(folder: Path) -> None:
+    """Remove a private offload folder made here, and let go of its owner file."""
+    fd = _OWNED.pop(folder, None)
+    if fd is not None:
+        os.close(fd)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _forget_with(model: Any, folder: Path) -> None:
-    """Remove ``folder`` (ours: made by :func:`_private_folder`) when ``model`` is collected."""
-    weakref.finalize(model, shutil.rmtree, folder, ignore_errors=True)
+    """Remove ``folder`` (ours: made by :func:`_private_folder`) when ``model`` is collected, or
+    at the interpreter's exit (after a Ctrl-C or SIGTERM too)."""
+    weakref.finalize(model, release_offload, folder)
+
+
+def check_offload_folder(
+    offload_folder: str | os.PathLike | None, taken: Iterable[tuple[str, str | os.PathLike]]
+) -> None:
+    """One line for an ``offload_folder`` that is, or lies inside, one of ``taken`` (``(what,
+    path)`` pairs: the output folder, the model folder, a text file), checked before any model
+    is loaded: a run must not write its offload copy into its own output or its inputs.
+
+    >>> check_offload_folder("/tmp/out/offload", [("the output folder", "/tmp/out")])
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    headsurgeon.errors.InvalidArgumentError: offload_folder /tmp/out/offload lies inside the ...
+    """
+    if offload_folder is None:
+        return
+    folder = Path(offload_folder).expanduser().resolve()
+    for what, path in taken:
+        other = Path(path).expanduser().resolve()
+        if folder == other or folder.is_relative_to(other):
+            where = "is" if folder == other else "lies inside"
+            raise InvalidArgumentError(
+                f"offload_folder {offload_folder} {where} {what} {path}; give a folder of its "
+                "own (or leave it out: the system's temporary folder)"
+            )
 
 
 def from_pretrained_args(placement: Placement, directory: Path) -> tuple[dict[str, Any], Path]:
@@ -265,7 +361,7 @@ def dispatch(model: Model, placement: Placement) -> Model:
     try:
         model = dispatch_model(model, device_map=device_map, offload_dir=folder)
     except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)  # ours, made above
+        release_offload(folder)  # ours, made above
         raise
     model.cfg.device = str(_execution_device(model.embed))
     _forget_with(model, folder)

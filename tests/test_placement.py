@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -126,10 +127,10 @@ def test_bad_placement_is_one_line(args, message):
 
 def test_placement_parses_sizes_and_devices():
     placement = check_placement(
-        {"a": "cuda:1", "b": "1", "c": "Disk"}, {0: "1KiB", "cpu": 5}, None, None
+        {"a": "cuda:1", "b": "1", "c": "Disk"}, {0: "1KiB", 1: "1000", "cpu": 5}, None, None
     )
     assert placement.device_map == {"a": 1, "b": 1, "c": "disk"}
-    assert placement.max_memory == {0: 1024, "cpu": 5}
+    assert placement.max_memory == {0: 1024, 1: 1000, "cpu": 5}  # "1000" as --max-memory gives it
 
 
 def test_offload_folder_that_is_a_file(bloom_dir, tmp_path):
@@ -166,3 +167,64 @@ def test_cli_flags(bloom_dir, tmp_path, capsys):
     pd.testing.assert_frame_equal(numbers(split), numbers(one))
     gc.collect()  # the run's model, whose private offload folder goes with it
     assert list((tmp_path / "off").iterdir()) == []
+
+
+def test_an_offload_folder_in_the_output_or_an_input_is_refused_before_loading(
+    bloom_dir, tmp_path, no_model, capsys
+):
+    """The offload copy would be written into the report folder, or into the model folder or
+    beside a text file the run reads: one line before any model is loaded."""
+    from headsurgeon.cli.repair import main as repair_main
+
+    out = tmp_path / "out"
+    cases = [
+        (out, "is the output folder"),
+        (out / "offload", "lies inside the output folder"),
+        (bloom_dir, "is the input"),
+        (bloom_dir / "offload", "lies inside the input"),
+    ]
+    for main in (classify_main, repair_main):
+        for folder, message in cases:
+            argv = [bloom_dir, "--out", out, "--device-map", "auto", "--offload-folder", folder]
+            line = error_line(main, argv, capsys)
+            assert message in line and "give a folder of its own" in line, line
+    assert list(tmp_path.iterdir()) == [] and not (bloom_dir / "offload").exists()
+
+
+def test_load_model_refuses_an_offload_folder_in_the_model_folder(bloom_dir):
+    for folder in (bloom_dir, bloom_dir / "offload"):
+        with pytest.raises(InvalidArgumentError, match="the model folder"):
+            hs.load_model(bloom_dir, device_map="auto", offload_folder=folder)
+    assert not (bloom_dir / "offload").exists()
+
+
+def test_offload_folders_killed_runs_left_are_removed_by_the_next_run(bloom_dir, tmp_path, caplog):
+    """A private folder whose owner file is unlocked (its run was killed: locks die with their
+    process) is removed, in one line; a live run's, and anything without the owner file, stay."""
+    import fcntl
+    import os
+
+    owner_file = ".headsurgeon-offload.lock"  # the owner file a private folder holds
+
+    def private(name: str, owner: bool) -> Path:
+        folder = tmp_path / f"headsurgeon-offload-{name}"
+        folder.mkdir()
+        (folder / "blocks.1.attn.W_Q.dat").write_bytes(b"\0" * 1000)
+        if owner:
+            (folder / owner_file).write_bytes(b"")
+        return folder
+
+    killed, live, users = private("killed", True), private("live", True), private("mine", False)
+    held = os.open(live / owner_file, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running tool holds it
+    try:
+        with caplog.at_level("INFO", logger="headsurgeon.placement"):
+            model = hs.load_model(bloom_dir, device_map=split_map(2), offload_folder=tmp_path)
+    finally:
+        os.close(held)
+    assert not killed.exists() and live.exists() and users.exists()
+    lines = [r.getMessage() for r in caplog.records if "left by killed runs" in r.getMessage()]
+    assert lines == [f"removed 1 offload folder(s) in {tmp_path} left by killed runs (0.0 MB)"]
+    del model
+    gc.collect()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, users.name]

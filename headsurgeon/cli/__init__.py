@@ -10,8 +10,8 @@ Tools (each a ``main(argv)`` and an ``entry(argv=None)`` that runs it through :f
 
 The library modules never import this package. Tools enter here from the entry files (every
 ``headsurgeon/**/__main__.py``, which import nothing else first) and the console scripts; this
-package's first lines install the Ctrl-C handler of a starting tool, before torch and
-TransformerLens are imported (:func:`run` puts Python's own handler back once they are).
+package's first lines install the Ctrl-C and SIGTERM handlers of a starting tool, before torch and
+TransformerLens are imported (:func:`run` installs handlers that unwind once they are).
 
 Exports:
     ArgumentParser            argparse with one-line usage errors (exit code 2)
@@ -40,8 +40,11 @@ Exports:
                               tokenizer for the tool's text (require_tokenizer)
     require_tokenizer(m, a)   one line, not "pass token tensors", for a model without tokenizer
     load_data(model, args)    the token sequences the data options describe
-    run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2
-                              (and keep freed memory, see headsurgeon.allocator)
+    run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2,
+                              Ctrl-C into "interrupted" (130), SIGTERM into "terminated" (143),
+                              both after the run's cleanup (and keep freed memory, see
+                              headsurgeon.allocator)
+    Terminated                the KeyboardInterrupt that SIGTERM raises during a tool's work
 
 Every tool is a thin layer over the library: parse, claim its output folder, call library
 functions, print, and write through :mod:`headsurgeon.reports` (tables, JSON with versions,
@@ -59,16 +62,30 @@ _SCRIPTS = ("headsurgeon-classify", "headsurgeon-blindness", "headsurgeon-repair
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:
-    """Ctrl-C while a tool imports torch and TransformerLens: one line and status 130, at once.
+    """Ctrl-C (or SIGTERM) while a tool imports torch and TransformerLens: one line and status
+    130 (143), at once.
 
     A ``KeyboardInterrupt`` raised in the middle of an import leaves half-initialised modules
     behind (numpy then fails with a ``RecursionError``, not the interrupt), so nothing can be
     unwound cleanly; and nothing has been written yet, so there is nothing to clean up either.
-    :func:`run` puts Python's own handler back before the tool starts work, so that from then on
-    an interrupt unwinds and removes what the run was writing.
+    :func:`run` installs the unwinding handlers before the tool starts work, so that from then on
+    an interrupt or a SIGTERM unwinds and removes what the run was writing.
     """
-    os.write(2, b"interrupted\n")
-    os._exit(130)
+    os.write(2, b"interrupted\n" if signum == signal.SIGINT else b"terminated\n")
+    os._exit(128 + signum)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's stop), raised where Ctrl-C raises ``KeyboardInterrupt``:
+    a subclass, so every cleanup that Ctrl-C gets (temporaries removed, a repair's ``--resume``
+    hint, offload copies removed at exit) runs for it too; :func:`run` exits with 143."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM during a tool's work: unwind as Ctrl-C does. Later ones are ignored, so that the
+    cleanup itself is not cut short (SIGKILL still ends the process)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
 
 
 def _starting_a_tool() -> bool:
@@ -79,10 +96,13 @@ def _starting_a_tool() -> bool:
     return program in _SCRIPTS or (spec is not None and spec.name.startswith("headsurgeon."))
 
 
-# Before the imports below (seconds of torch and TransformerLens), and only where Ctrl-C would
-# raise (a background job's ignored SIGINT stays ignored).
-if _starting_a_tool() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+# Before the imports below (seconds of torch and TransformerLens), and only where the signal is
+# not ignored (a background job's ignored SIGINT, nohup's, stays ignored).
+if _starting_a_tool():
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupted_while_starting)
 
 import argparse
 import contextlib
@@ -99,6 +119,7 @@ from headsurgeon.data import Sequences, read_texts, to_sequences
 from headsurgeon.errors import DataError, HeadsurgeonError, shown
 from headsurgeon.loading import DEFAULT_MODEL, ORGANISM_DIR, load_model, model_info, organism_names
 from headsurgeon.outputs import claim_output
+from headsurgeon.placement import check_offload_folder
 
 __all__ = [
     "ArgumentParser",
@@ -119,6 +140,7 @@ __all__ = [
     "require_tokenizer",
     "load_data",
     "run",
+    "Terminated",
 ]
 
 logger = logging.getLogger(__name__)
@@ -362,11 +384,15 @@ def claim_out(args: argparse.Namespace, default: str | os.PathLike) -> Iterator[
     a loop), one that is, holds or lies inside an input (:func:`run_inputs`), a file in the way,
     a folder holding files headsurgeon did not write (even with ``--overwrite``) or any files
     (without it), a location that cannot be created or written, or another run writing it now
-    are one-line errors; what a killed run left there (marked as ours) is cleaned. The tool
+    are one-line errors, and so is an ``--offload-folder`` that is or lies inside the output or an
+    input; what a killed run left there (marked as ours) is cleaned. The tool
     writes inside the ``with`` block; the claim ends with it.
     """
     out = Path(args.out) if args.out else Path(default)
-    with claim_output(out, args.overwrite, inputs=run_inputs(args)) as claimed:
+    inputs = run_inputs(args)
+    taken = [("the output folder", out), *(("the input", path) for path in inputs)]
+    check_offload_folder(getattr(args, "offload_folder", None), taken)
+    with claim_output(out, args.overwrite, inputs=inputs) as claimed:
         yield claimed
 
 
@@ -421,16 +447,19 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     logging.getLogger("headsurgeon").setLevel(logging.INFO)
     if os.environ.get("HEADSURGEON_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
+    # Imports are done (see _interrupted_while_starting): from here Ctrl-C and SIGTERM unwind, so
+    # the run removes what it was writing on its way out.
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        # Imports are done (see _interrupted_while_starting): from here Ctrl-C unwinds, so the run
-        # removes what it was writing on its way out.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _interrupted_while_starting):
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         code = main(argv)
     except HeadsurgeonError as e:
         print(f"error: {shown(e, keep='')}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print("terminated" if terminated else "interrupted", file=sys.stderr)
+        sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
     sys.exit(code or 0)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,14 @@ from headsurgeon.loading.facts import ModelInfo, ModelShape, model_shape
 from headsurgeon.loading.files import METADATA_FILE, TOKENIZER_FILES, corrupt_bin, some_names
 from headsurgeon.loading.metadata import check_metadata
 from headsurgeon.loading.sources import DEFAULT_MODEL, resolve_model
-from headsurgeon.placement import adopt, check_placement, dispatch, from_pretrained_args
+from headsurgeon.placement import (
+    adopt,
+    check_offload_folder,
+    check_placement,
+    dispatch,
+    from_pretrained_args,
+    release_offload,
+)
 from headsurgeon.validation import check_bool
 
 __all__ = [
@@ -72,13 +78,16 @@ def load_model(
     ``device`` (default cpu) puts the whole model on one device; ``device_map``, ``max_memory``
     and ``offload_folder`` spread it over GPUs, CPU memory and disk with Hugging Face Accelerate,
     as :mod:`headsurgeon.placement` describes (a model larger than the memory given to it, on
-    TransformerLens 4.x).
+    TransformerLens 4.x); an ``offload_folder`` that is or lies inside the model's folder is
+    one line.
     """
     torch_dtype = parse_dtype(dtype)
     placement = check_placement(device_map, max_memory, offload_folder, device)
     torch_device = parse_device(device if device is not None else "cpu")
     allow_nonfinite = check_bool(allow_nonfinite, "allow_nonfinite")
     name, directory = resolve_model(model)
+    if placement is not None:  # its offload copy must not be written into the model's folder
+        check_offload_folder(placement.offload_folder, [("the model folder", directory)])
     metadata = checked_folder(directory)
     # 4.x reads the checkpoint straight into the map; 3.x dispatches the model it built.
     if placement and backend.loads_into_device_map():
@@ -89,7 +98,7 @@ def load_model(
         loaded = _load_folder(directory, name, metadata, torch_dtype, allow_nonfinite, streamed)
     except BaseException:
         if folder is not None:  # ours, made above; the model it was for never came
-            shutil.rmtree(folder, ignore_errors=True)
+            release_offload(folder)
         raise
     if folder is not None:
         return adopt(loaded, folder)

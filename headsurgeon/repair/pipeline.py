@@ -248,7 +248,9 @@ class _Run:
         """The census and perplexities before any pass (stored in the work folder, if any)."""
         work = self.work
         if work is not None:
-            work.begin(self.model, self.settings, self.resume)
+            sets = {"train": self.data.train, "eval": self.data.eval, "census": self.data.census}
+            tokens = {name: seqs.tokens for name, seqs in sets.items()}
+            work.begin(self.model, self.settings, self.resume, tokens)
         stored = work.load_census("census_0", {"perplexity": (dict,)}) if work is not None else None
         if stored is not None:
             current, extra = stored

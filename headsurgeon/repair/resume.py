@@ -7,6 +7,7 @@ Exports:
     RUN_FILE, FINISHED_FILE             the run record; the file that marks a finished run
     cpu_head_slices(model, heads)       CPU copies of the heads' slices (what ``heads.pt`` holds)
     has_numbers(value, keys)            whether a record holds a number under each key
+    tokens_digest(tokens)               a short sha256 of a token tensor (the run record's)
 
 Only rank 0 writes (:func:`headsurgeon.distributed.rank_and_world`); a file that is not as a run
 writes it is one :class:`~headsurgeon.errors.CheckpointError` line naming it and what to do.
@@ -14,6 +15,7 @@ writes it is one :class:`~headsurgeon.errors.CheckpointError` line naming it and
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -54,6 +56,7 @@ __all__ = [
     "cpu_head_slices",
     "finished_run",
     "has_numbers",
+    "tokens_digest",
 ]
 
 
@@ -136,12 +139,24 @@ class WorkDir:
             raise self.unusable(path, "is missing" if kind == "missing" else f"is {kind}")
         return path
 
-    def begin(self, model: Model, settings: dict[str, Any], resume: bool) -> None:
-        """Start a run of ``model`` with ``settings`` here, or (``resume``) check that the run
-        this folder holds is that run: the same weights and the same settings, apart from those
-        that only judge it (:data:`_VERDICT_SETTINGS`)."""
+    def begin(
+        self,
+        model: Model,
+        settings: dict[str, Any],
+        resume: bool,
+        tokens: dict[str, torch.Tensor],
+    ) -> None:
+        """Start a run of ``model`` with ``settings`` on ``tokens`` (``{"train": ..., "eval":
+        ..., "census": ...}``) here, or (``resume``) check that the run this folder holds is
+        that run: the same weights, the same token sequences (by content: a corpus whose lines
+        were rotated has the same shape but other tokens) and the same settings, apart from
+        those that only judge it (:data:`_VERDICT_SETTINGS`)."""
         training = {k: v for k, v in settings.items() if k not in _VERDICT_SETTINGS}
-        identity = {"model": weights_digest(model), "settings": json.loads(json.dumps(training))}
+        identity = {
+            "model": weights_digest(model),
+            "tokens": {name: tokens_digest(t) for name, t in tokens.items()},
+            "settings": json.loads(json.dumps(training)),
+        }
         self.start(identity, resume)
 
     def start(self, identity: dict[str, Any], resume: bool) -> None:
@@ -163,17 +178,22 @@ class WorkDir:
                 raise self.unusable(
                     run_file, "is from a headsurgeon before the control arm (no settings.control)"
                 )
+            if not isinstance(stored.get("tokens"), dict):  # its data cannot be checked
+                raise self.unusable(
+                    run_file, "is from a headsurgeon before content checks (no tokens digest)"
+                )
             stored, current = _flatten(stored), _flatten(identity)
             changed = [
                 f"{key}: {stored.get(key)!r} vs {current.get(key)!r}"
                 for key in sorted(set(stored) | set(current))
-                if stored.get(key) != current.get(key)
+                if key.startswith("settings.") and stored.get(key) != current.get(key)
             ]
             if changed:
                 raise CheckpointError(
                     f"the run in {self.path} differs ({'; '.join(changed[:3])[:300]}); resume "
                     "with the same model, heads and options, or start a new output folder"
                 )
+            self.check_content(stored, current)  # after the settings: a new shape says more
             self.check_passes()
         else:
             others = [p.name for p in self.pass_dirs() + self.pass_dirs("control")] + [
@@ -183,6 +203,23 @@ class WorkDir:
                 raise self.unusable(run_file, f"is missing beside {', '.join(sorted(others))}")
             if self.rank == 0:
                 atomic_write_text(run_file, json.dumps(identity, indent=2, default=str))
+
+    def check_content(self, stored: dict[str, Any], current: dict[str, Any]) -> None:
+        """One line naming the inputs whose content changed since the run began: the model's
+        weights or a token sequence (a changed corpus of the same shape passes every other
+        check)."""
+        content = sorted(k for k in set(stored) | set(current) if not k.startswith("settings."))
+        changed = [
+            "the model's weights" if key == "model" else f"the {key.removeprefix('tokens.')} tokens"
+            for key in content
+            if stored.get(key) != current.get(key)
+        ]
+        if changed:
+            raise CheckpointError(
+                f"the run in {self.path} was on other content: {', '.join(changed)} changed "
+                "since it began (a corpus file edited, reordered or replaced?); resume with the "
+                "same model and text files, or start a new output folder"
+            )
 
     def pass_dir(self, index: int, arm: str = "pass") -> Path:
         """The folder of pass ``index`` of ``arm`` (``"pass"``: the repair's; ``"control"``)."""
@@ -379,6 +416,19 @@ def cpu_head_slices(model: Model, heads: HeadSet) -> dict[str, torch.Tensor]:
     """Copies (on the CPU) of the heads' slices of every per-head tensor, by TransformerLens 3.x
     name on either major (``heads.pt`` files read the same on both)."""
     return {name: t.cpu() for name, t in head_slices(model, heads).items()}
+
+
+def tokens_digest(tokens: torch.Tensor) -> str:
+    """A short sha256 digest of a token tensor's shape, dtype and every value.
+
+    >>> rows = torch.arange(6).view(2, 3)
+    >>> same, rotated = rows.clone(), rows.flip(0)
+    >>> tokens_digest(rows) == tokens_digest(same), tokens_digest(rows) == tokens_digest(rotated)
+    (True, False)
+    """
+    digest = hashlib.sha256(f"{tuple(tokens.shape)}{tokens.dtype}".encode())
+    digest.update(tokens.detach().contiguous().cpu().view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

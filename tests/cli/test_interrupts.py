@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,10 @@ TOOLS = {
 }
 
 
-def interrupt(command: list[str], delay: float, cwd: Path) -> subprocess.CompletedProcess:
-    """Run ``command`` in ``cwd``, send SIGINT after ``delay`` seconds, wait for it to end."""
+def interrupt(
+    command: list[str], delay: float, cwd: Path, signum: int = signal.SIGINT
+) -> subprocess.CompletedProcess:
+    """Run ``command`` in ``cwd``, send ``signum`` after ``delay`` seconds, wait for it to end."""
     if not Path(command[0]).exists():
         pytest.skip(f"{command[0]} is not installed")
     process = subprocess.Popen(
@@ -52,7 +55,7 @@ def interrupt(command: list[str], delay: float, cwd: Path) -> subprocess.Complet
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     time.sleep(delay)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=180)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
@@ -98,6 +101,80 @@ def test_ctrl_c_is_one_line_status_130_and_leaves_nothing_half_written(
     # Its own line (a progress bar closed while unwinding may redraw itself after it).
     assert "interrupted\n" in result.stderr, result.stderr
     assert_whole_or_absent(out, complete_file, result.stderr)
+
+
+@pytest.mark.slow  # subprocesses
+@pytest.mark.parametrize(
+    "tool, delay, complete_file",
+    [
+        ("python -m headsurgeon classify", 0.3, "summary.txt"),  # importing torch
+        # Loading, census or writing (this entry has the handlers before its first import, so a
+        # slow machine still importing gets 143 too).
+        ("python -m headsurgeon classify", 4.0, "summary.txt"),
+    ],
+)
+def test_sigterm_is_handled_as_ctrl_c_with_status_143(tmp_path, tool, delay, complete_file):
+    """``kill`` (a scheduler's stop) gets Ctrl-C's cleanup and hint, with its own status."""
+    run = tmp_path / "run"
+    run.mkdir()
+    out = run / "out"
+    result = interrupt([*TOOLS[tool], "--out", str(out)], delay, run, signal.SIGTERM)
+    if result.returncode == 0:
+        assert (out / complete_file).is_file()
+        return
+    assert result.returncode == 143, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "terminated\n" in result.stderr, result.stderr
+    assert_whole_or_absent(out, complete_file, result.stderr)
+
+
+def signal_when(
+    command: list[str], cwd: Path, ready: Callable[[], bool], signum: int = signal.SIGTERM
+) -> subprocess.CompletedProcess:
+    """Run ``command`` in ``cwd``, send ``signum`` once ``ready()`` holds, wait for it to end."""
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(cwd)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not ready() and process.poll() is None:
+        assert time.monotonic() < deadline, "the run never reached the moment to signal"
+        time.sleep(0.05)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=180)
+    return subprocess.CompletedProcess(command, process.returncode, "", stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_during_training_keeps_it_and_gives_the_resume_hint(tmp_path):
+    """SIGTERM once the first pass has written its first file: the work folder is kept, and the
+    tool says how to continue it, as after Ctrl-C."""
+    out = tmp_path / "out"
+    pass1 = tmp_path / "out.partial" / "pass1"
+    command = [*TOOLS["python -m headsurgeon repair"], "--out", str(out)]
+    result = signal_when(command, tmp_path, lambda: pass1.is_dir() and any(pass1.iterdir()))
+    assert result.returncode == 143, result.stderr
+    assert "Traceback" not in result.stderr and "terminated\n" in result.stderr, result.stderr
+    assert f"continue it with --resume {out}" in result.stderr, result.stderr
+    assert_whole_or_absent(out, "report.md", result.stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_removes_the_private_offload_copy(tmp_path):
+    """A SIGTERM'd run's weights placed on disk do not outlive it: signalled once its private
+    offload folder exists, it removes that folder on its way out, and nothing else there."""
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    (offload / "notes.txt").write_text("mine")
+    placement = ["--max-memory", "cpu=1000", "--offload-folder", str(offload)]  # all on disk
+    command = [*TOOLS["python -m classify"], *placement, "--out", str(tmp_path / "out")]
+    result = signal_when(command, tmp_path, lambda: any(offload.glob("headsurgeon-offload-*")))
+    assert result.returncode == 143, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert [p.name for p in offload.iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.slow

@@ -279,3 +279,29 @@ def test_a_hand_edited_run_identity_is_one_line(injured, finished, tmp_path):  #
     (work / RUN_FILE).write_text(json.dumps(run))
     message = resume_fails(injured, work, "differs (settings.passes: 'xxx")
     assert len(message) < 600
+
+
+def test_a_resume_on_changed_content_of_the_same_shape_is_refused(injured, finished, tmp_path):  # noqa: F811
+    """A corpus rotated (the same tokens, in another order) or weights changed in place keep
+    every shape: the run record's content digests name what changed."""
+    work = copy(finished, tmp_path)
+    words = TEXT.split(" ")
+    rotated = " ".join(words[7:] + words[:7])
+    model = load_model(injured)
+    with pytest.raises(CheckpointError) as info:
+        repair(model, rotated, eval_corpus=TEXT, work_dir=work, resume=True, **SETTINGS)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1, message
+    assert "the train tokens changed" in message and "eval" not in message, message
+    with torch.no_grad():
+        model.blocks[0].attn.W_O[0, 0, 0] += 1
+    with pytest.raises(CheckpointError, match="the model's weights changed"):
+        repair(model, TEXT, eval_corpus=TEXT, work_dir=work, resume=True, **SETTINGS)
+
+
+def test_a_run_record_without_content_digests_is_one_line(injured, finished, tmp_path):  # noqa: F811
+    work = copy(finished, tmp_path)
+    run = json.loads((work / RUN_FILE).read_text())
+    del run["tokens"]
+    (work / RUN_FILE).write_text(json.dumps(run))
+    resume_fails(injured, work, "before content checks")
