@@ -473,6 +473,7 @@ def test_importing_a_library_module_loads_no_plotting_and_no_cli(name):
 # only"), but no figures: not served by ``headsurgeon.plots`` itself.
 PLOT_HELPERS = {
     "base_layout",
+    "literal",
     "cell_size",
     "census_subtitle",
     "check_columns",

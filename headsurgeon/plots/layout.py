@@ -10,6 +10,7 @@ Exports:
                                  one line unless df has the columns and rows
     wrap_text(text, width)       a subtitle broken at its separators to a width
     compact_number(x)            short cell text for a distance: 124, 2.2k, 4.4e53, ∞
+    literal(text)                user text (a model or corpus name) as plotly shows it literally
 
 >>> import plotly.graph_objects as go
 >>> fig = style(go.Figure(), title="BOS mass", subtitle="organism · 64 seqs", width=600)
