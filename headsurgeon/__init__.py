@@ -67,7 +67,10 @@ if TYPE_CHECKING:
         repair as repair_heads,  # noqa: F401 (a verb: served by _EXPORTS)
     )
     from headsurgeon.sink_cache import sink_cache_effect as sink_cache_effect
-    from headsurgeon.surgery import reinit_heads as reinit_heads
+    from headsurgeon.surgery import (
+        reinit_heads as reinit_heads,
+        save_pruned as save_pruned,
+    )
     from headsurgeon.window import window_effect as window_effect
 
 # The API: name -> (module, its name there). Equal to the TYPE_CHECKING block above
@@ -93,6 +96,7 @@ _EXPORTS = {
     "perplexity": ("headsurgeon.evals", "perplexity"),
     "precision_effect": ("headsurgeon.precision", "precision_effect"),
     "reinit_heads": ("headsurgeon.surgery", "reinit_heads"),
+    "save_pruned": ("headsurgeon.surgery", "save_pruned"),
     "RepairConfig": ("headsurgeon.repair", "RepairConfig"),
     "RepairResult": ("headsurgeon.repair", "RepairResult"),
     "repair_heads": ("headsurgeon.repair", "repair"),

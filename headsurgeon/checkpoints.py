@@ -2,8 +2,10 @@
 :mod:`headsurgeon.checkpoint_diff`).
 
 Exports:
-    save_hf(model, out_dir, overwrite, dtype, verify)  BLOOM, MPT or Falcon checkpoint, checked
-                                             by reloading it
+    save_hf(model, out_dir, overwrite, dtype, verify, card)
+                                             BLOOM, MPT or Falcon checkpoint, checked by
+                                             reloading it, with a model card (README.md)
+    model_card(info, config, verified, body) that card
     checkpoint_dtype(model)                  the dtype of the checkpoint a model was loaded from
     hf_state_dict(model)                     the weights in their family's Hugging Face layout
     hf_model(model, dtype)                   the transformers model of its family that computes
@@ -59,10 +61,12 @@ from headsurgeon.outputs import (
     atomic_write_text,
     check_output_dir,
     claim_output,
+    headsurgeon_version,
 )
 
 __all__ = [
     "EXPORT_ATOL",
+    "model_card",
     "EXPORT_RTOL",
     "checkpoint_dtype",
     "hf_model",
@@ -538,6 +542,7 @@ def save_hf(
     overwrite: bool = False,
     dtype: str | torch.dtype | None = None,
     verify: bool = True,
+    card: str | None = None,
 ) -> Path:
     """Export a model as a Hugging Face checkpoint folder of its own family: BLOOM (3.x
     HookedTransformer, 4.x bridge), MPT and Falcon (4.x bridge: ``MptForCausalLM``,
@@ -569,6 +574,10 @@ def save_hf(
     sequences are compared with the model's own (computed in float32); a gap above
     ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
     float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
+
+    The folder holds a model card, ``README.md`` (:func:`model_card`): where the weights came
+    from, whether the reload check ran, and ``card`` (Markdown: what was done to the model, as
+    ``python -m headsurgeon.repair`` and :func:`headsurgeon.surgery.save_pruned` write it).
     """
     info = model_info(model, "save_hf", writes=True)
     # Where the model was loaded from (headsurgeon.loading records it): never written over.
@@ -598,6 +607,7 @@ def save_hf(
         _write_folder(tmp, written, config, info)
         del written
         moved = _verify_export(model, info, tmp, unrounded) if verify else None
+        atomic_write_text(tmp / "README.md", model_card(info, config, verified=verify, body=card))
     if rounded:
         message = f"save_hf wrote {dtype_name}: rounding changed {rounded} weight(s) of {info.name}"
         if moved is not None:
@@ -648,6 +658,51 @@ def _cast_state(
             )
         rounded += int((written[name].to(tensor.dtype) != tensor).count_nonzero())
     return written, state, rounded
+
+
+def model_card(
+    info: ModelInfo, config: dict[str, Any], *, verified: bool, body: str | None = None
+) -> str:
+    """The ``README.md`` that :func:`save_hf` writes beside the weights: a Hugging Face model
+    card (YAML front matter: ``library_name``, ``tags``, ``base_model`` for a hub model) that
+    says what the folder holds, where it came from, whether the export was checked by reload,
+    and ``body`` (what was done to the model: a repair's summary, the heads pruned).
+
+    >>> from headsurgeon.loading import ModelShape, model_info, random_model
+    >>> card = model_card(model_info(random_model(ModelShape(1, 2, 8, 16, 8))),
+    ...                   {"model_type": "bloom", "dtype": "float32"}, verified=True)
+    >>> card.splitlines()[:3]
+    ['---', 'library_name: transformers', 'tags: ["headsurgeon", "alibi", "bloom"]']
+    """
+    family = str(config.get("model_type", "bloom"))
+    tags = ["headsurgeon", "alibi" if info.is_alibi else "transformer", family]
+    front = ["---", "library_name: transformers", f"tags: {json.dumps(tags)}"]
+    if info.source is not None and info.name.count("/") == 1 and not os.path.isabs(info.name):
+        front.append(f"base_model: {json.dumps(info.name)}")  # a hub name (JSON is YAML)
+    shape = info.shape
+    check = (
+        "Checked by reload: transformers reads this folder and computes the exported model's "
+        f"logits within {_TOLERANCE} x |logit| (float32) on random token sequences."
+        if verified
+        else "Not checked by reload (save_hf was called with verify=False)."
+    )
+    lines = [
+        *front,
+        "---",
+        "",
+        f"# {info.name}, exported by headsurgeon",
+        "",
+        f"A {family} checkpoint ({shape.n_layers} layers x {shape.n_heads} heads, width "
+        f"{shape.d_model}, {config.get('dtype', 'float32')}) written by headsurgeon "
+        f"{headsurgeon_version()}'s `save_hf` from `{info.name}`: the weights the model computed "
+        "with when it was exported, in the family's own Hugging Face layout. "
+        f"`{METADATA_FILE}` records how it was trained and exported.",
+        "",
+        check,
+    ]
+    if body:
+        lines += ["", body.strip()]
+    return "\n".join(lines) + "\n"
 
 
 def _write_folder(

@@ -21,6 +21,8 @@ Exports:
     restored_on_failure(model, what)    context manager: on any exception (Ctrl-C included) the
                                         weights in its WeightSnapshot are put back bit for bit
     check_surgery(model)                UnsupportedArchitectureError unless heads can be operated on
+    save_pruned(model, heads, out_dir)  a checkpoint with the heads pruned (W_O slices zero),
+                                        checked by reload, with a card saying so
 
 Gradient masks alone do not freeze anything under AdamW: decoupled weight decay shrinks every
 element it is given, gradient or not. ``HeadParameters`` is what :mod:`headsurgeon.finetune` trains
@@ -40,7 +42,9 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,11 +53,15 @@ from torch import Tensor, nn
 
 from headsurgeon.backend import Model, check_model
 from headsurgeon.backend.weights import HEAD_TENSORS, check_head_tensors, head_tensors
+from headsurgeon.checkpoints import save_hf
+from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import MAX_HEADS, SICK_LABELS, Heads, HeadSet
 from headsurgeon.inuse import holds_model
+from headsurgeon.loading import model_info
 from headsurgeon.validation import check_choice, check_int
 
 __all__ = [
+    "save_pruned",
     "HEAD_TENSORS",
     "TRAINED_TENSORS",
     "HeadSet",
@@ -483,3 +491,57 @@ class _Apply(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return self.fn(self.model, *args)
+
+
+@holds_model("save_pruned")
+def save_pruned(
+    model: Model,
+    heads: Heads,
+    out_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    dtype: str | torch.dtype | None = None,
+    verify: bool = True,
+) -> Path:
+    """Write ``model`` with ``heads`` pruned as a Hugging Face checkpoint of its family: each
+    pruned head's output slice (``W_O``) is zero, so it writes nothing to the residual stream
+    (zero ablation, as :func:`headsurgeon.ablate_heads` with ``"zero"`` computes it), and every
+    other weight is the model's. Transformers 5 removed ``prune_heads`` and ``head_mask``, so a
+    checkpoint is where a pruning lives now; the heads' Q/K/V weights stay (the layout keeps
+    every head), and ``b_O`` is the layer's, untouched.
+
+    Written by :func:`headsurgeon.save_hf` (checked by reload unless ``verify=False``; its
+    ``overwrite`` and ``dtype``), with a model card (``README.md``) that names the pruned heads.
+    ``model`` itself is not changed: its ``W_O`` slices are restored after the write, also when
+    the write fails.
+
+    >>> import tempfile, torch
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(2, 4, 32, 64, 16))
+    >>> w_o = model.blocks[1].attn.W_O.clone()
+    >>> folder = save_pruned(model, "L1H0,L1H3", tempfile.mkdtemp() + "/pruned")
+    >>> "L1H0, L1H3" in (folder / "README.md").read_text()
+    True
+    >>> torch.equal(model.blocks[1].attn.W_O, w_o)  # the model as it was
+    True
+    """
+    info = model_info(model, "save_pruned", writes=True)
+    check_surgery(model)
+    chosen = HeadSet.of(heads, info.shape)
+    if not chosen:
+        raise InvalidArgumentError("nothing to prune: the head set is empty")
+    kept = head_slices(model, chosen, ["W_O"])
+    card = (
+        f"## Pruned heads\n\n{len(chosen)} head(s) pruned: {', '.join(chosen.names())}. Their "
+        "output projection slices (`W_O`) are zero, so they write nothing to the residual "
+        f"stream; every other weight is `{info.name}`'s, unchanged (their query, key and value "
+        "weights stay in place: the layout keeps every head)."
+    )
+    try:
+        with torch.no_grad():
+            for layer, head in chosen:
+                w_o = head_tensors(model, layer)["W_O"]
+                w_o.heads(w_o.param)[head] = 0
+        return save_hf(model, out_dir, overwrite=overwrite, dtype=dtype, verify=verify, card=card)
+    finally:
+        load_head_slices(model, chosen, kept)

@@ -440,6 +440,8 @@ def write_report(
             note=samples_note(samples, report["settings"].get("census_data"), "each stage"),
         )
         if save_model and result.best_pass is not None:  # no acceptable pass: no model
-            save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"])
+            # The card: report.md's summary (verdict, heads, the table), without its figure links.
+            card = markdown.split("\n## ", 1)[0].replace("# Repair of", "## Repair of", 1)
+            save_hf(result.model, tmp / "model", dtype=result.settings["save_dtype"], card=card)
     plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)
