@@ -5,6 +5,8 @@ Exports:
                                         weight stays bit-identical
     warmup_cosine(warmup, steps)        the learning-rate factor of a step
     TrainingDivergedError               a NaN or infinite loss stopped the run
+    check_grad_mode(model, what)        one line where training cannot work: inside
+                                        torch.inference_mode(), or on weights made there
 
 :func:`finetune` checks its inputs once (its sequences by
 :func:`headsurgeon.data.as_sequences`, the rest in :class:`_Job`), then runs the loop
