@@ -4,10 +4,12 @@ Exports:
     CORPORA                              names of the bundled corpora
     bundled_text(name, split)            a bundled corpus as one string
     read_texts(paths)                    the texts of files: regular files only, bounded reads
+    check_texts(paths)                   files checked as read_texts reads them, none kept
     Sequences                            checked token sequences and where they came from
     to_sequences(model, data, ...)       Sequences from texts, files or a token tensor
     as_sequences(info, data, ...)        the same at a verb's door (Sequences pass through)
     tokenize(info, text)                 token ids with the model's own tokenizer, no special tokens
+                                         (literal "<s>" in the text is text, never the BOS id)
     encode(info, text, prepend_bos)      one text as a [1, pos] token tensor, BOS by the convention
     token_strings(info, tokens)          each token id as readable text (axis labels, hover)
     check_token_ids(info, tokens)        a token tensor checked: integer ids within the vocabulary
@@ -38,6 +40,7 @@ import dataclasses
 import functools
 import gzip
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +51,7 @@ from torch import Tensor
 
 from headsurgeon.backend import Model
 from headsurgeon.errors import DataError, HeadsurgeonError, InvalidArgumentError
-from headsurgeon.inputs import read_text
+from headsurgeon.inputs import iter_text, read_text
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.validation import check_bool, check_int
 
@@ -59,6 +62,7 @@ __all__ = [
     "CORPORA",
     "bundled_text",
     "read_texts",
+    "check_texts",
     "tokenize",
     "encode",
     "token_strings",
@@ -76,6 +80,19 @@ CORPORA = ("shakespeare", "python-docs")
 SPLITS = ("train", "heldout")
 
 Data = str | os.PathLike | Sequence[str | os.PathLike] | Tensor | None
+
+# Text is tokenised in pieces of at most this many characters, so that a 50 MB line never
+# reaches the tokenizer whole (it took 10 GB, or aborted in Rust).
+PIECE_CHARS = 1 << 20
+# With n_seqs, windows are sampled from the first max(SAMPLE_FACTOR x the tokens asked for,
+# MIN_SAMPLE_TOKENS) tokens of the corpus: every bundled corpus and ordinary files are read
+# whole, a 900 MB gzip bomb is not.
+SAMPLE_FACTOR = 8
+MIN_SAMPLE_TOKENS = 1 << 23
+# A piece ends where a run of whitespace begins after a non-space character: byte-level BPE
+# pre-tokenizers (BLOOM's, MPT's, Falcon's, GPT-2's) end a word there and split the run on its
+# own, so no token crosses the cut.
+_CUT = re.compile(r"(?<=\S)(?=\s)")
 
 
 def bundled_text(name: str = "shakespeare", split: str = "heldout") -> str:
@@ -102,6 +119,18 @@ def read_texts(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
     return [_read_text(Path(path)) for path in paths]
 
 
+def check_texts(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> None:
+    """The checks of :func:`read_texts` (one :class:`DataError` line per problem), reading each
+    file piece by piece and keeping none of it: a 900 MB ``.gz`` is checked in bounded memory."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not paths:
+        raise DataError("no text files given; pass at least one file")
+    for path in paths:
+        for _ in _file_chunks(Path(path)):
+            pass
+
+
 def _read_text(path: Path) -> str:
     if path.is_dir():
         raise DataError(f"text file {path} is a folder; give the text files in it ({path}/*.txt)")
@@ -113,16 +142,60 @@ def _read_text(path: Path) -> str:
     return text
 
 
+def _file_chunks(path: Path) -> Iterator[str]:
+    """A text file's text in pieces (:func:`~headsurgeon.inputs.iter_text`), one line for a
+    folder or a file without text."""
+    if path.is_dir():
+        raise DataError(f"text file {path} is a folder; give the text files in it ({path}/*.txt)")
+    blank = True
+    for chunk in iter_text(path, "text file"):
+        blank = blank and not chunk.strip()
+        yield chunk
+    if blank:
+        raise DataError(f"text file {path} is empty; give a file with text in it")
+
+
 def tokenize(info: ModelInfo, text: str) -> list[int]:
     """Token ids of ``text`` from the model's tokenizer (``info.tokenizer``: the checkpoint's
-    own), without special tokens."""
+    own), without special tokens: markup such as ``<s>`` or ``<pad>`` in the text is text,
+    tokenised as its characters, never the BOS or PAD id (BOS comes only from the BOS rule).
+
+    Long texts are tokenised in pieces of at most :data:`PIECE_CHARS` characters, cut where
+    whitespace follows a word, where byte-level BPE tokenizers (BLOOM's, MPT's, Falcon's) end a
+    token anyway: the ids are those of the whole text. A stretch of :data:`PIECE_CHARS` / 2
+    characters with no word followed by whitespace (one unbroken word, or one run of spaces) is
+    cut where the piece ends, and the tokens at that cut may differ from the whole text's."""
+    return torch.cat(list(_piece_ids(info, _slices(text)))).tolist()
+
+
+def _slices(text: str) -> Iterator[str]:
+    return (text[i : i + PIECE_CHARS] for i in range(0, max(len(text), 1), PIECE_CHARS))
+
+
+def _pieces(chunks: Iterable[str]) -> Iterator[str]:
+    """The text of ``chunks`` again, re-cut into pieces of at most :data:`PIECE_CHARS`
+    characters, each (but where no word boundary exists) ending before whitespace (``_CUT``)."""
+    buffer = ""
+    for chunk in chunks:
+        buffer += chunk
+        while len(buffer) > PIECE_CHARS:
+            found = _CUT.search(buffer, PIECE_CHARS // 2, PIECE_CHARS + 1)
+            cut = found.start() if found else PIECE_CHARS
+            yield buffer[:cut]
+            buffer = buffer[cut:]
+    yield buffer
+
+
+def _piece_ids(info: ModelInfo, chunks: Iterable[str]) -> Iterator[Int[Tensor, " pos"]]:
+    """The token ids of the text of ``chunks``, piece by piece."""
     tokenizer = info.tokenizer
     if tokenizer is None:
         raise DataError(
             "this model has no tokenizer, so text cannot be tokenised; add its tokenizer files "
             "(tokenizer.json, tokenizer_config.json) to the model folder, or pass token tensors"
         )
-    return list(_token_ids(tokenizer, text))
+    for piece in _pieces(chunks):
+        yield _token_ids(tokenizer, piece)
 
 
 def encode(info: ModelInfo, text: str, prepend_bos: bool | None = None) -> Int[Tensor, "1 pos"]:
@@ -146,10 +219,12 @@ def token_strings(info: ModelInfo, tokens: Int[Tensor, " pos"]) -> list[str]:
     return [tokenizer.decode([i]).replace(" ", "·").replace("\n", "⏎") or f"#{i}" for i in ids]
 
 
-@functools.lru_cache(maxsize=8)
-def _token_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
-    # Corpora are megabytes: census, evaluation and fine-tuning re-read the same ones.
-    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+@functools.lru_cache(maxsize=32)
+def _token_ids(tokenizer: Any, text: str) -> Int[Tensor, " pos"]:
+    # Corpora are megabytes: census, evaluation and fine-tuning re-read the same ones (never
+    # modify the cached tensor). split_special_tokens: "<s>" in a corpus is text, not BOS.
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def texts_of(data: Data) -> list[str]:
@@ -168,6 +243,23 @@ def texts_of(data: Data) -> list[str]:
     return texts
 
 
+def _sources(data: Data) -> list[str | Path]:
+    """What :func:`texts_of` reads, with the files not yet read: each a text or a ``Path``."""
+    if data is None:
+        return texts_of(data)
+    items = [data] if isinstance(data, (str, os.PathLike)) else _items(data)
+    if not items:
+        raise DataError("no texts given; pass at least one text or file")
+    sources = [Path(x) if isinstance(x, os.PathLike) else x for x in items]
+    if all(isinstance(x, str) and not x.strip() for x in sources):
+        raise DataError("the texts are empty; give text with content in it")
+    return sources
+
+
+def _chunks_of(source: str | Path) -> Iterator[str]:
+    return _slices(source) if isinstance(source, str) else _file_chunks(source)
+
+
 def _items(data: object) -> list[str | os.PathLike]:
     """The texts and files of a sequence; one line for anything else."""
     items = list(data) if isinstance(data, Iterable) else [data]
@@ -182,8 +274,10 @@ def _items(data: object) -> list[str | os.PathLike]:
 def check_token_ids(info: ModelInfo, tokens: object) -> Int[Tensor, "batch pos"]:
     """``tokens`` as a ``long`` tensor if it is a non-empty ``[batch, pos]`` tensor of ids.
 
-    Float or bool tensors are refused rather than cast (``torch.rand`` would become all zeros),
-    and every id must lie in the model's vocabulary.
+    Any integer dtype (``uint8``, ``int16``, ``int32``...) and any strided layout (a transposed
+    or sliced view) is taken, as a contiguous ``long`` copy. Float or bool tensors are refused
+    rather than cast (``torch.rand`` would become all zeros), sparse and meta tensors too, and
+    every id must lie in the model's vocabulary.
     """
     if not isinstance(tokens, Tensor):
         raise DataError(f"expected a token tensor, got {type(tokens).__name__}")
@@ -203,13 +297,17 @@ def check_token_ids(info: ModelInfo, tokens: object) -> Int[Tensor, "batch pos"]
             f"a token tensor {where} holds no token ids to use; pass a dense tensor on the CPU "
             "or the model's device (e.g. tokens.to('cpu') after filling it)"
         )
+    # Compared in int64: in a uint8 tensor "max >= 4096" wraps and refused valid ids. Any
+    # layout is used (TransformerLens needs contiguous rows).
+    tokens = tokens.to(torch.long).contiguous()
     d_vocab = info.shape.d_vocab
-    if tokens.min() < 0 or tokens.max() >= d_vocab:
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= d_vocab:
         raise DataError(
-            f"token ids must lie in 0..{d_vocab - 1}, got {tokens.min().item()}.."
-            f"{tokens.max().item()}; tokenise with this model's tokenizer"
+            f"token ids must lie in 0..{d_vocab - 1}, got {low}..{high}; tokenise with this "
+            "model's tokenizer"
         )
-    return tokens.long()
+    return tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,23 +398,25 @@ def as_sequences(
     seq_len: int = 128,
     n_seqs: int | None = None,
     prepend_bos: bool | None = None,
+    seq_len_name: str = "seq_len",
 ) -> Sequences:
     """The :class:`Sequences` of ``data`` for the model ``info`` describes: the first line of
     every verb after :func:`~headsurgeon.loading.model_info` (see :func:`to_sequences` for what
     ``data`` may be). :class:`Sequences` checked for this model pass through (their first
-    ``n_seqs`` rows); anything else is made and checked here, once."""
+    ``n_seqs`` rows); anything else is made and checked here, once. ``seq_len_name``: the
+    caller's name for ``seq_len`` in messages (``"train_seq_len"``)."""
     bos = resolve_bos(info, prepend_bos)
     n_seqs = None if n_seqs is None else check_int(n_seqs, "n_seqs", minimum=1)
     # Checked for tensors too, where it does not apply: a bad value is never silently accepted.
-    seq_len = check_int(seq_len, "seq_len", minimum=1)
+    seq_len = check_int(seq_len, seq_len_name, minimum=1)
     if isinstance(data, Sequences):
         if data.checked_for == _checked_for(info):
             return data.head(n_seqs)
         data = data.tokens  # made for another model: checked again, as a tensor
     if isinstance(data, Tensor):
         return _tensor_sequences(info, data, n_seqs, prepend_bos)
-    check_length(info, seq_len, "seq_len", DataError)
-    tokens = _windows(info, texts_of(data), seq_len, n_seqs, bos)
+    check_length(info, seq_len, seq_len_name, DataError)
+    tokens = _windows(info, _sources(data), seq_len, n_seqs, bos, seq_len_name)
     why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
     if bos:
         rule = f"BOS token (id {info.bos_token_id}) prepended to each text window ({why})"
@@ -343,27 +443,40 @@ def _tensor_sequences(
 
 
 def _windows(
-    info: ModelInfo, texts: list[str], seq_len: int, n_seqs: int | None, bos: bool
+    info: ModelInfo,
+    sources: list[str | Path],
+    seq_len: int,
+    n_seqs: int | None,
+    bos: bool,
+    name: str = "seq_len",
 ) -> Int[Tensor, "batch pos"]:
     """Each text's non-overlapping windows (after a BOS token when ``bos``), ``n_seqs`` of them
-    evenly spaced over all texts."""
+    evenly spaced over all texts, or over the first ``max(SAMPLE_FACTOR * n_seqs * seq_len,
+    MIN_SAMPLE_TOKENS)`` tokens when the texts hold more: reading and tokenising stop there."""
     body = seq_len - 1 if bos else seq_len
     if body < 1:
-        raise InvalidArgumentError("seq_len must be at least 2 when a BOS token is prepended")
-    windows = []
-    for text in texts:
-        ids = torch.tensor(tokenize(info, text), dtype=torch.long)
-        n = ids.numel() // body
-        windows.extend(ids[: n * body].view(n, body))
-    if not windows:
+        raise InvalidArgumentError(f"{name} must be at least 2 when a BOS token is prepended")
+    budget = None if n_seqs is None else max(SAMPLE_FACTOR * n_seqs * body, MIN_SAMPLE_TOKENS)
+    blocks, n_windows = [], 0
+    for source in sources:
+        carry = torch.empty(0, dtype=torch.long)  # tokens after the last full window so far
+        for ids in _piece_ids(info, _chunks_of(source)):
+            ids = torch.cat([carry, ids])
+            n = ids.numel() // body
+            blocks.append(ids[: n * body].view(n, body))
+            carry, n_windows = ids[n * body :], n_windows + n
+            if budget is not None and n_windows * body >= budget:
+                break
+        if budget is not None and n_windows * body >= budget:
+            break
+    if not n_windows:
         raise DataError(
             f"the texts are shorter than one sequence of {seq_len} tokens; give more text or "
-            "a smaller --seq-len"
+            f"a smaller {name} (--{name.replace('_', '-')})"
         )
-    if n_seqs is not None and n_seqs < len(windows):
-        picks = torch.linspace(0, len(windows) - 1, n_seqs).round().long().tolist()
-        windows = [windows[i] for i in picks]
-    tokens = torch.stack(windows)
+    tokens = torch.cat(blocks)
+    if n_seqs is not None and n_seqs < n_windows:
+        tokens = tokens[torch.linspace(0, n_windows - 1, n_seqs).round().long()]
     if int(tokens.max()) >= info.shape.d_vocab:  # a tokenizer larger than the model's vocabulary
         raise DataError(
             f"the tokenizer gives token ids up to {int(tokens.max())}, beyond the model's "

@@ -12,6 +12,8 @@ Exports:
     read_bytes(path, what, max_bytes=, error=)           a checked file's bytes, read bounded
     read_text(path, what, max_bytes=, error=)            UTF-8 text (``.gz`` decompressed,
                                    bounded too), NUL and non-UTF-8 bytes found chunk by chunk
+    iter_text(path, what, max_bytes=, error=)            the same text as a stream of pieces
+                                   of at most ~1 MiB each (read only as far as it is consumed)
     read_json(path, what, max_bytes=, error=)            one JSON object
     MAX_TEXT_BYTES, MAX_JSON_BYTES the default bounds (1 GiB of text, 64 MiB of JSON)
 
@@ -40,6 +42,7 @@ import json
 import os
 import stat
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,7 @@ __all__ = [
     "check_regular_file",
     "read_bytes",
     "read_text",
+    "iter_text",
     "read_json",
 ]
 
@@ -204,17 +208,28 @@ def read_text(
 ) -> str:
     """UTF-8 text of a checked regular file (``.gz`` decompressed), read in chunks so that a
     NUL byte or an invalid UTF-8 sequence stops the read where it is found."""
+    return "".join(iter_text(path, what, max_bytes=max_bytes, error=error))
+
+
+def iter_text(
+    path: str | os.PathLike,
+    what: str,
+    *,
+    max_bytes: int = MAX_TEXT_BYTES,
+    error: type[HeadsurgeonError] = DataError,
+) -> Iterator[str]:
+    """The text :func:`read_text` returns, as consecutive pieces of at most about 1 MiB, read
+    (and decompressed) only as far as the caller consumes them: a caller that needs the first
+    megabytes of a 900 MB ``.gz`` never holds the rest. The file is checked on the first piece."""
     path = check_regular_file(path, what, max_bytes=max_bytes, error=error)
     decoder = codecs.getincrementaldecoder("utf-8")()
-    parts: list[str] = []
     offset = 0  # of the first byte the decoder has not yet consumed (its buffer included)
     for chunk in _chunks(path, what, max_bytes, error):
         if b"\x00" in chunk:  # UTF-8 text never holds NUL; binary files and UTF-16 do
             raise _not_text(path, what, error)
-        parts.append(_decode(decoder, chunk, offset, path, what, error))
+        yield _decode(decoder, chunk, offset, path, what, error)
         offset += len(chunk)
-    parts.append(_decode(decoder, b"", offset, path, what, error, final=True))
-    return "".join(parts)
+    yield _decode(decoder, b"", offset, path, what, error, final=True)
 
 
 def _decode(

@@ -15,6 +15,7 @@ Exports:
     write_sums(z, W_O, first)              the same as a sum over positions
     HeadStats                              float64 accumulator fed by forward hooks
     stream(model, tokens, fwd_hooks, ...)  run token batches through hooks, skipping the unembedding
+    check_batch_memory(model, batch, n_pos, block, ...)  one line if a batch cannot fit in memory
     unfired(model, analysis, hook, layers) the one-line error for a hook that never fired
     check_fired(model, analysis, counts)   raise it unless each hook fired in every layer
 
@@ -45,7 +46,7 @@ from torch import Tensor
 from headsurgeon import long_context
 from headsurgeon.backend import TRANSFORMER_LENS, HookPoint, Model, resident
 from headsurgeon.data import batches
-from headsurgeon.errors import UnsupportedArchitectureError
+from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import model_info
 from headsurgeon.long_context import FORWARD_BYTES_PER_ENTRY
 from headsurgeon.progress import tqdm
@@ -60,6 +61,7 @@ __all__ = [
     "write_sums",
     "HeadStats",
     "stream",
+    "check_batch_memory",
     "unfired",
     "check_fired",
 ]
@@ -629,8 +631,69 @@ def stream(
         or long_context.block_size(model, n_pos, batch=len(b), bytes_per_entry=bytes_per_entry)
         for b in batches(tokens, batch_size)
     ]
+    if rows:  # the first batch is the largest: checked before anything is allocated
+        check_batch_memory(model, len(tokens[:batch_size]), n_pos, rows[0], bytes_per_entry)
     bar = tqdm(total=sum(-(-n_pos // r) for r in rows), desc=desc, disable=not progress)
     with torch.no_grad(), model.hooks(fwd_hooks=list(fwd_hooks)), bar:
         for batch, block in zip(batches(tokens, batch_size), rows, strict=True):
             for _ in long_context.run_in_blocks(model, batch, block_size=block, stop_at_layer=stop):
                 bar.update()
+
+
+# Activations of one block per (sequence, position): the residual stream, the MLP's hidden layer
+# (4 d_model) and their copies, counted generously as 16 d_model values.
+ACTIVATION_VALUES_PER_D_MODEL = 16
+
+
+def check_batch_memory(
+    model: Model,
+    batch: int,
+    n_pos: int,
+    block: int,
+    bytes_per_entry: int = FORWARD_BYTES_PER_ENTRY,
+    available: int | None = None,
+) -> int:
+    """The bytes one forward of ``batch`` sequences of ``n_pos`` tokens in blocks of ``block``
+    query rows needs (attention: ``batch x head x block x n_pos x bytes_per_entry``; the rest:
+    ``batch x n_pos x 16 d_model`` values), or one line naming ``--batch-size`` when that is
+    more than the memory ``available`` (default: free memory on the model's device, from
+    ``/proc/meminfo`` or CUDA; not checked where neither says). An estimate, checked before the
+    first allocation, so ``--batch-size 100000`` is refused at once rather than killed later.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=9, n_ctx=16))
+    >>> check_batch_memory(model, 4, 16, 16, available=10**9)
+    65536
+    >>> check_batch_memory(model, 10**6, 16, 16, available=10**9)
+    Traceback (most recent call last):
+    ...
+    headsurgeon.errors.InvalidArgumentError: a batch of 1000000 sequences of 16 tokens needs ...
+    """
+    cfg = model.cfg
+    itemsize = torch.finfo(cfg.dtype).bits // 8 if cfg.dtype.is_floating_point else 4
+    attention = batch * cfg.n_heads * min(block, n_pos) * n_pos * bytes_per_entry
+    rest = batch * n_pos * ACTIVATION_VALUES_PER_D_MODEL * cfg.d_model * itemsize
+    needed = attention + rest
+    device = torch.device(getattr(cfg, "device", None) or "cpu")  # where activations go
+    free = _free_memory(device) if available is None else available
+    if free is not None and needed > free:
+        raise InvalidArgumentError(
+            f"a batch of {batch} sequences of {n_pos} tokens needs about {needed / 2**30:.1f} GiB "
+            f"for one forward, more than the {free / 2**30:.1f} GiB free; use a smaller batch "
+            f"size (--batch-size {max(1, batch * free // needed // 2)} or less)"
+        )
+    return needed
+
+
+def _free_memory(device: torch.device) -> int | None:
+    """Free bytes where ``device`` keeps its tensors: CUDA's count, or Linux's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

@@ -10,6 +10,7 @@ Exports:
     check_number(value, name, low=, high=, ...)       a real number, finite unless allowed
     check_choice(value, name, choices)                one of a fixed set of names
     check_bool(value, name)                           True or False (not 0, 1 or "yes")
+    MAX_SEED                                          the largest seed: 2**63 - 1
 
 >>> check_int(3, "passes", minimum=1)
 3
@@ -35,6 +36,7 @@ import numpy as np
 from headsurgeon.errors import InvalidArgumentError
 
 __all__ = [
+    "MAX_SEED",
     "check_int",
     "check_number",
     "check_choice",
@@ -64,6 +66,9 @@ def _shown(value: object, longest: int = 80) -> str:
         return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     text = repr(value)
     return text if len(text) <= longest else f"{text[: longest - 4]}...{text[-1]}"
+
+
+MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers in torch and the run records
 
 
 def check_int(

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headsurgeon.data import batches, bundled_text, read_texts, to_sequences
+from headsurgeon.data import (
+    as_sequences,
+    batches,
+    bundled_text,
+    check_texts,
+    read_texts,
+    to_sequences,
+    tokenize,
+)
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.loading import model_info
 
@@ -86,3 +94,132 @@ def test_read_texts_takes_one_path_as_a_path(tmp_path):
     file = tmp_path / "t.txt"
     file.write_text("hello")
     assert read_texts(file) == ["hello"] == read_texts(str(file))
+
+
+# Issue 41: bounded reads, token tensors of any integer dtype and layout, text as text.
+
+
+@pytest.fixture(scope="module")
+def organism_info():
+    from headsurgeon import load_model
+
+    return model_info(load_model("organism"))
+
+
+def test_pieces_give_the_tokens_of_the_whole_text(organism_info, monkeypatch):
+    """Tokenising piece by piece (cut where whitespace follows a word) gives the ids of the
+    whole text: prose, code with long whitespace runs, and a stretch without any whitespace
+    longer than a piece (cut there, documented) only at that cut."""
+    from headsurgeon import data
+
+    tokenizer = organism_info.tokenizer
+    text = bundled_text("shakespeare", "heldout")[:60_000] + bundled_text("python-docs")[:60_000]
+    text += "  :bcc:" + " " * 120 + "Header\n\n\t x"
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    monkeypatch.setattr(data, "PIECE_CHARS", 300)
+    data._token_ids.cache_clear()
+    assert data.tokenize(organism_info, text) == whole
+    assert all(len(p) <= 300 for p in data._pieces(data._slices(text)))
+    unbroken = "x" * 1000
+    assert [len(p) for p in data._pieces(data._slices(unbroken))] == [300, 300, 300, 100]
+
+
+def test_literal_special_tokens_are_text(organism_info, tiny_model):
+    """``<s>``, ``</s>``, ``<pad>`` in a corpus are characters, never the BOS/EOS/PAD ids."""
+    for info in (organism_info, model_info(tiny_model)):
+        tokenizer = info.tokenizer
+        specials = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+        text = "a <s> b </s> c <pad> d<s></s>" * 20
+        assert not specials & set(tokenize(info, text))
+        seqs = as_sequences(info, text, seq_len=8, prepend_bos=False)
+        assert not specials & set(seqs.tokens.flatten().tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_token_tensors_of_any_integer_dtype_and_layout(tiny_model, dtype):
+    """Compared in int64: uint8 ids 5..236 are valid for a vocabulary of 320 (the old check
+    wrapped in uint8 and refused them); a transposed, non-contiguous view works."""
+    ids = torch.arange(5, 237).reshape(8, 29)
+    seqs = to_sequences(tiny_model, ids.to(dtype))
+    assert seqs.tokens.dtype == torch.long and torch.equal(seqs.tokens, ids)
+    view = ids.to(dtype).T  # [29, 8], non-contiguous
+    got = to_sequences(tiny_model, view).tokens
+    assert got.is_contiguous() and torch.equal(got, ids.T)
+    tiny_model(got)  # TransformerLens takes it
+    if dtype != torch.uint8:
+        with pytest.raises(DataError, match=r"must lie in 0\.\.319, got 5\.\.400;"):
+            to_sequences(tiny_model, torch.tensor([[5, 400]], dtype=dtype))
+
+
+def test_check_texts_keeps_nothing_and_finds_what_read_texts_finds(tmp_path):
+    good, binary = tmp_path / "a.txt", tmp_path / "b.txt"
+    good.write_text("some text\n")
+    binary.write_bytes(b"text\x00")
+    assert check_texts([good]) is None
+    with pytest.raises(DataError, match="is not text"):
+        check_texts([good, binary])
+    with pytest.raises(DataError, match="is empty"):
+        (tmp_path / "c.txt").write_text(" \n")
+        check_texts(tmp_path / "c.txt")
+
+
+def test_n_seqs_reads_only_a_budget_of_tokens(organism_info, tmp_path, monkeypatch):
+    """With n_seqs, windows are spread over the first max(SAMPLE_FACTOR x n_seqs x seq_len,
+    MIN_SAMPLE_TOKENS) tokens; beyond that the file is not read."""
+    from headsurgeon import data
+
+    read = []
+    real = data.iter_text
+    monkeypatch.setattr(
+        data, "iter_text", lambda *a, **k: (read.append(c) or c for c in real(*a, **k))
+    )
+    monkeypatch.setattr(data, "MIN_SAMPLE_TOKENS", 1000)
+    path = tmp_path / "long.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 200_000)  # 9 MB
+    seqs = as_sequences(organism_info, path, seq_len=16, n_seqs=4)
+    assert seqs.tokens.shape == (4, 16)
+    assert sum(map(len, read)) <= 3 << 20  # a few chunks of 1 MiB, not 9 MB
+
+
+_CAPPED = """
+import gzip, resource, sys, zlib
+from pathlib import Path
+import headsurgeon as hs
+from headsurgeon import data
+from headsurgeon.errors import HeadsurgeonError
+info = hs.model_info(hs.load_model("organism"))
+data.MIN_SAMPLE_TOKENS = 1 << 20  # one or two pieces: seconds, not minutes, on a busy machine
+size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (1536 << 20),) * 2)
+try:
+    seqs = data.as_sequences(info, Path(sys.argv[1]), seq_len=64, n_seqs=4)
+    print("shape", list(seqs.tokens.shape))
+except HeadsurgeonError as e:
+    print("error", e)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["line", "bomb"])
+def test_a_huge_line_and_a_gzip_bomb_under_a_memory_cap(tmp_path, kind):
+    """A 50 MB one-line corpus and 0.9 MB of gzip holding 900 MB of one letter, under a
+    1.5 GiB address-space cap: sequences (or one line), never a crash. Whole, the line took
+    10 GB in the tokenizer; the bomb aborted it."""
+    import subprocess
+    import sys
+    import zlib
+
+    if kind == "line":
+        path = tmp_path / "line.txt"
+        path.write_text("word " * 10_000_000)
+    else:
+        path = tmp_path / "bomb.txt.gz"
+        compressor = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip: concatenated members read on
+        member = compressor.compress(b"a" * (1 << 20)) + compressor.flush()
+        path.write_bytes(member * 900)
+        assert path.stat().st_size < 2 << 20
+    out = subprocess.run(
+        [sys.executable, "-c", _CAPPED, str(path)], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "shape [4, 64]", out.stdout

@@ -10,6 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 import torch
+from conftest import error_line
 
 from headsurgeon import plots
 from headsurgeon.census import run_census
@@ -258,3 +259,57 @@ def test_a_huge_integer_is_one_short_line():
     ):
         with pytest.raises(InvalidArgumentError, match="got an integer of about 5001 digits$"):
             check(10**5000)
+
+
+# Issue 41: integer options in range before use, each message naming the option.
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--threads", "99999999999999999999"], "argument --threads: expected a positive thread"),
+        (["--threads", "100000"], "argument --threads: expected a positive thread count of at"),
+        (["--threads", "²"], "argument --threads: expected a positive thread count, got '²'"),
+        (["--n-seqs", "9" * 5000], "argument --n-seqs: expected a positive integer of at most"),
+        (["--top", "-" + "9" * 40], "argument --top: expected an integer >= 0, got '-9999"),
+    ],
+)
+def test_huge_integer_options_are_one_line(argv, message, capsys, no_model):
+    line = error_line(classify_cli.main, ["organism", *argv], capsys)
+    assert message in line and "Traceback" not in line and len(line) < 300
+
+
+def test_seeds_are_64_bit(capsys, no_model):
+    from headsurgeon.cli import repair as repair_cli
+    from headsurgeon.repair import RepairConfig
+
+    line = error_line(repair_cli.main, ["organism", "--seed", 2**70], capsys)
+    assert "argument --seed: expected a seed >= 0 of at most 9223372036854775807" in line
+    for make in (FinetuneConfig, RepairConfig):
+        with pytest.raises(InvalidArgumentError, match="seed must be an integer"):
+            make(seed=2**63)
+    # The largest seed trains: the epoch seed is reduced into torch's range.
+    from headsurgeon.finetune import finetune
+    from headsurgeon.loading import ModelShape, random_model
+
+    model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=8))
+    tokens = torch.randint(0, 16, (4, 8))
+    config = FinetuneConfig(steps=1, batch_size=2, seed=2**63 - 1)
+    assert finetune(model, "L0H0", tokens, config=config, progress=False).steps_done == 1
+
+
+def test_a_batch_larger_than_memory_is_refused_before_it_runs(monkeypatch):
+    """--batch-size 100000 grew to 18.6 GB and was killed: now one line, before any forward."""
+    from headsurgeon import probes
+    from headsurgeon.loading import ModelShape, random_model
+
+    model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=64))
+    tokens = torch.zeros(64, 32, dtype=torch.long)
+    monkeypatch.setattr(probes, "_free_memory", lambda device: 1 << 20)
+    fired = []
+    hook = ("blocks.0.hook_resid_pre", lambda x, hook: fired.append(1))
+    with pytest.raises(InvalidArgumentError, match=r"more than the 0\.0 GiB free; use a smaller"):
+        probes.stream(model, tokens, [hook], batch_size=64, progress=False)
+    assert not fired
+    probes.stream(model, tokens, [hook], batch_size=4, progress=False)
+    assert fired

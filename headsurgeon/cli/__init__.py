@@ -15,7 +15,8 @@ TransformerLens are imported (:func:`run` installs handlers that unwind once the
 
 Exports:
     ArgumentParser            argparse with one-line usage errors (exit code 2)
-    positive_int, non_negative_int   argparse types for counts
+    positive_int, non_negative_int   argparse types for counts (at most 2**63 - 1)
+    seed, thread_count        argparse types of --seed (0..2**63 - 1) and --threads (1..4 x cores)
     device_map, max_memory    argparse types of --device-map (auto, MODULE=DEVICE,...) and
                               --max-memory (DEVICE=SIZE,...)
     add_model_args(parser)    MODEL, --dtype (unless dtype=False), --device, --device-map,
@@ -115,16 +116,19 @@ import torch
 
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.backend import Model
-from headsurgeon.data import Sequences, read_texts, to_sequences
+from headsurgeon.data import Sequences, check_texts, to_sequences
 from headsurgeon.errors import DataError, HeadsurgeonError, shown
 from headsurgeon.loading import DEFAULT_MODEL, ORGANISM_DIR, load_model, model_info, organism_names
 from headsurgeon.outputs import claim_output
 from headsurgeon.placement import check_offload_folder
+from headsurgeon.validation import MAX_SEED
 
 __all__ = [
     "ArgumentParser",
     "positive_int",
     "non_negative_int",
+    "seed",
+    "thread_count",
     "add_model_args",
     "add_data_args",
     "TextFiles",
@@ -182,7 +186,7 @@ def add_model_args(
     )
     parser.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         action=_SetThreads,
         help="CPU threads for torch (default: one per core). Use 1 when other jobs keep cores "
         "busy: threads that wait on a busy core made a repair step ~5x slower here",
@@ -231,18 +235,60 @@ def placement_args(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# Every integer option fits torch's and numpy's int64; a larger one is a typo, refused at parse.
+MAX_OPTION_INT = 2**63 - 1
+# --threads beyond this many per core only queue (100000 threads crashed torch).
+THREADS_PER_CORE = 4
+
+
+def _int_in(text: str, minimum: int, maximum: int, kind: str, why: str = "") -> int:
+    """``text`` as an int in ``[minimum, maximum]``, else an argparse error (argparse names the
+    option). ASCII digits only: ``int("²")`` fails, and 20-digit counts never reach torch."""
+    stripped = text.strip()
+    digits = stripped[1:] if stripped.startswith("-") else stripped
+    if not (digits.isascii() and digits.isdigit()):
+        raise argparse.ArgumentTypeError(f"expected {kind}, got {_shown(text)}")
+    # Beyond 30 digits (and int()'s 4300-digit limit) only the sign matters.
+    value = int(stripped) if len(digits) < 30 else int(stripped[0] + "9" * 30)
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {kind}, got {_shown(text)}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(
+            f"expected {kind} of at most {maximum}{why}, got {_shown(text)}"
+        )
+    return value
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
+
+
 def positive_int(text: str) -> int:
-    """An argparse ``type``: an integer >= 1."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
+    """An argparse ``type``: an integer from 1 to 2**63 - 1."""
+    return _int_in(text, 1, MAX_OPTION_INT, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    """An argparse ``type``: an integer >= 0."""
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return int(text)
+    """An argparse ``type``: an integer from 0 to 2**63 - 1."""
+    return _int_in(text, 0, MAX_OPTION_INT, "an integer >= 0")
+
+
+def seed(text: str) -> int:
+    """An argparse ``type``: a seed, 0 to 2**63 - 1 (torch's 64-bit seeds)."""
+    return _int_in(text, 0, MAX_SEED, "a seed >= 0")
+
+
+def thread_count(text: str) -> int:
+    """An argparse ``type``: 1 to :data:`THREADS_PER_CORE` x the machine's cores."""
+    cores = os.cpu_count() or 1
+    most = THREADS_PER_CORE * cores
+    return _int_in(
+        text,
+        1,
+        most,
+        "a positive thread count",
+        f" ({THREADS_PER_CORE} per core, {cores} cores here)",
+    )
 
 
 class _SetThreads(argparse.Action):
@@ -289,13 +335,13 @@ def add_data_args(
 
 class TextFiles(argparse.Action):
     """A FILE option (``nargs="+"``): the files are read and checked when parsed, before any
-    model is loaded (:func:`headsurgeon.data.read_texts`: one line for a file that is missing, a
-    folder, binary, not UTF-8 or empty), and stored as ``Path`` objects, which the library never
-    takes for text."""
+    model is loaded (:func:`headsurgeon.data.check_texts`, in bounded memory: one line for a
+    file that is missing, a folder, binary, not UTF-8 or empty), and stored as ``Path`` objects,
+    which the library never takes for text."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         try:
-            read_texts(values)
+            check_texts(values)
         except DataError as e:
             raise DataError(f"{option_string}: {e}") from None
         setattr(namespace, self.dest, [Path(value) for value in values])

@@ -51,8 +51,8 @@ from headsurgeon.cli import (
     positive_int,
     require_tokenizer,
     run,
+    seed,
 )
-from headsurgeon.data import read_texts
 from headsurgeon.distributed import DistInfo, setup_distributed
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
         "--patience", type=positive_int, help="early stop after N worse evaluations"
     )
     training.add_argument("--strategy", choices=["slices", "mask"], default=ft.strategy)
-    training.add_argument("--seed", type=int, default=0)
+    training.add_argument("--seed", type=seed, default=0)
     training.add_argument(
         "--gradient-checkpointing",
         action="store_true",
@@ -221,8 +221,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _texts(paths: Sequence[str] | None) -> list[str] | None:
-    return read_texts(paths) if paths else None
+def _texts(paths: Sequence[Path] | None) -> list[Path] | None:
+    # Paths, not their texts: the library reads files piece by piece, in bounded memory.
+    return list(paths) if paths else None
 
 
 def _prepare_output(args: argparse.Namespace, claims: contextlib.ExitStack) -> Path:

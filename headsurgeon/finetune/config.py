@@ -19,7 +19,7 @@ import pandas as pd
 
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import HeadSet
-from headsurgeon.validation import check_bool, check_choice, check_int, check_number
+from headsurgeon.validation import MAX_SEED, check_bool, check_choice, check_int, check_number
 
 __all__ = [
     "STRATEGIES",
@@ -107,7 +107,7 @@ class FinetuneConfig:
         )
         if self.loss_chunk is not None:
             self.loss_chunk = check_int(self.loss_chunk, "loss_chunk", minimum=1)
-        self.seed = check_int(self.seed, "seed")
+        self.seed = check_int(self.seed, "seed", minimum=0, maximum=MAX_SEED)
         return self
 
     @property

@@ -5,6 +5,8 @@ Exports:
                                         weight stays bit-identical
     warmup_cosine(warmup, steps)        the learning-rate factor of a step
     TrainingDivergedError               a NaN or infinite loss stopped the run
+    check_grad_mode(model, what)        one line where training cannot work: inside
+                                        torch.inference_mode(), or on weights made there
 
 :func:`finetune` checks its inputs once (its sequences by
 :func:`headsurgeon.data.as_sequences`, the rest in :class:`_Job`), then runs the loop
@@ -79,9 +81,11 @@ from headsurgeon.surgery import (
     frozen_parameters,
     restored_on_failure,
 )
+from headsurgeon.validation import MAX_SEED
 
 __all__ = [
     "TrainingDivergedError",
+    "check_grad_mode",
     "finetune",
     "warmup_cosine",
 ]
@@ -91,6 +95,22 @@ logger = logging.getLogger(__name__)
 
 class TrainingDivergedError(HeadsurgeonError, FloatingPointError):
     """The loss or the gradient norm became NaN or infinite; the last good checkpoint is kept."""
+
+
+def check_grad_mode(model: Model, what: str) -> None:
+    """One line if ``what`` cannot train ``model`` here: inside ``torch.inference_mode()``, or
+    with weights made there (inference tensors never take gradients). ``torch.no_grad()`` is
+    fine: the training verbs enable gradients themselves."""
+    if torch.is_inference_mode_enabled():
+        raise InvalidArgumentError(
+            f"{what} trains weights, which torch.inference_mode() forbids; call it outside the "
+            "inference_mode block"
+        )
+    if any(p.is_inference() for p in model.parameters()):
+        raise InvalidArgumentError(
+            f"{what} trains weights, but the model's weights were made under "
+            "torch.inference_mode() and cannot take gradients; load the model outside it"
+        )
 
 
 def warmup_cosine(warmup: int, steps: int) -> Callable[[int], float]:
@@ -119,7 +139,7 @@ def _global_rows(
     for position in range(start, start + global_batch):
         epoch = position // n
         if epoch not in cache:
-            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+            generator = torch.Generator().manual_seed((cfg.seed * 1_000_003 + epoch) % MAX_SEED)
             cache.clear()  # epochs are visited in order: keep one permutation
             cache[epoch] = torch.randperm(n, generator=generator)
         rows.append(int(cache[epoch][position % n]))
@@ -166,6 +186,7 @@ def _evaluate(
 
 
 @holds_model("finetune")
+@torch.enable_grad()  # under torch.no_grad() too: training needs gradients
 def finetune(
     model: Model,
     heads: Heads,
@@ -201,6 +222,7 @@ def finetune(
     ``resume=True`` continues from it.
     """
     info = model_info(model, "finetune", writes=True)
+    check_grad_mode(model, "finetune")
     check_surgery(model)  # heads sharing keys and values: one line, before the data is read
     train = _sequences(info, train, "training")
     eval_data = None if eval_data is None else _sequences(info, eval_data, "evaluation")

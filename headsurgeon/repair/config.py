@@ -30,7 +30,7 @@ from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.finetune import FinetuneConfig
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.surgery import INITS
-from headsurgeon.validation import check_bool, check_choice, check_int, check_number
+from headsurgeon.validation import MAX_SEED, check_bool, check_choice, check_int, check_number
 
 __all__ = [
     "DRIFT_THRESHOLD",
@@ -90,7 +90,7 @@ class RepairConfig:
         if self.finetune is not None:
             self.finetune.validate()
         check_int(self.passes, "passes", minimum=1)
-        check_int(self.seed, "seed")
+        check_int(self.seed, "seed", minimum=0, maximum=MAX_SEED)
         for name in ("census_seq_len", "census_n_seqs", "n_eval_seqs"):
             check_int(getattr(self, name), name, minimum=1)
         check_int(self.min_query_pos, "min_query_pos", minimum=0)

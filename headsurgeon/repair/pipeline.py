@@ -43,6 +43,7 @@ from headsurgeon.distributed import from_rank0, rank_and_world
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.evals import perplexity
 from headsurgeon.finetune import FinetuneConfig, FinetuneResult, finetune
+from headsurgeon.finetune.trainer import check_grad_mode
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.importance import ablate_heads
 from headsurgeon.inuse import holds_model
@@ -118,21 +119,20 @@ def _prepare_data(
 ) -> _Data:
     """Cut the training, evaluation and census sequences (see :func:`repair`), each checked
     once for every pass to train and measure on."""
-    seq_len = config.train_seq_len
+    # Messages name the option the user set: --train-seq-len, not --seq-len.
+    cut = {"seq_len": config.train_seq_len, "seq_len_name": "train_seq_len"}
     prepend_bos, n_eval_seqs = config.prepend_bos, config.n_eval_seqs
     if corpus is None:
-        train = as_sequences(info, _default_train_data(), seq_len=seq_len, prepend_bos=prepend_bos)
+        train = as_sequences(info, _default_train_data(), prepend_bos=prepend_bos, **cut)
         train = dataclasses.replace(train, source=TRAINING_CORPORA)
     else:
-        train = as_sequences(info, corpus, seq_len=seq_len, prepend_bos=prepend_bos)
+        train = as_sequences(info, corpus, prepend_bos=prepend_bos, **cut)
     if (eval_corpus is None or census_data is None) and info.tokenizer is None:
         train, rows = _split_off_eval_rows(train, n_eval_seqs)
         logger.info("no tokenizer: evaluating and measuring on %s", rows.source)
         eval_corpus = rows if eval_corpus is None else eval_corpus
         census_data = rows if census_data is None else census_data
-    eval_seqs = as_sequences(
-        info, eval_corpus, seq_len=seq_len, n_seqs=n_eval_seqs, prepend_bos=prepend_bos
-    )
+    eval_seqs = as_sequences(info, eval_corpus, n_seqs=n_eval_seqs, prepend_bos=prepend_bos, **cut)
     census = as_sequences(
         info,
         census_data,
@@ -393,6 +393,7 @@ class _Run:
 
 
 @holds_model("repair")
+@torch.enable_grad()  # under torch.no_grad() too: fine-tuning needs gradients
 def repair(
     model: Model,
     corpus: Data | Sequences = None,
@@ -459,6 +460,7 @@ def repair(
     the run there finished.
     """
     info = model_info(model, "repair", writes=True)
+    check_grad_mode(model, "repair")
     check_surgery(model)  # before any census or training
     config = resolve_config(model, info, config, settings)
     heads = None if heads is None else HeadSet.of(heads, info.shape)

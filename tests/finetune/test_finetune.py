@@ -452,3 +452,28 @@ def test_ddp_two_processes_match_one_process_with_double_batch(tmp_path):
     for name, value in tl_state_dict(model).items():
         torch.testing.assert_close(ddp[name], value, rtol=1e-4, atol=1e-5)
     assert not torch.equal(ddp["blocks.2.attn.W_O"], head_weight(setup()[0], 2, "W_O"))
+
+
+def test_training_under_no_grad_enables_gradients_itself():
+    """Issue 41: finetune (and repair, which trains through it) enable gradients themselves."""
+    model, heads, tokens = setup("L2H0")
+    before = snapshot(model)
+    with torch.no_grad():
+        result = finetune(model, heads, tokens, config=config(steps=2), progress=False)
+    assert result.steps_done == 2
+    trained = head_tensors(model, 2)["W_Q"]
+    assert not torch.equal(trained.heads(trained.param), head_view(model, before, 2, "W_Q"))
+
+
+def test_training_under_inference_mode_is_one_line():
+    """Under torch.inference_mode() no gradient can be had: one line, the weights untouched."""
+    model, heads, tokens = setup("L2H0")
+    before = snapshot(model)
+    with torch.inference_mode():
+        with pytest.raises(InvalidArgumentError, match=r"torch.inference_mode\(\) forbids"):
+            finetune(model, heads, tokens, config=config(steps=2), progress=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.named_parameters())
+    with torch.inference_mode():
+        made_there, heads, tokens = setup("L2H0")
+    with pytest.raises(InvalidArgumentError, match="made under torch.inference_mode"):
+        finetune(made_there, heads, tokens, config=config(steps=2), progress=False)
