@@ -26,6 +26,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -435,6 +436,24 @@ class _Loop:
             )
         self.saved_step = self.step  # every rank: its divergence message names the checkpoint
 
+    def tell_duration(self, step_seconds: float, evaluation_seconds: float) -> None:
+        """The run's estimated duration, from its first step and first evaluation, in one log
+        line before the rest of the steps run."""
+        cfg, left = self.job.cfg, self.job.cfg.steps - self.step
+        evaluations = -(-left // cfg.eval_interval)
+        seconds = left * step_seconds + evaluations * evaluation_seconds
+        if self.job.rank == 0 and left:
+            logger.info(
+                "fine-tuning %d heads: about %s more (%d steps of %.2f s, %d evaluations of "
+                "%.1f s)",
+                len(self.job.heads),
+                _duration(seconds),
+                left,
+                step_seconds,
+                evaluations,
+                evaluation_seconds,
+            )
+
     def evaluate(self) -> None:
         job, state = self.job, self.state
         losses = state.since_eval
@@ -506,8 +525,10 @@ class _Loop:
         job, cfg = self.job, self.job.cfg
         self.restore()
         state = self.state
+        started = time.perf_counter()
         if not state.history:
             self.evaluate()
+        evaluation = time.perf_counter() - started
         enabled = cfg.autocast == "bfloat16"
         autocast = torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=enabled)
         bar = tqdm(
@@ -519,8 +540,12 @@ class _Loop:
         )
         recompute = checkpointed_blocks(job.model) if cfg.gradient_checkpointing else None
         with recompute or contextlib.nullcontext():  # evaluations (no gradient) pass through
+            first = self.step
             while self.step < cfg.steps and not state.stopped_early:
+                started = time.perf_counter()
                 loss_value = self.train_step(autocast)
+                if self.step == first + 1:
+                    self.tell_duration(time.perf_counter() - started, evaluation)
                 bar.update()
                 lr = self.optimizer.param_groups[0]["lr"]
                 bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
@@ -549,3 +574,16 @@ class _Loop:
             losses=list(state.losses),
             resumed_from=self.resumed_from,
         )
+
+
+def _duration(seconds: float) -> str:
+    """``"40 s"``, ``"3.4 min"``, ``"1.2 h"``.
+
+    >>> _duration(40.2), _duration(204), _duration(4320)
+    ('40 s', '3.4 min', '1.2 h')
+    """
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

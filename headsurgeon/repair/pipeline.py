@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,7 @@ class _Run:
         # forward of one census row; passes are undone in place, so it cannot be read later).
         # One row: a report page of bloom-560m's 384 heads at three stages stays under 10 MB.
         self.patterns: dict[str, PatternSample] = {}
+        self.pass_seconds: list[float] = []  # each pass's training, census and perplexities
 
     def sample(self, stage: str) -> None:
         self.patterns[stage] = sample_patterns(self.model, self.data.census.tokens, n_seqs=1)
@@ -375,6 +377,7 @@ class _Run:
         reinit = arm == "pass"
         what = "re-initialising and fine-tuning" if reinit else "fine-tuning (no re-initialisation)"
         logger.info("%s %d: %s %d heads: %s", arm, index, what, len(targets), targets)
+        started = time.perf_counter()
         if reinit:
             seed = self.config.seed + index - 1
             reinit_heads(self.model, targets, init=self.config.init, seed=seed)
@@ -389,7 +392,24 @@ class _Run:
             progress=self.progress,
         )
         _round_heads(self.model, targets, self.config.save_dtype)
-        return self.census(), self.perplexities(), training
+        measured = self.census(), self.perplexities(), training
+        self.pass_seconds.append(time.perf_counter() - started)
+        if len(self.pass_seconds) == 1:
+            self.tell_duration()
+        return measured
+
+    def tell_duration(self) -> None:
+        """After the first pass: at most how long the rest can take (the passes left and the
+        control arm's, each as long as the first), in one log line."""
+        left = self.config.passes - 1 + (self.config.passes if self.config.control else 0)
+        if left:
+            logger.info(
+                "pass 1 took %.0f s: at most %d more passes (control arm included), about %.0f "
+                "min more if each takes as long",
+                self.pass_seconds[0],
+                left,
+                left * self.pass_seconds[0] / 60,
+            )
 
 
 @holds_model("repair")
