@@ -156,6 +156,7 @@ def _load_folder(
                 f"the tokenizer files in {directory} are unreadable ({first_line(e)}); "
                 "re-export the tokenizer, or remove its files to load the weights alone"
             ) from e
+        _check_unknown_token(tokenizer, directory)
     return from_hf_model(
         hf_model,
         tokenizer,
@@ -168,6 +169,22 @@ def _load_folder(
         ),
         metadata=metadata,
     )
+
+
+def _check_unknown_token(tokenizer: Any, directory: Path) -> None:
+    """Refuse a tokenizer whose model names an unknown token its vocabulary lacks: the Rust
+    tokenizer loads it, then raises at the first text it cannot cover."""
+    backend_tokenizer = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend_tokenizer, "model", None)
+    unknown = getattr(model, "unk_token", None)
+    # The model's own vocabulary: transformers adds a special token it lacks as an added token,
+    # which the model's fallback does not read.
+    if unknown and model.token_to_id(unknown) is None:
+        raise CheckpointError(
+            f"the tokenizer in {directory} names the unknown token {unknown!r} but its vocabulary "
+            "lacks it, so text it cannot cover would fail; re-export the tokenizer, or remove its "
+            "files to load the weights alone"
+        )
 
 
 def _check_finite(hf_model: Any, directory: Path, allow: bool) -> None:
