@@ -39,21 +39,26 @@ Exports:
     from_pretrained_args(placement, directory)  4.x: from_pretrained's arguments (a dict map
                                      checked first) and a private offload folder
     adopt(model, folder)             4.x: the bridge over such a model, its input device set
+    device_map_for(model, placement) 3.x: the {module: device} map of a (meta) HookedTransformer
+    placing(model, placement)        3.x: place(part, tensors) for a model built part by part
     dispatch(model, placement)       3.x: a HookedTransformer dispatched over the placement
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from headsurgeon.backend import TRANSFORMER_LENS, Model
 from headsurgeon.errors import InvalidArgumentError
@@ -63,8 +68,10 @@ __all__ = [
     "Placement",
     "adopt",
     "check_placement",
+    "device_map_for",
     "dispatch",
     "from_pretrained_args",
+    "placing",
 ]
 
 logger = logging.getLogger(__name__)
@@ -232,10 +239,10 @@ def adopt(model: Model, folder: Path) -> Model:
     return model
 
 
-def dispatch(model: Model, placement: Placement) -> Model:
-    """Dispatch a TransformerLens 3.x model over ``placement`` with ``accelerate.dispatch_model``
-    (blocks kept whole); its offload folder is removed with it."""
-    from accelerate import dispatch_model, infer_auto_device_map
+def device_map_for(model: Model, placement: Placement) -> dict[str, int | str]:
+    """The ``{module name: device}`` map a TransformerLens 3.x model gets from ``placement``
+    (blocks kept whole); its weights may be on the meta device (sizes are all it reads)."""
+    from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
 
     device_map = placement.device_map
@@ -260,7 +267,64 @@ def dispatch(model: Model, placement: Placement) -> Model:
     else:
         hint = f"embed, blocks.0 ... blocks.{model.cfg.n_layers - 1}, ln_final, unembed"
         _check_names(model, device_map, hint)
+    return device_map
+
+
+@contextlib.contextmanager
+def placing(
+    model: Model, placement: Placement
+) -> Iterator[tuple[Callable[[str, dict[str, Tensor]], dict[str, Tensor]], dict, Path]]:
+    """For a 3.x model built on the meta device part by part: ``place(part, tensors)``, which
+    writes the tensors of a part mapped to ``"disk"`` to a private offload folder (returning
+    none) and returns the others moved to their device; the map and the folder. The folder's
+    offload index is written when the block ends; the folder is removed if it raises."""
+    from accelerate.utils import offload_weight, save_offload_index
+
+    device_map = device_map_for(model, placement)
     folder = _private_folder(placement)
+    index: dict[str, Any] = {}
+
+    def place(part: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        kept = {}
+        for name, tensor in tensors.items():
+            device = _mapped_device(device_map, name)
+            if device == "disk":
+                offload_weight(tensor, name, str(folder), index)
+            else:
+                where = f"cuda:{device}" if isinstance(device, int) else device
+                kept[name] = tensor.to(where)
+        return kept
+
+    try:
+        yield place, device_map, folder
+        save_offload_index(index, str(folder))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # ours, made above
+        raise
+
+
+def _mapped_device(device_map: dict[str, int | str], name: str) -> int | str:
+    """The device of weight ``name``: its longest enclosing module's in ``device_map``."""
+    owners = [k for k in device_map if not k or name == k or name.startswith(k + ".")]
+    return device_map[max(owners, key=len)]
+
+
+def dispatch(
+    model: Model,
+    placement: Placement,
+    *,
+    device_map: dict[str, int | str] | None = None,
+    folder: Path | None = None,
+) -> Model:
+    """Dispatch a TransformerLens 3.x model over ``placement`` with ``accelerate.dispatch_model``
+    (blocks kept whole); its offload folder is removed with it. ``device_map`` and ``folder``:
+    those :func:`placing` used (the disk weights already written there)."""
+    from accelerate import dispatch_model
+
+    if device_map is None:
+        device_map = device_map_for(model, placement)
+    if folder is None:
+        folder = _private_folder(placement)
     logger.info("device map: %s", device_map)
     try:
         model = dispatch_model(model, device_map=device_map, offload_dir=folder)
