@@ -12,6 +12,8 @@ Exports:
     MAJOR, Model, HookPoint          TransformerLens's major version, its model class, hook type
     TRANSFORMER_LENS                 the installed major as messages name it ("TransformerLens 3.x")
     convert_hf(hf_model, ...)        a transformers causal LM as the major's model (unprocessed)
+    tl3_config(config, ...)          3.x: the HookedTransformerConfig of a Hugging Face config
+    unused_positions(cfg)            3.x: the zero position table of an ALiBi model
     hub_names()                      TransformerLens's model names and aliases -> hub names
     hf_config(model)                 the Hugging Face config a 4.x bridge computes with
     hf_architecture(model)           the Hugging Face class it computes as ("BloomForCausalLM", ...)
@@ -33,7 +35,8 @@ Exports:
 
 The rest is in its submodules: :mod:`~headsurgeon.backend.weights` (per-head views of the
 attention weights, the weights under 3.x's names), :mod:`~headsurgeon.backend.cache` (key-value
-caches) and :mod:`~headsurgeon.backend.forward` (passes cut at a block).
+caches), :mod:`~headsurgeon.backend.forward` (passes cut at a block) and
+:mod:`~headsurgeon.backend.bounded` (3.x: a placed model built one part at a time).
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ __all__ = [
     "wraps_hf_model",
     "offloaded",
     "resident",
+    "tl3_config",
+    "unused_positions",
 ]
 
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
