@@ -21,8 +21,10 @@ them as ``--device-map``, ``--max-memory`` and ``--offload-folder``:
 Where the weights go, and how they are run, is Accelerate's: on 4.x ``from_pretrained`` reads the
 checkpoint straight into the map, so a model larger than the memory given to it never passes
 through memory whole (TransformerLens 4.x materialises offloaded weights for its own reads); on
-3.x the ``HookedTransformer`` is built in memory first, then dispatched with
-``accelerate.dispatch_model`` (so loading needs the model's size in memory once). Weights placed
+3.x a BLOOM in safetensors is built on the meta device and each part converted and placed in
+turn (:mod:`headsurgeon.backend.bounded`, :func:`placing`), then dispatched with
+``accelerate.dispatch_model``: neither passes through memory whole. Any other 3.x model is built
+in memory first (loading needs its size once; a warning says so before it starts). Weights placed
 on ``"cpu"`` beside GPUs, or on ``"disk"``, stay on the meta device and are loaded by the
 module's own forward; the census reads them through :func:`headsurgeon.backend.resident`.
 

@@ -139,8 +139,11 @@ _FAMILY_MARKS = {
 def check_weight_family(directory: Path, config: dict[str, Any], found: dict[str, Any]) -> None:
     """Raise when the stored tensors are another model family's than ``config.json`` names, before
     its fields are read: a GPT-2 config over BLOOM weights would otherwise be advised on its
-    GPT-2 fields."""
+    GPT-2 fields. Only a config of a family known here is compared (any other is refused as
+    unsupported, whatever its weights)."""
     model_type = config.get("model_type")
+    if not any(model_type in types for _, types in _FAMILY_MARKS.values()):
+        return
     for mark, (family, model_types) in _FAMILY_MARKS.items():
         named = next((name for name in sorted(found) if mark in name), None)
         if named is not None and model_type not in model_types:

@@ -91,8 +91,8 @@ def load_model(
 
     ``device`` (default cpu) puts the whole model on one device; ``device_map``, ``max_memory``
     and ``offload_folder`` spread it over GPUs, CPU memory and disk with Hugging Face Accelerate,
-    as :mod:`headsurgeon.placement` describes (a model larger than the memory given to it, on
-    TransformerLens 4.x).
+    as :mod:`headsurgeon.placement` describes: a model larger than the memory given to it never
+    passes through memory whole (TransformerLens 4.x; on 3.x, a BLOOM in safetensors).
     """
     torch_dtype = parse_dtype(dtype)
     placement = check_placement(device_map, max_memory, offload_folder, device)
