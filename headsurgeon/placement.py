@@ -23,8 +23,10 @@ them as ``--device-map``, ``--max-memory`` and ``--offload-folder``:
 Where the weights go, and how they are run, is Accelerate's: on 4.x ``from_pretrained`` reads the
 checkpoint straight into the map, so a model larger than the memory given to it never passes
 through memory whole (TransformerLens 4.x materialises offloaded weights for its own reads); on
-3.x the ``HookedTransformer`` is built in memory first, then dispatched with
-``accelerate.dispatch_model`` (so loading needs the model's size in memory once). Weights placed
+3.x a BLOOM in safetensors is built on the meta device and each part converted and placed in
+turn (:mod:`headsurgeon.backend.bounded`, :func:`placing`), then dispatched with
+``accelerate.dispatch_model``: neither passes through memory whole. Any other 3.x model is built
+in memory first (loading needs its size once; a warning says so before it starts). Weights placed
 on ``"cpu"`` beside GPUs, or on ``"disk"``, stay on the meta device and are loaded by the
 module's own forward; the census reads them through :func:`headsurgeon.backend.resident`.
 
@@ -41,6 +43,8 @@ Exports:
     from_pretrained_args(placement, directory)  4.x: from_pretrained's arguments (a dict map
                                      checked first) and a private offload folder
     adopt(model, folder)             4.x: the bridge over such a model, its input device set
+    device_map_for(model, placement) 3.x: the {module: device} map of a (meta) HookedTransformer
+    placing(model, placement)        3.x: place(part, tensors) for a model built part by part
     dispatch(model, placement)       3.x: a HookedTransformer dispatched over the placement
     release_offload(folder)          remove a private offload folder made here (a failed load)
     check_offload_folder(folder, taken)  one line for an offload folder that is, or lies in, the
@@ -57,11 +61,12 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from headsurgeon.backend import TRANSFORMER_LENS, Model
 from headsurgeon.errors import InvalidArgumentError
@@ -72,8 +77,10 @@ __all__ = [
     "adopt",
     "check_offload_folder",
     "check_placement",
+    "device_map_for",
     "dispatch",
     "from_pretrained_args",
+    "placing",
     "release_offload",
 ]
 
@@ -328,10 +335,10 @@ def adopt(model: Model, folder: Path) -> Model:
     return model
 
 
-def dispatch(model: Model, placement: Placement) -> Model:
-    """Dispatch a TransformerLens 3.x model over ``placement`` with ``accelerate.dispatch_model``
-    (blocks kept whole); its offload folder is removed with it."""
-    from accelerate import dispatch_model, infer_auto_device_map
+def device_map_for(model: Model, placement: Placement) -> dict[str, int | str]:
+    """The ``{module name: device}`` map a TransformerLens 3.x model gets from ``placement``
+    (blocks kept whole); its weights may be on the meta device (sizes are all it reads)."""
+    from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
 
     device_map = placement.device_map
@@ -356,7 +363,64 @@ def dispatch(model: Model, placement: Placement) -> Model:
     else:
         hint = f"embed, blocks.0 ... blocks.{model.cfg.n_layers - 1}, ln_final, unembed"
         _check_names(model, device_map, hint)
+    return device_map
+
+
+@contextlib.contextmanager
+def placing(
+    model: Model, placement: Placement
+) -> Iterator[tuple[Callable[[str, dict[str, Tensor]], dict[str, Tensor]], dict, Path]]:
+    """For a 3.x model built on the meta device part by part: ``place(part, tensors)``, which
+    writes the tensors of a part mapped to ``"disk"`` to a private offload folder (returning
+    none) and returns the others moved to their device; the map and the folder. The folder's
+    offload index is written when the block ends; the folder is removed if it raises."""
+    from accelerate.utils import offload_weight, save_offload_index
+
+    device_map = device_map_for(model, placement)
     folder = _private_folder(placement)
+    index: dict[str, Any] = {}
+
+    def place(part: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        kept = {}
+        for name, tensor in tensors.items():
+            device = _mapped_device(device_map, name)
+            if device == "disk":
+                offload_weight(tensor, name, str(folder), index)
+            else:
+                where = f"cuda:{device}" if isinstance(device, int) else device
+                kept[name] = tensor.to(where)
+        return kept
+
+    try:
+        yield place, device_map, folder
+        save_offload_index(index, str(folder))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # ours, made above
+        raise
+
+
+def _mapped_device(device_map: dict[str, int | str], name: str) -> int | str:
+    """The device of weight ``name``: its longest enclosing module's in ``device_map``."""
+    owners = [k for k in device_map if not k or name == k or name.startswith(k + ".")]
+    return device_map[max(owners, key=len)]
+
+
+def dispatch(
+    model: Model,
+    placement: Placement,
+    *,
+    device_map: dict[str, int | str] | None = None,
+    folder: Path | None = None,
+) -> Model:
+    """Dispatch a TransformerLens 3.x model over ``placement`` with ``accelerate.dispatch_model``
+    (blocks kept whole); its offload folder is removed with it. ``device_map`` and ``folder``:
+    those :func:`placing` used (the disk weights already written there)."""
+    from accelerate import dispatch_model
+
+    if device_map is None:
+        device_map = device_map_for(model, placement)
+    if folder is None:
+        folder = _private_folder(placement)
     logger.info("device map: %s", device_map)
     try:
         model = dispatch_model(model, device_map=device_map, offload_dir=folder)

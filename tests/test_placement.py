@@ -228,3 +228,60 @@ def test_offload_folders_killed_runs_left_are_removed_by_the_next_run(bloom_dir,
     del model
     gc.collect()
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, users.name]
+
+
+def placed_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of a placed model, offloaded ones read back, on the CPU."""
+    weights = {}
+    for prefix, module in model.named_modules():
+        with hs.backend.resident(module, recurse=False):
+            for name, weight in module.named_parameters(prefix, recurse=False):
+                weights[name] = weight.detach().cpu().clone()
+    return weights
+
+
+@pytest.mark.skipif(MAJOR >= 4, reason="4.x reads the checkpoint into the placement itself")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_placed_3x_bloom_is_built_part_by_part_with_the_same_weights(
+    bloom_dir, tmp_path, monkeypatch, dtype
+):
+    import transformers
+    from transformer_lens import HookedTransformer
+
+    reference = hs.load_model(bloom_dir, dtype=dtype)
+    expected = reference.state_dict()
+
+    def whole(*args, **kwargs):
+        raise AssertionError("the whole model was built")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", whole)
+    monkeypatch.setattr(HookedTransformer, "load_and_process_state_dict", whole)
+    model = hs.load_model(bloom_dir, dtype=dtype, device_map=split_map(2), offload_folder=tmp_path)
+    assert hs.backend.offloaded(model)
+    weights = placed_weights(model)
+    assert weights.keys() == {k for k, _ in reference.named_parameters()}
+    for name, weight in weights.items():
+        assert weight.dtype == expected[name].dtype, name
+        assert weight.stride() == expected[name].stride(), name
+        assert torch.equal(weight, expected[name]), name
+    tokens = torch.randint(
+        0, model.cfg.d_vocab, (2, 24), generator=torch.Generator().manual_seed(3)
+    )
+    assert torch.equal(model(tokens), reference(tokens))
+
+
+@pytest.mark.skipif(MAJOR >= 4, reason="4.x reads the checkpoint into the placement itself")
+def test_a_placed_3x_load_that_cannot_be_bounded_says_so_first(bloom_dir, tmp_path, caplog):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    folder = shutil.copytree(bloom_dir, tmp_path / "legacy")
+    weights = load_file(folder / "model.safetensors")
+    torch.save(weights, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    with caplog.at_level("WARNING", logger="headsurgeon.loading.loaders"):
+        model = hs.load_model(folder, max_memory={"cpu": 1000}, offload_folder=tmp_path / "off")
+    said = [r.getMessage() for r in caplog.records if "TransformerLens 4.x" in r.getMessage()]
+    assert said and "legacy .bin weights whole" in said[0] and "full size" in said[0]
+    assert hs.backend.offloaded(model)

@@ -11,11 +11,14 @@ process, the same census (``headsurgeon.run_census`` on ``--n-seqs`` random sequ
 * ``whole``      ``load_model(...)`` with no limit, the reference.
 
 Peak memory is the process's resident high-water mark (``VmHWM``) from start to end, loading
-included; the two censuses must agree exactly. Run it under TransformerLens 4.x (3.x builds the
-model in memory before dispatching it, so it needs the whole model's size once).
+included, and its anonymous part (resident less file-backed pages: the checkpoint's and the
+offload copies' mapped pages are the kernel's to drop), sampled every millisecond; the two
+censuses must agree exactly. Run it under either major: 4.x reads the checkpoint into the
+placement, 3.x builds its model part by part (:mod:`headsurgeon.backend.bounded`).
 
     .venv4/bin/python analyses/benchmarks/offload.py                      # bloom-1b7, 1 GiB
-    .venv4/bin/python analyses/benchmarks/offload.py --shape 4x8x256 --budget 2MB   # trial
+    .venv/bin/python analyses/benchmarks/offload.py --shape 24x16x1024 --budget 300MiB
+    .venv/bin/python analyses/benchmarks/offload.py --shape 4x8x256 --budget 2MB   # trial
 
 Writes ``--out`` (default ``figures/benchmarks/offload.md``) and a JSON beside it.
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from _shapes import parse_shape
+from census import RssSampler  # the benchmark beside this file
 from long_context import _status_kib  # the benchmark beside this file
 
 import headsurgeon as hs
@@ -45,10 +49,19 @@ ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 
 
+class AnonSampler(RssSampler):
+    """Peak anonymous memory: resident less file-backed and shared pages (``statm``)."""
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            resident, shared = map(int, f.read().split()[1:3])
+        return (resident - shared) * self._page
+
+
 def child(args: argparse.Namespace, method: str) -> dict:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="offload-bench-") as folder:
+    with AnonSampler() as anon, tempfile.TemporaryDirectory(prefix="offload-bench-") as folder:
         placement = {"max_memory": {"cpu": args.budget}, "offload_folder": folder}
         model = hs.load_model(
             args.checkpoint, dtype=args.dtype, **(placement if method == "offloaded" else {})
@@ -67,6 +80,7 @@ def child(args: argparse.Namespace, method: str) -> dict:
         "load_s": loaded,
         "total_s": time.perf_counter() - start,
         "peak_gib": _status_kib("VmHWM") / GIB,
+        "peak_anon_gib": anon.peak / GIB,
         "offloaded_modules": len(offloaded),
         "census": census.to_json(orient="split"),
     }
@@ -97,16 +111,16 @@ def main() -> None:
     parser.add_argument("--shape", default="bloom-1b7")
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--budget", default="1GiB", help="max_memory for the CPU")
-    parser.add_argument(
-        "--checkpoint",
-        default=os.path.join(tempfile.gettempdir(), "headsurgeon-bench-bloom-1b7-float16"),
-    )
+    parser.add_argument("--checkpoint", help="default: one per shape and dtype in /tmp")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--n-seqs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "figures/benchmarks/offload.md")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.checkpoint is None:
+        name = f"headsurgeon-bench-{args.shape}-{args.dtype}"
+        args.checkpoint = os.path.join(tempfile.gettempdir(), name)
     if args.child:
         print(json.dumps(child(args, args.child)), flush=True)
         return
@@ -120,19 +134,24 @@ def main() -> None:
         f"`python analyses/benchmarks/offload.py {' '.join(sys.argv[1:])}` under TransformerLens "
         f"{MAJOR}.x, {args.threads} thread(s), {os.cpu_count()} cores, "
         f"{time.strftime('%Y-%m-%d')}; census of {args.n_seqs} x {args.seq_len} random tokens. "
-        "Peak: the process's resident high-water mark, loading included.",
+        "Peak: the process's resident high-water mark, loading included; anonymous: its part "
+        "not backed by files (sampled every ms).",
         "",
-        "| method | peak (GiB) | peak / budget | offloaded modules | load (s) | total (s) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | peak (GiB) | peak / budget | peak anonymous (GiB) | anonymous / whole's "
+        "| offloaded modules | load (s) | total (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    whole_anon = rows["whole"].get("peak_anon_gib")
     for method, r in rows.items():
         if "error" in r:
-            lines.append(f"| {method} | {r['error']} | | | | |")
+            lines.append(f"| {method} | {r['error']} | | | | | | |")
             continue
         ratio = r["peak_gib"] * GIB / budget
         cells = [
             f"{r['peak_gib']:.2f}",
             f"{ratio:.2f}x",
+            f"{r['peak_anon_gib']:.2f}",
+            f"{r['peak_anon_gib'] / whole_anon:.2f}x" if whole_anon else "",
             r["offloaded_modules"],
             f"{r['load_s']:.0f}",
             f"{r['total_s']:.0f}",

@@ -12,6 +12,8 @@ Exports:
     MAJOR, Model, HookPoint          TransformerLens's major version, its model class, hook type
     TRANSFORMER_LENS                 the installed major as messages name it ("TransformerLens 3.x")
     convert_hf(hf_model, ...)        a transformers causal LM as the major's model (unprocessed)
+    tl3_config(config, ...)          3.x: the HookedTransformerConfig of a Hugging Face config
+    unused_positions(cfg)            3.x: the zero position table of an ALiBi model
     hub_names()                      TransformerLens's model names and aliases -> hub names
     hf_config(model)                 the Hugging Face config a 4.x bridge computes with
     hf_architecture(model)           the Hugging Face class it computes as ("BloomForCausalLM", ...)
@@ -33,7 +35,8 @@ Exports:
 
 The rest is in its submodules: :mod:`~headsurgeon.backend.weights` (per-head views of the
 attention weights, the weights under 3.x's names), :mod:`~headsurgeon.backend.cache` (key-value
-caches) and :mod:`~headsurgeon.backend.forward` (passes cut at a block).
+caches), :mod:`~headsurgeon.backend.forward` (passes cut at a block) and
+:mod:`~headsurgeon.backend.bounded` (3.x: a placed model built one part at a time).
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ __all__ = [
     "wraps_hf_model",
     "offloaded",
     "resident",
+    "tl3_config",
+    "unused_positions",
 ]
 
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
@@ -265,30 +270,10 @@ def _hooked_transformer(
     from transformer_lens import HookedTransformer, loading_from_pretrained as tl_loading
 
     dtype = next(hf_model.parameters()).dtype
-    # TransformerLens reads configs from a name or folder; give it the model's own config.
-    with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
-        hf_model.config.save_pretrained(tmp)
-        # A config built in code names no architecture; TransformerLens converts by that name.
-        file = Path(tmp) / "config.json"
-        config = json.loads(file.read_text()) | {"architectures": [architecture]}
-        file.write_text(json.dumps(config))
-        try:
-            cfg = tl_loading.get_pretrained_model_config(
-                tmp, fold_ln=False, dtype=dtype, device="cpu", default_prepend_bos=prepend_bos
-            )
-        # NotImplementedError: no 3.x adapter (MPT, Falcon); AttributeError: 3.x reading a field
-        # transformers 5 no longer has (GPT-2's n_ctx).
-        except (NotImplementedError, AttributeError) as e:
-            where = f"the in-memory {type(hf_model).__name__}"
-            raise _unsupported_by_tl3(architecture, config, where, e) from e
-        state_dict = tl_loading.get_pretrained_state_dict(tmp, cfg, hf_model=hf_model)
+    with tl3_config(hf_model.config, architecture, dtype, name, prepend_bos) as (tmp, cfg):
+        state_dict = tl_loading.get_pretrained_state_dict(str(tmp), cfg, hf_model=hf_model)
     if cfg.positional_embedding_type == "alibi":
-        # Unused by ALiBi models; TransformerLens would otherwise fill it with uninitialised memory.
-        state_dict["pos_embed.W_pos"] = torch.zeros(cfg.n_ctx, cfg.d_model, dtype=dtype)
-    cfg.model_name = name
-    # The config folder is gone: without this TransformerLens would look the tokenizer up by
-    # that path on the hub.
-    cfg.tokenizer_name = None
+        state_dict["pos_embed.W_pos"] = unused_positions(cfg)
     model = HookedTransformer(cfg, tokenizer=tokenizer, move_to_device=False)
     model.load_and_process_state_dict(
         state_dict,
@@ -299,6 +284,43 @@ def _hooked_transformer(
         refactor_factored_attn_matrices=False,
     )
     return model
+
+
+@contextlib.contextmanager
+def tl3_config(
+    config: Any, architecture: str, dtype: torch.dtype, name: str, prepend_bos: bool | None
+) -> Iterator[tuple[Path, Any]]:
+    """TransformerLens 3.x's ``HookedTransformerConfig`` for a Hugging Face ``config``, and the
+    private folder holding that config (for the ``with`` block)."""
+    from transformer_lens import loading_from_pretrained as tl_loading
+
+    # TransformerLens reads configs from a name or folder; give it the model's own config.
+    with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
+        config.save_pretrained(tmp)
+        # A config built in code names no architecture; TransformerLens converts by that name.
+        file = Path(tmp) / "config.json"
+        values = json.loads(file.read_text()) | {"architectures": [architecture]}
+        file.write_text(json.dumps(values))
+        try:
+            cfg = tl_loading.get_pretrained_model_config(
+                tmp, fold_ln=False, dtype=dtype, device="cpu", default_prepend_bos=prepend_bos
+            )
+        # NotImplementedError: no 3.x adapter (MPT, Falcon); AttributeError: 3.x reading a field
+        # transformers 5 no longer has (GPT-2's n_ctx).
+        except (NotImplementedError, AttributeError) as e:
+            where = f"the {architecture} config"
+            raise _unsupported_by_tl3(architecture, values, where, e) from e
+        cfg.model_name = name
+        # The config folder goes: without this TransformerLens would look the tokenizer up by
+        # that path on the hub.
+        cfg.tokenizer_name = None
+        yield Path(tmp), cfg
+
+
+def unused_positions(cfg: Any) -> Tensor:
+    """``pos_embed.W_pos`` of an ALiBi model: unused, zeros (TransformerLens would otherwise fill
+    it with uninitialised memory)."""
+    return torch.zeros(cfg.n_ctx, cfg.d_model, dtype=cfg.dtype)
 
 
 def _pass_mpt_cache(model: Model) -> None:

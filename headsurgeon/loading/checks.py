@@ -5,6 +5,8 @@ Exports:
                                   and dtypes, headsurgeon.json against config.json
     tl_config(config_dir)         TransformerLens's own check that it converts a config.json
     checked_folder(directory)     check_checkpoint, returning the folder's headsurgeon.json
+    check_weight_family(directory, config, found)
+                                  the stored tensors are the family config.json names
     bloom_config(file, config)    a BLOOM config.json's validated values (None: not BLOOM)
     check_bloom_tensors(directory, config, bloom, found)
                                   BLOOM weights' names, shapes, dtypes
@@ -49,6 +51,7 @@ from headsurgeon.loading.metadata import folder_metadata
 
 __all__ = [
     "check_checkpoint",
+    "check_weight_family",
     "tl_config",
     "checked_folder",
     "bloom_config",
@@ -95,6 +98,7 @@ def checked_folder(directory: Path) -> dict[str, Any]:
             f"{directory} has no weights (*.safetensors); re-export or re-download"
         )
     found = stored_tensors(directory)
+    check_weight_family(directory, config, found)
     with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         tl_config(Path(tmp), source=file)  # errors name the user's file, not this copy
@@ -120,6 +124,37 @@ def tl_config(
 
 
 # --- config.json and the weights it describes ---------------------------------------------
+
+# A tensor-name fragment only one family's weights hold -> that family and the model_types whose
+# config reads them (GPT-BigCode stores GPT-2's c_attn too).
+_FAMILY_MARKS = {
+    "word_embeddings_layernorm.": ("BLOOM", {"bloom"}),
+    ".c_attn.": ("GPT-2", {"gpt2", "gpt_bigcode"}),
+    "gpt_neox.": ("GPT-NeoX", {"gpt_neox", "gpt_neox_japanese"}),
+    ".Wqkv.": ("MPT", {"mpt"}),
+    "decoder.embed_positions.": ("OPT", {"opt"}),
+}
+
+
+def check_weight_family(directory: Path, config: dict[str, Any], found: dict[str, Any]) -> None:
+    """Raise when the stored tensors are another model family's than ``config.json`` names, before
+    its fields are read: a GPT-2 config over BLOOM weights would otherwise be advised on its
+    GPT-2 fields. Only a config of a family known here is compared (any other is refused as
+    unsupported, whatever its weights)."""
+    model_type = config.get("model_type")
+    if not any(model_type in types for _, types in _FAMILY_MARKS.values()):
+        return
+    for mark, (family, model_types) in _FAMILY_MARKS.items():
+        named = next((name for name in sorted(found) if mark in name), None)
+        if named is not None and model_type not in model_types:
+            architecture = (config.get("architectures") or ["<none>"])[0]
+            raise CheckpointError(
+                f"{directory / 'config.json'} names {architecture} (model_type "
+                f"{json.dumps(model_type)}) but the weights in {directory} are {family} weights "
+                f"(e.g. {named}), another family's; put the config.json exported with these "
+                "weights beside them"
+            )
+
 
 _SUPPORTED = backend.SUPPORTED
 

@@ -141,7 +141,9 @@ def safetensors_header(file: Path) -> dict[str, StoredTensor]:
     tensors: dict[str, StoredTensor] = {}
     spans = []
     for name, entry in header.items():
-        if name != "__metadata__":
+        if name == "__metadata__":
+            _check_header_metadata(entry, invalid)
+        else:
             tensors[name], begin, stop = _header_entry(name, entry, invalid)
             spans.append((begin, stop, name))
     end = 0
@@ -155,6 +157,18 @@ def safetensors_header(file: Path) -> dict[str, StoredTensor]:
     if end < data:
         raise invalid(f"{data - end} bytes follow the {end} bytes of tensors its header declares")
     return tensors
+
+
+def _check_header_metadata(metadata: Any, invalid: Any) -> None:
+    """A header's ``__metadata__`` is a string-to-string map (safetensors refuses anything else
+    with a traceback of its own)."""
+    if not isinstance(metadata, dict):
+        raise invalid(f"its __metadata__ is {type(metadata).__name__}, not a string-to-string map")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise invalid(
+                f"its __metadata__ field {key!r} holds {json.dumps(value)[:40]}, not a string"
+            )
 
 
 def _invalid_safetensors(file: Path, why: str) -> CheckpointError:

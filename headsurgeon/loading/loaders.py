@@ -13,33 +13,48 @@ trusted) and converted by the installed TransformerLens with its weights unproce
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from headsurgeon import backend
-from headsurgeon.backend import Model
+from headsurgeon.backend import Model, bounded
+from headsurgeon.backend.bounded import BOUNDED_ARCHITECTURES
 from headsurgeon.dtypes import parse_device, parse_dtype
 from headsurgeon.errors import CheckpointError, first_line
 from headsurgeon.exact_alibi import install_exact_alibi, trained_bias
 from headsurgeon.loading.checks import checked_folder
 from headsurgeon.loading.facts import ModelInfo, ModelShape, model_shape
-from headsurgeon.loading.files import METADATA_FILE, TOKENIZER_FILES, corrupt_bin, some_names
+from headsurgeon.loading.files import (
+    METADATA_FILE,
+    TOKENIZER_FILES,
+    corrupt_bin,
+    read_json,
+    some_names,
+    weight_files,
+)
 from headsurgeon.loading.metadata import check_metadata
 from headsurgeon.loading.sources import DEFAULT_MODEL, resolve_model
 from headsurgeon.placement import (
+    Placement,
     adopt,
     check_offload_folder,
     check_placement,
     dispatch,
     from_pretrained_args,
+    placing,
     release_offload,
 )
 from headsurgeon.validation import check_bool
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "from_hf_model",
@@ -77,9 +92,9 @@ def load_model(
 
     ``device`` (default cpu) puts the whole model on one device; ``device_map``, ``max_memory``
     and ``offload_folder`` spread it over GPUs, CPU memory and disk with Hugging Face Accelerate,
-    as :mod:`headsurgeon.placement` describes (a model larger than the memory given to it, on
-    TransformerLens 4.x); an ``offload_folder`` that is or lies inside the model's folder is
-    one line.
+    as :mod:`headsurgeon.placement` describes: a model larger than the memory given to it never
+    passes through memory whole (TransformerLens 4.x; on 3.x, a BLOOM in safetensors); an
+    ``offload_folder`` that is or lies inside the model's folder is one line.
     """
     torch_dtype = parse_dtype(dtype)
     placement = check_placement(device_map, max_memory, offload_folder, device)
@@ -89,6 +104,8 @@ def load_model(
     if placement is not None:  # its offload copy must not be written into the model's folder
         check_offload_folder(placement.offload_folder, [("the model folder", directory)])
     metadata = checked_folder(directory)
+    if placement and _by_part(directory):
+        return _load_by_part(directory, name, metadata, torch_dtype, allow_nonfinite, placement)
     # 4.x reads the checkpoint straight into the map; 3.x dispatches the model it built.
     if placement and backend.loads_into_device_map():
         streamed, folder = from_pretrained_args(placement, directory)
@@ -107,6 +124,87 @@ def load_model(
     return backend.move(loaded, torch_device)
 
 
+def _by_part(directory: Path) -> bool:
+    """Whether a placed 3.x load builds the model part by part (:mod:`headsurgeon.backend.bounded`:
+    a BLOOM in safetensors); else says, before loading, that it needs the model's size."""
+    if backend.loads_into_device_map():
+        return False
+    architecture = (read_json(directory / "config.json").get("architectures") or ["?"])[0]
+    files = weight_files(directory)
+    if architecture in BOUNDED_ARCHITECTURES and all(f.suffix == ".safetensors" for f in files):
+        return True
+    logger.warning(
+        "%s builds %s from %s whole before placing it: loading needs the model's full size in "
+        "memory once; TransformerLens 4.x (pip install 'transformer-lens>=4') reads it straight "
+        "into the placement%s",
+        backend.TRANSFORMER_LENS,
+        architecture,
+        "legacy .bin weights" if architecture in BOUNDED_ARCHITECTURES else "its checkpoint",
+        ", as does 3.x for a BLOOM in safetensors" if architecture != "BloomForCausalLM" else "",
+    )
+    return False
+
+
+def _load_by_part(
+    directory: Path,
+    name: str,
+    metadata: dict[str, Any],
+    torch_dtype: torch.dtype,
+    allow_nonfinite: bool,
+    placement: Placement,
+) -> Model:
+    """A checked BLOOM folder as a 3.x model built on the meta device, each part read, converted
+    and placed in turn: peak memory is what the placement keeps plus one part. The same weights,
+    bit for bit, as :func:`_load_folder` then :func:`dispatch`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    tokenizer = _tokenizer(directory)
+    prepend_bos = metadata.get("prepend_bos")
+    model = bounded.empty_model(
+        config, tokenizer, name=name, prepend_bos=prepend_bos, dtype=torch_dtype
+    )
+    bad: list[str] = []
+    with placing(model, placement) as (place, device_map, folder):
+        bounded.fill(model, config, _reader(directory, bad), place)
+        _report_nonfinite(bad, directory, allow_nonfinite)
+    # Dispatched first: its offloaded weights are on meta until Accelerate's hooks hold them.
+    model = dispatch(model, placement, device_map=device_map, folder=folder)
+    return _finish(
+        model, config.to_dict(), tokenizer, name, directory, _train_ctx(metadata), metadata
+    )
+
+
+def _reader(directory: Path, bad: list[str]) -> Callable[[tuple[str, ...]], dict[str, Tensor]]:
+    """``read(names)`` for :func:`headsurgeon.backend.bounded.fill`: the folder's tensors by
+    BloomForCausalLM's names (a name ending in ``.``: all under it), each read alone from its
+    safetensors file; those holding NaN or infinity are added to ``bad``."""
+    from safetensors import safe_open
+
+    where = {}
+    for file in weight_files(directory):
+        with safe_open(file, framework="pt") as f:
+            for stored in f.keys():  # noqa: SIM118  (a safe_open handle is no dict)
+                # BloomModel's files (bigscience's) name them without "transformer.".
+                own = stored.startswith(("transformer.", "lm_head."))
+                where[stored if own else "transformer." + stored] = (file, stored)
+
+    def read(names: tuple[str, ...]) -> dict[str, Tensor]:
+        tensors = {}
+        for name in names:
+            for key in [
+                k for k in where if k == name or (name.endswith(".") and k.startswith(name))
+            ]:
+                file, stored = where[key]
+                with safe_open(file, framework="pt") as f:
+                    tensors[key] = f.get_tensor(stored)
+                if tensors[key].is_floating_point() and not _finite(tensors[key]):
+                    bad.append(key)
+        return tensors
+
+    return read
+
+
 def _load_folder(
     directory: Path,
     name: str,
@@ -116,7 +214,7 @@ def _load_folder(
     streamed: dict[str, Any],
 ) -> Model:
     """The checked folder's model (``streamed``: from_pretrained's placement arguments)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     # Reading local weights takes well under a second; its progress bar is only noise.
@@ -156,27 +254,55 @@ def _load_folder(
             "correct config.json or re-export the checkpoint"
         )
     _check_finite(hf_model, directory, allow_nonfinite)
-    tokenizer = None
-    if any((directory / f).exists() for f in TOKENIZER_FILES):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        except Exception as e:  # JSON, tokenizers (Rust) and sentencepiece errors alike
-            raise CheckpointError(
-                f"the tokenizer files in {directory} are unreadable ({first_line(e)}); "
-                "re-export the tokenizer, or remove its files to load the weights alone"
-            ) from e
+    tokenizer = _tokenizer(directory)
     return from_hf_model(
         hf_model,
         tokenizer,
         name=name,
         source=directory,
         prepend_bos=metadata.get("prepend_bos"),
-        # analyses/train_organism.py records it under training.config.seq_len
-        train_ctx=metadata.get("training", {}).get(
-            "seq_len", metadata.get("training", {}).get("config", {}).get("seq_len")
-        ),
+        train_ctx=_train_ctx(metadata),
         metadata=metadata,
     )
+
+
+def _train_ctx(metadata: dict[str, Any]) -> int | None:
+    training = metadata.get("training", {})
+    # analyses/train_organism.py records it under training.config.seq_len
+    return training.get("seq_len", training.get("config", {}).get("seq_len"))
+
+
+def _tokenizer(directory: Path) -> Any:
+    """The folder's tokenizer, checked; None without tokenizer files."""
+    from transformers import AutoTokenizer
+
+    if not any((directory / f).exists() for f in TOKENIZER_FILES):
+        return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:  # JSON, tokenizers (Rust) and sentencepiece errors alike
+        raise CheckpointError(
+            f"the tokenizer files in {directory} are unreadable ({first_line(e)}); "
+            "re-export the tokenizer, or remove its files to load the weights alone"
+        ) from e
+    _check_unknown_token(tokenizer, directory)
+    return tokenizer
+
+
+def _check_unknown_token(tokenizer: Any, directory: Path) -> None:
+    """Refuse a tokenizer whose model names an unknown token its vocabulary lacks: the Rust
+    tokenizer loads it, then raises at the first text it cannot cover."""
+    backend_tokenizer = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend_tokenizer, "model", None)
+    unknown = getattr(model, "unk_token", None)
+    # The model's own vocabulary: transformers adds a special token it lacks as an added token,
+    # which the model's fallback does not read.
+    if unknown and model.token_to_id(unknown) is None:
+        raise CheckpointError(
+            f"the tokenizer in {directory} names the unknown token {unknown!r} but its vocabulary "
+            "lacks it, so text it cannot cover would fail; re-export the tokenizer, or remove its "
+            "files to load the weights alone"
+        )
 
 
 def _check_finite(hf_model: Any, directory: Path, allow: bool) -> None:
@@ -193,9 +319,18 @@ def _check_finite(hf_model: Any, directory: Path, allow: bool) -> None:
             for name, tensor in own:
                 if name not in weights or not tensor.is_floating_point():
                     continue
-                flat = tensor.detach().reshape(-1)
-                if not all(bool(torch.isfinite(part).all()) for part in flat.split(1 << 24)):
+                if not _finite(tensor):
                     bad.append(name)
+    _report_nonfinite(bad, directory, allow)
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether a weight holds no NaN or infinity, in slices of at most 16 M elements."""
+    flat = tensor.detach().reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(1 << 24))
+
+
+def _report_nonfinite(bad: list[str], directory: Path, allow: bool) -> None:
     if not bad:
         return
     message = f"{directory} holds NaN or infinite values in {some_names(bad)}"
@@ -226,6 +361,19 @@ def from_hf_model(
     metadata = check_metadata(metadata, label) if metadata else {}
     hf_config = hf_model.config.to_dict()
     model = backend.convert_hf(hf_model, tokenizer, name=name, prepend_bos=prepend_bos)
+    return _finish(model, hf_config, tokenizer, name, source, train_ctx, metadata)
+
+
+def _finish(
+    model: Model,
+    hf_config: dict[str, Any],
+    tokenizer: Any,
+    name: str,
+    source: Path | None,
+    train_ctx: int | None,
+    metadata: dict[str, Any],
+) -> Model:
+    """A converted model with its record and exact ALiBi, in eval mode."""
     model.headsurgeon_info = ModelInfo(
         name=name,
         source=source,
