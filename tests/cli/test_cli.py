@@ -37,7 +37,7 @@ def test_threads_flag_rejects_non_positive_counts_in_one_line(parser, value, cap
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args(["--threads", value])
     assert exit_info.value.code == 2
-    assert f"expected a positive integer, got '{value}'" in capsys.readouterr().err
+    assert f"expected a positive thread count, got '{value}'" in capsys.readouterr().err
 
 
 # --- the entries: python -m headsurgeon TOOL, python -m headsurgeon.TOOL, headsurgeon-TOOL --------
