@@ -579,8 +579,8 @@ class _Loop:
 def _duration(seconds: float) -> str:
     """``"40 s"``, ``"3.4 min"``, ``"1.2 h"``.
 
-    >>> _duration(40.2), _duration(204), _duration(4320)
-    ('40 s', '3.4 min', '1.2 h')
+    >>> _duration(40.2), _duration(204), _duration(7200)
+    ('40 s', '3.4 min', '2.0 h')
     """
     if seconds < 90:
         return f"{seconds:.0f} s"

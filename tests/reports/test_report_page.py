@@ -5,6 +5,7 @@ one is found, clicking a head shows its attention."""
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
 import shutil
@@ -321,7 +322,8 @@ def test_a_column_named_or_valued_like_a_script_shows_as_text_and_runs_nothing(t
     census[SCRIPTED] = SCRIPTED
     census.attrs["model"] = SCRIPTED  # in the title and the figures' (plotly reads tags there)
     out = write_classification(census, tmp_path / "out", formats=(), model=model, tokens=tokens)
-    assert SCRIPTED in json.dumps(page_data(out)["grid"])
+    # The figure holds the name as text plotly shows literally (plots.layout.literal).
+    assert html.escape(SCRIPTED, quote=False) in json.dumps(page_data(out)["grid"])
     view = open_page(out / PAGE, "L0H1")
     assert (view.errors, view.dialogs, view.shown) == ([], [], "L0H1")
     assert [SCRIPTED, SCRIPTED] in view.table and view.title == f"Heads of {SCRIPTED}"
