@@ -1,7 +1,8 @@
-"""CPU allocator tuning: keep large freed buffers in the process instead of unmapping them.
+"""CPU allocator tuning: keep large freed buffers in the process, or give them back at once.
 
 Exports:
-    keep_freed_memory()   raise glibc's mmap and trim thresholds; True where applied
+    keep_freed_memory()     raise glibc's mmap and trim thresholds; True where applied
+    return_freed_memory()   fix them at glibc's defaults: freed buffers go back to the system
 
 glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB as
 buffers are freed) with a fresh ``mmap`` and unmaps it again on free. A transformer step
@@ -12,6 +13,13 @@ here (1.6 s -> 1.1 s). The price: memory, once used, stays with the process unti
 peak grew from 0.41 to 0.61 GiB above the model in that step). The command-line tools call
 :func:`keep_freed_memory` unless ``HEADSURGEON_KEEP_FREED_MEMORY=0``; in a notebook, call it
 once before long runs.
+
+A model given a memory budget (:func:`headsurgeon.load_model` with ``device_map`` or
+``max_memory``) calls :func:`return_freed_memory` instead: memory is then the constraint, and
+glibc's rising threshold would otherwise keep every freed weight copy of an offloaded block (a
+few tens of MiB each, read from disk at each forward) on its heap. On a 24-layer, 1024-wide
+float16 checkpoint given 300 MiB, the 3.x census peaked at 1.11 GiB anonymous with the rising
+threshold and at 0.58 GiB with it fixed (``analyses/benchmarks/offload.py``).
 
 Usage::
 
@@ -27,6 +35,7 @@ import logging
 
 __all__ = [
     "keep_freed_memory",
+    "return_freed_memory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -34,6 +43,18 @@ logger = logging.getLogger(__name__)
 # mallopt parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 _INT_MAX = 2**31 - 1  # mallopt takes an int
+_GLIBC_DEFAULT = 128 * 2**10  # the three thresholds' defaults (mallopt(3))
+
+
+def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
+    """Apply glibc ``mallopt`` settings; ``False`` where there is no glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):  # no C library found, or not glibc
+        return False
+    return all(mallopt(param, value) for param, value in settings)
 
 
 def keep_freed_memory() -> bool:
@@ -43,19 +64,27 @@ def keep_freed_memory() -> bool:
     give the heap's free top back) and ``M_TOP_PAD`` (grow the heap 256 MiB at a time). Affects
     the whole process and every later allocation; idempotent.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # no C library found, or not glibc
-        return False
-    applied = all(
-        mallopt(param, value)
-        for param, value in (
-            (M_MMAP_THRESHOLD, _INT_MAX),
-            (M_TRIM_THRESHOLD, _INT_MAX),
-            (M_TOP_PAD, 256 * 2**20),
-        )
+    applied = _mallopt(
+        ((M_MMAP_THRESHOLD, _INT_MAX), (M_TRIM_THRESHOLD, _INT_MAX), (M_TOP_PAD, 256 * 2**20))
     )
     logger.debug("glibc allocator thresholds raised: %s", applied)
+    return applied
+
+
+def return_freed_memory() -> bool:
+    """Have glibc give every freed buffer above 128 KiB back to the system; ``False`` where
+    there is no glibc.
+
+    Sets the mmap, trim and top-pad thresholds to glibc's defaults; setting them fixes them, so
+    the mmap threshold no longer rises as buffers are freed (undoing :func:`keep_freed_memory`
+    too). Affects the whole process and every later allocation; idempotent.
+    """
+    applied = _mallopt(
+        (
+            (M_MMAP_THRESHOLD, _GLIBC_DEFAULT),
+            (M_TRIM_THRESHOLD, _GLIBC_DEFAULT),
+            (M_TOP_PAD, _GLIBC_DEFAULT),
+        )
+    )
+    logger.debug("glibc allocator thresholds fixed at their defaults: %s", applied)
     return applied

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from headsurgeon import backend
+from headsurgeon.allocator import return_freed_memory
 from headsurgeon.backend import Model, bounded
 from headsurgeon.backend.bounded import BOUNDED_ARCHITECTURES
 from headsurgeon.dtypes import parse_device, parse_dtype
@@ -103,6 +104,7 @@ def load_model(
     name, directory = resolve_model(model)
     if placement is not None:  # its offload copy must not be written into the model's folder
         check_offload_folder(placement.offload_folder, [("the model folder", directory)])
+        return_freed_memory()  # a memory budget: freed buffers must not pile up on the heap
     metadata = checked_folder(directory)
     if placement and _by_part(directory):
         return _load_by_part(directory, name, metadata, torch_dtype, allow_nonfinite, placement)
