@@ -16,8 +16,9 @@ once before long runs.
 
 A model given a memory budget (:func:`headsurgeon.load_model` with ``device_map`` or
 ``max_memory``) calls :func:`return_freed_memory` instead: memory is then the constraint, and
-glibc's rising threshold would otherwise keep every freed weight copy of an offloaded block (a
-few tens of MiB each, read from disk at each forward) on its heap. On a 24-layer, 1024-wide
+glibc's rising threshold would otherwise keep on its heap the freed buffers of a part-by-part
+load and every freed weight copy of an offloaded block (a few tens of MiB each, read from disk at
+each forward). On a 24-layer, 1024-wide
 float16 checkpoint given 300 MiB, the 3.x census peaked at 1.11 GiB anonymous with the rising
 threshold and at 0.58 GiB with it fixed (``analyses/benchmarks/offload.py``).
 
