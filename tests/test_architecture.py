@@ -40,6 +40,7 @@ LAYERS = {
         "long_context",
         "exact_alibi",
         "placement",
+        "model_names",
         "loading",
         "checkpoints",
         "checkpoint_diff",
