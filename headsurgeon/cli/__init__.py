@@ -22,7 +22,8 @@ TransformerLens, transformers, pandas or plotly is imported. Then it imports its
 and the data), which import them.
 
 Exports:
-    ArgumentParser            argparse with one-line usage errors (exit code 2)
+    ArgumentParser            argparse with one-line usage errors (exit code 2) and every
+                              option's default in --help (help_with_default, shown_default)
     positive_int, non_negative_int   argparse types for counts (at most 2**63 - 1)
     seed, thread_count        argparse types of --seed (0..2**63 - 1) and --threads (1..4 x cores)
     device_map, max_memory    argparse types of --device-map (auto, MODULE=DEVICE,...) and
@@ -128,6 +129,8 @@ from headsurgeon.validation import MAX_SEED
 
 __all__ = [
     "ArgumentParser",
+    "help_with_default",
+    "shown_default",
     "positive_int",
     "non_negative_int",
     "seed",
@@ -194,13 +197,46 @@ def add_model_args(
     )
 
 
+def shown_default(action: argparse.Action) -> str | None:
+    """An option's default as ``--help`` shows it (a list as its items, space-separated), or
+    None when it has none to show (None, False, an empty list; a flag such as ``--no-control``,
+    whose default is its absence)."""
+    default = action.default
+    if default is None or default is False or default == argparse.SUPPRESS or default == []:
+        return None
+    if action.nargs == 0:
+        return None
+    if isinstance(default, (list, tuple)):
+        return " ".join(map(str, default))
+    return str(default)
+
+
+def help_with_default(action: argparse.Action) -> str:
+    """An option's help text ending with its default, unless the text names it already
+    (``(default 0.3)``)."""
+    text = action.help or ""
+    default = shown_default(action)
+    if default is None or ("default" in text and default in text):
+        return text
+    return f"{text} (default: {default.replace('%', '%%')})"
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` with every option's default (:func:`help_with_default`)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return help_with_default(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line, like every other error of the tools.
+    """argparse whose usage errors are one line, like every other error of the tools, and whose
+    ``--help`` shows every option's default.
 
     Options must be written in full: a prefix (``--dtype`` for ``--dtypes``) is not guessed.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:

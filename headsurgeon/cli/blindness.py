@@ -150,7 +150,13 @@ def _parser() -> cli.ArgumentParser:
     parser.add_argument(
         "--robust-context", type=cli.positive_int, help="robust: context kept sighted"
     )
-    parser.add_argument("--robust-mode", choices=ROBUST_MODES, default="scale")
+    parser.add_argument(
+        "--robust-mode",
+        choices=ROBUST_MODES,
+        default="scale",
+        help="robust: scale lowers every slope by one factor (keeping their ratios), clip only "
+        "the slopes above the limit",
+    )
     parser.add_argument(
         "--batch-size", type=cli.positive_int, default=1, help="sequences per forward pass"
     )

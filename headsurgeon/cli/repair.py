@@ -110,8 +110,18 @@ def _parser() -> ArgumentParser:
     surgery.add_argument("--heads", help="heads to repair, e.g. L5H9,L6H10-15 (default: census)")
     surgery.add_argument("--include", help="heads to add to pass 1 even if healthy, e.g. L5-22H5")
     surgery.add_argument("--passes", type=positive_int, default=2, help="most passes (default 2)")
-    surgery.add_argument("--init", choices=INITS, default="xavier_normal")
-    surgery.add_argument("--drift-threshold", type=float, default=DRIFT_THRESHOLD)
+    surgery.add_argument(
+        "--init",
+        choices=INITS,
+        default="xavier_normal",
+        help="how a target head's new Q, K and V weights are drawn",
+    )
+    surgery.add_argument(
+        "--drift-threshold",
+        type=float,
+        default=DRIFT_THRESHOLD,
+        help="a frozen head drifts when its BOS mass moves by more than this in a pass",
+    )
     surgery.add_argument(
         "--max-ppl-increase",
         type=float,
@@ -155,7 +165,12 @@ def _parser() -> ArgumentParser:
         type=positive_int,
         help="tokens per training sequence (default: training length, <= 512)",
     )
-    training.add_argument("--n-eval-seqs", type=positive_int, default=32)
+    training.add_argument(
+        "--n-eval-seqs",
+        type=positive_int,
+        default=32,
+        help="held-out sequences whose perplexity judges each pass",
+    )
     training.add_argument(
         "--steps",
         type=positive_int,
@@ -164,15 +179,30 @@ def _parser() -> ArgumentParser:
     training.add_argument(
         "--lr", type=float, help=f"peak learning rate (default: as --steps, else {ft['lr']})"
     )
-    training.add_argument("--weight-decay", type=float, default=ft["weight_decay"])
+    training.add_argument(
+        "--weight-decay",
+        type=float,
+        default=ft["weight_decay"],
+        help="AdamW's decoupled weight decay of the trained slices",
+    )
     training.add_argument(
         "--warmup", type=non_negative_int, help="warm-up steps (default min(100, steps/4))"
     )
     training.add_argument(
         "--batch-size", type=positive_int, default=ft["batch_size"], help="per process"
     )
-    training.add_argument("--grad-accum", type=positive_int, default=ft["grad_accum"])
-    training.add_argument("--max-grad-norm", type=float, default=ft["max_grad_norm"])
+    training.add_argument(
+        "--grad-accum",
+        type=positive_int,
+        default=ft["grad_accum"],
+        help="batches whose gradients make one step",
+    )
+    training.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=ft["max_grad_norm"],
+        help="gradients clipped to this norm",
+    )
     training.add_argument(
         "--autocast",
         choices=["bfloat16"],
@@ -182,8 +212,19 @@ def _parser() -> ArgumentParser:
     training.add_argument(
         "--patience", type=positive_int, help="early stop after N worse evaluations"
     )
-    training.add_argument("--strategy", choices=["slices", "mask"], default=ft["strategy"])
-    training.add_argument("--seed", type=seed, default=0)
+    training.add_argument(
+        "--strategy",
+        choices=["slices", "mask"],
+        default=ft["strategy"],
+        help="slices: the optimiser holds only the trained slices; mask: the paper's gradient "
+        "masks on whole weights",
+    )
+    training.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help="seed of the re-initialisation, the data order and any sampling",
+    )
     training.add_argument(
         "--gradient-checkpointing",
         action="store_true",
