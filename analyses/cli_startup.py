@@ -56,7 +56,7 @@ def timed(argv: list[str], status: int, runs: int, cwd: str, root: Path = ROOT) 
 
 
 def row(name: str, seconds: list[float]) -> str:
-    return f"{name:<52} {statistics.median(seconds):7.2f} {max(seconds):7.2f}"
+    return f"{name:<58} {statistics.median(seconds):7.2f} {max(seconds):7.2f}"
 
 
 def main() -> None:
@@ -71,7 +71,7 @@ def main() -> None:
         f"(shared with other jobs); Python {platform.python_version()}, torch {version('torch')}, "
         f"transformer-lens {version('transformer-lens')}",
         "",
-        f"{'command':<52} {'median':>7} {'max':>7}",
+        f"{'command':<58} {'median':>7} {'max':>7}",
     ]
     with tempfile.TemporaryDirectory() as cwd:  # no missing.txt, and nothing is written here
         reference = timed(REFERENCE, 0, max(2, runs // 2), cwd)
