@@ -11,7 +11,7 @@ Tools (each a ``main(argv)`` and an ``entry(argv=None)`` that runs it through :f
 The library modules never import this package. Tools enter here from the entry files (every
 ``headsurgeon/**/__main__.py``, which import nothing else first) and the console scripts; this
 package's first lines install the Ctrl-C and SIGTERM handlers of a starting tool, before torch and
-TransformerLens are imported (:func:`run` installs handlers that unwind once they are).
+TransformerLens are imported (:func:`work_begins` installs handlers that unwind once they are).
 
 Each tool answers at once what needs no model: its module (``cli/classify.py``...) parses and
 checks with light imports only (this package, :mod:`headsurgeon.cli.options` for the library's
@@ -202,9 +202,10 @@ def shown_default(action: argparse.Action) -> str | None:
     None when it has none to show (None, False, an empty list; a flag such as ``--no-control``,
     whose default is its absence)."""
     default = action.default
-    if default is None or default is False or default == argparse.SUPPRESS or default == []:
+    # Identity, not ==: a default of 0 is shown (0 == False).
+    if action.nargs == 0 or default is None or default is False or default == []:
         return None
-    if action.nargs == 0:
+    if default == argparse.SUPPRESS:
         return None
     if isinstance(default, (list, tuple)):
         return " ".join(map(str, default))

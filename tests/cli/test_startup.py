@@ -133,9 +133,11 @@ def test_a_default_is_added_unless_the_help_names_it():
     listed = parser.add_argument("--c", nargs="+", default=["x", "y"], help="some")
     flag = parser.add_argument("--no-d", dest="d", action="store_false", help="skip d")
     percent = parser.add_argument("--e", default="5%", help="a share")
+    zero = parser.add_argument("--f", type=int, default=0, help="a seed")
     assert help_with_default(plain) == "a count (default: 3)"
     assert help_with_default(named) == named.help
     assert help_with_default(listed) == "some (default: x y)"
     assert help_with_default(flag) == "skip d" and shown_default(flag) is None
+    assert help_with_default(zero) == "a seed (default: 0)"
     assert "(default: 5%)" in " ".join(parser.format_help().split())
     assert help_with_default(percent).endswith("(default: 5%%)")  # argparse's % formatting
