@@ -16,7 +16,8 @@ TransformerLens are imported (:func:`work_begins` installs handlers that unwind 
 Each tool answers at once what needs no model: its module (``cli/classify.py``...) parses and
 checks with light imports only (this package, :mod:`headsurgeon.cli.options` for the library's
 defaults, :mod:`headsurgeon.model_names` for MODEL), so ``--help``, a usage error, a bad
-``--texts`` file, a missing MODEL folder or an unknown model name is answered before torch,
+``--texts`` file, a missing MODEL folder, an unknown model name or an ``--out`` folder it may
+not write (:func:`check_out`) is answered before torch,
 TransformerLens, transformers, pandas or plotly is imported. Then it imports its work module
 (``cli/classify_run.py``...: load, measure, write) and :mod:`headsurgeon.cli.loads` (the model
 and the data), which import them.
@@ -42,6 +43,8 @@ Exports:
                               checked and claimed (headsurgeon.outputs.claim_output) before any
                               model is loaded, held until the tool has written it; never one
                               that is, holds or lies inside one of run_inputs(args)
+    check_out(args)           --out checked as claim_out will check it, creating nothing: a
+                              refusal before the tool's heavy imports
     run_inputs(args)          the files and folders a run reads: a MODEL folder (or bundled
                               organism's), --texts, --corpus, --eval-corpus
     figure_formats(args)      the figure formats to write; --format svg/pdf without a browser
@@ -124,7 +127,7 @@ from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.errors import DataError, HeadsurgeonError, shown
 from headsurgeon.inputs import check_texts
 from headsurgeon.model_names import DEFAULT_MODEL, ORGANISM_DIR, locate_model, organism_names
-from headsurgeon.outputs import claim_output
+from headsurgeon.outputs import check_output_dir, claim_output
 from headsurgeon.validation import MAX_SEED
 
 __all__ = [
@@ -141,6 +144,7 @@ __all__ = [
     "CorpusFiles",
     "add_output_args",
     "claim_out",
+    "check_out",
     "run_inputs",
     "figure_formats",
     "check_models",
@@ -477,13 +481,29 @@ def claim_out(args: argparse.Namespace, default: str | os.PathLike) -> Iterator[
     """
     out = Path(args.out) if args.out else Path(default)
     inputs = run_inputs(args)
+    _check_offload_folder(args, out, inputs)
+    with claim_output(out, args.overwrite, inputs=inputs) as claimed:
+        yield claimed
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """``--out`` (when given) checked as :func:`claim_out` will check it, creating nothing, so
+    that a refusal answers before the tool's heavy imports; the tool claims the folder later.
+    (Without ``--out`` the default is a new name.)"""
+    if not getattr(args, "out", None):
+        return
+    inputs = run_inputs(args)
+    _check_offload_folder(args, Path(args.out), inputs)
+    check_output_dir(args.out, args.overwrite, inputs=inputs)
+
+
+def _check_offload_folder(args: argparse.Namespace, out: Path, inputs: list[Path]) -> None:
+    """--offload-folder (when given) neither the output folder nor an input, nor inside one."""
     if getattr(args, "offload_folder", None):
         from headsurgeon.placement import check_offload_folder  # imports torch: only when asked
 
         taken = [("the output folder", out), *(("the input", path) for path in inputs)]
         check_offload_folder(args.offload_folder, taken)
-    with claim_output(out, args.overwrite, inputs=inputs) as claimed:
-        yield claimed
 
 
 class _ShownFormatter(logging.Formatter):

@@ -45,6 +45,7 @@ from headsurgeon.cli import (
     add_model_args,
     add_output_args,
     check_models,
+    check_out,
     figure_formats,
     non_negative_int,
     positive_int,
@@ -173,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     formats = figure_formats(args)  # --format svg/pdf without a browser: fail before the census
     check_models(args)
+    check_out(args)
     # Only now the heavy imports (torch, TransformerLens, pandas, plotly: seconds).
     from headsurgeon.cli import classify_run, loads
 

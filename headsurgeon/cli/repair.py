@@ -40,6 +40,7 @@ from headsurgeon.cli import (
     add_model_args,
     add_output_args,
     check_models,
+    check_out,
     figure_formats,
     non_negative_int,
     positive_int,
@@ -258,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out = args.resume or args.out
     formats = figure_formats(args)  # --format pdf without a browser: fail before any training
     check_models(args)
+    if not args.resume:  # a resumed run's folder is checked by the run, with its own advice
+        check_out(args)
     # Only now the heavy imports (torch, TransformerLens, pandas, plotly: seconds).
     from headsurgeon.cli import loads, repair_run
 

@@ -1,5 +1,5 @@
 """The tools answer at once: ``--help``, usage errors, a bad ``--texts`` file, a missing MODEL
-folder, an unknown model name and (blindness) an output folder that may not be written are
+folder, an unknown model name and an output folder that may not be written are
 answered before torch, TransformerLens, transformers, pandas or plotly is imported, by every entry
 (``python -m headsurgeon TOOL``, ``python -m headsurgeon.TOOL``, the console script's
 ``headsurgeon.cli.TOOL:entry``); and every option's ``--help`` shows its help and default."""
@@ -75,16 +75,17 @@ def test_what_needs_no_model_is_answered_before_any_heavy_import(tool, entry, tm
 
 
 @pytest.mark.slow  # a subprocess
-def test_an_output_folder_the_blindness_tool_may_not_write_is_refused_before_heavy_imports(
-    tmp_path,
-):
+@pytest.mark.parametrize("tool", TOOLS)
+def test_an_output_folder_the_tool_may_not_write_is_refused_before_heavy_imports(tool, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    codes, heavy, output = answers(
-        "python -m headsurgeon.TOOL", "blindness", [["organism", "--out", "out"]], tmp_path
-    )
-    assert codes == [2] and "already holds files" in output, output
+    (tmp_path / "file").write_text("a file")
+    cases = [["organism", "--out", "out"], ["organism", "--out", "file"]]
+    codes, heavy, output = answers("python -m headsurgeon.TOOL", tool, cases, tmp_path)
+    assert codes == [2, 2] and "already holds files" in output and "is a file" in output, output
     assert heavy == []
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
 
 
 @pytest.mark.slow  # a subprocess
