@@ -17,10 +17,9 @@ Each tool answers at once what needs no model: its module (``cli/classify.py``..
 checks with light imports only (this package, :mod:`headsurgeon.cli.options` for the library's
 defaults, :mod:`headsurgeon.model_names` for MODEL), so ``--help``, a usage error, a bad
 ``--texts`` file, a missing MODEL folder, an unknown model name or an ``--out`` folder it may
-not write (:func:`check_out`) is answered before torch,
-TransformerLens, transformers, pandas or plotly is imported. Then it imports its work module
-(``cli/classify_run.py``...: load, measure, write) and :mod:`headsurgeon.cli.loads` (the model
-and the data), which import them.
+not write (:func:`check_out`) is answered before torch, TransformerLens, transformers, pandas or
+plotly is imported. Then it imports its work module (``cli/classify_run.py``...: load, measure,
+write) and :mod:`headsurgeon.cli.loads` (the model and the data), which import them.
 
 Exports:
     ArgumentParser            argparse with one-line usage errors (exit code 2) and every
