@@ -26,8 +26,9 @@ in turn on the same options, one in memory at a time, and written together by
 table and figure (sick share per model and layer band).
 
 This module parses and checks the options with light imports only (``--help``, a usage error,
-a bad ``--texts`` file, a missing MODEL folder or an unknown model name answer at once); the
-census and the writing are :mod:`headsurgeon.cli.classify_run`, imported after that.
+a bad ``--texts`` file, a missing MODEL folder, an unknown model name or an ``--out`` folder it
+may not write answer at once); the census and the writing are
+:mod:`headsurgeon.cli.classify_run`, imported after that.
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
 ``run(main)``)

@@ -19,9 +19,9 @@ written, ``model/`` only if an earlier pass was acceptable); 4 (:data:`EXIT_WORS
 head that was healthy ended sick (report and ``model/`` written; the report names the heads).
 
 This module parses and checks the options with light imports only (``--help``, a usage error,
-a bad ``--texts``, ``--corpus`` or ``--eval-corpus`` file, a missing MODEL folder or an unknown
-model name answer at once); the repair itself is :mod:`headsurgeon.cli.repair_run`, imported
-after that.
+a bad ``--texts``, ``--corpus`` or ``--eval-corpus`` file, a missing MODEL folder, an unknown
+model name or an ``--out`` folder it may not write answer at once); the repair itself is
+:mod:`headsurgeon.cli.repair_run`, imported after that.
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
 ``run(main)``), EXIT_DAMAGED (3), EXIT_WORSE (4), WORK_WRITER (the work folder's mark)
