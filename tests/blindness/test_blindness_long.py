@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_bloom_checkpoint
 
-import headsurgeon.blindness as blindness
+import headsurgeon.blindness.analysis as blindness
 from headsurgeon import load_model
 from headsurgeon.blindness import ANALYSED_DTYPES, measure_blindness, mitigation
 from headsurgeon.cli.blindness import main
