@@ -51,7 +51,7 @@ from torch import Tensor
 
 from headsurgeon.backend import Model
 from headsurgeon.errors import DataError, HeadsurgeonError, InvalidArgumentError
-from headsurgeon.inputs import iter_text, read_text
+from headsurgeon.inputs import check_texts, read_text, text_file_chunks
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.validation import check_bool, check_int
 
@@ -119,18 +119,6 @@ def read_texts(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[s
     return [_read_text(Path(path)) for path in paths]
 
 
-def check_texts(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> None:
-    """The checks of :func:`read_texts` (one :class:`DataError` line per problem), reading each
-    file piece by piece and keeping none of it: a 900 MB ``.gz`` is checked in bounded memory."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    if not paths:
-        raise DataError("no text files given; pass at least one file")
-    for path in paths:
-        for _ in _file_chunks(Path(path)):
-            pass
-
-
 def _read_text(path: Path) -> str:
     if path.is_dir():
         raise DataError(f"text file {path} is a folder; give the text files in it ({path}/*.txt)")
@@ -140,19 +128,6 @@ def _read_text(path: Path) -> str:
     if not text.strip():
         raise DataError(f"text file {path} is empty; give a file with text in it")
     return text
-
-
-def _file_chunks(path: Path) -> Iterator[str]:
-    """A text file's text in pieces (:func:`~headsurgeon.inputs.iter_text`), one line for a
-    folder or a file without text."""
-    if path.is_dir():
-        raise DataError(f"text file {path} is a folder; give the text files in it ({path}/*.txt)")
-    blank = True
-    for chunk in iter_text(path, "text file"):
-        blank = blank and not chunk.strip()
-        yield chunk
-    if blank:
-        raise DataError(f"text file {path} is empty; give a file with text in it")
 
 
 def tokenize(info: ModelInfo, text: str) -> list[int]:
@@ -257,7 +232,7 @@ def _sources(data: Data) -> list[str | Path]:
 
 
 def _chunks_of(source: str | Path) -> Iterator[str]:
-    return _slices(source) if isinstance(source, str) else _file_chunks(source)
+    return _slices(source) if isinstance(source, str) else text_file_chunks(source)
 
 
 def _items(data: object) -> list[str | os.PathLike]:

@@ -15,6 +15,10 @@ Exports:
     iter_text(path, what, max_bytes=, error=)            the same text as a stream of pieces
                                    of at most ~1 MiB each (read only as far as it is consumed)
     read_json(path, what, max_bytes=, error=)            one JSON object
+    text_file_chunks(path)         a text file's text in pieces, one line for a folder or a file
+                                   without text
+    check_texts(paths)             text files checked as headsurgeon.data.read_texts reads them,
+                                   none kept (the tools check --texts with it while parsing)
     MAX_TEXT_BYTES, MAX_JSON_BYTES the default bounds (1 GiB of text, 64 MiB of JSON)
 
 ``what`` names the file's role in messages ("text file", "config file"; empty: messages begin
@@ -42,7 +46,7 @@ import json
 import os
 import stat
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +61,8 @@ __all__ = [
     "read_text",
     "iter_text",
     "read_json",
+    "text_file_chunks",
+    "check_texts",
 ]
 
 MAX_TEXT_BYTES = 1 << 30
@@ -286,3 +292,29 @@ def read_json(
     if not isinstance(data, dict):
         raise error(f"{name} holds a JSON {type(data).__name__}, not an object; {fix}")
     return data
+
+
+def text_file_chunks(path: Path) -> Iterator[str]:
+    """A text file's text in pieces (:func:`iter_text`), one line for a folder or a file without
+    text."""
+    if path.is_dir():
+        raise DataError(f"text file {path} is a folder; give the text files in it ({path}/*.txt)")
+    blank = True
+    for chunk in iter_text(path, "text file"):
+        blank = blank and not chunk.strip()
+        yield chunk
+    if blank:
+        raise DataError(f"text file {path} is empty; give a file with text in it")
+
+
+def check_texts(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> None:
+    """The checks of :func:`headsurgeon.data.read_texts` (one :class:`DataError` line per
+    problem), reading each file piece by piece and keeping none of it: a 900 MB ``.gz`` is
+    checked in bounded memory."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not paths:
+        raise DataError("no text files given; pass at least one file")
+    for path in paths:
+        for _ in text_file_chunks(Path(path)):
+            pass

@@ -127,16 +127,17 @@ def error_line(main, argv, capsys) -> str:
 @pytest.fixture()
 def no_model(monkeypatch):
     """Loading a model, or any analysis, fails the test: the checks must come first."""
-    import headsurgeon.cli.blindness
-    import headsurgeon.cli.repair
+    import headsurgeon.cli.blindness_run
+    import headsurgeon.cli.loads
+    import headsurgeon.cli.repair_run
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded (or analysed) before the input was checked")
 
-    monkeypatch.setattr(headsurgeon.cli, "load_model", refuse)
-    monkeypatch.setattr(headsurgeon.cli.repair, "load_model", refuse)
-    monkeypatch.setattr(headsurgeon.cli.blindness, "load_model", refuse)
-    monkeypatch.setattr(headsurgeon.cli.blindness, "analytic_blindness", refuse)
+    monkeypatch.setattr(headsurgeon.cli.loads, "load_model", refuse)
+    monkeypatch.setattr(headsurgeon.cli.repair_run, "load_model", refuse)
+    monkeypatch.setattr(headsurgeon.cli.blindness_run, "load_model", refuse)
+    monkeypatch.setattr(headsurgeon.cli.blindness_run, "analytic_blindness", refuse)
 
 
 # The planted injuries of the ``injured`` checkpoint: a BOS sink and a silenced head.

@@ -40,6 +40,7 @@ LAYERS = {
         "long_context",
         "exact_alibi",
         "placement",
+        "model_names",
         "loading",
         "checkpoints",
         "checkpoint_diff",
@@ -391,6 +392,10 @@ LIBRARY = (
     "blindness",
     "repair",
     "data",
+    # the modules behind the lazy packages (importing a package alone loads none of them)
+    "classify.labels",
+    "blindness.analysis",
+    "repair.pipeline",
 )
 TOOLS = ("classify", "blindness", "repair")  # python -m headsurgeon.<tool>
 

@@ -166,12 +166,12 @@ def test_check_texts_keeps_nothing_and_finds_what_read_texts_finds(tmp_path):
 def test_n_seqs_reads_only_a_budget_of_tokens(organism_info, tmp_path, monkeypatch):
     """With n_seqs, windows are spread over the first max(SAMPLE_FACTOR x n_seqs x seq_len,
     MIN_SAMPLE_TOKENS) tokens; beyond that the file is not read."""
-    from headsurgeon import data
+    from headsurgeon import data, inputs
 
     read = []
-    real = data.iter_text
+    real = inputs.iter_text
     monkeypatch.setattr(
-        data, "iter_text", lambda *a, **k: (read.append(c) or c for c in real(*a, **k))
+        inputs, "iter_text", lambda *a, **k: (read.append(c) or c for c in real(*a, **k))
     )
     monkeypatch.setattr(data, "MIN_SAMPLE_TOKENS", 1000)
     path = tmp_path / "long.txt"

@@ -10,7 +10,8 @@ import pytest
 from conftest import error_line
 
 from headsurgeon import classify_heads, compare_corpora, head_importance, plots, run_census
-from headsurgeon.cli.classify import corpus_names, main
+from headsurgeon.cli.classify import main
+from headsurgeon.cli.classify_run import corpus_names
 from headsurgeon.domains import corpus_changes, split_corpora, stack_corpora
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.importance import with_importance

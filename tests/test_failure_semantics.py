@@ -23,6 +23,7 @@ import headsurgeon.cli
 import headsurgeon.cli.blindness
 import headsurgeon.cli.classify
 import headsurgeon.cli.repair
+import headsurgeon.cli.repair_run
 from headsurgeon.data import read_texts, to_sequences
 from headsurgeon.errors import DataError, OutputBusyError, OutputWriteError
 from headsurgeon.outputs import atomic_directory, atomic_write_text, claim_output, mark_folder
@@ -166,7 +167,7 @@ def test_repair_full_disk_keeps_the_training_and_resume_finishes_it(
     bloom_dir, text_file, tmp_path, capsys, monkeypatch
 ):
     out = tmp_path / "out"
-    real_write_report = headsurgeon.cli.repair.write_report
+    real_write_report = headsurgeon.cli.repair_run.write_report
 
     def on_a_full_disk(*args, **kwargs):
         def full(fd):
@@ -176,7 +177,7 @@ def test_repair_full_disk_keeps_the_training_and_resume_finishes_it(
             m.setattr(os, "fsync", full)
             return real_write_report(*args, **kwargs)
 
-    monkeypatch.setattr(headsurgeon.cli.repair, "write_report", on_a_full_disk)
+    monkeypatch.setattr(headsurgeon.cli.repair_run, "write_report", on_a_full_disk)
     argv = repair_argv(bloom_dir, text_file, "--heads", "L0H0", "--out", out)
     line = error_line(headsurgeon.cli.repair.main, argv, capsys)
     assert f"could not write {out}/" in line and "No space left on device" in line
@@ -185,7 +186,7 @@ def test_repair_full_disk_keeps_the_training_and_resume_finishes_it(
     )
     assert not out.exists() and (tmp_path / "out.partial" / "pass1" / "done.json").exists()
 
-    monkeypatch.setattr(headsurgeon.cli.repair, "write_report", real_write_report)
+    monkeypatch.setattr(headsurgeon.cli.repair_run, "write_report", real_write_report)
     resume = repair_argv(bloom_dir, text_file, "--heads", "L0H0", "--resume", out)
     cli = headsurgeon.cli.repair
     assert cli.main(resume) in (0, cli.EXIT_DAMAGED, cli.EXIT_WORSE)

@@ -203,7 +203,7 @@ def test_texts_option_is_one_line_and_never_hangs(
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before --texts was checked")
 
-    monkeypatch.setattr(headsurgeon.cli, "load_model", refuse)
+    monkeypatch.setattr(headsurgeon.cli.loads, "load_model", refuse)
     path = tmp_path / "corpus.txt"
     if kind == "latin1":
         path.write_bytes("caf\xe9".encode("latin-1"))

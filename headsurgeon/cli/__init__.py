@@ -11,10 +11,19 @@ Tools (each a ``main(argv)`` and an ``entry(argv=None)`` that runs it through :f
 The library modules never import this package. Tools enter here from the entry files (every
 ``headsurgeon/**/__main__.py``, which import nothing else first) and the console scripts; this
 package's first lines install the Ctrl-C and SIGTERM handlers of a starting tool, before torch and
-TransformerLens are imported (:func:`run` installs handlers that unwind once they are).
+TransformerLens are imported (:func:`work_begins` installs handlers that unwind once they are).
+
+Each tool answers at once what needs no model: its module (``cli/classify.py``...) parses and
+checks with light imports only (this package, :mod:`headsurgeon.cli.options` for the library's
+defaults, :mod:`headsurgeon.model_names` for MODEL), so ``--help``, a usage error, a bad
+``--texts`` file, a missing MODEL folder, an unknown model name or an ``--out`` folder it may
+not write (:func:`check_out`) is answered before torch, TransformerLens, transformers, pandas or
+plotly is imported. Then it imports its work module (``cli/classify_run.py``...: load, measure,
+write) and :mod:`headsurgeon.cli.loads` (the model and the data), which import them.
 
 Exports:
-    ArgumentParser            argparse with one-line usage errors (exit code 2)
+    ArgumentParser            argparse with one-line usage errors (exit code 2) and every
+                              option's default in --help (help_with_default, shown_default)
     positive_int, non_negative_int   argparse types for counts (at most 2**63 - 1)
     seed, thread_count        argparse types of --seed (0..2**63 - 1) and --threads (1..4 x cores)
     device_map, max_memory    argparse types of --device-map (auto, MODULE=DEVICE,...) and
@@ -33,18 +42,19 @@ Exports:
                               checked and claimed (headsurgeon.outputs.claim_output) before any
                               model is loaded, held until the tool has written it; never one
                               that is, holds or lies inside one of run_inputs(args)
+    check_out(args)           --out checked as claim_out will check it, creating nothing: a
+                              refusal before the tool's heavy imports
     run_inputs(args)          the files and folders a run reads: a MODEL folder (or bundled
                               organism's), --texts, --corpus, --eval-corpus
     figure_formats(args)      the figure formats to write; --format svg/pdf without a browser
                               is a one-line error here, before any model is loaded
-    load_model_from_args(a)   the model MODEL, --dtype and the device options describe, with a
-                              tokenizer for the tool's text (require_tokenizer)
-    require_tokenizer(m, a)   one line, not "pass token tensors", for a model without tokenizer
-    load_data(model, args)    the token sequences the data options describe
+    check_models(args, also)  each MODEL located (headsurgeon.model_names.locate_model, or one
+                              of ``also``): a missing folder or an unknown name is one line now
     run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2,
                               Ctrl-C into "interrupted" (130), SIGTERM into "terminated" (143),
                               both after the run's cleanup (and keep freed memory, see
                               headsurgeon.allocator)
+    work_begins()             a tool's heavy imports are done: Ctrl-C and SIGTERM unwind from now
     Terminated                the KeyboardInterrupt that SIGTERM raises during a tool's work
 
 Every tool is a thin layer over the library: parse, claim its output folder, call library
@@ -97,8 +107,8 @@ def _starting_a_tool() -> bool:
     return program in _SCRIPTS or (spec is not None and spec.name.startswith("headsurgeon."))
 
 
-# Before the imports below (seconds of torch and TransformerLens), and only where the signal is
-# not ignored (a background job's ignored SIGINT, nohup's, stays ignored).
+# Before a tool's heavy imports (seconds of torch and TransformerLens, after parsing), and only
+# where the signal is not ignored (a background job's ignored SIGINT, nohup's, stays ignored).
 if _starting_a_tool():
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _interrupted_while_starting)
@@ -108,23 +118,21 @@ if _starting_a_tool():
 import argparse
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-
 from headsurgeon.allocator import keep_freed_memory
-from headsurgeon.backend import Model
-from headsurgeon.data import Sequences, check_texts, to_sequences
 from headsurgeon.errors import DataError, HeadsurgeonError, shown
-from headsurgeon.loading import DEFAULT_MODEL, ORGANISM_DIR, load_model, model_info, organism_names
-from headsurgeon.outputs import claim_output
-from headsurgeon.placement import check_offload_folder
+from headsurgeon.inputs import check_texts
+from headsurgeon.model_names import DEFAULT_MODEL, ORGANISM_DIR, locate_model, organism_names
+from headsurgeon.outputs import check_output_dir, claim_output
 from headsurgeon.validation import MAX_SEED
 
 __all__ = [
     "ArgumentParser",
+    "help_with_default",
+    "shown_default",
     "positive_int",
     "non_negative_int",
     "seed",
@@ -135,15 +143,15 @@ __all__ = [
     "CorpusFiles",
     "add_output_args",
     "claim_out",
+    "check_out",
     "run_inputs",
     "figure_formats",
-    "load_model_from_args",
+    "check_models",
     "placement_args",
     "device_map",
     "max_memory",
-    "require_tokenizer",
-    "load_data",
     "run",
+    "work_begins",
     "Terminated",
 ]
 
@@ -187,19 +195,52 @@ def add_model_args(
     parser.add_argument(
         "--threads",
         type=thread_count,
-        action=_SetThreads,
         help="CPU threads for torch (default: one per core). Use 1 when other jobs keep cores "
         "busy: threads that wait on a busy core made a repair step ~5x slower here",
     )
 
 
+def shown_default(action: argparse.Action) -> str | None:
+    """An option's default as ``--help`` shows it (a list as its items, space-separated), or
+    None when it has none to show (None, False, an empty list; a flag such as ``--no-control``,
+    whose default is its absence)."""
+    default = action.default
+    # Identity, not ==: a default of 0 is shown (0 == False).
+    if action.nargs == 0 or default is None or default is False or default == []:
+        return None
+    if default == argparse.SUPPRESS:
+        return None
+    if isinstance(default, (list, tuple)):
+        return " ".join(map(str, default))
+    return str(default)
+
+
+def help_with_default(action: argparse.Action) -> str:
+    """An option's help text ending with its default, unless the text names it already
+    (``(default 0.3)``)."""
+    text = action.help or ""
+    default = shown_default(action)
+    if default is None or ("default" in text and default in text):
+        return text
+    return f"{text} (default: {default.replace('%', '%%')})"
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` with every option's default (:func:`help_with_default`)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return help_with_default(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line, like every other error of the tools.
+    """argparse whose usage errors are one line, like every other error of the tools, and whose
+    ``--help`` shows every option's default.
 
     Options must be written in full: a prefix (``--dtype`` for ``--dtypes``) is not guessed.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> NoReturn:
@@ -289,14 +330,6 @@ def thread_count(text: str) -> int:
         "a positive thread count",
         f" ({THREADS_PER_CORE} per core, {cores} cores here)",
     )
-
-
-class _SetThreads(argparse.Action):
-    """Set torch's intra-op thread count as soon as the flag is parsed."""
-
-    def __call__(self, parser, namespace, value, option_string=None) -> None:
-        torch.set_num_threads(value)
-        setattr(namespace, self.dest, value)
 
 
 def add_data_args(
@@ -400,6 +433,17 @@ def figure_formats(args: argparse.Namespace) -> list[str] | None:
     return ["html", "png", *args.format]
 
 
+def check_models(args: argparse.Namespace, also: Collection[str] = ()) -> None:
+    """Each MODEL (one or several) located before any heavy import
+    (:func:`headsurgeon.model_names.locate_model`): a folder that does not exist or a name that
+    is neither an organism nor a TransformerLens name is one line now, not after seconds of
+    imports. ``also``: more names (lower case) the tool takes without a folder."""
+    models = getattr(args, "model", None) or []
+    for model in map(str, models if isinstance(models, list) else [models]):
+        if model.lower() not in also:
+            locate_model(model)
+
+
 def run_inputs(args: argparse.Namespace) -> list[Path]:
     """The files and folders a run of a tool reads, which its output must never touch.
 
@@ -436,44 +480,29 @@ def claim_out(args: argparse.Namespace, default: str | os.PathLike) -> Iterator[
     """
     out = Path(args.out) if args.out else Path(default)
     inputs = run_inputs(args)
-    taken = [("the output folder", out), *(("the input", path) for path in inputs)]
-    check_offload_folder(getattr(args, "offload_folder", None), taken)
+    _check_offload_folder(args, out, inputs)
     with claim_output(out, args.overwrite, inputs=inputs) as claimed:
         yield claimed
 
 
-def load_model_from_args(args: argparse.Namespace) -> Model:
-    model = load_model(args.model, dtype=args.dtype, **placement_args(args))
-    require_tokenizer(model, args)
-    return model
-
-
-def require_tokenizer(model: Model, args: argparse.Namespace, what: str = "") -> None:
-    """One line for a model that cannot tokenise the tool's text (``what``, default: --texts or
-    the bundled corpora): the fix is a tokenizer in its folder, as a CLI cannot pass tokens."""
-    if model_info(model, "load_model").tokenizer is not None:
+def check_out(args: argparse.Namespace) -> None:
+    """``--out`` (when given) checked as :func:`claim_out` will check it, creating nothing, so
+    that a refusal answers before the tool's heavy imports; the tool claims the folder later.
+    (Without ``--out`` the default is a new name.)"""
+    if not getattr(args, "out", None):
         return
-    what = what or ("--texts" if getattr(args, "texts", None) else "the bundled text corpora")
-    raise DataError(
-        f"{args.model} has no tokenizer, so {what} cannot be tokenised; add the tokenizer files "
-        "of the model it was trained as (tokenizer.json, tokenizer_config.json) to its folder"
-    )
+    inputs = run_inputs(args)
+    _check_offload_folder(args, Path(args.out), inputs)
+    check_output_dir(args.out, args.overwrite, inputs=inputs)
 
 
-def load_data(model: Model, args: argparse.Namespace) -> Sequences:
-    """The sequences ``--texts``, ``--seq-len``, ``--n-seqs`` and ``--prepend-bos`` describe
-    (a warning when the text holds fewer than asked for)."""
-    seqs = to_sequences(
-        model, args.texts, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=args.prepend_bos
-    )
-    if seqs.n_seqs < args.n_seqs:
-        logger.warning(
-            "the data holds only %d sequences of %d tokens (asked for %d)",
-            seqs.n_seqs,
-            seqs.seq_len,
-            args.n_seqs,
-        )
-    return seqs
+def _check_offload_folder(args: argparse.Namespace, out: Path, inputs: list[Path]) -> None:
+    """--offload-folder (when given) neither the output folder nor an input, nor inside one."""
+    if getattr(args, "offload_folder", None):
+        from headsurgeon.placement import check_offload_folder  # imports torch: only when asked
+
+        taken = [("the output folder", out), *(("the input", path) for path in inputs)]
+        check_offload_folder(args.offload_folder, taken)
 
 
 class _ShownFormatter(logging.Formatter):
@@ -483,8 +512,19 @@ class _ShownFormatter(logging.Formatter):
         return shown(super().format(record))
 
 
+def work_begins() -> None:
+    """Called by a tool once its heavy imports are done (see
+    :func:`_interrupted_while_starting`): from here Ctrl-C and SIGTERM unwind, so the run removes
+    what it was writing on its way out (an ignored signal stays ignored)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _interrupted_while_starting):
+        signal.signal(signal.SIGTERM, _terminate)
+
+
 def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None):
-    """Run a CLI ``main``: user errors become ``error: <one line>`` on stderr and exit code 2."""
+    """Run a CLI ``main``: user errors become ``error: <one line>`` on stderr and exit code 2;
+    Ctrl-C and SIGTERM after :func:`work_begins` unwind, then exit 130 and 143."""
     # Our progress messages at INFO; other libraries' (kaleido, choreographer) only when they warn.
     # Log lines quote names (folders, corpus files): escape codes in them are shown, not obeyed.
     handler = logging.StreamHandler()
@@ -493,12 +533,6 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     logging.getLogger("headsurgeon").setLevel(logging.INFO)
     if os.environ.get("HEADSURGEON_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
-    # Imports are done (see _interrupted_while_starting): from here Ctrl-C and SIGTERM unwind, so
-    # the run removes what it was writing on its way out.
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _interrupted_while_starting):
-        signal.signal(signal.SIGTERM, _terminate)
     try:
         code = main(argv)
     except HeadsurgeonError as e:

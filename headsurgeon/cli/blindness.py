@@ -9,42 +9,38 @@ and, with ``--sink-cache``, StreamingLLM's sink-cache test
 (:func:`headsurgeon.sink_cache_effect`), printed and written by
 :func:`headsurgeon.reports.write_blindness` (``--help`` lists the options).
 
+This module parses and checks the options with light imports only (``--help``, a usage error,
+a bad ``--texts`` file, a missing MODEL folder, an unknown model name or an output folder in use
+answer at once); the analysis and the writing are :mod:`headsurgeon.cli.blindness_run`, imported
+after that.
+
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from headsurgeon import alibi, cli
-from headsurgeon.backend import Model
-from headsurgeon.blindness import (
+from headsurgeon import cli
+from headsurgeon.cli.options import (
     ANALYSED_DTYPES,
+    BIAS_KINDS,
     CONVENTIONS,
-    analytic_blindness,
-    dtype_name,
-    measure_blindness,
-    mitigation,
+    LIMITS,
+    ROBUST_MODES,
+    SHAPE_NAMES,
+    SINK_POSITIONS,
 )
-from headsurgeon.census import run_census
-from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError, shown
-from headsurgeon.loading import load_model, model_shape
-from headsurgeon.precision import PRECISION_DTYPES, precision_effect
-from headsurgeon.reports import blindness_summary, write_blindness
-from headsurgeon.sink_cache import POSITIONS, SinkCacheEffect, sink_cache_effect
+from headsurgeon.errors import InvalidArgumentError, shown
 from headsurgeon.validation import check_number
 
 __all__ = [
     "main",
     "entry",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 # Tokens --measure reads by default: 8 sequences of the default 1,024 tokens (~10 s on the
@@ -63,35 +59,7 @@ def _mitigation_params(args: argparse.Namespace) -> dict:
     return {}
 
 
-def _shown_name(model: str) -> str:
-    """The model as the outputs name it: a local folder by its own name (a path as typed would
-    carry the user's home into the page, summary.txt and figures), else the name as typed; what
-    load_model names it (resolve_model's display name), without resolving a hub name (an
-    analytic run downloads nothing)."""
-    path = Path(model).expanduser()
-    return path.resolve().name or model if path.is_dir() else model
-
-
-def _sink_cache(args: argparse.Namespace, model: Model | None) -> tuple[Model, SinkCacheEffect]:
-    """``--sink-cache``: the model (loaded here unless --measure did) and its sink-cache test."""
-    if model is None:
-        model = load_model(args.model, dtype="float32", **cli.placement_args(args))
-        cli.require_tokenizer(model, args)
-    effect = sink_cache_effect(
-        model,
-        args.texts,
-        sinks=args.sinks,
-        windows=args.windows,
-        positions=args.sink_positions,
-        head_seq_len=args.sink_head_seq_len,
-        seq_len=args.sink_seq_len,
-        batch_size=args.batch_size,
-        prepend_bos=args.prepend_bos,
-    )
-    return model, effect
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> cli.ArgumentParser:
     parser = cli.ArgumentParser(
         prog="python -m headsurgeon.blindness",
         description="Underflow blindness of ALiBi heads per dtype: analytic, measured, mitigated.",
@@ -107,8 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--limit",
         nargs="+",
-        default=list(alibi.LIMITS),
-        choices=alibi.LIMITS,
+        default=list(LIMITS),
+        choices=LIMITS,
         help="underflow limits: normal, subnormal, zero (rounds to exactly 0)",
     )
     parser.add_argument(
@@ -121,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--convention", choices=CONVENTIONS, default="hf", help="softmax dtype")
     parser.add_argument(
         "--mitigation",
-        choices=alibi.BIAS_KINDS,
+        choices=BIAS_KINDS,
         help="the ALiBi kind to analyse (default: the one the model was trained with)",
     )
     parser.add_argument(
@@ -157,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     group.add_argument(
         "--sink-positions",
-        choices=POSITIONS,
+        choices=SINK_POSITIONS,
         default="cache",
         help="ALiBi distance of a sink: its cache slot (StreamingLLM) or its true distance",
     )
@@ -182,7 +150,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--robust-context", type=cli.positive_int, help="robust: context kept sighted"
     )
-    parser.add_argument("--robust-mode", choices=alibi.ROBUST_MODES, default="scale")
+    parser.add_argument(
+        "--robust-mode",
+        choices=ROBUST_MODES,
+        default="scale",
+        help="robust: scale lowers every slope by one factor (keeping their ratios), clip only "
+        "the slopes above the limit",
+    )
     parser.add_argument(
         "--batch-size", type=cli.positive_int, default=1, help="sequences per forward pass"
     )
@@ -194,16 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{MEASURED_TOKENS:,} tokens, at least one)",
     )
     cli.add_output_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.n_seqs is None:  # a fixed budget of tokens: --seq-len 16384 measures one sequence
         args.n_seqs = max(1, MEASURED_TOKENS // args.seq_len)
     formats = cli.figure_formats(args)  # --format pdf without a browser: fail before any work
-    dtypes = [dtype_name(d) for d in args.dtypes]
-    shape = model_shape(args.model)
-    if args.max_distance is None:
-        # The analytic curve reaches at least as far as what is measured (ALiBi takes any length;
-        # other models refuse a --seq-len beyond their context when the data are made).
-        args.max_distance = max(shape.n_ctx, args.seq_len) if args.measure else shape.n_ctx
     params = _mitigation_params(args)
     check_number(args.reach_eps, "--reach-eps", low=0, high=1)  # before any work
     if args.counterfactual and not args.measure:
@@ -215,61 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--counterfactual precision measures the family's ALiBi or its relative form; "
             f"drop --mitigation {args.mitigation} or use --mitigation relative"
         )
-    if args.mitigation == "robust":
-        params = {**params, "dtype": dtypes[0], "limit": args.limit[0]}
+    cli.check_models(args, also=SHAPE_NAMES)  # a BLOOM name is analysed without its files
     default = f"blindness-{Path(str(args.model)).name}"
     with cli.claim_out(args, default) as out:  # before the measurement, not after it
-        analytic = None
-        try:
-            analytic_params = {k: v for k, v in params.items() if k not in ("dtype", "limit")}
-            analytic = analytic_blindness(
-                args.model,
-                dtypes=dtypes,
-                limits=args.limit,
-                bias=args.mitigation,
-                context_length=args.max_distance,
-                **analytic_params,
-            )
-            analytic.attrs["model"] = _shown_name(args.model)
-        except UnsupportedArchitectureError as e:
-            if not args.measure:
-                raise
-            logger.warning("note: %s", e)
-        measured = model = seqs = precision = census = None
-        if args.measure:
-            model = load_model(args.model, dtype="float32", **cli.placement_args(args))
-            cli.require_tokenizer(model, args)
-            seqs = cli.load_data(model, args)
-            applied = mitigation(model, args.mitigation, **params) if args.mitigation else None
-            with applied or contextlib.nullcontext():
-                measured = measure_blindness(
-                    model,
-                    seqs,
-                    dtypes=dtypes,
-                    convention=args.convention,
-                    batch_size=args.batch_size,
-                )
-                census = run_census(
-                    model, seqs, batch_size=args.batch_size, reach_eps=args.reach_eps
-                )
-                if args.counterfactual == "precision":
-                    precision = precision_effect(
-                        model, seqs, dtypes=[d for d in dtypes if d in PRECISION_DTYPES]
-                    )
-        model, sinks = _sink_cache(args, model) if args.sink_cache else (model, None)
-        print(blindness_summary(analytic, measured, precision, census, sinks))
-        write_blindness(
-            out,
-            analytic,
-            measured,
-            formats=formats,
-            overwrite=args.overwrite,
-            model=model,
-            tokens=None if seqs is None else seqs.tokens,
-            precision=precision,
-            census=census,
-            sink_cache=sinks,
-        )
+        # Only now the heavy imports (torch, TransformerLens, pandas, plotly: seconds).
+        from headsurgeon.cli import blindness_run, loads
+
+        cli.work_begins()
+        loads.use_threads(args)
+        blindness_run.blindness(args, out, params, formats)
     print(f"wrote {shown(out)}/")
     return 0
 

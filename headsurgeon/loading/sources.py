@@ -6,6 +6,8 @@ Exports:
     ORGANISM_DIR           their folder; DEFAULT_MODEL, the tools' default model
     unknown_message(name, candidates)
                            the unknown-model line with the closest names
+    (these four from :mod:`headsurgeon.model_names`, which names models without importing
+    torch or TransformerLens)
     download_command(official)
                            the ``hf download`` command that fills the cache for a hub model
 
@@ -19,15 +21,20 @@ is one :class:`~headsurgeon.errors.UnknownModelError` line with the closest know
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import threading
 from pathlib import Path
 
-from headsurgeon import backend
-from headsurgeon.errors import ModelNotFoundError, UnknownModelError, first_line
+from headsurgeon.errors import ModelNotFoundError, first_line
 from headsurgeon.loading.files import TOKENIZER_FILES, has_weights
+from headsurgeon.model_names import (
+    DEFAULT_MODEL,
+    ORGANISM_DIR,
+    locate_model,
+    organism_names,
+    unknown_message,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -39,32 +46,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-ORGANISM_DIR = Path(__file__).parents[1] / "organisms"
-DEFAULT_MODEL = "organism-injured"
-
-
-def organism_names() -> list[str]:
-    """Short names of the model organisms bundled with the package."""
-    if not ORGANISM_DIR.is_dir():
-        return []
-    return sorted(p.name for p in ORGANISM_DIR.iterdir() if (p / "config.json").exists())
-
-
-def _hub_names() -> dict[str, str]:
-    """Map every TransformerLens name and alias (lower case) to its official hub name."""
-    return backend.hub_names()
-
-
-def unknown_message(name: str, candidates: list[str]) -> str:
-    by_lower = {c.lower(): c for c in candidates}
-    close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
-    hint = f"did you mean {', '.join(by_lower[c] for c in close)}? " if close else ""
-    return (
-        f"unknown model {name!r}: {hint}pass a TransformerLens model name, a bundled organism "
-        f"({', '.join(organism_names()) or 'none installed'}) or a local checkpoint folder"
-    )
 
 
 def _hub_reachable(timeout: float = 2.0) -> bool:
@@ -137,18 +118,8 @@ def _hub_snapshot(official: str) -> Path:
 
 
 def resolve_model(model: str | os.PathLike) -> tuple[str, Path]:
-    """Turn a user's model argument into (display name, local checkpoint folder)."""
-    name = str(model)
-    if name in organism_names():
-        return name, ORGANISM_DIR / name
-    path = Path(name).expanduser()
-    looks_like_path = isinstance(model, os.PathLike) or "/" in name or os.sep in name
-    looks_like_path = looks_like_path or name.startswith((".", "~"))
-    if path.exists():
-        return path.name or name, path
-    official = _hub_names().get(name.lower())
-    if official is not None:
-        return name, _hub_snapshot(official)
-    if looks_like_path:
-        raise ModelNotFoundError(f"model folder {name} does not exist; check the path")
-    raise UnknownModelError(unknown_message(name, list(_hub_names()) + organism_names()))
+    """Turn a user's model argument into (display name, local checkpoint folder): a hub model's
+    from the Hugging Face cache, else downloaded (:func:`headsurgeon.model_names.locate_model`
+    names the model first, and refuses a missing path or an unknown name)."""
+    name, folder, official = locate_model(model)
+    return name, folder if folder is not None else _hub_snapshot(official)

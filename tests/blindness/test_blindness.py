@@ -358,11 +358,12 @@ def test_cli_refuses_an_occupied_output_folder_before_measuring(
     bloom8_dir, tmp_path, monkeypatch, capsys
 ):
     import headsurgeon.cli.blindness as blindness_module
+    import headsurgeon.cli.blindness_run
 
     def not_now(*args, **kwargs):
         raise AssertionError("the model was loaded before the output folder was checked")
 
-    monkeypatch.setattr(blindness_module, "load_model", not_now)
+    monkeypatch.setattr(headsurgeon.cli.blindness_run, "load_model", not_now)
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_bloom_checkpoint
 
-import headsurgeon.blindness as blindness
+import headsurgeon.blindness.analysis as blindness
 from headsurgeon import load_model
 from headsurgeon.blindness import ANALYSED_DTYPES, measure_blindness, mitigation
 from headsurgeon.cli.blindness import main
@@ -208,7 +208,7 @@ def test_cli_measures_past_the_nominal_context(tmp_path, capsys):
 
 @pytest.mark.parametrize(("seq_len", "n_seqs"), [(None, 8), (2048, 4), (16384, 1), (100_000, 1)])
 def test_cli_measures_a_fixed_budget_of_tokens_by_default(tmp_path, monkeypatch, seq_len, n_seqs):
-    import headsurgeon.cli as cli
+    import headsurgeon.cli.loads as loads
 
     asked = []
 
@@ -216,7 +216,7 @@ def test_cli_measures_a_fixed_budget_of_tokens_by_default(tmp_path, monkeypatch,
         asked.append((args.seq_len, args.n_seqs))
         raise InvalidArgumentError("stop here")
 
-    monkeypatch.setattr(cli, "load_data", load_data)
+    monkeypatch.setattr(loads, "load_data", load_data)
     folder = make_bloom_checkpoint(tmp_path / "bloom", n_heads=8, n_layers=1)
     argv = [folder, "--measure", "--out", tmp_path / "out"]
     argv += [] if seq_len is None else ["--seq-len", seq_len]

@@ -20,13 +20,17 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_threads_flag_sets_torch_threads(parser):
+def test_threads_flag_sets_torch_threads_once_the_work_begins(parser):
+    from headsurgeon.cli.loads import use_threads
+
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert parser.parse_args([]).threads is None
+        use_threads(parser.parse_args([]))
         assert torch.get_num_threads() == 2  # untouched without the flag
-        assert parser.parse_args(["--threads", "1"]).threads == 1
+        args = parser.parse_args(["--threads", "1"])
+        assert args.threads == 1 and torch.get_num_threads() == 2  # parsing imports no torch
+        use_threads(args)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -18,10 +18,9 @@ SCRIPTS = Path(sys.executable).parent
 CLASSIFY_ARGS = ["organism-injured"]
 REPAIR_ARGS = ["organism-injured", "--steps", "40", "--passes", "1", "--n-seqs", "8"]
 REPAIR_ARGS += ["--seq-len", "64"]
-# python -m headsurgeon TOOL and the console scripts import headsurgeon.cli (which installs the
-# Ctrl-C handler) before torch. python -m headsurgeon.TOOL imports the library package TOOL
-# first and gets the handler with its __main__.py, after those imports: it is interrupted here
-# only once they are done.
+# Every entry imports headsurgeon.cli (which installs the Ctrl-C handler) before torch: the
+# library package TOOL that python -m headsurgeon.TOOL imports first is lazy, and each tool
+# imports torch only after parsing.
 TOOLS = {
     "python -m headsurgeon classify": [
         sys.executable,

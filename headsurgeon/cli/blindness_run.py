@@ -1,0 +1,120 @@
+"""The work of ``python -m headsurgeon.blindness`` once its options are checked and its output
+folder claimed (:mod:`headsurgeon.cli.blindness`): the analytic blind distances, the
+measurements, print and write (imports torch, TransformerLens, pandas and plotly).
+
+Exports: blindness(args, out, params, formats) (the run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from headsurgeon.backend import Model
+from headsurgeon.blindness import analytic_blindness, dtype_name, measure_blindness, mitigation
+from headsurgeon.census import run_census
+from headsurgeon.cli import loads, placement_args
+from headsurgeon.errors import UnsupportedArchitectureError
+from headsurgeon.loading import load_model, model_shape
+from headsurgeon.precision import PRECISION_DTYPES, precision_effect
+from headsurgeon.reports import blindness_summary, write_blindness
+from headsurgeon.sink_cache import SinkCacheEffect, sink_cache_effect
+
+__all__ = ["blindness"]
+
+logger = logging.getLogger(__name__)
+
+
+def _shown_name(model: str) -> str:
+    """The model as the outputs name it: a local folder by its own name (a path as typed would
+    carry the user's home into the page, summary.txt and figures), else the name as typed; what
+    load_model names it (resolve_model's display name), without resolving a hub name (an
+    analytic run downloads nothing)."""
+    path = Path(model).expanduser()
+    return path.resolve().name or model if path.is_dir() else model
+
+
+def _sink_cache(args: argparse.Namespace, model: Model | None) -> tuple[Model, SinkCacheEffect]:
+    """``--sink-cache``: the model (loaded here unless --measure did) and its sink-cache test."""
+    if model is None:
+        model = load_model(args.model, dtype="float32", **placement_args(args))
+        loads.require_tokenizer(model, args)
+    effect = sink_cache_effect(
+        model,
+        args.texts,
+        sinks=args.sinks,
+        windows=args.windows,
+        positions=args.sink_positions,
+        head_seq_len=args.sink_head_seq_len,
+        seq_len=args.sink_seq_len,
+        batch_size=args.batch_size,
+        prepend_bos=args.prepend_bos,
+    )
+    return model, effect
+
+
+def blindness(
+    args: argparse.Namespace, out: Path, params: dict[str, Any], formats: list[str] | None
+) -> None:
+    """The run of checked options ``args`` into the claimed folder ``out`` (``params``: the
+    mitigation's, from the options)."""
+    dtypes = [dtype_name(d) for d in args.dtypes]
+    shape = model_shape(args.model)
+    if args.max_distance is None:
+        # The analytic curve reaches at least as far as what is measured (ALiBi takes any length;
+        # other models refuse a --seq-len beyond their context when the data are made).
+        args.max_distance = max(shape.n_ctx, args.seq_len) if args.measure else shape.n_ctx
+    if args.mitigation == "robust":
+        params = {**params, "dtype": dtypes[0], "limit": args.limit[0]}
+    analytic = None
+    try:
+        analytic_params = {k: v for k, v in params.items() if k not in ("dtype", "limit")}
+        analytic = analytic_blindness(
+            args.model,
+            dtypes=dtypes,
+            limits=args.limit,
+            bias=args.mitigation,
+            context_length=args.max_distance,
+            **analytic_params,
+        )
+        analytic.attrs["model"] = _shown_name(args.model)
+    except UnsupportedArchitectureError as e:
+        if not args.measure:
+            raise
+        logger.warning("note: %s", e)
+    measured = model = seqs = precision = census = None
+    if args.measure:
+        model = load_model(args.model, dtype="float32", **placement_args(args))
+        loads.require_tokenizer(model, args)
+        seqs = loads.load_data(model, args)
+        applied = mitigation(model, args.mitigation, **params) if args.mitigation else None
+        with applied or contextlib.nullcontext():
+            measured = measure_blindness(
+                model,
+                seqs,
+                dtypes=dtypes,
+                convention=args.convention,
+                batch_size=args.batch_size,
+            )
+            census = run_census(model, seqs, batch_size=args.batch_size, reach_eps=args.reach_eps)
+            if args.counterfactual == "precision":
+                precision = precision_effect(
+                    model, seqs, dtypes=[d for d in dtypes if d in PRECISION_DTYPES]
+                )
+    model, sinks = _sink_cache(args, model) if args.sink_cache else (model, None)
+    print(blindness_summary(analytic, measured, precision, census, sinks))
+    write_blindness(
+        out,
+        analytic,
+        measured,
+        formats=formats,
+        overwrite=args.overwrite,
+        model=model,
+        tokens=None if seqs is None else seqs.tokens,
+        precision=precision,
+        census=census,
+        sink_cache=sinks,
+    )

@@ -1,0 +1,73 @@
+"""What the tools load once their options are checked: the model and the data (imports torch
+and TransformerLens, so the tools import it after parsing; see :mod:`headsurgeon.cli`).
+
+Exports:
+    use_threads(args)         torch's intra-op thread count from --threads (when given)
+    load_model_from_args(a)   the model MODEL, --dtype and the device options describe, with a
+                              tokenizer for the tool's text (require_tokenizer)
+    require_tokenizer(m, a)   one line, not "pass token tensors", for a model without tokenizer
+    load_data(model, args)    the token sequences the data options describe
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from headsurgeon.backend import Model
+from headsurgeon.cli import placement_args
+from headsurgeon.data import Sequences, to_sequences
+from headsurgeon.errors import DataError
+from headsurgeon.loading import load_model, model_info
+
+__all__ = [
+    "use_threads",
+    "load_model_from_args",
+    "require_tokenizer",
+    "load_data",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def use_threads(args: argparse.Namespace) -> None:
+    """Set torch's intra-op thread count to ``--threads``, before any work; without it, torch's
+    own default (one per core) stays."""
+    if getattr(args, "threads", None) is not None:
+        torch.set_num_threads(args.threads)
+
+
+def load_model_from_args(args: argparse.Namespace) -> Model:
+    model = load_model(args.model, dtype=args.dtype, **placement_args(args))
+    require_tokenizer(model, args)
+    return model
+
+
+def require_tokenizer(model: Model, args: argparse.Namespace, what: str = "") -> None:
+    """One line for a model that cannot tokenise the tool's text (``what``, default: --texts or
+    the bundled corpora): the fix is a tokenizer in its folder, as a CLI cannot pass tokens."""
+    if model_info(model, "load_model").tokenizer is not None:
+        return
+    what = what or ("--texts" if getattr(args, "texts", None) else "the bundled text corpora")
+    raise DataError(
+        f"{args.model} has no tokenizer, so {what} cannot be tokenised; add the tokenizer files "
+        "of the model it was trained as (tokenizer.json, tokenizer_config.json) to its folder"
+    )
+
+
+def load_data(model: Model, args: argparse.Namespace) -> Sequences:
+    """The sequences ``--texts``, ``--seq-len``, ``--n-seqs`` and ``--prepend-bos`` describe
+    (a warning when the text holds fewer than asked for)."""
+    seqs = to_sequences(
+        model, args.texts, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=args.prepend_bos
+    )
+    if seqs.n_seqs < args.n_seqs:
+        logger.warning(
+            "the data holds only %d sequences of %d tokens (asked for %d)",
+            seqs.n_seqs,
+            seqs.seq_len,
+            args.n_seqs,
+        )
+    return seqs

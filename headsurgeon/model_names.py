@@ -1,0 +1,138 @@
+"""What a MODEL argument names, answered without importing torch or TransformerLens.
+
+``locate_model("bloom-560m")`` says whether a name is a bundled organism, a local folder or a
+TransformerLens hub name, and refuses a missing path or an unknown name in one line, in
+milliseconds: the command-line tools call it before their heavy imports, and
+:func:`headsurgeon.loading.resolve_model` builds on it (it then finds or downloads the hub
+model's files).
+
+TransformerLens's table of names (official names and aliases) takes seconds to import, so a
+snapshot of it ships with the package, one per TransformerLens major
+(``hub_names/transformer-lens-<major>.json``), each recording the version it was read from.
+:func:`hub_names` answers from the snapshot when the installed TransformerLens is that version,
+and otherwise asks TransformerLens itself (slow, still exact). ``analyses/hub_names.py``
+rewrites the snapshot for the installed version; a test holds it equal to the installed table.
+
+Exports:
+    locate_model(model)        (display name, local folder or None, official hub name or None);
+                               ModelNotFoundError for a missing path, UnknownModelError (with
+                               the closest names) for a name nobody knows
+    hub_names()                every TransformerLens name and alias (lower case) -> its official
+                               hub name
+    snapshot_names()           the shipped snapshot's table for the installed TransformerLens, or
+                               None when the versions differ
+    snapshot_file(major), SNAPSHOT_DIR   where the snapshot of a TransformerLens major lives
+    installed_transformer_lens()   the installed TransformerLens version (package metadata)
+    organism_names()           short names of the model organisms bundled with the package
+    ORGANISM_DIR, DEFAULT_MODEL    their folder; the tools' default model
+    unknown_message(name, candidates)   the unknown-model line with the closest names
+
+>>> locate_model("organism")[1].name
+'organism'
+>>> locate_model("bigscience/bloom-560m")[2]
+'bigscience/bloom-560m'
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+
+from headsurgeon.errors import ModelNotFoundError, UnknownModelError
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ORGANISM_DIR",
+    "SNAPSHOT_DIR",
+    "hub_names",
+    "installed_transformer_lens",
+    "locate_model",
+    "organism_names",
+    "snapshot_file",
+    "snapshot_names",
+    "unknown_message",
+]
+
+ORGANISM_DIR = Path(__file__).parent / "organisms"
+DEFAULT_MODEL = "organism-injured"
+SNAPSHOT_DIR = Path(__file__).parent / "hub_names"
+
+
+def organism_names() -> list[str]:
+    """Short names of the model organisms bundled with the package."""
+    if not ORGANISM_DIR.is_dir():
+        return []
+    return sorted(p.name for p in ORGANISM_DIR.iterdir() if (p / "config.json").exists())
+
+
+def installed_transformer_lens() -> str:
+    """The installed TransformerLens version, read from its package metadata (no import)."""
+    return importlib.metadata.version("transformer-lens")
+
+
+def snapshot_file(major: int | str) -> Path:
+    """The snapshot of TransformerLens ``major``'s name table: ``{"transformer_lens": version,
+    "names": {lower-case name or alias: official name}}``."""
+    return SNAPSHOT_DIR / f"transformer-lens-{major}.json"
+
+
+@functools.cache
+def snapshot_names() -> dict[str, str] | None:
+    """The shipped table of names when it was read from the installed TransformerLens version,
+    else None (another version may add or drop names)."""
+    version = installed_transformer_lens()
+    try:
+        snapshot = json.loads(snapshot_file(version.split(".")[0]).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    return snapshot["names"] if snapshot["transformer_lens"] == version else None
+
+
+def hub_names() -> dict[str, str]:
+    """Every TransformerLens model name and alias (lower case) -> its official hub name: the
+    snapshot when it matches the installed version, else TransformerLens's own table."""
+    names = snapshot_names()
+    if names is not None:
+        return names
+    from headsurgeon import backend  # seconds: imports TransformerLens (no matching snapshot)
+
+    return backend.hub_names()
+
+
+def unknown_message(name: str, candidates: list[str]) -> str:
+    """The one line for an unknown model ``name``, with up to three close ``candidates``."""
+    by_lower = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(by_lower[c] for c in close)}? " if close else ""
+    return (
+        f"unknown model {name!r}: {hint}pass a TransformerLens model name, a bundled organism "
+        f"({', '.join(organism_names()) or 'none installed'}) or a local checkpoint folder"
+    )
+
+
+def locate_model(model: str | os.PathLike) -> tuple[str, Path | None, str | None]:
+    """What a user's model argument names: (display name, local checkpoint folder or None,
+    official hub name or None); exactly one of the last two is set.
+
+    A bundled organism's name, then an existing path, then a TransformerLens name or alias (any
+    case). Something that looks like a path (``/``, ``.``, ``~``) but does not exist is a
+    :class:`~headsurgeon.errors.ModelNotFoundError`; any other name an
+    :class:`~headsurgeon.errors.UnknownModelError` naming the closest known names.
+    """
+    name = str(model)
+    if name in organism_names():
+        return name, ORGANISM_DIR / name, None
+    path = Path(name).expanduser()
+    if path.exists():
+        return path.name or name, path, None
+    official = hub_names().get(name.lower())
+    if official is not None:
+        return name, None, official
+    looks_like_path = isinstance(model, os.PathLike) or "/" in name or os.sep in name
+    if looks_like_path or name.startswith((".", "~")):
+        raise ModelNotFoundError(f"model folder {name} does not exist; check the path")
+    raise UnknownModelError(unknown_message(name, list(hub_names()) + organism_names()))

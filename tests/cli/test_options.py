@@ -1,0 +1,38 @@
+"""The defaults the tools' parsers show (headsurgeon.cli.options, importable without torch) are
+the library's own: each copy equal to its original."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from headsurgeon import alibi, census, importance, received, sink_cache, surgery
+from headsurgeon.blindness import ANALYSED_DTYPES, CONVENTIONS
+from headsurgeon.classify import Thresholds
+from headsurgeon.cli import options
+from headsurgeon.finetune import FinetuneConfig
+from headsurgeon.loading import BLOOM_SHAPES
+from headsurgeon.repair import DRIFT_THRESHOLD, MAX_PPL_INCREASE
+
+
+def test_every_copy_is_the_library_value():
+    assert dict(options.GU_PROTOCOL) == dict(census.GU_PROTOCOL)
+    assert dict(options.THRESHOLDS) == dataclasses.asdict(Thresholds())
+    assert options.IMPORTANCE_METHODS == importance.METHODS
+    assert options.RECEIVED_THRESHOLD == received.THRESHOLD
+    assert (options.ANALYSED_DTYPES, options.CONVENTIONS) == (ANALYSED_DTYPES, CONVENTIONS)
+    assert options.LIMITS == alibi.LIMITS
+    assert options.BIAS_KINDS == alibi.BIAS_KINDS
+    assert options.ROBUST_MODES == alibi.ROBUST_MODES
+    assert options.SINK_POSITIONS == sink_cache.POSITIONS
+    assert options.INITS == surgery.INITS
+    assert (options.DRIFT_THRESHOLD, options.MAX_PPL_INCREASE) == (
+        DRIFT_THRESHOLD,
+        MAX_PPL_INCREASE,
+    )
+    finetune = FinetuneConfig()
+    assert options.FINETUNE == {name: getattr(finetune, name) for name in options.FINETUNE}
+
+
+def test_the_shape_names_are_those_model_shape_knows_without_a_folder():
+    official = {f"bigscience/{name}" for name in BLOOM_SHAPES} | {"bigscience/bloom"}
+    assert options.SHAPE_NAMES == set(BLOOM_SHAPES) | official

@@ -1,0 +1,144 @@
+"""The tools answer at once: ``--help``, usage errors, a bad ``--texts`` file, a missing MODEL
+folder, an unknown model name and an output folder that may not be written are
+answered before torch, TransformerLens, transformers, pandas or plotly is imported, by every entry
+(``python -m headsurgeon TOOL``, ``python -m headsurgeon.TOOL``, the console script's
+``headsurgeon.cli.TOOL:entry``); and every option's ``--help`` shows its help and default."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from headsurgeon.cli import ArgumentParser, help_with_default, shown_default
+
+TOOLS = ("classify", "blindness", "repair")
+HEAVY = ("torch", "transformer_lens", "transformers", "pandas", "plotly")
+# (arguments, exit status, what the one line says)
+CASES = [
+    (["--help"], 0, "usage:"),
+    (["--no-such-option"], 2, "unrecognized arguments: --no-such-option"),
+    (["--n-seqs", "0"], 2, "expected a positive integer"),
+    (["--texts", "missing.txt"], 2, "text file missing.txt does not exist"),
+    (["./no-such-folder"], 2, "model folder ./no-such-folder does not exist"),
+    (["bloom-56m"], 2, "unknown model 'bloom-56m': did you mean bloom-560m"),
+]
+# How each entry runs a tool with ARGS inside the child (runpy: as python -m does).
+ENTRIES = {
+    "python -m headsurgeon TOOL": (
+        "sys.argv = ['headsurgeon', TOOL, *ARGS]; "
+        "runpy.run_module('headsurgeon', run_name='__main__', alter_sys=True)"
+    ),
+    "python -m headsurgeon.TOOL": (
+        "sys.argv = ['headsurgeon.' + TOOL, *ARGS]; "
+        "runpy.run_module('headsurgeon.' + TOOL, run_name='__main__', alter_sys=True)"
+    ),
+    "headsurgeon-TOOL": "importlib.import_module('headsurgeon.cli.' + TOOL).entry(ARGS)",
+}
+
+
+def answers(entry: str, tool: str, cases: list[list[str]], cwd) -> tuple[list, list[str], str]:
+    """Run each of ``cases`` through ``entry`` in one fresh interpreter: the exit statuses, the
+    heavy modules loaded by the end, and stdout + stderr."""
+    code = (
+        "import importlib, runpy, sys\n"
+        f"TOOL = {tool!r}\n"
+        "codes = []\n"
+        f"for ARGS in {cases!r}:\n"
+        "    try:\n"
+        f"        {ENTRIES[entry]}\n"
+        "    except SystemExit as e:\n"
+        "        codes.append(e.code)\n"
+        f"print(codes, sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+    *_, last = done.stdout.strip().splitlines()
+    codes, heavy = last.split("] ", 1)
+    return ast.literal_eval(codes + "]"), ast.literal_eval(heavy), done.stdout + done.stderr
+
+
+@pytest.mark.slow  # subprocesses
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("tool", TOOLS)
+def test_what_needs_no_model_is_answered_before_any_heavy_import(tool, entry, tmp_path):
+    codes, heavy, output = answers(entry, tool, [args for args, _, _ in CASES], tmp_path)
+    assert codes == [code for _, code, _ in CASES], output
+    for _, _, said in CASES:
+        assert said in output
+    assert "Traceback" not in output
+    assert heavy == [], f"{entry} ({tool}) imported {heavy} before answering"
+
+
+@pytest.mark.slow  # a subprocess
+@pytest.mark.parametrize("tool", TOOLS)
+def test_an_output_folder_the_tool_may_not_write_is_refused_before_heavy_imports(tool, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("a file")
+    cases = [["organism", "--out", "out"], ["organism", "--out", "file"]]
+    codes, heavy, output = answers("python -m headsurgeon.TOOL", tool, cases, tmp_path)
+    assert codes == [2, 2] and "already holds files" in output and "is a file" in output, output
+    assert heavy == []
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
+
+
+@pytest.mark.slow  # a subprocess
+def test_the_version_and_the_tool_list_need_no_heavy_import(tmp_path):
+    code = (
+        "import runpy, sys\n"
+        "for argv in (['--version'], ['--help'], ['nope']):\n"
+        "    sys.argv = ['headsurgeon', *argv]\n"
+        "    try:\n"
+        "        runpy.run_module('headsurgeon', run_name='__main__', alter_sys=True)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.startswith("headsurgeon ") and "unknown tool 'nope'" in done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    import importlib
+
+    return {tool: importlib.import_module(f"headsurgeon.cli.{tool}")._parser() for tool in TOOLS}
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_every_option_has_help_and_shows_its_default(tool):
+    parser = parsers()[tool]
+    assert isinstance(parser, ArgumentParser)
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help, f"{tool} {name} has no help text"
+        default = shown_default(action)
+        if default is not None:
+            assert default in help_with_default(action), f"{tool} {name} hides its default"
+    text = " ".join(parser.format_help().split())
+    assert "--sink-threshold" not in text or "(default: 0.5)" in text
+
+
+def test_a_default_is_added_unless_the_help_names_it():
+    parser = ArgumentParser(prog="tool")
+    plain = parser.add_argument("--a", default=3, help="a count")
+    named = parser.add_argument("--b", default=0.3, help="a share (default 0.3: Gu et al.'s)")
+    listed = parser.add_argument("--c", nargs="+", default=["x", "y"], help="some")
+    flag = parser.add_argument("--no-d", dest="d", action="store_false", help="skip d")
+    percent = parser.add_argument("--e", default="5%", help="a share")
+    zero = parser.add_argument("--f", type=int, default=0, help="a seed")
+    assert help_with_default(plain) == "a count (default: 3)"
+    assert help_with_default(named) == named.help
+    assert help_with_default(listed) == "some (default: x y)"
+    assert help_with_default(flag) == "skip d" and shown_default(flag) is None
+    assert help_with_default(zero) == "a seed (default: 0)"
+    assert "(default: 5%)" in " ".join(parser.format_help().split())
+    assert help_with_default(percent).endswith("(default: 5%%)")  # argparse's % formatting

@@ -1,0 +1,81 @@
+"""Model names without heavy imports (headsurgeon.model_names): the shipped snapshot of
+TransformerLens's names, exact for the installed version, and what a MODEL argument names."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from headsurgeon import backend, model_names
+from headsurgeon.errors import ModelNotFoundError, UnknownModelError
+from headsurgeon.model_names import (
+    ORGANISM_DIR,
+    hub_names,
+    installed_transformer_lens,
+    locate_model,
+    snapshot_file,
+    snapshot_names,
+)
+
+
+def test_the_snapshot_of_the_installed_major_is_transformer_lens_own_table():
+    version = installed_transformer_lens()
+    path = snapshot_file(version.split(".")[0])
+    assert path.is_file(), f"no snapshot for TransformerLens {version}: run analyses/hub_names.py"
+    snapshot = json.loads(path.read_text(encoding="utf-8"))
+    assert snapshot["transformer_lens"] == version, (
+        f"{path.name} was read from TransformerLens {snapshot['transformer_lens']}, "
+        f"{version} is installed: run analyses/hub_names.py (unknown model names are slow "
+        "until then)"
+    )
+    assert snapshot["names"] == backend.hub_names()
+    assert snapshot_names() == backend.hub_names()
+
+
+def test_another_version_asks_transformer_lens_itself(monkeypatch):
+    monkeypatch.setattr(model_names, "installed_transformer_lens", lambda: "3.0.0rc1")
+    snapshot_names.cache_clear()
+    try:
+        monkeypatch.setattr(backend, "hub_names", lambda: {"only-this": "org/Only-This"})
+        assert snapshot_names() is None
+        assert hub_names() == {"only-this": "org/Only-This"}
+        assert locate_model("ONLY-THIS") == ("ONLY-THIS", None, "org/Only-This")
+    finally:
+        snapshot_names.cache_clear()
+
+
+def test_a_model_argument_is_an_organism_a_folder_or_a_hub_name(tmp_path):
+    assert locate_model("organism") == ("organism", ORGANISM_DIR / "organism", None)
+    assert locate_model(tmp_path) == (tmp_path.name, tmp_path, None)
+    assert locate_model("BLOOM-560M") == ("BLOOM-560M", None, "bigscience/bloom-560m")
+    assert locate_model("GPT2")[2] == "gpt2"
+
+
+@pytest.mark.parametrize("name", ["./missing", "a/b/c", "~/missing-model"])
+def test_a_path_that_does_not_exist_is_one_line(name):
+    with pytest.raises(ModelNotFoundError, match=f"model folder {name} does not exist"):
+        locate_model(name)
+
+
+def test_an_unknown_name_names_the_closest():
+    with pytest.raises(UnknownModelError, match="did you mean bloom-560m") as info:
+        locate_model("bloom-56m")
+    assert "organism-injured" in str(info.value)
+
+
+@pytest.mark.slow  # a subprocess
+def test_an_unknown_name_is_answered_without_transformer_lens():
+    code = (
+        "import sys\n"
+        "from headsurgeon.model_names import locate_model\n"
+        "try:\n"
+        "    locate_model('bloom-56m')\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__)\n"
+        "print(sorted(m for m in ('torch', 'transformer_lens') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["UnknownModelError", "[]"]
