@@ -306,7 +306,8 @@ def write_blindness(
     Files: ``blindness.csv`` (``analytic``), ``measured_by_head.csv``, ``measured_by_distance.csv``
     and ``measured_by_length.csv`` (``measured``), ``summary.txt`` (:func:`blindness_summary`)
     and the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
-    results allow), each HTML self-contained; with a ``precision`` counterfactual
+    results allow) in each of ``formats`` (as in :func:`headsurgeon.reports.write_classification`:
+    by default png when a browser is found, and all of them on ``index.html``); with a ``precision`` counterfactual
     (:func:`headsurgeon.precision.precision_effect`) also ``precision.csv`` (its
     ``by_position``), ``precision_heads.csv`` (``by_head``) and the figure ``precision``, and the
     summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census`
@@ -340,7 +341,7 @@ def write_blindness(
             if frame is not None:
                 atomic_write_text(tmp / name, frame.to_csv(index=False))
         atomic_write_text(tmp / "summary.txt", summary + "\n")
-        skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
+        skipped = plots.save_figures(figures, tmp, formats)
         if analytic is not None or measured is not None:
             _write_blindness_page(tmp, summary, analytic, measured, figures, model, tokens, census)
     plots.warn_skipped(skipped, out_dir)
