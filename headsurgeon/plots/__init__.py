@@ -50,6 +50,8 @@ Exports:
     FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
     MAX_CELLS                          positions a side above which patterns are max-pooled
     FONT, OKABE_ITO                    the house font and the colour-blind-safe palette
+    column_label(column)               a table column in words with its unit, as every figure
+                                       and page names it (COLUMN_LABELS)
 
 Modules (each name above is importable from ``headsurgeon.plots`` itself):
     grids        head_grid, label_grid, diff_grid, models_grid: one cell per head
@@ -126,7 +128,7 @@ from headsurgeon.plots.grids import (
     HOVER_SKIP as HOVER_SKIP,
     LABEL_COLOURS as LABEL_COLOURS,
     LABEL_MARKERS as LABEL_MARKERS,
-    METRICS as METRICS,
+    METRIC_RANGES as METRIC_RANGES,
     diff_grid,
     head_grid,
     label_grid,
@@ -137,7 +139,13 @@ from headsurgeon.plots.importance import (
     bos_vs_importance,
     importance_grid,
 )
-from headsurgeon.plots.layout import FONT, OKABE_ITO, style
+from headsurgeon.plots.layout import (
+    COLUMN_LABELS as COLUMN_LABELS,
+    FONT,
+    OKABE_ITO,
+    column_label,
+    style,
+)
 from headsurgeon.plots.notebook import Figure
 from headsurgeon.plots.patterns import MAX_CELLS, attention_pattern, pattern_diff
 from headsurgeon.plots.sink_cache import sink_cache_figure
@@ -153,6 +161,7 @@ __all__ = [
     "attention_pattern",
     "blind_distance_grid",
     "bos_vs_importance",
+    "column_label",
     "corpora_grid",
     "corpus_diff_grid",
     "diff_grid",

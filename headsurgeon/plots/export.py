@@ -191,9 +191,9 @@ def save_figure(
     ``.html`` is interactive: self-contained by default (plotly.js inlined, its cartesian
     bundle where that draws the figure: :func:`plotly_bundle`); ``include_plotlyjs="directory"``
     writes that bundle beside it instead (``plotly-cartesian.min.js``, kept if there), to share
-    among figures; other values are plotly's (``"cdn"``, a script's URL, ``False``). ``.png`` (at ``scale`` times the figure's
-    pixel size), ``.svg`` and ``.pdf`` go through kaleido and a Chromium browser (the system one,
-    or ``BROWSER_PATH``). The file appears whole or not at all.
+    among figures; other values are plotly's (``"cdn"``, a script's URL, ``False``). ``.png``
+    (at ``scale`` times the figure's pixel size), ``.svg`` and ``.pdf`` go through kaleido and a
+    Chromium browser (the system one, or ``BROWSER_PATH``). The file appears whole or not at all.
     """
     if not isinstance(fig, go.Figure):
         raise InvalidArgumentError(

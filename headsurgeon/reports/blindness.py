@@ -304,19 +304,19 @@ def write_blindness(
     """Write a blindness analysis to a new folder, atomically; return the folder.
 
     Files: ``blindness.csv`` (``analytic``), ``measured_by_head.csv``, ``measured_by_distance.csv``
-    and ``measured_by_length.csv`` (``measured``), ``summary.txt`` (:func:`blindness_summary`)
-    and the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
+    and ``measured_by_length.csv`` (``measured``), ``summary.txt`` (:func:`blindness_summary`) and
+    the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
     results allow) in each of ``formats`` (as in :func:`headsurgeon.reports.write_classification`:
-    by default png when a browser is found, and all of them on ``index.html``); with a ``precision`` counterfactual
-    (:func:`headsurgeon.precision.precision_effect`) also ``precision.csv`` (its
+    by default png when a browser is found, and all of them on ``index.html``); with a ``precision``
+    counterfactual (:func:`headsurgeon.precision.precision_effect`) also ``precision.csv`` (its
     ``by_position``), ``precision_heads.csv`` (``by_head``) and the figure ``precision``, and the
-    summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census`
-    on the measured text) also ``census.csv`` and the figure ``reach`` (each head's reach beside
-    its first exact zero and analytic distance), and the page's head table has a ``reach``
-    column; with a ``sink_cache`` test (:func:`headsurgeon.sink_cache_effect`) also
-    ``sink_cache.csv`` (``by_cache``), ``sink_cache_heads.csv`` (``by_head``), the figure
-    ``sink_cache`` and its summary lines (:func:`sink_cache_lines`). A folder holding files is
-    refused unless ``overwrite``, and even then unless headsurgeon wrote it.
+    summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census` on
+    the measured text) also ``census.csv`` and the figure ``reach`` (each head's reach beside its
+    first exact zero and analytic distance), and the page's head table has a ``reach`` column; with
+    a ``sink_cache`` test (:func:`headsurgeon.sink_cache_effect`) also ``sink_cache.csv``
+    (``by_cache``), ``sink_cache_heads.csv`` (``by_head``), the figure ``sink_cache`` and its
+    summary lines (:func:`sink_cache_lines`). A folder holding files is refused unless
+    ``overwrite``, and even then unless headsurgeon wrote it.
 
     ``index.html`` puts it on one offline page: the summary, a grid of blind distances where
     clicking a head shows its distances per dtype, its measured share of exact zeros by distance

@@ -5,6 +5,7 @@ Exports:
     PAGE_SEQS, PAGE_POSITIONS     each head's attention: the first positions of a few sequences
     PAGE_CELLS                    a long sequence max-pooled to this many cells a side
     PAGE_SKIP                     the table columns not shown among a head's metrics
+    PAGE_AXES                     the columns the page's own axes show (named in words)
     PAGE_TEMPLATE                 the page's markup, style and script
     write_page(folder, ...)       the page of a run (every tool's writer calls it)
     summary_html(summary, fmt)    the summary as HTML: Markdown rendered, or text in a <pre>
@@ -16,7 +17,8 @@ its attention on the run's own sequences (float16 lower triangles, base64), unde
 strip of the received mass of its key positions where the writer has one
 (:func:`headsurgeon.secondary_sinks`'s ``examples``), its curves, and the figures; plotly.js is
 inlined once (its 1.5 MB cartesian bundle, which draws every figure of headsurgeon:
-:func:`headsurgeon.plots.plotly_bundle`), and the markup, style and script come from ``headsurgeon/templates/index.html``.
+:func:`headsurgeon.plots.plotly_bundle`), and the markup, style and script come from
+``headsurgeon/templates/index.html``.
 :func:`headsurgeon.reports.open_page` opens it in headless Chromium.
 """
 
@@ -43,12 +45,13 @@ from headsurgeon.data import describe, to_sequences, token_strings
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.outputs import atomic_write_text
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
-from headsurgeon.plots import plotly_bundle
+from headsurgeon.plots import COLUMN_LABELS, column_label, plotly_bundle
 from headsurgeon.reports.records import json_safe
 from headsurgeon.validation import check_choice
 
 __all__ = [
     "PAGE",
+    "PAGE_AXES",
     "PAGE_CELLS",
     "PAGE_POSITIONS",
     "PAGE_SEQS",
@@ -71,8 +74,10 @@ PAGE_CELLS = 64
 PAGE_SKIP = ("layer", "head")
 # The page: markup, style and the small script that draws the grid, a head and its patterns.
 PAGE_TEMPLATE = Path(__file__).parents[1] / "templates" / "index.html"
-# The trace types the page's script draws itself (patterns, received-mass strips, curves).
+# The trace types the page's script draws itself (patterns, received-mass strips, curves), and
+# the columns its own axes show.
 PAGE_TRACES = ("heatmap", "scatter")
+PAGE_AXES = ("query", "key", "distance", "zero_fraction")
 
 
 def _packed(weights: np.ndarray) -> str:
@@ -220,6 +225,13 @@ def write_page(
         "names": names,
         "stages": list(stages),
         "metrics": metrics,
+        # Words and units for the head table's rows and the page's axes; a user's own column
+        # shows as named.
+        "labels": {
+            c: column_label(c)
+            for c in [*PAGE_AXES, *(c for df in stages.values() for c in df.columns)]
+            if c in COLUMN_LABELS
+        },
         "blind": _blind(info, None if model is None else model.cfg.dtype, n_layers, n_heads),
         "sequences": sequences,
         "patterns": packed,

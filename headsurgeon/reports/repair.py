@@ -76,7 +76,7 @@ def training_plot(result: RepairResult) -> go.Figure:
                 row=1,
                 col=col,
             )
-            fig.update_xaxes(title_text="step", row=1, col=col)
+            fig.update_xaxes(title_text=plots.column_label("step"), row=1, col=col)
     title = f"Masked fine-tuning of {model_info(result.model).name}"
     return plots.style(fig, title=title, width=1400, height=380, template="simple_white")
 
