@@ -51,7 +51,7 @@ def test_head_grid_places_cells_markers_and_hover():
     assert z[1, 2] == df.query("layer == 1 and head == 2")["entropy"].item()
     assert markers(fig) == {"BOS-sink": {(1, 3)}, "dead": {(2, 2)}}
     for field in ("bos_mass", "entropy", "output_share", "bos_mass_std"):
-        assert field in heat.hovertemplate
+        assert plots.column_label(field) in heat.hovertemplate
     assert heat.customdata[1][3][0] == "BOS-sink"  # label first in every cell's hover data
     bos = plots.head_grid(df)
     assert (bos.data[0].zmin, bos.data[0].zmax) == (0.0, 1.0)

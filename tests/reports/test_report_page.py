@@ -41,11 +41,10 @@ needs_browser = pytest.mark.skipif(not plots.has_browser(), reason=NO_CHROMIUM)
 
 def page_data(folder) -> dict:
     """The page's embedded data, after checking that it needs nothing from outside."""
-    from plotly.offline import get_plotlyjs
-
+    bundle = (PAGE_TEMPLATE.parent / "plotly-cartesian.min.js").read_text()
     page = (folder / PAGE).read_text()
-    assert page.count(get_plotlyjs()) == 1  # plotly.js inlined once
-    rest = page.replace(get_plotlyjs(), "")  # (the bundle itself names its CDN for map data)
+    assert page.count(bundle) == 1  # plotly.js (its cartesian bundle) inlined once
+    rest = page.replace(bundle, "")  # (the bundle itself names its CDN for map data)
     assert not re.search(r"<script[^>]+src=", rest) and "cdn.plot.ly" not in rest
     found = re.search(r'<script type="application/json" id="data">(.*?)</script>', rest, re.S)
     return json.loads(found[1])
