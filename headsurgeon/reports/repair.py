@@ -321,8 +321,9 @@ def _markdown(
             for h in p["heads"]
         ]
         lines += [""]
-    lines += [*_control(report), *_redistribution(report), "## Figures", ""]
-    lines += ["Every figure is on index.html, interactive.", ""]
+    lines += [*_control(report), *_redistribution(report)]
+    if figures:  # (none on the page, which shows the figures themselves)
+        lines += ["## Figures", "", "Every figure is on index.html, interactive.", ""]
     for name in figures:
         links = ", ".join(f"[{fmt}]({name}.{fmt})" for fmt in formats)
         lines.append(f"- {name}" + (f": {links}" if links else ""))
@@ -429,7 +430,7 @@ def write_report(
         write_page(
             tmp,
             title=f"Repair of {report['model']}",
-            summary=markdown,
+            summary=_markdown(report, [], written, model_dir=save_model),  # figures: below
             summary_format="markdown",
             grid=figures["bos_mass_diff"],
             shape=(
