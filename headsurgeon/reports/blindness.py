@@ -382,16 +382,19 @@ def _blindness_table(
         wide = analytic.pivot_table(
             index=keys, columns=["dtype", "limit"], values="blind_distance", sort=False
         )
-        wide.columns = [f"blind distance {d} {limit}" for d, limit in wide.columns]
+        wide.columns = [f"blind distance {d} {limit} (tokens)" for d, limit in wide.columns]
         parts.append(wide)
         parts.append(analytic.groupby(keys)[["slope"]].first())
     if measured is not None:
         by_head = measured.by_head
-        for column, name in (("first_zero_distance", "first zero"), ("zero_fraction", "zeros")):
+        for column, name, unit in (
+            ("first_zero_distance", "first zero", "tokens"),
+            ("zero_fraction", "zeros", "fraction of weights"),
+        ):
             wide = by_head.pivot_table(
                 index=keys, columns="dtype", values=column, sort=False, dropna=False
             )
-            wide.columns = [f"measured {name} {d}" for d in wide.columns]
+            wide.columns = [f"measured {name} {d} ({unit})" for d in wide.columns]
             parts.append(wide)
         if analytic is None:
             parts.append(by_head.groupby(keys)[["slope"]].first())
@@ -424,7 +427,7 @@ def _zero_curves(measured: BlindnessMeasurement, table: pd.DataFrame) -> dict[st
                     "line": {"color": colour},
                 }
             )
-            column = f"blind distance {dtype} zero"
+            column = f"blind distance {dtype} zero (tokens)"
             row = table[(table["layer"] == layer) & (table["head"] == head)]
             if column in row and math.isfinite(float(row[column].iloc[0])):
                 x = float(row[column].iloc[0])
@@ -456,7 +459,7 @@ def _write_blindness_page(
     table = _blindness_table(analytic, measured, census)
     metric = next(c for c in table.columns if c.startswith(("blind distance", "measured first")))
     grid_table = table.assign(log10_distance=np.log10(table[metric].astype(float)))
-    grid = plots.head_grid(grid_table, "log10_distance", title=f"log₁₀ {metric} (tokens)")
+    grid = plots.head_grid(grid_table, "log10_distance", title=f"log₁₀ {metric}")
     samples = []
     if model is not None and tokens is not None:
         samples = [sample_patterns(model, tokens, n_seqs=1, n_pos=None, max_cells=PAGE_CELLS)]

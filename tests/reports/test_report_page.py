@@ -151,7 +151,7 @@ def test_blindness_page_has_curves_per_head(tiny_model, tmp_path):
     curve = data["curves"]["L1H0"]
     assert [t["name"] for t in curve["traces"]] == list(dict.fromkeys(measured.by_head.dtype))
     assert data["sequences"][0]["step"] == 4  # 256 positions pooled to 64 cells a side
-    assert "blind distance float32 zero" in data["metrics"]["blindness"][0]
+    assert "blind distance float32 zero (tokens)" in data["metrics"]["blindness"][0]
 
 
 @needs_browser
