@@ -486,7 +486,7 @@ PLOT_HELPERS = {
     "grid_plot_size",
     "grid_shape",
     "image_bytes",
-    "metric_title",
+    "colorbar_title",
     "mimetype_renderers_in_ipython",
     "notebook_figure",
     "quiet_browser_exit",

@@ -41,6 +41,8 @@ Exports:
     save_figures(figs, folder, fmts)   every figure in every format; static ones skipped
                                        without a browser (see split_formats)
     split_formats(formats)             the formats to write and the static ones to skip
+    plotly_bundle(figures)             the smallest plotly.js that draws them (the cartesian
+                                       bundle, 1.5 MB, else the full one): (file name, text)
     require_browser(what)              FigureExportError (one line, the fix) without Chromium
     has_browser()                      whether static figures can be written here
     warn_skipped(names, folder)        the one warning line about skipped static figures
@@ -48,6 +50,8 @@ Exports:
     FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
     MAX_CELLS                          positions a side above which patterns are max-pooled
     FONT, OKABE_ITO                    the house font and the colour-blind-safe palette
+    column_label(column)               a table column in words with its unit, as every figure
+                                       and page names it (COLUMN_LABELS)
 
 Modules (each name above is importable from ``headsurgeon.plots`` itself):
     grids        head_grid, label_grid, diff_grid, models_grid: one cell per head
@@ -66,9 +70,11 @@ Modules (each name above is importable from ``headsurgeon.plots`` itself):
 
 Static formats (png, svg, pdf) go through kaleido and a Chromium browser; html needs nothing.
 Writers that take ``formats`` (:func:`save_figures`, ``reports.write_classification``,
-``reports.write_report``) follow one rule: ``formats=None`` (the default) writes html, and png
-when a browser is found; without one the PNGs are skipped and one warning names them and the
-fix. Formats given explicitly are all required: a static one without a browser raises
+``reports.write_report``) follow one rule: ``formats=None`` (the default) writes png when a
+browser is found and no HTML figure (each writer's ``index.html`` holds every figure
+interactively); without a browser the PNGs are skipped and one warning names them and the
+fix. ``html`` given explicitly writes each figure as HTML, all sharing one plotly.js in the
+folder. Formats given explicitly are all required: a static one without a browser raises
 :class:`~headsurgeon.errors.FigureExportError` before anything is written.
 
 In Jupyter a :class:`Figure` shows through the user's plotly renderer as usual (interactive,
@@ -105,11 +111,13 @@ from headsurgeon.plots.evaluation import (
     zero_fraction_plot,
 )
 from headsurgeon.plots.export import (
+    CARTESIAN_TRACES as CARTESIAN_TRACES,
     DEFAULT_FORMATS as DEFAULT_FORMATS,
     FORMATS,
     INSTALL_BROWSER as INSTALL_BROWSER,
     STATIC_FORMATS,
     has_browser,
+    plotly_bundle,
     require_browser,
     save_figure,
     save_figures,
@@ -120,7 +128,7 @@ from headsurgeon.plots.grids import (
     HOVER_SKIP as HOVER_SKIP,
     LABEL_COLOURS as LABEL_COLOURS,
     LABEL_MARKERS as LABEL_MARKERS,
-    METRICS as METRICS,
+    METRIC_RANGES as METRIC_RANGES,
     diff_grid,
     head_grid,
     label_grid,
@@ -131,7 +139,13 @@ from headsurgeon.plots.importance import (
     bos_vs_importance,
     importance_grid,
 )
-from headsurgeon.plots.layout import FONT, OKABE_ITO, style
+from headsurgeon.plots.layout import (
+    COLUMN_LABELS as COLUMN_LABELS,
+    FONT,
+    OKABE_ITO,
+    column_label,
+    style,
+)
 from headsurgeon.plots.notebook import Figure
 from headsurgeon.plots.patterns import MAX_CELLS, attention_pattern, pattern_diff
 from headsurgeon.plots.sink_cache import sink_cache_figure
@@ -147,6 +161,7 @@ __all__ = [
     "attention_pattern",
     "blind_distance_grid",
     "bos_vs_importance",
+    "column_label",
     "corpora_grid",
     "corpus_diff_grid",
     "diff_grid",
@@ -156,6 +171,7 @@ __all__ = [
     "label_grid",
     "models_grid",
     "pattern_diff",
+    "plotly_bundle",
     "precision_figure",
     "reach_figure",
     "require_browser",

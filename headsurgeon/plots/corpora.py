@@ -26,8 +26,8 @@ import plotly.graph_objects as go
 
 from headsurgeon.domains import corpus_changes, split_corpora
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.plots.grids import cell_size, diff_grid, metric_title, models_grid
-from headsurgeon.plots.layout import OKABE_ITO, check_columns
+from headsurgeon.plots.grids import cell_size, diff_grid, models_grid
+from headsurgeon.plots.layout import OKABE_ITO, check_columns, column_label
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["corpora_grid", "corpus_diff_grid"]
@@ -72,7 +72,7 @@ def corpus_diff_grid(
         before,
         after,
         metric,
-        title=title or f"{metric_title(metric)}: {b} − {a}",  # style() escapes names
+        title=title or f"{column_label(metric)}: {b} − {a}",  # style() escapes names
     )
     if {"delta_loss", "delta_loss_se", "label"} <= set(compared.columns):
         changes = corpus_changes(compared[compared["corpus"].isin([a, b])], reference=a)
@@ -106,4 +106,4 @@ def corpora_grid(
     marked)."""
     _corpora(compared)
     panels = split_corpora(compared)  # models_grid escapes the names
-    return models_grid(panels, metric, title=title or f"{metric_title(metric)} per corpus")
+    return models_grid(panels, metric, title=title or f"{column_label(metric)} per corpus")

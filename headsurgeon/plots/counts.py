@@ -23,7 +23,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from headsurgeon.plots.grids import census_subtitle
-from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns, literal
+from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns, column_label, literal
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["sick_share_plot", "sweep_plot"]
@@ -75,7 +75,8 @@ def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
                     legendgroup=name,
                     showlegend=col == 1,
                     line=style,
-                    hovertemplate=f"{panel} = %{{x:.4g}}<br>{name}: %{{y}}<extra></extra>",
+                    hovertemplate=f"{SWEEP_PANELS[panel]} = %{{x:.4g}}<br>{name}: %{{y}} heads"
+                    "<extra></extra>",
                 ),
                 row=1,
                 col=col,
@@ -89,7 +90,7 @@ def sweep_plot(sweep: pd.DataFrame, *, title: str | None = None) -> go.Figure:
             )
         if panel == "min_output_share":
             fig.update_xaxes(type="log", exponentformat="power", row=1, col=col)
-    fig.update_yaxes(title_text="heads", row=1, col=1, rangemode="tozero")
+    fig.update_yaxes(title_text=column_label("heads"), row=1, col=1, rangemode="tozero")
     fig.update_xaxes(showgrid=True, gridcolor="#EEEEEE", ticks="outside")
     fig.update_annotations(font={"size": 14})
     default = "Label counts against each threshold"
@@ -130,10 +131,8 @@ def sick_share_plot(shares: pd.DataFrame, *, title: str | None = None) -> go.Fig
                 "sick share %{y:.1%} (%{customdata[0]} of %{customdata[1]} heads)<extra></extra>",
             )
         )
-    fig.update_yaxes(
-        title_text="sick heads (BOS-sink + dead)", tickformat=".0%", rangemode="tozero"
-    )
-    fig.update_xaxes(title_text="layer band (each model's layers in thirds)")
+    fig.update_yaxes(title_text=column_label("sick_share"), tickformat=".0%", rangemode="tozero")
+    fig.update_xaxes(title_text=column_label("band"))
     subtitle = "share of each band's heads labelled BOS-sink or dead"
     base_layout(fig, title or "Sick heads across models", subtitle, (560, 340), colorbar=False)
     return fig

@@ -34,7 +34,7 @@ import plotly.graph_objects as go
 
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.plots.evaluation import sequential_colours
-from headsurgeon.plots.layout import OKABE_ITO, check_columns, style, wrap_text
+from headsurgeon.plots.layout import OKABE_ITO, check_columns, column_label, style, wrap_text
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["reach_figure", "window_figure"]
@@ -162,7 +162,7 @@ def reach_figure(
     )
     lo, hi = max(0.5, finite.min() / 1.5), finite.max() * 1.5
     fig.update_xaxes(
-        title_text="distance i − j (tokens)",
+        title_text=column_label("distance"),
         type="log",
         range=np.log10([lo, hi]),
         dtick=1,
@@ -255,7 +255,7 @@ def window_figure(table: pd.DataFrame, *, title: str | None = None) -> go.Figure
     fig.update_xaxes(
         title_text="window d: keys within d tokens kept (and position 0)", type="category"
     )
-    fig.update_yaxes(title_text="ΔNLL (nats per token)")
+    fig.update_yaxes(title_text=column_label("delta_nll"))
     a = table.attrs
     subtitle = (
         f"{a.get('model', '')} · {a.get('n_seqs', '')} × {a.get('seq_len', '')} tokens · every "

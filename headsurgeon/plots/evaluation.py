@@ -33,7 +33,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.plots.layout import OKABE_ITO, check_columns, compact_number, style
+from headsurgeon.plots.layout import (
+    OKABE_ITO,
+    check_columns,
+    colorbar_title,
+    column_label,
+    compact_number,
+    style,
+)
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = [
@@ -126,14 +133,16 @@ def blind_distance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Fig
                 xgap=1,
                 ygap=1,
                 colorbar={
-                    "title": {"text": "log₁₀ tokens", "side": "right"},
+                    "title": colorbar_title(column_label("log10_distance")),
                     "thickness": 16,
                 },
                 hovertemplate="head %{x}, %{y}: %{text} tokens<extra></extra>",
             ),
         ]
     )
-    fig.update_xaxes(title_text="head", tickmode="linear", dtick=1 if n_heads <= 16 else 4)
+    fig.update_xaxes(
+        title_text=column_label("head"), tickmode="linear", dtick=1 if n_heads <= 16 else 4
+    )
     fig.update_yaxes(autorange="reversed", title_text="")
     a = df.attrs
     subtitle = (
@@ -196,9 +205,9 @@ def zero_fraction_plot(by_distance: pd.DataFrame, *, title: str | None = None) -
                 row=1,
                 col=col,
             )
-    fig.update_xaxes(title_text="distance i − j (tokens)", rangemode="tozero")
+    fig.update_xaxes(title_text=column_label("distance"), rangemode="tozero")
     fig.update_yaxes(range=[-0.02, 1.02])
-    fig.update_yaxes(title_text="share of weights = 0", row=1, col=1)
+    fig.update_yaxes(title_text=column_label("zero_fraction"), row=1, col=1)
     fig.update_annotations(font={"size": 14})
     sighted = [h for h in heads if h not in blind]
     subtitle = "layers pooled" + (
@@ -283,10 +292,10 @@ def analytic_vs_measured(by_head: pd.DataFrame, *, title: str | None = None) -> 
     )
     log_axis = {"type": "log", "dtick": 1, "ticks": "outside", "showgrid": True}
     fig.update_xaxes(
-        title_text="analytic blind distance (tokens)", range=np.log10([lo, x_hi]), **log_axis
+        title_text=column_label("blind_distance"), range=np.log10([lo, x_hi]), **log_axis
     )
     fig.update_yaxes(
-        title_text="measured first zero (tokens)", range=np.log10([lo, y_hi]), **log_axis
+        title_text=column_label("first_zero_distance"), range=np.log10([lo, y_hi]), **log_axis
     )
     a = by_head.attrs
     subtitle = f"{a.get('model', '')} · {a.get('n_seqs', '')} × {seq_len} tokens · zero limit"
@@ -529,7 +538,7 @@ def retrieval_heatmap(
         _mark_train_length(
             fig, x, x, f"train length {train_ctx}", width=3, y=1.02, xanchor="center"
         )
-    fig.update_xaxes(title_text="context length (tokens)", type="category")
+    fig.update_xaxes(title_text=column_label("context_length"), type="category")
     fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category")
     chance = table["chance"].iloc[0] if "chance" in table and metric == "top1_accuracy" else None
     subtitle = f"{a.get('model', '')} · {int(table['n_trials'].iloc[0])} trials per cell" + (
@@ -589,8 +598,8 @@ def precision_figure(by_position: pd.DataFrame, *, title: str | None = None) -> 
             )
         )
     fig.add_hline(y=0, line={"color": "#999999", "width": 1})
-    fig.update_xaxes(title_text="position (log scale)", type="log")
-    fig.update_yaxes(title_text="mean ΔNLL vs float64 (nats)")
+    fig.update_xaxes(title_text=column_label("position"), type="log")
+    fig.update_yaxes(title_text=column_label("mean_dnll"))
     attrs = by_position.attrs
     subtitle = " · ".join(
         str(x)

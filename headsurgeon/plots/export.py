@@ -5,6 +5,8 @@ Exports:
     save_figures(figs, folder, fmts)   every figure in every format; static ones skipped
                                        without a browser (see split_formats)
     split_formats(formats)             the formats to write and the static ones to skip
+    plotly_bundle(figures)             the smallest plotly.js that draws them: (file name, text)
+    CARTESIAN_TRACES                   the trace types of plotly.js's cartesian bundle
     require_browser(what)              FigureExportError (one line, the fix) without Chromium
     has_browser()                      whether static figures can be written here
     warn_skipped(names, folder)        the one warning line about skipped static figures
@@ -19,17 +21,22 @@ Exports:
 Static formats (png, svg, pdf) go through kaleido and a Chromium browser (the system one, or
 ``BROWSER_PATH``); html needs nothing. Writers that take ``formats`` (:func:`save_figures`,
 ``reports.write_classification``, ``reports.write_report``) follow one rule
-(:func:`split_formats`): ``formats=None`` (the default) writes html, and png when a browser is
-found; without one the PNGs are skipped and one warning names them and the fix
-(:func:`warn_skipped`). Formats given explicitly are all required: a static one without a
-browser raises :class:`~headsurgeon.errors.FigureExportError` before anything is written.
+(:func:`split_formats`): ``formats=None`` (the default) writes png when a browser is found and
+no HTML figure (the folder's ``index.html`` holds every figure interactively); without a
+browser the PNGs are skipped and one warning names them and the fix (:func:`warn_skipped`).
+Formats given explicitly are all required: a static one without a browser raises
+:class:`~headsurgeon.errors.FigureExportError` before anything is written.
+
+HTML carries plotly.js, 4.8 MB in full; :func:`plotly_bundle` picks plotly.js's official
+cartesian bundle (1.5 MB, vendored as ``headsurgeon/templates/plotly-cartesian.min.js``) when it
+draws every trace, which it does for every figure of this package.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import plotly.graph_objects as go
@@ -40,6 +47,7 @@ from headsurgeon.outputs import atomic_write_bytes, atomic_write_text
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CARTESIAN_TRACES",
     "FORMATS",
     "STATIC_FORMATS",
     "has_browser",
@@ -47,6 +55,7 @@ __all__ = [
     "save_figure",
     "save_figures",
     "split_formats",
+    "plotly_bundle",
     "warn_skipped",
     "image_bytes",
     "quiet_browser_exit",
@@ -54,8 +63,30 @@ __all__ = [
 
 FORMATS = ("html", "png", "svg", "pdf")
 STATIC_FORMATS = ("png", "svg", "pdf")  # written through kaleido and a Chromium browser
-# Written by default: html always, png when a browser is found (see split_formats).
-DEFAULT_FORMATS = ("html", "png")
+# Written by default: png when a browser is found (see split_formats); the writers' index.html
+# holds every figure interactively, so a second HTML copy of each figure is asked for.
+DEFAULT_FORMATS = ("png",)
+# plotly.js's cartesian partial bundle (npm plotly.js-cartesian-dist-min, MIT, licence header
+# kept), the version of the plotly.js inside plotly.py (tests/plots/test_bundle.py holds them
+# equal and says how to refresh it), and the trace types it draws.
+CARTESIAN_BUNDLE = Path(__file__).parents[1] / "templates" / "plotly-cartesian.min.js"
+CARTESIAN_TRACES = frozenset(
+    {
+        "bar",
+        "box",
+        "contour",
+        "heatmap",
+        "histogram",
+        "histogram2d",
+        "histogram2dcontour",
+        "image",
+        "pie",
+        "scatter",
+        "scatterternary",
+        "violin",
+    }
+)
+FULL_BUNDLE = "plotly.min.js"
 # The fix named wherever a static figure cannot be written.
 INSTALL_BROWSER = "install Chromium (apt-get install -y chromium) or set BROWSER_PATH"
 
@@ -157,10 +188,12 @@ def save_figure(
 ) -> Path:
     """Write ``fig`` to ``path``, the format given by its suffix; return the path.
 
-    ``.html`` is interactive (self-contained by default; ``include_plotlyjs="directory"`` writes
-    one shared ``plotly.min.js`` beside it instead). ``.png`` (at ``scale`` times the figure's
-    pixel size), ``.svg`` and ``.pdf`` go through kaleido and a Chromium browser (the system one,
-    or ``BROWSER_PATH``). The file appears whole or not at all.
+    ``.html`` is interactive: self-contained by default (plotly.js inlined, its cartesian
+    bundle where that draws the figure: :func:`plotly_bundle`); ``include_plotlyjs="directory"``
+    writes that bundle beside it instead (``plotly-cartesian.min.js``, kept if there), to share
+    among figures; other values are plotly's (``"cdn"``, a script's URL, ``False``). ``.png``
+    (at ``scale`` times the figure's pixel size), ``.svg`` and ``.pdf`` go through kaleido and a
+    Chromium browser (the system one, or ``BROWSER_PATH``). The file appears whole or not at all.
     """
     if not isinstance(fig, go.Figure):
         raise InvalidArgumentError(
@@ -176,25 +209,64 @@ def save_figure(
             f"cannot save a figure as {path.name!r}; use a suffix of {', '.join(FORMATS)}"
         )
     if fmt == "html":
-        html = fig.to_html(
-            include_plotlyjs=include_plotlyjs, full_html=True, config={"displaylogo": False}
-        )
-        if include_plotlyjs == "directory" and not (path.parent / "plotly.min.js").exists():
-            from plotly.offline import get_plotlyjs
-
-            atomic_write_text(path.parent / "plotly.min.js", get_plotlyjs())
-        atomic_write_text(path, html)
+        atomic_write_text(path, _html(fig, include_plotlyjs, path.parent))
     else:
         atomic_write_bytes(path, image_bytes(fig, fmt, scale))
     logger.debug("wrote %s", path)
     return path
 
 
-def split_formats(formats: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+def _html(fig: go.Figure, include_plotlyjs: bool | str, folder: Path) -> str:
+    """The figure as a full HTML document, plotly.js as :func:`save_figure` says."""
+    config = {"displaylogo": False}
+    if include_plotlyjs is not True and include_plotlyjs != "directory":
+        return fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True, config=config)
+    name, script = plotly_bundle([fig])
+    html = fig.to_html(include_plotlyjs=name, full_html=True, config=config)
+    if include_plotlyjs == "directory":
+        if not (folder / name).exists():
+            atomic_write_text(folder / name, script)
+        return html
+    tag = f'<script charset="utf-8" src="{name}"></script>'
+    if tag not in html:  # plotly changed its markup: its own self-contained page instead
+        return fig.to_html(include_plotlyjs=True, full_html=True, config=config)
+    return html.replace(tag, f'<script charset="utf-8">{script}</script>', 1)
+
+
+def plotly_bundle(figures: Iterable[go.Figure], *, traces: Iterable[str] = ()) -> tuple[str, str]:
+    """The smallest plotly.js that draws every trace of ``figures`` and the trace types
+    ``traces``: ``(file name, script)``.
+
+    plotly.js's cartesian bundle (``plotly-cartesian.min.js``, 1.5 MB: the types in
+    :data:`CARTESIAN_TRACES`) when it draws them all, else the full plotly.js of plotly.py
+    (``plotly.min.js``, 4.8 MB), with one log line naming the types that need it.
+
+    >>> import plotly.graph_objects as go
+    >>> plotly_bundle([go.Figure(go.Heatmap(z=[[1]]))])[0]
+    'plotly-cartesian.min.js'
+    """
+    kinds = {trace.type for fig in figures for trace in fig.data} | set(traces)
+    beyond = sorted(kinds - CARTESIAN_TRACES)
+    if not beyond:
+        return CARTESIAN_BUNDLE.name, CARTESIAN_BUNDLE.read_text(encoding="utf-8")
+    logger.info(
+        "the figures hold %s traces, which plotly.js's cartesian bundle does not draw: "
+        "writing the full plotly.js (4.8 MB) instead",
+        ", ".join(beyond),
+    )
+    from plotly.offline import get_plotlyjs
+
+    return FULL_BUNDLE, get_plotlyjs()
+
+
+def split_formats(
+    formats: Sequence[str] | None = None, *, default: Sequence[str] = DEFAULT_FORMATS
+) -> tuple[list[str], list[str]]:
     """The figure formats to write and the static ones to skip: ``(write, skipped)``.
 
-    ``None`` asks for :data:`DEFAULT_FORMATS`: html always, png when a Chromium browser is
-    found, else png is skipped. Formats given explicitly are all written: an unknown one raises
+    ``None`` asks for ``default`` (:data:`DEFAULT_FORMATS`: png, and no HTML figure besides
+    the writers' ``index.html``), the static ones only when a Chromium browser is found, else
+    they are skipped. Formats given explicitly are all written: an unknown one raises
     :class:`InvalidArgumentError`, a static one without a browser :class:`FigureExportError`
     (one line with the fix). Call it before writing anything, so that either fails first.
 
@@ -203,8 +275,10 @@ def split_formats(formats: Sequence[str] | None = None) -> tuple[list[str], list
     """
     if formats is None:
         if has_browser():
-            return list(DEFAULT_FORMATS), []
-        return [f for f in DEFAULT_FORMATS if f not in STATIC_FORMATS], ["png"]
+            return list(default), []
+        return [f for f in default if f not in STATIC_FORMATS], [
+            f for f in default if f in STATIC_FORMATS
+        ]
     if isinstance(formats, str):
         formats = [formats]
     unknown = sorted(set(formats) - set(FORMATS))
@@ -227,17 +301,24 @@ def save_figures(
     folder: str | os.PathLike,
     formats: Sequence[str] | None = None,
     *,
+    default: Sequence[str] = DEFAULT_FORMATS,
     scale: float = 2.0,
     include_plotlyjs: bool | str = "directory",
 ) -> list[str]:
     """Write each figure as ``folder/<name>.<format>``; return the file names skipped.
 
-    ``formats`` follows :func:`split_formats`: by default html, and png when a browser is found
-    (the PNGs are skipped, and returned, when none is). The writers of this package then log
-    :func:`warn_skipped` once the folder is complete.
+    ``formats`` follows :func:`split_formats` (``None``: ``default``, by default png when a
+    browser is found; the PNGs are skipped, and returned, when none is). The writers of this
+    package then log :func:`warn_skipped` once the folder is complete. HTML figures share one
+    plotly.js in ``folder`` (:func:`plotly_bundle` of them all), unless ``include_plotlyjs``
+    says otherwise (:func:`save_figure`).
     """
-    write, skipped = split_formats(formats)
+    write, skipped = split_formats(formats, default=default)
     folder = Path(folder)
+    if "html" in write and include_plotlyjs == "directory":
+        bundle, script = plotly_bundle(figures.values())
+        atomic_write_text(folder / bundle, script)
+        include_plotlyjs = bundle  # each figure's <script src>
     for name, figure in figures.items():
         for fmt in write:
             save_figure(
@@ -270,8 +351,8 @@ def warn_skipped(names: Sequence[str], folder: str | os.PathLike) -> str | None:
     message = (
         f"warning: skipped {len(names)} static figure{plural} in {Path(folder)}/ "
         f"({_file_list(names)}): no Chromium browser for kaleido ({why}); to write {them}, "
-        f"{INSTALL_BROWSER} and run again, or export {them} from the .html figure{plural} "
-        "(camera button)"
+        f"{INSTALL_BROWSER} and run again, or export {them} from the figure{plural} on "
+        "index.html (camera button)"
     )
     logger.warning(message)
     return message

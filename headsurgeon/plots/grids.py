@@ -8,7 +8,6 @@ Exports:
     cell_size(n_heads), grid_plot_size(...)
                                        a head cell's pixels; a grid's plot area
     grid_shape(df)                     (n_layers, n_heads) of a per-head table
-    metric_title(metric)               a metric's display title
     census_subtitle(df)                model, data and position 0 of a census, for subtitles
 
 >>> import pandas as pd
@@ -36,7 +35,14 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns, literal
+from headsurgeon.plots.layout import (
+    OKABE_ITO,
+    base_layout,
+    check_columns,
+    colorbar_title,
+    column_label,
+    literal,
+)
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = [
@@ -47,7 +53,6 @@ __all__ = [
     "cell_size",
     "grid_plot_size",
     "grid_shape",
-    "metric_title",
     "census_subtitle",
 ]
 
@@ -58,27 +63,13 @@ LABEL_MARKERS = {
     "BOS-sink": {"symbol": "circle", "color": "white", "line": {"color": "black", "width": 1.5}},
     "dead": {"symbol": "x", "color": "black", "line": {"color": "white", "width": 1.5}},
 }
-# Display name and fixed colour range of the census metrics; others use their data range.
-METRICS = {
-    "bos_mass": ("BOS mass", (0.0, 1.0)),
-    "bos_mass_std": ("BOS mass std", None),
-    "sink_score": ("sink score α₀", (0.0, 1.0)),
-    "sink_share": ("sink share (sequences with α₀ > ε)", (0.0, 1.0)),
-    "entropy": ("entropy (nats)", None),
-    "max_weight": ("max weight", (0.0, 1.0)),
-    "mean_distance": ("mean distance (tokens)", None),
-    "self_mass": ("self mass", (0.0, 1.0)),
-    "prev_mass": ("previous-token mass", (0.0, 1.0)),
-    "output_norm": ("output norm", None),
-    "output_share": ("output share", None),
-    "ahon_ln": ("AHON-LN (|z| / layer mean)", None),
-    "slope": ("ALiBi slope", None),
+# The fixed colour range of the census metrics that are weights in [0, 1]; others use their data
+# range. (Their words and units: layout.COLUMN_LABELS.)
+METRIC_RANGES = {
+    metric: (0.0, 1.0)
+    for metric in ("bos_mass", "sink_score", "sink_share", "max_weight", "self_mass", "prev_mass")
 }
 HOVER_SKIP = ("layer", "head", "label", "reason")
-
-
-def metric_title(metric: str) -> str:
-    return METRICS.get(metric, (metric, None))[0]
 
 
 def grid_shape(df: pd.DataFrame) -> tuple[int, int]:
@@ -106,7 +97,7 @@ def _hover(df: pd.DataFrame) -> tuple[np.ndarray, str]:
         elif field == "reason":
             lines.append(f"%{{customdata[{i}]}}")
         else:
-            lines.append(f"{field} = %{{customdata[{i}]:.4g}}")
+            lines.append(f"{literal(column_label(field))} = %{{customdata[{i}]:.4g}}")
     return data, "<br>".join(lines) + "<extra></extra>"
 
 
@@ -146,14 +137,14 @@ def _ticks(n: int, cell: float) -> list[int]:
 def _axes(fig: go.Figure, n_layers: int, n_heads: int, cell: float, **where) -> None:
     common = {"tickmode": "array", "showgrid": False, "zeroline": False, "ticks": "outside"}
     fig.update_xaxes(
-        title_text="head",
+        title_text=column_label("head"),
         tickvals=_ticks(n_heads, cell),
         range=[-0.5, n_heads - 0.5],
         **common,
         **where,
     )
     fig.update_yaxes(
-        title_text="layer",
+        title_text=column_label("layer"),
         tickvals=_ticks(n_layers, cell),
         range=[n_layers - 0.5, -0.5],  # layer 0 on top
         **common,
@@ -195,7 +186,7 @@ def head_grid(
     n_layers, n_heads = grid_shape(df)
     cell = cell_size(n_heads)
     custom, template = _hover(df)
-    zrange = zrange or METRICS.get(metric, (None, None))[1]
+    zrange = zrange or METRIC_RANGES.get(metric)
     z = _matrix(df, metric)
     fig = go.Figure(
         go.Heatmap(
@@ -205,7 +196,7 @@ def head_grid(
             colorscale=colorscale,
             zmin=zrange[0] if zrange else None,
             zmax=zrange[1] if zrange else None,
-            colorbar={"title": {"text": metric_title(metric), "side": "right"}, "thickness": 16},
+            colorbar={"title": colorbar_title(column_label(metric)), "thickness": 16},
             customdata=custom,
             hovertemplate=template,
             xgap=1,
@@ -216,7 +207,7 @@ def head_grid(
         fig.add_trace(trace)
     _axes(fig, n_layers, n_heads, cell)
     plot_size = grid_plot_size(n_layers, n_heads, cell)
-    default = metric_title(metric)[0].upper() + metric_title(metric)[1:]
+    default = column_label(metric)[0].upper() + column_label(metric)[1:]
     base_layout(fig, title or default, census_subtitle(df), plot_size)
     return fig
 
@@ -307,7 +298,9 @@ def diff_grid(
     bound = max(float(np.nanmax(np.abs(merged["change"]))), 1e-9)
     fields = [f"{metric}_before", f"{metric}_after", "change"]
     lines = ["<b>layer %{y}, head %{x}</b>"]
-    lines += [f"{field} = %{{customdata[{i}]:.4g}}" for i, field in enumerate(fields)]
+    words = literal(column_label(metric))
+    names = [f"{words}, before", f"{words}, after", "change (after − before)"]
+    lines += [f"{name} = %{{customdata[{i}]:.4g}}" for i, name in enumerate(names)]
     if has_labels:
         fields += ["label_before", "label_after"]
         lines.append("label: %{customdata[3]} → %{customdata[4]}")
@@ -322,7 +315,7 @@ def diff_grid(
             zmin=-bound,
             zmax=bound,
             colorbar={
-                "title": {"text": f"Δ {metric_title(metric)}", "side": "right"},
+                "title": colorbar_title(f"Δ {column_label(metric)}"),
                 "thickness": 16,
             },
             customdata=custom,
@@ -349,7 +342,7 @@ def diff_grid(
             )
         )
     _axes(fig, n_layers, n_heads, cell)
-    default = f"Change in {metric_title(metric)} (after − before)"
+    default = f"Change in {column_label(metric)}, after − before"
     plot_size = grid_plot_size(n_layers, n_heads, cell)
     base_layout(fig, title or default, census_subtitle(after), plot_size)
     return fig
@@ -371,7 +364,7 @@ def models_grid(
     max_layers = max(s[0] for s in shapes.values())
     total_heads = sum(s[1] for s in shapes.values())
     cell = cell_size(total_heads, 800)
-    fixed = METRICS.get(metric, (None, None))[1]
+    fixed = METRIC_RANGES.get(metric)
     values = np.concatenate([df[metric].to_numpy(float) for df in dfs.values()])
     zmin, zmax = fixed or (float(np.nanmin(values)), float(np.nanmax(values)))
     fig = make_subplots(
@@ -419,12 +412,12 @@ def models_grid(
             "colorscale": "Viridis",
             "cmin": zmin,
             "cmax": zmax,
-            "colorbar": {"title": {"text": metric_title(metric), "side": "right"}, "thickness": 16},
+            "colorbar": {"title": colorbar_title(column_label(metric)), "thickness": 16},
         }
     )
     plot_w = total_heads * cell * (1 + 0.05 * (len(dfs) - 1))
     plot_size = (plot_w, max_layers * cell)
     base_layout(
-        fig, title or f"{metric_title(metric)} across models", "", plot_size, panel_titles=True
+        fig, title or f"{column_label(metric)} across models", "", plot_size, panel_titles=True
     )
     return fig

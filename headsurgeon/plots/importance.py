@@ -21,7 +21,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from headsurgeon.plots.grids import cell_size, grid_plot_size, grid_shape, head_grid
-from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns
+from headsurgeon.plots.layout import OKABE_ITO, base_layout, check_columns, column_label
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["bos_vs_importance", "importance_grid"]
@@ -59,7 +59,6 @@ def importance_grid(df: pd.DataFrame, *, title: str | None = None) -> go.Figure:
     check_columns(df, ["layer", "head", "delta_loss"], "importance table")
     bound = max(float(np.nanmax(np.abs(df["delta_loss"].to_numpy()))), 1e-9)
     fig = head_grid(df, "delta_loss", colorscale="RdBu_r", zrange=(-bound, bound))
-    fig.update_traces(colorbar_title_text="Δ loss (nats)", selector={"type": "heatmap"})
     n_layers, n_heads = grid_shape(df)
     default = "Head importance: loss increase when the head is removed"
     base_layout(
@@ -110,7 +109,7 @@ def bos_vs_importance(df: pd.DataFrame, *, title: str | None = None) -> go.Figur
         )
     fig.add_hline(y=0, line={"color": "#666666", "width": 1, "dash": "dot"})
     fig.update_xaxes(
-        title_text="BOS mass",
+        title_text=column_label("bos_mass"),
         range=[-0.02, 1.02],
         ticks="outside",
         showgrid=True,
@@ -118,7 +117,7 @@ def bos_vs_importance(df: pd.DataFrame, *, title: str | None = None) -> go.Figur
         zeroline=False,
     )
     fig.update_yaxes(
-        title_text="Δ loss when removed (nats)",
+        title_text=column_label("delta_loss"),
         ticks="outside",
         showgrid=True,
         gridcolor="#EEEEEE",

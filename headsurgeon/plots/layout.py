@@ -11,6 +11,9 @@ Exports:
     wrap_text(text, width)       a subtitle broken at its separators to a width
     compact_number(x)            short cell text for a distance: 124, 2.2k, 4.4e53, ∞
     literal(text)                user text (a model or corpus name) as plotly shows it literally
+    COLUMN_LABELS                each table column a figure or page shows, in words with its unit
+    column_label(column)         a column in words with its unit: ``entropy (nats)``
+    colorbar_title(text)         a colour bar's title: the words over the unit, above the bar
 
 >>> import plotly.graph_objects as go
 >>> fig = style(go.Figure(), title="BOS mass", subtitle="organism · 64 seqs", width=600)
@@ -23,11 +26,17 @@ grey subtitle). The figures here lay themselves out in pixels around their plot 
 (:func:`base_layout`: the subtitle wrapped to the figure's width, the legend under the x axis, the
 margins grown to fit both), so a cell is the same size whatever the figure holds. The
 DataFrame check and the short number format the figure modules share live here too.
+
+:data:`COLUMN_LABELS` is the one place a column becomes words: every axis, colour bar and hover
+label of a figure, and the head table of ``index.html``, name a column through
+:func:`column_label`, so a reader sees ``BOS mass (fraction of attention)``, never
+``bos_mass``.
 """
 
 from __future__ import annotations
 
 import html
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -37,6 +46,7 @@ import plotly.graph_objects as go
 from headsurgeon.errors import InvalidArgumentError, shown
 
 __all__ = [
+    "COLUMN_LABELS",
     "FONT",
     "OKABE_ITO",
     "style",
@@ -45,6 +55,8 @@ __all__ = [
     "check_columns",
     "wrap_text",
     "compact_number",
+    "column_label",
+    "colorbar_title",
 ]
 
 FONT = {"family": "Helvetica, Arial, sans-serif", "size": 15, "color": "#222222"}
@@ -57,6 +69,49 @@ OKABE_ITO = {
     "vermillion": "#D55E00",
     "purple": "#CC79A7",
     "black": "#000000",
+}
+# Each column a figure or page shows: (words, unit or ""). Attention weights are fractions of a
+# query's attention (each row sums to 1); distances count tokens; losses are in nats.
+COLUMN_LABELS: dict[str, tuple[str, str]] = {
+    "layer": ("layer", ""),
+    "head": ("head", ""),
+    "slope": ("ALiBi slope m", "per token"),
+    "bos_mass": ("BOS mass", "fraction of attention"),
+    "bos_mass_std": ("BOS mass std across sequences", "fraction of attention"),
+    "sink_score": ("sink score α₀", "fraction of attention"),
+    "sink_share": ("sink share", "fraction of sequences with α₀ > ε"),
+    "entropy": ("entropy", "nats"),
+    "max_weight": ("largest weight", "fraction of attention"),
+    "mean_distance": ("mean distance", "tokens"),
+    "self_mass": ("self mass", "fraction of attention"),
+    "prev_mass": ("previous-token mass", "fraction of attention"),
+    "output_norm": ("output norm", "residual-stream units"),
+    "output_share": ("output share", "fraction of the layer's attention output"),
+    "ahon_ln": ("AHON-LN", "|z| over the layer's mean"),
+    "reach": ("reach", "tokens"),
+    "delta_loss": ("Δ loss when removed", "nats"),
+    "delta_loss_se": ("standard error of Δ loss", "nats"),
+    "clean_loss": ("loss of the unchanged model", "nats"),
+    "label": ("label", ""),
+    "reason": ("why", ""),
+    "blind_distance": ("analytic blind distance", "tokens"),
+    "first_zero_distance": ("measured first zero", "tokens"),
+    "zero_fraction": ("weights exactly 0", "fraction of weights"),
+    "log10_distance": ("blind distance", "log₁₀ tokens"),
+    "distance": ("distance i − j", "tokens"),
+    "context_length": ("context length", "tokens"),
+    "position": ("position", "tokens from the start"),
+    "query": ("query position", ""),
+    "key": ("key position", ""),
+    "weight": ("attention weight", "fraction of attention"),
+    "step": ("training step", ""),
+    "perplexity": ("perplexity", ""),
+    "delta_nll": ("ΔNLL", "nats per token"),
+    "mean_dnll": ("mean ΔNLL against float64", "nats per token"),
+    "window": ("window y: recent tokens kept", "tokens"),
+    "band": ("layer band", "each model's layers in thirds"),
+    "sick_share": ("sick heads, BOS-sink + dead", "share of the band's heads"),
+    "heads": ("number of heads", ""),
 }
 
 
@@ -117,6 +172,31 @@ def literal(text: object) -> str:
     return html.escape(shown(text, keep=""), quote=False)
 
 
+def column_label(column: str) -> str:
+    """``column`` in words with its unit (:data:`COLUMN_LABELS`); a column not there (a user's
+    own) with its underscores as spaces.
+
+    >>> column_label("entropy"), column_label("head"), column_label("my_score")
+    ('entropy (nats)', 'head', 'my score')
+    """
+    words, unit = COLUMN_LABELS.get(column, (str(column).replace("_", " "), ""))
+    return f"{words} ({unit})" if unit else words
+
+
+def colorbar_title(text: str) -> dict:
+    """A colour bar's title: ``text`` (a :func:`column_label`) above the bar in lines of at most
+    18 characters, its unit in parentheses from a line of its own, so a long label fits beside
+    a small grid.
+
+    >>> colorbar_title("output share (fraction of the layer's attention output)")["text"]
+    "output share<br>(fraction of the<br>layer's attention<br>output)"
+    """
+    words, paren, unit = text.partition(" (")
+    lines = textwrap.wrap(words, 18) + (textwrap.wrap(f"({unit}", 18) if paren else [])
+    text = "<br>".join(literal(line) for line in lines)
+    return {"text": text, "side": "top", "font": {"size": 12}}
+
+
 def base_layout(
     fig: go.Figure,
     title: str,
@@ -133,7 +213,7 @@ def base_layout(
     under the x axis, with the margins grown to fit both.
     """
     plot_w, plot_h = plot_size
-    margin = {"l": 75, "r": 105 if colorbar else 20}
+    margin = {"l": 75, "r": 150 if colorbar else 20}  # room for a colour bar's title
     width = margin["l"] + plot_w + margin["r"]
     lines = wrap_text(subtitle, width - margin["l"] - 10)
     margin["t"] = 58 + (20 * len(lines) + 12 if lines else 0) + (28 if panel_titles else 0)

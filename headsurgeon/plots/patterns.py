@@ -37,7 +37,15 @@ from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.pattern_samples import AttentionWeights, attention_weights
-from headsurgeon.plots.layout import OKABE_ITO, check_columns, compact_number, style, wrap_text
+from headsurgeon.plots.layout import (
+    OKABE_ITO,
+    check_columns,
+    colorbar_title,
+    column_label,
+    compact_number,
+    style,
+    wrap_text,
+)
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = ["MAX_CELLS", "attention_pattern", "pattern_diff"]
@@ -264,7 +272,7 @@ def attention_pattern(
             "colorscale": "Viridis",
             "cmin": 0,
             "cmax": 1,
-            "colorbar": {"title": {"text": "weight", "side": "right"}},
+            "colorbar": {"title": colorbar_title(column_label("weight"))},
         }
     )
     fig.update_annotations(font={"size": 13})
@@ -335,13 +343,23 @@ def pattern_diff(
             "colorscale": "Viridis",
             "cmin": 0,
             "cmax": 1,
-            "colorbar": {"title": {"text": "weight"}, "x": 1.02, "len": 0.45, "y": 0.75},
+            "colorbar": {
+                "title": colorbar_title(column_label("weight")),
+                "x": 1.02,
+                "len": 0.45,
+                "y": 0.75,
+            },
         },
         coloraxis2={
             "colorscale": "RdBu_r",
             "cmin": -bound,
             "cmax": bound,
-            "colorbar": {"title": {"text": "change"}, "x": 1.02, "len": 0.45, "y": 0.2},
+            "colorbar": {
+                "title": colorbar_title(f"Δ {column_label('weight')}"),
+                "x": 1.02,
+                "len": 0.45,
+                "y": 0.2,
+            },
         },
     )
     fig.update_annotations(font={"size": 13})

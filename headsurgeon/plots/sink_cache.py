@@ -19,7 +19,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from headsurgeon.plots.evaluation import sequential_colours
-from headsurgeon.plots.layout import OKABE_ITO, check_columns, style, wrap_text
+from headsurgeon.plots.layout import OKABE_ITO, check_columns, column_label, style, wrap_text
 
 __all__ = ["sink_cache_figure"]
 
@@ -71,8 +71,8 @@ def sink_cache_figure(by_cache: pd.DataFrame, *, title: str | None = None) -> go
             hovertemplate=f"full context: perplexity {full:.4g}<extra></extra>",
         )
     )
-    fig.update_xaxes(title_text="window y: recent tokens kept", type="category")
-    fig.update_yaxes(title_text="perplexity", type="log")
+    fig.update_xaxes(title_text=column_label("window"), type="category")
+    fig.update_yaxes(title_text=column_label("perplexity"), type="log")
     a = by_cache.attrs
     subtitle = (
         f"{a.get('model', '')} · {a.get('n_seqs', '')} × {a.get('seq_len', '')} tokens · "

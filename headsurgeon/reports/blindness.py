@@ -304,18 +304,19 @@ def write_blindness(
     """Write a blindness analysis to a new folder, atomically; return the folder.
 
     Files: ``blindness.csv`` (``analytic``), ``measured_by_head.csv``, ``measured_by_distance.csv``
-    and ``measured_by_length.csv`` (``measured``), ``summary.txt`` (:func:`blindness_summary`)
-    and the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
-    results allow), each HTML self-contained; with a ``precision`` counterfactual
-    (:func:`headsurgeon.precision.precision_effect`) also ``precision.csv`` (its
+    and ``measured_by_length.csv`` (``measured``), ``summary.txt`` (:func:`blindness_summary`) and
+    the figures ``blind_distance``, ``zero_fraction`` and ``analytic_vs_measured`` (those the
+    results allow) in each of ``formats`` (as in :func:`headsurgeon.reports.write_classification`:
+    by default png when a browser is found, and all of them on ``index.html``); with a ``precision``
+    counterfactual (:func:`headsurgeon.precision.precision_effect`) also ``precision.csv`` (its
     ``by_position``), ``precision_heads.csv`` (``by_head``) and the figure ``precision``, and the
-    summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census`
-    on the measured text) also ``census.csv`` and the figure ``reach`` (each head's reach beside
-    its first exact zero and analytic distance), and the page's head table has a ``reach``
-    column; with a ``sink_cache`` test (:func:`headsurgeon.sink_cache_effect`) also
-    ``sink_cache.csv`` (``by_cache``), ``sink_cache_heads.csv`` (``by_head``), the figure
-    ``sink_cache`` and its summary lines (:func:`sink_cache_lines`). A folder holding files is
-    refused unless ``overwrite``, and even then unless headsurgeon wrote it.
+    summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census` on
+    the measured text) also ``census.csv`` and the figure ``reach`` (each head's reach beside its
+    first exact zero and analytic distance), and the page's head table has a ``reach`` column; with
+    a ``sink_cache`` test (:func:`headsurgeon.sink_cache_effect`) also ``sink_cache.csv``
+    (``by_cache``), ``sink_cache_heads.csv`` (``by_head``), the figure ``sink_cache`` and its
+    summary lines (:func:`sink_cache_lines`). A folder holding files is refused unless
+    ``overwrite``, and even then unless headsurgeon wrote it.
 
     ``index.html`` puts it on one offline page: the summary, a grid of blind distances where
     clicking a head shows its distances per dtype, its measured share of exact zeros by distance
@@ -340,7 +341,7 @@ def write_blindness(
             if frame is not None:
                 atomic_write_text(tmp / name, frame.to_csv(index=False))
         atomic_write_text(tmp / "summary.txt", summary + "\n")
-        skipped = plots.save_figures(figures, tmp, formats, include_plotlyjs=True)
+        skipped = plots.save_figures(figures, tmp, formats)
         if analytic is not None or measured is not None:
             _write_blindness_page(tmp, summary, analytic, measured, figures, model, tokens, census)
     plots.warn_skipped(skipped, out_dir)
@@ -381,16 +382,19 @@ def _blindness_table(
         wide = analytic.pivot_table(
             index=keys, columns=["dtype", "limit"], values="blind_distance", sort=False
         )
-        wide.columns = [f"blind distance {d} {limit}" for d, limit in wide.columns]
+        wide.columns = [f"blind distance {d} {limit} (tokens)" for d, limit in wide.columns]
         parts.append(wide)
         parts.append(analytic.groupby(keys)[["slope"]].first())
     if measured is not None:
         by_head = measured.by_head
-        for column, name in (("first_zero_distance", "first zero"), ("zero_fraction", "zeros")):
+        for column, name, unit in (
+            ("first_zero_distance", "first zero", "tokens"),
+            ("zero_fraction", "zeros", "fraction of weights"),
+        ):
             wide = by_head.pivot_table(
                 index=keys, columns="dtype", values=column, sort=False, dropna=False
             )
-            wide.columns = [f"measured {name} {d}" for d in wide.columns]
+            wide.columns = [f"measured {name} {d} ({unit})" for d in wide.columns]
             parts.append(wide)
         if analytic is None:
             parts.append(by_head.groupby(keys)[["slope"]].first())
@@ -423,7 +427,7 @@ def _zero_curves(measured: BlindnessMeasurement, table: pd.DataFrame) -> dict[st
                     "line": {"color": colour},
                 }
             )
-            column = f"blind distance {dtype} zero"
+            column = f"blind distance {dtype} zero (tokens)"
             row = table[(table["layer"] == layer) & (table["head"] == head)]
             if column in row and math.isfinite(float(row[column].iloc[0])):
                 x = float(row[column].iloc[0])
@@ -455,7 +459,7 @@ def _write_blindness_page(
     table = _blindness_table(analytic, measured, census)
     metric = next(c for c in table.columns if c.startswith(("blind distance", "measured first")))
     grid_table = table.assign(log10_distance=np.log10(table[metric].astype(float)))
-    grid = plots.head_grid(grid_table, "log10_distance", title=f"log₁₀ {metric} (tokens)")
+    grid = plots.head_grid(grid_table, "log10_distance", title=f"log₁₀ {metric}")
     samples = []
     if model is not None and tokens is not None:
         samples = [sample_patterns(model, tokens, n_seqs=1, n_pos=None, max_cells=PAGE_CELLS)]

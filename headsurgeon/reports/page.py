@@ -5,6 +5,7 @@ Exports:
     PAGE_SEQS, PAGE_POSITIONS     each head's attention: the first positions of a few sequences
     PAGE_CELLS                    a long sequence max-pooled to this many cells a side
     PAGE_SKIP                     the table columns not shown among a head's metrics
+    PAGE_AXES                     the columns the page's own axes show (named in words)
     PAGE_TEMPLATE                 the page's markup, style and script
     write_page(folder, ...)       the page of a run (every tool's writer calls it)
     summary_html(summary, fmt)    the summary as HTML: Markdown rendered, or text in a <pre>
@@ -15,7 +16,9 @@ The page holds the run's summary, a grid of heads (click one), each head's metri
 its attention on the run's own sequences (float16 lower triangles, base64), under each pattern a
 strip of the received mass of its key positions where the writer has one
 (:func:`headsurgeon.secondary_sinks`'s ``examples``), its curves, and the figures; plotly.js is
-inlined once, and the markup, style and script come from ``headsurgeon/templates/index.html``.
+inlined once (its 1.5 MB cartesian bundle, which draws every figure of headsurgeon:
+:func:`headsurgeon.plots.plotly_bundle`), and the markup, style and script come from
+``headsurgeon/templates/index.html``.
 :func:`headsurgeon.reports.open_page` opens it in headless Chromium.
 """
 
@@ -42,11 +45,13 @@ from headsurgeon.data import describe, to_sequences, token_strings
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.outputs import atomic_write_text
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
+from headsurgeon.plots import COLUMN_LABELS, column_label, plotly_bundle
 from headsurgeon.reports.records import json_safe
 from headsurgeon.validation import check_choice
 
 __all__ = [
     "PAGE",
+    "PAGE_AXES",
     "PAGE_CELLS",
     "PAGE_POSITIONS",
     "PAGE_SEQS",
@@ -69,6 +74,10 @@ PAGE_CELLS = 64
 PAGE_SKIP = ("layer", "head")
 # The page: markup, style and the small script that draws the grid, a head and its patterns.
 PAGE_TEMPLATE = Path(__file__).parents[1] / "templates" / "index.html"
+# The trace types the page's script draws itself (patterns, received-mass strips, curves), and
+# the columns its own axes show.
+PAGE_TRACES = ("heatmap", "scatter")
+PAGE_AXES = ("query", "key", "distance", "zero_fraction")
 
 
 def _packed(weights: np.ndarray) -> str:
@@ -194,7 +203,8 @@ def write_page(
     pages: Sequence[str] = (),
     received: Sequence[np.ndarray | None] = (),
 ) -> None:
-    """Write ``folder/index.html``: one offline page (plotly.js inlined once) with the run's
+    """Write ``folder/index.html``: one offline page (plotly.js inlined once: the smallest bundle
+    that draws every figure, :func:`headsurgeon.plots.plotly_bundle`) with the run's
     summary, ``grid`` (click a head), and per head its metrics in each of ``stages`` (name ->
     one row per head), its attention in each stage of ``samples`` (same order), under each
     pattern the received mass of ``received[j]`` (stage ``j``'s ``[seq, layer, head,
@@ -215,6 +225,13 @@ def write_page(
         "names": names,
         "stages": list(stages),
         "metrics": metrics,
+        # Words and units for the head table's rows and the page's axes; a user's own column
+        # shows as named.
+        "labels": {
+            c: column_label(c)
+            for c in [*PAGE_AXES, *(c for df in stages.values() for c in df.columns)]
+            if c in COLUMN_LABELS
+        },
         "blind": _blind(info, None if model is None else model.cfg.dtype, n_layers, n_heads),
         "sequences": sequences,
         "patterns": packed,
@@ -230,8 +247,6 @@ def write_page(
         )
         + list(pages),
     }
-    from plotly.offline import get_plotlyjs
-
     page = _fill(
         PAGE_TEMPLATE.read_text(encoding="utf-8"),
         title=html.escape(title),
@@ -241,7 +256,7 @@ def write_page(
             quote=False,
         ),
         summary=summary_html(summary, summary_format),
-        plotly=get_plotlyjs(),
+        plotly=plotly_bundle([grid, *(figures or {}).values()], traces=PAGE_TRACES)[1],
         data=_script_json(data),
     )
     atomic_write_text(folder / PAGE, page)

@@ -32,7 +32,8 @@ class PageView:
     (``[key]``; ``None`` without one); the page's heading and its ``<title>`` as shown, the
     head's metric table as text (``[row][cell]``, header first; ``[]`` without a head) and the
     messages of the dialogs (``alert``, ``confirm``, ``prompt``) the page opened, which a page
-    never does: one means it ran what its data said."""
+    never does: one means it ran what its data said; and the grid and each figure below it as
+    ``(title, drawn)``, ``drawn`` false when the page's plotly.js lacks one of its trace types."""
 
     errors: list[str]
     shown: str | None
@@ -42,6 +43,7 @@ class PageView:
     document_title: str | None = None
     table: list[list[str]] = dataclasses.field(default_factory=list)
     dialogs: list[str] = dataclasses.field(default_factory=list)
+    figures: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
 
 
 # Runs in the page: the grid cell of a head, in CSS pixels of the viewport.
@@ -57,7 +59,10 @@ _SHOWN_JS = """(() => {
     tr => [...tr.cells].map(cell => cell.textContent));
   return [name ? name.textContent : null, plot && plot.data ? plot.data[0].z : null,
           strip && strip.data ? strip.data[0].z[0] : null, heading ? heading.textContent : null,
-          document.title, table];
+          document.title, table,
+          [...document.querySelectorAll("#grid, #figures > div")].map(div => [
+            div.layout && div.layout.title ? div.layout.title.text : "",
+            Boolean(div._fullData) && div._fullData.every(trace => Boolean(trace._module))])];
 })()"""
 
 
@@ -161,7 +166,8 @@ async def _visit(
         await loaded
         if pair is not None:
             await _click(tab, pair)
-        shown, pattern, received, title, document_title, table = await _evaluate(tab, _SHOWN_JS)
+        seen = await _evaluate(tab, _SHOWN_JS)
+        shown, pattern, received, title, document_title, table, figures = seen
         if screenshot is not None:
             image = await _command(tab, "Page.captureScreenshot", format="png")
             atomic_write_bytes(screenshot, base64.b64decode(image["data"]))
@@ -174,4 +180,5 @@ async def _visit(
         document_title=document_title,
         table=table,
         dialogs=errors.dialogs,
+        figures=[(title, drawn) for title, drawn in figures],
     )

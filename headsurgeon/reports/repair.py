@@ -76,7 +76,7 @@ def training_plot(result: RepairResult) -> go.Figure:
                 row=1,
                 col=col,
             )
-            fig.update_xaxes(title_text="step", row=1, col=col)
+            fig.update_xaxes(title_text=plots.column_label("step"), row=1, col=col)
     title = f"Masked fine-tuning of {model_info(result.model).name}"
     return plots.style(fig, title=title, width=1400, height=380, template="simple_white")
 
@@ -321,10 +321,12 @@ def _markdown(
             for h in p["heads"]
         ]
         lines += [""]
-    lines += [*_control(report), *_redistribution(report), "## Figures", ""]
+    lines += [*_control(report), *_redistribution(report)]
+    if figures:  # (none on the page, which shows the figures themselves)
+        lines += ["## Figures", "", "Every figure is on index.html, interactive.", ""]
     for name in figures:
         links = ", ".join(f"[{fmt}]({name}.{fmt})" for fmt in formats)
-        lines.append(f"- {name}: {links}")
+        lines.append(f"- {name}" + (f": {links}" if links else ""))
         if "png" in formats:
             lines += ["", f"![{name}]({name}.png)", ""]
     settings = report["settings"]
@@ -356,15 +358,17 @@ def write_report(
     in each of ``formats``, and ``model/``, the repaired
     model (the best pass that did not damage it) as a Hugging Face checkpoint (unless
     ``save_model=False``, or no pass is acceptable: report.md then says so). ``formats=None`` writes
-    html, and png when a Chromium browser is found (else one warning names the skipped PNGs and
-    report.md links only what was written); static formats given explicitly need a browser
+    the figures as png when a Chromium browser is found (else one warning names the skipped PNGs
+    and report.md links only what was written) and no HTML figure: ``index.html`` holds them all
+    (``html`` given explicitly writes each, sharing one plotly.js in the folder); static formats
+    given explicitly need a browser
     (:func:`headsurgeon.plots.split_formats`), checked before anything is written. A folder
     holding files is refused unless ``overwrite``, and even then unless headsurgeon wrote it.
 
     ``index.html`` puts it on one offline page: report.md, the grid of BOS-mass changes where
     clicking a head shows its metrics before and after each pass and in the control model, and
-    its attention in each stage side by side (``result.patterns``), the training and label
-    figures.
+    its attention in each stage side by side (``result.patterns``), and every other figure, with
+    plotly.js inlined once (its 1.5 MB cartesian bundle).
     """
     written = plots.split_formats(formats)[0]  # unknown format / no browser for one asked: now
     report = json_safe(result.to_dict())
@@ -426,7 +430,7 @@ def write_report(
         write_page(
             tmp,
             title=f"Repair of {report['model']}",
-            summary=markdown,
+            summary=_markdown(report, [], written, model_dir=save_model),  # figures: below
             summary_format="markdown",
             grid=figures["bos_mass_diff"],
             shape=(
@@ -436,7 +440,8 @@ def write_report(
             stages=stages,
             samples=samples if len(samples) == len(stages) else [],
             model=result.model,
-            figures={name: figures[name] for name in ("training", "labels_before", "labels_after")},
+            figures={"training": figures["training"]}  # the run's story first
+            | {name: fig for name, fig in figures.items() if name != "bos_mass_diff"},
             note=samples_note(samples, report["settings"].get("census_data"), "each stage"),
         )
         if save_model and result.best_pass is not None:  # no acceptable pass: no model

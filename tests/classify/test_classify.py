@@ -31,7 +31,7 @@ from headsurgeon.cli.classify import main
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError, OutputExistsError
 from headsurgeon.outputs import MARK_FILE
-from headsurgeon.reports import format_summary, write_classification
+from headsurgeon.reports import PAGE, format_summary, write_classification
 
 TEXT = (
     "Now is the winter of our discontent made glorious summer by this sun of York; and all the "
@@ -192,8 +192,8 @@ def test_write_classification_refuses_existing_folder(tmp_path):
     write_classification(df, tmp_path / "out", formats=(), overwrite=True)
     write_classification(df, tmp_path / "out", formats=("html",), overwrite=True)  # ours now
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
-        ["heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv", "plotly.min.js"]
-        + [MARK_FILE, "index.html"]
+        ["heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv"]
+        + ["plotly-cartesian.min.js", MARK_FILE, "index.html"]
         + [
             f"{n}.html"
             for n in ("bos_mass", "labels", "entropy", "output_share", "threshold_sweep")
@@ -361,7 +361,7 @@ def test_write_classification_without_browser_skips_importance_pngs_too(
     monkeypatch.delenv("BROWSER_PATH", raising=False)
     monkeypatch.setattr(Chromium, "find_browser", classmethod(lambda cls, **kwargs: None))
     out = write_classification(importance_frame(), tmp_path / "out")
-    assert not list(out.glob("*.png")) and (out / "bos_vs_importance.html").exists()
+    assert not list(out.glob("*.png")) and '"name":"bos_vs_importance"' in (out / PAGE).read_text()
     [line] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert line.startswith(f"warning: skipped 7 static figures in {out}/ (*.png)")
 
@@ -419,9 +419,9 @@ def test_cli_importance_adds_columns_and_figures_and_keeps_labels(planted, tmp_p
     assert meta["importance_method"] == meta["importance_ablation"] == "mean"
     assert meta["importance_n_tokens"] == 8 * 31 and meta["data"] == texts.name
     assert meta["importance_clean_loss"] == pytest.approx(direct.attrs["clean_loss"], rel=1e-12)
-    for name in ("importance", "bos_vs_importance"):
-        assert (tmp_path / "imp" / f"{name}.html").exists()
-        assert not (tmp_path / "plain" / f"{name}.html").exists()
+    for name in ("importance", "bos_vs_importance"):  # on the page, which holds every figure
+        assert f'"name":"{name}"' in (tmp_path / "imp" / PAGE).read_text()
+        assert f'"name":"{name}"' not in (tmp_path / "plain" / PAGE).read_text()
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,9 @@
 """Static figures on a machine without a browser; notebook outputs; the browser's exit noise.
 
-Without Chromium the writers still write tables, JSON, HTML figures, the model and the report,
-skip the PNGs with one warning line, and succeed; a static format asked for explicitly is a
-one-line error before any model is loaded. The browser is hidden from kaleido by making
-choreographer's search find nothing (in process) or by a ``BROWSER_PATH`` that is not an
+Without Chromium the writers still write tables, JSON, the page (every figure on it), the model
+and the report, skip the PNGs with one warning line, and succeed; a static format asked for
+explicitly is a one-line error before any model is loaded. The browser is hidden from kaleido by
+making choreographer's search find nothing (in process) or by a ``BROWSER_PATH`` that is not an
 executable (in a subprocess: the same rule, and it works where /usr/bin/chromium is installed).
 """
 
@@ -55,7 +55,8 @@ def warnings_of(caplog) -> list[str]:
 
 
 def test_split_formats_skips_default_png_and_refuses_asked_static_formats(no_browser):
-    assert plots.split_formats(None) == (["html"], ["png"])
+    assert plots.split_formats(None) == ([], ["png"])
+    assert plots.split_formats(None, default=("html", "png")) == (["html"], ["png"])
     assert plots.split_formats(["html"]) == (["html"], [])
     assert plots.split_formats(()) == ([], [])
     with pytest.raises(
@@ -69,7 +70,13 @@ def test_split_formats_skips_default_png_and_refuses_asked_static_formats(no_bro
 def test_save_figures_returns_what_it_skipped(no_browser, tmp_path):
     figures = {"a": plots.label_grid(classified()), "b": plots.head_grid(classified())}
     assert plots.save_figures(figures, tmp_path) == ["a.png", "b.png"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.html", "b.html", "plotly.min.js"]
+    assert not list(tmp_path.iterdir())  # the default: png only
+    assert plots.save_figures(figures, tmp_path, default=("html", "png")) == ["a.png", "b.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.html",
+        "b.html",
+        "plotly-cartesian.min.js",
+    ]
     with pytest.raises(FigureExportError, match="svg needs a Chromium"):
         plots.save_figures(figures, tmp_path / "x", ["html", "svg"])
     assert not (tmp_path / "x").exists()
@@ -91,9 +98,8 @@ def test_write_classification_without_browser_writes_all_but_pngs(no_browser, tm
     out = write_classification(classified(), tmp_path / "out")
     written = sorted(p.name for p in out.iterdir())
     assert written == sorted(
-        ["heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv", "plotly.min.js"]
-        + ["index.html"]  # the report page needs no browser to be written
-        + [f"{name}.html" for name in FIGURES]
+        ["heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv"]
+        + ["index.html"]  # the report page needs no browser to be written; it holds the figures
         + [MARK_FILE]
     )
     [line] = warnings_of(caplog)
@@ -130,11 +136,12 @@ def test_write_report_without_browser_writes_model_and_report_skips_pngs(
     )
     out = write_report(result, tmp_path / "out")
     files = {p.name for p in out.iterdir()}
-    assert {"report.md", "report.json", "model", "training.html", "labels_after.html"} <= files
-    assert not [name for name in files if name.endswith(".png")]
+    assert {"report.md", "report.json", "model", "index.html"} <= files
+    assert not [name for name in files if name.endswith((".png", ".html")) and name != "index.html"]
     assert (out / "model" / "config.json").exists()
     report = (out / "report.md").read_text()
-    assert "[html](training.html)" in report and ".png" not in report and "![" not in report
+    assert "- training\n" in report and ".png" not in report and "![" not in report
+    assert "Every figure is on index.html" in report
     [line] = warnings_of(caplog)
     assert "labels_before.png" in line or "*.png" in line
 
@@ -201,12 +208,11 @@ def test_classify_cli_without_browser_exits_0_with_one_warning(bloom_dir, tmp_pa
     assert "Traceback" not in result.stderr
     files = sorted(p.name for p in out.iterdir())
     assert {"heads.csv", "heads.json", "summary.txt", "threshold_sweep.csv"} <= set(files)
-    assert {f"{name}.html" for name in FIGURES} <= set(files)
-    assert not [name for name in files if name.endswith(".png")]
+    assert "index.html" in files and not [n for n in files if n.endswith((".png", ".js"))]
     [line] = [line for line in result.stderr.splitlines() if "skipped" in line]
     assert line.startswith(f"warning: skipped 5 static figures in {out}/ (bos_mass.png, ")
     assert f"BROWSER_PATH={tmp_path / 'no-chromium'} is not an executable" in line
-    assert "figures (html)" in result.stdout
+    assert "index.html" in result.stdout
 
 
 @pytest.mark.skipif(not plots.has_browser(), reason=NO_CHROMIUM)

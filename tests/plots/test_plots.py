@@ -51,7 +51,7 @@ def test_head_grid_places_cells_markers_and_hover():
     assert z[1, 2] == df.query("layer == 1 and head == 2")["entropy"].item()
     assert markers(fig) == {"BOS-sink": {(1, 3)}, "dead": {(2, 2)}}
     for field in ("bos_mass", "entropy", "output_share", "bos_mass_std"):
-        assert field in heat.hovertemplate
+        assert plots.column_label(field) in heat.hovertemplate
     assert heat.customdata[1][3][0] == "BOS-sink"  # label first in every cell's hover data
     bos = plots.head_grid(df)
     assert (bos.data[0].zmin, bos.data[0].zmax) == (0.0, 1.0)
@@ -118,9 +118,11 @@ def test_figures_refuse_frames_without_the_metric():
 def test_save_figure_formats_and_errors(tmp_path, monkeypatch):
     fig = plots.head_grid(classified())
     path = plots.save_figure(fig, tmp_path / "grid.html")
-    assert "plotly" in path.read_text()[:5000].lower() and path.stat().st_size > 1_000_000
+    # Self-contained, with plotly.js's cartesian bundle (1.5 MB), not the full one (4.8 MB).
+    assert "plotly.js (cartesian" in path.read_text()[:5000]
+    assert 1_000_000 < path.stat().st_size < 2_000_000
     plots.save_figure(fig, tmp_path / "small.html", include_plotlyjs="directory")
-    assert (tmp_path / "plotly.min.js").exists()
+    assert 'src="plotly-cartesian.min.js"' in (tmp_path / "small.html").read_text()
     with pytest.raises(InvalidArgumentError, match="suffix"):
         plots.save_figure(fig, tmp_path / "grid.gif")
     monkeypatch.setenv("BROWSER_PATH", str(tmp_path / "no-browser"))
@@ -134,6 +136,6 @@ def test_save_figure_formats_and_errors(tmp_path, monkeypatch):
         plots.save_figure(fig, tmp_path / "grid.pdf")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "grid.html",
-        "plotly.min.js",
+        "plotly-cartesian.min.js",
         "small.html",
     ]
