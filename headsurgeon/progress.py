@@ -46,7 +46,8 @@ class RunBar(tqdm):
     with :meth:`done`, and the seconds it took where measured; the time left is then
     every kind's units left times its mean measured duration, and the bar shows it (its rate is
     the counted units left over that time). ``tell``, if given, is called once, when the
-    counted kind is first timed (after the unit is counted): the moment to announce the run's duration.
+    counted kind is first timed (after that unit is counted): the moment to announce the
+    run's duration.
     ``done_already`` starts the bar at the units a resumed run finished before.
 
     >>> bar = RunBar({"step": 10, "census": 2}, disable=True)

@@ -22,8 +22,8 @@ import dataclasses
 import logging
 import os
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pandas as pd
