@@ -76,6 +76,7 @@ from headsurgeon.finetune.strategies import (
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
+from headsurgeon.probes import check_training_memory
 from headsurgeon.progress import RunBar
 from headsurgeon.surgery import (
     TRAINED_TENSORS,
@@ -225,6 +226,10 @@ def finetune(
     instead of a bar of its own, step by step and evaluation by evaluation, and announces
     the duration itself.
 
+    A batch whose activations cannot fit in free memory
+    (:func:`headsurgeon.probes.check_training_memory`) is refused in one line before the first
+    step.
+
     If the call fails (any exception, :class:`TrainingDivergedError` on a NaN or infinite loss or
     gradient, ``KeyboardInterrupt`` included), the model gets back the weights it had before the
     call, bit for bit, and one warning says so; the last checkpoint is untouched, so
@@ -236,6 +241,14 @@ def finetune(
     train = _sequences(info, train, "training")
     eval_data = None if eval_data is None else _sequences(info, eval_data, "evaluation")
     job = _make_job(model, heads, train, eval_data, config, checkpoint_dir, resume, progress)
+    check_training_memory(  # a batch far too large: one line now, not the kernel's kill later
+        model,
+        job.cfg.batch_size,
+        job.train.shape[1],
+        gradient_checkpointing=job.cfg.gradient_checkpointing,
+        loss_chunk=job.cfg.loss_chunk,
+        logits=objective is None,
+    )
     with restored_on_failure(model, "fine-tuning") as snapshot:
         if job.cfg.strategy == "mask":  # the optimiser moves whole tensors before after_step
             snapshot.add_layers(job.heads.layers, TRAINED_TENSORS)

@@ -51,6 +51,7 @@ from headsurgeon.importance import ablate_heads
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
+from headsurgeon.probes import check_training_memory
 from headsurgeon.progress import RunBar
 from headsurgeon.repair.config import RepairConfig, resolve_config
 from headsurgeon.repair.results import PassResult, RepairResult
@@ -542,6 +543,14 @@ def repair(
         raise InvalidArgumentError("nothing to repair: the head set is empty")
     include = include or HeadSet()
     data = _prepare_data(info, config, corpus, eval_corpus, census_data)
+    ft = config.finetune
+    check_training_memory(  # before the first census: a batch far too large fails at once
+        model,
+        ft.batch_size,
+        data.train.seq_len,
+        gradient_checkpointing=ft.gradient_checkpointing,
+        loss_chunk=ft.loss_chunk,
+    )
     run_settings = _settings(info, config, heads, include, data)
     rank, _ = rank_and_world()
     work = WorkDir(Path(work_dir), rank, info.shape) if work_dir is not None else None
