@@ -207,10 +207,10 @@ class _Run:
         # forward of one census row; passes are undone in place, so it cannot be read later).
         # One row: a report page of bloom-560m's 384 heads at three stages stays under 10 MB.
         self.patterns: dict[str, PatternSample] = {}
-        self.arms = 2 if config.control else 1
+        arms = 2 if config.control else 1
         plan = {"census": 1, "perplexity": 3}  # before any pass; with the pruned heads' two
         for kind, units in self.pass_units().items():
-            plan[kind] = plan.get(kind, 0) + self.arms * config.passes * units
+            plan[kind] = plan.get(kind, 0) + arms * config.passes * units
         # One bar for the whole run, counting training steps; censuses and perplexities run
         # without bars of their own and only show in its time left.
         self.bar = RunBar(
