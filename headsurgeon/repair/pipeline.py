@@ -207,6 +207,7 @@ class _Run:
         # forward of one census row; passes are undone in place, so it cannot be read later).
         # One row: a report page of bloom-560m's 384 heads at three stages stays under 10 MB.
         self.patterns: dict[str, PatternSample] = {}
+        self.arm_passes = config.passes  # at most, in the bar's description; the control's exact
         arms = 2 if config.control else 1
         plan = {"census": 1, "perplexity": 3}  # before any pass; with the pruned heads' two
         for kind, units in self.pass_units().items():
@@ -395,6 +396,7 @@ class _Run:
         first, first_ppl = start
         current, ppl, earlier = first, first_ppl, HeadSet()
         results = []
+        self.arm_passes = len(passes)
         for p in passes:
             result = self.run_pass(
                 p.index, p.targeted, current, ppl, (first, first_ppl, earlier), arm="control"
@@ -430,7 +432,7 @@ class _Run:
         reinit = arm == "pass"
         what = "re-initialising and fine-tuning" if reinit else "fine-tuning (no re-initialisation)"
         logger.info("%s %d: %s %d heads: %s", arm, index, what, len(targets), targets)
-        self.bar.set_description(f"repair: {arm} {index}/{self.config.passes}")
+        self.bar.set_description(f"repair: {arm} {index}/{self.arm_passes}")
         if reinit:
             seed = self.config.seed + index - 1
             reinit_heads(self.model, targets, init=self.config.init, seed=seed)

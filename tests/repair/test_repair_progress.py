@@ -67,6 +67,7 @@ def test_one_bar_counts_every_step_of_the_run_and_the_estimate_comes_first(injur
     assert bar.at_steps == list(range(2 * STEPS))
     assert bar.plan == {"census": 3, "perplexity": 5, "step": 8, "evaluation": 6}
     assert all(left == 0 for left in bar.left.values())
+    assert bar.desc.startswith("repair: control 1/1")  # the arm's own count of passes
     messages = [r.getMessage() for r in caplog.records]
     estimate = next(i for i, m in enumerate(messages) if m.startswith("repair: at most about"))
     assert "for 1 pass x 4 steps and as many in the control arm" in messages[estimate]
