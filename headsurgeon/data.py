@@ -19,6 +19,10 @@ Exports:
     describe(data, default)              a short description of data for run metadata
     HELD_OUT                             its default: the description of the bundled held-out text
     texts_of(data)                       the texts data stands for (a str: text; a path: a file)
+    iter_texts(data)                     the same, each an iterator of pieces: files read only as
+                                         far as the caller goes, with read_texts's checks
+    iter_token_ids(info, data)           each text's token ids piece by piece, read and tokenised
+                                         only as far as the caller goes
 
 Data is a ``str`` (always text, even one that names a file), an ``os.PathLike`` such as
 ``pathlib.Path`` (always a file to read), a list mixing the two, a token tensor, or
@@ -73,6 +77,8 @@ __all__ = [
     "describe",
     "HELD_OUT",
     "texts_of",
+    "iter_texts",
+    "iter_token_ids",
 ]
 
 CORPUS_DIR = Path(__file__).parent / "corpora"
@@ -229,6 +235,19 @@ def _sources(data: Data) -> list[str | Path]:
     if all(isinstance(x, str) and not x.strip() for x in sources):
         raise DataError("the texts are empty; give text with content in it")
     return sources
+
+
+def iter_texts(data: Data) -> Iterator[Iterator[str]]:
+    """The texts of :func:`texts_of`, each as consecutive pieces of at most about 1 MiB: a file
+    is read (and checked as :func:`read_texts` checks it) only as far as the caller consumes
+    its pieces, so a caller that needs a few megabytes of a 900 MB file never holds the rest."""
+    return (_chunks_of(source) for source in _sources(data))
+
+
+def iter_token_ids(info: ModelInfo, data: Data) -> Iterator[Iterator[Int[Tensor, " pos"]]]:
+    """Each text of :func:`iter_texts` as its token ids (those of :func:`tokenize`), piece by
+    piece: read and tokenised only as far as the caller consumes them."""
+    return (_piece_ids(info, chunks) for chunks in iter_texts(data))
 
 
 def _chunks_of(source: str | Path) -> Iterator[str]:

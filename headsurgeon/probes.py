@@ -16,6 +16,7 @@ Exports:
     HeadStats                              float64 accumulator fed by forward hooks
     stream(model, tokens, fwd_hooks, ...)  run token batches through hooks, skipping the unembedding
     check_batch_memory(model, batch, n_pos, block, ...)  one line if a batch cannot fit in memory
+    check_training_memory(model, batch, n_pos, ...)      the same for a fine-tuning step
     unfired(model, analysis, hook, layers) the one-line error for a hook that never fired
     check_fired(model, analysis, counts)   raise it unless each hook fired in every layer
 
@@ -62,6 +63,7 @@ __all__ = [
     "HeadStats",
     "stream",
     "check_batch_memory",
+    "check_training_memory",
     "unfired",
     "check_fired",
 ]
@@ -681,6 +683,71 @@ def check_batch_memory(
             f"a batch of {batch} sequences of {n_pos} tokens needs about {needed / 2**30:.1f} GiB "
             f"for one forward, more than the {free / 2**30:.1f} GiB free; use a smaller batch "
             f"size (--batch-size {max(1, batch * free // needed // 2)} or less)"
+        )
+    return needed
+
+
+# Entries of one attention pattern kept for the backward pass: the scores, the pattern and its
+# hook's copy.
+TRAINING_ATTENTION_COPIES = 3
+# The float32 logits of the next-token loss: the logits, their log-softmax and its gradient.
+LOGIT_COPIES = 3
+
+
+def check_training_memory(
+    model: Model,
+    batch: int,
+    n_pos: int,
+    *,
+    gradient_checkpointing: bool = False,
+    loss_chunk: int | None = None,
+    logits: bool = True,
+    available: int | None = None,
+) -> int:
+    """The bytes one fine-tuning step of ``batch`` sequences of ``n_pos`` tokens keeps for its
+    backward pass, or one line naming ``--batch-size`` when that is more than the memory
+    ``available`` (default: free memory on the model's device, as :func:`check_batch_memory`
+    reads it). Every layer keeps ``batch x n_pos x 16 d_model`` activations and its attention
+    patterns (``batch x head x n_pos^2``, three copies); with ``gradient_checkpointing`` only each
+    layer's input and one layer's activations. With ``logits`` (the next-token loss) the float32
+    logits of ``loss_chunk`` positions (default all) at a time, three copies. An estimate
+    checked before training, so a batch far too large is refused at once rather than killed by
+    the kernel mid-run.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=2, n_heads=2, d_model=8, d_vocab=9, n_ctx=16))
+    >>> check_training_memory(model, 4, 16, available=10**9)
+    121600
+    >>> check_training_memory(model, 10**7, 16, available=10**9)
+    Traceback (most recent call last):
+    ...
+    headsurgeon.errors.InvalidArgumentError: fine-tuning a batch of 10000000 sequences of 16 ...
+    """
+    cfg = model.cfg
+    itemsize = torch.finfo(cfg.dtype).bits // 8 if cfg.dtype.is_floating_point else 4
+    layer = (
+        batch
+        * n_pos
+        * itemsize
+        * (
+            ACTIVATION_VALUES_PER_D_MODEL * cfg.d_model
+            + TRAINING_ATTENTION_COPIES * cfg.n_heads * n_pos
+        )
+    )
+    inputs = batch * n_pos * cfg.d_model * itemsize  # one layer's input: all checkpointing keeps
+    needed = cfg.n_layers * inputs + layer if gradient_checkpointing else cfg.n_layers * layer
+    if logits:
+        needed += batch * min(loss_chunk or n_pos, n_pos) * cfg.d_vocab * 4 * LOGIT_COPIES
+    device = torch.device(getattr(cfg, "device", None) or "cpu")
+    free = _free_memory(device) if available is None else available
+    if free is not None and needed > free:
+        also = "" if gradient_checkpointing else ", or --gradient-checkpointing"
+        raise InvalidArgumentError(
+            f"fine-tuning a batch of {batch} sequences of {n_pos} tokens keeps about "
+            f"{needed / 2**30:.1f} GiB of activations for the backward pass, more than the "
+            f"{free / 2**30:.1f} GiB free; use a smaller batch size (--batch-size "
+            f"{max(1, batch * free // needed // 2)} or less, with --grad-accum to keep the "
+            f"batch the optimiser sees{also})"
         )
     return needed
 

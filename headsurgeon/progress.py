@@ -9,13 +9,23 @@ silently too; ``headsurgeon.backend``, the one module that imports TransformerLe
 module first for that reason. Install
 ``ipywidgets`` for widget bars.
 
-Exports: tqdm
+:class:`RunBar` is one bar for a run made of several kinds of work (training steps, censuses,
+evaluations): it counts one kind and shows the time left for all of them, from the measured
+duration of each kind.
+
+Exports:
+    tqdm                                the bar class that suits where it runs
+    RunBar                              one bar over a whole run; its time left covers every
+                                        kind of work the run plans
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 if importlib.util.find_spec("ipywidgets") is not None:
     from tqdm.auto import tqdm
@@ -25,4 +35,110 @@ else:
         import tqdm.auto  # noqa: F401  (imported quietly once; later imports reuse it)
     from tqdm.std import tqdm
 
-__all__ = ["tqdm"]
+__all__ = ["RunBar", "tqdm"]
+
+
+class RunBar(tqdm):
+    """A bar over a run's ``counted`` units (training steps) whose time left covers the run's
+    other planned work too (censuses, evaluations).
+
+    ``plan`` is how many units of each kind the whole run does. The worker reports each unit
+    with :meth:`done`, and the seconds it took where measured; the time left is then
+    every kind's units left times its mean measured duration, and the bar shows it (its rate is
+    the counted units left over that time). ``tell``, if given, is called once, when the
+    counted kind is first timed (after that unit is counted): the moment to announce the
+    run's duration.
+    ``done_already`` starts the bar at the units a resumed run finished before.
+
+    >>> bar = RunBar({"step": 10, "census": 2}, disable=True)
+    >>> bar.done("step", 2, seconds=1.0); bar.done("census", seconds=3.0)
+    >>> bar.n, bar.seconds_left(), bar.describe()
+    (2, 7.0, '8 steps of 0.50 s, 1 census of 3.00 s')
+    """
+
+    def __init__(
+        self,
+        plan: dict[str, int],
+        *,
+        counted: str = "step",
+        done_already: dict[str, int] | None = None,
+        tell: Callable[[RunBar], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        done_already = done_already or {}
+        self.plan = dict(plan)
+        self.left = {kind: n - done_already.get(kind, 0) for kind, n in plan.items()}
+        self.counted, self.tell = counted, tell
+        self.timings: dict[str, tuple[float, int]] = {}  # kind: (seconds, units measured)
+        self.finish_at: float | None = None
+        done = plan[counted] - self.left[counted]
+        super().__init__(total=plan[counted], initial=done, unit=counted, **kwargs)
+
+    def done(self, kind: str, units: int = 1, *, seconds: float | None = None) -> None:
+        """``units`` of ``kind`` finished, taking ``seconds`` if measured; the bar moves for
+        the counted kind."""
+        self.left[kind] -= units
+        first = seconds is not None and kind == self.counted and kind not in self.timings
+        if seconds is not None:
+            total, count = self.timings.get(kind, (0.0, 0))
+            self.timings[kind] = (total + seconds, count + units)
+        self._estimate()
+        if kind != self.counted:
+            self.refresh()
+        elif self.disable:  # tqdm counts nothing then; the count still tells how far the run is
+            self.n += units
+        else:
+            self.update(units)
+        if first and self.tell is not None:
+            self.tell(self)
+
+    def drop(self, kind: str, units: int) -> None:
+        """``units`` of ``kind`` planned will not run (the run stopped early)."""
+        self.plan[kind] -= units
+        self.left[kind] -= units
+        if kind == self.counted:
+            self.total -= units
+        self._estimate()
+        self.refresh()
+
+    def seconds_left(self) -> float | None:
+        """Seconds the run's units left take at their kinds' mean measured durations (kinds
+        not measured yet left out); None before the counted kind is measured."""
+        if self.counted not in self.timings:
+            return None
+        return sum(self.left[k] * seconds / n for k, (seconds, n) in self.timings.items())
+
+    def describe(self) -> str:
+        """The units left and their measured durations, e.g. ``"8 steps of 0.50 s, 1 census
+        of 3.00 s"``; kinds not measured yet are named as such."""
+        parts = []
+        for kind, left in self.left.items():
+            if left <= 0:
+                continue
+            name = kind if left == 1 else _plural(kind)
+            if kind in self.timings:
+                seconds, n = self.timings[kind]
+                parts.append(f"{left} {name} of {seconds / n:.2f} s")
+            else:
+                parts.append(f"{left} {name} not timed yet")
+        return ", ".join(parts)
+
+    def _estimate(self) -> None:
+        left = self.seconds_left()
+        self.finish_at = None if left is None else time.monotonic() + left
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        """tqdm's, its rate such that the time shown left is the whole run's."""
+        shown = super().format_dict
+        total, n = shown.get("total"), shown.get("n")
+        if self.finish_at is not None and total and n is not None and total > n:
+            shown["rate"] = (total - n) / max(self.finish_at - time.monotonic(), 1e-3)
+        return shown
+
+
+def _plural(kind: str) -> str:
+    """``"censuses"``, ``"perplexities"``, ``"steps"``."""
+    if kind.endswith("s"):
+        return kind + "es"
+    return kind[:-1] + "ies" if kind.endswith("y") else kind + "s"

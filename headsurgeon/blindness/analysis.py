@@ -648,7 +648,9 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     nest (the inner bias wins; ``softcap`` composes with a bias kind). The formulas of every
     kind: :func:`headsurgeon.alibi.bias_from_distance`. The hooks act on every thread, so the
     block holds the model (:mod:`headsurgeon.inuse`): another thread's verb on it is refused
-    in one line until the block ends; give that thread its own ``copy.deepcopy(model)``.
+    in one line until the block ends; give that thread its own ``copy.deepcopy(model)``, made
+    before the block (inside it a copy would keep the block's hooks and compute mitigated
+    numbers forever: it is refused in one line).
 
     Usage::
 
@@ -664,11 +666,23 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
         # Which mitigations are active, innermost last (read by active_mitigations).
         active = model.__dict__.setdefault("headsurgeon_mitigations", [])
         active.append(kind)
+        # copy.deepcopy looks __deepcopy__ up on the instance: the block refuses to be copied.
+        model.__dict__["__deepcopy__"] = _refuse_copy
         try:
             with _mitigated(model, info, kind, params):
                 yield model
         finally:
             active.pop()
+            if not active:
+                del model.__dict__["__deepcopy__"]
+
+
+def _refuse_copy(memo: dict) -> None:
+    raise InvalidArgumentError(
+        "copy.deepcopy(model) inside a mitigation block would copy the block's hooks, and the "
+        "copy would compute mitigated numbers forever; copy the model before the block and "
+        "mitigate the copy in a block of its own"
+    )
 
 
 def active_mitigations(model: Model) -> list[str]:

@@ -27,14 +27,15 @@ from torch import Tensor
 from headsurgeon import long_context
 from headsurgeon.backend import Model
 from headsurgeon.data import (
+    MIN_SAMPLE_TOKENS,
+    SAMPLE_FACTOR,
     Data,
     Sequences,
     as_sequences,
     batches,
     check_length,
+    iter_token_ids,
     resolve_bos,
-    texts_of,
-    tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.inuse import holds_model
@@ -93,8 +94,12 @@ def sliding_windows(
         begin += stride
 
 
-def _token_streams(info: ModelInfo, data: Data | Sequences) -> list[Int[Tensor, " pos"]]:
-    """Data as independent token streams: each text, or each row of a token tensor."""
+def _token_streams(
+    info: ModelInfo, data: Data | Sequences, budget: int | None
+) -> list[Int[Tensor, " pos"]]:
+    """Data as independent token streams: each text, or each row of a token tensor. Texts and
+    files are read and tokenised piece by piece, and only up to ``budget`` tokens in all (None:
+    all of them)."""
     if isinstance(data, Sequences):
         return list(data.tokens)
     if isinstance(data, Tensor):
@@ -103,7 +108,18 @@ def _token_streams(info: ModelInfo, data: Data | Sequences) -> list[Int[Tensor, 
                 f"token tensor must be [pos] or [n, pos] and non-empty, got {data.shape}"
             )
         return list(data.long().reshape(-1, data.shape[-1]))
-    return [torch.tensor(tokenize(info, text), dtype=torch.long) for text in texts_of(data)]
+    streams, n_tokens = [], 0
+    for pieces in iter_token_ids(info, data):
+        ids = []
+        for piece in pieces:
+            ids.append(piece)
+            n_tokens += len(piece)
+            if budget is not None and n_tokens >= budget:
+                break
+        streams.append(torch.cat(ids))
+        if budget is not None and n_tokens >= budget:
+            break
+    return streams
 
 
 def _windows_by_length(
@@ -192,7 +208,11 @@ def perplexity(
 
     At most ``max_windows`` windows are scored (default 64, like the census's 64 sequences),
     evenly spaced over all of them, so the default call on the bundled corpora takes seconds, not
-    minutes; ``max_windows=None`` scores every token of the data.
+    minutes; ``max_windows=None`` scores every token of the data. Texts and files are read and
+    tokenised piece by piece (one line for a file that is not UTF-8 text, as
+    ``headsurgeon.data.read_texts`` says it), and with ``max_windows`` only their first
+    ``max(8 x max_windows x window, 2**23)`` tokens (:func:`headsurgeon.to_sequences`'s budget):
+    the rest of a huge file is never read.
 
     ALiBi models take windows of any length (beyond ``n_ctx``: length extrapolation); others at
     most ``n_ctx`` tokens. A batch of windows runs in blocks of ``block_size`` query rows
@@ -225,7 +245,13 @@ def perplexity(
     if max_windows is not None:
         check_int(max_windows, "max_windows", minimum=1)
 
-    by_length = _windows_by_length(_token_streams(info, data), prefix, window, stride, max_windows)
+    budget = (
+        None
+        if max_windows is None
+        else max(SAMPLE_FACTOR * max_windows * window, MIN_SAMPLE_TOKENS)
+    )
+    streams = _token_streams(info, data, budget)
+    by_length = _windows_by_length(streams, prefix, window, stride, max_windows)
     total_nll, total_tokens = 0.0, 0
     n_batches = sum(math.ceil(len(w) / batch_size) for w in by_length.values())
     bar = tqdm(total=n_batches, desc="perplexity", disable=not progress or n_batches < 2)

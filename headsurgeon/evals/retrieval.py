@@ -36,11 +36,13 @@ from torch import Tensor
 from headsurgeon.backend import Model
 from headsurgeon.data import (
     CORPORA,
+    MIN_SAMPLE_TOKENS,
+    SAMPLE_FACTOR,
     Data,
     bundled_text,
     check_length,
+    iter_texts,
     resolve_bos,
-    texts_of,
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
@@ -224,21 +226,43 @@ def answer_scores(
 
 @dataclasses.dataclass(frozen=True)
 class _Task:
-    """What a retrieval task puts in its prompts: the haystack text, the intro, needle and
-    question templates (``parts``: keys ``i``, ``n``, ``q``) and how it draws its keys."""
+    """What a retrieval task puts in its prompts: the haystack (texts or files, read by
+    :func:`_haystack_text`), the intro, needle and question templates (``parts``: keys ``i``,
+    ``n``, ``q``) and how it draws its keys."""
 
     name: str
-    text: str
+    haystack: Data
     parts: dict[str, str]
     draw: Callable[[np.random.Generator], list[str]]
 
 
-def _passkey_task(n_candidates: int, n_digits: int, filler: str) -> _Task:
+def _haystack_text(data: Data, n_tokens: int) -> str:
+    """The texts of ``data`` joined by blank lines, read only as far as stretches of
+    ``n_tokens`` tokens need: at most ``4 x max(8 x n_tokens, 2**23)`` characters (about four
+    characters a token; :func:`headsurgeon.to_sequences`'s budget). Files are read piece by
+    piece, with ``headsurgeon.data.read_texts``'s one-line errors; the rest of a huge one is
+    never read."""
+    budget = 4 * max(SAMPLE_FACTOR * n_tokens, MIN_SAMPLE_TOKENS)
+    parts, n_chars = [], 0
+    for pieces in iter_texts(data):
+        if parts:
+            parts.append("\n\n")
+        for piece in pieces:
+            parts.append(piece[: budget - n_chars])
+            n_chars += len(parts[-1])
+            if n_chars >= budget:
+                return "".join(parts)
+    return "".join(parts)
+
+
+def _passkey_task(n_candidates: int, n_digits: int, filler: Data) -> _Task:
     check_int(n_candidates, "n_candidates", minimum=2)
     check_int(n_digits, "n_digits", minimum=1)
     if n_candidates > 9 * 10 ** (n_digits - 1):
         raise InvalidArgumentError(f"{n_digits}-digit keys cannot give {n_candidates} candidates")
-    text = bundled_text(filler, "heldout") if filler in CORPORA else filler
+    text = (
+        bundled_text(filler, "heldout") if isinstance(filler, str) and filler in CORPORA else filler
+    )
     low, high = 10 ** (n_digits - 1), 10**n_digits
 
     def draw(rng: np.random.Generator) -> list[str]:
@@ -258,7 +282,7 @@ def _needle_task(haystack_texts: Data, n_candidates: int, words: Sequence[str]) 
         return [str(w) for w in rng.choice(sorted(set(words)), n_candidates, replace=False)]
 
     parts = {"i": "", "n": NEEDLE_SENTENCE, "q": NEEDLE_QUESTION}
-    return _Task("needle", "\n\n".join(texts_of(haystack_texts)), parts, draw)
+    return _Task("needle", haystack_texts, parts, draw)
 
 
 def _intro_and_question(
@@ -311,6 +335,7 @@ def _retrieval(
     if not lengths:
         raise InvalidArgumentError("give at least one context length")
     intro, question = _intro_and_question(info, task)
+    text = _haystack_text(task.haystack, max(lengths))
     rng = np.random.default_rng(seed)
     rows = []
     total = len(lengths) * len(depths) * n_trials
@@ -326,7 +351,7 @@ def _retrieval(
                         f"context length {length} is too short for the {task.name} prompt; use "
                         f"at least {length - n_filler} tokens"
                     )
-                filler = _filler(info, task.text, n_filler, rng)
+                filler = _filler(info, text, n_filler, rng)
                 cut = round(depth * n_filler)
                 prompt = torch.cat([intro, filler[:cut], needle, filler[cut:], question])
                 rows.append(
@@ -546,12 +571,14 @@ def retrieval_by_distance(
     if task == "needle":
         spec = _needle_task(haystack, n_candidates, words)
     else:  # a corpus name or one text as passkey's filler; texts or files joined like needle's
-        filler = haystack if isinstance(haystack, str) else "\n\n".join(texts_of(haystack))
-        spec = _passkey_task(n_candidates, n_digits, "shakespeare" if haystack is None else filler)
+        spec = _passkey_task(
+            n_candidates, n_digits, "shakespeare" if haystack is None else haystack
+        )
     edges = _check_distance_edges(distances)
     check_int(n_trials, "n_trials", minimum=1)
     check_int(n_before, "n_before", minimum=0)
     intro, question = _intro_and_question(info, spec)
+    text = _haystack_text(spec.haystack, n_before + edges[-1])
     rng = np.random.default_rng(seed)
     rows = []
     total = (len(edges) - 1) * n_trials
@@ -561,7 +588,7 @@ def retrieval_by_distance(
             keys = spec.draw(rng)  # the true key first, then the distractors
             distance = int(rng.integers(lo, hi))
             needle = torch.tensor(tokenize(info, spec.parts["n"].format(key=keys[0])))
-            haystack_tokens = _filler(info, spec.text, n_before + distance, rng)
+            haystack_tokens = _filler(info, text, n_before + distance, rng)
             before, after = haystack_tokens[:n_before], haystack_tokens[n_before:]
             prompt = torch.cat([intro, before, needle, after, question])
             start = len(intro) + n_before

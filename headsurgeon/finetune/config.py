@@ -119,6 +119,17 @@ class FinetuneConfig:
         return self.eval_every or max(1, self.steps // 10)
 
     @property
+    def evaluations(self) -> int:
+        """How many evaluations a whole run makes: at step 0, every ``eval_interval`` steps
+        and at the end.
+
+        >>> FinetuneConfig(steps=25, eval_every=10).evaluations
+        4
+        """
+        interval = self.eval_interval
+        return 1 + self.steps // interval + (self.steps % interval != 0)
+
+    @property
     def checkpoint_interval(self) -> int:
         return self.checkpoint_every or self.eval_interval
 

@@ -7,6 +7,7 @@ Exports:
     TrainingDivergedError               a NaN or infinite loss stopped the run
     check_grad_mode(model, what)        one line where training cannot work: inside
                                         torch.inference_mode(), or on weights made there
+    duration(seconds)                   "40 s", "3.4 min", "1.2 h"
 
 :func:`finetune` checks its inputs once (its sequences by
 :func:`headsurgeon.data.as_sequences`, the rest in :class:`_Job`), then runs the loop
@@ -75,7 +76,8 @@ from headsurgeon.finetune.strategies import (
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
-from headsurgeon.progress import tqdm
+from headsurgeon.probes import check_training_memory
+from headsurgeon.progress import RunBar
 from headsurgeon.surgery import (
     TRAINED_TENSORS,
     check_surgery,
@@ -87,6 +89,7 @@ from headsurgeon.validation import MAX_SEED
 __all__ = [
     "TrainingDivergedError",
     "check_grad_mode",
+    "duration",
     "finetune",
     "warmup_cosine",
 ]
@@ -198,7 +201,7 @@ def finetune(
     objective: Objective | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     resume: bool = False,
-    progress: bool = True,
+    progress: bool | RunBar = True,
 ) -> FinetuneResult:
     """Train the chosen heads' slices in place; every other weight stays bit-identical.
 
@@ -217,6 +220,16 @@ def finetune(
     ``torchrun`` (an initialised process group) the trainable tensors are wrapped in
     ``DistributedDataParallel`` and each process takes its share of every batch.
 
+    After the first step one log line says how long the rest takes (the steps and evaluations
+    left, at the first step's and evaluation's durations). ``progress=False`` shows no bar; a
+    :class:`~headsurgeon.progress.RunBar` (a longer run's, counting steps) is advanced and timed
+    instead of a bar of its own, step by step and evaluation by evaluation, and announces
+    the duration itself.
+
+    A batch whose activations cannot fit in free memory
+    (:func:`headsurgeon.probes.check_training_memory`) is refused in one line before the first
+    step.
+
     If the call fails (any exception, :class:`TrainingDivergedError` on a NaN or infinite loss or
     gradient, ``KeyboardInterrupt`` included), the model gets back the weights it had before the
     call, bit for bit, and one warning says so; the last checkpoint is untouched, so
@@ -228,6 +241,14 @@ def finetune(
     train = _sequences(info, train, "training")
     eval_data = None if eval_data is None else _sequences(info, eval_data, "evaluation")
     job = _make_job(model, heads, train, eval_data, config, checkpoint_dir, resume, progress)
+    check_training_memory(  # a batch far too large: one line now, not the kernel's kill later
+        model,
+        job.cfg.batch_size,
+        job.train.shape[1],
+        gradient_checkpointing=job.cfg.gradient_checkpointing,
+        loss_chunk=job.cfg.loss_chunk,
+        logits=objective is None,
+    )
     with restored_on_failure(model, "fine-tuning") as snapshot:
         if job.cfg.strategy == "mask":  # the optimiser moves whole tensors before after_step
             snapshot.add_layers(job.heads.layers, TRAINED_TENSORS)
@@ -269,7 +290,7 @@ class _Job:
     world: int
     checkpoint_dir: Path | None
     resume: bool
-    progress: bool
+    progress: bool | RunBar
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -284,7 +305,7 @@ def _make_job(
     config: FinetuneConfig | None,
     checkpoint_dir: str | os.PathLike | None,
     resume: bool,
-    progress: bool,
+    progress: bool | RunBar,
 ) -> _Job:
     """Check :func:`finetune`'s other inputs once; the evaluation rows and the run's identity."""
     cfg = (config or FinetuneConfig()).validate()
@@ -436,26 +457,38 @@ class _Loop:
             )
         self.saved_step = self.step  # every rank: its divergence message names the checkpoint
 
-    def tell_duration(self, step_seconds: float, evaluation_seconds: float) -> None:
+    def tell_duration(self, bar: RunBar) -> None:
         """The run's estimated duration, from its first step and first evaluation, in one log
         line before the rest of the steps run."""
-        cfg, left = self.job.cfg, self.job.cfg.steps - self.step
-        evaluations = -(-left // cfg.eval_interval)
-        seconds = left * step_seconds + evaluations * evaluation_seconds
-        if self.job.rank == 0 and left:
+        seconds = bar.seconds_left()
+        if self.job.rank == 0 and bar.left["step"]:
             logger.info(
-                "fine-tuning %d heads: about %s more (%d steps of %.2f s, %d evaluations of "
-                "%.1f s)",
+                "fine-tuning %d heads: about %s more, measured from the first step (%s)",
                 len(self.job.heads),
-                _duration(seconds),
-                left,
-                step_seconds,
-                evaluations,
-                evaluation_seconds,
+                duration(seconds),
+                bar.describe(),
             )
 
-    def evaluate(self) -> None:
+    def make_bar(self) -> RunBar:
+        """The job's bar, at the step and evaluation it resumes from: its own, or the caller's
+        :class:`RunBar` moved on to there."""
+        job, done = self.job, {"step": self.step, "evaluation": len(self.state.history)}
+        if isinstance(job.progress, RunBar):
+            for kind, units in done.items():
+                job.progress.done(kind, units)
+            return job.progress
+        return RunBar(
+            {"step": job.cfg.steps, "evaluation": job.cfg.evaluations},
+            done_already=done,
+            tell=self.tell_duration,
+            desc=f"fine-tune {len(job.heads)} heads",
+            disable=not job.progress or job.rank != 0,
+            dynamic_ncols=True,
+        )
+
+    def evaluate(self, bar: RunBar) -> None:
         job, state = self.job, self.state
+        started = time.perf_counter()
         losses = state.since_eval
         row = {
             "step": self.step,
@@ -463,6 +496,7 @@ class _Loop:
             "train_loss": sum(losses) / len(losses) if losses else math.nan,
         }
         row.update(_evaluate(job.model, job.heads, job.cfg, job.train_eval, job.heldout))
+        bar.done("evaluation", seconds=time.perf_counter() - started)
         state.history.append(row)
         state.since_eval = []
         # Only what was measured: no loss before the first step, no held-out ppl without data.
@@ -522,38 +556,42 @@ class _Loop:
         return loss_value
 
     def run(self) -> FinetuneResult:
-        job, cfg = self.job, self.job.cfg
         self.restore()
-        state = self.state
-        started = time.perf_counter()
+        bar = self.make_bar()
+        try:
+            self.train(bar)
+        finally:
+            if bar is not self.job.progress:
+                bar.close()
+        return self.finish()
+
+    def train(self, bar: RunBar) -> None:
+        """The steps left, each timed and counted on ``bar``, with their evaluations and
+        checkpoints; the steps and evaluations an early stop skips are dropped from it."""
+        cfg, state = self.job.cfg, self.state
         if not state.history:
-            self.evaluate()
-        evaluation = time.perf_counter() - started
+            self.evaluate(bar)
         enabled = cfg.autocast == "bfloat16"
-        autocast = torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=enabled)
-        bar = tqdm(
-            total=cfg.steps,
-            initial=self.step,
-            desc=f"fine-tune {len(job.heads)} heads",
-            disable=not job.progress or job.rank != 0,
-            dynamic_ncols=True,
-        )
-        recompute = checkpointed_blocks(job.model) if cfg.gradient_checkpointing else None
+        autocast = torch.autocast(self.job.device.type, dtype=torch.bfloat16, enabled=enabled)
+        recompute = checkpointed_blocks(self.job.model) if cfg.gradient_checkpointing else None
         with recompute or contextlib.nullcontext():  # evaluations (no gradient) pass through
-            first = self.step
             while self.step < cfg.steps and not state.stopped_early:
                 started = time.perf_counter()
                 loss_value = self.train_step(autocast)
-                if self.step == first + 1:
-                    self.tell_duration(time.perf_counter() - started, evaluation)
-                bar.update()
+                bar.done("step", seconds=time.perf_counter() - started)
                 lr = self.optimizer.param_groups[0]["lr"]
                 bar.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr:.2e}")
                 if self.step % cfg.eval_interval == 0 or self.step == cfg.steps:
-                    self.evaluate()
+                    self.evaluate(bar)
                 if self.step % cfg.checkpoint_interval == 0 and self.step < cfg.steps:
                     self.save()
-        bar.close()
+        bar.drop("step", cfg.steps - self.step)
+        bar.drop("evaluation", cfg.evaluations - len(state.history))
+
+    def finish(self) -> FinetuneResult:
+        """After the steps: back to the best slices after an early stop, the last checkpoint,
+        the result."""
+        job, cfg, state = self.job, self.job.cfg, self.state
         if state.stopped_early:
             logger.info(
                 "early stop at step %d: no better held-out loss in %d evaluations",
@@ -576,10 +614,10 @@ class _Loop:
         )
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """``"40 s"``, ``"3.4 min"``, ``"1.2 h"``.
 
-    >>> _duration(40.2), _duration(204), _duration(7200)
+    >>> duration(40.2), duration(204), duration(7200)
     ('40 s', '3.4 min', '2.0 h')
     """
     if seconds < 90:

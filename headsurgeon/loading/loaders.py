@@ -13,15 +13,18 @@ trusted) and converted by the installed TransformerLens with its weights unproce
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pickle
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import Tensor
 
 from headsurgeon import backend
@@ -198,8 +201,11 @@ def _reader(directory: Path, bad: list[str]) -> Callable[[tuple[str, ...]], dict
                 k for k in where if k == name or (name.endswith(".") and k.startswith(name))
             ]:
                 file, stored = where[key]
-                with safe_open(file, framework="pt") as f:
-                    tensors[key] = f.get_tensor(stored)
+                try:
+                    with safe_open(file, framework="pt") as f:
+                        tensors[key] = f.get_tensor(stored)
+                except (OSError, RuntimeError, MemoryError, SafetensorError) as e:
+                    raise _load_failure(file, e) from e
                 if tensors[key].is_floating_point() and not _finite(tensors[key]):
                     bad.append(key)
         return tensors
@@ -231,13 +237,10 @@ def _load_folder(
             output_loading_info=True,
             **streamed,
         )
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(
-            f"transformers could not load {directory} ({first_line(e)}); "
-            "re-download or re-export the checkpoint"
-        ) from e
     except (EOFError, pickle.UnpicklingError) as e:  # legacy .bin: torch's unpickler
         raise CheckpointError(corrupt_bin(directory)) from e
+    except (OSError, ValueError, RuntimeError, MemoryError, SafetensorError) as e:
+        raise _load_failure(directory, e) from e
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
@@ -265,6 +268,76 @@ def _load_folder(
         prepend_bos=metadata.get("prepend_bos"),
         train_ctx=_train_ctx(metadata),
         metadata=metadata,
+    )
+
+
+# What an error's message shows of its cause (lower case). A thread that could not start, memory
+# or the disk is no fault of the checkpoint: only a format error asks for its files again.
+_MEMORY_SIGNS = ("not enough memory", "defaultcpuallocator", "out of memory", "bad_alloc")
+_THREAD_SIGNS = ("pthread_create", "can't start new thread", "thread creation failed")
+_FORMAT_SIGNS = (
+    "header",
+    "deserializ",
+    "invalid load key",
+    "pytorchstreamreader",
+    "zip archive",
+    "corrupt",
+    "truncated",
+    "unexpected end",
+    "incomplete metadata",
+)
+
+
+def _load_failure(where: Path, error: BaseException) -> CheckpointError:
+    """One line for ``error``, raised reading the checkpoint at ``where``, naming the cause it
+    shows and that cause's fix: memory, a thread that could not start, a full or failing disk,
+    permissions; only a damaged file (a bad header, a truncated archive) asks for the checkpoint
+    to be downloaded or exported again.
+
+    >>> print(_load_failure(Path("m"), RuntimeError("pthread_create failed: Resource temporarily "
+    ...     "unavailable")))  # doctest: +ELLIPSIS
+    loading m could not start a thread (pthread_create failed: ...); the machine is at its ...
+    """
+    seen = first_line(error)
+    text = seen.lower()
+    code = getattr(error, "errno", None)
+    if code is None and (found := re.search(r"os error (\d+)", text)):  # Rust's io::Error
+        code = int(found[1])
+    if (
+        isinstance(error, MemoryError)
+        or code == errno.ENOMEM
+        or any(sign in text for sign in _MEMORY_SIGNS)
+    ):
+        fix = (
+            "free memory, load a smaller dtype (dtype='bfloat16'), or spread the model with "
+            "device_map and max_memory"
+        )
+        return CheckpointError(f"loading {where} ran out of memory ({seen}); {fix}")
+    if code == errno.EAGAIN or any(sign in text for sign in _THREAD_SIGNS):
+        return CheckpointError(
+            f"loading {where} could not start a thread ({seen}); the machine is at its thread "
+            "or process limit: use fewer threads (OMP_NUM_THREADS=1, --threads 1) or end other "
+            "processes, then try again"
+        )
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointError(
+            f"loading {where} found the disk full ({seen}); free space (an offload folder takes "
+            "up to the model's size) and try again"
+        )
+    if code == errno.EIO:
+        return CheckpointError(
+            f"reading {where} failed in the disk or file system ({seen}), not in the file's "
+            "format; check the disk (dmesg) or copy the folder to another disk"
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        return CheckpointError(f"{where} is not readable ({seen}); make it readable")
+    if isinstance(error, SafetensorError) or any(sign in text for sign in _FORMAT_SIGNS):
+        return CheckpointError(
+            f"{where} is damaged ({seen}); re-download or re-export the checkpoint"
+        )
+    return CheckpointError(
+        f"transformers could not load {where} ({seen}); fix what it names (the files passed "
+        "headsurgeon's checks of their format)"
     )
 
 

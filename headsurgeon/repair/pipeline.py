@@ -22,8 +22,9 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 import torch
@@ -44,12 +45,14 @@ from headsurgeon.distributed import from_rank0, rank_and_world
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.evals import perplexity
 from headsurgeon.finetune import FinetuneConfig, FinetuneResult, finetune
-from headsurgeon.finetune.trainer import check_grad_mode
+from headsurgeon.finetune.trainer import check_grad_mode, duration
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.importance import ablate_heads
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
+from headsurgeon.probes import check_training_memory
+from headsurgeon.progress import RunBar
 from headsurgeon.repair.config import RepairConfig, resolve_config
 from headsurgeon.repair.results import PassResult, RepairResult
 from headsurgeon.repair.resume import WorkDir, cpu_head_slices, has_numbers
@@ -65,6 +68,8 @@ from headsurgeon.surgery import (
 __all__ = ["repair"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _agree(heads: HeadSet) -> HeadSet:
@@ -195,25 +200,59 @@ class _Run:
     ) -> None:
         self.model, self.config, self.data, self.settings = model, config, data, settings
         self.finetune_config: FinetuneConfig = config.finetune  # resolved by resolve_config
-        self.work, self.resume, self.progress = work, resume, progress
+        self.work, self.resume = work, resume
         self.undo: list[tuple[HeadSet, dict[str, torch.Tensor]]] = []  # targets' slices, per pass
         self.snapshot = snapshot  # the weights before the run, should it fail
         # Every head's attention at each stage, read while the model is in that stage (a short
         # forward of one census row; passes are undone in place, so it cannot be read later).
         # One row: a report page of bloom-560m's 384 heads at three stages stays under 10 MB.
         self.patterns: dict[str, PatternSample] = {}
-        self.pass_seconds: list[float] = []  # each pass's training, census and perplexities
+        self.arm_passes = config.passes  # at most, in the bar's description; the control's exact
+        arms = 2 if config.control else 1
+        plan = {"census": 1, "perplexity": 3}  # before any pass; with the pruned heads' two
+        for kind, units in self.pass_units().items():
+            plan[kind] = plan.get(kind, 0) + arms * config.passes * units
+        # One bar for the whole run, counting training steps; censuses and perplexities run
+        # without bars of their own and only show in its time left.
+        self.bar = RunBar(
+            plan,
+            tell=self.tell_duration,
+            desc="repair",
+            disable=not progress or rank_and_world()[0] != 0,
+            dynamic_ncols=True,
+        )
+
+    def pass_units(self) -> dict[str, int]:
+        """The work of one pass: its training steps and evaluations, a census, perplexities."""
+        cfg = self.finetune_config
+        return {"step": cfg.steps, "evaluation": cfg.evaluations, "census": 1, "perplexity": 1}
+
+    def drop_passes(self, n: int) -> None:
+        """``n`` planned passes will not run (the run stopped early, or the control arm
+        mirrors fewer passes)."""
+        for kind, units in self.pass_units().items():
+            self.bar.drop(kind, n * units)
+
+    def timed(self, kind: str, measure: Callable[[], T]) -> T:
+        """``measure()``, timed as one unit of ``kind`` of the run's bar."""
+        started = time.perf_counter()
+        measured = measure()
+        self.bar.done(kind, seconds=time.perf_counter() - started)
+        return measured
 
     def sample(self, stage: str) -> None:
         self.patterns[stage] = sample_patterns(self.model, self.data.census.tokens, n_seqs=1)
 
     def census(self) -> pd.DataFrame:
-        measured = run_census(
-            self.model,
-            self.data.census,
-            batch_size=self.finetune_config.batch_size,
-            min_query_pos=self.config.min_query_pos,
-            progress=self.progress,
+        measured = self.timed(
+            "census",
+            lambda: run_census(
+                self.model,
+                self.data.census,
+                batch_size=self.finetune_config.batch_size,
+                min_query_pos=self.config.min_query_pos,
+                progress=False,
+            ),
         )
         return classify_heads(measured, self.config.thresholds)
 
@@ -229,7 +268,10 @@ class _Run:
                 progress=False,
             )
 
-        return {"train": ppl(self.data.train_eval), "heldout": ppl(self.data.eval.tokens)}
+        return self.timed(
+            "perplexity",
+            lambda: {"train": ppl(self.data.train_eval), "heldout": ppl(self.data.eval.tokens)},
+        )
 
     def pruned_perplexities(self, heads: HeadSet) -> dict[str, dict[str, float]]:
         """The perplexities with ``heads`` pruned instead of repaired: mean- and zero-ablated
@@ -259,6 +301,8 @@ class _Run:
             ppl = extra["perplexity"]
             if not has_numbers(ppl, ("train", "heldout")):
                 raise work.unusable(work.path / "census_0.json", "holds no valid perplexities")
+            self.bar.done("census")
+            self.bar.done("perplexity")
         else:
             current, ppl = self.census(), self.perplexities()
             if work is not None:
@@ -292,6 +336,7 @@ class _Run:
         if loaded is not None:
             after, record, training, slices = loaded
             load_head_slices(model, targets, slices)
+            self.count_loaded(training)
             ppl_after = record["perplexity_after"]
             logger.info("%s %d: loaded from %s", arm, index, work.pass_dir(index, arm))
         else:
@@ -351,6 +396,7 @@ class _Run:
         first, first_ppl = start
         current, ppl, earlier = first, first_ppl, HeadSet()
         results = []
+        self.arm_passes = len(passes)
         for p in passes:
             result = self.run_pass(
                 p.index, p.targeted, current, ppl, (first, first_ppl, earlier), arm="control"
@@ -361,6 +407,15 @@ class _Run:
         self.sample("control")
         load_head_slices(model, trained, kept)
         return results
+
+    def count_loaded(self, training: FinetuneResult) -> None:
+        """A pass loaded from the work folder: its units done on the bar, those its early stop
+        skipped dropped."""
+        units, done = self.pass_units(), {"step": training.steps_done}
+        done["evaluation"] = len(training.history)
+        for kind, planned in units.items():
+            self.bar.done(kind, done.get(kind, planned))
+            self.bar.drop(kind, planned - done.get(kind, planned))
 
     def go_back_to(self, index: int | None) -> None:
         """Undo the passes after pass ``index`` (all of them for None), latest first."""
@@ -377,7 +432,7 @@ class _Run:
         reinit = arm == "pass"
         what = "re-initialising and fine-tuning" if reinit else "fine-tuning (no re-initialisation)"
         logger.info("%s %d: %s %d heads: %s", arm, index, what, len(targets), targets)
-        started = time.perf_counter()
+        self.bar.set_description(f"repair: {arm} {index}/{self.arm_passes}")
         if reinit:
             seed = self.config.seed + index - 1
             reinit_heads(self.model, targets, init=self.config.init, seed=seed)
@@ -389,27 +444,28 @@ class _Run:
             config=self.finetune_config,
             checkpoint_dir=self.work.pass_dir(index, arm) if self.work is not None else None,
             resume=self.resume,
-            progress=self.progress,
+            progress=self.bar,  # counted and timed on the run's bar, with no bar of its own
         )
         _round_heads(self.model, targets, self.config.save_dtype)
-        measured = self.census(), self.perplexities(), training
-        self.pass_seconds.append(time.perf_counter() - started)
-        if len(self.pass_seconds) == 1:
-            self.tell_duration()
-        return measured
+        return self.census(), self.perplexities(), training
 
-    def tell_duration(self) -> None:
-        """After the first pass: at most how long the rest can take (the passes left and the
-        control arm's, each as long as the first), in one log line."""
-        left = self.config.passes - 1 + (self.config.passes if self.config.control else 0)
-        if left:
-            logger.info(
-                "pass 1 took %.0f s: at most %d more passes (control arm included), about %.0f "
-                "min more if each takes as long",
-                self.pass_seconds[0],
-                left,
-                left * self.pass_seconds[0] / 60,
-            )
+    def tell_duration(self, bar: RunBar) -> None:
+        """After the run's first training step: at most how long the whole run takes, in one
+        log line (shown by the command line) before the other steps run."""
+        if rank_and_world()[0] != 0:
+            return
+        control = " and as many in the control arm" if self.config.control else ""
+        passes = self.config.passes
+        logger.info(
+            "repair: at most about %s more for %d pass%s x %d steps%s, with their censuses and "
+            "perplexities, measured from the first step (%s)",
+            duration(bar.seconds_left()),
+            passes,
+            "" if passes == 1 else "es",
+            self.finetune_config.steps,
+            control,
+            bar.describe(),
+        )
 
 
 @holds_model("repair")
@@ -489,12 +545,23 @@ def repair(
         raise InvalidArgumentError("nothing to repair: the head set is empty")
     include = include or HeadSet()
     data = _prepare_data(info, config, corpus, eval_corpus, census_data)
+    ft = config.finetune
+    check_training_memory(  # before the first census: a batch far too large fails at once
+        model,
+        ft.batch_size,
+        data.train.seq_len,
+        gradient_checkpointing=ft.gradient_checkpointing,
+        loss_chunk=ft.loss_chunk,
+    )
     run_settings = _settings(info, config, heads, include, data)
     rank, _ = rank_and_world()
     work = WorkDir(Path(work_dir), rank, info.shape) if work_dir is not None else None
     with restored_on_failure(model, "repair") as snapshot:
         run = _Run(model, config, data, run_settings, work, resume, progress, snapshot)
-        result = _run(run, heads, include)
+        try:
+            result = _run(run, heads, include)
+        finally:
+            run.bar.close()
         if work is not None:
             work.finish()
     return result
@@ -526,12 +593,15 @@ def _run(run: _Run, heads: HeadSet | None, include: HeadSet) -> RepairResult:
         if result.damaged:
             break  # the next targets would come from a damaged model
         current, ppl, targeted = result.census_after, result.perplexity_after, targeted | targets
+    run.drop_passes(config.passes - len(results))
     best = from_rank0(policy.best_pass(results))
     if best != results[-1].index:
         logger.info("keeping the model of %s", f"pass {best}" if best else "no pass (original)")
     run.go_back_to(best)
     # The control mirrors the kept model's passes; with none kept, every pass that ran.
     mirrored = results[: best or len(results)]
+    if config.control:
+        run.drop_passes(config.passes - len(mirrored))
     control = run.control(mirrored, (first, first_ppl)) if config.control else None
     return RepairResult(
         model=model,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from headsurgeon.finetune import (
     next_token_loss,
 )
 from headsurgeon.loading import ModelShape, random_model
+from headsurgeon.progress import RunBar
 from headsurgeon.surgery import HeadSet, mask_gradients, reinit_heads
 
 TESTS = Path(__file__).parent
@@ -360,6 +362,37 @@ def test_bos_mass_objective_plants_a_sink():
     mass = head_bos_mass(model, tokens, heads).item()
     assert 0.6 < mass < 0.95  # a BOS sink of roughly the chosen strength
     assert outside(model, before, heads) == []
+
+
+def test_the_duration_is_told_after_the_first_step(caplog):
+    model, heads, tokens = setup()
+    with caplog.at_level(logging.INFO, logger="headsurgeon"):
+        finetune(model, heads, tokens, eval_data=tokens[:8], config=config(), progress=True)
+    messages = [r.getMessage() for r in caplog.records]
+    told = next(i for i, m in enumerate(messages) if m.startswith("fine-tuning 3 heads: about"))
+    assert messages[told - 1].startswith("step 0:") and messages[told + 1].startswith("step 3:")
+    assert "measured from the first step (5 steps of " in messages[told]
+    assert ", 2 evaluations of " in messages[told]
+
+
+def test_a_callers_bar_counts_the_steps_run_and_drops_those_an_early_stop_skips():
+    model, heads, tokens = setup("L2H3")
+    cfg = config(steps=40, lr=5e-2, eval_every=2, patience=2)
+    bar = RunBar({"step": 40, "evaluation": cfg.evaluations}, disable=True)
+    result = finetune(
+        model,
+        heads,
+        tokens,
+        eval_data=tokens[16:],
+        objective=bos_mass_objective(heads),
+        progress=bar,
+        config=cfg,
+    )
+    assert result.stopped_early and bar.n == bar.total == result.steps_done < 40
+    assert bar.plan["evaluation"] == len(result.history) and bar.left == {
+        "step": 0,
+        "evaluation": 0,
+    }
 
 
 def test_early_stopping_restores_best(tmp_path):
