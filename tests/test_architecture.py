@@ -46,6 +46,7 @@ LAYERS = {
     ),
     "library": (
         "data",
+        "corpus_sources",
         "probes",
         "pattern_samples",
         "census",

@@ -79,7 +79,7 @@ def _sink_cache(args: argparse.Namespace, model: Model | None) -> tuple[Model, S
         cli.require_tokenizer(model, args)
     effect = sink_cache_effect(
         model,
-        args.texts,
+        cli.data_source(args),
         sinks=args.sinks,
         windows=args.windows,
         positions=args.sink_positions,

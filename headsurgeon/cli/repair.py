@@ -42,6 +42,7 @@ from headsurgeon.cli import (
     ArgumentParser,
     TextFiles,
     add_data_args,
+    add_dataset_args,
     add_model_args,
     add_output_args,
     claim_out,
@@ -108,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         f"{EXIT_WORSE} a targeted head that was healthy ended sick: the report names it",
     )
     add_model_args(parser)
-    add_data_args(parser)  # the census data, as in the classify CLI
+    add_data_args(parser, dataset=False)  # the census data; --dataset is the training text
     census = parser.add_argument_group("census and classification")
     census.add_argument(
         "--min-query-pos", type=non_negative_int, default=1, help="first query row averaged"
@@ -147,19 +148,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     training = parser.add_argument_group("fine-tuning")
     ft = FinetuneConfig()
-    training.add_argument(
+    train_source = training.add_mutually_exclusive_group()
+    train_source.add_argument(
         "--corpus",
         nargs="+",
         metavar="FILE",
         action=TextFiles,
         help="training text (default: the bundled training corpora)",
     )
-    training.add_argument(
+    add_dataset_args(training, train_source, "the training text")
+    eval_source = training.add_mutually_exclusive_group()
+    eval_source.add_argument(
         "--eval-corpus",
         nargs="+",
         metavar="FILE",
         action=TextFiles,
         help="held-out text (default: the bundled held-out corpora)",
+    )
+    eval_source.add_argument(
+        "--eval-split",
+        metavar="SPLIT",
+        help="held-out text from this split of --dataset (e.g. validation; default: "
+        "--eval-corpus, else the bundled held-out corpora)",
     )
     training.add_argument(
         "--train-seq-len",
@@ -224,6 +234,19 @@ def _parser() -> argparse.ArgumentParser:
 def _texts(paths: Sequence[Path] | None) -> list[Path] | None:
     # Paths, not their texts: the library reads files piece by piece, in bounded memory.
     return list(paths) if paths else None
+
+
+def _training_texts(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The training and held-out texts: --corpus and --eval-corpus, or --dataset's --split and
+    --eval-split (streamed; None: the bundled corpora)."""
+    corpus, eval_corpus = _texts(args.corpus), _texts(args.eval_corpus)
+    if args.dataset:
+        from headsurgeon.corpus_sources import load_dataset_texts
+
+        corpus = load_dataset_texts(args.dataset, args.split, args.column)
+        if args.eval_split:
+            eval_corpus = load_dataset_texts(args.dataset, args.eval_split, args.column)
+    return corpus, eval_corpus
 
 
 def _prepare_output(args: argparse.Namespace, claims: contextlib.ExitStack) -> Path:
@@ -356,7 +379,10 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.eval_split and not args.dataset:
+        parser.error("--eval-split names a split of --dataset; give --dataset too")
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
     args.out = args.resume or args.out
@@ -429,17 +455,20 @@ def _run(
             placement["device"] = dist_info.device  # this rank's GPU under torchrun
         model = load_model(args.model, dtype=args.dtype, **placement)
         require_tokenizer(
-            model, args, "its text (--texts, --corpus, --eval-corpus or the bundled corpora)"
+            model,
+            args,
+            "its text (--texts, --corpus, --eval-corpus, --dataset or the bundled corpora)",
         )
         finetune = recommended_config(model, settings.finetune, steps=args.steps, lr=args.lr)
         settings = dataclasses.replace(settings, finetune=finetune)
         with _keep_training(out, partial, dist_info.rank):
             if dist_info.rank == 0 and not args.resume:
                 _start_work_folder(partial)
+            corpus, eval_corpus = _training_texts(args)
             result = repair(
                 model,
-                _texts(args.corpus),
-                eval_corpus=_texts(args.eval_corpus),
+                corpus,
+                eval_corpus=eval_corpus,
                 census_data=_texts(args.texts),
                 heads=args.heads,
                 include=args.include,
