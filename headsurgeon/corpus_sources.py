@@ -207,11 +207,20 @@ def _open_local(path: Path, split: str) -> Any:
             )
         return saved
     if path.is_dir():
+        names = [p.name for p in path.rglob("*") if p.is_file()]
+        if not any(_suffix(name) for name in names):
+            texts = any(name.endswith((".txt", ".txt.gz")) for name in names)
+            raise DataError(
+                f"dataset folder {path.name} holds no {', '.join(DATA_FILE_BUILDERS)} file and no "
+                "save_to_disk dataset"
+                + ("; text files go to --texts (texts= in Python)" if texts else "")
+            )
         with _read_errors(path.name):
             return datasets.load_dataset(str(path), split=split, streaming=True)
     suffix = _suffix(path.name)
     if suffix is None:
-        hint = "; text files go to --texts" if path.name.endswith((".txt", ".txt.gz")) else ""
+        text = path.name.endswith((".txt", ".txt.gz"))
+        hint = "; text files go to --texts (texts= in Python)" if text else ""
         raise DataError(
             f"dataset file {path.name} is not one of {', '.join(DATA_FILE_BUILDERS)} (or a "
             f"folder of them){hint}"

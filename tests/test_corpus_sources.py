@@ -119,10 +119,15 @@ def test_the_text_column_is_text_or_the_only_string_column_else_chosen(tiny_mode
         (lambda d: load_dataset_texts(d, split="validation"), "validation"),
         (lambda d: load_dataset_texts(d / "train.jsonl", split="test"), "one split (train)"),
         (lambda d: load_dataset_texts(d / "missing"), "does not exist"),
+        (lambda d: load_dataset_texts(d / "notes"), "holds no .jsonl, .json, .parquet, .csv"),
+        (lambda d: load_dataset_texts(d / "notes"), "text files go to --texts"),
+        (lambda d: load_dataset_texts(d / "notes" / "a.txt"), "is not one of .jsonl"),
         (lambda d: load_dataset_texts("someone/not-cached", cache_dir=d), "datasets.load_dataset("),
     ],
 )
 def test_bad_datasets_are_one_line(jsonl_dir, make, needle):
+    (jsonl_dir / "notes").mkdir()
+    (jsonl_dir / "notes" / "a.txt").write_text(TEXT)
     with pytest.raises((DataError, InvalidArgumentError)) as info:
         make(jsonl_dir)
     message = str(info.value)

@@ -27,6 +27,7 @@ def dataset_dir(tmp_path):
     return folder
 
 
+@pytest.mark.slow
 def test_classify_reads_a_json_lines_dataset_and_records_it(dataset_dir, tmp_path):
     """The acceptance command of issue 42, in a subprocess as a user runs it."""
     out = tmp_path / "out"
