@@ -423,7 +423,8 @@ def _rows(dataset: Any, column: str, name: str) -> Iterator[str]:
             if total > MAX_TEXT_BYTES:
                 raise DataError(
                     f"dataset {name} holds more than {MAX_TEXT_BYTES >> 30} GiB of text; sample "
-                    "it with --n-seqs (n_seqs= in Python)"
+                    "it with --n-seqs (n_seqs= in Python), or give a part of it "
+                    "(dataset.take(n) or .select(range(n)))"
                 )
             yield chunk
     if not n_rows:
@@ -459,7 +460,8 @@ def _texts(items: Iterable[object]) -> Iterator[str | Path]:
             total += len(item)
             if total > MAX_TEXT_BYTES:
                 raise DataError(
-                    f"the texts hold more than {MAX_TEXT_BYTES >> 30} GiB; sample them with n_seqs="
+                    f"the texts hold more than {MAX_TEXT_BYTES >> 30} GiB; sample them with "
+                    "n_seqs=, or give fewer (itertools.islice)"
                 )
             yield item
         elif isinstance(item, os.PathLike):

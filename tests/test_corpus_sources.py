@@ -197,3 +197,13 @@ def test_a_dataset_in_the_hub_cache_is_read_with_its_commit(tiny_model, tmp_path
     }
     seqs = hs.to_sequences(tiny_model, source, seq_len=16)
     assert torch.equal(seqs.tokens, joined_tokens(tiny_model, ROWS, seq_len=16))
+
+
+def test_a_lazy_source_read_whole_is_bounded(tiny_model, monkeypatch, jsonl_dir):
+    from headsurgeon import corpus_sources
+
+    monkeypatch.setattr(corpus_sources, "MAX_TEXT_BYTES", 500)
+    with pytest.raises(DataError, match="my-corpus holds more than .* sample it with --n-seqs"):
+        hs.to_sequences(tiny_model, load_dataset_texts(jsonl_dir), seq_len=16)
+    with pytest.raises(DataError, match="the texts hold more than .* sample them with n_seqs="):
+        hs.to_sequences(tiny_model, itertools.repeat(TEXT), seq_len=16)
