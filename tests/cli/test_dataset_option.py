@@ -23,7 +23,9 @@ def dataset_dir(tmp_path):
     folder = tmp_path / "corpus-ds"
     folder.mkdir()
     rows = [line.strip() for line in TEXT.split(".") if line.strip()]
-    (folder / "train.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    for split, ordered in (("train", rows), ("test", rows[::-1])):
+        lines = "".join(json.dumps({"text": r}) + "\n" for r in ordered)
+        (folder / f"{split}.jsonl").write_text(lines)
     return folder
 
 
@@ -75,3 +77,23 @@ def test_the_dataset_folder_is_an_input_no_output_may_take(dataset_dir, no_model
     argv = ["organism", "--dataset", dataset_dir, "--out", dataset_dir / "out"]
     line = error_line(classify.main, argv, capsys)
     assert "input" in line, line
+
+
+def test_repair_trains_on_the_dataset_and_evaluates_on_its_other_split(
+    injured, dataset_dir, tmp_path
+):
+    out = tmp_path / "out"
+    argv = [injured, "--dataset", dataset_dir, "--eval-split", "test", "--prepend-bos"]
+    argv += ["--seq-len", "32", "--n-seqs", "8", "--train-seq-len", "32", "--passes", "1"]
+    argv += ["--steps", "2", "--no-control", "--quiet", "--out", out]
+    repair.main([str(a) for a in argv])
+    settings = json.loads((out / "report.json").read_text())["settings"]
+    revision = settings["train_data"].rsplit(" ", 1)[1]
+    assert (
+        settings["train_data"]
+        == f"dataset corpus-ds, split train, column text, revision {revision}"
+    )
+    assert (
+        settings["eval_data"] == f"dataset corpus-ds, split test, column text, revision {revision}"
+    )
+    assert settings["census_data"].startswith("bundled held-out corpora")
