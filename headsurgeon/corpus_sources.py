@@ -23,6 +23,7 @@ Exports:
     text_source(data)          a TextSource for a dataset or a lazy iterable, else None
     check_dataset_arg(text)    ``--dataset``'s check when parsed: a name, or a path that exists
     DATA_FILE_BUILDERS         the file suffixes read, and the ``datasets`` builder of each
+    ROW_SEPARATOR              what joins a dataset's rows into one text: a blank line
 
 Where a dataset comes from (``path_or_name``):
 
@@ -63,6 +64,7 @@ from headsurgeon.inputs import MAX_TEXT_BYTES
 
 __all__ = [
     "DATA_FILE_BUILDERS",
+    "ROW_SEPARATOR",
     "TextSource",
     "check_dataset_arg",
     "dataset_texts",
@@ -131,7 +133,9 @@ def check_dataset_arg(text: str) -> str:
     ...
     headsurgeon.errors.InvalidArgumentError: dataset ./no/such/folder does not exist; ...
     """
-    if os.path.lexists(text) or _HUB_NAME.fullmatch(text) and _suffix(text) is None:
+    if os.path.lexists(os.path.expanduser(text)) or (
+        _HUB_NAME.fullmatch(text) and _suffix(text) is None
+    ):
         return text
     raise InvalidArgumentError(
         f"dataset {text} does not exist; give a dataset folder or file (JSON Lines, Parquet, "

@@ -115,7 +115,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -127,6 +127,9 @@ from headsurgeon.loading import DEFAULT_MODEL, ORGANISM_DIR, load_model, model_i
 from headsurgeon.outputs import claim_output
 from headsurgeon.placement import check_offload_folder
 from headsurgeon.validation import MAX_SEED
+
+if TYPE_CHECKING:
+    from headsurgeon.corpus_sources import TextSource
 
 __all__ = [
     "ArgumentParser",
@@ -346,7 +349,9 @@ def add_data_args(
     )
 
 
-def add_dataset_args(group: Any, exclusive: Any, what: str) -> None:
+def add_dataset_args(
+    group: argparse._ArgumentGroup, exclusive: argparse._MutuallyExclusiveGroup, what: str
+) -> None:
     """``--dataset PATH_OR_NAME`` (in ``exclusive``, the group of the options it replaces),
     ``--split`` and ``--column`` (in ``group``): ``what`` read from a Hugging Face dataset."""
     exclusive.add_argument(
@@ -506,7 +511,7 @@ def require_tokenizer(model: Model, args: argparse.Namespace, what: str = "") ->
     )
 
 
-def data_source(args: argparse.Namespace) -> Any:
+def data_source(args: argparse.Namespace) -> list[Path] | TextSource | None:
     """The texts ``--texts`` (the files) or ``--dataset``, ``--split``, ``--column`` (a new
     :class:`~headsurgeon.corpus_sources.TextSource` at each call: one is read once) name;
     ``None`` for the bundled corpora."""
