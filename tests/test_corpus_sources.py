@@ -207,3 +207,9 @@ def test_a_lazy_source_read_whole_is_bounded(tiny_model, monkeypatch, jsonl_dir)
         hs.to_sequences(tiny_model, load_dataset_texts(jsonl_dir), seq_len=16)
     with pytest.raises(DataError, match="the texts hold more than .* sample them with n_seqs="):
         hs.to_sequences(tiny_model, itertools.repeat(TEXT), seq_len=16)
+
+
+def test_perplexity_scores_a_dataset_as_its_joined_text(tiny_model, jsonl_dir):
+    given = hs.perplexity(tiny_model, load_dataset_texts(jsonl_dir), window=16, progress=False)
+    joined = hs.perplexity(tiny_model, ROW_SEPARATOR.join(ROWS), window=16, progress=False)
+    assert given == joined
