@@ -204,10 +204,10 @@ def _open_local(path: Path, split: str) -> Any:
                     f"{', '.join(saved)}"
                 )
             return saved[split]
-        if split != "train" and saved.split is not None and str(saved.split) != split:
+        own = "train" if saved.split is None else str(saved.split)  # one split, by any name
+        if split not in ("train", own):
             raise DataError(
-                f"dataset {path.name} holds the split {saved.split}, not {split}; give "
-                f"--split {saved.split}"
+                f"dataset {path.name} is one split ({own}), not {split}; leave out --split"
             )
         return saved
     if path.is_dir():

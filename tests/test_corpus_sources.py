@@ -73,6 +73,8 @@ def test_save_to_disk_folders_and_parquet_files_give_the_same_tokens(tiny_model,
         dataset_texts(table.to_iterable_dataset()),
     ):
         assert torch.equal(hs.to_sequences(tiny_model, source, seq_len=16).tokens, expected)
+    with pytest.raises(DataError, match=r"saved is one split \(train\), not test; leave out"):
+        load_dataset_texts(tmp_path / "saved", split="test")
     census = hs.run_census(tiny_model, load_dataset_texts(tmp_path / "rows.parquet"), seq_len=16)
     assert census.attrs["data"].startswith("dataset rows.parquet, split train, column text, ")
 
