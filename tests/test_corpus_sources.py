@@ -77,6 +77,8 @@ def test_save_to_disk_folders_and_parquet_files_give_the_same_tokens(tiny_model,
         load_dataset_texts(tmp_path / "saved", split="test")
     census = hs.run_census(tiny_model, load_dataset_texts(tmp_path / "rows.parquet"), seq_len=16)
     assert census.attrs["data"].startswith("dataset rows.parquet, split train, column text, ")
+    assert census.attrs["dataset"]["name"] == "rows.parquet"
+    assert "dataset" not in hs.run_census(tiny_model, ROWS, seq_len=8).attrs
 
 
 def test_the_revision_follows_the_files_content(jsonl_dir):

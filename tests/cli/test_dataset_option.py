@@ -38,9 +38,16 @@ def test_classify_reads_a_json_lines_dataset_and_records_it(dataset_dir, tmp_pat
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    data = json.loads((out / "heads.json").read_text())["metadata"]["data"]
-    assert data.startswith("dataset corpus-ds, split train, column text, revision "), data
-    assert len(data.rsplit(" ", 1)[1]) == 16  # the files' fingerprint
+    metadata = json.loads((out / "heads.json").read_text())["metadata"]
+    data, revision = metadata["data"], metadata["dataset"]["revision"]
+    assert data == f"dataset corpus-ds, split train, column text, revision {revision}", data
+    assert metadata["dataset"] == {
+        "name": "corpus-ds",
+        "split": "train",
+        "column": "text",
+        "revision": revision,
+    }
+    assert len(revision) == 16  # the files' fingerprint
     assert data in (out / "index.html").read_text()  # the page's line naming the data
     assert str(tmp_path) not in (out / "heads.json").read_text()  # no machine paths
 
