@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         classify_heads as classify_heads,
         threshold_sweep as threshold_sweep,
     )
+    from headsurgeon.corpus_sources import load_dataset_texts as load_dataset_texts
     from headsurgeon.data import to_sequences as to_sequences
     from headsurgeon.domains import compare_corpora as compare_corpora
     from headsurgeon.evals import (
@@ -86,6 +87,7 @@ _EXPORTS = {
     "head_importance": ("headsurgeon.importance", "head_importance"),
     "Heads": ("headsurgeon.heads", "Heads"),
     "HeadSet": ("headsurgeon.heads", "HeadSet"),
+    "load_dataset_texts": ("headsurgeon.corpus_sources", "load_dataset_texts"),
     "load_model": ("headsurgeon.loading", "load_model"),
     "measure_blindness": ("headsurgeon.blindness", "measure_blindness"),
     "mitigation": ("headsurgeon.blindness", "mitigation"),

@@ -236,6 +236,8 @@ def run_census(
         "device": str(cfg.device),
         "positional": shape.positional,
     }
+    if seqs.dataset is not None:  # the data's dataset, field by field (heads.json's metadata)
+        df.attrs["dataset"] = dict(seqs.dataset)
     return df
 
 

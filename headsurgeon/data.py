@@ -25,8 +25,11 @@ Exports:
                                          only as far as the caller goes
 
 Data is a ``str`` (always text, even one that names a file), an ``os.PathLike`` such as
-``pathlib.Path`` (always a file to read), a list mixing the two, a token tensor, or
-:class:`Sequences` made before (used as they are).
+``pathlib.Path`` (always a file to read), a list mixing the two, any other iterable of them (a
+generator: read lazily), a ``datasets.Dataset`` or ``IterableDataset`` (its rows joined into
+one corpus, streamed), a :class:`~headsurgeon.corpus_sources.TextSource`
+(:func:`~headsurgeon.corpus_sources.load_dataset_texts`), a token tensor, or :class:`Sequences`
+made before (used as they are).
 
 One BOS rule for every model: a token tensor is used exactly as given, never given a BOS
 token (``prepend_bos=True`` with a tensor only checks that its rows already start with one).
@@ -54,6 +57,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from headsurgeon.backend import Model
+from headsurgeon.corpus_sources import TextSource, text_source
 from headsurgeon.errors import DataError, HeadsurgeonError, InvalidArgumentError
 from headsurgeon.inputs import check_texts, read_text, text_file_chunks
 from headsurgeon.loading import ModelInfo, model_info
@@ -85,7 +89,7 @@ CORPUS_DIR = Path(__file__).parent / "corpora"
 CORPORA = ("shakespeare", "python-docs")
 SPLITS = ("train", "heldout")
 
-Data = str | os.PathLike | Sequence[str | os.PathLike] | Tensor | None
+Data = str | os.PathLike | Iterable[str | os.PathLike] | TextSource | Tensor | None
 
 # Text is tokenised in pieces of at most this many characters, so that a 50 MB line never
 # reaches the tokenizer whole (it took 10 GB, or aborted in Rust).
@@ -210,9 +214,16 @@ def _token_ids(tokenizer: Any, text: str) -> Int[Tensor, " pos"]:
 
 def texts_of(data: Data) -> list[str]:
     """The texts ``data`` stands for: a ``str`` is always text, an ``os.PathLike`` (such as
-    ``pathlib.Path``) always a file to read; a list may mix the two."""
+    ``pathlib.Path``) always a file to read; a list may mix the two. A dataset's rows are one
+    text (joined by a blank line), read whole."""
     if data is None:
         return [bundled_text("shakespeare", "heldout"), bundled_text("python-docs", "heldout")]
+    source = text_source(data)
+    if source is not None:
+        texts = ["".join(_chunks_of(part)) for part in source.take()]
+        if not any(t.strip() for t in texts):
+            raise DataError("the texts are empty; give text with content in it")
+        return texts
     # A string that happens to name a file is still text: run_census(model, "/etc/passwd")
     # measures that string, never the file (pass Path("/etc/passwd") for the file).
     items = [data] if isinstance(data, (str, os.PathLike)) else _items(data)
@@ -224,10 +235,13 @@ def texts_of(data: Data) -> list[str]:
     return texts
 
 
-def _sources(data: Data) -> list[str | Path]:
-    """What :func:`texts_of` reads, with the files not yet read: each a text or a ``Path``."""
+def _sources(data: Data) -> Iterable[str | Path | Iterator[str]]:
+    """What :func:`texts_of` reads, with the files not yet read: each a text, a ``Path`` or (a
+    dataset's rows) one text in pieces; a lazy source's parts are read as they are consumed."""
     if data is None:
         return texts_of(data)
+    if isinstance(data, TextSource):
+        return data.take()
     items = [data] if isinstance(data, (str, os.PathLike)) else _items(data)
     if not items:
         raise DataError("no texts given; pass at least one text or file")
@@ -250,8 +264,10 @@ def iter_token_ids(info: ModelInfo, data: Data) -> Iterator[Iterator[Int[Tensor,
     return (_piece_ids(info, chunks) for chunks in iter_texts(data))
 
 
-def _chunks_of(source: str | Path) -> Iterator[str]:
-    return _slices(source) if isinstance(source, str) else text_file_chunks(source)
+def _chunks_of(source: str | Path | Iterator[str]) -> Iterator[str]:
+    if isinstance(source, str):
+        return _slices(source)
+    return text_file_chunks(source) if isinstance(source, Path) else source
 
 
 def _items(data: object) -> list[str | os.PathLike]:
@@ -319,6 +335,8 @@ class Sequences:
     position 0 there, in words. ``from_tensor``: the tokens were given as a tensor (used exactly
     as given) rather than cut from texts here. ``checked_for``: the model facts they were
     checked against (vocabulary, length limit, BOS id); another model re-checks them.
+    ``dataset``: for texts from a dataset, its ``name``, ``split``, ``column`` and ``revision``
+    (:mod:`headsurgeon.corpus_sources`; ``source`` says the same in words), else ``None``.
     """
 
     tokens: Int[Tensor, "batch pos"]
@@ -327,6 +345,7 @@ class Sequences:
     bos_rule: str
     from_tensor: bool
     checked_for: tuple[int, int | None, int | None]
+    dataset: Mapping[str, str | None] | None = None
 
     @property
     def n_seqs(self) -> int:
@@ -410,13 +429,17 @@ def as_sequences(
     if isinstance(data, Tensor):
         return _tensor_sequences(info, data, n_seqs, prepend_bos)
     check_length(info, seq_len, seq_len_name, DataError)
+    source = text_source(data)  # a dataset or a lazy iterable: read once, described first
+    data = data if source is None else source
+    description = describe(data)
     tokens = _windows(info, _sources(data), seq_len, n_seqs, bos, seq_len_name)
     why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
     if bos:
         rule = f"BOS token (id {info.bos_token_id}) prepended to each text window ({why})"
     else:
         rule = f"no BOS token: position 0 is the first text token ({why})"
-    return Sequences(tokens, describe(data), bos, rule, False, _checked_for(info))
+    record = None if source is None else source.record
+    return Sequences(tokens, description, bos, rule, False, _checked_for(info), record)
 
 
 def _tensor_sequences(
@@ -528,6 +551,9 @@ def describe(data: Data, default: str = HELD_OUT) -> str:
         return data.source
     if isinstance(data, Tensor):
         return f"token tensor of shape {list(data.shape)}"
+    source = text_source(data)
+    if source is not None:
+        return source.description
     items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
     files = [Path(x).name for x in items if isinstance(x, os.PathLike)]
     texts = len(items) - len(files)

@@ -47,6 +47,7 @@ LAYERS = {
     ),
     "library": (
         "data",
+        "corpus_sources",
         "probes",
         "pattern_samples",
         "census",

@@ -31,8 +31,12 @@ Exports:
     add_model_args(parser)    MODEL, --dtype (unless dtype=False), --device, --device-map,
                               --max-memory, --offload-folder, --threads
     placement_args(args)      load_model's device, device_map, max_memory, offload_folder
-    add_data_args(parser)     --texts (corpora=True: repeatable), --n-seqs, --seq-len,
-                              --prepend-bos/--no-prepend-bos
+    add_data_args(parser)     --texts (corpora=True: repeatable) or --dataset, --split,
+                              --column (dataset=False: none of the three), --n-seqs,
+                              --seq-len, --prepend-bos/--no-prepend-bos
+    add_dataset_args(g, x, what)   --dataset (in the mutually exclusive group x), --split,
+                              --column: a Hugging Face dataset as the text ``what`` names
+    dataset_name              the argparse type of --dataset: a name, or a path that exists
     TextFiles                 the argparse action of a FILE option: each file read and checked
                               when parsed (missing, a folder, binary, not UTF-8: one line), so a
                               path is never taken for text
@@ -50,6 +54,7 @@ Exports:
                               is a one-line error here, before any model is loaded
     check_models(args, also)  each MODEL located (headsurgeon.model_names.locate_model, or one
                               of ``also``): a missing folder or an unknown name is one line now
+    data_source(args)         the texts --texts or --dataset name (None: the bundled ones)
     run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2,
                               Ctrl-C into "interrupted" (130), SIGTERM into "terminated" (143),
                               both after the run's cleanup (and keep freed memory, see
@@ -120,7 +125,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.errors import DataError, HeadsurgeonError, shown
@@ -128,6 +133,9 @@ from headsurgeon.inputs import check_texts
 from headsurgeon.model_names import DEFAULT_MODEL, ORGANISM_DIR, locate_model, organism_names
 from headsurgeon.outputs import check_output_dir, claim_output
 from headsurgeon.validation import MAX_SEED
+
+if TYPE_CHECKING:
+    from headsurgeon.corpus_sources import TextSource
 
 __all__ = [
     "ArgumentParser",
@@ -139,6 +147,9 @@ __all__ = [
     "thread_count",
     "add_model_args",
     "add_data_args",
+    "add_dataset_args",
+    "dataset_name",
+    "data_source",
     "TextFiles",
     "CorpusFiles",
     "add_output_args",
@@ -339,23 +350,28 @@ def add_data_args(
     n_seqs: int | None = 64,
     n_seqs_help: str = "sequences to use",
     corpora: bool = False,
+    dataset: bool = True,
 ) -> None:
     """--texts, --n-seqs, --seq-len, --prepend-bos; ``corpora``: --texts may be repeated, each
-    time one corpus (:class:`CorpusFiles`)."""
+    time one corpus (:class:`CorpusFiles`); ``dataset``: or --dataset, --split, --column
+    (:func:`add_dataset_args`), one line when given with --texts."""
     group = parser.add_argument_group("data")
+    source = group.add_mutually_exclusive_group()
     text_help = "UTF-8 text files (.txt or .txt.gz); default: the bundled held-out corpora"
     if corpora:
         text_help += (
             ". Repeat --texts for several corpora (--texts A.txt --texts B.txt): each its own "
             "census, and their comparison"
         )
-    group.add_argument(
+    source.add_argument(
         "--texts",
         nargs="+",
         metavar="FILE",
         action=CorpusFiles if corpora else TextFiles,
         help=text_help,
     )
+    if dataset:
+        add_dataset_args(group, source, "the text")
     group.add_argument("--n-seqs", type=positive_int, default=n_seqs, help=n_seqs_help)
     group.add_argument("--seq-len", type=positive_int, default=seq_len, help="tokens per sequence")
     group.add_argument(
@@ -364,6 +380,36 @@ def add_data_args(
         default=None,
         help="put a BOS token at position 0 (default: the model's own convention)",
     )
+
+
+def add_dataset_args(
+    group: argparse._ArgumentGroup, exclusive: argparse._MutuallyExclusiveGroup, what: str
+) -> None:
+    """``--dataset PATH_OR_NAME`` (in ``exclusive``, the group of the options it replaces),
+    ``--split`` and ``--column`` (in ``group``): ``what`` read from a Hugging Face dataset."""
+    exclusive.add_argument(
+        "--dataset",
+        type=dataset_name,
+        metavar="PATH_OR_NAME",
+        help=f"{what} from a Hugging Face dataset, streamed: a folder or file (JSON Lines, "
+        "Parquet, CSV, Arrow, or a save_to_disk folder) or a dataset name in the datasets "
+        "cache; its rows are one corpus, and its name, split, column and revision are recorded",
+    )
+    group.add_argument("--split", default="train", help="the dataset's split (default: train)")
+    group.add_argument(
+        "--column", help="the dataset's text column (default: text, else its only text column)"
+    )
+
+
+def dataset_name(text: str) -> str:
+    """An argparse ``type``: ``--dataset``'s value, an existing path or a dataset name
+    (:func:`headsurgeon.corpus_sources.check_dataset_arg`, which imports no ``datasets``)."""
+    from headsurgeon.corpus_sources import check_dataset_arg
+
+    try:
+        return check_dataset_arg(text)
+    except HeadsurgeonError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class TextFiles(argparse.Action):
@@ -449,7 +495,7 @@ def run_inputs(args: argparse.Namespace) -> list[Path]:
 
     MODEL (each of several) when it names something on disk (a checkpoint folder), else the
     bundled organism's folder when it names one; every file of ``--texts``, ``--corpus`` and
-    ``--eval-corpus``.
+    ``--eval-corpus``; a ``--dataset`` folder or file.
     (A hub model lives in the hub cache, which no output can reach by accident.)
     """
     inputs = []
@@ -461,6 +507,9 @@ def run_inputs(args: argparse.Namespace) -> list[Path]:
             inputs.append(ORGANISM_DIR / model)
     for option in ("texts", "corpus", "eval_corpus"):
         inputs.extend(Path(p) for p in getattr(args, option, None) or [])
+    dataset = getattr(args, "dataset", None)
+    if dataset and os.path.lexists(dataset):  # a dataset name lives in the datasets cache
+        inputs.append(Path(dataset))
     return inputs
 
 
@@ -503,6 +552,17 @@ def _check_offload_folder(args: argparse.Namespace, out: Path, inputs: list[Path
 
         taken = [("the output folder", out), *(("the input", path) for path in inputs)]
         check_offload_folder(args.offload_folder, taken)
+
+
+def data_source(args: argparse.Namespace) -> list[Path] | TextSource | None:
+    """The texts ``--texts`` (the files) or ``--dataset``, ``--split``, ``--column`` (a new
+    :class:`~headsurgeon.corpus_sources.TextSource` at each call: one is read once) name;
+    ``None`` for the bundled corpora."""
+    if getattr(args, "dataset", None):
+        from headsurgeon.corpus_sources import load_dataset_texts
+
+        return load_dataset_texts(args.dataset, split=args.split, column=args.column)
+    return args.texts
 
 
 class _ShownFormatter(logging.Formatter):

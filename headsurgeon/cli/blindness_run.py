@@ -16,7 +16,7 @@ from typing import Any
 from headsurgeon.backend import Model
 from headsurgeon.blindness import analytic_blindness, dtype_name, measure_blindness, mitigation
 from headsurgeon.census import run_census
-from headsurgeon.cli import loads, placement_args
+from headsurgeon.cli import data_source, loads, placement_args
 from headsurgeon.errors import UnsupportedArchitectureError
 from headsurgeon.loading import load_model, model_shape
 from headsurgeon.precision import PRECISION_DTYPES, precision_effect
@@ -44,7 +44,7 @@ def _sink_cache(args: argparse.Namespace, model: Model | None) -> tuple[Model, S
         loads.require_tokenizer(model, args)
     effect = sink_cache_effect(
         model,
-        args.texts,
+        data_source(args),
         sinks=args.sinks,
         windows=args.windows,
         positions=args.sink_positions,

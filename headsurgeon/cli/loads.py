@@ -17,7 +17,7 @@ import logging
 import torch
 
 from headsurgeon.backend import Model
-from headsurgeon.cli import placement_args
+from headsurgeon.cli import data_source, placement_args
 from headsurgeon.data import Sequences, to_sequences
 from headsurgeon.errors import DataError
 from headsurgeon.loading import load_model, model_info
@@ -50,7 +50,9 @@ def require_tokenizer(model: Model, args: argparse.Namespace, what: str = "") ->
     the bundled corpora): the fix is a tokenizer in its folder, as a CLI cannot pass tokens."""
     if model_info(model, "load_model").tokenizer is not None:
         return
-    what = what or ("--texts" if getattr(args, "texts", None) else "the bundled text corpora")
+    if not what:
+        given = [f"--{o}" for o in ("texts", "dataset") if getattr(args, o, None)]
+        what = given[0] if given else "the bundled text corpora"
     raise DataError(
         f"{args.model} has no tokenizer, so {what} cannot be tokenised; add the tokenizer files "
         "of the model it was trained as (tokenizer.json, tokenizer_config.json) to its folder"
@@ -58,10 +60,14 @@ def require_tokenizer(model: Model, args: argparse.Namespace, what: str = "") ->
 
 
 def load_data(model: Model, args: argparse.Namespace) -> Sequences:
-    """The sequences ``--texts``, ``--seq-len``, ``--n-seqs`` and ``--prepend-bos`` describe
-    (a warning when the text holds fewer than asked for)."""
+    """The sequences ``--texts`` or ``--dataset``, ``--seq-len``, ``--n-seqs`` and
+    ``--prepend-bos`` describe (a warning when the text holds fewer than asked for)."""
     seqs = to_sequences(
-        model, args.texts, seq_len=args.seq_len, n_seqs=args.n_seqs, prepend_bos=args.prepend_bos
+        model,
+        data_source(args),
+        seq_len=args.seq_len,
+        n_seqs=args.n_seqs,
+        prepend_bos=args.prepend_bos,
     )
     if seqs.n_seqs < args.n_seqs:
         logger.warning(

@@ -37,6 +37,7 @@ from headsurgeon.cli import (
     ArgumentParser,
     TextFiles,
     add_data_args,
+    add_dataset_args,
     add_model_args,
     add_output_args,
     check_models,
@@ -84,7 +85,7 @@ def _parser() -> ArgumentParser:
         f"{EXIT_WORSE} a targeted head that was healthy ended sick: the report names it",
     )
     add_model_args(parser)
-    add_data_args(parser)  # the census data, as in the classify CLI
+    add_data_args(parser, dataset=False)  # the census data; --dataset is the training text
     census = parser.add_argument_group("census and classification")
     census.add_argument(
         "--min-query-pos", type=non_negative_int, default=1, help="first query row averaged"
@@ -147,19 +148,28 @@ def _parser() -> ArgumentParser:
     )
     training = parser.add_argument_group("fine-tuning")
     ft = FINETUNE
-    training.add_argument(
+    train_source = training.add_mutually_exclusive_group()
+    train_source.add_argument(
         "--corpus",
         nargs="+",
         metavar="FILE",
         action=TextFiles,
         help="training text (default: the bundled training corpora)",
     )
-    training.add_argument(
+    add_dataset_args(training, train_source, "the training text")
+    eval_source = training.add_mutually_exclusive_group()
+    eval_source.add_argument(
         "--eval-corpus",
         nargs="+",
         metavar="FILE",
         action=TextFiles,
         help="held-out text (default: the bundled held-out corpora)",
+    )
+    eval_source.add_argument(
+        "--eval-split",
+        metavar="SPLIT",
+        help="held-out text from this split of --dataset (e.g. validation; default: "
+        "--eval-corpus, else the bundled held-out corpora)",
     )
     training.add_argument(
         "--train-seq-len",
@@ -253,7 +263,10 @@ def _parser() -> ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.eval_split and not args.dataset:
+        parser.error("--eval-split names a split of --dataset; give --dataset too")
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
     args.out = args.resume or args.out

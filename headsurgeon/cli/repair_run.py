@@ -112,6 +112,19 @@ def _texts(paths: Sequence[Path] | None) -> list[Path] | None:
     return list(paths) if paths else None
 
 
+def _training_texts(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The training and held-out texts: --corpus and --eval-corpus, or --dataset's --split and
+    --eval-split (streamed; None: the bundled corpora)."""
+    corpus, eval_corpus = _texts(args.corpus), _texts(args.eval_corpus)
+    if args.dataset:
+        from headsurgeon.corpus_sources import load_dataset_texts
+
+        corpus = load_dataset_texts(args.dataset, args.split, args.column)
+        if args.eval_split:
+            eval_corpus = load_dataset_texts(args.dataset, args.eval_split, args.column)
+    return corpus, eval_corpus
+
+
 def _prepare_output(args: argparse.Namespace, claims: contextlib.ExitStack) -> Path:
     """The output folder, claimed for the run (held in ``claims``) before the long run, and its
     work folder ``<out>.partial``: an unfinished run there is resumed, refused, or cleared on
@@ -257,17 +270,20 @@ def _run(
             placement["device"] = dist_info.device  # this rank's GPU under torchrun
         model = load_model(args.model, dtype=args.dtype, **placement)
         loads.require_tokenizer(
-            model, args, "its text (--texts, --corpus, --eval-corpus or the bundled corpora)"
+            model,
+            args,
+            "its text (--texts, --corpus, --eval-corpus, --dataset or the bundled corpora)",
         )
         finetune = recommended_config(model, settings.finetune, steps=args.steps, lr=args.lr)
         settings = dataclasses.replace(settings, finetune=finetune)
         with _keep_training(out, partial, dist_info.rank):
             if dist_info.rank == 0 and not args.resume:
                 _start_work_folder(partial)
+            corpus, eval_corpus = _training_texts(args)
             result = repair_heads(
                 model,
-                _texts(args.corpus),
-                eval_corpus=_texts(args.eval_corpus),
+                corpus,
+                eval_corpus=eval_corpus,
                 census_data=_texts(args.texts),
                 heads=args.heads,
                 include=args.include,

@@ -1,0 +1,219 @@
+"""Corpora as Hugging Face datasets and lazy iterables (headsurgeon.corpus_sources): each way a
+dataset can come (JSON Lines folder, save_to_disk folder, Parquet file, a Dataset in memory, a
+cached hub name) gives the tokens of its rows joined, with a record of where they came from;
+bad datasets are one line; lazy sources are read only as far as the sample needs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import datasets
+import pytest
+import torch
+from conftest import TEXT
+
+import headsurgeon as hs
+from headsurgeon import data
+from headsurgeon.corpus_sources import (
+    ROW_SEPARATOR,
+    TextSource,
+    dataset_texts,
+    load_dataset_texts,
+    text_source,
+)
+from headsurgeon.errors import DataError, InvalidArgumentError
+
+ROWS = [sentence.strip() + "." for sentence in TEXT.split(".") if sentence.strip()][:40]
+
+
+def write_jsonl(path, rows, key="text"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({key: row, "n": i}) + "\n" for i, row in enumerate(rows)))
+    return path
+
+
+@pytest.fixture()
+def jsonl_dir(tmp_path):
+    folder = tmp_path / "my-corpus"
+    write_jsonl(folder / "train.jsonl", ROWS)
+    write_jsonl(folder / "test.jsonl", ROWS[::-1])
+    return folder
+
+
+def joined_tokens(model, rows, **cut):
+    """What a dataset of ``rows`` must give: the rows joined by a blank line, cut as one text."""
+    return hs.to_sequences(model, ROW_SEPARATOR.join(rows), **cut).tokens
+
+
+def test_a_json_lines_folder_gives_its_rows_joined_with_a_record(tiny_model, jsonl_dir):
+    seqs = hs.to_sequences(tiny_model, load_dataset_texts(jsonl_dir), seq_len=16)
+    assert torch.equal(seqs.tokens, joined_tokens(tiny_model, ROWS, seq_len=16))
+    assert seqs.dataset["name"] == "my-corpus" and seqs.dataset["split"] == "train"
+    assert seqs.dataset["column"] == "text" and len(seqs.dataset["revision"]) == 16
+    assert seqs.source == (
+        f"dataset my-corpus, split train, column text, revision {seqs.dataset['revision']}"
+    )
+    assert str(jsonl_dir.parent) not in seqs.source  # outputs carry no machine paths
+    test = hs.to_sequences(tiny_model, load_dataset_texts(jsonl_dir, split="test"), seq_len=16)
+    assert torch.equal(test.tokens, joined_tokens(tiny_model, ROWS[::-1], seq_len=16))
+
+
+def test_save_to_disk_folders_and_parquet_files_give_the_same_tokens(tiny_model, tmp_path):
+    table = datasets.Dataset.from_dict({"text": ROWS, "n": list(range(len(ROWS)))})
+    table.save_to_disk(tmp_path / "saved")
+    datasets.DatasetDict({"train": table, "validation": table}).save_to_disk(tmp_path / "splits")
+    table.to_parquet(tmp_path / "rows.parquet")
+    expected = joined_tokens(tiny_model, ROWS, seq_len=16)
+    for source in (
+        load_dataset_texts(tmp_path / "saved"),
+        load_dataset_texts(tmp_path / "splits", split="validation"),
+        load_dataset_texts(tmp_path / "rows.parquet"),
+        table,  # a Dataset in memory, given to a verb as it is
+        dataset_texts(table.to_iterable_dataset()),
+    ):
+        assert torch.equal(hs.to_sequences(tiny_model, source, seq_len=16).tokens, expected)
+    with pytest.raises(DataError, match=r"saved is one split \(train\), not test; leave out"):
+        load_dataset_texts(tmp_path / "saved", split="test")
+    census = hs.run_census(tiny_model, load_dataset_texts(tmp_path / "rows.parquet"), seq_len=16)
+    assert census.attrs["data"].startswith("dataset rows.parquet, split train, column text, ")
+    assert census.attrs["dataset"]["name"] == "rows.parquet"
+    assert "dataset" not in hs.run_census(tiny_model, ROWS, seq_len=8).attrs
+
+
+def test_the_revision_follows_the_files_content(jsonl_dir):
+    before = load_dataset_texts(jsonl_dir).record["revision"]
+    assert load_dataset_texts(jsonl_dir).record["revision"] == before
+    write_jsonl(jsonl_dir / "train.jsonl", ROWS[1:])
+    assert load_dataset_texts(jsonl_dir).record["revision"] != before
+
+
+def test_a_generator_gives_what_the_same_list_gives(tiny_model):
+    texts = [TEXT, TEXT[::-1]]
+    seqs = hs.to_sequences(tiny_model, (t for t in texts), seq_len=16, n_seqs=5)
+    assert torch.equal(seqs.tokens, hs.to_sequences(tiny_model, texts, seq_len=16, n_seqs=5).tokens)
+    assert seqs.source == "texts from a generator" and seqs.dataset is None
+
+
+def test_lazy_sources_are_read_only_as_far_as_the_sample_needs(tiny_model, monkeypatch):
+    monkeypatch.setattr(data, "MIN_SAMPLE_TOKENS", 1000)
+    endless = itertools.cycle([TEXT])  # never ends: reading it whole would never return
+    assert hs.to_sequences(tiny_model, endless, seq_len=16, n_seqs=4).n_seqs == 4
+    rows = datasets.IterableDataset.from_generator(
+        lambda: ({"text": row} for _ in itertools.count() for row in ROWS)
+    )
+    assert hs.to_sequences(tiny_model, rows, seq_len=16, n_seqs=4).n_seqs == 4
+
+
+def test_the_text_column_is_text_or_the_only_string_column_else_chosen(tiny_model):
+    two = datasets.Dataset.from_dict({"title": ROWS, "body": ROWS[::-1], "n": [1] * len(ROWS)})
+    with pytest.raises(DataError, match=r"several text columns \(title, body, n\); choose one"):
+        hs.to_sequences(tiny_model, two)
+    seqs = hs.to_sequences(tiny_model, dataset_texts(two, "body"), seq_len=16)
+    assert torch.equal(seqs.tokens, joined_tokens(tiny_model, ROWS[::-1], seq_len=16))
+    only = datasets.Dataset.from_dict({"body": ROWS, "n": [1] * len(ROWS)})
+    assert dataset_texts(only).record["column"] == "body"
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda d: load_dataset_texts(d, column="nope"), "has no column 'nope'; its columns: "),
+        (lambda d: load_dataset_texts(d, column="n"), "column 'n' of dataset my-corpus is"),
+        (lambda d: load_dataset_texts(d, split="validation"), "validation"),
+        (lambda d: load_dataset_texts(d / "train.jsonl", split="test"), "one split (train)"),
+        (lambda d: load_dataset_texts(d / "missing"), "does not exist"),
+        (lambda d: load_dataset_texts(d / "notes"), "holds no .jsonl, .json, .parquet, .csv"),
+        (lambda d: load_dataset_texts(d / "notes"), "text files go to --texts"),
+        (lambda d: load_dataset_texts(d / "notes" / "a.txt"), "is not one of .jsonl"),
+        (lambda d: load_dataset_texts("someone/not-cached", cache_dir=d), "datasets.load_dataset("),
+    ],
+)
+def test_bad_datasets_are_one_line(jsonl_dir, make, needle):
+    (jsonl_dir / "notes").mkdir()
+    (jsonl_dir / "notes" / "a.txt").write_text(TEXT)
+    with pytest.raises((DataError, InvalidArgumentError)) as info:
+        make(jsonl_dir)
+    message = str(info.value)
+    assert needle in message and len(message.splitlines()) == 1, message
+
+
+def test_non_text_values_and_empty_datasets_are_one_line_when_read(tiny_model):
+    # Features unknown until read: the values are checked as they come.
+    mixed = datasets.IterableDataset.from_generator(
+        lambda: iter([{"text": "some words here"}, {"text": 3}])
+    )
+    with pytest.raises(DataError, match="column 'text' of dataset .* holds int values, not text"):
+        hs.to_sequences(tiny_model, mixed, seq_len=4)
+    features = datasets.Features({"text": datasets.Value("string")})
+    empty = datasets.Dataset.from_dict({"text": []}, features=features)
+    with pytest.raises(DataError, match="has no text in column 'text'"):
+        hs.to_sequences(tiny_model, empty)
+    with pytest.raises(DataError, match="no texts given"):
+        hs.to_sequences(tiny_model, iter([]))
+    with pytest.raises(DataError, match="one is of type int"):
+        hs.to_sequences(tiny_model, iter([TEXT, 3]))
+    splits = datasets.DatasetDict({"train": empty})
+    with pytest.raises(DataError, match=r"holds splits \(train\); pass one of them"):
+        hs.to_sequences(tiny_model, splits)
+
+
+def test_a_text_source_is_read_once(tiny_model, jsonl_dir):
+    source = load_dataset_texts(jsonl_dir)
+    hs.to_sequences(tiny_model, source, seq_len=16)
+    with pytest.raises(DataError, match="read already"):
+        hs.to_sequences(tiny_model, source, seq_len=16)
+
+
+def test_lists_tensors_and_paths_are_not_lazy_sources(tmp_path):
+    for given in (["a text"], ("a text",), "a text", tmp_path, torch.zeros(2, 3), None):
+        assert text_source(given) is None
+    assert isinstance(text_source(iter(["a"])), TextSource)
+
+
+def test_texts_of_reads_a_dataset_as_one_text(jsonl_dir):
+    assert data.texts_of(load_dataset_texts(jsonl_dir)) == [ROW_SEPARATOR.join(ROWS)]
+
+
+def test_a_dataset_in_the_hub_cache_is_read_with_its_commit(tiny_model, tmp_path):
+    """A cache entry laid out as datasets lays out a hub dataset it downloaded
+    (NAMESPACE___NAME/CONFIG/VERSION/COMMIT/NAME-SPLIT.arrow): read from there, no network."""
+    table = datasets.Dataset.from_dict({"text": ROWS})
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    folder = tmp_path / "cache" / "someone___tiny" / "default" / "0.0.0" / commit
+    folder.mkdir(parents=True)
+    with datasets.arrow_writer.ArrowWriter(path=str(folder / "tiny-train.arrow")) as writer:
+        writer.write_table(table.data.table)
+        writer.finalize()
+    info = datasets.DatasetInfo(
+        dataset_name="tiny",
+        config_name="default",
+        features=table.features,
+        splits=datasets.SplitDict({"train": datasets.SplitInfo("train", num_examples=len(ROWS))}),
+    )
+    info.write_to_directory(str(folder))
+    source = load_dataset_texts("someone/tiny", cache_dir=tmp_path / "cache")
+    assert source.record == {
+        "name": "someone/tiny",
+        "split": "train",
+        "column": "text",
+        "revision": commit,
+    }
+    seqs = hs.to_sequences(tiny_model, source, seq_len=16)
+    assert torch.equal(seqs.tokens, joined_tokens(tiny_model, ROWS, seq_len=16))
+
+
+def test_a_lazy_source_read_whole_is_bounded(tiny_model, monkeypatch, jsonl_dir):
+    from headsurgeon import corpus_sources
+
+    monkeypatch.setattr(corpus_sources, "MAX_TEXT_BYTES", 500)
+    with pytest.raises(DataError, match="my-corpus holds more than .* sample it with --n-seqs"):
+        hs.to_sequences(tiny_model, load_dataset_texts(jsonl_dir), seq_len=16)
+    with pytest.raises(DataError, match="the texts hold more than .* sample them with n_seqs="):
+        hs.to_sequences(tiny_model, itertools.repeat(TEXT), seq_len=16)
+
+
+def test_perplexity_scores_a_dataset_as_its_joined_text(tiny_model, jsonl_dir):
+    given = hs.perplexity(tiny_model, load_dataset_texts(jsonl_dir), window=16, progress=False)
+    joined = hs.perplexity(tiny_model, ROW_SEPARATOR.join(ROWS), window=16, progress=False)
+    assert given == joined
