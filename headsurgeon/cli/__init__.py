@@ -453,30 +453,38 @@ def add_output_args(parser: argparse.ArgumentParser, *, formats: bool = True) ->
         parser.add_argument(
             "--format",
             nargs="+",
-            choices=["svg", "pdf"],
+            choices=["html", "svg", "pdf"],
             default=[],
-            help="static figure formats besides html and png (these need Chromium: without "
-            "one --format is an error, while png is skipped with a warning)",
+            help="figure files besides the PNGs (written when a Chromium is found) and "
+            "index.html, which holds every figure interactively: html (each figure as its own "
+            "page, all sharing one plotly.js in the folder), svg, pdf (these two need Chromium: "
+            "without one --format svg/pdf is an error)",
         )
 
 
 def figure_formats(args: argparse.Namespace) -> list[str] | None:
     """The ``formats`` a CLI passes to its writer, checked before any work.
 
-    Without ``--format``: ``None``, the writers' default (html, and png when a Chromium browser
-    is found; otherwise the PNGs are skipped with one warning and the run still succeeds). With
-    ``--format svg pdf``: html, png and those, all required, so a missing browser is a one-line
+    Without ``--format``: ``None``, the writers' default (png when a Chromium browser is found;
+    otherwise the PNGs are skipped with one warning and the run still succeeds; every figure is
+    on ``index.html`` either way). With ``--format``: png (when a browser is found) and those;
+    svg and pdf need the browser, so a missing one is a one-line
     :class:`~headsurgeon.errors.FigureExportError` now rather than after the model has run.
     """
     if not getattr(args, "format", None):
         return None
     from headsurgeon import plots
 
-    plots.require_browser(
-        f"--format {' '.join(args.format)}",
-        instead="leave out --format (html figures need no browser)",
-    )
-    return ["html", "png", *args.format]
+    static = [f for f in args.format if f in plots.STATIC_FORMATS]
+    if static:
+        plots.require_browser(
+            f"--format {' '.join(static)}",
+            instead="leave out --format svg/pdf (index.html holds every figure interactively)",
+        )
+    png = ["png"] if static or plots.has_browser() else []
+    if not png:
+        logger.warning("no PNG figures: no Chromium browser found (%s)", plots.INSTALL_BROWSER)
+    return list(dict.fromkeys([*png, *args.format]))
 
 
 def check_models(args: argparse.Namespace, also: Collection[str] = ()) -> None:

@@ -35,6 +35,7 @@ from headsurgeon.reports import (
     write_corpora,
     write_cross_scale,
 )
+from headsurgeon.reports.classify import CROSS_SCALE_FORMATS
 
 __all__ = [
     "classify",
@@ -90,8 +91,10 @@ def classify(parser: ArgumentParser, args: argparse.Namespace, formats: list[str
                 gc.collect()
             write_cross_scale(tables, out, formats=formats, overwrite=args.overwrite)
             files = "one folder per model, cross_scale.csv, summary.txt, figures"
-    written = plots.split_formats(formats)[0]
-    print(f"\nwrote {shown(out)}/: {files} ({', '.join(written)})")
+    cross_scale = len(models) > 1 and len(corpora) <= 1
+    default = CROSS_SCALE_FORMATS if cross_scale else plots.DEFAULT_FORMATS
+    written = plots.split_formats(formats, default=default)[0]
+    print(f"\nwrote {shown(out)}/: {files} ({', '.join(written) or 'on index.html'})")
     return 0
 
 

@@ -291,7 +291,8 @@ def split_formats(
     if static:
         require_browser(
             f"figure format(s) {', '.join(static)}",
-            instead="leave formats at their default (html, and png when a browser is found)",
+            instead="leave formats at their default (png when a browser is found; every "
+            "figure is on index.html)",
         )
     return write, []
 

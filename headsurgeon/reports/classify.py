@@ -12,6 +12,8 @@ Exports:
                                               name them (``method`` -> ``importance_method``)
     FIGURES, IMPORTANCE_FIGURES               the figures of a classification by file name (the
                                               second set for tables with importance columns)
+    CROSS_SCALE_FORMATS                       the cross-scale folder's default figure formats:
+                                              html and png, as it has no index.html of its own
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from headsurgeon.reports.page import census_samples, samples_note, write_page
 from headsurgeon.reports.records import json_safe, package_versions
 
 __all__ = [
+    "CROSS_SCALE_FORMATS",
     "FIGURES",
     "IMPORTANCE_FIGURES",
     "IMPORTANCE_NAMES",
@@ -61,6 +64,10 @@ __all__ = [
     "write_classification",
     "write_cross_scale",
 ]
+
+
+# The top folder of several models has no page of its own: its figures are HTML pages too.
+CROSS_SCALE_FORMATS = ("html", "png")
 
 
 def format_summary(
@@ -394,7 +401,7 @@ def write_cross_scale(
         text = "Sick heads (BOS-sink + dead) per model:\n" + table.to_string(index=False)
         text += "\n\nBy layer band:\n" + shares.to_string(index=False)
         atomic_write_text(tmp / "summary.txt", text + "\n")
-        skipped = plots.save_figures(figures, tmp, formats, default=("html", "png"))
+        skipped = plots.save_figures(figures, tmp, formats, default=CROSS_SCALE_FORMATS)
     plots.warn_skipped(skipped, out_dir)
     return Path(out_dir)
 

@@ -210,7 +210,7 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
     texts = tmp_path / "text.txt"
     texts.write_text(TEXT)
     out = tmp_path / "result"
-    static = ["--format", "svg", "pdf"] if plots.has_browser() else []  # else: html only
+    static = ["svg", "pdf"] if plots.has_browser() else []  # else: html only
     argv = [
         str(checkpoint),
         "--texts",
@@ -222,6 +222,8 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
         "--prepend-bos",
         "--out",
         str(out),
+        "--format",
+        "html",
         *static,
     ]
     assert main(argv) == 0
@@ -235,7 +237,8 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
     assert meta["metadata"]["thresholds"]["sink"] == 0.5
     assert meta["metadata"]["data"] == texts.name and "torch" in meta["metadata"]["versions"]
     assert len(meta["heads"]) == 8 and "output_share" in meta["columns"]
-    assert (out / "bos_mass.html").exists()
+    assert "plotly-cartesian.min.js" in (out / "bos_mass.html").read_text()  # the shared copy
+    assert (out / "plotly-cartesian.min.js").is_file()
     if static:  # the browser-free case: tests/plots/test_no_browser.py
         assert (out / "bos_mass.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert (out / "labels.svg").read_text().lstrip().startswith("<svg")
