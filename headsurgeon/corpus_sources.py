@@ -15,7 +15,7 @@ that rows shorter than a window (sentences, short documents) still fill windows.
 texts keeps each text on its own, as a list of texts does.
 
 Exports:
-    TextSource                 texts to read once, lazily, and the record of where they came from
+    TextSource                 texts read lazily, and the record of where they came from
     load_dataset_texts(path_or_name, split=, column=, cache_dir=)
                                a dataset on disk or in the Hugging Face cache as a TextSource
     dataset_texts(dataset, column=, name=, revision=)
@@ -55,7 +55,7 @@ import hashlib
 import os
 import re
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,35 +90,35 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 @dataclasses.dataclass
 class TextSource:
-    """Texts to read once, lazily, and where they came from.
+    """Texts read lazily, and where they came from.
 
-    ``parts``: each a text (``str``), a file (``Path``) or one text in pieces (an iterator of
-    ``str``: a dataset's rows, joined); read by :func:`headsurgeon.data.as_sequences` only as far
-    as its sample needs. ``description``: where they came from, in words (``Sequences.source``,
-    every result's ``attrs["data"]``). ``record``: for a dataset, its ``name``, ``split``,
-    ``column`` and ``revision`` (``Sequences.dataset``), else ``None``.
-
-    A ``TextSource`` is read once: make a new one for another verb (or make
-    :class:`~headsurgeon.data.Sequences` once with :func:`~headsurgeon.to_sequences`).
+    ``parts()``: the texts, each a text (``str``), a file (``Path``) or one text in pieces (an
+    iterator of ``str``: a dataset's rows, joined); read by :func:`headsurgeon.data.as_sequences`
+    only as far as its sample needs. A dataset's source opens its rows afresh at each read, so it
+    serves any number of verbs; an iterable that can be read only once (a generator) is
+    ``once``: a second read is one line. ``description``: where they came from, in words
+    (``Sequences.source``, every result's ``attrs["data"]``). ``record``: for a dataset, its
+    ``name``, ``split``, ``column`` and ``revision`` (``Sequences.dataset``), else ``None``.
     """
 
-    parts: Iterator[str | Path | Iterator[str]]
+    parts: Callable[[], Iterator[str | Path | Iterator[str]]]
     description: str
     record: dict[str, str | None] | None = None
+    once: bool = False
 
     def __post_init__(self) -> None:
-        self.parts = iter(self.parts)
         self._used = False
 
     def take(self) -> Iterator[str | Path | Iterator[str]]:
-        """The parts, once; a second read is one line (the first one consumed them)."""
-        if self._used:
+        """The parts: a fresh read, or for a ``once`` source its only one (a second read is one
+        line: the first consumed them)."""
+        if self.once and self._used:
             raise DataError(
-                f"the texts of {self.description} were read already (a TextSource is read "
-                "once); make a new one, or make Sequences once with hs.to_sequences"
+                f"the texts of {self.description} were read already (an iterator is read "
+                "once); pass a list or a dataset, or make Sequences once with hs.to_sequences"
             )
         self._used = True
-        return self.parts
+        return self.parts()
 
 
 def check_dataset_arg(text: str) -> str:
@@ -396,7 +396,7 @@ def dataset_texts(
     description = (
         f"dataset {name}, split {split or 'unnamed'}, column {column}, revision {revision}"
     )
-    return TextSource(iter([_rows(dataset, column, name)]), description, record)
+    return TextSource(lambda: iter([_rows(dataset, column, name)]), description, record)
 
 
 def _rows(dataset: Any, column: str, name: str) -> Iterator[str]:
@@ -451,7 +451,10 @@ def text_source(data: object) -> TextSource | None:
     )
     if not lazy or hasattr(data, "shape"):  # a tensor or an array is not texts
         return None
-    return TextSource(_texts(data), f"texts from a {type(data).__name__}")
+    # An iterator (a generator) is its own iterator: read once. A container is read afresh.
+    return TextSource(
+        lambda: _texts(data), f"texts from a {type(data).__name__}", once=iter(data) is data
+    )
 
 
 def _texts(items: Iterable[object]) -> Iterator[str | Path]:
@@ -475,4 +478,7 @@ def _texts(items: Iterable[object]) -> Iterator[str | Path]:
                 f"the texts must be strings (or text files); one is of type {type(item).__name__}"
             )
     if not given:
-        raise DataError("no texts given; pass at least one text or file")
+        raise DataError(
+            "no texts given; pass at least one text or file (an iterator or generator read "
+            "before gives none: pass a list, or make Sequences once with hs.to_sequences)"
+        )

@@ -158,11 +158,24 @@ def test_non_text_values_and_empty_datasets_are_one_line_when_read(tiny_model):
         hs.to_sequences(tiny_model, splits)
 
 
-def test_a_text_source_is_read_once(tiny_model, jsonl_dir):
+def test_a_dataset_source_serves_every_read_an_iterator_one(tiny_model, jsonl_dir):
     source = load_dataset_texts(jsonl_dir)
-    hs.to_sequences(tiny_model, source, seq_len=16)
+    first = hs.to_sequences(tiny_model, source, seq_len=16)
+    again = hs.to_sequences(tiny_model, source, seq_len=16)  # a notebook's second verb
+    assert torch.equal(first.tokens, again.tokens)
+    generator = (t for t in ROWS)
+    hs.to_sequences(tiny_model, generator, seq_len=16)
+    with pytest.raises(DataError, match="generator read before gives none"):
+        hs.to_sequences(tiny_model, generator, seq_len=16)
+    once = text_source(t for t in ROWS)
+    hs.to_sequences(tiny_model, once, seq_len=16)
     with pytest.raises(DataError, match="read already"):
-        hs.to_sequences(tiny_model, source, seq_len=16)
+        hs.to_sequences(tiny_model, once, seq_len=16)
+    texts = {ROWS[0]}  # a container is no iterator: read afresh
+    assert torch.equal(
+        hs.to_sequences(tiny_model, texts, seq_len=8).tokens,
+        hs.to_sequences(tiny_model, texts, seq_len=8).tokens,
+    )
 
 
 def test_lists_tensors_and_paths_are_not_lazy_sources(tmp_path):

@@ -563,9 +563,8 @@ def _check_offload_folder(args: argparse.Namespace, out: Path, inputs: list[Path
 
 
 def data_source(args: argparse.Namespace) -> list[Path] | TextSource | None:
-    """The texts ``--texts`` (the files) or ``--dataset``, ``--split``, ``--column`` (a new
-    :class:`~headsurgeon.corpus_sources.TextSource` at each call: one is read once) name;
-    ``None`` for the bundled corpora."""
+    """The texts ``--texts`` (the files) or ``--dataset``, ``--split``, ``--column`` (a
+    :class:`~headsurgeon.corpus_sources.TextSource`) name; ``None`` for the bundled corpora."""
     if getattr(args, "dataset", None):
         from headsurgeon.corpus_sources import load_dataset_texts
 
