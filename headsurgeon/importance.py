@@ -55,7 +55,7 @@ from headsurgeon.backend.forward import run_from_layer
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
-from headsurgeon.inuse import holding, holds_model
+from headsurgeon.inuse import holds_model, hooked
 from headsurgeon.loading import model_info
 from headsurgeon.probes import check_fired, stream
 from headsurgeon.progress import tqdm
@@ -545,8 +545,9 @@ def ablate_heads(
     info = model_info(model, "ablate_heads")
     check_choice(ablation, "ablation", ("zero", "mean"))
     chosen = HeadSet.of(heads, info.shape).by_layer()
-    # Held for the whole block, the means' forwards included: hooks act on every thread.
-    with holding(model, "ablate_heads"):
+    # Held for the whole block, the means' forwards included: hooks act on every thread; and
+    # not copied inside it (a copy would keep the hooks).
+    with hooked(model, "ablate_heads"):
         means = None
         if ablation == "mean":
             seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)

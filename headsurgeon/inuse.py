@@ -6,14 +6,16 @@ model. So a verb that installs hooks, runs forward passes or changes weights hol
 its whole call (a context manager such as ``mitigation`` or ``ablate_heads`` for its block); the
 same thread may nest verbs (a census inside ``with mitigation(model, ...)``), another thread is
 refused at once with :class:`~headsurgeon.errors.ModelInUseError`, never left to read a number the
-first thread's hooks changed. Threads that each hold their own ``copy.deepcopy(model)`` run freely
-(a copy made inside a ``mitigation`` or ``ablate_heads`` block keeps that block's hooks: copy
-before entering one).
+first thread's hooks changed. Threads that each hold their own ``copy.deepcopy(model)`` run freely;
+a copy made inside a ``mitigation`` or ``ablate_heads`` block would keep that block's hooks (and
+compute its numbers forever), so it is refused in one line: copy before entering one.
 
 Exports:
     holding(model, verb)   context manager: ``model`` held by this thread for ``verb``
     holds_model(verb)      decorator: the same around a whole call (its ``model`` argument)
     holder(model)          who holds ``model`` now, in words, or None
+    hooked(model, block)   context manager for a block that leaves hooks on the model: held as
+                           :func:`holding` holds it, and ``copy.deepcopy(model)`` refused
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from headsurgeon.errors import ModelInUseError
+from headsurgeon.errors import InvalidArgumentError, ModelInUseError
 
-__all__ = ["holding", "holds_model", "holder"]
+__all__ = ["holding", "holds_model", "holder", "hooked"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -138,3 +140,48 @@ def holds_model(verb: str, *, argument: str = "model") -> Callable[[F], F]:
         return call  # type: ignore[return-value]
 
     return decorate
+
+
+# The blocks whose hooks are on a model, innermost last (in the model's __dict__, so that the
+# refusal below goes with the model, whichever thread holds it).
+_BLOCKS = "headsurgeon_hook_blocks"
+
+
+@contextlib.contextmanager
+def hooked(model: Any, block: str) -> Iterator[None]:
+    """Hold ``model`` for ``block`` (:func:`holding`) while the block's hooks are on it, and
+    refuse ``copy.deepcopy(model)`` inside it in one
+    :class:`~headsurgeon.errors.InvalidArgumentError` line: the copy would keep the hooks and
+    compute the block's numbers forever. Nested blocks lift the refusal when the outermost ends.
+
+    >>> import copy, torch
+    >>> model = torch.nn.Linear(1, 1)
+    >>> with hooked(model, "mitigation"):
+    ...     copy.deepcopy(model)
+    Traceback (most recent call last):
+    ...
+    headsurgeon.errors.InvalidArgumentError: copy.deepcopy(model) inside the mitigation block ...
+    >>> copied = copy.deepcopy(model)  # after the block: a clean copy
+    """
+    with holding(model, block):
+        blocks = model.__dict__.setdefault(_BLOCKS, [])
+        blocks.append(block)
+        # copy.deepcopy looks __deepcopy__ up on the instance first.
+        model.__dict__["__deepcopy__"] = _refuse_copy(blocks)
+        try:
+            yield
+        finally:
+            blocks.pop()
+            if not blocks:
+                del model.__dict__["__deepcopy__"], model.__dict__[_BLOCKS]
+
+
+def _refuse_copy(blocks: list[str]) -> Callable[[dict], None]:
+    def refuse(memo: dict) -> None:
+        raise InvalidArgumentError(
+            f"copy.deepcopy(model) inside the {blocks[-1]} block would copy the block's hooks, "
+            "and the copy would compute the block's numbers forever; copy the model before "
+            "the block (and enter a block of its own with the copy)"
+        )
+
+    return refuse

@@ -49,7 +49,7 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
 )
 from headsurgeon.exact_alibi import bias_builder, trained_bias
-from headsurgeon.inuse import holding, holds_model
+from headsurgeon.inuse import holds_model, hooked
 from headsurgeon.loading import ModelInfo, model_info, model_metadata, model_shape
 from headsurgeon.probes import stream, unfired
 from headsurgeon.validation import check_choice, check_int
@@ -661,28 +661,17 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     """
     info = model_info(model, "mitigation")
     params = alibi.check_bias_params(kind, **params)
-    # Held for the whole block: its hooks act on every thread's forward of this model.
-    with holding(model, "mitigation"):
+    # Held for the whole block (its hooks act on every thread's forward of this model), and
+    # not copied inside it (a copy would keep the hooks).
+    with hooked(model, "mitigation"):
         # Which mitigations are active, innermost last (read by active_mitigations).
         active = model.__dict__.setdefault("headsurgeon_mitigations", [])
         active.append(kind)
-        # copy.deepcopy looks __deepcopy__ up on the instance: the block refuses to be copied.
-        model.__dict__["__deepcopy__"] = _refuse_copy
         try:
             with _mitigated(model, info, kind, params):
                 yield model
         finally:
             active.pop()
-            if not active:
-                del model.__dict__["__deepcopy__"]
-
-
-def _refuse_copy(memo: dict) -> None:
-    raise InvalidArgumentError(
-        "copy.deepcopy(model) inside a mitigation block would copy the block's hooks, and the "
-        "copy would compute mitigated numbers forever; copy the model before the block and "
-        "mitigate the copy in a block of its own"
-    )
 
 
 def active_mitigations(model: Model) -> list[str]:

@@ -127,6 +127,8 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.errors import DataError, HeadsurgeonError, shown
 from headsurgeon.inputs import check_texts
@@ -601,7 +603,9 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     if os.environ.get("HEADSURGEON_KEEP_FREED_MEMORY", "1") != "0":
         keep_freed_memory()
     try:
-        code = main(argv)
+        # Log lines above the progress bar, not written into its line.
+        with logging_redirect_tqdm():
+            code = main(argv)
     except HeadsurgeonError as e:
         print(f"error: {shown(e, keep='')}", file=sys.stderr)
         sys.exit(2)

@@ -28,3 +28,18 @@ def test_a_copy_inside_a_mitigation_block_is_refused_and_one_after_it_is_clean(t
     copied = copy.deepcopy(tiny_model)
     assert active_mitigations(copied) == []
     torch.testing.assert_close(copied(tokens), plain, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_a_copy_inside_an_ablation_block_is_refused_too(tiny_model):
+    from headsurgeon.importance import ablate_heads
+
+    tokens = torch.arange(5, 53).reshape(2, 24)
+    plain = tiny_model(tokens)
+    with ablate_heads(tiny_model, "L0H0", "zero"):
+        with mitigation(tiny_model, "log"):  # the refusal names the innermost block
+            with pytest.raises(InvalidArgumentError, match="inside the mitigation block"):
+                copy.deepcopy(tiny_model)
+        with pytest.raises(InvalidArgumentError, match="inside the ablate_heads block"):
+            copy.deepcopy(tiny_model)
+    torch.testing.assert_close(copy.deepcopy(tiny_model)(tokens), plain, rtol=0, atol=0)
