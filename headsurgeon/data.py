@@ -429,10 +429,10 @@ def as_sequences(
     if isinstance(data, Tensor):
         return _tensor_sequences(info, data, n_seqs, prepend_bos)
     check_length(info, seq_len, seq_len_name, DataError)
-    source = text_source(data)  # a dataset or a lazy iterable: read once, described first
+    source = text_source(data)  # a dataset or a lazy iterable, read as the windows need it
     data = data if source is None else source
-    description = describe(data)
     tokens = _windows(info, _sources(data), seq_len, n_seqs, bos, seq_len_name)
+    description = describe(data)  # after the windows: data of a wrong type is their one line
     why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
     if bos:
         rule = f"BOS token (id {info.bos_token_id}) prepended to each text window ({why})"

@@ -18,9 +18,11 @@ SENTENCE = "the quick brown fox jumps over the lazy dog. "
 def reads(monkeypatch):
     """The pieces of text files read so far."""
     read = []
-    real = data_module.iter_text
+    real = data_module.text_file_chunks
     monkeypatch.setattr(
-        data_module, "iter_text", lambda *a, **k: (read.append(c) or c for c in real(*a, **k))
+        data_module,
+        "text_file_chunks",
+        lambda *a, **k: (read.append(c) or c for c in real(*a, **k)),
     )
     return read
 
