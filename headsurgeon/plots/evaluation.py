@@ -539,7 +539,7 @@ def retrieval_heatmap(
             fig, x, x, f"train length {train_ctx}", width=3, y=1.02, xanchor="center"
         )
     fig.update_xaxes(title_text=column_label("context_length"), type="category")
-    fig.update_yaxes(title_text="needle depth", autorange="reversed", type="category")
+    fig.update_yaxes(title_text=column_label("depth"), autorange="reversed", type="category")
     chance = table["chance"].iloc[0] if "chance" in table and metric == "top1_accuracy" else None
     subtitle = f"{a.get('model', '')} · {int(table['n_trials'].iloc[0])} trials per cell" + (
         f" · chance {chance:.0%}" if chance is not None else ""

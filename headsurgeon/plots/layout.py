@@ -100,6 +100,7 @@ COLUMN_LABELS: dict[str, tuple[str, str]] = {
     "log10_distance": ("blind distance", "log₁₀ tokens"),
     "distance": ("distance i − j", "tokens"),
     "context_length": ("context length", "tokens"),
+    "depth": ("needle depth", "fraction of the context before it"),
     "position": ("position", "tokens from the start"),
     "query": ("query position", ""),
     "key": ("key position", ""),
