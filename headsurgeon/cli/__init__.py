@@ -34,6 +34,8 @@ Exports:
     add_data_args(parser)     --texts (corpora=True: repeatable) or --dataset, --split,
                               --column (dataset=False: none of the three), --n-seqs,
                               --seq-len, --prepend-bos/--no-prepend-bos
+    add_threshold_args(group) --sink-threshold, --dead-threshold, --min-output-share (the
+                              classification thresholds, headsurgeon.classify.Thresholds)
     add_dataset_args(g, x, what)   --dataset (in the mutually exclusive group x), --split,
                               --column: a Hugging Face dataset as the text ``what`` names
     dataset_name              the argparse type of --dataset: a name, or a path that exists
@@ -130,6 +132,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from headsurgeon.allocator import keep_freed_memory
+from headsurgeon.cli.options import THRESHOLDS
 from headsurgeon.errors import DataError, HeadsurgeonError, shown
 from headsurgeon.inputs import check_texts
 from headsurgeon.model_names import DEFAULT_MODEL, ORGANISM_DIR, locate_model, organism_names
@@ -150,6 +153,7 @@ __all__ = [
     "add_model_args",
     "add_data_args",
     "add_dataset_args",
+    "add_threshold_args",
     "dataset_name",
     "data_source",
     "TextFiles",
@@ -342,6 +346,28 @@ def thread_count(text: str) -> int:
         most,
         "a positive thread count",
         f" ({THREADS_PER_CORE} per core, {cores} cores here)",
+    )
+
+
+def add_threshold_args(group: argparse._ArgumentGroup) -> None:
+    """The classification thresholds (:class:`headsurgeon.classify.Thresholds`) as options."""
+    group.add_argument(
+        "--sink-threshold",
+        type=float,
+        default=THRESHOLDS["sink"],
+        help="a head whose BOS mass exceeds this is a BOS-sink",
+    )
+    group.add_argument(
+        "--dead-threshold",
+        type=float,
+        default=THRESHOLDS["dead"],
+        help="a head whose BOS mass exceeds this is dead",
+    )
+    group.add_argument(
+        "--min-output-share",
+        type=float,
+        default=THRESHOLDS["min_output_share"],
+        help="heads writing less than this share of their layer's attention output are dead",
     )
 
 

@@ -45,6 +45,7 @@ from headsurgeon.cli import (
     add_data_args,
     add_model_args,
     add_output_args,
+    add_threshold_args,
     check_models,
     check_out,
     figure_formats,
@@ -57,7 +58,6 @@ from headsurgeon.cli.options import (
     GU_PROTOCOL,
     IMPORTANCE_METHODS,
     RECEIVED_THRESHOLD,
-    THRESHOLDS,
 )
 from headsurgeon.validation import check_number
 
@@ -128,24 +128,7 @@ def _parser() -> ArgumentParser:
         f"{RECEIVED_THRESHOLD}: Gu et al.'s epsilon)",
     )
     limits = parser.add_argument_group("thresholds")
-    limits.add_argument(
-        "--sink-threshold",
-        type=float,
-        default=THRESHOLDS["sink"],
-        help="a head whose BOS mass exceeds this is a BOS-sink",
-    )
-    limits.add_argument(
-        "--dead-threshold",
-        type=float,
-        default=THRESHOLDS["dead"],
-        help="a head whose BOS mass exceeds this is dead",
-    )
-    limits.add_argument(
-        "--min-output-share",
-        type=float,
-        default=THRESHOLDS["min_output_share"],
-        help="heads writing less than this share of their layer's attention output are dead",
-    )
+    add_threshold_args(limits)
     add_output_args(parser)
     parser.add_argument(
         "--top", type=non_negative_int, default=10, help="sinks listed in the summary"

@@ -40,6 +40,7 @@ from headsurgeon.cli import (
     add_dataset_args,
     add_model_args,
     add_output_args,
+    add_threshold_args,
     check_models,
     check_out,
     figure_formats,
@@ -56,7 +57,6 @@ from headsurgeon.cli.options import (
     FINETUNE,
     INITS,
     MAX_PPL_INCREASE,
-    THRESHOLDS,
     WORK_WRITER,
 )
 from headsurgeon.errors import InvalidArgumentError
@@ -90,24 +90,7 @@ def _parser() -> ArgumentParser:
     census.add_argument(
         "--min-query-pos", type=non_negative_int, default=1, help="first query row averaged"
     )
-    census.add_argument(
-        "--sink-threshold",
-        type=float,
-        default=THRESHOLDS["sink"],
-        help="a head whose BOS mass exceeds this is a BOS-sink",
-    )
-    census.add_argument(
-        "--dead-threshold",
-        type=float,
-        default=THRESHOLDS["dead"],
-        help="a head whose BOS mass exceeds this is dead",
-    )
-    census.add_argument(
-        "--min-output-share",
-        type=float,
-        default=THRESHOLDS["min_output_share"],
-        help="heads writing less than this share of their layer's attention output are dead",
-    )
+    add_threshold_args(census)
     surgery = parser.add_argument_group("surgery")
     surgery.add_argument("--heads", help="heads to repair, e.g. L5H9,L6H10-15 (default: census)")
     surgery.add_argument("--include", help="heads to add to pass 1 even if healthy, e.g. L5-22H5")
