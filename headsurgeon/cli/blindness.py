@@ -188,12 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"drop --mitigation {args.mitigation} or use --mitigation relative"
         )
     cli.check_models(args, also=SHAPE_NAMES)  # a BLOOM name is analysed without its files
+    cli.check_out(args)
+    # Only now the heavy imports (torch, TransformerLens, pandas, plotly: seconds).
+    from headsurgeon.cli import blindness_run, loads
+
+    cli.work_begins()
     default = f"blindness-{Path(str(args.model)).name}"
     with cli.claim_out(args, default) as out:  # before the measurement, not after it
-        # Only now the heavy imports (torch, TransformerLens, pandas, plotly: seconds).
-        from headsurgeon.cli import blindness_run, loads
-
-        cli.work_begins()
         loads.use_threads(args)
         blindness_run.blindness(args, out, params, formats)
     print(f"wrote {shown(out)}/")
