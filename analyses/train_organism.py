@@ -102,7 +102,7 @@ from transformers import (
 )
 
 from headsurgeon import classify_heads, load_model, run_census
-from headsurgeon.alibi import check_bias_params
+from headsurgeon.alibi import check_bias_params, slopes as alibi_slopes
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.evals.retrieval import (
     NEEDLE_QUESTION,
@@ -138,6 +138,11 @@ SPAN_SUCCESSORS = 4
 SPAN_TRIGGERS = 8
 SINK_THRESHOLD = 0.5  # headsurgeon.classify's BOS-sink and dead thresholds
 DEAD_THRESHOLD = 0.95
+BIAS_FORMS = ("relative", "absolute")
+# What CPU autocast does to transformers' BLOOM attention (checked by training_numerics_check):
+# baddbmm casts the float32 bias, q and k to bfloat16 and returns bfloat16 scores; the softmax
+# runs in float32 and its weights are cast back to the queries' bfloat16.
+PRECISIONS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 LOG_FIELDS = [
     "step",
     "tokens",
@@ -350,11 +355,11 @@ def bias_params(args: argparse.Namespace) -> dict:
     return check_bias_params(args.bias, **params)
 
 
-def lr_at(step: int, total: int, peak: float) -> float:
-    """Linear warm-up over ``WARMUP_STEPS``, then cosine decay to ``MIN_LR_FRACTION``."""
-    if step < WARMUP_STEPS:
-        return peak * (step + 1) / WARMUP_STEPS
-    progress = min(1.0, (step - WARMUP_STEPS) / max(1, total - WARMUP_STEPS))
+def lr_at(step: int, total: int, peak: float, warmup: int = WARMUP_STEPS) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to ``MIN_LR_FRACTION``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
     return peak * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
 
@@ -404,14 +409,15 @@ def bos_masses(model: BloomForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor
 
 @torch.no_grad()
 def evaluate(
-    model: BloomForCausalLM, data: Data
+    model: BloomForCausalLM, data: Data, precision: str
 ) -> tuple[dict[str, float], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Held-out loss per domain, the (n_layer, n_head) BOS-mass and sink-score matrices on
-    held-out text and, with spans, the BOS masses on the same text with spans (else None)."""
+    """Held-out loss per domain (in the training's ``precision``), the (n_layer, n_head)
+    BOS-mass and sink-score matrices on held-out text and, with spans, the BOS masses on the
+    same text with spans (else None)."""
     model.eval()
     losses = {}
     for d in DOMAINS:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(precision):
             out = model(input_ids=data.heldout[d], labels=data.heldout[d])
         losses[d] = out.loss.item()
     bos, sink = bos_masses(model, torch.cat([data.heldout[d][:BOS_SEQS] for d in DOMAINS]))
@@ -435,6 +441,64 @@ def should_stop(history: list[float], threshold: float, evals: int) -> bool:
     (True, False)
     """
     return len(history) >= evals and all(m > threshold for m in history[-evals:])
+
+
+def autocast(precision: str) -> torch.autocast:
+    """CPU autocast to bfloat16 for ``--precision bfloat16``, else a disabled one."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
+
+
+@torch.no_grad()
+def check_attention_numerics(model: BloomForCausalLM, args: argparse.Namespace) -> dict:
+    """The attention numerics the training runs under, checked bit for bit on one window: the
+    first layer's weights as transformers computes them (under ``--precision``, with the
+    ``--bias-form`` bias) against the same weights formed by hand from the recorded numerics.
+    Returns the ``training_numerics`` record of ``headsurgeon.json``."""
+    dtype = PRECISIONS[args.precision]
+    ids = torch.arange(4, 4 + min(args.seq_len, 64))[None]
+    attention = model.transformer.h[0].self_attention
+    captured = {}
+
+    def grab(module, args_, kwargs):
+        captured.update(kwargs, hidden=args_[0] if args_ else kwargs["hidden_states"])
+
+    handle = attention.register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
+    try:
+        with autocast(args.precision):
+            weights = model(input_ids=ids, output_attentions=True).attentions[0]
+    finally:
+        handle.remove()
+    with autocast(args.precision):
+        q, k, _ = attention._reshape(attention.query_key_value(captured["hidden"]))
+    n_heads, n = q.shape[1], ids.shape[1]
+    slopes = alibi_slopes(n_heads).float()
+    distance = torch.arange(n)[None, :] - torch.arange(n)[:, None]  # j - i
+    position = torch.arange(n).expand(n, n)
+    bias = slopes[:, None, None] * (distance if args.bias_form == "relative" else position)
+    scores = bias.to(dtype).baddbmm(
+        q[0].to(dtype), k[0].to(dtype).transpose(-1, -2), alpha=1 / math.sqrt(q.shape[-1])
+    )
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    scores = scores.float().masked_fill(~causal, -math.inf)
+    expected = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    if weights.dtype != dtype or not torch.equal(weights[0], expected):
+        raise RuntimeError(
+            f"transformers' attention under --precision {args.precision} does not compute as "
+            f"recorded (largest difference {(weights[0].float() - expected).abs().max():.3g})"
+        )
+    return {
+        "bias": args.bias_form,
+        "scores_dtype": args.precision,
+        "softmax_dtype": "float32",
+        "source": "analyses/train_organism.py: transformers' BLOOM attention"
+        + (" under CPU autocast to bfloat16" if args.precision == "bfloat16" else " in float32")
+        + (
+            ", the bias hook's relative bias"
+            if args.bias_form == "relative"
+            else ", its own absolute bias (slope x key position)"
+        )
+        + "; checked bit for bit at the start of training",
+    }
 
 
 def atomic_save(obj: object, path: Path) -> None:
@@ -530,6 +594,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="windows per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS, help="linear warm-up")
     p.add_argument(
         "--bos",
         action="store_true",
@@ -573,7 +638,24 @@ def parse_args() -> argparse.Namespace:
         f"dead ({DEAD_THRESHOLD}) threshold in --stop-evals evaluations in a row",
     )
     p.add_argument("--stop-evals", type=int, default=3, help="evaluations in a row for --stop-at")
-    return p.parse_args()
+    p.add_argument(
+        "--bias-form",
+        choices=BIAS_FORMS,
+        default="relative",
+        help="relative: the bias hook's -m (i - j) (every --bias); absolute: transformers' own "
+        "BLOOM bias, slope x key position, as Megatron-DeepSpeed trained BLOOM (--bias standard)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=tuple(PRECISIONS),
+        default="bfloat16",
+        help="bfloat16: CPU autocast (bias cast to bfloat16 inside baddbmm, scores in bfloat16, "
+        "softmax float32, weights back to bfloat16); float32: no autocast",
+    )
+    args = p.parse_args()
+    if args.bias_form == "absolute" and args.bias != "standard":
+        p.error("--bias-form absolute is transformers' own standard ALiBi: use --bias standard")
+    return args
 
 
 def main() -> None:
@@ -599,7 +681,9 @@ def main() -> None:
 
     model = build_model(args)
     bias = {"kind": args.bias, "params": bias_params(args)}
-    install_hf_bias(model, bias["kind"], **bias["params"])  # every variant through the same hook
+    if args.bias_form == "relative":  # every variant through the same hook
+        install_hf_bias(model, bias["kind"], **bias["params"])
+    numerics = check_attention_numerics(model, args)
     n_retrieval = round(args.batch * args.retrieval_share)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -637,13 +721,14 @@ def main() -> None:
     def log_eval() -> None:
         nonlocal eval_seconds, last_eval
         t = time.perf_counter()
-        losses, bos, sink, span_bos = evaluate(model, data)
+        losses, bos, sink, span_bos = evaluate(model, data, args.precision)
         eval_seconds = time.perf_counter() - t
         max_history.append(bos.max().item())
+        planned = total_steps or args.warmup_steps
         row = {
             "step": step,
             "tokens": tokens_seen,
-            "lr": f"{lr_at(step, total_steps or WARMUP_STEPS, args.lr):.3e}",
+            "lr": f"{lr_at(step, planned, args.lr, args.warmup_steps):.3e}",
             "train_loss": f"{sum(train_losses) / len(train_losses):.4f}" if train_losses else "",
             "heldout_shakespeare": f"{losses['shakespeare']:.4f}",
             "heldout_python_docs": f"{losses['python-docs']:.4f}",
@@ -689,11 +774,11 @@ def main() -> None:
     stopped = ""
     while elapsed < budget and (total_steps is None or step < total_steps):
         t = time.perf_counter()
-        lr = lr_at(step, total_steps or WARMUP_STEPS, args.lr)
+        lr = lr_at(step, total_steps or args.warmup_steps, args.lr, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = sample_batch(data, gen, args.batch, tokenizer, n_retrieval)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast(args.precision):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
@@ -732,6 +817,7 @@ def main() -> None:
         "name": args.name,
         "prepend_bos": args.bos,
         "alibi": bias,
+        "training_numerics": numerics,
         "description": (
             f"{args.n_layer}-layer, {args.n_head}-head, {args.hidden}-wide BLOOM "
             f"({args.bias} ALiBi) "
@@ -751,7 +837,7 @@ def main() -> None:
                 "seq_len": args.seq_len,
                 "batch": args.batch,
                 "peak_lr": args.lr,
-                "warmup_steps": WARMUP_STEPS,
+                "warmup_steps": args.warmup_steps,
                 "weight_decay": args.weight_decay,
                 "parameters": n_params,
                 "retrieval_share": args.retrieval_share,

@@ -8,13 +8,18 @@ shift-invariant), casts that bias to the model's dtype and forms the scores
 bfloat16's spacing is 8: the content logits of a few units are rounded away.
 :func:`precision_effect` measures it per dtype, part of the computation, position and head,
 each against the same forward pass entirely in float64; ``with mitigation(model, "relative")``
-it measures the cure, the bias formed from distances ``-m (i - j)``.
+it measures the cure, the bias formed from distances ``-m (i - j)``. A model trained under the
+absolute bias in bfloat16 (BLOOM) learnt under that rounding: ``reference="training"`` measures
+each inference numerics against the attention it was trained with as well.
 
 Exports:
-    precision_effect(model, data, ...)   PrecisionEffect: dNLL, logits and top-1 by position;
-                                         attention mass moved and lost by head and distance
-    PrecisionEffect                      its tables: by_position, by_head
-    PRECISION_DTYPES, PARTS, PART_MEANINGS
+    precision_effect(model, data, ...)   PrecisionEffect: dNLL, logits and top-1 by position
+                                         and by region of the training length, against float64
+                                         (and the training numerics); attention mass moved and
+                                         lost by head and distance
+    PrecisionEffect                      its tables: by_position, by_region, by_head
+    PRECISION_DTYPES, INFERENCE_DTYPES, PARTS, ALL_PARTS, PART_MEANINGS, REFERENCES
+    training_edges, region_edges, region_name   position buckets against the training length
     HeadTable                            exact zeros and mass moved per recipe, head and distance
     PRECISION_BYTES_PER_ENTRY            bytes a block keeps per attention entry (block sizes)
 
@@ -54,10 +59,14 @@ from headsurgeon.evals.loss import check_edges, position_edges
 from headsurgeon.exact_alibi import bias_builder, trained_bias
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
+from headsurgeon.loading.numerics import BIAS_MEANINGS
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_bool, check_choice, check_int
 
 __all__ = [
+    "ALL_PARTS",
+    "INFERENCE_DTYPES",
+    "REFERENCES",
     "PARTS",
     "PART_MEANINGS",
     "PRECISION_DTYPES",
@@ -65,19 +74,32 @@ __all__ = [
     "precision_effect",
     "HeadTable",
     "PRECISION_BYTES_PER_ENTRY",
+    "region_edges",
+    "region_name",
+    "training_edges",
 ]
 
 logger = logging.getLogger(__name__)
 
 PRECISION_DTYPES = ("float32", "bfloat16", "float16")
+# Also measurable: float64, the dtype transformers' own float64 model computes in (its softmax
+# in float32).
+INFERENCE_DTYPES = ("bfloat16", "float16", "float32", "float64")
 PARTS = ("scores", "softmax", "model")
+ALL_PARTS = ("scores", "softmax", "attention", "model")
 PART_MEANINGS = {
     "scores": "the attention scores (ALiBi bias + q.k) formed and rounded in the dtype exactly "
     "as the family does; everything else float64",
     "softmax": "the attention weights rounded as the family does (softmax in float32, weights "
     "cast to the dtype) from float64 scores; everything else float64",
+    "attention": "the attention as the family computes it in the dtype (scores with the bias "
+    "in the dtype, softmax in float32, weights cast to the dtype); everything else float64",
     "model": "the whole forward pass in the dtype, as transformers computes it",
 }
+REFERENCES = ("float64", "training")
+# Tokens per block of the batch-means standard errors: a text's neighbouring tokens are
+# correlated, so the errors come from the spread of block means, not of single tokens.
+SE_BLOCK = 64
 # Bytes a block keeps per (batch, head, query, key) entry: the float64 scores and weights of the
 # reference, and per recipe of the head table its scores, weights and three reductions.
 PRECISION_BYTES_PER_ENTRY = 160
@@ -87,30 +109,35 @@ PRECISION_BYTES_PER_ENTRY = 160
 class PrecisionEffect:
     """What rounding does to a model (see :func:`precision_effect`).
 
-    ``by_position``: one row per (dtype, part, position bucket). ``by_head``: one row per
-    (dtype, part, layer, head, distance bucket). Run metadata in each table's ``attrs``.
+    ``by_position``: one row per (reference, bias, dtype, part, position bucket). ``by_head``:
+    one row per (bias, dtype, part, layer, head, distance bucket). ``by_region``: one row per
+    (reference, bias, dtype, part, region of the training length: inside L, L-2L, 2L-4L,
+    4L-8L, beyond). Run metadata in each table's ``attrs``.
     """
 
     by_position: pd.DataFrame
     by_head: pd.DataFrame
+    by_region: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Recipe:
     """Where one pass rounds: ``part`` ``"float64"`` (the reference: everything float64, the
-    softmax too) or one of :data:`PARTS` in ``dtype``; ``relative``: the ALiBi bias formed from
-    distances ``-m (i - j)`` (the hook's form) instead of the family's own."""
+    softmax too) or one of :data:`ALL_PARTS` in ``dtype``; ``relative``: the ALiBi bias formed
+    from distances ``-m (i - j)`` (the hook's form) instead of the family's own; ``softmax``:
+    the dtype an ``attention`` pass computes its softmax in (the families: float32)."""
 
     part: str
     dtype: torch.dtype
     relative: bool = False
+    softmax: torch.dtype = torch.float32
 
     @property
     def model_dtype(self) -> torch.dtype:
         return self.dtype if self.part == "model" else torch.float64
 
     def scores_dtype(self, compute: torch.dtype) -> torch.dtype:
-        return self.dtype if self.part in ("scores", "model") else compute
+        return self.dtype if self.part in ("scores", "attention", "model") else compute
 
     def weights(self, scores: Tensor, compute: torch.dtype) -> Tensor:
         """The attention weights from the masked scores, in the pass's ``compute`` dtype."""
@@ -118,7 +145,8 @@ class _Recipe:
             return torch.softmax(scores.to(compute), dim=-1)
         # Every family: softmax in float32, weights cast to the dtype (BLOOM, Falcon:
         # F.softmax(dtype=float32).to(dtype); MPT: softmax(scores.float()).to(dtype)).
-        return F.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype).to(compute)
+        softmax = self.softmax if self.part == "attention" else torch.float32
+        return F.softmax(scores, dim=-1, dtype=softmax).to(self.dtype).to(compute)
 
 
 class _Family:
@@ -308,8 +336,8 @@ def _recipe_attention(family: _Family, recipe: _Recipe, probe: Any = None) -> It
 
 class HeadTable:
     """Per recipe, layer, head and distance bucket: causal entries exactly 0 in the recipe's
-    weights, the float64 weight they held (lost mass) and half the absolute difference of the
-    weights (moved mass: the total variation, summed over a row's keys)."""
+    weights rounded to its dtype, the float64 weight they held (lost mass) and half the
+    absolute difference of the weights (moved mass: the total variation over a row's keys)."""
 
     def __init__(
         self, family: _Family, recipes: list[_Recipe], n_layers: int, edges: list[int]
@@ -351,15 +379,18 @@ class HeadTable:
                 if key not in formed:
                     formed[key] = self.family.scores(module, q, k, mask, *key)
                 rounded = recipe.weights(formed[key], torch.float64)
-            zero = rounded == 0
+            zero = rounded.to(recipe.dtype) == 0  # zeros of the dtype under test
             for j, values in enumerate(
                 (zero.double(), torch.where(zero, weights, 0.0), (weights - rounded).abs())
             ):
                 by_bucket = values.view(batch * n_heads, -1) @ onehot
                 self.sums[i, j, layer] += by_bucket.view(batch, n_heads, -1).sum(0).cpu()
 
-    def table(self, n_rows: int, head_slopes: list[float]) -> pd.DataFrame:
-        """One row per (dtype, part, layer, head, distance bucket); masses per query row."""
+    def table(
+        self, n_rows: int, head_slopes: list[float], form_of: dict[bool, str]
+    ) -> pd.DataFrame:
+        """One row per (bias, dtype, part, layer, head, distance bucket); masses per query
+        row (``form_of``: the bias form's name by the recipe's ``relative``)."""
         n_layers, n_heads, n_buckets = self.sums.shape[2:]
         rows = []
         for i, recipe in enumerate(self.recipes):
@@ -369,7 +400,8 @@ class HeadTable:
                     for b in range(n_buckets):
                         rows.append(
                             {
-                                "dtype": dtype_name(recipe.dtype),
+                                "bias": form_of[recipe.relative],
+                                "dtype": _dtype_name(recipe.dtype),
                                 "part": recipe.part,
                                 "layer": layer,
                                 "head": head,
@@ -392,11 +424,14 @@ def precision_effect(
     *,
     dtypes: Sequence[str] = PRECISION_DTYPES,
     parts: Sequence[str] = PARTS,
+    bias_forms: Sequence[str] | None = None,
+    reference: str = "float64",
     seq_len: int | None = None,
     n_seqs: int | None = None,
     edges: Sequence[int] | None = None,
     block_size: int | None = None,
     prepend_bos: bool | None = None,
+    head_table: bool = True,
     progress: bool = True,
 ) -> PrecisionEffect:
     """How rounding in each dtype changes an ALiBi model's outputs, per part, position and head.
@@ -404,97 +439,56 @@ def precision_effect(
     Usage::
 
         effect = hs.precision_effect(model, seq_len=4096)
-        effect.by_position.query("part == 'model'")          # dNLL and top-1 by position
-        with hs.mitigation(model, "relative"):                # the cure: the bias from distances
-            cured = hs.precision_effect(model, seq_len=4096)
+        effect.by_region                                     # dNLL, top-1 inside / beyond L
+        matrix = hs.precision_effect(model, seq_len=8192, parts=["attention"],
+                                     dtypes=hs.precision.INFERENCE_DTYPES,
+                                     bias_forms=["absolute", "relative"], reference="training")
 
-    Each (dtype, part) is a forward pass of the ``transformers`` model of the family
-    (:func:`headsurgeon.checkpoints.hf_model`: BLOOM; MPT and Falcon with ``alibi=True`` on
-    TransformerLens 4.x) in which one part is computed in ``dtype`` exactly as the family's own
-    eager code computes it (:data:`PART_MEANINGS`), compared with the same pass entirely in
-    float64, softmax included (transformers itself computes the softmax in float32 even for a
-    float64 model: the reference does not):
-
-    * ``scores``: the ALiBi bias formed as the family forms it (BLOOM: ``slope x key position``
-      cast to the dtype, Falcon: that product in bfloat16 whatever the dtype, then ``/ sqrt(d)``
-      in it, MPT: float32, relative to the last key) and the scores ``q.k / sqrt(d) + bias`` in
-      the dtype (BLOOM: ``alibi.baddbmm(q, k)``; MPT adds its float32 bias to the dtype's
-      ``q.k``, so only ``q.k`` is rounded), then float64;
-    * ``softmax``: float64 scores, softmax in float32, weights cast to the dtype (BLOOM, MPT,
-      Falcon alike), then float64: what the weights' rounding alone does (float16's zeros
-      below 2^-24 included);
-    * ``model``: the whole model in the dtype (weights, residual stream, everything), equal to
-      ``transformers``' eager forward in that dtype.
-
-    The bias follows what transformers computes (BLOOM's and Falcon's: absolute, ``slope x key
-    position``; a headsurgeon model's own relative bias hook is not used), unless ``with
-    mitigation(model, "relative")`` is active: then every dtype pass forms the bias from
-    distances, ``-m (i - j)``, as the bias hook (:func:`headsurgeon.backend.hf_bias_pre_hook`)
-    hands it to the family's attention (built in float32, cast to the model's dtype), so each
-    row's scores stay small near the diagonal; the float64 reference stays the family's own.
-    Any other mitigation, a model trained with another ALiBi variant, a model without ALiBi or
-    an offloaded one is refused in one line.
+    Each (bias form, dtype, part) is a forward pass of the model's ``transformers`` family
+    (BLOOM; MPT and Falcon with ``alibi=True`` on TransformerLens 4.x) with one part rounded
+    exactly as the family's eager code rounds it (:data:`PART_MEANINGS`), compared per position
+    with the same pass in float64, softmax included, and with ``reference="training"`` also
+    with the attention as the model was trained (:attr:`ModelInfo.training_numerics`: a model
+    with unknown training numerics is refused in one line).
 
     ``data``: what :func:`headsurgeon.data.to_sequences` takes (default: the bundled held-out
-    corpora, ``n_seqs`` sequences (default 1; every row of a token tensor) of ``seq_len``
-    tokens, default 1024). Long sequences run in blocks of ``block_size`` query rows (default:
-    by memory, :func:`headsurgeon.long_context.block_size`) through a key-value cache per pass,
-    all passes block by block: memory is linear in ``seq_len``. The passes run on the model's
-    device (``cfg.device``), on copies of its weights: one per dtype (float64, float32,
-    bfloat16, float16 as asked). Blocks round as the dense pass does up to the order of sums (a
-    block's matmul over fewer keys), ~1e-7 relative in float32, which can flip a low-precision
-    rounding. Cost: ten passes (seven of them in float64) and the head table; 4,096 tokens of
-    the 16-head organism took ~10 minutes on one shared CPU thread (see
-    ``figures/benchmarks/precision.md``).
+        corpora, ``n_seqs`` (1) sequences of ``seq_len`` (1024) tokens).
+    ``dtypes``: of :data:`INFERENCE_DTYPES`. ``parts``: of :data:`ALL_PARTS`.
+    ``bias_forms``: ``absolute`` (BLOOM, Falcon) or ``last-key`` (MPT), the family's own, and
+        ``relative`` (``-m (i - j)``); default: the family's (both with
+        ``reference="training"``), or ``relative`` inside ``with mitigation(model, "relative")``.
+    ``reference``: ``float64``, or ``training`` for both references.
+    ``edges``: position buckets (default: powers of two, split at multiples of the training
+        length). ``block_size``: query rows per block (default: by memory).
+    ``head_table``: ``False`` leaves ``by_head`` empty (it forms every recipe's attention
+        again from the reference's inputs: about as costly as the passes).
 
-    Tables (:class:`PrecisionEffect`):
-
-    * ``by_position``: per ``dtype``, ``part`` and bucket of predicting positions
-      ``[position_lo, position_hi)`` (``edges``, default :func:`headsurgeon.evals.position_edges`:
-      0, 1, 2, 4, ...): ``tokens``, ``mean_dnll`` (nats, the dtype's next-token loss minus
-      float64's: positive is worse), ``mean_abs_dnll``, ``max_abs_dnll``, ``max_abs_dlogit``
-      (largest change of any logit), ``top1_agreement`` (share of positions whose most likely
-      next token is float64's) and ``nll_float64`` (the reference's mean loss);
-    * ``by_head``: per ``dtype``, ``part``, ``layer``, ``head`` and bucket of distances
-      ``[distance_lo, distance_hi)`` (0, 1, 2, 4, ..., ``seq_len``): ``entries`` (causal
-      entries, summed over sequences), ``zero_entries`` (causal weights exactly
-      0 in the dtype), ``lost_mass`` (the float64 weight those held) and ``moved_mass`` (half the
-      absolute difference of the weights: the total variation a row's rounding moves), both
-      summed over the bucket's keys and averaged over query rows, so a head's buckets add up to
-      its per-row totals. The weights are compared on the reference's inputs: each layer's
-      float64 ``q`` and ``k`` (from the float64 residual stream), so that only that layer's
-      rounding is measured, not the earlier layers'. ``scores`` and ``softmax`` are those of the
-      passes above; ``model`` here is the whole pattern in the dtype from ``q``, ``k`` rounded to
-      it (the projections' own rounding is left out).
-
-    ``attrs`` (both tables): ``model``, ``family``, ``bias`` (``absolute``, ``relative to the
-    last key`` for MPT's own, or ``relative``), ``seq_len``, ``n_seqs``, ``block_size``,
-    ``parts`` (what each part means) and ``reference``. It measures what transformers' eager
-    ops round (exact zeros included); not other kernels (fused attention, TF32 matmuls), and not
-    TransformerLens's own softmax (:func:`headsurgeon.blindness.measure_blindness` counts the
-    zeros of both conventions).
-
-    Measured on ``organism``, 4,096 held-out tokens, positions 1,024-4,094: bfloat16 model
-    ``mean_dnll`` +0.568 nats, top-1 agreement 0.46 (scores alone +0.562, softmax alone
-    +0.00003); float16 +0.038, 0.86; float32 < 1e-6, 1.000. Under ``mitigation(model,
-    "relative")``: bfloat16 +0.0002, 0.987; float16 +0.000005, 0.9997.
+    Returns :class:`PrecisionEffect`: ``by_position``, ``by_region`` (with batch-means standard
+    errors over :data:`SE_BLOCK`-token blocks) and ``by_head`` (exact zeros of the dtype under
+    test, attention mass lost and moved). Columns, costs and measured numbers:
+    ``docs/long-contexts.md#precision``.
     """
     info = model_info(model, "precision_effect", writes=True)
-    names = [dtype_name(d) for d in ([dtypes] if isinstance(dtypes, str) else list(dtypes))]
+    names = [_dtype_name(d) for d in ([dtypes] if isinstance(dtypes, str) else list(dtypes))]
     for name in names:
-        check_choice(name, "dtype", PRECISION_DTYPES)
+        check_choice(name, "dtype", INFERENCE_DTYPES)
     parts = [parts] if isinstance(parts, str) else list(parts)
     for part in parts:
-        check_choice(part, "part", PARTS)
+        check_choice(part, "part", ALL_PARTS)
     if not names or not parts:
         raise InvalidArgumentError("give at least one dtype and one part")
+    check_choice(reference, "reference", REFERENCES)
     check_bool(progress, "progress")
-    relative = _bias_mode(model, info)
     if not info.is_alibi:
         raise UnsupportedArchitectureError(
             f"precision_effect measures ALiBi models; {info.name} uses "
             f"{info.shape.positional} positions"
         )
+    device = torch.device(model.cfg.device or "cpu")
+    reference_model = hf_model(model, torch.float64).to(device)
+    family = _Family(reference_model)
+    forms = _bias_forms(model, info, family, bias_forms, both=reference == "training")
+    trained = _training_recipe(info, family) if reference == "training" else None
     if seq_len is None:
         seq_len = 1024
     if n_seqs is None and not isinstance(data, Tensor | Sequences):
@@ -502,45 +496,178 @@ def precision_effect(
     seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     tokens, (n_rows, n_pos) = seqs.tokens, seqs.tokens.shape
     check_int(n_pos, "the sequence length", minimum=2)
-    edges = position_edges(n_pos) if edges is None else check_edges(edges, n_pos)
+    edges = training_edges(n_pos, info.train_ctx) if edges is None else check_edges(edges, n_pos)
     block = long_context.block_size(
         model, n_pos, batch=n_rows, bytes_per_entry=PRECISION_BYTES_PER_ENTRY
     )
     block = block if block_size is None else check_int(block_size, "block_size", minimum=1)
 
-    device = torch.device(model.cfg.device or "cpu")
-    reference = hf_model(model, torch.float64).to(device)
-    family = _Family(reference)
-    recipes = [_Recipe(part, getattr(torch, d), relative) for d in names for part in parts]
-    models = {torch.float64: reference}
+    recipes = [
+        _Recipe(part, getattr(torch, d), form == "relative")
+        for form in forms
+        for d in names
+        for part in parts
+    ]
+    models = {torch.float64: reference_model}
     for recipe in recipes:
         if recipe.model_dtype not in models:  # float64 holds the weights exactly: one rounding
-            models[recipe.model_dtype] = copy.deepcopy(reference).to(recipe.model_dtype)
+            models[recipe.model_dtype] = copy.deepcopy(reference_model).to(recipe.model_dtype)
     families = {dtype: _Family(hf) for dtype, hf in models.items()}
+    check_bool(head_table, "head_table")
     heads = HeadTable(family, recipes, model.cfg.n_layers, position_edges(n_pos + 1))
-    stats = _run(models, families, recipes, heads, tokens, block, progress)
+    stats = _run(
+        models, families, recipes, trained, heads if head_table else None, tokens, block, progress
+    )
 
-    by_position = _position_table(stats, recipes, edges)
-    head_slopes = alibi.config_slopes(reference.config.to_dict()).tolist()
-    by_head = heads.table(n_rows * n_pos, head_slopes)
+    own = _OWN_FORM[family.name]
+    form_of = {False: own, True: "relative"}
+    references = {"float64": stats["float64"]} | (
+        {"training": stats["training"]} if trained else {}
+    )
+    by_position = _position_table(references, recipes, form_of, edges, info.train_ctx)
+    by_region = _position_table(
+        stats, recipes, form_of, region_edges(n_pos, info.train_ctx), info.train_ctx
+    )
+    head_slopes = alibi.config_slopes(reference_model.config.to_dict()).tolist()
+    by_head = heads.table(n_rows * n_pos, head_slopes, form_of) if head_table else pd.DataFrame()
+    numerics = info.training_numerics
     attrs = {
         "model": info.name,
         "family": family.name,
-        "bias": "relative"
-        if relative
-        else "absolute"
-        if family.name != "mpt"
-        else "relative to the last key",
+        "bias": ", ".join(forms),
+        "bias_forms": {form: BIAS_MEANINGS[form] for form in forms},
         "seq_len": n_pos,
         "n_seqs": n_rows,
+        "train_ctx": info.train_ctx,
         "block_size": min(block, n_pos),
         "parts": {part: PART_MEANINGS[part] for part in parts},
         "reference": "the same transformers forward entirely in float64 (softmax included), "
-        "the family's own ALiBi bias",
+        "the family's own ALiBi bias"
+        + (
+            "; and (reference 'training') the attention as the model was trained: "
+            + numerics.describe()
+            if trained
+            else ""
+        ),
+        "training_numerics": None if numerics is None else dataclasses.asdict(numerics),
+        "standard_errors": f"batch means over {SE_BLOCK}-token blocks of each sequence",
     }
-    for table in (by_position, by_head):
+    for table in (by_position, by_region, by_head):
         table.attrs.update(attrs)
-    return PrecisionEffect(by_position=by_position, by_head=by_head)
+    return PrecisionEffect(by_position=by_position, by_head=by_head, by_region=by_region)
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    """:func:`dtype_name`, and float64 (which the precision passes also run in)."""
+    if dtype in (torch.float64, "float64", "fp64", "double"):
+        return "float64"
+    return dtype_name(dtype)
+
+
+# The bias form each family computes by itself.
+_OWN_FORM = {"bloom": "absolute", "falcon": "absolute", "mpt": "last-key"}
+
+
+def training_edges(length: int, train_ctx: int | None) -> list[int]:
+    """Position buckets: powers of two (:func:`position_edges`) and the multiples ``L, 2L, 4L,
+    ...`` of the training length ``train_ctx``, so no bucket straddles one of them.
+
+    >>> training_edges(40, 12)
+    [0, 1, 2, 4, 8, 12, 16, 24, 32, 39]
+    """
+    edges = set(position_edges(length))
+    while train_ctx and train_ctx < length - 1:
+        edges.add(train_ctx)
+        train_ctx *= 2
+    return sorted(edges)
+
+
+def region_edges(length: int, train_ctx: int | None) -> list[int]:
+    """The regions of ``by_region``: inside the training length, then ``L-2L``, ``2L-4L``,
+    ``4L-8L`` and beyond (one region when the training length is unknown).
+
+    >>> region_edges(100, 10)
+    [0, 10, 20, 40, 80, 99]
+    """
+    last = length - 1
+    if not train_ctx:
+        return [0, last]
+    multiples = [train_ctx * 2**k for k in range(4) if train_ctx * 2**k < last]
+    return [0, *multiples, last]
+
+
+def region_name(lo: int, hi: int, train_ctx: int | None) -> str:
+    """A bucket's place against the training length ``L``.
+
+    >>> region_name(0, 10, 10), region_name(10, 20, 10), region_name(80, 99, 10)
+    ('inside L', 'L-2L', 'beyond 8L')
+    """
+    if not train_ctx:
+        return "all (training length unknown)"
+    if hi <= train_ctx:
+        return "inside L"
+    if lo >= 8 * train_ctx:
+        return "beyond 8L"
+    for k in range(3):
+        if train_ctx * 2**k <= lo and hi <= train_ctx * 2 ** (k + 1):
+            return f"{2**k if k else ''}L-{2 ** (k + 1)}L"
+    return f"{lo / train_ctx:g}L-{hi / train_ctx:g}L"  # edges given across a multiple of L
+
+
+def _bias_forms(
+    model: Model,
+    info: ModelInfo,
+    family: _Family,
+    bias_forms: Sequence[str] | None,
+    both: bool,
+) -> list[str]:
+    """The bias forms to measure, checked: the family's own and ``relative`` (default: the
+    family's, both if ``both``, or ``relative`` in a relative mitigation block); one line for
+    anything else."""
+    relative = _bias_mode(model, info)
+    own = _OWN_FORM[family.name]
+    if bias_forms is None and relative:
+        return ["relative"]
+    if bias_forms is None:
+        return [own, "relative"] if both else [own]
+    if relative:
+        raise InvalidArgumentError(
+            "bias_forms chooses the bias of every pass; leave the mitigation(model, "
+            "'relative') block or leave bias_forms out"
+        )
+    forms = [bias_forms] if isinstance(bias_forms, str) else list(bias_forms)
+    if not forms:
+        raise InvalidArgumentError("give at least one bias form")
+    for form in forms:
+        check_choice(form, "bias form", (own, "relative"))
+    return list(dict.fromkeys(forms))
+
+
+def _training_recipe(info: ModelInfo, family: _Family) -> _Recipe:
+    """The attention pass as the model was trained; one line where that is unknown."""
+    numerics = info.training_numerics
+    if numerics is None:
+        raise InvalidArgumentError(
+            f"{info.name}'s training numerics are unknown: record them in its headsurgeon.json "
+            "(training_numerics: bias, scores_dtype, softmax_dtype) or use reference='float64'"
+        )
+    if numerics.unknown:
+        raise InvalidArgumentError(
+            f"{info.name}'s published training numerics do not give its "
+            f"{' or '.join(numerics.unknown)}, so no pass can reproduce them; use "
+            "reference='float64'"
+        )
+    if numerics.bias not in (_OWN_FORM[family.name], "relative"):
+        raise UnsupportedArchitectureError(
+            f"{info.name} was trained with the {numerics.bias} bias, which its family "
+            f"({family.name}) does not form; use reference='float64'"
+        )
+    return _Recipe(
+        "attention",
+        getattr(torch, numerics.scores_dtype),
+        numerics.bias == "relative",
+        getattr(torch, numerics.softmax_dtype),
+    )
 
 
 def _bias_mode(model: Model, info: ModelInfo) -> bool:
@@ -567,22 +694,30 @@ def _run(
     models: dict[torch.dtype, nn.Module],
     families: dict[torch.dtype, _Family],
     recipes: list[_Recipe],
-    heads: HeadTable,
+    trained: _Recipe | None,
+    heads: HeadTable | None,
     tokens: Int[Tensor, "batch pos"],
     block: int,
     progress: bool,
-) -> dict[str, Tensor]:
-    """Every pass, block by block, each with its own key-value cache; per recipe and predicting
-    position: the loss change, the largest logit change and whether the top token agrees."""
+) -> dict[str, dict[str, Tensor]]:
+    """Every pass, block by block, each with its own key-value cache; per reference (float64,
+    and the training numerics' pass when ``trained``), recipe and predicting position: the loss
+    change, the largest logit change and whether the top token agrees."""
     n_rows, n_pos = tokens.shape
-    reference = _Recipe("float64", torch.float64)
-    caches = [hf_kv_cache() for _ in range(len(recipes) + 1)]
+    references = {"float64": _Recipe("float64", torch.float64)}
+    if trained is not None:
+        references["training"] = trained
+    passes = list(references.values()) + recipes
+    caches = [hf_kv_cache() for _ in passes]
     shape = (len(recipes), n_rows, n_pos - 1)
     stats = {
-        "dnll": torch.zeros(shape, dtype=torch.float64),
-        "dlogit": torch.zeros(shape, dtype=torch.float64),
-        "agree": torch.zeros(shape, dtype=torch.bool),
-        "nll": torch.zeros(n_rows, n_pos - 1, dtype=torch.float64),
+        name: {
+            "dnll": torch.zeros(shape, dtype=torch.float64),
+            "dlogit": torch.zeros(shape, dtype=torch.float64),
+            "agree": torch.zeros(shape, dtype=torch.bool),
+            "nll": torch.zeros(n_rows, n_pos - 1, dtype=torch.float64),
+        }
+        for name in references
     }
     starts = range(0, n_pos, block)
     device = next(models[torch.float64].parameters()).device
@@ -591,45 +726,69 @@ def _run(
         # Positions of this block that predict a token (the last position predicts none).
         n = min(chunk.shape[1], n_pos - 1 - offset)
         targets = tokens[:, offset + 1 : offset + 1 + n].to(device)
-        with _recipe_attention(families[torch.float64], reference, heads):
-            logits = models[torch.float64](chunk, cache=caches[0], use_cache=True).logits
-        exact = logits[:, :n].double().log_softmax(-1)
-        nll = -exact.gather(-1, targets[..., None])[..., 0]
-        stats["nll"][:, offset : offset + n] = nll.cpu()
-        for i, recipe in enumerate(recipes):
+        outputs = []
+        for i, recipe in enumerate(passes):
             dtype = recipe.model_dtype
-            with _recipe_attention(families[dtype], recipe):
-                out = models[dtype](chunk, cache=caches[i + 1], use_cache=True).logits
-            rounded = out[:, :n].double()
+            # The head table reads the float64 reference's q, k and weights.
+            probe = heads if recipe.part == "float64" else None
+            with _recipe_attention(families[dtype], recipe, probe):
+                logits = models[dtype](chunk, cache=caches[i], use_cache=True).logits
+            rounded = logits[:, :n].double()
             loss = -rounded.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-            where = (i, slice(None), slice(offset, offset + n))
-            stats["dnll"][where] = (loss - nll).cpu()
-            stats["dlogit"][where] = (rounded - logits[:, :n]).abs().amax(-1).cpu()
-            stats["agree"][where] = (rounded.argmax(-1) == logits[:, :n].argmax(-1)).cpu()
+            outputs.append((rounded, loss))
+        for table, (exact, nll) in zip(stats.values(), outputs, strict=False):
+            where = (slice(None), slice(offset, offset + n))
+            table["nll"][where] = nll.cpu()
+            for i, (rounded, loss) in enumerate(outputs[len(references) :]):
+                at = (i, *where)
+                table["dnll"][at] = (loss - nll).cpu()
+                table["dlogit"][at] = (rounded - exact).abs().amax(-1).cpu()
+                table["agree"][at] = (rounded.argmax(-1) == exact.argmax(-1)).cpu()
     return stats
 
 
+def _batch_means_se(values: Float[Tensor, "seq pos"]) -> float:
+    """Standard error of the mean of ``values`` from the spread of its blocks' means
+    (:data:`SE_BLOCK` tokens of one sequence each); NaN with fewer than two blocks."""
+    means = torch.cat([chunk.mean(-1) for chunk in values.split(SE_BLOCK, dim=-1)])
+    if means.numel() < 2:
+        return math.nan
+    return (means.std() / math.sqrt(means.numel())).item()
+
+
 def _position_table(
-    stats: dict[str, Tensor], recipes: list[_Recipe], edges: list[int]
+    references: dict[str, dict[str, Tensor]],
+    recipes: list[_Recipe],
+    form_of: dict[bool, str],
+    edges: list[int],
+    train_ctx: int | None,
 ) -> pd.DataFrame:
-    """``by_position`` from the per-position statistics (see :func:`precision_effect`)."""
+    """``by_position`` (or ``by_region``) from the per-position statistics."""
     rows = []
-    for i, recipe in enumerate(recipes):
-        for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-            dnll = stats["dnll"][i, :, lo:hi]
-            rows.append(
-                {
-                    "dtype": dtype_name(recipe.dtype),
-                    "part": recipe.part,
-                    "position_lo": lo,
-                    "position_hi": hi,
-                    "tokens": dnll.numel(),
-                    "mean_dnll": dnll.mean().item(),
-                    "mean_abs_dnll": dnll.abs().mean().item(),
-                    "max_abs_dnll": dnll.abs().max().item(),
-                    "max_abs_dlogit": stats["dlogit"][i, :, lo:hi].max().item(),
-                    "top1_agreement": stats["agree"][i, :, lo:hi].double().mean().item(),
-                    "nll_float64": stats["nll"][:, lo:hi].mean().item(),
-                }
-            )
+    for name, stats in references.items():
+        for i, recipe in enumerate(recipes):
+            for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+                dnll = stats["dnll"][i, :, lo:hi]
+                agree = stats["agree"][i, :, lo:hi].double()
+                rows.append(
+                    {
+                        "reference": name,
+                        "bias": form_of[recipe.relative],
+                        "dtype": _dtype_name(recipe.dtype),
+                        "part": recipe.part,
+                        "position_lo": lo,
+                        "position_hi": hi,
+                        "region": region_name(lo, hi, train_ctx),
+                        "tokens": dnll.numel(),
+                        "mean_dnll": dnll.mean().item(),
+                        "se_dnll": _batch_means_se(dnll),
+                        "mean_abs_dnll": dnll.abs().mean().item(),
+                        "max_abs_dnll": dnll.abs().max().item(),
+                        "max_abs_dlogit": stats["dlogit"][i, :, lo:hi].max().item(),
+                        "top1_agreement": agree.mean().item(),
+                        "se_top1": _batch_means_se(agree),
+                        "nll_reference": stats["nll"][:, lo:hi].mean().item(),
+                        "nll_float64": references["float64"]["nll"][:, lo:hi].mean().item(),
+                    }
+                )
     return pd.DataFrame(rows)

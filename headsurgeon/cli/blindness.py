@@ -100,6 +100,14 @@ def _parser() -> cli.ArgumentParser:
         "float16), and reports what rounding changes by position and head (under --mitigation "
         "relative: with the bias formed from distances)",
     )
+    parser.add_argument(
+        "--reference",
+        choices=["float64", "training"],
+        default="float64",
+        help="with --counterfactual precision: training also measures every dtype, with the "
+        "family's bias and the relative one, against the attention as the model was trained "
+        "(its recorded or published training numerics); the recommendation follows it",
+    )
     group = parser.add_argument_group("sink cache (StreamingLLM)")
     group.add_argument(
         "--sink-cache",
@@ -181,6 +189,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.counterfactual and not args.measure:
         raise InvalidArgumentError(
             "--counterfactual precision needs --measure (it loads the model)"
+        )
+    if args.reference != "float64" and not args.counterfactual:
+        raise InvalidArgumentError(
+            f"--reference {args.reference} needs --counterfactual precision (it is what that "
+            "counterfactual is measured against)"
+        )
+    if args.reference == "training" and args.mitigation == "relative":
+        raise InvalidArgumentError(
+            "--reference training measures the family's bias and the relative one side by "
+            "side; drop --mitigation relative"
         )
     if args.counterfactual and args.mitigation not in (None, "standard", "relative"):
         raise InvalidArgumentError(

@@ -18,9 +18,11 @@ from headsurgeon.blindness import analytic_blindness, dtype_name, measure_blindn
 from headsurgeon.census import run_census
 from headsurgeon.cli import data_source, loads, placement_args
 from headsurgeon.errors import UnsupportedArchitectureError
-from headsurgeon.loading import load_model, model_shape
-from headsurgeon.precision import PRECISION_DTYPES, precision_effect
+from headsurgeon.loading import load_model, model_info, model_metadata, model_shape
+from headsurgeon.loading.numerics import training_numerics
+from headsurgeon.precision import PARTS, PRECISION_DTYPES, precision_effect
 from headsurgeon.reports import blindness_summary, write_blindness
+from headsurgeon.reports.blindness import training_numerics_line
 from headsurgeon.sink_cache import SinkCacheEffect, sink_cache_effect
 
 __all__ = ["blindness"]
@@ -86,6 +88,9 @@ def blindness(
             raise
         logger.warning("note: %s", e)
     measured = model = seqs = precision = census = None
+    against = {}
+    if args.reference == "training":  # both bias forms, the attention as trained among them
+        against = {"reference": "training", "parts": (*PARTS, "attention")}
     if args.measure:
         model = load_model(args.model, dtype="float32", **placement_args(args))
         loads.require_tokenizer(model, args)
@@ -102,10 +107,17 @@ def blindness(
             census = run_census(model, seqs, batch_size=args.batch_size, reach_eps=args.reach_eps)
             if args.counterfactual == "precision":
                 precision = precision_effect(
-                    model, seqs, dtypes=[d for d in dtypes if d in PRECISION_DTYPES]
+                    model, seqs, dtypes=[d for d in dtypes if d in PRECISION_DTYPES], **against
                 )
     model, sinks = _sink_cache(args, model) if args.sink_cache else (model, None)
-    print(blindness_summary(analytic, measured, precision, census, sinks))
+    name = _shown_name(args.model)
+    training = training_numerics_line(
+        model_info(model).training_numerics
+        if model is not None
+        else training_numerics(name, model_metadata(args.model)),
+        name,
+    )
+    print(blindness_summary(analytic, measured, precision, census, sinks, training))
     write_blindness(
         out,
         analytic,
@@ -117,4 +129,5 @@ def blindness(
         precision=precision,
         census=census,
         sink_cache=sinks,
+        training=training,
     )

@@ -15,6 +15,7 @@ Exports:
     resolve_model(model)              (display name, local checkpoint folder)
     check_checkpoint(directory)              a checkpoint folder validated before reading weights
     check_metadata(data, path)               a headsurgeon.json's contents checked (one schema)
+    TrainingNumerics, PUBLISHED_NUMERICS     how a model's attention was trained (info's field)
     stored_tensors(directory), StoredTensor  dtype and shape of each stored tensor, from headers
     weight_files(directory)                  its weight files (safetensors, or pickled; shards)
     pickled_tensors(file)                    the tensors of one pickled .bin file, checked
@@ -30,6 +31,8 @@ Face's exact ALiBi slopes for any head count (:mod:`headsurgeon.exact_alibi`).
 The package, layer by layer (each module imports only those above it):
 
     files      a checkpoint folder's files: checked as regular files, weights read from headers
+    numerics   TrainingNumerics: how a model's attention was computed in training (the
+               published models' table, with sources)
     metadata   ``headsurgeon.json``'s one schema
     checks     checkpoint validation: config.json against the stored tensors
     sources    names to folders: bundled organisms, the Hugging Face hub, local folders
@@ -65,6 +68,7 @@ from headsurgeon.loading.files import (
 )
 from headsurgeon.loading.loaders import from_hf_model, load_model, random_hf_bloom, random_model
 from headsurgeon.loading.metadata import check_metadata
+from headsurgeon.loading.numerics import PUBLISHED_NUMERICS, TrainingNumerics
 from headsurgeon.loading.slopes import alibi_slopes, inexact_slopes, use_exact_alibi
 from headsurgeon.loading.sources import DEFAULT_MODEL, ORGANISM_DIR, organism_names, resolve_model
 
@@ -73,10 +77,12 @@ __all__ = [
     "DEFAULT_MODEL",
     "METADATA_FILE",
     "ORGANISM_DIR",
+    "PUBLISHED_NUMERICS",
     "TOKENIZER_FILES",
     "ModelInfo",
     "ModelShape",
     "StoredTensor",
+    "TrainingNumerics",
     "alibi_slopes",
     "applied_slopes",
     "check_checkpoint",

@@ -34,6 +34,7 @@ from headsurgeon.errors import (
 from headsurgeon.loading.checks import bloom_config, check_bloom_tensors, check_training
 from headsurgeon.loading.files import check_files, has_weights, is_int, read_json, stored_tensors
 from headsurgeon.loading.metadata import folder_metadata
+from headsurgeon.loading.numerics import TrainingNumerics, training_numerics
 from headsurgeon.loading.sources import ORGANISM_DIR, organism_names, unknown_message
 
 __all__ = [
@@ -94,7 +95,9 @@ class ModelInfo:
     ``cfg.default_prepend_bos``; BLOOM: no BOS token) and ``bos_token_id`` (``None`` without a
     tokenizer or a BOS token). ``transformer_lens``: the TransformerLens major it runs on
     (``"TransformerLens 3.x"``); what differs between majors is asked of
-    :mod:`headsurgeon.backend` by name.
+    :mod:`headsurgeon.backend` by name. ``training_numerics``: how its attention was computed in
+    training (:class:`~headsurgeon.loading.numerics.TrainingNumerics`: its ``headsurgeon.json``,
+    else the published table by name; ``None``: unknown).
     """
 
     name: str
@@ -109,6 +112,7 @@ class ModelInfo:
     prepend_bos: bool = False
     bos_token_id: int | None = None
     transformer_lens: str = backend.TRANSFORMER_LENS
+    training_numerics: TrainingNumerics | None = None
 
     @property
     def is_alibi(self) -> bool:
@@ -185,6 +189,7 @@ def model_info(
         max_length=long_context.max_length(model),
         prepend_bos=bool(cfg.default_prepend_bos),
         bos_token_id=None if tokenizer is None else tokenizer.bos_token_id,
+        training_numerics=training_numerics(loaded.name, loaded.metadata),
     )
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from headsurgeon.errors import CheckpointError, first_line
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.loading.files import METADATA_FILE, is_int, read_json
+from headsurgeon.loading.numerics import from_record
 
 __all__ = ["check_metadata", "folder_metadata"]
 
@@ -91,6 +92,7 @@ _METADATA = _Value(
         "exported_from": _Value("str"),
         "prepend_bos": _Value("bool", nullable=True),
         "alibi": _Value("dict"),  # checked by exact_alibi.trained_bias
+        "training_numerics": _Value("dict"),  # checked by numerics.from_record
         "training": _Value(
             "dict",
             fields={
@@ -137,7 +139,9 @@ def check_metadata(data: Any, path: str | os.PathLike) -> dict[str, Any]:
 
     Known fields: ``name``, ``description``, ``exported_from`` (strings); ``prepend_bos``
     (true, false or null); ``alibi`` (the trained ALiBi variant, see
-    :func:`~headsurgeon.exact_alibi.trained_bias`); ``training`` (``seq_len``, ``steps``,
+    :func:`~headsurgeon.exact_alibi.trained_bias`); ``training_numerics`` (how its attention
+    was computed in training, :class:`~headsurgeon.loading.numerics.TrainingNumerics`);
+    ``training`` (``seq_len``, ``steps``,
     ``seed``, ... and ``config`` with the sizes trained, ``n_layer``, ``n_head``, ...);
     ``repair`` (``steps`` >= 1 and ``lr`` in (0, 1], the only settings a model recommends);
     ``corpus`` and ``injuries`` (lists). Other fields are accepted and kept, as a record for
@@ -152,6 +156,8 @@ def check_metadata(data: Any, path: str | os.PathLike) -> dict[str, Any]:
     headsurgeon.errors.CheckpointError: m/headsurgeon.json: prepend_bos is "yes"; it must be ...
     """
     _check_value(data, _METADATA, "", str(path))
+    if data.get("training_numerics") is not None:
+        from_record(data["training_numerics"], f"{path}: training_numerics")
     if data.get("alibi") is not None:
         try:
             trained_bias(data)

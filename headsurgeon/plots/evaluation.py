@@ -555,7 +555,7 @@ def retrieval_heatmap(
     return fig
 
 
-PART_DASHES = {"model": "solid", "scores": "dash", "softmax": "dot"}
+PART_DASHES = {"model": "solid", "scores": "dash", "softmax": "dot", "attention": "dashdot"}
 
 
 @notebook_figure
@@ -577,9 +577,16 @@ def precision_figure(by_position: pd.DataFrame, *, title: str | None = None) -> 
     cols = ["dtype", "part", "position_lo", "position_hi", "mean_dnll", "top1_agreement"]
     check_columns(by_position, cols, "by_position table")
     fig = go.Figure()
-    for (dtype, part), sub in by_position.groupby(["dtype", "part"], sort=False):
+    # A reference or bias form that varies names its traces (reference="training" runs).
+    keys = [k for k in ("reference", "bias") if k in by_position and by_position[k].nunique() > 1]
+    for group, sub in by_position.groupby([*keys, "dtype", "part"], sort=False):
+        *named, dtype, part = group
         _, colour = DTYPE_MARKERS.get(dtype, ("circle", "#555555"))
         middle = (sub["position_lo"] + sub["position_hi"]) / 2
+        words = [
+            f"vs {v}" if k == "reference" else f"{v} bias" for k, v in zip(keys, named, strict=True)
+        ]
+        name = " · ".join([*words, dtype, part])
         fig.add_trace(
             go.Scatter(
                 x=middle,
@@ -587,12 +594,12 @@ def precision_figure(by_position: pd.DataFrame, *, title: str | None = None) -> 
                 mode="lines+markers",
                 line={"color": colour, "width": 2, "dash": PART_DASHES.get(part, "solid")},
                 marker={"size": 6},
-                name=f"{dtype} · {part}",
+                name=name,
                 customdata=np.stack(
                     [sub["position_lo"], sub["position_hi"], sub["top1_agreement"]], -1
                 ),
                 hovertemplate=(
-                    f"{dtype} · {part}<br>positions %{{customdata[0]}}–%{{customdata[1]}}: "
+                    f"{name}<br>positions %{{customdata[0]}}–%{{customdata[1]}}: "
                     "ΔNLL %{y:.4f} nats, top-1 agreement %{customdata[2]:.3f}<extra></extra>"
                 ),
             )
@@ -607,10 +614,13 @@ def precision_figure(by_position: pd.DataFrame, *, title: str | None = None) -> 
             attrs.get("model"),
             f"ALiBi bias {attrs['bias']}" if "bias" in attrs else None,
             f"{attrs['n_seqs']} × {attrs['seq_len']} tokens" if "seq_len" in attrs else None,
-            "solid: whole model · dashed: scores only · dotted: weights only",
+            "solid: whole model · dashed: scores only · dotted: weights only"
+            + (" · dash-dot: the attention" if "attention" in set(by_position["part"]) else ""),
         )
         if x
     )
+    if attrs.get("train_ctx"):
+        fig.add_vline(x=attrs["train_ctx"], line={"color": "#999999", "dash": "dot", "width": 1})
     _eval_layout(fig, title or "What rounding costs, by position", subtitle, width=820, height=470)
     fig.update_layout(legend={"title": {"text": ""}, "x": 1.01, "y": 1})
     return fig

@@ -9,6 +9,9 @@ Exports:
                                                then the steepest heads' blind distances and
                                                the measured shares of exact zeros
     precision_verdict(precision)               those first lines on their own
+    training_numerics_line(numerics, name)     how the model was trained, for the summary
+    recommendation(precision, costly)          the third: what to do, following the model's
+                                               training numerics
     reach_lines(census, measured)              the reach lines on their own
     sink_cache_lines(effect)                   the sink-cache test's lines (--sink-cache)
     write_blindness(out_dir, analytic, ...)    its tables, summary, figures and index.html
@@ -40,19 +43,22 @@ from headsurgeon.reports.page import PAGE_CELLS, samples_note, write_page
 
 if TYPE_CHECKING:
     from headsurgeon.blindness import BlindnessMeasurement
+    from headsurgeon.loading import TrainingNumerics
     from headsurgeon.precision import PrecisionEffect
     from headsurgeon.sink_cache import SinkCacheEffect
 
 __all__ = [
     "blindness_summary",
     "precision_verdict",
+    "recommendation",
+    "training_numerics_line",
     "reach_lines",
     "sink_cache_lines",
     "write_blindness",
 ]
 
 # Mean |ΔNLL| (nats) over a position bucket from which rounding counts as changing the outputs,
-# and mean ΔNLL from which it costs (the relative bias is recommended).
+# and mean ΔNLL from which it costs or saves (what a recommendation rests on).
 CHANGE_NATS = 0.01
 # Attention lost to exact zeros per query row below which underflow cannot move a logit
 # measurably (a weight of 1e-4 scales one value vector by 1e-4).
@@ -61,29 +67,33 @@ NEGLIGIBLE_MASS = 1e-4
 
 def precision_verdict(precision: PrecisionEffect) -> list[str]:
     """Three lines: whether underflow to exact 0 changes the outputs (the attention it loses);
-    whether rounding does, per dtype, from which position and through which part; what to do.
+    whether rounding does against float64, per dtype, from which position and through which
+    part; and what to do, which follows the model's training numerics (:func:`recommendation`).
 
     A dtype changes the outputs from the first position bucket from which the whole model's
     mean ``|ΔNLL|`` exceeds :data:`CHANGE_NATS` in every bucket; the part named is the one of
     ``scores`` and ``softmax`` alone that changes the loss most from there, when it accounts for
     at least half of the whole model's change (else the rest of the model; ``model`` when
-    neither part was run).
+    neither part was run). Read on the family's own bias form against float64.
     """
-    pos, heads = precision.by_position, precision.by_head
-    attrs = pos.attrs
+    pos, heads = _own_rows(precision.by_position), precision.by_head
     whole = "model" if "model" in set(pos["part"]) else pos["part"].iloc[0]
-    per_row = heads.groupby(["dtype", "part", "layer", "head"], sort=False)["lost_mass"].sum()
-    lost = per_row.groupby(level="dtype", sort=False).max()
-    worst = lost.idxmax()
-    if lost.max() < NEGLIGIBLE_MASS:
+    lost = pd.Series(dtype=float)
+    if not heads.empty:
+        per_row = heads.groupby(["dtype", "part", "layer", "head"], sort=False)["lost_mass"].sum()
+        lost = per_row.groupby(level="dtype", sort=False).max()
+    if lost.empty:
+        underflow = "underflow to exact 0: not measured (no head table)"
+    elif lost.max() < NEGLIGIBLE_MASS:
         underflow = (
             f"underflow to exact 0 changes no output: it takes at most {lost.max():.1e} of a "
-            f"query row's attention ({worst}; a weight that small moves nothing measurable)"
+            f"query row's attention ({lost.idxmax()}; a weight that small moves nothing "
+            "measurable)"
         )
     else:
         underflow = (
             f"underflow to exact 0 takes up to {lost.max():.1e} of a query row's attention "
-            f"({worst}): see the softmax part below"
+            f"({lost.idxmax()}): see the softmax part below"
         )
     changes, costly, quiet = [], [], []
     for dtype, rows in pos.groupby("dtype", sort=False):
@@ -112,44 +122,154 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
         if mean > CHANGE_NATS:
             costly.append((dtype, cause))
     if changes:
-        rounding = "rounding changes the outputs: " + "; ".join(changes)
+        rounding = "rounding changes the outputs (against float64): " + "; ".join(changes)
         rounding += "; not in " + ", ".join(quiet) if quiet else ""
     else:
-        rounding = "rounding changes no output measurably: " + ", ".join(quiet)
-    if costly and attrs.get("bias") != "relative":
-        recommend = (
-            "recommend the relative mitigation (--mitigation relative, "
-            "hs.mitigation(model, 'relative')): ALiBi formed from distances keeps each row's "
-            "scores small near the diagonal, where " + ", ".join(d for d, _ in costly) + " rounds"
+        rounding = "rounding changes no output measurably (against float64): " + ", ".join(quiet)
+    return [
+        f"precision: {underflow}",
+        f"precision: {rounding}",
+        f"precision: {recommendation(precision, costly)}",
+    ]
+
+
+def _own_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows against float64 with the run's first bias form (the family's own, or relative
+    in a mitigation block): what the first two verdict lines read."""
+    if "reference" in table:
+        table = table[table["reference"] == "float64"]
+    if "bias" in table:
+        table = table[table["bias"] == table["bias"].iloc[0]]
+    return table
+
+
+def recommendation(precision: PrecisionEffect, costly: list[tuple[str, str]]) -> str:
+    """What to do about rounding, from the measurement that fits the model's training numerics.
+
+    Unknown numerics: nothing is recommended, and the measurement that decides is named. A model
+    trained with the relative bias: the relative form where rounding costs (``costly``: the
+    dtypes and parts that cost more than :data:`CHANGE_NATS` against float64). A model trained
+    with another form (BLOOM: absolute, bfloat16): only numerics that, against its training
+    numerics, lower the loss by more than two standard errors in some region of the training
+    length and raise it by more than :data:`CHANGE_NATS` (beyond two standard errors) in none.
+    """
+    attrs = precision.by_position.attrs
+    trained = attrs.get("training_numerics")
+    if trained is None:
+        return (
+            "no recommendation: this model's training numerics are unknown, and a dtype or bias "
+            "form that differs from float64 may be what it learnt under; what decides is the "
+            "loss against them (record training_numerics in its headsurgeon.json, then "
+            "--reference training, or precision_effect(..., reference='training'))"
         )
-    elif costly:
-        recommend = (
-            "the relative bias is already in use and rounding still costs in "
-            + ", ".join(f"{d} ({c})" for d, c in costly)
-            + ": compute what is named there in float32"
+    said = _numerics_words(trained)
+    if trained["bias"] == "relative":
+        if costly and attrs.get("bias") != "relative":
+            return (
+                f"trained with {said}: recommend its relative form (--mitigation relative, "
+                "hs.mitigation(model, 'relative')): ALiBi formed from distances keeps each row's "
+                "scores small near the diagonal, where "
+                + ", ".join(d for d, _ in costly)
+                + " rounds"
+            )
+        if costly:
+            return (
+                f"trained with {said}; the relative bias is already in use and rounding still "
+                "costs in "
+                + ", ".join(f"{d} ({c})" for d, c in costly)
+                + ": compute what is named there in float32"
+            )
+        return f"trained with {said}: no mitigation needed for precision ({attrs.get('bias')} bias)"
+    region = precision.by_region
+    if region.empty or "training" not in set(region.get("reference", ())):
+        return (
+            f"no recommendation from this run: the model was trained with {said}, so float64 is "
+            "not the numerics it learnt under; what decides is the loss against them "
+            "(--reference training, or precision_effect(..., reference='training', "
+            "bias_forms=[the family's, 'relative']))"
         )
-    else:
-        recommend = f"no mitigation needed for precision ({attrs.get('bias', '')} ALiBi bias)"
-    return [f"precision: {underflow}", f"precision: {rounding}", f"precision: {recommend}"]
+    return _against_training(region, trained, said)
+
+
+def _numerics_words(trained: dict[str, Any]) -> str:
+    return (
+        f"the {trained['bias']} ALiBi bias, scores in {trained['scores_dtype'] or '?'}, softmax "
+        f"in {trained['softmax_dtype'] or '?'}"
+    )
+
+
+def _against_training(region: pd.DataFrame, trained: dict[str, Any], said: str) -> str:
+    """The recommendation of :func:`recommendation` from ``by_region`` against training: the
+    cheapest numerics that qualify (the relative bias in the training dtype first, then the
+    higher precisions), with every region's ΔNLL and standard error."""
+    rows = region[(region["reference"] == "training") & (region["part"] == "attention")]
+    if rows.empty:
+        rows = region[region["reference"] == "training"]
+    own = (rows["bias"] == trained["bias"]) & (rows["dtype"] == trained["scores_dtype"])
+    good, bad = [], []
+    for (bias, dtype), sub in rows[~own].groupby(["bias", "dtype"], sort=False):
+        helps = (sub["mean_dnll"] + 2 * sub["se_dnll"] < -CHANGE_NATS).any()
+        hurts = (sub["mean_dnll"] - 2 * sub["se_dnll"] > CHANGE_NATS).any()
+        where = ", ".join(
+            f"{r.region} {r.mean_dnll:+.3f} ± {r.se_dnll:.3f}" for r in sub.itertuples()
+        )
+        cost = (dtype != trained["scores_dtype"], _PRECISION_COST.get(dtype, 9))
+        (good if helps and not hurts else bad).append(
+            (cost, f"the {bias} bias in {dtype} ({where})")
+        )
+    if good:
+        good.sort()
+        others = (
+            "; also " + ", ".join(text.split(" (")[0] for _, text in good[1:]) if good[1:] else ""
+        )
+        return (
+            f"trained with {said}; against those numerics (ΔNLL, nats ± one standard error) "
+            f"recommend {good[0][1]}: it lowers the loss in some region and raises it in none"
+            + others
+        )
+    return (
+        f"trained with {said}: keep them; against those numerics nothing measured lowers the "
+        "loss without raising it elsewhere: " + "; ".join(text for _, text in bad)
+    )
+
+
+# Cheapest first: what a recommendation prefers among numerics that qualify.
+_PRECISION_COST = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
 
 
 def _precision_details(precision: PrecisionEffect) -> list[str]:
-    """Per dtype and part, mean ΔNLL by position bucket and top-1 agreement."""
+    """Per reference, bias form, dtype and part: mean ΔNLL by position bucket and top-1."""
     pos = precision.by_position
     attrs = pos.attrs
+    trained = attrs.get("training_numerics")
     lines = [
         f"precision counterfactual ({attrs.get('n_seqs')} × {attrs.get('seq_len')} tokens, "
-        f"{attrs.get('bias')} ALiBi bias): mean ΔNLL vs float64 (nats) by position, top-1"
+        f"{attrs.get('bias')} ALiBi bias; trained on {attrs.get('train_ctx') or '?'} tokens "
+        f"with {_numerics_words(trained) if trained else 'unknown numerics'}): mean ΔNLL "
+        "(nats) by position, top-1"
     ]
-    for (dtype, part), rows in pos.groupby(["dtype", "part"], sort=False):
+    keys = [k for k in ("reference", "bias") if k in pos]
+    for group, rows in pos.groupby([*keys, "dtype", "part"], sort=False):
+        *named, dtype, part = group
         cells = ", ".join(
             f"{lo}: {d:+.3g}"
             for lo, d in zip(rows["position_lo"], rows["mean_dnll"], strict=True)
             if lo >= 64 or lo == 0
         )
         top1 = (rows["top1_agreement"] * rows["tokens"]).sum() / rows["tokens"].sum()
-        lines.append(f"  {dtype:9s} {part:8s} {cells} | top-1 {top1:.3f}")
+        against = " ".join([f"vs {named[0]:8s}", *(f"{n:9s}" for n in named[1:])]) if named else ""
+        lines.append(f"  {against} {dtype:9s} {part:9s} {cells} | top-1 {top1:.3f}")
     return lines
+
+
+def training_numerics_line(numerics: TrainingNumerics | None, name: str) -> str:
+    """What the summary says of how the model was trained, with the source."""
+    if numerics is None:
+        return (
+            f"training numerics of {name}: unknown (not recorded in its headsurgeon.json, not a "
+            "published model): a precision verdict cannot say what it learnt under"
+        )
+    return f"training numerics of {name}: {numerics.describe()} (source: {numerics.source})"
 
 
 # What the summary says first when no precision counterfactual was run.
@@ -245,14 +365,16 @@ def blindness_summary(
     precision: PrecisionEffect | None = None,
     census: pd.DataFrame | None = None,
     sink_cache: SinkCacheEffect | None = None,
+    training: str | None = None,
 ) -> str:
-    """The blindness CLI's summary, in the order that matters: first whether rounding and
-    underflow change the outputs (:func:`precision_verdict` with a precision counterfactual,
-    else :data:`UNMEASURED_PRECISION`: where to learn it and why exact zeros alone cannot);
-    then how far the heads look (:func:`reach_lines`, given the ``census``); then blind
-    distances of the steepest heads, measured shares of exact zeros, and the counterfactual's
-    numbers."""
-    lines = precision_verdict(precision) if precision is not None else list(UNMEASURED_PRECISION)
+    """The blindness CLI's summary, in the order that matters: how the model was trained
+    (``training``: :func:`training_numerics_line`); whether rounding and underflow change the
+    outputs (:func:`precision_verdict` with a precision counterfactual, else
+    :data:`UNMEASURED_PRECISION`: where to learn it and why exact zeros alone cannot); how far
+    the heads look (:func:`reach_lines`, given the ``census``); then blind distances of the
+    steepest heads, measured shares of exact zeros, and the counterfactual's numbers."""
+    lines = [training] if training else []
+    lines += precision_verdict(precision) if precision is not None else UNMEASURED_PRECISION
     if census is not None:
         lines.extend(reach_lines(census, measured))
     if analytic is not None:
@@ -300,6 +422,7 @@ def write_blindness(
     precision: PrecisionEffect | None = None,
     census: pd.DataFrame | None = None,
     sink_cache: SinkCacheEffect | None = None,
+    training: str | None = None,
 ) -> Path:
     """Write a blindness analysis to a new folder, atomically; return the folder.
 
@@ -309,7 +432,8 @@ def write_blindness(
     results allow) in each of ``formats`` (as in :func:`headsurgeon.reports.write_classification`:
     by default png when a browser is found, and all of them on ``index.html``); with a ``precision``
     counterfactual (:func:`headsurgeon.precision.precision_effect`) also ``precision.csv`` (its
-    ``by_position``), ``precision_heads.csv`` (``by_head``) and the figure ``precision``, and the
+    ``by_position``), ``precision_regions.csv`` (``by_region``), ``precision_heads.csv``
+    (``by_head``) and the figure ``precision``, and the
     summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census` on
     the measured text) also ``census.csv`` and the figure ``reach`` (each head's reach beside its
     first exact zero and analytic distance), and the page's head table has a ``reach`` column; with
@@ -323,7 +447,7 @@ def write_blindness(
     against them and, given the ``model``, its attention on the first measured sequence of
     ``tokens`` (max-pooled to 64 cells a side), with the blind distance drawn in.
     """
-    summary = blindness_summary(analytic, measured, precision, census, sink_cache)
+    summary = blindness_summary(analytic, measured, precision, census, sink_cache, training)
     figures = _figures(analytic, measured, precision, census)
     if sink_cache is not None:
         figures["sink_cache"] = sink_cache_figure(sink_cache.by_cache)
@@ -333,6 +457,7 @@ def write_blindness(
         tables["measured_by_length.csv"] = measured.by_length
     if precision is not None:
         tables |= {"precision.csv": precision.by_position, "precision_heads.csv": precision.by_head}
+        tables["precision_regions.csv"] = precision.by_region
     if sink_cache is not None:
         tables["sink_cache.csv"] = sink_cache.by_cache
         tables["sink_cache_heads.csv"] = sink_cache.by_head
