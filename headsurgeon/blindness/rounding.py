@@ -260,7 +260,7 @@ def analytic_rounding(
         "absolute": _FORMS[shape.family],
         "relative": _FORMS["relative"],
         "measures": "the spacing of the float grid the ALiBi bias is stored on (rounding_step, "
-        "logits; max_rounding_error = half of it), from the slopes alone",
+        "logits; max_rounding_error: half the sum of its roundings' steps), from the slopes alone",
     }
     result = RoundingAnalysis(
         by_head=pd.concat(head_rows, ignore_index=True),
@@ -273,7 +273,7 @@ def analytic_rounding(
 
 def _listed(values: Sequence | str | float, what: str) -> list:
     """One value or several, as a list; one line if there are none."""
-    values = [values] if isinstance(values, (str, int, float)) else list(values)
+    values = [values] if isinstance(values, (str, int, float, torch.dtype)) else list(values)
     if not values:
         raise InvalidArgumentError(f"give at least one {what}")
     return values
