@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from headsurgeon.blindness import (
         analytic_blindness as analytic_blindness,
+        analytic_rounding as analytic_rounding,
         measure_blindness as measure_blindness,
         mitigation as mitigation,
     )
@@ -80,6 +81,7 @@ _EXPORTS = {
     "ablate_heads": ("headsurgeon.importance", "ablate_heads"),
     "alibi_slopes": ("headsurgeon.loading", "alibi_slopes"),
     "analytic_blindness": ("headsurgeon.blindness", "analytic_blindness"),
+    "analytic_rounding": ("headsurgeon.blindness", "analytic_rounding"),
     "classify_heads": ("headsurgeon.classify", "classify_heads"),
     "compare_corpora": ("headsurgeon.domains", "compare_corpora"),
     "FinetuneConfig": ("headsurgeon.finetune", "FinetuneConfig"),

@@ -7,6 +7,10 @@ Exports:
     ANALYSED_DTYPES                    the float formats analysed: float32, bfloat16, float16
     analytic_blindness(model)  DataFrame: blind distance per layer, head, dtype, limit
                                        (from the slopes: no weights needed)
+    analytic_rounding(model)           RoundingAnalysis: per head and dtype, the rounding step
+                                       of the ALiBi bias by position, and the first positions
+                                       where it exceeds 0.1 and 1 logit (no weights needed)
+    RoundingAnalysis                   its tables: by_head, by_position
     measure_blindness(model, data)     BlindnessMeasurement: exact zeros per head, distance and
                                        context length, streamed over batches and query blocks
     BlindnessMeasurement               its tables: by_head, by_distance, by_length
@@ -20,7 +24,8 @@ Command line: ``python -m headsurgeon.blindness [MODEL] [options]`` (the tool it
 :mod:`headsurgeon.cli.blindness`).
 
 The package itself imports nothing heavy: each name comes from
-:mod:`headsurgeon.blindness.analysis` on first use, so ``python -m headsurgeon.blindness`` (which
+:mod:`headsurgeon.blindness.analysis` (the rounding names from
+:mod:`headsurgeon.blindness.rounding`) on first use, so ``python -m headsurgeon.blindness`` (which
 imports this package first) answers ``--help`` without torch's import time.
 """
 
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
         mitigation,
         require_scores,
     )
+    from headsurgeon.blindness.rounding import RoundingAnalysis, analytic_rounding
 
 __all__ = [
     "ANALYSED_DTYPES",
@@ -48,6 +54,8 @@ __all__ = [
     "active_mitigations",
     "BlindnessMeasurement",
     "analytic_blindness",
+    "analytic_rounding",
+    "RoundingAnalysis",
     "require_scores",
     "dtype_name",
     "measure_blindness",
@@ -55,6 +63,12 @@ __all__ = [
 ]
 
 
+# The names served from headsurgeon.blindness.rounding; every other one is analysis's.
+_ROUNDING = ("RoundingAnalysis", "analytic_rounding")
+
+
 def __getattr__(name: str) -> Any:
-    """The names of :mod:`headsurgeon.blindness.analysis`, imported on first use."""
-    return getattr(importlib.import_module("headsurgeon.blindness.analysis"), name)
+    """The names of :mod:`headsurgeon.blindness.analysis` (and ``rounding``), imported on first
+    use."""
+    module = "rounding" if name in _ROUNDING else "analysis"
+    return getattr(importlib.import_module(f"headsurgeon.blindness.{module}"), name)

@@ -1,6 +1,7 @@
 """The work of ``python -m headsurgeon.blindness`` once its options are checked and its output
 folder claimed (:mod:`headsurgeon.cli.blindness`): the analytic blind distances, the
-measurements, print and write (imports torch, TransformerLens, pandas and plotly).
+measurements, print and write (imports torch, TransformerLens, pandas and plotly). The
+analytic tables (blind distances, the bias's rounding per dtype) need no weights.
 
 Exports: blindness(args, out, params, formats) (the run)
 """
@@ -14,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from headsurgeon.backend import Model
-from headsurgeon.blindness import analytic_blindness, dtype_name, measure_blindness, mitigation
+from headsurgeon.blindness import (
+    analytic_blindness,
+    analytic_rounding,
+    dtype_name,
+    measure_blindness,
+    mitigation,
+)
 from headsurgeon.census import run_census
 from headsurgeon.cli import data_source, loads, placement_args
 from headsurgeon.errors import UnsupportedArchitectureError
@@ -71,7 +78,7 @@ def blindness(
         args.max_distance = max(shape.n_ctx, args.seq_len) if args.measure else shape.n_ctx
     if args.mitigation == "robust":
         params = {**params, "dtype": dtypes[0], "limit": args.limit[0]}
-    analytic = None
+    analytic = rounding = None
     try:
         analytic_params = {k: v for k, v in params.items() if k not in ("dtype", "limit")}
         analytic = analytic_blindness(
@@ -83,6 +90,10 @@ def blindness(
             **analytic_params,
         )
         analytic.attrs["model"] = _shown_name(args.model)
+        # How finely the family stores the bias in each dtype: from the slopes, like the above.
+        rounding = analytic_rounding(args.model, dtypes=dtypes)
+        for table in (rounding.by_head, rounding.by_position):
+            table.attrs["model"] = analytic.attrs["model"]
     except UnsupportedArchitectureError as e:
         if not args.measure:
             raise
@@ -117,7 +128,7 @@ def blindness(
         else training_numerics(name, model_metadata(args.model)),
         name,
     )
-    print(blindness_summary(analytic, measured, precision, census, sinks, training))
+    print(blindness_summary(analytic, measured, precision, census, sinks, training, rounding))
     write_blindness(
         out,
         analytic,
@@ -130,4 +141,5 @@ def blindness(
         census=census,
         sink_cache=sinks,
         training=training,
+        rounding=rounding,
     )

@@ -15,7 +15,8 @@ Exports:
     LIMITS, BIAS_KINDS, ROBUST_MODES   headsurgeon.alibi's
     SINK_POSITIONS         headsurgeon.sink_cache.POSITIONS
     SHAPE_NAMES            the names headsurgeon.loading.model_shape knows without a folder
-                           (headsurgeon.loading.BLOOM_SHAPES and their hub names)
+                           (headsurgeon.loading.BLOOM_SHAPES, ALIBI_SHAPES and their hub
+                           names)
     INITS                  headsurgeon.surgery.INITS
     DRIFT_THRESHOLD, MAX_PPL_INCREASE   headsurgeon.repair's
     FINETUNE               headsurgeon.finetune.FinetuneConfig()'s defaults the repair tool shows
@@ -61,7 +62,16 @@ BIAS_KINDS = ("standard", "relative", "clamped", "log", "softcap", "robust")
 ROBUST_MODES = ("scale", "clip")
 SINK_POSITIONS = ("cache", "true")
 _BLOOMS = ("bloom-560m", "bloom-1b1", "bloom-1b7", "bloom-3b", "bloom-7b1", "bloom-176b")
-SHAPE_NAMES = frozenset([*_BLOOMS, *(f"bigscience/{name}" for name in _BLOOMS), "bigscience/bloom"])
+_OTHER_ALIBI = ("mosaicml/mpt-7b", "tiiuae/falcon-rw-1b", "tiiuae/falcon-rw-7b")
+SHAPE_NAMES = frozenset(
+    [
+        *_BLOOMS,
+        *(f"bigscience/{name}" for name in _BLOOMS),
+        "bigscience/bloom",
+        *_OTHER_ALIBI,
+        *(name.split("/")[1] for name in _OTHER_ALIBI),
+    ]
+)
 INITS = ("xavier_normal", "xavier_uniform")
 DRIFT_THRESHOLD = 0.05
 MAX_PPL_INCREASE = 0.10

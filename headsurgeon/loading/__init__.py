@@ -11,7 +11,8 @@ Exports:
     alibi_slopes(model)                      the ALiBi slopes a model applies (its info's field)
     use_exact_alibi(model), inexact_slopes(info)   Hugging Face's exact slopes for any head count
     model_metadata(model)                    a model's or folder's headsurgeon.json, weights unread
-    organism_names(), DEFAULT_MODEL, ORGANISM_DIR, BLOOM_SHAPES, ModelShape, ModelInfo
+    organism_names(), DEFAULT_MODEL, ORGANISM_DIR, BLOOM_SHAPES, ALIBI_SHAPES, ModelShape,
+    ModelInfo
     resolve_model(model)              (display name, local checkpoint folder)
     check_checkpoint(directory)              a checkpoint folder validated before reading weights
     check_metadata(data, path)               a headsurgeon.json's contents checked (one schema)
@@ -48,6 +49,7 @@ The package, layer by layer (each module imports only those above it):
 
 from headsurgeon.loading.checks import check_checkpoint, tl_config
 from headsurgeon.loading.facts import (
+    ALIBI_SHAPES,
     BLOOM_SHAPES,
     ModelInfo,
     ModelShape,
@@ -73,6 +75,7 @@ from headsurgeon.loading.slopes import alibi_slopes, inexact_slopes, use_exact_a
 from headsurgeon.loading.sources import DEFAULT_MODEL, ORGANISM_DIR, organism_names, resolve_model
 
 __all__ = [
+    "ALIBI_SHAPES",
     "BLOOM_SHAPES",
     "DEFAULT_MODEL",
     "METADATA_FILE",

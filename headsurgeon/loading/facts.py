@@ -8,6 +8,7 @@ Exports:
     applied_slopes(model, hf_config)   which ALiBi formula a model applies, decided here
     model_metadata(model)   a model's or folder's headsurgeon.json, weights unread
     BLOOM_SHAPES            the published BLOOM configurations by name
+    ALIBI_SHAPES            the published MPT-7B and Falcon-RW configurations by name
 
 >>> model_shape("bloom-560m").n_layers, model_shape("bigscience/bloom-560m").d_model
 (24, 1024)
@@ -38,6 +39,7 @@ from headsurgeon.loading.numerics import TrainingNumerics, training_numerics
 from headsurgeon.loading.sources import ORGANISM_DIR, organism_names, unknown_message
 
 __all__ = [
+    "ALIBI_SHAPES",
     "BLOOM_SHAPES",
     "ModelInfo",
     "ModelShape",
@@ -72,6 +74,19 @@ BLOOM_SHAPES: dict[str, ModelShape] = {
     "bloom-176b": ModelShape(70, 112, 14336, 250880, 2048),
 }
 _BLOOM_OFFICIAL = {f"bigscience/{k}": k for k in BLOOM_SHAPES} | {"bigscience/bloom": "bloom-176b"}
+# Published ALiBi models of the other families (their Hugging Face config.json), so that the
+# weight-free analyses run on them by name. MPT-7B: max_seq_len 2048, alibi_bias_max 8 (the
+# value transformers applies anyway); Falcon-RW: alibi true, 2048 positions, d_head 64.
+ALIBI_SHAPES: dict[str, ModelShape] = {
+    "mpt-7b": ModelShape(32, 32, 4096, 50432, 2048, family="mpt"),
+    "falcon-rw-1b": ModelShape(24, 32, 2048, 50304, 2048, family="falcon"),
+    "falcon-rw-7b": ModelShape(36, 71, 4544, 65024, 2048, family="falcon"),
+}
+_ALIBI_OFFICIAL = {
+    "mosaicml/mpt-7b": "mpt-7b",
+    "tiiuae/falcon-rw-1b": "falcon-rw-1b",
+    "tiiuae/falcon-rw-7b": "falcon-rw-7b",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +136,8 @@ class ModelInfo:
 
 
 def model_shape(model: str | os.PathLike | Model) -> ModelShape:
-    """Shape of a model, a BLOOM name (no weights needed), a bundled organism or a folder.
+    """Shape of a model, a BLOOM, MPT-7B or Falcon-RW name (no weights needed), a bundled
+    organism or a folder.
 
     >>> model_shape("bloom-176b").n_heads
     112
@@ -134,11 +150,14 @@ def model_shape(model: str | os.PathLike | Model) -> ModelShape:
         return BLOOM_SHAPES[key]
     if key in _BLOOM_OFFICIAL:
         return BLOOM_SHAPES[_BLOOM_OFFICIAL[key]]
+    if key in ALIBI_SHAPES or key in _ALIBI_OFFICIAL:
+        return ALIBI_SHAPES[_ALIBI_OFFICIAL.get(key, key)]
     if name in organism_names():
         return _local_shape(ORGANISM_DIR / name)
     if Path(name).is_dir() and os.path.lexists(Path(name) / "config.json"):
         return _local_shape(Path(name))
-    raise UnknownModelError(unknown_message(name, list(BLOOM_SHAPES) + organism_names()))
+    known = [*BLOOM_SHAPES, *ALIBI_SHAPES, *organism_names()]
+    raise UnknownModelError(unknown_message(name, known))
 
 
 def model_metadata(model: str | os.PathLike | Model) -> dict[str, Any]:

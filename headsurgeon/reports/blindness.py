@@ -12,6 +12,9 @@ Exports:
     training_numerics_line(numerics, name)     how the model was trained, for the summary
     recommendation(precision, costly)          the third: what to do, following the model's
                                                training numerics
+    rounding_lines(rounding)                   per head, the first key positions where the
+                                               ALiBi bias's rounding step exceeds 0.1 and 1
+                                               logit in each dtype (analytic_rounding)
     reach_lines(census, measured)              the reach lines on their own
     sink_cache_lines(effect)                   the sink-cache test's lines (--sink-cache)
     write_blindness(out_dir, analytic, ...)    its tables, summary, figures and index.html
@@ -42,7 +45,7 @@ from headsurgeon.plots.sink_cache import sink_cache_figure
 from headsurgeon.reports.page import PAGE_CELLS, samples_note, write_page
 
 if TYPE_CHECKING:
-    from headsurgeon.blindness import BlindnessMeasurement
+    from headsurgeon.blindness import BlindnessMeasurement, RoundingAnalysis
     from headsurgeon.loading import TrainingNumerics
     from headsurgeon.precision import PrecisionEffect
     from headsurgeon.sink_cache import SinkCacheEffect
@@ -53,6 +56,7 @@ __all__ = [
     "recommendation",
     "training_numerics_line",
     "reach_lines",
+    "rounding_lines",
     "sink_cache_lines",
     "write_blindness",
 ]
@@ -331,6 +335,53 @@ def reach_lines(census: pd.DataFrame, measured: BlindnessMeasurement | None = No
     return lines
 
 
+def _position(x: float) -> str:
+    """A first position as the rounding lines show it: NaN (none within the search) as never."""
+    if math.isnan(x):
+        return "never"
+    return f"{x:.0f}" if x < 1e6 else f"{x:.3g}"
+
+
+def rounding_lines(rounding: RoundingAnalysis) -> list[str]:
+    """Per head (slope), the first key positions from which the absolute ALiBi bias's rounding
+    step exceeds each threshold, one column per dtype (float16: also where it overflows).
+
+    >>> from headsurgeon.blindness import analytic_rounding
+    >>> lines = rounding_lines(analytic_rounding("bloom-560m", dtypes=["bf16"]))
+    >>> lines[2], lines[-1]
+    ('  h0   0.7071    23 / 362', '  h15  0.003906  4089 / 65409')
+    """
+    by_head, attrs = rounding.by_head, rounding.by_head.attrs
+    columns = [f"first_position_step_over_{t:g}" for t in attrs["thresholds"]]
+    steps = " / ".join(f"{t:g}" for t in attrs["thresholds"])
+    dtypes = list(dict.fromkeys(by_head["dtype"]))
+    cells: dict[str, list[str]] = {}
+    for dtype in dtypes:
+        rows = by_head[by_head["dtype"] == dtype]
+        cells[dtype] = [
+            " / ".join(_position(row[c]) for c in columns)
+            + (f" (inf {_position(row.first_position_overflow)})" if dtype == "float16" else "")
+            for _, row in rows.iterrows()
+        ]
+    widths = {d: max(len(d), *map(len, cells[d])) for d in dtypes}
+    first = by_head[by_head["dtype"] == dtypes[0]]
+    names = [f"h{h}" for h in first["head"]]
+    slopes = [f"{m:.4g}" for m in first["slope"]]
+    name_width, slope_width = max(4, *map(len, names)), max(5, *map(len, slopes))
+    lines = [
+        f"{attrs['model']}: rounding of the ALiBi bias as the family stores it "
+        f"({attrs['absolute']}): the first key position from which its rounding step exceeds "
+        f"{steps} logit, per dtype (from the slopes; by position, and for the relative form "
+        "by distance: rounding_by_position.csv)",
+        f"  {'head':{name_width}s} {'slope':{slope_width}s}  "
+        + "  ".join(f"{d:{widths[d]}s}" for d in dtypes).rstrip(),
+    ]
+    for i, (name, slope) in enumerate(zip(names, slopes, strict=True)):
+        row = "  ".join(f"{cells[d][i]:{widths[d]}s}" for d in dtypes)
+        lines.append(f"  {name:{name_width}s} {slope:{slope_width}s}  {row}".rstrip())
+    return lines
+
+
 def sink_cache_lines(effect: SinkCacheEffect, n_heads: int = 5) -> list[str]:
     """The sink-cache test (:func:`headsurgeon.sink_cache_effect`) in a few lines: perplexity
     per cache against the full context, then the ``n_heads`` heads whose loss of the sinks
@@ -366,13 +417,15 @@ def blindness_summary(
     census: pd.DataFrame | None = None,
     sink_cache: SinkCacheEffect | None = None,
     training: str | None = None,
+    rounding: RoundingAnalysis | None = None,
 ) -> str:
     """The blindness CLI's summary, in the order that matters: how the model was trained
     (``training``: :func:`training_numerics_line`); whether rounding and underflow change the
     outputs (:func:`precision_verdict` with a precision counterfactual, else
     :data:`UNMEASURED_PRECISION`: where to learn it and why exact zeros alone cannot); how far
     the heads look (:func:`reach_lines`, given the ``census``); then blind distances of the
-    steepest heads, measured shares of exact zeros, and the counterfactual's numbers."""
+    steepest heads, the bias's rounding per head (:func:`rounding_lines`, given ``rounding``),
+    measured shares of exact zeros, and the counterfactual's numbers."""
     lines = [training] if training else []
     lines += precision_verdict(precision) if precision is not None else UNMEASURED_PRECISION
     if census is not None:
@@ -393,6 +446,8 @@ def blindness_summary(
                 torch.tensor(rows["blind_distance"].to_numpy()), context_length
             )
             lines.append(f"  {dtype:9s} {limit:9s} {heads}  | share {share:.1%}")
+    if rounding is not None:
+        lines.extend(rounding_lines(rounding))
     if measured is not None:
         lines.append(
             f"measured ({measured.convention} convention, {measured.n_seqs} × {measured.seq_len} "
@@ -423,6 +478,7 @@ def write_blindness(
     census: pd.DataFrame | None = None,
     sink_cache: SinkCacheEffect | None = None,
     training: str | None = None,
+    rounding: RoundingAnalysis | None = None,
 ) -> Path:
     """Write a blindness analysis to a new folder, atomically; return the folder.
 
@@ -439,7 +495,10 @@ def write_blindness(
     first exact zero and analytic distance), and the page's head table has a ``reach`` column; with
     a ``sink_cache`` test (:func:`headsurgeon.sink_cache_effect`) also ``sink_cache.csv``
     (``by_cache``), ``sink_cache_heads.csv`` (``by_head``), the figure ``sink_cache`` and its
-    summary lines (:func:`sink_cache_lines`). A folder holding files is refused unless
+    summary lines (:func:`sink_cache_lines`); with a ``rounding`` analysis
+    (:func:`headsurgeon.blindness.analytic_rounding`) also ``rounding.csv`` (``by_head``),
+    ``rounding_by_position.csv`` (``by_position``) and its summary lines
+    (:func:`rounding_lines`). A folder holding files is refused unless
     ``overwrite``, and even then unless headsurgeon wrote it.
 
     ``index.html`` puts it on one offline page: the summary, a grid of blind distances where
@@ -447,7 +506,9 @@ def write_blindness(
     against them and, given the ``model``, its attention on the first measured sequence of
     ``tokens`` (max-pooled to 64 cells a side), with the blind distance drawn in.
     """
-    summary = blindness_summary(analytic, measured, precision, census, sink_cache, training)
+    summary = blindness_summary(
+        analytic, measured, precision, census, sink_cache, training, rounding
+    )
     figures = _figures(analytic, measured, precision, census)
     if sink_cache is not None:
         figures["sink_cache"] = sink_cache_figure(sink_cache.by_cache)
@@ -461,6 +522,9 @@ def write_blindness(
     if sink_cache is not None:
         tables["sink_cache.csv"] = sink_cache.by_cache
         tables["sink_cache_heads.csv"] = sink_cache.by_head
+    if rounding is not None:
+        tables["rounding.csv"] = rounding.by_head
+        tables["rounding_by_position.csv"] = rounding.by_position
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_blindness") as tmp:
         for name, frame in tables.items():
             if frame is not None:

@@ -10,7 +10,7 @@ from headsurgeon.blindness import ANALYSED_DTYPES, CONVENTIONS
 from headsurgeon.classify import Thresholds
 from headsurgeon.cli import options
 from headsurgeon.finetune import FinetuneConfig
-from headsurgeon.loading import BLOOM_SHAPES
+from headsurgeon.loading import ALIBI_SHAPES, BLOOM_SHAPES, model_shape
 from headsurgeon.repair import DRIFT_THRESHOLD, MAX_PPL_INCREASE
 
 
@@ -35,4 +35,7 @@ def test_every_copy_is_the_library_value():
 
 def test_the_shape_names_are_those_model_shape_knows_without_a_folder():
     official = {f"bigscience/{name}" for name in BLOOM_SHAPES} | {"bigscience/bloom"}
-    assert options.SHAPE_NAMES == set(BLOOM_SHAPES) | official
+    others = {"mosaicml/mpt-7b", "tiiuae/falcon-rw-1b", "tiiuae/falcon-rw-7b"}
+    assert options.SHAPE_NAMES == set(BLOOM_SHAPES) | official | set(ALIBI_SHAPES) | others
+    for name in options.SHAPE_NAMES:  # each one known by model_shape, without files
+        assert model_shape(name).positional == "alibi"
