@@ -26,6 +26,7 @@ from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureErro
 from headsurgeon.evals import position_edges
 from headsurgeon.exact_alibi import install_hf_bias
 from headsurgeon.precision import _Family, _Recipe, _recipe_attention, precision_effect
+from headsurgeon.reports.blindness import precision_verdict
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FAMILIES = ["bloom"] + (["mpt", "falcon", "falcon-parallel", "falcon-mq"] if MAJOR >= 4 else [])
@@ -98,9 +99,12 @@ def test_tables_columns_and_blocks(family_model):
     blocks = precision_effect(model, tokens, progress=False, block_size=16)
     pos = dense.by_position
     assert list(pos.columns) == [
-        "dtype", "part", "position_lo", "position_hi", "tokens", "mean_dnll", "mean_abs_dnll",
-        "max_abs_dnll", "max_abs_dlogit", "top1_agreement", "nll_float64",
+        "reference", "bias", "dtype", "part", "position_lo", "position_hi", "region", "tokens",
+        "mean_dnll", "se_dnll", "mean_abs_dnll", "max_abs_dnll", "max_abs_dlogit",
+        "top1_agreement", "se_top1", "nll_reference", "nll_float64",
     ]  # fmt: skip
+    assert set(pos.reference) == {"float64"} and pos.bias.nunique() == 1
+    assert list(dense.by_region.columns) == list(pos.columns)
     n_buckets = len(position_edges(tokens.shape[1])) - 1
     assert len(pos) == 9 * n_buckets
     assert (pos.tokens.groupby([pos.dtype, pos.part]).sum() == tokens.numel() - 2).all()
@@ -113,8 +117,12 @@ def test_tables_columns_and_blocks(family_model):
     # Every causal entry is in one bucket.
     one = heads[(heads.dtype == "float32") & (heads.part == "model") & (heads.layer == 0)]
     assert one.groupby("head").entries.sum().eq(2 * 40 * 41 / 2).all()
-    # scores: the softmax is float64, nothing is 0; moved mass is at most 1 per row.
-    assert heads[heads.part == "scores"].zero_entries.sum() == 0
+    # Zeros are those of the dtype under test: the scores part's float64 weights, rounded to
+    # the dtype, are 0 where the softmax part's are (the same rounding of nearly equal weights).
+    scores = heads[heads.part == "scores"].set_index(["dtype", "layer", "head", "distance_lo"])
+    softmax = heads[heads.part == "softmax"].set_index(["dtype", "layer", "head", "distance_lo"])
+    assert (scores.zero_entries - softmax.zero_entries).abs().max() <= 2
+    assert scores.loc["float32"].zero_entries.sum() == 0
     assert heads.groupby(["dtype", "part", "layer", "head"]).moved_mass.sum().max() <= 1
     np.testing.assert_allclose(blocks.by_head.entries, heads.entries)
     np.testing.assert_allclose(blocks.by_head.moved_mass, heads.moved_mass, rtol=1e-3, atol=1e-6)
@@ -174,9 +182,13 @@ def test_relative_mode_follows_the_mitigation(tiny_model):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"dtypes": ["float64"]}, "dtype"),
-        ({"parts": ["attention"]}, "part"),
+        ({"dtypes": ["float8"]}, "dtype"),
+        ({"parts": ["everything"]}, "part"),
         ({"dtypes": []}, "at least one"),
+        ({"reference": "float32"}, "reference"),
+        ({"bias_forms": ["log"]}, "bias form"),
+        ({"bias_forms": []}, "at least one"),
+        ({"reference": "training"}, "training numerics are unknown"),
     ],
 )
 def test_bad_arguments_are_one_line(tiny_model, kwargs, message):
@@ -219,12 +231,17 @@ def test_cli_writes_the_counterfactual_and_leads_with_its_verdict(bloom_dir, tmp
     assert main([*args, "--counterfactual", "precision", "--limit", "zero"]) == 0
     printed = capsys.readouterr().out.splitlines()
     summary = (out / "summary.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in summary[:3]] == ["precision"] * 3
-    assert "underflow to exact 0" in summary[0] and "rounding" in summary[1]
-    assert summary[0] in printed
+    assert summary[0].startswith("training numerics of bloom40: unknown")
+    assert [line.split(":")[0] for line in summary[1:4]] == ["precision"] * 3
+    assert "underflow to exact 0" in summary[1] and "rounding" in summary[2]
+    assert "no recommendation: this model's training numerics are unknown" in summary[3]
+    assert summary[1] in printed
     by_position = pd.read_csv(out / "precision.csv")
     assert set(by_position.dtype) == set(precision.PRECISION_DTYPES)
     assert not pd.read_csv(out / "precision_heads.csv").empty
+    assert set(pd.read_csv(out / "precision_regions.csv").region) == {
+        "all (training length unknown)"
+    }
     assert '"name":"precision"' in (out / "index.html").read_text()
     assert "rounding changes no output measurably" in (out / "index.html").read_text()
 
@@ -234,6 +251,7 @@ def test_cli_writes_the_counterfactual_and_leads_with_its_verdict(bloom_dir, tmp
     [
         ([], "needs --measure"),
         (["--measure", "--mitigation", "log"], "use --mitigation relative"),
+        (["--measure", "--mitigation", "relative", "--reference", "training"], "side by side"),
     ],
 )
 def test_cli_refuses_a_counterfactual_it_cannot_run(bloom_dir, tmp_path, capsys, extra, message):
@@ -248,34 +266,137 @@ def test_cli_refuses_a_counterfactual_it_cannot_run(bloom_dir, tmp_path, capsys,
     assert not out.exists()
 
 
-def test_the_verdict_recommends_relative_only_when_rounding_costs():
-    from headsurgeon.reports.blindness import precision_verdict
+def _verdict_effect(bias, dnll, trained=None, regions=None):
+    """A PrecisionEffect whose bfloat16 model costs ``dnll`` from position 8, for a model
+    trained with ``trained`` (a bias form in bfloat16) and, given ``regions``, with rows
+    against its training numerics: ``{(bias, dtype): [(region, mean, se), ...]}``."""
+    pos = pd.DataFrame(
+        {
+            "reference": "float64",
+            "bias": bias,
+            "dtype": "bfloat16",
+            "part": ["scores", "softmax", "model"] * 2,
+            "position_lo": [0, 0, 0, 8, 8, 8],
+            "position_hi": [8, 8, 8, 15, 15, 15],
+            "tokens": 8,
+            "mean_dnll": [0, 0, 0, dnll, 0, dnll],
+            "mean_abs_dnll": [0, 0, 0, dnll, 0.001, dnll],
+            "max_abs_dnll": [0, 0, 0, dnll, 0.001, dnll],
+            "top1_agreement": 1.0,
+        }
+    )
+    pos.attrs["bias"] = bias
+    if trained:
+        pos.attrs["training_numerics"] = {
+            "bias": trained, "scores_dtype": "bfloat16", "softmax_dtype": "float32",
+            "source": "a test",
+        }  # fmt: skip
+    rows = [
+        {"reference": "training", "bias": b, "dtype": d, "part": "attention", "region": r,
+         "mean_dnll": m, "se_dnll": se}
+        for (b, d), cells in (regions or {}).items()
+        for r, m, se in cells
+    ]  # fmt: skip
+    heads = pd.DataFrame(
+        {"dtype": "bfloat16", "part": "model", "layer": 0, "head": 0, "lost_mass": [1e-40]}
+    )
+    return precision.PrecisionEffect(by_position=pos, by_head=heads, by_region=pd.DataFrame(rows))
 
-    def effect(bias, dnll):
-        pos = pd.DataFrame(
-            {
-                "dtype": "bfloat16",
-                "part": ["scores", "softmax", "model"] * 2,
-                "position_lo": [0, 0, 0, 8, 8, 8],
-                "position_hi": [8, 8, 8, 15, 15, 15],
-                "tokens": 8,
-                "mean_dnll": [0, 0, 0, dnll, 0, dnll],
-                "mean_abs_dnll": [0, 0, 0, dnll, 0.001, dnll],
-                "max_abs_dnll": [0, 0, 0, dnll, 0.001, dnll],
-                "top1_agreement": 1.0,
-            }
-        )
-        pos.attrs["bias"] = bias
-        heads = pd.DataFrame(
-            {"dtype": "bfloat16", "part": "model", "layer": 0, "head": 0, "lost_mass": [1e-40]}
-        )
-        return precision.PrecisionEffect(by_position=pos, by_head=heads)
 
-    lines = precision_verdict(effect("absolute", 0.3))
+def test_the_verdict_recommends_nothing_for_unknown_training_numerics():
+    lines = precision_verdict(_verdict_effect("absolute", 0.3))
     assert "changes no output" in lines[0]
     assert "bfloat16 from position 8" in lines[1] and "scores" in lines[1]
-    assert "recommend the relative mitigation" in lines[2]
-    assert "no mitigation needed" in precision_verdict(effect("relative", 0.001))[2]
-    rest = effect("relative", 0.02)
+    assert lines[2].startswith("precision: no recommendation")
+    assert "recommend " not in lines[2] and "--reference training" in lines[2]
+
+
+def test_the_verdict_for_a_relative_trained_model_is_the_relative_form():
+    lines = precision_verdict(_verdict_effect("absolute", 0.3, trained="relative"))
+    assert "recommend its relative form" in lines[2]
+    quiet = precision_verdict(_verdict_effect("relative", 0.001, trained="relative"))
+    assert "no mitigation needed" in quiet[2]
+    rest = _verdict_effect("relative", 0.02, trained="relative")
     rest.by_position.loc[rest.by_position.part == "scores", "mean_abs_dnll"] = 0.001
     assert "the rest of the model" in precision_verdict(rest)[1]
+
+
+def test_the_verdict_for_an_absolute_trained_model_follows_its_own_numerics():
+    # Against float64 alone: no recommendation, and what decides is named.
+    alone = precision_verdict(_verdict_effect("absolute", 0.3, trained="absolute"))[2]
+    assert "no recommendation from this run" in alone and "float64 is not" in alone
+    helps = {
+        ("absolute", "float32"): [("inside L", 0.0, 0.01), ("L-2L", -0.2, 0.03)],
+        ("relative", "bfloat16"): [("inside L", 0.001, 0.01), ("L-2L", -0.2, 0.03)],
+    }
+    line = precision_verdict(_verdict_effect("absolute", 0.3, "absolute", helps))[2]
+    assert "recommend the relative bias in bfloat16" in line and "also the absolute bias" in line
+    hurts = {
+        ("relative", "bfloat16"): [("inside L", 0.2, 0.03), ("L-2L", -0.2, 0.03)],
+        ("absolute", "float32"): [("inside L", 0.0, 0.01), ("L-2L", -0.01, 0.03)],
+    }
+    line = precision_verdict(_verdict_effect("absolute", 0.3, "absolute", hurts))[2]
+    assert "keep them" in line and "recommend" not in line
+    assert "inside L +0.200 ± 0.030" in line
+
+
+def test_against_its_training_numerics_the_same_numerics_change_nothing():
+    """organism was trained with transformers' absolute bias under bfloat16 autocast: against
+    those numerics the same attention gives ΔNLL exactly 0 at every position, and every other
+    pass's loss is the float64 one shifted by the training pass's own change."""
+    model = hs.load_model("organism")  # trained on 256 tokens: 400 reach beyond L
+    effect = precision_effect(
+        model,
+        seq_len=400,
+        dtypes=["bfloat16", "float32", "float64"],
+        parts=["attention"],
+        reference="training",
+        progress=False,
+    )
+    pos = effect.by_position
+    assert set(pos.bias) == {"absolute", "relative"} and set(pos.reference) == {
+        "float64",
+        "training",
+    }
+    assert {"inside L", "L-2L"} <= set(pos.region) and pos.attrs["train_ctx"] == 256
+    own = pos[(pos.reference == "training") & (pos.bias == "absolute") & (pos.dtype == "bfloat16")]
+    assert (own.mean_dnll == 0).all() and (own.max_abs_dlogit == 0).all()
+    assert (own.top1_agreement == 1).all()
+    key = ["bias", "dtype", "part", "position_lo"]
+    f64 = pos[pos.reference == "float64"].set_index(key)
+    trained = pos[pos.reference == "training"].set_index(key)
+    shift = f64.loc[("absolute", "bfloat16", "attention"), "mean_dnll"]
+    np.testing.assert_allclose(
+        trained.nll_reference.groupby("position_lo").first(),
+        f64.nll_float64.groupby("position_lo").first() + shift,
+        atol=1e-9,
+    )
+    np.testing.assert_allclose(
+        trained.mean_dnll,
+        f64.mean_dnll - shift.reindex(f64.index.get_level_values("position_lo")).to_numpy(),
+        atol=1e-9,
+    )
+    region = effect.by_region
+    assert list(region.region.unique()) == ["inside L", "L-2L"]
+    assert (
+        region.se_dnll.notna().all()
+        and (
+            region.tokens.groupby([region.reference, region.bias, region.dtype]).sum() == 399
+        ).all()
+    )
+    assert effect.by_head.groupby(["bias", "dtype"]).ngroups == 6
+
+
+def test_training_reference_refuses_numerics_it_cannot_reproduce(bloom_dir, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(bloom_dir, folder)
+    numerics = {"bias": "absolute", "scores_dtype": "bfloat16", "softmax_dtype": None}
+    (folder / "headsurgeon.json").write_text(json.dumps({"training_numerics": numerics}))
+    model = hs.load_model(str(folder))
+    assert hs.loading.model_info(model).training_numerics.unknown == ["softmax_dtype"]
+    with pytest.raises(InvalidArgumentError, match="softmax_dtype") as e:
+        precision_effect(model, _tokens(model), reference="training", progress=False)
+    assert "\n" not in str(e.value)
