@@ -4,7 +4,7 @@ Every arm is a model whose training numerics are recorded (``headsurgeon.json``:
 ``training_numerics``): how its attention scores were formed while it learnt. Each arm is run
 through ``transformers``' own attention (:func:`headsurgeon.precision_effect`, part
 ``attention``) under every inference numerics, {bfloat16, float16, float32, float64} x bias form
-{absolute, relative}, on one held-out sequence of 8L tokens (L: its training length), and each
+{absolute, relative}, on 8,192 held-out tokens in sequences of 8L (L: its training length), and each
 token's loss is compared with the same token's loss under float64 and under the arm's own
 training numerics: paired differences, averaged per region of L (inside L, L-2L, 2L-4L, 4L-8L)
 with batch-means standard errors over 64-token blocks (neighbouring tokens are correlated).
@@ -65,10 +65,11 @@ def measure(model_name: str, max_len: int, cache: Path) -> None:
     model = hs.load_model(model_name)
     info = model_info(model)
     length = min(8 * info.train_ctx, max_len)
+    n_seqs = max(1, max_len // length)  # the same number of tokens for every arm
     effect = hs.precision_effect(
         model,
         seq_len=length,
-        n_seqs=1,
+        n_seqs=n_seqs,
         dtypes=INFERENCE_DTYPES,
         parts=["attention"],
         bias_forms=["absolute", "relative"],
@@ -85,6 +86,7 @@ def measure(model_name: str, max_len: int, cache: Path) -> None:
         "tokens_seen": info.metadata.get("training", {}).get("tokens_seen"),
         "heldout_loss": info.metadata.get("training", {}).get("final_heldout_loss"),
         "seq_len": length,
+        "n_seqs": n_seqs,
         "minutes": (time.perf_counter() - started) / 60,
     }
     cache.mkdir(parents=True, exist_ok=True)
@@ -139,7 +141,7 @@ def figure(matrix: pd.DataFrame, reference: str) -> go.Figure:
     style(
         fig,
         f"Loss change of each inference numerics against {against}",
-        "per region of the training length L · one held-out sequence of 8L tokens · "
+        "per region of the training length L · 8,192 held-out tokens in sequences of 8L · "
         "bars: 95% interval (batch means, 64-token blocks) · solid: absolute bias, dashed: "
         "relative",
         width=360 * len(arms) + 200,
@@ -170,9 +172,9 @@ def summarise(out: Path, cache: Path, started: float) -> None:
         "batch-means standard error over 64-token blocks; intervals are 95%, ±1.96 SE). "
         "ΔNLL > 0: the numerics cost loss. What it does not test: BLOOM itself (these are "
         "1.3M- and 4.2M-parameter organisms trained for minutes on CPU; their content logits are "
-        "smaller and their attention simpler than BLOOM's), other text than one held-out "
-        "sequence per arm, more than one training seed, nor kernels other than transformers' "
-        "eager ops (fused attention, TF32).",
+        "smaller and their attention simpler than BLOOM's), other text than the bundled "
+        "held-out corpora (8,192 tokens per arm), more than one training seed, nor kernels "
+        "other than transformers' eager ops (fused attention, TF32).",
         "",
         "## The arms",
         "",

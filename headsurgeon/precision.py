@@ -466,7 +466,7 @@ def precision_effect(
     Returns :class:`PrecisionEffect`: ``by_position``, ``by_region`` (with batch-means standard
     errors over :data:`SE_BLOCK`-token blocks) and ``by_head`` (exact zeros of the dtype under
     test, attention mass lost and moved). Columns, costs and measured numbers:
-    ``docs/long-contexts.md#precision``.
+    ``docs/tools/blindness.md`` (the tables of precision_effect).
     """
     info = model_info(model, "precision_effect", writes=True)
     names = [_dtype_name(d) for d in ([dtypes] if isinstance(dtypes, str) else list(dtypes))]
