@@ -7,7 +7,8 @@ Exports:
     TrainingNumerics                the record: bias form, scores dtype, softmax dtype, source
     PUBLISHED_NUMERICS              the published models' numerics, with their sources
     training_numerics(name, meta)   a model's numerics: its headsurgeon.json, else the table
-    BIAS_FORMS                      absolute, relative, last-key
+    from_record(record, where)      a headsurgeon.json record, checked (one line)
+    BIAS_FORMS, BIAS_MEANINGS       absolute, relative, last-key, and each in words
 
 >>> training_numerics("bigscience/bloom-560m", {}).describe()
 'absolute ALiBi bias (slope x key position), scores in bfloat16, softmax in float32'
@@ -22,7 +23,14 @@ from typing import Any
 
 from headsurgeon.errors import CheckpointError
 
-__all__ = ["BIAS_FORMS", "PUBLISHED_NUMERICS", "TrainingNumerics", "training_numerics"]
+__all__ = [
+    "BIAS_FORMS",
+    "BIAS_MEANINGS",
+    "PUBLISHED_NUMERICS",
+    "TrainingNumerics",
+    "from_record",
+    "training_numerics",
+]
 
 # absolute: slope x key position (BLOOM's and Falcon's ports; softmax is shift-invariant);
 # relative: -slope x (query - key), small near the diagonal; last-key: slope x (key - last key),

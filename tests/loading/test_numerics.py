@@ -72,7 +72,7 @@ def test_a_recorded_record_overrides_and_is_checked(bloom_dir, tmp_path):
     [
         ({"bias": "sideways"}, "bias must be one of absolute, relative, last-key"),
         ({"bias": "absolute", "scores_dtype": "float8"}, "scores_dtype is 'float8'"),
-        ("absolute", "training_numerics is \"absolute\""),
+        ("absolute", 'training_numerics is "absolute"'),
     ],
 )
 def test_a_bad_record_is_one_line(bloom_dir, tmp_path, record, message):
@@ -82,3 +82,18 @@ def test_a_bad_record_is_one_line(bloom_dir, tmp_path, record, message):
     with pytest.raises(CheckpointError, match=message) as e:
         hs.load_model(str(folder))
     assert "\n" not in str(e.value) and "training_numerics" in str(e.value)
+
+
+def test_the_blindness_tool_says_how_a_model_was_trained(tmp_path, capsys, monkeypatch):
+    """By name, no weights: BLOOM's published numerics with their source; an organism's own."""
+    from headsurgeon.cli.blindness import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["bloom-560m", "--out", str(tmp_path / "bloom")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("training numerics of bloom-560m: absolute ALiBi bias")
+    assert "Megatron-DeepSpeed" in first
+    assert (tmp_path / "bloom" / "summary.txt").read_text().splitlines()[0] == first
+    assert main(["organism", "--out", str(tmp_path / "organism")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "training numerics of organism: absolute" in first and "d42a5bb" in first
