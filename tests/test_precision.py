@@ -400,3 +400,17 @@ def test_training_reference_refuses_numerics_it_cannot_reproduce(bloom_dir, tmp_
     with pytest.raises(InvalidArgumentError, match="softmax_dtype") as e:
         precision_effect(model, _tokens(model), reference="training", progress=False)
     assert "\n" not in str(e.value)
+
+
+def test_cli_refuses_a_training_reference_it_cannot_know(bloom_dir, tmp_path, capsys):
+    from headsurgeon.cli import run
+    from headsurgeon.cli.blindness import main
+
+    out = tmp_path / "out"
+    args = [str(bloom_dir), "--measure", "--counterfactual", "precision", "--reference", "training"]
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, [*args, "--seq-len", "32", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in err
+    assert "training numerics are unknown" in err and "headsurgeon.json" in err
+    assert not out.exists()

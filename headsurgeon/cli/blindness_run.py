@@ -108,6 +108,10 @@ def blindness(
         seqs = loads.load_data(model, args)
         applied = mitigation(model, args.mitigation, **params) if args.mitigation else None
         with applied or contextlib.nullcontext():
+            if args.counterfactual == "precision":  # first: what it refuses, it refuses at once
+                precision = precision_effect(
+                    model, seqs, dtypes=[d for d in dtypes if d in PRECISION_DTYPES], **against
+                )
             measured = measure_blindness(
                 model,
                 seqs,
@@ -116,10 +120,6 @@ def blindness(
                 batch_size=args.batch_size,
             )
             census = run_census(model, seqs, batch_size=args.batch_size, reach_eps=args.reach_eps)
-            if args.counterfactual == "precision":
-                precision = precision_effect(
-                    model, seqs, dtypes=[d for d in dtypes if d in PRECISION_DTYPES], **against
-                )
     model, sinks = _sink_cache(args, model) if args.sink_cache else (model, None)
     name = _shown_name(args.model)
     training = training_numerics_line(
