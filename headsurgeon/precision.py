@@ -478,6 +478,7 @@ def precision_effect(
     if not names or not parts:
         raise InvalidArgumentError("give at least one dtype and one part")
     check_choice(reference, "reference", REFERENCES)
+    check_bool(head_table, "head_table")
     check_bool(progress, "progress")
     if not info.is_alibi:
         raise UnsupportedArchitectureError(
@@ -513,7 +514,6 @@ def precision_effect(
         if recipe.model_dtype not in models:  # float64 holds the weights exactly: one rounding
             models[recipe.model_dtype] = copy.deepcopy(reference_model).to(recipe.model_dtype)
     families = {dtype: _Family(hf) for dtype, hf in models.items()}
-    check_bool(head_table, "head_table")
     heads = HeadTable(family, recipes, model.cfg.n_layers, position_edges(n_pos + 1))
     stats = _run(
         models, families, recipes, trained, heads if head_table else None, tokens, block, progress
@@ -521,10 +521,7 @@ def precision_effect(
 
     own = _OWN_FORM[family.name]
     form_of = {False: own, True: "relative"}
-    references = {"float64": stats["float64"]} | (
-        {"training": stats["training"]} if trained else {}
-    )
-    by_position = _position_table(references, recipes, form_of, edges, info.train_ctx)
+    by_position = _position_table(stats, recipes, form_of, edges, info.train_ctx)
     by_region = _position_table(
         stats, recipes, form_of, region_edges(n_pos, info.train_ctx), info.train_ctx
     )
@@ -707,7 +704,7 @@ def _run(
     references = {"float64": _Recipe("float64", torch.float64)}
     if trained is not None:
         references["training"] = trained
-    passes = list(references.values()) + recipes
+    passes = [*references.values(), *recipes]  # the references first
     caches = [hf_kv_cache() for _ in passes]
     shape = (len(recipes), n_rows, n_pos - 1)
     stats = {
@@ -726,7 +723,7 @@ def _run(
         # Positions of this block that predict a token (the last position predicts none).
         n = min(chunk.shape[1], n_pos - 1 - offset)
         targets = tokens[:, offset + 1 : offset + 1 + n].to(device)
-        outputs = []
+        exact = {}  # per reference: its logits and loss, which every pass is compared with
         for i, recipe in enumerate(passes):
             dtype = recipe.model_dtype
             # The head table reads the float64 reference's q, k and weights.
@@ -735,15 +732,17 @@ def _run(
                 logits = models[dtype](chunk, cache=caches[i], use_cache=True).logits
             rounded = logits[:, :n].double()
             loss = -rounded.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-            outputs.append((rounded, loss))
-        for table, (exact, nll) in zip(stats.values(), outputs, strict=False):
             where = (slice(None), slice(offset, offset + n))
-            table["nll"][where] = nll.cpu()
-            for i, (rounded, loss) in enumerate(outputs[len(references) :]):
-                at = (i, *where)
-                table["dnll"][at] = (loss - nll).cpu()
-                table["dlogit"][at] = (rounded - exact).abs().amax(-1).cpu()
-                table["agree"][at] = (rounded.argmax(-1) == exact.argmax(-1)).cpu()
+            if i < len(references):
+                name = list(references)[i]
+                exact[name] = rounded, loss
+                stats[name]["nll"][where] = loss.cpu()
+                continue
+            for name, (reference, nll) in exact.items():
+                at = (i - len(references), *where)
+                stats[name]["dnll"][at] = (loss - nll).cpu()
+                stats[name]["dlogit"][at] = (rounded - reference).abs().amax(-1).cpu()
+                stats[name]["agree"][at] = (rounded.argmax(-1) == reference.argmax(-1)).cpu()
     return stats
 
 

@@ -316,8 +316,11 @@ def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
         assert f'"name":"{name}"' in (out / "index.html").read_text()  # every figure is there
         if plots.has_browser():  # without one the PNGs are skipped (tests/plots/test_no_browser.py)
             assert (out / f"{name}.png").stat().st_size > 1000
-    # The summary's order: whether precision matters (here: not measured), reach, exact zeros.
+    # The summary's order: how the model was trained (here: unknown), whether precision
+    # matters (here: not measured), reach, exact zeros.
     summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("training numerics of bloom80: unknown")
+    summary = summary[1:]
     assert summary[0].startswith("precision: not measured") and "exact zeros" in summary[1]
     assert summary[2].startswith("reach") and "blind distance" in summary[4]
     census = pd.read_csv(out / "census.csv")
