@@ -3,8 +3,8 @@ measured, and mitigated through hooks), which serves these names lazily; its doc
 manual.
 
 Exports (each described there): ANALYSED_DTYPES, CONVENTIONS, active_mitigations,
-BlindnessMeasurement, analytic_blindness, require_scores, dtype_name, measure_blindness,
-mitigation.
+alibi_door (the door of the weight-free analyses), BlindnessMeasurement, analytic_blindness,
+require_scores, dtype_name, measure_blindness, mitigation.
 
 >>> df = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
 >>> df[df.layer == 0].blind_distance.iloc[[0, -1]].tolist()
@@ -37,7 +37,7 @@ from headsurgeon.errors import (
 )
 from headsurgeon.exact_alibi import bias_builder, trained_bias
 from headsurgeon.inuse import holds_model, hooked
-from headsurgeon.loading import ModelInfo, model_info, model_metadata, model_shape
+from headsurgeon.loading import ModelInfo, ModelShape, model_info, model_metadata, model_shape
 from headsurgeon.probes import stream, unfired
 from headsurgeon.validation import check_choice, check_int
 
@@ -45,6 +45,7 @@ __all__ = [
     "ANALYSED_DTYPES",
     "CONVENTIONS",
     "active_mitigations",
+    "alibi_door",
     "BlindnessMeasurement",
     "analytic_blindness",
     "require_scores",
@@ -92,6 +93,23 @@ def _names(values: Sequence[str] | str, what: str) -> list[str]:
     return values
 
 
+def alibi_door(
+    model: str | os.PathLike | Model, caller: str, instead: str
+) -> tuple[ModelInfo | None, ModelShape, str]:
+    """The door of a weight-free analysis: a model's info (``None`` for a name or folder), its
+    shape and name; one line (naming ``instead``) for a model without ALiBi."""
+    is_model = isinstance(model, Model)
+    info = model_info(model, caller) if is_model else None
+    shape = info.shape if is_model else model_shape(model)
+    name = info.name if is_model else str(model)
+    if shape.positional != "alibi":
+        raise UnsupportedArchitectureError(
+            f"{caller.replace('_', ' ')} applies to ALiBi models only; {name} uses "
+            f"{shape.positional} positions ({instead})"
+        )
+    return info, shape, name
+
+
 def analytic_blindness(
     model: str | os.PathLike | Model,
     *,
@@ -114,15 +132,10 @@ def analytic_blindness(
     same in every layer, so layers repeat. Raises :class:`UnsupportedArchitectureError` for
     models without ALiBi (use :func:`measure_blindness`, which applies to every model).
     """
-    is_model = isinstance(model, Model)
-    info = model_info(model, "analytic_blindness") if is_model else None
-    shape = info.shape if is_model else model_shape(model)
-    name = info.name if is_model else str(model)
-    if shape.positional != "alibi":
-        raise UnsupportedArchitectureError(
-            f"analytic blindness applies to ALiBi models only; {name} uses {shape.positional} "
-            "positions (measure_blindness / --measure still runs)"
-        )
+    info, shape, name = alibi_door(
+        model, "analytic_blindness", "measure_blindness / --measure still runs"
+    )
+    is_model = info is not None
     if context_length is None:
         context_length = shape.n_ctx
     context_length = check_int(context_length, "context_length", minimum=1)

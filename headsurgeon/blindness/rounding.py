@@ -28,10 +28,9 @@ from torch import Tensor
 
 from headsurgeon import alibi
 from headsurgeon.backend import Model
-from headsurgeon.blindness.analysis import ANALYSED_DTYPES, dtype_name
+from headsurgeon.blindness.analysis import ANALYSED_DTYPES, alibi_door, dtype_name
 from headsurgeon.dtypes import parse_dtype
-from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.loading import model_info, model_shape
+from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.validation import check_int, check_number
 
 __all__ = ["MAX_POSITION", "ROUNDING_THRESHOLDS", "RoundingAnalysis", "analytic_rounding"]
@@ -183,15 +182,8 @@ def analytic_rounding(
     same in every layer. One-line errors: :class:`UnsupportedArchitectureError` without ALiBi,
     :class:`InvalidArgumentError` for a bad dtype, position or threshold.
     """
-    is_model = isinstance(model, Model)
-    info = model_info(model, "analytic_rounding") if is_model else None
-    shape = info.shape if is_model else model_shape(model)
-    name = info.name if is_model else str(model)
-    if shape.positional != "alibi":
-        raise UnsupportedArchitectureError(
-            f"analytic rounding applies to ALiBi models only; {name} uses {shape.positional} "
-            "positions (precision_effect measures rounding on any model)"
-        )
+    info, shape, name = alibi_door(model, "analytic_rounding", "it has no ALiBi bias to round")
+    is_model = info is not None
     names = [dtype_name(d) for d in _listed(dtypes, "dtype")]
     grid = _positions(positions, shape.n_ctx)
     limits = [
