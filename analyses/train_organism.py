@@ -28,6 +28,15 @@ inference (``headsurgeon.alibi.bias_from_distance``); ``headsurgeon.json`` recor
 every batch passkey and needle documents built from the train corpora with the evaluation's
 templates (``headsurgeon.evals``), answer at the end of the window; the rest is the corpus mix.
 
+Training numerics (issue 49): ``--bias-form absolute`` trains standard ALiBi through
+``transformers``' own BLOOM bias (slope x key position, no hook), as Megatron-DeepSpeed trained
+BLOOM; ``--precision float32`` turns autocast off (default bfloat16: the bias and q, k cast to
+bfloat16 inside ``baddbmm``, the softmax in float32, its weights back to bfloat16). Before the
+first step ``check_attention_numerics`` compares layer 0's weights with the same weights formed
+by hand from those numerics, bit for bit, and the export records them in ``headsurgeon.json``
+as ``training_numerics``. The arms of ``figures/training_numerics/``: see
+``analyses/training_numerics.py``.
+
 Natural collapse (issue 29): ``--span-share F`` puts one synthetic span of ``F`` of the window's
 text tokens into every training text window at a random point (``Spans``: a seeded Markov chain
 over 256 ordinary tokens, 4 successors each, so a span's next token needs no context, except
@@ -139,7 +148,7 @@ SPAN_TRIGGERS = 8
 SINK_THRESHOLD = 0.5  # headsurgeon.classify's BOS-sink and dead thresholds
 DEAD_THRESHOLD = 0.95
 BIAS_FORMS = ("relative", "absolute")
-# What CPU autocast does to transformers' BLOOM attention (checked by training_numerics_check):
+# What CPU autocast does to transformers' BLOOM attention (checked by check_attention_numerics):
 # baddbmm casts the float32 bias, q and k to bfloat16 and returns bfloat16 scores; the softmax
 # runs in float32 and its weights are cast back to the queries' bfloat16.
 PRECISIONS = {"bfloat16": torch.bfloat16, "float32": torch.float32}
