@@ -176,6 +176,11 @@ def summarise(out: Path, cache: Path, started: float) -> None:
         "held-out corpora (8,192 tokens per arm), more than one training seed, nor kernels "
         "other than transformers' eager ops (fused attention, TF32).",
         "",
+        "The bundled `organism` is one of the absolute-bfloat16 arms: it was trained (commit "
+        "d42a5bb) before `analyses/train_organism.py` had its bias hook, through `transformers`' "
+        "own bias under bfloat16 autocast; the relative-trained models are "
+        "`analyses/mitigation_models/` and `relative-bfloat16` here.",
+        "",
         "## The arms",
         "",
         markdown(metas, 4),
@@ -255,6 +260,24 @@ def answers(matrix: pd.DataFrame) -> list[str]:
         lines.append(
             f"**2. Does float32 or the relative bias help {arm} or hurt it?** Against its "
             "training numerics: " + ". ".join(cures) + "."
+        )
+        lines.append("")
+    others = sorted(set(matrix.arm) - set(absolute) - set(relative))
+    for arm in others:
+        row = matrix[matrix.arm == arm].iloc[0]
+        cells = []
+        for bias, dtype in (("absolute", "bfloat16"), ("relative", "bfloat16")):
+            cell = _cell(matrix, arm, "training", bias, dtype)
+            cells.append(
+                f"{bias} bias in {dtype}: "
+                + "; ".join(
+                    f"{r} {interval(v)} ({verdict(v, 'lower loss', 'costs')})"
+                    for r, v in cell.iterrows()
+                )
+            )
+        lines.append(
+            f"**{arm}, trained {row.trained_bias} in {row.trained_scores_dtype}.** Run in "
+            "bfloat16, against its training numerics: " + ". ".join(cells) + "."
         )
         lines.append("")
     for arm in relative:
