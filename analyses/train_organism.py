@@ -471,7 +471,8 @@ def check_attention_numerics(model: BloomForCausalLM, args: argparse.Namespace) 
     def grab(module, args_, kwargs):
         captured.update(kwargs, hidden=args_[0] if args_ else kwargs["hidden_states"])
 
-    handle = attention.register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
+    # Registered last: it sees the bias the attention receives (after the bias hook, if any).
+    handle = attention.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with autocast(args.precision):
             weights = model(input_ids=ids, output_attentions=True).attentions[0]
@@ -480,14 +481,20 @@ def check_attention_numerics(model: BloomForCausalLM, args: argparse.Namespace) 
     with autocast(args.precision):
         q, k, _ = attention._reshape(attention.query_key_value(captured["hidden"]))
     n_heads, n = q.shape[1], ids.shape[1]
-    slopes = alibi_slopes(n_heads).float()
-    distance = torch.arange(n)[None, :] - torch.arange(n)[:, None]  # j - i
-    position = torch.arange(n).expand(n, n)
-    bias = slopes[:, None, None] * (distance if args.bias_form == "relative" else position)
-    scores = bias.to(dtype).baddbmm(
+    alibi = captured["alibi"].view(n_heads, -1, n)  # [head, 1 (absolute) or query, key]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    if args.bias == "standard":  # the form recorded is the form handed to the attention
+        slopes = alibi_slopes(n_heads).float()
+        distance = torch.arange(n)[None, :] - torch.arange(n)[:, None]  # j - i
+        position = torch.arange(n).expand(n, n)
+        form = slopes[:, None, None] * (distance if args.bias_form == "relative" else position)
+        if not torch.equal(alibi.expand(n_heads, n, n)[:, causal], form[:, causal]):
+            raise RuntimeError(
+                f"the bias handed to the attention is not --bias-form {args.bias_form}"
+            )
+    scores = alibi.to(dtype).baddbmm(
         q[0].to(dtype), k[0].to(dtype).transpose(-1, -2), alpha=1 / math.sqrt(q.shape[-1])
     )
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
     scores = scores.float().masked_fill(~causal, -math.inf)
     expected = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
     if weights.dtype != dtype or not torch.equal(weights[0], expected):

@@ -4,6 +4,7 @@ records is applied on load, everywhere, with the mitigations' own bias definitio
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -146,3 +147,37 @@ def test_train_organism_trains_a_variant_that_load_model_applies(tmp_path):
         expected = standard(TOKENS[:, :8] % 64)
     with torch.no_grad():
         torch.testing.assert_close(model(TOKENS[:, :8] % 64), expected, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # a subprocess that trains for two steps
+def test_train_organism_records_the_numerics_it_trained_under(tmp_path):
+    """--bias-form absolute --precision float32: transformers' own bias without autocast,
+    checked before the first step and recorded; against them the model's own numerics change
+    nothing, bit for bit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "analyses" / "train_organism.py"
+    export = tmp_path / "export"
+    args = ["--steps", "2", "--minutes", "2", "--n-layer", "1", "--n-head", "4", "--hidden",
+            "16", "--seq-len", "96", "--batch", "2", "--eval-every", "1"]  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(script), *args, "--bias-form", "absolute", "--precision", "float32",
+         "--out", str(tmp_path / "run"), "--export", str(export)],
+        check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    model = hs.load_model(str(export))
+    numerics = hs.loading.model_info(model).training_numerics
+    assert (numerics.bias, numerics.scores_dtype, numerics.softmax_dtype) == (
+        "absolute",
+        "float32",
+        "float32",
+    )
+    assert "checked bit for bit" in numerics.source
+    effect = hs.precision_effect(
+        model, seq_len=180, dtypes=["float32"], parts=["attention"], reference="training",
+        head_table=False, progress=False,
+    )  # fmt: skip
+    own = effect.by_region.query("reference == 'training' and bias == 'absolute'")
+    assert (own.mean_dnll == 0).all() and list(own.region) == ["inside L", "L-2L"]

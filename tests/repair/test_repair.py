@@ -521,11 +521,15 @@ def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file,
 
 @pytest.fixture(scope="module")
 def recommending(injured, tmp_path_factory):
-    """The injured checkpoint with repair settings recommended in its headsurgeon.json."""
+    """The injured checkpoint with repair settings recommended in its headsurgeon.json, and
+    the training numerics organism-injured records (the README's model)."""
+    from headsurgeon.loading import model_metadata
+
     folder = tmp_path_factory.mktemp("recommending") / "model"
     shutil.copytree(injured, folder)
     metadata = json.loads((folder / "headsurgeon.json").read_text())
     metadata["repair"] = {"steps": 6, "lr": 1e-2}
+    metadata["training_numerics"] = model_metadata("organism-injured")["training_numerics"]
     (folder / "headsurgeon.json").write_text(json.dumps(metadata))
     return folder
 
