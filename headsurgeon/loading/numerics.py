@@ -79,8 +79,8 @@ _MEGATRON = (
 )
 _FALCON = (
     "transformers' port of Falcon-RW (modeling_falcon.build_alibi_tensor): slopes.bfloat16() x "
-    "arange(key position) in bfloat16, kept on purpose (NVIDIA TensorRT-Model-Optimizer issue "
-    "667 / PR 674 reproduce this rounding for parity on long greedy generations); the softmax "
+    "arange(key position) in bfloat16, kept on purpose (an NVIDIA TensorRT port, issue "
+    "667 / PR 674, reproduces this rounding for parity on long greedy generations); the softmax "
     "dtype of the original training is not published"
 )
 _MPT = (
