@@ -230,6 +230,21 @@ def _cell(matrix: pd.DataFrame, arm: str, reference: str, bias: str, dtype: str)
     return rows.set_index("region")
 
 
+def _against_training(
+    matrix: pd.DataFrame, arm: str, numerics: tuple, words: tuple[str, str]
+) -> list[str]:
+    """Per (bias, dtype) of ``numerics``: its ΔNLL against the arm's training numerics in each
+    region, with its interval and ``words`` (better, worse) where the interval excludes 0."""
+    return [
+        f"{bias} bias in {dtype}: "
+        + "; ".join(
+            f"{r} {interval(row)} ({verdict(row, *words)})"
+            for r, row in _cell(matrix, arm, "training", bias, dtype).iterrows()
+        )
+        for bias, dtype in numerics
+    ]
+
+
 def answers(matrix: pd.DataFrame) -> list[str]:
     """The issue's four questions, answered from the matrix with intervals."""
     lines = ["## Answers", ""]
@@ -253,20 +268,8 @@ def answers(matrix: pd.DataFrame) -> list[str]:
             + "."
         )
         lines.append("")
-        cures = []
-        for bias, dtype in (
-            ("absolute", "float32"),
-            ("relative", "bfloat16"),
-            ("relative", "float32"),
-        ):
-            cell = _cell(matrix, arm, "training", bias, dtype)
-            cures.append(
-                f"{bias} bias in {dtype}: "
-                + "; ".join(
-                    f"{r} {interval(row)} ({verdict(row, 'helps', 'hurts')})"
-                    for r, row in cell.iterrows()
-                )
-            )
+        numerics = (("absolute", "float32"), ("relative", "bfloat16"), ("relative", "float32"))
+        cures = _against_training(matrix, arm, numerics, ("helps", "hurts"))
         lines.append(
             f"**2. Does float32 or the relative bias help {arm} or hurt it?** Against its "
             "training numerics: " + ". ".join(cures) + "."
@@ -275,16 +278,8 @@ def answers(matrix: pd.DataFrame) -> list[str]:
     others = sorted(set(matrix.arm) - set(absolute) - set(relative))
     for arm in others:
         row = matrix[matrix.arm == arm].iloc[0]
-        cells = []
-        for bias, dtype in (("absolute", "bfloat16"), ("relative", "bfloat16")):
-            cell = _cell(matrix, arm, "training", bias, dtype)
-            cells.append(
-                f"{bias} bias in {dtype}: "
-                + "; ".join(
-                    f"{r} {interval(v)} ({verdict(v, 'lower loss', 'costs')})"
-                    for r, v in cell.iterrows()
-                )
-            )
+        numerics = (("absolute", "bfloat16"), ("relative", "bfloat16"))
+        cells = _against_training(matrix, arm, numerics, ("lower loss", "costs"))
         lines.append(
             f"**{arm}, trained {row.trained_bias} in {row.trained_scores_dtype}.** Run in "
             "bfloat16, against its training numerics: " + ". ".join(cells) + "."

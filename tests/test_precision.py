@@ -68,6 +68,9 @@ def test_float64_pass_is_transformers_float64(family_model):
     ours = hf_model(model, torch.float64)
     as_family = _logits(ours, _Recipe("softmax", torch.float64), tokens)
     assert (as_family - expected).abs().max().item() <= 1e-10
+    # The attention part in float64 (the matrix's float64 inference numerics) is the same pass.
+    attention = _logits(ours, _Recipe("attention", torch.float64), tokens)
+    assert (attention - expected).abs().max().item() <= 1e-10
     reference = _logits(ours, _Recipe("float64", torch.float64), tokens)
     # float32 weights: relative error 2^-24 per weight, through two layers
     assert (reference - expected).abs().max().item() < 1e-4
