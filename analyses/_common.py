@@ -5,10 +5,16 @@ Exports:
     parser(doc, topic)                  argparse parser with --out (figures/<topic>) and --threads
     start(args)                         refuse an --out it could not replace; set the CPU threads
                                         and logging; return the start time
-    write_topic(out, figures, tables, summary, started, extra)
+    write_topic(out, figures, tables, summary, started, extra, scope=)
                                         figures (PNG), tables (CSV/JSON/MD), anything ``extra``
                                         writes, and summary.md, as one folder written atomically;
-                                        the summary ends with the run time
+                                        the summary opens with its scope and ends with the run time
+    SCOPE_HEADING, with_scope(text, scope)
+                                        a summary's "what this tests, and what it does not"
+                                        section, put (or put back) right under its title
+    scoped_summaries()                  (script, summary.md, SCOPE) of every script that has one,
+                                        read from the source without running it; run this file
+                                        to put each SCOPE into its committed summary
     fmt_heads(names)                    "L1H7, L2H10" or "none"
     acceptance(report, ppl, changes)    the repair acceptance numbers (check_repair.py and
                                         repair_organism.py): recovery, perplexity gap, bit-identity
@@ -18,6 +24,7 @@ Exports:
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
 import os
 import time
@@ -37,6 +44,9 @@ from headsurgeon.plots import save_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "figures"
+# Every summary opens with what its numbers test and what they do not, so that a reader who
+# quotes one line knows its reach (each script's SCOPE: a pair of sentences).
+SCOPE_HEADING = "## What this tests, and what it does not"
 
 
 def parser(doc: str, topic: str) -> argparse.ArgumentParser:
@@ -73,11 +83,15 @@ def write_topic(
     summary: Sequence[str],
     started: float,
     extra: Callable[[Path], object] | None = None,
+    *,
+    scope: tuple[str, str],
 ) -> Path:
     """Replace ``out`` with ``<name>.png`` per figure, ``<name>`` per table and ``summary.md``.
 
     A DataFrame table is written as CSV; a string as is; ``extra(folder)`` may add more files.
-    The summary is written last, so its final line, the run time, includes the figure export.
+    ``scope`` (what the numbers test, what they do not) opens the summary under its title
+    (:func:`with_scope`). The summary is written last, so its final line, the run time,
+    includes the figure export.
     """
     with atomic_directory(out, overwrite=True) as tmp:
         if extra is not None:
@@ -101,9 +115,35 @@ def write_topic(
             f"({threads} torch thread(s); {os.cpu_count()} CPU cores shared with other "
             "jobs).",
         ]
-        atomic_write_text(tmp / "summary.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
+        text = with_scope("\n".join(lines) + "\n", scope)
+        atomic_write_text(tmp / "summary.md", text)
+    print(text, end="")
     return Path(out)
+
+
+def with_scope(text: str, scope: tuple[str, str]) -> str:
+    r"""``text`` (a summary: a ``# title`` line first) with its scope section right under the
+    title, replacing the one already there.
+
+    >>> print(with_scope("# T\n\nbody\n", ("a", "b")), end="")
+    # T
+    <BLANKLINE>
+    ## What this tests, and what it does not
+    <BLANKLINE>
+    - **Tests**: a
+    - **Does not test**: b
+    <BLANKLINE>
+    body
+    >>> with_scope(with_scope("# T\n\nbody\n", ("a", "b")), ("c", "d")).count("Tests")
+    1
+    """
+    title, _, rest = text.partition("\n")
+    rest = rest.lstrip("\n")
+    if rest.startswith(SCOPE_HEADING):  # the block ends at its first blank line after bullets
+        rest = rest.split("\n\n", 2)[2] if rest.count("\n\n") >= 2 else ""
+    tests, not_tested = scope
+    block = f"{SCOPE_HEADING}\n\n- **Tests**: {tests}\n- **Does not test**: {not_tested}\n\n"
+    return f"{title}\n\n{block}{rest}"
 
 
 def fmt_heads(names: Sequence[str]) -> str:
@@ -178,3 +218,43 @@ def style(
         margin=margin,
         title_xref="container",
     )
+
+
+def scoped_summaries() -> list[tuple[Path, Path, tuple[str, str]]]:
+    """Each script of ``analyses/`` with a ``SCOPE``, its committed summary(ies) and that scope,
+    read from the source (``SCOPE`` is a literal; the topic is ``parser(__doc__, topic)``'s, a
+    topic per TransformerLens major where it is an f-string)."""
+    found = []
+    for script in sorted(Path(__file__).parent.glob("*.py")):
+        tree = ast.parse(script.read_text())
+        scope = next(
+            (
+                ast.literal_eval(node.value)
+                for node in tree.body
+                if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "SCOPE" for t in node.targets)
+            ),
+            None,
+        )
+        calls = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "parser"
+        ]
+        if scope is None or not calls:
+            continue
+        topic = calls[0].args[1]
+        if isinstance(topic, ast.JoinedStr):  # f"families/tl{MAJOR}"
+            prefix = topic.values[0].value
+            topics = [f"{prefix}{major}" for major in (3, 4)]
+        else:
+            topics = [topic.value]
+        found += [(script, FIGURES / t / "summary.md", scope) for t in topics]
+    return found
+
+
+if __name__ == "__main__":  # put each script's SCOPE into its committed summary, without a run
+    for _, summary, scope in scoped_summaries():
+        if summary.exists():
+            atomic_write_text(summary, with_scope(summary.read_text(), scope))
+            print(f"scoped {summary.relative_to(ROOT)}")

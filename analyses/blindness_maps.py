@@ -319,6 +319,25 @@ def auc_figure(summary: pd.DataFrame) -> go.Figure:
     return fig
 
 
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "where ALiBi drives `organism`'s attention weights to exactly zero: analytic blind "
+        "distances (equal content logits) and the zeros measured on one 2,048-token held-out "
+        "sequence in float32, bfloat16 and float16, under each inference-time mitigation; those "
+        "mitigations' perplexity (2 streams) and a retrieval smoke test (1 prompt per cell, 5 "
+        "candidates)."
+    ),
+    (
+        "whether a zero changes what the model computes (the precision counterfactual: "
+        "`figures/precision/`, `figures/training_numerics/`), retrieval at any useful sample size"
+        " (1 prompt per cell cannot separate mitigations; `figures/retrieval_distance/` does), a "
+        "mitigation the model was trained with, or more than one sequence and one model (organism"
+        " was trained with the absolute bias under bfloat16, L = 256)."
+    ),
+)
+
+
 def main() -> None:
     p = parser(__doc__, "blindness")
     p.add_argument("--model", default="organism", help="organism name or checkpoint folder")
@@ -548,7 +567,7 @@ def main() -> None:
         "",
         markdown(auc.reset_index().rename_axis(None, axis=1), digits=2),
     ]
-    write_topic(args.out, figures, tables, lines, started)
+    write_topic(args.out, figures, tables, lines, started, scope=SCOPE)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,21 @@ def scatter(tables: dict[str, pd.DataFrame]) -> go.Figure:
     return fig
 
 
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "whether a head's label or causal importance differs between the two bundled held-out "
+        "corpora (shakespeare, python-docs; 12 x 64 tokens each) in organism and "
+        "organism-injured."
+    ),
+    (
+        "which property of the corpora moves a head, or more than 2-SE screening: 128 heads "
+        "tested at 2 SE each without a multiplicity correction (see the last section), one seed, "
+        "short sequences."
+    ),
+)
+
+
 def main() -> None:
     p = parser(__doc__, "sinks/corpora")
     p.add_argument(
@@ -222,7 +237,7 @@ def main() -> None:
         f"- Reference corpus: {first.attrs.get('reference')}; differences are python-docs minus "
         "shakespeare.",
     ]
-    write_topic(args.out, figures, tables, lines, started)
+    write_topic(args.out, figures, tables, lines, started, scope=SCOPE)
 
 
 if __name__ == "__main__":

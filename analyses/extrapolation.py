@@ -45,6 +45,23 @@ def mitigations(c: float, length: int) -> dict[str, dict]:
     }
 
 
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "the loss by token position of one L = 128 model (`analyses/mitigation_models/standard`, "
+        "one seed) on one 65,536-token held-out sequence, bare and under each mitigation applied "
+        "as a hook at inference (no retraining), beside its heads' analytic float32 blind "
+        "distances."
+    ),
+    (
+        "which distances the model uses (`window_effect` does), what a mitigation does to a model"
+        " trained with it (`figures/mitigation_training/`), or the spread over sequences and "
+        "seeds (one sequence, one model); the blind distances are analytic, and the figure sets "
+        "them beside the loss without showing that one causes the other."
+    ),
+)
+
+
 def main() -> None:
     p = parser(__doc__, "extrapolation")
     p.add_argument(
@@ -95,6 +112,7 @@ def main() -> None:
         {"loss_by_position.csv": curves, "blind_heads.csv": blind},
         summary,
         started,
+        scope=SCOPE,
     )
 
 

@@ -113,6 +113,22 @@ def describe(result: RepairResult) -> dict[str, object]:
     }
 
 
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "the CLI's default repair of organism-injured's 6 planted sick heads: whether the targets"
+        " end healthy, whether untouched weights stay bit-identical and frozen heads stay put, "
+        "the held-out perplexity against organism and the injured model, and repairs on one "
+        "corpus."
+    ),
+    (
+        "repair of heads that fell sick by themselves (`figures/sinks/control_natural/`), whether"
+        " re-initialisation beats retraining alone (`figures/sinks/control/`), large models, or "
+        "the spread over seeds (one run; perplexities without intervals)."
+    ),
+)
+
+
 def main() -> None:
     p = parser(__doc__, "repair")
     p.add_argument("--injured", default="organism-injured", help="model to repair")
@@ -289,7 +305,7 @@ def main() -> None:
     def extra(folder: Path) -> None:
         write_report(result, folder / "report", formats=("png",), save_model=False)
 
-    write_topic(args.out, figures, tables, lines, started, extra)
+    write_topic(args.out, figures, tables, lines, started, extra, scope=SCOPE)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,19 @@ from _common import parser, start, write_topic
 from headsurgeon.cli.classify import main as classify
 from headsurgeon.reports import PAGE, open_page
 
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "that the page `python -m headsurgeon.classify organism-injured` writes is one file that "
+        "opens offline in Chromium without console errors, and that clicking a head shows that "
+        "head."
+    ),
+    (
+        "any number about the model beyond what the page draws, other browsers, or how the page "
+        "reads to a person."
+    ),
+)
+
 
 def main() -> None:
     p = parser(__doc__, "report")
@@ -53,6 +66,7 @@ def main() -> None:
             summary,
             started,
             extra=lambda folder: shutil.copy(shot, folder / shot.name),
+            scope=SCOPE,
         )
     finally:
         shutil.rmtree(run.parent, ignore_errors=True)

@@ -117,6 +117,21 @@ def cache_figure(cache: pd.DataFrame) -> go.Figure:
     return fig
 
 
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "Gu et al.'s sink rate (100 x 64 tokens), AHON-LN and the sink-cache perplexity (x first "
+        "+ y recent tokens against the full context, one 2,048-token held-out sequence, standard "
+        "errors by batch means over its 64-token blocks) of every organism and Table 3 model."
+    ),
+    (
+        "sinks in large models (these have 0.4-4.2M parameters and saw 5-25M tokens), which head "
+        "needs the sinks (`figures/sinks/sink_cache_injured.md`, 512 tokens), or more than one "
+        "sequence for the cache."
+    ),
+)
+
+
 def main() -> None:
     p = parser(__doc__, "sinks/table")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens of the sink-cache sequence")
@@ -171,6 +186,7 @@ def main() -> None:
         {"table.csv": table, "sink_cache.csv": cache},
         summary,
         started,
+        scope=SCOPE,
     )
 
 

@@ -117,6 +117,16 @@ def sick_range(sweep: pd.DataFrame, low: float, high: float) -> str:
     return f"{rows['sick'].min()}-{rows['sick'].max()}"
 
 
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "how the classifier's labels of organism and organism-injured move with its thresholds, "
+        "and how the surgery paper's BOS-mass metric and protocol differ from ours on them."
+    ),
+    ("which thresholds suit other models, or labels on other text; one model each, one seed."),
+)
+
+
 def main() -> None:
     p = parser(__doc__, "thresholds")
     p.add_argument("--models", nargs="+", default=["organism", "organism-injured"])
@@ -223,7 +233,7 @@ def main() -> None:
         "",
         markdown(per_prompt.reset_index()),
     ]
-    write_topic(args.out, figures, tables, lines, started)
+    write_topic(args.out, figures, tables, lines, started, scope=SCOPE)
 
 
 if __name__ == "__main__":

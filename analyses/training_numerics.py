@@ -165,17 +165,7 @@ def summarise(out: Path, cache: Path, started: float) -> None:
     lines = [
         "# Training numerics: does rounding hurt a model trained as BLOOM was?",
         "",
-        "What this tests: models whose training numerics are known, each run through "
-        "transformers' attention under every inference numerics (scores dtype x bias form; "
-        "softmax in float32, weights cast to the dtype, everything else float64), each token's "
-        "loss compared, *on the same tokens*, with float64 and with the arm's own training "
-        "numerics (a paired difference; mean over a region of the training length L with a "
-        "batch-means standard error over 64-token blocks; intervals are 95%, ±1.96 SE). "
-        "ΔNLL > 0: the numerics cost loss. What it does not test: BLOOM itself (these are "
-        "1.3M- and 4.2M-parameter organisms trained for minutes on CPU; their content logits are "
-        "smaller and their attention simpler than BLOOM's), other text than the bundled "
-        "held-out corpora (8,192 tokens per arm), more than one training seed, nor kernels "
-        "other than transformers' eager ops (fused attention, TF32). Lines that coincide in "
+        "Lines that coincide in "
         "the figures overlap: float32, float64 and the relative form in every dtype land within "
         "1e-4 nats of one another in every arm. Held-out losses in the arms table are each "
         "arm's own, in its training precision, from one seed: not a comparison of the arms.",
@@ -217,6 +207,7 @@ def summarise(out: Path, cache: Path, started: float) -> None:
         {"matrix.csv": matrix, "by_position.csv": positions, "arms.csv": metas},
         lines,
         started,
+        scope=SCOPE,
     )
 
 
@@ -298,6 +289,25 @@ def answers(matrix: pd.DataFrame) -> list[str]:
         )
         lines.append("")
     return lines
+
+
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "models whose training numerics are known, each run through transformers' attention under"
+        " every inference numerics (scores dtype x bias form; softmax in float32, weights cast to"
+        " the dtype, everything else float64), each token's loss compared, *on the same tokens*, "
+        "with float64 and with the arm's own training numerics (a paired difference; mean over a "
+        "region of the training length L with a batch-means standard error over 64-token blocks; "
+        "intervals are 95%, ±1.96 SE). ΔNLL > 0: the numerics cost loss."
+    ),
+    (
+        "BLOOM itself (these are 1.3M- and 4.2M-parameter organisms trained for minutes on CPU; "
+        "their content logits are smaller and their attention simpler than BLOOM's), other text "
+        "than the bundled held-out corpora (8,192 tokens per arm), more than one training seed, "
+        "nor kernels other than transformers' eager ops (fused attention, TF32)."
+    ),
+)
 
 
 def main() -> None:
