@@ -1,0 +1,168 @@
+"""The committed evidence reads as its data say: every summary of ``analyses/`` opens with what
+it tests and what it does not, and each number the docs quote from a committed table is that
+table's number (recomputed here from the CSV or JSON, formatted as quoted)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "figures"
+sys.path.insert(0, str(ROOT / "analyses"))
+from _common import scoped_summaries, with_scope  # noqa: E402
+
+SCOPED = scoped_summaries()
+
+
+def test_every_analysis_script_that_writes_a_summary_has_a_scope() -> None:
+    writers = {
+        p.name
+        for p in (ROOT / "analyses").glob("*.py")
+        if p.name != "_common.py" and "write_topic(" in p.read_text()
+    }
+    assert writers <= {script.name for script, _, _ in SCOPED}
+
+
+@pytest.mark.parametrize("script, summary, scope", SCOPED, ids=lambda x: getattr(x, "name", ""))
+def test_each_committed_summary_opens_with_its_scripts_scope(
+    script: Path, summary: Path, scope: tuple[str, str]
+) -> None:
+    text = summary.read_text()
+    assert with_scope(text, scope) == text, (
+        f"{summary.relative_to(ROOT)} does not open with {script.name}'s SCOPE: run "
+        "`python analyses/_common.py` (or the script)"
+    )
+
+
+# --- quoted numbers -----------------------------------------------------------------------------
+
+
+def _flat(path: str) -> str:
+    """A doc's text with every run of whitespace one space (quotes break across lines)."""
+    return re.sub(r"\s+", " ", (ROOT / path).read_text())
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def sink_cache_claims() -> Iterator[tuple[str, str]]:
+    cache = pd.read_csv(FIGURES / "sinks/table/sink_cache.csv")
+    injured = cache[cache["model"] == "organism-injured"].set_index(["sinks", "window"])
+    (d0, se0), (d4, se4) = (injured.loc[k, ["dnll", "dnll_se"]] for k in [(0, 64), (4, 64)])
+    yield (
+        "docs/long-contexts.md",
+        f"0 + 64 costs {d0:+.3f} nats (standard error {se0:.3f}) and 4 + 64 {d4:+.3f} ({se4:.3f})",
+    )
+    heads = pd.DataFrame(
+        json.loads((FIGURES / "sinks/sink_cache_injured.json").read_text())["by_head"]
+    )
+    heads["name"] = "L" + heads["layer"].astype(str) + "H" + heads["head"].astype(str)
+    by = heads.set_index("name")
+    top = ", ".join(f"{n} {by.loc[n, 'dnll']:+.3f}" for n in ("L2H14", "L3H15", "L1H7"))
+    assert list(heads.sort_values("rank")["name"][:3]) == ["L2H14", "L3H15", "L1H7"]
+    yield "docs/long-contexts.md", f"planted ({top} nats)"
+    yield (
+        "docs/long-contexts.md",
+        f"the planted L2H10 ranks {_ordinal(by.loc['L2H10', 'rank'])} and L1H12 "
+        f"{_ordinal(by.loc['L1H12', 'rank'])} of {len(heads)}",
+    )
+    yield "docs/long-contexts.md", "one 512-token sequence"
+    assert json.loads((FIGURES / "sinks/sink_cache_injured.json").read_text())["command"].count(
+        "--head-seq-len 512"
+    )
+
+
+def natural_collapse_claims() -> Iterator[tuple[str, str]]:
+    traj = pd.read_csv(FIGURES / "natural_collapse/trajectories.csv")
+    top = {arm: g.groupby("step")["bos_mass"].max() for arm, g in traj.groupby("arm")}
+    wd01, wd05 = top["ALiBi, wd 0.1 (seed 0)"], top["ALiBi, wd 0.5 (seed 0)"]
+    rates = [(t.max() - t[1000]) / (t.idxmax() - 1000) * 1000 for t in (wd01, wd05)]
+    yield (
+        "docs/organisms.md",
+        f"grew by {rates[0]:.3f} (wd 0.1) and {rates[1]:.3f} (wd 0.5) per 1,000 steps",
+    )
+    yield (
+        "docs/organisms.md",
+        f"moved {wd01[4000] - wd01[3000]:+.3f} (wd 0.1, past its peak of {wd01.max():.3f} at "
+        f"step {wd01.idxmax():,}) and {wd05[4000] - wd05[3000]:+.3f} (wd 0.5; "
+        f"{wd05[4000] - wd05[3500]:+.3f} over the last 500)",
+    )
+    heads = pd.read_csv(FIGURES / "natural_collapse/heads.csv")
+    for arm, doc_arm in [("no bias, wd 0.1 (seed 0)", "no bias, wd 0.1")]:
+        row = heads[heads["arm"] == arm].sort_values("bos_mass").iloc[-1]
+        yield (
+            "docs/organisms.md",
+            f"| {doc_arm} | {row['bos_mass']:.3f} (L{row['layer']}H{row['head']}, BOS-sink)",
+        )
+
+
+def retrieval_documents_claims() -> Iterator[tuple[str, str]]:
+    def documents(name: str) -> int:
+        meta = json.loads(
+            (ROOT / "analyses/mitigation_models" / name / "headsurgeon.json").read_text()
+        )
+        training = meta["training"]
+        per_step = round(training["config"]["batch"] * training["config"]["retrieval_share"])
+        return training["steps"] * per_step
+
+    yield (
+        "docs/alibi-variants.md",
+        f"8x the passkey/needle training documents ({documents('standard'):,} against "
+        f"{documents('L512-standard'):,})",
+    )
+    assert documents("standard") == 8 * documents("L512-standard")
+
+
+def training_numerics_claims() -> Iterator[tuple[str, str]]:
+    m = pd.read_csv(FIGURES / "training_numerics/matrix.csv")
+
+    def row(arm: str, reference: str, dtype: str, region: str) -> pd.Series:
+        hit = m[
+            (m["arm"] == arm)
+            & (m["reference"] == reference)
+            & (m["bias"] == "absolute")
+            & (m["dtype"] == dtype)
+            & (m["region"] == region)
+        ]
+        assert len(hit) == 1
+        return hit.iloc[0]
+
+    def interval(r: pd.Series) -> str:
+        half = 1.96 * r["dnll_se"]
+        return f"{r['mean_dnll']:+.3f} [{r['mean_dnll'] - half:+.3f}, {r['mean_dnll'] + half:+.3f}]"
+
+    for arm in ("absolute-bfloat16", "organism"):
+        inside, far = (row(arm, "training", "float32", r) for r in ("inside L", "4L-8L"))
+        yield "docs/tools/blindness.md", f"| {interval(inside).lstrip('+')} |"
+        yield "docs/tools/blindness.md", f"| {interval(far).lstrip('+')} |"
+    for arm in ("relative-bfloat16", "absolute-float32"):
+        inside, far = (row(arm, "training", "bfloat16", r) for r in ("inside L", "4L-8L"))
+        yield "docs/tools/blindness.md", f"{interval(inside)} inside L and {far['mean_dnll']:+.3f}"
+    own = row("absolute-bfloat16", "float64", "bfloat16", "inside L")
+    far = row("absolute-bfloat16", "float64", "bfloat16", "4L-8L")
+    yield "README.md", f"cost {own['mean_dnll']:+.3f} nats inside the training length and "
+    yield "README.md", f"and {far['mean_dnll']:+.2f} at 4-8 times it against float64"
+
+
+CLAIMS: list[Callable[[], Iterator[tuple[str, str]]]] = [
+    sink_cache_claims,
+    natural_collapse_claims,
+    retrieval_documents_claims,
+    training_numerics_claims,
+]
+
+
+@pytest.mark.parametrize("claims", CLAIMS, ids=lambda f: f.__name__)
+def test_the_docs_quote_the_committed_tables(
+    claims: Callable[[], Iterator[tuple[str, str]]],
+) -> None:
+    for doc, quote in claims():
+        assert quote in _flat(doc), f"{doc} should say {quote!r} (from the committed tables)"
