@@ -9,6 +9,7 @@ twice and miss differences the pairs show.
 Exports:
     mcnemar_p(b, c)                  exact two-sided McNemar p-value of b against c discordant pairs
     discordant(x, y)                 (b, c): pairs where only x is right, where only y is
+    holm(p)                          Holm's step-down adjusted p-values of a family of tests
     batch_means_se(values, block)    standard error of a mean over correlated tokens
     SE_BLOCK                         its block: 64 consecutive predictions of one sequence
     nll_change(delta, base)          tokens, base_nll, dnll, dnll_se: a ΔNLL row of the effects
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from headsurgeon.validation import check_int
 
-__all__ = ["SE_BLOCK", "batch_means_se", "discordant", "mcnemar_p", "nll_change"]
+__all__ = ["SE_BLOCK", "batch_means_se", "discordant", "holm", "mcnemar_p", "nll_change"]
 
 # Predictions per block of batch_means_se: neighbouring tokens of a text are correlated, means of
 # 64 consecutive ones much less, so the spread of block means gives the error of the mean.
@@ -65,6 +66,22 @@ def discordant(x: Sequence[bool], y: Sequence[bool]) -> tuple[int, int]:
     """
     x, y = np.asarray(x, dtype=bool), np.asarray(y, dtype=bool)
     return int((x & ~y).sum()), int((~x & y).sum())
+
+
+def holm(p: Sequence[float]) -> np.ndarray:
+    """Holm's step-down adjusted p-values of a family of ``m`` tests, in the order given: the
+    ``k``-th smallest p times ``m - k + 1``, made non-decreasing in that order, at most 1. A
+    test is significant at level ``a`` for the whole family when its adjusted p is below ``a``.
+
+    >>> holm([0.01, 0.04, 0.03]).round(4).tolist()  # 0.01 x 3; 0.03 x 2; max(0.04, 0.06)
+    [0.03, 0.06, 0.06]
+    """
+    p = np.asarray(p, dtype=float)
+    order = np.argsort(p, kind="stable")
+    scaled = p[order] * (len(p) - np.arange(len(p)))
+    adjusted = np.empty_like(p)
+    adjusted[order] = np.minimum(1.0, np.maximum.accumulate(scaled))
+    return adjusted
 
 
 def batch_means_se(values: Float[Tensor, "seq pos"], block: int = SE_BLOCK) -> float:

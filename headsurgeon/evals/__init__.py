@@ -6,7 +6,8 @@ Exports (each documented in its module):
                                               sliding_windows, default_window
     from :mod:`~headsurgeon.evals.retrieval`  passkey, needle, Retrieval, length_auc, summarize,
                                               retrieval_by_distance, DISTANCE_EDGES,
-                                              distance_table, distance_summary, wilson_interval
+                                              distance_table, distance_summary, wilson_interval,
+                                              compare_retrieval, ALPHA
 
 Every evaluation only runs the model forward, so it runs unchanged under any
 ``headsurgeon.blindness.mitigation(...)``. Long sequences run in blocks of query rows through the
@@ -29,8 +30,10 @@ from headsurgeon.evals.loss import (
     sliding_windows,
 )
 from headsurgeon.evals.retrieval import (
+    ALPHA,
     DISTANCE_EDGES,
     Retrieval,
+    compare_retrieval,
     distance_summary,
     distance_table,
     length_auc,
@@ -56,5 +59,7 @@ __all__ = [
     "retrieval_by_distance",
     "distance_table",
     "distance_summary",
+    "compare_retrieval",
+    "ALPHA",
     "wilson_interval",
 ]
