@@ -22,8 +22,11 @@ Writes ``table.csv`` (the paper's layout: model x in/out-of-context AUC, perplex
 ``auc.csv`` (every AUC with its interval), ``differences.csv`` (each variant minus standard ALiBi
 of the same training seed), ``curves.csv`` (accuracy by length), ``perplexity.csv``,
 ``blindness.csv`` (measured, per head), ``regime.csv`` (per model and length: top-1 accuracy
-with its interval beside the heads blind within that distance), ``loss_by_position.csv``,
-``models.csv``, ``trials_<model>_<task>.csv``, PNG figures and ``summary.md``.
+with its interval beside the heads blind within that distance), ``by_distance.csv`` (top-1
+accuracy by the needle's distance to the end), ``distance_pairs.csv`` (each variant against
+standard ALiBi of the same seed by that distance, on the same prompts: discordant prompts and
+exact McNemar p), ``loss_by_position.csv``, ``models.csv``, ``trials_<model>_<task>.csv``, PNG
+figures and ``summary.md``.
 
     python analyses/mitigation_training.py \\
         --model standard=analyses/mitigation_models/standard \\
@@ -48,6 +51,7 @@ from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.loading import model_info
 from headsurgeon.plots import save_figure
 from headsurgeon.progress import tqdm
+from headsurgeon.stats import discordant, mcnemar_p
 
 TASKS = ("passkey", "needle")
 METRIC = "top1_accuracy"  # chance 1/10; greedy_accuracy is reported too
@@ -187,9 +191,10 @@ def main() -> None:
         for label, frame in trials[task].items():
             tables[f"trials_{label}_{task}.csv"] = frame
     by_distance = distance_table(trials)
-    tables["by_distance.csv"] = by_distance
+    pairs = distance_pairs(trials, models)
+    tables["by_distance.csv"], tables["distance_pairs.csv"] = by_distance, pairs
     summary = summary_lines(
-        models, train_ctx, args, diffs, by_distance, regime, blind, losses, long_diff, table
+        models, train_ctx, args, diffs, by_distance, pairs, regime, blind, losses, long_diff, table
     )
     write_topic(args.out, figures, tables, summary, started)
 
@@ -200,6 +205,7 @@ def summary_lines(
     args,
     diffs: pd.DataFrame,
     by_distance: pd.DataFrame,
+    pairs: pd.DataFrame,
     regime: pd.DataFrame,
     blind: pd.DataFrame,
     losses: pd.DataFrame,
@@ -226,7 +232,7 @@ def summary_lines(
         "",
         *verdict(diffs),
         "",
-        *distance_lines(by_distance, blind, train_ctx),
+        *distance_lines(by_distance, pairs, blind, train_ctx),
         "",
         *regime_lines(regime, blind, losses, long_diff, lengths, args),
         "",
@@ -436,8 +442,63 @@ def distance_table(trials: dict[str, dict[str, pd.DataFrame]]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def distance_lines(by_distance: pd.DataFrame, blind: pd.DataFrame, train_ctx: int) -> list[str]:
-    """The near-against-far section: where the differences live, against chance."""
+# Pooled "far" needles of the variant-against-standard test: 1,024 tokens or more from the end.
+FAR = 1024
+
+
+def distance_pairs(trials: dict[str, dict[str, pd.DataFrame]], models: dict) -> pd.DataFrame:
+    """Each variant against standard ALiBi of the same training seed on the same prompts, by
+    the needle's distance to the end (bins of :func:`distance_table`, and the needles
+    :data:`FAR` tokens or more away pooled): the prompts only one of the two gets right (top-1)
+    and their exact McNemar p (:func:`headsurgeon.stats.mcnemar_p`)."""
+    prompt = ["context_length", "depth", "trial", "key", "needle_position"]
+    rows = []
+    for task in TASKS:
+        for label, frame in trials[task].items():
+            model = models[label]
+            standard = [
+                other
+                for other, m in models.items()
+                if m["variant"] == "standard" and m["seed"] == model["seed"]
+            ]
+            if model["variant"] == "standard" or not standard:
+                continue
+            other = trials[task][standard[0]]
+            if not frame[prompt].astype(str).equals(other[prompt].astype(str)):
+                raise SystemExit(f"error: {label} and {standard[0]} saw other {task} prompts")
+            distance = frame["context_length"] - frame["needle_position"]
+            bins = pd.cut(distance, DISTANCE_EDGES, right=False)
+            groups = [
+                (int(i.left), int(i.right), idx)
+                for i, idx in frame.groupby(bins, observed=True).groups.items()
+            ]
+            groups.append((FAR, DISTANCE_EDGES[-1], frame.index[distance >= FAR]))
+            for i, (lo, hi, idx) in enumerate(groups):
+                only_a, only_b = discordant(
+                    frame.loc[idx, "top1_correct"], other.loc[idx, "top1_correct"]
+                )
+                rows.append(
+                    {
+                        "task": task,
+                        "model": label,
+                        "minus": standard[0],
+                        "distance_lo": lo,
+                        "distance_hi": hi,
+                        "pooled": i == len(groups) - 1,
+                        "n": len(idx),
+                        "model_only": only_a,
+                        "standard_only": only_b,
+                        "p": mcnemar_p(only_a, only_b),
+                    }
+                )
+    return pd.DataFrame(rows)
+
+
+def distance_lines(
+    by_distance: pd.DataFrame, pairs: pd.DataFrame, blind: pd.DataFrame, train_ctx: int
+) -> list[str]:
+    """The near-against-far section: where the differences live, against chance, and each
+    variant against standard ALiBi on the same prompts."""
     nearest = "; ".join(
         f"{label} {zeros.min():,.0f}" if zeros.notna().any() else f"{label} none"
         for label, zeros in blind.groupby("model", sort=False)["first_zero_distance"]
@@ -475,7 +536,25 @@ def distance_lines(by_distance: pd.DataFrame, blind: pd.DataFrame, train_ctx: in
         markdown(shown.reset_index(), 3),
         "",
         "With the needle 1,024 tokens or more from the end (top-1, 95% Wilson interval, against "
-        "the chance rate): " + "; ".join(far_parts) + ".",
+        "the nominal chance rate: a one-sample reading, no baseline was measured): "
+        + "; ".join(far_parts)
+        + ".",
+        "",
+        "Variant against standard ALiBi of the same seed, on the same prompts (paired: top-1 "
+        "prompts right only for the variant vs only for standard, exact McNemar p; "
+        f"{len(DISTANCE_EDGES) - 1} bins and the needles {FAR:,} tokens or more away pooled, "
+        "per task and variant, no multiplicity correction; one training seed per row, so the "
+        "tests cover the sampling of prompts, not of training runs):",
+        "",
+        *(
+            f"- {task}, {model} vs {minus}: "
+            + "; ".join(
+                f"{'pooled ' if r.pooled else ''}{r.distance_lo}-{r.distance_hi - 1} "
+                f"{r.model_only} vs {r.standard_only} (p = {r.p:.2g})"
+                for r in group.itertuples()
+            )
+            for (task, model, minus), group in pairs.groupby(["task", "model", "minus"], sort=False)
+        ),
     ]
 
 
@@ -658,7 +737,8 @@ def resummarize(args, folders: dict[str, str]) -> None:
     }
     train_ctx = model_info(hs.load_model(next(iter(folders.values())))).train_ctx
     by_distance = distance_table(trials)
-    tables["by_distance.csv"] = by_distance
+    pairs = distance_pairs(trials, models)
+    tables["by_distance.csv"], tables["distance_pairs.csv"] = by_distance, pairs
     frames = {n: tables[f"{n}.csv"] for n in ("curves", "perplexity", "regime", "loss_by_position")}
     figures = all_figures(*frames.values(), train_ctx)
     original = "The evaluation itself (the run these tables come from): "
@@ -670,6 +750,7 @@ def resummarize(args, folders: dict[str, str]) -> None:
         args,
         tables["differences.csv"],
         by_distance,
+        pairs,
         tables["regime.csv"],
         tables["blindness.csv"],
         tables["loss_by_position.csv"],

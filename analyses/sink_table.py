@@ -177,8 +177,8 @@ def main() -> None:
         "",
         "What this does not say: the rates are per (sequence, head) on 64-token windows; a head "
         "can pass 0.3 on short windows and not on long ones (ALiBi penalises position 0 by its "
-        "distance). The sink-cache rows are one sequence each; `dnll_se` is over 512-token "
-        "chunks of it.",
+        "distance). The sink-cache rows are one sequence each; `dnll_se` is the paired "
+        "batch-means standard error over 64-prediction blocks of it (headsurgeon.stats).",
     ]
     write_topic(
         args.out,

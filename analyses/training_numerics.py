@@ -101,13 +101,13 @@ def measure(model_name: str, max_len: int, cache: Path) -> None:
 
 def interval(row: pd.Series) -> str:
     """``mean [lo, hi]``: the 95% interval from the batch-means standard error."""
-    lo, hi = row.mean_dnll - Z95 * row.se_dnll, row.mean_dnll + Z95 * row.se_dnll
+    lo, hi = row.mean_dnll - Z95 * row.dnll_se, row.mean_dnll + Z95 * row.dnll_se
     return f"{row.mean_dnll:+.4f} [{lo:+.4f}, {hi:+.4f}]"
 
 
 def verdict(row: pd.Series, better: str, worse: str) -> str:
     """In words, whether the interval excludes 0 and which way."""
-    lo, hi = row.mean_dnll - Z95 * row.se_dnll, row.mean_dnll + Z95 * row.se_dnll
+    lo, hi = row.mean_dnll - Z95 * row.dnll_se, row.mean_dnll + Z95 * row.dnll_se
     return better if hi < 0 else worse if lo > 0 else "no difference resolved"
 
 
@@ -123,7 +123,7 @@ def figure(matrix: pd.DataFrame, reference: str) -> go.Figure:
                 go.Scatter(
                     x=sub.region,
                     y=sub.mean_dnll,
-                    error_y={"type": "data", "array": Z95 * sub.se_dnll.fillna(0)},
+                    error_y={"type": "data", "array": Z95 * sub.dnll_se.fillna(0)},
                     mode="lines+markers",
                     name=f"{bias} · {dtype}",
                     legendgroup=f"{bias} · {dtype}",
@@ -158,8 +158,8 @@ def summarise(out: Path, cache: Path, started: float) -> None:
     matrix = matrix.merge(metas[["arm", "trained_bias", "trained_scores_dtype"]], on="arm")
     keep = [
         "arm", "trained_bias", "trained_scores_dtype", "train_ctx", "reference", "bias", "dtype",
-        "region", "position_lo", "position_hi", "tokens", "mean_dnll", "se_dnll", "top1_agreement",
-        "se_top1", "nll_reference", "nll_float64",
+        "region", "position_lo", "position_hi", "tokens", "mean_dnll", "dnll_se", "top1_agreement",
+        "top1_se", "nll_reference", "nll_float64",
     ]  # fmt: skip
     matrix = matrix[keep]
     lines = [

@@ -61,6 +61,7 @@ from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.loading.numerics import BIAS_MEANINGS
 from headsurgeon.progress import tqdm
+from headsurgeon.stats import SE_BLOCK, batch_means_se
 from headsurgeon.validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -97,9 +98,6 @@ PART_MEANINGS = {
     "model": "the whole forward pass in the dtype, as transformers computes it",
 }
 REFERENCES = ("float64", "training")
-# Tokens per block of the batch-means standard errors: a text's neighbouring tokens are
-# correlated, so the errors come from the spread of block means, not of single tokens.
-SE_BLOCK = 64
 # Bytes a block keeps per (batch, head, query, key) entry: the float64 scores and weights of the
 # reference, and per recipe of the head table its scores, weights and three reductions.
 PRECISION_BYTES_PER_ENTRY = 160
@@ -463,10 +461,10 @@ def precision_effect(
     ``head_table``: ``False`` leaves ``by_head`` empty (it forms every recipe's attention
         again from the reference's inputs: about as costly as the passes).
 
-    Returns :class:`PrecisionEffect`: ``by_position``, ``by_region`` (with batch-means standard
-    errors over :data:`SE_BLOCK`-token blocks) and ``by_head`` (exact zeros of the dtype under
-    test, attention mass lost and moved). Columns, costs and measured numbers:
-    ``docs/tools/blindness.md`` (the tables of precision_effect).
+    Returns :class:`PrecisionEffect`: ``by_position``, ``by_region`` (``dnll_se``, ``top1_se``:
+    paired batch-means standard errors, :func:`headsurgeon.stats.batch_means_se`) and
+    ``by_head`` (exact zeros of the dtype under test, attention mass lost and moved). Columns,
+    costs and measured numbers: ``docs/tools/blindness.md`` (the tables of precision_effect).
     """
     info = model_info(model, "precision_effect", writes=True)
     names = [_dtype_name(d) for d in ([dtypes] if isinstance(dtypes, str) else list(dtypes))]
@@ -746,15 +744,6 @@ def _run(
     return stats
 
 
-def _batch_means_se(values: Float[Tensor, "seq pos"]) -> float:
-    """Standard error of the mean of ``values`` from the spread of its blocks' means
-    (:data:`SE_BLOCK` tokens of one sequence each); NaN with fewer than two blocks."""
-    means = torch.cat([chunk.mean(-1) for chunk in values.split(SE_BLOCK, dim=-1)])
-    if means.numel() < 2:
-        return math.nan
-    return (means.std() / math.sqrt(means.numel())).item()
-
-
 def _position_table(
     references: dict[str, dict[str, Tensor]],
     recipes: list[_Recipe],
@@ -780,12 +769,12 @@ def _position_table(
                         "region": region_name(lo, hi, train_ctx),
                         "tokens": dnll.numel(),
                         "mean_dnll": dnll.mean().item(),
-                        "se_dnll": _batch_means_se(dnll),
+                        "dnll_se": batch_means_se(dnll),
                         "mean_abs_dnll": dnll.abs().mean().item(),
                         "max_abs_dnll": dnll.abs().max().item(),
                         "max_abs_dlogit": stats["dlogit"][i, :, lo:hi].max().item(),
                         "top1_agreement": agree.mean().item(),
-                        "se_top1": _batch_means_se(agree),
+                        "top1_se": batch_means_se(agree),
                         "nll_reference": stats["nll"][:, lo:hi].mean().item(),
                         "nll_float64": references["float64"]["nll"][:, lo:hi].mean().item(),
                     }

@@ -72,6 +72,7 @@ from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
+from headsurgeon.stats import nll_change
 from headsurgeon.validation import check_choice, check_int
 from headsurgeon.window import every_head, sequences_to_cut
 
@@ -194,22 +195,6 @@ def _trained_kind(model: Model, info: ModelInfo) -> tuple[str, dict]:
     return trained_bias(info.metadata)
 
 
-def _batch_means(
-    delta: Float[Tensor, "seq position"], base: Float[Tensor, "seq position"], chunk: int
-) -> dict[str, float]:
-    """Mean ΔNLL, its standard error by batch means (each sequence's predictions cut into
-    chunks of ``chunk`` positions; neighbouring tokens are correlated, chunk means much less),
-    the tokens and the base NLL. NaN standard error for a single chunk."""
-    means = torch.cat([part.mean(1) for part in delta.split(chunk, dim=1)])
-    se = means.std().item() / math.sqrt(len(means)) if len(means) > 1 else math.nan
-    return {
-        "tokens": delta.numel(),
-        "base_nll": base.mean().item(),
-        "dnll": delta.mean().item(),
-        "dnll_se": se,
-    }
-
-
 @torch.no_grad()
 @holds_model("sink_cache_effect")
 def sink_cache_effect(
@@ -224,7 +209,6 @@ def sink_cache_effect(
     head_seq_len: int | None = 2048,
     seq_len: int = 16384,
     n_seqs: int = 1,
-    chunk: int = 512,
     batch_size: int = 1,
     prepend_bos: bool | None = None,
     block_size: int | None = None,
@@ -246,17 +230,17 @@ def sink_cache_effect(
     ``"cache"`` as StreamingLLM or ``"true"``), all heads of all layers alike. ``by_cache`` has
     one row per (``sinks``, ``window``): ``positions``, ``tokens`` (predictions scored: every
     position but the last of each sequence), ``nll`` and ``ppl`` over them, ``dnll`` (``nll``
-    minus the full-context ``full_nll``, same tokens; ``full_ppl``), ``dnll_se`` (batch means
-    over chunks of ``chunk`` predictions), ``evicted`` (predictions whose cache had dropped a
-    key: position ``> x + y``; the others are the full-context ones) and ``dnll_evicted``, the
-    mean ΔNLL over those (NaN if none).
+    minus the full-context ``full_nll``, same tokens; ``full_ppl``), ``dnll_se`` (its paired
+    standard error: :func:`headsurgeon.stats.batch_means_se`), ``evicted`` (predictions whose
+    cache had dropped a key: position ``> x + y``; the others are the full-context ones) and
+    ``dnll_evicted``, the mean ΔNLL over those (NaN if none).
 
     Per head (``heads``, default every head; ``heads=[]`` skips it): every head keeps the cache
     ``head_cache = (x, y)`` (default: the largest of ``sinks``, the smallest of ``windows``)
     except one, which loses its sinks (cache ``(0, y)``: its ``y`` recent tokens only, at the
     same distances). ``by_head`` has one row per head: ``layer``, ``head``, ``slope``,
     ``sinks``, ``window``, ``tokens``, ``base_nll`` (every head at ``(x, y)``), ``dnll`` (the
-    loss increase when that head alone loses its sinks), ``dnll_se`` (batch means), ``rank``
+    loss increase when that head alone loses its sinks), ``dnll_se`` (the same), ``rank``
     (1: the largest ``dnll``), sorted by rank. It runs on the first ``head_seq_len`` tokens of
     each sequence (``None``: all; one pass per head, so the default 2,048 keeps 64 heads cheap);
     it must exceed ``x + y + 1``, or the cache drops nothing.
@@ -290,7 +274,6 @@ def sink_cache_effect(
     kind = _trained_kind(model, info)
     positions = check_choice(positions, "positions", POSITIONS)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
-    chunk = check_int(chunk, "chunk", minimum=1)
     if block_size is not None:
         block_size = check_int(block_size, "block_size", minimum=1)
     sinks = sorted({check_int(x, "each of sinks", minimum=0) for x in sinks})
@@ -328,7 +311,7 @@ def sink_cache_effect(
         rows = []
         for x, y in configs:
             nll = run([[x] * n_heads] * n_layers, y, tokens)
-            rows.append(_cache_row(x, y, positions, nll, full, chunk))
+            rows.append(_cache_row(x, y, positions, nll, full))
         head_rows = []
         if chosen:
             short = tokens[:, :head_pos]
@@ -337,7 +320,7 @@ def sink_cache_effect(
             for layer, head in chosen:
                 cut = [[head_x] * n_heads for _ in range(n_layers)]
                 cut[layer][head] = 0
-                change = _batch_means(run(cut, head_y, short) - base, base, chunk)
+                change = nll_change(run(cut, head_y, short) - base, base)
                 head_rows.append(
                     {"layer": layer, "head": head, "slope": float(slopes[head])}
                     | {"sinks": head_x, "window": head_y}
@@ -398,10 +381,9 @@ def _cache_row(
     positions: str,
     nll: Float[Tensor, "seq position"],
     full: Float[Tensor, "seq position"],
-    chunk: int,
 ) -> dict:
     """One row of ``by_cache``."""
-    change = _batch_means(nll - full, full, chunk)
+    change = nll_change(nll - full, full)
     late = torch.arange(nll.shape[1]) > x + y  # predictions whose cache has dropped keys
     return {
         "sinks": x,

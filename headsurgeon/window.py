@@ -46,6 +46,7 @@ from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
+from headsurgeon.stats import nll_change
 from headsurgeon.validation import check_int
 
 __all__ = ["WindowEffect", "sequences_to_cut", "window_effect", "window_hook", "every_head"]
@@ -166,19 +167,9 @@ def _token_nll(
 def _change(
     delta: Float[Tensor, "seq position"], base: Float[Tensor, "seq position"], positions: Tensor
 ) -> dict[str, float]:
-    """Mean ΔNLL over ``positions`` (a bool mask or index of positions) of every sequence, its
-    standard error from the spread of the sequences' own means (tokens of one sequence are not
-    independent; NaN for one sequence), the tokens and the model's own mean NLL there."""
-    d, b = delta[:, positions], base[:, positions]
-    n_seqs, n = d.shape
-    per_seq = d.mean(1)
-    se = per_seq.std().item() / math.sqrt(n_seqs) if n_seqs > 1 else math.nan
-    return {
-        "tokens": n_seqs * n,
-        "base_nll": b.mean().item(),
-        "dnll": d.mean().item(),
-        "dnll_se": se,
-    }
+    """:func:`headsurgeon.stats.nll_change` over ``positions`` (a bool mask or index of
+    consecutive positions) of every sequence."""
+    return nll_change(delta[:, positions], base[:, positions])
 
 
 @torch.no_grad()
@@ -217,8 +208,9 @@ def window_effect(
       position bucket): ``position_lo``, ``position_hi`` (predictions at positions ``lo <= p <
       hi``, the prediction of token ``p + 1``; buckets from ``edges``, default
       :func:`headsurgeon.evals.position_edges`: 0, 1, 2, 4, ... ``seq_len - 1``), ``tokens``,
-      ``base_nll`` (the model's own mean NLL there), ``dnll`` and ``dnll_se`` (its standard
-      error from the spread of the sequences' means: NaN for one sequence).
+      ``base_nll`` (the model's own mean NLL there), ``dnll`` and ``dnll_se`` (its paired
+      standard error, :func:`headsurgeon.stats.batch_means_se`: blocks of 64 consecutive
+      predictions of one sequence; NaN for a single block).
     * With ``head_distance``, each of ``heads`` (any head form, :meth:`headsurgeon.HeadSet.of`;
       default: every head) is cut alone at that distance: ``by_head`` has one row per head
       (``layer``, ``head``, ``slope``, ``distance``, ``tokens``, ``base_nll``, ``dnll``,

@@ -34,7 +34,7 @@ LAYERS = {
         "heads",
         "inuse",
     ),
-    "pure math": ("alibi",),
+    "pure math": ("alibi", "stats"),
     "models": (
         "backend",
         "long_context",

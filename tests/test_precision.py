@@ -103,8 +103,8 @@ def test_tables_columns_and_blocks(family_model):
     pos = dense.by_position
     assert list(pos.columns) == [
         "reference", "bias", "dtype", "part", "position_lo", "position_hi", "region", "tokens",
-        "mean_dnll", "se_dnll", "mean_abs_dnll", "max_abs_dnll", "max_abs_dlogit",
-        "top1_agreement", "se_top1", "nll_reference", "nll_float64",
+        "mean_dnll", "dnll_se", "mean_abs_dnll", "max_abs_dnll", "max_abs_dlogit",
+        "top1_agreement", "top1_se", "nll_reference", "nll_float64",
     ]  # fmt: skip
     assert set(pos.reference) == {"float64"} and pos.bias.nunique() == 1
     assert list(dense.by_region.columns) == list(pos.columns)
@@ -296,7 +296,7 @@ def _verdict_effect(bias, dnll, trained=None, regions=None):
         }  # fmt: skip
     rows = [
         {"reference": "training", "bias": b, "dtype": d, "part": "attention", "region": r,
-         "mean_dnll": m, "se_dnll": se}
+         "mean_dnll": m, "dnll_se": se}
         for (b, d), cells in (regions or {}).items()
         for r, m, se in cells
     ]  # fmt: skip
@@ -382,7 +382,7 @@ def test_against_its_training_numerics_the_same_numerics_change_nothing():
     region = effect.by_region
     assert list(region.region.unique()) == ["inside L", "L-2L"]
     assert (
-        region.se_dnll.notna().all()
+        region.dnll_se.notna().all()
         and (
             region.tokens.groupby([region.reference, region.bias, region.dtype]).sum() == 399
         ).all()

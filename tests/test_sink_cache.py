@@ -19,6 +19,7 @@ from headsurgeon import load_model
 from headsurgeon.backend import MAJOR
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.sink_cache import cache_keys, sink_cache_effect
+from headsurgeon.stats import batch_means_se
 from headsurgeon.window import window_effect
 
 
@@ -118,7 +119,6 @@ def test_sink_cache_effect_equals_the_dense_brute_force(tiny_model, hf, ids, pos
         positions=positions,
         head_cache=(2, 5),
         n_seqs=3,
-        chunk=13,
         block_size=block_size,
         progress=False,
     )
@@ -131,8 +131,9 @@ def test_sink_cache_effect_equals_the_dense_brute_force(tiny_model, hf, ids, pos
         assert row.nll == pytest.approx(nll.mean().item(), abs=2e-5)
         assert row.ppl == pytest.approx(math.exp(nll.mean().item()), rel=3e-5)
         assert row.dnll == pytest.approx(delta.mean().item(), abs=2e-6)
-        chunks = torch.cat([part.mean(1) for part in delta.split(13, dim=1)])
-        assert row.dnll_se == pytest.approx(chunks.std().item() / math.sqrt(9), abs=2e-6)
+        # 39 predictions a sequence: one block of SE_BLOCK each, so the sequences' spread
+        assert row.dnll_se == pytest.approx(batch_means_se(delta), abs=2e-6)
+        assert row.dnll_se == pytest.approx(delta.mean(1).std().item() / math.sqrt(3), abs=2e-6)
         late = torch.arange(39) > row.sinks + row.window
         assert row.evicted == 3 * int(late.sum()) and row.tokens == 3 * 39
         assert row.dnll_evicted == pytest.approx(delta[:, late].mean().item(), abs=2e-6)

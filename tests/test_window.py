@@ -13,6 +13,7 @@ import torch
 
 from headsurgeon import load_model
 from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.stats import batch_means_se
 from headsurgeon.window import window_effect, window_hook
 
 
@@ -88,6 +89,25 @@ def test_the_brute_force_is_the_model(hf, ids):
         logits = hf(ids).logits
     own = -logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
     torch.testing.assert_close(brute_nll(hf, ids), own, rtol=0, atol=1e-8)  # its bias: float32
+
+
+def test_window_effect_dnll_se_is_the_batch_means_se_of_the_same_dnll(tiny_model, hf):
+    """One definition of dnll_se across the *_effect verbs: headsurgeon.stats.batch_means_se of
+    the paired ΔNLL, over blocks of 64 predictions (here 2 and 1 blocks a sequence)."""
+    tokens = torch.randint(4, 300, (2, 161), generator=torch.Generator().manual_seed(1))
+    effect = window_effect(
+        tiny_model, tokens, distances=[3], edges=[0, 100, 160], head_distance=3,
+        heads=[(0, 0)], progress=False,
+    )  # fmt: skip
+    delta = brute_nll(hf, tokens, 3) - brute_nll(hf, tokens)
+    for row in effect.by_distance.itertuples():
+        part = delta[:, row.position_lo : row.position_hi]
+        assert row.dnll_se == pytest.approx(batch_means_se(part), rel=1e-4)
+        spread = part.mean(1).std().item() / math.sqrt(2)  # of the sequences' means
+        # the same for a bucket of one block a sequence, not for a wider one
+        assert (row.dnll_se == pytest.approx(spread, rel=1e-4)) == (part.shape[1] <= 64)
+    head = brute_nll(hf, tokens, 3, heads={(0, 0)}) - brute_nll(hf, tokens)
+    assert effect.by_head["dnll_se"].item() == pytest.approx(batch_means_se(head), rel=1e-4)
 
 
 @pytest.mark.parametrize("block_size", [None, 16])

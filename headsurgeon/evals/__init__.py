@@ -5,8 +5,10 @@ Exports (each documented in its module):
     from :mod:`~headsurgeon.evals.loss`       perplexity, loss_by_position, position_edges,
                                               sliding_windows, default_window
     from :mod:`~headsurgeon.evals.retrieval`  passkey, needle, Retrieval, length_auc, summarize,
-                                              retrieval_by_distance, DISTANCE_EDGES,
-                                              distance_table, distance_summary, wilson_interval
+                                              retrieval_by_distance, DISTANCE_EDGES
+    from :mod:`~headsurgeon.evals.retrieval_stats`
+                                              distance_table, distance_summary, wilson_interval,
+                                              compare_retrieval, ALPHA
 
 Every evaluation only runs the model forward, so it runs unchanged under any
 ``headsurgeon.blindness.mitigation(...)``. Long sequences run in blocks of query rows through the
@@ -17,8 +19,8 @@ models with learned or rotary positions keep their context
 (:func:`headsurgeon.data.check_length`).
 
 The evaluations live in :mod:`~headsurgeon.evals.loss` (perplexity, loss by position) and
-:mod:`~headsurgeon.evals.retrieval` (passkey, needle, retrieval by distance); this package
-gives their names.
+:mod:`~headsurgeon.evals.retrieval` (passkey, needle, retrieval by distance; its statistics in
+:mod:`~headsurgeon.evals.retrieval_stats`); this package gives their names.
 """
 
 from headsurgeon.evals.loss import (
@@ -31,13 +33,17 @@ from headsurgeon.evals.loss import (
 from headsurgeon.evals.retrieval import (
     DISTANCE_EDGES,
     Retrieval,
-    distance_summary,
-    distance_table,
     length_auc,
     needle,
     passkey,
     retrieval_by_distance,
     summarize,
+)
+from headsurgeon.evals.retrieval_stats import (
+    ALPHA,
+    compare_retrieval,
+    distance_summary,
+    distance_table,
     wilson_interval,
 )
 
@@ -56,5 +62,7 @@ __all__ = [
     "retrieval_by_distance",
     "distance_table",
     "distance_summary",
+    "compare_retrieval",
+    "ALPHA",
     "wilson_interval",
 ]

@@ -9,15 +9,15 @@ Exports:
                                                          Retrieval by the needle's distance to the
                                                          question, with a chance baseline per bin
     DISTANCE_EDGES                                       its default bins: 0, 16, 32, ... 8192
-    distance_table(trials, train_ctx)                    its table per bin from its trials
-    distance_summary(table)                              where accuracy falls to that baseline
-    wilson_interval(k, n)                                95% Wilson interval of a proportion
     Retrieval                                            trials, table (length x depth or distance
                                                          bin), summary
     length_auc(lengths, values), summarize(table, ...)   AUC over context lengths, in/out of context
     PASSKEY_INTRO, PASSKEY_NEEDLE, PASSKEY_QUESTION, NEEDLE_SENTENCE, NEEDLE_QUESTION,
     NEEDLE_WORDS                                         the prompts' text
     answer_scores(model, prompt, candidates)             candidates' log-likelihoods, greedy hits
+
+The statistics of retrieval by distance (``distance_table``, ``distance_summary``,
+``compare_retrieval``, ``wilson_interval``): :mod:`headsurgeon.evals.retrieval_stats`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from headsurgeon.data import (
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.evals.retrieval_stats import METRICS, distance_summary, distance_table
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.long_context import continuation_logprobs
@@ -55,14 +56,11 @@ from headsurgeon.validation import check_choice, check_int, check_number
 __all__ = [
     "DISTANCE_EDGES",
     "Retrieval",
-    "distance_summary",
-    "distance_table",
     "length_auc",
     "needle",
     "passkey",
     "retrieval_by_distance",
     "summarize",
-    "wilson_interval",
     "answer_scores",
 ]
 
@@ -104,7 +102,6 @@ NEEDLE_WORDS = (
     "silver",
     "winter",
 )
-METRICS = ("greedy_accuracy", "top1_accuracy")
 
 
 @dataclasses.dataclass
@@ -471,25 +468,6 @@ def needle(
 DISTANCE_EDGES = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def wilson_interval(k: int | np.ndarray, n: int | np.ndarray, z: float = 1.96) -> tuple:
-    """The Wilson score interval ``(low, high)`` of a proportion of ``k`` successes in ``n``
-    (elementwise for arrays): the 95% interval of an accuracy over ``n`` independent prompts.
-
-    >>> [round(float(x), 3) for x in wilson_interval(15, 15)]
-    [0.796, 1.0]
-    >>> [round(float(x), 3) for x in wilson_interval(0, 40)]
-    [0.0, 0.088]
-    """
-    k, n = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
-    p, z2 = k / n, z * z
-    centre = p + z2 / (2 * n)
-    half = z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    # Clipped: rounding would otherwise give -0.0 at k = 0 and 1.0000000000000002 at k = n.
-    low = np.clip((centre - half) / (1 + z2 / n), 0.0, 1.0)
-    high = np.clip((centre + half) / (1 + z2 / n), 0.0, 1.0)
-    return (float(low), float(high)) if low.ndim == 0 else (low, high)
-
-
 def _check_distance_edges(edges: Sequence[int]) -> list[int]:
     edges = [check_int(e, "each of distances", minimum=0) for e in edges]
     if len(edges) < 2 or any(b <= a for a, b in pairwise(edges)):
@@ -555,11 +533,16 @@ def retrieval_by_distance(
     value, its 95% Wilson interval ``<metric>_low``/``<metric>_high``, and the baseline's
     ``baseline_<metric>``, ``baseline_<metric>_low``, ``baseline_<metric>_high``; ``mean_rank``,
     ``baseline_mean_rank``, ``chance`` ``= 1 / n_candidates``, ``in_context``: every prompt of
-    the bin at most ``train_ctx`` tokens long); ``summary`` (:func:`distance_summary`).
+    the bin at most ``train_ctx`` tokens long; the paired test of each metric:
+    ``<metric>_needle_only``, ``<metric>_baseline_only`` (the discordant prompts: right only
+    with the needle, right only without), ``<metric>_p`` (exact McNemar,
+    :func:`headsurgeon.stats.mcnemar_p`) and ``<metric>_p_holm`` (Holm-adjusted over the
+    table's bins)); ``summary`` (:func:`distance_summary`).
 
     The prompts depend only on ``seed``, the tokenizer and the arguments, never on the model's
-    outputs: every model with the same tokenizer gets the same prompts. The intervals treat the
-    prompts of a bin as independent draws; they cover prompt sampling, not training seeds.
+    outputs: every model with the same tokenizer gets the same prompts, so two models compare
+    prompt by prompt (:func:`compare_retrieval`). The intervals and tests treat the prompts of a
+    bin as independent draws; they cover prompt sampling, not training seeds.
     ALiBi models take any distance (each prompt runs once, in blocks, into a key-value cache
     its candidates share: memory linear in the length); models with positions at most
     ``n_ctx`` tokens per prompt (else one-line error). Cost: a 4-layer, 128-wide organism scores
@@ -630,76 +613,3 @@ def retrieval_by_distance(
     summary = distance_summary(table)
     summary.attrs.update(attrs)
     return Retrieval(task, trials, table, summary, train_ctx)
-
-
-def distance_table(trials: pd.DataFrame, train_ctx: int) -> pd.DataFrame:
-    """:func:`retrieval_by_distance`'s table from its trials (e.g. read back from a CSV): per
-    bin, each metric with and without the needle, with Wilson intervals; ``in_context`` when
-    every prompt of the bin is at most ``train_ctx`` tokens long."""
-    groups = trials.groupby(["distance_lo", "distance_hi"], sort=True)
-    table = groups.agg(
-        n_trials=("trial", "size"),
-        mean_distance=("distance", "mean"),
-        max_length=("prompt_length", "max"),
-        n_candidates=("n_candidates", "first"),
-    ).reset_index()
-    n = table["n_trials"].to_numpy()
-    for metric in METRICS:
-        for prefix in ("", "baseline_"):
-            k = groups[prefix + metric.replace("_accuracy", "_correct")].sum().to_numpy()
-            low, high = wilson_interval(k, n)
-            table[f"{prefix}{metric}"] = k / n
-            table[f"{prefix}{metric}_low"] = low
-            table[f"{prefix}{metric}_high"] = high
-    table["mean_rank"] = groups["rank"].mean().to_numpy()
-    table["baseline_mean_rank"] = groups["baseline_rank"].mean().to_numpy()
-    table["chance"] = 1 / table["n_candidates"]
-    table["in_context"] = table["max_length"] <= train_ctx
-    return table
-
-
-def distance_summary(table: pd.DataFrame) -> pd.DataFrame:
-    """Where accuracy falls to the chance baseline, per metric, from a
-    :func:`retrieval_by_distance` table.
-
-    A bin is **above the baseline** when the accuracy's Wilson interval lies entirely above the
-    baseline's (``<metric>_low > baseline_<metric>_high``: a conservative test; intervals that
-    touch count as not above). One row per metric: ``above_up_to``, the upper edge of the
-    farthest bin above the baseline (NaN if none), ``at_baseline_from``, the lower edge of the
-    first bin from which no bin is above it (NaN if the farthest bin still is), and that bin's
-    accuracy and baseline with their intervals (``n_trials`` prompts each). "At the baseline"
-    means not distinguishable from it with these prompts, not equal to it.
-
-    >>> t = pd.DataFrame({"distance_lo": [0, 16], "distance_hi": [16, 32], "n_trials": [40, 40],
-    ...     "top1_accuracy": [1.0, 0.1], "baseline_top1_accuracy": [0.1, 0.15]})
-    >>> for m in ("", "baseline_"):  # the Wilson intervals of 40 prompts
-    ...     t[f"{m}top1_accuracy_low"], t[f"{m}top1_accuracy_high"] = wilson_interval(
-    ...         t[f"{m}top1_accuracy"] * 40, 40)
-    >>> s = distance_summary(t)
-    >>> s[["metric", "above_up_to", "at_baseline_from", "accuracy"]].to_dict("records")
-    [{'metric': 'top1_accuracy', 'above_up_to': 16.0, 'at_baseline_from': 16.0, 'accuracy': 0.1}]
-    """
-    rows = []
-    for metric in (m for m in METRICS if m in table):
-        above = (table[f"{metric}_low"] > table[f"baseline_{metric}_high"]).to_numpy()
-        hits = np.flatnonzero(above)
-        last = int(hits[-1]) if len(hits) else -1
-        row: dict[str, object] = {
-            "metric": metric,
-            "above_up_to": float(table["distance_hi"].iloc[last]) if last >= 0 else math.nan,
-            "at_baseline_from": math.nan,
-        }
-        if last + 1 < len(table):
-            at = table.iloc[last + 1]
-            row["at_baseline_from"] = float(at["distance_lo"])
-            row.update(
-                n_trials=int(at["n_trials"]),
-                accuracy=at[metric],
-                accuracy_low=at[f"{metric}_low"],
-                accuracy_high=at[f"{metric}_high"],
-                baseline=at[f"baseline_{metric}"],
-                baseline_low=at[f"baseline_{metric}_low"],
-                baseline_high=at[f"baseline_{metric}_high"],
-            )
-        rows.append(row)
-    return pd.DataFrame(rows)

@@ -212,10 +212,10 @@ def _against_training(region: pd.DataFrame, trained: dict[str, Any], said: str) 
     own = (rows["bias"] == trained["bias"]) & (rows["dtype"] == trained["scores_dtype"])
     good, bad = [], []
     for (bias, dtype), sub in rows[~own].groupby(["bias", "dtype"], sort=False):
-        helps = (sub["mean_dnll"] + 2 * sub["se_dnll"] < -CHANGE_NATS).any()
-        hurts = (sub["mean_dnll"] - 2 * sub["se_dnll"] > CHANGE_NATS).any()
+        helps = (sub["mean_dnll"] + 2 * sub["dnll_se"] < -CHANGE_NATS).any()
+        hurts = (sub["mean_dnll"] - 2 * sub["dnll_se"] > CHANGE_NATS).any()
         where = ", ".join(
-            f"{r.region} {r.mean_dnll:+.3f} ± {r.se_dnll:.3f}" for r in sub.itertuples()
+            f"{r.region} {r.mean_dnll:+.3f} ± {r.dnll_se:.3f}" for r in sub.itertuples()
         )
         cost = (dtype != trained["scores_dtype"], _PRECISION_COST.get(dtype, 9))
         (good if helps and not hurts else bad).append(

@@ -14,7 +14,14 @@ from test_evals import InductionOracle, full_sequence_logprobs
 from headsurgeon.blindness import mitigation
 from headsurgeon.data import tokenize
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.evals import distance_summary, retrieval, retrieval_by_distance, wilson_interval
+from headsurgeon.evals import (
+    compare_retrieval,
+    distance_summary,
+    distance_table,
+    retrieval,
+    retrieval_by_distance,
+    wilson_interval,
+)
 from headsurgeon.evals.retrieval import (
     NEEDLE_QUESTION,
     NEEDLE_SENTENCE,
@@ -23,6 +30,7 @@ from headsurgeon.evals.retrieval import (
     PASSKEY_QUESTION,
 )
 from headsurgeon.loading import model_info
+from headsurgeon.stats import mcnemar_p
 
 EDGES = [0, 3, 20]  # two bins; the tiny tokenizer spends ~170 tokens on the fixed parts
 PARTS = {
@@ -90,7 +98,7 @@ def test_an_oracle_finds_every_needle_and_no_baseline_key(tiny_model, monkeypatc
     # A stand-in for tiny_model, on purpose: its record is tiny_model's.
     monkeypatch.setattr(retrieval, "model_info", lambda model, name: model_info(tiny_model))
     result = retrieval_by_distance(
-        InductionOracle(tiny_model), "passkey", distances=EDGES, n_trials=6, n_candidates=4
+        InductionOracle(tiny_model), "passkey", distances=EDGES, n_trials=8, n_candidates=4
     )
     table = result.table
     assert (table.top1_accuracy == 1).all() and (table.greedy_accuracy == 1).all()
@@ -99,7 +107,8 @@ def test_an_oracle_finds_every_needle_and_no_baseline_key(tiny_model, monkeypatc
     assert (table.baseline_greedy_accuracy == 0).all()
     assert (table.baseline_top1_accuracy < 0.5).all()
     assert table.chance.tolist() == [0.25, 0.25]
-    # Both bins above the baseline: 6 of 6 against at most 1 of 6 gives disjoint intervals.
+    # Both bins above the baseline: 8 of 8 against at most 1 of 8 is 7 vs 0 or more discordant
+    # prompts, p <= 2 / 2**7 by the exact McNemar test.
     summary = result.summary.set_index("metric")
     assert summary.loc["top1_accuracy", "above_up_to"] == 20
     assert math.isnan(summary.loc["top1_accuracy", "at_baseline_from"])
@@ -132,24 +141,113 @@ def test_wilson_interval_is_where_the_score_test_accepts(k, n):
     assert high == pytest.approx(accepted.max(), abs=1e-6)
 
 
-def test_summary_finds_where_accuracy_falls_to_the_baseline():
-    table = pd.DataFrame(
-        {
-            "distance_lo": [0, 16, 32, 64],
-            "distance_hi": [16, 32, 64, 128],
-            "n_trials": 40,
-            "top1_accuracy": [1.0, 0.2, 0.6, 0.1],
-            "baseline_top1_accuracy": [0.1, 0.1, 0.1, 0.1],
-        }
-    )
-    for m in ("", "baseline_"):
-        table[f"{m}top1_accuracy_low"], table[f"{m}top1_accuracy_high"] = wilson_interval(
-            table[f"{m}top1_accuracy"] * 40, 40
-        )
-    row = distance_summary(table).iloc[0]
-    # 0.2 of 40 overlaps 0.1's interval; 0.6 does not: above up to 64, at the baseline from 64.
-    assert (row.above_up_to, row.at_baseline_from, row.accuracy) == (64, 64, 0.1)
-    assert (row.baseline_low, row.baseline_high) == wilson_interval(4, 40)
+def paired_trials(bins: list[tuple[int, int, int]], n: int = 40) -> pd.DataFrame:
+    """Trials of bins [0, 16), [16, 32), ...: per bin ``(both, needle_only, baseline_only)``
+    prompts right with and without the needle, right only with it, right only without; the
+    rest wrong both ways."""
+    rows = []
+    for i, (both, needle_only, baseline_only) in enumerate(bins):
+        right = [True] * (both + needle_only) + [False] * baseline_only
+        base = [True] * both + [False] * needle_only + [True] * baseline_only
+        right += [False] * (n - len(right))
+        base += [False] * (n - len(base))
+        for trial in range(n):
+            rows.append(
+                {"distance_lo": 16 * i, "distance_hi": 16 * (i + 1), "trial": trial,
+                 "key": 10_000 + trial, "distance": 16 * i + 8, "needle_start": 40,
+                 "needle_end": 50, "question_start": 58 + 16 * i, "prompt_length": 70 + 16 * i,
+                 "n_candidates": 10, "top1_correct": right[trial],
+                 "baseline_top1_correct": base[trial], "greedy_correct": False,
+                 "baseline_greedy_correct": False, "rank": 1 if right[trial] else 2,
+                 "baseline_rank": 1 if base[trial] else 2}
+            )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_above_the_baseline_is_the_paired_test_not_disjoint_intervals():
+    # 36 vs 0; 6 vs 0 (0.20 against 0.05: the Wilson intervals overlap, p = 2 / 2**6);
+    # 3 vs 3; 4 vs 0 (p = 0.125); 0 vs 7 (p = 2 / 2**7, but the baseline is the higher).
+    trials = paired_trials([(4, 36, 0), (2, 6, 0), (3, 3, 3), (0, 4, 0), (1, 0, 7)])
+    table = distance_table(trials, train_ctx=128)
+    assert table.top1_accuracy_needle_only.tolist() == [36, 6, 3, 4, 0]
+    assert table.top1_accuracy_baseline_only.tolist() == [0, 0, 3, 0, 7]
+    assert table.top1_accuracy_p.tolist() == [2 / 2**36, 2 / 2**6, 1.0, 0.125, 2 / 2**7]
+    assert table.top1_accuracy_low[1] < table.baseline_top1_accuracy_high[1]  # they overlap
+    assert table.greedy_accuracy_p.tolist() == [1.0] * 5
+    row = distance_summary(table).set_index("metric").loc["top1_accuracy"]
+    assert (row.n_bins, row.n_above, row.above_up_to, row.at_baseline_from) == (5, 2, 32, 32)
+    # Holm over 5 bins: 0.03125 x 4 = 0.125 no longer passes; 2 / 2**36 x 5 does.
+    assert row.n_above_holm == 1
+    assert (row.needle_only, row.baseline_only, row.p, row.accuracy) == (3, 3, 1.0, 0.15)
+    assert (row.baseline_low, row.baseline_high) == wilson_interval(6, 40)
+    greedy = distance_summary(table).set_index("metric").loc["greedy_accuracy"]
+    assert greedy.n_above == 0 and math.isnan(greedy.above_up_to) and greedy.at_baseline_from == 0
+
+
+def test_compare_retrieval_pairs_two_models_prompt_by_prompt():
+    a = paired_trials([(4, 36, 0), (2, 6, 0), (3, 3, 3)])
+    b = paired_trials([(4, 36, 0), (2, 6, 0), (3, 3, 3)])
+    # b right on the first 30 prompts of every bin with the needle; a as above
+    b["top1_correct"] = b["trial"] < 30
+    out = compare_retrieval(a, b, from_distance=16)
+    assert out.pooled.tolist() == [False, False, False, True]
+    assert out[["distance_lo", "distance_hi", "n_trials"]].values.tolist() == [
+        [0, 16, 40],
+        [16, 32, 40],
+        [32, 48, 40],
+        [16, 48, 80],
+    ]
+    # by hand: bin 0, a right on 0-39: 10 a only; bin 16, a right on 0-7: 22 b only; bin 32,
+    # a right on 0-5: 24 b only; pooled from 16: 0 vs 46
+    assert out.top1_accuracy_a_only.tolist() == [10, 0, 0, 0]
+    assert out.top1_accuracy_b_only.tolist() == [0, 22, 24, 46]
+    assert out.top1_accuracy_p.tolist() == [2 / 2**10, 2 / 2**22, 2 / 2**24, 2 / 2**46]
+    assert out.a_top1_accuracy.tolist() == [1.0, 0.2, 0.15, 0.175]
+    assert out.b_top1_accuracy.tolist() == [0.75] * 4
+    assert out.greedy_accuracy_p.tolist() == [1.0] * 4
+    assert not compare_retrieval(a, b).pooled.any() and len(compare_retrieval(a, b)) == 3
+
+
+def test_compare_retrieval_refuses_other_prompts_in_one_line():
+    a = paired_trials([(4, 36, 0), (2, 6, 0)])
+    for column, value in [("key", 1), ("distance", 9), ("needle_start", 41)]:
+        other = a.copy()
+        other.loc[3, column] = value
+        with pytest.raises(InvalidArgumentError, match=f"not the same prompts \\({column} differ"):
+            compare_retrieval(a, other)
+    with pytest.raises(InvalidArgumentError, match="number of prompts"):
+        compare_retrieval(a, a.iloc[:-1])
+    seeded = a.copy()
+    a.attrs["seed"], seeded.attrs["seed"] = 0, 1
+    with pytest.raises(InvalidArgumentError, match="seed differ"):
+        compare_retrieval(a, seeded)
+    with pytest.raises(InvalidArgumentError, match="lacks the trials columns"):
+        compare_retrieval(a, a.drop(columns="key"))
+    with pytest.raises(InvalidArgumentError, match="no prompt has its needle 100 tokens"):
+        compare_retrieval(a, a, from_distance=100)
+
+
+def test_compare_retrieval_of_two_models_end_to_end(tiny_model):
+    first = retrieval_by_distance(tiny_model, "passkey", distances=EDGES, n_trials=4, seed=2)
+    with mitigation(tiny_model, "softcap", c=0.5):  # another model on the same prompts
+        other = retrieval_by_distance(tiny_model, "passkey", distances=EDGES, n_trials=4, seed=2)
+    out = compare_retrieval(first, other, from_distance=0)
+    assert out.n_trials.tolist() == [4, 4, 8] and out.pooled.tolist() == [False, False, True]
+    for row, (_, x), (_, y) in zip(
+        out.itertuples(),
+        [*first.trials.groupby("distance_lo"), (0, first.trials)],
+        [*other.trials.groupby("distance_lo"), (0, other.trials)],
+        strict=True,
+    ):
+        b = int((x.top1_correct & ~y.top1_correct.to_numpy()).sum())
+        c = int((~x.top1_correct & y.top1_correct.to_numpy()).sum())
+        assert (row.top1_accuracy_a_only, row.top1_accuracy_b_only) == (b, c)
+        assert row.top1_accuracy_p == mcnemar_p(b, c)
+    with pytest.raises(InvalidArgumentError, match="not the same prompts"):
+        compare_retrieval(first, retrieval_by_distance(tiny_model, distances=EDGES, n_trials=4))
+    needle = retrieval_by_distance(tiny_model, "needle", distances=EDGES, n_trials=4, seed=2)
+    with pytest.raises(InvalidArgumentError, match="a passkey result and b a needle one"):
+        compare_retrieval(first, needle)
 
 
 @pytest.mark.parametrize(
