@@ -5,6 +5,7 @@ table's number (recomputed here from the CSV or JSON, formatted as quoted)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -152,11 +153,44 @@ def training_numerics_claims() -> Iterator[tuple[str, str]]:
     yield "README.md", f"and {far['mean_dnll']:+.2f} at 4-8 times it against float64"
 
 
+def _mcnemar(b: int, c: int) -> float:
+    """Exact two-sided McNemar p, written out here rather than imported (a second derivation)."""
+    n = b + c
+    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2**n) if n else 1.0
+
+
+def retrieval_claims() -> Iterator[tuple[str, str]]:
+    folder = FIGURES / "retrieval_distance"
+    trials = {m: pd.read_csv(folder / f"trials_{m}_passkey.csv") for m in ("standard", "log")}
+
+    def against_baseline(model: str, lo: int) -> str:
+        t = trials[model][trials[model]["distance_lo"] == lo]
+        b = int((t["top1_correct"] & ~t["baseline_top1_correct"]).sum())
+        c = int((~t["top1_correct"] & t["baseline_top1_correct"]).sum())
+        acc, base = t["top1_correct"].mean(), t["baseline_top1_correct"].mean()
+        return f"{acc:.2f} against {base:.2f}", f"{b} vs {c}", f"p = {_mcnemar(b, c):.3f}"
+
+    acc, pair, p = against_baseline("standard", 1024)
+    yield "docs/alibi-variants.md", f"({acc}: {pair} prompts right only with the needle, {p},"
+    for lo, name in [(1024, "1,024-2,047"), (2048, "2,048-4,095")]:
+        acc, pair, p = against_baseline("log", lo)
+        yield "docs/alibi-variants.md", f"{name}: {acc}, {pair}, {p}"
+    log, std = (trials[m][trials[m]["distance_lo"] >= 1024] for m in ("log", "standard"))
+    assert (log[["key", "distance"]].to_numpy() == std[["key", "distance"]].to_numpy()).all()
+    b = int((log["top1_correct"].to_numpy() & ~std["top1_correct"].to_numpy()).sum())
+    c = int((~log["top1_correct"].to_numpy() & std["top1_correct"].to_numpy()).sum())
+    yield (
+        "docs/alibi-variants.md",
+        f"pooled, {b} vs {c} prompts right for only one of them, p = {_mcnemar(b, c):.3f}",
+    )
+
+
 CLAIMS: list[Callable[[], Iterator[tuple[str, str]]]] = [
     sink_cache_claims,
     natural_collapse_claims,
     retrieval_documents_claims,
     training_numerics_claims,
+    retrieval_claims,
 ]
 
 
