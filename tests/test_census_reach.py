@@ -9,7 +9,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import tl3_only
 
 from headsurgeon import load_model, run_census
 from headsurgeon.alibi import content_free_far_mass, content_free_reach, reach_from_far_mass
@@ -235,18 +234,3 @@ def test_reach_baseline_without_alibi_and_under_a_mitigation(tiny_model):
         clamped = run_census(tiny_model, tokens, progress=False)
     assert (clamped["reach_baseline"] >= census["reach_baseline"]).all()
     assert (clamped["reach_baseline"] > census["reach_baseline"]).any()
-
-
-@tl3_only
-def test_reach_baseline_is_empty_without_alibi():
-    """No bias on the logits, no slope to follow: empty, not a number."""
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(
-        n_layers=1, d_model=16, d_head=8, n_heads=2, n_ctx=32, d_vocab=50, act_fn="gelu",
-        positional_embedding_type="standard", seed=0,
-    )  # fmt: skip
-    model = HookedTransformer(cfg).eval()
-    census = run_census(model, torch.randint(0, 50, (2, 20)), progress=False)
-    assert census["reach_baseline"].isna().all() and census["reach_ratio"].isna().all()
-    assert census["reach"].notna().all()
