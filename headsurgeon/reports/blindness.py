@@ -363,7 +363,8 @@ def _slope_line(census: pd.DataFrame, eps: float) -> str:
         "reach beside its slope's (the reach of a head with no preference for content, whose "
         f"logits are its ALiBi bias alone; standard ALiBi: about ln(1/{eps:g})/m = "
         f"{math.log(1 / eps):.2g}/m on long sequences): {int(near.sum())} of "
-        f"{int(bounded.sum())} heads with a bounded one look within {FOLLOWS_SLOPE:g}x of it (they only follow their slope); "
+        f"{int(bounded.sum())} heads with a bounded one look within {FOLLOWS_SLOPE:g}x of it "
+        "(they only follow their slope); "
         + (f"far from it: {', '.join(names)}{more}" if len(far) else "none is far from it")
         + (
             f"; {unbounded} head{'s' if unbounded > 1 else ''}'s slope alone looks beyond the "
