@@ -81,7 +81,8 @@ COLUMNS: dict[str, str] = {
     "left out), over query rows t >= d + 1, is at most reach_eps; inf: none within the sequence",
     "reach_baseline": "the reach of a head with no preference for content: the same definition "
     "with the head's logits set to its positional bias alone (standard ALiBi: tends to "
-    "ln(1/reach_eps)/slope on long sequences); exact, float64; empty without ALiBi",
+    "ln(1/reach_eps)/slope on long sequences); exact, float64; empty without ALiBi and for a "
+    "standard Falcon (its bias, rounded by key position, is not a function of distance alone)",
     "reach_ratio": "reach / reach_baseline: near 1, a head that only follows its slope; empty "
     "where either is unbounded within the sequence, except inf: a head that looks beyond the "
     "sequence while its slope alone would not",
@@ -143,6 +144,14 @@ def run_census(
     ``reach_eps`` on the farthest keys measured (a longer ``seq_len`` may bound it). Position 0
     is left out because a sink's mass there says nothing about distance: a head whose mean
     weight on position 0 (over rows from 1) is at least ``1 - reach_eps`` has reach 0.
+
+    ``reach_baseline`` is the reach the same definition gives a head with no preference for
+    content, whose logits are its positional bias alone (the one the model applies now,
+    :func:`headsurgeon.blindness.applied_bias`; exact, float64:
+    :func:`headsurgeon.alibi.content_free_reach`); for standard ALiBi it tends to
+    ``ln(1/reach_eps)/slope`` on long sequences. ``reach_ratio`` is ``reach`` over it: near 1, a
+    head's reach says only what its slope says; a head far from 1 looks nearer or farther than
+    its slope alone would make it.
 
     ``sink_share`` is the share of sequences in which the head's own ``sink_score`` exceeds
     ``sink_eps`` (default Gu et al.'s ε = 0.3): :func:`sink_rate` averages it over heads, which is

@@ -28,7 +28,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import HookPoint, Model, add_bias_hook
+from headsurgeon.backend import HookPoint, Model, add_bias_hook, attention_family
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
@@ -691,7 +691,9 @@ def active_mitigations(model: Model) -> list[str]:
 
 def applied_bias(model: Model, n_pos: int) -> Float[Tensor, "head_index distance"] | None:
     """``[head, distance]``: the positional bias ``model``'s attention adds now at distances
-    ``0 ... n_pos - 1`` (float32, as the forward builds it); ``None`` without ALiBi.
+    ``0 ... n_pos - 1`` (float32, as the forward builds it); ``None`` without ALiBi, and for a
+    standard Falcon, whose bias is transformers' own: ``m_h j`` by key position ``j``, rounded in
+    bfloat16 at every position (not a function of the distance alone).
 
     The variant it was trained with (its ``headsurgeon.json``, :func:`trained_bias`) with the
     slopes it applies (``model_info(model).slopes``), unless a :func:`mitigation` block replaces
@@ -710,12 +712,13 @@ def applied_bias(model: Model, n_pos: int) -> Float[Tensor, "head_index distance
             [-0.0000, -0.0039, -0.0078]])
     """
     info = model_info(model, "applied_bias")
-    if not info.is_alibi:
-        return None
-    kind, params = trained_bias(info.metadata)
     active = getattr(model, "headsurgeon_mitigations", [])
+    replaced = [(k, p) for k, p in active if k != "softcap"]
+    kind, params = replaced[-1] if replaced else trained_bias(info.metadata)
+    own = not replaced and kind == "standard"  # no hook of ours on a standard Falcon
+    if not info.is_alibi or (own and attention_family(model.blocks[0].attn) == "falcon"):
+        return None
     caps = [p["c"] for k, p in active if k == "softcap"]
-    kind, params = ([(k, p) for k, p in active if k != "softcap"] or [(kind, params)])[-1]
     distance = torch.arange(n_pos, dtype=torch.float32)[None]
     bias = alibi.bias_from_distance(kind, info.slopes, distance, **params)[:, 0]
     for c in caps:
