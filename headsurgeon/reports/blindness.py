@@ -562,7 +562,8 @@ def write_blindness(
     (``by_head``) and the figure ``precision``, and the
     summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census` on
     the measured text) also ``census.csv`` and the figure ``reach`` (each head's reach beside its
-    first exact zero and analytic distance), and the page's head table has a ``reach`` column; with
+    slope's, its first exact zero and analytic distance), and the page's head table has its
+    ``reach``, ``reach_baseline`` and ``reach_ratio`` columns; with
     a ``sink_cache`` test (:func:`headsurgeon.sink_cache_effect`) also ``sink_cache.csv``
     (``by_cache``), ``sink_cache_heads.csv`` (``by_head``), the figure ``sink_cache`` and its
     summary lines (:func:`sink_cache_lines`); with a ``rounding`` analysis
