@@ -15,6 +15,10 @@ Exports:
     log_limit(dtype, limit)             ln of an underflow limit ("normal", "subnormal", "zero")
     blind_distance(slope, dtype, ...)   first distance where a key's weight must reach the limit
     blind_share(distances, context)     share of a context's causal entries beyond blindness
+    content_free_far_mass(bias, ...)    the census's far mass of a head whose logits are its
+                                        positional bias alone, exactly (float64)
+    content_free_reach(bias, eps, ...)  its reach: the census's ``reach_baseline``
+    reach_from_far_mass(far, eps)       the first distance whose far mass is at most eps
     robust_slopes(head_slopes, ...)     slopes lowered so a whole context stays above the limit
     log_match_scale(match)              log's slope factor matching standard's penalty at L
     distance_rows(n_queries, n_keys)    distances i - j for the last queries (as TransformerLens)
@@ -34,6 +38,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
@@ -67,6 +72,9 @@ __all__ = [
     "soft_cap",
     "blind_distance",
     "blind_share",
+    "content_free_far_mass",
+    "content_free_reach",
+    "reach_from_far_mass",
 ]
 
 
@@ -523,3 +531,71 @@ def blind_share(distances: Float[Tensor, " head_index"] | Sequence[float], conte
     delta = torch.as_tensor(distances, dtype=torch.float64).clamp(max=context)
     n_blind = (context - delta) * (context - delta + 1) / 2
     return (n_blind.sum() / (len(delta) * context * (context + 1) / 2)).item()
+
+
+# --- Reach of a head with no preference for content -------------------------------------------
+
+
+def reach_from_far_mass(far: np.ndarray, eps: float) -> np.ndarray:
+    """The smallest distance (last axis) whose far mass is at most ``eps``; ``inf`` if none
+    (NaN, no row that far, never qualifies): the census's ``reach`` from
+    :meth:`headsurgeon.probes.HeadStats.far_mass`.
+
+    >>> reach_from_far_mass(np.array([[0.5, 0.2, 0.05], [0.9, 0.5, math.nan]]), 0.1)
+    array([ 2., inf])
+    """
+    within = far <= eps  # NaN (no row) never qualifies
+    first = within.argmax(-1).astype(np.float64)
+    return np.where(within.any(-1), first, math.inf)
+
+
+def content_free_far_mass(
+    bias: Float[Tensor, "head_index distance"] | np.ndarray, min_query_pos: int = 1
+) -> np.ndarray:
+    """``[head, distance]``: :meth:`headsurgeon.probes.HeadStats.far_mass` of a head whose
+    logits are its positional bias alone, over sequences of ``T`` tokens, exactly in float64.
+
+    ``bias[h, k]`` is the bias the head adds at distance ``k = 0 ... T - 1`` (``T`` is the
+    sequence length; standard ALiBi: ``-m k``). Row ``t`` then weighs key ``t - k`` by
+    ``w_k / W_t`` (``W_t = w_0 + ... + w_t``, position 0 included in the softmax), so the mass
+    at distance ``d`` or more, position 0 left out, summed over rows ``t >= max(d + 1,
+    min_query_pos)``, is ``Σ_{k >= d} w_k Σ_{t >= max(k + 1, min_query_pos)} 1 / W_t``: suffix
+    sums of positive terms, O(T) per head and no cancellation. Divided by the number of rows
+    (NaN where there is none), as ``far_mass`` pools them. The census's ``reach_baseline``
+    reads it with the bias the model applies (:func:`headsurgeon.blindness.applied_bias`).
+
+    >>> bias = -np.log(2) * np.arange(3.0)[None]  # weights 1, 1/2, 1/4 at distances 0, 1, 2
+    >>> content_free_far_mass(bias)  # d = 0: rows 1, 2: 1 / (3/2), (1 + 1/2) / (7/4)
+    array([[0.76190476, 0.28571429,        nan]])
+    """
+    b = np.asarray(bias, dtype=np.float64)
+    n_pos = b.shape[-1]
+    w = np.exp(b - b.max(-1, keepdims=True))
+    inverse = 1 / np.cumsum(w, -1)  # 1 / W_t, per row t
+    rows_from = np.concatenate([np.cumsum(inverse[..., ::-1], -1)[..., ::-1], 0 * w[..., :1]], -1)
+    first_row = np.maximum(np.arange(1, n_pos + 1), min_query_pos)  # for key distance k
+    terms = w * rows_from[..., np.minimum(first_row, n_pos)]
+    tail = np.cumsum(terms[..., ::-1], -1)[..., ::-1]
+    n_rows = n_pos - np.maximum(np.arange(n_pos) + 1, min_query_pos)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n_rows > 0, tail / n_rows, math.nan)
+
+
+def content_free_reach(
+    bias: Float[Tensor, "head_index distance"] | np.ndarray, eps: float, min_query_pos: int = 1
+) -> np.ndarray:
+    """``[head]``: the :meth:`headsurgeon.probes.HeadStats.reach` of a head whose logits are its
+    positional bias alone (:func:`content_free_far_mass`): how far a head with no preference for
+    content looks, which its slope alone decides. ``inf`` when no distance within the ``T``
+    tokens qualifies.
+
+    For standard ALiBi (``-m k``) row ``t``'s far mass tends to ``e^{-m d}``, so on long
+    sequences the reach tends to ``ceil(ln(1 / eps) / m)``:
+
+    >>> slopes = np.array([0.5, 0.0625])
+    >>> content_free_reach(-slopes[:, None] * np.arange(100_000), 0.01)
+    array([10., 74.])
+    >>> np.ceil(np.log(1 / 0.01) / slopes)
+    array([10., 74.])
+    """
+    return reach_from_far_mass(content_free_far_mass(bias, min_query_pos), eps)

@@ -38,7 +38,9 @@ import numpy as np
 import pandas as pd
 from torch import Tensor
 
+from headsurgeon.alibi import content_free_reach
 from headsurgeon.backend import Model
+from headsurgeon.blindness.analysis import applied_bias
 from headsurgeon.classify import require_columns
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
@@ -77,6 +79,13 @@ COLUMNS: dict[str, str] = {
     "mean over sequences",
     "reach": "smallest distance d whose mean attention mass on keys at distance >= d (position 0 "
     "left out), over query rows t >= d + 1, is at most reach_eps; inf: none within the sequence",
+    "reach_baseline": "the reach of a head with no preference for content: the same definition "
+    "with the head's logits set to its positional bias alone (standard ALiBi: tends to "
+    "ln(1/reach_eps)/slope on long sequences); exact, float64; empty without ALiBi and for a "
+    "standard Falcon (its bias, rounded by key position, is not a function of distance alone)",
+    "reach_ratio": "reach / reach_baseline: near 1, a head that only follows its slope; empty "
+    "where either is unbounded within the sequence, except inf: a head that looks beyond the "
+    "sequence while its slope alone would not",
 }
 
 
@@ -135,6 +144,14 @@ def run_census(
     ``reach_eps`` on the farthest keys measured (a longer ``seq_len`` may bound it). Position 0
     is left out because a sink's mass there says nothing about distance: a head whose mean
     weight on position 0 (over rows from 1) is at least ``1 - reach_eps`` has reach 0.
+
+    ``reach_baseline`` is the reach the same definition gives a head with no preference for
+    content, whose logits are its positional bias alone (the one the model applies now,
+    :func:`headsurgeon.blindness.applied_bias`; exact, float64:
+    :func:`headsurgeon.alibi.content_free_reach`); for standard ALiBi it tends to
+    ``ln(1/reach_eps)/slope`` on long sequences. ``reach_ratio`` is ``reach`` over it: near 1, a
+    head's reach says only what its slope says; a head far from 1 looks nearer or farther than
+    its slope alone would make it.
 
     ``sink_share`` is the share of sequences in which the head's own ``sink_score`` exceeds
     ``sink_eps`` (default Gu et al.'s ε = 0.3): :func:`sink_rate` averages it over heads, which is
@@ -218,6 +235,9 @@ def run_census(
         "bos_mass_std": stds["bos_mass"].ravel(),
     }
     means["reach"] = stats.reach(reach_eps)
+    means["reach_baseline"], means["reach_ratio"] = _reach_baseline(
+        model, seqs.seq_len, reach_eps, min_query_pos, means["reach"]
+    )
     columns |= {name: means[name].ravel() for name in COLUMNS if name not in columns}
     df = pd.DataFrame(columns)
     df.attrs = {
@@ -239,6 +259,21 @@ def run_census(
     if seqs.dataset is not None:  # the data's dataset, field by field (heads.json's metadata)
         df.attrs["dataset"] = dict(seqs.dataset)
     return df
+
+
+def _reach_baseline(
+    model: Model, n_pos: int, eps: float, min_query_pos: int, reach: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``reach_baseline`` and ``reach_ratio``, ``[layer, head]``: the content-free reach of each
+    head's bias (:func:`headsurgeon.alibi.content_free_reach`) and ``reach`` over it."""
+    bias = applied_bias(model, n_pos)
+    if bias is None:  # no bias on the logits: no slope for a head to follow
+        baseline = np.full(reach.shape, math.nan)
+    else:
+        baseline = np.broadcast_to(content_free_reach(bias, eps, min_query_pos), reach.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = reach / baseline
+    return baseline, np.where(np.isfinite(baseline) & (baseline > 0), ratio, math.nan)
 
 
 # Gu et al. (arXiv:2410.10781; code: github.com/sail-sg/Attention-Sink, eval_sink_open_source.py

@@ -44,7 +44,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon import long_context
+from headsurgeon import alibi, long_context
 from headsurgeon.backend import TRANSFORMER_LENS, HookPoint, Model, resident
 from headsurgeon.data import batches
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
@@ -335,7 +335,8 @@ class HeadStats:
 
     Pooled over every row of every sequence, each head's attention mass by distance
     (:func:`distance_sums`, O(T) per head) gives :meth:`far_mass` (the mean mass at distance
-    ``d`` or more, by ``d``) and :meth:`reach` (the census's ``reach``).
+    ``d`` or more, by ``d``) and :meth:`reach` (the census's ``reach``; a head whose logits are
+    its bias alone: :func:`headsurgeon.alibi.content_free_far_mass`).
 
     Two statistics are taken per sequence once its last block is in, from that sequence's means:
     ``sink_share`` adds 1 when its ``sink_score`` (α_0 of that sequence) exceeds ``sink_eps``
@@ -542,10 +543,7 @@ class HeadStats:
         """``[layer, head]``: the smallest distance ``d`` whose :meth:`far_mass` is at most
         ``eps`` (``inf`` when none is, within the longest sequence seen: the head still puts
         more than ``eps`` on the farthest keys measured)."""
-        far = self.far_mass()
-        within = far <= eps  # NaN (no row) never qualifies
-        first = within.argmax(-1).astype(np.float64)
-        return np.where(within.any(-1), first, math.inf)
+        return alibi.reach_from_far_mass(self.far_mass(), eps)
 
     def stds(self) -> dict[str, np.ndarray]:
         """Standard deviation across sequences (ddof=1; 0 for one sequence), ``[layer, head]``."""

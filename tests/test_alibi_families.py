@@ -408,6 +408,30 @@ def test_continuations_of_a_cached_prompt_match_eager(family):
 
 
 @needs_tl4
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reach_baseline_is_the_reach_of_a_model_without_content_logits(family):
+    """With every QKV weight zeroed the logits are the bias alone: the census's reach is its
+    reach_baseline wherever that is given; a standard Falcon's own bias (rounded by key
+    position) gives none, and under a mitigation its bias is ours again."""
+    hf = hf_model(family)
+    with torch.no_grad():
+        for attn in _attention_layers(hf):
+            for p in _qkv(attn).parameters():
+                p.zero_()
+    model = converted(hf)
+    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(2))
+    census = run_census(model, tokens, progress=False)
+    if family == "mpt":
+        np.testing.assert_array_equal(census["reach"], census["reach_baseline"])
+    else:
+        assert census["reach_baseline"].isna().all() and census["reach_ratio"].isna().all()
+    with mitigation(model, "log"):
+        logged = run_census(model, tokens, progress=False)
+    np.testing.assert_array_equal(logged["reach"], logged["reach_baseline"])
+    assert (logged["reach_baseline"] != census["reach"]).any()
+
+
+@needs_tl4
 def test_falcon_keeps_transformers_bias_past_256_tokens():
     """transformers builds Falcon's positions in bfloat16, a staircase past 256 tokens that a
     linear bias of the same slope misses (by 4e-3 in the patterns at 400 tokens): the census

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from headsurgeon import run_census
 from headsurgeon.census import COLUMNS
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.loading import model_info
 from headsurgeon.probes import HeadStats, stream
 
 TEXT = (
@@ -28,9 +31,21 @@ def reference_census(model, tokens, min_query_pos=1):
     n_seqs, n_pos = tokens.shape
     rows = range(min_query_pos, n_pos)
     out = {name: np.zeros((model.cfg.n_layers, model.cfg.n_heads)) for name in COLUMNS}
+    # A head with no preference for content: the softmax of its ALiBi bias alone, brute force.
+    slopes = model_info(model).slopes
+    baseline = np.full(model.cfg.n_heads, math.nan)  # without ALiBi: no slope to follow
+    if slopes is not None:
+        distance = torch.arange(n_pos)[:, None] - torch.arange(n_pos)[None, :]
+        bias = -slopes.double()[:, None, None] * distance
+        free = bias.masked_fill(distance < 0, -math.inf).softmax(-1)[None]  # [1, head, T, T]
+        baseline = reference_reach(free.numpy(), 0.01, min_query_pos)
     for layer in range(model.cfg.n_layers):
         A = cache["pattern", layer].double()
         out["reach"][layer] = reference_reach(A.numpy(), 0.01, min_query_pos)
+        out["reach_baseline"][layer] = baseline
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = out["reach"][layer] / baseline
+        out["reach_ratio"][layer] = np.where(np.isfinite(baseline), ratio, math.nan)
         z = cache["z", layer].double()
         W_O = head_weight(model, layer, "W_O").detach().double()
         writes = torch.einsum("bphd,hdm->bphm", z, W_O)  # [seq, pos, head, d_model]
@@ -153,4 +168,5 @@ def test_models_without_alibi_have_empty_slopes(build):
     census = run_census(model, tokens, prepend_bos=False, progress=False)
     positional = model.cfg.positional_embedding_type
     assert census["slope"].isna().all() and census.attrs["positional"] == positional != "alibi"
+    assert census["reach_baseline"].isna().all() and census["reach_ratio"].isna().all()
     assert_matches_reference(census, reference_census(model, tokens))

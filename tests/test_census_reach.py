@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from headsurgeon import load_model, run_census
+from headsurgeon.alibi import content_free_far_mass, content_free_reach, reach_from_far_mass
+from headsurgeon.backend.weights import head_tensors
+from headsurgeon.blindness import applied_bias, mitigation
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.loading import ORGANISM_DIR, organism_names
@@ -163,3 +166,71 @@ def test_reach_figure_joins_the_census_and_the_zeros_of_one_dtype():
         reach_figure(census, by_head.drop(columns="analytic_distance"))
     with pytest.raises(InvalidArgumentError, match="reach"):
         reach_figure(census.drop(columns="reach"), by_head)
+
+
+def test_content_free_far_mass_equals_a_loop_over_every_row():
+    """The suffix-sum formula against each row's softmax of the bias alone, for standard, log
+    and random (non-monotone) biases and several ``min_query_pos``."""
+    rng = np.random.default_rng(0)
+    for n_pos in (2, 5, 30):
+        k = np.arange(n_pos)
+        biases = np.stack([-0.3 * k, -1.5 * np.log1p(k), rng.normal(0, 2, n_pos)])
+        for min_query_pos in (0, 1, 3, 7):
+            expected = np.full(biases.shape, np.nan)
+            for d in range(n_pos):
+                rows = range(max(d + 1, min_query_pos), n_pos)
+                masses = []
+                for t in rows:
+                    weights = np.exp(biases[:, t - np.arange(t + 1)])  # keys 0 ... t
+                    weights /= weights.sum(-1, keepdims=True)
+                    masses.append(weights[:, 1 : t - d + 1].sum(-1))  # keys 1 ... t - d
+                if masses:
+                    expected[:, d] = np.mean(masses, 0)
+            got = content_free_far_mass(biases, min_query_pos)
+            np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-300)
+            assert np.array_equal(
+                content_free_reach(biases, 0.05, min_query_pos), reach_from_far_mass(expected, 0.05)
+            )
+
+
+def content_free(model) -> None:
+    """Zero ``W_Q`` and ``b_Q`` of every layer: every logit is the positional bias alone."""
+    for layer in range(model.cfg.n_layers):
+        tensors = head_tensors(model, layer)
+        with torch.no_grad():
+            for name in ("W_Q", "b_Q"):
+                if name in tensors:
+                    tensors[name].heads(tensors[name].param).zero_()
+
+
+@needs_organisms
+@pytest.mark.parametrize("min_query_pos", [1, 5])
+def test_reach_baseline_is_the_reach_of_an_organism_without_queries(min_query_pos):
+    """The acceptance test of issue 50 (item 2): with its queries zeroed every head of the
+    organism is content-free, and its census reach is exactly its ``reach_baseline``."""
+    model = load_model("organism")
+    content_free(model)
+    tokens = to_sequences(model, None, seq_len=300, n_seqs=2).tokens
+    kwargs = dict(min_query_pos=min_query_pos, progress=False)
+    census = run_census(model, tokens, **kwargs)
+    np.testing.assert_array_equal(census["reach"], census["reach_baseline"])
+    assert census["reach"].between(5, 299).all()  # bounded, and not pinned at either end
+    np.testing.assert_array_equal(census["reach_ratio"], 1.0)
+    stats = HeadStats(model, min_query_pos=min_query_pos)
+    stream(model, tokens, stats.hooks(), progress=False)
+    bias = applied_bias(model, 300)
+    expected = np.broadcast_to(content_free_far_mass(bias, min_query_pos), stats.far_mass().shape)
+    np.testing.assert_allclose(stats.far_mass(), expected, rtol=0, atol=1e-6)
+
+
+def test_reach_baseline_without_alibi_and_under_a_mitigation(tiny_model):
+    tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(3))
+    census = run_census(tiny_model, tokens, progress=False)
+    ratio = census["reach"] / census["reach_baseline"]
+    bounded = np.isfinite(census["reach_baseline"])
+    np.testing.assert_array_equal(census["reach_ratio"][bounded], ratio[bounded])
+    assert census["reach_ratio"][~bounded].isna().all()
+    with mitigation(tiny_model, "clamped", c=1.0):  # every key within 1 logit: the far end
+        clamped = run_census(tiny_model, tokens, progress=False)
+    assert (clamped["reach_baseline"] >= census["reach_baseline"]).all()
+    assert (clamped["reach_baseline"] > census["reach_baseline"]).any()

@@ -16,6 +16,7 @@ Exports:
     BlindnessMeasurement               its tables: by_head, by_distance, by_length
     mitigation(model, kind, **params)  context manager: a mitigated ALiBi through hooks
     active_mitigations(model)          the kinds of the mitigation blocks a model runs in
+    applied_bias(model, n_pos)         the positional bias its heads add now, by distance
     dtype_name(dtype)                  canonical dtype name
     CONVENTIONS                        how a softmax is rounded: hf or tl
     require_scores(name, scores, ...)  one line unless hook_attn_scores holds pre-softmax scores
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
         BlindnessMeasurement,
         active_mitigations,
         analytic_blindness,
+        applied_bias,
         dtype_name,
         measure_blindness,
         mitigation,
@@ -52,6 +54,7 @@ __all__ = [
     "ANALYSED_DTYPES",
     "CONVENTIONS",
     "active_mitigations",
+    "applied_bias",
     "BlindnessMeasurement",
     "analytic_blindness",
     "analytic_rounding",

@@ -3,8 +3,8 @@ measured, and mitigated through hooks), which serves these names lazily; its doc
 manual.
 
 Exports (each described there): ANALYSED_DTYPES, CONVENTIONS, active_mitigations,
-alibi_door (the door of the weight-free analyses), BlindnessMeasurement, analytic_blindness,
-require_scores, dtype_name, measure_blindness, mitigation.
+applied_bias, alibi_door (the door of the weight-free analyses), BlindnessMeasurement,
+analytic_blindness, require_scores, dtype_name, measure_blindness, mitigation.
 
 >>> df = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
 >>> df[df.layer == 0].blind_distance.iloc[[0, -1]].tolist()
@@ -28,7 +28,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import HookPoint, Model, add_bias_hook
+from headsurgeon.backend import HookPoint, Model, add_bias_hook, attention_family
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
@@ -45,6 +45,7 @@ __all__ = [
     "ANALYSED_DTYPES",
     "CONVENTIONS",
     "active_mitigations",
+    "applied_bias",
     "alibi_door",
     "BlindnessMeasurement",
     "analytic_blindness",
@@ -666,7 +667,7 @@ def mitigation(model: Model, kind: str, **params) -> Iterator[Model]:
     with hooked(model, "mitigation"):
         # Which mitigations are active, innermost last (read by active_mitigations).
         active = model.__dict__.setdefault("headsurgeon_mitigations", [])
-        active.append(kind)
+        active.append((kind, params))
         try:
             with _mitigated(model, info, kind, params):
                 yield model
@@ -685,7 +686,44 @@ def active_mitigations(model: Model) -> list[str]:
     >>> active_mitigations(model)
     []
     """
-    return list(getattr(model, "headsurgeon_mitigations", []))
+    return [kind for kind, _ in getattr(model, "headsurgeon_mitigations", [])]
+
+
+def applied_bias(model: Model, n_pos: int) -> Float[Tensor, "head_index distance"] | None:
+    """``[head, distance]``: the positional bias ``model``'s attention adds now at distances
+    ``0 ... n_pos - 1`` (float32, as the forward builds it); ``None`` without ALiBi, and for a
+    standard Falcon, whose bias is transformers' own: ``m_h j`` by key position ``j``, rounded in
+    bfloat16 at every position (not a function of the distance alone).
+
+    The variant it was trained with (its ``headsurgeon.json``, :func:`trained_bias`) with the
+    slopes it applies (``model_info(model).slopes``), unless a :func:`mitigation` block replaces
+    it (the innermost bias kind wins); each ``softcap`` block then maps it to ``c tanh(b / c)``,
+    as it maps the whole logit. This is what a head adds to ``q.k / sqrt(d_head)``, not the
+    rounding of the scores in the model's dtype (:mod:`headsurgeon.precision`).
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=9, n_ctx=8))
+    >>> applied_bias(model, 3)
+    tensor([[-0.0000, -0.0625, -0.1250],
+            [-0.0000, -0.0039, -0.0078]])
+    >>> with mitigation(model, "clamped", c=0.1):
+    ...     applied_bias(model, 3)
+    tensor([[-0.0000, -0.0625, -0.1000],
+            [-0.0000, -0.0039, -0.0078]])
+    """
+    info = model_info(model, "applied_bias")
+    active = getattr(model, "headsurgeon_mitigations", [])
+    replaced = [(k, p) for k, p in active if k != "softcap"]
+    kind, params = replaced[-1] if replaced else trained_bias(info.metadata)
+    own = not replaced and kind == "standard"  # no hook of ours on a standard Falcon
+    if not info.is_alibi or (own and attention_family(model.blocks[0].attn) == "falcon"):
+        return None
+    caps = [p["c"] for k, p in active if k == "softcap"]
+    distance = torch.arange(n_pos, dtype=torch.float32)[None]
+    bias = alibi.bias_from_distance(kind, info.slopes, distance, **params)[:, 0]
+    for c in caps:
+        bias = alibi.soft_cap(bias, c)
+    return bias
 
 
 @contextlib.contextmanager

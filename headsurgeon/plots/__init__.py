@@ -22,8 +22,9 @@ Exports:
                                        accuracy by needle distance against its no-needle
                                        baseline, each head's reach and first exact zero marked
     precision_figure(by_position)      loss change by position per dtype and rounded part
-    reach_figure(census, by_head)      each head's reach, first exact zero and analytic blind
-                                       distance on one log-distance axis
+    reach_figure(census, by_head)      each head's reach (beside its slope's alone), first
+                                       exact zero and analytic blind distance on one
+                                       log-distance axis
     window_figure(table)               loss change when attention is cut to keys within d
     corpus_diff_grid(compared, metric) metric on corpus b minus on corpus a (compare_corpora)
     corpora_grid(compared, metric)     each corpus's head grid side by side

@@ -1,28 +1,32 @@
 """Distance figures: how far each head looks, and which distances the model's loss needs.
 
 Exports:
-    reach_figure(census, by_head)   per head on a log-distance axis: its reach, its first exact
-                                    zero and its analytic blind distance
+    reach_figure(census, by_head)   per head on a log-distance axis: its reach beside its
+                                    slope's content-free reach, its first exact zero and its
+                                    analytic blind distance
     window_figure(table)            ΔNLL against the attention window, one line per position bucket
 
 >>> import pandas as pd
 >>> census = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "slope": [0.5, 0.25],
-...                        "reach": [12.0, float("inf")]})
+...                        "reach": [12.0, float("inf")], "reach_baseline": [10.0, 19.0]})
 >>> by_head = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "dtype": "float32",
 ...                         "first_zero_distance": [180.0, None], "analytic_distance": [207, 414]})
 >>> census.attrs["seq_len"] = 256
 >>> fig = reach_figure(census, by_head)
 >>> [t.name for t in fig.data]
-['reach', 'reach > 256 (not bounded within the sequence)', 'first exact zero (float32)', \
-'no exact zero within the sequence', 'analytic blind distance (float32)']
+['reach', 'reach > 256 (not bounded within the sequence)', 'reach of its slope alone (no \
+content)', 'first exact zero (float32)', 'no exact zero within the sequence', 'analytic blind \
+distance (float32)']
 
-``reach_figure`` takes the census (:func:`headsurgeon.run_census`: its ``reach`` column) and the
-``by_head`` table of :func:`headsurgeon.measure_blindness` (``first_zero_distance``,
-``analytic_distance``, one row per layer, head and dtype), joined on layer and head for one dtype.
-The three distances answer different questions: where a head's weights are negligible (reach:
-mass beyond it at most ``reach_eps``), where they are exactly 0 in a float format (which changes
-nothing the model computes: a row loses less than ``T`` times the smallest float), and where the
-slope alone predicts zeros. ``window_figure`` takes ``window_effect(...).by_distance``
+``reach_figure`` takes the census (:func:`headsurgeon.run_census`: its ``reach`` and
+``reach_baseline`` columns) and the ``by_head`` table of :func:`headsurgeon.measure_blindness`
+(``first_zero_distance``, ``analytic_distance``, one row per layer, head and dtype), joined on
+layer and head for one dtype. The three distances answer different questions: where a head's
+weights are negligible (reach: mass beyond it at most ``reach_eps``; beside it, the reach its
+slope alone gives a head with no preference for content, so a head whose two marks coincide
+only follows its slope), where they are exactly 0 in a float format (which changes nothing the
+model computes: a row loses less than ``T`` times the smallest float), and where the slope alone
+predicts zeros. ``window_figure`` takes ``window_effect(...).by_distance``
 (:mod:`headsurgeon.window`): what the loss loses when every head is cut to a window.
 """
 
@@ -41,6 +45,8 @@ __all__ = ["reach_figure", "window_figure"]
 
 # Pixels per head row of reach_figure.
 _ROW = 13
+# The baseline's bar: a line symbol draws only its outline.
+_BAR = {"width": 2, "color": OKABE_ITO["blue"]}
 
 
 def _one_dtype(by_head: pd.DataFrame, dtype: str | None) -> tuple[pd.DataFrame, str]:
@@ -72,15 +78,19 @@ def reach_figure(
     dtype: str | None = None,
     title: str | None = None,
 ) -> go.Figure:
-    """Every head's reach, first exact zero and analytic blind distance on one log axis.
+    """Every head's reach (beside its slope's), first exact zero and analytic blind distance on
+    one log axis.
 
     One row per head, grouped by layer (layer 0 at the top) and, within a layer, ordered by
     ALiBi slope, steepest first (by head without ALiBi). Markers: ``reach`` (filled circle;
     open at the sequence length when ``inf``: more than ``reach_eps`` at the farthest
-    distance measured), ``first_zero_distance`` (diamond; open at the measured length when no
-    weight underflowed) and ``analytic_distance`` (grey triangle; left out where infinite).
-    ``census`` is :func:`headsurgeon.run_census`'s (``layer``, ``head``, ``reach``; ``slope``
-    orders the heads), ``by_head`` is ``measure_blindness(...).by_head``, of which the rows of
+    distance measured), ``reach_baseline`` (a vertical bar in the same colour: the reach of a
+    head whose logits are its bias alone; a reach on its bar only follows its slope; hovering a
+    reach shows their ratio), ``first_zero_distance`` (diamond; open at the measured length
+    when no weight underflowed) and ``analytic_distance`` (grey triangle; left out where
+    infinite). ``census`` is :func:`headsurgeon.run_census`'s (``layer``, ``head``, ``reach``;
+    ``slope`` orders the heads; ``reach_baseline``, where present, adds the bars), ``by_head``
+    is ``measure_blindness(...).by_head``, of which the rows of
     ``dtype`` are used (default: float32 when measured, else its first dtype). A head missing
     from ``by_head`` has no zero markers.
 
@@ -99,7 +109,8 @@ def reach_figure(
     )
     rows, dtype = _one_dtype(by_head, dtype)
     zeros = rows[["layer", "head", "first_zero_distance", "analytic_distance"]]
-    heads = census[["layer", "head", "reach", *(["slope"] if "slope" in census else [])]]
+    optional = [c for c in ("slope", "reach_baseline") if c in census]
+    heads = census[["layer", "head", "reach", *optional]]
     df = heads.merge(zeros, on=["layer", "head"], how="left", indicator=True)
     if "slope" in df and df["slope"].notna().all():
         df = df.sort_values(["layer", "slope", "head"], ascending=[True, False, True])
@@ -112,6 +123,7 @@ def reach_figure(
     reach, first, analytic = (
         df[c].to_numpy(dtype=float) for c in ("reach", "first_zero_distance", "analytic_distance")
     )
+    baseline = df.get("reach_baseline", pd.Series(np.nan, index=df.index)).to_numpy(dtype=float)
     measured = (df["_merge"] == "both").to_numpy()
     fig = go.Figure()
     traces = [
@@ -121,6 +133,12 @@ def reach_figure(
             np.isinf(reach),
             f"reach > {seq_len} (not bounded within the sequence)",
             _marker("circle", OKABE_ITO["blue"], open_=True),
+        ),
+        (
+            baseline,
+            np.isfinite(baseline),
+            column_label("reach_baseline").removesuffix(" (tokens)"),
+            {"symbol": "line-ns", "color": OKABE_ITO["blue"], "size": 12, "line": _BAR},
         ),
         (
             first,
@@ -141,9 +159,14 @@ def reach_figure(
             _marker("triangle-left", "#888888"),
         ),
     ]
+    # Each point's hover: its distance; a reach also its ratio to its slope's.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.char.add(" · ", np.char.mod("%.2g× its slope's", reach / baseline))
+    ratio = np.where(np.isfinite(reach) & np.isfinite(baseline) & (baseline > 0), ratio, "")
     for x, shown, name, marker in traces:
         if not shown.any():
             continue
+        extra = ratio[shown] if name == "reach" else np.full(shown.sum(), "")
         fig.add_trace(
             go.Scatter(
                 x=x[shown],
@@ -151,14 +174,15 @@ def reach_figure(
                 mode="markers",
                 marker=marker,
                 name=name,
-                hovertemplate=f"%{{y}} · {name}: %{{x:.0f}} tokens<extra></extra>",
+                customdata=extra,
+                hovertemplate=f"%{{y}} · {name}: %{{x:.0f}} tokens%{{customdata}}<extra></extra>",
             )
         )
     for boundary in np.flatnonzero(np.diff(df["layer"].to_numpy())) + 0.5:
         fig.add_hline(y=boundary, line={"color": "#CCCCCC", "width": 1})
     fig.add_vline(x=seq_len, line={"color": "#BBBBBB", "width": 1, "dash": "dot"})
     finite = np.concatenate(
-        [v[np.isfinite(v) & (v > 0)] for v in (reach, first, analytic)] + [[seq_len]]
+        [v[np.isfinite(v) & (v > 0)] for v in (reach, baseline, first, analytic)] + [[seq_len]]
     )
     lo, hi = max(0.5, finite.min() / 1.5), finite.max() * 1.5
     fig.update_xaxes(
@@ -182,7 +206,8 @@ def reach_figure(
     eps = a.get("reach_eps", 0.01)
     subtitle = (
         f"{a.get('model', '')} · {a.get('n_seqs', '')} × {seq_len} tokens · reach: mean mass at "
-        f"that distance or more ≤ {eps:g} (position 0 left out) · zeros: {dtype}, "
+        f"that distance or more ≤ {eps:g} (position 0 left out; bar: the same for its slope "
+        f"alone, no content) · zeros: {dtype}, "
         f"{by_head.attrs.get('n_seqs', '')} × {zero_len} tokens · heads by layer, steepest first"
     )
     lines = wrap_text(subtitle, 900 - 100)

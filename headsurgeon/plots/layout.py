@@ -89,6 +89,8 @@ COLUMN_LABELS: dict[str, tuple[str, str]] = {
     "output_share": ("output share", "fraction of the layer's attention output"),
     "ahon_ln": ("AHON-LN", "|z| over the layer's mean"),
     "reach": ("reach", "tokens"),
+    "reach_baseline": ("reach of its slope alone (no content)", "tokens"),
+    "reach_ratio": ("reach / reach of its slope alone", "≈ 1: follows its slope"),
     "delta_loss": ("Δ loss when removed", "nats"),
     "delta_loss_se": ("standard error of Δ loss", "nats"),
     "clean_loss": ("loss of the unchanged model", "nats"),

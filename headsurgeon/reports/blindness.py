@@ -287,20 +287,39 @@ UNMEASURED_PRECISION = [
 ]
 
 
-def reach_lines(census: pd.DataFrame, measured: BlindnessMeasurement | None = None) -> list[str]:
-    """How far the heads look (the census's ``reach``), beside their first exact zero.
+# A head whose reach is within this factor of its slope's content-free reach (either way) only
+# follows its slope, as far as reach can tell.
+FOLLOWS_SLOPE = 1.5
+# Heads far from their slope's reach named in the summary, farthest first.
+NAMED_HEADS = 8
 
-    >>> census = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "slope": [0.5, 0.01],
-    ...     "reach": [12.0, float("inf")]})
+
+def reach_lines(census: pd.DataFrame, measured: BlindnessMeasurement | None = None) -> list[str]:
+    """How far the heads look (the census's ``reach``), beside the reach of their slope alone
+    (``reach_baseline``) and, given ``measured``, their first exact zero.
+
+    A head within :data:`FOLLOWS_SLOPE` of its slope's reach only follows its slope; the heads
+    far from it are named. Against the first exact zero the slope decides both distances
+    (standard ALiBi: reach about ``ln(1/reach_eps) / m``, zero about ``87 / m`` in float32), so
+    that line gives the ratio the slopes alone give beside the measured one.
+
+    >>> census = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0], "slope": [0.5, 0.01, 0.5],
+    ...     "reach": [12.0, float("inf"), 25.0], "reach_baseline": [10.0, float("inf"), 10.0]})
     >>> census.attrs.update(reach_eps=0.01, n_seqs=2, seq_len=64)
     >>> reach_lines(census)[0]  # doctest: +ELLIPSIS
     'reach (the distance beyond which a head puts at most 1% of its attention, position 0 ...'
+    >>> print(reach_lines(census)[1])  # doctest: +NORMALIZE_WHITESPACE
+    reach beside its slope's (the reach of a head with no preference for content, whose logits
+    are its ALiBi bias alone; standard ALiBi: about ln(1/0.01)/m = 4.6/m on long sequences): 1 of
+    2 heads with a bounded one look within 1.5x of it (they only follow their slope); far from
+    it: L1H0 2.5x; 1 head's slope alone looks beyond the sequence
     """
     attrs = census.attrs
+    eps = attrs.get("reach_eps", 0.01)
     reach = census["reach"].to_numpy(dtype=float)
     finite = reach[np.isfinite(reach)]
     lines = [
-        f"reach (the distance beyond which a head puts at most {attrs.get('reach_eps', 0.01):.0%}"
+        f"reach (the distance beyond which a head puts at most {eps:.0%}"
         f" of its attention, position 0 left out; {attrs.get('n_seqs')} × "
         f"{attrs.get('seq_len')} tokens): "
         + (
@@ -315,24 +334,75 @@ def reach_lines(census: pd.DataFrame, measured: BlindnessMeasurement | None = No
             else ""
         )
     ]
+    if "reach_baseline" in census and census["reach_baseline"].notna().any():
+        lines.append(_slope_line(census, eps))
     if measured is not None:
-        by_head = measured.by_head
-        dtype = "float32" if "float32" in set(by_head["dtype"]) else by_head["dtype"].iloc[0]
-        zeros = by_head[by_head["dtype"] == dtype].merge(census, on=["layer", "head"])
-        zeros = zeros[zeros["first_zero_distance"].notna()]
-        if len(zeros):
-            closer = int((zeros["reach"] < zeros["first_zero_distance"]).sum())
-            ratio = np.median(zeros["first_zero_distance"] / zeros["reach"].clip(lower=1))
-            lines.append(
-                f"reach: {closer} of {len(zeros)} heads with an exact zero in {dtype} look less "
-                f"far than their first exact zero (median ratio {ratio:.1f}x): their own "
-                "penalty, not underflow, is what limits them"
-                if closer == len(zeros)
-                else f"reach: {closer} of {len(zeros)} heads with an exact zero in {dtype} look "
-                f"less far than their first exact zero; {len(zeros) - closer} still put more "
-                f"than {attrs.get('reach_eps', 0.01):.0%} of their attention beyond it"
-            )
+        lines.extend(_zero_line(census, measured, eps))
     return lines
+
+
+def _slope_line(census: pd.DataFrame, eps: float) -> str:
+    """How many heads only follow their slope (reach within FOLLOWS_SLOPE of reach_baseline),
+    and which do not."""
+    baseline = census["reach_baseline"].to_numpy(dtype=float)
+    bounded = np.isfinite(baseline) & (baseline > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = census["reach"].to_numpy(dtype=float) / baseline
+    near = bounded & (ratio <= FOLLOWS_SLOPE) & (ratio >= 1 / FOLLOWS_SLOPE)
+    far = np.flatnonzero(bounded & ~near)
+    far = far[np.argsort(-np.abs(np.log(np.maximum(ratio[far], 1e-300))), kind="stable")]
+    names = [
+        f"L{census['layer'].iat[i]}H{census['head'].iat[i]} {ratio[i]:.2g}x"
+        if np.isfinite(ratio[i])
+        else f"L{census['layer'].iat[i]}H{census['head'].iat[i]} (beyond the sequence)"
+        for i in far[:NAMED_HEADS]
+    ]
+    more = f" and {len(far) - NAMED_HEADS} more" if len(far) > NAMED_HEADS else ""
+    unbounded = int(np.isinf(baseline).sum())
+    return (
+        "reach beside its slope's (the reach of a head with no preference for content, whose "
+        f"logits are its ALiBi bias alone; standard ALiBi: about ln(1/{eps:g})/m = "
+        f"{math.log(1 / eps):.2g}/m on long sequences): {int(near.sum())} of "
+        f"{int(bounded.sum())} heads with a bounded one look within {FOLLOWS_SLOPE:g}x of it "
+        "(they only follow their slope); "
+        + (f"far from it: {', '.join(names)}{more}" if len(far) else "none is far from it")
+        + (
+            f"; {unbounded} head{'s' if unbounded > 1 else ''}'s slope alone looks beyond the "
+            "sequence"
+            if unbounded
+            else ""
+        )
+    )
+
+
+def _zero_line(census: pd.DataFrame, measured: BlindnessMeasurement, eps: float) -> list[str]:
+    """Reach against the first exact zero, with the ratio the slopes alone give."""
+    by_head = measured.by_head
+    dtype = "float32" if "float32" in set(by_head["dtype"]) else by_head["dtype"].iloc[0]
+    zeros = by_head[by_head["dtype"] == dtype].merge(census, on=["layer", "head"])
+    zeros = zeros[zeros["first_zero_distance"].notna()]
+    if not len(zeros):
+        return []
+    closer = int((zeros["reach"] < zeros["first_zero_distance"]).sum())
+    ratio = np.median(zeros["first_zero_distance"] / zeros["reach"].clip(lower=1))
+    if "reach_baseline" in zeros and np.isfinite(zeros["reach_baseline"]).all():
+        alone = np.median(zeros["first_zero_distance"] / zeros["reach_baseline"].clip(lower=1))
+        why = (
+            f" (median ratio {ratio:.1f}x; their slopes alone give {alone:.1f}x: both distances "
+            "scale as 1/slope, so this is arithmetic of the slope, not a finding about the heads)"
+        )
+    else:
+        why = f" (median ratio {ratio:.1f}x)"
+    if closer == len(zeros):
+        return [
+            f"reach: {closer} of {len(zeros)} heads with an exact zero in {dtype} look less far "
+            f"than their first exact zero{why}"
+        ]
+    return [
+        f"reach: {closer} of {len(zeros)} heads with an exact zero in {dtype} look less far "
+        f"than their first exact zero{why}; {len(zeros) - closer} still put more than "
+        f"{eps:.0%} of their attention beyond it"
+    ]
 
 
 def _position(x: float) -> str:
@@ -492,7 +562,8 @@ def write_blindness(
     (``by_head``) and the figure ``precision``, and the
     summary (and page) lead with its verdict; with a ``census`` (:func:`headsurgeon.run_census` on
     the measured text) also ``census.csv`` and the figure ``reach`` (each head's reach beside its
-    first exact zero and analytic distance), and the page's head table has a ``reach`` column; with
+    slope's, its first exact zero and analytic distance), and the page's head table has its
+    ``reach``, ``reach_baseline`` and ``reach_ratio`` columns; with
     a ``sink_cache`` test (:func:`headsurgeon.sink_cache_effect`) also ``sink_cache.csv``
     (``by_cache``), ``sink_cache_heads.csv`` (``by_head``), the figure ``sink_cache`` and its
     summary lines (:func:`sink_cache_lines`); with a ``rounding`` analysis
@@ -588,7 +659,8 @@ def _blindness_table(
         if analytic is None:
             parts.append(by_head.groupby(keys)[["slope"]].first())
     if census is not None:
-        parts.append(census.set_index(keys)[["reach"]])
+        reach = [c for c in ("reach", "reach_baseline", "reach_ratio") if c in census]
+        parts.append(census.set_index(keys)[reach])
     table = pd.concat(parts, axis=1).reset_index()
     return table.loc[:, ~table.columns.duplicated()]
 

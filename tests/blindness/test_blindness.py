@@ -317,14 +317,17 @@ def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
         if plots.has_browser():  # without one the PNGs are skipped (tests/plots/test_no_browser.py)
             assert (out / f"{name}.png").stat().st_size > 1000
     # The summary's order: how the model was trained (here: unknown), whether precision
-    # matters (here: not measured), reach, exact zeros.
+    # matters (here: not measured), reach (beside its slope's, beside the first exact zero),
+    # exact zeros.
     summary = (out / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("training numerics of bloom80: unknown")
     summary = summary[1:]
     assert summary[0].startswith("precision: not measured") and "exact zeros" in summary[1]
-    assert summary[2].startswith("reach") and "blind distance" in summary[4]
+    assert summary[2].startswith("reach") and summary[3].startswith("reach beside its slope's")
+    assert "arithmetic of the slope" in summary[4] and "blind distance" in summary[5]
     census = pd.read_csv(out / "census.csv")
     assert census["reach"].notna().all() and (census["reach"] >= 0).all()
+    assert census["reach_baseline"].notna().all()
     assert "reach" in (out / "index.html").read_text()
 
 
