@@ -73,8 +73,8 @@ USED_NATS = 0.01
 SCOPE = (
     (
         "whether a model's steep heads had exact zeros inside its training window (they did only "
-        "where `zero within L` > 0), how far each head looks (reach, beside its slope's "
-        "content-free reach), and which distances its loss depends on (windows), for the Table 3 "
+        "where `zero within L` > 0), how far each head looks (reach), and which distances its "
+        "loss depends on (windows), for the Table 3 "
         "arms (one seed each except standard and log at L = 128, which have two)."
     ),
     (
