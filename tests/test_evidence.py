@@ -185,12 +185,46 @@ def retrieval_claims() -> Iterator[tuple[str, str]]:
     )
 
 
+def reach_claims() -> Iterator[tuple[str, str]]:
+    heads = pd.read_csv(FIGURES / "precision/organism_4096_reach.csv")
+    ratio = heads["reach_ratio"]
+    near = heads[ratio <= 1.5]
+    yield (
+        "docs/tools/blindness.md",
+        f"{len(near)} of {len(heads)} heads look within 1.5x of their slope's reach (ratios "
+        f"{near['reach_ratio'].min():.2f}-{near['reach_ratio'].max():.2f})",
+    )
+    far = heads[ratio > 1.5]
+    assert len(far) == 1
+    row = far.iloc[0]
+    yield (
+        "docs/tools/blindness.md",
+        f"L{row['layer']:.0f}H{row['head']:.0f} is the exception: {row['reach']:.0f} tokens against its "
+        f"slope's {row['reach_baseline']:.0f} ({row['reach_ratio']:.1f}x)",
+    )
+    zeros = heads[heads["first_zero_distance"].notna()]
+    assert (zeros["reach"] < zeros["first_zero_distance"]).all()
+    measured = (zeros["first_zero_distance"] / zeros["reach"].clip(lower=1)).median()
+    slopes = (zeros["first_zero_distance"] / zeros["reach_baseline"]).median()
+    yield (
+        "docs/tools/blindness.md",
+        f"the {len(zeros)} heads with a float32 zero all look less far than it "
+        f"({measured:.0f}x at the median)",
+    )
+    yield "docs/tools/blindness.md", f"the slopes alone give {slopes:.1f}x"
+    yield (
+        "docs/tools/blindness.md",
+        f"reach median {heads['reach'].median():.0f} tokens, farthest {heads['reach'].max():,.0f}",
+    )
+
+
 CLAIMS: list[Callable[[], Iterator[tuple[str, str]]]] = [
     sink_cache_claims,
     natural_collapse_claims,
     retrieval_documents_claims,
     training_numerics_claims,
     retrieval_claims,
+    reach_claims,
 ]
 
 
