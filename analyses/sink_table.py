@@ -126,7 +126,7 @@ SCOPE = (
     ),
     (
         "sinks in large models (these have 0.4-4.2M parameters and saw 5-25M tokens), which head "
-        "needs the sinks (`figures/sinks/sink_cache_injured.md`, 512 tokens), or more than one "
+        "needs the sinks (`figures/sinks/sink_cache_injured.md`), or more than one "
         "sequence for the cache."
     ),
 )
