@@ -24,8 +24,9 @@ zero-ablated), repaired and control, with
 Each experiment's raw results are kept in ``--runs`` (default ``runs/control_natural``) and
 reused by a later call, so an interrupted run continues with the next experiment. Writes
 ``figures/sinks/control_natural/``: ``perplexity.csv`` / ``.png``, ``heads.csv``,
-``nll_per_sequence.csv``, ``paired.csv``, ``gradients.csv``, ``reports/<experiment>.json`` (the
-repair reports) and ``summary.md``.
+``nll_per_sequence.csv``, ``paired.csv`` / ``.png``, ``gradients.csv``, ``training.csv`` (each
+trained arm's evaluations), ``reports/<experiment>.json`` (the repair reports) and
+``summary.md``.
 """
 
 from __future__ import annotations
@@ -319,6 +320,11 @@ def main() -> None:
     )
     pairs = pd.concat(paired(r) for r in raws)
     grads = pd.concat(gradient_rows(r) for r in raws)
+    training = pd.concat(
+        pd.DataFrame(history).assign(experiment=r["experiment"], arm=arm)
+        for r in raws
+        for arm, history in r["train_loss"].items()
+    )
     settings = raws[0]["report"]["settings"]
     ft = settings["finetune"]
     cpu = sum(r["cpu_minutes"] for r in raws)
@@ -336,10 +342,33 @@ def main() -> None:
         "nll_per_sequence.csv": nll,
         "paired.csv": pairs,
         "gradients.csv": grads,
+        "training.csv": training,
         **reports,
     }
     figures = {"perplexity": ppl_figure(ppl), "paired": paired_figure(pairs)}
     write_topic(args.out, figures, tables, lines, started, extra)
+
+
+def answer(raw: dict[str, Any], pairs: pd.DataFrame) -> str:
+    """One line: which of repair and control has the lower held-out NLL, if the pairs resolve it
+    (|mean difference| > 2 SE and a sign test p < 0.05), and what became of the head."""
+    e = raw["experiment"]
+    rc = pairs[(pairs["experiment"] == e) & (pairs["a"] == "repaired") & (pairs["b"] == "control")]
+    d, se, p = (float(rc[c].iloc[0]) for c in ("mean_diff", "se", "sign_p"))
+    if abs(d) > 2 * se and p < 0.05:
+        said = (
+            "re-initialisation beats retraining" if d < 0 else "retraining beats re-initialisation"
+        )
+    else:
+        said = "no difference resolved between re-initialisation and retraining"
+    h = raw["heads"]
+    return (
+        f"{e}: {said} (held-out NLL repaired - control {d:+.4f} nats, SE {se:.4f}, sign test "
+        f"p = {p:.2g}); BOS mass {h['given']['bos_mass']:.3f} as given "
+        f"({h['given']['label']}), {h['repaired']['bos_mass']:.3f} repaired "
+        f"({h['repaired']['label']}), {h['control']['bos_mass']:.3f} control "
+        f"({h['control']['label']})."
+    )
 
 
 def summary_lines(
@@ -384,6 +413,10 @@ def summary_lines(
         "a sink at these thresholds): for them the question is about sink-like heads. It "
         "does not test other seeds, longer training, larger models, other learning rates or "
         "step counts, nor whether any difference persists with more steps.",
+        "",
+        "## Answer: does re-initialisation beat retraining on a sink that grew by itself?",
+        "",
+        *(f"- {answer(raw, pairs)}" for raw in raws),
         "",
     ]
     for raw in raws:
