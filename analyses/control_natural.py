@@ -217,24 +217,44 @@ PAIRS = [
 ]
 
 
+def difference(experiment: str, a: str, b: str, nll_a: list, nll_b: list) -> dict[str, Any]:
+    """Per-window held-out NLL differences a - b: mean, standard error, sign test."""
+    d = np.asarray(nll_a) - np.asarray(nll_b)
+    return {
+        "experiment": experiment,
+        "a": a,
+        "b": b,
+        "n": len(d),
+        "mean_diff": d.mean(),
+        "se": d.std(ddof=1) / math.sqrt(len(d)),
+        "a_lower": int((d < 0).sum()),
+        "sign_p": sign_test(d),
+    }
+
+
 def paired(raw: dict[str, Any]) -> pd.DataFrame:
     """Per-sequence held-out NLL differences a - b on the same windows."""
-    rows = []
-    for a, b in PAIRS:
-        d = np.asarray(raw["nll"][a]) - np.asarray(raw["nll"][b])
-        rows.append(
-            {
-                "experiment": raw["experiment"],
-                "a": a,
-                "b": b,
-                "n": len(d),
-                "mean_diff": d.mean(),
-                "se": d.std(ddof=1) / math.sqrt(len(d)),
-                "a_lower": int((d < 0).sum()),
-                "sign_p": sign_test(d),
-            }
-        )
-    return pd.DataFrame(rows)
+    e, nll = raw["experiment"], raw["nll"]
+    return pd.DataFrame([difference(e, a, b, nll[a], nll[b]) for a, b in PAIRS])
+
+
+# The sink against the healthy comparison head of the same model, arm by arm (the same windows).
+SINK_VS_HEALTHY = ("no bias, wd 0.1: L0H7", "no bias, wd 0.1: L0H6 (healthy comparison)")
+
+
+def sink_vs_healthy(raws: list[dict[str, Any]]) -> pd.DataFrame:
+    """Each trained arm's held-out NLL with the sink trained minus with the healthy head trained."""
+    by_name = {r["experiment"]: r["nll"] for r in raws}
+    if not set(SINK_VS_HEALTHY) <= set(by_name):
+        return pd.DataFrame()
+    sink, healthy = (by_name[e] for e in SINK_VS_HEALTHY)
+    return pd.DataFrame(
+        [
+            difference("no bias, wd 0.1: L0H7 vs L0H6", f"{arm} L0H7", f"{arm} L0H6", *pair)
+            for arm in ("repaired", "control", "pruned_mean")
+            for pair in [(sink[arm], healthy[arm])]
+        ]
+    )
 
 
 def gradient_rows(raw: dict[str, Any]) -> pd.DataFrame:
@@ -323,7 +343,7 @@ def main() -> None:
         .reset_index()
         for r in raws
     )
-    pairs = pd.concat(paired(r) for r in raws)
+    pairs = pd.concat([*(paired(r) for r in raws), sink_vs_healthy(raws)])
     grads = pd.concat(gradient_rows(r) for r in raws)
     training = pd.concat(
         pd.DataFrame(history).assign(experiment=r["experiment"], arm=arm)
@@ -478,6 +498,22 @@ def summary_lines(
             + "."
         )
         lines.append("")
+    versus = pairs[pairs["experiment"] == "no bias, wd 0.1: L0H7 vs L0H6"]
+    if len(versus):
+        lines += [
+            "## The sink against a healthy head of its layer (no bias, wd 0.1)",
+            "",
+            "Held-out NLL with L0H7 put through an arm minus with L0H6 put through the same "
+            "arm (same model, same windows): negative means acting on the sink lowers NLL more "
+            "than acting on the healthy head.",
+            "",
+            *(
+                f"- {r.a} - {r.b}: {r.mean_diff:+.4f} nats (SE {r.se:.4f}), lower on "
+                f"{r.a_lower}/{r.n}, sign test p = {r.sign_p:.2g}."
+                for r in versus.itertuples()
+            ),
+            "",
+        ]
     lines += [
         "## Every arm",
         "",
