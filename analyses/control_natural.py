@@ -26,14 +26,15 @@ Each experiment's raw results are kept in ``--runs`` (default ``runs/control_nat
 reused by a later call, so an interrupted run continues with the next experiment. Writes
 ``figures/sinks/control_natural/``: ``perplexity.csv`` / ``.png``, ``heads.csv``,
 ``nll_per_sequence.csv``, ``paired.csv`` / ``.png``, ``gradients.csv``, ``training.csv`` (each
-trained arm's evaluations), ``reports/<experiment>.json`` (the repair reports) and
-``summary.md``.
+trained arm's evaluations), ``reports/<experiment>.json`` (the repair reports), ``logs/`` (any
+``*.log`` in ``--runs``) and ``summary.md``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -360,6 +361,9 @@ def main() -> None:
 
     def extra(folder: Path) -> None:
         (folder / "reports").mkdir()
+        for log in sorted(args.runs.glob("*.log")):  # the runs' logs, if kept there
+            (folder / "logs").mkdir(exist_ok=True)
+            shutil.copy2(log, folder / "logs" / log.name)
 
     tables = {
         "perplexity.csv": ppl,
