@@ -400,6 +400,73 @@ def answer(raw: dict[str, Any], pairs: pd.DataFrame) -> str:
     )
 
 
+def reading(raws: list[dict[str, Any]], pairs: pd.DataFrame) -> list[str]:
+    """What the numbers say across experiments, each sentence computed from them."""
+    by_name = {r["experiment"]: r for r in raws}
+    diff = pairs.set_index(["experiment", "a", "b"])
+    lines = ["## Reading", ""]
+    sink = by_name.get(SINK_VS_HEALTHY[0])
+    if sink is not None:
+        h, moved = sink["heads"], sink["moved"]["control"]
+        lines.append(
+            "- The natural sink gets gradients and is trained by the control, as the planted "
+            "ones were (`figures/sinks/control/`): the control moved L0H7's W_V by "
+            f"{moved['W_V']:.2f} and W_O by {moved['W_O']:.2f} of their norms. It stays a "
+            f"{h['control']['label']} by the label (BOS mass {h['given']['bos_mass']:.3f} -> "
+            f"{h['control']['bos_mass']:.3f}), while its mean-ablation cost on these windows "
+            f"rises from {h['given']['dloss_mean']:+.4f} (SE {h['given']['dloss_mean_se']:.4f}; "
+            "`figures/natural_collapse/` calls it dormant on its census windows, +0.0026, SE "
+            f"0.0015) to {h['control']['dloss_mean']:+.4f} (repaired: "
+            f"{h['repaired']['dloss_mean']:+.4f}, as a {h['repaired']['label']} head): "
+            "retrained either way, the head comes to matter about equally."
+        )
+    if set(SINK_VS_HEALTHY) <= set(by_name):
+        versus = "no bias, wd 0.1: L0H7 vs L0H6"
+        arms = [
+            f"{arm} {diff.loc[(versus, f'{arm} L0H7', f'{arm} L0H6'), 'mean_diff']:+.4f} "
+            f"(SE {diff.loc[(versus, f'{arm} L0H7', f'{arm} L0H6'), 'se']:.4f})"
+            for arm in ("repaired", "control")
+        ]
+        drop = diff.loc[(SINK_VS_HEALTHY[1], "control", "given"), "mean_diff"]
+        lines.append(
+            "- The perplexity drop is not the sink's: the healthy L0H6 put through the same "
+            f"arms lowers held-out NLL as much (control - as given {drop:+.4f} nats; L0H7 "
+            f"minus L0H6: {', '.join(arms)}). Retraining a healthy head of the same layer on the "
+            "plain corpora gives it too, most likely by adapting to text without the training "
+            "mix's synthetic spans (not tested here)."
+        )
+    worse = [
+        e
+        for e in by_name
+        if all(
+            diff.loc[(e, "pruned_mean", "given"), "mean_diff"]
+            > diff.loc[(e, arm, "given"), "mean_diff"]
+            for arm in ("repaired", "control")
+        )
+    ]
+    lines.append(
+        f"- Mean-ablation pruning has a higher held-out NLL than both trained arms in "
+        f"{len(worse)} of {len(by_name)} experiments (point estimates; paired.csv)."
+    )
+
+    def span(arm: str) -> str:
+        masses = [r["heads"][arm]["bos_mass"] for e, r in by_name.items() if "healthy" not in e]
+        return f"{min(masses):.3f}-{max(masses):.3f}"
+
+    said = {e: answer(r, pairs).split(": ", 2)[-1].split(" (")[0] for e, r in by_name.items()}
+    beats = [e for e, a in said.items() if a.startswith("re-initialisation beats")]
+    loses = [e for e, a in said.items() if a.startswith("retraining beats")]
+    lines.append(
+        f"- Re-initialisation beats retraining (resolved) in {len(beats)} of {len(said)} "
+        f"experiments{': ' + '; '.join(beats) if beats else ''}; retraining beats "
+        f"re-initialisation in {len(loses)}{': ' + '; '.join(loses) if loses else ''}; the "
+        "rest are unresolved. Re-initialisation does change the sink-like heads' pattern: "
+        f"BOS mass after the repair {span('repaired')}, after the control {span('control')}, "
+        f"as given {span('given')}."
+    )
+    return [*lines, ""]
+
+
 def reproduced(raws: list[dict[str, Any]], ppl: pd.DataFrame) -> float:
     """The largest relative gap between exp(mean per-window NLL) and the report's perplexity."""
     gaps = []
@@ -518,6 +585,7 @@ def summary_lines(
             + "."
         )
         lines.append("")
+    lines += reading(raws, pairs)
     versus = pairs[pairs["experiment"] == "no bias, wd 0.1: L0H7 vs L0H6"]
     if len(versus):
         lines += [
