@@ -24,7 +24,7 @@ control, with
 
 Each experiment's raw results are kept in ``--runs`` (default ``runs/control_natural``) and
 reused by a later call, so an interrupted run continues with the next experiment. Writes
-``figures/sinks/control_natural/``: ``perplexity.csv`` / ``.png``, ``heads.csv``,
+``figures/sinks/control_natural/``: ``perplexity.csv``, ``heads.csv``,
 ``nll_per_sequence.csv``, ``paired.csv`` / ``.png``, ``gradients.csv``, ``training.csv`` (each
 trained arm's evaluations), ``reports/<experiment>.json`` (the repair reports), ``logs/`` (any
 ``*.log`` in ``--runs``) and ``summary.md``.
@@ -45,7 +45,7 @@ import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
 from _common import ROOT, markdown, parser, start, style, write_topic
-from control_arm import ARMS, ppl_figure, ppl_table, verdict
+from control_arm import ARMS, ppl_table, verdict
 
 from headsurgeon import load_model
 from headsurgeon.census import GU_PROTOCOL, run_census
@@ -301,19 +301,19 @@ def paired_figure(pairs: pd.DataFrame) -> go.Figure:
         fig.add_trace(
             go.Bar(
                 name=label,
-                x=sub["experiment"],
+                x=[e.replace(": ", "<br>", 1) for e in sub["experiment"]],
                 y=sub["mean_diff"],
                 error_y={"type": "data", "array": sub["se"]},
                 marker={"color": colour},
             )
         )
     fig.update_layout(barmode="group")
-    fig.update_yaxes(title_text="held-out NLL - model as given (nats/token)")
+    fig.update_yaxes(title_text="NLL - as given (nats/token)")
     subtitle = (
         "paired over the same held-out windows; error bars: 1 standard error of the mean "
         "per-window difference"
     )
-    style(fig, "Natural sinks: repair versus control versus prune", subtitle, 1100, 560)
+    style(fig, "Natural sinks: repair versus control versus prune", subtitle, 1100, 600)
     return fig
 
 
@@ -374,7 +374,8 @@ def main() -> None:
         "training.csv": training,
         **reports,
     }
-    figures = {"perplexity": ppl_figure(ppl), "paired": paired_figure(pairs)}
+    # One figure: control_arm's perplexity bars, eight panels here, hide differences this small.
+    figures = {"paired": paired_figure(pairs)}
     write_topic(args.out, figures, tables, lines, started, extra)
 
 
@@ -609,7 +610,7 @@ def summary_lines(
         "",
         markdown(heads, 3),
         "",
-        "## Paired held-out NLL differences (a - b, nats per token, per window)",
+        "## Paired held-out NLL differences (a - b, nats per token, per window; paired.png)",
         "",
         markdown(pairs, 3),
         "",
