@@ -622,7 +622,8 @@ def summary_lines(
         f"`--steps {ft['steps']} --eval-every {ft['eval_every']} --lr {ft['lr']:g} "
         f"--eval-seqs {n_eval}`); one torch thread; CPU minutes per experiment: "
         + ", ".join(f"{r['experiment']} {r['cpu_minutes']:.1f}" for r in raws)
-        + ".",
+        + " (each computed once; a later call reuses it from `--runs`, so the run time below is "
+        "that call's alone).",
     ]
     return lines
 
