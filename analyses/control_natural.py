@@ -317,6 +317,24 @@ def paired_figure(pairs: pd.DataFrame) -> go.Figure:
     return fig
 
 
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "whether re-initialising a head that became a sink (or sink-like) by itself in training "
+        "(Q/K/V re-drawn, W_O zeroed) and retraining its slices beats retraining the same slices "
+        "from their own weights (the control: same data, steps, seed and schedule) or pruning "
+        "it, on the natural-collapse models: no-bias L0H7 (the one BOS-sink), ALiBi L3H6 and "
+        "L3H7 (the most sink-like heads, labelled healthy), and a healthy head (no-bias L0H6) "
+        "through the same arms, paired on the same held-out windows."
+    ),
+    (
+        "other seeds, longer training, larger models, other learning rates or step counts (one "
+        "pass, see the protocol), nor whether a difference persists with more steps; the "
+        "windows are neighbouring text, so the standard errors and sign tests are optimistic."
+    ),
+)
+
+
 def main() -> None:
     p = parser(__doc__, "sinks/control_natural")
     p.add_argument("--experiments", nargs="+", default=list(EXPERIMENTS), choices=EXPERIMENTS)
@@ -376,7 +394,7 @@ def main() -> None:
     }
     # One figure: control_arm's perplexity bars, eight panels here, hide differences this small.
     figures = {"paired": paired_figure(pairs)}
-    write_topic(args.out, figures, tables, lines, started, extra)
+    write_topic(args.out, figures, tables, lines, started, extra, scope=SCOPE)
 
 
 def answer(raw: dict[str, Any], pairs: pd.DataFrame) -> str:
@@ -500,12 +518,9 @@ def summary_lines(
     lines = [
         "# The control arm on natural sinks: re-initialisation versus retraining versus pruning",
         "",
-        "## What this tests, and what it does not",
+        "## Protocol",
         "",
-        "Whether re-initialising a sink head (Q/K/V re-drawn, W_O zeroed) and retraining its "
-        "slices beats retraining the same slices from their own weights (the control: same "
-        "data, steps, seed and schedule) or pruning the head, when the sink grew during "
-        "training rather than being planted. One seed (0), one model per arm, one pass of "
+        "One seed (0), one model per arm, one pass of "
         f"{ft['steps']} steps at peak lr {ft['lr']:g} (batch {ft['batch_size']} x "
         f"{settings['train_sequences'][1]} tokens of the bundled training corpora; "
         f"{cpu:.1f} CPU-minutes for all experiments; the steps were chosen from a timed step "
