@@ -220,6 +220,38 @@ def reach_claims() -> Iterator[tuple[str, str]]:
     )
 
 
+def control_natural_claims() -> Iterator[tuple[str, str]]:
+    folder = FIGURES / "sinks/control_natural"
+    paired = pd.read_csv(folder / "paired.csv").set_index(["experiment", "a", "b"])
+    heads = pd.read_csv(folder / "heads.csv").set_index(["experiment", "arm"])
+    l0h7, l3h6 = "no bias, wd 0.1: L0H7", "ALiBi, wd 0.1: L3H6"
+    sink = paired.loc[(l0h7, "repaired", "control")]
+    yield (
+        "docs/organisms.md",
+        f"within {sink['mean_diff']:+.4f} nats (SE {sink['se']:.4f}; sign test p = "
+        f"{sink['sign_p']:.2f})",
+    )
+    bos = [
+        heads.loc[(l0h7, arm), "bos_mass"]
+        for arm in ("model as given", "retrained without re-initialisation")
+    ]
+    yield "docs/organisms.md", f"(BOS mass {bos[0]:.3f} -> {bos[1]:.3f})"
+    drops = sorted(
+        -paired.loc[(l0h7, arm, "given"), "mean_diff"] for arm in ("repaired", "control")
+    )
+    yield "docs/organisms.md", f"by {drops[0]:.3f}-{drops[1]:.3f} nats"
+    alibi = paired.loc[(l3h6, "repaired", "control")]
+    yield (
+        "docs/organisms.md",
+        f"by {alibi['mean_diff']:+.4f} nats (SE {alibi['se']:.4f}; p = {alibi['sign_p']:.2g})",
+    )
+    cost = heads.loc[(l0h7, "model as given")]
+    yield (
+        "docs/organisms.md",
+        f"{cost['dloss_mean']:+.4f} ± {cost['dloss_mean_se']:.4f} on 128 other held-out windows",
+    )
+
+
 CLAIMS: list[Callable[[], Iterator[tuple[str, str]]]] = [
     sink_cache_claims,
     natural_collapse_claims,
@@ -227,6 +259,7 @@ CLAIMS: list[Callable[[], Iterator[tuple[str, str]]]] = [
     training_numerics_claims,
     retrieval_claims,
     reach_claims,
+    control_natural_claims,
 ]
 
 
