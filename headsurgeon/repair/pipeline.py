@@ -544,7 +544,10 @@ def repair(
     steps, seed and schedule but from their weights as given, without re-initialisation (and
     without zeroing ``W_O``), and measured like a pass; then ``model`` holds the kept model
     again. It answers whether re-initialisation is what helped, or retraining the same slices
-    does as well; ``control=False`` skips it (half the training).
+    does as well; ``control=False`` skips it (half the training). Before it trains, the targets
+    it cannot move at all (zero value and output slices, or all-zero gradients in one backward
+    pass on the first training batch) are marked (:attr:`RepairResult.control_movability`) and
+    its count is over the others.
 
     With ``work_dir`` each finished pass and fine-tuning checkpoint is kept there;
     ``resume=True`` continues the run it holds (checked file by file; a damaged file is one
