@@ -322,7 +322,9 @@ class RepairResult:
     def _control_heads(self, trained: HeadSet, control: pd.DataFrame) -> list[dict[str, Any]]:
         """Per head the control retrained: label, BOS mass and output share before the first
         pass, in the kept model (``repaired``) and in the control model; whether the control
-        can move it (``movable``) and if not why (``why_unmovable``)."""
+        can move it (``movable``), if not why (``why_unmovable``), and the rules that caught
+        it (``caught_by``: ``structural``, zero value and output slices; ``measured``, all-zero
+        gradients in the backward pass)."""
         stages = {"before": self.census_before, "repaired": self.census_after, "control": control}
         columns = ["label", "bos_mass", "output_share"]
         table = None
@@ -336,9 +338,19 @@ class RepairResult:
         table.insert(0, "name", [f"L{r.layer}H{r.head}" for r in table.itertuples()])
         unmovable = self._unmovable()
         records = table.drop(columns=["layer", "head"]).to_dict(orient="records")
+        checked = (
+            {} if self.control_movability is None else self.control_movability.set_index("name")
+        )
         for record in records:  # on the records: a str column would hold NaN for None
-            record["movable"] = record["name"] not in unmovable
-            record["why_unmovable"] = unmovable.get(record["name"])
+            name = record["name"]
+            record["movable"] = name not in unmovable
+            record["why_unmovable"] = unmovable.get(name)
+            rules = {"structural": "structural", "measured": "zero_gradient"}
+            record["caught_by"] = (
+                [rule for rule, column in rules.items() if checked.loc[name, column]]
+                if name in unmovable
+                else []
+            )
         return records
 
     def redistribution(self) -> pd.DataFrame:

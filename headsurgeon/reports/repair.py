@@ -214,10 +214,15 @@ def _control(report: dict[str, Any]) -> list[str]:
         f"| {h['name']} | {h['label_before']} | {h['bos_mass_before']:.3f} | "
         f"{h['label_repaired']} | {h['bos_mass_repaired']:.3f} | {h['label_control']} | "
         f"{h['bos_mass_control']:.3f} | {h['output_share_control']:.3f} | "
-        f"{'yes' if h['movable'] else 'no: ' + h['why_unmovable']} |"
+        f"{'yes' if h['movable'] else _unmovable_cell(h)} |"
         for h in control["heads"]
     ]
     return [*lines, ""]
+
+
+def _unmovable_cell(head: dict[str, Any]) -> str:
+    """Why the control cannot move ``head``, and the rules that caught it."""
+    return f"no: {head['why_unmovable']} (caught by: {', '.join(head['caught_by'])})"
 
 
 def _control_count(control: dict[str, Any]) -> str:

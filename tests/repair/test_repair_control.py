@@ -165,6 +165,8 @@ def test_the_control_counts_apart_a_target_it_cannot_move(injured, tmp_path):  #
     assert set(summary["movable_recovered"]) <= {"L1H3"} <= set(summary["targeted"])
     heads = {h["name"]: h for h in summary["heads"]}
     assert heads["L1H1"]["movable"] is False and heads["L1H1"]["why_unmovable"] == why
+    assert heads["L1H1"]["caught_by"] == ["structural", "measured"]
+    assert heads["L1H3"]["caught_by"] == []
     assert heads["L1H3"]["movable"] is True and heads["L1H3"]["why_unmovable"] is None
 
     out = write_report(result, tmp_path / "report", formats=(), save_model=False)
@@ -174,7 +176,7 @@ def test_the_control_counts_apart_a_target_it_cannot_move(injured, tmp_path):  #
         f"without re-initialisation (L1H1: {why})"
     )
     assert line in (out / "report.md").read_text()
-    assert f"| no: {why} |" in (out / "report.md").read_text()
+    assert f"| no: {why} (caught by: structural, measured) |" in (out / "report.md").read_text()
     assert "cannot be moved without re-initialisation" in (out / "index.html").read_text()
 
 
