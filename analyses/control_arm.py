@@ -160,13 +160,40 @@ def injured_lines(injured: dict[str, Any] | None, table: pd.DataFrame, folder: P
             f"{control:.3f}: {said}."
         )
     control = injured["control"]
-    lines += [
+    unmovable = control.get("unmovable") or {}
+    movable = control.get("movable", control["targeted"])
+    healed = [h for h in control["recovered"] if h in movable]
+    lines.append(
         f"- Targets healthy after: repair {len(injured['recovered'])}/{len(injured['targeted'])}"
-        f", control {len(control['recovered'])}/{len(control['targeted'])} (still sick: "
-        f"{fmt_heads(control['still_sick'])}).",
-        "",
+        f"; control {len(healed)} of {len(movable)} movable targets (still sick: "
+        f"{fmt_heads([h for h in control['still_sick'] if h in movable])})."
+    )
+    lines += [
+        f"- {name} cannot be moved by the control without re-initialisation ({why}): it is "
+        "counted apart, not as a control failure."
+        for name, why in unmovable.items()
     ]
-    return lines
+    if movable and not healed:
+        steps = injured["settings"]["finetune"]["steps"]
+        lines += [
+            "",
+            f"What this says: the {len(movable)} movable targets ({fmt_heads(movable)}, the "
+            "planted sinks: heads trained toward BOS) get non-zero gradients (the repair's check, "
+            f"one backward pass before the control) and stay sick after {steps} steps of "
+            "retraining from their own weights, while re-initialisation heals every one: for "
+            "*planted* sinks, re-initialisation is needed; retraining alone does not undo them "
+            "here. "
+            + (
+                f"{fmt_heads(list(unmovable))} cannot move by construction (counted apart), so it "
+                "says nothing either way. "
+                if unmovable
+                else ""
+            )
+            + "Natural sinks (those a model grows in pre-training) are untested here; "
+            "`figures/sinks/control_natural/` is that experiment. One seed, one pass of "
+            f"{steps} steps per arm: a longer control might still move them.",
+        ]
+    return [*lines, ""]
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ Exports:
     next_token_loss(model, tokens)      the default objective: mean next-token cross-entropy
                                         (``chunk=``: over that many positions at a time)
     checkpointed_blocks(model)          context manager: blocks recomputed in the backward pass
+    unmovable_heads(model, heads, ...)  the heads fine-tuning cannot move from their weights
     head_bos_mass(model, tokens, heads) differentiable BOS mass of chosen heads
     bos_mass_objective(heads, target)   objective that pushes heads' attention to position 0
     warmup_cosine(warmup, steps)        the learning-rate factor of a step
@@ -65,6 +66,7 @@ from headsurgeon.finetune.strategies import (
     SliceTrainer,
     checkpointed_blocks,
     make_trainer,
+    unmovable_heads,
 )
 from headsurgeon.finetune.trainer import TrainingDivergedError, finetune, warmup_cosine
 
@@ -87,6 +89,7 @@ __all__ = [
     "make_trainer",
     "next_token_loss",
     "setup_distributed",
+    "unmovable_heads",
     "warmup_cosine",
     "weights_digest",
 ]

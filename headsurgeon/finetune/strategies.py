@@ -8,6 +8,8 @@ Exports:
                                         restored after every step
     make_trainer(model, heads, ...)     the module a step trains (SliceTrainer or MaskTrainer)
     checkpointed_blocks(model)          context manager: blocks recomputed in the backward pass
+    unmovable_heads(model, heads, ...)  the heads fine-tuning cannot move from their weights (a
+                                        zero value and output slice, or zero gradients measured)
 
 Both strategies keep frozen weights frozen under any AdamW setting, weight decay included; see
 :mod:`headsurgeon.finetune` for when to use which.
@@ -16,10 +18,12 @@ Both strategies keep frozen weights frozen under any AdamW setting, weight decay
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pandas as pd
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -27,13 +31,14 @@ from torch.utils.checkpoint import checkpoint
 from headsurgeon.backend import Model, without_kv_cache
 from headsurgeon.backend.weights import head_tensors
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.finetune.config import STRATEGIES
+from headsurgeon.finetune.config import STRATEGIES, FinetuneConfig
 from headsurgeon.finetune.objectives import Objective, next_token_loss
-from headsurgeon.heads import HeadSet
+from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.surgery import (
     TRAINED_TENSORS,
     HeadMask,
     HeadParameters,
+    frozen_parameters,
     head_slices,
     load_head_slices,
 )
@@ -43,6 +48,7 @@ __all__ = [
     "SliceTrainer",
     "checkpointed_blocks",
     "make_trainer",
+    "unmovable_heads",
 ]
 
 
@@ -183,3 +189,82 @@ def checkpointed_blocks(model: Model) -> Iterator[Model]:
         finally:
             for block in blocks:
                 object.__delattr__(block, "forward")  # the class's forward again
+
+
+# Why a head with zero value and output slices is an exact saddle of fine-tuning (rule
+# "structural"): its values v = x W_V + b_V are 0, so z = pattern @ v = 0 and the head writes
+# z W_O = 0. Backward: dL/dW_O = z^T dL/dout = 0 (z = 0); dL/dz = dL/dout W_O^T = 0 (W_O = 0),
+# so dL/dv = pattern^T dL/dz = 0 (hence dL/dW_V = x^T dL/dv = 0 and dL/db_V = 0) and
+# dL/dpattern = dL/dz v^T = 0, whose softmax backward p * (g - sum(p g)) is 0 (hence dL/dW_Q,
+# dL/db_Q, dL/dW_K = 0). Each is a product with an exactly zero factor or a sum of exact zeros:
+# 0.0 in floating point too, whatever the data. AdamW's moments then stay 0 and its update is
+# 0 / (sqrt(0) + eps) = 0; decoupled weight decay scales zeros to zeros (it may shrink W_Q and
+# W_K, moving the pattern, never z). Every step keeps the saddle: only new W_V / W_O values,
+# i.e. re-initialisation, can move the head. A zero W_O alone or a zero W_V alone is no saddle
+# (the other slice's gradient is not 0).
+_VALUE_OUTPUT = ("W_V", "b_V", "W_O")
+_STRUCTURAL = "value and output weights all zero: every gradient exactly 0"
+_MEASURED = "every gradient of its slices exactly 0 in a backward pass on a training batch"
+
+
+def unmovable_heads(
+    model: Model, heads: Heads, tokens: Tensor, config: FinetuneConfig | None = None
+) -> pd.DataFrame:
+    """Which of ``heads`` fine-tuning (of the default objective) cannot move from the weights
+    they have: one row per head, ``name``, ``layer``, ``head``, ``structural`` (its ``W_V``,
+    ``b_V`` where the model has it, and ``W_O`` slices all exactly 0: every gradient is exactly 0
+    by construction, see the comment above), ``zero_gradient`` (one backward pass of the
+    next-token loss on ``tokens``, only the heads' trained slices requiring gradient, gave
+    exactly 0.0 for every element of its slices), ``movable`` (neither) and ``why_unmovable``
+    (None, or the rule that caught it; the structural one first).
+
+    ``model``: checked for surgery by the caller; ``heads``: the targets; ``tokens``: one
+    training batch ``[batch, seq]``; ``config``: its ``loss_chunk``, ``gradient_checkpointing``
+    and ``autocast`` as training uses them (default: none of them).
+    """
+    heads = HeadSet.of(heads, model)
+    cfg = config or FinetuneConfig()
+    structural = {}
+    for layer, head in heads:
+        tensors = head_tensors(model, layer)
+        structural[layer, head] = all(
+            not tensors[name].heads(tensors[name].param.detach())[head].any()
+            for name in _VALUE_OUTPUT
+            if name in tensors
+        )
+    objective = (
+        next_token_loss
+        if cfg.loss_chunk is None
+        else functools.partial(next_token_loss, chunk=cfg.loss_chunk)
+    )
+    device = torch.device(model.cfg.device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16")
+    recompute = checkpointed_blocks(model) if cfg.gradient_checkpointing else None
+    with frozen_parameters(model), recompute or contextlib.nullcontext(), torch.enable_grad():
+        params = HeadParameters(model, heads)
+        with autocast:
+            loss = params.call(model, objective, tokens.to(device)).float()
+        names = [(layer, name) for layer, group in params.slices.items() for name in group]
+        grads = torch.autograd.grad(loss, list(params.parameters()), allow_unused=True)
+    by_slice = dict(zip(names, grads, strict=True))
+    rows = []
+    for layer, chosen in heads.by_layer().items():
+        for i, head in enumerate(chosen):
+            zero = all(
+                grad is None or not grad[i].any()
+                for (key, _), grad in by_slice.items()
+                if key == f"L{layer}"
+            )
+            caught = structural[layer, head]
+            rows.append(
+                {
+                    "name": f"L{layer}H{head}",
+                    "layer": layer,
+                    "head": head,
+                    "structural": caught,
+                    "zero_gradient": zero,
+                    "movable": not (caught or zero),
+                    "why_unmovable": _STRUCTURAL if caught else _MEASURED if zero else None,
+                }
+            )
+    return pd.DataFrame(rows)

@@ -10,7 +10,8 @@ census and perplexities, then pass by pass re-initialise the targets
 (:func:`headsurgeon.surgery.reinit_heads`), train only their slices
 (:func:`headsurgeon.finetune.finetune`, on sequences checked once), round them through the save
 dtype and measure again. Then the control arm: the kept passes' targets trained again from the
-weights they had, without re-initialisation (:meth:`_Run.control`). Every decision (targets,
+weights they had, without re-initialisation (:meth:`_Run.control`), after marking the targets
+it cannot move at all (:func:`headsurgeon.finetune.unmovable_heads`). Every decision (targets,
 damage, the pass kept) is :mod:`headsurgeon.repair.policy`'s, taken on rank 0
 (:func:`headsurgeon.distributed.from_rank0`); the work folder is
 :mod:`headsurgeon.repair.resume`'s.
@@ -44,7 +45,7 @@ from headsurgeon.data import (
 from headsurgeon.distributed import from_rank0, rank_and_world
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.evals import perplexity
-from headsurgeon.finetune import FinetuneConfig, FinetuneResult, finetune
+from headsurgeon.finetune import FinetuneConfig, FinetuneResult, finetune, unmovable_heads
 from headsurgeon.finetune.trainer import check_grad_mode, duration
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.importance import ablate_heads
@@ -202,6 +203,7 @@ class _Run:
         self.finetune_config: FinetuneConfig = config.finetune  # resolved by resolve_config
         self.work, self.resume = work, resume
         self.undo: list[tuple[HeadSet, dict[str, torch.Tensor]]] = []  # targets' slices, per pass
+        self.movability: pd.DataFrame | None = None  # the control's targets it can move
         self.snapshot = snapshot  # the weights before the run, should it fail
         # Every head's attention at each stage, read while the model is in that stage (a short
         # forward of one census row; passes are undone in place, so it cannot be read later).
@@ -393,6 +395,7 @@ class _Run:
         kept = cpu_head_slices(model, trained)
         for heads, slices in reversed(self.undo):  # every target's weights as given
             load_head_slices(model, heads, slices)
+        self.movability = self.movable(trained)
         first, first_ppl = start
         current, ppl, earlier = first, first_ppl, HeadSet()
         results = []
@@ -407,6 +410,19 @@ class _Run:
         self.sample("control")
         load_head_slices(model, trained, kept)
         return results
+
+    def movable(self, targets: HeadSet) -> pd.DataFrame:
+        """Which ``targets`` the control can move from the weights the model holds (one backward
+        pass on the first training batch; :func:`unmovable_heads`), the unmovable logged."""
+        cfg = self.finetune_config
+        table = unmovable_heads(self.model, targets, self.data.train.tokens[: cfg.batch_size], cfg)
+        for row in table[~table["movable"]].itertuples():
+            logger.info(
+                "control: %s cannot be moved without re-initialisation (%s)",
+                row.name,
+                row.why_unmovable,
+            )
+        return table
 
     def count_loaded(self, training: FinetuneResult) -> None:
         """A pass loaded from the work folder: its units done on the bar, those its early stop
@@ -528,7 +544,10 @@ def repair(
     steps, seed and schedule but from their weights as given, without re-initialisation (and
     without zeroing ``W_O``), and measured like a pass; then ``model`` holds the kept model
     again. It answers whether re-initialisation is what helped, or retraining the same slices
-    does as well; ``control=False`` skips it (half the training).
+    does as well; ``control=False`` skips it (half the training). Before it trains, the targets
+    it cannot move at all (zero value and output slices, or all-zero gradients in one backward
+    pass on the first training batch) are marked (:attr:`RepairResult.control_movability`) and
+    its count is over the others.
 
     With ``work_dir`` each finished pass and fine-tuning checkpoint is kept there;
     ``resume=True`` continues the run it holds (checked file by file; a damaged file is one
@@ -614,6 +633,7 @@ def _run(run: _Run, heads: HeadSet | None, include: HeadSet) -> RepairResult:
         pruned=pruned,
         patterns=run.patterns,
         control=control,
+        control_movability=run.movability,
     )
 
 

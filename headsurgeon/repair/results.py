@@ -140,6 +140,11 @@ class RepairResult:
     from their weights as they were (no re-initialisation, ``W_O`` not zeroed), starting from
     the model as given; its census, perplexities, recoveries, drift and damage are measured as
     a repair pass's are (damage does not stop it: it is a comparison, never the model kept).
+    ``control_movability``: per control target whether the control can move it at all
+    (:func:`headsurgeon.finetune.unmovable_heads` on the model as given: ``movable``,
+    ``why_unmovable``); a head whose value and output slices are all zero gets exactly zero
+    gradients, so only re-initialisation can heal it, and the control's count is over the
+    movable targets.
     :meth:`control_summary` and :meth:`prune_vs_repair` set it beside the repair: whether
     re-initialisation is what helped, or retraining the same slices does as well.
     :meth:`redistribution`: how the heads no pass targeted moved (BOS mass, output share) in
@@ -156,6 +161,7 @@ class RepairResult:
     pruned: dict[str, dict[str, float]] | None = None
     patterns: dict[str, PatternSample] = dataclasses.field(default_factory=dict)
     control: list[PassResult] | None = None
+    control_movability: pd.DataFrame | None = None
 
     @property
     def verdict(self) -> str:
@@ -264,9 +270,11 @@ class RepairResult:
     def control_summary(self) -> dict[str, Any] | None:
         """The control arm against the kept repair (None without a control arm): the heads it
         retrained, how many are healthy after it (``recovered``, ``recovery_rate``) beside the
-        repair's, its labels, perplexities and their change against the model as given, the
-        frozen heads that drifted or turned sick, and why a control pass would count as damage
-        (``failure``: None if none)."""
+        repair's, those it can move at all (``movable``; ``unmovable``: name -> why) and the
+        healthy among them (``movable_recovered``, ``movable_recovery_rate``: None without a
+        movable target), its labels, perplexities and their change against the model as given,
+        the frozen heads that drifted or turned sick, and why a control pass would count as
+        damage (``failure``: None if none)."""
         if not self.control:
             return None
         census = self.control[-1].census_after
@@ -277,12 +285,18 @@ class RepairResult:
         damaged = [p for p in self.control if p.damaged]
         failure = f"control pass {damaged[0].index}: {damaged[0].failure}" if damaged else None
         drifted = policy.drifted(self.census_before, census, trained, self.drift_threshold)
+        unmovable = self._unmovable()
+        movable = HeadSet([pair for pair in trained if f"L{pair[0]}H{pair[1]}" not in unmovable])
         return {
             "passes": len(self.control),
             "targeted": trained.names(),
             "recovered": recovered.names(),
             "still_sick": (trained - recovered).names(),
             "recovery_rate": len(recovered) / len(trained),
+            "movable": movable.names(),
+            "unmovable": unmovable,
+            "movable_recovered": (movable & recovered).names(),
+            "movable_recovery_rate": len(movable & recovered) / len(movable) if movable else None,
             "repair_recovered": (trained & self.recovered).names(),
             "healthy_after": policy.healthy_count(census),
             "labels_after": policy.label_counts(census),
@@ -297,9 +311,20 @@ class RepairResult:
             "heads": self._control_heads(trained, census),
         }
 
+    def _unmovable(self) -> dict[str, str]:
+        """The control targets it cannot move, by name, with why (none without the check)."""
+        table = self.control_movability
+        if table is None:
+            return {}
+        stuck = table[~table["movable"]]
+        return dict(zip(stuck["name"], stuck["why_unmovable"], strict=True))
+
     def _control_heads(self, trained: HeadSet, control: pd.DataFrame) -> list[dict[str, Any]]:
         """Per head the control retrained: label, BOS mass and output share before the first
-        pass, in the kept model (``repaired``) and in the control model."""
+        pass, in the kept model (``repaired``) and in the control model; whether the control
+        can move it (``movable``), if not why (``why_unmovable``), and the rules that caught
+        it (``caught_by``: ``structural``, zero value and output slices; ``measured``, all-zero
+        gradients in the backward pass)."""
         stages = {"before": self.census_before, "repaired": self.census_after, "control": control}
         columns = ["label", "bos_mass", "output_share"]
         table = None
@@ -311,7 +336,22 @@ class RepairResult:
         pairs = zip(table["layer"].tolist(), table["head"].tolist(), strict=True)
         table = table[[pair in trained for pair in pairs]].sort_values(["layer", "head"])
         table.insert(0, "name", [f"L{r.layer}H{r.head}" for r in table.itertuples()])
-        return table.drop(columns=["layer", "head"]).to_dict(orient="records")
+        unmovable = self._unmovable()
+        records = table.drop(columns=["layer", "head"]).to_dict(orient="records")
+        checked = (
+            {} if self.control_movability is None else self.control_movability.set_index("name")
+        )
+        for record in records:  # on the records: a str column would hold NaN for None
+            name = record["name"]
+            record["movable"] = name not in unmovable
+            record["why_unmovable"] = unmovable.get(name)
+            rules = {"structural": "structural", "measured": "zero_gradient"}
+            record["caught_by"] = (
+                [rule for rule, column in rules.items() if checked.loc[name, column]]
+                if name in unmovable
+                else []
+            )
+        return records
 
     def redistribution(self) -> pd.DataFrame:
         """How the heads no pass targeted moved between the model as given and the kept model

@@ -192,9 +192,9 @@ def _control(report: dict[str, Any]) -> list[str]:
         f"same {n} heads, data, steps, seed and schedule, without re-initialising Q/K/V or "
         "zeroing W_O. Only their slices changed.",
         "",
-        f"- healthy after: repair {len(control['repair_recovered'])}/{n}, control "
-        f"{len(control['recovered'])}/{n} ({control['recovery_rate']:.1%}); still sick after "
-        f"the control: {_heads(control['still_sick'])}",
+        f"- healthy after: repair {len(control['repair_recovered'])}/{n}, "
+        f"{_control_count(control)}; still sick after the control: "
+        f"{_heads(control['still_sick'])}",
         f"- labels after the control: "
         f"{', '.join(f'{k} {v}' for k, v in control['labels_after'].items())} (repair: "
         f"{', '.join(f'{k} {v}' for k, v in report['labels_after'].items())})",
@@ -207,16 +207,46 @@ def _control(report: dict[str, Any]) -> list[str]:
         "comparison, never the model kept)",
         "",
         "| head | label before | BOS mass | label repaired | BOS mass | label control | "
-        "BOS mass | output share control |",
-        "|---|---|---|---|---|---|---|---|",
+        "BOS mass | output share control | movable by the control |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {h['name']} | {h['label_before']} | {h['bos_mass_before']:.3f} | "
         f"{h['label_repaired']} | {h['bos_mass_repaired']:.3f} | {h['label_control']} | "
-        f"{h['bos_mass_control']:.3f} | {h['output_share_control']:.3f} |"
+        f"{h['bos_mass_control']:.3f} | {h['output_share_control']:.3f} | "
+        f"{'yes' if h['movable'] else _unmovable_cell(h)} |"
         for h in control["heads"]
     ]
     return [*lines, ""]
+
+
+def _unmovable_cell(head: dict[str, Any]) -> str:
+    """Why the control cannot move ``head``, and the rules that caught it."""
+    return f"no: {head['why_unmovable']} (caught by: {', '.join(head['caught_by'])})"
+
+
+def _control_count(control: dict[str, Any]) -> str:
+    """The control's healed targets, counted over those it can move, and the others apart."""
+    unmovable = control["unmovable"]
+    if not unmovable:
+        return (
+            f"control {len(control['recovered'])}/{len(control['targeted'])} "
+            f"({control['recovery_rate']:.1%}; every target movable: no zero value-and-output "
+            "slice, no all-zero gradient in a backward pass)"
+        )
+    movable = len(control["movable"])
+    rate = control["movable_recovery_rate"]
+    healed = (
+        f"control {len(control['movable_recovered'])} of {movable} movable targets healed "
+        f"({rate:.1%})"
+        if rate is not None
+        else "control: no movable target"
+    )
+    reasons = "; ".join(f"{name}: {why}" for name, why in unmovable.items())
+    return (
+        f"{healed}; {len(unmovable)} ({_heads(list(unmovable))}) cannot be moved without "
+        f"re-initialisation ({reasons})"
+    )
 
 
 def _redistribution(report: dict[str, Any]) -> list[str]:

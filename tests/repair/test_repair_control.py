@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TEXT
+from conftest import DEAD, TEXT, head_weight
 from safetensors.torch import load_file
 from test_finetune import outside, snapshot
 from test_repair import cli_args
@@ -24,6 +24,7 @@ from headsurgeon.evals import perplexity
 from headsurgeon.finetune import FinetuneConfig, finetune
 from headsurgeon.repair import repair
 from headsurgeon.repair.resume import RUN_FILE
+from headsurgeon.reports import write_report
 from headsurgeon.surgery import head_slices
 
 SETTINGS = dict(
@@ -138,6 +139,45 @@ def test_the_control_retrains_the_same_heads_from_their_own_weights(injured, mon
     assert skipped.to_dict()["control"] is None
     assert set(skipped.redistribution().attrs["summary"]) == {"repaired"}
     assert all(torch.equal(v, repaired[k]) for k, v in snapshot(alone).items())
+
+
+def test_the_control_counts_apart_a_target_it_cannot_move(injured, tmp_path):  # noqa: F811
+    # The dead head L1H1 silenced wholly (W_V, b_V and W_O zero, as organism-injured's L3H4):
+    # every gradient on its slices is exactly 0, so the control cannot move it.
+    model = load_model(injured)
+    with torch.no_grad():
+        for name in ("W_V", "b_V"):
+            head_weight(model, DEAD[0], name)[DEAD[1]] = 0
+    config = FinetuneConfig(steps=4, lr=3e-3, batch_size=4, eval_every=4)
+    result = repair(model, TEXT, **(SETTINGS | {"finetune_config": config}))
+    table = result.control_movability.set_index("name")
+    assert list(table.index) == result.control[0].targeted.names() == ["L1H1", "L1H3"]
+    assert not table.loc["L1H1", "movable"] and table.loc["L1H3", "movable"]
+    assert table.loc["L1H1", "structural"] and table.loc["L1H1", "zero_gradient"]
+    # The control left it writing nothing at all.
+    after = result.control_census.set_index(["layer", "head"])
+    assert after.loc[DEAD, "output_share"] == 0 and after.loc[DEAD, "label"] == "dead"
+
+    summary = json.loads(json.dumps(result.to_dict()))["control"]
+    why = "value and output weights all zero: every gradient exactly 0"
+    assert summary["unmovable"] == {"L1H1": why} and summary["movable"] == ["L1H3"]
+    assert summary["movable_recovery_rate"] == len(summary["movable_recovered"]) / 1
+    assert set(summary["movable_recovered"]) <= {"L1H3"} <= set(summary["targeted"])
+    heads = {h["name"]: h for h in summary["heads"]}
+    assert heads["L1H1"]["movable"] is False and heads["L1H1"]["why_unmovable"] == why
+    assert heads["L1H1"]["caught_by"] == ["structural", "measured"]
+    assert heads["L1H3"]["caught_by"] == []
+    assert heads["L1H3"]["movable"] is True and heads["L1H3"]["why_unmovable"] is None
+
+    out = write_report(result, tmp_path / "report", formats=(), save_model=False)
+    healed = len(summary["movable_recovered"])
+    line = (
+        f"control {healed} of 1 movable targets healed ({healed:.1%}); 1 (L1H1) cannot be moved "
+        f"without re-initialisation (L1H1: {why})"
+    )
+    assert line in (out / "report.md").read_text()
+    assert f"| no: {why} (caught by: structural, measured) |" in (out / "report.md").read_text()
+    assert "cannot be moved without re-initialisation" in (out / "index.html").read_text()
 
 
 def test_cli_report_holds_the_control_and_no_control_skips_it(injured, text_file, tmp_path):  # noqa: F811
