@@ -126,7 +126,7 @@ def verdict(table: pd.DataFrame, split: str) -> tuple[float, float, float, str]:
     elif fixed < given and given - control >= 0.8 * (given - fixed):
         said = f"the control gives most of the drop ({changes}): re-initialisation adds little"
     elif fixed < given:
-        said = f"re-initialisation helps beyond retraining ({changes})"
+        said = f"the repair lowers it more than the control ({changes}; one run each)"
     else:
         said = f"neither arm lowers it; the repair raises it less ({changes})"
     return given, fixed, control, said
@@ -194,6 +194,24 @@ def injured_lines(injured: dict[str, Any] | None, table: pd.DataFrame, folder: P
             f"{steps} steps per arm: a longer control might still move them.",
         ]
     return [*lines, ""]
+
+
+# What the summary's numbers test and what they do not (its opening section).
+SCOPE = (
+    (
+        "whether re-initialising heads, rather than retraining the same slices from their own "
+        "weights (the control arm: same data, steps, seed and schedule), is what lowers "
+        "perplexity: the surgery paper's healthy-column experiment at organism scale (organism, "
+        "L1-3H5) and organism-injured's repair of its 6 planted sick heads, one pass of 100 "
+        "steps per arm, one seed; and which targets the control cannot move by construction."
+    ),
+    (
+        "the paper's BLOOM-1b7 number (16.99 -> 12.70) or a model of its size, sinks that grew by "
+        "themselves (`figures/sinks/control_natural/`), or the spread over seeds: each arm is "
+        "one run, and the perplexity differences here carry no interval or paired test "
+        "(`figures/sinks/control_natural/` has paired tests)."
+    ),
+)
 
 
 def main() -> None:
@@ -322,7 +340,7 @@ def main() -> None:
             for path in kept:
                 shutil.copy2(path, folder / "organism-injured" / path.name)
 
-    write_topic(args.out, figures, tables, lines, started, extra)
+    write_topic(args.out, figures, tables, lines, started, extra, scope=SCOPE)
 
 
 if __name__ == "__main__":
