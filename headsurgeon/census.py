@@ -45,7 +45,7 @@ from headsurgeon.classify import require_columns
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.inuse import holds_model
-from headsurgeon.loading import model_info
+from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import HeadStats, stream
 from headsurgeon.validation import check_int, check_number
 
@@ -236,7 +236,7 @@ def run_census(
     }
     means["reach"] = stats.reach(reach_eps)
     means["reach_baseline"], means["reach_ratio"] = _reach_baseline(
-        model, seqs.seq_len, reach_eps, min_query_pos, means["reach"]
+        model, info, seqs.seq_len, reach_eps, min_query_pos, means["reach"]
     )
     columns |= {name: means[name].ravel() for name in COLUMNS if name not in columns}
     df = pd.DataFrame(columns)
@@ -262,11 +262,16 @@ def run_census(
 
 
 def _reach_baseline(
-    model: Model, n_pos: int, eps: float, min_query_pos: int, reach: np.ndarray
+    model: Model,
+    info: ModelInfo,
+    n_pos: int,
+    eps: float,
+    min_query_pos: int,
+    reach: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``reach_baseline`` and ``reach_ratio``, ``[layer, head]``: the content-free reach of each
     head's bias (:func:`headsurgeon.alibi.content_free_reach`) and ``reach`` over it."""
-    bias = applied_bias(model, n_pos)
+    bias = applied_bias(model, n_pos, info)
     if bias is None:  # no bias on the logits: no slope for a head to follow
         baseline = np.full(reach.shape, math.nan)
     else:

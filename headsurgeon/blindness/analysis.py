@@ -689,7 +689,9 @@ def active_mitigations(model: Model) -> list[str]:
     return [kind for kind, _ in getattr(model, "headsurgeon_mitigations", [])]
 
 
-def applied_bias(model: Model, n_pos: int) -> Float[Tensor, "head_index distance"] | None:
+def applied_bias(
+    model: Model, n_pos: int, info: ModelInfo | None = None
+) -> Float[Tensor, "head_index distance"] | None:
     """``[head, distance]``: the positional bias ``model``'s attention adds now at distances
     ``0 ... n_pos - 1`` (float32, as the forward builds it); ``None`` without ALiBi, and for a
     standard Falcon, whose bias is transformers' own: ``m_h j`` by key position ``j``, rounded in
@@ -700,6 +702,7 @@ def applied_bias(model: Model, n_pos: int) -> Float[Tensor, "head_index distance
     it (the innermost bias kind wins); each ``softcap`` block then maps it to ``c tanh(b / c)``,
     as it maps the whole logit. This is what a head adds to ``q.k / sqrt(d_head)``, not the
     rounding of the scores in the model's dtype (:mod:`headsurgeon.precision`).
+    ``info``: the model's record when a verb already read it at its door (else read here).
 
     >>> from headsurgeon.loading import ModelShape, random_model
     >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=9, n_ctx=8))
@@ -711,7 +714,7 @@ def applied_bias(model: Model, n_pos: int) -> Float[Tensor, "head_index distance
     tensor([[-0.0000, -0.0625, -0.1000],
             [-0.0000, -0.0039, -0.0078]])
     """
-    info = model_info(model, "applied_bias")
+    info = info or model_info(model, "applied_bias")
     active = getattr(model, "headsurgeon_mitigations", [])
     replaced = [(k, p) for k, p in active if k != "softcap"]
     kind, params = replaced[-1] if replaced else trained_bias(info.metadata)
