@@ -246,7 +246,8 @@ def compare_retrieval(
         differ = ["the number of prompts"]
     if differ:
         raise InvalidArgumentError(
-            f"a and b are not the same prompts ({', '.join(differ)} differ): compare_retrieval "
+            f"a and b are not the same prompts (they differ in {', '.join(differ)}): "
+            "compare_retrieval "
             "pairs them one by one; score both models with the same task, seed, distances, "
             "n_before and tokenizer"
         )

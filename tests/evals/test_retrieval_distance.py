@@ -213,13 +213,15 @@ def test_compare_retrieval_refuses_other_prompts_in_one_line():
     for column, value in [("key", 1), ("distance", 9), ("needle_start", 41)]:
         other = a.copy()
         other.loc[3, column] = value
-        with pytest.raises(InvalidArgumentError, match=f"not the same prompts \\({column} differ"):
+        with pytest.raises(
+            InvalidArgumentError, match=f"not the same prompts \\(they differ in {column}"
+        ):
             compare_retrieval(a, other)
     with pytest.raises(InvalidArgumentError, match="number of prompts"):
         compare_retrieval(a, a.iloc[:-1])
     seeded = a.copy()
     a.attrs["seed"], seeded.attrs["seed"] = 0, 1
-    with pytest.raises(InvalidArgumentError, match="seed differ"):
+    with pytest.raises(InvalidArgumentError, match="differ in seed"):
         compare_retrieval(a, seeded)
     with pytest.raises(InvalidArgumentError, match="lacks the trials columns"):
         compare_retrieval(a, a.drop(columns="key"))
