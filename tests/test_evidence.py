@@ -245,6 +245,8 @@ def control_natural_claims() -> Iterator[tuple[str, str]]:
         "docs/organisms.md",
         f"by {alibi['mean_diff']:+.4f} nats (SE {alibi['se']:.4f}; p = {alibi['sign_p']:.2g})",
     )
+    yield "docs/tools/repair.md", f"L0H7 ({sink['mean_diff']:+.4f} nats, SE {sink['se']:.4f})"
+    yield "docs/tools/repair.md", f"L3H6 ({alibi['mean_diff']:+.4f}, SE {alibi['se']:.4f})"
     cost = heads.loc[(l0h7, "model as given")]
     yield (
         "docs/organisms.md",
