@@ -150,11 +150,18 @@ def signal_when(
 @pytest.mark.slow
 def test_sigterm_during_training_keeps_it_and_gives_the_resume_hint(tmp_path):
     """SIGTERM once the first pass has written its first file: the work folder is kept, and the
-    tool says how to continue it, as after Ctrl-C."""
+    tool says how to continue it, as after Ctrl-C. A file counts once its atomic write is done
+    (its hidden ``.NAME.tmp-*`` twin does not: a signal then removes it, and with it the only
+    training there was to keep)."""
     out = tmp_path / "out"
     pass1 = tmp_path / "out.partial" / "pass1"
     command = [*TOOLS["python -m headsurgeon repair"], "--out", str(out)]
-    result = signal_when(command, tmp_path, lambda: pass1.is_dir() and any(pass1.iterdir()))
+
+    def written() -> bool:
+        entries = list(pass1.iterdir()) if pass1.is_dir() else []
+        return any(p.is_file() and not p.name.startswith(".") for p in entries)
+
+    result = signal_when(command, tmp_path, written)
     assert result.returncode == 143, result.stderr
     assert "Traceback" not in result.stderr and "terminated\n" in result.stderr, result.stderr
     assert f"continue it with --resume {out}" in result.stderr, result.stderr
