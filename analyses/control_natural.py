@@ -56,6 +56,7 @@ from headsurgeon.heads import HeadSet
 from headsurgeon.importance import ablate_heads
 from headsurgeon.loading import model_info
 from headsurgeon.repair import repair
+from headsurgeon.stats import mcnemar_p
 from headsurgeon.surgery import head_slices, head_tensors, load_head_slices
 
 MODELS = ROOT / "analyses" / "natural_collapse_models"
@@ -201,10 +202,9 @@ def run_experiment(experiment: str, args: Any) -> dict[str, Any]:
 
 
 def sign_test(d: np.ndarray) -> float:
-    """Two-sided exact sign test of ``d`` (ties dropped): P(as many or more on one side)."""
-    n, k = int((d != 0).sum()), int((d < 0).sum())
-    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n
-    return min(1.0, 2 * tail)
+    """Two-sided exact sign test of ``d`` (ties dropped): McNemar's test of the windows lower
+    against those higher (the same binomial test)."""
+    return mcnemar_p(int((d < 0).sum()), int((d > 0).sum()))
 
 
 ARM_NAMES = {"given": "injured", "repaired": "repaired", "control": "control"}
