@@ -325,7 +325,10 @@ SCOPE = (
         "from their own weights (the control: same data, steps, seed and schedule) or pruning "
         "it, on the natural-collapse models: no-bias L0H7 (the one BOS-sink), ALiBi L3H6 and "
         "L3H7 (the most sink-like heads, labelled healthy), and a healthy head (no-bias L0H6) "
-        "through the same arms, paired on the same held-out windows."
+        "through the same arms, paired on the same held-out windows. Numerics: the models were "
+        "trained under the relative bias in bfloat16 autocast; every arm runs and is measured in "
+        "float32 without autocast, the trained slices rounded through float16 as the repair "
+        "saves them."
     ),
     (
         "other seeds, longer training, larger models, other learning rates or step counts (one "
