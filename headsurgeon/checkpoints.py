@@ -56,6 +56,7 @@ from headsurgeon.loading import (
     stored_tensors,
     tl_config,
 )
+from headsurgeon.markup import markdown_text
 from headsurgeon.outputs import (
     atomic_directory,
     atomic_write_text,
@@ -666,7 +667,10 @@ def model_card(
     """The ``README.md`` that :func:`save_hf` writes beside the weights: a Hugging Face model
     card (YAML front matter: ``library_name``, ``tags``, ``base_model`` for a hub model) that
     says what the folder holds, where it came from, whether the export was checked by reload,
-    and ``body`` (what was done to the model: a repair's summary, the heads pruned).
+    and ``body`` (what was done to the model: a repair's summary, the heads pruned). The card is
+    shown by Hugging Face as Markdown with HTML: the model's name enters it only escaped
+    (:func:`headsurgeon.markup.markdown_text`), and a caller's ``body`` escapes its names the
+    same way.
 
     >>> from headsurgeon.loading import ModelShape, model_info, random_model
     >>> card = model_card(model_info(random_model(ModelShape(1, 2, 8, 16, 8))),
@@ -680,6 +684,7 @@ def model_card(
     if info.source is not None and info.name.count("/") == 1 and not os.path.isabs(info.name):
         front.append(f"base_model: {json.dumps(info.name)}")  # a hub name (JSON is YAML)
     shape = info.shape
+    name = markdown_text(info.name)  # a folder's name: user text, never Markdown or HTML
     check = (
         "Checked by reload: transformers reads this folder and computes the exported model's "
         f"logits within {_TOLERANCE} x |logit| (float32) on random token sequences."
@@ -690,12 +695,12 @@ def model_card(
         *front,
         "---",
         "",
-        f"# {info.name}, exported by headsurgeon",
+        f"# {name}, exported by headsurgeon",
         "",
-        f"A {family} checkpoint ({shape.n_layers} layers x {shape.n_heads} heads, width "
-        f"{shape.d_model}, {config.get('dtype', 'float32')}) written by headsurgeon "
-        f"{headsurgeon_version()}'s `save_hf` from `{info.name}`: the weights the model computed "
-        "with when it was exported, in the family's own Hugging Face layout. "
+        f"A {markdown_text(family)} checkpoint ({shape.n_layers} layers x {shape.n_heads} heads, "
+        f"width {shape.d_model}, {markdown_text(config.get('dtype', 'float32'))}) written by "
+        f"headsurgeon {headsurgeon_version()}'s `save_hf` from {name}: the weights the model "
+        "computed with when it was exported, in the family's own Hugging Face layout. "
         f"`{METADATA_FILE}` records how it was trained and exported.",
         "",
         check,

@@ -58,6 +58,7 @@ from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import MAX_HEADS, SICK_LABELS, Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
+from headsurgeon.markup import markdown_text
 from headsurgeon.validation import check_choice, check_int
 
 __all__ = [
@@ -534,8 +535,8 @@ def save_pruned(
     card = (
         f"## Pruned heads\n\n{len(chosen)} head(s) pruned: {', '.join(chosen.names())}. Their "
         "output projection slices (`W_O`) are zero, so they write nothing to the residual "
-        f"stream; every other weight is `{info.name}`'s, unchanged (their query, key and value "
-        "weights stay in place: the layout keeps every head)."
+        f"stream; every other weight is {markdown_text(info.name)}'s, unchanged (their query, "
+        "key and value weights stay in place: the layout keeps every head)."
     )
     try:
         with torch.no_grad():

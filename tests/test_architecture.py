@@ -33,6 +33,7 @@ LAYERS = {
         "progress",
         "heads",
         "inuse",
+        "markup",
     ),
     "pure math": ("alibi", "stats"),
     "models": (

@@ -43,6 +43,7 @@ from headsurgeon import alibi
 from headsurgeon.backend import Model
 from headsurgeon.data import describe, to_sequences, token_strings
 from headsurgeon.loading import ModelInfo, model_info
+from headsurgeon.markup import local_link
 from headsurgeon.outputs import atomic_write_text
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
 from headsurgeon.plots import COLUMN_LABELS, column_label, plotly_bundle
@@ -264,18 +265,24 @@ def write_page(
 
 def summary_html(summary: str, summary_format: str = "text") -> str:
     r"""The page's summary as HTML: ``"markdown"`` (a report.md) rendered by markdown-it-py
-    (CommonMark with tables; raw HTML in it is shown as text, never run), ``"text"`` (a tool's
-    summary lines) escaped in a ``<pre>``.
+    (CommonMark with tables; raw HTML in it is shown as text, never run, and a link or image
+    whose address is not a path beside the page, :func:`headsurgeon.markup.local_link`, is
+    shown as its Markdown text: an opened page loads nothing off the machine), ``"text"`` (a
+    tool's summary lines) escaped in a ``<pre>``.
 
     >>> "<td>&lt;i&gt;</td>" in summary_html("| a | b |\n|---|---|\n| <i> | 2 |", "markdown")
     True
+    >>> summary_html("![t](http:evil.example) ![b](bos_mass_diff.png)", "markdown")
+    '<p>![t](http:evil.example) <img src="bos_mass_diff.png" alt="b" /></p>\n'
     >>> summary_html("L0H1 <b>")
     '<pre>L0H1 &lt;b&gt;</pre>'
     """
     if summary_format == "markdown":
         from markdown_it import MarkdownIt
 
-        return MarkdownIt("commonmark", {"html": False}).enable("table").render(summary)
+        md = MarkdownIt("commonmark", {"html": False}).enable("table")
+        md.validateLink = local_link  # links, images, autolinks and references alike
+        return md.render(summary)
     check_choice(summary_format, "summary_format", ("text", "markdown"))
     return f"<pre>{html.escape(summary)}</pre>"
 

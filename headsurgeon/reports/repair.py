@@ -26,6 +26,7 @@ from headsurgeon import plots
 from headsurgeon.checkpoints import save_hf
 from headsurgeon.heads import HeadSet
 from headsurgeon.loading import model_info
+from headsurgeon.markup import markdown_text
 from headsurgeon.outputs import atomic_directory, atomic_write_text
 from headsurgeon.reports.page import samples_note, write_page
 from headsurgeon.reports.records import json_safe, package_versions
@@ -280,7 +281,7 @@ def _markdown(
 ) -> str:
     ppl = report["perplexity"]
     lines = [
-        f"# Repair of {report['model']}",
+        f"# Repair of {markdown_text(report['model'])}",
         "",
         *_verdict(report, model_dir),
         "",
