@@ -32,8 +32,11 @@ class PageView:
     (``[key]``; ``None`` without one); the page's heading and its ``<title>`` as shown, the
     head's metric table as text (``[row][cell]``, header first; ``[]`` without a head) and the
     messages of the dialogs (``alert``, ``confirm``, ``prompt``) the page opened, which a page
-    never does: one means it ran what its data said; and the grid and each figure below it as
-    ``(title, drawn)``, ``drawn`` false when the page's plotly.js lacks one of its trace types."""
+    never does: one means it ran what its data said; the grid and each figure below it as
+    ``(title, drawn)``, ``drawn`` false when the page's plotly.js lacks one of its trace types;
+    the summary's text as shown; and every URL the page asked the network stack for (its own
+    ``file:`` URL and ``data:`` images included; an ``http:`` one means it reached off the
+    machine)."""
 
     errors: list[str]
     shown: str | None
@@ -44,6 +47,8 @@ class PageView:
     table: list[list[str]] = dataclasses.field(default_factory=list)
     dialogs: list[str] = dataclasses.field(default_factory=list)
     figures: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
+    summary: str | None = None
+    requests: list[str] = dataclasses.field(default_factory=list)
 
 
 # Runs in the page: the grid cell of a head, in CSS pixels of the viewport.
@@ -62,7 +67,8 @@ _SHOWN_JS = """(() => {
           document.title, table,
           [...document.querySelectorAll("#grid, #figures > div")].map(div => [
             div.layout && div.layout.title ? div.layout.title.text : "",
-            Boolean(div._fullData) && div._fullData.every(trace => Boolean(trace._module))])];
+            Boolean(div._fullData) && div._fullData.every(trace => Boolean(trace._module))]),
+          (document.getElementById("summary") || {}).textContent ?? null];
 })()"""
 
 
@@ -88,12 +94,13 @@ def open_page(
 
 
 class _ConsoleErrors:
-    """Collects a page's uncaught exceptions, ``console.error`` calls and error log entries, and
-    the dialogs it opens."""
+    """Collects a page's uncaught exceptions, ``console.error`` calls and error log entries, the
+    dialogs it opens and the URLs it requests."""
 
     def __init__(self, tab: Any) -> None:
         self.errors: list[str] = []
         self.dialogs: list[str] = []
+        self.requests: list[str] = []
         self.tab = tab
 
     async def thrown(self, event: dict) -> None:
@@ -108,6 +115,11 @@ class _ConsoleErrors:
         if event["params"]["entry"]["level"] == "error":
             self.errors.append(event["params"]["entry"]["text"])
 
+    async def request(self, event: dict) -> None:
+        """A URL asked for: by the page, not by the browser's own new-tab page it replaced."""
+        if not event["params"].get("documentURL", "").startswith("chrome:"):
+            self.requests.append(event["params"]["request"]["url"])
+
     async def dialog(self, event: dict) -> None:
         """A dialog blocks the page until answered: note its message, then dismiss it."""
         self.dialogs.append(event["params"]["message"])
@@ -118,6 +130,7 @@ class _ConsoleErrors:
         self.tab.subscribe("Runtime.consoleAPICalled", self.console)
         self.tab.subscribe("Log.entryAdded", self.logged)
         self.tab.subscribe("Page.javascriptDialogOpening", self.dialog)
+        self.tab.subscribe("Network.requestWillBeSent", self.request)
 
 
 async def _command(tab: Any, method: str, **params: Any) -> dict:
@@ -151,7 +164,7 @@ async def _visit(
         tab = chromium.get_tab()
         errors = _ConsoleErrors(tab)
         errors.listen()
-        for domain in ("Runtime", "Log", "Page"):
+        for domain in ("Runtime", "Log", "Page", "Network"):
             await _command(tab, f"{domain}.enable")
         await _command(
             tab,
@@ -167,7 +180,7 @@ async def _visit(
         if pair is not None:
             await _click(tab, pair)
         seen = await _evaluate(tab, _SHOWN_JS)
-        shown, pattern, received, title, document_title, table, figures = seen
+        shown, pattern, received, title, document_title, table, figures, summary = seen
         if screenshot is not None:
             image = await _command(tab, "Page.captureScreenshot", format="png")
             atomic_write_bytes(screenshot, base64.b64decode(image["data"]))
@@ -181,4 +194,6 @@ async def _visit(
         table=table,
         dialogs=errors.dialogs,
         figures=[(title, drawn) for title, drawn in figures],
+        summary=summary,
+        requests=errors.requests,
     )
