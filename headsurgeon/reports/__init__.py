@@ -21,6 +21,7 @@ Exports:
                                               and attention on the run's own sequences)
     open_page(page, click, screenshot=)       open such a page in headless Chromium, click a
                                               head, report console errors (PageView)
+    open_pages(pages, click)                  the same for several pages, in one browser
     default_out_dir(model, suffix)            ``<model>-<suffix>[-N]`` in the working directory
     model_folder_name(model)                  a model's name as a folder name
     partial_dir(out)                          ``<out>.partial``, where an unfinished repair lives
@@ -70,7 +71,7 @@ from headsurgeon.reports.page import (
     PAGE_TEMPLATE as PAGE_TEMPLATE,
     write_page as write_page,
 )
-from headsurgeon.reports.page_view import PageView, open_page
+from headsurgeon.reports.page_view import PageView, open_page, open_pages
 from headsurgeon.reports.records import VERSIONED as VERSIONED
 from headsurgeon.reports.repair import training_plot, write_report
 
@@ -79,6 +80,7 @@ __all__ = [
     "PAGE",
     "PageView",
     "open_page",
+    "open_pages",
     "blindness_summary",
     "default_out_dir",
     "model_folder_name",

@@ -3,6 +3,7 @@
 Exports:
     open_page(page, click, screenshot=)   open ``index.html``, click a head in its grid, report
                                           console errors and what the page then shows (PageView)
+    open_pages(pages, click)              the same for several pages, in one browser
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import base64
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from headsurgeon.outputs import atomic_write_bytes
 __all__ = [
     "PageView",
     "open_page",
+    "open_pages",
 ]
 
 
@@ -90,7 +93,21 @@ def open_page(
     browser = plots.require_browser("opening a report page")
     url = Path(page).resolve().as_uri()
     pair = None if click is None else next(iter(HeadSet.parse(click)))
-    return asyncio.run(_visit(browser, url, pair, screenshot, size))
+    return asyncio.run(_visit(browser, [url], pair, screenshot, size))[0]
+
+
+def open_pages(
+    pages: Sequence[str | os.PathLike],
+    click: str | None = None,
+    *,
+    size: tuple[int, int] = (1400, 1000),
+) -> list[PageView]:
+    """:func:`open_page` for each of ``pages`` in turn, in one Chromium (a start is a second or
+    more): one :class:`PageView` each."""
+    browser = plots.require_browser("opening a report page")
+    urls = [Path(page).resolve().as_uri() for page in pages]
+    pair = None if click is None else next(iter(HeadSet.parse(click)))
+    return asyncio.run(_visit(browser, urls, pair, None, size))
 
 
 class _ConsoleErrors:
@@ -98,10 +115,14 @@ class _ConsoleErrors:
     dialogs it opens and the URLs it requests."""
 
     def __init__(self, tab: Any) -> None:
+        self.tab = tab
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget what the previous page did."""
         self.errors: list[str] = []
         self.dialogs: list[str] = []
         self.requests: list[str] = []
-        self.tab = tab
 
     async def thrown(self, event: dict) -> None:
         details = event["params"]["exceptionDetails"]
@@ -156,8 +177,12 @@ async def _click(tab: Any, pair: tuple[int, int]) -> None:
 
 
 async def _visit(
-    browser: str, url: str, pair: tuple[int, int] | None, screenshot: Any, size: tuple[int, int]
-) -> PageView:
+    browser: str,
+    urls: Sequence[str],
+    pair: tuple[int, int] | None,
+    screenshot: Any,
+    size: tuple[int, int],
+) -> list[PageView]:
     import choreographer
 
     async with choreographer.Browser(browser, headless=True) as chromium:
@@ -174,16 +199,24 @@ async def _visit(
             deviceScaleFactor=1,
             mobile=False,
         )
-        loaded = tab.subscribe_once("Page.loadEventFired")
-        await _command(tab, "Page.navigate", url=url)
-        await loaded
-        if pair is not None:
-            await _click(tab, pair)
-        seen = await _evaluate(tab, _SHOWN_JS)
-        shown, pattern, received, title, document_title, table, figures, summary = seen
-        if screenshot is not None:
-            image = await _command(tab, "Page.captureScreenshot", format="png")
-            atomic_write_bytes(screenshot, base64.b64decode(image["data"]))
+        return [await _view(tab, errors, url, pair, screenshot) for url in urls]
+
+
+async def _view(
+    tab: Any, errors: _ConsoleErrors, url: str, pair: tuple[int, int] | None, screenshot: Any
+) -> PageView:
+    """Open ``url`` in ``tab``, click ``pair``'s cell, and say what the page did."""
+    errors.clear()
+    loaded = tab.subscribe_once("Page.loadEventFired")
+    await _command(tab, "Page.navigate", url=url)
+    await loaded
+    if pair is not None:
+        await _click(tab, pair)
+    seen = await _evaluate(tab, _SHOWN_JS)
+    shown, pattern, received, title, document_title, table, figures, summary = seen
+    if screenshot is not None:
+        image = await _command(tab, "Page.captureScreenshot", format="png")
+        atomic_write_bytes(screenshot, base64.b64decode(image["data"]))
     return PageView(
         errors=errors.errors,
         shown=shown,

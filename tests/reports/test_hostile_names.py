@@ -21,7 +21,7 @@ from headsurgeon.checkpoints import model_card
 from headsurgeon.errors import shown
 from headsurgeon.loading import ModelShape, model_info, random_model
 from headsurgeon.markup import markdown_text
-from headsurgeon.reports import PAGE, open_page
+from headsurgeon.reports import PAGE, open_pages
 from headsurgeon.reports.page import summary_html
 from headsurgeon.surgery import save_pruned
 
@@ -45,6 +45,7 @@ HOSTILE = [
 # Folder and file names hold no "/": the same attacks, as a folder or corpus file may be named.
 MODEL = "![t](http:evil.example)<img src=http:evil.example>"
 CORPUS = "[a](javascript:alert(1))<script><http:evil.example>"
+OTHER = "<a href=http:evil.example>a<\\a> www.evil.example $x$ ~~s~~"
 
 
 class _Seen(HTMLParser):
@@ -116,11 +117,12 @@ def test_the_pages_markdown_follows_no_link_off_the_machine_even_unescaped(markd
 
 @pytest.fixture(scope="module")
 def hostile_runs(bloom_dir, tmp_path_factory):
-    """classify and repair from the command line on a copy of ``bloom_dir`` in a folder named
-    :data:`MODEL`, reading a corpus named :data:`CORPUS`: ``{tool: output folder}``. No png
-    figures (a second each)."""
+    """classify (one corpus, and two), blindness and repair from the command line on a copy of
+    ``bloom_dir`` in a folder named :data:`MODEL`, reading corpora named :data:`CORPUS` and
+    :data:`OTHER`: ``{tool: output folder}``. No png figures (a second each)."""
     from choreographer.browsers.chromium import Chromium
 
+    from headsurgeon.cli.blindness import main as blindness_main
     from headsurgeon.cli.classify import main as classify_main
     from headsurgeon.cli.repair import main as repair_main
 
@@ -129,11 +131,18 @@ def hostile_runs(bloom_dir, tmp_path_factory):
     (root / "texts").mkdir()
     corpus = root / "texts" / f"{CORPUS}.txt"
     corpus.write_text(TEXT)
+    (root / "texts" / f"{OTHER}.txt").write_text(TEXT[::-1])
     data = ["--texts", str(corpus), "--seq-len", "32", "--n-seqs", "8", "--prepend-bos"]
     repair = ["--corpus", str(corpus), "--eval-corpus", str(corpus), "--train-seq-len", "32"]
     repair += ["--batch-size", "4", "--steps", "4", "--lr", "1e-2", "--passes", "1"]
     repair += ["--heads", "L1H3", "--no-control", "--max-collateral", "8", "--quiet", *data]
-    runs = {"classify": (classify_main, data), "repair": (repair_main, repair)}
+    both = [*data, "--texts", str(root / "texts" / f"{OTHER}.txt")]
+    runs = {
+        "classify": (classify_main, data),
+        "corpora": (classify_main, both),
+        "blindness": (blindness_main, ["--measure", *data]),
+        "repair": (repair_main, repair),
+    }
     outs = {tool: root / tool for tool in runs}
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("BROWSER_PATH", raising=False)
@@ -154,17 +163,33 @@ def test_report_md_and_the_repairs_model_card_hold_the_names_only_escaped(hostil
     assert CORPUS in report.text  # in the settings block, as typed
 
 
+def pages(outs: dict) -> list:
+    """Every page the runs wrote: one per tool, and one per corpus of a run on several."""
+    return [out / PAGE for out in outs.values()] + sorted(outs["corpora"].glob(f"*/{PAGE}"))
+
+
+def strings(value: object) -> list[str]:
+    """Every string in a figure's JSON: titles, names, labels, hover templates."""
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
 def test_no_figure_holds_a_name_as_markup(hostile_runs):
     """plotly reads tags in titles, legends and labels (<a href> is a live link there): names
     reach a figure as entities."""
-    for out in hostile_runs.values():
-        page = (out / PAGE).read_text(encoding="utf-8")
-        found = re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S)
+    figures = {}
+    for page in pages(hostile_runs):
+        text = page.read_text(encoding="utf-8")
+        found = re.search(r'<script type="application/json" id="data">(.*?)</script>', text, re.S)
         data = json.loads(found[1])
-        figures = json.dumps([data["grid"], *(f["figure"] for f in data["figures"])])
-        assert html.escape(MODEL, quote=False) in figures, out.name
+        figures[page] = "\n".join(strings([data["grid"], *(f["figure"] for f in data["figures"])]))
         for tag in ("<img", "<script", "<a ", "<a\u00a0"):
-            assert tag not in figures.lower(), (out.name, tag)
+            assert tag not in figures[page].lower(), (page, tag)
+    assert len(figures) == 6
+    assert html.escape(MODEL, quote=False) in figures[hostile_runs["repair"] / PAGE]
 
 
 @needs_browser
@@ -172,10 +197,12 @@ def test_no_figure_holds_a_name_as_markup(hostile_runs):
 def test_pages_with_hostile_names_request_nothing_off_the_machine_and_show_them(hostile_runs):
     """The issue's acceptance: every page, opened from disk in headless Chromium and clicked,
     asks only for file: and data: URLs, runs nothing, and shows the names as typed."""
-    for tool, out in hostile_runs.items():
-        view = open_page(out / PAGE, "L1H3")
+    views = open_pages(pages(hostile_runs), "L1H3")  # one browser: a start is seconds
+    for page, view in zip(pages(hostile_runs), views, strict=True):
         outside = [url for url in view.requests if not url.startswith(("file:", "data:"))]
-        assert outside == [], (tool, outside)
-        assert (view.errors, view.dialogs, view.shown) == ([], [], "L1H3"), tool
-        assert MODEL in view.title and view.document_title == view.title, tool
-    assert f"Repair of {MODEL}" in view.summary and CORPUS in view.summary
+        assert outside == [], (page, outside)
+        assert (view.errors, view.dialogs, view.shown) == ([], [], "L1H3"), page
+        assert MODEL in view.title and view.document_title == view.title, page
+        assert MODEL in view.summary, page
+    repair = views[list(hostile_runs).index("repair")]  # report.md, rendered
+    assert f"Repair of {MODEL}" in repair.summary and CORPUS in repair.summary
