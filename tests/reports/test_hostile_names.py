@@ -41,6 +41,10 @@ HOSTILE = [
     "`x` **b** &lt;img src=http://evil.example/e&gt;",
     "- item\n# heading | cell",
     '<a href="http://evil.example/z">z</a>',
+    "x __y__ z _w_ a_b (_c_) *d* ~~e~~ ~f~",
+    "1. item",
+    "WWW.evil.example +x =y $x$ :smile: a&amp;b &#60;img&#62;",
+    "Heads #",
 ]
 # Folder and file names hold no "/": the same attacks, as a folder or corpus file may be named.
 MODEL = "![t](http:evil.example)<img src=http:evil.example>"
@@ -79,8 +83,9 @@ def test_a_name_in_markdown_is_one_paragraph_of_its_own_text(name):
 
 
 def test_readable_names_stay_readable():
-    assert markdown_text("bigscience/bloom-560m") == "bigscience/bloom-560m"
-    assert markdown_text("organism-injured") == "organism-injured"
+    """The terminal prints report.md's first lines: everyday names are not backslashed."""
+    for name in ("bigscience/bloom-560m", "organism-injured", "my_model_v1.1b+lora", "1.1b"):
+        assert markdown_text(name) == name
 
 
 @pytest.mark.parametrize("name", HOSTILE)
