@@ -18,7 +18,9 @@ strip of the received mass of its key positions where the writer has one
 (:func:`headsurgeon.secondary_sinks`'s ``examples``), its curves, and the figures; plotly.js is
 inlined once (its 1.5 MB cartesian bundle, which draws every figure of headsurgeon:
 :func:`headsurgeon.plots.plotly_bundle`), and the markup, style and script come from
-``headsurgeon/templates/index.html``.
+``headsurgeon/templates/index.html``. Its Content-Security-Policy lets it run only its own
+inline script and style and show only ``data:`` images: whatever its text holds, an opened page
+fetches nothing, off the machine or on it.
 :func:`headsurgeon.reports.open_page` opens it in headless Chromium.
 """
 

@@ -37,9 +37,10 @@ class PageView:
     messages of the dialogs (``alert``, ``confirm``, ``prompt``) the page opened, which a page
     never does: one means it ran what its data said; the grid and each figure below it as
     ``(title, drawn)``, ``drawn`` false when the page's plotly.js lacks one of its trace types;
-    the summary's text as shown; and every URL the page asked the network stack for (its own
-    ``file:`` URL and ``data:`` images included; an ``http:`` one means it reached off the
-    machine)."""
+    the summary's text as shown; every URL the page asked the network stack for and Chromium
+    sent (its own ``file:`` URL and ``data:`` images included; an ``http:`` one means it reached
+    off the machine) and those Chromium refused to send (``blocked``: by the page's
+    Content-Security-Policy)."""
 
     errors: list[str]
     shown: str | None
@@ -52,6 +53,7 @@ class PageView:
     figures: list[tuple[str, bool]] = dataclasses.field(default_factory=list)
     summary: str | None = None
     requests: list[str] = dataclasses.field(default_factory=list)
+    blocked: list[str] = dataclasses.field(default_factory=list)
 
 
 # Runs in the page: the grid cell of a head, in CSS pixels of the viewport.
@@ -122,7 +124,8 @@ class _ConsoleErrors:
         """Forget what the previous page did."""
         self.errors: list[str] = []
         self.dialogs: list[str] = []
-        self.requests: list[str] = []
+        self.asked: dict[str, str] = {}  # request id -> URL
+        self.blocked: set[str] = set()  # request ids refused before sending
 
     async def thrown(self, event: dict) -> None:
         details = event["params"]["exceptionDetails"]
@@ -139,7 +142,16 @@ class _ConsoleErrors:
     async def request(self, event: dict) -> None:
         """A URL asked for: by the page, not by the browser's own new-tab page it replaced."""
         if not event["params"].get("documentURL", "").startswith("chrome:"):
-            self.requests.append(event["params"]["request"]["url"])
+            self.asked[event["params"]["requestId"]] = event["params"]["request"]["url"]
+
+    async def failed(self, event: dict) -> None:
+        """A request that failed; one with a ``blockedReason`` was never sent."""
+        if event["params"].get("blockedReason"):
+            self.blocked.add(event["params"]["requestId"])
+
+    def requests(self, blocked: bool) -> list[str]:
+        """The URLs asked for that were sent (``blocked=False``) or refused (``True``)."""
+        return [url for key, url in self.asked.items() if (key in self.blocked) == blocked]
 
     async def dialog(self, event: dict) -> None:
         """A dialog blocks the page until answered: note its message, then dismiss it."""
@@ -152,6 +164,7 @@ class _ConsoleErrors:
         self.tab.subscribe("Log.entryAdded", self.logged)
         self.tab.subscribe("Page.javascriptDialogOpening", self.dialog)
         self.tab.subscribe("Network.requestWillBeSent", self.request)
+        self.tab.subscribe("Network.loadingFailed", self.failed)
 
 
 async def _command(tab: Any, method: str, **params: Any) -> dict:
@@ -228,5 +241,6 @@ async def _view(
         dialogs=errors.dialogs,
         figures=[(title, drawn) for title, drawn in figures],
         summary=summary,
-        requests=errors.requests,
+        requests=errors.requests(blocked=False),
+        blocked=errors.requests(blocked=True),
     )

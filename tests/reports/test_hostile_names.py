@@ -197,12 +197,27 @@ def test_no_figure_holds_a_name_as_markup(hostile_runs):
     assert html.escape(MODEL, quote=False) in figures[hostile_runs["repair"] / PAGE]
 
 
+# Markup a future escaping bug could let through: the page's Content-Security-Policy still loads
+# none of it (an image, a style sheet, a script, a frame).
+TAMPERED = (
+    '<img src="http://evil.example/csp.png"><link rel="stylesheet" href="http://evil.example/c">'
+    '<script src="http://evil.example/s.js"></script><iframe src="http://evil.example/f"></iframe>'
+)
+
+
 @needs_browser
 @pytest.mark.slow
 def test_pages_with_hostile_names_request_nothing_off_the_machine_and_show_them(hostile_runs):
     """The issue's acceptance: every page, opened from disk in headless Chromium and clicked,
     asks only for file: and data: URLs, runs nothing, and shows the names as typed."""
-    views = open_pages(pages(hostile_runs), "L1H3")  # one browser: a start is seconds
+    tampered = hostile_runs["classify"].parent / "tampered.html"
+    page = (hostile_runs["classify"] / PAGE).read_text(encoding="utf-8")
+    tampered.write_text(page.replace('<div id="summary">', f'<div id="summary">{TAMPERED}'))
+    *views, csp = open_pages([*pages(hostile_runs), tampered], "L1H3")  # one browser start
+    assert [url for url in csp.requests if not url.startswith(("file:", "data:"))] == []
+    # Asked for and refused by the browser before sending; the frame is refused unasked.
+    assert sorted(csp.blocked) == [f"http://evil.example/{x}" for x in ("c", "csp.png", "s.js")]
+    assert csp.shown == "L1H3" and len([e for e in csp.errors if "Security Policy" in e]) == 4
     for page, view in zip(pages(hostile_runs), views, strict=True):
         outside = [url for url in view.requests if not url.startswith(("file:", "data:"))]
         assert outside == [], (page, outside)
