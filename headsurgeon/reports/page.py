@@ -269,8 +269,9 @@ def summary_html(summary: str, summary_format: str = "text") -> str:
     r"""The page's summary as HTML: ``"markdown"`` (a report.md) rendered by markdown-it-py
     (CommonMark with tables; raw HTML in it is shown as text, never run, and a link or image
     whose address is not a path beside the page, :func:`headsurgeon.markup.local_link`, is
-    shown as its Markdown text: an opened page loads nothing off the machine), ``"text"`` (a
-    tool's summary lines) escaped in a ``<pre>``.
+    shown as its Markdown text: an opened page loads nothing off the machine; its
+    Content-Security-Policy shows only ``data:`` images, as ``file://host/`` is a network share
+    on Windows), ``"text"`` (a tool's summary lines) escaped in a ``<pre>``.
 
     >>> "<td>&lt;i&gt;</td>" in summary_html("| a | b |\n|---|---|\n| <i> | 2 |", "markdown")
     True
