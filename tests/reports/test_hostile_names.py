@@ -209,15 +209,12 @@ TAMPERED = (
 @pytest.mark.slow
 def test_pages_with_hostile_names_request_nothing_off_the_machine_and_show_them(hostile_runs):
     """The issue's acceptance: every page, opened from disk in headless Chromium and clicked,
-    asks only for file: and data: URLs, runs nothing, and shows the names as typed."""
+    asks only for file: and data: URLs, runs nothing, and shows the names as typed; and a page
+    with raw markup pasted in sends no request (its Content-Security-Policy)."""
     tampered = hostile_runs["classify"].parent / "tampered.html"
     page = (hostile_runs["classify"] / PAGE).read_text(encoding="utf-8")
     tampered.write_text(page.replace('<div id="summary">', f'<div id="summary">{TAMPERED}'))
     *views, csp = open_pages([*pages(hostile_runs), tampered], "L1H3")  # one browser start
-    assert [url for url in csp.requests if not url.startswith(("file:", "data:"))] == []
-    # Asked for and refused by the browser before sending; the frame is refused unasked.
-    assert sorted(csp.blocked) == [f"http://evil.example/{x}" for x in ("c", "csp.png", "s.js")]
-    assert csp.shown == "L1H3" and len([e for e in csp.errors if "Security Policy" in e]) == 4
     for page, view in zip(pages(hostile_runs), views, strict=True):
         outside = [url for url in view.requests if not url.startswith(("file:", "data:"))]
         assert outside == [], (page, outside)
@@ -226,3 +223,7 @@ def test_pages_with_hostile_names_request_nothing_off_the_machine_and_show_them(
         assert MODEL in view.summary, page
     repair = views[list(hostile_runs).index("repair")]  # report.md, rendered
     assert f"Repair of {MODEL}" in repair.summary and CORPUS in repair.summary
+    assert [url for url in csp.requests if not url.startswith(("file:", "data:"))] == []
+    # Asked for and refused by the browser before sending; the frame is refused unasked.
+    assert sorted(csp.blocked) == [f"http://evil.example/{x}" for x in ("c", "csp.png", "s.js")]
+    assert csp.shown == "L1H3" and len([e for e in csp.errors if "Security Policy" in e]) == 4
