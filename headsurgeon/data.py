@@ -33,8 +33,8 @@ Data is a ``str`` (always text, even one that names a file), an ``os.PathLike`` 
 ``pathlib.Path`` (always a file to read), a list mixing the two, any other iterable of them (a
 generator: read lazily), a ``datasets.Dataset`` or ``IterableDataset`` (its rows joined into
 one corpus, streamed), a :class:`~headsurgeon.corpus_sources.TextSource`
-(:func:`~headsurgeon.corpus_sources.load_dataset_texts`), a token tensor, or :class:`Sequences`
-made before (used as they are).
+(:func:`~headsurgeon.corpus_sources.load_dataset_texts`), a token tensor (a numpy array of
+integers too), or :class:`Sequences` made before (used as they are, checked again).
 
 One BOS rule for every model: a token tensor is used exactly as given, never given a BOS
 token (``prepend_bos=True`` with a tensor only checks that its rows already start with one).
@@ -189,7 +189,15 @@ def _piece_ids(info: ModelInfo, chunks: Iterable[str]) -> Iterator[Int[Tensor, "
             "(tokenizer.json, tokenizer_config.json) to the model folder, or pass token tensors"
         )
     for piece in _pieces(chunks):
-        yield _token_ids(tokenizer, piece)
+        ids = _token_ids(tokenizer, piece)
+        # Every text becomes ids here: a tokenizer larger than the model never reaches it.
+        if ids.numel() and int(ids.max()) >= info.shape.d_vocab:
+            raise DataError(
+                f"the tokenizer gives token ids up to {int(ids.max())}, beyond the model's "
+                f"vocabulary of {info.shape.d_vocab}; give the model the tokenizer it was trained "
+                "with"
+            )
+        yield ids
 
 
 def encode(info: ModelInfo, text: str, prepend_bos: bool | None = None) -> Int[Tensor, "1 pos"]:
@@ -340,8 +348,8 @@ class Sequences:
     """Token sequences checked for one model, and where they came from: what every verb works on.
 
     Made once, at a verb's door, by :func:`as_sequences` (:func:`to_sequences` for your own
-    use); a ``Sequences`` passed to another verb of the same model is used as it is, not made or
-    checked again.
+    use); a ``Sequences`` passed to another verb of the same model is used as it is, not made
+    again (but checked again: see below).
 
     ``tokens``: the ``[n_seqs, seq_len]`` ids (``long``, within the vocabulary, no longer than
     the model takes). ``source``: where they came from, in words, for run metadata (the files,
@@ -592,11 +600,6 @@ def _windows(
     tokens = torch.cat(blocks)
     if n_seqs is not None and n_seqs < n_windows:
         tokens = tokens[torch.linspace(0, n_windows - 1, n_seqs).round().long()]
-    if int(tokens.max()) >= info.shape.d_vocab:  # a tokenizer larger than the model's vocabulary
-        raise DataError(
-            f"the tokenizer gives token ids up to {int(tokens.max())}, beyond the model's "
-            f"vocabulary of {info.shape.d_vocab}; give the model the tokenizer it was trained with"
-        )
     if bos:
         tokens = torch.cat([torch.full_like(tokens[:, :1], info.bos_token_id), tokens], dim=1)
     return tokens

@@ -199,3 +199,23 @@ def test_good_data_still_passes_the_door(tiny_model):
     with pytest.raises(HeadsurgeonError, match="changed after they were made"):
         hs.perplexity(tiny_model, seqs, progress=False)
     assert check_data(info, to_sequences(tiny_model, seqs.tokens)).tokens[0, 0] == 7
+
+
+def test_text_whose_ids_exceed_the_vocabulary_is_refused_by_every_text_verb(tiny_model):
+    """A tokenizer larger than the model: every verb that tokenises text says so in one line."""
+    from headsurgeon.loading import ModelShape, random_model
+
+    small = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=16, n_ctx=64))
+    small.headsurgeon_info = dataclasses.replace(
+        small.headsurgeon_info, tokenizer=model_info(tiny_model).tokenizer
+    )
+    text = "Some text that the tokenizer cuts into ids far beyond sixteen. " * 8
+    for verb in (
+        lambda: hs.perplexity(small, text, progress=False),
+        lambda: hs.evals.loss_by_position(small, text, length=16, n_seqs=1, progress=False),
+        lambda: hs.needle(small, text, lengths=[32], depths=[0.5], n_trials=1),
+        lambda: hs.retrieval_by_distance(small, "needle", text, distances=[0, 4], n_trials=1),
+        lambda: hs.run_census(small, text, seq_len=16, progress=False),
+    ):
+        with pytest.raises(HeadsurgeonError, match="beyond the model's vocabulary of 16"):
+            verb()
