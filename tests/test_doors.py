@@ -67,6 +67,8 @@ VERBS = [
     ("sample_patterns", lambda m, d: pattern_samples.sample_patterns(m, d)),
     ("attention_weights", lambda m, d: pattern_samples.attention_weights(m, d, "L0H0")),
     ("unmovable_heads", lambda m, d: unmovable_heads(m, "L1H0", d)),
+    ("attention_pattern", lambda m, d: hs.plots.attention_pattern(m, d, "L0H0")),
+    ("pattern_diff", lambda m, d: hs.plots.pattern_diff(m, m, d, "L0H0")),
 ]
 
 
