@@ -7,12 +7,17 @@ Exports:
     check_texts(paths)                   files checked as read_texts reads them, none kept
     Sequences                            checked token sequences and where they came from
     to_sequences(model, data, ...)       Sequences from texts, files or a token tensor
-    as_sequences(info, data, ...)        the same at a verb's door (Sequences pass through)
+    as_sequences(info, data, ...)        the same at a verb's door (Sequences pass through,
+                                         re-checked by check_data)
+    check_data(info, data)               a verb's door: token tensors, integer numpy arrays and
+                                         Sequences checked for the model, before any forward
+    tokens_digest(tokens)                a short sha256 of a token tensor's shape, dtype, values
     tokenize(info, text)                 token ids with the model's own tokenizer, no special tokens
                                          (literal "<s>" in the text is text, never the BOS id)
     encode(info, text, prepend_bos)      one text as a [1, pos] token tensor, BOS by the convention
     token_strings(info, tokens)          each token id as readable text (axis labels, hover)
     check_token_ids(info, tokens)        a token tensor checked: integer ids within the vocabulary
+                                         (one line naming the dtype, or the bad id)
     resolve_bos(info, prepend_bos)       whether position 0 gets a BOS token (None: convention)
     check_length(info, n_pos, what)      n_pos if the model takes sequences that long, else one line
     batches(tokens, batch_size)          consecutive batches of a token tensor
@@ -28,8 +33,8 @@ Data is a ``str`` (always text, even one that names a file), an ``os.PathLike`` 
 ``pathlib.Path`` (always a file to read), a list mixing the two, any other iterable of them (a
 generator: read lazily), a ``datasets.Dataset`` or ``IterableDataset`` (its rows joined into
 one corpus, streamed), a :class:`~headsurgeon.corpus_sources.TextSource`
-(:func:`~headsurgeon.corpus_sources.load_dataset_texts`), a token tensor, or :class:`Sequences`
-made before (used as they are).
+(:func:`~headsurgeon.corpus_sources.load_dataset_texts`), a token tensor (a numpy array of
+integers too), or :class:`Sequences` made before (used as they are, checked again).
 
 One BOS rule for every model: a token tensor is used exactly as given, never given a BOS
 token (``prepend_bos=True`` with a tensor only checks that its rows already start with one).
@@ -46,12 +51,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import hashlib
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor
@@ -66,7 +73,9 @@ from headsurgeon.validation import check_bool, check_int
 __all__ = [
     "Sequences",
     "as_sequences",
+    "check_data",
     "check_token_ids",
+    "tokens_digest",
     "CORPORA",
     "bundled_text",
     "read_texts",
@@ -180,7 +189,15 @@ def _piece_ids(info: ModelInfo, chunks: Iterable[str]) -> Iterator[Int[Tensor, "
             "(tokenizer.json, tokenizer_config.json) to the model folder, or pass token tensors"
         )
     for piece in _pieces(chunks):
-        yield _token_ids(tokenizer, piece)
+        ids = _token_ids(tokenizer, piece)
+        # Every text becomes ids here: a tokenizer larger than the model never reaches it.
+        if ids.numel() and int(ids.max()) >= info.shape.d_vocab:
+            raise DataError(
+                f"the tokenizer gives token ids up to {int(ids.max())}, beyond the model's "
+                f"vocabulary of {info.shape.d_vocab}; give the model the tokenizer it was trained "
+                "with"
+            )
+        yield ids
 
 
 def encode(info: ModelInfo, text: str, prepend_bos: bool | None = None) -> Int[Tensor, "1 pos"]:
@@ -287,8 +304,12 @@ def check_token_ids(info: ModelInfo, tokens: object) -> Int[Tensor, "batch pos"]
     Any integer dtype (``uint8``, ``int16``, ``int32``...) and any strided layout (a transposed
     or sliced view) is taken, as a contiguous ``long`` copy. Float or bool tensors are refused
     rather than cast (``torch.rand`` would become all zeros), sparse and meta tensors too, and
-    every id must lie in the model's vocabulary.
+    every id must lie in the model's vocabulary. :class:`Sequences` and numpy arrays are checked
+    by :func:`check_data` (the same checks), and their tokens returned.
     """
+    if isinstance(tokens, Sequences | np.ndarray):
+        checked = check_data(info, tokens)
+        return checked.tokens if isinstance(checked, Sequences) else checked
     if not isinstance(tokens, Tensor):
         raise DataError(f"expected a token tensor, got {type(tokens).__name__}")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -313,9 +334,11 @@ def check_token_ids(info: ModelInfo, tokens: object) -> Int[Tensor, "batch pos"]
     d_vocab = info.shape.d_vocab
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= d_vocab:
+        row, position = ((tokens < 0) | (tokens >= d_vocab)).nonzero()[0].tolist()
         raise DataError(
-            f"token ids must lie in 0..{d_vocab - 1}, got {low}..{high}; tokenise with this "
-            "model's tokenizer"
+            f"token ids must lie in 0..{d_vocab - 1}, got {low}..{high}; id "
+            f"{int(tokens[row, position])} (row {row}, position {position}) is not in this "
+            f"model's vocabulary of {d_vocab}: tokenise with this model's tokenizer"
         )
     return tokens
 
@@ -325,8 +348,8 @@ class Sequences:
     """Token sequences checked for one model, and where they came from: what every verb works on.
 
     Made once, at a verb's door, by :func:`as_sequences` (:func:`to_sequences` for your own
-    use); a ``Sequences`` passed to another verb of the same model is used as it is, not made or
-    checked again.
+    use); a ``Sequences`` passed to another verb of the same model is used as it is, not made
+    again (but checked again: see below).
 
     ``tokens``: the ``[n_seqs, seq_len]`` ids (``long``, within the vocabulary, no longer than
     the model takes). ``source``: where they came from, in words, for run metadata (the files,
@@ -337,6 +360,12 @@ class Sequences:
     checked against (vocabulary, length limit, BOS id); another model re-checks them.
     ``dataset``: for texts from a dataset, its ``name``, ``split``, ``column`` and ``revision``
     (:mod:`headsurgeon.corpus_sources`; ``source`` says the same in words), else ``None``.
+
+    Every verb checks them again at its door (:func:`check_data`): their tokens as any token
+    tensor is checked, and against the fingerprint taken when they were made, so tokens edited
+    in place (or a field set) after that are refused in one line, never run as what ``source``
+    says they are. ``dataclasses.replace(seqs, tokens=...)`` makes new ``Sequences``, checked
+    like any others at the door.
     """
 
     tokens: Int[Tensor, "batch pos"]
@@ -346,6 +375,11 @@ class Sequences:
     from_tensor: bool
     checked_for: tuple[int, int | None, int | None]
     dataset: Mapping[str, str | None] | None = None
+    # What the fields held when made (_fingerprint); never compared, shown or given.
+    fingerprint: str = dataclasses.field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fingerprint", _fingerprint(self))
 
     @property
     def n_seqs(self) -> int:
@@ -369,6 +403,76 @@ class Sequences:
 
 def _checked_for(info: ModelInfo) -> tuple[int, int | None, int | None]:
     return info.shape.d_vocab, info.max_length, info.bos_token_id
+
+
+def tokens_digest(tokens: Tensor) -> str:
+    """A short sha256 digest of a token tensor's shape, dtype and every value.
+
+    >>> rows = torch.arange(6).view(2, 3)
+    >>> same, rotated = rows.clone(), rows.flip(0)
+    >>> tokens_digest(rows) == tokens_digest(same), tokens_digest(rows) == tokens_digest(rotated)
+    (True, False)
+    """
+    digest = hashlib.sha256(f"{tuple(tokens.shape)}{tokens.dtype}".encode())
+    digest.update(tokens.detach().contiguous().cpu().view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
+
+
+def _fingerprint(seqs: Sequences) -> str:
+    """The digest of every field of ``seqs``; empty when its tokens are no readable tensor (the
+    door refuses those for what they are)."""
+    tokens = seqs.tokens
+    if not isinstance(tokens, Tensor) or tokens.is_meta or tokens.layout != torch.strided:
+        return ""
+    dataset = None if seqs.dataset is None else sorted(dict(seqs.dataset).items())
+    fields = (seqs.source, seqs.holds_bos, seqs.bos_rule, seqs.from_tensor, seqs.checked_for)
+    return tokens_digest(tokens) + repr((*fields, dataset))
+
+
+def check_data(info: ModelInfo, data: Any) -> Any:
+    """``data`` checked at a verb's door for the model ``info`` describes, before any forward:
+    the one check every verb makes. A token tensor is :func:`check_token_ids`'s (returned as
+    a ``long`` tensor), a numpy array of integers the same (as a tensor; other numpy dtypes are
+    refused by name), and :class:`Sequences` are checked again, never trusted: their tokens as a
+    tensor's, then against the fingerprint taken when they were made (an in-place edit of the
+    tokens, or a field set since, is refused) and their ``holds_bos`` against their tokens.
+    Texts, files and datasets are returned as they are: their ids come from the model's own
+    tokenizer, checked against the vocabulary as they are cut.
+    """
+    if isinstance(data, np.ndarray):
+        if data.dtype.kind not in "iu":
+            raise DataError(
+                f"a numpy array of token ids holds integers, got dtype {data.dtype}; tokenise "
+                "text with the model's tokenizer (model.to_tokens) or pass the texts themselves"
+            )
+        data = torch.from_numpy(np.ascontiguousarray(data))
+    if isinstance(data, Tensor):
+        return check_token_ids(info, data)
+    if not isinstance(data, Sequences):
+        return data
+    if not isinstance(data.tokens, Tensor):
+        raise DataError(
+            f"Sequences hold a token tensor, got {type(data.tokens).__name__}; make them with "
+            "hs.to_sequences(model, data)"
+        )
+    tokens = check_token_ids(info, data.tokens)
+    if data.fingerprint != _fingerprint(data):
+        raise DataError(
+            "these Sequences were changed after they were made (their tokens edited in place, or "
+            "a field set), so they no longer are what their source says; to use the edited "
+            "tokens, make new ones: hs.to_sequences(model, seqs.tokens)"
+        )
+    bos = info.bos_token_id
+    # Only a claim of BOS can mislead (a verb then adds none); made for another model, the
+    # record is re-made from its tokens for this one anyway.
+    if data.holds_bos and data.checked_for == _checked_for(info):
+        if bos is None or not bool((tokens[:, 0] == bos).all()):
+            raise DataError(
+                f"these Sequences say holds_bos=True, but their rows do not all start with the "
+                f"BOS token (id {bos}); make them with hs.to_sequences(model, seqs.tokens) "
+                "rather than setting fields"
+            )
+    return data if tokens is data.tokens else dataclasses.replace(data, tokens=tokens)
 
 
 def to_sequences(
@@ -422,8 +526,10 @@ def as_sequences(
     n_seqs = None if n_seqs is None else check_int(n_seqs, "n_seqs", minimum=1)
     # Checked for tensors too, where it does not apply: a bad value is never silently accepted.
     seq_len = check_int(seq_len, seq_len_name, minimum=1)
+    data = check_data(info, data)  # the door: nothing unchecked goes further
     if isinstance(data, Sequences):
         if data.checked_for == _checked_for(info):
+            check_length(info, data.seq_len, "the sequence length", DataError)
             return data.head(n_seqs)
         data = data.tokens  # made for another model: checked again, as a tensor
     if isinstance(data, Tensor):
@@ -494,11 +600,6 @@ def _windows(
     tokens = torch.cat(blocks)
     if n_seqs is not None and n_seqs < n_windows:
         tokens = tokens[torch.linspace(0, n_windows - 1, n_seqs).round().long()]
-    if int(tokens.max()) >= info.shape.d_vocab:  # a tokenizer larger than the model's vocabulary
-        raise DataError(
-            f"the tokenizer gives token ids up to {int(tokens.max())}, beyond the model's "
-            f"vocabulary of {info.shape.d_vocab}; give the model the tokenizer it was trained with"
-        )
     if bos:
         tokens = torch.cat([torch.full_like(tokens[:, :1], info.bos_token_id), tokens], dim=1)
     return tokens

@@ -45,8 +45,8 @@ import pandas as pd
 from headsurgeon.backend import Model
 from headsurgeon.census import run_census
 from headsurgeon.classify import Thresholds, classify_heads, require_columns
-from headsurgeon.data import Data, Sequences, as_sequences
-from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.data import Data, Sequences, as_sequences, check_data
+from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.importance import DORMANT_SE, METHODS, head_importance, is_dormant, with_importance
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
@@ -121,6 +121,12 @@ def classify_sequences(
     ``thresholds``: the labels' (default ``Thresholds()``); ``sink_eps``: the census's
     (:func:`headsurgeon.run_census`).
     """
+    seqs = check_data(model_info(model, "classify_sequences"), seqs)
+    if not isinstance(seqs, Sequences):
+        raise DataError(
+            f"classify_sequences takes Sequences, got {type(seqs).__name__}; make them with "
+            "hs.to_sequences(model, data, seq_len=...)"
+        )
     census = run_census(
         model,
         seqs,

@@ -77,8 +77,8 @@ class FigureExportError(HeadsurgeonError, RuntimeError):
 
 
 class ModelInUseError(HeadsurgeonError, RuntimeError):
-    """A model that a call in another thread is using (hooks act on every thread; see
-    :mod:`headsurgeon.inuse`): give each thread its own ``copy.deepcopy(model)``."""
+    """A model that a call in another thread or asyncio task is using (hooks act on every thread
+    and task; see :mod:`headsurgeon.inuse`): give each its own ``copy.deepcopy(model)``."""
 
 
 def first_line(error: BaseException) -> str:

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from headsurgeon.backend import HookPoint, Model
 from headsurgeon.backend.forward import run_from_layer
-from headsurgeon.data import Data, Sequences, as_sequences
+from headsurgeon.data import Data, Sequences, as_sequences, check_data
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model, hooked
@@ -544,6 +544,7 @@ def ablate_heads(
     """
     info = model_info(model, "ablate_heads")
     check_choice(ablation, "ablation", ("zero", "mean"))
+    data = check_data(info, data)  # given, it is checked even where "zero" does not read it
     chosen = HeadSet.of(heads, info.shape).by_layer()
     # Held for the whole block, the means' forwards included: hooks act on every thread; and
     # not copied inside it (a copy would keep the hooks).

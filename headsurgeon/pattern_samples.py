@@ -200,6 +200,7 @@ def sample_patterns(
     >>> tuple(sample.tokens.shape), sample.weights[0].weights.shape
     ((2, 10), (8, 10, 10))
     """
+    tokens = check_token_ids(model_info(model, "sample_patterns"), tokens)  # every row: the door
     rows = tokens[: check_int(n_seqs, "n_seqs", minimum=1), :n_pos]
     everything = [
         (layer, head) for layer in range(model.cfg.n_layers) for head in range(model.cfg.n_heads)

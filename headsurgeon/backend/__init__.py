@@ -330,16 +330,17 @@ def _pass_mpt_cache(model: Model) -> None:
     ``past_key_values`` or ``layer_past`` only, so without this every cached call (blocks of a
     long sequence, continuations of a prompt) would attend to its own positions alone.
     """
-
-    def rename(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if kwargs.get("cache") is not None and kwargs.get("layer_past") is None:
-            kwargs = dict(kwargs)
-            kwargs["layer_past"] = kwargs.pop("cache")
-        return args, kwargs
-
     for block in model.blocks:
         if attention_family(block.attn) == "mpt":
-            block.attn.register_forward_pre_hook(rename, with_kwargs=True)
+            block.attn.register_forward_pre_hook(_cache_as_layer_past, with_kwargs=True)
+
+
+def _cache_as_layer_past(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    # A module-level function, not a closure: a model with it stays picklable (torch.save).
+    if kwargs.get("cache") is not None and kwargs.get("layer_past") is None:
+        kwargs = dict(kwargs)
+        kwargs["layer_past"] = kwargs.pop("cache")
+    return args, kwargs
 
 
 def hf_config(model: Model) -> dict[str, Any]:
@@ -483,14 +484,23 @@ def hf_bias_pre_hook(build: BiasBuilder) -> Callable[[nn.Module, tuple, dict], t
     So any function of ``i - j`` works, in training (``analyses/train_organism.py --bias``) as
     in inference.
     """
+    return _HFBiasHook(build)
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+
+class _HFBiasHook:
+    """:func:`hf_bias_pre_hook`'s hook: a class, not a closure, so that a model carrying it can
+    be pickled (``torch.save(model)``, ``copy.deepcopy``) whenever ``build`` can."""
+
+    def __init__(self, build: BiasBuilder) -> None:
+        self.build = build
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden = args[0] if args else kwargs["hidden_states"]
         batch, n_queries = hidden.shape[:2]
         family = attention_family(module)
         key_count = kwargs.get("alibi" if family == "bloom" else "attention_mask")
         n_keys = n_queries if key_count is None else key_count.shape[-1]
-        bias = build(n_queries, n_keys, hidden.device).to(hidden.dtype)
+        bias = self.build(n_queries, n_keys, hidden.device).to(hidden.dtype)
         if family == "mpt":  # broadcast over the batch by the attention itself
             return args, kwargs | {"position_bias": bias}
         if family == "falcon":
@@ -502,7 +512,21 @@ def hf_bias_pre_hook(build: BiasBuilder) -> Callable[[nn.Module, tuple, dict], t
         bias = bias[None].expand(batch, -1, -1, -1)
         return args, kwargs | {"alibi": bias.reshape(-1, n_queries, n_keys)}
 
-    return hook
+
+class _TL3BiasHook:
+    """:func:`add_bias_hook`'s hook on 3.x: leaves exactly this call's bias rows on the module
+    (a class, not a closure: picklable, as :class:`_HFBiasHook`)."""
+
+    def __init__(self, build: BiasBuilder) -> None:
+        self.build = build
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        inputs = dict(zip(_ATTENTION_ARGS, args, strict=False)) | kwargs
+        cache_entry = inputs.get("past_kv_cache_entry")
+        # Position is dim 1 with or without split per-head inputs ([batch, pos, (head,) d_model]).
+        n_queries = inputs["query_input"].shape[1]
+        n_keys = n_queries + (0 if cache_entry is None else cache_entry.past_keys.shape[1])
+        module.alibi = self.build(n_queries, n_keys, inputs["query_input"].device)
 
 
 def add_bias_hook(attn: nn.Module, build: BiasBuilder) -> _BiasHandle:
@@ -516,19 +540,8 @@ def add_bias_hook(attn: nn.Module, build: BiasBuilder) -> _BiasHandle:
     passes (BLOOM's ``alibi``, MPT's ``position_bias``, Falcon's ``attention_mask``): it is
     replaced by the bias for every row (:func:`hf_bias_pre_hook`). ``handle.remove()`` undoes it.
     """
-    if MAJOR >= 4:
-        hook = hf_bias_pre_hook(build)
-        return _BiasHandle(attn, attn.register_forward_pre_hook(hook, with_kwargs=True))
-
-    def tl3_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        inputs = dict(zip(_ATTENTION_ARGS, args, strict=False)) | kwargs
-        cache_entry = inputs.get("past_kv_cache_entry")
-        # Position is dim 1 with or without split per-head inputs ([batch, pos, (head,) d_model]).
-        n_queries = inputs["query_input"].shape[1]
-        n_keys = n_queries + (0 if cache_entry is None else cache_entry.past_keys.shape[1])
-        module.alibi = build(n_queries, n_keys, inputs["query_input"].device)
-
-    return _BiasHandle(attn, attn.register_forward_pre_hook(tl3_hook, with_kwargs=True))
+    hook = hf_bias_pre_hook(build) if MAJOR >= 4 else _TL3BiasHook(build)
+    return _BiasHandle(attn, attn.register_forward_pre_hook(hook, with_kwargs=True))
 
 
 def own_alibi_slopes(n_heads: int) -> Float[Tensor, " head_index"] | None:

@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
 
+import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Float, Int
@@ -33,6 +34,7 @@ from headsurgeon.data import (
     Sequences,
     as_sequences,
     batches,
+    check_data,
     check_length,
     iter_token_ids,
     resolve_bos,
@@ -100,14 +102,8 @@ def _token_streams(
     """Data as independent token streams: each text, or each row of a token tensor. Texts and
     files are read and tokenised piece by piece, and only up to ``budget`` tokens in all (None:
     all of them)."""
-    if isinstance(data, Sequences):
-        return list(data.tokens)
-    if isinstance(data, Tensor):
-        if data.ndim not in (1, 2) or data.numel() == 0:
-            raise DataError(
-                f"token tensor must be [pos] or [n, pos] and non-empty, got {data.shape}"
-            )
-        return list(data.long().reshape(-1, data.shape[-1]))
+    if isinstance(data, Sequences | Tensor):  # checked at the door (check_data)
+        return list(data.tokens if isinstance(data, Sequences) else data)
     streams, n_tokens = [], 0
     for pieces in iter_token_ids(info, data):
         ids = []
@@ -228,6 +224,9 @@ def perplexity(
         perplexity(model, window=16384, batch_size=1, max_windows=4)
     """
     info = model_info(model, "perplexity")
+    if isinstance(data, Tensor | np.ndarray) and data.ndim == 1:  # one stream
+        data = data[None]
+    data = check_data(info, data)  # the door every verb shares, before anything runs
     window = default_window(info, model.cfg.n_ctx) if window is None else window
     window = check_length(info, window, "window")
     # A stride of window or more would skip tokens.

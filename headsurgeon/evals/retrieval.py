@@ -39,6 +39,7 @@ from headsurgeon.data import (
     MIN_SAMPLE_TOKENS,
     SAMPLE_FACTOR,
     Data,
+    Sequences,
     bundled_text,
     check_length,
     iter_texts,
@@ -231,6 +232,14 @@ class _Task:
     haystack: Data
     parts: dict[str, str]
     draw: Callable[[np.random.Generator], list[str]]
+
+    def __post_init__(self) -> None:
+        # The needle goes between the haystack's words: token ids have none to put it between.
+        if isinstance(self.haystack, Tensor | np.ndarray | Sequences):
+            raise DataError(
+                f"a haystack is text (texts or text files), got {type(self.haystack).__name__}; "
+                "pass the texts themselves, not token ids"
+            )
 
 
 def _haystack_text(data: Data, n_tokens: int) -> str:

@@ -30,10 +30,12 @@ from torch.utils.checkpoint import checkpoint
 
 from headsurgeon.backend import Model, without_kv_cache
 from headsurgeon.backend.weights import head_tensors
+from headsurgeon.data import check_token_ids
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.finetune.config import STRATEGIES, FinetuneConfig
 from headsurgeon.finetune.objectives import Objective, next_token_loss
 from headsurgeon.heads import Heads, HeadSet
+from headsurgeon.loading import model_info
 from headsurgeon.surgery import (
     TRAINED_TENSORS,
     HeadMask,
@@ -223,6 +225,7 @@ def unmovable_heads(
     and ``autocast`` as training uses them (default: none of them).
     """
     heads = HeadSet.of(heads, model)
+    tokens = check_token_ids(model_info(model, "unmovable_heads"), tokens)  # before any forward
     cfg = config or FinetuneConfig()
     structural = {}
     for layer, head in heads:

@@ -207,7 +207,7 @@ def finetune(
 
     ``train`` and ``eval_data`` are token sequences: :class:`~headsurgeon.data.Sequences` from
     :func:`headsurgeon.to_sequences` (position 0 already follows the model's convention; used as
-    they are, not checked again), a ``[n, seq]`` token tensor, or texts (cut into sequences of
+    they are, not cut again), a ``[n, seq]`` token tensor, or texts (cut into sequences of
     128 tokens; :func:`headsurgeon.to_sequences` for other lengths).
     Batches come from seeded shuffles of ``train``, so a run is reproducible on CPU. Evaluation
     (every ``config.eval_interval`` steps, at step 0 and at the end) reports training and

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from headsurgeon.alibi import blind_distance
 from headsurgeon.backend import Model
-from headsurgeon.data import encode, resolve_bos, token_strings
+from headsurgeon.data import Sequences, check_token_ids, encode, resolve_bos, token_strings
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.loading import ModelInfo, model_info
@@ -58,6 +58,8 @@ def _one_sequence(info: ModelInfo, text_or_tokens: str | Tensor | Sequence[int])
     """``[1, pos]`` tokens: a text by the model's BOS convention, token ids as given."""
     if isinstance(text_or_tokens, str):
         return encode(info, text_or_tokens)
+    if isinstance(text_or_tokens, Sequences | np.ndarray):  # checked as every verb checks them
+        return check_token_ids(info, text_or_tokens)
     if isinstance(text_or_tokens, Tensor):
         return text_or_tokens if text_or_tokens.dim() != 1 else text_or_tokens[None]
     if isinstance(text_or_tokens, Sequence) and all(isinstance(t, int) for t in text_or_tokens):

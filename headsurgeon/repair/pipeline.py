@@ -40,6 +40,7 @@ from headsurgeon.data import (
     Sequences,
     as_sequences,
     bundled_text,
+    check_data,
     resolve_bos,
 )
 from headsurgeon.distributed import from_rank0, rank_and_world
@@ -129,6 +130,10 @@ def _prepare_data(
     # Messages name the option the user set: --train-seq-len, not --seq-len.
     cut = {"seq_len": config.train_seq_len, "seq_len_name": "train_seq_len"}
     prepend_bos, n_eval_seqs = config.prepend_bos, config.n_eval_seqs
+    # Every door first: bad evaluation tokens are one line before the training text is cut.
+    corpus, eval_corpus, census_data = (
+        check_data(info, d) for d in (corpus, eval_corpus, census_data)
+    )
     if corpus is None:
         train = as_sequences(info, _default_train_data(), prepend_bos=prepend_bos, **cut)
         train = dataclasses.replace(train, source=TRAINING_CORPORA)

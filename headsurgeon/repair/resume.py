@@ -7,7 +7,6 @@ Exports:
     RUN_FILE, FINISHED_FILE             the run record; the file that marks a finished run
     cpu_head_slices(model, heads)       CPU copies of the heads' slices (what ``heads.pt`` holds)
     has_numbers(value, keys)            whether a record holds a number under each key
-    tokens_digest(tokens)               a short sha256 of a token tensor (the run record's)
 
 Only rank 0 writes (:func:`headsurgeon.distributed.rank_and_world`); a file that is not as a run
 writes it is one :class:`~headsurgeon.errors.CheckpointError` line naming it and what to do.
@@ -15,7 +14,6 @@ writes it is one :class:`~headsurgeon.errors.CheckpointError` line naming it and
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -28,6 +26,7 @@ import torch
 
 from headsurgeon.backend import Model
 from headsurgeon.census import COLUMNS
+from headsurgeon.data import tokens_digest
 from headsurgeon.errors import (
     CheckpointError,
     OutputExistsError,
@@ -56,7 +55,6 @@ __all__ = [
     "cpu_head_slices",
     "finished_run",
     "has_numbers",
-    "tokens_digest",
 ]
 
 
@@ -416,19 +414,6 @@ def cpu_head_slices(model: Model, heads: HeadSet) -> dict[str, torch.Tensor]:
     """Copies (on the CPU) of the heads' slices of every per-head tensor, by TransformerLens 3.x
     name on either major (``heads.pt`` files read the same on both)."""
     return {name: t.cpu() for name, t in head_slices(model, heads).items()}
-
-
-def tokens_digest(tokens: torch.Tensor) -> str:
-    """A short sha256 digest of a token tensor's shape, dtype and every value.
-
-    >>> rows = torch.arange(6).view(2, 3)
-    >>> same, rotated = rows.clone(), rows.flip(0)
-    >>> tokens_digest(rows) == tokens_digest(same), tokens_digest(rows) == tokens_digest(rotated)
-    (True, False)
-    """
-    digest = hashlib.sha256(f"{tuple(tokens.shape)}{tokens.dtype}".encode())
-    digest.update(tokens.detach().contiguous().cpu().view(torch.uint8).numpy())
-    return digest.hexdigest()[:16]
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
