@@ -147,8 +147,11 @@ def test_non_text_values_and_empty_datasets_are_one_line_when_read(tiny_model):
         hs.to_sequences(tiny_model, mixed, seq_len=4)
     features = datasets.Features({"text": datasets.Value("string")})
     empty = datasets.Dataset.from_dict({"text": []}, features=features)
-    with pytest.raises(DataError, match="has no text in column 'text'"):
+    with pytest.raises(DataError, match="dataset in memory has no rows; give a dataset with rows"):
         hs.to_sequences(tiny_model, empty)
+    blank = datasets.Dataset.from_dict({"text": ["", None]}, features=features)
+    with pytest.raises(DataError, match=r"has no text in column 'text' \(its 2 rows are empty"):
+        hs.to_sequences(tiny_model, blank)
     with pytest.raises(DataError, match="no texts given"):
         hs.to_sequences(tiny_model, iter([]))
     with pytest.raises(DataError, match="one is of type int"):
