@@ -303,7 +303,7 @@ def _open_local(path: Path, split: str) -> Any:
 def _split_files(path: Path, split: str) -> list[Path]:
     """The data files of ``split``: ``path`` itself (a file: one split, train), or the files of a
     folder that ``datasets`` would give that split, found with the folder's name escaped."""
-    if path.is_file():
+    if not path.is_dir():
         if _suffix(path.name) is None:
             text = path.name.endswith((".txt", ".txt.gz"))
             hint = "; text files go to --texts (texts= in Python)" if text else ""
@@ -578,6 +578,11 @@ def _choose_column(dataset: Any, column: str | None, name: str) -> str:
         return column
     if "text" in strings:
         return "text"
+    if "text" in kinds and len(strings) != 1:
+        raise DataError(
+            f"column 'text' of dataset {name} is {kinds['text']}, not text; choose a text "
+            f"column with --column (column= in Python): {', '.join(strings) or 'it has none'}"
+        )
     if len(strings) == 1:
         return strings[0]
     what = "several text columns" if strings else "no text column"
