@@ -194,7 +194,7 @@ def load_dataset_texts(
     if not isinstance(split, str) or not split:
         raise InvalidArgumentError(f"split must be a split name such as 'train', got {split!r}")
     if os.path.lexists(text):  # a path, read as named: never a glob, never a hub name
-        path = local_path(text)
+        path = _local_path(text)
         dataset = _open_local(path, split)
         revision = _files_fingerprint(path)
         name = path.name
@@ -204,7 +204,7 @@ def load_dataset_texts(
     return dataset_texts(dataset, column, name=name, split=split, revision=revision)
 
 
-def local_path(text: str | os.PathLike) -> Path:
+def _local_path(text: str | os.PathLike) -> Path:
     """``text`` as the dataset path read: ``~`` expanded, symbolic links and ``..`` resolved,
     the same path the input/output overlap check compares; one line for a path that cannot
     be (a symbolic link loop, a broken link)."""
@@ -231,16 +231,18 @@ def _datasets():
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """``datasets`` and ``huggingface_hub`` silent while they read for us: their log lines and
-    progress bars name the user's files by absolute path (outputs carry no machine paths);
-    what they would say reaches the user as our one line. Restored after."""
+    """``datasets`` quiet and local while it reads for us: no log lines or progress bars (they
+    name the user's files by absolute path; outputs carry no machine paths, and what they would
+    say reaches the user as our one line), no download-count request to the hub for a local
+    file (seconds offline). Its settings restored after."""
     datasets = _datasets()
     loggers = [logging.getLogger(n) for n in ("datasets", "huggingface_hub", "fsspec")]
     levels = [logger.level for logger in loggers]
-    bars = datasets.is_progress_bar_enabled()
+    bars, counts = datasets.is_progress_bar_enabled(), datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
     for logger in loggers:
         logger.setLevel(logging.CRITICAL + 1)
     datasets.disable_progress_bars()
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     try:
         yield
     finally:
@@ -248,6 +250,7 @@ def _quiet() -> Iterator[None]:
             logger.setLevel(level)
         if bars:
             datasets.enable_progress_bars()
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
 
 
 def _open_local(path: Path, split: str) -> Any:

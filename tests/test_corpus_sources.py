@@ -8,7 +8,9 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -393,3 +395,32 @@ def test_bad_files_name_the_real_cause_in_one_line(tiny_model, tmp_path, name, m
 def _zero_rows(path):
     features = datasets.Features({"text": datasets.Value("string")})
     datasets.Dataset.from_dict({"text": []}, features=features).to_parquet(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("x.parquet", b"not parquet at all"), ("x.json", b"{oops"), ("x.csv", b"text\n\xff\xfe\n")],
+)
+def test_the_datasets_logger_names_no_path_of_the_users(
+    tiny_model, tmp_path, caplog, capfd, monkeypatch, name, content
+):
+    """datasets logs a file it cannot read by its absolute path; while it reads for us it is
+    silent (our one line names the file), asks the network nothing, and its own settings are
+    restored after."""
+    (tmp_path / name).write_bytes(content)
+    caplog.set_level(logging.DEBUG)
+    level = logging.getLogger("datasets").level
+    asked = []  # hosts looked up: datasets swallows the error of a request that fails
+
+    def lookup(host, *args, **kwargs):
+        asked.append(host)
+        raise OSError("no network here")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    with pytest.raises(DataError) as info:
+        hs.to_sequences(tiny_model, load_dataset_texts(tmp_path / name), seq_len=8)
+    assert f"cannot read dataset {name} (" in str(info.value), info.value
+    shown = [str(info.value), caplog.text, *capfd.readouterr()]
+    assert not any(str(tmp_path) in text for text in shown), shown
+    assert logging.getLogger("datasets").level == level
+    assert not asked, asked
