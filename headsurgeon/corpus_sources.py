@@ -8,11 +8,16 @@ Usage::
 
 Every verb that takes texts also takes a ``datasets.Dataset`` or ``datasets.IterableDataset``
 itself (its text column found as :func:`dataset_texts` finds it) and any iterable of texts (a
-generator too), read lazily: with ``n_seqs`` only as far as the sample needs, as a file is.
+generator too), read lazily: with ``n_seqs`` only as far as the sample needs.
 
 A dataset's rows are one corpus: joined by a blank line and cut into windows as one text, so
 that rows shorter than a window (sentences, short documents) still fill windows. An iterable of
-texts keeps each text on its own, as a list of texts does.
+texts keeps each text on its own, as a list of texts does. A dataset is read by bytes, whatever
+its rows' sizes: :data:`BATCH_ROWS` rows at a time, their text handed on in chunks of about
+:data:`CHUNK_CHARS` characters; with ``n_seqs`` it is read from its start only until the
+``n_seqs`` windows exist (texts and files are sampled over their first ``2**23`` tokens or more:
+:func:`headsurgeon.data.to_sequences`); shuffle it first (``dataset.shuffle(seed=0)``) for a
+sample from all of it.
 
 Exports:
     TextSource                 texts read lazily, and the record of where they came from
@@ -31,7 +36,17 @@ Where a dataset comes from (``path_or_name``):
   opened memory-mapped (``datasets.load_from_disk``), its rows read as they are needed;
 - a JSON Lines, JSON, Parquet, CSV or Arrow file, or a folder of them (split by file names, as
   ``datasets.load_dataset`` splits a folder: ``train.jsonl``, ``test.jsonl``...): streamed
-  (``load_dataset(..., streaming=True)``), nothing written to the cache;
+  (``load_dataset(..., streaming=True)``; JSON Lines line by line with Python's ``json``),
+  nothing written to the cache. A path is a path: its files are listed here and handed on with
+  glob characters escaped (``data[1].jsonl`` is that file, ``a*.jsonl`` not ``ab.jsonl``).
+
+A path is resolved once (``~`` expanded, links followed), the same way for reading and for the
+tools' input/output overlap check, and only files inside it are read: a data file that is a
+symbolic link out of the folder, or a ``state.json`` naming ``../other/...``, is one line. So
+is an empty file, a symbolic link loop, a FIFO, a JSON Lines row over :data:`MAX_ROW_BYTES`
+or JSON nested deeper than :data:`MAX_JSON_DEPTH` (refused before any reader parses it: JSON
+nested 20,000 deep crashed pyarrow's reader, and the process). While ``datasets`` reads for
+us it logs nothing (its messages name files by absolute path) and asks the hub nothing.
 - a dataset name (``NAME`` or ``ORG/NAME``) downloaded before into the ``datasets`` cache
   (``HF_DATASETS_CACHE``): read from there, never from the network. A name not in the cache is
   one line with the command that downloads it.
@@ -370,23 +385,20 @@ def _check_saved_files(path: Path) -> None:
         listed = read_json(path / "dataset_dict.json", "dataset_dict.json").get("splits", [])
         folders = [path / str(s) for s in listed] if isinstance(listed, list) else []
     for folder in folders:
+        if not folder.resolve().is_relative_to(path):
+            raise DataError(
+                f"dataset {path.name}'s dataset_dict.json names a split outside its folder; "
+                "a save_to_disk folder holds its own files: save it again"
+            )
         state = folder / "state.json"
-        if not folder.resolve().is_relative_to(path) or not state.is_file():
-            continue  # datasets says what is missing; a split outside is refused below
-        files = read_json(state, "state.json").get("_data_files", [])
-        for entry in files if isinstance(files, list) else []:
+        files = read_json(state, "state.json").get("_data_files") if state.is_file() else None
+        for entry in files if isinstance(files, list) else []:  # datasets says what is missing
             name = entry.get("filename") if isinstance(entry, dict) else None
             if not isinstance(name, str) or not (folder / name).resolve().is_relative_to(path):
                 raise DataError(
                     f"dataset {path.name}'s state.json names a data file outside its folder "
                     f"({name!r}); a save_to_disk folder holds its own files: save it again"
                 )
-    for folder in folders:
-        if not folder.resolve().is_relative_to(path):
-            raise DataError(
-                f"dataset {path.name}'s dataset_dict.json names a split outside its folder; "
-                "a save_to_disk folder holds its own files: save it again"
-            )
 
 
 def _check_json_depth(file: Path) -> None:

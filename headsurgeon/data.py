@@ -393,7 +393,9 @@ def to_sequences(
     Each text is tokenised on its own and cut into non-overlapping windows of ``seq_len`` tokens
     (``seq_len - 1`` text tokens after a BOS token when ``prepend_bos``, by default the model's
     convention). With ``n_seqs`` the windows are taken evenly spaced over all texts, so a sample
-    spans the whole corpus.
+    spans the whole corpus (its first ``max(8 x n_seqs x seq_len, 2**23)`` tokens); a dataset is
+    read from its start only until ``n_seqs`` windows exist
+    (:mod:`~headsurgeon.corpus_sources`).
 
     A token tensor is checked (:func:`check_token_ids`) and used exactly as given, whatever the
     model's convention (its first ``n_seqs`` rows; ``seq_len`` does not apply): sequences made
