@@ -335,7 +335,11 @@ def _split_files(path: Path, split: str) -> list[Path]:
                 "holding one file per split, or leave out --split"
             )
         return [path]
-    names = [p.name for p in path.rglob("*") if p.is_file()]
+    entries = [p for p in path.rglob("*") if not p.is_dir()]
+    for entry in entries:  # a loop, a FIFO named train.jsonl: said, not silently passed over
+        if _suffix(entry.name) and not entry.is_file():
+            _check_data_file(path, entry)
+    names = [p.name for p in entries]
     if not any(_suffix(name) for name in names):
         texts = any(name.endswith((".txt", ".txt.gz")) for name in names)
         raise DataError(

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -259,6 +260,7 @@ except (HeadsurgeonError, MemoryError) as e:
 """
 
 
+@pytest.mark.slow
 def test_rows_of_1_mb_are_read_by_bytes_until_the_windows_exist(tmp_path):
     """64 rows of 1 MB in a 200 KB .jsonl.gz, 2 x 16 tokens asked for, in a process whose
     address space is capped 320 MB above its baseline: reading stops after the first rows (it
@@ -307,6 +309,7 @@ NESTED = {
 }
 
 
+@pytest.mark.slow
 def test_json_nested_20000_deep_is_one_line_and_leaves_no_lock(tmp_path):
     """In a subprocess, so that a crash (pyarrow's reader segfaulted, leaving the output's
     lock behind) fails this test only: each file is one line, exit 2, nothing left."""
@@ -424,3 +427,14 @@ def test_the_datasets_logger_names_no_path_of_the_users(
     assert not any(str(tmp_path) in text for text in shown), shown
     assert logging.getLogger("datasets").level == level
     assert not asked, asked
+
+
+def test_a_folder_whose_data_file_is_no_file_says_which(tmp_path):
+    for folder, make, kind in (
+        ("loop", lambda p: p.symlink_to(p), "a symbolic link loop"),
+        ("fifo", os.mkfifo, "a FIFO (named pipe)"),
+    ):
+        (tmp_path / folder).mkdir()
+        make(tmp_path / folder / "train.jsonl")
+        with pytest.raises(DataError, match=f"dataset file train.jsonl is {re.escape(kind)}"):
+            load_dataset_texts(tmp_path / folder)
