@@ -651,65 +651,61 @@ def dataset_texts(
 
 def _rows(dataset: Any, column: str, name: str) -> Iterator[str]:
     """The text of ``column``, rows joined by :data:`ROW_SEPARATOR`, in chunks of about
-    :data:`CHUNK_CHARS` characters (a longer row is one chunk): memory follows the bytes read,
-    and reading stops where the caller stops. At most
+    :data:`CHUNK_CHARS` characters (a longer row is one chunk), each read with ``datasets``
+    quiet: memory follows the bytes read, and reading stops where the caller stops. At most
     :data:`~headsurgeon.inputs.MAX_TEXT_BYTES` characters."""
-    chunk: list[str] = []
-    size = total = 0
-    for value in _values(dataset, column, name):
-        if total:
-            chunk.append(ROW_SEPARATOR)
-        chunk.append(value)
-        size, total = size + len(value), total + len(value)
+    batches = _batches(dataset, column, name)
+    total, more = 0, True
+    while more:
+        chunk: list[str] = []
+        size = 0
+        with _read_errors(name), _quiet():  # once a chunk: entering it costs tens of us
+            while more and size < CHUNK_CHARS:
+                values = next(batches, None)
+                more = values is not None
+                for value in values or ():
+                    chunk.extend((ROW_SEPARATOR, value) if total or chunk else (value,))
+                    size += len(value) + len(ROW_SEPARATOR)
+        total += size
         if total > MAX_TEXT_BYTES:
             raise DataError(
                 f"dataset {name} holds more than {MAX_TEXT_BYTES >> 30} GiB of text; sample "
                 "it with --n-seqs (n_seqs= in Python), or give a part of it "
                 "(dataset.take(n) or .select(range(n)))"
             )
-        if size >= CHUNK_CHARS:
+        if chunk:
             yield "".join(chunk)
-            chunk, size = [], 0
-    if chunk:
-        yield "".join(chunk)
 
 
-def _values(dataset: Any, column: str, name: str) -> Iterator[str]:
-    """The non-empty values of ``column``, fetched :data:`BATCH_ROWS` rows at a time with
-    ``datasets`` silent; one line for a value that is not text, and at the end for a dataset
-    with no rows, no such column or no text."""
+def _batches(dataset: Any, column: str, name: str) -> Iterator[list[str]]:
+    """The non-empty values of ``column``, :data:`BATCH_ROWS` rows at a time; one line for a
+    value that is not text, and at the end for a dataset with no rows or no text."""
     known = dataset.column_names
     if known is not None and column not in known:
         raise DataError(
             f"dataset {name} has no column {column!r}; its columns: {', '.join(known)} "
             "(--column chooses one)"
         )
-    with _read_errors(name), _quiet():
-        rows = dataset if known is None else dataset.select_columns([column])
-        batches = rows.iter(batch_size=BATCH_ROWS)
+    rows = dataset if known is None else dataset.select_columns([column])
     seen: set[str] = set()
     n_rows = n_texts = 0
-    while True:
-        with _read_errors(name), _quiet():
-            batch = next(batches, None)
-        if batch is None:
-            break
+    for batch in rows.iter(batch_size=BATCH_ROWS):
         seen.update(batch)
         if column not in seen:  # a streamed file's columns are known once its rows are
             raise DataError(
                 f"dataset {name} has no column {column!r}; its columns: "
                 f"{', '.join(sorted(seen))} (--column chooses one)"
             )
-        n_rows += len(batch[column])
-        for value in batch[column]:
-            if value is not None and not isinstance(value, str):
-                raise DataError(
-                    f"column {column!r} of dataset {name} holds {type(value).__name__} values, "
-                    "not text; choose a text column with --column (column= in Python)"
-                )
-            if value:
-                n_texts += 1
-                yield value
+        values = batch[column]
+        bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
+        if bad is not None:
+            raise DataError(
+                f"column {column!r} of dataset {name} holds {type(bad).__name__} values, not "
+                "text; choose a text column with --column (column= in Python)"
+            )
+        texts = [v for v in values if v]
+        n_rows, n_texts = n_rows + len(values), n_texts + len(texts)
+        yield texts
     if not n_rows:
         raise DataError(f"dataset {name} has no rows; give a dataset with rows")
     if not n_texts:
