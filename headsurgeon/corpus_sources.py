@@ -8,11 +8,16 @@ Usage::
 
 Every verb that takes texts also takes a ``datasets.Dataset`` or ``datasets.IterableDataset``
 itself (its text column found as :func:`dataset_texts` finds it) and any iterable of texts (a
-generator too), read lazily: with ``n_seqs`` only as far as the sample needs, as a file is.
+generator too), read lazily: with ``n_seqs`` only as far as the sample needs.
 
 A dataset's rows are one corpus: joined by a blank line and cut into windows as one text, so
 that rows shorter than a window (sentences, short documents) still fill windows. An iterable of
-texts keeps each text on its own, as a list of texts does.
+texts keeps each text on its own, as a list of texts does. A dataset is read by bytes, whatever
+its rows' sizes: :data:`BATCH_ROWS` rows at a time, their text handed on in chunks of about
+:data:`CHUNK_CHARS` characters; with ``n_seqs`` it is read from its start only until the
+``n_seqs`` windows exist (texts and files are sampled over their first ``2**23`` tokens or more:
+:func:`headsurgeon.data.to_sequences`); shuffle it first (``dataset.shuffle(seed=0)``) for a
+sample from all of it.
 
 Exports:
     TextSource                 texts read lazily, and the record of where they came from
@@ -31,7 +36,17 @@ Where a dataset comes from (``path_or_name``):
   opened memory-mapped (``datasets.load_from_disk``), its rows read as they are needed;
 - a JSON Lines, JSON, Parquet, CSV or Arrow file, or a folder of them (split by file names, as
   ``datasets.load_dataset`` splits a folder: ``train.jsonl``, ``test.jsonl``...): streamed
-  (``load_dataset(..., streaming=True)``), nothing written to the cache;
+  (``load_dataset(..., streaming=True)``; JSON Lines line by line with Python's ``json``),
+  nothing written to the cache. A path is a path: its files are listed here and handed on with
+  glob characters escaped (``data[1].jsonl`` is that file, ``a*.jsonl`` not ``ab.jsonl``).
+
+A path is resolved once (``~`` expanded, links followed), the same way for reading and for the
+tools' input/output overlap check, and only files inside it are read: a data file that is a
+symbolic link out of the folder, or a ``state.json`` naming ``../other/...``, is one line. So
+is an empty file, a symbolic link loop, a FIFO, a JSON Lines row over :data:`MAX_ROW_BYTES`
+or JSON nested deeper than :data:`MAX_JSON_DEPTH` (refused before any reader parses it: JSON
+nested 20,000 deep crashed pyarrow's reader, and the process). While ``datasets`` reads for
+us it logs nothing (its messages name files by absolute path) and asks the hub nothing.
 - a dataset name (``NAME`` or ``ORG/NAME``) downloaded before into the ``datasets`` cache
   (``HF_DATASETS_CACHE``): read from there, never from the network. A name not in the cache is
   one line with the command that downloads it.
@@ -51,16 +66,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
+import gzip
 import hashlib
+import json
+import logging
 import os
 import re
 import sys
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from headsurgeon.errors import DataError, HeadsurgeonError, InvalidArgumentError
-from headsurgeon.inputs import MAX_TEXT_BYTES
+from headsurgeon.inputs import (
+    MAX_JSON_BYTES,
+    MAX_TEXT_BYTES,
+    describe_kind,
+    read_json,
+)
 
 __all__ = [
     "DATA_FILE_BUILDERS",
@@ -80,9 +105,22 @@ DATA_FILE_BUILDERS = {
     ".csv": "csv",
     ".arrow": "arrow",
 }
-# Rows joined into one text by a blank line; read in batches of this many rows.
+# Rows joined into one text by a blank line.
 ROW_SEPARATOR = "\n\n"
-BATCH_ROWS = 1000
+# Memory follows the bytes read, not a count of rows (1,000 rows of 1 MB were a gigabyte): rows
+# are fetched a few at a time, the readers' own batches kept as small (CSV, Parquet), and their
+# text handed on in chunks of about CHUNK_CHARS characters.
+BATCH_ROWS = 16
+CHUNK_CHARS = 1 << 20
+# A JSON Lines row is read whole: longer is one line, not a gigabyte in memory.
+MAX_ROW_BYTES = MAX_JSON_BYTES
+# JSON nested deeper than this is no text dataset: refused before pyarrow's reader (which
+# crashes the process at 20,000 levels) sees the file.
+MAX_JSON_DEPTH = 100
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\\n]|\\.)*"|[\[\]{}]')  # a whole string, or a bracket
+# An absolute path in a reader's message, shown by its last name (outputs carry no machine paths).
+_ABSOLUTE = re.compile(r"(?:/[^\s'\"/]+)+/?")
+_READER_BATCH = {"csv": {"chunksize": BATCH_ROWS}, "parquet": {"batch_size": BATCH_ROWS}}
 _FINGERPRINT_BYTES = 1 << 20
 # A hub dataset id: NAME or ORG/NAME.
 _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -133,9 +171,10 @@ def check_dataset_arg(text: str) -> str:
     ...
     headsurgeon.errors.InvalidArgumentError: dataset ./no/such/folder does not exist; ...
     """
-    if os.path.lexists(os.path.expanduser(text)) or (
-        _HUB_NAME.fullmatch(text) and _suffix(text) is None
-    ):
+    expanded = os.path.expanduser(text)
+    if os.path.lexists(expanded):
+        return expanded  # "~/x" quoted past the shell: the path, as reading and checks see it
+    if _HUB_NAME.fullmatch(text) and _suffix(text) is None:
         return text
     raise InvalidArgumentError(
         f"dataset {text} does not exist; give a dataset folder or file (JSON Lines, Parquet, "
@@ -166,19 +205,32 @@ def load_dataset_texts(
     not text, a file that does not parse, a name not in the cache) is one :class:`DataError`
     line, some of it when the rows are read.
     """
-    text = os.fspath(path_or_name)
-    check_dataset_arg(text)
+    text = check_dataset_arg(os.fspath(path_or_name))
     if not isinstance(split, str) or not split:
         raise InvalidArgumentError(f"split must be a split name such as 'train', got {split!r}")
-    path = Path(text).expanduser()
-    if path.exists():
+    if os.path.lexists(text):  # a path, read as named: never a glob, never a hub name
+        path = _local_path(text)
         dataset = _open_local(path, split)
         revision = _files_fingerprint(path)
-        name = path.resolve().name
+        name = path.name
     else:
         dataset, revision = _open_cached(text, split, cache_dir)
         name = text
     return dataset_texts(dataset, column, name=name, split=split, revision=revision)
+
+
+def _local_path(text: str | os.PathLike) -> Path:
+    """``text`` as the dataset path read: ``~`` expanded, symbolic links and ``..`` resolved,
+    the same path the input/output overlap check compares; one line for a path that cannot
+    be (a symbolic link loop, a broken link)."""
+    given = Path(text).expanduser()
+    kind = describe_kind(given)
+    if kind is not None and "link" in kind:  # a loop, a broken link: not a name to look up
+        raise DataError(f"dataset {given.name} is {kind}; give the dataset's own folder or file")
+    try:
+        return given.resolve(strict=True)
+    except (OSError, RuntimeError) as e:
+        raise DataError(f"cannot open dataset {given.name} ({e.strerror or e})") from None
 
 
 def _datasets():
@@ -192,10 +244,38 @@ def _datasets():
     return datasets
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """``datasets`` quiet and local while it reads for us: no log lines or progress bars (they
+    name the user's files by absolute path; outputs carry no machine paths, and what they would
+    say reaches the user as our one line), no download-count request to the hub for a local
+    file (seconds offline). Its settings restored after."""
+    datasets = _datasets()
+    loggers = [logging.getLogger(n) for n in ("datasets", "huggingface_hub", "fsspec")]
+    levels = [logger.level for logger in loggers]
+    bars, counts = datasets.is_progress_bar_enabled(), datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    datasets.disable_progress_bars()
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counts
+
+
 def _open_local(path: Path, split: str) -> Any:
+    """The rows of ``split`` of the dataset at ``path`` (resolved): a save_to_disk folder, or
+    data files read as named (listed here, handed on with glob characters escaped), each
+    checked to be a non-empty regular file inside ``path``."""
     datasets = _datasets()
     if path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json")):
-        with _read_errors(path.name):
+        _check_saved_files(path)
+        with _read_errors(path.name), _quiet():
             saved = datasets.load_from_disk(str(path))
         if isinstance(saved, datasets.DatasetDict):
             if split not in saved:
@@ -210,34 +290,194 @@ def _open_local(path: Path, split: str) -> Any:
                 f"dataset {path.name} is one split ({own}), not {split}; leave out --split"
             )
         return saved
-    if path.is_dir():
-        names = [p.name for p in path.rglob("*") if p.is_file()]
-        if not any(_suffix(name) for name in names):
-            texts = any(name.endswith((".txt", ".txt.gz")) for name in names)
-            raise DataError(
-                f"dataset folder {path.name} holds no {', '.join(DATA_FILE_BUILDERS)} file and no "
-                "save_to_disk dataset"
-                + ("; text files go to --texts (texts= in Python)" if texts else "")
-            )
-        with _read_errors(path.name):
-            return datasets.load_dataset(str(path), split=split, streaming=True)
-    suffix = _suffix(path.name)
-    if suffix is None:
-        text = path.name.endswith((".txt", ".txt.gz"))
-        hint = "; text files go to --texts (texts= in Python)" if text else ""
+    files = _split_files(path, split)
+    for file in files:
+        _check_data_file(path, file)
+    builders = {DATA_FILE_BUILDERS[_suffix(f.name)] for f in files}
+    if len(builders) > 1:
         raise DataError(
-            f"dataset file {path.name} is not one of {', '.join(DATA_FILE_BUILDERS)} (or a "
-            f"folder of them){hint}"
+            f"dataset {path.name}'s split {split} mixes file kinds ({', '.join(sorted(builders))});"
+            " give a folder of one kind"
         )
-    if split != "train":
-        raise DataError(
-            f"dataset file {path.name} is one split (train), not {split}; give the folder "
-            "holding one file per split, or leave out --split"
+    builder = builders.pop()
+    if all(_suffix(f.name) == ".jsonl" for f in files):
+        return datasets.IterableDataset.from_generator(
+            _json_lines_rows, gen_kwargs={"files": files}, split=datasets.NamedSplit(split)
         )
-    with _read_errors(path.name):
+    if builder == "json":
+        for file in files:
+            _check_json_depth(file)
+    escaped = [glob.escape(str(f)) for f in files]  # datasets globs data_files: a name is a name
+    with _read_errors(path.name), _quiet():
         return datasets.load_dataset(
-            DATA_FILE_BUILDERS[suffix], data_files=str(path), split="train", streaming=True
+            builder,
+            data_files={split: escaped},
+            split=split,
+            streaming=True,
+            **_READER_BATCH.get(builder, {}),
         )
+
+
+def _split_files(path: Path, split: str) -> list[Path]:
+    """The data files of ``split``: ``path`` itself (a file: one split, train), or the files of a
+    folder that ``datasets`` would give that split, found with the folder's name escaped."""
+    if not path.is_dir():
+        if _suffix(path.name) is None:
+            text = path.name.endswith((".txt", ".txt.gz"))
+            hint = "; text files go to --texts (texts= in Python)" if text else ""
+            raise DataError(
+                f"dataset file {path.name} is not one of {', '.join(DATA_FILE_BUILDERS)} (or a "
+                f"folder of them){hint}"
+            )
+        if split != "train":
+            raise DataError(
+                f"dataset file {path.name} is one split (train), not {split}; give the folder "
+                "holding one file per split, or leave out --split"
+            )
+        return [path]
+    entries = [p for p in path.rglob("*") if not p.is_dir()]
+    for entry in entries:  # a loop, a FIFO named train.jsonl: said, not silently passed over
+        if _suffix(entry.name) and not entry.is_file():
+            _check_data_file(path, entry)
+    names = [p.name for p in entries]
+    if not any(_suffix(name) for name in names):
+        texts = any(name.endswith((".txt", ".txt.gz")) for name in names)
+        raise DataError(
+            f"dataset folder {path.name} holds no {', '.join(DATA_FILE_BUILDERS)} file and no "
+            "save_to_disk dataset"
+            + ("; text files go to --texts (texts= in Python)" if texts else "")
+        )
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    base = glob.escape(str(path))
+    with _read_errors(path.name), _quiet():
+        splits = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
+    found = {str(k): [Path(f) for f in v if _suffix(Path(f).name)] for k, v in splits.items()}
+    found = {k: v for k, v in found.items() if v}
+    if split not in found:
+        raise DataError(
+            f"dataset {path.name} has no split {split}; give --split one of "
+            f"{', '.join(found) or 'none'}"
+        )
+    return found[split]
+
+
+def _check_data_file(folder: Path, file: Path) -> None:
+    """One line unless ``file`` is a non-empty regular file inside ``folder`` (resolved: a
+    symbolic link out of the folder is refused, as a save_to_disk state naming ``../``)."""
+    shown = file.relative_to(folder).as_posix() if file != folder else file.name
+    kind = describe_kind(file)
+    if kind is not None:
+        raise DataError(f"dataset file {shown} is {kind}; give a regular file")
+    target = file.resolve()
+    inside = folder if folder.is_dir() else folder.parent
+    if target != folder and not target.is_relative_to(inside):
+        raise DataError(
+            f"dataset file {shown} lies outside the dataset folder {folder.name} (a symbolic "
+            "link out of it); copy the file into the folder, or name its own folder"
+        )
+    if target.stat().st_size == 0:
+        raise DataError(f"dataset file {shown} is empty (0 bytes); remove it or give rows in it")
+
+
+def _check_saved_files(path: Path) -> None:
+    """One line unless every data file a save_to_disk folder's ``state.json`` names (each
+    split's, for a ``dataset_dict.json``) is a file inside ``path``: a state naming
+    ``../other/...`` is not followed out of the folder the user named."""
+    folders = [path]
+    if (path / "dataset_dict.json").is_file():
+        listed = read_json(path / "dataset_dict.json", "dataset_dict.json").get("splits", [])
+        folders = [path / str(s) for s in listed] if isinstance(listed, list) else []
+    for folder in folders:
+        if not folder.resolve().is_relative_to(path):
+            raise DataError(
+                f"dataset {path.name}'s dataset_dict.json names a split outside its folder; "
+                "a save_to_disk folder holds its own files: save it again"
+            )
+        state = folder / "state.json"
+        files = read_json(state, "state.json").get("_data_files") if state.is_file() else None
+        for entry in files if isinstance(files, list) else []:  # datasets says what is missing
+            name = entry.get("filename") if isinstance(entry, dict) else None
+            if not isinstance(name, str) or not (folder / name).resolve().is_relative_to(path):
+                raise DataError(
+                    f"dataset {path.name}'s state.json names a data file outside its folder "
+                    f"({name!r}); a save_to_disk folder holds its own files: save it again"
+                )
+
+
+def _check_json_depth(file: Path) -> None:
+    """One line if ``file``'s JSON nests deeper than :data:`MAX_JSON_DEPTH`: a streaming scan of
+    the brackets outside strings (JSON strings hold no raw line break, so each line's strings
+    are whole), bounded memory, before pyarrow's reader could crash on it."""
+    depth = 0
+    with _open_binary(file) as f:
+        for number, line in enumerate(f, 1):
+            depth = _nesting(file, number, line, depth)
+
+
+def _nesting(file: Path, number: int, line: bytes, depth: int = 0) -> int:
+    """The JSON nesting depth after ``line`` (line ``number`` of ``file``), from ``depth``
+    before it; one line past :data:`MAX_JSON_DEPTH`."""
+    for match in _JSON_TOKEN.finditer(line):
+        mark = match.group()[:1]
+        if mark in b"[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise DataError(
+                    f"dataset file {file.name}: line {number} nests deeper than "
+                    f"{MAX_JSON_DEPTH} levels of JSON, which no text dataset needs and JSON "
+                    "readers can crash on; remove that row"
+                )
+        elif mark in b"]}":
+            depth = max(depth - 1, 0)
+    return depth
+
+
+def _open_binary(file: Path):
+    raw = open(file, "rb")  # noqa: SIM115 - closed by the caller's with, through the gzip file
+    return gzip.GzipFile(fileobj=raw) if file.name.endswith(".gz") else raw
+
+
+def _json_lines_rows(files: list[Path]) -> Iterator[dict[str, Any]]:
+    """The rows of JSON Lines files, parsed one line at a time with Python's ``json`` (bounded:
+    a line of more than :data:`MAX_ROW_BYTES` or nested deeper than :data:`MAX_JSON_DEPTH` is
+    one line, never a crash), as far as the reader goes."""
+    for file in files:
+        with _open_binary(file) as f:
+            number = 0
+            try:
+                while line := f.readline(MAX_ROW_BYTES + 1):
+                    number += 1
+                    if len(line) > MAX_ROW_BYTES:
+                        raise DataError(
+                            f"dataset file {file.name}: line {number} is longer than "
+                            f"{MAX_ROW_BYTES >> 20} MiB; split that row"
+                        )
+                    if line.strip():
+                        yield _json_row(file, number, line)
+            except (OSError, EOFError, zlib.error) as e:
+                raise DataError(
+                    f"cannot read dataset file {file.name} ({e}); check the file (a .gz file "
+                    "must be whole)"
+                ) from None
+
+
+def _json_row(file: Path, number: int, line: bytes) -> dict[str, Any]:
+    where = f"dataset file {file.name}: line {number}"
+    if line.count(b"[") + line.count(b"{") > MAX_JSON_DEPTH:  # else it cannot nest deeper
+        _nesting(file, number, line)
+    try:
+        row = json.loads(line)
+    except UnicodeDecodeError:
+        raise DataError(f"{where} is not UTF-8; give UTF-8 JSON Lines") from None
+    except ValueError as e:
+        raise DataError(f"{where} is not JSON ({e.msg}, column {e.colno}); fix that line") from None
+    if not isinstance(row, dict):
+        raise DataError(
+            f"{where} is a JSON {type(row).__name__}, not an object; each line of a JSON Lines "
+            'dataset is one row, such as {"text": "..."}'
+        )
+    return row
 
 
 def _open_cached(name: str, split: str, cache_dir: str | os.PathLike | None) -> tuple[Any, str]:
@@ -247,13 +487,14 @@ def _open_cached(name: str, split: str, cache_dir: str | os.PathLike | None) -> 
     from datasets.packaged_modules.cache.cache import Cache
 
     try:
-        builder = Cache(
-            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-            repo_id=name,
-            dataset_name=name.split("/")[-1],
-            version="auto",
-            hash="auto",
-        )
+        with _quiet():
+            builder = Cache(
+                cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+                repo_id=name,
+                dataset_name=name.split("/")[-1],
+                version="auto",
+                hash="auto",
+            )
     except ValueError as e:
         first = str(e).splitlines()[0]
         if "multiple" in first:
@@ -265,7 +506,7 @@ def _open_cached(name: str, split: str, cache_dir: str | os.PathLike | None) -> 
             f'once where the network reaches the Hugging Face hub: python -c "import datasets; '
             f"datasets.load_dataset('{name}')\" (HF_DATASETS_CACHE names the cache)"
         ) from None
-    with _read_errors(name):
+    with _read_errors(name), _quiet():
         available = list(builder.info.splits or {})
         if split not in available:
             raise DataError(
@@ -284,7 +525,8 @@ def _read_errors(name: str) -> Iterator[None]:
         raise
     except Exception as error:
         lines = [line for line in str(error).splitlines() if line.strip()]
-        detail = lines[0] if lines else type(error).__name__
+        detail = _ABSOLUTE.sub(lambda m: Path(m.group()).name, lines[0]) if lines else ""
+        detail = detail or type(error).__name__
         if "split" in detail.lower() and "available" in detail.lower():
             raise DataError(f"dataset {name}: {detail}; give --split one of those") from None
         raise DataError(
@@ -297,6 +539,7 @@ def _files_fingerprint(path: Path) -> str:
     """16 hex digits of sha256 over each data file's name (relative to ``path``), size and first
     and last :data:`_FINGERPRINT_BYTES` bytes: bounded work, whatever the dataset's size."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    files = [f for f in files if f.resolve().is_relative_to(path)]  # never read from outside
     digest = hashlib.sha256()
     for file in files:
         rel = file.relative_to(path).as_posix() if path.is_dir() else file.name
@@ -322,36 +565,43 @@ def _is_dataset(data: object) -> bool:
     )
 
 
-def _string_columns(features: Mapping[str, Any] | None) -> list[str] | None:
-    if features is None:
-        return None
-    return [
-        name
-        for name, feature in features.items()
-        if getattr(feature, "dtype", None) in ("string", "large_string")
-    ]
+def _column_kinds(dataset: Any, name: str) -> dict[str, str] | None:
+    """Each column's type in words, from the features, else (a streamed file, a generator: known
+    once read) from the first row; ``None`` for a dataset whose first row is not there."""
+    if dataset.features is not None:
+        return {k: getattr(v, "dtype", None) or str(v) for k, v in dataset.features.items()}
+    with _read_errors(name), _quiet():
+        first = next(iter(dataset.take(1)), None)
+    if first is None:
+        return None  # no rows: said when they are read
+    return {k: "string" if isinstance(v, str) else type(v).__name__ for k, v in first.items()}
 
 
 def _choose_column(dataset: Any, column: str | None, name: str) -> str:
-    columns = list(dataset.column_names or [])
-    strings = _string_columns(dataset.features)
-    listed = ", ".join(columns) or "none"
+    kinds = _column_kinds(dataset, name)
+    if kinds is None:
+        return "text" if column is None else column
+    strings = [k for k, kind in kinds.items() if kind in ("string", "large_string")]
+    listed = ", ".join(kinds) or "none"
     if column is not None:
-        if columns and column not in columns:
+        if column not in kinds:
             raise DataError(
                 f"dataset {name} has no column {column!r}; its columns: {listed} "
                 "(--column chooses one)"
             )
-        if strings is not None and column not in strings:
+        if column not in strings:
             raise DataError(
-                f"column {column!r} of dataset {name} is {dataset.features[column]}, not text; "
+                f"column {column!r} of dataset {name} is {kinds[column]}, not text; "
                 f"choose a text column: {', '.join(strings) or 'it has none'}"
             )
         return column
-    if strings is None:  # an IterableDataset whose features are unknown until read
-        return "text"
     if "text" in strings:
         return "text"
+    if "text" in kinds and len(strings) != 1:
+        raise DataError(
+            f"column 'text' of dataset {name} is {kinds['text']}, not text; choose a text "
+            f"column with --column (column= in Python): {', '.join(strings) or 'it has none'}"
+        )
     if len(strings) == 1:
         return strings[0]
     what = "several text columns" if strings else "no text column"
@@ -400,41 +650,68 @@ def dataset_texts(
 
 
 def _rows(dataset: Any, column: str, name: str) -> Iterator[str]:
-    """The text of ``column``, batch by batch, rows joined by :data:`ROW_SEPARATOR`; at most
-    :data:`~headsurgeon.inputs.MAX_TEXT_BYTES` characters (a sample stops reading long before)."""
-    n_rows = total = 0
-    with _read_errors(name):
-        if dataset.column_names is not None and column not in dataset.column_names:
+    """The text of ``column``, rows joined by :data:`ROW_SEPARATOR`, in chunks of about
+    :data:`CHUNK_CHARS` characters (a longer row is one chunk), each read with ``datasets``
+    quiet: memory follows the bytes read, and reading stops where the caller stops. At most
+    :data:`~headsurgeon.inputs.MAX_TEXT_BYTES` characters."""
+    batches = _batches(dataset, column, name)
+    total, more = 0, True
+    while more:
+        chunk: list[str] = []
+        size = 0
+        with _read_errors(name), _quiet():  # once a chunk: entering it costs tens of us
+            while more and size < CHUNK_CHARS:
+                values = next(batches, None)
+                more = values is not None
+                for value in values or ():
+                    chunk.extend((ROW_SEPARATOR, value) if total or chunk else (value,))
+                    size += len(value) + len(ROW_SEPARATOR)
+        total += size
+        if total > MAX_TEXT_BYTES:
+            raise DataError(
+                f"dataset {name} holds more than {MAX_TEXT_BYTES >> 30} GiB of text; sample "
+                "it with --n-seqs (n_seqs= in Python), or give a part of it "
+                "(dataset.take(n) or .select(range(n)))"
+            )
+        if chunk:
+            yield "".join(chunk)
+
+
+def _batches(dataset: Any, column: str, name: str) -> Iterator[list[str]]:
+    """The non-empty values of ``column``, :data:`BATCH_ROWS` rows at a time; one line for a
+    value that is not text, and at the end for a dataset with no rows or no text."""
+    known = dataset.column_names
+    if known is not None and column not in known:
+        raise DataError(
+            f"dataset {name} has no column {column!r}; its columns: {', '.join(known)} "
+            "(--column chooses one)"
+        )
+    rows = dataset if known is None else dataset.select_columns([column])
+    seen: set[str] = set()
+    n_rows = n_texts = 0
+    for batch in rows.iter(batch_size=BATCH_ROWS):
+        seen.update(batch)
+        if column not in seen:  # a streamed file's columns are known once its rows are
             raise DataError(
                 f"dataset {name} has no column {column!r}; its columns: "
-                f"{', '.join(dataset.column_names)} (--column chooses one)"
+                f"{', '.join(sorted(seen))} (--column chooses one)"
             )
-        for batch in dataset.select_columns([column]).iter(batch_size=BATCH_ROWS):
-            values = batch[column]
-            bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
-            if bad is not None:
-                raise DataError(
-                    f"column {column!r} of dataset {name} holds {type(bad).__name__} values, not "
-                    "text; choose a text column with --column (column= in Python)"
-                )
-            texts = [v for v in values if v]
-            if not texts:
-                continue
-            chunk = ROW_SEPARATOR.join(texts)
-            if n_rows:
-                chunk = ROW_SEPARATOR + chunk
-            n_rows, total = n_rows + len(texts), total + len(chunk)
-            if total > MAX_TEXT_BYTES:
-                raise DataError(
-                    f"dataset {name} holds more than {MAX_TEXT_BYTES >> 30} GiB of text; sample "
-                    "it with --n-seqs (n_seqs= in Python), or give a part of it "
-                    "(dataset.take(n) or .select(range(n)))"
-                )
-            yield chunk
+        values = batch[column]
+        bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
+        if bad is not None:
+            raise DataError(
+                f"column {column!r} of dataset {name} holds {type(bad).__name__} values, not "
+                "text; choose a text column with --column (column= in Python)"
+            )
+        texts = [v for v in values if v]
+        n_rows, n_texts = n_rows + len(values), n_texts + len(texts)
+        yield texts
     if not n_rows:
+        raise DataError(f"dataset {name} has no rows; give a dataset with rows")
+    if not n_texts:
         raise DataError(
-            f"dataset {name} has no text in column {column!r} (no rows, or all empty); give a "
-            "dataset with rows"
+            f"dataset {name} has no text in column {column!r} (its {n_rows} rows are empty); "
+            "give a dataset with text"
         )
 
 

@@ -172,11 +172,15 @@ def _pieces(chunks: Iterable[str]) -> Iterator[str]:
     buffer = ""
     for chunk in chunks:
         buffer += chunk
-        while len(buffer) > PIECE_CHARS:
-            found = _CUT.search(buffer, PIECE_CHARS // 2, PIECE_CHARS + 1)
-            cut = found.start() if found else PIECE_CHARS
-            yield buffer[:cut]
-            buffer = buffer[cut:]
+        # Cut from a moving start and keep the rest once: re-slicing the rest after each piece
+        # copied a long chunk once per piece (quadratic; gigabytes for rows of 1 MB).
+        start = 0
+        while len(buffer) - start > PIECE_CHARS:
+            found = _CUT.search(buffer, start + PIECE_CHARS // 2, start + PIECE_CHARS + 1)
+            cut = found.start() if found else start + PIECE_CHARS
+            yield buffer[start:cut]
+            start = cut
+        buffer = buffer[start:]
     yield buffer
 
 
@@ -493,7 +497,9 @@ def to_sequences(
     Each text is tokenised on its own and cut into non-overlapping windows of ``seq_len`` tokens
     (``seq_len - 1`` text tokens after a BOS token when ``prepend_bos``, by default the model's
     convention). With ``n_seqs`` the windows are taken evenly spaced over all texts, so a sample
-    spans the whole corpus.
+    spans the whole corpus (its first ``max(8 x n_seqs x seq_len, 2**23)`` tokens); a dataset is
+    read from its start only until ``n_seqs`` windows exist
+    (:mod:`~headsurgeon.corpus_sources`).
 
     A token tensor is checked (:func:`check_token_ids`) and used exactly as given, whatever the
     model's convention (its first ``n_seqs`` rows; ``seq_len`` does not apply): sequences made
@@ -537,7 +543,10 @@ def as_sequences(
     check_length(info, seq_len, seq_len_name, DataError)
     source = text_source(data)  # a dataset or a lazy iterable, read as the windows need it
     data = data if source is None else source
-    tokens = _windows(info, _sources(data), seq_len, n_seqs, bos, seq_len_name)
+    # A dataset is streamed from its start and read only until the windows asked for exist (it
+    # may be any size, and its rows any length); texts and files are sampled as _windows says.
+    spread = source is None or source.record is None
+    tokens = _windows(info, _sources(data), seq_len, n_seqs, bos, seq_len_name, spread)
     description = describe(data)  # after the windows: data of a wrong type is their one line
     why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
     if bos:
@@ -572,14 +581,17 @@ def _windows(
     n_seqs: int | None,
     bos: bool,
     name: str = "seq_len",
+    spread: bool = True,
 ) -> Int[Tensor, "batch pos"]:
     """Each text's non-overlapping windows (after a BOS token when ``bos``), ``n_seqs`` of them
     evenly spaced over all texts, or over the first ``max(SAMPLE_FACTOR * n_seqs * seq_len,
-    MIN_SAMPLE_TOKENS)`` tokens when the texts hold more: reading and tokenising stop there."""
+    MIN_SAMPLE_TOKENS)`` tokens when the texts hold more: reading and tokenising stop there.
+    Without ``spread`` (a dataset), reading stops as soon as ``n_seqs`` windows exist (those of
+    the last piece tokenised included: the windows are spread over what was read)."""
     body = seq_len - 1 if bos else seq_len
     if body < 1:
         raise InvalidArgumentError(f"{name} must be at least 2 when a BOS token is prepended")
-    budget = None if n_seqs is None else max(SAMPLE_FACTOR * n_seqs * body, MIN_SAMPLE_TOKENS)
+    budget = _budget(n_seqs, body, spread)
     blocks, n_windows = [], 0
     for source in sources:
         carry = torch.empty(0, dtype=torch.long)  # tokens after the last full window so far
@@ -603,6 +615,13 @@ def _windows(
     if bos:
         tokens = torch.cat([torch.full_like(tokens[:, :1], info.bos_token_id), tokens], dim=1)
     return tokens
+
+
+def _budget(n_seqs: int | None, body: int, spread: bool) -> int | None:
+    """How many text tokens :func:`_windows` reads (``None``: all)."""
+    if n_seqs is None:
+        return None
+    return max(SAMPLE_FACTOR * n_seqs * body, MIN_SAMPLE_TOKENS) if spread else n_seqs * body
 
 
 def check_length(

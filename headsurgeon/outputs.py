@@ -385,7 +385,7 @@ def _check_inputs(path: Path, inputs: Iterable[str | os.PathLike]) -> None:
     """Refuse an output ``path`` that is an input, holds one or lies inside an input folder."""
     for given in inputs:
         try:
-            source = Path(given).resolve()
+            source = Path(given).expanduser().resolve()  # as the reader resolves it
         except (OSError, RuntimeError):
             continue  # an input that cannot be resolved cannot be reached through path either
         if source == path:

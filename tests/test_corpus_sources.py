@@ -5,8 +5,16 @@ bad datasets are one line; lazy sources are read only as far as the sample needs
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import datasets
 import pytest
@@ -24,6 +32,7 @@ from headsurgeon.corpus_sources import (
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
 
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = [sentence.strip() + "." for sentence in TEXT.split(".") if sentence.strip()][:40]
 
 
@@ -147,8 +156,11 @@ def test_non_text_values_and_empty_datasets_are_one_line_when_read(tiny_model):
         hs.to_sequences(tiny_model, mixed, seq_len=4)
     features = datasets.Features({"text": datasets.Value("string")})
     empty = datasets.Dataset.from_dict({"text": []}, features=features)
-    with pytest.raises(DataError, match="has no text in column 'text'"):
+    with pytest.raises(DataError, match="dataset in memory has no rows; give a dataset with rows"):
         hs.to_sequences(tiny_model, empty)
+    blank = datasets.Dataset.from_dict({"text": ["", None]}, features=features)
+    with pytest.raises(DataError, match=r"has no text in column 'text' \(its 2 rows are empty"):
+        hs.to_sequences(tiny_model, blank)
     with pytest.raises(DataError, match="no texts given"):
         hs.to_sequences(tiny_model, iter([]))
     with pytest.raises(DataError, match="one is of type int"):
@@ -230,3 +242,199 @@ def test_perplexity_scores_a_dataset_as_its_joined_text(tiny_model, jsonl_dir):
     given = hs.perplexity(tiny_model, load_dataset_texts(jsonl_dir), window=16, progress=False)
     joined = hs.perplexity(tiny_model, ROW_SEPARATOR.join(ROWS), window=16, progress=False)
     assert given == joined
+
+
+_CAPPED = """
+import gzip, json, resource, sys
+import headsurgeon as hs
+from headsurgeon import data
+from headsurgeon.errors import HeadsurgeonError
+info = hs.model_info(hs.load_model("organism"))
+source = hs.load_dataset_texts(sys.argv[1])  # datasets imported: in the baseline
+size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (320 << 20),) * 2)
+try:
+    print("shape", list(data.as_sequences(info, source, seq_len=16, n_seqs=2).tokens.shape))
+except (HeadsurgeonError, MemoryError) as e:
+    print("error", type(e).__name__, e)
+"""
+
+
+@pytest.mark.slow
+def test_rows_of_1_mb_are_read_by_bytes_until_the_windows_exist(tmp_path):
+    """64 rows of 1 MB in a 200 KB .jsonl.gz, 2 x 16 tokens asked for, in a process whose
+    address space is capped 320 MB above its baseline: reading stops after the first rows (it
+    read 1,000 rows at a time, re-cut the joined text quadratically, and ran out of memory)."""
+    row = json.dumps({"text": "lorem ipsum dolor sit amet " * 37_000}) + "\n"  # 1 MB
+    path = tmp_path / "big.jsonl.gz"
+    path.write_bytes(gzip.compress((row * 64).encode(), compresslevel=1))
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", _CAPPED, str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.strip() == "shape [2, 16]", done.stdout + done.stderr[-2000:]
+
+
+def test_a_dataset_is_read_only_until_its_windows_exist(tiny_model, tmp_path):
+    """n_seqs x seq_len tokens of a dataset read from its start, in chunks of about a MiB: the
+    rows after them never are (it read the first 2**23 tokens, thousands of rows)."""
+    read = []
+
+    def rows():
+        for i in itertools.count():
+            read.append(i)
+            yield {"text": f"{TEXT} {i}"}
+
+    stream = datasets.IterableDataset.from_generator(rows)
+    seqs = hs.to_sequences(tiny_model, stream, seq_len=16, n_seqs=3)
+    assert seqs.tokens.shape == (3, 16) and len(read) < 1000  # 1 MiB: about 260 rows
+
+
+_NESTED = """
+import sys
+from pathlib import Path
+from headsurgeon.cli import classify, run
+for path in sys.argv[1:]:
+    out = Path(path).with_suffix(".out")
+    try:
+        run(classify.main, ["organism", "--dataset", path, "--n-seqs", "2", "--out", str(out)])
+    except SystemExit as e:
+        print("exit", e.code, flush=True)
+"""
+
+NESTED = {
+    "deep.jsonl": b'{"text": ' + b"[" * 20_000 + b"]" * 20_000 + b"}\n",
+    "late.jsonl.gz": b'{"text": "a row"}\n{"text": ' + b"[" * 20_000 + b"\n",
+    "deep.json": b"[" * 20_000 + b"]" * 20_000 + b"\n",
+    "pretty.json": b"[\n" * 5_000 + b"]\n" * 5_000,
+}
+
+
+@pytest.mark.slow
+def test_json_nested_20000_deep_is_one_line_and_leaves_no_lock(tmp_path):
+    """In a subprocess, so that a crash (pyarrow's reader segfaulted, leaving the output's
+    lock behind) fails this test only: each file is one line, exit 2, nothing left."""
+    for name, rows in NESTED.items():
+        (tmp_path / name).write_bytes(gzip.compress(rows) if name.endswith(".gz") else rows)
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", _NESTED, *(str(tmp_path / name) for name in NESTED)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:-1] == ["exit 2"] * len(NESTED), done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == len(NESTED), done.stderr
+    for name, error in zip(NESTED, errors, strict=True):
+        assert f"{name}: line " in error and "nests deeper than 100 levels of JSON" in error
+    assert "Traceback" not in done.stderr and str(tmp_path) not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(NESTED)  # no lock, no output
+
+
+def test_paths_are_read_as_named_never_as_globs(tiny_model, tmp_path):
+    write_jsonl(tmp_path / "data[1].jsonl", ROWS[:20])
+    write_jsonl(tmp_path / "a*.jsonl", ROWS[:20])
+    write_jsonl(tmp_path / "ab.jsonl", ROWS[20:])  # what the glob a*.jsonl also matched
+    write_jsonl(tmp_path / "set[x]" / "train.jsonl", ROWS[:20])
+    write_jsonl(tmp_path / "set*" / "train.jsonl", ROWS[:20])
+    write_jsonl(tmp_path / "setA" / "train.jsonl", ROWS[20:])
+    expected = joined_tokens(tiny_model, ROWS[:20], seq_len=8)
+    for given in ("data[1].jsonl", "a*.jsonl", "set[x]", "set*"):
+        seqs = hs.to_sequences(tiny_model, load_dataset_texts(tmp_path / given), seq_len=8)
+        assert torch.equal(seqs.tokens, expected), given
+
+
+def test_a_save_to_disk_folder_is_read_only_inside_itself(tmp_path):
+    table = datasets.Dataset.from_dict({"text": ROWS})
+    table.save_to_disk(tmp_path / "other")
+    for name, rename in (("up", "../other/{}"), ("absolute", str(tmp_path / "other") + "/{}")):
+        table.save_to_disk(tmp_path / name)
+        state = json.loads((tmp_path / name / "state.json").read_text())
+        for entry in state["_data_files"]:
+            (tmp_path / name / entry["filename"]).unlink()
+            entry["filename"] = rename.format(entry["filename"])
+        (tmp_path / name / "state.json").write_text(json.dumps(state))
+        with pytest.raises(DataError, match="state.json names a data file outside its folder"):
+            load_dataset_texts(tmp_path / name)
+    datasets.DatasetDict({"train": table}).save_to_disk(tmp_path / "splits")
+    (tmp_path / "splits" / "dataset_dict.json").write_text(json.dumps({"splits": ["../other"]}))
+    with pytest.raises(DataError, match="names a split outside its folder"):
+        load_dataset_texts(tmp_path / "splits")
+    # A symbolic link in a dataset folder to a file outside it: refused too, as a state is.
+    write_jsonl(tmp_path / "elsewhere" / "train.jsonl", ROWS)
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "train.jsonl").symlink_to(tmp_path / "elsewhere" / "train.jsonl")
+    with pytest.raises(DataError, match="train.jsonl lies outside the dataset folder linked"):
+        load_dataset_texts(tmp_path / "linked")
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "needle"),
+    [
+        ("x.jsonl", lambda p: p.write_text(""), "dataset file x.jsonl is empty (0 bytes)"),
+        ("x.parquet", lambda p: p.write_bytes(b""), "dataset file x.parquet is empty"),
+        ("x.parquet", lambda p: _zero_rows(p), "dataset x.parquet has no rows"),
+        ("x.csv", lambda p: p.write_text("text\n"), "dataset x.csv has no rows"),
+        ("x.jsonl", lambda p: p.symlink_to(p), "x.jsonl is a symbolic link loop"),
+        ("x.jsonl", lambda p: p.symlink_to(p.parent / "y"), "x.jsonl is a broken symbolic link"),
+        ("x.jsonl", lambda p: os.mkfifo(p), "x.jsonl is a FIFO (named pipe)"),
+        (
+            "x.jsonl",
+            lambda p: p.write_text('{"text": "a"}\n{oops\n'),
+            "x.jsonl: line 2 is not JSON",
+        ),
+        ("x.jsonl", lambda p: p.write_text('["a"]\n'), "line 1 is a JSON list, not an object"),
+        ("x.jsonl", lambda p: p.write_text('{"n": 1}\n'), "has no text column (n)"),
+        ("x.jsonl", lambda p: p.write_text('{"text": 1}\n'), "column 'text' of dataset x.jsonl"),
+        ("x.jsonl", lambda p: p.write_bytes(b'{"text": "\xff"}\n'), "line 1 is not UTF-8"),
+    ],
+)
+def test_bad_files_name_the_real_cause_in_one_line(tiny_model, tmp_path, name, make, needle):
+    make(tmp_path / name)
+    with pytest.raises(DataError) as info:
+        hs.to_sequences(tiny_model, load_dataset_texts(tmp_path / name), seq_len=8)
+    message = str(info.value)
+    assert needle in message and len(message.splitlines()) == 1, message
+    assert str(tmp_path) not in message  # outputs carry no machine paths
+
+
+def _zero_rows(path):
+    features = datasets.Features({"text": datasets.Value("string")})
+    datasets.Dataset.from_dict({"text": []}, features=features).to_parquet(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("x.parquet", b"not parquet at all"), ("x.json", b"{oops"), ("x.csv", b"text\n\xff\xfe\n")],
+)
+def test_the_datasets_logger_names_no_path_of_the_users(
+    tiny_model, tmp_path, caplog, capfd, monkeypatch, name, content
+):
+    """datasets logs a file it cannot read by its absolute path; while it reads for us it is
+    silent (our one line names the file), asks the network nothing, and its own settings are
+    restored after."""
+    (tmp_path / name).write_bytes(content)
+    caplog.set_level(logging.DEBUG)
+    level = logging.getLogger("datasets").level
+    asked = []  # hosts looked up: datasets swallows the error of a request that fails
+
+    def lookup(host, *args, **kwargs):
+        asked.append(host)
+        raise OSError("no network here")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    with pytest.raises(DataError) as info:
+        hs.to_sequences(tiny_model, load_dataset_texts(tmp_path / name), seq_len=8)
+    assert f"cannot read dataset {name} (" in str(info.value), info.value
+    shown = [str(info.value), caplog.text, *capfd.readouterr()]
+    assert not any(str(tmp_path) in text for text in shown), shown
+    assert logging.getLogger("datasets").level == level
+    assert not asked, asked
+
+
+def test_a_folder_whose_data_file_is_no_file_says_which(tmp_path):
+    for folder, make, kind in (
+        ("loop", lambda p: p.symlink_to(p), "a symbolic link loop"),
+        ("fifo", os.mkfifo, "a FIFO (named pipe)"),
+    ):
+        (tmp_path / folder).mkdir()
+        make(tmp_path / folder / "train.jsonl")
+        with pytest.raises(DataError, match=f"dataset file train.jsonl is {re.escape(kind)}"):
+            load_dataset_texts(tmp_path / folder)

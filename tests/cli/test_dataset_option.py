@@ -104,3 +104,37 @@ def test_repair_trains_on_the_dataset_and_evaluates_on_its_other_split(
         settings["eval_data"] == f"dataset corpus-ds, split test, column text, revision {revision}"
     )
     assert settings["census_data"].startswith("bundled held-out corpora")
+
+
+@pytest.mark.parametrize("given", ["~/corpus-ds", "~/corpus-ds/", "~/../home/corpus-ds"])
+def test_a_quoted_tilde_dataset_is_the_path_the_overlap_check_sees(
+    dataset_dir, no_model, capsys, monkeypatch, given
+):
+    """'~' past the shell (quoted) is expanded once, for reading and for the overlap check
+    alike: a report inside the dataset folder is refused (it was written there)."""
+    home = dataset_dir.parent / "home"
+    home.mkdir()
+    (home / "corpus-ds").symlink_to(dataset_dir)
+    monkeypatch.setenv("HOME", str(home))
+    argv = ["organism", "--dataset", given, "--out", dataset_dir / "report"]
+    line = error_line(classify.main, argv, capsys)
+    assert "the input" in line and "choose a folder outside them" in line, line
+    assert sorted(p.name for p in dataset_dir.iterdir()) == ["test.jsonl", "train.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "needle"),
+    [
+        ("empty.jsonl", b"", "dataset file empty.jsonl is empty (0 bytes)"),
+        ("deep.jsonl", b'{"text": ' + b"[" * 300 + b"]" * 300 + b"}\n", "nests deeper than"),
+        ("rows.jsonl", b'{"text": "a"}\n{"text": 7}\n', "holds int values, not text"),
+    ],
+)
+def test_a_dataset_refused_while_read_leaves_no_lock_nor_output(
+    tmp_path, capsys, name, content, needle
+):
+    (tmp_path / name).write_bytes(content)
+    argv = ["organism", "--dataset", tmp_path / name, "--n-seqs", "2", "--out", tmp_path / "out"]
+    line = error_line(classify.main, argv, capsys)
+    assert needle in line and str(tmp_path) not in line, line
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # no .out.lock, no out, no twin
