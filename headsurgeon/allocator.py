@@ -3,6 +3,9 @@
 Exports:
     keep_freed_memory()     raise glibc's mmap and trim thresholds; True where applied
     return_freed_memory()   fix them at glibc's defaults: freed buffers go back to the system
+    allocator_setting()     which of the two this process applied last ("keep", "return"), or
+                            None: neither (glibc's own defaults)
+    restore_setting(s)      apply what allocator_setting() returned earlier
 
 glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB as
 buffers are freed) with a fresh ``mmap`` and unmaps it again on free. A transformer step
@@ -35,7 +38,9 @@ import ctypes.util
 import logging
 
 __all__ = [
+    "allocator_setting",
     "keep_freed_memory",
+    "restore_setting",
     "return_freed_memory",
 ]
 
@@ -45,6 +50,8 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 _INT_MAX = 2**31 - 1  # mallopt takes an int
 _GLIBC_DEFAULT = 128 * 2**10  # the three thresholds' defaults (mallopt(3))
+# glibc has no getter for the thresholds: what this module set last ("keep", "return" or None).
+_applied: str | None = None
 
 
 def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
@@ -69,6 +76,7 @@ def keep_freed_memory() -> bool:
         ((M_MMAP_THRESHOLD, _INT_MAX), (M_TRIM_THRESHOLD, _INT_MAX), (M_TOP_PAD, 256 * 2**20))
     )
     logger.debug("glibc allocator thresholds raised: %s", applied)
+    _record("keep", applied)
     return applied
 
 
@@ -88,4 +96,33 @@ def return_freed_memory() -> bool:
         )
     )
     logger.debug("glibc allocator thresholds fixed at their defaults: %s", applied)
+    _record("return", applied)
     return applied
+
+
+def _record(setting: str, applied: bool) -> None:
+    global _applied
+    if applied:
+        _applied = setting
+
+
+def allocator_setting() -> str | None:
+    """What this process set last: ``"keep"`` (:func:`keep_freed_memory`), ``"return"``
+    (:func:`return_freed_memory`), or None (neither: glibc's defaults, or no glibc)."""
+    return _applied
+
+
+def restore_setting(setting: str | None) -> None:
+    """Apply ``setting`` (an earlier :func:`allocator_setting`) again, e.g. after a tool's run.
+
+    None after a change puts the thresholds back at glibc's default values; glibc offers no way
+    to turn their rise with freed buffers back on, so that one difference stays.
+    """
+    global _applied
+    if setting == _applied:
+        return
+    if setting == "keep":
+        keep_freed_memory()
+    elif setting == "return" or _applied is not None:
+        return_freed_memory()
+    _applied = setting

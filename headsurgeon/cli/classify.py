@@ -52,6 +52,7 @@ from headsurgeon.cli import (
     non_negative_int,
     positive_int,
     run,
+    tool_session,
     work_begins,
 )
 from headsurgeon.cli.options import (
@@ -138,6 +139,11 @@ def _parser() -> ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    with tool_session(parser):
+        return _main(parser, argv)
+
+
+def _main(parser: ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.preset:  # the preset's values as defaults; what the command line says wins
         parser.set_defaults(**PRESETS[args.preset])

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from headsurgeon.classify import Thresholds
-from headsurgeon.cli import claim_out, loads, placement_args
+from headsurgeon.cli import claim_out, dataset_split, loads, placement_args
 from headsurgeon.cli.options import WORK_WRITER
 from headsurgeon.distributed import DistInfo, setup_distributed
 from headsurgeon.dtypes import check_trainable
@@ -104,6 +104,7 @@ def _settings(args: argparse.Namespace) -> RepairConfig:
         max_ppl_increase=args.max_ppl_increase,
         max_collateral=args.max_collateral,
         control=args.control,
+        eval_on_train=args.allow_eval_on_train,
     )
 
 
@@ -119,7 +120,7 @@ def _training_texts(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.dataset:
         from headsurgeon.corpus_sources import load_dataset_texts
 
-        corpus = load_dataset_texts(args.dataset, args.split, args.column)
+        corpus = load_dataset_texts(args.dataset, dataset_split(args), args.column)
         if args.eval_split:
             eval_corpus = load_dataset_texts(args.dataset, args.eval_split, args.column)
     return corpus, eval_corpus
