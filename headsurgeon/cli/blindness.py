@@ -65,7 +65,10 @@ def _check_sink_cache(args: argparse.Namespace) -> None:
     for option, value in (("--sink-seq-len", args.sink_seq_len), ("--sink-head-seq-len", None)):
         value = args.sink_head_seq_len if value is None else value
         if value < 3:  # a cut needs a key beyond the query's neighbour
-            raise InvalidArgumentError(f"{option} must be 3 or more (a query, its neighbour and a key to cut), got {value}")
+            raise InvalidArgumentError(
+                f"{option} must be 3 or more (a query, its neighbour and a key to cut), "
+                f"got {value}"
+            )
     sinks = max(args.sinks)
     if sinks == 0 or args.windows is None:  # no per-head test; or windows the model's length
         return

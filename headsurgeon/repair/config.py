@@ -60,8 +60,9 @@ class RepairConfig:
     ``max_collateral`` (frozen heads that may turn sick; see :class:`PassResult`). Data:
     ``train_seq_len`` (default: the model's training length, at most 512), ``n_eval_seqs``,
     ``prepend_bos``, ``eval_on_train`` (True: held-out text that is training text is judged on
-    anyway, and the report says so; default: refused in one line). Training: ``finetune`` (default: :func:`recommended_config`) and
-    ``save_dtype`` (default: the checkpoint's dtype, else the model's).
+    anyway, and the report says so; default: refused in one line). Training: ``finetune``
+    (default: :func:`recommended_config`) and ``save_dtype`` (default: the checkpoint's dtype,
+    else the model's).
 
     >>> RepairConfig(passes=1).passes
     1

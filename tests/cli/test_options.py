@@ -8,8 +8,8 @@ import dataclasses
 from headsurgeon import alibi, census, importance, received, sink_cache, surgery
 from headsurgeon.blindness import ANALYSED_DTYPES, CONVENTIONS
 from headsurgeon.classify import Thresholds
-from headsurgeon.dtypes import DTYPES
 from headsurgeon.cli import options
+from headsurgeon.dtypes import DTYPES
 from headsurgeon.finetune import FinetuneConfig
 from headsurgeon.loading import ALIBI_SHAPES, BLOOM_SHAPES, model_shape
 from headsurgeon.repair import DRIFT_THRESHOLD, MAX_PPL_INCREASE
