@@ -507,7 +507,6 @@ def add_dataset_args(
     )
 
 
-
 def needs_dataset(parser: ArgumentParser) -> None:
     """--split and --column (of :func:`add_dataset_args`) refused without --dataset."""
     parser.needs("--split", "--dataset")
@@ -804,9 +803,7 @@ def _in_option_terms(message: str, names: Mapping[str, str]) -> str:
         return message
     # Longest first: "threshold min_output_share" before "min_output_share".
     keys = sorted(names, key=len, reverse=True)
-    pattern = re.compile(
-        r"(?<![\w.-])(" + "|".join(map(re.escape, keys)) + r")(?![\w])(?! \(--)"
-    )
+    pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, keys)) + r")(?![\w])(?! \(--)")
     return pattern.sub(lambda m: names[m.group(1)], message)
 
 

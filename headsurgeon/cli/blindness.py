@@ -66,8 +66,7 @@ def _check_sink_cache(args: argparse.Namespace) -> None:
         value = args.sink_head_seq_len if value is None else value
         if value < 3:  # a cut needs a key beyond the query's neighbour
             raise InvalidArgumentError(
-                f"{option} must be 3 or more (a query, its neighbour and a key to cut), "
-                f"got {value}"
+                f"{option} must be 3 or more (a query, its neighbour and a key to cut), got {value}"
             )
     sinks = max(args.sinks)
     if sinks == 0 or args.windows is None:  # no per-head test; or windows the model's length
@@ -216,6 +215,11 @@ def _main(args: argparse.Namespace) -> int:
     formats = cli.figure_formats(args)  # --format pdf without a browser: fail before any work
     params = _mitigation_params(args)
     check_number(args.reach_eps, "--reach-eps", low=0, high=1)  # before any work
+    if args.measure and args.seq_len < 2:  # the census of the reach needs a query row
+        raise InvalidArgumentError(
+            f"--measure needs --seq-len 2 or more (no query follows a single token), got "
+            f"{args.seq_len}"
+        )
     if args.sink_cache:
         _check_sink_cache(args)
     if args.counterfactual and not args.measure:

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from headsurgeon.classify import Thresholds
-from headsurgeon.cli import claim_out, dataset_split, loads, placement_args
+from headsurgeon.cli import claim_out, dataset_split, in_option_terms, loads, placement_args
 from headsurgeon.cli.options import WORK_WRITER
 from headsurgeon.distributed import DistInfo, setup_distributed
 from headsurgeon.dtypes import check_trainable
@@ -111,6 +111,11 @@ def _settings(args: argparse.Namespace) -> RepairConfig:
 def _texts(paths: Sequence[Path] | None) -> list[Path] | None:
     # Paths, not their texts: the library reads files piece by piece, in bounded memory.
     return list(paths) if paths else None
+
+
+# --dataset is the repair's training text, whose text files go to --corpus (--texts is the
+# census's).
+_DATASET_TERMS = {"--texts (texts= in Python)": "--corpus"}
 
 
 def _training_texts(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -280,7 +285,8 @@ def _run(
         with _keep_training(out, partial, dist_info.rank):
             if dist_info.rank == 0 and not args.resume:
                 _start_work_folder(partial)
-            corpus, eval_corpus = _training_texts(args)
+            with in_option_terms(_DATASET_TERMS):
+                corpus, eval_corpus = _training_texts(args)
             result = repair_heads(
                 model,
                 corpus,

@@ -73,7 +73,7 @@ def test_repair_eval_split_needs_the_dataset_and_excludes_the_corpus(
 ):
     out = ["--out", str(tmp_path / "out")]
     line = error_line(repair.main, ["organism", "--eval-split", "test", *out], capsys)
-    assert "--eval-split names a split of --dataset" in line
+    assert "--eval-split applies to --dataset; give --dataset too" in line
     text = tmp_path / "a.txt"
     text.write_text(TEXT)
     argv = ["organism", "--dataset", dataset_dir, "--corpus", text, *out]
