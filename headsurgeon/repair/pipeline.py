@@ -550,9 +550,9 @@ def repair(
     text (one split or file twice, under two names or one) judges the repair on text it
     trained on: ``eval_on_train=False`` refuses it in one line (the command line's default),
     True allows it, None (default) allows it with a warning; the report states it. The census
-    runs on ``census_data`` (default: the bundled held-out corpora; ``census_n_seqs`` x ``census_seq_len`` tokens,
-    query rows from ``min_query_pos``) and is classified with ``thresholds`` (default:
-    :class:`Thresholds`).
+    runs on ``census_data`` (default: the bundled held-out corpora; ``census_n_seqs`` x
+    ``census_seq_len`` tokens, query rows from ``min_query_pos``) and is classified with
+    ``thresholds`` (default: :class:`Thresholds`).
     ``heads`` replaces the census's choice of pass-1 targets; ``include`` adds heads to it. Each
     pass fine-tunes with ``finetune_config`` (default: :class:`FinetuneConfig` with the steps and
     learning rate the model recommends, see :func:`recommended_config`: the settings
