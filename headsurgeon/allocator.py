@@ -1,4 +1,5 @@
-"""CPU allocator tuning: keep large freed buffers in the process, or give them back at once.
+"""The process's CPU memory: allocator tuning (keep large freed buffers in the process, or give
+them back at once), and how much it may still allocate.
 
 Exports:
     keep_freed_memory()     raise glibc's mmap and trim thresholds; True where applied
@@ -6,6 +7,9 @@ Exports:
     allocator_setting()     which of the two this process applied last ("keep", "return"), or
                             None: neither (glibc's own defaults)
     restore_setting(s)      apply what allocator_setting() returned earlier
+    available_memory(root)  bytes the process may still allocate: the least of MemAvailable,
+                            its address-space limit (RLIMIT_AS) and its memory cgroup's
+    CGROUP_ROOT             where the cgroups are mounted (/sys/fs/cgroup)
 
 glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB as
 buffers are freed) with a fresh ``mmap`` and unmaps it again on free. A transformer step
@@ -36,9 +40,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+from pathlib import Path
 
 __all__ = [
+    "CGROUP_ROOT",
     "allocator_setting",
+    "available_memory",
     "keep_freed_memory",
     "restore_setting",
     "return_freed_memory",
@@ -126,3 +134,101 @@ def restore_setting(setting: str | None) -> None:
     elif setting == "return" or _applied is not None:
         return_freed_memory()
     _applied = setting
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# cgroup v1 writes "no limit" as the largest page-aligned int64, not as a word.
+_NO_LIMIT = 2**62
+
+
+def available_memory(cgroup_root: str | os.PathLike = CGROUP_ROOT) -> int | None:
+    """The bytes this process may still allocate on the CPU: the least of the system's
+    ``MemAvailable``, what its address-space limit leaves (``RLIMIT_AS``, as clusters set with
+    ``ulimit -v``, less the address space in use) and what its memory cgroup leaves (v2
+    ``memory.max - memory.current``, v1 ``memory.limit_in_bytes - memory.usage_in_bytes``, its
+    own cgroup's and every parent's under ``cgroup_root``); None where none of them says.
+
+    >>> available_memory() is None or available_memory() >= 0
+    True
+    """
+    known = [
+        left
+        for left in (_meminfo_available(), _address_space_left(), _cgroup_left(Path(cgroup_root)))
+        if left is not None
+    ]
+    return max(0, min(known)) if known else None
+
+
+def _proc_fields(path: str) -> dict[str, str] | None:
+    """``Name: value`` lines of a /proc file, or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+
+
+def _meminfo_available() -> int | None:
+    fields = _proc_fields("/proc/meminfo") or {}
+    try:
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+def _address_space_left() -> int | None:
+    """``RLIMIT_AS``'s soft limit less this process's address space (``VmSize``)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    fields = _proc_fields("/proc/self/status") or {}
+    try:
+        used = int(fields["VmSize"].split()[0]) * 1024
+    except (KeyError, ValueError, IndexError):
+        used = 0
+    return limit - used
+
+
+def _cgroup_left(root: Path) -> int | None:
+    """The least a memory cgroup of this process leaves: its own and each parent's."""
+    own = {"v2": "/", "v1": "/"}
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    own["v2"] = path
+                elif "memory" in controllers.split(","):
+                    own["v1"] = path
+    except (OSError, ValueError):
+        pass
+    lefts = []
+    for base, path, files in (
+        (root, own["v2"], ("memory.max", "memory.current")),
+        (root / "memory", own["v1"], ("memory.limit_in_bytes", "memory.usage_in_bytes")),
+    ):
+        parts = [p for p in path.split("/") if p and p != ".."]
+        for depth in range(len(parts), -1, -1):  # own cgroup first, then each parent
+            folder = base.joinpath(*parts[:depth])
+            limit, used = (_read_int(folder / name) for name in files)
+            if limit is not None and limit < _NO_LIMIT:
+                lefts.append(limit - (used or 0))
+    return min(lefts) if lefts else None
+
+
+def _read_int(path: Path) -> int | None:
+    """The integer a cgroup file holds, or None (missing, unreadable, ``max``)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

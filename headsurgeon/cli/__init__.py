@@ -68,12 +68,10 @@ Exports:
                               both after the run's cleanup (and keep freed memory, see
                               headsurgeon.allocator)
     work_begins()             a tool's heavy imports are done: Ctrl-C and SIGTERM unwind from now
-    tool_session(parser, names)   context of a tool's main: the host process's signal
-                              handlers, torch threads, logging and allocator put back after it;
-                              library refusals inside in the tool's option names
-    option_names(parser)      the library names of the parser's options -> the options
-    in_option_terms(names)    context: argument and data errors inside reworded by ``names``
     Terminated                the KeyboardInterrupt that SIGTERM raises during a tool's work
+
+A tool's ``main`` runs inside :func:`headsurgeon.cli.session.tool_session`: the library's
+refusals in its options' names, and a host process that calls it gets back what the run changed.
 
 Every tool is a thin layer over the library: parse, claim its output folder, call library
 functions, print, and write through :mod:`headsurgeon.reports` (tables, JSON with versions,
@@ -136,17 +134,17 @@ if _starting_a_tool():
 import argparse
 import contextlib
 import logging
-import re
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from headsurgeon.allocator import allocator_setting, keep_freed_memory, restore_setting
+from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.cli.options import DTYPE_NAMES, THRESHOLDS
-from headsurgeon.errors import DataError, HeadsurgeonError, InvalidArgumentError, shown
+from headsurgeon.cli.session import record_threads
+from headsurgeon.errors import DataError, HeadsurgeonError, shown
 from headsurgeon.inputs import check_texts
 from headsurgeon.model_names import DEFAULT_MODEL, ORGANISM_DIR, locate_model, organism_names
 from headsurgeon.outputs import check_output_dir, claim_output
@@ -185,9 +183,6 @@ __all__ = [
     "max_memory",
     "run",
     "work_begins",
-    "tool_session",
-    "option_names",
-    "in_option_terms",
     "Terminated",
 ]
 
@@ -696,126 +691,12 @@ class _ShownFormatter(logging.Formatter):
         return shown(super().format(record))
 
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class _HostState:
-    """What a tool's run changes in its process, taken before it and put back after (see
-    :func:`tool_session`): signal handlers, torch's thread count, logging, the allocator."""
-
-    def __init__(self) -> None:
-        self.handlers = {signum: signal.getsignal(signum) for signum in _SIGNALS}
-        torch = sys.modules.get("torch")
-        self.threads = torch.get_num_threads() if torch else None  # else at work_begins
-        manager = logging.Logger.manager
-        self.disable = manager.disable
-        loggers = [logging.getLogger(), *manager.loggerDict.values()]
-        self.loggers = [
-            (log, log.level, list(log.handlers), log.propagate, log.disabled, list(log.filters))
-            for log in loggers
-            if isinstance(log, logging.Logger)
-        ]
-        self.allocator = allocator_setting()
-
-    def restore(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for signum, handler in self.handlers.items():
-                if handler is not None and signal.getsignal(signum) is not handler:
-                    signal.signal(signum, handler)
-        torch = sys.modules.get("torch")
-        if torch and self.threads is not None and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
-        logging.disable(self.disable)
-        for log, level, handlers, propagate, disabled, filters in self.loggers:
-            log.setLevel(level)
-            log.handlers[:] = handlers
-            log.propagate, log.disabled = propagate, disabled
-            log.filters[:] = filters
-        restore_setting(self.allocator)
-
-
-_SESSIONS: list[_HostState] = []  # the tool runs under way in this process, innermost last
-
-
-@contextlib.contextmanager
-def tool_session(
-    parser: argparse.ArgumentParser, names: Mapping[str, str] | None = None
-) -> Iterator[None]:
-    """A tool's ``main`` runs inside: a host process that calls it (a notebook, another
-    program) gets back its signal handlers, torch's thread count, its logging configuration and
-    the allocator setting when it returns or raises; and the library's refusals inside name the
-    tool's options (:func:`in_option_terms` with :func:`option_names` and ``names``)."""
-    state = _HostState()
-    _SESSIONS.append(state)
-    try:
-        with in_option_terms({**option_names(parser), **(names or {})}):
-            yield
-    finally:
-        _SESSIONS.remove(state)
-        state.restore()
-
-
-def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """The library's names of ``parser``'s options, each to its option: a parameter of the same
-    name with underscores (``head_seq_len``: ``--head-seq-len``) anywhere, and a one-word one
-    where a check names it (``passes must be``), not where the word is plain English."""
-    given = {o for action in parser._actions for o in action.option_strings}
-    names = {phrase: option for phrase, option in _PHRASES.items() if option in given}
-    for action in parser._actions:
-        options = [o for o in action.option_strings if o.startswith("--")]
-        if not options or action.dest == "help":
-            continue
-        if "_" in action.dest:
-            names[action.dest] = options[0]
-        else:
-            names[f"{action.dest} must be"] = f"{options[0]} must be"
-    return names
-
-
-# How the library names options that are not parameters of the same name (Thresholds' fields).
-_PHRASES = {
-    "threshold sink": "--sink-threshold",
-    "threshold dead": "--dead-threshold",
-    "threshold min_output_share": "--min-output-share",
-    "the sink threshold": "--sink-threshold",
-    "the dead threshold": "--dead-threshold",
-}
-
-
-@contextlib.contextmanager
-def in_option_terms(names: Mapping[str, str]) -> Iterator[None]:
-    """Argument and data errors raised inside, reworded in the command line's terms: each
-    library name of ``names`` (a parameter, or a phrase) becomes its option or phrase, where it
-    stands as a word and is not already followed by its option (``seq_len (--seq-len)``).
-
-    One table per tool (:func:`tool_session`), and an inner one where a call's parameter is
-    another option (``seq_len`` of the sink-cache test is ``--sink-seq-len``)."""
-    try:
-        yield
-    except (InvalidArgumentError, DataError) as e:
-        if len(e.args) == 1 and isinstance(e.args[0], str):
-            e.args = (_in_option_terms(e.args[0], names),)
-        raise
-
-
-def _in_option_terms(message: str, names: Mapping[str, str]) -> str:
-    if not names:
-        return message
-    # Longest first: "threshold min_output_share" before "min_output_share".
-    keys = sorted(names, key=len, reverse=True)
-    pattern = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, keys)) + r")(?![\w])(?! \(--)")
-    return pattern.sub(lambda m: names[m.group(1)], message)
-
-
 def work_begins() -> None:
     """Called by a tool once its heavy imports are done (see
     :func:`_interrupted_while_starting`): from here Ctrl-C and SIGTERM unwind, so the run removes
     what it was writing on its way out (an ignored signal stays ignored). Outside the main
     thread (a host's worker thread) handlers cannot be set: the host's stay."""
-    torch = sys.modules.get("torch")
-    for state in _SESSIONS:
-        if state.threads is None and torch:  # torch imported by this run: its own default
-            state.threads = torch.get_num_threads()
+    record_threads()
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:

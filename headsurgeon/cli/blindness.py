@@ -34,6 +34,7 @@ from headsurgeon.cli.options import (
     SHAPE_NAMES,
     SINK_POSITIONS,
 )
+from headsurgeon.cli.session import tool_session
 from headsurgeon.errors import InvalidArgumentError, shown
 from headsurgeon.validation import check_number
 
@@ -205,7 +206,7 @@ def _parser() -> cli.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    with cli.tool_session(parser, {"context_length": "--max-distance"}):
+    with tool_session(parser, {"context_length": "--max-distance"}):
         return _main(parser.parse_args(argv))
 
 

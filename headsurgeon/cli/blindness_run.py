@@ -23,7 +23,8 @@ from headsurgeon.blindness import (
     mitigation,
 )
 from headsurgeon.census import run_census
-from headsurgeon.cli import data_source, in_option_terms, loads, placement_args
+from headsurgeon.cli import data_source, loads, placement_args
+from headsurgeon.cli.session import in_option_terms
 from headsurgeon.errors import UnsupportedArchitectureError
 from headsurgeon.loading import load_model, model_info, model_metadata, model_shape
 from headsurgeon.loading.numerics import training_numerics

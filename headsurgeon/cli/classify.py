@@ -52,7 +52,6 @@ from headsurgeon.cli import (
     non_negative_int,
     positive_int,
     run,
-    tool_session,
     work_begins,
 )
 from headsurgeon.cli.options import (
@@ -60,6 +59,7 @@ from headsurgeon.cli.options import (
     IMPORTANCE_METHODS,
     RECEIVED_THRESHOLD,
 )
+from headsurgeon.cli.session import tool_session
 from headsurgeon.validation import check_number
 
 __all__ = [

@@ -52,7 +52,6 @@ from headsurgeon.cli import (
     positive_int,
     run,
     seed,
-    tool_session,
     work_begins,
 )
 from headsurgeon.cli.options import (
@@ -64,6 +63,7 @@ from headsurgeon.cli.options import (
     MAX_PPL_INCREASE,
     WORK_WRITER,
 )
+from headsurgeon.cli.session import tool_session
 from headsurgeon.errors import InvalidArgumentError
 
 __all__ = [

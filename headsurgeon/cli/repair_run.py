@@ -22,8 +22,9 @@ from typing import Any
 import torch.distributed as dist
 
 from headsurgeon.classify import Thresholds
-from headsurgeon.cli import claim_out, dataset_split, in_option_terms, loads, placement_args
+from headsurgeon.cli import claim_out, dataset_split, loads, placement_args
 from headsurgeon.cli.options import WORK_WRITER
+from headsurgeon.cli.session import in_option_terms
 from headsurgeon.distributed import DistInfo, setup_distributed
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (

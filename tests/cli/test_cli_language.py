@@ -75,7 +75,7 @@ def test_refusals_name_the_options_not_the_librarys_parameters(
 
 
 def test_the_option_table_rewrites_words_not_parts_of_words():
-    from headsurgeon.cli import _in_option_terms, option_names
+    from headsurgeon.cli.session import _in_option_terms, option_names
 
     names = option_names(repair._parser())
     line = "min_query_pos=3; a smaller seq_len (--seq-len); passes must be >= 1; the passes"
@@ -245,21 +245,6 @@ def test_every_integer_option_refuses_huge_values_in_one_line(name, capsys):
             assert len(err.strip().splitlines()) == 1 and option in err, (option, value, err)
 
 
-def test_the_library_refuses_huge_integers_in_one_line():
-    from headsurgeon.errors import InvalidArgumentError
-    from headsurgeon.evals.retrieval import _passkey_task
-    from headsurgeon.loading import random_model
-
-    with pytest.raises(InvalidArgumentError, match="n_digits must be an integer >= 1 and <= 18"):
-        _passkey_task(10, 100, "some filler text")
-    with pytest.raises(InvalidArgumentError, match="seed must be an integer >= 0"):
-        random_model("bloom-560m", seed=-1)
-    from headsurgeon.validation import check_int
-
-    with pytest.raises(InvalidArgumentError, match="<= 9223372036854775807, got 1000"):
-        check_int(10**30, "n_seqs", minimum=1)
-
-
 def _host_state():
     loggers = [logging.getLogger(), logging.getLogger("headsurgeon")]
     return {
@@ -291,7 +276,8 @@ def test_main_gives_its_host_back_signals_threads_logging_and_allocator(
 def test_a_tool_session_puts_back_what_the_run_changed():
     """What a run may change (a --max-memory load fixes the allocator's thresholds; a library
     sets its loggers), put back when it ends, by a return or an error."""
-    from headsurgeon.cli import tool_session, work_begins
+    from headsurgeon.cli import work_begins
+    from headsurgeon.cli.session import tool_session
 
     before = _host_state()
     with pytest.raises(RuntimeError), tool_session(repair._parser()):

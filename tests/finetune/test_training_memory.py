@@ -70,7 +70,7 @@ def test_repair_refuses_before_its_first_census(injured, little_free_memory):
 def test_cgroup_limits_bound_the_memory_available(tmp_path):
     """A fake cgroup root: v2's memory.max - memory.current and v1's limit - usage bound what
     the check takes as available; "max" and v1's "no limit" number do not."""
-    from headsurgeon.probes import available_memory
+    from headsurgeon.allocator import available_memory
 
     free = available_memory(tmp_path)  # nothing under the root: RAM and RLIMIT_AS only
     assert free is not None and free > 64 << 20
@@ -91,8 +91,9 @@ def test_cgroup_limits_bound_the_memory_available(tmp_path):
 def test_the_training_check_takes_the_cgroup_limit(tiny_model, monkeypatch, tmp_path):
     (tmp_path / "memory.max").write_text(f"{1 << 20}\n")
     (tmp_path / "memory.current").write_text("0\n")
-    monkeypatch.setattr(probes_module, "CGROUP_ROOT", tmp_path)
-    monkeypatch.setattr(probes_module.available_memory, "__defaults__", (tmp_path,))
+    from headsurgeon import allocator
+
+    monkeypatch.setattr(allocator.available_memory, "__defaults__", (tmp_path,))
     with pytest.raises(InvalidArgumentError, match="more than the 0.0 GiB free"):
         check_training_memory(tiny_model, 64, 64)
 
@@ -107,7 +108,8 @@ def test_an_address_space_limit_bounds_the_memory_available():
 import resource, torch
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.loading import ModelShape, random_model
-from headsurgeon.probes import available_memory, check_training_memory
+from headsurgeon.allocator import available_memory
+from headsurgeon.probes import check_training_memory
 model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=512))
 free = available_memory()
 with open("/proc/self/status") as f:
