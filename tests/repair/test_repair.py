@@ -223,8 +223,8 @@ def test_cli_interrupted_run_resumes_to_the_same_result(
         (["--steps", "0"], "steps"),
         (["--batch-size", "64"], "fewer than one batch"),
         (["--resume", "{out}"], "no interrupted run to resume"),
-        (["--max-ppl-increase", "-0.5"], "max_ppl_increase must be a number >= 0, got"),
-        (["--max-ppl-increase", "nan"], "max_ppl_increase must be a number >= 0, got"),
+        (["--max-ppl-increase", "-0.5"], "--max-ppl-increase must be a number >= 0, got"),
+        (["--max-ppl-increase", "nan"], "--max-ppl-increase must be a number >= 0, got"),
         (["--max-collateral", "-1"], "--max-collateral: expected an integer >= 0"),
     ],
 )
