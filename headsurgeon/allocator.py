@@ -1,8 +1,15 @@
-"""CPU allocator tuning: keep large freed buffers in the process, or give them back at once.
+"""The process's CPU memory: allocator tuning (keep large freed buffers in the process, or give
+them back at once), and how much it may still allocate.
 
 Exports:
     keep_freed_memory()     raise glibc's mmap and trim thresholds; True where applied
     return_freed_memory()   fix them at glibc's defaults: freed buffers go back to the system
+    allocator_setting()     which of the two this process applied last ("keep", "return"), or
+                            None: neither (glibc's own defaults)
+    restore_setting(s)      apply what allocator_setting() returned earlier
+    available_memory(root)  bytes the process may still allocate: the least of MemAvailable,
+                            its address-space limit (RLIMIT_AS) and its memory cgroup's
+    CGROUP_ROOT             where the cgroups are mounted (/sys/fs/cgroup)
 
 glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB as
 buffers are freed) with a fresh ``mmap`` and unmaps it again on free. A transformer step
@@ -33,9 +40,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+from pathlib import Path
 
 __all__ = [
+    "CGROUP_ROOT",
+    "allocator_setting",
+    "available_memory",
     "keep_freed_memory",
+    "restore_setting",
     "return_freed_memory",
 ]
 
@@ -45,6 +58,8 @@ logger = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 _INT_MAX = 2**31 - 1  # mallopt takes an int
 _GLIBC_DEFAULT = 128 * 2**10  # the three thresholds' defaults (mallopt(3))
+# glibc has no getter for the thresholds: what this module set last ("keep", "return" or None).
+_applied: str | None = None
 
 
 def _mallopt(settings: tuple[tuple[int, int], ...]) -> bool:
@@ -69,6 +84,7 @@ def keep_freed_memory() -> bool:
         ((M_MMAP_THRESHOLD, _INT_MAX), (M_TRIM_THRESHOLD, _INT_MAX), (M_TOP_PAD, 256 * 2**20))
     )
     logger.debug("glibc allocator thresholds raised: %s", applied)
+    _record("keep", applied)
     return applied
 
 
@@ -88,4 +104,131 @@ def return_freed_memory() -> bool:
         )
     )
     logger.debug("glibc allocator thresholds fixed at their defaults: %s", applied)
+    _record("return", applied)
     return applied
+
+
+def _record(setting: str, applied: bool) -> None:
+    global _applied
+    if applied:
+        _applied = setting
+
+
+def allocator_setting() -> str | None:
+    """What this process set last: ``"keep"`` (:func:`keep_freed_memory`), ``"return"``
+    (:func:`return_freed_memory`), or None (neither: glibc's defaults, or no glibc)."""
+    return _applied
+
+
+def restore_setting(setting: str | None) -> None:
+    """Apply ``setting`` (an earlier :func:`allocator_setting`) again, e.g. after a tool's run.
+
+    None after a change puts the thresholds back at glibc's default values; glibc offers no way
+    to turn their rise with freed buffers back on, so that one difference stays.
+    """
+    global _applied
+    if setting == _applied:
+        return
+    if setting == "keep":
+        keep_freed_memory()
+    elif setting == "return" or _applied is not None:
+        return_freed_memory()
+    _applied = setting
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# cgroup v1 writes "no limit" as the largest page-aligned int64, not as a word.
+_NO_LIMIT = 2**62
+
+
+def available_memory(cgroup_root: str | os.PathLike = CGROUP_ROOT) -> int | None:
+    """The bytes this process may still allocate on the CPU: the least of the system's
+    ``MemAvailable``, what its address-space limit leaves (``RLIMIT_AS``, as clusters set with
+    ``ulimit -v``, less the address space in use) and what its memory cgroup leaves (v2
+    ``memory.max - memory.current``, v1 ``memory.limit_in_bytes - memory.usage_in_bytes``, its
+    own cgroup's and every parent's under ``cgroup_root``); None where none of them says.
+
+    >>> available_memory() is None or available_memory() >= 0
+    True
+    """
+    known = [
+        left
+        for left in (_meminfo_available(), _address_space_left(), _cgroup_left(Path(cgroup_root)))
+        if left is not None
+    ]
+    return max(0, min(known)) if known else None
+
+
+def _proc_fields(path: str) -> dict[str, str] | None:
+    """``Name: value`` lines of a /proc file, or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+
+
+def _meminfo_available() -> int | None:
+    fields = _proc_fields("/proc/meminfo") or {}
+    try:
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+def _address_space_left() -> int | None:
+    """``RLIMIT_AS``'s soft limit less this process's address space (``VmSize``)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    fields = _proc_fields("/proc/self/status") or {}
+    try:
+        used = int(fields["VmSize"].split()[0]) * 1024
+    except (KeyError, ValueError, IndexError):
+        used = 0
+    return limit - used
+
+
+def _cgroup_left(root: Path) -> int | None:
+    """The least a memory cgroup of this process leaves: its own and each parent's."""
+    own = {"v2": "/", "v1": "/"}
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    own["v2"] = path
+                elif "memory" in controllers.split(","):
+                    own["v1"] = path
+    except (OSError, ValueError):
+        pass
+    lefts = []
+    for base, path, files in (
+        (root, own["v2"], ("memory.max", "memory.current")),
+        (root / "memory", own["v1"], ("memory.limit_in_bytes", "memory.usage_in_bytes")),
+    ):
+        parts = [p for p in path.split("/") if p and p != ".."]
+        for depth in range(len(parts), -1, -1):  # own cgroup first, then each parent
+            folder = base.joinpath(*parts[:depth])
+            limit, used = (_read_int(folder / name) for name in files)
+            if limit is not None and limit < _NO_LIMIT:
+                lefts.append(limit - (used or 0))
+    return min(lefts) if lefts else None
+
+
+def _read_int(path: Path) -> int | None:
+    """The integer a cgroup file holds, or None (missing, unreadable, ``max``)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None

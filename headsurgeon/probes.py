@@ -45,6 +45,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import alibi, long_context
+from headsurgeon.allocator import available_memory
 from headsurgeon.backend import TRANSFORMER_LENS, HookPoint, Model, resident
 from headsurgeon.data import batches
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
@@ -751,14 +752,10 @@ def check_training_memory(
 
 
 def _free_memory(device: torch.device) -> int | None:
-    """Free bytes where ``device`` keeps its tensors: CUDA's count, or Linux's MemAvailable."""
+    """Free bytes where ``device`` keeps its tensors: CUDA's count, or on the CPU
+    :func:`headsurgeon.allocator.available_memory`."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
+    return available_memory()

@@ -235,7 +235,8 @@ def sink_cache_effect(
     cache had dropped a key: position ``> x + y``; the others are the full-context ones) and
     ``dnll_evicted``, the mean ΔNLL over those (NaN if none).
 
-    Per head (``heads``, default every head; ``heads=[]`` skips it): every head keeps the cache
+    Per head (``heads``, default every head, none when ``sinks`` is only 0: a window-only
+    cache; ``heads=[]`` skips it): every head keeps the cache
     ``head_cache = (x, y)`` (default: the largest of ``sinks``, the smallest of ``windows``)
     except one, which loses its sinks (cache ``(0, y)``: its ``y`` recent tokens only, at the
     same distances). ``by_head`` has one row per head: ``layer``, ``head``, ``slope``,
@@ -358,6 +359,10 @@ def _per_head(
 ) -> tuple[list[tuple[int, int]], tuple[int, int], int]:
     """The per-head test's heads, cache and length, checked (no heads: ``heads=[]``)."""
     chosen = [] if heads is not None and not list(heads) else None
+    if chosen is None and heads is None and head_cache is None and default[0] == 0:
+        # sinks=[0] alone asks about window-only caches: no head has sinks to lose.
+        logger.info("no per-head test: with 0 sinks no head has sinks to lose")
+        chosen = []
     if chosen is None:
         chosen = list(HeadSet.of(every_head(model) if heads is None else heads, model))
     x, y = default if head_cache is None else head_cache

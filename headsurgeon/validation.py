@@ -6,7 +6,8 @@ it must be and what it got, and returns the value in its plain Python type (``nu
 becomes ``3``), so callers can use the result directly.
 
 Exports:
-    check_int(value, name, minimum=, maximum=)        an integer (not a bool, not 2.0 or "2")
+    check_int(value, name, minimum=, maximum=)        an integer (not a bool, not 2.0 or "2"),
+                                                      at most 2**63 - 1 unless told
     check_number(value, name, low=, high=, ...)       a real number, finite unless allowed
     check_choice(value, name, choices)                one of a fixed set of names
     check_bool(value, name)                           True or False (not 0, 1 or "yes")
@@ -48,11 +49,16 @@ def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bo
     """`` >= 0 and < 1``-style text for an error message (empty without bounds)."""
     parts = []
     if low is not None:
-        parts.append(f"{'>' if low_open else '>='} {low:g}")
+        parts.append(f"{'>' if low_open else '>='} {_limit(low)}")
     if high is not None:
-        parts.append(f"{'<' if high_open else '<='} {high:g}")
+        parts.append(f"{'<' if high_open else '<='} {_limit(high)}")
     text = " and ".join(parts)
     return f" {text}" if text else ""
+
+
+def _limit(bound: float) -> str:
+    """A bound as written: an integer in full (2**63 - 1 is not 9.22337e+18), a float by ``g``."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
 def _shown(value: object, longest: int = 80) -> str:
@@ -69,6 +75,8 @@ def _shown(value: object, longest: int = 80) -> str:
 
 
 MAX_SEED = 2**63 - 1  # seeds are 64-bit signed integers in torch and the run records
+# Every count reaches torch or numpy as int64: beyond it, an OverflowError deep inside.
+_MAX_INT = 2**63 - 1
 
 
 def check_int(
@@ -77,15 +85,20 @@ def check_int(
     """``value`` as an ``int`` if it is an integer within ``[minimum, maximum]``.
 
     Integers of numpy and 0-d integer tensors count (they have ``__index__``); bools do not.
+    ``maximum`` defaults to 2**63 - 1, the largest int64 (``10**30`` is one line, not an
+    ``OverflowError`` in torch).
     """
+    number = None
     if not isinstance(value, (bool, np.bool_)):
         try:
             number = operator.index(value)
         except TypeError:
-            number = None
+            pass
         if number is not None and (minimum is None or number >= minimum):
-            if maximum is None or number <= maximum:
+            if number <= (_MAX_INT if maximum is None else maximum):
                 return number
+    if maximum is None and number is not None and number > _MAX_INT:
+        maximum = _MAX_INT  # named only where it is what the value broke
     bounds = _bounds(minimum, maximum, False, False)
     raise InvalidArgumentError(f"{name} must be an integer{bounds}, got {_shown(value)}")
 

@@ -68,3 +68,29 @@ def test_a_model_without_weights_is_one_line(bloom_dir):
     for name in ("run_census", "perplexity", "measure_blindness"):
         with pytest.raises(InvalidArgumentError, match="meta device"):
             CALLS[name](meta)
+
+
+def _huge_integer_calls():
+    """Library calls with a count of 10**30 or a seed of -1 (issue 51): each one line."""
+    import headsurgeon as hs
+    from headsurgeon.evals.retrieval import _passkey_task
+    from headsurgeon.loading import ModelShape, random_model
+
+    model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=16, d_vocab=32, n_ctx=32))
+    tokens = torch.randint(0, 32, (2, 12))
+    return {
+        "n_seqs": lambda: hs.run_census(model, tokens, n_seqs=10**30, progress=False),
+        "each of windows": lambda: hs.sink_cache_effect(model, tokens, windows=[10**30]),
+        "each of distances": lambda: hs.window_effect(model, tokens, distances=[10**30]),
+        "batch_size": lambda: hs.head_importance(model, tokens, batch_size=10**30),
+        "context_length": lambda: hs.analytic_blindness(model, context_length=10**30),
+        "n_digits": lambda: _passkey_task(10, 100, "some filler text"),
+        "seed": lambda: random_model("bloom-560m", seed=-1),
+    }
+
+
+def test_huge_integers_and_negative_seeds_are_one_line():
+    for name, call in _huge_integer_calls().items():
+        with pytest.raises(InvalidArgumentError, match=f"^{name} must be an integer") as e:
+            call()
+        assert "\n" not in str(e.value), name

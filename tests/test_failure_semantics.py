@@ -160,6 +160,7 @@ REPAIR_ARGS = [
 
 def repair_argv(bloom_dir, text_file, *extra):
     texts = ["--texts", text_file, "--corpus", text_file, "--eval-corpus", text_file]
+    texts += ["--allow-eval-on-train"]
     return [str(a) for a in [bloom_dir, *texts, *REPAIR_ARGS, *extra]]
 
 

@@ -514,6 +514,7 @@ def test_a_marked_partial_that_never_trained_is_removed(bloom_dir, text_file, tm
         text_file,
         "--eval-corpus",
         text_file,
+        "--allow-eval-on-train",
         "--seq-len",
         "32",
         "--n-seqs",

@@ -332,3 +332,17 @@ def test_sink_cache_figure_draws_each_number_of_sinks_and_the_full_context():
     np.testing.assert_allclose(fig.data[1].error_y.array, [48.0 * 0.004, 47.0 * 0.003])
     with pytest.raises(InvalidArgumentError, match="sink_cache_effect"):
         sink_cache_figure(table.drop(columns="full_ppl"))
+
+
+def test_sinks_zero_alone_is_a_window_only_cache(tiny_model, hf, ids):
+    """sinks=[0]: window-only caches against the dense brute force, and no per-head test (no
+    head has sinks to lose), rather than a refusal of the default per-head cache (0, y)."""
+    effect = sink_cache_effect(
+        tiny_model, ids, sinks=[0], windows=[4, 10], n_seqs=3, progress=False
+    )
+    assert effect.by_head.empty and list(effect.by_cache["sinks"]) == [0, 0]
+    for row in effect.by_cache.itertuples():
+        nll = dense_nll(hf, ids, 0, row.window)
+        assert row.nll == pytest.approx(nll.mean().item(), abs=2e-5)
+    with pytest.raises(InvalidArgumentError, match="head_cache's sinks"):
+        sink_cache_effect(tiny_model, ids, sinks=[0], windows=[4], heads="L0H0", progress=False)

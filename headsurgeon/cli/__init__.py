@@ -22,9 +22,11 @@ plotly is imported. Then it imports its work module (``cli/classify_run.py``...:
 write) and :mod:`headsurgeon.cli.loads` (the model and the data), which import them.
 
 Exports:
-    ArgumentParser            argparse with one-line usage errors (exit code 2) and every
-                              option's default in --help (help_with_default, shown_default)
-    positive_int, non_negative_int   argparse types for counts (at most 2**63 - 1)
+    ArgumentParser            argparse with one-line usage errors (exit code 2), every
+                              option's default in --help (help_with_default, shown_default),
+                              an option that needs another (needs) and a value given twice in a
+                              list option refused
+    positive_int, non_negative_int   argparse types for counts (at most MAX_COUNT, 2**24)
     seed, thread_count        argparse types of --seed (0..2**63 - 1) and --threads (1..4 x cores)
     device_map, max_memory    argparse types of --device-map (auto, MODULE=DEVICE,...) and
                               --max-memory (DEVICE=SIZE,...)
@@ -38,7 +40,11 @@ Exports:
                               classification thresholds, headsurgeon.classify.Thresholds)
     add_dataset_args(g, x, what)   --dataset (in the mutually exclusive group x), --split,
                               --column: a Hugging Face dataset as the text ``what`` names
+    needs_dataset(parser)     --split and --column refused without --dataset (one line)
     dataset_name              the argparse type of --dataset: a name, or a path that exists
+    dataset_split(args)       --split, else train
+    dtype_name                the argparse type of a dtype: any of its names, as its canonical
+                              one (fp16 -> float16), so that one given twice is seen
     TextFiles                 the argparse action of a FILE option: each file read and checked
                               when parsed (missing, a folder, binary, not UTF-8: one line), so a
                               path is never taken for text
@@ -63,6 +69,9 @@ Exports:
                               headsurgeon.allocator)
     work_begins()             a tool's heavy imports are done: Ctrl-C and SIGTERM unwind from now
     Terminated                the KeyboardInterrupt that SIGTERM raises during a tool's work
+
+A tool's ``main`` runs inside :func:`headsurgeon.cli.session.tool_session`: the library's
+refusals in its options' names, and a host process that calls it gets back what the run changed.
 
 Every tool is a thin layer over the library: parse, claim its output folder, call library
 functions, print, and write through :mod:`headsurgeon.reports` (tables, JSON with versions,
@@ -125,6 +134,7 @@ if _starting_a_tool():
 import argparse
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -132,7 +142,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from headsurgeon.allocator import keep_freed_memory
-from headsurgeon.cli.options import THRESHOLDS
+from headsurgeon.cli.options import DTYPE_NAMES, THRESHOLDS
+from headsurgeon.cli.session import record_threads
 from headsurgeon.errors import DataError, HeadsurgeonError, shown
 from headsurgeon.inputs import check_texts
 from headsurgeon.model_names import DEFAULT_MODEL, ORGANISM_DIR, locate_model, organism_names
@@ -155,6 +166,9 @@ __all__ = [
     "add_dataset_args",
     "add_threshold_args",
     "dataset_name",
+    "needs_dataset",
+    "dataset_split",
+    "dtype_name",
     "data_source",
     "TextFiles",
     "CorpusFiles",
@@ -190,7 +204,9 @@ def add_model_args(
         ),
     )
     if dtype:
-        parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+        parser.add_argument(
+            "--dtype", type=dtype_name, default="float32", help="float32, bfloat16 or float16"
+        )
     parser.add_argument("--device", help="cpu (default), cuda, cuda:N, mps: the whole model")
     parser.add_argument(
         "--device-map",
@@ -259,9 +275,60 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, allow_abbrev=False, **kwargs)
+        self._needs: list[tuple[str, str]] = []
+
+    def needs(self, option: str, needed: str) -> None:
+        """Refuse ``option`` given without ``needed`` (``--split`` without ``--dataset``): both
+        default to None, so a value of None is one not given."""
+        self._needs.append((option, needed))
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        """argparse's, then: an option given without the one it ``needs``, and a value given
+        twice in a list option (``--dtypes float16 fp16``, one dtype twice), are one line."""
+        parsed = super().parse_args(args, namespace)
+        dest = {o: a.dest for a in self._actions for o in a.option_strings}
+        for option, needed in self._needs:
+            if getattr(parsed, dest[option]) is not None and getattr(parsed, dest[needed]) is None:
+                self.error(f"{option} applies to {needed}; give {needed} too, or drop {option}")
+        for action in self._actions:
+            values = getattr(parsed, action.dest, None)
+            if type(action) is argparse._StoreAction and isinstance(values, list):
+                _refuse_repeats(self, action, values)
+        return parsed
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {shown(message, keep='')} ({self.prog} --help lists the options)\n")
+
+
+def _refuse_repeats(parser: ArgumentParser, action: argparse.Action, values: list) -> None:
+    """One line for a list option naming one value twice, as typed or through an alias."""
+    repeated = [value for i, value in enumerate(values) if value in values[:i]]
+    if not repeated or values is action.default:
+        return
+    name = "/".join(action.option_strings) or action.metavar or action.dest.upper()
+    typed = " ".join(getattr(value, "typed", str(value)) for value in values)
+    parser.error(
+        f"{name} names {', '.join(dict.fromkeys(map(str, repeated)))} more than once "
+        f"({typed}); give each once"
+    )
+
+
+class _Named(str):
+    """A canonical name (``float16``) that remembers how it was typed (``fp16``)."""
+
+    typed: str
+
+
+def dtype_name(text: str) -> str:
+    """An argparse ``type``: a float format by any of its names (``fp16``, ``half``), as its
+    canonical one (``float16``); a name it does not know is one line."""
+    canonical = DTYPE_NAMES.get(text.lower())
+    if canonical is None:
+        known = ", ".join(dict.fromkeys(DTYPE_NAMES.values()))
+        raise argparse.ArgumentTypeError(f"unknown dtype {_shown(text)}; use one of {known}")
+    named = _Named(canonical)
+    named.typed = text
+    return named
 
 
 def _pairs(text: str, what: str) -> dict[str, str]:
@@ -293,8 +360,10 @@ def placement_args(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# Every integer option fits torch's and numpy's int64; a larger one is a typo, refused at parse.
-MAX_OPTION_INT = 2**63 - 1
+# The most any count option takes (sequences, tokens, steps, passes, ...): 2**24, the largest
+# integer float32 holds exactly (positions and distances pass through float32), and far beyond any
+# run that finishes; a larger one is a typo, refused at parse, not a run that never ends.
+MAX_COUNT = 2**24
 # --threads beyond this many per core only queue (100000 threads crashed torch).
 THREADS_PER_CORE = 4
 
@@ -317,18 +386,21 @@ def _int_in(text: str, minimum: int, maximum: int, kind: str, why: str = "") -> 
     return value
 
 
+_COUNT_WHY = " (2**24, the most any count option takes)"
+
+
 def _shown(text: str) -> str:
     return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
 
 
 def positive_int(text: str) -> int:
-    """An argparse ``type``: an integer from 1 to 2**63 - 1."""
-    return _int_in(text, 1, MAX_OPTION_INT, "a positive integer")
+    """An argparse ``type``: an integer from 1 to :data:`MAX_COUNT`."""
+    return _int_in(text, 1, MAX_COUNT, "a positive integer", _COUNT_WHY)
 
 
 def non_negative_int(text: str) -> int:
-    """An argparse ``type``: an integer from 0 to 2**63 - 1."""
-    return _int_in(text, 0, MAX_OPTION_INT, "an integer >= 0")
+    """An argparse ``type``: an integer from 0 to :data:`MAX_COUNT`."""
+    return _int_in(text, 0, MAX_COUNT, "an integer >= 0", _COUNT_WHY)
 
 
 def seed(text: str) -> int:
@@ -400,6 +472,7 @@ def add_data_args(
     )
     if dataset:
         add_dataset_args(group, source, "the text")
+        needs_dataset(parser)
     group.add_argument("--n-seqs", type=positive_int, default=n_seqs, help=n_seqs_help)
     group.add_argument("--seq-len", type=positive_int, default=seq_len, help="tokens per sequence")
     group.add_argument(
@@ -423,10 +496,16 @@ def add_dataset_args(
         "Parquet, CSV, Arrow, or a save_to_disk folder) or a dataset name in the datasets "
         "cache; its rows are one corpus, and its name, split, column and revision are recorded",
     )
-    group.add_argument("--split", default="train", help="the dataset's split (default: train)")
+    group.add_argument("--split", help="the dataset's split (default: train)")
     group.add_argument(
         "--column", help="the dataset's text column (default: text, else its only text column)"
     )
+
+
+def needs_dataset(parser: ArgumentParser) -> None:
+    """--split and --column (of :func:`add_dataset_args`) refused without --dataset."""
+    parser.needs("--split", "--dataset")
+    parser.needs("--column", "--dataset")
 
 
 def dataset_name(text: str) -> str:
@@ -590,13 +669,18 @@ def _check_offload_folder(args: argparse.Namespace, out: Path, inputs: list[Path
         check_offload_folder(args.offload_folder, taken)
 
 
+def dataset_split(args: argparse.Namespace) -> str:
+    """``--split``, else the dataset's ``train`` split."""
+    return args.split or "train"
+
+
 def data_source(args: argparse.Namespace) -> list[Path] | TextSource | None:
     """The texts ``--texts`` (the files) or ``--dataset``, ``--split``, ``--column`` (a
     :class:`~headsurgeon.corpus_sources.TextSource`) name; ``None`` for the bundled corpora."""
     if getattr(args, "dataset", None):
         from headsurgeon.corpus_sources import load_dataset_texts
 
-        return load_dataset_texts(args.dataset, split=args.split, column=args.column)
+        return load_dataset_texts(args.dataset, split=dataset_split(args), column=args.column)
     return args.texts
 
 
@@ -610,7 +694,11 @@ class _ShownFormatter(logging.Formatter):
 def work_begins() -> None:
     """Called by a tool once its heavy imports are done (see
     :func:`_interrupted_while_starting`): from here Ctrl-C and SIGTERM unwind, so the run removes
-    what it was writing on its way out (an ignored signal stays ignored)."""
+    what it was writing on its way out (an ignored signal stays ignored). Outside the main
+    thread (a host's worker thread) handlers cannot be set: the host's stay."""
+    record_threads()
+    if threading.current_thread() is not threading.main_thread():
+        return
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _interrupted_while_starting):

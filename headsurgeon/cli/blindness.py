@@ -34,6 +34,7 @@ from headsurgeon.cli.options import (
     SHAPE_NAMES,
     SINK_POSITIONS,
 )
+from headsurgeon.cli.session import tool_session
 from headsurgeon.errors import InvalidArgumentError, shown
 from headsurgeon.validation import check_number
 
@@ -59,6 +60,29 @@ def _mitigation_params(args: argparse.Namespace) -> dict:
     return {}
 
 
+def _check_sink_cache(args: argparse.Namespace) -> None:
+    """The sink-cache test's lengths, refused before the model is loaded, in its options' terms
+    (sink_cache_effect checks the same, in its parameters')."""
+    for option, value in (("--sink-seq-len", args.sink_seq_len), ("--sink-head-seq-len", None)):
+        value = args.sink_head_seq_len if value is None else value
+        if value < 3:  # a cut needs a key beyond the query's neighbour
+            raise InvalidArgumentError(
+                f"{option} must be 3 or more (a query, its neighbour and a key to cut), got {value}"
+            )
+    sinks = max(args.sinks)
+    if sinks == 0 or args.windows is None:  # no per-head test; or windows the model's length
+        return
+    window = min(args.windows)
+    length = min(args.sink_seq_len, args.sink_head_seq_len)
+    if length <= sinks + window + 1:
+        raise InvalidArgumentError(
+            f"per head, a cache of {sinks} + {window} tokens (the largest --sinks, the smallest "
+            f"--windows) drops nothing from sequences of {length} tokens; give "
+            f"--sink-head-seq-len and --sink-seq-len above {sinks + window + 1}, or smaller "
+            "--sinks or --windows (--sinks 0 alone: no per-head test)"
+        )
+
+
 def _parser() -> cli.ArgumentParser:
     parser = cli.ArgumentParser(
         prog="python -m headsurgeon.blindness",
@@ -69,6 +93,7 @@ def _parser() -> cli.ArgumentParser:
     parser.add_argument(
         "--dtypes",
         nargs="+",
+        type=cli.dtype_name,
         default=list(ANALYSED_DTYPES),
         help="float formats to analyse (default: all three); the model itself runs in float32",
     )
@@ -180,12 +205,24 @@ def _parser() -> cli.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    with tool_session(parser, {"context_length": "--max-distance"}):
+        return _main(parser.parse_args(argv))
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.n_seqs is None:  # a fixed budget of tokens: --seq-len 16384 measures one sequence
         args.n_seqs = max(1, MEASURED_TOKENS // args.seq_len)
     formats = cli.figure_formats(args)  # --format pdf without a browser: fail before any work
     params = _mitigation_params(args)
     check_number(args.reach_eps, "--reach-eps", low=0, high=1)  # before any work
+    if args.measure and args.seq_len < 2:  # the census of the reach needs a query row
+        raise InvalidArgumentError(
+            f"--measure needs --seq-len 2 or more (no query follows a single token), got "
+            f"{args.seq_len}"
+        )
+    if args.sink_cache:
+        _check_sink_cache(args)
     if args.counterfactual and not args.measure:
         raise InvalidArgumentError(
             "--counterfactual precision needs --measure (it loads the model)"

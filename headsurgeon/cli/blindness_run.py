@@ -24,6 +24,7 @@ from headsurgeon.blindness import (
 )
 from headsurgeon.census import run_census
 from headsurgeon.cli import data_source, loads, placement_args
+from headsurgeon.cli.session import in_option_terms
 from headsurgeon.errors import UnsupportedArchitectureError
 from headsurgeon.loading import load_model, model_info, model_metadata, model_shape
 from headsurgeon.loading.numerics import training_numerics
@@ -46,22 +47,34 @@ def _shown_name(model: str) -> str:
     return path.resolve().name or model if path.is_dir() else model
 
 
+# The per-head test's cache, which the tool sets from --sinks and --windows, and its skipping,
+# which the tool has no option for.
+_HEAD_CACHE = {
+    "a smaller head_cache (or heads=[] to skip the per-head test)": "smaller --sinks or --windows",
+    "head_cache's sinks": "the largest --sinks",
+    "head_cache's window": "the smallest --windows",
+}
+
+
 def _sink_cache(args: argparse.Namespace, model: Model | None) -> tuple[Model, SinkCacheEffect]:
     """``--sink-cache``: the model (loaded here unless --measure did) and its sink-cache test."""
     if model is None:
         model = load_model(args.model, dtype="float32", **placement_args(args))
         loads.require_tokenizer(model, args)
-    effect = sink_cache_effect(
-        model,
-        data_source(args),
-        sinks=args.sinks,
-        windows=args.windows,
-        positions=args.sink_positions,
-        head_seq_len=args.sink_head_seq_len,
-        seq_len=args.sink_seq_len,
-        batch_size=args.batch_size,
-        prepend_bos=args.prepend_bos,
-    )
+    # This call's lengths are the --sink-* options.
+    lengths = {"seq_len": "--sink-seq-len", "head_seq_len": "--sink-head-seq-len"}
+    with in_option_terms(lengths | _HEAD_CACHE):
+        effect = sink_cache_effect(
+            model,
+            data_source(args),
+            sinks=args.sinks,
+            windows=args.windows,
+            positions=args.sink_positions,
+            head_seq_len=args.sink_head_seq_len,
+            seq_len=args.sink_seq_len,
+            batch_size=args.batch_size,
+            prepend_bos=args.prepend_bos,
+        )
     return model, effect
 
 

@@ -59,6 +59,7 @@ from headsurgeon.cli.options import (
     IMPORTANCE_METHODS,
     RECEIVED_THRESHOLD,
 )
+from headsurgeon.cli.session import tool_session
 from headsurgeon.validation import check_number
 
 __all__ = [
@@ -138,6 +139,11 @@ def _parser() -> ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    with tool_session(parser):
+        return _main(parser, argv)
+
+
+def _main(parser: ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.preset:  # the preset's values as defaults; what the command line says wins
         parser.set_defaults(**PRESETS[args.preset])

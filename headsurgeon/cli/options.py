@@ -12,6 +12,7 @@ Exports:
     IMPORTANCE_METHODS     headsurgeon.importance.METHODS
     RECEIVED_THRESHOLD     headsurgeon.received.THRESHOLD
     ANALYSED_DTYPES, CONVENTIONS   headsurgeon.blindness's
+    DTYPE_NAMES            headsurgeon.dtypes.DTYPES's names, each to its canonical name
     LIMITS, BIAS_KINDS, ROBUST_MODES   headsurgeon.alibi's
     SINK_POSITIONS         headsurgeon.sink_cache.POSITIONS
     SHAPE_NAMES            the names headsurgeon.loading.model_shape knows without a folder
@@ -34,6 +35,7 @@ __all__ = [
     "ANALYSED_DTYPES",
     "BIAS_KINDS",
     "CONVENTIONS",
+    "DTYPE_NAMES",
     "DRIFT_THRESHOLD",
     "EXIT_DAMAGED",
     "EXIT_WORSE",
@@ -57,6 +59,13 @@ IMPORTANCE_METHODS = ("zero", "mean", "resample", "attribution")
 RECEIVED_THRESHOLD = 0.3
 ANALYSED_DTYPES = ("float32", "bfloat16", "float16")
 CONVENTIONS = ("hf", "tl")
+DTYPE_NAMES = MappingProxyType(
+    {
+        **dict.fromkeys(("float32", "fp32", "float"), "float32"),
+        **dict.fromkeys(("float16", "fp16", "half"), "float16"),
+        **dict.fromkeys(("bfloat16", "bf16"), "bfloat16"),
+    }
+)
 LIMITS = ("normal", "subnormal", "zero")
 BIAS_KINDS = ("standard", "relative", "clamped", "log", "softcap", "robust")
 ROBUST_MODES = ("scale", "clip")

@@ -29,6 +29,8 @@ Exports: main(argv) (the tool; returns its exit status), entry() (the console sc
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +45,9 @@ from headsurgeon.cli import (
     add_threshold_args,
     check_models,
     check_out,
+    dataset_split,
     figure_formats,
+    needs_dataset,
     non_negative_int,
     positive_int,
     run,
@@ -59,6 +63,7 @@ from headsurgeon.cli.options import (
     MAX_PPL_INCREASE,
     WORK_WRITER,
 )
+from headsurgeon.cli.session import tool_session
 from headsurgeon.errors import InvalidArgumentError
 
 __all__ = [
@@ -68,6 +73,17 @@ __all__ = [
     "main",
     "entry",
 ]
+
+# The library's names of options whose parameter is named otherwise (the rest: option_names).
+LIBRARY_NAMES = {
+    "census_seq_len": "--seq-len",
+    "census_n_seqs": "--n-seqs",
+    "warmup_steps": "--warmup",
+    "eval_corpus": "--eval-corpus (or --eval-split)",
+    "eval_on_train=True": "--allow-eval-on-train",
+    "train_seq_len": "--train-seq-len",
+    "finetune_config": "the fine-tuning options",
+}
 
 _EXIT = {"ok": 0, "incomplete": 0, "failed": EXIT_DAMAGED, "worse": EXIT_WORSE}
 
@@ -140,6 +156,8 @@ def _parser() -> ArgumentParser:
         help="training text (default: the bundled training corpora)",
     )
     add_dataset_args(training, train_source, "the training text")
+    needs_dataset(parser)
+    parser.needs("--eval-split", "--dataset")
     eval_source = training.add_mutually_exclusive_group()
     eval_source.add_argument(
         "--eval-corpus",
@@ -153,6 +171,13 @@ def _parser() -> ArgumentParser:
         metavar="SPLIT",
         help="held-out text from this split of --dataset (e.g. validation; default: "
         "--eval-corpus, else the bundled held-out corpora)",
+    )
+    training.add_argument(
+        "--allow-eval-on-train",
+        action="store_true",
+        help="judge the repair on held-out text that is its training text (--eval-split the "
+        "training split, or --eval-corpus the --corpus files); refused without this, and the "
+        "report says so with it",
     )
     training.add_argument(
         "--train-seq-len",
@@ -247,9 +272,14 @@ def _parser() -> ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    with tool_session(parser, LIBRARY_NAMES):
+        return _main(parser, argv)
+
+
+def _main(parser: ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
-    if args.eval_split and not args.dataset:
-        parser.error("--eval-split names a split of --dataset; give --dataset too")
+    if not args.allow_eval_on_train:
+        _check_held_out(args)
     if args.resume and args.out and Path(args.out) != Path(args.resume):
         raise InvalidArgumentError("--resume DIR continues the run writing DIR; drop --out")
     args.out = args.resume or args.out
@@ -263,6 +293,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     work_begins()
     loads.use_threads(args)
     return _EXIT[repair_run.repair(args, formats)]
+
+
+def _check_held_out(args: argparse.Namespace) -> None:
+    """Held-out text named as the training text (the same split, or a --corpus file again in
+    --eval-corpus), refused before any model is loaded; the repair refuses the same text under
+    other names once it is cut (its sequences are training sequences)."""
+    why = (
+        "the verdict would judge the repair on the text it trained on; hold out other text, or "
+        "give --allow-eval-on-train to judge on it anyway"
+    )
+    if args.dataset and args.eval_split is not None:
+        if args.eval_split.strip() == dataset_split(args).strip():
+            raise InvalidArgumentError(
+                f"--eval-split {args.eval_split} is the training split (--split "
+                f"{dataset_split(args)}): {why}"
+            )
+    for held_out in args.eval_corpus or []:
+        for trained in args.corpus or []:
+            if os.path.exists(held_out) and os.path.exists(trained):
+                if os.path.samefile(held_out, trained):
+                    raise InvalidArgumentError(
+                        f"--eval-corpus {held_out} is the --corpus file {trained}: {why}"
+                    )
 
 
 def entry(argv: Sequence[str] | None = None) -> None:

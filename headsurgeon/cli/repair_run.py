@@ -22,8 +22,9 @@ from typing import Any
 import torch.distributed as dist
 
 from headsurgeon.classify import Thresholds
-from headsurgeon.cli import claim_out, loads, placement_args
+from headsurgeon.cli import claim_out, dataset_split, loads, placement_args
 from headsurgeon.cli.options import WORK_WRITER
+from headsurgeon.cli.session import in_option_terms
 from headsurgeon.distributed import DistInfo, setup_distributed
 from headsurgeon.dtypes import check_trainable
 from headsurgeon.errors import (
@@ -104,12 +105,18 @@ def _settings(args: argparse.Namespace) -> RepairConfig:
         max_ppl_increase=args.max_ppl_increase,
         max_collateral=args.max_collateral,
         control=args.control,
+        eval_on_train=args.allow_eval_on_train,
     )
 
 
 def _texts(paths: Sequence[Path] | None) -> list[Path] | None:
     # Paths, not their texts: the library reads files piece by piece, in bounded memory.
     return list(paths) if paths else None
+
+
+# --dataset is the repair's training text, whose text files go to --corpus (--texts is the
+# census's).
+_DATASET_TERMS = {"--texts (texts= in Python)": "--corpus"}
 
 
 def _training_texts(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -119,7 +126,7 @@ def _training_texts(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.dataset:
         from headsurgeon.corpus_sources import load_dataset_texts
 
-        corpus = load_dataset_texts(args.dataset, args.split, args.column)
+        corpus = load_dataset_texts(args.dataset, dataset_split(args), args.column)
         if args.eval_split:
             eval_corpus = load_dataset_texts(args.dataset, args.eval_split, args.column)
     return corpus, eval_corpus
@@ -279,7 +286,8 @@ def _run(
         with _keep_training(out, partial, dist_info.rank):
             if dist_info.rank == 0 and not args.resume:
                 _start_work_folder(partial)
-            corpus, eval_corpus = _training_texts(args)
+            with in_option_terms(_DATASET_TERMS):
+                corpus, eval_corpus = _training_texts(args)
             result = repair_heads(
                 model,
                 corpus,

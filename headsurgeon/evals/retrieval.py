@@ -52,7 +52,7 @@ from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.long_context import continuation_logprobs
 from headsurgeon.progress import tqdm
-from headsurgeon.validation import check_choice, check_int, check_number
+from headsurgeon.validation import MAX_SEED, check_choice, check_int, check_number
 
 __all__ = [
     "DISTANCE_EDGES",
@@ -263,7 +263,8 @@ def _haystack_text(data: Data, n_tokens: int) -> str:
 
 def _passkey_task(n_candidates: int, n_digits: int, filler: Data) -> _Task:
     check_int(n_candidates, "n_candidates", minimum=2)
-    check_int(n_digits, "n_digits", minimum=1)
+    # Keys are drawn as int64 (numpy): 18 digits at most.
+    check_int(n_digits, "n_digits", minimum=1, maximum=18)
     if n_candidates > 9 * 10 ** (n_digits - 1):
         raise InvalidArgumentError(f"{n_digits}-digit keys cannot give {n_candidates} candidates")
     text = (
@@ -342,7 +343,7 @@ def _retrieval(
         raise InvalidArgumentError("give at least one context length")
     intro, question = _intro_and_question(info, task)
     text = _haystack_text(task.haystack, max(lengths))
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_int(seed, "seed", minimum=0, maximum=MAX_SEED))
     rows = []
     total = len(lengths) * len(depths) * n_trials
     progress = tqdm(total=total, desc=task.name, disable=total < 20)
@@ -571,7 +572,7 @@ def retrieval_by_distance(
     check_int(n_before, "n_before", minimum=0)
     intro, question = _intro_and_question(info, spec)
     text = _haystack_text(spec.haystack, n_before + edges[-1])
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_int(seed, "seed", minimum=0, maximum=MAX_SEED))
     rows = []
     total = (len(edges) - 1) * n_trials
     bar = tqdm(total=total, desc=f"{task} by distance", disable=not progress or total < 20)

@@ -56,7 +56,7 @@ from headsurgeon.placement import (
     placing,
     release_offload,
 )
-from headsurgeon.validation import check_bool
+from headsurgeon.validation import MAX_SEED, check_bool, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -492,7 +492,7 @@ def random_hf_bloom(shape: ModelShape | str, *, seed: int = 0, dtype: str = "flo
         seq_length=shape.n_ctx,
         architectures=["BloomForCausalLM"],
     )
-    torch.manual_seed(seed)
+    torch.manual_seed(check_int(seed, "seed", minimum=0, maximum=MAX_SEED))
     return BloomForCausalLM(config).to(parse_dtype(dtype)).eval()
 
 

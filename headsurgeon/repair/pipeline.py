@@ -152,6 +152,21 @@ def _prepare_data(
         n_seqs=config.census_n_seqs,
         prepend_bos=prepend_bos,
     )
+    shared = _shared_rows(train.tokens, eval_seqs.tokens)
+    if shared and config.eval_on_train is False:
+        raise InvalidArgumentError(
+            f"{shared} of the {eval_seqs.n_seqs} held-out sequences are training sequences "
+            f"({eval_seqs.source}): the verdict would judge the repair on the text it trained "
+            "on; give eval_corpus text apart from the training text, or eval_on_train=True to "
+            "judge on it anyway"
+        )
+    if shared and config.eval_on_train is None:
+        logger.warning(
+            "%d of the %d held-out sequences are training sequences: the held-out perplexity "
+            "judges the repair on text it trained on (eval_on_train=False refuses it)",
+            shared,
+            eval_seqs.n_seqs,
+        )
     spread = torch.linspace(0, train.n_seqs - 1, min(n_eval_seqs, train.n_seqs))
     return _Data(
         train=train,
@@ -159,6 +174,15 @@ def _prepare_data(
         eval=eval_seqs,
         census=census,
     )
+
+
+def _shared_rows(train: torch.Tensor, held_out: torch.Tensor) -> int:
+    """How many rows of ``held_out`` are also rows of ``train``: the same text, however named
+    (one split twice, a file and its copy), cuts into the same sequences."""
+    if train.shape[1:] != held_out.shape[1:]:
+        return 0
+    seen = {row.numpy().tobytes() for row in train.cpu()}
+    return sum(row.numpy().tobytes() in seen for row in held_out.cpu())
 
 
 def _settings(
@@ -186,7 +210,14 @@ def _settings(
         "min_query_pos": config.min_query_pos,
         "prepend_bos": resolve_bos(info, config.prepend_bos),
         "save_dtype": str(config.save_dtype).removeprefix("torch."),
-    }
+    } | _eval_on_train(data)
+
+
+def _eval_on_train(data: _Data) -> dict[str, Any]:
+    """``eval_on_train``: the held-out sequences that are training sequences, when some are
+    (allowed by ``eval_on_train=True``); absent otherwise, so a run started before it resumes."""
+    shared = _shared_rows(data.train.tokens, data.eval.tokens)
+    return {"eval_on_train": [shared, data.eval.n_seqs]} if shared else {}
 
 
 class _Run:
@@ -511,7 +542,8 @@ def repair(
     as keywords, by the names of its fields, not both: ``passes``, ``init``, ``seed``,
     ``thresholds``, ``census_seq_len``, ``census_n_seqs``, ``min_query_pos``, ``prepend_bos``,
     ``train_seq_len``, ``n_eval_seqs``, ``drift_threshold``, ``save_dtype``,
-    ``max_ppl_increase``, ``max_collateral``, ``control``, and ``finetune_config`` for its
+    ``max_ppl_increase``, ``max_collateral``, ``control``, ``eval_on_train``, and
+    ``finetune_config`` for its
     ``finetune``
     (``repair(model, passes=1)`` is ``repair(model, config=RepairConfig(passes=1))``). Any other
     keyword is one :class:`~headsurgeon.errors.InvalidArgumentError` line.
@@ -519,9 +551,13 @@ def repair(
     ``corpus`` (default: the bundled training corpora) is cut into sequences of
     ``train_seq_len`` tokens (default: the model's training length, at most 512) for fine-tuning;
     ``eval_corpus`` (default: the bundled held-out corpora) gives the held-out perplexity,
-    ``n_eval_seqs`` sequences of it. The census runs on ``census_data`` (default: the bundled
-    held-out corpora; ``census_n_seqs`` x ``census_seq_len`` tokens, query rows from
-    ``min_query_pos``) and is classified with ``thresholds`` (default: :class:`Thresholds`).
+    ``n_eval_seqs`` sequences of it: held-out text that cuts into sequences of the training
+    text (one split or file twice, under two names or one) judges the repair on text it
+    trained on: ``eval_on_train=False`` refuses it in one line (the command line's default),
+    True allows it, None (default) allows it with a warning; the report states it. The census
+    runs on ``census_data`` (default: the bundled held-out corpora; ``census_n_seqs`` x
+    ``census_seq_len`` tokens, query rows from ``min_query_pos``) and is classified with
+    ``thresholds`` (default: :class:`Thresholds`).
     ``heads`` replaces the census's choice of pass-1 targets; ``include`` adds heads to it. Each
     pass fine-tunes with ``finetune_config`` (default: :class:`FinetuneConfig` with the steps and
     learning rate the model recommends, see :func:`recommended_config`: the settings

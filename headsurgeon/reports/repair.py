@@ -90,6 +90,17 @@ def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
     """The verdict paragraph of report.md: the verdict, which model is kept, its damage, and
     the targets that failed."""
     limit = report["max_ppl_increase"]
+    on_train = report["settings"].get("eval_on_train")
+    judged = (
+        [
+            f"**Judged on the training text**: {on_train[0]} of the {on_train[1]} held-out "
+            "sequences are training sequences (allowed: --allow-eval-on-train, or repair()'s "
+            "eval_on_train not False), so the held-out perplexity and its damage limit measure "
+            "text the repair trained on, not held-out text."
+        ]
+        if on_train
+        else []
+    )
     limits = (
         f"Damage limits: held-out perplexity at most "
         f"{'unlimited' if limit is None else f'+{limit:.0%}'} over the model before repair, at "
@@ -112,6 +123,7 @@ def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
         return [
             f"**Verdict: {report['verdict']}**: {report['failure_reason']}.",
             kept,
+            *judged,
             limits,
             *failures,
         ]
@@ -129,6 +141,7 @@ def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
         f"**Verdict: {report['verdict']}**: {headline}",
         f"Kept model{' (`model/`)' if model_dir else ''}: pass {best}; {costs}; healthy frozen "
         f"heads turned sick: {_heads(report['collateral']['heads'])}.",
+        *judged,
         limits,
         *failures,
     ]

@@ -284,7 +284,7 @@ def test_module_entry_point_reports_errors_without_traceback(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: threshold dead must be a finite number >= 0 and <= 1, got 2.0"
+        "error: --dead-threshold must be a finite number >= 0 and <= 1, got 2.0"
     )
     assert "Traceback" not in result.stderr
 

@@ -73,7 +73,7 @@ def test_repair_eval_split_needs_the_dataset_and_excludes_the_corpus(
 ):
     out = ["--out", str(tmp_path / "out")]
     line = error_line(repair.main, ["organism", "--eval-split", "test", *out], capsys)
-    assert "--eval-split names a split of --dataset" in line
+    assert "--eval-split applies to --dataset; give --dataset too" in line
     text = tmp_path / "a.txt"
     text.write_text(TEXT)
     argv = ["organism", "--dataset", dataset_dir, "--corpus", text, *out]
@@ -93,8 +93,15 @@ def test_repair_trains_on_the_dataset_and_evaluates_on_its_other_split(
     argv = [injured, "--dataset", dataset_dir, "--eval-split", "test", "--prepend-bos"]
     argv += ["--seq-len", "32", "--n-seqs", "8", "--train-seq-len", "32", "--passes", "1"]
     argv += ["--steps", "2", "--no-control", "--quiet", "--out", out]
+    # The test split holds the training rows reversed: some held-out sequences are training
+    # sequences, refused unless allowed, and then said under the verdict.
+    argv += ["--allow-eval-on-train"]
     repair.main([str(a) for a in argv])
     settings = json.loads((out / "report.json").read_text())["settings"]
+    shared, n_eval = settings["eval_on_train"]
+    assert 0 < shared < n_eval
+    verdict = (out / "report.md").read_text().split("## ")[0]
+    assert f"**Judged on the training text**: {shared} of the {n_eval} held-out" in verdict
     revision = settings["train_data"].rsplit(" ", 1)[1]
     assert (
         settings["train_data"]

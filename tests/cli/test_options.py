@@ -9,6 +9,7 @@ from headsurgeon import alibi, census, importance, received, sink_cache, surgery
 from headsurgeon.blindness import ANALYSED_DTYPES, CONVENTIONS
 from headsurgeon.classify import Thresholds
 from headsurgeon.cli import options
+from headsurgeon.dtypes import DTYPES
 from headsurgeon.finetune import FinetuneConfig
 from headsurgeon.loading import ALIBI_SHAPES, BLOOM_SHAPES, model_shape
 from headsurgeon.repair import DRIFT_THRESHOLD, MAX_PPL_INCREASE
@@ -28,6 +29,9 @@ def test_every_copy_is_the_library_value():
     assert (options.DRIFT_THRESHOLD, options.MAX_PPL_INCREASE) == (
         DRIFT_THRESHOLD,
         MAX_PPL_INCREASE,
+    )
+    assert {name: str(dtype).removeprefix("torch.") for name, dtype in DTYPES.items()} == dict(
+        options.DTYPE_NAMES
     )
     finetune = FinetuneConfig()
     assert options.FINETUNE == {name: getattr(finetune, name) for name in options.FINETUNE}

@@ -65,3 +65,63 @@ def test_repair_refuses_before_its_first_census(injured, little_free_memory):
             finetune_config=FinetuneConfig(batch_size=4),
             progress=False,
         )
+
+
+def test_cgroup_limits_bound_the_memory_available(tmp_path):
+    """A fake cgroup root: v2's memory.max - memory.current and v1's limit - usage bound what
+    the check takes as available; "max" and v1's "no limit" number do not."""
+    from headsurgeon.allocator import available_memory
+
+    free = available_memory(tmp_path)  # nothing under the root: RAM and RLIMIT_AS only
+    assert free is not None and free > 64 << 20
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("1000\n")
+    assert available_memory(tmp_path) == free or abs(available_memory(tmp_path) - free) < 2**28
+    (tmp_path / "memory.max").write_text(f"{(48 << 20) + 1000}\n")
+    assert available_memory(tmp_path) == 48 << 20
+    v1 = tmp_path / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (v1 / "memory.usage_in_bytes").write_text("5\n")
+    assert available_memory(tmp_path) == 48 << 20
+    (v1 / "memory.limit_in_bytes").write_text(f"{(16 << 20) + 5}\n")
+    assert available_memory(tmp_path) == 16 << 20
+
+
+def test_the_training_check_takes_the_cgroup_limit(tiny_model, monkeypatch, tmp_path):
+    (tmp_path / "memory.max").write_text(f"{1 << 20}\n")
+    (tmp_path / "memory.current").write_text("0\n")
+    from headsurgeon import allocator
+
+    monkeypatch.setattr(allocator.available_memory, "__defaults__", (tmp_path,))
+    with pytest.raises(InvalidArgumentError, match="more than the 0.0 GiB free"):
+        check_training_memory(tiny_model, 64, 64)
+
+
+def test_an_address_space_limit_bounds_the_memory_available():
+    """Under ``ulimit -v`` (RLIMIT_AS) far below free RAM, a batch that fits in RAM but not in
+    the address space left is refused in one line, not a MemoryError mid-step."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.loading import ModelShape, random_model
+from headsurgeon.allocator import available_memory
+from headsurgeon.probes import check_training_memory
+model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=512))
+free = available_memory()
+with open("/proc/self/status") as f:
+    used = int(next(l for l in f if l.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (used + (256 << 20), resource.RLIM_INFINITY))
+left = available_memory()
+assert 0 <= left <= 256 << 20 < free, (left, free)
+try:
+    check_training_memory(model, 64, 512)  # about 0.8 GiB: fits in RAM, not in the limit
+except InvalidArgumentError as e:
+    print("refused:", e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("refused: fine-tuning a batch of 64 sequences of 512")

@@ -133,6 +133,7 @@ def test_write_report_without_browser_writes_model_and_report_skips_pngs(
         heads=HeadSet([(1, 1)]),
         progress=False,
         finetune_config=FinetuneConfig(steps=2, batch_size=2, eval_every=2),
+        eval_on_train=True,  # one text for everything: no warning about it, only the figures'
     )
     out = write_report(result, tmp_path / "out")
     files = {p.name for p in out.iterdir()}

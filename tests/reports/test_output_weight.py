@@ -76,6 +76,7 @@ def test_repair_folder_holds_one_plotly_js_and_its_report_weighs_under_6_mb(tmp_
     out = tmp_path / "r"
     text = str(tmp_path / "text.txt")
     argv = ["organism-injured", "--texts", text, "--corpus", text, "--eval-corpus", text]
+    argv += ["--allow-eval-on-train"]
     argv += ["--seq-len", "32", "--n-seqs", "8", "--train-seq-len", "32", "--n-eval-seqs", "4"]
     argv += ["--steps", "2", "--batch-size", "4", "--threads", "1", "--quiet"]
     assert repair_main([*argv, "--out", str(out)]) in (0, EXIT_DAMAGED, EXIT_WORSE)  # any verdict

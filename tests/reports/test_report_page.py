@@ -267,7 +267,8 @@ def hostile_runs(bloom_dir, tmp_path_factory):
     second.write_text(TEXT[::-1])
     data = ["--texts", str(first), "--seq-len", "32", "--n-seqs", "8", "--prepend-bos"]
     both = [*data, "--texts", str(second)]
-    repair = ["--corpus", str(first), "--eval-corpus", str(first), "--train-seq-len", "32"]
+    repair = ["--corpus", str(first), "--eval-corpus", str(first), "--allow-eval-on-train"]
+    repair += ["--train-seq-len", "32"]
     repair += ["--batch-size", "4", "--steps", "4", "--lr", "1e-2", "--passes", "1"]
     repair += ["--heads", "L1H3", "--no-control", "--max-collateral", "8", "--quiet", *data]
     runs = {
