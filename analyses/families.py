@@ -260,6 +260,7 @@ def check_repair(model, hf, out_proj, tokens) -> float:
         n_eval_seqs=2,
         train_seq_len=64,
         finetune=steps,
+        eval_on_train=True,  # random tokens, held out or not: only the masks are checked here
     )
     corpus = torch.randint(0, VOCAB, (8, 64), generator=torch.Generator().manual_seed(1))
     repair(

@@ -62,7 +62,7 @@ def test_a_failure_in_pass_2_gives_the_model_back(injured, monkeypatch, caplog, 
     model = load_model(injured)
     before = state(model)
     with pytest.raises(type(error)), caplog.at_level(logging.INFO, logger="headsurgeon"):
-        repair(model, TEXT, eval_corpus=TEXT, **SETTINGS)
+        repair(model, TEXT, eval_corpus=TEXT, eval_on_train=True, **SETTINGS)
     assert len(calls) == 6 and any("pass 2: re-initialising" in m for m in caplog.messages)
     assert_same(model, before)
     # One line, from the outermost work only (fine-tuning inside the repair stays quiet).
@@ -87,7 +87,7 @@ def test_a_failure_after_training_gives_the_model_back(injured, monkeypatch, cap
     model = load_model(injured)
     before = state(model)
     with pytest.raises(KeyboardInterrupt):
-        repair(model, TEXT, eval_corpus=TEXT, **SETTINGS)
+        repair(model, TEXT, eval_corpus=TEXT, eval_on_train=True, **SETTINGS)
     assert_same(model, before)
     assert len(restored_lines(caplog)) == 1
 
@@ -96,7 +96,7 @@ def test_a_failure_before_any_change_says_nothing(injured, caplog):  # noqa: F81
     model = load_model(injured)
     before = state(model)
     with pytest.raises(ValueError, match="out of range"):
-        repair(model, TEXT, eval_corpus=TEXT, heads="L5H0", **SETTINGS)
+        repair(model, TEXT, eval_corpus=TEXT, eval_on_train=True, heads="L5H0", **SETTINGS)
     assert_same(model, before)
     assert not restored_lines(caplog)
 

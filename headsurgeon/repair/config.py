@@ -59,9 +59,8 @@ class RepairConfig:
     ``max_ppl_increase`` (relative, >= 0; ``math.inf`` ignores perplexity) and
     ``max_collateral`` (frozen heads that may turn sick; see :class:`PassResult`). Data:
     ``train_seq_len`` (default: the model's training length, at most 512), ``n_eval_seqs``,
-    ``prepend_bos``, ``eval_on_train`` (held-out text that is training text: False refuses it
-    in one line, as the command line does; True or None judge on it, None with a warning, and
-    the report says so). Training: ``finetune``
+    ``prepend_bos``, ``eval_on_train`` (held-out text that is training text: refused in one
+    line unless True, which judges on it and makes the report say so). Training: ``finetune``
     (default: :func:`recommended_config`) and ``save_dtype`` (default: the checkpoint's dtype,
     else the model's).
 
@@ -88,7 +87,7 @@ class RepairConfig:
     max_ppl_increase: float = MAX_PPL_INCREASE
     max_collateral: int = 0
     control: bool = True
-    eval_on_train: bool | None = None
+    eval_on_train: bool = False
 
     def __post_init__(self) -> None:
         if self.finetune is not None:
@@ -112,8 +111,7 @@ class RepairConfig:
         check_number(self.max_ppl_increase, "max_ppl_increase", low=0, finite=False)
         check_int(self.max_collateral, "max_collateral", minimum=0)
         check_bool(self.control, "control")
-        if self.eval_on_train is not None:
-            check_bool(self.eval_on_train, "eval_on_train")
+        check_bool(self.eval_on_train, "eval_on_train")
 
 
 # repair()'s setting keywords: RepairConfig's fields, its ``finetune`` as ``finetune_config``.

@@ -153,19 +153,12 @@ def _prepare_data(
         prepend_bos=prepend_bos,
     )
     shared = _shared_rows(train.tokens, eval_seqs.tokens)
-    if shared and config.eval_on_train is False:
+    if shared and not config.eval_on_train:
         raise InvalidArgumentError(
             f"{shared} of the {eval_seqs.n_seqs} held-out sequences are training sequences "
             f"({eval_seqs.source}): the verdict would judge the repair on the text it trained "
             "on; give eval_corpus text apart from the training text, or eval_on_train=True to "
             "judge on it anyway"
-        )
-    if shared and config.eval_on_train is None:
-        logger.warning(
-            "%d of the %d held-out sequences are training sequences: the held-out perplexity "
-            "judges the repair on text it trained on (eval_on_train=False refuses it)",
-            shared,
-            eval_seqs.n_seqs,
         )
     spread = torch.linspace(0, train.n_seqs - 1, min(n_eval_seqs, train.n_seqs))
     return _Data(
@@ -553,8 +546,8 @@ def repair(
     ``eval_corpus`` (default: the bundled held-out corpora) gives the held-out perplexity,
     ``n_eval_seqs`` sequences of it: held-out text that cuts into sequences of the training
     text (one split or file twice, under two names or one) judges the repair on text it
-    trained on: ``eval_on_train=False`` refuses it in one line (the command line's default),
-    True allows it, None (default) allows it with a warning; the report states it. The census
+    trained on: refused in one line unless ``eval_on_train=True``, and then the report states
+    it. The census
     runs on ``census_data`` (default: the bundled held-out corpora; ``census_n_seqs`` x
     ``census_seq_len`` tokens, query rows from ``min_query_pos``) and is classified with
     ``thresholds`` (default: :class:`Thresholds`).

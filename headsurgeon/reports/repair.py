@@ -95,7 +95,7 @@ def _verdict(report: dict[str, Any], model_dir: bool) -> list[str]:
         [
             f"**Judged on the training text**: {on_train[0]} of the {on_train[1]} held-out "
             "sequences are training sequences (allowed: --allow-eval-on-train, or repair()'s "
-            "eval_on_train not False), so the held-out perplexity and its damage limit measure "
+            "eval_on_train=True), so the held-out perplexity and its damage limit measure "
             "text the repair trained on, not held-out text."
         ]
         if on_train

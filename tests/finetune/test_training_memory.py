@@ -60,6 +60,7 @@ def test_repair_refuses_before_its_first_census(injured, little_free_memory):
             load_model(injured),
             TEXT,
             eval_corpus=TEXT,
+            eval_on_train=True,
             census_data=TEXT,
             train_seq_len=32,
             finetune_config=FinetuneConfig(batch_size=4),

@@ -82,6 +82,7 @@ def figures(bloom_dir, tmp_path_factory) -> list[dict]:
         model,
         TEXT,
         eval_corpus=TEXT,
+        eval_on_train=True,
         census_data=TEXT,
         census_seq_len=32,
         census_n_seqs=2,

@@ -40,6 +40,7 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
             model,
             TEXT,
             eval_corpus=TEXT,
+            eval_on_train=True,
             census_data=TEXT,
             census_seq_len=32,
             census_n_seqs=16,
@@ -256,6 +257,7 @@ def test_a_damaging_repair_fails_and_gives_the_model_back(injured, text_file, tm
         model,
         TEXT,
         eval_corpus=TEXT,
+        eval_on_train=True,
         census_data=TEXT,
         census_seq_len=32,
         census_n_seqs=16,
@@ -315,7 +317,7 @@ def test_a_later_damaging_pass_is_undone_and_the_best_pass_kept(injured, monkeyp
         finetune_config=FinetuneConfig(steps=4, lr=1e-2, batch_size=4),
     )
     one_pass = load_model(injured)
-    repair(one_pass, TEXT, eval_corpus=TEXT, passes=1, **settings)
+    repair(one_pass, TEXT, eval_corpus=TEXT, eval_on_train=True, passes=1, **settings)
     measure = repair_module._Run.perplexities
     calls = []
 
@@ -327,7 +329,7 @@ def test_a_later_damaging_pass_is_undone_and_the_best_pass_kept(injured, monkeyp
 
     monkeypatch.setattr(repair_module._Run, "perplexities", pass_2_diverges)
     model = load_model(injured)
-    result = repair(model, TEXT, eval_corpus=TEXT, passes=2, **settings)
+    result = repair(model, TEXT, eval_corpus=TEXT, eval_on_train=True, passes=2, **settings)
     assert [p.damaged for p in result.passes] == [False, True]
     assert "held-out perplexity" in result.passes[1].failure  # NaN is damage
     assert not result.ok and result.best_pass == 1
@@ -565,6 +567,7 @@ def test_python_repair_gives_the_clis_report(recommending, text_file, tmp_path):
         load_model(recommending),
         [text_file],
         eval_corpus=[text_file],
+        eval_on_train=True,
         census_data=[text_file],
         census_seq_len=32,
         census_n_seqs=16,

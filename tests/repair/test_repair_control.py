@@ -29,6 +29,7 @@ from headsurgeon.surgery import head_slices
 
 SETTINGS = dict(
     eval_corpus=TEXT,
+    eval_on_train=True,
     census_data=TEXT,
     census_seq_len=32,
     census_n_seqs=16,

@@ -24,6 +24,7 @@ def cheap_repair(model, **settings):
         model,
         TEXT,
         eval_corpus=TEXT,
+        eval_on_train=True,
         census_data=TEXT,
         census_seq_len=32,
         census_n_seqs=8,

@@ -27,13 +27,19 @@ def test_a_resume_on_an_edited_dataset_is_refused(injured, tmp_path):  # noqa: F
     folder, work = tmp_path / "ds", tmp_path / "run.partial"
     write_rows(folder, rows)
     first = repair(
-        load_model(injured), load_dataset_texts(folder), eval_corpus=TEXT, work_dir=work, **ONE_PASS
+        load_model(injured),
+        load_dataset_texts(folder),
+        eval_corpus=TEXT,
+        eval_on_train=True,
+        work_dir=work,
+        **ONE_PASS,
     )
     assert first.settings["train_data"].startswith("dataset ds, split train, column text, ")
     again = repair(  # the same dataset: the finished run comes back from its files
         load_model(injured),
         load_dataset_texts(folder),
         eval_corpus=TEXT,
+        eval_on_train=True,
         work_dir=work,
         resume=True,
         **ONE_PASS,
@@ -45,6 +51,7 @@ def test_a_resume_on_an_edited_dataset_is_refused(injured, tmp_path):  # noqa: F
             load_model(injured),
             load_dataset_texts(folder),
             eval_corpus=TEXT,
+            eval_on_train=True,
             work_dir=work,
             resume=True,
             **ONE_PASS,

@@ -47,7 +47,9 @@ class Planted:
 def finished(injured, tmp_path_factory):  # noqa: F811 (the fixture imported above)
     """The work folder of a finished two-pass repair of the injured model."""
     work = tmp_path_factory.mktemp("work") / "run.partial"
-    result = repair(load_model(injured), TEXT, eval_corpus=TEXT, work_dir=work, **SETTINGS)
+    result = repair(
+        load_model(injured), TEXT, eval_corpus=TEXT, eval_on_train=True, work_dir=work, **SETTINGS
+    )
     assert len(result.passes) == 2 and (work / "pass2" / "done.json").exists()
     return work
 
@@ -58,7 +60,15 @@ def resume_fails(injured, work, *needles):  # noqa: F811
     model = load_model(injured)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError) as info:
-        repair(model, TEXT, eval_corpus=TEXT, work_dir=work, resume=True, **SETTINGS)
+        repair(
+            model,
+            TEXT,
+            eval_corpus=TEXT,
+            eval_on_train=True,
+            work_dir=work,
+            resume=True,
+            **SETTINGS,
+        )
     message = str(info.value)
     assert len(message.splitlines()) == 1, message
     assert "weights_only" not in message and "Traceback" not in message
@@ -289,14 +299,30 @@ def test_a_resume_on_changed_content_of_the_same_shape_is_refused(injured, finis
     rotated = " ".join(words[7:] + words[:7])
     model = load_model(injured)
     with pytest.raises(CheckpointError) as info:
-        repair(model, rotated, eval_corpus=TEXT, work_dir=work, resume=True, **SETTINGS)
+        repair(
+            model,
+            rotated,
+            eval_corpus=TEXT,
+            eval_on_train=True,
+            work_dir=work,
+            resume=True,
+            **SETTINGS,
+        )
     message = str(info.value)
     assert len(message.splitlines()) == 1, message
     assert "the train tokens changed" in message and "eval" not in message, message
     with torch.no_grad():
         model.blocks[0].attn.W_O[0, 0, 0] += 1
     with pytest.raises(CheckpointError, match="the model's weights changed"):
-        repair(model, TEXT, eval_corpus=TEXT, work_dir=work, resume=True, **SETTINGS)
+        repair(
+            model,
+            TEXT,
+            eval_corpus=TEXT,
+            eval_on_train=True,
+            work_dir=work,
+            resume=True,
+            **SETTINGS,
+        )
 
 
 def test_a_run_record_without_content_digests_is_one_line(injured, finished, tmp_path):  # noqa: F811

@@ -113,6 +113,7 @@ def test_repair_page_shows_every_stage_side_by_side(tiny_model, tmp_path):
         tiny_model,
         TEXT,
         eval_corpus=TEXT,
+        eval_on_train=True,
         census_data=TEXT,
         census_seq_len=32,
         census_n_seqs=4,
