@@ -45,6 +45,7 @@ Exports:
     plotly_bundle(figures)             the smallest plotly.js that draws them (the cartesian
                                        bundle, 1.5 MB, else the full one): (file name, text)
     require_browser(what)              FigureExportError (one line, the fix) without Chromium
+    start_browser(what)                start it in bounded time; FigureExportError if it fails
     has_browser()                      whether static figures can be written here
     warn_skipped(names, folder)        the one warning line about skipped static figures
     Figure                             go.Figure that also shows as HTML and PNG in notebooks
@@ -76,7 +77,8 @@ browser is found and no HTML figure (each writer's ``index.html`` holds every fi
 interactively); without a browser the PNGs are skipped and one warning names them and the
 fix. ``html`` given explicitly writes each figure as HTML, all sharing one plotly.js in the
 folder. Formats given explicitly are all required: a static one without a browser raises
-:class:`~headsurgeon.errors.FigureExportError` before anything is written.
+:class:`~headsurgeon.errors.FigureExportError` before anything is written. A browser that does
+not start within ``HEADSURGEON_BROWSER_TIMEOUT`` seconds (30 by default) counts as none.
 
 In Jupyter a :class:`Figure` shows through the user's plotly renderer as usual (interactive,
 ``application/vnd.plotly.v1+json``) and its output also carries ``text/html`` (plotly.js from
@@ -123,6 +125,7 @@ from headsurgeon.plots.export import (
     save_figure,
     save_figures,
     split_formats,
+    start_browser,
     warn_skipped,
 )
 from headsurgeon.plots.grids import (
@@ -183,6 +186,7 @@ __all__ = [
     "sick_share_plot",
     "sink_cache_figure",
     "split_formats",
+    "start_browser",
     "style",
     "sweep_plot",
     "warn_skipped",
