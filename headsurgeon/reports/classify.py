@@ -8,12 +8,14 @@ Exports:
                                               index.html
     write_cross_scale({model: df}, out_dir)   several models: each one's classification in a
                                               subfolder, the cross-scale table and figures
+    cross_scale_folders(models)               {folder: model} of that folder, checked first
     IMPORTANCE_NAMES                          head_importance's columns as classified tables
                                               name them (``method`` -> ``importance_method``)
     FIGURES, IMPORTANCE_FIGURES               the figures of a classification by file name (the
                                               second set for tables with importance columns)
     CROSS_SCALE_FORMATS                       the cross-scale folder's default figure formats:
                                               html and png, as it has no index.html of its own
+    CROSS_SCALE_FIGURES                       its figures, by file name
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from headsurgeon.classify import (
     threshold_sweep,
     thresholds_of,
 )
-from headsurgeon.errors import InvalidArgumentError, shown
+from headsurgeon.errors import shown
 from headsurgeon.heads import LABELS
 from headsurgeon.importance import (
     COLUMNS as IMPORTANCE_COLUMNS,
@@ -49,14 +51,16 @@ from headsurgeon.importance import (
     IMPORTANCE_NAMES,
     is_dormant,
 )
-from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.outputs import MARK_FILE, atomic_directory, atomic_write_text
 from headsurgeon.received import SecondarySinks
-from headsurgeon.reports.folders import model_folder_name
+from headsurgeon.reports.folders import named_folders
 from headsurgeon.reports.page import census_samples, samples_note, write_page
 from headsurgeon.reports.records import json_safe, package_versions
 
 __all__ = [
+    "CROSS_SCALE_FIGURES",
     "CROSS_SCALE_FORMATS",
+    "cross_scale_folders",
     "FIGURES",
     "IMPORTANCE_FIGURES",
     "IMPORTANCE_NAMES",
@@ -68,6 +72,8 @@ __all__ = [
 
 # The top folder of several models has no page of its own: its figures are HTML pages too.
 CROSS_SCALE_FORMATS = ("html", "png")
+# The cross-scale folder's figures, by file name.
+CROSS_SCALE_FIGURES = ("sick_share", "bos_mass")
 
 
 def format_summary(
@@ -364,6 +370,16 @@ def write_classification(
     return Path(out_dir)
 
 
+def cross_scale_folders(models: Sequence[str]) -> dict[str, str]:
+    """``{folder: model}`` of :func:`write_cross_scale`'s folder, checked before any work: each
+    model's folder of its own, none hidden, none named as a file of the folder, else one-line
+    :class:`InvalidArgumentError` (:func:`headsurgeon.reports.folders.named_folders`)."""
+    files = {"cross_scale.csv", "summary.txt", MARK_FILE}
+    files |= {plots.export.CARTESIAN_BUNDLE.name, plots.export.FULL_BUNDLE}
+    files |= {f"{figure}.{fmt}" for figure in CROSS_SCALE_FIGURES for fmt in plots.FORMATS}
+    return named_folders(models, "model", files)
+
+
 def write_cross_scale(
     classified: Mapping[str, pd.DataFrame],
     out_dir: str | os.PathLike,
@@ -381,18 +397,11 @@ def write_cross_scale(
     own (each model's folder has one), so ``formats=None`` writes these two figures as HTML too,
     sharing one plotly.js, and as png when a browser is found.
     """
-    folders = {model_folder_name(name): name for name in classified}
-    if len(folders) < len(classified):
-        raise InvalidArgumentError(
-            f"two models share a folder name among {', '.join(map(str, classified))}; "
-            "give them distinct names"
-        )
+    folders = cross_scale_folders(list(classified))
     plots.split_formats(formats)  # checked before anything is written
     shares = sick_shares(classified)
-    figures = {
-        "sick_share": plots.sick_share_plot(shares),
-        "bos_mass": plots.models_grid(dict(classified), "bos_mass"),
-    }
+    made = [plots.sick_share_plot(shares), plots.models_grid(dict(classified), "bos_mass")]
+    figures = dict(zip(CROSS_SCALE_FIGURES, made, strict=True))
     table = shares[shares["band"] == "all"].drop(columns=["band", "layers"])
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_cross_scale") as tmp:
         for folder, name in folders.items():
