@@ -500,6 +500,10 @@ def figure_formats(args: argparse.Namespace) -> list[str] | None:
     one-line :class:`~headsurgeon.errors.FigureExportError` now rather than after the model has
     run. The browser is started here then (:func:`headsurgeon.plots.start_browser`), and kept.
     """
+    if os.environ.get("HEADSURGEON_BROWSER_TIMEOUT", "").strip():
+        from headsurgeon.plots import export
+
+        export.start_timeout()  # a bad value: one line now, not after the census
     if not getattr(args, "format", None):
         return None
     from headsurgeon import plots

@@ -46,6 +46,7 @@ Exports:
                                        bundle, 1.5 MB, else the full one): (file name, text)
     require_browser(what)              FigureExportError (one line, the fix) without Chromium
     start_browser(what)                start it in bounded time; FigureExportError if it fails
+    start_timeout()                    that time: HEADSURGEON_BROWSER_TIMEOUT, else 30 s
     has_browser()                      whether static figures can be written here
     warn_skipped(names, folder)        the one warning line about skipped static figures
     Figure                             go.Figure that also shows as HTML and PNG in notebooks
@@ -126,6 +127,7 @@ from headsurgeon.plots.export import (
     save_figures,
     split_formats,
     start_browser,
+    start_timeout,
     warn_skipped,
 )
 from headsurgeon.plots.grids import (
@@ -187,6 +189,7 @@ __all__ = [
     "sink_cache_figure",
     "split_formats",
     "start_browser",
+    "start_timeout",
     "style",
     "sweep_plot",
     "warn_skipped",

@@ -9,6 +9,7 @@ Exports:
     CARTESIAN_TRACES                   the trace types of plotly.js's cartesian bundle
     require_browser(what)              FigureExportError (one line, the fix) without Chromium
     start_browser(what)                start it, bounded in time (FigureExportError if not)
+    start_timeout()                    that bound: HEADSURGEON_BROWSER_TIMEOUT, else 30 s
     has_browser()                      whether static figures can be written here
     warn_skipped(names, folder)        the one warning line about skipped static figures
     FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
@@ -65,6 +66,7 @@ __all__ = [
     "has_browser",
     "require_browser",
     "start_browser",
+    "start_timeout",
     "save_figure",
     "save_figures",
     "split_formats",
@@ -160,8 +162,10 @@ _failed: dict[str, str] = {}
 _starting = threading.Lock()
 
 
-def _start_timeout() -> float:
-    """Seconds a start may take: ``HEADSURGEON_BROWSER_TIMEOUT``, else :data:`START_TIMEOUT`."""
+def start_timeout() -> float:
+    """Seconds a browser start may take: ``HEADSURGEON_BROWSER_TIMEOUT``, else
+    :data:`START_TIMEOUT` (30); a value that is no number of seconds above 0 raises
+    :class:`InvalidArgumentError` in one line."""
     raw = os.environ.get(START_TIMEOUT_VAR, "").strip()
     if not raw:
         return START_TIMEOUT
@@ -200,7 +204,7 @@ def _start(path: str) -> str | None:
     (whatever it left running then stopped)."""
     import kaleido
 
-    seconds = _start_timeout()
+    seconds = start_timeout()
     quiet_browser_exit()
     _quiet_start()
     _starting_now.set()

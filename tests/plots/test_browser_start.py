@@ -21,7 +21,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 import pytest
-from conftest import NO_CHROMIUM, TEXT
+from conftest import NO_CHROMIUM, TEXT, error_line
 
 import headsurgeon
 from headsurgeon import plots
@@ -134,6 +134,18 @@ def test_a_bad_start_timeout_is_one_line(fresh_browser, monkeypatch):
         monkeypatch.setenv("HEADSURGEON_BROWSER_TIMEOUT", bad)
         with pytest.raises(InvalidArgumentError, match="HEADSURGEON_BROWSER_TIMEOUT=.* seconds"):
             plots.start_browser()
+
+
+@pytest.mark.parametrize("argv", [[], ["--format", "html"]])
+def test_cli_bad_start_timeout_is_refused_before_loading(
+    argv, fresh_browser, no_model, monkeypatch, tmp_path, capsys
+):
+    from headsurgeon.cli import classify
+
+    monkeypatch.setenv("HEADSURGEON_BROWSER_TIMEOUT", "30s")
+    line = error_line(classify.main, ["organism", *argv, "--out", tmp_path / "o"], capsys)
+    assert "HEADSURGEON_BROWSER_TIMEOUT='30s' is not a number of seconds" in line
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_asked_pdf_with_a_browser_that_does_not_start_fails_before_loading(
