@@ -9,6 +9,9 @@ Exports:
     write_cross_scale({model: df}, out_dir)   several models: each one's classification in a
                                               subfolder, the cross-scale table and figures
     cross_scale_folders(models)               {folder: model} of that folder, checked first
+    classification_figures(df)                the figure names write_classification writes
+    subfolder_figures({folder: df}, formats)  a classification per subfolder: their formats and
+                                              the static figures skipped, for one warning line
     IMPORTANCE_NAMES                          head_importance's columns as classified tables
                                               name them (``method`` -> ``importance_method``)
     FIGURES, IMPORTANCE_FIGURES               the figures of a classification by file name (the
@@ -58,6 +61,8 @@ from headsurgeon.reports.page import census_samples, samples_note, write_page
 from headsurgeon.reports.records import json_safe, package_versions
 
 __all__ = [
+    "classification_figures",
+    "subfolder_figures",
     "CROSS_SCALE_FIGURES",
     "CROSS_SCALE_FORMATS",
     "cross_scale_folders",
@@ -276,6 +281,33 @@ IMPORTANCE_FIGURES = {
 }
 
 
+def _makers(classified: pd.DataFrame) -> dict[str, Any]:
+    """The figures of a classification but its threshold sweep, by name: their makers."""
+    return FIGURES | (IMPORTANCE_FIGURES if _has_importance(classified) else {})
+
+
+def classification_figures(classified: pd.DataFrame) -> list[str]:
+    """The names of the figures :func:`write_classification` writes for ``classified``."""
+    return [*_makers(classified), "threshold_sweep"]
+
+
+def subfolder_figures(
+    tables: Mapping[str, pd.DataFrame], formats: Sequence[str] | None
+) -> tuple[Sequence[str] | None, list[str]]:
+    """For a writer that puts a classification in each of its subfolders (``{folder: table}``):
+    the ``formats`` to give :func:`write_classification`, and the static figures it then skips
+    for want of a browser (``folder/name.png``), for the writer's one warning line rather than
+    one a subfolder."""
+    write, skipped = plots.split_formats(formats)
+    names = [
+        f"{folder}/{figure}.{fmt}"
+        for folder, table in tables.items()
+        for figure in classification_figures(table)
+        for fmt in skipped
+    ]
+    return (write if skipped else formats), names
+
+
 def write_classification(
     classified: pd.DataFrame,
     out_dir: str | os.PathLike,
@@ -335,10 +367,9 @@ def write_classification(
         "label": f"one of {', '.join(LABELS)} (see reason)",
         "reason": "why the head got its label",
     }
-    makers = dict(FIGURES)
+    makers = _makers(classified)
     if _has_importance(classified):
         columns |= _importance_columns(classified)
-        makers |= IMPORTANCE_FIGURES
     document = {"metadata": info, "columns": columns, "heads": records}
     summary = format_summary(classified, sinks=sinks)
     figures = {name: make(classified) for name, make in makers.items()}
@@ -403,15 +434,18 @@ def write_cross_scale(
     made = [plots.sick_share_plot(shares), plots.models_grid(dict(classified), "bos_mass")]
     figures = dict(zip(CROSS_SCALE_FIGURES, made, strict=True))
     table = shares[shares["band"] == "all"].drop(columns=["band", "layers"])
+    inner, skipped_inside = subfolder_figures(
+        {folder: classified[name] for folder, name in folders.items()}, formats
+    )
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_cross_scale") as tmp:
         for folder, name in folders.items():
-            write_classification(classified[name], tmp / folder, formats=formats)
+            write_classification(classified[name], tmp / folder, formats=inner)
         atomic_write_text(tmp / "cross_scale.csv", shares.to_csv(index=False))
         text = "Sick heads (BOS-sink + dead) per model:\n" + table.to_string(index=False)
         text += "\n\nBy layer band:\n" + shares.to_string(index=False)
         atomic_write_text(tmp / "summary.txt", text + "\n")
         skipped = plots.save_figures(figures, tmp, formats, default=CROSS_SCALE_FORMATS)
-    plots.warn_skipped(skipped, out_dir)
+    plots.warn_skipped(skipped_inside + skipped, out_dir)
     return Path(out_dir)
 
 

@@ -27,7 +27,7 @@ from headsurgeon.domains import CHANGE_COLUMNS, corpus_changes, split_corpora
 from headsurgeon.errors import InvalidArgumentError, shown
 from headsurgeon.importance import DORMANT_SE
 from headsurgeon.outputs import MARK_FILE, atomic_directory, atomic_write_text
-from headsurgeon.reports.classify import format_summary, write_classification
+from headsurgeon.reports.classify import format_summary, subfolder_figures, write_classification
 from headsurgeon.reports.folders import model_folder_name, named_folders
 from headsurgeon.reports.page import PAGE, write_page
 from headsurgeon.reports.records import json_safe, package_versions
@@ -228,12 +228,15 @@ def write_corpora(
     }
     first = next(iter(tables.values()))
     names = list(tables)
+    inner, skipped_inside = subfolder_figures(
+        {folder: tables[name] for folder, name in folders.items()}, formats
+    )
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_corpora") as tmp:
         for folder, name in folders.items():
             write_classification(
                 tables[name],
                 tmp / folder,
-                formats=formats,
+                formats=inner,
                 model=model,
                 tokens=None if tokens is None else tokens.get(name),
             )
@@ -263,5 +266,5 @@ def write_corpora(
             ),
             pages=[f"{folder}/{PAGE}" for folder in folders],
         )
-    plots.warn_skipped(skipped, out_dir)
+    plots.warn_skipped(skipped_inside + skipped, out_dir)
     return Path(out_dir)

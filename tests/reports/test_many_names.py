@@ -9,6 +9,8 @@ before any model is loaded.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -133,3 +135,16 @@ def test_cli_corpus_named_as_a_file_of_the_folder_is_refused_before_loading(
     line = error_line(main, [*argv, "--out", tmp_path / "out"], capsys)
     assert f"the corpus {clash!r} gives the folder name {clash!r}" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_write_corpora_without_a_browser_warns_once_for_the_whole_folder(
+    no_browser, tmp_path, caplog
+):
+    compared = stack_corpora({"a": classified(), "b": classified(seed=1)})
+    out = write_corpora(compared, tmp_path / "out")
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    # 5 figures in each corpus's folder, the difference and the corpora side by side
+    assert lines[0].startswith(f"warning: skipped 12 static figures in {out}/ (*.png): ")
+    assert ".tmp-" not in lines[0]
+    assert not list(out.rglob("*.png")) and (out / "a" / "heads.csv").exists()
