@@ -144,7 +144,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from headsurgeon.allocator import keep_freed_memory
 from headsurgeon.cli.options import DTYPE_NAMES, THRESHOLDS
 from headsurgeon.cli.session import record_threads
-from headsurgeon.errors import DataError, HeadsurgeonError, shown
+from headsurgeon.errors import DataError, FigureExportError, HeadsurgeonError, shown
 from headsurgeon.inputs import check_texts
 from headsurgeon.model_names import DEFAULT_MODEL, ORGANISM_DIR, locate_model, organism_names
 from headsurgeon.outputs import check_output_dir, claim_output
@@ -574,23 +574,31 @@ def figure_formats(args: argparse.Namespace) -> list[str] | None:
 
     Without ``--format``: ``None``, the writers' default (png when a Chromium browser is found;
     otherwise the PNGs are skipped with one warning and the run still succeeds; every figure is
-    on ``index.html`` either way). With ``--format``: png (when a browser is found) and those;
-    svg and pdf need the browser, so a missing one is a one-line
-    :class:`~headsurgeon.errors.FigureExportError` now rather than after the model has run.
+    on ``index.html`` either way). With ``--format``: png (when a browser is found and starts)
+    and those; svg and pdf need the browser, so a missing one, or one that does not start, is a
+    one-line :class:`~headsurgeon.errors.FigureExportError` now rather than after the model has
+    run. The browser is started here then (:func:`headsurgeon.plots.start_browser`), and kept.
     """
+    if os.environ.get("HEADSURGEON_BROWSER_TIMEOUT", "").strip():
+        from headsurgeon.plots import export
+
+        export.start_timeout()  # a bad value: one line now, not after the census
     if not getattr(args, "format", None):
         return None
     from headsurgeon import plots
 
     static = [f for f in args.format if f in plots.STATIC_FORMATS]
     if static:
-        plots.require_browser(
+        plots.start_browser(
             f"--format {' '.join(static)}",
             instead="leave out --format svg/pdf (index.html holds every figure interactively)",
         )
-    png = ["png"] if static or plots.has_browser() else []
-    if not png:
-        logger.warning("no PNG figures: no Chromium browser found (%s)", plots.INSTALL_BROWSER)
+    png = ["png"]
+    try:
+        plots.start_browser("writing them", instead="find every figure on index.html")
+    except FigureExportError as e:
+        logger.warning("no PNG figures: %s", e)
+        png = []
     return list(dict.fromkeys([*png, *args.format]))
 
 

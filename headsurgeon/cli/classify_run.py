@@ -35,7 +35,8 @@ from headsurgeon.reports import (
     write_corpora,
     write_cross_scale,
 )
-from headsurgeon.reports.classify import CROSS_SCALE_FORMATS
+from headsurgeon.reports.classify import CROSS_SCALE_FORMATS, cross_scale_folders
+from headsurgeon.reports.corpora import corpus_folders
 
 __all__ = [
     "classify",
@@ -49,9 +50,12 @@ def classify(parser: ArgumentParser, args: argparse.Namespace, formats: list[str
     """The run of checked options ``args``: claim the output folder, measure, print, write."""
     thresholds = Thresholds(args.sink_threshold, args.dead_threshold, args.min_output_share)
     models = args.model
-    if len({model_folder_name(m) for m in models}) < len(models):
-        parser.error(f"two of the models {' '.join(models)} would share an output folder name")
     corpora = getattr(args, "corpora", None) or []
+    # Names that clash in the output folder: one line now, not after every census.
+    if len(corpora) > 1:
+        corpus_folders(corpus_names(corpora))
+    elif len(models) > 1:
+        cross_scale_folders(models)
     if len(corpora) > 1:
         default = default_out_dir(models[0], "corpora")
     else:
@@ -139,19 +143,20 @@ def _classify_texts(
 def corpus_names(corpora: Sequence[Sequence[Path]]) -> list[str]:
     """A name per corpus (a group of files) from its files' names: ``a.txt.gz`` -> ``a``, several
     files joined by ``-``, characters other than letters, digits, ``.``, ``_`` and ``-`` made
-    ``-`` (the name is a folder name too); a name met before gets ``-2``, ``-3``...
+    ``-`` (the name is a folder name too); a name met before (letters' case aside, as some
+    disks see folder names) gets ``-2``, ``-3``...
 
     >>> corpus_names([[Path("x/a.txt")], [Path("y/a.txt.gz"), Path("b c.txt")]])
     ['a', 'a-b-c']
-    >>> corpus_names([[Path("x/a.txt")], [Path("y/a.txt")]])
-    ['a', 'a-2']
+    >>> corpus_names([[Path("x/a.txt")], [Path("y/a.txt")], [Path("A.txt")]])
+    ['a', 'a-2', 'A-3']
     """
     names: list[str] = []
     for files in corpora:
         stems = [p.name.removesuffix(".gz").removesuffix(".txt") or p.name for p in files]
         base = model_folder_name("-".join(stems)).strip(".") or "corpus"
         name, n = base, 2
-        while name in names:
+        while name.casefold() in {other.casefold() for other in names}:
             name, n = f"{base}-{n}", n + 1
         names.append(name)
     return names

@@ -45,6 +45,8 @@ Exports:
     plotly_bundle(figures)             the smallest plotly.js that draws them (the cartesian
                                        bundle, 1.5 MB, else the full one): (file name, text)
     require_browser(what)              FigureExportError (one line, the fix) without Chromium
+    start_browser(what)                start it in bounded time; FigureExportError if it fails
+    start_timeout()                    that time: HEADSURGEON_BROWSER_TIMEOUT, else 30 s
     has_browser()                      whether static figures can be written here
     warn_skipped(names, folder)        the one warning line about skipped static figures
     Figure                             go.Figure that also shows as HTML and PNG in notebooks
@@ -76,7 +78,8 @@ browser is found and no HTML figure (each writer's ``index.html`` holds every fi
 interactively); without a browser the PNGs are skipped and one warning names them and the
 fix. ``html`` given explicitly writes each figure as HTML, all sharing one plotly.js in the
 folder. Formats given explicitly are all required: a static one without a browser raises
-:class:`~headsurgeon.errors.FigureExportError` before anything is written.
+:class:`~headsurgeon.errors.FigureExportError` before anything is written. A browser that does
+not start within ``HEADSURGEON_BROWSER_TIMEOUT`` seconds (30 by default) counts as none.
 
 In Jupyter a :class:`Figure` shows through the user's plotly renderer as usual (interactive,
 ``application/vnd.plotly.v1+json``) and its output also carries ``text/html`` (plotly.js from
@@ -123,6 +126,8 @@ from headsurgeon.plots.export import (
     save_figure,
     save_figures,
     split_formats,
+    start_browser,
+    start_timeout,
     warn_skipped,
 )
 from headsurgeon.plots.grids import (
@@ -183,6 +188,8 @@ __all__ = [
     "sick_share_plot",
     "sink_cache_figure",
     "split_formats",
+    "start_browser",
+    "start_timeout",
     "style",
     "sweep_plot",
     "warn_skipped",

@@ -185,8 +185,12 @@ def zero_fraction_plot(by_distance: pd.DataFrame, *, title: str | None = None) -
     heads = sorted(pooled["head"].unique())
     blind = sorted(pooled.loc[pooled["zero_entries"] > 0, "head"].unique())
     colours = dict(zip(heads, sequential_colours(len(heads)), strict=True))
-    fig = make_subplots(
-        rows=1, cols=len(dtypes), subplot_titles=dtypes, shared_yaxes=True, horizontal_spacing=0.04
+    fig = make_subplots(  # the gap shrinks for many dtypes: plotly allows 1 / (cols - 1) at most
+        rows=1,
+        cols=len(dtypes),
+        subplot_titles=dtypes,
+        shared_yaxes=True,
+        horizontal_spacing=min(0.04, 0.5 / len(dtypes)),
     )
     for col, dtype in enumerate(dtypes, start=1):
         for head in blind:

@@ -8,6 +8,8 @@ Exports:
     plotly_bundle(figures)             the smallest plotly.js that draws them: (file name, text)
     CARTESIAN_TRACES                   the trace types of plotly.js's cartesian bundle
     require_browser(what)              FigureExportError (one line, the fix) without Chromium
+    start_browser(what)                start it, bounded in time (FigureExportError if not)
+    start_timeout()                    that bound: HEADSURGEON_BROWSER_TIMEOUT, else 30 s
     has_browser()                      whether static figures can be written here
     warn_skipped(names, folder)        the one warning line about skipped static figures
     FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
@@ -25,7 +27,9 @@ Static formats (png, svg, pdf) go through kaleido and a Chromium browser (the sy
 no HTML figure (the folder's ``index.html`` holds every figure interactively); without a
 browser the PNGs are skipped and one warning names them and the fix (:func:`warn_skipped`).
 Formats given explicitly are all required: a static one without a browser raises
-:class:`~headsurgeon.errors.FigureExportError` before anything is written.
+:class:`~headsurgeon.errors.FigureExportError` before anything is written. A browser that does
+not start within ``HEADSURGEON_BROWSER_TIMEOUT`` seconds (30 by default; under an address-space
+limit, or a ``BROWSER_PATH`` that is no browser) counts as none, for the rest of the process.
 
 HTML carries plotly.js, 4.8 MB in full; :func:`plotly_bundle` picks plotly.js's official
 cartesian bundle (1.5 MB, vendored as ``headsurgeon/templates/plotly-cartesian.min.js``) when it
@@ -34,10 +38,19 @@ draws every trace, which it does for every figure of this package.
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
 import logging
+import math
 import os
+import signal
+import subprocess
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import plotly.graph_objects as go
 
@@ -52,6 +65,8 @@ __all__ = [
     "STATIC_FORMATS",
     "has_browser",
     "require_browser",
+    "start_browser",
+    "start_timeout",
     "save_figure",
     "save_figures",
     "split_formats",
@@ -93,26 +108,29 @@ INSTALL_BROWSER = "install Chromium (apt-get install -y chromium) or set BROWSER
 
 def _browser() -> tuple[str | None, str]:
     """``(path, "")`` of the Chromium kaleido will use, or ``(None, "none found")`` (or why
-    ``BROWSER_PATH`` cannot be used).
+    ``BROWSER_PATH`` cannot be used, or why that browser did not start in this process).
 
     ``BROWSER_PATH`` wins (as in choreographer); else choreographer's search: a browser it
     downloaded, the Chrome/Chromium/Edge/Brave/Vivaldi names on ``PATH``, their usual paths.
     """
-    configured = os.environ.get("BROWSER_PATH")
-    if configured:
-        if not os.access(configured, os.X_OK):
-            return None, f"BROWSER_PATH={configured} is not an executable"
-        return configured, ""
-    from choreographer.browsers.chromium import Chromium
+    found = os.environ.get("BROWSER_PATH")
+    if found:
+        if not os.access(found, os.X_OK):
+            return None, f"BROWSER_PATH={found} is not an executable"
+    else:
+        from choreographer.browsers.chromium import Chromium
 
-    found = Chromium.find_browser(skip_local=False)
-    if found is None:
-        return None, "none found"
+        found = Chromium.find_browser(skip_local=False)
+        if found is None:
+            return None, "none found"
+    if found in _failed:
+        return None, _failed[found]
     return found, ""
 
 
 def has_browser() -> bool:
-    """Whether static figures (png, svg, pdf) can be written here: a Chromium was found."""
+    """Whether static figures (png, svg, pdf) can be written here: a Chromium was found (and
+    did not fail to start in this process; :func:`start_browser` starts it)."""
     return _browser()[0] is not None
 
 
@@ -129,7 +147,182 @@ def require_browser(what: str = "static figure export", *, instead: str = "save 
     return path
 
 
-_server = {"running": False}
+# How long a Chromium may take to start before it counts as none, in seconds (the environment
+# variable sets it). A healthy one starts in a second or two; one that cannot start (under an
+# address-space limit, or a BROWSER_PATH that is no browser) would otherwise hold the tool.
+START_TIMEOUT_VAR = "HEADSURGEON_BROWSER_TIMEOUT"
+START_TIMEOUT = 30.0
+# The longest wait for one image once the browser runs: kaleido's own limit (90 s) and a margin.
+RENDER_TIMEOUT = 120.0
+# The Chromium kaleido renders with: started once a process, kept for later exports (~0.3 s an
+# image after the first), closed at exit. A start that failed is remembered by browser path, so
+# that a run's later figures do not wait for it again.
+_chromium: dict[str, Any] = {"kaleido": None, "loop": None, "thread": None}
+_failed: dict[str, str] = {}
+_starting = threading.Lock()
+
+
+def start_timeout() -> float:
+    """Seconds a browser start may take: ``HEADSURGEON_BROWSER_TIMEOUT``, else
+    :data:`START_TIMEOUT` (30); a value that is no number of seconds above 0 raises
+    :class:`InvalidArgumentError` in one line."""
+    raw = os.environ.get(START_TIMEOUT_VAR, "").strip()
+    if not raw:
+        return START_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise InvalidArgumentError(
+            f"{START_TIMEOUT_VAR}={raw!r} is not a number of seconds above 0; unset it for "
+            f"{START_TIMEOUT:g} s"
+        )
+    return seconds
+
+
+def start_browser(what: str = "static figure export", *, instead: str = "save as .html") -> None:
+    """Start the Chromium kaleido renders with, once a process and in bounded time.
+
+    A browser that is not found, or does not start within ``HEADSURGEON_BROWSER_TIMEOUT``
+    seconds (30 by default), raises :class:`FigureExportError` in one line (``what`` and
+    ``instead`` as in :func:`require_browser`); a failed start is remembered, so
+    :func:`has_browser` is then False and later calls fail at once.
+    """
+    path = require_browser(what, instead=instead)
+    with _starting:
+        if _chromium["kaleido"] is None and path not in _failed:
+            why = _start(path)
+            if why is not None:
+                logger.debug("Chromium: %s", why)
+                _failed[path] = why
+    require_browser(what, instead=instead)  # the failure just remembered, if any
+
+
+def _start(path: str) -> str | None:
+    """Open kaleido's browser at ``path`` on a loop of its own: None, or why it did not start
+    (whatever it left running then stopped)."""
+    import kaleido
+
+    seconds = start_timeout()
+    quiet_browser_exit()
+    _quiet_start()
+    _starting_now.set()
+    try:
+        return _open(kaleido, path, seconds)
+    finally:
+        _starting_now.clear()
+
+
+def _open(kaleido: Any, path: str, seconds: float) -> str | None:
+    """:func:`_start`'s work; choreographer is kept quiet meanwhile (:class:`_StartFilter`)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="headsurgeon-chromium", daemon=True)
+    thread.start()
+    opening: list = []
+
+    async def open_browser() -> BaseException | None:
+        try:
+            opening.append(kaleido.Kaleido(path=path))
+            await opening[0].open()
+        except BaseException as e:  # returned: raised after a timeout, asyncio would log it
+            return e
+        return None
+
+    future = asyncio.run_coroutine_threadsafe(open_browser(), loop)
+    who = f"BROWSER_PATH={path}" if os.environ.get("BROWSER_PATH") == path else path
+    try:
+        error = future.result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        why = f"{who} did not start within {seconds:g} s (a limit {START_TIMEOUT_VAR} sets)"
+    else:
+        if error is None:
+            _chromium.update(kaleido=opening[0], loop=loop, thread=thread)
+            atexit.register(_stop)
+            return None
+        why = f"{who} did not start ({_start_error(error)})"
+    future.cancel()
+    why += _address_space_note()
+    _close(opening[0] if opening else None, loop, thread, gently=False)
+    return why
+
+
+def _start_error(error: BaseException) -> str:
+    """What a failed start says, in a few words."""
+    from choreographer.errors import BrowserClosedError, BrowserFailedError
+
+    if isinstance(error, (BrowserFailedError, BrowserClosedError)):
+        return "it exited as it started"
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _address_space_note() -> str:
+    """The address-space limit (``ulimit -v``) a Chromium may have failed under, if one is set."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return ""
+    return (
+        f"; an address-space limit of {limit / 2**30:.1f} GiB is set (ulimit -v), and Chromium "
+        "reserves far more: lift it for this run to have static figures"
+    )
+
+
+class _StartFilter(logging.Filter):
+    """Drop choreographer's and kaleido's warnings while a browser starts (and while a failed
+    start is cleaned up): a browser that does not start is one line of ours (the
+    :class:`FigureExportError`, or :func:`warn_skipped`), not their watchdog notices and the
+    tracebacks of what a broken ``BROWSER_PATH`` printed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING or not _starting_now.is_set()
+
+
+_starting_now = threading.Event()
+
+
+def _quiet_start() -> None:
+    """Install :class:`_StartFilter` on choreographer's and kaleido's loggers (once each)."""
+    for name, found in list(logging.root.manager.loggerDict.items()):
+        if name.split(".")[0] not in ("choreographer", "kaleido"):
+            continue
+        if isinstance(found, logging.Logger) and not any(
+            isinstance(f, _StartFilter) for f in found.filters
+        ):
+            found.addFilter(_StartFilter())
+
+
+def _close(
+    browser: Any, loop: asyncio.AbstractEventLoop, thread: threading.Thread, *, gently: bool
+) -> None:
+    """Close ``browser`` (``gently``: asking it first, else at once) with its process group,
+    then stop its loop; each step bounded in time."""
+    process = getattr(browser, "subprocess", None)
+    if browser is not None and gently:
+        try:
+            asyncio.run_coroutine_threadsafe(browser.close(), loop).result(timeout=15)
+        except Exception as e:  # a browser that will not close: killed below
+            logger.debug("Chromium did not close (%r)", e)
+    if process is not None:
+        # choreographer starts it in a session of its own: the group holds Chromium's children.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(5)
+    if browser is not None and not gently:  # its pipes, temporary folders and threads
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(browser.close(), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def _stop() -> None:
+    """Close the running browser (at exit)."""
+    browser, loop, thread = (_chromium[k] for k in ("kaleido", "loop", "thread"))
+    if browser is not None:
+        _chromium.update(kaleido=None, loop=None, thread=None)
+        _close(browser, loop, thread, gently=True)
 
 
 class _ByeFilter(logging.Filter):
@@ -162,18 +355,21 @@ def quiet_browser_exit() -> None:
 
 
 def image_bytes(fig: go.Figure, fmt: str, scale: float) -> bytes:
-    """Static image bytes through kaleido; one Chromium is kept running for later exports."""
-    import kaleido
-
-    require_browser(f"saving a figure as {fmt}")  # fail with the fix, not deep inside kaleido
-    if not _server["running"]:
-        quiet_browser_exit()
-        kaleido.start_sync_server(silence_warnings=True)  # ~0.3 s per image after the first
-        _server["running"] = True
+    """Static image bytes through kaleido; its one Chromium is started on the first call
+    (:func:`start_browser`) and kept for later ones."""
+    start_browser(f"saving a figure as {fmt}")  # fail with the fix, not deep inside kaleido
     layout = fig.layout
     opts = {"format": fmt, "width": layout.width or 700, "height": layout.height or 500}
+    rendering = asyncio.run_coroutine_threadsafe(
+        _chromium["kaleido"].calc_fig(fig, opts=opts | {"scale": scale}), _chromium["loop"]
+    )
     try:
-        return kaleido.calc_fig_sync(fig, opts=opts | {"scale": scale})
+        return rendering.result(timeout=RENDER_TIMEOUT)
+    except concurrent.futures.TimeoutError as e:
+        rendering.cancel()
+        raise FigureExportError(
+            f"kaleido did not export the figure as {fmt} within {RENDER_TIMEOUT:g} s"
+        ) from e
     except Exception as e:  # kaleido and choreographer raise many types
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise FigureExportError(f"kaleido could not export the figure as {fmt} ({first})") from e
@@ -265,20 +461,23 @@ def split_formats(
     """The figure formats to write and the static ones to skip: ``(write, skipped)``.
 
     ``None`` asks for ``default`` (:data:`DEFAULT_FORMATS`: png, and no HTML figure besides
-    the writers' ``index.html``), the static ones only when a Chromium browser is found, else
-    they are skipped. Formats given explicitly are all written: an unknown one raises
-    :class:`InvalidArgumentError`, a static one without a browser :class:`FigureExportError`
-    (one line with the fix). Call it before writing anything, so that either fails first.
+    the writers' ``index.html``), the static ones only when a Chromium browser is found and
+    starts (:func:`start_browser`), else they are skipped. Formats given explicitly are all
+    written: an unknown one raises :class:`InvalidArgumentError`, a static one without a
+    browser :class:`FigureExportError` (one line with the fix). Call it before writing
+    anything, so that either fails first.
 
     >>> split_formats(["html"])
     (['html'], [])
     """
     if formats is None:
-        if has_browser():
-            return list(default), []
-        return [f for f in default if f not in STATIC_FORMATS], [
-            f for f in default if f in STATIC_FORMATS
-        ]
+        static = [f for f in default if f in STATIC_FORMATS]
+        try:
+            if static:
+                start_browser()
+        except FigureExportError:  # none found, or it did not start: skipped, not refused
+            return [f for f in default if f not in STATIC_FORMATS], static
+        return list(default), []
     if isinstance(formats, str):
         formats = [formats]
     unknown = sorted(set(formats) - set(FORMATS))
@@ -289,7 +488,7 @@ def split_formats(
     write = list(dict.fromkeys(formats))
     static = [f for f in write if f in STATIC_FORMATS]
     if static:
-        require_browser(
+        start_browser(
             f"figure format(s) {', '.join(static)}",
             instead="leave formats at their default (png when a browser is found; every "
             "figure is on index.html)",
@@ -351,7 +550,7 @@ def warn_skipped(names: Sequence[str], folder: str | os.PathLike) -> str | None:
     plural, them = ("s", "them") if len(names) > 1 else ("", "it")
     message = (
         f"warning: skipped {len(names)} static figure{plural} in {Path(folder)}/ "
-        f"({_file_list(names)}): no Chromium browser for kaleido ({why}); to write {them}, "
+        f"({_file_list(names)}): no usable Chromium browser for kaleido ({why}); to write {them}, "
         f"{INSTALL_BROWSER} and run again, or export {them} from the figure{plural} on "
         "index.html (camera button)"
     )

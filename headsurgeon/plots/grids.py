@@ -348,30 +348,55 @@ def diff_grid(
     return fig
 
 
+# models_grid's panels per row: more wrap onto further rows (plotly cannot space dozens of panels
+# in one row, and they would be too thin to read), ROW_GAP pixels apart (the x axis title and
+# ticks of one row, the panel titles of the next).
+PANELS_PER_ROW = 6
+ROW_GAP = 90
+
+
 @notebook_figure
 def models_grid(
     dfs: Mapping[str, pd.DataFrame], metric: str = "bos_mass", *, title: str | None = None
 ) -> go.Figure:
     """Several models' head grids side by side on one colour scale (the paper's cross-scale view).
 
-    Panel widths follow the head counts, so a cell is the same width in every panel.
+    Panel widths follow the head counts, so a cell is the same width in every panel. More than
+    :data:`PANELS_PER_ROW` panels wrap onto further rows, so that any number fits.
     """
     if not dfs:
         raise InvalidArgumentError("models_grid needs at least one {name: DataFrame} entry")
     for name, df in dfs.items():
         check_columns(df, ["layer", "head", metric], f"the DataFrame of {name}")
     shapes = {name: grid_shape(df) for name, df in dfs.items()}
-    max_layers = max(s[0] for s in shapes.values())
-    total_heads = sum(s[1] for s in shapes.values())
-    cell = cell_size(total_heads, 800)
+    names = list(dfs)
+    n_cols = min(len(names), PANELS_PER_ROW)
+    n_rows = -(-len(names) // n_cols)
+    col_heads = [max(shapes[n][1] for n in names[c::n_cols]) for c in range(n_cols)]
+    row_layers = [
+        max(shapes[n][0] for n in names[r * n_cols : (r + 1) * n_cols]) for r in range(n_rows)
+    ]
+    cell = cell_size(sum(col_heads), 800)
+    rows_h = sum(row_layers) * cell
     fixed = METRIC_RANGES.get(metric)
     values = np.concatenate([df[metric].to_numpy(float) for df in dfs.values()])
     zmin, zmax = fixed or (float(np.nanmin(values)), float(np.nanmax(values)))
+    rows = {}
+    if n_rows > 1:  # the gap in pixels, as plotly's fraction of the height (always below 1/rows)
+        rows = {
+            "row_heights": row_layers,
+            "vertical_spacing": ROW_GAP / (rows_h + ROW_GAP * (n_rows - 1)),
+        }
     fig = make_subplots(
-        rows=1,
-        cols=len(dfs),
-        column_widths=[shapes[n][1] for n in dfs],
+        rows=n_rows,
+        cols=n_cols,
+        specs=[
+            [{} if r * n_cols + c < len(names) else None for c in range(n_cols)]
+            for r in range(n_rows)
+        ],
+        column_widths=col_heads,
         horizontal_spacing=0.05,
+        **rows,
         subplot_titles=[
             literal(name) + (f" ({(df['label'] != 'healthy').mean():.0%} sick)")
             if "label" in df.columns
@@ -380,7 +405,8 @@ def models_grid(
         ],
     )
     legend_shown = False
-    for col, (name, df) in enumerate(dfs.items(), start=1):
+    for i, (name, df) in enumerate(dfs.items()):
+        row, col = i // n_cols + 1, i % n_cols + 1
         n_layers, n_heads = shapes[name]
         custom, template = _hover(df)
         fig.add_trace(
@@ -394,19 +420,26 @@ def models_grid(
                 xgap=1,
                 ygap=1,
             ),
-            row=1,
+            row=row,
             col=col,
         )
         # One legend entry per label, from the first panel that has labels.
         for trace in _label_markers(df, cell, showlegend=not legend_shown):
             trace.name = trace.legendgroup  # counts differ between the panels
-            fig.add_trace(trace, row=1, col=col)
+            fig.add_trace(trace, row=row, col=col)
             legend_shown = True
-        _axes(fig, n_layers, n_heads, cell, row=1, col=col)
-        # Equal cell heights: a shallower model's panel is shorter, aligned at the top.
-        fig.update_yaxes(domain=[1 - n_layers / max_layers, 1], row=1, col=col)
+        _axes(fig, n_layers, n_heads, cell, row=row, col=col)
+        # Equal cells: a shallower model's panel is shorter (aligned at its row's top), one with
+        # fewer heads than its column's widest narrower (aligned left).
+        panel = fig.get_subplot(row, col)
+        low, high = panel.yaxis.domain
+        depth = (high - low) * n_layers / row_layers[row - 1]
+        fig.update_yaxes(domain=[high - depth, high], row=row, col=col)
+        left, right = panel.xaxis.domain
+        width = (right - left) * n_heads / col_heads[col - 1]
+        fig.update_xaxes(domain=[left, left + width], row=row, col=col)
         if col > 1:
-            fig.update_yaxes(title_text=None, row=1, col=col)
+            fig.update_yaxes(title_text=None, row=row, col=col)
     fig.update_layout(
         coloraxis={
             "colorscale": "Viridis",
@@ -415,8 +448,8 @@ def models_grid(
             "colorbar": {"title": colorbar_title(column_label(metric)), "thickness": 16},
         }
     )
-    plot_w = total_heads * cell * (1 + 0.05 * (len(dfs) - 1))
-    plot_size = (plot_w, max_layers * cell)
+    plot_w = sum(col_heads) * cell * (1 + 0.05 * (n_cols - 1))
+    plot_size = (plot_w, rows_h + ROW_GAP * (n_rows - 1))
     base_layout(
         fig, title or f"{column_label(metric)} across models", "", plot_size, panel_titles=True
     )

@@ -8,12 +8,17 @@ Exports:
                                               index.html
     write_cross_scale({model: df}, out_dir)   several models: each one's classification in a
                                               subfolder, the cross-scale table and figures
+    cross_scale_folders(models)               {folder: model} of that folder, checked first
+    classification_figures(df)                the figure names write_classification writes
+    subfolder_figures({folder: df}, formats)  a classification per subfolder: their formats and
+                                              the static figures skipped, for one warning line
     IMPORTANCE_NAMES                          head_importance's columns as classified tables
                                               name them (``method`` -> ``importance_method``)
     FIGURES, IMPORTANCE_FIGURES               the figures of a classification by file name (the
                                               second set for tables with importance columns)
     CROSS_SCALE_FORMATS                       the cross-scale folder's default figure formats:
                                               html and png, as it has no index.html of its own
+    CROSS_SCALE_FIGURES                       its figures, by file name
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from headsurgeon.classify import (
     threshold_sweep,
     thresholds_of,
 )
-from headsurgeon.errors import InvalidArgumentError, shown
+from headsurgeon.errors import shown
 from headsurgeon.heads import LABELS
 from headsurgeon.importance import (
     COLUMNS as IMPORTANCE_COLUMNS,
@@ -49,14 +54,18 @@ from headsurgeon.importance import (
     IMPORTANCE_NAMES,
     is_dormant,
 )
-from headsurgeon.outputs import atomic_directory, atomic_write_text
+from headsurgeon.outputs import MARK_FILE, atomic_directory, atomic_write_text
 from headsurgeon.received import SecondarySinks
-from headsurgeon.reports.folders import model_folder_name
+from headsurgeon.reports.folders import named_folders
 from headsurgeon.reports.page import census_samples, samples_note, write_page
 from headsurgeon.reports.records import json_safe, package_versions
 
 __all__ = [
+    "classification_figures",
+    "subfolder_figures",
+    "CROSS_SCALE_FIGURES",
     "CROSS_SCALE_FORMATS",
+    "cross_scale_folders",
     "FIGURES",
     "IMPORTANCE_FIGURES",
     "IMPORTANCE_NAMES",
@@ -68,6 +77,8 @@ __all__ = [
 
 # The top folder of several models has no page of its own: its figures are HTML pages too.
 CROSS_SCALE_FORMATS = ("html", "png")
+# The cross-scale folder's figures, by file name.
+CROSS_SCALE_FIGURES = ("sick_share", "bos_mass")
 
 
 def format_summary(
@@ -270,6 +281,33 @@ IMPORTANCE_FIGURES = {
 }
 
 
+def _makers(classified: pd.DataFrame) -> dict[str, Any]:
+    """The figures of a classification but its threshold sweep, by name: their makers."""
+    return FIGURES | (IMPORTANCE_FIGURES if _has_importance(classified) else {})
+
+
+def classification_figures(classified: pd.DataFrame) -> list[str]:
+    """The names of the figures :func:`write_classification` writes for ``classified``."""
+    return [*_makers(classified), "threshold_sweep"]
+
+
+def subfolder_figures(
+    tables: Mapping[str, pd.DataFrame], formats: Sequence[str] | None
+) -> tuple[Sequence[str] | None, list[str]]:
+    """For a writer that puts a classification in each of its subfolders (``{folder: table}``):
+    the ``formats`` to give :func:`write_classification`, and the static figures it then skips
+    for want of a browser (``folder/name.png``), for the writer's one warning line rather than
+    one a subfolder."""
+    write, skipped = plots.split_formats(formats)
+    names = [
+        f"{folder}/{figure}.{fmt}"
+        for folder, table in tables.items()
+        for figure in classification_figures(table)
+        for fmt in skipped
+    ]
+    return (write if skipped else formats), names
+
+
 def write_classification(
     classified: pd.DataFrame,
     out_dir: str | os.PathLike,
@@ -329,10 +367,9 @@ def write_classification(
         "label": f"one of {', '.join(LABELS)} (see reason)",
         "reason": "why the head got its label",
     }
-    makers = dict(FIGURES)
+    makers = _makers(classified)
     if _has_importance(classified):
         columns |= _importance_columns(classified)
-        makers |= IMPORTANCE_FIGURES
     document = {"metadata": info, "columns": columns, "heads": records}
     summary = format_summary(classified, sinks=sinks)
     figures = {name: make(classified) for name, make in makers.items()}
@@ -364,6 +401,16 @@ def write_classification(
     return Path(out_dir)
 
 
+def cross_scale_folders(models: Sequence[str]) -> dict[str, str]:
+    """``{folder: model}`` of :func:`write_cross_scale`'s folder, checked before any work: each
+    model's folder of its own, none hidden, none named as a file of the folder, else one-line
+    :class:`InvalidArgumentError` (:func:`headsurgeon.reports.folders.named_folders`)."""
+    files = {"cross_scale.csv", "summary.txt", MARK_FILE}
+    files |= {plots.export.CARTESIAN_BUNDLE.name, plots.export.FULL_BUNDLE}
+    files |= {f"{figure}.{fmt}" for figure in CROSS_SCALE_FIGURES for fmt in plots.FORMATS}
+    return named_folders(models, "model", files)
+
+
 def write_cross_scale(
     classified: Mapping[str, pd.DataFrame],
     out_dir: str | os.PathLike,
@@ -381,28 +428,24 @@ def write_cross_scale(
     own (each model's folder has one), so ``formats=None`` writes these two figures as HTML too,
     sharing one plotly.js, and as png when a browser is found.
     """
-    folders = {model_folder_name(name): name for name in classified}
-    if len(folders) < len(classified):
-        raise InvalidArgumentError(
-            f"two models share a folder name among {', '.join(map(str, classified))}; "
-            "give them distinct names"
-        )
+    folders = cross_scale_folders(list(classified))
     plots.split_formats(formats)  # checked before anything is written
     shares = sick_shares(classified)
-    figures = {
-        "sick_share": plots.sick_share_plot(shares),
-        "bos_mass": plots.models_grid(dict(classified), "bos_mass"),
-    }
+    made = [plots.sick_share_plot(shares), plots.models_grid(dict(classified), "bos_mass")]
+    figures = dict(zip(CROSS_SCALE_FIGURES, made, strict=True))
     table = shares[shares["band"] == "all"].drop(columns=["band", "layers"])
+    inner, skipped_inside = subfolder_figures(
+        {folder: classified[name] for folder, name in folders.items()}, formats
+    )
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_cross_scale") as tmp:
         for folder, name in folders.items():
-            write_classification(classified[name], tmp / folder, formats=formats)
+            write_classification(classified[name], tmp / folder, formats=inner)
         atomic_write_text(tmp / "cross_scale.csv", shares.to_csv(index=False))
         text = "Sick heads (BOS-sink + dead) per model:\n" + table.to_string(index=False)
         text += "\n\nBy layer band:\n" + shares.to_string(index=False)
         atomic_write_text(tmp / "summary.txt", text + "\n")
         skipped = plots.save_figures(figures, tmp, formats, default=CROSS_SCALE_FORMATS)
-    plots.warn_skipped(skipped, out_dir)
+    plots.warn_skipped(skipped_inside + skipped, out_dir)
     return Path(out_dir)
 
 

@@ -3,6 +3,7 @@
 Exports:
     format_corpora_summary(compared, changes)   each corpus's summary, then per other corpus
                                                 what changed against the first
+    corpus_folders(names)                       {folder: corpus}, checked before any work
     write_corpora(compared, out_dir, ...)       a folder per corpus, the long table, the change
                                                 table, difference grids and index.html
     CORPORA_FILES                               what the folder holds, by file name
@@ -25,14 +26,15 @@ from headsurgeon.backend import Model
 from headsurgeon.domains import CHANGE_COLUMNS, corpus_changes, split_corpora
 from headsurgeon.errors import InvalidArgumentError, shown
 from headsurgeon.importance import DORMANT_SE
-from headsurgeon.outputs import atomic_directory, atomic_write_text
-from headsurgeon.reports.classify import format_summary, write_classification
-from headsurgeon.reports.folders import model_folder_name
+from headsurgeon.outputs import MARK_FILE, atomic_directory, atomic_write_text
+from headsurgeon.reports.classify import format_summary, subfolder_figures, write_classification
+from headsurgeon.reports.folders import model_folder_name, named_folders
 from headsurgeon.reports.page import PAGE, write_page
 from headsurgeon.reports.records import json_safe, package_versions
 
 __all__ = [
     "CORPORA_FILES",
+    "corpus_folders",
     "format_corpora_summary",
     "write_corpora",
 ]
@@ -129,20 +131,39 @@ def format_corpora_summary(
     return shown("\n".join(lines))
 
 
+def _figure_names(folders: Sequence[str], metric: str) -> list[str]:
+    """The figures of ``metric`` for corpora in ``folders``: one difference per corpus after the
+    first (``<metric>_diff``, with more than two corpora ``<metric>_diff_<folder>``), then the
+    corpora side by side (``<metric>_corpora``)."""
+    diffs = [f"{metric}_diff" + ("" if len(folders) == 2 else f"_{f}") for f in folders[1:]]
+    return [*diffs, f"{metric}_corpora"]
+
+
+def corpus_folders(names: Sequence[str]) -> dict[str, str]:
+    """``{folder: corpus}`` of :func:`write_corpora`'s folder, checked before any work: each
+    corpus's folder of its own, none hidden, none named as a file of the folder (its tables,
+    page, figures in any format, plotly.js), else one-line :class:`InvalidArgumentError`
+    (:func:`headsurgeon.reports.folders.named_folders`)."""
+    folders = list(named_folders(names, "corpus"))
+    files = {name for name in CORPORA_FILES if not name.endswith("/")}
+    files |= {MARK_FILE, plots.export.CARTESIAN_BUNDLE.name, plots.export.FULL_BUNDLE}
+    for metric in ("bos_mass", "delta_loss"):
+        files |= {f"{f}.{fmt}" for f in _figure_names(folders, metric) for fmt in plots.FORMATS}
+    return named_folders(names, "corpus", files)
+
+
 def _figures(compared: pd.DataFrame) -> dict[str, Any]:
-    """The folder's figures: each corpus's BOS-mass grid side by side and, per other corpus,
-    the BOS-mass difference against the first (and importance, with importance columns)."""
+    """The folder's figures: per other corpus the BOS-mass difference against the first, and
+    each corpus's BOS-mass grid side by side (and importance, with importance columns)."""
     names = list(dict.fromkeys(compared["corpus"]))
+    folders = [model_folder_name(name) for name in names]
     metrics = ["bos_mass"]
     if {"delta_loss", "delta_loss_se"} <= set(compared.columns):
         metrics.append("delta_loss")
     figures = {}
     for metric in metrics:
-        for b in names[1:]:
-            suffix = "" if len(names) == 2 else f"_{model_folder_name(b)}"
-            figures[f"{metric}_diff{suffix}"] = plots.corpus_diff_grid(
-                compared, metric, a=names[0], b=b
-            )
+        for figure, b in zip(_figure_names(folders, metric)[:-1], names[1:], strict=True):
+            figures[figure] = plots.corpus_diff_grid(compared, metric, a=names[0], b=b)
     for metric in metrics:
         figures[f"{metric}_corpora"] = plots.corpora_grid(compared, metric)
     return figures
@@ -163,8 +184,8 @@ def write_corpora(
     ``compared`` is :func:`headsurgeon.compare_corpora`'s table (or
     :func:`headsurgeon.domains.stack_corpora`'s); ``changes`` its
     :func:`headsurgeon.domains.corpus_changes` (found when not given). Files
-    (:data:`CORPORA_FILES`): a folder per corpus (its name made a folder name; two corpora
-    whose names give one folder are refused) holding :func:`write_classification`'s files,
+    (:data:`CORPORA_FILES`): a folder per corpus (its name made a folder name; names that
+    clash are refused first: :func:`corpus_folders`) holding :func:`write_classification`'s files,
     with ``model`` and the corpus's ``tokens`` (name -> its sequences) for its page's attention
     patterns; ``heads.csv``, ``differences.csv``, ``changes.csv``, ``corpora.json``,
     ``summary.txt``; the figures ``bos_mass_diff`` (:func:`headsurgeon.plots.corpus_diff_grid`,
@@ -181,12 +202,7 @@ def write_corpora(
             f"write_corpora needs at least two corpora; the table holds {len(tables)} "
             "(write one with write_classification)"
         )
-    folders = {model_folder_name(name): name for name in tables}
-    if len(folders) < len(tables) or any(f in CORPORA_FILES or f == "." for f in folders):
-        raise InvalidArgumentError(
-            f"the corpora {', '.join(tables)} do not give distinct folder names (letters, digits, "
-            "'.', '_' and '-'), or one is taken by a file of the folder; rename them"
-        )
+    folders = corpus_folders(list(tables))
     plots.split_formats(formats)  # checked before anything is written
     changes = corpus_changes(compared) if changes is None else changes
     summary = format_corpora_summary(compared, changes)
@@ -212,12 +228,15 @@ def write_corpora(
     }
     first = next(iter(tables.values()))
     names = list(tables)
+    inner, skipped_inside = subfolder_figures(
+        {folder: tables[name] for folder, name in folders.items()}, formats
+    )
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_corpora") as tmp:
         for folder, name in folders.items():
             write_classification(
                 tables[name],
                 tmp / folder,
-                formats=formats,
+                formats=inner,
                 model=model,
                 tokens=None if tokens is None else tokens.get(name),
             )
@@ -247,5 +266,5 @@ def write_corpora(
             ),
             pages=[f"{folder}/{PAGE}" for folder in folders],
         )
-    plots.warn_skipped(skipped, out_dir)
+    plots.warn_skipped(skipped_inside + skipped, out_dir)
     return Path(out_dir)
