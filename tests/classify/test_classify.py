@@ -30,6 +30,7 @@ from headsurgeon.cli import run
 from headsurgeon.cli.classify import main
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError, OutputExistsError
+from headsurgeon.model_names import ORGANISM_DIR
 from headsurgeon.outputs import MARK_FILE
 from headsurgeon.reports import PAGE, format_summary, write_classification
 
@@ -253,10 +254,10 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--seq-len", "4", "--min-query-pos", "4"], "min_query_pos"),
+        (["--seq-len", "4", "--min-query-pos", "4"], "--min-query-pos"),
         (["--seq-len", "100000"], "shorter than one sequence of 100000 tokens"),
         (["--texts", "EMPTY"], "empty"),
-        (["--sink-threshold", "0.99"], "below the dead threshold"),
+        (["--sink-threshold", "0.99"], "below --dead-threshold"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(bloom_dir, tmp_path, capsys, extra, message):
@@ -500,5 +501,11 @@ def test_cli_several_models_one_folder_each_and_the_cross_scale_table(
 
 def test_cli_several_models_refused_before_loading(planted, tmp_path, capsys):
     line = error_line(main, ["organism", "organism", "--out", tmp_path / "x"], capsys)
+    assert "names organism more than once" in line
+    # Another folder of the same name: a symlink, so nothing is loaded or copied.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "organism").symlink_to(ORGANISM_DIR / "organism")
+    mine = str(tmp_path / "mine" / "organism")
+    line = error_line(main, ["organism", mine, "--out", tmp_path / "x"], capsys)
     assert "share an output folder name" in line
     assert not (tmp_path / "x").exists()

@@ -139,6 +139,7 @@ def hostile_runs(bloom_dir, tmp_path_factory):
     (root / "texts" / f"{OTHER}.txt").write_text(TEXT[::-1])
     data = ["--texts", str(corpus), "--seq-len", "32", "--n-seqs", "8", "--prepend-bos"]
     repair = ["--corpus", str(corpus), "--eval-corpus", str(corpus), "--train-seq-len", "32"]
+    repair += ["--allow-eval-on-train"]  # one tiny text for everything
     repair += ["--batch-size", "4", "--steps", "4", "--lr", "1e-2", "--passes", "1"]
     repair += ["--heads", "L1H3", "--no-control", "--max-collateral", "8", "--quiet", *data]
     both = [*data, "--texts", str(root / "texts" / f"{OTHER}.txt")]
