@@ -19,6 +19,7 @@ import pytest
 from conftest import NO_CHROMIUM
 
 from headsurgeon import plots
+from headsurgeon.reports.page_view import _BLANK_JS, _LOADED_JS, WAIT_S, _open, _wait
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("HEADSURGEON_SITE", ROOT / "site"))
@@ -35,6 +36,9 @@ PAGES = (
     "api/census.html",
 )
 
+# Every figure a page holds drawn by plotly (the still image shown until then removed).
+_DRAWN_JS = """[...document.querySelectorAll("div.plotly-graph-div")].every(
+  div => div._fullLayout && !div.querySelector("img[id$='-png']"))"""
 
 LINKING = {("a", "href"), ("link", "href"), ("script", "src"), ("img", "src")}
 
@@ -138,11 +142,12 @@ async def _visit(urls: list[str]) -> list[tuple[list[str], list[str], list[str]]
         for domain in ("Network", "Runtime", "Log", "Page"):
             await tab.send_command(f"{domain}.enable")
         for url in urls:
+            # A blank page first, waited for: Chromium's start-up tab (or the previous page) is
+            # done with, so this load cancels nothing of it (net::ERR_ABORTED).
+            await _open(tab, "about:blank", "a blank page to load", _BLANK_JS, WAIT_S)
             for seen in (outside, failed, errors):
                 seen.clear()
-            loaded = tab.subscribe_once("Page.loadEventFired")
-            await tab.send_command("Page.navigate", params={"url": url})
-            await loaded
-            await asyncio.sleep(1.0)  # scripts that run after load (the tour's figures)
+            await _open(tab, url, "the page to load", _LOADED_JS, WAIT_S)
+            await _wait(tab, _DRAWN_JS, "the page's plotly figures", WAIT_S, lambda: bool(errors))
             results.append((list(outside), list(failed), list(errors)))
     return results

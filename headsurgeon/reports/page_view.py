@@ -4,6 +4,8 @@ Exports:
     open_page(page, click, screenshot=)   open ``index.html``, click a head in its grid, report
                                           console errors and what the page then shows (PageView)
     open_pages(pages, click)              the same for several pages, in one browser
+    WAIT_S                                the seconds each browser step waits for its condition
+                                          (the page loaded, the grid drawn, the head shown)
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import asyncio
 import base64
 import dataclasses
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from headsurgeon import plots
+from headsurgeon.errors import FigureExportError
 from headsurgeon.heads import HeadSet
 from headsurgeon.outputs import atomic_write_bytes
 
 __all__ = [
+    "WAIT_S",
     "PageView",
     "open_page",
     "open_pages",
@@ -56,6 +61,28 @@ class PageView:
     blocked: list[str] = dataclasses.field(default_factory=list)
 
 
+# How long each step waits for what it needs (the page loaded, the grid drawn, the head shown):
+# ample on a machine shared with busy jobs, and a bound, so a page that never draws is one line.
+WAIT_S = 30.0
+# How often a wait asks the page again.
+_POLL_S = 0.05
+
+# Conditions a step waits for, evaluated in the page. The document a navigation opened, loaded
+# (the blank page in between tells one navigation's document from the previous one's).
+_BLANK_JS = 'location.href === "about:blank" && document.readyState === "complete"'
+_LOADED_JS = 'location.href !== "about:blank" && document.readyState === "complete"'
+# Every plot of the page (the grid, each figure) laid out by plotly.
+_PLOTS_JS = '[...document.querySelectorAll("#grid, #figures > div")].every(d => d._fullLayout)'
+# The grid drawn: its layout, its heatmap and the drag layer that takes the mouse.
+_GRID_JS = """(() => {
+  const g = document.getElementById("grid");
+  return Boolean(g && g._fullLayout && g._fullData && g.querySelector(".nsewdrag")
+                 && g._fullData.some(trace => trace.type === "heatmap"));
+})()"""
+# The pointer over the grid, as plotly saw it (a click reads the head from what it hovers).
+_HOVER_JS = 'Boolean((document.getElementById("grid")._hoverdata || []).length)'
+# The clicked head's panel shown.
+_HEAD_JS = 'Boolean(document.getElementById("head-name"))'
 # Runs in the page: the grid cell of a head, in CSS pixels of the viewport.
 _CELL_JS = """(() => {
   const g = document.getElementById("grid"), xa = g._fullLayout.xaxis, ya = g._fullLayout.yaxis;
@@ -83,10 +110,13 @@ def open_page(
     *,
     screenshot: str | os.PathLike | None = None,
     size: tuple[int, int] = (1400, 1000),
+    timeout: float = WAIT_S,
 ) -> PageView:
     """Open a report page (``index.html``) in headless Chromium, click the head ``click``
     (``"L1H7"``) in its grid with the mouse, and say what happened (:class:`PageView`);
-    ``screenshot`` saves the viewport (``size`` pixels) as PNG.
+    ``screenshot`` saves the viewport (``size`` pixels) as PNG. Each step waits at most
+    ``timeout`` seconds for what it needs (the page loaded, its plots laid out, the grid drawn,
+    the head shown), then raises one :class:`~headsurgeon.errors.FigureExportError` line naming it.
 
     Needs the Chromium the static figures use (:func:`headsurgeon.plots.require_browser`: one
     :class:`~headsurgeon.errors.FigureExportError` line without one). For tests and documentation
@@ -95,7 +125,7 @@ def open_page(
     browser = plots.require_browser("opening a report page")
     url = Path(page).resolve().as_uri()
     pair = None if click is None else next(iter(HeadSet.parse(click)))
-    return asyncio.run(_visit(browser, [url], pair, screenshot, size))[0]
+    return asyncio.run(_visit(browser, [url], pair, screenshot, size, timeout))[0]
 
 
 def open_pages(
@@ -103,13 +133,14 @@ def open_pages(
     click: str | None = None,
     *,
     size: tuple[int, int] = (1400, 1000),
+    timeout: float = WAIT_S,
 ) -> list[PageView]:
     """:func:`open_page` for each of ``pages`` in turn, in one Chromium (a start is a second or
     more): one :class:`PageView` each."""
     browser = plots.require_browser("opening a report page")
     urls = [Path(page).resolve().as_uri() for page in pages]
     pair = None if click is None else next(iter(HeadSet.parse(click)))
-    return asyncio.run(_visit(browser, urls, pair, None, size))
+    return asyncio.run(_visit(browser, urls, pair, None, size, timeout))
 
 
 class _ConsoleErrors:
@@ -177,16 +208,49 @@ async def _evaluate(tab: Any, expression: str) -> Any:
     return found.get("result", {}).get("value")
 
 
-async def _click(tab: Any, pair: tuple[int, int]) -> None:
-    """Click a head's cell of the grid as plotly sees a click: the pointer moves onto it, then
-    presses; then give the head's plots time to draw."""
+async def _wait(
+    tab: Any, condition: str, what: str, timeout: float, done: Callable[[], bool] = lambda: False
+) -> None:
+    """Ask the page ``condition`` until it holds (or ``done()`` does), at most ``timeout`` seconds;
+    then one :class:`FigureExportError` line naming ``what`` was awaited."""
+    end = time.monotonic() + timeout
+    while not (await _evaluate(tab, condition) or done()):
+        if time.monotonic() > end:
+            address = await _evaluate(tab, "location.href")
+            raise FigureExportError(
+                f"waited {timeout:g} s for {what} in headless Chromium ({address}), in vain: "
+                "open the page in a browser and look at its console"
+            )
+        await asyncio.sleep(_POLL_S)
+
+
+async def _open(tab: Any, url: str, what: str, condition: str, timeout: float) -> None:
+    """Navigate to ``url``, then wait until ``condition`` says its document has loaded."""
+    navigated = await _command(tab, "Page.navigate", url=url)
+    if navigated.get("errorText"):
+        raise FigureExportError(f"headless Chromium could not open {url}: {navigated['errorText']}")
+    await _wait(tab, condition, what, timeout)
+
+
+async def _click(tab: Any, errors: _ConsoleErrors, pair: tuple[int, int], timeout: float) -> None:
+    """Click a head's cell of the grid as plotly sees a click: the pointer moves onto it (and
+    plotly sees it there), then presses; then wait for the head's panel (or a new error)."""
+    name = f"L{pair[0]}H{pair[1]}"
+    await _wait(tab, _GRID_JS, "the head grid to be drawn", timeout)
     x, y = await _evaluate(tab, _CELL_JS % (pair[1], pair[0]))
-    for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
-        await _command(
-            tab, "Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1
-        )
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(0.5)
+    mouse = {"x": x, "y": y, "button": "left", "clickCount": 1}
+    await _command(tab, "Input.dispatchMouseEvent", type="mouseMoved", **mouse)
+    await _wait(tab, _HOVER_JS, f"the pointer to reach {name} in the grid", timeout)
+    before = len(errors.errors)
+    for kind in ("mousePressed", "mouseReleased"):
+        await _command(tab, "Input.dispatchMouseEvent", type=kind, **mouse)
+    await _wait(
+        tab,
+        _HEAD_JS,
+        f"{name} to be shown after its click",
+        timeout,
+        done=lambda: len(errors.errors) > before,
+    )
 
 
 async def _visit(
@@ -195,6 +259,7 @@ async def _visit(
     pair: tuple[int, int] | None,
     screenshot: Any,
     size: tuple[int, int],
+    timeout: float,
 ) -> list[PageView]:
     import choreographer
 
@@ -212,19 +277,29 @@ async def _visit(
             deviceScaleFactor=1,
             mobile=False,
         )
-        return [await _view(tab, errors, url, pair, screenshot) for url in urls]
+        return [await _view(tab, errors, url, pair, screenshot, timeout) for url in urls]
 
 
 async def _view(
-    tab: Any, errors: _ConsoleErrors, url: str, pair: tuple[int, int] | None, screenshot: Any
+    tab: Any,
+    errors: _ConsoleErrors,
+    url: str,
+    pair: tuple[int, int] | None,
+    screenshot: Any,
+    timeout: float,
 ) -> PageView:
     """Open ``url`` in ``tab``, click ``pair``'s cell, and say what the page did."""
+    # A blank page first: the browser's own start-up tab (or the previous page) is done with, so
+    # nothing of it is cancelled by this load or taken for it.
+    await _open(tab, "about:blank", "a blank page to load", _BLANK_JS, timeout)
     errors.clear()
-    loaded = tab.subscribe_once("Page.loadEventFired")
-    await _command(tab, "Page.navigate", url=url)
-    await loaded
+    await _open(tab, url, "the page to load", _LOADED_JS, timeout)
+    # The plots laid out, or the page reported why not (a test reads the error).
+    await _wait(
+        tab, _PLOTS_JS, "the page's plots to be drawn", timeout, done=lambda: bool(errors.errors)
+    )
     if pair is not None:
-        await _click(tab, pair)
+        await _click(tab, errors, pair, timeout)
     seen = await _evaluate(tab, _SHOWN_JS)
     shown, pattern, received, title, document_title, table, figures, summary = seen
     if screenshot is not None:
