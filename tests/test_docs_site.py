@@ -19,7 +19,14 @@ import pytest
 from conftest import NO_CHROMIUM
 
 from headsurgeon import plots
-from headsurgeon.reports.page_view import _BLANK_JS, _LOADED_JS, WAIT_S, _open, _wait
+from headsurgeon.reports.page_view import (
+    _BLANK_JS,
+    _LOADED_JS,
+    WAIT_S,
+    _first_tab,
+    _open,
+    _wait,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path(os.environ.get("HEADSURGEON_SITE", ROOT / "site"))
@@ -110,7 +117,7 @@ async def _visit(urls: list[str]) -> list[tuple[list[str], list[str], list[str]]
     browser = plots.require_browser("opening the documentation")
     results = []
     async with choreographer.Browser(browser, headless=True) as chromium:
-        tab = chromium.get_tab()
+        tab = await _first_tab(chromium, WAIT_S)
         outside: list[str] = []
         failed: list[str] = []
         errors: list[str] = []

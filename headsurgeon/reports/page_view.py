@@ -253,6 +253,21 @@ async def _click(tab: Any, errors: _ConsoleErrors, pair: tuple[int, int], timeou
     )
 
 
+async def _first_tab(chromium: Any, timeout: float) -> Any:
+    """The browser's start-up tab: choreographer looks for it a second or two, which a busy
+    machine may need more than."""
+    end = time.monotonic() + timeout
+    while (tab := chromium.get_tab()) is None:
+        if time.monotonic() > end:
+            raise FigureExportError(
+                f"waited {timeout:g} s for headless Chromium's first tab, in vain: "
+                "try again on a less busy machine"
+            )
+        await chromium.populate_targets()
+        await asyncio.sleep(_POLL_S)
+    return tab
+
+
 async def _visit(
     browser: str,
     urls: Sequence[str],
@@ -264,7 +279,7 @@ async def _visit(
     import choreographer
 
     async with choreographer.Browser(browser, headless=True) as chromium:
-        tab = chromium.get_tab()
+        tab = await _first_tab(chromium, timeout)
         errors = _ConsoleErrors(tab)
         errors.listen()
         for domain in ("Runtime", "Log", "Page", "Network"):
