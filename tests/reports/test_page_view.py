@@ -43,11 +43,13 @@ def test_a_grid_drawn_two_seconds_late_is_waited_for_and_clicked(tmp_path):
 
 
 def test_a_grid_never_drawn_is_one_line_naming_what_was_awaited(tmp_path):
+    """10 s, not 1: on a busy machine the page itself (plotly.js inlined, 1.5 MB) may take more
+    than a second to load, and that wait has the same bound."""
     page = page_drawing_its_grid(tmp_path, "")
     start = time.monotonic()
     with pytest.raises(
-        FigureExportError, match="waited 1 s for the page.s plots to be drawn"
-    ) as info:
-        open_page(page, "L1H0", timeout=1)
-    assert "\n" not in str(info.value) and page.as_uri() in str(info.value)
-    assert time.monotonic() - start < 20  # the bound, plus one browser start
+        FigureExportError, match="waited 10 s for the page.s plots to be drawn"
+    ) as e:
+        open_page(page, "L1H0", timeout=10)
+    assert "\n" not in str(e.value) and page.as_uri() in str(e.value)
+    assert time.monotonic() - start < 40  # the bound, plus a browser start and a page load
