@@ -10,7 +10,10 @@ for a paper figure at 2x scale, and hovering a cell shows every metric of the he
 Exports:
     head_grid(df, metric)              heatmap of one metric; BOS-sink / dead heads marked
     label_grid(df)                     the label of every head
-    diff_grid(before, after, metric)   after - before, heads whose label changed outlined
+    diff_grid(before, after, metric, bound=)
+                                       after - before, heads whose label changed outlined,
+                                       colour scale ±bound
+    diff_bound(pairs, metric)          one bound for diff grids shown together
     sweep_plot(sweep)                  label counts against each threshold
     models_grid({name: df}, metric)    several models side by side, one colour scale
     sick_share_plot(shares)            sick share per layer band, one line per model
@@ -135,6 +138,7 @@ from headsurgeon.plots.grids import (
     LABEL_COLOURS as LABEL_COLOURS,
     LABEL_MARKERS as LABEL_MARKERS,
     METRIC_RANGES as METRIC_RANGES,
+    diff_bound,
     diff_grid,
     head_grid,
     label_grid,
@@ -170,6 +174,7 @@ __all__ = [
     "column_label",
     "corpora_grid",
     "corpus_diff_grid",
+    "diff_bound",
     "diff_grid",
     "has_browser",
     "head_grid",

@@ -3,7 +3,10 @@
 Exports:
     head_grid(df, metric)              heatmap of one metric; BOS-sink / dead heads marked
     label_grid(df)                     the label of every head
-    diff_grid(before, after, metric)   after - before, heads whose label changed outlined
+    diff_grid(before, after, metric, bound=)
+                                       after - before, heads whose label changed outlined,
+                                       colour scale ±bound (stated in the subtitle)
+    diff_bound(pairs, metric)          one bound for several diff grids shown together
     models_grid({name: df}, metric)    several models side by side, one colour scale
     cell_size(n_heads), grid_plot_size(...)
                                        a head cell's pixels; a grid's plot area
@@ -27,7 +30,7 @@ different models compare.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -46,6 +49,7 @@ from headsurgeon.plots.layout import (
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = [
+    "diff_bound",
     "diff_grid",
     "head_grid",
     "label_grid",
@@ -276,11 +280,14 @@ def diff_grid(
     metric: str = "bos_mass",
     *,
     title: str | None = None,
+    bound: float | None = None,
 ) -> go.Figure:
     """Heatmap of ``after - before`` for ``metric``; heads whose label changed are outlined.
 
     Both frames must cover the same heads (matched on ``layer`` and ``head``). Blue is a fall,
-    red a rise, white no change; hover shows both values and both labels.
+    red a rise, white no change; hover shows both values and both labels. The colour scale runs
+    from ``-bound`` to ``+bound`` (default: the largest change), which the subtitle states; give
+    grids shown together one ``bound`` (:func:`diff_bound`) so equal colours are equal changes.
     """
     check_columns(before, ["layer", "head", metric], "before")
     check_columns(after, ["layer", "head", metric], "after")
@@ -295,7 +302,12 @@ def diff_grid(
     merged["change"] = merged[f"{metric}_after"] - merged[f"{metric}_before"]
     n_layers, n_heads = grid_shape(merged)
     cell = cell_size(n_heads)
-    bound = max(float(np.nanmax(np.abs(merged["change"]))), 1e-9)
+    if bound is None:
+        bound, scale = diff_bound([(before, after)], metric), "the largest change"
+    elif bound > 0:
+        scale = "fixed: grids shown together share it"
+    else:
+        raise InvalidArgumentError(f"bound must be a change above 0 (±bound); got {bound!r}")
     fields = [f"{metric}_before", f"{metric}_after", "change"]
     lines = ["<b>layer %{y}, head %{x}</b>"]
     words = literal(column_label(metric))
@@ -344,8 +356,27 @@ def diff_grid(
     _axes(fig, n_layers, n_heads, cell)
     default = f"Change in {column_label(metric)}, after − before"
     plot_size = grid_plot_size(n_layers, n_heads, cell)
-    base_layout(fig, title or default, census_subtitle(after), plot_size)
+    scale = f"colour scale ±{bound:.3g} ({scale})"
+    subtitle = " · ".join(part for part in (census_subtitle(after), scale) if part)
+    base_layout(fig, title or default, subtitle, plot_size)
     return fig
+
+
+def diff_bound(
+    pairs: Sequence[tuple[pd.DataFrame, pd.DataFrame]], metric: str = "bos_mass"
+) -> float:
+    """The largest ``|after - before|`` of ``metric`` over ``(before, after)`` pairs (heads
+    matched on ``layer`` and ``head``): one :func:`diff_grid` ``bound`` for grids shown together.
+    """
+    largest = 0.0
+    for before, after in pairs:
+        merged = before[["layer", "head", metric]].merge(
+            after[["layer", "head", metric]], on=["layer", "head"]
+        )
+        change = np.abs(merged[f"{metric}_y"] - merged[f"{metric}_x"]).to_numpy(dtype=float)
+        if np.isfinite(change).any():
+            largest = max(largest, float(np.nanmax(change)))
+    return max(largest, 1e-9)
 
 
 # models_grid's panels per row: more wrap onto further rows (plotly cannot space dozens of panels

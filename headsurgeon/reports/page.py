@@ -313,8 +313,10 @@ def samples_note(
         else f"{weights.n_pos} positions (max-pooled: each cell the "
         f"largest weight of {weights.step} x {weights.step}) of the first"
     )
+    # The panel it describes is drawn only once a head is clicked: the line says so first.
     return (
-        f"Attention{f' in {where}' if where else ''}: {shown} of the run's sequences "
+        f"Click a head in the grid to see its attention{f' in {where}' if where else ''}: "
+        f"{shown} of the run's sequences "
         f"({data or describe(None)}), from hook_pattern as the census reads it; weights rounded "
         "to float16 (3 significant digits: headsurgeon.plots.attention_pattern gives them "
         "exactly). Red box: position 0; dashed line: the blind distance (weights exactly 0 "

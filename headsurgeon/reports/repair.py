@@ -40,6 +40,12 @@ __all__ = [
 ]
 
 
+# The training figure's width in pixels (the page's body is at most 1500 wide, less its margins)
+# and the legend entries ("control 12 (3 heads)") one row of it holds.
+TRAINING_WIDTH = 1200
+LEGEND_PER_ROW = 5
+
+
 def training_plot(result: RepairResult) -> go.Figure:
     """Objective, training and held-out perplexity and the targets' BOS mass over the steps,
     one line per pass (dashed: the control arm's passes). The perplexities are the fine-tuning's
@@ -79,7 +85,19 @@ def training_plot(result: RepairResult) -> go.Figure:
             )
             fig.update_xaxes(title_text=plots.column_label("step"), row=1, col=col)
     title = f"Masked fine-tuning of {model_info(result.model).name}"
-    return plots.style(fig, title=title, width=1400, height=380, template="simple_white")
+    # The legend in rows under the step axes, the margin grown for them: beside the panels it
+    # ran past the page's width. TRAINING_WIDTH fits the page in a 1280-pixel-wide window.
+    rows = -(-len(arms) // LEGEND_PER_ROW)
+    plots.style(
+        fig,
+        title=title,
+        width=TRAINING_WIDTH,
+        height=380 + 26 * rows,
+        margin={"l": 60, "r": 20, "t": 100, "b": 80 + 26 * rows},
+        template="simple_white",
+    )
+    legend = {"orientation": "h", "x": 0, "xanchor": "left", "y": 0, "yanchor": "bottom"}
+    return fig.update_layout(legend=legend | {"yref": "container"})
 
 
 def _heads(names: list[str]) -> str:
@@ -398,8 +416,8 @@ def write_report(
     history), with a control arm ``census_control.csv`` and ``training_control<N>.csv``,
     ``redistribution.csv`` (:meth:`RepairResult.redistribution`), the figures
     ``labels_before``, ``labels_after``, ``bos_mass_diff`` (whole run),
-    ``pass<N>_bos_mass_diff``, ``control_bos_mass_diff`` (with a control arm) and ``training``
-    in each of ``formats``, and ``model/``, the repaired
+    ``pass<N>_bos_mass_diff``, ``control_bos_mass_diff`` (with a control arm; the difference
+    grids on one colour scale) and ``training`` in each of ``formats``, and ``model/``, the repaired
     model (the best pass that did not damage it) as a Hugging Face checkpoint (unless
     ``save_model=False``, or no pass is acceptable: report.md then says so). ``formats=None`` writes
     the figures as png when a Chromium browser is found (else one warning names the skipped PNGs
@@ -421,27 +439,21 @@ def write_report(
     figures = {
         "labels_before": plots.label_grid(result.census_before, title="Labels before repair"),
         "labels_after": plots.label_grid(result.census_after, title="Labels after repair"),
-        "bos_mass_diff": plots.diff_grid(
-            result.census_before,
-            result.census_after,
-            "bos_mass",
-            title="BOS mass, after repair − before",
-        ),
     }
+    # The difference grids, titled, with what they compare.
+    title = "BOS mass, after repair − before"
+    diffs = {"bos_mass_diff": (title, result.census_before, result.census_after)}
     for p in result.passes:
-        figures[f"pass{p.index}_bos_mass_diff"] = plots.diff_grid(
-            p.census_before,
-            p.census_after,
-            "bos_mass",
-            title=f"Pass {p.index}: BOS mass, after − before",
-        )
+        title = f"Pass {p.index}: BOS mass, after − before"
+        diffs[f"pass{p.index}_bos_mass_diff"] = (title, p.census_before, p.census_after)
     if result.control:
-        figures["control_bos_mass_diff"] = plots.diff_grid(
-            result.census_before,
-            result.control_census,
-            "bos_mass",
-            title="BOS mass, control (retrained without re-initialisation) − before",
-        )
+        title = "BOS mass, control (retrained without re-initialisation) − before"
+        diffs["control_bos_mass_diff"] = (title, result.census_before, result.control_census)
+    # Shown one after the other, they share one symmetric colour scale (the largest change of
+    # any): the control arm's small change then looks as small as it is.
+    bound = plots.diff_bound([(before, after) for _, before, after in diffs.values()])
+    for name, (title, before, after) in diffs.items():
+        figures[name] = plots.diff_grid(before, after, "bos_mass", title=title, bound=bound)
     figures["training"] = training_plot(result)
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_report") as tmp:
         atomic_write_text(tmp / "report.json", json.dumps(report, indent=2) + "\n")

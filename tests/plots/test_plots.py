@@ -83,6 +83,22 @@ def test_diff_grid_shows_change_and_outlines_relabelled_heads():
         plots.diff_grid(before, after.iloc[1:])
 
 
+def test_diff_grids_shown_together_share_one_stated_colour_scale():
+    before = classified()
+    large = before.assign(bos_mass=before["bos_mass"] + 0.5)
+    small = before.assign(bos_mass=before["bos_mass"] - 0.05)
+    assert plots.diff_bound([(before, large), (before, small)]) == pytest.approx(0.5)
+    alone = plots.diff_grid(before, small)
+    assert alone.data[0].zmax == pytest.approx(0.05)
+    assert "colour scale ±0.05 (the largest change)" in alone.layout.title.subtitle.text
+    fig = plots.diff_grid(before, small, bound=0.5)
+    assert (fig.data[0].zmin, fig.data[0].zmax) == (-0.5, 0.5)
+    assert "colour scale ±0.5 (fixed" in fig.layout.title.subtitle.text
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(InvalidArgumentError, match="bound must be a change above 0"):
+            plots.diff_grid(before, small, bound=bad)
+
+
 def test_sweep_plot_has_a_panel_per_threshold():
     sweep = threshold_sweep(classified())
     fig = plots.sweep_plot(sweep)

@@ -58,6 +58,14 @@ def unpack(b64: str, n: int) -> np.ndarray:
     return out
 
 
+def typed_array(value) -> np.ndarray:
+    """A figure JSON's array: a list, or plotly's typed array (``dtype``, base64 ``bdata``)."""
+    if not isinstance(value, dict):
+        return np.array(value, dtype=float)
+    flat = np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"])
+    return flat.reshape([int(n) for n in str(value.get("shape", len(flat))).split(",")])
+
+
 def test_classification_page_holds_every_head_and_its_exact_weights(tiny_model, tmp_path):
     tokens = to_sequences(tiny_model, TEXT, seq_len=64, n_seqs=3).tokens
     census = classify_heads(run_census(tiny_model, tokens, progress=False))
@@ -139,6 +147,27 @@ def test_repair_page_shows_every_stage_side_by_side(tiny_model, tmp_path):
     summary = page[page.index('<div id="summary">') : page.index('<div id="figures">')]
     assert "<h1>Repair of" in summary and "<table>" in summary and "**" not in summary
     assert "its attention on the run's own sequences" in page
+    # The caption above the grid describes a panel shown on a click, and says so.
+    assert data["note"].startswith("Click a head in the grid to see its attention in each stage:")
+    # The difference grids, one after the other, share one symmetric colour scale: the largest
+    # change of any (the control's small change once got its own, as loud, scale).
+    figures = {f["name"]: f["figure"] for f in data["figures"]} | {"bos_mass_diff": data["grid"]}
+    diffs = [figures[n] for n in ("bos_mass_diff", "pass1_bos_mass_diff", "control_bos_mass_diff")]
+    heatmaps = [fig["data"][0] for fig in diffs]
+    largest = max(np.nanmax(np.abs(typed_array(h["z"]))) for h in heatmaps)
+    assert {(h["zmin"], h["zmax"]) for h in heatmaps} == {(-largest, largest)}
+    assert all(
+        f"colour scale ±{largest:.3g}" in fig["layout"]["title"]["subtitle"]["text"]
+        for fig in diffs
+    )
+    # The training figure's legend in rows under its panels, within a 1280-pixel window's page
+    # (its body's margins 24 pixels a side), not beside them past the page's edge.
+    layout = figures["training"]["layout"]
+    assert layout["width"] <= 1280 - 2 * 24
+    legend = layout["legend"]
+    assert (legend["orientation"], legend["x"], legend["xanchor"]) == ("h", 0, "left")
+    assert (legend["yref"], legend["y"], legend["yanchor"]) == ("container", 0, "bottom")
+    assert layout["margin"]["b"] >= 80 + 26  # the axis titles, then one row of legend
 
 
 def test_blindness_page_has_curves_per_head(tiny_model, tmp_path):
