@@ -236,8 +236,9 @@ def add_model_args(
     parser.add_argument(
         "--threads",
         type=thread_count,
-        help="CPU threads for torch (default: one per core). Use 1 when other jobs keep cores "
-        "busy: threads that wait on a busy core made a repair step ~5x slower here",
+        help="CPU threads for torch (default: one per usable core, less the cores other jobs "
+        "keep busy, at least 1; one log line says when the load lowers it): threads that wait "
+        "on a busy core made a repair step ~5x slower here",
     )
 
 
