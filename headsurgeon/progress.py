@@ -13,8 +13,14 @@ module first for that reason. Install
 evaluations): it counts one kind and shows the time left for all of them, from the measured
 duration of each kind.
 
+:func:`show_progress_lines` shows the library's progress lines (the run's estimated duration,
+each pass's result) where a notebook or script that never set up ``logging`` sees them: on
+stderr, above the bar, during the call, and only while nothing else handles them.
+
 Exports:
     tqdm                                the bar class that suits where it runs
+    show_progress_lines()               context manager and decorator: the library's INFO lines
+                                        on stderr while logging is not set up at all
     RunBar                              one bar over a whole run; its time left covers every
                                         kind of work the run plans, with its spread
                                         (range_left: median to 90th-percentile step)
@@ -22,11 +28,14 @@ Exports:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import statistics
+import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 if importlib.util.find_spec("ipywidgets") is not None:
@@ -37,7 +46,9 @@ else:
         import tqdm.auto  # noqa: F401  (imported quietly once; later imports reuse it)
     from tqdm.std import tqdm
 
-__all__ = ["RunBar", "tqdm"]
+__all__ = ["RunBar", "show_progress_lines", "tqdm"]
+
+PACKAGE = "headsurgeon"  # the logger whose lines show_progress_lines shows
 
 
 class RunBar(tqdm):
@@ -175,6 +186,54 @@ class RunBar(tqdm):
         if self.finish_at is not None and total and n is not None and total > n:
             shown["rate"] = (total - n) / max(self.finish_at - time.monotonic(), 1e-3)
         return shown
+
+
+class _AboveTheBar(logging.Handler):
+    """Log lines on stderr, written above a progress bar rather than into its line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # logging's rule: a failing handler reports, never raises
+            self.handleError(record)
+
+
+def _logging_set_up(package: logging.Logger) -> bool:
+    """Whether anything decides where ``package``'s lines go: a root handler, a handler on it or
+    one of its child loggers, or a level set on it."""
+    if logging.root.handlers or package.level != logging.NOTSET:
+        return True
+    prefix = package.name + "."
+    return any(
+        isinstance(log, logging.Logger)
+        and log.handlers
+        and (log is package or name.startswith(prefix))
+        for name, log in [(package.name, package), *logging.Logger.manager.loggerDict.items()]
+    )
+
+
+@contextlib.contextmanager
+def show_progress_lines() -> Iterator[None]:
+    """Inside: the library's INFO lines (progress, the estimated duration, each pass's
+    result) and warnings on stderr, above any bar, when ``logging`` is not set up at all (no
+    root handler, no handler or level on the ``headsurgeon`` loggers), as in a notebook; Python
+    alone would show only warnings, and those without their context. Where the program (or the
+    command line) set up logging, nothing changes. Nothing stays after; nested uses show each
+    line once. Usable as a decorator: ``@show_progress_lines()``.
+    """
+    package = logging.getLogger(PACKAGE)
+    if _logging_set_up(package):
+        yield
+        return
+    handler = _AboveTheBar(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(logging.NOTSET)
 
 
 def _plural(kind: str) -> str:

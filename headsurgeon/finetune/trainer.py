@@ -82,7 +82,7 @@ from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import check_training_memory
-from headsurgeon.progress import RunBar
+from headsurgeon.progress import RunBar, show_progress_lines
 from headsurgeon.surgery import (
     TRAINED_TENSORS,
     check_surgery,
@@ -199,6 +199,7 @@ def _evaluate(
 
 @holds_model("finetune")
 @torch.enable_grad()  # under torch.no_grad() too: training needs gradients
+@show_progress_lines()  # its estimate and steps seen where logging is not set up (a notebook)
 def finetune(
     model: Model,
     heads: Heads,
@@ -228,7 +229,9 @@ def finetune(
     ``torchrun`` (an initialised process group) the trainable tensors are wrapped in
     ``DistributedDataParallel`` and each process takes its share of every batch.
 
-    On the CPU, one warning says so when torch's threads exceed the cores other jobs leave free
+    Its log lines (the estimate, each evaluation) show on stderr where ``logging`` is not set up
+    at all (:func:`headsurgeon.progress.show_progress_lines`). On the CPU, one warning says so
+    when torch's threads exceed the cores other jobs leave free
     (:func:`warn_busy_threads`; ``torch.set_num_threads`` is the fix, the count is not changed
     here). After the first steps one log line says how long the rest takes (a range, from the
     steps' measured durations). ``progress=False`` shows no bar; a

@@ -59,7 +59,7 @@ from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
 from headsurgeon.probes import check_training_memory
-from headsurgeon.progress import RunBar
+from headsurgeon.progress import RunBar, show_progress_lines
 from headsurgeon.repair.config import RepairConfig, resolve_config
 from headsurgeon.repair.results import PassResult, RepairResult
 from headsurgeon.repair.resume import WorkDir, cpu_head_slices, has_numbers
@@ -522,6 +522,7 @@ class _Run:
 
 @holds_model("repair")
 @torch.enable_grad()  # under torch.no_grad() too: fine-tuning needs gradients
+@show_progress_lines()  # its estimate and passes seen where logging is not set up (a notebook)
 def repair(
     model: Model,
     corpus: Data | Sequences = None,
@@ -543,8 +544,8 @@ def repair(
     ``thresholds``, ``census_seq_len``, ``census_n_seqs``, ``min_query_pos``, ``prepend_bos``,
     ``train_seq_len``, ``n_eval_seqs``, ``drift_threshold``, ``save_dtype``,
     ``max_ppl_increase``, ``max_collateral``, ``control``, ``eval_on_train``, and
-    ``finetune_config`` for its
-    ``finetune``
+    ``finetune_config`` for its ``finetune``; and ``sink_threshold``, ``dead_threshold``,
+    ``min_output_share`` for fields of ``thresholds``
     (``repair(model, passes=1)`` is ``repair(model, config=RepairConfig(passes=1))``). Any other
     keyword is one :class:`~headsurgeon.errors.InvalidArgumentError` line.
 

@@ -377,6 +377,22 @@ def test_the_duration_is_told_as_a_range_after_the_first_five_steps(caplog):
     assert ", 1 evaluation of " in messages[told]
 
 
+def test_its_lines_show_where_logging_is_not_set_up_and_nowhere_else(monkeypatch, capsys):
+    """A notebook that never set up logging sees the estimate and the evaluations on stderr
+    (Python alone shows no INFO line); a program that set up logging gets them only there."""
+    model, heads, tokens = setup()
+    monkeypatch.setattr(logging.root, "handlers", [])  # pytest's own capture: not a user's
+    package = logging.getLogger("headsurgeon")
+    monkeypatch.setattr(package, "level", logging.NOTSET)
+    finetune(model, heads, tokens, config=config(), progress=False)
+    err = capsys.readouterr().err
+    assert "fine-tuning 3 heads: about" in err and "step 0: train ppl" in err
+    assert package.handlers == [] and package.level == logging.NOTSET  # nothing stays
+    logging.root.handlers = [logging.NullHandler()]  # the program's own set-up
+    finetune(model, heads, tokens, config=config(), progress=False)
+    assert "step 0" not in capsys.readouterr().err
+
+
 def test_a_callers_bar_counts_the_steps_run_and_drops_those_an_early_stop_skips():
     model, heads, tokens = setup("L2H3")
     cfg = config(steps=40, lr=5e-2, eval_every=2, patience=2)
