@@ -127,12 +127,8 @@ def classify_sequences(
     (:func:`headsurgeon.run_census`).
     """
     seqs = check_data(model_info(model, "classify_sequences"), seqs)
-    thresholds = with_thresholds(  # a bad one: one line before the census
-        thresholds,
-        sink_threshold=sink_threshold,
-        dead_threshold=dead_threshold,
-        min_output_share=min_output_share,
-    )
+    # A bad threshold: one line before the census.
+    thresholds = with_thresholds(thresholds, sink_threshold, dead_threshold, min_output_share)
     if not isinstance(seqs, Sequences):
         raise DataError(
             f"classify_sequences takes Sequences, got {type(seqs).__name__}; make them with "
@@ -215,10 +211,7 @@ def compare_corpora(
             model,
             seqs,
             thresholds=with_thresholds(
-                thresholds,
-                sink_threshold=sink_threshold,
-                dead_threshold=dead_threshold,
-                min_output_share=min_output_share,
+                thresholds, sink_threshold, dead_threshold, min_output_share
             ),
             importance=importance,
             batch_size=batch_size,

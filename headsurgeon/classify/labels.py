@@ -73,7 +73,6 @@ class Thresholds:
 
 def with_thresholds(
     thresholds: Thresholds | None = None,
-    *,
     sink_threshold: float | None = None,
     dead_threshold: float | None = None,
     min_output_share: float | None = None,
@@ -162,12 +161,7 @@ def classify_heads(
     1  BOS-sink   BOS mass 0.700 > 0.5
     """
     require_columns(census, ["layer", "head", "bos_mass", "output_share"])
-    thresholds = with_thresholds(
-        thresholds,
-        sink_threshold=sink_threshold,
-        dead_threshold=dead_threshold,
-        min_output_share=min_output_share,
-    )
+    thresholds = with_thresholds(thresholds, sink_threshold, dead_threshold, min_output_share)
     for column in ("bos_mass", "output_share"):
         if not pd.api.types.is_numeric_dtype(census[column]):
             raise InvalidArgumentError(
@@ -223,12 +217,7 @@ def threshold_sweep(
     50      sink   0.50        2         0     1     1
     """
     require_columns(census, ["bos_mass", "output_share"])
-    thresholds = with_thresholds(
-        thresholds,
-        sink_threshold=sink_threshold,
-        dead_threshold=dead_threshold,
-        min_output_share=min_output_share,
-    )
+    thresholds = with_thresholds(thresholds, sink_threshold, dead_threshold, min_output_share)
     bos, share = census["bos_mass"].to_numpy(), census["output_share"].to_numpy()
     steps = np.linspace(0, 1, 101)
     grids = {
