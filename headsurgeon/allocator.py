@@ -303,7 +303,7 @@ def other_load(sample: float = 0.25) -> float:
     except (AttributeError, OSError):  # not on Windows
         load = 0.0
     before = _busy_jiffies()
-    if before is None:
+    if before is None or round(load) == 0:  # idle: no need to measure (a quarter second)
         return load
     started = time.monotonic()
     time.sleep(sample)
