@@ -1,5 +1,6 @@
 """The process's CPU memory: allocator tuning (keep large freed buffers in the process, or give
-them back at once), and how much it may still allocate.
+them back at once), and how much it may still allocate; and its CPU cores: how many it may use,
+and how many of them other jobs leave free (torch's thread count).
 
 Exports:
     keep_freed_memory()     raise glibc's mmap and trim thresholds; True where applied
@@ -10,6 +11,12 @@ Exports:
     available_memory(root)  bytes the process may still allocate: the least of MemAvailable,
                             its address-space limit (RLIMIT_AS) and its memory cgroup's
     CGROUP_ROOT             where the cgroups are mounted (/sys/fs/cgroup)
+    usable_cores(root)      cores the process may run on: its affinity, capped by its cgroup's
+                            CPU quota
+    other_load(sample)      cores other jobs keep busy: the load average, or the busy cores
+                            measured now less this process's own use, whichever is lower
+    free_cores(cores, load) usable cores less the rounded load, at least 1
+    too_many_threads(n)     None, or (free cores, why) when n threads exceed the free cores
 
 glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB as
 buffers are freed) with a fresh ``mmap`` and unmaps it again on free. A transformer step
@@ -40,16 +47,22 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
+import time
 from pathlib import Path
 
 __all__ = [
     "CGROUP_ROOT",
     "allocator_setting",
     "available_memory",
+    "free_cores",
     "keep_freed_memory",
+    "other_load",
     "restore_setting",
     "return_freed_memory",
+    "too_many_threads",
+    "usable_cores",
 ]
 
 logger = logging.getLogger(__name__)
@@ -193,8 +206,9 @@ def _address_space_left() -> int | None:
     return limit - used
 
 
-def _cgroup_left(root: Path) -> int | None:
-    """The least a memory cgroup of this process leaves: its own and each parent's."""
+def _own_cgroups(root: Path, controller: str) -> list[tuple[str, Path]]:
+    """This process's cgroup folders for ``controller``: ("v2", folder) and ("v1", folder),
+    each its own cgroup first, then each parent."""
     own = {"v2": "/", "v1": "/"}
     try:
         with open("/proc/self/cgroup") as f:
@@ -202,22 +216,126 @@ def _cgroup_left(root: Path) -> int | None:
                 _, controllers, path = line.rstrip("\n").split(":", 2)
                 if controllers == "":
                     own["v2"] = path
-                elif "memory" in controllers.split(","):
+                elif controller in controllers.split(","):
                     own["v1"] = path
     except (OSError, ValueError):
         pass
-    lefts = []
-    for base, path, files in (
-        (root, own["v2"], ("memory.max", "memory.current")),
-        (root / "memory", own["v1"], ("memory.limit_in_bytes", "memory.usage_in_bytes")),
-    ):
-        parts = [p for p in path.split("/") if p and p != ".."]
+    folders = []
+    for version, base in (("v2", root), ("v1", root / controller)):
+        parts = [p for p in own[version].split("/") if p and p != ".."]
         for depth in range(len(parts), -1, -1):  # own cgroup first, then each parent
-            folder = base.joinpath(*parts[:depth])
-            limit, used = (_read_int(folder / name) for name in files)
-            if limit is not None and limit < _NO_LIMIT:
-                lefts.append(limit - (used or 0))
+            folders.append((version, base.joinpath(*parts[:depth])))
+    return folders
+
+
+def _cgroup_left(root: Path) -> int | None:
+    """The least a memory cgroup of this process leaves: its own and each parent's."""
+    lefts = []
+    for version, folder in _own_cgroups(root, "memory"):
+        files = (
+            ("memory.max", "memory.current")
+            if version == "v2"
+            else ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        )
+        limit, used = (_read_int(folder / name) for name in files)
+        if limit is not None and limit < _NO_LIMIT:
+            lefts.append(limit - (used or 0))
     return min(lefts) if lefts else None
+
+
+def usable_cores(cgroup_root: str | os.PathLike = CGROUP_ROOT) -> int:
+    """The cores this process may run on: its CPU affinity (``taskset``, a scheduler's
+    allocation), capped by its cgroup's CPU quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``,
+    rounded up), at least 1.
+
+    >>> usable_cores() >= 1
+    True
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on macOS or Windows
+        cores = os.cpu_count() or 1
+    for version, folder in _own_cgroups(Path(cgroup_root), "cpu"):
+        if version == "v2":
+            quota, period = _read_fields(folder / "cpu.max")
+        else:
+            quota = _read_int(folder / "cpu.cfs_quota_us")
+            period = _read_int(folder / "cpu.cfs_period_us")
+        if quota is not None and quota > 0 and period:
+            cores = min(cores, math.ceil(quota / period))
+    return max(1, cores)
+
+
+def _read_fields(path: Path) -> tuple[int | None, int | None]:
+    """The two integers of a cgroup v2 file such as ``cpu.max`` (``max`` is None)."""
+    try:
+        words = path.read_text().split()
+    except OSError:
+        return None, None
+    values = [int(w) if w.isdigit() else None for w in words[:2]]
+    return (values + [None, None])[0], (values + [None, None])[1]
+
+
+def _busy_jiffies() -> tuple[int, int] | None:
+    """Clock ticks the machine's CPUs spent busy, and this process: /proc/stat's first line
+    (all but idle and iowait), /proc/self/stat's user and system time."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(fields) - fields[3] - fields[4], int(own[11]) + int(own[12])
+
+
+def other_load(sample: float = 0.25) -> float:
+    """How many cores other jobs keep busy: the 1-minute load average, or, when lower, the busy
+    cores measured over ``sample`` seconds less this process's own use then (the load average
+    also counts this process's last minute, e.g. a census just run in the same notebook).
+    0 where neither can be read.
+
+    >>> other_load() >= 0
+    True
+    """
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on Windows
+        load = 0.0
+    before = _busy_jiffies()
+    if before is None or round(load) == 0:  # idle: no need to measure (a quarter second)
+        return load
+    started = time.monotonic()
+    time.sleep(sample)
+    after = _busy_jiffies()
+    if after is None:
+        return load
+    ticks = (time.monotonic() - started) * os.sysconf("SC_CLK_TCK")
+    measured = ((after[0] - before[0]) - (after[1] - before[1])) / ticks
+    return max(0.0, min(load, measured))
+
+
+def free_cores(cores: int | None = None, load: float | None = None) -> int:
+    """The usable cores other jobs leave free: ``cores`` (default :func:`usable_cores`) less
+    the rounded ``load`` (default :func:`other_load`), at least 1: torch's thread count that
+    does not make threads wait on busy cores (each step waits for its slowest thread)."""
+    cores = usable_cores() if cores is None else cores
+    load = other_load() if load is None else load
+    return max(1, cores - round(load))
+
+
+def too_many_threads(threads: int) -> tuple[int, str] | None:
+    """None when ``threads`` fit the cores other jobs leave free (one thread always does);
+    else (:func:`free_cores`, why: ``"other jobs keep 2 of the 2 usable cores busy (load
+    4.6)"``)."""
+    if threads <= 1:
+        return None
+    cores, load = usable_cores(), other_load()
+    free = free_cores(cores, load)
+    if threads <= free:
+        return None
+    busy = min(cores, round(load))
+    return free, f"other jobs keep {busy} of the {cores} usable cores busy (load {load:.1f})"
 
 
 def _read_int(path: Path) -> int | None:
@@ -225,10 +343,4 @@ def _read_int(path: Path) -> int | None:
     try:
         return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return None
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
         return None

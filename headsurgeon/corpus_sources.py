@@ -20,7 +20,8 @@ its rows' sizes: :data:`BATCH_ROWS` rows at a time, their text handed on in chun
 sample from all of it.
 
 Exports:
-    TextSource                 texts read lazily, and the record of where they came from
+    TextSource                 texts read lazily (iterable; take(n): the first n), and the
+                               record of where they came from
     load_dataset_texts(path_or_name, split=, column=, cache_dir=)
                                a dataset on disk or in the Hugging Face cache as a TextSource
     dataset_texts(dataset, column=, name=, revision=)
@@ -69,6 +70,7 @@ import dataclasses
 import glob
 import gzip
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -85,7 +87,9 @@ from headsurgeon.inputs import (
     MAX_TEXT_BYTES,
     describe_kind,
     read_json,
+    read_text,
 )
+from headsurgeon.validation import check_int
 
 __all__ = [
     "DATA_FILE_BUILDERS",
@@ -128,13 +132,14 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 @dataclasses.dataclass
 class TextSource:
-    """Texts read lazily, and where they came from.
+    """Texts read lazily, and where they came from: iterating gives its texts (``str``, read as
+    consumed; a dataset's are its rows), ``take(n)`` the first ``n`` as a list.
 
-    ``parts()``: the texts, each a text (``str``), a file (``Path``) or one text in pieces (an
-    iterator of ``str``: a dataset's rows, joined); read by :func:`headsurgeon.data.as_sequences`
-    only as far as its sample needs. A dataset's source opens its rows afresh at each read, so it
-    serves any number of verbs; an iterable that can be read only once (a generator) is
-    ``once``: a second read is one line. ``description``: where they came from, in words
+    ``parts()``: what the verbs read (:func:`headsurgeon.data.as_sequences`, only as far as its
+    sample needs), each a text, a file (``Path``) or one text in pieces (a dataset's rows,
+    joined); ``rows()``: a dataset's rows one by one, else None. A dataset's source reads its
+    rows afresh each time; an iterable that can be read only once (a generator) is ``once``: a
+    second read is one line. ``description``: where they came from, in words
     (``Sequences.source``, every result's ``attrs["data"]``). ``record``: for a dataset, its
     ``name``, ``split``, ``column`` and ``revision`` (``Sequences.dataset``), else ``None``.
     """
@@ -143,11 +148,12 @@ class TextSource:
     description: str
     record: dict[str, str | None] | None = None
     once: bool = False
+    rows: Callable[[], Iterator[str]] | None = None
 
     def __post_init__(self) -> None:
         self._used = False
 
-    def take(self) -> Iterator[str | Path | Iterator[str]]:
+    def read(self) -> Iterator[str | Path | Iterator[str]]:
         """The parts: a fresh read, or for a ``once`` source its only one (a second read is one
         line: the first consumed them)."""
         if self.once and self._used:
@@ -157,6 +163,22 @@ class TextSource:
             )
         self._used = True
         return self.parts()
+
+    def __iter__(self) -> Iterator[str]:
+        """The texts, read as they are consumed: a dataset's rows, a file's whole text."""
+        if self.rows is not None:  # a dataset: read afresh each time
+            yield from self.rows()
+            return
+        for part in self.read():
+            if isinstance(part, Path):
+                yield read_text(part, "text file")
+            else:
+                yield part if isinstance(part, str) else "".join(part)
+
+    def take(self, n: int) -> list[str]:
+        """The first ``n`` texts (fewer if it holds fewer), read no further."""
+        check_int(n, "n", minimum=1)
+        return list(itertools.islice(iter(self), n))
 
 
 def check_dataset_arg(text: str) -> str:
@@ -280,14 +302,14 @@ def _open_local(path: Path, split: str) -> Any:
         if isinstance(saved, datasets.DatasetDict):
             if split not in saved:
                 raise DataError(
-                    f"dataset {path.name} has no split {split}; give --split one of "
+                    f"dataset {path.name} has no split {split}; give split= one of "
                     f"{', '.join(saved)}"
                 )
             return saved[split]
         own = "train" if saved.split is None else str(saved.split)  # one split, by any name
         if split not in ("train", own):
             raise DataError(
-                f"dataset {path.name} is one split ({own}), not {split}; leave out --split"
+                f"dataset {path.name} is one split ({own}), not {split}; leave out split="
             )
         return saved
     files = _split_files(path, split)
@@ -324,7 +346,9 @@ def _split_files(path: Path, split: str) -> list[Path]:
     if not path.is_dir():
         if _suffix(path.name) is None:
             text = path.name.endswith((".txt", ".txt.gz"))
-            hint = "; text files go to --texts (texts= in Python)" if text else ""
+            hint = (
+                "; text files are texts: pass their paths, not load_dataset_texts" if text else ""
+            )
             raise DataError(
                 f"dataset file {path.name} is not one of {', '.join(DATA_FILE_BUILDERS)} (or a "
                 f"folder of them){hint}"
@@ -332,7 +356,7 @@ def _split_files(path: Path, split: str) -> list[Path]:
         if split != "train":
             raise DataError(
                 f"dataset file {path.name} is one split (train), not {split}; give the folder "
-                "holding one file per split, or leave out --split"
+                "holding one file per split, or leave out split="
             )
         return [path]
     entries = [p for p in path.rglob("*") if not p.is_dir()]
@@ -345,7 +369,7 @@ def _split_files(path: Path, split: str) -> list[Path]:
         raise DataError(
             f"dataset folder {path.name} holds no {', '.join(DATA_FILE_BUILDERS)} file and no "
             "save_to_disk dataset"
-            + ("; text files go to --texts (texts= in Python)" if texts else "")
+            + ("; text files are texts: pass their paths, not load_dataset_texts" if texts else "")
         )
     from datasets.data_files import DataFilesDict, get_data_patterns
 
@@ -356,7 +380,7 @@ def _split_files(path: Path, split: str) -> list[Path]:
     found = {k: v for k, v in found.items() if v}
     if split not in found:
         raise DataError(
-            f"dataset {path.name} has no split {split}; give --split one of "
+            f"dataset {path.name} has no split {split}; give split= one of "
             f"{', '.join(found) or 'none'}"
         )
     return found[split]
@@ -510,7 +534,7 @@ def _open_cached(name: str, split: str, cache_dir: str | os.PathLike | None) -> 
         available = list(builder.info.splits or {})
         if split not in available:
             raise DataError(
-                f"dataset {name} has no split {split}; give --split one of {', '.join(available)}"
+                f"dataset {name} has no split {split}; give split= one of {', '.join(available)}"
             )
         return builder.as_dataset(split=split), str(builder.hash)
 
@@ -528,7 +552,7 @@ def _read_errors(name: str) -> Iterator[None]:
         detail = _ABSOLUTE.sub(lambda m: Path(m.group()).name, lines[0]) if lines else ""
         detail = detail or type(error).__name__
         if "split" in detail.lower() and "available" in detail.lower():
-            raise DataError(f"dataset {name}: {detail}; give --split one of those") from None
+            raise DataError(f"dataset {name}: {detail}; give split= one of those") from None
         raise DataError(
             f"cannot read dataset {name} ({detail[:300]}); check that its files are JSON Lines, "
             "JSON, Parquet, CSV or Arrow as their names say"
@@ -587,7 +611,7 @@ def _choose_column(dataset: Any, column: str | None, name: str) -> str:
         if column not in kinds:
             raise DataError(
                 f"dataset {name} has no column {column!r}; its columns: {listed} "
-                "(--column chooses one)"
+                "(column= chooses one)"
             )
         if column not in strings:
             raise DataError(
@@ -600,14 +624,12 @@ def _choose_column(dataset: Any, column: str | None, name: str) -> str:
     if "text" in kinds and len(strings) != 1:
         raise DataError(
             f"column 'text' of dataset {name} is {kinds['text']}, not text; choose a text "
-            f"column with --column (column= in Python): {', '.join(strings) or 'it has none'}"
+            f"column with column=: {', '.join(strings) or 'it has none'}"
         )
     if len(strings) == 1:
         return strings[0]
     what = "several text columns" if strings else "no text column"
-    raise DataError(
-        f"dataset {name} has {what} ({listed}); choose one with --column (column= in Python)"
-    )
+    raise DataError(f"dataset {name} has {what} ({listed}); choose one with column=")
 
 
 def dataset_texts(
@@ -646,7 +668,23 @@ def dataset_texts(
     description = (
         f"dataset {name}, split {split or 'unnamed'}, column {column}, revision {revision}"
     )
-    return TextSource(lambda: iter([_rows(dataset, column, name)]), description, record)
+    return TextSource(
+        lambda: iter([_rows(dataset, column, name)]),
+        description,
+        record,
+        rows=lambda: _row_texts(dataset, column, name),
+    )
+
+
+def _row_texts(dataset: Any, column: str, name: str) -> Iterator[str]:
+    """The non-empty values of ``column`` one by one, each batch read with ``datasets`` quiet."""
+    batches = _batches(dataset, column, name)
+    while True:
+        with _read_errors(name), _quiet():
+            values = next(batches, None)
+        if values is None:
+            return
+        yield from values
 
 
 def _rows(dataset: Any, column: str, name: str) -> Iterator[str]:
@@ -670,7 +708,7 @@ def _rows(dataset: Any, column: str, name: str) -> Iterator[str]:
         if total > MAX_TEXT_BYTES:
             raise DataError(
                 f"dataset {name} holds more than {MAX_TEXT_BYTES >> 30} GiB of text; sample "
-                "it with --n-seqs (n_seqs= in Python), or give a part of it "
+                "it with n_seqs=, or give a part of it "
                 "(dataset.take(n) or .select(range(n)))"
             )
         if chunk:
@@ -684,7 +722,7 @@ def _batches(dataset: Any, column: str, name: str) -> Iterator[list[str]]:
     if known is not None and column not in known:
         raise DataError(
             f"dataset {name} has no column {column!r}; its columns: {', '.join(known)} "
-            "(--column chooses one)"
+            "(column= chooses one)"
         )
     rows = dataset if known is None else dataset.select_columns([column])
     seen: set[str] = set()
@@ -694,14 +732,14 @@ def _batches(dataset: Any, column: str, name: str) -> Iterator[list[str]]:
         if column not in seen:  # a streamed file's columns are known once its rows are
             raise DataError(
                 f"dataset {name} has no column {column!r}; its columns: "
-                f"{', '.join(sorted(seen))} (--column chooses one)"
+                f"{', '.join(sorted(seen))} (column= chooses one)"
             )
         values = batch[column]
         bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
         if bad is not None:
             raise DataError(
                 f"column {column!r} of dataset {name} holds {type(bad).__name__} values, not "
-                "text; choose a text column with --column (column= in Python)"
+                "text; choose a text column with column="
             )
         texts = [v for v in values if v]
         n_rows, n_texts = n_rows + len(values), n_texts + len(texts)

@@ -241,7 +241,7 @@ def texts_of(data: Data) -> list[str]:
         return [bundled_text("shakespeare", "heldout"), bundled_text("python-docs", "heldout")]
     source = text_source(data)
     if source is not None:
-        texts = ["".join(_chunks_of(part)) for part in source.take()]
+        texts = ["".join(_chunks_of(part)) for part in source.read()]
         if not any(t.strip() for t in texts):
             raise DataError("the texts are empty; give text with content in it")
         return texts
@@ -262,7 +262,7 @@ def _sources(data: Data) -> Iterable[str | Path | Iterator[str]]:
     if data is None:
         return texts_of(data)
     if isinstance(data, TextSource):
-        return data.take()
+        return data.read()
     items = [data] if isinstance(data, (str, os.PathLike)) else _items(data)
     if not items:
         raise DataError("no texts given; pass at least one text or file")

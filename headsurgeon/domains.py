@@ -44,7 +44,7 @@ import pandas as pd
 
 from headsurgeon.backend import Model
 from headsurgeon.census import run_census
-from headsurgeon.classify import Thresholds, classify_heads, require_columns
+from headsurgeon.classify import Thresholds, classify_heads, require_columns, with_thresholds
 from headsurgeon.data import Data, Sequences, as_sequences, check_data
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.importance import DORMANT_SE, METHODS, head_importance, is_dormant, with_importance
@@ -106,6 +106,9 @@ def classify_sequences(
     seqs: Sequences,
     *,
     thresholds: Thresholds | None = None,
+    sink_threshold: float | None = None,
+    dead_threshold: float | None = None,
+    min_output_share: float | None = None,
     importance: str | None = None,
     batch_size: int = 8,
     min_query_pos: int = 1,
@@ -118,10 +121,14 @@ def classify_sequences(
 
     Returns :func:`headsurgeon.classify_heads`' table, with :func:`headsurgeon.head_importance`'s
     columns merged in when ``importance`` is given (:func:`headsurgeon.importance.with_importance`).
-    ``thresholds``: the labels' (default ``Thresholds()``); ``sink_eps``: the census's
+    ``thresholds``: the labels' (default ``Thresholds()``; ``sink_threshold``,
+    ``dead_threshold``, ``min_output_share`` replace its fields:
+    :func:`headsurgeon.classify.with_thresholds`); ``sink_eps``: the census's
     (:func:`headsurgeon.run_census`).
     """
     seqs = check_data(model_info(model, "classify_sequences"), seqs)
+    # A bad threshold: one line before the census.
+    thresholds = with_thresholds(thresholds, sink_threshold, dead_threshold, min_output_share)
     if not isinstance(seqs, Sequences):
         raise DataError(
             f"classify_sequences takes Sequences, got {type(seqs).__name__}; make them with "
@@ -136,7 +143,7 @@ def classify_sequences(
         sink_eps=sink_eps,
         progress=progress,
     )
-    classified = classify_heads(census, thresholds or Thresholds())
+    classified = classify_heads(census, thresholds)
     if importance:
         measured = head_importance(
             model,
@@ -156,6 +163,9 @@ def compare_corpora(
     corpora: Mapping[str, Data],
     *,
     thresholds: Thresholds | None = None,
+    sink_threshold: float | None = None,
+    dead_threshold: float | None = None,
+    min_output_share: float | None = None,
     importance: str | None = None,
     batch_size: int = 8,
     seq_len: int = 128,
@@ -169,7 +179,8 @@ def compare_corpora(
 
     ``corpora`` maps a name to data as :func:`headsurgeon.run_census` takes it (texts, text files
     as ``pathlib.Path``, a token tensor); each is cut into ``n_seqs`` sequences of ``seq_len``
-    tokens and measured by :func:`classify_sequences` (census, labels, and importance by the
+    tokens and measured by :func:`classify_sequences` (census, labels by ``thresholds`` and its
+    keywords as there, and importance by the
     method ``importance`` when given), so its rows equal a separate single-corpus run. The table
     is :func:`stack_corpora`'s: a ``corpus`` column first, then the classified columns;
     :func:`corpus_changes` says which heads change between corpora, and
@@ -199,7 +210,9 @@ def compare_corpora(
         tables[name] = classify_sequences(
             model,
             seqs,
-            thresholds=thresholds,
+            thresholds=with_thresholds(
+                thresholds, sink_threshold, dead_threshold, min_output_share
+            ),
             importance=importance,
             batch_size=batch_size,
             min_query_pos=min_query_pos,

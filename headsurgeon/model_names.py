@@ -26,6 +26,14 @@ Exports:
     organism_names()           short names of the model organisms bundled with the package
     ORGANISM_DIR, DEFAULT_MODEL    their folder; the tools' default model
     unknown_message(name, candidates)   the unknown-model line with the closest names
+    hub_cache_folder(official)  the Hugging Face cache's snapshot folder of a hub model (holding
+                               its config.json), or None: the hub client's own cache lookup
+    check_hub_model(official, cached)   a hub model not cached that cannot be downloaded
+                               (HF_HUB_OFFLINE=1, the hub unreachable): ModelNotFoundError now,
+                               naming how to get it
+    not_cached_message(official, why)   that line; download_command(official), the ``hf
+                               download`` command in it
+    hub_reachable(timeout)     one bounded request to the hub: whether it answers
 
 >>> locate_model("organism")[1].name
 'organism'
@@ -40,6 +48,7 @@ import functools
 import importlib.metadata
 import json
 import os
+import threading
 from pathlib import Path
 
 from headsurgeon.errors import ModelNotFoundError, UnknownModelError
@@ -48,9 +57,14 @@ __all__ = [
     "DEFAULT_MODEL",
     "ORGANISM_DIR",
     "SNAPSHOT_DIR",
+    "check_hub_model",
+    "download_command",
+    "hub_cache_folder",
     "hub_names",
+    "hub_reachable",
     "installed_transformer_lens",
     "locate_model",
+    "not_cached_message",
     "organism_names",
     "snapshot_file",
     "snapshot_names",
@@ -136,3 +150,81 @@ def locate_model(model: str | os.PathLike) -> tuple[str, Path | None, str | None
     if looks_like_path or name.startswith((".", "~")):
         raise ModelNotFoundError(f"model folder {name} does not exist; check the path")
     raise UnknownModelError(unknown_message(name, list(hub_names()) + organism_names()))
+
+
+def download_command(official: str) -> str:
+    """The command that puts the files :func:`headsurgeon.loading.resolve_model` reads of a hub
+    model into the Hugging Face cache: huggingface_hub's ``hf`` (``huggingface-cli`` is gone).
+
+    >>> download_command("bigscience/bloom-560m")  # doctest: +NORMALIZE_WHITESPACE
+    'hf download bigscience/bloom-560m --include "*.json" --include "*.safetensors"
+     --include merges.txt'
+    """
+    patterns = ('"*.json"', '"*.safetensors"', "merges.txt")
+    return " ".join(["hf download", official, *(f"--include {p}" for p in patterns)])
+
+
+def hub_cache_folder(official: str) -> Path | None:
+    """The snapshot folder of hub model ``official`` (``bigscience/bloom-560m``) in the Hugging
+    Face cache when it holds the model's config.json, else None. The hub client's own lookup
+    (``try_to_load_from_cache``: the cache's ``refs/main`` and ``snapshots/``), no network, no
+    torch."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(official, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def not_cached_message(official: str, why: str) -> str:
+    """The one line for hub model ``official`` missing from the cache, ``why`` it cannot be
+    downloaded now (``HF_HUB_OFFLINE=1``), and the ways to get it."""
+    from huggingface_hub import constants
+
+    return (
+        f"{official} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {why}; run "
+        "once online to download it, or download it on a connected machine "
+        f"({download_command(official)}) and copy the cache here, or pass a local checkpoint "
+        "folder"
+    )
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """One request to the hub, no retries, answered within ``timeout`` seconds.
+
+    Uses the hub client's own session (its proxies and certificates). The request runs in a daemon
+    thread because socket timeouts do not cover a name server that never answers.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    done = threading.Event()
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            get_session().head(constants.ENDPOINT, timeout=timeout)
+            answered.append(True)  # any status code: the server is there
+        except Exception:  # any failure to get an HTTP answer means "unreachable"
+            pass
+        done.set()
+
+    threading.Thread(target=probe, daemon=True).start()
+    done.wait(timeout)
+    return bool(answered)
+
+
+def check_hub_model(official: str, cached: bool | None = None) -> None:
+    """Hub model ``official`` is in the Hugging Face cache, or can be downloaded: otherwise a
+    :class:`~headsurgeon.errors.ModelNotFoundError` line now (with ``HF_HUB_OFFLINE=1`` at once;
+    else after one request of at most 2 s), before seconds of imports find it missing.
+    ``cached``: whether the cache holds it (default: :func:`hub_cache_folder` says)."""
+    from huggingface_hub import constants
+
+    if cached if cached is not None else hub_cache_folder(official) is not None:
+        return
+    if constants.is_offline_mode():
+        raise ModelNotFoundError(not_cached_message(official, "HF_HUB_OFFLINE=1"))
+    if not hub_reachable():
+        raise ModelNotFoundError(
+            not_cached_message(official, f"{constants.ENDPOINT} cannot be reached")
+        )

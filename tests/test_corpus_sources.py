@@ -133,7 +133,7 @@ def test_the_text_column_is_text_or_the_only_string_column_else_chosen(tiny_mode
         (lambda d: load_dataset_texts(d / "train.jsonl", split="test"), "one split (train)"),
         (lambda d: load_dataset_texts(d / "missing"), "does not exist"),
         (lambda d: load_dataset_texts(d / "notes"), "holds no .jsonl, .json, .parquet, .csv"),
-        (lambda d: load_dataset_texts(d / "notes"), "text files go to --texts"),
+        (lambda d: load_dataset_texts(d / "notes"), "text files are texts: pass their paths"),
         (lambda d: load_dataset_texts(d / "notes" / "a.txt"), "is not one of .jsonl"),
         (lambda d: load_dataset_texts("someone/not-cached", cache_dir=d), "datasets.load_dataset("),
     ],
@@ -145,6 +145,31 @@ def test_bad_datasets_are_one_line(jsonl_dir, make, needle):
         make(jsonl_dir)
     message = str(info.value)
     assert needle in message and len(message.splitlines()) == 1, message
+    assert "--" not in message, message  # Python's keywords (split=), not the tools' options
+
+
+def test_a_text_source_iterates_its_texts_and_takes_the_first_n(jsonl_dir):
+    texts = load_dataset_texts(jsonl_dir)
+    assert texts.take(3) == ROWS[:3]  # a dataset's texts are its rows
+    assert next(iter(texts)) == ROWS[0]
+    assert list(texts) == ROWS and texts.take(1000) == ROWS  # read afresh each time
+    with pytest.raises(InvalidArgumentError, match="n must be"):
+        texts.take(0)
+    lazy = text_source(iter(["one text", "another"]))
+    assert list(lazy) == ["one text", "another"]
+    with pytest.raises(DataError, match="read already"):
+        lazy.take(1)  # a generator is read once
+
+
+def test_a_missing_split_names_the_keyword_in_python_and_the_option_in_the_tools(jsonl_dir):
+    from headsurgeon.cli.session import in_option_terms
+
+    with pytest.raises(DataError) as python:
+        load_dataset_texts(jsonl_dir, split="validation")
+    assert "give split= one of train, test" in str(python.value)
+    with pytest.raises(DataError) as tool, in_option_terms({"split=": "--split"}):
+        load_dataset_texts(jsonl_dir, split="validation")
+    assert "give --split one of train, test" in str(tool.value)
 
 
 def test_non_text_values_and_empty_datasets_are_one_line_when_read(tiny_model):
@@ -232,7 +257,7 @@ def test_a_lazy_source_read_whole_is_bounded(tiny_model, monkeypatch, jsonl_dir)
     from headsurgeon import corpus_sources
 
     monkeypatch.setattr(corpus_sources, "MAX_TEXT_BYTES", 500)
-    with pytest.raises(DataError, match="my-corpus holds more than .* sample it with --n-seqs"):
+    with pytest.raises(DataError, match="my-corpus holds more than .* sample it with n_seqs="):
         hs.to_sequences(tiny_model, load_dataset_texts(jsonl_dir), seq_len=16)
     with pytest.raises(DataError, match="the texts hold more than .* sample them with n_seqs="):
         hs.to_sequences(tiny_model, itertools.repeat(TEXT), seq_len=16)

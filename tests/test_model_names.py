@@ -13,6 +13,8 @@ from headsurgeon import backend, model_names
 from headsurgeon.errors import ModelNotFoundError, UnknownModelError
 from headsurgeon.model_names import (
     ORGANISM_DIR,
+    check_hub_model,
+    hub_cache_folder,
     hub_names,
     installed_transformer_lens,
     locate_model,
@@ -79,3 +81,28 @@ def test_an_unknown_name_is_answered_without_transformer_lens():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["UnknownModelError", "[]"]
+
+
+@pytest.fixture()
+def hub_cache(monkeypatch, tmp_path):
+    """An empty Hugging Face cache, offline (the hub constants are read at import: patched)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+def test_the_cache_lookup_finds_a_cached_hub_model_and_refuses_a_missing_one(hub_cache):
+    with pytest.raises(ModelNotFoundError, match="bigscience/bloom-560m is not in the Hugging"):
+        check_hub_model("bigscience/bloom-560m")
+    assert hub_cache_folder("bigscience/bloom-560m") is None
+    # The cache's layout: refs/main names the commit whose snapshot folder holds the files.
+    repo, commit = hub_cache / "models--bigscience--bloom-560m", "0" * 40
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    assert hub_cache_folder("bigscience/bloom-560m") == repo / "snapshots" / commit
+    check_hub_model("bigscience/bloom-560m")  # cached: no refusal, offline or not
+    assert hub_cache_folder("bigscience/bloom-1b7") is None

@@ -3,6 +3,9 @@
 Exports:
     LABELS                                   ("healthy", "BOS-sink", "dead"), from headsurgeon.heads
     Thresholds                               the classification thresholds (validated dataclass)
+    with_thresholds(t, sink_threshold=, dead_threshold=, min_output_share=)
+                                             Thresholds with fields given by the CLI's names,
+                                             keywords every verb that takes thresholds takes
     label_heads(bos_mass, output_share, t)   the label rule on arrays
     classify_heads(census, thresholds)       census + ``label`` and ``reason`` columns
     threshold_sweep(census, thresholds)      label counts as each threshold moves
@@ -40,11 +43,13 @@ if TYPE_CHECKING:
         sick_shares,
         threshold_sweep,
         thresholds_of,
+        with_thresholds,
     )
 
 __all__ = [
     "LABELS",
     "Thresholds",
+    "with_thresholds",
     "label_heads",
     "require_columns",
     "classify_heads",

@@ -2,8 +2,8 @@
 with the reason; and how the counts move), which serves these names lazily; its docstring is the
 manual, with the labelling rule.
 
-Exports (each described there): LABELS, Thresholds, label_heads, require_columns, classify_heads,
-threshold_sweep, thresholds_of, sick_shares.
+Exports (each described there): LABELS, Thresholds, with_thresholds, label_heads,
+require_columns, classify_heads, threshold_sweep, thresholds_of, sick_shares.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from headsurgeon.validation import check_int, check_number
 __all__ = [
     "LABELS",
     "Thresholds",
+    "with_thresholds",
     "label_heads",
     "require_columns",
     "classify_heads",
@@ -70,6 +71,29 @@ class Thresholds:
             raise InvalidArgumentError("min_output_share must be below 1 (a share of the layer)")
 
 
+def with_thresholds(
+    thresholds: Thresholds | None = None,
+    sink_threshold: float | None = None,
+    dead_threshold: float | None = None,
+    min_output_share: float | None = None,
+) -> Thresholds:
+    """``thresholds`` (default ``Thresholds()``) with the fields given by the names the command
+    line uses: ``sink_threshold`` (``sink``), ``dead_threshold`` (``dead``) and
+    ``min_output_share``; every verb that takes ``thresholds`` takes these keywords too.
+
+    >>> with_thresholds(sink_threshold=0.4)
+    Thresholds(sink=0.4, dead=0.95, min_output_share=0.01)
+    """
+    base = Thresholds() if thresholds is None else thresholds
+    if not isinstance(base, Thresholds):
+        raise InvalidArgumentError(
+            f"thresholds must be a headsurgeon.Thresholds such as Thresholds(sink=0.4), got "
+            f"{type(base).__name__}; or give sink_threshold=, dead_threshold=, min_output_share="
+        )
+    given = {"sink": sink_threshold, "dead": dead_threshold, "min_output_share": min_output_share}
+    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
 def label_heads(
     bos_mass: np.ndarray, output_share: np.ndarray, thresholds: Thresholds = Thresholds()
 ) -> np.ndarray:
@@ -115,10 +139,19 @@ def require_columns(census: pd.DataFrame, columns: Sequence[str]) -> None:
         )
 
 
-def classify_heads(census: pd.DataFrame, thresholds: Thresholds = Thresholds()) -> pd.DataFrame:
+def classify_heads(
+    census: pd.DataFrame,
+    thresholds: Thresholds = Thresholds(),
+    *,
+    sink_threshold: float | None = None,
+    dead_threshold: float | None = None,
+    min_output_share: float | None = None,
+) -> pd.DataFrame:
     """A copy of ``census`` with ``label`` (one of :data:`LABELS`) and ``reason`` columns.
 
-    The thresholds are recorded in ``attrs["thresholds"]``.
+    ``thresholds``: :class:`Thresholds`; ``sink_threshold``, ``dead_threshold`` and
+    ``min_output_share`` (the command line's names) replace its fields
+    (:func:`with_thresholds`). The thresholds are recorded in ``attrs["thresholds"]``.
 
     >>> census = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "bos_mass": [0.1, 0.7],
     ...                        "output_share": [0.4, 0.3]})
@@ -128,8 +161,7 @@ def classify_heads(census: pd.DataFrame, thresholds: Thresholds = Thresholds()) 
     1  BOS-sink   BOS mass 0.700 > 0.5
     """
     require_columns(census, ["layer", "head", "bos_mass", "output_share"])
-    if not isinstance(thresholds, Thresholds):
-        raise InvalidArgumentError("thresholds must be a headsurgeon.Thresholds")
+    thresholds = with_thresholds(thresholds, sink_threshold, dead_threshold, min_output_share)
     for column in ("bos_mass", "output_share"):
         if not pd.api.types.is_numeric_dtype(census[column]):
             raise InvalidArgumentError(
@@ -159,8 +191,17 @@ def _grid(default: float, values: np.ndarray) -> np.ndarray:
     return np.unique(np.round(np.append(values, default), 6))
 
 
-def threshold_sweep(census: pd.DataFrame, thresholds: Thresholds = Thresholds()) -> pd.DataFrame:
-    """Label counts as each threshold moves while the other two stay at ``thresholds``.
+def threshold_sweep(
+    census: pd.DataFrame,
+    thresholds: Thresholds = Thresholds(),
+    *,
+    sink_threshold: float | None = None,
+    dead_threshold: float | None = None,
+    min_output_share: float | None = None,
+) -> pd.DataFrame:
+    """Label counts as each threshold moves while the other two stay at ``thresholds`` (its
+    fields replaced by ``sink_threshold``, ``dead_threshold``, ``min_output_share`` when given:
+    :func:`with_thresholds`).
 
     One row per (``threshold``, ``value``): ``threshold`` is ``sink``, ``dead`` or
     ``min_output_share``; then the count of each label and ``sick`` (BOS-sink + dead). ``sink``
@@ -176,6 +217,7 @@ def threshold_sweep(census: pd.DataFrame, thresholds: Thresholds = Thresholds())
     50      sink   0.50        2         0     1     1
     """
     require_columns(census, ["bos_mass", "output_share"])
+    thresholds = with_thresholds(thresholds, sink_threshold, dead_threshold, min_output_share)
     bos, share = census["bos_mass"].to_numpy(), census["output_share"].to_numpy()
     steps = np.linspace(0, 1, 101)
     grids = {

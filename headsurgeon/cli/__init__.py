@@ -22,7 +22,8 @@ plotly is imported. Then it imports its work module (``cli/classify_run.py``...:
 write) and :mod:`headsurgeon.cli.loads` (the model and the data), which import them.
 
 Exports:
-    ArgumentParser            argparse with one-line usage errors (exit code 2), every
+    ArgumentParser            argparse with one-line usage errors (exit code 2), --version (as
+                              python -m headsurgeon --version), every
                               option's default in --help (help_with_default, shown_default),
                               an option that needs another (needs) and a value given twice in a
                               list option refused
@@ -60,8 +61,9 @@ Exports:
                               organism's), --texts, --corpus, --eval-corpus
     figure_formats(args)      the figure formats to write; --format svg/pdf without a browser
                               is a one-line error here, before any model is loaded
-    check_models(args, also)  each MODEL located (headsurgeon.model_names.locate_model, or one
-                              of ``also``): a missing folder or an unknown name is one line now
+    check_models(args, also, files)   each MODEL located (headsurgeon.model_names.locate_model,
+                              or one of ``also``): a missing folder, an unknown name or (files)
+                              a hub model neither cached nor downloadable is one line now
     data_source(args)         the texts --texts or --dataset name (None: the bundled ones)
     run(main)                 call main(argv); turn HeadsurgeonError into one line and exit code 2,
                               Ctrl-C into "interrupted" (130), SIGTERM into "terminated" (143),
@@ -146,8 +148,14 @@ from headsurgeon.cli.options import DTYPE_NAMES, THRESHOLDS
 from headsurgeon.cli.session import record_threads
 from headsurgeon.errors import DataError, FigureExportError, HeadsurgeonError, shown
 from headsurgeon.inputs import check_texts
-from headsurgeon.model_names import DEFAULT_MODEL, ORGANISM_DIR, locate_model, organism_names
-from headsurgeon.outputs import check_output_dir, claim_output
+from headsurgeon.model_names import (
+    DEFAULT_MODEL,
+    ORGANISM_DIR,
+    check_hub_model,
+    locate_model,
+    organism_names,
+)
+from headsurgeon.outputs import check_output_dir, claim_output, headsurgeon_version
 from headsurgeon.validation import MAX_SEED
 
 if TYPE_CHECKING:
@@ -228,8 +236,9 @@ def add_model_args(
     parser.add_argument(
         "--threads",
         type=thread_count,
-        help="CPU threads for torch (default: one per core). Use 1 when other jobs keep cores "
-        "busy: threads that wait on a busy core made a repair step ~5x slower here",
+        help="CPU threads for torch (default: one per usable core, less the cores other jobs "
+        "keep busy, at least 1; one log line says when the load lowers it): threads that wait "
+        "on a busy core made a repair step ~5x slower here",
     )
 
 
@@ -267,7 +276,8 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line, like every other error of the tools, and whose
-    ``--help`` shows every option's default.
+    ``--help`` shows every option's default; ``--version`` prints what ``python -m headsurgeon
+    --version`` prints.
 
     Options must be written in full: a prefix (``--dtype`` for ``--dtypes``) is not guessed.
     """
@@ -276,6 +286,12 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, allow_abbrev=False, **kwargs)
         self._needs: list[tuple[str, str]] = []
+        self.add_argument(
+            "--version",
+            action="version",
+            version=f"headsurgeon {headsurgeon_version()}",
+            help="show headsurgeon's version and exit",
+        )
 
     def needs(self, option: str, needed: str) -> None:
         """Refuse ``option`` given without ``needed`` (``--split`` without ``--dataset``): both
@@ -602,15 +618,22 @@ def figure_formats(args: argparse.Namespace) -> list[str] | None:
     return list(dict.fromkeys([*png, *args.format]))
 
 
-def check_models(args: argparse.Namespace, also: Collection[str] = ()) -> None:
+def check_models(
+    args: argparse.Namespace, also: Collection[str] = (), *, files: bool = True
+) -> None:
     """Each MODEL (one or several) located before any heavy import
-    (:func:`headsurgeon.model_names.locate_model`): a folder that does not exist or a name that
-    is neither an organism nor a TransformerLens name is one line now, not after seconds of
-    imports. ``also``: more names (lower case) the tool takes without a folder."""
+    (:func:`headsurgeon.model_names.locate_model`): a folder that does not exist, a name that
+    is neither an organism nor a TransformerLens name, or a hub model that is not in the cache
+    and cannot be downloaded (:func:`headsurgeon.model_names.check_hub_model`) is one line now,
+    not after seconds of imports. ``also``: more names (lower case) the tool takes without a
+    folder, unless ``files`` (the run reads the model's files)."""
     models = getattr(args, "model", None) or []
     for model in map(str, models if isinstance(models, list) else [models]):
-        if model.lower() not in also:
-            locate_model(model)
+        if model.lower() in also and not files:
+            continue
+        official = locate_model(model)[2]
+        if official is not None and files:
+            check_hub_model(official)
 
 
 def run_inputs(args: argparse.Namespace) -> list[Path]:

@@ -242,7 +242,8 @@ def _main(args: argparse.Namespace) -> int:
             f"--counterfactual precision measures the family's ALiBi or its relative form; "
             f"drop --mitigation {args.mitigation} or use --mitigation relative"
         )
-    cli.check_models(args, also=SHAPE_NAMES)  # a BLOOM name is analysed without its files
+    # A BLOOM name is analysed without its files; --measure and --sink-cache read them.
+    cli.check_models(args, also=SHAPE_NAMES, files=args.measure or args.sink_cache)
     cli.check_out(args)
     # Only now the heavy imports (torch, TransformerLens, pandas, plotly: seconds).
     from headsurgeon.cli import blindness_run, loads

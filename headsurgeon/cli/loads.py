@@ -2,7 +2,8 @@
 and TransformerLens, so the tools import it after parsing; see :mod:`headsurgeon.cli`).
 
 Exports:
-    use_threads(args)         torch's intra-op thread count from --threads (when given)
+    use_threads(args)         torch's intra-op thread count: --threads, else no more than the
+                              cores other jobs leave free (one log line when that lowers it)
     load_model_from_args(a)   the model MODEL, --dtype and the device options describe, with a
                               tokenizer for the tool's text (require_tokenizer)
     require_tokenizer(m, a)   one line, not "pass token tensors", for a model without tokenizer
@@ -16,6 +17,7 @@ import logging
 
 import torch
 
+from headsurgeon.allocator import too_many_threads
 from headsurgeon.backend import Model
 from headsurgeon.cli import data_source, placement_args
 from headsurgeon.data import Sequences, to_sequences
@@ -33,10 +35,25 @@ logger = logging.getLogger(__name__)
 
 
 def use_threads(args: argparse.Namespace) -> None:
-    """Set torch's intra-op thread count to ``--threads``, before any work; without it, torch's
-    own default (one per core) stays."""
+    """Set torch's intra-op thread count, before any work: ``--threads``; without it, torch's
+    own default (one per core) lowered to the cores other jobs leave free
+    (:func:`headsurgeon.allocator.too_many_threads`), with one log line naming --threads: a
+    thread that waits on a busy core slows every step (a repair step ~5x on a loaded machine)."""
     if getattr(args, "threads", None) is not None:
         torch.set_num_threads(args.threads)
+        return
+    threads = torch.get_num_threads()
+    crowded = too_many_threads(threads)
+    if crowded is not None:
+        free, why = crowded
+        torch.set_num_threads(free)
+        logger.info(
+            "%s: torch uses %d thread%s, not %d (--threads N sets the count)",
+            why,
+            free,
+            "" if free == 1 else "s",
+            threads,
+        )
 
 
 def load_model_from_args(args: argparse.Namespace) -> Model:

@@ -116,7 +116,9 @@ def _texts(paths: Sequence[Path] | None) -> list[Path] | None:
 
 # --dataset is the repair's training text, whose text files go to --corpus (--texts is the
 # census's).
-_DATASET_TERMS = {"--texts (texts= in Python)": "--corpus"}
+_DATASET_TERMS = {
+    "text files are texts: pass their paths, not load_dataset_texts": "text files go to --corpus"
+}
 
 
 def _training_texts(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -107,13 +107,19 @@ def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     return names
 
 
-# How the library names options that are not parameters of the same name (Thresholds' fields).
+# How the library names options that are not parameters of the same name (Thresholds' fields,
+# keywords written with their "=").
 _PHRASES = {
     "threshold sink": "--sink-threshold",
     "threshold dead": "--dead-threshold",
     "threshold min_output_share": "--min-output-share",
     "the sink threshold": "--sink-threshold",
     "the dead threshold": "--dead-threshold",
+    # load_dataset_texts' keywords, as its one-line refusals name them.
+    "split=": "--split",
+    "column=": "--column",
+    "n_seqs=": "--n-seqs",
+    "text files are texts: pass their paths, not load_dataset_texts": "text files go to --texts",
 }
 
 

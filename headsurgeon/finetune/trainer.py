@@ -8,6 +8,10 @@ Exports:
     check_grad_mode(model, what)        one line where training cannot work: inside
                                         torch.inference_mode(), or on weights made there
     duration(seconds)                   "40 s", "3.4 min", "1.2 h"
+    duration_range(bar), timed_steps(bar)   a RunBar's time left as a range, and what it
+                                        comes from
+    warn_busy_threads()                 one warning when torch's threads exceed the cores other
+                                        jobs leave free (once per process and count)
 
 :func:`finetune` checks its inputs once (its sequences by
 :func:`headsurgeon.data.as_sequences`, the rest in :class:`_Job`), then runs the loop
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from headsurgeon.allocator import too_many_threads
 from headsurgeon.backend import (
     Model,
 )
@@ -77,7 +82,7 @@ from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.probes import check_training_memory
-from headsurgeon.progress import RunBar
+from headsurgeon.progress import RunBar, show_progress_lines
 from headsurgeon.surgery import (
     TRAINED_TENSORS,
     check_surgery,
@@ -90,7 +95,10 @@ __all__ = [
     "TrainingDivergedError",
     "check_grad_mode",
     "duration",
+    "duration_range",
     "finetune",
+    "timed_steps",
+    "warn_busy_threads",
     "warmup_cosine",
 ]
 
@@ -191,6 +199,7 @@ def _evaluate(
 
 @holds_model("finetune")
 @torch.enable_grad()  # under torch.no_grad() too: training needs gradients
+@show_progress_lines()  # its estimate and steps seen where logging is not set up (a notebook)
 def finetune(
     model: Model,
     heads: Heads,
@@ -220,8 +229,12 @@ def finetune(
     ``torchrun`` (an initialised process group) the trainable tensors are wrapped in
     ``DistributedDataParallel`` and each process takes its share of every batch.
 
-    After the first step one log line says how long the rest takes (the steps and evaluations
-    left, at the first step's and evaluation's durations). ``progress=False`` shows no bar; a
+    Its log lines (the estimate, each evaluation) show on stderr where ``logging`` is not set up
+    at all (:func:`headsurgeon.progress.show_progress_lines`). On the CPU, one warning says so
+    when torch's threads exceed the cores other jobs leave free
+    (:func:`warn_busy_threads`; ``torch.set_num_threads`` is the fix, the count is not changed
+    here). After the first steps one log line says how long the rest takes (a range, from the
+    steps' measured durations). ``progress=False`` shows no bar; a
     :class:`~headsurgeon.progress.RunBar` (a longer run's, counting steps) is advanced and timed
     instead of a bar of its own, step by step and evaluation by evaluation, and announces
     the duration itself.
@@ -241,6 +254,8 @@ def finetune(
     train = _sequences(info, train, "training")
     eval_data = None if eval_data is None else _sequences(info, eval_data, "evaluation")
     job = _make_job(model, heads, train, eval_data, config, checkpoint_dir, resume, progress)
+    if job.device.type == "cpu" and job.rank == 0:
+        warn_busy_threads()
     check_training_memory(  # a batch far too large: one line now, not the kernel's kill later
         model,
         job.cfg.batch_size,
@@ -458,14 +473,14 @@ class _Loop:
         self.saved_step = self.step  # every rank: its divergence message names the checkpoint
 
     def tell_duration(self, bar: RunBar) -> None:
-        """The run's estimated duration, from its first step and first evaluation, in one log
-        line before the rest of the steps run."""
-        seconds = bar.seconds_left()
+        """The run's estimated duration, a range from its first steps' durations (median to
+        90th percentile) and its first evaluation, in one log line before the rest run."""
         if self.job.rank == 0 and bar.left["step"]:
             logger.info(
-                "fine-tuning %d heads: about %s more, measured from the first step (%s)",
+                "fine-tuning %d heads: about %s more, from %s (%s)",
                 len(self.job.heads),
-                duration(seconds),
+                duration_range(bar),
+                timed_steps(bar),
                 bar.describe(),
             )
 
@@ -612,6 +627,42 @@ class _Loop:
             losses=list(state.losses),
             resumed_from=self.resumed_from,
         )
+
+
+_WARNED_THREADS: set[tuple[int, int]] = set()  # (threads, free cores) warned about
+
+
+def warn_busy_threads() -> None:
+    """One warning line when torch's thread count exceeds the cores other jobs leave free
+    (:func:`headsurgeon.allocator.too_many_threads`): each step then waits on busy cores, ~5x
+    slower on a loaded 2-core machine. The count is the caller's, not changed here; the line
+    names the fix. Once per process for each (threads, free cores)."""
+    threads = torch.get_num_threads()
+    crowded = too_many_threads(threads)
+    if crowded is None or (threads, crowded[0]) in _WARNED_THREADS:
+        return
+    free, why = crowded
+    _WARNED_THREADS.add((threads, free))
+    logger.warning(
+        "%s, and torch uses %d threads: each step waits on the busy cores (several times "
+        "slower); call torch.set_num_threads(%d) before training (the tools: --threads)",
+        why,
+        threads,
+        free,
+    )
+
+
+def duration_range(bar: RunBar) -> str:
+    """``bar``'s time left as a range: ``"3.1 min to 4.0 min"`` (one value when both round
+    alike)."""
+    low, high = (duration(seconds) for seconds in bar.range_left())
+    return low if low == high else f"{low} to {high}"
+
+
+def timed_steps(bar: RunBar) -> str:
+    """What ``bar``'s range comes from: ``"5 timed steps (median to 90th percentile)"``."""
+    n = len(bar.unit_seconds)
+    return f"{n} timed step{'' if n == 1 else 's'} (median to 90th percentile)"
 
 
 def duration(seconds: float) -> str:

@@ -6,10 +6,10 @@ Exports:
     ORGANISM_DIR           their folder; DEFAULT_MODEL, the tools' default model
     unknown_message(name, candidates)
                            the unknown-model line with the closest names
-    (these four from :mod:`headsurgeon.model_names`, which names models without importing
-    torch or TransformerLens)
     download_command(official)
                            the ``hf download`` command that fills the cache for a hub model
+    (these five from :mod:`headsurgeon.model_names`, which names models without importing
+    torch or TransformerLens)
 
 A hub name (any TransformerLens name or alias) is read from the Hugging Face cache, else
 downloaded after one bounded probe of the hub (``HF_HUB_OFFLINE=1`` respected); an unknown name
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 
 from headsurgeon.errors import ModelNotFoundError, first_line
@@ -31,6 +30,8 @@ from headsurgeon.loading.files import TOKENIZER_FILES, has_weights
 from headsurgeon.model_names import (
     DEFAULT_MODEL,
     ORGANISM_DIR,
+    check_hub_model,
+    download_command,
     locate_model,
     organism_names,
     unknown_message,
@@ -48,46 +49,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _hub_reachable(timeout: float = 2.0) -> bool:
-    """One request to the hub, no retries, answered within ``timeout`` seconds.
-
-    Uses the hub client's own session (its proxies and certificates). The request runs in a daemon
-    thread because socket timeouts do not cover a name server that never answers.
-    """
-    from huggingface_hub import constants
-    from huggingface_hub.utils import get_session
-
-    done = threading.Event()
-    answered: list[bool] = []
-
-    def probe() -> None:
-        try:
-            get_session().head(constants.ENDPOINT, timeout=timeout)
-            answered.append(True)  # any status code: the server is there
-        except Exception:  # any failure to get an HTTP answer means "unreachable"
-            pass
-        done.set()
-
-    threading.Thread(target=probe, daemon=True).start()
-    done.wait(timeout)
-    return bool(answered)
-
-
-def download_command(official: str) -> str:
-    """The command that puts the files :func:`resolve_model` reads of a hub model into the
-    Hugging Face cache: huggingface_hub's ``hf`` (installed with it; ``huggingface-cli`` is gone).
-
-    >>> download_command("bigscience/bloom-560m")  # doctest: +NORMALIZE_WHITESPACE
-    'hf download bigscience/bloom-560m --include "*.json" --include "*.safetensors"
-     --include merges.txt'
-    """
-    patterns = ('"*.json"', '"*.safetensors"', "merges.txt")
-    return " ".join(["hf download", official, *(f"--include {p}" for p in patterns)])
-
-
 def _hub_snapshot(official: str) -> Path:
     """The local folder of a hub model: from the cache, else downloaded (with progress bars)."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     patterns = ["config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
@@ -97,23 +61,18 @@ def _hub_snapshot(official: str) -> Path:
             return cached
     except LocalEntryNotFoundError:
         pass
-    how = (
-        f"download it on a connected machine ({download_command(official)}) and copy the "
-        "Hugging Face cache here, or pass a local checkpoint folder"
-    )
-    missing = f"{official} is not in the local Hugging Face cache"
-    if constants.is_offline_mode():
-        raise ModelNotFoundError(f"{missing} and HF_HUB_OFFLINE=1; {how}")
-    # One bounded probe rather than the hub client's own timeouts and retries.
-    if not _hub_reachable():
-        raise ModelNotFoundError(f"{missing} and {constants.ENDPOINT} cannot be reached; {how}")
+    # Offline, or one bounded probe rather than the hub client's own timeouts and retries.
+    check_hub_model(official, cached=False)
     logger.info("downloading %s", official)
     try:
         folder = Path(snapshot_download(official, allow_patterns=patterns))
         if not has_weights(folder):  # older repositories ship only pickled weights
             folder = Path(snapshot_download(official, allow_patterns=["pytorch_model*.bin*"]))
     except Exception as e:  # the hub client raises many types (HTTP, connection, disk)
-        raise ModelNotFoundError(f"downloading {official} failed ({first_line(e)}); {how}") from e
+        raise ModelNotFoundError(
+            f"downloading {official} failed ({first_line(e)}); download it on a connected "
+            f"machine ({download_command(official)}), or pass a local checkpoint folder"
+        ) from e
     return folder
 
 

@@ -24,7 +24,7 @@ import torch
 
 from headsurgeon.backend import Model
 from headsurgeon.checkpoints import checkpoint_dtype
-from headsurgeon.classify import Thresholds
+from headsurgeon.classify import Thresholds, with_thresholds
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.finetune import FinetuneConfig
@@ -115,6 +115,8 @@ class RepairConfig:
 
 
 # repair()'s setting keywords: RepairConfig's fields, its ``finetune`` as ``finetune_config``.
+# Thresholds' fields as repair() takes them too (headsurgeon.classify.with_thresholds).
+_THRESHOLD_KEYWORDS = ("sink_threshold", "dead_threshold", "min_output_share")
 _KEYWORDS = {
     ("finetune_config" if f.name == "finetune" else f.name): f.name
     for f in dataclasses.fields(RepairConfig)
@@ -127,16 +129,17 @@ def resolve_config(
     """The complete settings of a run on ``model`` (whose :class:`ModelInfo` is ``info``).
 
     ``config``, or the one ``keywords`` make (:func:`headsurgeon.repair.repair`'s setting
-    keywords: RepairConfig's fields, ``finetune`` as ``finetune_config``; an unknown one is one
-    line); not both. Then the model fills in what is left open: the fine-tuning settings
+    keywords: RepairConfig's fields, ``finetune`` as ``finetune_config``, and the thresholds'
+    fields by the command line's names, ``sink_threshold``...; an unknown one is one line); not
+    both. Then the model fills in what is left open: the fine-tuning settings
     (:func:`recommended_config`), the thresholds (:class:`Thresholds`), the save dtype (the
     checkpoint's, else the model's) and the training length (the model's, at most 512).
     """
-    unknown = sorted(set(keywords) - set(_KEYWORDS))
+    unknown = sorted(set(keywords) - set(_KEYWORDS) - set(_THRESHOLD_KEYWORDS))
     if unknown:
         raise InvalidArgumentError(
             f"repair() has no setting {', '.join(unknown)}; the settings are "
-            f"{', '.join(sorted(_KEYWORDS))}"
+            f"{', '.join(sorted([*_KEYWORDS, *_THRESHOLD_KEYWORDS]))}"
         )
     if config is not None:
         if keywords:  # only the keywords a caller wrote arrive here, so each one was meant
@@ -146,9 +149,10 @@ def resolve_config(
             )
         fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
     else:
-        fields = {_KEYWORDS[key]: value for key, value in keywords.items()}
+        fields = {_KEYWORDS[k]: v for k, v in keywords.items() if k not in _THRESHOLD_KEYWORDS}
     finetune = (fields.pop("finetune", None) or _recommended(info, None, None, None)).validate()
-    thresholds = fields.pop("thresholds", None) or Thresholds()
+    named = {k: v for k, v in keywords.items() if k in _THRESHOLD_KEYWORDS}
+    thresholds = with_thresholds(fields.pop("thresholds", None), **named)
     config = RepairConfig(finetune=finetune, thresholds=thresholds, **fields)
     n_ctx = model.cfg.n_ctx
     return dataclasses.replace(

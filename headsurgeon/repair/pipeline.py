@@ -47,14 +47,19 @@ from headsurgeon.distributed import from_rank0, rank_and_world
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.evals import perplexity
 from headsurgeon.finetune import FinetuneConfig, FinetuneResult, finetune, unmovable_heads
-from headsurgeon.finetune.trainer import check_grad_mode, duration
+from headsurgeon.finetune.trainer import (
+    check_grad_mode,
+    duration_range,
+    timed_steps,
+    warn_busy_threads,
+)
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.importance import ablate_heads
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.pattern_samples import PatternSample, sample_patterns
 from headsurgeon.probes import check_training_memory
-from headsurgeon.progress import RunBar
+from headsurgeon.progress import RunBar, show_progress_lines
 from headsurgeon.repair.config import RepairConfig, resolve_config
 from headsurgeon.repair.results import PassResult, RepairResult
 from headsurgeon.repair.resume import WorkDir, cpu_head_slices, has_numbers
@@ -495,26 +500,29 @@ class _Run:
         return self.census(), self.perplexities(), training
 
     def tell_duration(self, bar: RunBar) -> None:
-        """After the run's first training step: at most how long the whole run takes, in one
-        log line (shown by the command line) before the other steps run."""
+        """After the run's first training steps: how long the whole run takes, as a range (its
+        steps at their median and 90th-percentile durations), in one log line (shown by the
+        command line) before the other steps run."""
         if rank_and_world()[0] != 0:
             return
         control = " and as many in the control arm" if self.config.control else ""
         passes = self.config.passes
         logger.info(
-            "repair: at most about %s more for %d pass%s x %d steps%s, with their censuses and "
-            "perplexities, measured from the first step (%s)",
-            duration(bar.seconds_left()),
+            "repair: about %s more (less if it stops early) for %d pass%s x %d steps%s, with "
+            "their censuses and perplexities, from %s (%s)",
+            duration_range(bar),
             passes,
             "" if passes == 1 else "es",
             self.finetune_config.steps,
             control,
+            timed_steps(bar),
             bar.describe(),
         )
 
 
 @holds_model("repair")
 @torch.enable_grad()  # under torch.no_grad() too: fine-tuning needs gradients
+@show_progress_lines()  # its estimate and passes seen where logging is not set up (a notebook)
 def repair(
     model: Model,
     corpus: Data | Sequences = None,
@@ -536,8 +544,8 @@ def repair(
     ``thresholds``, ``census_seq_len``, ``census_n_seqs``, ``min_query_pos``, ``prepend_bos``,
     ``train_seq_len``, ``n_eval_seqs``, ``drift_threshold``, ``save_dtype``,
     ``max_ppl_increase``, ``max_collateral``, ``control``, ``eval_on_train``, and
-    ``finetune_config`` for its
-    ``finetune``
+    ``finetune_config`` for its ``finetune``; and ``sink_threshold``, ``dead_threshold``,
+    ``min_output_share`` for fields of ``thresholds``
     (``repair(model, passes=1)`` is ``repair(model, config=RepairConfig(passes=1))``). Any other
     keyword is one :class:`~headsurgeon.errors.InvalidArgumentError` line.
 
@@ -608,6 +616,8 @@ def repair(
     )
     run_settings = _settings(info, config, heads, include, data)
     rank, _ = rank_and_world()
+    if rank == 0 and torch.device(model.cfg.device).type == "cpu":
+        warn_busy_threads()  # before the first census, not after it
     work = WorkDir(Path(work_dir), rank, info.shape) if work_dir is not None else None
     with restored_on_failure(model, "repair") as snapshot:
         run = _Run(model, config, data, run_settings, work, resume, progress, snapshot)

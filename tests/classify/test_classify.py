@@ -148,6 +148,24 @@ def test_invalid_thresholds_are_refused(kwargs):
         Thresholds(**kwargs)
 
 
+def test_the_command_lines_threshold_names_are_keywords_too():
+    """classify_heads(sink_threshold=0.4) is Thresholds(sink=0.4), as --sink-threshold 0.4 is
+    (it was a TypeError); a wrong thresholds= is one line saying what to write."""
+    census = census_frame([0.45, 0.9, 0.1], [0.3, 0.3, 0.005])
+    by_name = classify_heads(census, sink_threshold=0.4, dead_threshold=0.85, min_output_share=0)
+    assert by_name["label"].tolist() == ["BOS-sink", "dead", "healthy"]
+    assert by_name.attrs["thresholds"] == {"sink": 0.4, "dead": 0.85, "min_output_share": 0.0}
+    assert by_name.equals(
+        classify_heads(census, Thresholds(sink=0.4, dead=0.85, min_output_share=0))
+    )
+    sweep = threshold_sweep(census, sink_threshold=0.4)
+    assert sweep.attrs["thresholds"]["sink"] == 0.4
+    with pytest.raises(
+        InvalidArgumentError, match=r"such as Thresholds\(sink=0.4\).*sink_threshold="
+    ):
+        classify_heads(census, {"sink": 0.4})
+
+
 def test_threshold_sweep_counts_match_classification():
     rng = np.random.default_rng(0)
     census = census_frame(rng.random(40), rng.random(40) * 0.05)

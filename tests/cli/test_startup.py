@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import subprocess
 import sys
+import time
+from importlib.metadata import version
 
 import pytest
 
@@ -25,6 +28,7 @@ CASES = [
     (["--texts", "missing.txt"], 2, "text file missing.txt does not exist"),
     (["./no-such-folder"], 2, "model folder ./no-such-folder does not exist"),
     (["bloom-56m"], 2, "unknown model 'bloom-56m': did you mean bloom-560m"),
+    (["--version"], 0, f"headsurgeon {version('headsurgeon')}\n"),  # as python -m headsurgeon's
 ]
 # How each entry runs a tool with ARGS inside the child (runpy: as python -m does).
 ENTRIES = {
@@ -103,6 +107,42 @@ def test_the_version_and_the_tool_list_need_no_heavy_import(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.startswith("headsurgeon ") and "unknown tool 'nope'" in done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.slow  # a subprocess
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["classify", "bloom-560m"],
+        ["repair", "bloom-560m"],
+        ["blindness", "bloom-560m", "--measure"],
+    ],
+)
+def test_a_hub_model_missing_from_the_cache_is_answered_before_any_heavy_import(args, tmp_path):
+    """Offline with an empty cache: one line naming the model, the cache and how to get it, exit
+    2, torch and TransformerLens never imported (it took 21-29 s after importing them)."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['headsurgeon', *{args!r}]\n"
+        "try:\n"
+        "    runpy.run_module('headsurgeon', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as e:\n"
+        f"    print(e.code, sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_CACHE", None)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    seconds = time.perf_counter() - started
+    assert done.stdout.strip() == "2 []", done.stdout + done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("error: bigscience/bloom-560m is not in the Hugging Face cache")
+    assert str(tmp_path / "hf" / "hub") in line and "HF_HUB_OFFLINE=1" in line
+    assert "run once online" in line and "hf download bigscience/bloom-560m" in line
+    assert "local checkpoint folder" in line
+    assert seconds < 20, f"{seconds:.1f} s"  # (the old path: 21-29 s on a busy machine)
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:

@@ -364,15 +364,33 @@ def test_bos_mass_objective_plants_a_sink():
     assert outside(model, before, heads) == []
 
 
-def test_the_duration_is_told_after_the_first_step(caplog):
+def test_the_duration_is_told_as_a_range_after_the_first_five_steps(caplog):
     model, heads, tokens = setup()
     with caplog.at_level(logging.INFO, logger="headsurgeon"):
         finetune(model, heads, tokens, eval_data=tokens[:8], config=config(), progress=True)
     messages = [r.getMessage() for r in caplog.records]
     told = next(i for i, m in enumerate(messages) if m.startswith("fine-tuning 3 heads: about"))
-    assert messages[told - 1].startswith("step 0:") and messages[told + 1].startswith("step 3:")
-    assert "measured from the first step (5 steps of " in messages[told]
-    assert ", 2 evaluations of " in messages[told]
+    assert messages[told - 1].startswith("step 3:") and messages[told + 1].startswith("step 6:")
+    assert "from 5 timed steps (median to 90th percentile) (1 step of " in messages[told]
+    low, high = map(float, messages[told].split("1 step of ")[1].split(" s")[0].split("-"))
+    assert 0 < low <= high
+    assert ", 1 evaluation of " in messages[told]
+
+
+def test_its_lines_show_where_logging_is_not_set_up_and_nowhere_else(monkeypatch, capsys):
+    """A notebook that never set up logging sees the estimate and the evaluations on stderr
+    (Python alone shows no INFO line); a program that set up logging gets them only there."""
+    model, heads, tokens = setup()
+    monkeypatch.setattr(logging.root, "handlers", [])  # pytest's own capture: not a user's
+    package = logging.getLogger("headsurgeon")
+    monkeypatch.setattr(package, "level", logging.NOTSET)
+    finetune(model, heads, tokens, config=config(), progress=False)
+    err = capsys.readouterr().err
+    assert "fine-tuning 3 heads: about" in err and "step 0: train ppl" in err
+    assert package.handlers == [] and package.level == logging.NOTSET  # nothing stays
+    logging.root.handlers = [logging.NullHandler()]  # the program's own set-up
+    finetune(model, heads, tokens, config=config(), progress=False)
+    assert "step 0" not in capsys.readouterr().err
 
 
 def test_a_callers_bar_counts_the_steps_run_and_drops_those_an_early_stop_skips():

@@ -137,3 +137,20 @@ def test_repair_refuses_an_unknown_setting_in_one_line():
     default = RepairConfig().passes  # written beside config=, even at its default, it is refused:
     with pytest.raises(InvalidArgumentError, match="not both \\(passes\\)"):  # never ignored
         repair(model, config=RepairConfig(passes=1), passes=default)
+
+
+def test_repair_takes_the_command_lines_threshold_names():
+    from headsurgeon.classify import Thresholds
+    from headsurgeon.loading import model_info
+    from headsurgeon.repair.config import resolve_config
+
+    model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
+    info = model_info(model)
+    config = resolve_config(model, info, None, {"sink_threshold": 0.4, "dead_threshold": 0.9})
+    assert config.thresholds == Thresholds(sink=0.4, dead=0.9)
+    both = {"thresholds": Thresholds(dead=0.9), "min_output_share": 0.02}
+    assert resolve_config(model, info, None, both).thresholds == Thresholds(
+        dead=0.9, min_output_share=0.02
+    )
+    with pytest.raises(InvalidArgumentError, match="not both \\(sink_threshold\\)"):
+        repair(model, config=RepairConfig(), sink_threshold=0.4)

@@ -70,15 +70,16 @@ def test_one_bar_counts_every_step_of_the_run_and_the_estimate_comes_first(injur
     assert all(left == 0 for left in bar.left.values())
     assert bar.desc.startswith("repair: control 1/1")  # the arm's own count of passes
     messages = [r.getMessage() for r in caplog.records]
-    estimate = next(i for i, m in enumerate(messages) if m.startswith("repair: at most about"))
+    estimate = next(i for i, m in enumerate(messages) if m.startswith("repair: about "))
     assert "for 1 pass x 4 steps and as many in the control arm" in messages[estimate]
-    assert "measured from the first step (2 censuses of " in messages[estimate]
-    assert ", 7 steps of " in messages[estimate]  # the 8 planned, less the one timed
-    # Logged after the first step was timed, before any other: the first evaluation after
-    # step 0 (at step 2) comes later, and no fine-tuning estimate of its own is logged.
-    first_pass = next(i for i, m in enumerate(messages) if m.startswith("pass 1: re-init"))
-    step_2 = next(i for i, m in enumerate(messages) if m.startswith("step 2:"))
-    assert first_pass < estimate < step_2
+    assert "from 5 timed steps (median to 90th percentile) (1 census of " in messages[estimate]
+    assert ", 3 steps of " in messages[estimate]  # the 8 planned, less the 5 timed
+    # Logged once the fifth step was timed (the control arm's first), before any other: the
+    # control arm's first evaluation after step 0 (at step 2) comes later, and no fine-tuning
+    # estimate of its own is logged.
+    control = next(i for i, m in enumerate(messages) if m.startswith("control 1: fine-tuning"))
+    step_2 = [i for i, m in enumerate(messages) if m.startswith("step 2:")][-1]
+    assert control < estimate < step_2
     assert not any(m.startswith("fine-tuning ") for m in messages)
 
 
