@@ -100,6 +100,21 @@ def test_no_page_loads_anything_from_the_network():
 
 
 @needs_site
+def test_the_api_summary_tables_show_whole_sentences():
+    """A summary table shows a docstring's first line; the docs' griffe extension puts the first
+    sentence there whole, so no row stops mid-sentence (the source wraps at 100 columns)."""
+    cut = []
+    for page in (SITE / "api").glob("*.html"):
+        rows = re.findall(r'<tr class="doc-section-item">(.*?)</tr>', page.read_text(), re.S)
+        for row in rows:
+            cells = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
+            text = re.sub(r"<[^>]+>", "", cells[-1]).strip() if len(cells) > 1 else ""
+            if text and not text.endswith((".", ":", "?", "!", ")")):
+                cut.append(f"{page.name}: {text[-60:]}")
+    assert not cut, cut[:10]
+
+
+@needs_site
 @pytest.mark.slow  # a browser
 def test_pages_opened_from_disk_in_chromium_request_nothing_outside_and_log_no_error():
     if not plots.has_browser():

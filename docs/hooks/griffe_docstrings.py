@@ -7,7 +7,9 @@ The docstrings are prose with reST-style roles (``:func:`x```), doctests and ali
     - an "Exports:" block (a name, two spaces or more, what it is; continuation lines indented
       further) becomes a two-column table, which wraps to the page's width;
     - any other indented block right under a line ending in ``:`` becomes a code block, keeping
-      its alignment (Markdown needs a blank line before it).
+      its alignment (Markdown needs a blank line before it);
+    - the first sentence is put on the first line, whole: the API pages' summary tables show a
+      docstring's first line, and the source wraps sentences at 100 columns.
 """
 
 from __future__ import annotations
@@ -57,6 +59,38 @@ def _separate_indented_blocks(lines: list[str]) -> list[str]:
     return out
 
 
+# A sentence ends at ". " outside code and brackets, but not after these abbreviations.
+ABBREVIATIONS = ("e.g.", "i.e.", "cf.", "vs.", "etc.", "approx.")
+
+
+def _sentence_end(text: str) -> int:
+    """The index just past the first sentence of ``text`` (its length when it is one)."""
+    code, depth = False, 0
+    for i, char in enumerate(text):
+        if char == "`":
+            code = not code
+        elif not code and char in "([{":
+            depth += 1
+        elif not code and char in ")]}":
+            depth = max(depth - 1, 0)
+        elif not code and not depth and char in ".?!" and text[i + 1 : i + 2] == " ":
+            if not text[: i + 1].endswith(ABBREVIATIONS):
+                return i + 1
+    return len(text)
+
+
+def _first_sentence_first(lines: list[str]) -> list[str]:
+    """The first paragraph's first sentence as line one, the rest of the paragraph after it
+    (Markdown renders the paragraph the same; the summary tables show line one)."""
+    end = next((i for i, line in enumerate(lines) if not line.strip()), len(lines))
+    if end < 2 or any(line.startswith((" ", ">>>")) for line in lines[:end]):
+        return lines
+    paragraph = " ".join(line.strip() for line in lines[:end])
+    cut = _sentence_end(paragraph)
+    rest = paragraph[cut:].strip()
+    return [paragraph[:cut], *([rest] if rest else []), *lines[end:]]
+
+
 def _cell(text: str) -> str:
     return text.strip().replace("|", "\\|")
 
@@ -90,7 +124,8 @@ def _exports_tables(lines: list[str]) -> list[str]:
 def markdown(text: str) -> str:
     """A docstring's text as the Markdown mkdocstrings renders."""
     text = ROLE.sub(_role, text)
-    lines = _separate_indented_blocks(_exports_tables(text.splitlines()))
+    lines = _first_sentence_first(text.splitlines())
+    lines = _separate_indented_blocks(_exports_tables(lines))
     return "\n".join(_fence_doctests(lines))
 
 
