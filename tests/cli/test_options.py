@@ -43,19 +43,3 @@ def test_the_shape_names_are_those_model_shape_knows_without_a_folder():
     assert options.SHAPE_NAMES == set(BLOOM_SHAPES) | official | set(ALIBI_SHAPES) | others
     for name in options.SHAPE_NAMES:  # each one known by model_shape, without files
         assert model_shape(name).positional == "alibi"
-
-
-def test_the_readmes_quick_repair_parses():
-    """The README's quick form of the first repair (one pass, no control arm) is a valid
-    command line: its arguments parse (the run itself is timed in the README, not here)."""
-    import re
-    import shlex
-    from pathlib import Path
-
-    from headsurgeon.cli import repair as repair_tool
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    [command] = re.findall(r"`(python -m headsurgeon\.repair [^`]*--no-control[^`]*)`", readme)
-    args = repair_tool._parser().parse_args(shlex.split(command)[3:])
-    assert args.model == "organism-injured" and args.passes == 1 and not args.control
-    assert args.out == "repaired"
