@@ -11,7 +11,6 @@ import ast
 import os
 import subprocess
 import sys
-import time
 from importlib.metadata import version
 
 import pytest
@@ -131,18 +130,15 @@ def test_a_hub_model_missing_from_the_cache_is_answered_before_any_heavy_import(
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     env.pop("HF_HUB_CACHE", None)
-    started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )
-    seconds = time.perf_counter() - started
     assert done.stdout.strip() == "2 []", done.stdout + done.stderr
     [line] = done.stderr.splitlines()
     assert line.startswith("error: bigscience/bloom-560m is not in the Hugging Face cache")
     assert str(tmp_path / "hf" / "hub") in line and "HF_HUB_OFFLINE=1" in line
     assert "run once online" in line and "hf download bigscience/bloom-560m" in line
     assert "local checkpoint folder" in line
-    assert seconds < 20, f"{seconds:.1f} s"  # (the old path: 21-29 s on a busy machine)
 
 
 def parsers() -> dict[str, argparse.ArgumentParser]:

@@ -106,10 +106,8 @@ def test_a_browser_that_does_not_start_is_one_line_and_leaves_nothing(
     script, argv = fake_browser(tmp_path, behaviour)
     monkeypatch.setenv("BROWSER_PATH", str(script))
     figure = go.Figure(go.Heatmap(z=[[1]]))
-    start = time.monotonic()
-    with pytest.raises(FigureExportError) as caught:
+    with pytest.raises(FigureExportError) as caught:  # in_time: no hang (a bounded wait)
         in_time(lambda: plots.save_figure(figure, tmp_path / "x.png"))
-    assert time.monotonic() - start < 15
     line = str(caught.value)
     assert "\n" not in line and f"BROWSER_PATH={script} did not start" in line
     if behaviour != "exits":  # one that exits may be seen exiting, or not within the second
@@ -120,10 +118,9 @@ def test_a_browser_that_does_not_start_is_one_line_and_leaves_nothing(
     assert not Path(profile.partition("=")[2]).exists()  # Chromium's temporary profile
     # Remembered: no second wait, no browser found, and the skip names why.
     assert not plots.has_browser()
-    start = time.monotonic()
+    monkeypatch.setattr(export, "_start", lambda path: pytest.fail("a second start"))
     with pytest.raises(FigureExportError, match="did not start"):
         plots.save_figure(figure, tmp_path / "y.png")
-    assert time.monotonic() - start < 0.5
     assert plots.split_formats(None) == ([], ["png"])
     assert "did not start" in plots.warn_skipped(["a.png"], tmp_path)
     plots.save_figure(figure, tmp_path / "x.html")  # html needs no browser
