@@ -106,11 +106,16 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
         over = (model_rows["mean_abs_dnll"] > CHANGE_NATS).to_numpy()
         lasting = np.flip(np.cumprod(np.flip(over))).astype(bool)
         if not lasting.any():
-            quiet.append(f"{dtype} (max |ΔNLL| {model_rows['max_abs_dnll'].max():.1g})")
+            quiet.append(
+                f"{dtype} (largest |ΔNLL| {model_rows['max_abs_dnll'].max():.1g} nats a token)"
+            )
             continue
         start = int(model_rows["position_lo"].to_numpy()[lasting.argmax()])
         late = model_rows[model_rows["position_lo"] >= start]
-        mean = (late["mean_dnll"] * late["tokens"]).sum() / late["tokens"].sum()
+        mean, size = (
+            (late[c] * late["tokens"]).sum() / late["tokens"].sum()
+            for c in ("mean_dnll", "mean_abs_dnll")
+        )
         alone = {
             part: rows[(rows["part"] == part) & (rows["position_lo"] >= start)][
                 "mean_abs_dnll"
@@ -121,12 +126,19 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
         cause = max(alone, key=alone.get) if alone else whole
         # Neither the scores nor the weights alone account for it: the rest of the model does.
         if alone and alone[cause] < late["mean_abs_dnll"].mean() / 2:
-            cause = "the rest of the model, not the attention scores or weights"
-        changes.append(f"{dtype} from position {start} ({mean:+.3f} nats after it; {cause})")
+            cause = "rest"
+        changes.append(
+            f"{dtype} from query position {start} on (|ΔNLL| {size:.3f}, ΔNLL {mean:+.3f} "
+            "nats a token there), " + _CAUSE_WORDS.get(cause, f"the {cause} part rounded")
+        )
         if mean > CHANGE_NATS:
             costly.append((dtype, cause))
     if changes:
-        rounding = "rounding changes the outputs (against float64): " + "; ".join(changes)
+        rounding = (
+            "rounding changes the outputs against float64 (from a query position on: in every "
+            "later bucket of positions, 0, 1, 2-3, 4-7, ..., the mean |ΔNLL| exceeds "
+            f"{CHANGE_NATS:g} nats a token): " + "; ".join(changes)
+        )
         rounding += "; not in " + ", ".join(quiet) if quiet else ""
     else:
         rounding = "rounding changes no output measurably (against float64): " + ", ".join(quiet)
@@ -135,6 +147,16 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
         f"precision: {rounding}",
         f"precision: {recommendation(precision, costly)}",
     ]
+
+
+# The verdict's words for the part of the computation a dtype's change comes from.
+_CAUSE_WORDS = {
+    "scores": "half or more of it from rounding the attention scores (q·k + ALiBi bias) alone",
+    "softmax": "half or more of it from rounding the softmax weights alone",
+    "rest": "from the rest of the model, not the attention scores or weights",
+    "model": "with the whole model in it (its parts not measured apart)",
+    "attention": "with the attention in it (scores and weights; parts not measured apart)",
+}
 
 
 def _own_rows(table: pd.DataFrame) -> pd.DataFrame:
@@ -249,8 +271,11 @@ def _precision_details(precision: PrecisionEffect) -> list[str]:
     lines = [
         f"precision counterfactual ({attrs.get('n_seqs')} × {attrs.get('seq_len')} tokens, "
         f"{attrs.get('bias')} ALiBi bias; trained on {attrs.get('train_ctx') or '?'} tokens "
-        f"with {_numerics_words(trained) if trained else 'unknown numerics'}): mean ΔNLL "
-        "(nats) by position, top-1"
+        f"with {_numerics_words(trained) if trained else 'unknown numerics'}); each row: "
+        "reference, bias form, dtype, what is rounded (scores: the attention scores alone; "
+        "softmax: the attention weights alone; attention: both; model: the whole forward), "
+        "then first query position of a bucket: its mean ΔNLL in nats (buckets from 0 and from "
+        "64 on; all in precision.csv), and top-1 agreement with the reference"
     ]
     keys = [k for k in ("reference", "bias") if k in pos]
     for group, rows in pos.groupby([*keys, "dtype", "part"], sort=False):
