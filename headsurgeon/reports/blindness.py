@@ -301,6 +301,12 @@ def training_numerics_line(numerics: TrainingNumerics | None, name: str) -> str:
     return f"training numerics of {name}: {numerics.describe()} (source: {numerics.source})"
 
 
+# The measured lines' words for a softmax convention (blindness.CONVENTIONS).
+_CONVENTION_WORDS = {
+    "hf": "softmax in float32, weights cast to the dtype, as Hugging Face",
+    "tl": "softmax in the dtype, as TransformerLens 3.x",
+}
+
 # What the summary says first when no precision counterfactual was run.
 UNMEASURED_PRECISION = [
     "precision: not measured here (add --measure --counterfactual precision, or call "
@@ -466,8 +472,9 @@ def rounding_lines(rounding: RoundingAnalysis) -> list[str]:
     lines = [
         f"{attrs['model']}: rounding of the ALiBi bias as the family stores it "
         f"({attrs['absolute']}): the first key position from which its rounding step exceeds "
-        f"{steps} logit, per dtype (from the slopes; by position, and for the relative form "
-        "by distance: rounding_by_position.csv)",
+        f'{steps} logit, per dtype (from the slopes; float16\'s "inf": where the bias '
+        "overflows; by position, and for the relative form by distance: "
+        "rounding_by_position.csv)",
         f"  {'head':{name_width}s} {'slope':{slope_width}s}  "
         + "  ".join(f"{d:{widths[d]}s}" for d in dtypes).rstrip(),
     ]
@@ -529,7 +536,9 @@ def blindness_summary(
         context_length = analytic.attrs["context_length"]
         lines.append(
             f"{analytic.attrs['model']}: blind distance (tokens) of the steepest heads, "
-            f"{analytic.attrs['bias']} ALiBi; share of a {context_length}-token context blind"
+            f"{analytic.attrs['bias']} ALiBi, per dtype and limit (where a weight falls below "
+            "the dtype's smallest normal number, its smallest subnormal, or rounds to zero); "
+            f"share of a {context_length}-token context blind"
         )
         layer0 = analytic[analytic["layer"] == 0]
         for (dtype, limit), rows in layer0.groupby(["dtype", "limit"], sort=False):
@@ -544,9 +553,12 @@ def blindness_summary(
     if rounding is not None:
         lines.extend(rounding_lines(rounding))
     if measured is not None:
+        data = measured.by_length.attrs.get("data")
         lines.append(
-            f"measured ({measured.convention} convention, {measured.n_seqs} × {measured.seq_len} "
-            "tokens): share of attention entries that underflow to exactly 0"
+            f"measured ({measured.convention} convention: "
+            f"{_CONVENTION_WORDS.get(measured.convention, '?')}; {measured.n_seqs} × "
+            f"{measured.seq_len} tokens{f' of {data}' if data else ''}): share of attention "
+            "entries that underflow to exactly 0, by context length"
         )
         for dtype, rows in measured.by_length.groupby("dtype", sort=False):
             shares = ", ".join(
