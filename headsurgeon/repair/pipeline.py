@@ -330,7 +330,11 @@ class _Run:
             ):
                 pruned[ablation] = self.perplexities()
         described = (f"{k} ablation {_format_ppl(v)}" for k, v in pruned.items())
-        logger.info("pruned instead, perplexity %s: %s", self.verdict_windows, "; ".join(described))
+        logger.info(
+            "pruned instead (the targets ablated, not repaired), perplexity %s: %s",
+            self.verdict_windows,
+            "; ".join(described),
+        )
         return pruned
 
     def first_census(self) -> tuple[pd.DataFrame, dict[str, float]]:
@@ -416,12 +420,14 @@ class _Run:
         if work is not None and loaded is None:
             work.save_pass(result, model, arm)
         logger.info(
-            "%s %d: %d/%d recovered, %d frozen heads drifted, %d turned sick; perplexity %s: %s",
+            "%s %d: %d/%d recovered, %d frozen heads drifted (|Δ BOS mass| > %g), %d turned sick; "
+            "perplexity %s: %s",
             arm,
             index,
             len(result.recovered),
             len(targets),
             len(result.drifted),
+            self.config.drift_threshold,
             len(collateral),
             self.verdict_windows,
             _format_ppl(ppl_after),

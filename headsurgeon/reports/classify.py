@@ -143,7 +143,11 @@ def format_summary(
         )
     )
     per_layer.columns.name = None
-    lines += ["", "per layer:", per_layer.to_string(float_format="{:.3f}".format)]
+    lines += [
+        "",
+        "per layer: heads per label; BOS mass mean and max; mean attention entropy (nats):",
+        per_layer.to_string(float_format="{:.3f}".format),
+    ]
     # The sick heads first: a head dead by its output share has a low BOS mass, and a table by
     # BOS mass alone left it out.
     ranked = classified.assign(_healthy=classified["label"] == "healthy")
@@ -153,7 +157,8 @@ def format_summary(
     listed = [c for c in listed if c in classified.columns] + ["label"]
     lines += [
         "",
-        f"top {len(strongest)} heads: the sick ones first, then by BOS mass:",
+        f"top {len(strongest)} heads: the sick ones first, then by BOS mass (bos_mass_std: "
+        "across sequences):",
         strongest[listed].to_string(index=False, float_format="{:.4f}".format),
     ]
     if sinks is not None:
