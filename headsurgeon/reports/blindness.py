@@ -129,7 +129,7 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
             cause = "rest"
         changes.append(
             f"{dtype} from query position {start} on (|ΔNLL| {size:.3f}, ΔNLL {mean:+.3f} "
-            "nats a token there), " + _CAUSE_WORDS.get(cause, f"the {cause} part rounded")
+            "nats a token there), " + _CAUSE_WORDS[cause]
         )
         if mean > CHANGE_NATS:
             costly.append((dtype, cause))
