@@ -93,6 +93,7 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
     assert written["recovery_rate"] == 1.0 and written["verdict"] == "ok"
     assert written["best_pass"] == 1 and written["collateral"]["count"] == 0
     assert "**Verdict: ok**" in (out / "report.md").read_text()
+    assert "scored whole (the log's \"verdict's windows\"; " in (out / "report.md").read_text()
     # Prune versus repair: the same heads zero-ablated through plain TransformerLens hooks on a
     # fresh copy of the injured model give the report's pruned held-out perplexity.
     comparison = written["prune_vs_repair"]
