@@ -196,13 +196,6 @@ def run_census(
         _check_rows(seq_len, min_query_pos)  # before tokenising a whole corpus
     seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
     _check_rows(seqs.seq_len, min_query_pos)
-    if cut_here and seqs.n_seqs < n_seqs:
-        logger.warning(
-            "the data holds only %d sequences of %d tokens (asked for %d)",
-            seqs.n_seqs,
-            seqs.seq_len,
-            n_seqs,
-        )
     if info.train_ctx is not None and seqs.seq_len > info.train_ctx:
         logger.warning(
             "sequences of %d tokens are longer than the %d the model was trained on",

@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import gzip
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -93,6 +94,8 @@ __all__ = [
     "iter_texts",
     "iter_token_ids",
 ]
+
+logger = logging.getLogger(__name__)
 
 CORPUS_DIR = Path(__file__).parent / "corpora"
 CORPORA = ("shakespeare", "python-docs")
@@ -548,6 +551,15 @@ def as_sequences(
     spread = source is None or source.record is None
     tokens = _windows(info, _sources(data), seq_len, n_seqs, bos, seq_len_name, spread)
     description = describe(data)  # after the windows: data of a wrong type is their one line
+    if n_seqs is not None and len(tokens) < n_seqs:  # every tool and verb that cuts text: here
+        logger.warning(
+            "asked for %d sequences of %d tokens, but the text (%s) holds only %d: using those %d",
+            n_seqs,
+            seq_len,
+            description,
+            len(tokens),
+            len(tokens),
+        )
     why = "the model's convention" if prepend_bos is None else f"prepend_bos={prepend_bos}"
     if bos:
         rule = f"BOS token (id {info.bos_token_id}) prepended to each text window ({why})"

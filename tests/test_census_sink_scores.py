@@ -195,7 +195,10 @@ def test_classify_preset_gu_writes_both_scores(bloom_dir, tmp_path, capsys, monk
     assert meta["metadata"]["sink_eps"] == 0.3
     census = heads.copy()
     census.attrs["sink_eps"] = meta["metadata"]["sink_eps"]
-    rate = f"{sink_rate(census):.2%} of (sequence, head) pairs have sink_score alpha_0 > 0.3"
+    rate = (
+        f"{sink_rate(census):.2%} of (sequence, head) pairs have sink_score alpha_0 (mean "
+        "attention on position 0) > 0.3"
+    )
     assert rate in printed
     page = (tmp_path / "six" / "index.html").read_text()
     assert '"ahon_ln":' in page and '"sink_share":' in page and "sink rate (Gu et al.)" in page
@@ -230,7 +233,8 @@ def test_the_summary_names_gu_protocol_when_the_run_follows_it():
     census.attrs = {"n_seqs": 100, "seq_len": 64, "sink_eps": 0.3}
     summary = format_summary(classify_heads(census))
     assert (
-        "sink rate (Gu et al.): 25.00% of (sequence, head) pairs have sink_score alpha_0 > 0.3, "
+        "sink rate (Gu et al.): 25.00% of (sequence, head) pairs have sink_score alpha_0 (mean "
+        "attention on position 0) > 0.3, "
         "over 100 sequences x 64 tokens (Gu et al.'s protocol)"
     ) in summary
     assert "low = inactive): lowest L0H1 0.050, L1H0 1.000" in summary

@@ -26,7 +26,7 @@ from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureErro
 from headsurgeon.evals import position_edges
 from headsurgeon.exact_alibi import install_hf_bias
 from headsurgeon.precision import _Family, _Recipe, _recipe_attention, precision_effect
-from headsurgeon.reports.blindness import precision_verdict
+from headsurgeon.reports.blindness import blindness_summary, precision_verdict
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FAMILIES = ["bloom"] + (["mpt", "falcon", "falcon-parallel", "falcon-mq"] if MAJOR >= 4 else [])
@@ -309,9 +309,29 @@ def _verdict_effect(bias, dnll, trained=None, regions=None):
 def test_the_verdict_recommends_nothing_for_unknown_training_numerics():
     lines = precision_verdict(_verdict_effect("absolute", 0.3))
     assert "changes no output" in lines[0]
-    assert "bfloat16 from position 8" in lines[1] and "scores" in lines[1]
+    assert "bfloat16 from query position 8 on (|ΔNLL| 0.300, ΔNLL +0.300 nats a token" in lines[1]
+    assert "from rounding the attention scores (q·k + ALiBi bias) alone" in lines[1]
     assert lines[2].startswith("precision: no recommendation")
     assert "recommend " not in lines[2] and "--reference training" in lines[2]
+
+
+def test_the_verdict_and_its_table_say_what_their_terms_mean():
+    """Issue 52: "from position 2", "after it" and "; scores" read as nothing; the ΔNLL table's
+    header names its columns."""
+    effect = _verdict_effect("absolute", 0.3)
+    effect.by_position.attrs.update(n_seqs=1, seq_len=16)
+    line = precision_verdict(effect)[1]
+    assert "in every later bucket of positions, 0, 1, 2-3, 4-7, ..., the mean |ΔNLL|" in line
+    assert "after it" not in line and "; scores" not in line
+    lines = blindness_summary(None, None, effect).splitlines()
+    header = next(x for x in lines if x.startswith("precision counterfactual (1 × 16 tokens"))
+    for term in (
+        "reference, bias form, dtype, what is rounded",
+        "scores: the attention scores",
+        "first query position of a bucket: its mean ΔNLL",
+        "top-1 agreement with",
+    ):
+        assert term in header  # fmt: skip
 
 
 def test_the_verdict_for_a_relative_trained_model_is_the_relative_form():

@@ -431,9 +431,10 @@ def measure_blindness(
       every length up to ``seq_len`` (default: powers of two, and ``seq_len``).
     """
     info = model_info(model, "measure_blindness")
-    names, tokens = _check_measure_args(
+    names, seqs = _check_measure_args(
         model, info, data, dtypes, convention, seq_len, n_seqs, n_buckets, prepend_bos
     )
+    tokens = seqs.tokens
     n_rows, n_pos = tokens.shape
     lengths = _context_lengths(n_pos, context_lengths)
     counter = _UnderflowCounter(info, names, convention, n_pos, model.cfg.device)
@@ -457,7 +458,7 @@ def measure_blindness(
     by_head, by_distance = _head_tables(info, counter, names, convention, n_rows, n_buckets)
     by_length = _length_table(info, counter, names, lengths, n_rows)
     for table in (by_head, by_length):
-        table.attrs.update(model=info.name, n_seqs=n_rows, seq_len=n_pos)
+        table.attrs.update(model=info.name, n_seqs=n_rows, seq_len=n_pos, data=seqs.source)
     return BlindnessMeasurement(
         by_head=by_head,
         by_distance=by_distance,
@@ -478,7 +479,7 @@ def _check_measure_args(
     n_seqs: int,
     n_buckets: int,
     prepend_bos: bool | None,
-) -> tuple[list[str], Tensor]:
+) -> tuple[list[str], Sequences]:
     """:func:`measure_blindness`'s arguments checked: the dtype names and the token sequences."""
     check_choice(convention, "convention", CONVENTIONS)
     weights_dtype = next(model.parameters()).dtype
@@ -492,7 +493,7 @@ def _check_measure_args(
     if seq_len is None:
         seq_len = min(1024, info.max_length or 1024)
     seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
-    return names, seqs.tokens
+    return names, seqs
 
 
 def _head_tables(

@@ -309,6 +309,15 @@ class _Run:
             lambda: {"train": ppl(self.data.train_eval), "heldout": ppl(self.data.eval.tokens)},
         )
 
+    @property
+    def verdict_windows(self) -> str:
+        """What the perplexities of the census, pass and pruned lines are measured on, in words:
+        not the fine-tuning's check windows of its step lines (a few of the same rows)."""
+        return (
+            f"on the verdict's windows ({len(self.data.train_eval)} training, all "
+            f"{self.data.eval.n_seqs} held-out, {self.data.eval.seq_len} tokens each)"
+        )
+
     def pruned_perplexities(self, heads: HeadSet) -> dict[str, dict[str, float]]:
         """The perplexities with ``heads`` pruned instead of repaired: mean- and zero-ablated
         (the mean over the census sequences)."""
@@ -321,7 +330,11 @@ class _Run:
             ):
                 pruned[ablation] = self.perplexities()
         described = (f"{k} ablation {_format_ppl(v)}" for k, v in pruned.items())
-        logger.info("pruned instead: %s", ", ".join(described))
+        logger.info(
+            "pruned instead (the targets ablated, not repaired), perplexity %s: %s",
+            self.verdict_windows,
+            "; ".join(described),
+        )
         return pruned
 
     def first_census(self) -> tuple[pd.DataFrame, dict[str, float]]:
@@ -343,7 +356,12 @@ class _Run:
             current, ppl = self.census(), self.perplexities()
             if work is not None:
                 work.save_census("census_0", current, {"perplexity": ppl})
-        logger.info("census: %s; perplexity %s", policy.label_counts(current), _format_ppl(ppl))
+        logger.info(
+            "census: %s; perplexity %s: %s",
+            policy.label_counts(current),
+            self.verdict_windows,
+            _format_ppl(ppl),
+        )
         self.sample("before")
         return current, ppl
 
@@ -402,13 +420,16 @@ class _Run:
         if work is not None and loaded is None:
             work.save_pass(result, model, arm)
         logger.info(
-            "%s %d: %d/%d recovered, %d frozen heads drifted, %d turned sick; perplexity %s",
+            "%s %d: %d/%d recovered, %d frozen heads drifted (|Δ BOS mass| > %g), %d turned sick; "
+            "perplexity %s: %s",
             arm,
             index,
             len(result.recovered),
             len(targets),
             len(result.drifted),
+            self.config.drift_threshold,
             len(collateral),
+            self.verdict_windows,
             _format_ppl(ppl_after),
         )
         if failure is not None:

@@ -106,11 +106,16 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
         over = (model_rows["mean_abs_dnll"] > CHANGE_NATS).to_numpy()
         lasting = np.flip(np.cumprod(np.flip(over))).astype(bool)
         if not lasting.any():
-            quiet.append(f"{dtype} (max |ΔNLL| {model_rows['max_abs_dnll'].max():.1g})")
+            quiet.append(
+                f"{dtype} (largest |ΔNLL| {model_rows['max_abs_dnll'].max():.1g} nats a token)"
+            )
             continue
         start = int(model_rows["position_lo"].to_numpy()[lasting.argmax()])
         late = model_rows[model_rows["position_lo"] >= start]
-        mean = (late["mean_dnll"] * late["tokens"]).sum() / late["tokens"].sum()
+        mean, size = (
+            (late[c] * late["tokens"]).sum() / late["tokens"].sum()
+            for c in ("mean_dnll", "mean_abs_dnll")
+        )
         alone = {
             part: rows[(rows["part"] == part) & (rows["position_lo"] >= start)][
                 "mean_abs_dnll"
@@ -121,12 +126,19 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
         cause = max(alone, key=alone.get) if alone else whole
         # Neither the scores nor the weights alone account for it: the rest of the model does.
         if alone and alone[cause] < late["mean_abs_dnll"].mean() / 2:
-            cause = "the rest of the model, not the attention scores or weights"
-        changes.append(f"{dtype} from position {start} ({mean:+.3f} nats after it; {cause})")
+            cause = "rest"
+        changes.append(
+            f"{dtype} from query position {start} on (|ΔNLL| {size:.3f}, ΔNLL {mean:+.3f} "
+            "nats a token there), " + _CAUSE_WORDS[cause]
+        )
         if mean > CHANGE_NATS:
             costly.append((dtype, cause))
     if changes:
-        rounding = "rounding changes the outputs (against float64): " + "; ".join(changes)
+        rounding = (
+            "rounding changes the outputs against float64 (from a query position on: in every "
+            "later bucket of positions, 0, 1, 2-3, 4-7, ..., the mean |ΔNLL| exceeds "
+            f"{CHANGE_NATS:g} nats a token): " + "; ".join(changes)
+        )
         rounding += "; not in " + ", ".join(quiet) if quiet else ""
     else:
         rounding = "rounding changes no output measurably (against float64): " + ", ".join(quiet)
@@ -135,6 +147,16 @@ def precision_verdict(precision: PrecisionEffect) -> list[str]:
         f"precision: {rounding}",
         f"precision: {recommendation(precision, costly)}",
     ]
+
+
+# The verdict's words for the part of the computation a dtype's change comes from.
+_CAUSE_WORDS = {
+    "scores": "half or more of it from rounding the attention scores (q·k + ALiBi bias) alone",
+    "softmax": "half or more of it from rounding the softmax weights alone",
+    "rest": "from the rest of the model, not the attention scores or weights",
+    "model": "with the whole model in it (its parts not measured apart)",
+    "attention": "with the attention in it (scores and weights; parts not measured apart)",
+}
 
 
 def _own_rows(table: pd.DataFrame) -> pd.DataFrame:
@@ -249,8 +271,11 @@ def _precision_details(precision: PrecisionEffect) -> list[str]:
     lines = [
         f"precision counterfactual ({attrs.get('n_seqs')} × {attrs.get('seq_len')} tokens, "
         f"{attrs.get('bias')} ALiBi bias; trained on {attrs.get('train_ctx') or '?'} tokens "
-        f"with {_numerics_words(trained) if trained else 'unknown numerics'}): mean ΔNLL "
-        "(nats) by position, top-1"
+        f"with {_numerics_words(trained) if trained else 'unknown numerics'}); each row: "
+        "reference, bias form, dtype, what is rounded (scores: the attention scores alone; "
+        "softmax: the attention weights alone; attention: both; model: the whole forward), "
+        "then first query position of a bucket: its mean ΔNLL in nats (buckets from 0 and from "
+        "64 on; all in precision.csv), and top-1 agreement with the reference"
     ]
     keys = [k for k in ("reference", "bias") if k in pos]
     for group, rows in pos.groupby([*keys, "dtype", "part"], sort=False):
@@ -275,6 +300,12 @@ def training_numerics_line(numerics: TrainingNumerics | None, name: str) -> str:
         )
     return f"training numerics of {name}: {numerics.describe()} (source: {numerics.source})"
 
+
+# The measured lines' words for a softmax convention (blindness.CONVENTIONS).
+_CONVENTION_WORDS = {
+    "hf": "softmax in float32, weights cast to the dtype, as Hugging Face",
+    "tl": "softmax in the dtype, as TransformerLens 3.x",
+}
 
 # What the summary says first when no precision counterfactual was run.
 UNMEASURED_PRECISION = [
@@ -441,8 +472,9 @@ def rounding_lines(rounding: RoundingAnalysis) -> list[str]:
     lines = [
         f"{attrs['model']}: rounding of the ALiBi bias as the family stores it "
         f"({attrs['absolute']}): the first key position from which its rounding step exceeds "
-        f"{steps} logit, per dtype (from the slopes; by position, and for the relative form "
-        "by distance: rounding_by_position.csv)",
+        f'{steps} logit, per dtype (from the slopes; float16\'s "inf": where the bias '
+        "overflows; by position, and for the relative form by distance: "
+        "rounding_by_position.csv)",
         f"  {'head':{name_width}s} {'slope':{slope_width}s}  "
         + "  ".join(f"{d:{widths[d]}s}" for d in dtypes).rstrip(),
     ]
@@ -504,7 +536,9 @@ def blindness_summary(
         context_length = analytic.attrs["context_length"]
         lines.append(
             f"{analytic.attrs['model']}: blind distance (tokens) of the steepest heads, "
-            f"{analytic.attrs['bias']} ALiBi; share of a {context_length}-token context blind"
+            f"{analytic.attrs['bias']} ALiBi, per dtype and limit (where a weight falls below "
+            "the dtype's smallest normal number, its smallest subnormal, or rounds to zero); "
+            f"share of a {context_length}-token context blind"
         )
         layer0 = analytic[analytic["layer"] == 0]
         for (dtype, limit), rows in layer0.groupby(["dtype", "limit"], sort=False):
@@ -519,9 +553,12 @@ def blindness_summary(
     if rounding is not None:
         lines.extend(rounding_lines(rounding))
     if measured is not None:
+        data = measured.by_length.attrs.get("data")
         lines.append(
-            f"measured ({measured.convention} convention, {measured.n_seqs} × {measured.seq_len} "
-            "tokens): share of attention entries that underflow to exactly 0"
+            f"measured ({measured.convention} convention: "
+            f"{_CONVENTION_WORDS.get(measured.convention, '?')}; {measured.n_seqs} × "
+            f"{measured.seq_len} tokens{f' of {data}' if data else ''}): share of attention "
+            "entries that underflow to exactly 0, by context length"
         )
         for dtype, rows in measured.by_length.groupby("dtype", sort=False):
             shares = ", ".join(

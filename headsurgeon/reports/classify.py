@@ -107,8 +107,9 @@ def format_summary(
         lines.append(
             f"{attrs.get('model', 'model')}: {attrs.get('n_layers')} layers x "
             f"{attrs.get('n_heads')} heads, {attrs.get('n_seqs')} sequences x "
-            f"{attrs.get('seq_len')} tokens, position 0 = {position0}, query rows t >= "
-            f"{attrs.get('min_query_pos')}"
+            f"{attrs.get('seq_len')} tokens"
+            + (f" of {attrs['data']}" if attrs.get("data") else "")
+            + f", position 0 = {position0}, query rows t >= {attrs.get('min_query_pos')}"
         )
     total = len(classified)
     lines.append(
@@ -117,9 +118,11 @@ def format_summary(
         + f"  (sick {total - counts.get('healthy', 0)}/{total} = "
         f"{(total - counts.get('healthy', 0)) / max(total, 1):.1%})"
     )
+    lines.append(_sick_line(classified, t.dead))
     lines.append(
-        f"rule: dead if BOS mass > {t.dead:g} or output share < {t.min_output_share:g}; "
-        f"BOS-sink if BOS mass > {t.sink:g}"
+        f"rule: dead if BOS mass > {t.dead:g} or output share < {t.min_output_share:g} (its "
+        f"share of its layer's attention output); BOS-sink if BOS mass > {t.sink:g} (BOS mass: "
+        "mean attention weight on position 0)"
     )
     bos, share = classified["bos_mass"].to_numpy(), classified["output_share"].to_numpy()
     low, high = max(t.sink - NEAR, 0.0), min(t.sink + NEAR, t.dead - 1e-9)
@@ -140,13 +143,22 @@ def format_summary(
         )
     )
     per_layer.columns.name = None
-    lines += ["", "per layer:", per_layer.to_string(float_format="{:.3f}".format)]
-    strongest = classified.nlargest(top, "bos_mass")
+    lines += [
+        "",
+        "per layer: heads per label; BOS mass mean and max; mean attention entropy (nats):",
+        per_layer.to_string(float_format="{:.3f}".format),
+    ]
+    # The sick heads first: a head dead by its output share has a low BOS mass, and a table by
+    # BOS mass alone left it out.
+    ranked = classified.assign(_healthy=classified["label"] == "healthy")
+    ranked = ranked.sort_values(["_healthy", "bos_mass"], ascending=[True, False], kind="stable")
+    strongest = ranked.head(top)
     listed = ["layer", "head", "slope", "bos_mass", "bos_mass_std", "entropy", "output_share"]
     listed = [c for c in listed if c in classified.columns] + ["label"]
     lines += [
         "",
-        f"strongest sinks (top {len(strongest)} by BOS mass):",
+        f"top {len(strongest)} heads: the sick ones first, then by BOS mass (bos_mass_std: "
+        "across sequences):",
         strongest[listed].to_string(index=False, float_format="{:.4f}".format),
     ]
     if sinks is not None:
@@ -154,6 +166,29 @@ def format_summary(
     if _has_importance(classified):
         lines += ["", *_importance_lines(classified, top)]
     return shown("\n".join(lines))
+
+
+# Sick heads the summary names one by one; the rest are counted (heads.csv lists them all).
+NAMED_SICK = 24
+
+
+def _sick_line(classified: pd.DataFrame, dead: float) -> str:
+    """Every sick head by name and label, in layer order (the first :data:`NAMED_SICK`), with
+    "output share" beside a head dead by its output share rather than its BOS mass."""
+    sick = classified[classified["label"] != "healthy"].sort_values(["layer", "head"])
+    if sick.empty:
+        return "sick heads: none"
+    named = [
+        f"L{r.layer}H{r.head} {r.label}"
+        + (
+            f" (output share {r.output_share:.3f})"
+            if r.label == "dead" and r.bos_mass <= dead
+            else ""
+        )
+        for r in sick.head(NAMED_SICK).itertuples()
+    ]
+    more = f" and {len(sick) - NAMED_SICK} more (heads.csv)" if len(sick) > NAMED_SICK else ""
+    return f"sick heads ({len(sick)}): {', '.join(named)}{more}"
 
 
 def _standard_score_lines(classified: pd.DataFrame, lowest: int = 5) -> list[str]:
@@ -173,8 +208,8 @@ def _standard_score_lines(classified: pd.DataFrame, lowest: int = 5) -> list[str
         )
         lines.append(
             f"sink rate (Gu et al.): {sink_rate(classified):.2%} of (sequence, head) pairs have "
-            f"sink_score alpha_0 > {eps:g}, over {n_seqs} sequences x {seq_len} tokens "
-            f"({protocol})"
+            f"sink_score alpha_0 (mean attention on position 0) > {eps:g}, over {n_seqs} "
+            f"sequences x {seq_len} tokens ({protocol})"
         )
     if "ahon_ln" in classified.columns:
         quiet = classified.nsmallest(lowest, "ahon_ln")

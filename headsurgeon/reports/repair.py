@@ -343,8 +343,9 @@ def _markdown(
         lines += [
             "",
             f"Perplexities: train and held-out, each on {n_eval} sequences of {length} tokens "
-            "scored whole (the training figure's curves use the fine-tuning's own first "
-            "`eval_seqs` of them, so their values differ).",
+            "scored whole (the log's \"verdict's windows\"; the training figure's curves and the "
+            "log's step lines use the fine-tuning's own check windows, its first `eval_seqs` of "
+            "them, so their values differ).",
         ]
     lines += [""]
     for p in report["passes"]:

@@ -325,6 +325,12 @@ def test_cli_writes_tables_and_figures(bloom8_dir, tmp_path, capsys):
     assert summary[0].startswith("precision: not measured") and "exact zeros" in summary[1]
     assert summary[2].startswith("reach") and summary[3].startswith("reach beside its slope's")
     assert "arithmetic of the slope" in summary[4] and "blind distance" in summary[5]
+    # Its terms said where they print, and the text it read named (issue 52).
+    assert "per dtype and limit (where a weight falls below the dtype's smallest" in summary[5]
+    assert (
+        "measured (hf convention: softmax in float32, weights cast to the dtype, as Hugging "
+        "Face; 2 × 64 tokens of bundled held-out corpora (shakespeare, python-docs)): share"
+    ) in printed
     census = pd.read_csv(out / "census.csv")
     assert census["reach"].notna().all() and (census["reach"] >= 0).all()
     assert census["reach_baseline"].notna().all()

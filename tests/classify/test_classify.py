@@ -247,7 +247,10 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "healthy 5, BOS-sink 1, dead 2" in printed and "strongest sinks" in printed
+    assert (
+        "healthy 5, BOS-sink 1, dead 2" in printed
+        and "the sick ones first, then by BOS mass" in printed
+    )
     heads = pd.read_csv(out / "heads.csv")
     assert len(heads) == 8 and {"label", "reason", "bos_mass_std"} <= set(heads.columns)
     meta = json.loads((out / "heads.json").read_text())

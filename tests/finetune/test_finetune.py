@@ -386,7 +386,7 @@ def test_its_lines_show_where_logging_is_not_set_up_and_nowhere_else(monkeypatch
     monkeypatch.setattr(package, "level", logging.NOTSET)
     finetune(model, heads, tokens, config=config(), progress=False)
     err = capsys.readouterr().err
-    assert "fine-tuning 3 heads: about" in err and "step 0: train ppl" in err
+    assert "fine-tuning 3 heads: about" in err and "step 0: perplexity on the fine-tuning's" in err
     assert package.handlers == [] and package.level == logging.NOTSET  # nothing stays
     logging.root.handlers = [logging.NullHandler()]  # the program's own set-up
     finetune(model, heads, tokens, config=config(), progress=False)

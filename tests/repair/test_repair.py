@@ -60,7 +60,15 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
     assert not result.collateral and first.perplexity_change["heldout"] < 0
     # The first evaluation has no loss yet: the log says what it measured, not "loss nan".
     steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-    assert steps[0].startswith("step 0: train ppl") and not any("nan" in m for m in steps)
+    assert steps[0].startswith("step 0: perplexity") and not any("nan" in m for m in steps)
+    # Two perplexities of held-out text, each named where it prints (issue 52): the step lines'
+    # on the fine-tuning's check windows, the census and pass lines' on the verdict's.
+    n_eval = result.settings["eval_sequences"][0]
+    check = f"on the fine-tuning's check windows (16 training, first 16 of {n_eval} held-out)"
+    assert all(check in m and "targets' mean BOS mass" in m for m in steps)
+    verdict = f"on the verdict's windows ({n_eval} training, all {n_eval} held-out, 32 tokens each)"
+    judged = [m for m in caplog.messages if m.startswith(("census: ", "pass 1: 2/2 recovered"))]
+    assert len(judged) == 2 and all(f"perplexity {verdict}: train " in m for m in judged)
     assert label(result.census_after, SINK) == "healthy"
     # Only the targeted heads' Q/K/V/O slices changed; every other parameter is bit-identical.
     assert outside(model, before, result.targeted) == []
@@ -85,6 +93,7 @@ def test_repair_recovers_planted_heads_and_writes_report(injured, tmp_path, capl
     assert written["recovery_rate"] == 1.0 and written["verdict"] == "ok"
     assert written["best_pass"] == 1 and written["collateral"]["count"] == 0
     assert "**Verdict: ok**" in (out / "report.md").read_text()
+    assert "scored whole (the log's \"verdict's windows\"; " in (out / "report.md").read_text()
     # Prune versus repair: the same heads zero-ablated through plain TransformerLens hooks on a
     # fresh copy of the injured model give the report's pruned held-out perplexity.
     comparison = written["prune_vs_repair"]
