@@ -80,7 +80,7 @@ def run(command: str) -> dict:
         "cpu_s": round(cpu, 1),
         "load_before": round(load, 2),
         "load_after": round(os.getloadavg()[0], 2),
-        "quoted_seen": [q for q in quoted_lines() if q.rstrip(".") in output],
+        "quoted_seen": [q for q in quoted_lines() if q.removesuffix("...").rstrip(". ") in output],
         "last_lines": [line for line in output.splitlines() if "\r" not in line][-3:],
     }
 
@@ -121,15 +121,19 @@ def main() -> None:
         commands.append(full_repair(commands))
     machine = (
         f"{os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"torch {version('torch')}, transformer-lens {version('transformer-lens')}"
+        f"torch {version('torch')}, transformer-lens {version('transformer-lens')}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
     rows = []
     for command in commands:
         print(f"running: {command}", flush=True)
         rows.append(run(command))
         print(json.dumps(rows[-1]), flush=True)
-    OUT.with_suffix(".json").write_text(json.dumps({"machine": machine, "runs": rows}, indent=1))
-    OUT.with_suffix(".md").write_text(table(rows, machine))
+        # After each command: an interrupted run keeps the ones done.
+        OUT.with_suffix(".json").write_text(
+            json.dumps({"machine": machine, "runs": rows}, indent=1)
+        )
+        OUT.with_suffix(".md").write_text(table(rows, machine))
     print(table(rows, machine))
 
 
