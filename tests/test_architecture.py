@@ -603,6 +603,18 @@ def test_only_the_backend_reads_the_transformer_lens_major():
     assert not readers, sorted(readers)
 
 
+def test_the_major_is_compared_once():
+    """The backend object is chosen once (``backend.BACKEND``); no other line compares ``MAJOR``
+    (issue 53, item 3)."""
+    comparisons = [
+        f"{name}:{n}"
+        for name, path in module_files().items()
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"\bMAJOR\s*(<|>|==|!=)|(<|>|==|!=)\s*MAJOR\b", line)
+    ]
+    assert comparisons == ["headsurgeon.backend:72"], comparisons
+
+
 MAX_MODULE_LINES = 800
 
 
