@@ -30,8 +30,6 @@ Exports:
     resident(module)                 those weights loaded for a ``with`` block (read them there)
     add_bias_hook(attn, build)       make one attention layer use ``build``'s ALiBi bias
     hf_bias_pre_hook(build)          the same for a Hugging Face BLOOM/MPT/Falcon attention
-    attention_family(attn)           which of those an attention layer is ("bloom", ...)
-    ALIBI_ATTENTION                  transformers' ALiBi attention classes -> their family
     BiasBuilder                      the type of a bias builder ``(n_queries, n_keys, device)``
     own_alibi_slopes(n_heads)        the ALiBi slopes TransformerLens builds by itself (None: 4.x)
 
@@ -56,12 +54,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from headsurgeon.backend.shared import (
-    ALIBI_ATTENTION,
-    BiasBuilder,
-    HFBiasHook,
-    attention_family,
-)
+from headsurgeon.backend.shared import BiasBuilder, HFBiasHook
 from headsurgeon.backend.tl3 import TransformerLens3
 from headsurgeon.backend.tl4 import TransformerLens4
 from headsurgeon.errors import InvalidArgumentError
@@ -77,7 +70,6 @@ TRANSFORMER_LENS = f"TransformerLens {MAJOR}.x"
 SUPPORTED = BACKEND.supported
 
 __all__ = [
-    "ALIBI_ATTENTION",
     "BACKEND",
     "MAJOR",
     "SUPPORTED",
@@ -86,7 +78,6 @@ __all__ = [
     "HookPoint",
     "Model",
     "add_bias_hook",
-    "attention_family",
     "own_alibi_slopes",
     "check_architecture",
     "check_model",
@@ -269,7 +260,8 @@ def hf_bias_pre_hook(build: BiasBuilder) -> Callable[[nn.Module, tuple, dict], t
     (``BloomAttention``, ``MptAttention``, ``FalconAttention``, or the 4.x bridge's wrapping
     one, which takes the same call) whose ALiBi bias becomes ``build``'s, for every row.
 
-    Each takes it differently, all added to the already scaled ``q.k / sqrt(d_head)``:
+    Each takes it differently (:meth:`headsurgeon.families.AlibiFamily.with_bias`), all added to
+    the already scaled ``q.k / sqrt(d_head)``:
 
     * BLOOM: ``alibi``, ``slope x key position`` (``[batch * head, 1, key]``), becomes
       ``[batch * head, query, key]``;

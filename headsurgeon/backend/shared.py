@@ -10,8 +10,6 @@ Exports:
     hf_kv_cache()                    an empty ``DynamicCache`` appending into such buffers
     BiasBuilder                      the type of a bias builder ``(n_queries, n_keys, device)``
     HFBiasHook                       the bias pre-hook of a transformers ALiBi attention layer
-    ALIBI_ATTENTION                  transformers' ALiBi attention classes -> their family
-    attention_family(attn)           which of those an attention layer is ("bloom", ...)
     supported_models(major, others)  what headsurgeon loads on a major, in words
 """
 
@@ -26,14 +24,14 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from headsurgeon.families import attention_family
+
 __all__ = [
-    "ALIBI_ATTENTION",
     "HEAD_TENSORS",
     "BiasBuilder",
     "HFBiasHook",
     "HeadTensor",
     "appended",
-    "attention_family",
     "hf_kv_cache",
     "supported_models",
 ]
@@ -122,19 +120,6 @@ def _growing_layer_class() -> type:
     return GrowingLayer
 
 
-# transformers' ALiBi attention classes, by family; each takes its bias another way.
-ALIBI_ATTENTION = {"BloomAttention": "bloom", "MptAttention": "mpt", "FalconAttention": "falcon"}
-
-
-def attention_family(attn: nn.Module) -> str:
-    """Which Hugging Face attention class ``attn`` is or wraps (a 4.x bridge's attention wraps
-    one), as a family of :data:`ALIBI_ATTENTION`: ``"mpt"``, ``"falcon"``, else ``"bloom"`` (3.x's
-    attention too). Each takes its ALiBi bias through another argument (:class:`HFBiasHook`).
-    """
-    name = type(getattr(attn, "original_component", None) or attn).__name__
-    return ALIBI_ATTENTION.get(name, "bloom")
-
-
 class HFBiasHook:
     """:func:`headsurgeon.backend.hf_bias_pre_hook`'s hook: a class, not a closure, so that a
     model carrying it can be pickled (``torch.save(model)``, ``copy.deepcopy``) whenever
@@ -146,17 +131,8 @@ class HFBiasHook:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden = args[0] if args else kwargs["hidden_states"]
         batch, n_queries = hidden.shape[:2]
-        family = attention_family(module)
-        key_count = kwargs.get("alibi" if family == "bloom" else "attention_mask")
+        family = attention_family(module)  # each takes its bias through another argument
+        key_count = kwargs.get(family.bias_argument)
         n_keys = n_queries if key_count is None else key_count.shape[-1]
         bias = self.build(n_queries, n_keys, hidden.device).to(hidden.dtype)
-        if family == "mpt":  # broadcast over the batch by the attention itself
-            return args, kwargs | {"position_bias": bias}
-        if family == "falcon":
-            mask = kwargs["attention_mask"]
-            lowest = torch.finfo(mask.dtype).min
-            # Masked cells hold the float minimum (future keys, padding), far below any bias.
-            masked = torch.where(mask <= lowest / 2, lowest, bias.to(mask.dtype))
-            return args, kwargs | {"attention_mask": masked}
-        bias = bias[None].expand(batch, -1, -1, -1)
-        return args, kwargs | {"alibi": bias.reshape(-1, n_queries, n_keys)}
+        return args, family.with_bias(kwargs, bias, batch)

@@ -28,11 +28,11 @@ from headsurgeon.backend.shared import (
     BiasBuilder,
     HeadTensor,
     HFBiasHook,
-    attention_family,
     hf_kv_cache,
     supported_models,
 )
 from headsurgeon.errors import UnsupportedArchitectureError
+from headsurgeon.families import FALCON, attention_family
 
 __all__ = ["TransformerLens4"]
 
@@ -286,7 +286,7 @@ class _Stop(Exception):
 
 def _check_variant(hf_config: dict[str, Any], where: object) -> None:
     """One line for an architecture variant that TransformerLens 4.x converts wrongly."""
-    if hf_config.get("model_type") == "falcon" and hf_config.get("new_decoder_architecture"):
+    if hf_config.get("model_type") == FALCON.name and hf_config.get("new_decoder_architecture"):
         # Its fused query_key_value is grouped per key-value head (each group's queries, key,
         # value); TransformerLens 4.3 splits it as [Q; K; V] (logits off by 0.3 on a tiny model).
         raise UnsupportedArchitectureError(
@@ -304,7 +304,7 @@ def _pass_mpt_cache(model: nn.Module) -> None:
     long sequence, continuations of a prompt) would attend to its own positions alone.
     """
     for block in model.blocks:
-        if attention_family(block.attn) == "mpt":
+        if attention_family(block.attn).cache_argument != "layer_past":
             block.attn.register_forward_pre_hook(_cache_as_layer_past, with_kwargs=True)
 
 
