@@ -6,9 +6,7 @@ Exports:
     slopes(n_heads)                     per-head slopes m_h, exactly as Hugging Face BLOOM
     mpt_slopes(n_heads, alibi_bias_max) MPT's slopes, exactly as transformers builds them
     falcon_slopes(n_heads, d_head)      the slopes Falcon (alibi=True) applies: bf16(m_h)/sqrt(d)
-    family_slopes(family, n_heads)      the slopes transformers applies to a family's model
-    config_slopes(config)               the same for a config.json
-    transformers_slopes(config, n_heads) the same, BLOOM's without a config
+                                        (which family applies which: headsurgeon.families)
     relative_distance(n_ctx)            the (query, key) matrix of distances i - j (0 above)
     alibi_bias(head_slopes, n_ctx)      the standard bias -m_h * (i - j), [head, query, key]
     float_limits(dtype)                 FloatLimits: ln of smallest normal, subnormal, zero point
@@ -26,7 +24,7 @@ Exports:
     bias_from_distance(kind, ...)       the bias of each kind in BIAS_KINDS (mitigations)
     soft_cap(scores, c)                 c * tanh(scores / c), masked cells kept at -inf
     check_bias_params(kind, **params)   validated mitigation parameters
-    LIMITS, BIAS_KINDS, ROBUST_MODES, FloatLimits, ALIBI_FAMILIES
+    LIMITS, BIAS_KINDS, ROBUST_MODES, FloatLimits
 
 The mitigations of the ALiBi blindness paper (arXiv:2608.03994) are not public as formulas; the
 definitions here are ours and are stated exactly in :func:`bias_from_distance`.
@@ -44,17 +42,13 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from headsurgeon.dtypes import parse_dtype
-from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.validation import check_int, check_number
 
 __all__ = [
     "slopes",
     "mpt_slopes",
     "falcon_slopes",
-    "config_slopes",
-    "transformers_slopes",
-    "family_slopes",
-    "ALIBI_FAMILIES",
     "relative_distance",
     "alibi_bias",
     "LIMITS",
@@ -150,58 +144,6 @@ def falcon_slopes(n_heads: int, d_head: int) -> Float[Tensor, " head_index"]:
     n_heads = check_int(n_heads, "n_heads", minimum=1)
     d_head = check_int(d_head, "d_head", minimum=1)
     return slopes(n_heads).bfloat16().float() / math.sqrt(d_head)
-
-
-ALIBI_FAMILIES = ("bloom", "mpt", "falcon")
-
-
-def family_slopes(
-    family: str, n_heads: int, d_head: int | None = None
-) -> Float[Tensor, " head_index"]:
-    """The ALiBi slopes transformers applies for a model of one of :data:`ALIBI_FAMILIES`:
-    BLOOM (:func:`slopes`), MPT (:func:`mpt_slopes` with ``alibi_bias_max`` 8, the value
-    transformers' ``MptModel`` uses whatever the config says) or Falcon with ``alibi=True``
-    (:func:`falcon_slopes`, which needs ``d_head``).
-
-    >>> family_slopes("falcon", 2, d_head=4)
-    tensor([0.0312, 0.0020])
-    """
-    if family == "bloom":
-        return slopes(n_heads)
-    if family == "mpt":
-        return mpt_slopes(n_heads)
-    if family == "falcon":
-        return falcon_slopes(n_heads, d_head)
-    raise InvalidArgumentError(f"unknown ALiBi family {family!r}; use one of bloom, mpt, falcon")
-
-
-def config_slopes(config: dict) -> Float[Tensor, " head_index"]:
-    """:func:`family_slopes` for a Hugging Face ``config.json`` (a dict); one
-    :class:`UnsupportedArchitectureError` line for a model without ALiBi.
-
-    >>> config_slopes({"model_type": "mpt", "n_heads": 2, "attn_config": {"alibi_bias_max": 16}})
-    tensor([0.0625, 0.0039])
-    """
-    family = config.get("model_type")
-    if family not in ALIBI_FAMILIES or (family == "falcon" and not config.get("alibi")):
-        raise UnsupportedArchitectureError(
-            f"model_type {family} {'without alibi ' if family == 'falcon' else ''}has no ALiBi "
-            "slopes (headsurgeon knows BLOOM's, MPT's, and Falcon's with alibi: true)"
-        )
-    n_heads = config[{"bloom": "n_head", "mpt": "n_heads"}.get(family, "num_attention_heads")]
-    d_head = config["hidden_size"] // n_heads if family == "falcon" else None
-    return family_slopes(family, n_heads, d_head)
-
-
-def transformers_slopes(hf_config: dict, n_heads: int) -> Float[Tensor, " head_index"]:
-    """The slopes transformers applies for a checkpoint's config (:func:`config_slopes`), or
-    BLOOM's for ``n_heads`` (:func:`slopes`) when there is no config (``{}``: a TransformerLens
-    3.x model built from its own config, which is always a BLOOM).
-
-    >>> transformers_slopes({}, 2)
-    tensor([0.0625, 0.0039])
-    """
-    return config_slopes(hf_config) if hf_config else slopes(n_heads)
 
 
 def relative_distance(n_ctx: int) -> Float[Tensor, "query_pos key_pos"]:

@@ -34,7 +34,7 @@ import einops
 import torch
 from torch import Tensor
 
-from headsurgeon import backend
+from headsurgeon import backend, families
 from headsurgeon.backend import Model, check_model
 from headsurgeon.backend.weights import check_unprocessed, tl_state_dict
 from headsurgeon.dtypes import DTYPES, parse_dtype
@@ -78,35 +78,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Where a family keeps its fused attention projection in Hugging Face's names, its row
-    order, and the embedding weight ``lm_head`` may be tied to."""
-
-    qkv: str  # per layer, e.g. "transformer.h.{}.self_attention.query_key_value"
-    interleaved: bool  # rows per head (q, k, v), BLOOM's and Falcon's; else [Q; K; V], MPT's
-    embeddings: str
-    family: str
-
-
-_BLOOM_LAYOUT = _Layout(
-    "transformer.h.{}.self_attention.query_key_value",
-    True,
-    "transformer.word_embeddings.weight",
-    "BLOOM",
-)
-# transformers' modeling code: BloomAttention and FalconAttention (neither multi-query nor
-# new_decoder_architecture) view the fused output as [..., head, 3, d_head]; MptAttention
-# chunks it into thirds.
-_LAYOUTS = {
-    "BloomForCausalLM": _BLOOM_LAYOUT,
-    "FalconForCausalLM": dataclasses.replace(_BLOOM_LAYOUT, family="Falcon"),
-    "MptForCausalLM": _Layout(
-        "transformer.blocks.{}.attn.Wqkv", False, "transformer.wte.weight", "MPT"
-    ),
-}
-
-
 def _bloom_config(model: Model, info: ModelInfo) -> dict[str, Any]:
     """The ``config.json`` of the export: BLOOM's from TransformerLens's config, or an MPT's or a
     Falcon's own (a 4.x bridge computes with the Hugging Face model, config included)."""
@@ -114,12 +85,13 @@ def _bloom_config(model: Model, info: ModelInfo) -> dict[str, Any]:
     # transformers records the folder a model was loaded from: the export names the model instead
     # (an absolute source path would carry the user's home into a checkpoint meant to be shared).
     config = dict(info.hf_config) | {"_name_or_path": info.name}
-    if architecture in _LAYOUTS and architecture != "BloomForCausalLM":
+    family = families.ARCHITECTURES.get(architecture)
+    if family is not None and family.writes_own_config:
         return config | {"architectures": [architecture]}
     cfg = model.cfg
     config.update(
-        architectures=["BloomForCausalLM"],
-        model_type="bloom",
+        architectures=[families.BLOOM.architecture],
+        model_type=families.BLOOM.name,
         vocab_size=cfg.d_vocab,
         hidden_size=cfg.d_model,
         n_layer=cfg.n_layers,
@@ -174,9 +146,9 @@ def hf_model(model: Model, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
     hf_class = getattr(transformers, architecture)
     state = {name: t.clone() for name, t in hf_state_dict(model).items()}
     hf_config = hf_class.config_class.from_dict(config)
+    embeddings = state[families.ARCHITECTURES[architecture].embeddings]
     hf_config.tie_word_embeddings = bool(
-        hf_config.tie_word_embeddings
-        and torch.equal(state["lm_head.weight"], state[_LAYOUTS[architecture].embeddings])
+        hf_config.tie_word_embeddings and torch.equal(state["lm_head.weight"], embeddings)
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # MPT's ignored alibi_bias_max: the slopes say it
@@ -233,8 +205,8 @@ def _bridge_state(model: Model) -> dict[str, Tensor]:
     """A 4.x bridge's weights under its Hugging Face class's own names (see hf_state_dict)."""
     check_unprocessed(model)
     hf = model.original_model
-    layout = _LAYOUTS.get(type(hf).__name__)
-    if layout is None:
+    family = families.ARCHITECTURES.get(type(hf).__name__)
+    if family is None:
         raise UnsupportedArchitectureError(
             f"hf_state_dict writes BLOOM, MPT and Falcon models, not {type(hf).__name__}"
         )
@@ -253,10 +225,10 @@ def _bridge_state(model: Model) -> dict[str, Tensor]:
             f"{missing[0]}; hf_state_dict cannot write it"
         )
     out = {name: found[name] for name in names}
-    interleaved = layout.interleaved and not hf.config.to_dict().get("multi_query")
+    interleaved = family.interleaved and not hf.config.to_dict().get("multi_query")
     for layer, block in enumerate(model.blocks):
         linears = [getattr(block.attn, x).original_component for x in "qkv"]
-        fused = layout.qkv.format(layer)
+        fused = family.qkv_path.format(layer)
         out[fused + ".weight"] = _fused([m.weight for m in linears], model.cfg.n_heads, interleaved)
         if linears[0].bias is not None:
             biases = [m.bias for m in linears]
@@ -328,9 +300,9 @@ def _bloom_differences(model: Model, info: ModelInfo, config: dict[str, Any]) ->
     The reference is the TransformerLens config that ``config`` itself converts to, so every
     field TransformerLens knows is compared, not a hand-kept list of BLOOM's settings.
     """
-    layout = _LAYOUTS.get(backend.hf_architecture(model))
-    if layout is not None and layout.family != "BLOOM":
-        return _family_differences(model, info, layout.family)
+    family = families.ARCHITECTURES.get(backend.hf_architecture(model))
+    if family is not None and family.writes_own_config:
+        return _family_differences(model, info, family.title)
     cfg = model.cfg
     with tempfile.TemporaryDirectory(prefix="headsurgeon-") as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
@@ -586,12 +558,13 @@ def save_hf(
     check_output_dir(out_dir, overwrite, inputs=inputs)  # before any work
     check_unprocessed(model)
     config = _bloom_config(model, info)
-    family = _LAYOUTS.get(config["architectures"][0], _BLOOM_LAYOUT).family
+    family = families.ARCHITECTURES.get(config["architectures"][0], families.BLOOM)
     differences = _bloom_differences(model, info, config)
     if differences:
-        why, article = "; ".join(differences), "an" if family == "MPT" else "a"
+        why = "; ".join(differences)
         raise UnsupportedArchitectureError(
-            f"save_hf cannot write {info.name!r} as {article} {family} checkpoint: {why}"
+            f"save_hf cannot write {info.name!r} as {family.article} {family.title} checkpoint: "
+            f"{why}"
         )
     save_dtype = parse_dtype(dtype) if dtype is not None else None
     save_dtype = save_dtype or _source_dtype(info.source) or model.embed.W_E.dtype
@@ -640,7 +613,7 @@ def _cast_state(
     """The Hugging Face state in ``save_dtype`` (``lm_head`` dropped, and ``config`` marked, when
     tied), the state before the cast, and how many weights the cast rounded."""
     state = hf_state_dict(model)
-    embeddings = _LAYOUTS[config["architectures"][0]].embeddings
+    embeddings = families.ARCHITECTURES[config["architectures"][0]].embeddings
     tied = config.get("tie_word_embeddings", True) and torch.equal(
         state["lm_head.weight"], state[embeddings]
     )
@@ -678,7 +651,7 @@ def model_card(
     >>> card.splitlines()[:3]
     ['---', 'library_name: transformers', 'tags: ["headsurgeon", "alibi", "bloom"]']
     """
-    family = str(config.get("model_type", "bloom"))
+    family = str(config.get("model_type", families.BLOOM.name))
     tags = ["headsurgeon", "alibi" if info.is_alibi else "transformer", family]
     front = ["---", "library_name: transformers", f"tags: {json.dumps(tags)}"]
     if info.source is not None and info.name.count("/") == 1 and not os.path.isabs(info.name):

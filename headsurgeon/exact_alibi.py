@@ -38,17 +38,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from headsurgeon import alibi, backend
-from headsurgeon.backend import (
-    ALIBI_ATTENTION,
-    BiasBuilder,
-    Model,
-    add_bias_hook,
-    attention_family,
-    check_model,
-    hf_bias_pre_hook,
-)
+from headsurgeon import alibi, backend, families
+from headsurgeon.backend import BiasBuilder, Model, add_bias_hook, check_model, hf_bias_pre_hook
 from headsurgeon.errors import CheckpointError, InvalidArgumentError
+from headsurgeon.families import ALIBI_ATTENTION, attention_family
 
 __all__ = [
     "BiasBuilder",
@@ -91,7 +84,7 @@ def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> 
     model computes what it was trained to compute everywhere; a mitigation still replaces it for
     the length of a ``with`` block. See :func:`trained_bias`.
 
-    The slopes are those transformers applies (:func:`headsurgeon.alibi.transformers_slopes`).
+    The slopes are those transformers applies (:func:`headsurgeon.families.transformers_slopes`).
     A standard Falcon gets no hook: transformers hands its attention its own bias already (in
     the attention mask, its bfloat16 products ``m_h j`` rounded at every position, which a
     relative bias would not reproduce), so the model computes exactly what transformers
@@ -99,10 +92,10 @@ def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> 
     tensor ends.
     """
     check_model(model, "install_exact_alibi")
-    if kind == "standard" and attention_family(model.blocks[0].attn) == "falcon":
+    if kind == "standard" and attention_family(model.blocks[0].attn).keeps_own_standard_bias:
         return
     hf_config = backend.hf_config(model)
-    head_slopes = tuple(alibi.transformers_slopes(hf_config, model.cfg.n_heads).tolist())
+    head_slopes = tuple(families.transformers_slopes(hf_config, model.cfg.n_heads).tolist())
     build = bias_builder(kind, params, head_slopes)
     for block in model.blocks:
         attn = block.attn
@@ -113,16 +106,18 @@ def install_exact_alibi(model: Model, kind: str = "standard", **params: Any) -> 
 def install_hf_bias(hf_model: torch.nn.Module, kind: str = "standard", **params: Any) -> list:
     """Make a ``transformers`` ALiBi model (BLOOM, MPT, Falcon with ``alibi=True``) compute with
     the ALiBi variant ``kind``: the same bias :func:`install_exact_alibi` gives a TransformerLens
-    model, from the slopes transformers applies (:func:`headsurgeon.alibi.config_slopes`),
+    model, from the slopes transformers applies (:func:`headsurgeon.families.config_slopes`),
     through :func:`headsurgeon.backend.hf_bias_pre_hook` on each attention layer. How
     ``analyses/train_organism.py --bias`` trains a variant and ``save_hf`` checks its export.
     Returns the hook handles (``handle.remove()`` undoes it). A standard Falcon gets none, as
     in :func:`install_exact_alibi`: its own bias is the one its checkpoint was trained with.
     """
     params = alibi.check_bias_params(kind, **params)
-    if kind == "standard" and hf_model.config.model_type == "falcon":
+    config = hf_model.config.to_dict()
+    family = families.FAMILIES.get(config.get("model_type"))
+    if kind == "standard" and family is not None and family.keeps_own_standard_bias:
         return []
-    head_slopes = tuple(alibi.config_slopes(hf_model.config.to_dict()).tolist())
+    head_slopes = tuple(families.config_slopes(config).tolist())
     build = bias_builder(kind, params, head_slopes)
     return [
         module.register_forward_pre_hook(hf_bias_pre_hook(build), with_kwargs=True)

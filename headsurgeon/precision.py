@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from headsurgeon import alibi, long_context
+from headsurgeon import alibi, families, long_context
 from headsurgeon.backend import Model
 from headsurgeon.backend.cache import hf_kv_cache
 from headsurgeon.blindness import active_mitigations, dtype_name
@@ -148,90 +147,45 @@ class _Recipe:
 
 
 class _Family:
-    """One transformers ALiBi family's attention, op for op as its eager code (transformers
-    5.x ``modeling_bloom``, ``modeling_falcon``, ``modeling_mpt``), with the scores' dtype, the
-    bias form and the weights' rounding chosen by a :class:`_Recipe`."""
+    """The attention modules of one transformers ALiBi model ``hf``, computing op for op as its
+    family's eager code (:class:`headsurgeon.families.AlibiFamily`, as transformers 5.x
+    ``modeling_bloom``, ``modeling_falcon``, ``modeling_mpt``), with the scores' dtype, the bias
+    form and the weights' rounding chosen by a :class:`_Recipe`; ``slopes``: the ALiBi slopes
+    per token the model applies (:func:`headsurgeon.loading.facts.applied_slopes`)."""
 
-    def __init__(self, hf: nn.Module) -> None:
+    def __init__(self, hf: nn.Module, slopes: Tensor) -> None:
         config = hf.config.to_dict()
-        self.name = config["model_type"]
-        if self.name == "falcon" and not config.get("alibi"):
+        self.kind = families.family_named(config["model_type"])
+        if not self.kind.applies_alibi(config):
             raise UnsupportedArchitectureError(
-                "precision_effect measures ALiBi models; this Falcon uses rotary positions"
+                f"precision_effect measures ALiBi models; this {self.kind.title} uses rotary "
+                "positions"
             )
         if config.get("pretraining_tp", 1) > 1 and config.get("slow_but_exact"):
             raise UnsupportedArchitectureError(
                 "precision_effect follows BLOOM's eager attention; this config asks for its "
                 "slow_but_exact tensor-parallel sums: set slow_but_exact to false"
             )
-        self.n_heads = config[
-            {"bloom": "n_head", "mpt": "n_heads"}.get(self.name, "num_attention_heads")
-        ]
-        self.d_head = config[{"mpt": "d_model"}.get(self.name, "hidden_size")] // self.n_heads
-        # The slopes each family multiplies positions by (Falcon: in bfloat16, see _bias), and
-        # the per-token slopes of the relative form (the hooks' :func:`alibi.config_slopes`).
-        self.slopes = (
-            alibi.mpt_slopes(self.n_heads) if self.name == "mpt" else alibi.slopes(self.n_heads)
-        )
-        relative = tuple(alibi.config_slopes(config).tolist())
-        self.relative_bias = bias_builder("relative", {}, relative)
-        self.modules = [m for m in hf.modules() if type(m).__name__ in _ATTENTION]
+        self.n_heads = config[self.kind.heads_field]
+        self.d_head = config[self.kind.width_field] // self.n_heads
+        # What the family multiplies positions by (Falcon: BLOOM's slopes, in bfloat16), and
+        # the relative form's bias (the bias hooks').
+        self.factors = self.kind.factors(slopes, self.d_head)
+        self.relative_bias = bias_builder("relative", {}, tuple(slopes.tolist()))
+        self.modules = [m for m in hf.modules() if type(m).__name__ in families.ALIBI_ATTENTION]
 
     def _bias(
-        self, n_queries: int, n_keys: int, dtype: torch.dtype, relative: bool, device
+        self, n_queries: int, n_keys: int, dtype: torch.dtype, relative: bool, device: Any
     ) -> Tensor:
         """The ALiBi bias as the family (or, ``relative``, the bias hook) hands it to its
         attention, cast to ``dtype`` where the family casts it."""
         if relative:  # backend.hf_bias_pre_hook: built in float32, cast to the hidden dtype
             return self.relative_bias(n_queries, n_keys, device).to(dtype)
-        keys = torch.arange(n_keys, device=device)
-        if self.name == "bloom":  # BloomModel.forward: slopes x key position, cast
-            return (self.slopes.to(device)[:, None, None] * keys).to(dtype)
-        if self.name == "falcon":  # build_alibi_tensor: the product in bfloat16; / sqrt(d)
-            product = self.slopes.to(device)[:, None].bfloat16() * keys
-            return product.to(dtype)[None, :, None, :] / math.sqrt(self.d_head)
-        # build_mpt_alibi_tensor, the last n_keys columns: float32, relative to the last key.
-        position = torch.arange(1 - n_keys, 1, dtype=torch.int32, device=device)
-        return position * self.slopes.to(device)[:, None, None]
+        return self.kind.own_bias(self.factors, n_keys, dtype, self.d_head, device)
 
     def qkv(self, module: nn.Module, hidden: Tensor, args: dict) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values ``[batch, head, pos, d_head]`` (keys and values after the
-        cache, Falcon's shared ones repeated per head), in the module's dtype."""
-        batch, n_pos = hidden.shape[:2]
-        if self.name == "bloom":
-            q, k, v = module._reshape(module.query_key_value(hidden))
-            cache = args.get("layer_past")
-        elif self.name == "mpt":
-            mixed = module.Wqkv(hidden)
-            if module.clip_qkv:
-                mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
-            q, k, v = (
-                t.reshape(batch, n_pos, self.n_heads, self.d_head).transpose(1, 2)
-                for t in mixed.chunk(3, dim=2)
-            )
-            cache = args.get("cache")
-        else:
-            fused = module.query_key_value(hidden).view(batch, n_pos, -1, self.d_head)
-            if module.new_decoder_architecture:
-                grouped = fused.view(batch, n_pos, module.num_kv_heads, -1, self.d_head)
-                q = grouped[..., :-2, :].flatten(-3, -2)
-                k, v = grouped[..., -2, :], grouped[..., -1, :]
-            elif module.multi_query:
-                q, k, v = fused.split([self.n_heads, 1, 1], dim=-2)
-            else:
-                q, k, v = fused.unflatten(-2, (self.n_heads, 3)).unbind(-2)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            cache = args.get("layer_past")
-        if cache is not None:
-            k, v = cache.update(k, v, module.layer_idx)
-        if self.name == "falcon":
-            from transformers.models.falcon.modeling_falcon import repeat_kv
-
-            k, v = (
-                repeat_kv(k, module.num_key_value_groups),
-                repeat_kv(v, module.num_key_value_groups),
-            )
-        return q, k, v
+        """Queries, keys and values ``[batch, head, pos, d_head]``, as the family forms them."""
+        return self.kind.qkv(module, hidden, args, self.n_heads, self.d_head)
 
     def scores(
         self,
@@ -245,59 +199,15 @@ class _Family:
         """The masked pre-softmax scores, formed from ``q``, ``k`` cast to ``dtype`` and the bias
         exactly as the family forms them (their dtype is the family's: ``dtype``, or float32
         where MPT adds its float32 bias, or float64 where a float64 mask is added)."""
-        batch, n_heads, n_queries, d_head = q.shape
-        n_keys = k.shape[2]
         q, k = q.to(dtype), k.to(dtype)
-        bias = self._bias(n_queries, n_keys, dtype, relative, q.device)
-        if self.name == "bloom":
-            if relative:  # the hook's [batch * head, query, key]
-                bias = bias[None].expand(batch, -1, -1, -1).reshape(-1, n_queries, n_keys)
-            else:
-                bias = bias.repeat(batch, 1, 1)
-            scores = bias.baddbmm(
-                batch1=q.reshape(batch * n_heads, -1, d_head),
-                batch2=k.reshape(batch * n_heads, -1, d_head).transpose(-1, -2),
-                beta=module.beta,
-                alpha=module.inv_norm_factor,
-            ).view(batch, n_heads, n_queries, -1)
-            return scores if mask is None else scores + mask
-        if self.name == "falcon":
-            # FalconModel folds the bias into the additive mask; its masked cells hold the minimum.
-            lowest = torch.finfo(dtype).min
-            masked = mask <= torch.finfo(mask.dtype).min / 2
-            bias = bias[None] if relative else bias
-            bias = (
-                torch.where(masked, lowest, bias) if relative else bias.masked_fill(masked, lowest)
-            )
-            return torch.matmul(q, k.transpose(2, 3)) * module.scaling + bias
-        scores = torch.matmul(q, k.transpose(-1, -2)) * module.softmax_scale + bias
-        return scores if mask is None else scores.masked_fill(mask, torch.finfo(q.dtype).min)
+        bias = self._bias(q.shape[2], k.shape[2], dtype, relative, q.device)
+        return self.kind.scores(module, q, k, mask, bias)
 
     def output(
         self, module: nn.Module, weights: Tensor, v: Tensor, args: dict
     ) -> tuple[Tensor, Tensor]:
         """The attention module's return value from the weights, as the family computes it."""
-        batch, n_heads, n_queries, _ = weights.shape
-        if self.name == "bloom":
-            from transformers.models.bloom.modeling_bloom import dropout_add
-
-            context = torch.bmm(
-                weights.view(batch * n_heads, n_queries, -1),
-                v.reshape(batch * n_heads, -1, self.d_head),
-            )
-            out = module.dense(module._merge_heads(context))
-            return dropout_add(
-                out, args["residual"], module.hidden_dropout, module.training
-            ), weights
-        context = torch.matmul(weights, v)
-        if self.name == "mpt":
-            context = context.permute(0, 2, 1, 3).contiguous().view(batch, n_queries, -1)
-            return module.out_proj(context), weights
-        context = context.transpose(1, 2).contiguous().reshape(batch, n_queries, -1).contiguous()
-        return module.dense(context), weights
-
-
-_ATTENTION = ("BloomAttention", "MptAttention", "FalconAttention")
+        return self.kind.output(module, weights, v, args, self.d_head)
 
 
 @functools.cache
@@ -485,7 +395,7 @@ def precision_effect(
         )
     device = torch.device(model.cfg.device or "cpu")
     reference_model = hf_model(model, torch.float64).to(device)
-    family = _Family(reference_model)
+    family = _Family(reference_model, info.slopes)
     forms = _bias_forms(model, info, family, bias_forms, both=reference == "training")
     trained = _training_recipe(info, family) if reference == "training" else None
     if seq_len is None:
@@ -511,24 +421,24 @@ def precision_effect(
     for recipe in recipes:
         if recipe.model_dtype not in models:  # float64 holds the weights exactly: one rounding
             models[recipe.model_dtype] = copy.deepcopy(reference_model).to(recipe.model_dtype)
-    families = {dtype: _Family(hf) for dtype, hf in models.items()}
+    per_dtype = {dtype: _Family(hf, info.slopes) for dtype, hf in models.items()}
     heads = HeadTable(family, recipes, model.cfg.n_layers, position_edges(n_pos + 1))
     stats = _run(
-        models, families, recipes, trained, heads if head_table else None, tokens, block, progress
+        models, per_dtype, recipes, trained, heads if head_table else None, tokens, block, progress
     )
 
-    own = _OWN_FORM[family.name]
+    own = family.kind.own_form
     form_of = {False: own, True: "relative"}
     by_position = _position_table(stats, recipes, form_of, edges, info.train_ctx)
     by_region = _position_table(
         stats, recipes, form_of, region_edges(n_pos, info.train_ctx), info.train_ctx
     )
-    head_slopes = alibi.config_slopes(reference_model.config.to_dict()).tolist()
+    head_slopes = info.slopes.tolist()
     by_head = heads.table(n_rows * n_pos, head_slopes, form_of) if head_table else pd.DataFrame()
     numerics = info.training_numerics
     attrs = {
         "model": info.name,
-        "family": family.name,
+        "family": family.kind.name,
         "bias": ", ".join(forms),
         "bias_forms": {form: BIAS_MEANINGS[form] for form in forms},
         "seq_len": n_pos,
@@ -557,10 +467,6 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
     if dtype in (torch.float64, "float64", "fp64", "double"):
         return "float64"
     return dtype_name(dtype)
-
-
-# The bias form each family computes by itself.
-_OWN_FORM = {"bloom": "absolute", "falcon": "absolute", "mpt": "last-key"}
 
 
 def training_edges(length: int, train_ctx: int | None) -> list[int]:
@@ -620,7 +526,7 @@ def _bias_forms(
     family's, both if ``both``, or ``relative`` in a relative mitigation block); one line for
     anything else."""
     relative = _bias_mode(model, info)
-    own = _OWN_FORM[family.name]
+    own = family.kind.own_form
     if bias_forms is None and relative:
         return ["relative"]
     if bias_forms is None:
@@ -652,10 +558,10 @@ def _training_recipe(info: ModelInfo, family: _Family) -> _Recipe:
             f"{' or '.join(numerics.unknown)}, so no pass can reproduce them; use "
             "reference='float64'"
         )
-    if numerics.bias not in (_OWN_FORM[family.name], "relative"):
+    if numerics.bias not in (family.kind.own_form, "relative"):
         raise UnsupportedArchitectureError(
             f"{info.name} was trained with the {numerics.bias} bias, which its family "
-            f"({family.name}) does not form; use reference='float64'"
+            f"({family.kind.name}) does not form; use reference='float64'"
         )
     return _Recipe(
         "attention",
@@ -687,7 +593,7 @@ def _bias_mode(model: Model, info: ModelInfo) -> bool:
 @torch.no_grad()
 def _run(
     models: dict[torch.dtype, nn.Module],
-    families: dict[torch.dtype, _Family],
+    per_dtype: dict[torch.dtype, _Family],
     recipes: list[_Recipe],
     trained: _Recipe | None,
     heads: HeadTable | None,
@@ -726,7 +632,7 @@ def _run(
             dtype = recipe.model_dtype
             # The head table reads the float64 reference's q, k and weights.
             probe = heads if recipe.part == "float64" else None
-            with _recipe_attention(families[dtype], recipe, probe):
+            with _recipe_attention(per_dtype[dtype], recipe, probe):
                 logits = models[dtype](chunk, cache=caches[i], use_cache=True).logits
             rounded = logits[:, :n].double()
             loss = -rounded.log_softmax(-1).gather(-1, targets[..., None])[..., 0]

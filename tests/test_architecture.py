@@ -37,6 +37,7 @@ LAYERS = {
     ),
     "pure math": ("alibi", "stats"),
     "models": (
+        "families",
         "backend",
         "long_context",
         "exact_alibi",
@@ -601,6 +602,39 @@ def test_only_the_backend_reads_the_transformer_lens_major():
         and re.search(r"\bMAJOR\b", path.read_text(encoding="utf-8"))
     }
     assert not readers, sorted(readers)
+
+
+def test_the_major_is_compared_once():
+    """The backend object is chosen once (``backend.BACKEND``); no other line compares ``MAJOR``
+    (issue 53, item 3)."""
+    comparisons = [
+        name
+        for name, path in module_files().items()
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if re.search(r"\bMAJOR\s*(<|>|==|!=)|(<|>|==|!=)\s*MAJOR\b", line)
+    ]
+    assert comparisons == ["headsurgeon.backend"], comparisons
+
+
+# The modules that may spell a family's model_type, and why: name tables, not branches.
+FAMILY_NAME_TABLES = {
+    "headsurgeon.families": "the family classes",
+    "headsurgeon.loading.numerics": "the published models by name (bloom-560m, ..., bloom)",
+    "headsurgeon.loading.checks": "the weight names of every model family, ALiBi or not",
+    "headsurgeon.evals.retrieval": "a needle word (falcon), not a family",
+    "headsurgeon.checkpoints": "model_card's doctest, a config.json in words",
+}
+
+
+def test_no_family_name_outside_the_family_classes_and_the_name_tables():
+    """What differs between BLOOM, MPT and Falcon is a member of its class in
+    :mod:`headsurgeon.families`, never a branch on its name (issue 53, item 3)."""
+    spelled = {
+        name
+        for name, path in module_files().items()
+        if re.search(r"""["'](bloom|mpt|falcon)["']""", path.read_text(encoding="utf-8"))
+    }
+    assert spelled <= set(FAMILY_NAME_TABLES), sorted(spelled - set(FAMILY_NAME_TABLES))
 
 
 MAX_MODULE_LINES = 800

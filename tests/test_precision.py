@@ -25,6 +25,7 @@ from headsurgeon.checkpoints import hf_model
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.evals import position_edges
 from headsurgeon.exact_alibi import install_hf_bias
+from headsurgeon.families import config_slopes
 from headsurgeon.precision import _Family, _Recipe, _recipe_attention, precision_effect
 from headsurgeon.reports.blindness import blindness_summary, precision_verdict
 
@@ -54,7 +55,7 @@ def _tokens(model, n_seqs=2, n_pos=40):
 def _logits(hf, recipe=None, tokens=None):
     if recipe is None:
         return hf(tokens).logits
-    with _recipe_attention(_Family(hf), recipe):
+    with _recipe_attention(_Family(hf, config_slopes(hf.config.to_dict())), recipe):
         return hf(tokens).logits
 
 

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headsurgeon.backend import MAJOR, Model, tl3_config, unused_positions
+from headsurgeon.backend import BACKEND, Model
+from headsurgeon.backend.tl3 import tl3_config, unused_positions
 
 __all__ = ["BOUNDED_ARCHITECTURES", "empty_model", "fill", "parts"]
 
-BOUNDED_ARCHITECTURES = ("BloomForCausalLM",) if MAJOR < 4 else ()
+BOUNDED_ARCHITECTURES = BACKEND.bounded_architectures
 
 # The Hugging Face tensors (BloomForCausalLM's names) each TransformerLens part is made from.
 _NORM = ("weight", "bias")

@@ -10,17 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from headsurgeon.backend import MAJOR, HookPoint, Model
+from headsurgeon.backend import BACKEND, Model
 
 __all__ = ["run_from_layer", "run_to_layer"]
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once the wanted activation is in hand."""
 
 
 def run_to_layer(
@@ -32,24 +27,7 @@ def run_to_layer(
     LayerNorm and unembedding when it equals the number of layers.) With ``cache`` (from
     :func:`new_kv_cache`) the tokens continue the cached positions, and the cache grows by them.
     """
-    if MAJOR < 4:
-        if cache is None:
-            return model(tokens, stop_at_layer=stop_at_layer)
-        ones = torch.ones_like(tokens)  # explicit: no pad-token guessing from the tokenizer
-        return model(tokens, stop_at_layer=stop_at_layer, past_kv_cache=cache, attention_mask=ones)
-    found: list[Tensor] = []
-
-    def stop(resid: Tensor, hook: HookPoint) -> None:
-        found.append(resid)
-        raise _Stop
-
-    kwargs = {} if cache is None else {"cache": cache, "use_cache": True}
-    with model.hooks(fwd_hooks=[(f"blocks.{stop_at_layer - 1}.hook_resid_post", stop)]):
-        try:
-            model(tokens, **kwargs)
-        except _Stop:
-            pass
-    return found[0]
+    return BACKEND.run_to_layer(model, tokens, stop_at_layer, cache)
 
 
 def run_from_layer(
@@ -64,11 +42,4 @@ def run_from_layer(
     2.4 nats at block 0 on the organism) and runs the earlier blocks anyway: here the pass runs
     from ``tokens`` and a hook swaps ``resid_pre`` in.
     """
-    if MAJOR < 4:
-        return model(resid_pre, start_at_layer=start_at_layer)
-
-    def swap(resid: Tensor, hook: HookPoint) -> Tensor:
-        return resid_pre
-
-    with model.hooks(fwd_hooks=[(f"blocks.{start_at_layer}.hook_resid_pre", swap)]):
-        return model(tokens)
+    return BACKEND.run_from_layer(model, tokens, resid_pre, start_at_layer)

@@ -28,7 +28,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import HookPoint, Model, add_bias_hook, attention_family
+from headsurgeon.backend import HookPoint, Model, add_bias_hook
 from headsurgeon.data import Data, Sequences, as_sequences
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
@@ -36,6 +36,7 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
 )
 from headsurgeon.exact_alibi import bias_builder, trained_bias
+from headsurgeon.families import attention_family
 from headsurgeon.inuse import holds_model, hooked
 from headsurgeon.loading import ModelInfo, ModelShape, model_info, model_metadata, model_shape
 from headsurgeon.probes import stream, unfired
@@ -143,9 +144,7 @@ def analytic_blindness(
     if is_model:
         head_slopes = info.slopes
     else:  # the slopes transformers applies to a model of the family (MPT's, Falcon's, BLOOM's)
-        head_slopes = alibi.family_slopes(
-            shape.family, shape.n_heads, shape.d_model // shape.n_heads
-        )
+        head_slopes = shape.alibi_family.slopes(shape.n_heads, shape.d_model // shape.n_heads)
     if bias is None:
         bias, params = trained_bias(info.metadata if is_model else model_metadata(model))
     frames = []
@@ -720,7 +719,8 @@ def applied_bias(
     replaced = [(k, p) for k, p in active if k != "softcap"]
     kind, params = replaced[-1] if replaced else trained_bias(info.metadata)
     own = not replaced and kind == "standard"  # no hook of ours on a standard Falcon
-    if not info.is_alibi or (own and attention_family(model.blocks[0].attn) == "falcon"):
+    keeps_own = attention_family(model.blocks[0].attn).keeps_own_standard_bias
+    if not info.is_alibi or (own and keeps_own):
         return None
     caps = [p["c"] for k, p in active if k == "softcap"]
     distance = torch.arange(n_pos, dtype=torch.float32)[None]

@@ -26,7 +26,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from headsurgeon import alibi
+from headsurgeon import families
 from headsurgeon.backend import Model
 from headsurgeon.blindness.analysis import ANALYSED_DTYPES, alibi_door, dtype_name
 from headsurgeon.dtypes import parse_dtype
@@ -40,16 +40,9 @@ __all__ = ["MAX_POSITION", "ROUNDING_THRESHOLDS", "RoundingAnalysis", "analytic_
 MAX_POSITION = 2**40
 ROUNDING_THRESHOLDS = (0.1, 1.0)
 
-# How each family forms its absolute bias (transformers 5.x, as headsurgeon.precision follows it),
-# and the relative form (headsurgeon's bias hook), in words for the tables' attrs.
-_FORMS = {
-    "bloom": "slope x key position in float32, cast to the dtype (BloomModel, Megatron-DeepSpeed)",
-    "mpt": "slope x distance back from the last key in float32, whatever the dtype "
-    "(build_mpt_alibi_tensor)",
-    "falcon": "bfloat16(slope) x bfloat16(key position) in bfloat16 whatever the dtype, cast to "
-    "the dtype, divided by sqrt(d_head) in it (Falcon's build_alibi_tensor)",
-    "relative": "slope x distance from the query in float32, cast to the dtype (the bias hook)",
-}
+# The relative form (headsurgeon's bias hook) in words for the tables' attrs; each family's own
+# absolute form is its families.AlibiFamily.own_form_words.
+_RELATIVE = "slope x distance from the query in float32, cast to the dtype (the bias hook)"
 
 
 @dataclasses.dataclass
@@ -85,7 +78,7 @@ def _spacing(values: Tensor) -> Float[Tensor, "..."]:
 class _Bias:
     """One model's ALiBi bias as its family stores it (see :func:`analytic_rounding`)."""
 
-    family: str
+    family: families.AlibiFamily
     slopes: Tensor  # per token of distance, float32 (Falcon's divided by sqrt(d_head))
     factors: Tensor  # what the family multiplies positions by, float32 (Falcon: BLOOM's slopes)
     d_head: int
@@ -95,10 +88,12 @@ class _Bias:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The bias's magnitude (float64), rounding step and error bound (logits) at integer
         ``positions`` (``[position]`` or ``[head, 1]``), as ``[head, position]``."""
-        family = "relative" if form == "relative" else self.family
-        factors = self.slopes if family == "relative" else self.factors
-        work = torch.bfloat16 if family == "falcon" else torch.float32  # the product's dtype
-        scale = math.sqrt(self.d_head) if family == "falcon" else 1.0
+        # The hook forms the relative bias as BLOOM forms its own (float32, cast to the dtype).
+        relative = form == "relative"
+        family = families.BLOOM if relative else self.family
+        factors = self.slopes if relative else self.factors
+        work = family.product_dtype
+        scale = math.sqrt(self.d_head) if family.divides_by_sqrt_d_head else 1.0
         # The positions take the product's dtype first (torch's type promotion; what a
         # vectorised kernel does): past its integers (2^8 in bfloat16, 2^24 in float32)
         # neighbouring keys share one position, and the bias moves in jumps of m ulp(p).
@@ -107,11 +102,13 @@ class _Bias:
         m = factors.to(work).double()[:, None]
         terms = [torch.where(_spacing(at) > 1, m * _spacing(at), 0.0), _spacing(product)]
         terms = [term / scale for term in terms]
-        if family == "mpt":  # float32 whatever the dtype
+        if not family.casts_bias:  # MPT: float32 whatever the dtype
             bias = product
         else:  # cast to the dtype (Falcon: then divided by sqrt(d_head) in it): one more rounding
-            bias = product.to(dtype) / scale if family == "falcon" else product.to(dtype)
-            if family == "falcon" or dtype != work:
+            bias = product.to(dtype)
+            if family.divides_by_sqrt_d_head:
+                bias = bias / scale
+            if family.divides_by_sqrt_d_head or dtype != work:
                 terms.append(_spacing(bias))
         step = functools.reduce(torch.maximum, terms)
         return bias.double().abs(), step, sum(terms) / 2
@@ -191,20 +188,15 @@ def analytic_rounding(
         for t in _listed(thresholds, "threshold")
     ]
     d_head = shape.d_model // shape.n_heads
-    if is_model:
-        per_token = info.slopes.float()
-    else:
-        per_token = alibi.family_slopes(shape.family, shape.n_heads, d_head)
-    factors = per_token
-    if shape.family == "falcon":  # Falcon multiplies by BLOOM's slopes; / sqrt(d_head) after
-        factors = (per_token.double() * math.sqrt(d_head)).float()
-    bias = _Bias(shape.family, per_token, factors, d_head)
+    family = shape.alibi_family
+    per_token = info.slopes.float() if is_model else family.slopes(shape.n_heads, d_head)
+    bias = _Bias(family, per_token, family.factors(per_token, d_head), d_head)
     heads, slopes = range(shape.n_heads), per_token.double().numpy()
     position_rows, head_rows = [], []
     for dtype in names:
         torch_dtype = parse_dtype(dtype)
         # The dtype the absolute bias is stored in when the scores are formed.
-        stored_in = "float32" if shape.family == "mpt" else dtype
+        stored_in = dtype if family.casts_bias else "float32"
         for form in ("absolute", "relative"):
             value, step, error = bias.stored(torch.tensor(grid), torch_dtype, form)
             position_rows.append(
@@ -249,8 +241,8 @@ def analytic_rounding(
         "n_ctx": shape.n_ctx,
         "thresholds": limits,
         "max_position": MAX_POSITION,
-        "absolute": _FORMS[shape.family],
-        "relative": _FORMS["relative"],
+        "absolute": family.own_form_words,
+        "relative": _RELATIVE,
         "measures": "the spacing of the float grid the ALiBi bias is stored on (rounding_step, "
         "logits; max_rounding_error: half the sum of its roundings' steps), from the slopes alone",
     }

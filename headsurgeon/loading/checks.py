@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from headsurgeon import backend
+from headsurgeon import backend, families
 from headsurgeon.errors import CheckpointError, ModelNotFoundError, UnsupportedArchitectureError
 from headsurgeon.loading.files import (
     METADATA_FILE,
@@ -269,7 +269,7 @@ def _is_bloom(file: Path, config: dict[str, Any]) -> bool:
             f'{_SUPPORTED}; a BLOOM needs "architectures": ["BloomForCausalLM"]'
         )
     architecture = architectures[0]
-    if model_type == "bloom" and architecture == "BloomForCausalLM":
+    if model_type == families.BLOOM.name and architecture == families.BLOOM.architecture:
         return True
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

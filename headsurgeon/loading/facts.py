@@ -24,7 +24,7 @@ from typing import Any
 from jaxtyping import Float
 from torch import Tensor
 
-from headsurgeon import alibi, backend, long_context
+from headsurgeon import backend, families, long_context
 from headsurgeon.backend import Model
 from headsurgeon.errors import (
     CheckpointError,
@@ -52,8 +52,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """The sizes that weight-free analyses need; ``family`` says whose ALiBi slopes an ALiBi
-    model applies (:func:`headsurgeon.alibi.family_slopes`: ``bloom``, ``mpt`` or ``falcon``)."""
+    """The sizes that weight-free analyses need; ``family`` says whose ALiBi an ALiBi model
+    applies (a ``model_type`` of :data:`headsurgeon.families.FAMILIES`: ``bloom``, ``mpt`` or
+    ``falcon``; :attr:`alibi_family` is its class)."""
 
     n_layers: int
     n_heads: int
@@ -61,7 +62,12 @@ class ModelShape:
     d_vocab: int
     n_ctx: int
     positional: str = "alibi"
-    family: str = "bloom"
+    family: str = families.BLOOM.name
+
+    @property
+    def alibi_family(self) -> families.AlibiFamily:
+        """The family's class (:mod:`headsurgeon.families`): its slopes, bias, layout."""
+        return families.family_named(self.family)
 
 
 # Published BLOOM configurations (Hugging Face config.json of each bigscience checkpoint).
@@ -78,9 +84,9 @@ _BLOOM_OFFICIAL = {f"bigscience/{k}": k for k in BLOOM_SHAPES} | {"bigscience/bl
 # weight-free analyses run on them by name. MPT-7B: max_seq_len 2048, alibi_bias_max 8 (the
 # value transformers applies anyway); Falcon-RW: alibi true, 2048 positions, d_head 64.
 ALIBI_SHAPES: dict[str, ModelShape] = {
-    "mpt-7b": ModelShape(32, 32, 4096, 50432, 2048, family="mpt"),
-    "falcon-rw-1b": ModelShape(24, 32, 2048, 50304, 2048, family="falcon"),
-    "falcon-rw-7b": ModelShape(36, 71, 4544, 65024, 2048, family="falcon"),
+    "mpt-7b": ModelShape(32, 32, 4096, 50432, 2048, family=families.MPT.name),
+    "falcon-rw-1b": ModelShape(24, 32, 2048, 50304, 2048, family=families.FALCON.name),
+    "falcon-rw-7b": ModelShape(36, 71, 4544, 65024, 2048, family=families.FALCON.name),
 }
 _ALIBI_OFFICIAL = {
     "mosaicml/mpt-7b": "mpt-7b",
@@ -219,8 +225,8 @@ def applied_slopes(model: Model, hf_config: dict[str, Any]) -> Float[Tensor, " h
     With headsurgeon's exact-slope hook (every model from :func:`load_model`, and after
     :func:`use_exact_alibi`), or where the backend's attention applies the slopes of the
     model's Hugging Face config by itself (TransformerLens 4.x), they are the slopes
-    transformers applies for the checkpoint (:func:`headsurgeon.alibi.config_slopes`; BLOOM's
-    :func:`headsurgeon.alibi.slopes` for a 3.x model built without one); otherwise those
+    transformers applies for the checkpoint (:func:`headsurgeon.families.transformers_slopes`:
+    its family's, BLOOM's for a 3.x model built without a config); otherwise those
     TransformerLens 3.x builds (``2^(-8(h+1)/H)`` for every head count, exact only for powers of
     two: :func:`headsurgeon.backend.own_alibi_slopes`).
     """
@@ -228,13 +234,14 @@ def applied_slopes(model: Model, hf_config: dict[str, Any]) -> Float[Tensor, " h
     own = None if hooked else backend.own_alibi_slopes(model.cfg.n_heads)
     if own is not None:
         return own
-    return alibi.config_slopes(hf_config) if hf_config else alibi.slopes(model.cfg.n_heads)
+    return families.transformers_slopes(hf_config, model.cfg.n_heads)
 
 
 def _shape(cfg: Any, hf_config: dict[str, Any]) -> ModelShape:
     """The shape of the model whose TransformerLens config is ``cfg``."""
     # TransformerLens sets n_ctx = 2048 for every BLOOM; the checkpoint's own value wins.
-    family = hf_config.get("model_type")
+    # A model of no ALiBi family (GPT-2, ...) has BLOOM's, which its positions never use.
+    family = families.FAMILIES.get(hf_config.get("model_type"), families.BLOOM)
     return ModelShape(
         cfg.n_layers,
         cfg.n_heads,
@@ -242,7 +249,7 @@ def _shape(cfg: Any, hf_config: dict[str, Any]) -> ModelShape:
         cfg.d_vocab,
         hf_config.get("seq_length", cfg.n_ctx),
         cfg.positional_embedding_type,
-        family if family in ("mpt", "falcon") else "bloom",
+        family.name,
     )
 
 
@@ -251,8 +258,9 @@ def _local_shape(directory: Path) -> ModelShape:
     check_files(directory)
     file = directory / "config.json"
     config = read_json(file)
-    if config.get("model_type") in ("mpt", "falcon"):
-        return _config_shape(file, config)
+    family = families.FAMILIES.get(config.get("model_type"))
+    if family is not None and family.reads_config_class:
+        return _config_shape(file, config, family)
     bloom = bloom_config(file, config)
     if bloom is None:
         raise UnsupportedArchitectureError(
@@ -271,11 +279,10 @@ def _local_shape(directory: Path) -> ModelShape:
     )
 
 
-def _config_shape(file: Path, config: dict[str, Any]) -> ModelShape:
+def _config_shape(file: Path, config: dict[str, Any], family: families.AlibiFamily) -> ModelShape:
     """An MPT or Falcon config's shape, its values checked by its transformers config class."""
     from transformers import AutoConfig
 
-    family = config["model_type"]
     try:
         hf = AutoConfig.for_model(**config)
         sizes = [
@@ -283,7 +290,7 @@ def _config_shape(file: Path, config: dict[str, Any]) -> ModelShape:
             hf.num_attention_heads,
             hf.hidden_size,
             hf.vocab_size,
-            hf.max_seq_len if family == "mpt" else hf.max_position_embeddings,
+            getattr(hf, family.context_field),
         ]
     except Exception as e:  # transformers' validation: TypeError, ValueError, its own errors
         raise CheckpointError(f"{file}: {first_line(e)}; correct it or re-export it") from e
@@ -292,5 +299,5 @@ def _config_shape(file: Path, config: dict[str, Any]) -> ModelShape:
             f"{file}: layers, heads, width, vocabulary and context {sizes} are not positive "
             "integers with the width a multiple of the heads; correct it or re-export it"
         )
-    alibi = family == "mpt" or bool(hf.alibi)  # transformers' MPT always applies ALiBi
-    return ModelShape(*sizes, positional="alibi" if alibi else "rotary", family=family)
+    alibi = family.applies_alibi(hf.to_dict())
+    return ModelShape(*sizes, positional="alibi" if alibi else "rotary", family=family.name)

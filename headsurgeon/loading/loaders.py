@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from torch import Tensor
 
-from headsurgeon import backend
+from headsurgeon import backend, families
 from headsurgeon.allocator import return_freed_memory
 from headsurgeon.backend import Model, bounded
 from headsurgeon.backend.bounded import BOUNDED_ARCHITECTURES
@@ -461,21 +461,18 @@ def _finish(
     if model.cfg.positional_embedding_type == "alibi":
         kind, params = trained_bias(metadata or {})
         install_exact_alibi(model, kind, **params)
-        _warn_ignored_bias_max(hf_config)
+        _warn_ignored_settings(hf_config)
     model.eval()
     return model
 
 
-def _warn_ignored_bias_max(hf_config: dict[str, Any]) -> None:
-    """Warn when an MPT config asks for slopes transformers does not apply."""
-    bias_max = (hf_config.get("attn_config") or {}).get("alibi_bias_max", 8)
-    if hf_config.get("model_type") == "mpt" and bias_max != 8:
-        warnings.warn(
-            f"the MPT config sets attn_config.alibi_bias_max={bias_max}, but transformers' "
-            "MptModel applies the ALiBi slopes of alibi_bias_max=8 (it never passes the config's "
-            "value); headsurgeon measures what transformers computes, with those slopes",
-            stacklevel=3,
-        )
+def _warn_ignored_settings(hf_config: dict[str, Any]) -> None:
+    """Warn when the config asks for what its family's transformers model does not apply
+    (MPT's ``alibi_bias_max``)."""
+    family = families.FAMILIES.get(hf_config.get("model_type"))
+    ignored = None if family is None else family.ignored(hf_config)
+    if ignored is not None:
+        warnings.warn(ignored, stacklevel=3)
 
 
 def random_hf_bloom(shape: ModelShape | str, *, seed: int = 0, dtype: str = "float32") -> Any:

@@ -6,7 +6,8 @@ Exports:
     inexact_slopes(info)      why a model's slopes are not BLOOM's, in words, or None
 
 Which formula applies is decided in one place, :func:`headsurgeon.loading.facts.applied_slopes`;
-the formulas are pure math in :mod:`headsurgeon.alibi`.
+the formulas are pure math in :mod:`headsurgeon.alibi`, and which family applies which is
+:mod:`headsurgeon.families`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from headsurgeon import alibi
+from headsurgeon import families
 from headsurgeon.backend import Model
 from headsurgeon.errors import UnsupportedArchitectureError
 from headsurgeon.exact_alibi import install_exact_alibi
@@ -98,7 +99,7 @@ def inexact_slopes(info: ModelInfo) -> str | None:
 
 
 def _exact(info: ModelInfo) -> Tensor:
-    return alibi.transformers_slopes(info.hf_config, info.shape.n_heads)
+    return families.transformers_slopes(info.hf_config, info.shape.n_heads)
 
 
 def _rounded(values: Tensor) -> list[float]:

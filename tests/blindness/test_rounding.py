@@ -15,6 +15,7 @@ from headsurgeon import alibi
 from headsurgeon.blindness import analytic_rounding
 from headsurgeon.cli.blindness import main
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.families import config_slopes
 from headsurgeon.loading import model_shape, organism_names
 from headsurgeon.precision import _Family
 
@@ -139,7 +140,7 @@ def test_the_bias_is_the_one_the_family_forms(family, tmp_path, tiny_model):
     n = 70_000
     positions = list(range(1, 5000)) + list(range(5000, n, 13))
     table = analytic_rounding(tmp_path, positions=positions).by_position
-    own = _Family(hf)
+    own = _Family(hf, config_slopes(hf.config.to_dict()))
     for dtype in ("float32", "bfloat16", "float16"):
         for form in ("absolute", "relative"):
             bias = own._bias(1, n, DTYPES[dtype], form == "relative", "cpu")
