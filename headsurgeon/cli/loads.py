@@ -79,18 +79,10 @@ def require_tokenizer(model: Model, args: argparse.Namespace, what: str = "") ->
 def load_data(model: Model, args: argparse.Namespace) -> Sequences:
     """The sequences ``--texts`` or ``--dataset``, ``--seq-len``, ``--n-seqs`` and
     ``--prepend-bos`` describe (a warning when the text holds fewer than asked for)."""
-    seqs = to_sequences(
+    return to_sequences(
         model,
         data_source(args),
         seq_len=args.seq_len,
         n_seqs=args.n_seqs,
         prepend_bos=args.prepend_bos,
     )
-    if seqs.n_seqs < args.n_seqs:
-        logger.warning(
-            "the data holds only %d sequences of %d tokens (asked for %d)",
-            seqs.n_seqs,
-            seqs.seq_len,
-            args.n_seqs,
-        )
-    return seqs
