@@ -38,9 +38,7 @@ Exports:
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
 >>> tokens = torch.randint(0, 64, (2, 40))
->>> effect = sink_cache_effect(
-...     model, tokens, sinks=[0, 2], windows=[8, 60], n_seqs=2, progress=False
-... )
+>>> effect = sink_cache_effect(model, tokens, sinks=[0, 2], windows=[8, 60], progress=False)
 >>> effect.by_cache[["sinks", "window", "evicted"]].values.tolist()
 [[0, 8, 60], [0, 60, 0], [2, 8, 56], [2, 60, 0]]
 >>> bool((effect.by_cache.query("window == 60")["dnll"].abs() < 1e-5).all())
