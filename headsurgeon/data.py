@@ -561,20 +561,20 @@ def verb_sequences(
     copies of :func:`to_sequences`' (``None``: not given): one ``FutureWarning`` naming that
     call (none with ``warn=False``), then used as before (``n_seqs`` takes the first rows)."""
     given = {"seq_len": seq_len, "n_seqs": n_seqs, "prepend_bos": prepend_bos}
-    keywords = ", ".join(f"{name}={value!r}" for name, value in given.items() if value is not None)
-    if keywords and warn:
+    given = {name: value for name, value in given.items() if value is not None}
+    texts = not isinstance(data, Tensor | Sequences | np.ndarray)
+    cutting = ({"seq_len": cut.seq_len, "n_seqs": cut.n_seqs} if texts else {}) | given
+    if given and warn:
+        said, instead = (", ".join(f"{k}={v!r}" for k, v in d.items()) for d in (given, cutting))
         # A FutureWarning, not a DeprecationWarning: Python and notebooks hide the latter from
         # the scripts and cells that call a verb, which are the code that has to change.
         warnings.warn(
-            f"{verb}({keywords}) is deprecated and goes in the next release: cut the data "
-            f"first and pass the result, {verb}(model, hs.to_sequences(model, data, {keywords}))",
+            f"{verb}({said}) is deprecated and goes in the next release: cut the data first "
+            f"and pass the result, {verb}(model, hs.to_sequences(model, data, {instead}))",
             FutureWarning,
             stacklevel=_caller_level(),
         )
-    if n_seqs is None and not isinstance(data, Tensor | Sequences | np.ndarray):
-        n_seqs = cut.n_seqs
-    seq_len = cut.seq_len if seq_len is None else seq_len
-    return as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    return as_sequences(info, data, **cutting)
 
 
 def _caller_level() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pandas as pd
@@ -325,3 +326,15 @@ def test_tokens_given_are_used_whole_and_texts_cut_by_the_verbs_constant(tiny_mo
     assert census.attrs["seq_len"] == CENSUS_CUT.seq_len
     held = [r.getMessage() for r in caplog.records if "holds only" in r.getMessage()]
     assert held == ["the data holds only 5 sequences of 128 tokens (asked for 64)"], held
+
+
+def test_the_warning_names_the_cut_the_verb_made(tiny_model):
+    """The replacement the warning names cuts as the verb did: its own constant fills what was
+    not given (texts), and tokens keep only what was given."""
+    short = "too short for a window"
+    call = re.escape("window_effect(model, hs.to_sequences(model, data, seq_len=1024, n_seqs=2))")
+    with pytest.warns(FutureWarning, match=call), pytest.raises(DataError, match="shorter"):
+        hs.window_effect(tiny_model, short, n_seqs=2, progress=False)
+    tokens = torch.randint(0, 320, (3, 8), generator=torch.Generator().manual_seed(2))
+    with pytest.warns(FutureWarning, match=re.escape("to_sequences(model, data, seq_len=4))")):
+        assert hs.run_census(tiny_model, tokens, seq_len=4, progress=False).attrs["n_seqs"] == 3
