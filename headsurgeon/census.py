@@ -3,8 +3,9 @@
 Exports:
     COLUMNS                         the census columns and what each one means
     run_census(model, data, ...)    pandas DataFrame, one row per head, run metadata in ``attrs``
-    GU_PROTOCOL                     Gu et al.'s sink-rate protocol as census settings:
-                                    ``run_census(model, **GU_PROTOCOL)``
+    CENSUS_CUT                      how run_census cuts texts: 64 sequences of 128 tokens
+    GU_PROTOCOL                     Gu et al.'s sink-rate protocol as census settings (its
+                                    n_seqs and seq_len: hs.to_sequences's)
     sink_rate(census, eps)          Gu et al.'s sink rate: the share of heads that are sinks,
                                     per sequence, averaged over sequences
 
@@ -42,7 +43,7 @@ from headsurgeon.alibi import content_free_reach
 from headsurgeon.backend import Model
 from headsurgeon.blindness.analysis import applied_bias
 from headsurgeon.classify import require_columns
-from headsurgeon.data import Data, Sequences, as_sequences
+from headsurgeon.data import Cut, Data, Sequences, verb_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
@@ -51,6 +52,7 @@ from headsurgeon.validation import check_int, check_number
 
 __all__ = [
     "COLUMNS",
+    "CENSUS_CUT",
     "run_census",
     "GU_PROTOCOL",
     "sink_rate",
@@ -89,6 +91,9 @@ COLUMNS: dict[str, str] = {
 }
 
 
+CENSUS_CUT = Cut(seq_len=128, n_seqs=64)
+"""How :func:`run_census` cuts texts: 64 sequences of 128 tokens spread over them."""
+
 # Per (batch, head, query, key) entry: the forward's scores, mask and pattern, plus the pattern
 # statistics' temporaries (entropy terms, distance-weighted weights, the distance matrix).
 CENSUS_BYTES_PER_ENTRY = 32
@@ -108,23 +113,24 @@ def run_census(
     data: Data | Sequences = None,
     *,
     batch_size: int = 8,
-    seq_len: int = 128,
-    n_seqs: int = 64,
     min_query_pos: int = 1,
-    prepend_bos: bool | None = None,
     block_size: int | None = None,
     reach_eps: float = 0.01,
     sink_eps: float = 0.3,
     progress: bool = True,
+    seq_len: int | None = None,  # deprecated: hs.to_sequences cuts (verb_sequences)
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> pd.DataFrame:
     """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
 
     ``data`` is texts, text files, a ``[n_seqs, seq_len]`` token tensor or :class:`Sequences`
-    (their first ``n_seqs`` rows used exactly as given on every model: no BOS token is added;
-    ``seq_len`` and ``prepend_bos`` apply to texts only); default: the held-out split of the bundled
-    corpora, cut into ``n_seqs`` windows of ``seq_len`` tokens spread over the whole text (see
-    :func:`headsurgeon.data.to_sequences`). Each metric is the mean over sequences of a
-    per-sequence mean; ``bos_mass_std`` is its spread across sequences.
+    (every row used exactly as given on every model: no BOS token is added); texts (default: the
+    held-out split of the bundled corpora) are cut as :data:`CENSUS_CUT` says, windows spread
+    over the whole text; cut them otherwise with ``hs.to_sequences(model, data, seq_len=...,
+    n_seqs=..., prepend_bos=...)``. ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a
+    ``FutureWarning``), that call's. Each metric is the mean over sequences of a per-sequence
+    mean; ``bos_mass_std`` is its spread across sequences.
 
     Long sequences run in blocks of ``block_size`` query rows (default: chosen from the memory one
     block's attention needs, :func:`headsurgeon.long_context.block_size`; the whole sequence when
@@ -161,7 +167,8 @@ def run_census(
     whose output is small next to their layer's (their inactivity threshold is per sequence, e.g.
     below 0.1). It reads ``z``, before ``W_O``, as they do: a head whose ``W_O`` slice is zero
     (pruned, or just re-initialised) keeps its ``ahon_ln``, while ``output_norm`` drops to 0.
-    ``GU_PROTOCOL`` holds Gu et al.'s settings: ``run_census(model, **GU_PROTOCOL)``.
+    ``GU_PROTOCOL`` holds Gu et al.'s settings: ``run_census(model, hs.to_sequences(model,
+    seq_len=64, n_seqs=100), sink_eps=0.3)``.
 
     ``df.attrs`` holds the run metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``,
     ``seq_len``, ``prepend_bos`` (position 0 holds the BOS token), ``bos_rule`` (why: the
@@ -191,10 +198,9 @@ def run_census(
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     reach_eps = check_number(reach_eps, "reach_eps", low=0, high=1)
     sink_eps = check_number(sink_eps, "sink_eps", low=0, high=1)
-    cut_here = not isinstance(data, Tensor | Sequences)  # texts: cut into n_seqs windows here
-    if cut_here:
-        _check_rows(seq_len, min_query_pos)  # before tokenising a whole corpus
-    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    if seq_len is not None and not isinstance(data, Tensor | Sequences):  # before a corpus
+        _check_rows(check_int(seq_len, "seq_len", minimum=1), min_query_pos)
+    seqs = verb_sequences(info, data, "run_census", CENSUS_CUT, seq_len, n_seqs, prepend_bos)
     _check_rows(seqs.seq_len, min_query_pos)
     if info.train_ctx is not None and seqs.seq_len > info.train_ctx:
         logger.warning(
@@ -284,7 +290,8 @@ GU_PROTOCOL: Mapping[str, Any] = types.MappingProxyType(
 def sink_rate(census: pd.DataFrame, eps: float | None = None) -> float:
     """Gu et al.'s sink rate of a census: the share of (sequence, head) pairs whose α_0 exceeds ε.
 
-    ``sink_rate(hs.run_census(model, **GU_PROTOCOL))`` is the number Gu et al. ("When
+    ``sink_rate(hs.run_census(model, hs.to_sequences(model, seq_len=64, n_seqs=100)))``
+    (:data:`GU_PROTOCOL`; ``sink_eps`` 0.3 is the census's default) is the number Gu et al. ("When
     Attention Sink Emerges in Language Models", ICLR 2025) report as Sink_1^ε, in their 1-indexed
     notation: in each sequence, each head's α_0 is its mean attention on position 0 over every
     query row (row 0 included: the census's ``sink_score`` of that sequence); the head is a sink

@@ -3,7 +3,7 @@
 Usage::
 
     texts = hs.load_dataset_texts("my-corpus/", split="train", column="text")
-    census = hs.run_census(model, texts, n_seqs=64)  # reads only what 64 windows need
+    census = hs.run_census(model, hs.to_sequences(model, texts, n_seqs=64))  # reads 64 windows
     census.attrs["data"]  # 'dataset my-corpus, split train, column text, revision 3f2a...'
 
 Every verb that takes texts also takes a ``datasets.Dataset`` or ``datasets.IterableDataset``

@@ -7,8 +7,9 @@ Exports:
     check_texts(paths)                   files checked as read_texts reads them, none kept
     Sequences                            checked token sequences and where they came from
     to_sequences(model, data, ...)       Sequences from texts, files or a token tensor
-    as_sequences(info, data, ...)        the same at a verb's door (Sequences pass through,
-                                         re-checked by check_data)
+    as_sequences(info, data, ...)        the same, made or re-checked at a verb's door
+    Cut                                  how a verb cuts texts by default: seq_len, n_seqs
+    verb_sequences(info, data, verb, cut)  a verb's door: as_sequences, texts cut by ``cut``
     check_data(info, data)               a verb's door: token tensors, integer numpy arrays and
                                          Sequences checked for the model, before any forward
     tokens_digest(tokens)                a short sha256 of a token tensor's shape, dtype, values
@@ -55,6 +56,8 @@ import hashlib
 import logging
 import os
 import re
+import sys
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,7 +76,9 @@ from headsurgeon.validation import check_bool, check_int
 
 __all__ = [
     "Sequences",
+    "Cut",
     "as_sequences",
+    "verb_sequences",
     "check_data",
     "check_token_ids",
     "tokens_digest",
@@ -115,6 +120,9 @@ MIN_SAMPLE_TOKENS = 1 << 23
 # pre-tokenizers (BLOOM's, MPT's, Falcon's, GPT-2's) end a word there and split the run on its
 # own, so no token crosses the cut.
 _CUT = re.compile(r"(?<=\S)(?=\s)")
+
+# Modules whose frames are a verb or its decorators: a deprecation names the line above them.
+_WRAPPERS = ("headsurgeon.", "torch.", "contextlib", "functools")
 
 
 def bundled_text(name: str = "shakespeare", split: str = "heldout") -> str:
@@ -354,9 +362,9 @@ def check_token_ids(info: ModelInfo, tokens: object) -> Int[Tensor, "batch pos"]
 class Sequences:
     """Token sequences checked for one model, and where they came from: what every verb works on.
 
-    Made once, at a verb's door, by :func:`as_sequences` (:func:`to_sequences` for your own
-    use); a ``Sequences`` passed to another verb of the same model is used as it is, not made
-    again (but checked again: see below).
+    Made by :func:`to_sequences` (or at a verb's door); used as they are by every verb of the
+    same model (checked again: see below). ``len(seqs)`` rows; ``seqs[:8]``, ``seqs[2:5]``,
+    ``seqs[[0, 3]]``, ``seqs[i]`` (one row) are ``Sequences`` of the same provenance.
 
     ``tokens``: the ``[n_seqs, seq_len]`` ids (``long``, within the vocabulary, no longer than
     the model takes). ``source``: where they came from, in words, for run metadata (the files,
@@ -371,8 +379,7 @@ class Sequences:
     Every verb checks them again at its door (:func:`check_data`): their tokens as any token
     tensor is checked, and against the fingerprint taken when they were made, so tokens edited
     in place (or a field set) after that are refused in one line, never run as what ``source``
-    says they are. ``dataclasses.replace(seqs, tokens=...)`` makes new ``Sequences``, checked
-    like any others at the door.
+    says they are. ``dataclasses.replace(seqs, tokens=...)`` makes new ones, checked likewise.
     """
 
     tokens: Int[Tensor, "batch pos"]
@@ -401,11 +408,28 @@ class Sequences:
             f"Sequences({self.n_seqs} x {self.seq_len} tokens from {self.source}; {self.bos_rule})"
         )
 
-    def head(self, n: int | None) -> Sequences:
-        """The first ``n`` sequences (all for ``None``), with the same provenance."""
-        if n is None or n >= self.n_seqs:
-            return self
-        return dataclasses.replace(self, tokens=self.tokens[:n])
+    def __len__(self) -> int:
+        return self.n_seqs
+
+    def __getitem__(self, rows: int | slice | Sequence[int] | Tensor | np.ndarray) -> Sequences:
+        """Some rows, with the same provenance (``seqs[i]``: the one-row ``Sequences``)."""
+        if isinstance(rows, slice):
+            tokens = self.tokens[rows]
+        elif isinstance(rows, int | np.integer):
+            if not -self.n_seqs <= rows < self.n_seqs:
+                raise IndexError(f"row {rows} of {self.n_seqs} sequences")
+            tokens = self.tokens[[int(rows)]]
+        else:
+            index = None if isinstance(rows, tuple) else torch.as_tensor(rows)
+            if index is None or index.ndim != 1 or index.is_floating_point() or index.is_complex():
+                raise InvalidArgumentError(
+                    f"Sequences are indexed by rows: a slice, an int or a list of ints, not "
+                    f"{rows!r}; to cut positions make new ones, hs.to_sequences(model, tokens)"
+                )
+            tokens = self.tokens[index]
+        if not len(tokens):
+            raise InvalidArgumentError(f"{rows!r} selects none of the {self.n_seqs} sequences")
+        return dataclasses.replace(self, tokens=tokens)
 
 
 def _checked_for(info: ModelInfo) -> tuple[int, int | None, int | None]:
@@ -490,31 +514,77 @@ def to_sequences(
     n_seqs: int | None = None,
     prepend_bos: bool | None = None,
 ) -> Sequences:
-    """Cut texts (default: the bundled held-out corpora) into checked :class:`Sequences`.
+    """Cut texts (default: the bundled held-out corpora) into checked :class:`Sequences`: the
+    one place data is cut. Verbs take the result whole, so one sample serves many measurements:
+    ``seqs = hs.to_sequences(model, seq_len=256, n_seqs=32)``, then ``hs.run_census(model,
+    seqs)`` and ``hs.perplexity(model, seqs[:8])``.
 
     ``data``: a ``str`` is always the text itself (even one that names an existing file); an
     ``os.PathLike`` (``pathlib.Path``) is a UTF-8 text file (``.gz`` decompressed), read and
-    checked (:func:`read_texts`); a list may mix the two. Or a ``[n_seqs, seq_len]`` token tensor,
-    or :class:`Sequences` made before.
+    checked (:func:`read_texts`); a list may mix the two. Or a token tensor, or
+    :class:`Sequences` made before.
 
     Each text is tokenised on its own and cut into non-overlapping windows of ``seq_len`` tokens
     (``seq_len - 1`` text tokens after a BOS token when ``prepend_bos``, by default the model's
-    convention). With ``n_seqs`` the windows are taken evenly spaced over all texts, so a sample
-    spans the whole corpus (its first ``max(8 x n_seqs x seq_len, 2**23)`` tokens); a dataset is
-    read from its start only until ``n_seqs`` windows exist
-    (:mod:`~headsurgeon.corpus_sources`).
+    convention). With ``n_seqs`` the windows are taken evenly spaced over all texts (their first
+    ``max(8 x n_seqs x seq_len, 2**23)`` tokens; a dataset is read from its start only until
+    ``n_seqs`` windows exist), with a warning when the texts hold fewer.
 
-    A token tensor is checked (:func:`check_token_ids`) and used exactly as given, whatever the
-    model's convention (its first ``n_seqs`` rows; ``seq_len`` does not apply): sequences made
-    here pass on unchanged. ``prepend_bos=True`` with a tensor whose rows do not all start with
-    the BOS token is refused in one line rather than changing the tensor.
-
-    Every verb takes what this returns in place of ``data``, so one sample serves many
-    measurements: ``seqs = hs.to_sequences(model, seq_len=256, n_seqs=32)``, then
-    ``hs.run_census(model, seqs)`` and ``hs.perplexity(model, seqs)``.
+    A token tensor is checked (:func:`check_token_ids`) and used exactly as given (its first
+    ``n_seqs`` rows; ``seq_len`` does not apply); ``prepend_bos=True`` with rows that do not
+    all start with the BOS token is refused in one line rather than changing the tensor.
     """
     info = model_info(model, "to_sequences")
     return as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """How a verb cuts texts (:data:`headsurgeon.census.CENSUS_CUT`...): ``n_seqs`` windows
+    (``None``: all) of ``seq_len`` tokens. Tokens and :class:`Sequences` are used whole."""
+
+    seq_len: int
+    n_seqs: int | None = None
+
+
+def verb_sequences(
+    info: ModelInfo,
+    data: Data | Sequences,
+    verb: str,
+    cut: Cut,
+    seq_len: int | None = None,
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
+    warn: bool = True,
+) -> Sequences:
+    """The :class:`Sequences` ``verb`` works on: texts cut by ``cut``, tokens and
+    :class:`Sequences` whole. ``seq_len``, ``n_seqs``, ``prepend_bos``: the verb's deprecated
+    copies of :func:`to_sequences`' (``None``: not given): one ``FutureWarning`` naming that
+    call (none with ``warn=False``), then used as before (``n_seqs`` takes the first rows)."""
+    given = {"seq_len": seq_len, "n_seqs": n_seqs, "prepend_bos": prepend_bos}
+    given = {name: value for name, value in given.items() if value is not None}
+    texts = not isinstance(data, Tensor | Sequences | np.ndarray)
+    cutting = ({"seq_len": cut.seq_len, "n_seqs": cut.n_seqs} if texts else {}) | given
+    if given and warn:
+        said, instead = (", ".join(f"{k}={v!r}" for k, v in d.items()) for d in (given, cutting))
+        # A FutureWarning, not a DeprecationWarning: Python and notebooks hide the latter from
+        # the scripts and cells that call a verb, which are the code that has to change.
+        warnings.warn(
+            f"{verb}({said}) is deprecated and goes in the next release: cut the data first "
+            f"and pass the result, {verb}(model, hs.to_sequences(model, data, {instead}))",
+            FutureWarning,
+            stacklevel=_caller_level(),
+        )
+    return as_sequences(info, data, **cutting)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the user's line: the first frame outside headsurgeon and the
+    decorators (torch, contextlib, functools) that wrap a verb."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_globals.get("__name__", "").startswith(_WRAPPERS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def as_sequences(
@@ -539,7 +609,7 @@ def as_sequences(
     if isinstance(data, Sequences):
         if data.checked_for == _checked_for(info):
             check_length(info, data.seq_len, "the sequence length", DataError)
-            return data.head(n_seqs)
+            return data if n_seqs is None else data[:n_seqs]
         data = data.tokens  # made for another model: checked again, as a tensor
     if isinstance(data, Tensor):
         return _tensor_sequences(info, data, n_seqs, prepend_bos)

@@ -43,9 +43,9 @@ import numpy as np
 import pandas as pd
 
 from headsurgeon.backend import Model
-from headsurgeon.census import run_census
+from headsurgeon.census import CENSUS_CUT, run_census
 from headsurgeon.classify import Thresholds, classify_heads, require_columns, with_thresholds
-from headsurgeon.data import Data, Sequences, as_sequences, check_data
+from headsurgeon.data import Data, Sequences, check_data, verb_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.importance import DORMANT_SE, METHODS, head_importance, is_dormant, with_importance
 from headsurgeon.inuse import holds_model
@@ -138,7 +138,6 @@ def classify_sequences(
         model,
         seqs,
         batch_size=batch_size,
-        n_seqs=seqs.n_seqs,
         min_query_pos=min_query_pos,
         sink_eps=sink_eps,
         progress=progress,
@@ -150,7 +149,6 @@ def classify_sequences(
             seqs,
             method=importance,
             batch_size=batch_size,
-            n_seqs=seqs.n_seqs,
             progress=progress,
         )
         classified = with_importance(classified, measured)
@@ -168,18 +166,20 @@ def compare_corpora(
     min_output_share: float | None = None,
     importance: str | None = None,
     batch_size: int = 8,
-    seq_len: int = 128,
-    n_seqs: int = 64,
     min_query_pos: int = 1,
-    prepend_bos: bool | None = None,
     sink_eps: float = 0.3,
     progress: bool = True,
+    seq_len: int | None = None,  # deprecated: hs.to_sequences cuts (verb_sequences)
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> pd.DataFrame:
     """Every head of ``model`` on each corpus: one row per head per corpus.
 
     ``corpora`` maps a name to data as :func:`headsurgeon.run_census` takes it (texts, text files
-    as ``pathlib.Path``, a token tensor); each is cut into ``n_seqs`` sequences of ``seq_len``
-    tokens and measured by :func:`classify_sequences` (census, labels by ``thresholds`` and its
+    as ``pathlib.Path``, a token tensor, :class:`Sequences`); texts are cut as
+    :data:`headsurgeon.census.CENSUS_CUT` says (``seq_len``, ``n_seqs``, ``prepend_bos``:
+    deprecated, as there), and each is measured by :func:`classify_sequences` (census, labels by
+    ``thresholds`` and its
     keywords as there, and importance by the
     method ``importance`` when given), so its rows equal a separate single-corpus run. The table
     is :func:`stack_corpora`'s: a ``corpus`` column first, then the classified columns;
@@ -206,7 +206,8 @@ def compare_corpora(
     tables = {}
     for name, data in corpora.items():
         logger.info("corpus %s (%d of %d)", name, len(tables) + 1, len(corpora))
-        seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+        cut = (seq_len, n_seqs, prepend_bos)  # deprecated: one warning, at the first corpus
+        seqs = verb_sequences(info, data, "compare_corpora", CENSUS_CUT, *cut, warn=not tables)
         tables[name] = classify_sequences(
             model,
             seqs,

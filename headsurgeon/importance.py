@@ -4,6 +4,7 @@ Exports:
     METHODS                                   the methods: zero, mean, resample, attribution
     ABLATIONS                                 what replaces a head's ``z``: zero, mean, resample
     COLUMNS                                   the result's columns and what each one means
+    IMPORTANCE_CUT                            how head_importance and ablate_heads cut texts
     head_importance(model, data, method=...)  pandas DataFrame, one row per head
     compare_importance(exact, estimate, k)    Spearman / Pearson correlation and top-k overlap
     is_dormant(delta_loss, se)                 removing the head changes nothing measurable:
@@ -52,7 +53,7 @@ from torch import Tensor
 
 from headsurgeon.backend import HookPoint, Model
 from headsurgeon.backend.forward import run_from_layer
-from headsurgeon.data import Data, Sequences, as_sequences, check_data
+from headsurgeon.data import Cut, Data, Sequences, check_data, verb_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model, hooked
@@ -65,6 +66,7 @@ __all__ = [
     "METHODS",
     "ABLATIONS",
     "COLUMNS",
+    "IMPORTANCE_CUT",
     "head_importance",
     "compare_importance",
     "DORMANT_SE",
@@ -78,6 +80,8 @@ logger = logging.getLogger(__name__)
 
 ABLATIONS = ("zero", "mean", "resample")
 METHODS = (*ABLATIONS, "attribution")
+IMPORTANCE_CUT = Cut(seq_len=128, n_seqs=64)
+"""How :func:`head_importance` and :func:`ablate_heads` cut texts: the census's 64 x 128."""
 COLUMNS: dict[str, str] = {
     "layer": "layer index (from 0)",
     "head": "head index within the layer (from 0)",
@@ -365,11 +369,11 @@ def head_importance(
     method: str = "mean",
     ablation: str | None = None,
     batch_size: int = 8,
-    seq_len: int = 128,
-    n_seqs: int = 64,
-    prepend_bos: bool | None = None,
     heads_per_pass: int | None = None,
     progress: bool = True,
+    seq_len: int | None = None,  # deprecated: hs.to_sequences cuts (verb_sequences)
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> pd.DataFrame:
     """What each head of ``model`` costs to remove: one row per head, columns :data:`COLUMNS`.
 
@@ -379,8 +383,8 @@ def head_importance(
     are their own ablation. Compare an estimate with exact ablation by
     :func:`compare_importance`.
 
-    ``data``, ``seq_len``, ``n_seqs`` and ``prepend_bos`` as in :func:`headsurgeon.run_census`
-    (a token tensor is used exactly as given, on every model). ``batch_size`` sequences run
+    ``data`` as in :func:`headsurgeon.run_census` (texts cut as :data:`IMPORTANCE_CUT` says;
+    ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated, as there). ``batch_size`` sequences run
     together; exact ablation stacks ``heads_per_pass`` copies of them into one pass (default: as
     many heads as keep the pass's logits within 2^26 elements). ``df.attrs`` holds the run
     metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``, ``seq_len``, ``n_tokens``
@@ -415,9 +419,11 @@ def head_importance(
     ablation = check_choice(ablation, "ablation", ABLATIONS)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
     progress = check_bool(progress, "progress")
-    if not isinstance(data, Tensor | Sequences):  # texts: checked before tokenising a corpus
+    if seq_len is not None and not isinstance(data, Tensor | Sequences):  # before a corpus
         _check_predicts(check_int(seq_len, "seq_len", minimum=1))
-    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    seqs = verb_sequences(
+        info, data, "head_importance", IMPORTANCE_CUT, seq_len, n_seqs, prepend_bos
+    )
     tokens = seqs.tokens
     _check_predicts(seqs.seq_len)
     if ablation == "resample" and len(tokens) < 2:
@@ -522,10 +528,10 @@ def ablate_heads(
     data: Data | Sequences = None,
     *,
     batch_size: int = 8,
-    seq_len: int = 128,
-    n_seqs: int = 64,
-    prepend_bos: bool | None = None,
     progress: bool = True,
+    seq_len: int | None = None,  # deprecated: hs.to_sequences cuts (verb_sequences)
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> Iterator[Model]:
     """Inside the block, ``heads`` are pruned: their ``z`` is 0 (``"zero"``) or its mean over
     ``data`` (``"mean"``, the default: what :func:`head_importance` calls mean ablation; ``data``
@@ -551,7 +557,9 @@ def ablate_heads(
     with hooked(model, "ablate_heads"):
         means = None
         if ablation == "mean":
-            seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+            seqs = verb_sequences(
+                info, data, "ablate_heads", IMPORTANCE_CUT, seq_len, n_seqs, prepend_bos
+            )
             batch_size = check_int(batch_size, "batch_size", minimum=1)
             means = _mean_z(model, seqs.tokens, batch_size, progress)
 

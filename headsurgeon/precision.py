@@ -18,6 +18,7 @@ Exports:
                                          (and the training numerics); attention mass moved and
                                          lost by head and distance
     PrecisionEffect                      its tables: by_position, by_region, by_head
+    PRECISION_CUT                        how precision_effect cuts texts: 1 x 1,024 tokens
     PRECISION_DTYPES, INFERENCE_DTYPES, PARTS, ALL_PARTS, PART_MEANINGS, REFERENCES
     training_edges, region_edges, region_name   position buckets against the training length
     HeadTable                            exact zeros and mass moved per recipe, head and distance
@@ -52,7 +53,7 @@ from headsurgeon.backend import Model
 from headsurgeon.backend.cache import hf_kv_cache
 from headsurgeon.blindness import active_mitigations, dtype_name
 from headsurgeon.checkpoints import hf_model
-from headsurgeon.data import Data, Sequences, as_sequences
+from headsurgeon.data import Cut, Data, Sequences, verb_sequences
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.evals.loss import check_edges, position_edges
 from headsurgeon.exact_alibi import bias_builder, trained_bias
@@ -60,7 +61,7 @@ from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.loading.numerics import BIAS_MEANINGS
 from headsurgeon.progress import tqdm
-from headsurgeon.stats import SE_BLOCK, batch_means_se
+from headsurgeon.stats import SE_BLOCK, batch_means_se, nll_change
 from headsurgeon.validation import check_bool, check_choice, check_int
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "PARTS",
     "PART_MEANINGS",
     "PRECISION_DTYPES",
+    "PRECISION_CUT",
     "PrecisionEffect",
     "precision_effect",
     "HeadTable",
@@ -82,6 +84,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PRECISION_DTYPES = ("float32", "bfloat16", "float16")
+PRECISION_CUT = Cut(seq_len=1024, n_seqs=1)
+"""How :func:`precision_effect` cuts texts: one sequence of 1,024 tokens."""
 # Also measurable: float64, the dtype transformers' own float64 model computes in (its softmax
 # in float32).
 INFERENCE_DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -334,21 +338,22 @@ def precision_effect(
     parts: Sequence[str] = PARTS,
     bias_forms: Sequence[str] | None = None,
     reference: str = "float64",
-    seq_len: int | None = None,
-    n_seqs: int | None = None,
     edges: Sequence[int] | None = None,
     block_size: int | None = None,
-    prepend_bos: bool | None = None,
     head_table: bool = True,
     progress: bool = True,
+    seq_len: int | None = None,  # deprecated: hs.to_sequences cuts (verb_sequences)
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> PrecisionEffect:
     """How rounding in each dtype changes an ALiBi model's outputs, per part, position and head.
 
     Usage::
 
-        effect = hs.precision_effect(model, seq_len=4096)
+        effect = hs.precision_effect(model, hs.to_sequences(model, seq_len=4096, n_seqs=1))
         effect.by_region                                     # dNLL, top-1 inside / beyond L
-        matrix = hs.precision_effect(model, seq_len=8192, parts=["attention"],
+        long = hs.to_sequences(model, seq_len=8192, n_seqs=1)
+        matrix = hs.precision_effect(model, long, parts=["attention"],
                                      dtypes=hs.precision.INFERENCE_DTYPES,
                                      bias_forms=["absolute", "relative"], reference="training")
 
@@ -359,8 +364,9 @@ def precision_effect(
     with the attention as the model was trained (:attr:`ModelInfo.training_numerics`: a model
     with unknown training numerics is refused in one line).
 
-    ``data``: what :func:`headsurgeon.data.to_sequences` takes (default: the bundled held-out
-        corpora, ``n_seqs`` (1) sequences of ``seq_len`` (1024) tokens).
+    ``data``: what :func:`headsurgeon.data.to_sequences` takes; texts (default: the bundled
+        held-out corpora) cut as :data:`PRECISION_CUT` says. ``seq_len``, ``n_seqs``,
+        ``prepend_bos``: deprecated (a ``FutureWarning``), that function's.
     ``dtypes``: of :data:`INFERENCE_DTYPES`. ``parts``: of :data:`ALL_PARTS`.
     ``bias_forms``: ``absolute`` (BLOOM, Falcon) or ``last-key`` (MPT), the family's own, and
         ``relative`` (``-m (i - j)``); default: the family's (both with
@@ -371,8 +377,9 @@ def precision_effect(
     ``head_table``: ``False`` leaves ``by_head`` empty (it forms every recipe's attention
         again from the reference's inputs: about as costly as the passes).
 
-    Returns :class:`PrecisionEffect`: ``by_position``, ``by_region`` (``dnll_se``, ``top1_se``:
-    paired batch-means standard errors, :func:`headsurgeon.stats.batch_means_se`) and
+    Returns :class:`PrecisionEffect`: ``by_position``, ``by_region`` (``dnll_se``:
+    :func:`headsurgeon.stats.nll_change`'s, as every ``*_effect`` verb's; ``top1_se``: paired
+    batch means, :func:`headsurgeon.stats.batch_means_se`) and
     ``by_head`` (exact zeros of the dtype under test, attention mass lost and moved). Columns,
     costs and measured numbers: ``docs/tools/blindness.md`` (the tables of precision_effect).
     """
@@ -398,11 +405,9 @@ def precision_effect(
     family = _Family(reference_model, info.slopes)
     forms = _bias_forms(model, info, family, bias_forms, both=reference == "training")
     trained = _training_recipe(info, family) if reference == "training" else None
-    if seq_len is None:
-        seq_len = 1024
-    if n_seqs is None and not isinstance(data, Tensor | Sequences):
-        n_seqs = 1
-    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    seqs = verb_sequences(
+        info, data, "precision_effect", PRECISION_CUT, seq_len, n_seqs, prepend_bos
+    )
     tokens, (n_rows, n_pos) = seqs.tokens, seqs.tokens.shape
     check_int(n_pos, "the sequence length", minimum=2)
     edges = training_edges(n_pos, info.train_ctx) if edges is None else check_edges(edges, n_pos)
@@ -663,6 +668,7 @@ def _position_table(
         for i, recipe in enumerate(recipes):
             for lo, hi in zip(edges[:-1], edges[1:], strict=True):
                 dnll = stats["dnll"][i, :, lo:hi]
+                change = nll_change(dnll, stats["nll"][:, lo:hi])
                 agree = stats["agree"][i, :, lo:hi].double()
                 rows.append(
                     {
@@ -673,15 +679,15 @@ def _position_table(
                         "position_lo": lo,
                         "position_hi": hi,
                         "region": region_name(lo, hi, train_ctx),
-                        "tokens": dnll.numel(),
-                        "mean_dnll": dnll.mean().item(),
-                        "dnll_se": batch_means_se(dnll),
+                        "tokens": change["tokens"],
+                        "mean_dnll": change["dnll"],
+                        "dnll_se": change["dnll_se"],
                         "mean_abs_dnll": dnll.abs().mean().item(),
                         "max_abs_dnll": dnll.abs().max().item(),
                         "max_abs_dlogit": stats["dlogit"][i, :, lo:hi].max().item(),
                         "top1_agreement": agree.mean().item(),
                         "top1_se": batch_means_se(agree),
-                        "nll_reference": stats["nll"][:, lo:hi].mean().item(),
+                        "nll_reference": change["base_nll"],
                         "nll_float64": references["float64"]["nll"][:, lo:hi].mean().item(),
                     }
                 )

@@ -3,6 +3,7 @@
 Exports:
     RECEIVED_COLUMNS, SINK_COLUMNS        what each column of the two tables means
     THRESHOLD, MIN_QUERIES, MAX_SINKS     the defaults of :func:`secondary_sinks` (see there)
+    RECEIVED_CUT                          how secondary_sinks cuts texts: 64 x 128 tokens
     received_sums(pattern)                per sequence, head and key, ``Σ_{t > k} A[t, k]`` over
                                           the rows of a pattern (or of a block of its rows)
     ReceivedMass                          float64 accumulator fed by ``hook_pattern`` hooks
@@ -49,7 +50,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from headsurgeon.backend import HookPoint, Model
-from headsurgeon.data import Data, Sequences, as_sequences, token_strings
+from headsurgeon.data import Cut, Data, Sequences, token_strings, verb_sequences
 from headsurgeon.errors import DataError
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
@@ -62,6 +63,7 @@ __all__ = [
     "THRESHOLD",
     "MIN_QUERIES",
     "MAX_SINKS",
+    "RECEIVED_CUT",
     "received_sums",
     "ReceivedMass",
     "SecondarySinks",
@@ -73,6 +75,8 @@ logger = logging.getLogger(__name__)
 THRESHOLD = 0.3
 MIN_QUERIES = 16
 MAX_SINKS = 1000
+RECEIVED_CUT = Cut(seq_len=128, n_seqs=64)
+"""How :func:`secondary_sinks` cuts texts: the census's 64 sequences of 128 tokens."""
 
 RECEIVED_COLUMNS: dict[str, str] = {
     "layer": "layer index (from 0)",
@@ -308,11 +312,11 @@ def secondary_sinks(
     max_sinks: int = MAX_SINKS,
     n_examples: int = 2,
     batch_size: int = 8,
-    seq_len: int = 128,
-    n_seqs: int = 64,
-    prepend_bos: bool | None = None,
     block_size: int | None = None,
     progress: bool = True,
+    seq_len: int | None = None,  # deprecated: hs.to_sequences cuts (verb_sequences)
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> SecondarySinks:
     """Received mass of every key position in every head, and the secondary sinks it shows.
 
@@ -325,9 +329,9 @@ def secondary_sinks(
     (2, 2, 4, 40)
 
     ``data`` is taken as :func:`headsurgeon.run_census` takes it (texts, files, or a token
-    tensor used exactly as given; default: the bundled held-out text in ``n_seqs`` windows of
-    ``seq_len`` tokens). The received mass and the sink rule are defined in
-    :mod:`headsurgeon.received`: the mean over later queries ``t > k`` of ``A[t, k]``, so
+    tensor used exactly as given; texts cut as :data:`RECEIVED_CUT` says; ``seq_len``,
+    ``n_seqs``, ``prepend_bos``: deprecated, as there). The received mass and the sink rule are
+    defined in :mod:`headsurgeon.received`: the mean over later queries ``t > k`` of ``A[t, k]``, so
     position 0's value is the census's ``bos_mass``; a position ``k >= 1`` with at least
     ``min_queries`` later queries is a sink in a layer where some head gives it more than
     ``threshold``. ``received`` is the mean over sequences (a position that is a sink in one
@@ -350,7 +354,7 @@ def secondary_sinks(
     max_sinks = check_int(max_sinks, "max_sinks", minimum=0)
     n_examples = check_int(n_examples, "n_examples", minimum=0)
     batch_size = check_int(batch_size, "batch_size", minimum=1)
-    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    seqs = verb_sequences(info, data, "secondary_sinks", RECEIVED_CUT, seq_len, n_seqs, prepend_bos)
     tokens, n_pos = seqs.tokens, seqs.seq_len
     if n_pos < 2:
         raise DataError(

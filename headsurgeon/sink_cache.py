@@ -33,13 +33,12 @@ Exports:
     SinkCacheEffect                       its tables: by_cache, by_head, and the reference NLL
     cache_keys(sinks, window)             the earlier positions a block of queries reads
     POSITIONS                             the distance conventions: "cache", "true"
+    SINK_CACHE_CUT                        how sink_cache_effect cuts texts: 1 x 16,384 tokens
 
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
 >>> tokens = torch.randint(0, 64, (2, 40))
->>> effect = sink_cache_effect(
-...     model, tokens, sinks=[0, 2], windows=[8, 60], n_seqs=2, progress=False
-... )
+>>> effect = sink_cache_effect(model, tokens, sinks=[0, 2], windows=[8, 60], progress=False)
 >>> effect.by_cache[["sinks", "window", "evicted"]].values.tolist()
 [[0, 8, 60], [0, 60, 0], [2, 8, 56], [2, 60, 0]]
 >>> bool((effect.by_cache.query("window == 60")["dnll"].abs() < 1e-5).all())
@@ -63,7 +62,7 @@ from torch import Tensor
 from headsurgeon import alibi, long_context
 from headsurgeon.backend import Model, add_bias_hook
 from headsurgeon.blindness import active_mitigations
-from headsurgeon.data import Data, Sequences, batches
+from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.evals.loss import next_token_nll
 from headsurgeon.exact_alibi import trained_bias
@@ -76,11 +75,13 @@ from headsurgeon.stats import nll_change
 from headsurgeon.validation import check_choice, check_int
 from headsurgeon.window import every_head, sequences_to_cut
 
-__all__ = ["POSITIONS", "SinkCacheEffect", "cache_keys", "sink_cache_effect"]
+__all__ = ["POSITIONS", "SINK_CACHE_CUT", "SinkCacheEffect", "cache_keys", "sink_cache_effect"]
 
 logger = logging.getLogger(__name__)
 
 POSITIONS = ("cache", "true")
+SINK_CACHE_CUT = Cut(seq_len=16384, n_seqs=1)
+"""How :func:`sink_cache_effect` cuts texts: one sequence of 16,384 tokens."""
 
 
 @dataclasses.dataclass
@@ -207,12 +208,12 @@ def sink_cache_effect(
     heads: Heads | None = None,
     head_cache: tuple[int, int] | None = None,
     head_seq_len: int | None = 2048,
-    seq_len: int = 16384,
-    n_seqs: int = 1,
     batch_size: int = 1,
-    prepend_bos: bool | None = None,
     block_size: int | None = None,
     progress: bool = True,
+    seq_len: int | None = None,  # deprecated: hs.to_sequences cuts (verb_sequences)
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> SinkCacheEffect:
     """Perplexity with a StreamingLLM cache of sinks plus recent tokens, and the heads that need
     the sinks.
@@ -259,8 +260,9 @@ def sink_cache_effect(
     each block of queries runs against only the keys its cache can hold
     (:func:`headsurgeon.long_context.run_in_blocks` with :func:`cache_keys`), memory linear in
     ``seq_len``. ``block_size``: query rows per block (default: ``y`` clamped to 64 ... 512 for
-    a cache, by memory for the reference). ``data``, ``seq_len``, ``n_seqs``, ``prepend_bos`` as
-    in :func:`headsurgeon.window_effect`.
+    a cache, by memory for the reference). ``data`` as in :func:`headsurgeon.window_effect`,
+    texts cut as :data:`SINK_CACHE_CUT` says (``seq_len``, ``n_seqs``, ``prepend_bos``:
+    deprecated, as there).
 
     Refused in one line: a model without ALiBi positions (learned or rotary positions would
     have to be re-encoded inside the cache), an active ALiBi mitigation other than softcap (its
@@ -284,7 +286,10 @@ def sink_cache_effect(
     windows = sorted({check_int(y, "each of windows", minimum=1) for y in windows})
     if not sinks or not windows:
         raise InvalidArgumentError("give at least one value in sinks and in windows")
-    seqs = sequences_to_cut(info, data, seq_len, n_seqs, prepend_bos)
+    seqs = verb_sequences(
+        info, data, "sink_cache_effect", SINK_CACHE_CUT, seq_len, n_seqs, prepend_bos
+    )
+    seqs = sequences_to_cut(seqs)
     tokens, n_pos = seqs.tokens, seqs.seq_len
     chosen, (head_x, head_y), head_pos = _per_head(
         model, heads, head_cache, head_seq_len, (sinks[-1], windows[0]), n_pos

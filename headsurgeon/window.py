@@ -11,8 +11,9 @@ ones.
 Exports:
     window_effect(model, data, ...)   WindowEffect: ΔNLL by distance and position, and per head
     WindowEffect                      its tables: by_distance, by_head
+    WINDOW_CUT                        how window_effect cuts texts: 8 sequences of 1,024 tokens
     window_hook(distance, heads)      the ``hook_attn_scores`` hook that cuts keys beyond a distance
-    sequences_to_cut(info, data, ...) the Sequences of a test that cuts keys (3 tokens at least)
+    sequences_to_cut(seqs)            seqs if a test can cut keys in them (3 tokens at least)
     every_head(model)                 every (layer, head) of the model
 
 >>> from headsurgeon.loading import ModelShape, random_model
@@ -38,7 +39,7 @@ from torch import Tensor
 from headsurgeon import long_context
 from headsurgeon.backend import HookPoint, Model, masked_score
 from headsurgeon.blindness import require_scores
-from headsurgeon.data import Data, Sequences, as_sequences, batches
+from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges
 from headsurgeon.heads import Heads, HeadSet
@@ -49,7 +50,17 @@ from headsurgeon.progress import tqdm
 from headsurgeon.stats import nll_change
 from headsurgeon.validation import check_int
 
-__all__ = ["WindowEffect", "sequences_to_cut", "window_effect", "window_hook", "every_head"]
+__all__ = [
+    "WindowEffect",
+    "WINDOW_CUT",
+    "sequences_to_cut",
+    "window_effect",
+    "window_hook",
+    "every_head",
+]
+
+WINDOW_CUT = Cut(seq_len=1024, n_seqs=8)
+"""How :func:`window_effect` cuts texts: 8 sequences of 1,024 tokens."""
 
 # Bytes per (batch, head, query, key) entry of a forward pass with the hook: the plain pass's, the
 # cut mask and the masked copy of the scores.
@@ -181,19 +192,20 @@ def window_effect(
     distances: Sequence[int] | None = None,
     heads: Heads | None = None,
     head_distance: int | None = None,
-    seq_len: int = 1024,
-    n_seqs: int = 8,
     edges: Sequence[int] | None = None,
     batch_size: int = 1,
-    prepend_bos: bool | None = None,
     block_size: int | None = None,
     progress: bool = True,
+    seq_len: int | None = None,  # deprecated: hs.to_sequences cuts (verb_sequences)
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> WindowEffect:
     """The loss when attention only sees keys within ``d`` tokens: which distances the model uses.
 
     Usage::
 
-        effect = window_effect(model, seq_len=4096, n_seqs=4)  # every head cut, d = 1, 2, 4 ...
+        seqs = hs.to_sequences(model, seq_len=4096, n_seqs=4)
+        effect = window_effect(model, seqs)  # every head cut, d = 1, 2, 4 ...
         effect.by_distance  # ΔNLL by d and position bucket
         per_head = window_effect(model, distances=[], head_distance=64).by_head
 
@@ -227,8 +239,9 @@ def window_effect(
     Cost: one pass of ``n_seqs`` sequences for the model, one per distance and one per head.
     Sequences run in blocks of ``block_size`` query rows (default by memory,
     :func:`headsurgeon.long_context.block_size`) through the key-value cache, the same blocks in
-    every pass: memory linear in ``seq_len``. ``data``, ``seq_len``, ``n_seqs`` and
-    ``prepend_bos`` as in :func:`headsurgeon.evals.loss_by_position`.
+    every pass: memory linear in ``seq_len``. ``data`` as :func:`headsurgeon.run_census` takes
+    it, texts cut as :data:`WINDOW_CUT` says (``seq_len``, ``n_seqs``, ``prepend_bos``:
+    deprecated, as there).
 
     Refused in one line: a model whose ``hook_attn_scores`` does not hold the causal-masked
     pre-softmax scores in every layer (OPT's TransformerLens 4.x bridge), ``heads`` without
@@ -250,7 +263,8 @@ def window_effect(
     if distances is not None:
         distances = [check_int(d, "each of distances", minimum=0) for d in distances]
     chosen = HeadSet.of(every_head(model) if heads is None else heads, model)
-    seqs = sequences_to_cut(info, data, seq_len, n_seqs, prepend_bos)
+    seqs = verb_sequences(info, data, "window_effect", WINDOW_CUT, seq_len, n_seqs, prepend_bos)
+    seqs = sequences_to_cut(seqs)
     tokens, n_pos = seqs.tokens, seqs.seq_len
     edges = check_edges(position_edges(n_pos) if edges is None else edges, n_pos)
     distances = _default_distances(n_pos) if distances is None else distances
@@ -305,12 +319,8 @@ def every_head(model: Model) -> list[tuple[int, int]]:
     return [(layer, h) for layer in range(model.cfg.n_layers) for h in range(model.cfg.n_heads)]
 
 
-def sequences_to_cut(
-    info: ModelInfo, data: Data | Sequences, seq_len: int, n_seqs: int, prepend_bos: bool | None
-) -> Sequences:
-    """The sequences of a test that cuts keys: at least 3 tokens, so that some key can be cut."""
-    seq_len = check_int(seq_len, "seq_len", minimum=3)
-    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+def sequences_to_cut(seqs: Sequences) -> Sequences:
+    """``seqs`` if a test can cut keys in them (3 tokens at least), else one line."""
     if seqs.seq_len < 3:
         raise InvalidArgumentError(
             f"sequences of {seqs.seq_len} tokens have no key to cut; give at least 3"

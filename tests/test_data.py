@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
+import pandas as pd
 import pytest
 import torch
 
+import headsurgeon as hs
 from headsurgeon.data import (
+    Sequences,
     as_sequences,
     batches,
     bundled_text,
@@ -223,3 +229,112 @@ def test_a_huge_line_and_a_gzip_bomb_under_a_memory_cap(tmp_path, kind):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "shape [4, 64]", out.stdout
+
+
+# Issue 53: Sequences slice like the rows they hold; verbs take data, cutting is to_sequences'.
+
+
+def test_sequences_have_a_length_and_slice_into_sequences(tiny_model):
+    tokens = torch.randint(0, 320, (10, 6), generator=torch.Generator().manual_seed(0))
+    seqs = to_sequences(tiny_model, tokens)
+    assert len(seqs) == 10
+    for rows, expected in [
+        (slice(None, 8), tokens[:8]),
+        (slice(2, 5), tokens[2:5]),
+        (3, tokens[3:4]),  # an int: the one-row Sequences of that row
+        (-1, tokens[-1:]),
+        ([0, 3], tokens[[0, 3]]),
+        (torch.tensor([4, 1]), tokens[[4, 1]]),
+    ]:
+        part = seqs[rows]
+        assert isinstance(part, Sequences) and torch.equal(part.tokens, expected), rows
+        assert (part.source, part.bos_rule, part.checked_for) == (
+            seqs.source,
+            seqs.bos_rule,
+            seqs.checked_for,
+        )
+        assert as_sequences(model_info(tiny_model), part) is part  # checked, used as they are
+    assert [s.tokens[0, 0] for s in seqs] == list(tokens[:, 0])
+    with pytest.raises(IndexError):
+        seqs[10]
+    for bad in [(0, slice(None)), 1.5, slice(4, 4)]:
+        with pytest.raises(InvalidArgumentError):
+            seqs[bad]
+
+
+def _effect_table(result):
+    for name in ("by_head", "by_cache", "by_distance", "received"):
+        if hasattr(result, name):
+            return getattr(result, name)
+    return result
+
+
+# Each public verb that kept seq_len / n_seqs / prepend_bos for one release.
+CUT_VERBS = {
+    "run_census": lambda m, d, **kw: hs.run_census(m, d, progress=False, **kw),
+    "head_importance": lambda m, d, **kw: hs.head_importance(m, d, progress=False, **kw),
+    "secondary_sinks": lambda m, d, **kw: hs.secondary_sinks(m, d, progress=False, **kw),
+    "measure_blindness": lambda m, d, **kw: hs.measure_blindness(m, d, progress=False, **kw),
+    "window_effect": lambda m, d, **kw: hs.window_effect(m, d, progress=False, **kw),
+    "sink_cache_effect": lambda m, d, **kw: hs.sink_cache_effect(
+        m, d, sinks=[1], windows=[2], heads=[], progress=False, **kw
+    ),
+    "precision_effect": lambda m, d, **kw: hs.precision_effect(
+        m, d, dtypes=["float16"], parts=["scores"], head_table=False, progress=False, **kw
+    ),
+    "compare_corpora": lambda m, d, **kw: hs.compare_corpora(
+        m, {"a": d, "b": d}, progress=False, **kw
+    ),
+    "ablate_heads": lambda m, d, **kw: _mean_z_logits(m, d, **kw),
+}
+
+
+def _mean_z_logits(model, data, **cut):
+    with hs.ablate_heads(model, "L0H0", "mean", data, progress=False, **cut):
+        return pd.DataFrame(model(torch.arange(6)[None])[0].detach().numpy())
+
+
+@pytest.mark.parametrize("verb", sorted(CUT_VERBS))
+def test_a_verbs_own_cut_warns_once_and_acts_as_to_sequences(tiny_model, verb):
+    """``verb(model, texts, seq_len=..., n_seqs=...)`` still works, with one FutureWarning that
+    names the hs.to_sequences call, and gives what ``verb(model, hs.to_sequences(...))`` does."""
+    text = "the quick brown fox jumps over the lazy dog " * 30
+    cut = {"seq_len": 8, "n_seqs": 3, "prepend_bos": False}
+    with pytest.warns(FutureWarning) as caught:
+        old = CUT_VERBS[verb](tiny_model, text, **cut)
+    futures = [w for w in caught if w.category is FutureWarning]
+    assert len(futures) == 1, [str(w.message) for w in futures]
+    said = str(futures[0].message)
+    assert "hs.to_sequences(model, data, seq_len=8, n_seqs=3, prepend_bos=False)" in said
+    assert futures[0].filename == __file__  # the caller's line, not the library's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        new = CUT_VERBS[verb](tiny_model, to_sequences(tiny_model, text, **cut))
+    pd.testing.assert_frame_equal(_effect_table(old), _effect_table(new))
+
+
+def test_tokens_given_are_used_whole_and_texts_cut_by_the_verbs_constant(tiny_model, caplog):
+    """No verb cuts what it is given (a 70-row tensor is 70 sequences, not the census's 64);
+    texts are cut by the verb's constant, and a short text says once that it holds fewer."""
+    from headsurgeon.census import CENSUS_CUT
+
+    tokens = torch.randint(0, 320, (70, 4), generator=torch.Generator().manual_seed(1))
+    assert hs.run_census(tiny_model, tokens, progress=False).attrs["n_seqs"] == 70
+    text = "the quick brown fox jumps over the lazy dog " * 30
+    with caplog.at_level("WARNING"):
+        census = hs.run_census(tiny_model, text, progress=False)
+    assert census.attrs["seq_len"] == CENSUS_CUT.seq_len
+    held = [r.getMessage() for r in caplog.records if "holds only" in r.getMessage()]
+    assert held == ["the data holds only 5 sequences of 128 tokens (asked for 64)"], held
+
+
+def test_the_warning_names_the_cut_the_verb_made(tiny_model):
+    """The replacement the warning names cuts as the verb did: its own constant fills what was
+    not given (texts), and tokens keep only what was given."""
+    short = "too short for a window"
+    call = re.escape("window_effect(model, hs.to_sequences(model, data, seq_len=1024, n_seqs=2))")
+    with pytest.warns(FutureWarning, match=call), pytest.raises(DataError, match="shorter"):
+        hs.window_effect(tiny_model, short, n_seqs=2, progress=False)
+    tokens = torch.randint(0, 320, (3, 8), generator=torch.Generator().manual_seed(2))
+    with pytest.warns(FutureWarning, match=re.escape("to_sequences(model, data, seq_len=4))")):
+        assert hs.run_census(tiny_model, tokens, seq_len=4, progress=False).attrs["n_seqs"] == 3

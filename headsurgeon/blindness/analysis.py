@@ -4,7 +4,7 @@ manual.
 
 Exports (each described there): ANALYSED_DTYPES, CONVENTIONS, active_mitigations,
 applied_bias, alibi_door (the door of the weight-free analyses), BlindnessMeasurement,
-analytic_blindness, require_scores, dtype_name, measure_blindness, mitigation.
+analytic_blindness, require_scores, dtype_name, measure_blindness, BLINDNESS_CUT, mitigation.
 
 >>> df = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
 >>> df[df.layer == 0].blind_distance.iloc[[0, -1]].tolist()
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from headsurgeon import alibi, long_context
 from headsurgeon.backend import HookPoint, Model, add_bias_hook
-from headsurgeon.data import Data, Sequences, as_sequences
+from headsurgeon.data import Cut, Data, Sequences, verb_sequences
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
     InvalidArgumentError,
@@ -53,12 +53,16 @@ __all__ = [
     "require_scores",
     "dtype_name",
     "measure_blindness",
+    "BLINDNESS_CUT",
     "mitigation",
 ]
 
 logger = logging.getLogger(__name__)
 
 ANALYSED_DTYPES = ("float32", "bfloat16", "float16")
+BLINDNESS_CUT = Cut(seq_len=1024, n_seqs=8)
+"""How :func:`measure_blindness` cuts texts: 8 sequences of 1,024 tokens (at most the context
+of a model with learned or rotary positions)."""
 CONVENTIONS = ("hf", "tl")
 # Keys per skipped tile: a multiple of the widest SIMD vector (16 float32 or 32 bfloat16 lanes
 # in AVX-512), so that a row's softmax without its skipped keys (each exactly 0 after exp) sums
@@ -371,14 +375,14 @@ def measure_blindness(
     *,
     dtypes: Sequence[str] = ANALYSED_DTYPES,
     convention: str = "hf",
-    seq_len: int | None = None,
-    n_seqs: int = 8,
     batch_size: int = 1,
     n_buckets: int = 64,
     context_lengths: Sequence[int] | None = None,
-    prepend_bos: bool | None = None,
     progress: bool = True,
     block_size: int | None = None,
+    seq_len: int | None = None,  # deprecated: hs.to_sequences cuts (verb_sequences)
+    n_seqs: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> BlindnessMeasurement:
     """Measure which attention weights become exactly 0 in each dtype, per head and distance.
 
@@ -389,10 +393,11 @@ def measure_blindness(
     although it is causal (its exact weight is positive, even where float64 also rounds it to
     0, which happens ~745 nats below the row's largest logit). Sums are float64 and fixed in
     size: memory does not grow with the number of batches. ``data`` is what
-    :func:`headsurgeon.data.to_sequences` takes (default: the bundled held-out corpora,
-    ``n_seqs`` sequences of ``seq_len`` tokens, default 1024, or ``n_ctx`` where that is less
-    and the model has learned or rotary positions; ALiBi models take any length; BOS as
-    ``prepend_bos`` or the model's convention); a token tensor is used exactly as given.
+    :func:`headsurgeon.data.to_sequences` takes; texts (default: the bundled held-out corpora)
+    are cut as :data:`BLINDNESS_CUT` says, at most ``n_ctx`` tokens where the model has learned
+    or rotary positions (ALiBi models take any length), BOS by the model's convention; a token
+    tensor is used exactly as given. ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated
+    (a ``FutureWarning``), :func:`~headsurgeon.data.to_sequences`' own.
 
     Those scores must be real: a model whose ``hook_attn_scores`` does not fire in every layer,
     or holds anything but the causal-masked pre-softmax scores (OPT's TransformerLens 4.x bridge
@@ -475,7 +480,7 @@ def _check_measure_args(
     dtypes: Sequence[str],
     convention: str,
     seq_len: int | None,
-    n_seqs: int,
+    n_seqs: int | None,
     n_buckets: int,
     prepend_bos: bool | None,
 ) -> tuple[list[str], Sequences]:
@@ -489,9 +494,10 @@ def _check_measure_args(
         )
     check_int(n_buckets, "n_buckets", minimum=1)
     names = [dtype_name(d) for d in _names(dtypes, "dtype")]
-    if seq_len is None:
-        seq_len = min(1024, info.max_length or 1024)
-    seqs = as_sequences(info, data, seq_len=seq_len, n_seqs=n_seqs, prepend_bos=prepend_bos)
+    cut = BLINDNESS_CUT
+    if info.max_length is not None and info.max_length < cut.seq_len:
+        cut = dataclasses.replace(cut, seq_len=info.max_length)
+    seqs = verb_sequences(info, data, "measure_blindness", cut, seq_len, n_seqs, prepend_bos)
     return names, seqs
 
 

@@ -25,13 +25,14 @@ from headsurgeon.blindness import (
 from headsurgeon.census import run_census
 from headsurgeon.cli import data_source, loads, placement_args
 from headsurgeon.cli.session import in_option_terms
+from headsurgeon.data import to_sequences
 from headsurgeon.errors import UnsupportedArchitectureError
 from headsurgeon.loading import load_model, model_info, model_metadata, model_shape
 from headsurgeon.loading.numerics import training_numerics
 from headsurgeon.precision import PARTS, PRECISION_DTYPES, precision_effect
 from headsurgeon.reports import blindness_summary, write_blindness
 from headsurgeon.reports.blindness import training_numerics_line
-from headsurgeon.sink_cache import SinkCacheEffect, sink_cache_effect
+from headsurgeon.sink_cache import SINK_CACHE_CUT, SinkCacheEffect, sink_cache_effect
 
 __all__ = ["blindness"]
 
@@ -64,16 +65,21 @@ def _sink_cache(args: argparse.Namespace, model: Model | None) -> tuple[Model, S
     # This call's lengths are the --sink-* options.
     lengths = {"seq_len": "--sink-seq-len", "head_seq_len": "--sink-head-seq-len"}
     with in_option_terms(lengths | _HEAD_CACHE):
-        effect = sink_cache_effect(
+        seqs = to_sequences(
             model,
             data_source(args),
+            seq_len=args.sink_seq_len,
+            n_seqs=SINK_CACHE_CUT.n_seqs,
+            prepend_bos=args.prepend_bos,
+        )
+        effect = sink_cache_effect(
+            model,
+            seqs,
             sinks=args.sinks,
             windows=args.windows,
             positions=args.sink_positions,
             head_seq_len=args.sink_head_seq_len,
-            seq_len=args.sink_seq_len,
             batch_size=args.batch_size,
-            prepend_bos=args.prepend_bos,
         )
     return model, effect
 

@@ -116,7 +116,6 @@ def _classify(
             model,
             seqs,
             threshold=args.received_threshold,
-            n_seqs=seqs.n_seqs,
             batch_size=args.batch_size,
         )
     print(format_summary(classified, top=args.top, sinks=sinks))

@@ -96,8 +96,8 @@ def reach_figure(
 
     Usage::
 
-        census = hs.run_census(model, seq_len=4096, n_seqs=4)
-        zeros = hs.measure_blindness(model, seq_len=4096, n_seqs=4)
+        seqs = hs.to_sequences(model, seq_len=4096, n_seqs=4)
+        census, zeros = hs.run_census(model, seqs), hs.measure_blindness(model, seqs)
         reach_figure(census, zeros.by_head, dtype="bfloat16")
     """
     check_columns(census, ["layer", "head", "reach"], "census")

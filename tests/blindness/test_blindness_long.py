@@ -131,11 +131,11 @@ def test_alibi_takes_sequences_past_its_nominal_context(steep_model, monkeypatch
     assert (head0.zero_fraction == 1).all()  # far keys are 0 (skipped, and counted)
     asked = []
 
-    def sequences(info, data, *, seq_len, n_seqs, prepend_bos):
-        asked.append(seq_len)
-        return as_sequences(info, _tokens(seq_len))
+    def sequences(info, data, verb, cut, *deprecated):
+        asked.append(cut.seq_len)
+        return as_sequences(info, _tokens(cut.seq_len))
 
-    monkeypatch.setattr(blindness, "as_sequences", sequences)
+    monkeypatch.setattr(blindness, "verb_sequences", sequences)
     measure_blindness(steep_model, dtypes=["float16"], progress=False)
     assert asked == [1024]  # the default length, whatever the nominal context
 
