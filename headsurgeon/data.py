@@ -112,8 +112,7 @@ Data = str | os.PathLike | Iterable[str | os.PathLike] | TextSource | Tensor | N
 # reaches the tokenizer whole (it took 10 GB, or aborted in Rust).
 PIECE_CHARS = 1 << 20
 # With n_seqs, windows are sampled from the first max(SAMPLE_FACTOR x the tokens asked for,
-# MIN_SAMPLE_TOKENS) tokens of the corpus: every bundled corpus and ordinary files are read
-# whole, a 900 MB gzip bomb is not.
+# MIN_SAMPLE_TOKENS) tokens: bundled corpora and ordinary files whole, a gzip bomb not.
 SAMPLE_FACTOR = 8
 MIN_SAMPLE_TOKENS = 1 << 23
 # A piece ends where a run of whitespace begins after a non-space character: byte-level BPE
@@ -596,11 +595,9 @@ def as_sequences(
     prepend_bos: bool | None = None,
     seq_len_name: str = "seq_len",
 ) -> Sequences:
-    """The :class:`Sequences` of ``data`` for the model ``info`` describes: the first line of
-    every verb after :func:`~headsurgeon.loading.model_info` (see :func:`to_sequences` for what
-    ``data`` may be). :class:`Sequences` checked for this model pass through (their first
-    ``n_seqs`` rows); anything else is made and checked here, once. ``seq_len_name``: the
-    caller's name for ``seq_len`` in messages (``"train_seq_len"``)."""
+    """The :class:`Sequences` of ``data`` (see :func:`to_sequences`) for the model ``info``
+    describes, made and checked here once; ``Sequences`` of this model pass through (their first
+    ``n_seqs`` rows). ``seq_len_name``: the caller's name for ``seq_len`` in messages."""
     bos = resolve_bos(info, prepend_bos)
     n_seqs = None if n_seqs is None else check_int(n_seqs, "n_seqs", minimum=1)
     # Checked for tensors too, where it does not apply: a bad value is never silently accepted.
