@@ -411,7 +411,7 @@ def test_a_repair_that_never_trained_leaves_no_partial_and_is_not_blocked_by_one
     # What a run killed during its first census leaves: the run's identity, no training.
     (tmp_path / "out.partial").mkdir()
     (tmp_path / "out.partial" / "run.json").write_text("{}")
-    mark_folder(tmp_path / "out.partial", headsurgeon.cli.repair.WORK_WRITER)
+    mark_folder(tmp_path / "out.partial", headsurgeon.cli.repair_run.WORK_WRITER)
     line = error_line(
         headsurgeon.cli.repair.main, repair_argv(bloom_dir, text_file, "--out", out), capsys
     )

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from headsurgeon import alibi, census, importance, received, sink_cache, surgery
+from headsurgeon import (
+    alibi,
+    census,
+    defaults as options,
+    importance,
+    received,
+    sink_cache,
+    surgery,
+)
 from headsurgeon.blindness import ANALYSED_DTYPES, CONVENTIONS
 from headsurgeon.classify import Thresholds
-from headsurgeon.cli import options
 from headsurgeon.dtypes import DTYPES
 from headsurgeon.finetune import FinetuneConfig
 from headsurgeon.loading import ALIBI_SHAPES, BLOOM_SHAPES, model_shape
@@ -17,7 +24,8 @@ from headsurgeon.repair import DRIFT_THRESHOLD, MAX_PPL_INCREASE
 
 def test_every_copy_is_the_library_value():
     assert dict(options.GU_PROTOCOL) == dict(census.GU_PROTOCOL)
-    assert dict(options.THRESHOLDS) == dataclasses.asdict(Thresholds())
+    thresholds = (options.SINK_THRESHOLD, options.DEAD_THRESHOLD, options.MIN_OUTPUT_SHARE)
+    assert thresholds == tuple(dataclasses.asdict(Thresholds()).values())
     assert options.IMPORTANCE_METHODS == importance.METHODS
     assert options.RECEIVED_THRESHOLD == received.THRESHOLD
     assert (options.ANALYSED_DTYPES, options.CONVENTIONS) == (ANALYSED_DTYPES, CONVENTIONS)

@@ -161,7 +161,7 @@ def test_cli_asked_pdf_with_a_browser_that_does_not_start_fails_before_loading(
 
     monkeypatch.setattr(classify, "check_models", refuse)
     with pytest.raises(SystemExit) as exit_info:
-        in_time(lambda: run(classify.main, ["organism", "--format", "pdf", "--out", "o"]))
+        in_time(lambda: run("classify", ["organism", "--format", "pdf", "--out", "o"]))
     assert exit_info.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: --format pdf needs a Chromium browser, BROWSER_PATH=")
