@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import types
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -43,6 +40,7 @@ from headsurgeon.backend import Model
 from headsurgeon.blindness.analysis import applied_bias
 from headsurgeon.classify import require_columns
 from headsurgeon.data import Data, Sequences, as_sequences
+from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN, GU_PROTOCOL
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
@@ -108,8 +106,8 @@ def run_census(
     data: Data | Sequences = None,
     *,
     batch_size: int = 8,
-    seq_len: int = 128,
-    n_seqs: int = 64,
+    seq_len: int = CENSUS_SEQ_LEN,
+    n_seqs: int = CENSUS_N_SEQS,
     min_query_pos: int = 1,
     prepend_bos: bool | None = None,
     block_size: int | None = None,
@@ -279,13 +277,6 @@ def _reach_baseline(
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = reach / baseline
     return baseline, np.where(np.isfinite(baseline) & (baseline > 0), ratio, math.nan)
-
-
-# Gu et al. (arXiv:2410.10781; code: github.com/sail-sg/Attention-Sink, eval_sink_open_source.py
-# and pretrain/eval_sink_pretrain.py): 100 sequences of their first 64 tokens, epsilon 0.3.
-GU_PROTOCOL: Mapping[str, Any] = types.MappingProxyType(
-    {"n_seqs": 100, "seq_len": 64, "sink_eps": 0.3}
-)
 
 
 def sink_rate(census: pd.DataFrame, eps: float | None = None) -> float:

@@ -55,6 +55,8 @@ DEAD_THRESHOLD = 0.95
 MIN_OUTPUT_SHARE = 0.01
 CENSUS_SEQ_LEN = 128
 CENSUS_N_SEQS = 64
+# Gu et al. (arXiv:2410.10781; code: github.com/sail-sg/Attention-Sink, eval_sink_open_source.py
+# and pretrain/eval_sink_pretrain.py): 100 sequences of their first 64 tokens, epsilon 0.3.
 GU_PROTOCOL = MappingProxyType({"n_seqs": 100, "seq_len": 64, "sink_eps": 0.3})
 RECEIVED_THRESHOLD = 0.3
 IMPORTANCE_METHODS = ("zero", "mean", "resample", "attribution")

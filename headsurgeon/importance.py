@@ -53,6 +53,7 @@ from torch import Tensor
 from headsurgeon.backend import HookPoint, Model
 from headsurgeon.backend.forward import run_from_layer
 from headsurgeon.data import Data, Sequences, as_sequences, check_data
+from headsurgeon.defaults import IMPORTANCE_METHODS
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model, hooked
@@ -76,8 +77,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ABLATIONS = ("zero", "mean", "resample")
-METHODS = (*ABLATIONS, "attribution")
+METHODS = IMPORTANCE_METHODS
+ABLATIONS = tuple(method for method in METHODS if method != "attribution")
 COLUMNS: dict[str, str] = {
     "layer": "layer index (from 0)",
     "head": "head index within the layer (from 0)",

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from headsurgeon.backend import HookPoint, Model
 from headsurgeon.data import Data, Sequences, as_sequences, token_strings
+from headsurgeon.defaults import RECEIVED_THRESHOLD as THRESHOLD
 from headsurgeon.errors import DataError
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
@@ -70,7 +71,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-THRESHOLD = 0.3
 MIN_QUERIES = 16
 MAX_SINKS = 1000
 

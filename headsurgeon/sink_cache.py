@@ -64,6 +64,7 @@ from headsurgeon import alibi, long_context
 from headsurgeon.backend import Model, add_bias_hook
 from headsurgeon.blindness import active_mitigations
 from headsurgeon.data import Data, Sequences, batches
+from headsurgeon.defaults import SINK_POSITIONS as POSITIONS
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.evals.loss import next_token_nll
 from headsurgeon.exact_alibi import trained_bias
@@ -79,8 +80,6 @@ from headsurgeon.window import every_head, sequences_to_cut
 __all__ = ["POSITIONS", "SinkCacheEffect", "cache_keys", "sink_cache_effect"]
 
 logger = logging.getLogger(__name__)
-
-POSITIONS = ("cache", "true")
 
 
 @dataclasses.dataclass

@@ -593,7 +593,8 @@ def test_overwrite_of_a_home_style_folder_from_the_shell(tmp_path):
         [
             sys.executable,
             "-m",
-            "headsurgeon.classify",
+            "headsurgeon",
+            "classify",
             "organism-injured",
             "--n-seqs",
             "2",

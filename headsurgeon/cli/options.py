@@ -62,7 +62,14 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from headsurgeon.defaults import DEAD_THRESHOLD, DTYPE_NAMES, MIN_OUTPUT_SHARE, SINK_THRESHOLD
+from headsurgeon.defaults import (
+    CENSUS_N_SEQS,
+    CENSUS_SEQ_LEN,
+    DEAD_THRESHOLD,
+    DTYPE_NAMES,
+    MIN_OUTPUT_SHARE,
+    SINK_THRESHOLD,
+)
 from headsurgeon.errors import DataError, FigureExportError, HeadsurgeonError, shown
 from headsurgeon.inputs import check_texts
 from headsurgeon.model_names import (
@@ -376,8 +383,8 @@ def add_threshold_args(group: argparse._ArgumentGroup) -> None:
 def add_data_args(
     parser: argparse.ArgumentParser,
     *,
-    seq_len: int = 128,
-    n_seqs: int | None = 64,
+    seq_len: int = CENSUS_SEQ_LEN,
+    n_seqs: int | None = CENSUS_N_SEQS,
     n_seqs_help: str = "sequences to use",
     corpora: bool = False,
     dataset: bool = True,

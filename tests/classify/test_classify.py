@@ -295,7 +295,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(bloom_dir, tmp_path, capsys, extra
 @pytest.mark.slow  # a subprocess
 def test_module_entry_point_reports_errors_without_traceback(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", "--dead-threshold", "2"],
+        [sys.executable, "-m", "headsurgeon", "classify", "--dead-threshold", "2"],
         capture_output=True,
         text=True,
         cwd=tmp_path,

@@ -220,7 +220,7 @@ def test_classify_cli_with_a_browser_that_does_not_start_warns_once_and_writes_t
     argv += ["--n-seqs", "2", "--threads", "1", "--no-secondary-sinks", "--out", str(out)]
     env = _subprocess_env(mark, BROWSER_PATH=str(script), HEADSURGEON_BROWSER_TIMEOUT="1")
     result = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", *argv],
+        [sys.executable, "-m", "headsurgeon", "classify", *argv],
         capture_output=True,
         text=True,
         cwd=tmp_path,

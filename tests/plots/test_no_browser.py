@@ -198,7 +198,7 @@ def test_classify_cli_without_browser_exits_0_with_one_warning(bloom_dir, tmp_pa
     ]
     env = dict(os.environ, BROWSER_PATH=str(tmp_path / "no-chromium"))
     result = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", *argv],
+        [sys.executable, "-m", "headsurgeon", "classify", *argv],
         capture_output=True,
         text=True,
         cwd=tmp_path,

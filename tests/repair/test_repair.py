@@ -613,7 +613,7 @@ def test_python_m_repair_shows_its_progress_messages(injured, text_file, tmp_pat
     # subprocess ran into the timeout with it)
     args = cli_args(injured, text_file, tmp_path / "out", "--passes", "1", "--no-control")
     done = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.repair", *args],
+        [sys.executable, "-m", "headsurgeon", "repair", *args],
         capture_output=True,
         text=True,
         timeout=300,
