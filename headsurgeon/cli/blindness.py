@@ -14,7 +14,8 @@ a bad ``--texts`` file, a missing MODEL folder, an unknown model name or an outp
 answer at once); the analysis and the writing are :mod:`headsurgeon.cli.blindness_run`, imported
 after that.
 
-Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
+Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
+``run("blindness")``)
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ may not write answer at once); the census and the writing are
 :mod:`headsurgeon.cli.classify_run`, imported after that.
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
-``run(main)``)
+``run("classify")``)
 """
 
 from __future__ import annotations
