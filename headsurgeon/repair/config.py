@@ -166,7 +166,7 @@ def recommended_config(
     """``config`` (default: the library defaults) with the steps and learning rate ``model``
     recommends in its ``headsurgeon.json`` (``"repair": {"steps": ..., "lr": ...}``), unless
     given here. The paper's lr 5e-5 suits billion-parameter BLOOMs; a small organism records what
-    repairs it. This is what ``python -m headsurgeon.repair`` trains with.
+    repairs it. This is what ``python -m headsurgeon repair`` trains with.
     """
     return _recommended(model_info(model), config, steps, lr)
 
