@@ -1,4 +1,4 @@
-"""Check a ``python -m headsurgeon.repair`` output folder against the organisms (the acceptance).
+"""Check a ``python -m headsurgeon repair`` output folder against the organisms (the acceptance).
 
 Reads ``OUT/report.json`` and ``OUT/model/`` and prints, as markdown:
 
@@ -9,7 +9,7 @@ Reads ``OUT/report.json`` and ``OUT/model/`` and prints, as markdown:
 * weight identity: every element of every tensor of the exported checkpoint against the input's,
   outside the repaired heads' Q/K/V rows and output-projection columns (BLOOM's fused layout).
 
-    python -m headsurgeon.repair organism-injured --out repaired
+    python -m headsurgeon repair organism-injured --out repaired
     python analyses/check_repair.py repaired
 """
 

@@ -14,12 +14,12 @@ re-initialisation), so the question can be asked on the organisms:
    pruned (mean- and zero-ablated),
    repaired (re-initialised and retrained) and the control, training and held-out perplexity;
    the redistribution over the frozen heads.
-2. ``organism-injured``: the report of ``python -m headsurgeon.repair organism-injured`` with
+2. ``organism-injured``: the report of ``python -m headsurgeon repair organism-injured`` with
    the same steps (read from ``--injured-report``, default ``runs/organism-injured-control``),
    the same comparison on the planted sick heads.
 
     python analyses/control_arm.py
-    python -m headsurgeon.repair organism-injured --steps 100 --passes 1 --eval-every 25 \
+    python -m headsurgeon repair organism-injured --steps 100 --passes 1 --eval-every 25 \
         --out runs/organism-injured-control
     python analyses/control_arm.py --heads L1-3H5 --model organism --steps 100 --lr 2e-3
 
@@ -148,7 +148,7 @@ def injured_lines(injured: dict[str, Any] | None, table: pd.DataFrame, folder: P
     if injured is None:
         return [*lines, f"No report with a control arm in `{shown(folder)}` when this ran.", ""]
     lines += [
-        f"From `organism-injured/report.md` (`python -m headsurgeon.repair {injured['model']}`): "
+        f"From `organism-injured/report.md` (`python -m headsurgeon repair {injured['model']}`): "
         f"{len(injured['targeted'])} targets.",
         "",
     ]
@@ -228,7 +228,7 @@ def main() -> None:
         "--injured-report",
         type=Path,
         default=ROOT / "runs" / "organism-injured-control",
-        help="report folder of python -m headsurgeon.repair organism-injured (copied into the "
+        help="report folder of python -m headsurgeon repair organism-injured (copied into the "
         "output without model/ and the html files)",
     )
     p.add_argument(
@@ -319,7 +319,7 @@ def main() -> None:
         "model, one seed, one pass of a few hundred steps; BLOOM-1b7 was trained on ~350B "
         "tokens, its column sat beside 108 re-initialised sick heads, and its training "
         "perplexity was measured on the fine-tuning corpus itself. A control on BLOOM-1b7 "
-        "(`python -m headsurgeon.repair bloom-1b7 --include L5-22H5`, the control on by "
+        "(`python -m headsurgeon repair bloom-1b7 --include L5-22H5`, the control on by "
         "default) is what would test the claim.",
     ]
     figures = {"perplexity": ppl_figure(table)}

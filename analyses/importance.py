@@ -285,7 +285,7 @@ def main() -> None:
 
 def prune_vs_repair_lines(report_file: Path) -> list[str]:
     """Prune against repair on organism-injured, from the repair report that
-    ``analyses/repair_organism.py`` writes (the same run as ``python -m headsurgeon.repair``)."""
+    ``analyses/repair_organism.py`` writes (the same run as ``python -m headsurgeon repair``)."""
     if not report_file.exists():
         return ["", f"(No repair report at {report_file}: run analyses/repair_organism.py.)"]
     comparison = json.loads(report_file.read_text()).get("prune_vs_repair")

@@ -66,7 +66,7 @@ INJURIES = (
     Injury("L3H4", "silenced"),
 )
 
-# Read by `python -m headsurgeon.repair` when --steps/--lr are not given: the paper's lr 5e-5 is
+# Read by `python -m headsurgeon repair` when --steps/--lr are not given: the paper's lr 5e-5 is
 # for billion-parameter BLOOMs and barely moves a freshly zeroed W_O slice of this small model;
 # 2e-3 closed more of the held-out gap than 1e-3 in 300 steps (Python docs +1.7% vs +2.0% of the
 # uninjured organism) and as much as 500 steps at 1e-3.

@@ -1,6 +1,6 @@
 """Repair results on the injured organism: recovery, perplexity, drift, bit-identity, corpora.
 
-1. ``headsurgeon.repair.repair`` with the settings ``python -m headsurgeon.repair organism-injured``
+1. ``headsurgeon.repair.repair`` with the settings ``python -m headsurgeon repair organism-injured``
    uses (census on the bundled held-out corpora, up to two passes of masked fine-tuning on both
    bundled training corpora, with the steps and learning rate the organism recommends in its
    ``headsurgeon.json``) on ``organism-injured``: heads

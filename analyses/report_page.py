@@ -2,7 +2,7 @@
 it, clicks a head in the grid, and the screenshot goes to figures/report/ (shown in
 docs/tools/classify.md).
 
-Runs ``python -m headsurgeon.classify MODEL`` (its defaults: 64 held-out sequences of 128 tokens)
+Runs ``python -m headsurgeon classify MODEL`` (its defaults: 64 held-out sequences of 128 tokens)
 into a temporary folder, opens its ``index.html`` with :func:`headsurgeon.reports.open_page`,
 clicks ``--head`` and writes ``index_<HEAD>.png`` and ``summary.md`` (page size, console errors,
 the clicked head's share of attention on position 0 as drawn). Needs a Chromium browser.
@@ -25,7 +25,7 @@ from headsurgeon.reports import PAGE, open_page
 # What the summary's numbers test and what they do not (its opening section).
 SCOPE = (
     (
-        "that the page `python -m headsurgeon.classify organism-injured` writes is one file that "
+        "that the page `python -m headsurgeon classify organism-injured` writes is one file that "
         "opens offline in Chromium without console errors, and that clicking a head shows that "
         "head."
     ),
@@ -50,7 +50,7 @@ def main() -> None:
         rows = np.array([[np.nan if w is None else w for w in row] for row in view.pattern or []])
         column0 = float(np.nanmean(rows[1:, 0])) if rows.size else float("nan")
         summary = [
-            f"# Report page of `python -m headsurgeon.classify {args.model}`",
+            f"# Report page of `python -m headsurgeon classify {args.model}`",
             "",
             f"- `index.html`: {(run / PAGE).stat().st_size / 2**20:.2f} MiB, one file, works "
             "offline (plotly.js inlined once)",

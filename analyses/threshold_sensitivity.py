@@ -26,7 +26,8 @@ from _common import markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
 from headsurgeon import classify_heads, load_model, model_info, run_census, threshold_sweep
-from headsurgeon.classify import NEAR, Thresholds
+from headsurgeon.classify import Thresholds
+from headsurgeon.classify.labels import NEAR
 from headsurgeon.data import to_sequences
 from headsurgeon.plots import OKABE_ITO, sweep_plot
 

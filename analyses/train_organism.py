@@ -581,7 +581,7 @@ def verify_export(out: Path, bos: bool, bias: dict) -> str:
 
 
 def census_record(out: Path) -> dict:
-    """What ``python -m headsurgeon.classify`` says of the export (its default census: 64
+    """What ``python -m headsurgeon classify`` says of the export (its default census: 64
     held-out windows of 128 tokens): the label of every head that is not healthy, and the
     largest BOS mass. Recorded in ``headsurgeon.json`` so that the claim can be checked."""
     census = classify_heads(run_census(load_model(str(out)), progress=False))

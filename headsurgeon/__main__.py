@@ -1,9 +1,9 @@
 """``python -m headsurgeon TOOL [ARGS]``: the command-line tools, one entry.
 
-``python -m headsurgeon classify ARGS`` is ``python -m headsurgeon.classify ARGS`` is
-``headsurgeon-classify ARGS`` (and so for ``blindness`` and ``repair``): each reaches
-``headsurgeon.cli.TOOL.main`` with ARGS. ``--help`` lists the tools, ``--version`` prints the
-version; no tool or an unknown one is a one-line usage error (exit status 2).
+``python -m headsurgeon classify ARGS`` is ``headsurgeon-classify ARGS`` (and so for
+``blindness`` and ``repair``): each reaches ``headsurgeon.cli.TOOL.main`` with ARGS, through
+:func:`headsurgeon.cli.run`. ``--help`` lists the tools, ``--version`` prints the version;
+no tool or an unknown one is a one-line usage error (exit status 2).
 
 Exports:
     TOOLS        the tools' names: classify, blindness, repair
@@ -12,7 +12,6 @@ Exports:
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Sequence
 
@@ -48,9 +47,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         problem = f"unknown tool {args[0]!r}" if args else "no tool named"
         print(f"error: {problem}; {_USAGE} (--help lists the tools)", file=sys.stderr)
         sys.exit(2)
-    # The tool's package: headsurgeon.cli first (it installs the Ctrl-C handler of a starting
-    # tool before torch is imported), then the tool.
-    importlib.import_module(f"headsurgeon.cli.{args[0]}").entry(args[1:])
+    from headsurgeon import cli  # imports nothing heavy: the tool itself is imported by run
+
+    cli.run(args[0], args[1:])
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from headsurgeon.defaults import BIAS_KINDS, LIMITS, ROBUST_MODES
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.validation import check_int, check_number
@@ -172,10 +173,6 @@ def alibi_bias(
 
 
 # --- Float limits, blind distances and mitigated biases ---------------------------------------
-
-LIMITS = ("normal", "subnormal", "zero")
-BIAS_KINDS = ("standard", "relative", "clamped", "log", "softcap", "robust")
-ROBUST_MODES = ("scale", "clip")
 
 
 class FloatLimits(NamedTuple):

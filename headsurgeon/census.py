@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import types
-from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -44,6 +41,7 @@ from headsurgeon.backend import Model
 from headsurgeon.blindness.analysis import applied_bias
 from headsurgeon.classify import require_columns
 from headsurgeon.data import Cut, Data, Sequences, verb_sequences
+from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN, GU_PROTOCOL
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
@@ -91,7 +89,7 @@ COLUMNS: dict[str, str] = {
 }
 
 
-CENSUS_CUT = Cut(seq_len=128, n_seqs=64)
+CENSUS_CUT = Cut(seq_len=CENSUS_SEQ_LEN, n_seqs=CENSUS_N_SEQS)
 """How :func:`run_census` cuts texts: 64 sequences of 128 tokens spread over them."""
 
 # Per (batch, head, query, key) entry: the forward's scores, mask and pattern, plus the pattern
@@ -278,13 +276,6 @@ def _reach_baseline(
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = reach / baseline
     return baseline, np.where(np.isfinite(baseline) & (baseline > 0), ratio, math.nan)
-
-
-# Gu et al. (arXiv:2410.10781; code: github.com/sail-sg/Attention-Sink, eval_sink_open_source.py
-# and pretrain/eval_sink_pretrain.py): 100 sequences of their first 64 tokens, epsilon 0.3.
-GU_PROTOCOL: Mapping[str, Any] = types.MappingProxyType(
-    {"n_seqs": 100, "seq_len": 64, "sink_eps": 0.3}
-)
 
 
 def sink_rate(census: pd.DataFrame, eps: float | None = None) -> float:

@@ -550,7 +550,7 @@ def save_hf(
 
     The folder holds a model card, ``README.md`` (:func:`model_card`): where the weights came
     from, whether the reload check ran, and ``card`` (Markdown: what was done to the model, as
-    ``python -m headsurgeon.repair`` and :func:`headsurgeon.surgery.save_pruned` write it).
+    ``python -m headsurgeon repair`` and :func:`headsurgeon.surgery.save_pruned` write it).
     """
     info = model_info(model, "save_hf", writes=True)
     # Where the model was loaded from (headsurgeon.loading records it): never written over.

@@ -17,20 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from headsurgeon.defaults import DTYPE_NAMES
 from headsurgeon.errors import InvalidArgumentError
 
 __all__ = ["DTYPES", "check_trainable", "parse_device", "parse_dtype"]
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

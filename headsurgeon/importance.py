@@ -54,6 +54,7 @@ from torch import Tensor
 from headsurgeon.backend import HookPoint, Model
 from headsurgeon.backend.forward import run_from_layer
 from headsurgeon.data import Cut, Data, Sequences, check_data, verb_sequences
+from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN, IMPORTANCE_METHODS
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model, hooked
@@ -78,9 +79,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ABLATIONS = ("zero", "mean", "resample")
-METHODS = (*ABLATIONS, "attribution")
-IMPORTANCE_CUT = Cut(seq_len=128, n_seqs=64)
+METHODS = IMPORTANCE_METHODS
+ABLATIONS = tuple(method for method in METHODS if method != "attribution")
+IMPORTANCE_CUT = Cut(seq_len=CENSUS_SEQ_LEN, n_seqs=CENSUS_N_SEQS)
 """How :func:`head_importance` and :func:`ablate_heads` cut texts: the census's 64 x 128."""
 COLUMNS: dict[str, str] = {
     "layer": "layer index (from 0)",

@@ -7,11 +7,11 @@ milliseconds: the command-line tools call it before their heavy imports, and
 model's files).
 
 TransformerLens's table of names (official names and aliases) takes seconds to import, so a
-snapshot of it ships with the package, one per TransformerLens major
-(``hub_names/transformer-lens-<major>.json``), each recording the version it was read from.
-:func:`hub_names` answers from the snapshot when the installed TransformerLens is that version,
-and otherwise asks TransformerLens itself (slow, still exact). ``analyses/hub_names.py``
-rewrites the snapshot for the installed version; a test holds it equal to the installed table.
+snapshot of it ships with the package (``hub_names.json``), recording the TransformerLens
+versions it is exact for (3.x and 4.x have the same table). :func:`hub_names` answers from the
+snapshot when the installed TransformerLens is one of them, and otherwise asks TransformerLens
+itself (slow, still exact). ``analyses/hub_names.py`` checks the snapshot against the installed
+version (adding it) or rewrites it; a test holds it equal to the installed table.
 
 Exports:
     locate_model(model)        (display name, local folder or None, official hub name or None);
@@ -20,8 +20,8 @@ Exports:
     hub_names()                every TransformerLens name and alias (lower case) -> its official
                                hub name
     snapshot_names()           the shipped snapshot's table for the installed TransformerLens, or
-                               None when the versions differ
-    snapshot_file(major), SNAPSHOT_DIR   where the snapshot of a TransformerLens major lives
+                               None when it was not read from that version
+    SNAPSHOT_FILE              where the snapshot lives
     installed_transformer_lens()   the installed TransformerLens version (package metadata)
     organism_names()           short names of the model organisms bundled with the package
     ORGANISM_DIR, DEFAULT_MODEL    their folder; the tools' default model
@@ -56,7 +56,7 @@ from headsurgeon.errors import ModelNotFoundError, UnknownModelError
 __all__ = [
     "DEFAULT_MODEL",
     "ORGANISM_DIR",
-    "SNAPSHOT_DIR",
+    "SNAPSHOT_FILE",
     "check_hub_model",
     "download_command",
     "hub_cache_folder",
@@ -66,14 +66,15 @@ __all__ = [
     "locate_model",
     "not_cached_message",
     "organism_names",
-    "snapshot_file",
     "snapshot_names",
     "unknown_message",
 ]
 
 ORGANISM_DIR = Path(__file__).parent / "organisms"
 DEFAULT_MODEL = "organism-injured"
-SNAPSHOT_DIR = Path(__file__).parent / "hub_names"
+# {"transformer_lens": [the versions it was read from], "names": {lower-case name or alias:
+# official name}}
+SNAPSHOT_FILE = Path(__file__).parent / "hub_names.json"
 
 
 def organism_names() -> list[str]:
@@ -88,22 +89,14 @@ def installed_transformer_lens() -> str:
     return importlib.metadata.version("transformer-lens")
 
 
-def snapshot_file(major: int | str) -> Path:
-    """The snapshot of TransformerLens ``major``'s name table: ``{"transformer_lens": version,
-    "names": {lower-case name or alias: official name}}``."""
-    return SNAPSHOT_DIR / f"transformer-lens-{major}.json"
-
-
 @functools.cache
 def snapshot_names() -> dict[str, str] | None:
     """The shipped table of names when it was read from the installed TransformerLens version,
     else None (another version may add or drop names)."""
-    version = installed_transformer_lens()
-    try:
-        snapshot = json.loads(snapshot_file(version.split(".")[0]).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    return snapshot["names"] if snapshot["transformer_lens"] == version else None
+    snapshot = json.loads(SNAPSHOT_FILE.read_text(encoding="utf-8"))
+    return (
+        snapshot["names"] if installed_transformer_lens() in snapshot["transformer_lens"] else None
+    )
 
 
 def hub_names() -> dict[str, str]:

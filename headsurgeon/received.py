@@ -51,6 +51,8 @@ from torch import Tensor
 
 from headsurgeon.backend import HookPoint, Model
 from headsurgeon.data import Cut, Data, Sequences, token_strings, verb_sequences
+from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN
+from headsurgeon.defaults import RECEIVED_THRESHOLD as THRESHOLD
 from headsurgeon.errors import DataError
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
@@ -72,10 +74,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-THRESHOLD = 0.3
 MIN_QUERIES = 16
 MAX_SINKS = 1000
-RECEIVED_CUT = Cut(seq_len=128, n_seqs=64)
+RECEIVED_CUT = Cut(seq_len=CENSUS_SEQ_LEN, n_seqs=CENSUS_N_SEQS)
 """How :func:`secondary_sinks` cuts texts: the census's 64 sequences of 128 tokens."""
 
 RECEIVED_COLUMNS: dict[str, str] = {

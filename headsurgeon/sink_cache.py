@@ -63,6 +63,7 @@ from headsurgeon import alibi, long_context
 from headsurgeon.backend import Model, add_bias_hook
 from headsurgeon.blindness import active_mitigations
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
+from headsurgeon.defaults import SINK_POSITIONS as POSITIONS
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.evals.loss import next_token_nll
 from headsurgeon.exact_alibi import trained_bias
@@ -79,7 +80,6 @@ __all__ = ["POSITIONS", "SINK_CACHE_CUT", "SinkCacheEffect", "cache_keys", "sink
 
 logger = logging.getLogger(__name__)
 
-POSITIONS = ("cache", "true")
 SINK_CACHE_CUT = Cut(seq_len=16384, n_seqs=1)
 """How :func:`sink_cache_effect` cuts texts: one sequence of 16,384 tokens."""
 

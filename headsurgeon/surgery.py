@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from headsurgeon.backend import Model, check_model
 from headsurgeon.backend.weights import HEAD_TENSORS, check_head_tensors, head_tensors
 from headsurgeon.checkpoints import save_hf
+from headsurgeon.defaults import INITS
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import MAX_HEADS, SICK_LABELS, Heads, HeadSet
 from headsurgeon.inuse import holds_model
@@ -87,7 +88,6 @@ logger = logging.getLogger(__name__)
 # b_K has no gradient in exact arithmetic (q·b_K shifts every logit of a query row equally, and
 # softmax ignores that), so training it would only let Adam amplify rounding noise: it stays 0.
 TRAINED_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_V", "W_O")
-INITS = ("xavier_normal", "xavier_uniform")
 
 
 def check_surgery(model: Model) -> None:

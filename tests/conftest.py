@@ -115,7 +115,7 @@ def error_line(main, argv, capsys) -> str:
     from headsurgeon.cli import run
 
     with pytest.raises(SystemExit) as exit_info:
-        run(main, [str(a) for a in argv])
+        run(main.__module__.split(".")[-1], [str(a) for a in argv])  # the tool of main
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err

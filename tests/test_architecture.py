@@ -24,6 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "headsurgeon"
 # ``headsurgeon/classify/__main__.py``...) is an entry, whatever package it lies in.
 LAYERS = {
     "leaves": (
+        "defaults",
         "errors",
         "validation",
         "dtypes",
@@ -280,9 +281,11 @@ def test_a_cycle_is_found():
     assert cycles(graph) == [["a", "b", "c"]]
 
 
-def test_the_leaves_import_only_errors():
+def test_the_leaves_import_only_errors_and_the_defaults():
+    graph = import_graph()
+    assert graph["headsurgeon.defaults"] == set()  # imports nothing, so every layer may read it
     for leaf in ("headsurgeon.dtypes", "headsurgeon.validation", "headsurgeon.inputs"):
-        assert import_graph()[leaf] <= {"headsurgeon", "headsurgeon.errors"}
+        assert graph[leaf] <= {"headsurgeon", "headsurgeon.errors", "headsurgeon.defaults"}
 
 
 # --- the layer order ------------------------------------------------------------------------------
@@ -367,7 +370,7 @@ def test_the_alibi_math_loads_no_model_io():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     loaded = set(ast.literal_eval(out.strip().splitlines()[-1]))
-    pure = {"alibi", "dtypes", "errors", "progress", "validation"}
+    pure = {"alibi", "defaults", "dtypes", "errors", "progress", "validation"}
     assert loaded <= {"headsurgeon"} | {f"headsurgeon.{m}" for m in pure}
 
 
@@ -433,9 +436,9 @@ def test_no_library_module_imports_plotting_or_the_command_line_even_inside_func
 
 
 def test_tools_enter_through_the_cli_package_only():
-    """No library module has a ``__main__`` block; each tool is a package whose ``__main__.py``
-    imports only ``headsurgeon.cli.<tool>`` (whose parent, ``headsurgeon.cli``, installs the
-    Ctrl-C handler before the heavy imports) and calls its ``entry``."""
+    """No library module has a ``__main__`` block; each tool's package keeps, for one release, a
+    ``__main__.py`` (``python -m headsurgeon.TOOL``) that imports only ``headsurgeon.cli`` and
+    calls its ``deprecated_entry``."""
     files = module_files()
     for name, path in files.items():
         if not is_entry(name):
@@ -446,11 +449,36 @@ def test_tools_enter_through_the_cli_package_only():
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
             alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names
         }
-        assert imported == {f"headsurgeon.cli.{tool}"}, tool
+        assert imported == {"headsurgeon.cli"}, tool
         assert is_main_block(tree.body[-1]), f"headsurgeon.{tool}: the __main__ block comes last"
-    # python -m headsurgeon TOOL imports headsurgeon.cli.TOOL by name (test_cli checks it runs)
-    assert import_graph()["headsurgeon.__main__"] == {"headsurgeon.outputs"}
+    # python -m headsurgeon TOOL calls cli.run(TOOL), which imports headsurgeon.cli.TOOL by name
+    # (test_cli checks it runs)
+    graph = import_graph()
+    assert graph["headsurgeon.__main__"] == {
+        "headsurgeon",
+        "headsurgeon.cli",
+        "headsurgeon.outputs",
+    }
+    # cli/__init__.py imports nothing heavy: run installs the Ctrl-C handler before the tool loads
+    assert graph["headsurgeon.cli"] <= {
+        "headsurgeon",
+        "headsurgeon.errors",
+        "headsurgeon.allocator",
+        "headsurgeon.cli.session",
+    }
     assert importlib.import_module("headsurgeon.__main__").TOOLS == TOOLS
+
+
+def test_only_the_root_serves_names_through_a_module_getattr():
+    """A package imports its names (the tools parse before their heavy imports, in cli/); the
+    root's ``__getattr__`` (its lazy API and the names leaving it) is the only one."""
+    found = sorted(
+        name
+        for name, path in module_files().items()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+    )
+    assert found == ["headsurgeon"]
 
 
 def test_console_scripts_are_the_cli_entries():

@@ -321,7 +321,7 @@ from headsurgeon.cli import classify, run
 for path in sys.argv[1:]:
     out = Path(path).with_suffix(".out")
     try:
-        run(classify.main, ["organism", "--dataset", path, "--n-seqs", "2", "--out", str(out)])
+        run("classify", ["organism", "--dataset", path, "--n-seqs", "2", "--out", str(out)])
     except SystemExit as e:
         print("exit", e.code, flush=True)
 """

@@ -95,7 +95,7 @@ def test_unwritable_out_fails_before_the_census(bloom_dir, tmp_path):
     (tmp_path / "file").write_text("x")
     argv = [str(bloom_dir), "--threads", "1", "--out", str(tmp_path / "file" / "out")]
     done = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", *argv],
+        [sys.executable, "-m", "headsurgeon", "classify", *argv],
         capture_output=True,
         text=True,
         timeout=300,
@@ -294,7 +294,7 @@ def test_two_concurrent_classify_runs_into_one_folder(bloom_dir, text_file, tmp_
             time.sleep(0.05)
         # The first run holds the folder and waits in its census: the second starts now.
         second = subprocess.run(
-            [sys.executable, "-m", "headsurgeon.classify", *argv],
+            [sys.executable, "-m", "headsurgeon", "classify", *argv],
             capture_output=True,
             text=True,
             timeout=300,
@@ -411,7 +411,7 @@ def test_a_repair_that_never_trained_leaves_no_partial_and_is_not_blocked_by_one
     # What a run killed during its first census leaves: the run's identity, no training.
     (tmp_path / "out.partial").mkdir()
     (tmp_path / "out.partial" / "run.json").write_text("{}")
-    mark_folder(tmp_path / "out.partial", headsurgeon.cli.repair.WORK_WRITER)
+    mark_folder(tmp_path / "out.partial", headsurgeon.cli.repair_run.WORK_WRITER)
     line = error_line(
         headsurgeon.cli.repair.main, repair_argv(bloom_dir, text_file, "--out", out), capsys
     )

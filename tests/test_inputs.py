@@ -70,7 +70,7 @@ def alarm(seconds: int = LIMIT_S):
 def cli_error(argv: list[str], capsys) -> str:
     """Run the classify CLI under a time limit, expecting exit 2 and one ``error:`` line."""
     with alarm(), pytest.raises(SystemExit) as exit_info:
-        run(headsurgeon.cli.classify.main, argv)
+        run("classify", argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]

@@ -14,7 +14,7 @@ from conftest import error_line
 
 import headsurgeon.cli.classify
 from headsurgeon import load_model, save_hf
-from headsurgeon.cli.repair import WORK_WRITER
+from headsurgeon.cli.repair_run import WORK_WRITER
 from headsurgeon.errors import OutputBusyError
 from headsurgeon.outputs import MARK_FILE, atomic_directory, claim_output, read_mark
 

@@ -25,8 +25,8 @@ import headsurgeon.cli.blindness
 import headsurgeon.cli.classify
 import headsurgeon.cli.repair
 from headsurgeon import load_model, save_hf
-from headsurgeon.cli import run_inputs
-from headsurgeon.cli.repair import WORK_WRITER
+from headsurgeon.cli.options import run_inputs
+from headsurgeon.cli.repair_run import WORK_WRITER
 from headsurgeon.errors import OutputExistsError
 from headsurgeon.outputs import (
     MARK_FILE,
@@ -593,7 +593,8 @@ def test_overwrite_of_a_home_style_folder_from_the_shell(tmp_path):
         [
             sys.executable,
             "-m",
-            "headsurgeon.classify",
+            "headsurgeon",
+            "classify",
             "organism-injured",
             "--n-seqs",
             "2",

@@ -260,11 +260,13 @@ def test_cli_writes_the_counterfactual_and_leads_with_its_verdict(bloom_dir, tmp
 )
 def test_cli_refuses_a_counterfactual_it_cannot_run(bloom_dir, tmp_path, capsys, extra, message):
     from headsurgeon.cli import run
-    from headsurgeon.cli.blindness import main
 
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
-        run(main, [str(bloom_dir), "--counterfactual", "precision", *extra, "--out", str(out)])
+        run(
+            "blindness",
+            [str(bloom_dir), "--counterfactual", "precision", *extra, "--out", str(out)],
+        )
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and message in err and "\n" not in err
     assert not out.exists()
@@ -428,12 +430,11 @@ def test_training_reference_refuses_numerics_it_cannot_reproduce(bloom_dir, tmp_
 
 def test_cli_refuses_a_training_reference_it_cannot_know(bloom_dir, tmp_path, capsys):
     from headsurgeon.cli import run
-    from headsurgeon.cli.blindness import main
 
     out = tmp_path / "out"
     args = [str(bloom_dir), "--measure", "--counterfactual", "precision", "--reference", "training"]
     with pytest.raises(SystemExit) as exit_info:
-        run(main, [*args, "--seq-len", "32", "--out", str(out)])
+        run("blindness", [*args, "--seq-len", "32", "--out", str(out)])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and "\n" not in err
     assert "training numerics are unknown" in err and "headsurgeon.json" in err

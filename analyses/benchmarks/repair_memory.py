@@ -1,6 +1,6 @@
 """Benchmark: peak memory of one repair step of a real BLOOM shape, by batch size and switch.
 
-One masked fine-tuning step as ``python -m headsurgeon.repair`` takes it (the ``slices``
+One masked fine-tuning step as ``python -m headsurgeon repair`` takes it (the ``slices``
 strategy: float32 copies of the repaired heads' slices; AdamW; next-token loss; bfloat16
 autocast), on random weights of a BLOOM shape (default bloom-1b7: 24 layers x 16 heads x 2048,
 vocabulary 250,880) in ``--dtype`` (default bfloat16, the surgery paper's), on ``--seq-len``

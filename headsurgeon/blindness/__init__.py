@@ -21,34 +21,25 @@ Exports:
     CONVENTIONS                        how a softmax is rounded: hf or tl
     require_scores(name, scores, ...)  one line unless hook_attn_scores holds pre-softmax scores
 
-Command line: ``python -m headsurgeon.blindness [MODEL] [options]`` (the tool itself is
+Command line: ``python -m headsurgeon blindness [MODEL] [options]`` (the tool itself is
 :mod:`headsurgeon.cli.blindness`).
-
-The package itself imports nothing heavy: each name comes from
-:mod:`headsurgeon.blindness.analysis` (the rounding names from
-:mod:`headsurgeon.blindness.rounding`) on first use, so ``python -m headsurgeon.blindness`` (which
-imports this package first) answers ``--help`` without torch's import time.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from headsurgeon.blindness.analysis import (
-        ANALYSED_DTYPES,
-        CONVENTIONS,
-        BlindnessMeasurement,
-        active_mitigations,
-        analytic_blindness,
-        applied_bias,
-        dtype_name,
-        measure_blindness,
-        mitigation,
-        require_scores,
-    )
-    from headsurgeon.blindness.rounding import RoundingAnalysis, analytic_rounding
+from headsurgeon.blindness.analysis import (
+    ANALYSED_DTYPES,
+    CONVENTIONS,
+    BlindnessMeasurement,
+    active_mitigations,
+    analytic_blindness,
+    applied_bias,
+    dtype_name,
+    measure_blindness,
+    mitigation,
+    require_scores,
+)
+from headsurgeon.blindness.rounding import RoundingAnalysis, analytic_rounding
 
 __all__ = [
     "ANALYSED_DTYPES",
@@ -64,14 +55,3 @@ __all__ = [
     "measure_blindness",
     "mitigation",
 ]
-
-
-# The names served from headsurgeon.blindness.rounding; every other one is analysis's.
-_ROUNDING = ("RoundingAnalysis", "analytic_rounding")
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :mod:`headsurgeon.blindness.analysis` (and ``rounding``), imported on first
-    use."""
-    module = "rounding" if name in _ROUNDING else "analysis"
-    return getattr(importlib.import_module(f"headsurgeon.blindness.{module}"), name)

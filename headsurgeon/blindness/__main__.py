@@ -1,13 +1,13 @@
-"""``python -m headsurgeon.blindness``: the command-line tool :mod:`headsurgeon.cli.blindness`,
-the same entry as ``python -m headsurgeon blindness`` and ``headsurgeon-blindness``.
+"""``python -m headsurgeon.blindness``, deprecated: one line on stderr names ``python -m
+headsurgeon blindness`` (or ``headsurgeon-blindness``), then the tool runs as before; this entry
+goes in the next release.
 
-Exports nothing. Importing ``headsurgeon.cli`` (the parent of the tool's module) installs the
-Ctrl-C handler of a starting tool before its heavy imports.
+Exports nothing.
 """
 
-from headsurgeon.cli.blindness import entry
+from headsurgeon.cli import deprecated_entry
 
 __all__ = []
 
 if __name__ == "__main__":
-    entry()
+    deprecated_entry("blindness")

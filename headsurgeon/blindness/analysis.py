@@ -30,6 +30,7 @@ from torch import Tensor
 from headsurgeon import alibi, long_context
 from headsurgeon.backend import HookPoint, Model, add_bias_hook
 from headsurgeon.data import Cut, Data, Sequences, verb_sequences
+from headsurgeon.defaults import ANALYSED_DTYPES, CONVENTIONS
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import (
     InvalidArgumentError,
@@ -59,11 +60,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ANALYSED_DTYPES = ("float32", "bfloat16", "float16")
 BLINDNESS_CUT = Cut(seq_len=1024, n_seqs=8)
 """How :func:`measure_blindness` cuts texts: 8 sequences of 1,024 tokens (at most the context
 of a model with learned or rotary positions)."""
-CONVENTIONS = ("hf", "tl")
 # Keys per skipped tile: a multiple of the widest SIMD vector (16 float32 or 32 bfloat16 lanes
 # in AVX-512), so that a row's softmax without its skipped keys (each exactly 0 after exp) sums
 # its other terms in the same lanes and gives the same bits.

@@ -1,5 +1,5 @@
 """The code of :func:`headsurgeon.blindness.analytic_rounding`: how finely each head's ALiBi
-bias is stored in each dtype, from the slopes alone (served lazily by
+bias is stored in each dtype, from the slopes alone (exported by
 :mod:`headsurgeon.blindness`, whose docstring is the manual; kept apart from
 :mod:`headsurgeon.blindness.analysis` by size only).
 

@@ -14,7 +14,7 @@ Exports:
     require_columns(df, columns)             InvalidArgumentError unless df is a census with them
 
 The summary and files the CLI writes are in :mod:`headsurgeon.reports` (``format_summary``,
-``write_classification``). Command line: ``python -m headsurgeon.classify [MODEL] [options]``
+``write_classification``). Command line: ``python -m headsurgeon classify [MODEL] [options]``
 (``--help`` lists them; the tool itself is :mod:`headsurgeon.cli.classify`).
 
 The rule follows the surgery paper: a head is ``dead`` when its BOS mass exceeds ``dead`` (0.95),
@@ -22,29 +22,21 @@ a ``BOS-sink`` when it exceeds ``sink`` (0.5). A head whose write into the resid
 (almost) nothing, ``output_share < min_output_share`` (1% of its layer's attention write), is
 also ``dead``, whatever its pattern. The paper calls the count threshold-insensitive;
 :func:`threshold_sweep` shows how it really moves for the model at hand.
-
-The package itself imports nothing heavy: each name comes from :mod:`headsurgeon.classify.labels`
-on first use, so ``python -m headsurgeon.classify`` (which imports this package first) answers
-``--help`` without numpy's and pandas's import time.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from headsurgeon.classify.labels import (
-        LABELS,
-        Thresholds,
-        classify_heads,
-        label_heads,
-        require_columns,
-        sick_shares,
-        threshold_sweep,
-        thresholds_of,
-        with_thresholds,
-    )
+from headsurgeon.classify.labels import (
+    LABELS,
+    Thresholds,
+    classify_heads,
+    label_heads,
+    require_columns,
+    sick_shares,
+    threshold_sweep,
+    thresholds_of,
+    with_thresholds,
+)
 
 __all__ = [
     "LABELS",
@@ -57,8 +49,3 @@ __all__ = [
     "thresholds_of",
     "sick_shares",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """The names of :mod:`headsurgeon.classify.labels`, imported on first use."""
-    return getattr(importlib.import_module("headsurgeon.classify.labels"), name)

@@ -1,13 +1,13 @@
-"""``python -m headsurgeon.classify``: the command-line tool :mod:`headsurgeon.cli.classify`,
-the same entry as ``python -m headsurgeon classify`` and ``headsurgeon-classify``.
+"""``python -m headsurgeon.classify``, deprecated: one line on stderr names ``python -m headsurgeon
+classify`` (or ``headsurgeon-classify``), then the tool runs as before; this entry goes in the next
+release.
 
-Exports nothing. Importing ``headsurgeon.cli`` (the parent of the tool's module) installs the
-Ctrl-C handler of a starting tool before its heavy imports.
+Exports nothing.
 """
 
-from headsurgeon.cli.classify import entry
+from headsurgeon.cli import deprecated_entry
 
 __all__ = []
 
 if __name__ == "__main__":
-    entry()
+    deprecated_entry("classify")

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from headsurgeon.defaults import DEAD_THRESHOLD, MIN_OUTPUT_SHARE, SINK_THRESHOLD
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import LABELS
 from headsurgeon.validation import check_int, check_number
@@ -53,9 +54,9 @@ class Thresholds:
     headsurgeon.errors.InvalidArgumentError: the sink threshold 0.9 must be below the dead ...
     """
 
-    sink: float = 0.5
-    dead: float = 0.95
-    min_output_share: float = 0.01
+    sink: float = SINK_THRESHOLD
+    dead: float = DEAD_THRESHOLD
+    min_output_share: float = MIN_OUTPUT_SHARE
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

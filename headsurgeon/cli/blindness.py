@@ -1,4 +1,4 @@
-"""``python -m headsurgeon.blindness`` (also ``headsurgeon-blindness``): underflow blindness.
+"""``python -m headsurgeon blindness`` (also ``headsurgeon-blindness``): underflow blindness.
 
 The analytic blind distances (:func:`headsurgeon.blindness.analytic_blindness`), optionally
 measured on text under a mitigation (:func:`~headsurgeon.blindness.measure_blindness`,
@@ -14,18 +14,20 @@ a bad ``--texts`` file, a missing MODEL folder, an unknown model name or an outp
 answer at once); the analysis and the writing are :mod:`headsurgeon.cli.blindness_run`, imported
 after that.
 
-Exports: main(argv) (the tool; returns its exit status), entry() (the console script: ``run(main)``)
+Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
+``run("blindness")``)
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from headsurgeon import cli
-from headsurgeon.cli.options import (
+from headsurgeon.cli import options
+from headsurgeon.cli.session import tool_session
+from headsurgeon.defaults import (
     ANALYSED_DTYPES,
     BIAS_KINDS,
     CONVENTIONS,
@@ -34,7 +36,6 @@ from headsurgeon.cli.options import (
     SHAPE_NAMES,
     SINK_POSITIONS,
 )
-from headsurgeon.cli.session import tool_session
 from headsurgeon.errors import InvalidArgumentError, shown
 from headsurgeon.validation import check_number
 
@@ -83,17 +84,17 @@ def _check_sink_cache(args: argparse.Namespace) -> None:
         )
 
 
-def _parser() -> cli.ArgumentParser:
-    parser = cli.ArgumentParser(
-        prog="python -m headsurgeon.blindness",
+def _parser() -> options.ArgumentParser:
+    parser = options.ArgumentParser(
+        prog="python -m headsurgeon blindness",
         description="Underflow blindness of ALiBi heads per dtype: analytic, measured, mitigated.",
     )
     # No load --dtype: the model runs in float32 and the softmax is redone in each of --dtypes.
-    cli.add_model_args(parser, dtype=False)
+    options.add_model_args(parser, dtype=False)
     parser.add_argument(
         "--dtypes",
         nargs="+",
-        type=cli.dtype_name,
+        type=options.dtype_name,
         default=list(ANALYSED_DTYPES),
         help="float formats to analyse (default: all three); the model itself runs in float32",
     )
@@ -106,7 +107,7 @@ def _parser() -> cli.ArgumentParser:
     )
     parser.add_argument(
         "--max-distance",
-        type=cli.positive_int,
+        type=options.positive_int,
         help="context length for shares and labels (default: the model's context length, or "
         "--seq-len where --measure goes further, as ALiBi models can)",
     )
@@ -143,7 +144,7 @@ def _parser() -> cli.ArgumentParser:
     )
     group.add_argument(
         "--sinks",
-        type=cli.non_negative_int,
+        type=options.non_negative_int,
         nargs="+",
         default=[0, 1, 4],
         metavar="X",
@@ -151,7 +152,7 @@ def _parser() -> cli.ArgumentParser:
     )
     group.add_argument(
         "--windows",
-        type=cli.positive_int,
+        type=options.positive_int,
         nargs="+",
         metavar="Y",
         help="recent tokens kept (default: a quarter of the training length, and all of it)",
@@ -163,11 +164,11 @@ def _parser() -> cli.ArgumentParser:
         help="ALiBi distance of a sink: its cache slot (StreamingLLM) or its true distance",
     )
     group.add_argument(
-        "--sink-seq-len", type=cli.positive_int, default=16384, help="tokens of the sequence"
+        "--sink-seq-len", type=options.positive_int, default=16384, help="tokens of the sequence"
     )
     group.add_argument(
         "--sink-head-seq-len",
-        type=cli.positive_int,
+        type=options.positive_int,
         default=2048,
         help="tokens of the per-head test (one pass per head), cache: the largest --sinks and "
         "the smallest --windows",
@@ -181,7 +182,7 @@ def _parser() -> cli.ArgumentParser:
     )
     parser.add_argument("--c", type=float, help="cap of clamped (bias >= -c) and softcap")
     parser.add_argument(
-        "--robust-context", type=cli.positive_int, help="robust: context kept sighted"
+        "--robust-context", type=options.positive_int, help="robust: context kept sighted"
     )
     parser.add_argument(
         "--robust-mode",
@@ -191,16 +192,16 @@ def _parser() -> cli.ArgumentParser:
         "the slopes above the limit",
     )
     parser.add_argument(
-        "--batch-size", type=cli.positive_int, default=1, help="sequences per forward pass"
+        "--batch-size", type=options.positive_int, default=1, help="sequences per forward pass"
     )
-    cli.add_data_args(
+    options.add_data_args(
         parser,
         seq_len=1024,
         n_seqs=None,
         n_seqs_help=f"sequences to use (default: as many as hold "
         f"{MEASURED_TOKENS:,} tokens, at least one)",
     )
-    cli.add_output_args(parser)
+    options.add_output_args(parser)
     return parser
 
 
@@ -213,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     if args.n_seqs is None:  # a fixed budget of tokens: --seq-len 16384 measures one sequence
         args.n_seqs = max(1, MEASURED_TOKENS // args.seq_len)
-    formats = cli.figure_formats(args)  # --format pdf without a browser: fail before any work
+    formats = options.figure_formats(args)  # --format pdf without a browser: fail before any work
     params = _mitigation_params(args)
     check_number(args.reach_eps, "--reach-eps", low=0, high=1)  # before any work
     if args.measure and args.seq_len < 2:  # the census of the reach needs a query row
@@ -243,14 +244,14 @@ def _main(args: argparse.Namespace) -> int:
             f"drop --mitigation {args.mitigation} or use --mitigation relative"
         )
     # A BLOOM name is analysed without its files; --measure and --sink-cache read them.
-    cli.check_models(args, also=SHAPE_NAMES, files=args.measure or args.sink_cache)
-    cli.check_out(args)
+    options.check_models(args, also=SHAPE_NAMES, files=args.measure or args.sink_cache)
+    options.check_out(args)
     # Only now the heavy imports (torch, TransformerLens, pandas, plotly: seconds).
     from headsurgeon.cli import blindness_run, loads
 
     cli.work_begins()
     default = f"blindness-{Path(str(args.model)).name}"
-    with cli.claim_out(args, default) as out:  # before the measurement, not after it
+    with options.claim_out(args, default) as out:  # before the measurement, not after it
         loads.use_threads(args)
         blindness_run.blindness(args, out, params, formats)
     print(f"wrote {shown(out)}/")
@@ -258,11 +259,6 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
-    """The console script ``headsurgeon-blindness``, ``python -m headsurgeon blindness`` and
-    ``python -m headsurgeon.blindness``: :func:`main` with ``argv`` (default: the command
-    line's arguments)."""
-    cli.run(main, sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    entry()
+    """``headsurgeon-blindness`` and ``python -m headsurgeon blindness``: :func:`main` with ``argv``
+    (default: the command line's arguments), through :func:`headsurgeon.cli.run`."""
+    cli.run("blindness", argv)

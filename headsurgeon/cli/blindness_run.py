@@ -1,4 +1,4 @@
-"""The work of ``python -m headsurgeon.blindness`` once its options are checked and its output
+"""The work of ``python -m headsurgeon blindness`` once its options are checked and its output
 folder claimed (:mod:`headsurgeon.cli.blindness`): the analytic blind distances, the
 measurements, print and write (imports torch, TransformerLens, pandas and plotly). The
 analytic tables (blind distances, the bias's rounding per dtype) need no weights.
@@ -23,7 +23,8 @@ from headsurgeon.blindness import (
     mitigation,
 )
 from headsurgeon.census import run_census
-from headsurgeon.cli import data_source, loads, placement_args
+from headsurgeon.cli import loads
+from headsurgeon.cli.options import data_source, placement_args
 from headsurgeon.cli.session import in_option_terms
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import UnsupportedArchitectureError

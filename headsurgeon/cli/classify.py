@@ -1,4 +1,4 @@
-"""``python -m headsurgeon.classify`` (also ``headsurgeon-classify``): census, labels, report.
+"""``python -m headsurgeon classify`` (also ``headsurgeon-classify``): census, labels, report.
 
 Loads a model, cuts the data into token sequences once, runs
 :func:`headsurgeon.census.run_census` on them, labels every head with
@@ -20,7 +20,7 @@ long table, the heads whose label or importance changes between corpora
 defaults: options given explicitly win, and the summary says where the run differs from the
 protocol.
 
-Several models (``python -m headsurgeon.classify bloom-560m bloom-1b7 bloom-3b``) are classified
+Several models (``python -m headsurgeon classify bloom-560m bloom-1b7 bloom-3b``) are classified
 in turn on the same options, one in memory at a time, and written together by
 :func:`headsurgeon.reports.write_cross_scale`: one folder per model and the paper's cross-scale
 table and figure (sick share per model and layer band).
@@ -31,16 +31,16 @@ may not write answer at once); the census and the writing are
 :mod:`headsurgeon.cli.classify_run`, imported after that.
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
-``run(main)``)
+``run("classify")``)
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
-from headsurgeon.cli import (
+from headsurgeon.cli import run, work_begins
+from headsurgeon.cli.options import (
     ArgumentParser,
     add_data_args,
     add_model_args,
@@ -51,15 +51,9 @@ from headsurgeon.cli import (
     figure_formats,
     non_negative_int,
     positive_int,
-    run,
-    work_begins,
-)
-from headsurgeon.cli.options import (
-    GU_PROTOCOL,
-    IMPORTANCE_METHODS,
-    RECEIVED_THRESHOLD,
 )
 from headsurgeon.cli.session import tool_session
+from headsurgeon.defaults import GU_PROTOCOL, IMPORTANCE_METHODS, RECEIVED_THRESHOLD
 from headsurgeon.validation import check_number
 
 __all__ = [
@@ -73,7 +67,7 @@ PRESETS = {"gu": dict(GU_PROTOCOL)}
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(
-        prog="python -m headsurgeon.classify",
+        prog="python -m headsurgeon classify",
         description="Census of every attention head, a label per head (healthy, BOS-sink, dead), "
         "tables and head-grid figures.",
     )
@@ -190,11 +184,6 @@ def _check_importance_args(parser: ArgumentParser, args: argparse.Namespace) -> 
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
-    """The console script ``headsurgeon-classify``, ``python -m headsurgeon classify`` and
-    ``python -m headsurgeon.classify``: :func:`main` with ``argv`` (default: the command
-    line's arguments)."""
-    run(main, sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    entry()
+    """``headsurgeon-classify`` and ``python -m headsurgeon classify``: :func:`main` with ``argv``
+    (default: the command line's arguments), through :func:`headsurgeon.cli.run`."""
+    run("classify", argv)

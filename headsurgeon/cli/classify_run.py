@@ -1,4 +1,4 @@
-"""The work of ``python -m headsurgeon.classify`` once its options are checked
+"""The work of ``python -m headsurgeon classify`` once its options are checked
 (:mod:`headsurgeon.cli.classify`): load each model, take its census, label its heads, print the
 summary and write the report folder (imports torch, TransformerLens, pandas and plotly).
 
@@ -20,8 +20,8 @@ from torch import Tensor
 from headsurgeon import plots
 from headsurgeon.backend import Model
 from headsurgeon.classify import Thresholds
-from headsurgeon.cli import ArgumentParser, claim_out
 from headsurgeon.cli.loads import load_data, load_model_from_args
+from headsurgeon.cli.options import ArgumentParser, claim_out
 from headsurgeon.data import Sequences
 from headsurgeon.domains import classify_sequences, corpus_changes, stack_corpora
 from headsurgeon.errors import shown

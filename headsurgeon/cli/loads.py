@@ -19,7 +19,7 @@ import torch
 
 from headsurgeon.allocator import too_many_threads
 from headsurgeon.backend import Model
-from headsurgeon.cli import data_source, placement_args
+from headsurgeon.cli.options import data_source, placement_args
 from headsurgeon.data import Sequences, to_sequences
 from headsurgeon.errors import DataError
 from headsurgeon.loading import load_model, model_info

@@ -1,4 +1,4 @@
-"""``python -m headsurgeon.repair`` (also ``headsurgeon-repair``): surgical repair, with a report.
+"""``python -m headsurgeon repair`` (also ``headsurgeon-repair``): surgical repair, with a report.
 
 Parses the options, runs :func:`headsurgeon.repair.repair` with the model's recommended
 fine-tuning settings (:func:`~headsurgeon.repair.recommended_config`) and its control arm (the
@@ -8,10 +8,11 @@ finished passes (and control passes) in
 (``--help`` lists the options). Runs data-parallel under ``torchrun``.
 
 The work folder ``<out>.partial`` is created by this tool, marked as a repair work folder
-(:data:`WORK_WRITER` in its :data:`headsurgeon.outputs.MARK_FILE`), and removed (when the run
-ends, never trained, or is started over with ``--overwrite``) only when it carries that mark: a
-file, symlink or folder of that name that the tool did not make is refused in one line and left
-as it is. ``--resume`` of a run that finished says so (and never suggests ``--overwrite``).
+(:data:`headsurgeon.cli.repair_run.WORK_WRITER` in its :data:`headsurgeon.outputs.MARK_FILE`),
+and removed (when the run ends, never trained, or is started over with ``--overwrite``) only
+when it carries that mark: a file, symlink or folder of that name that the tool did not make is
+refused in one line and left as it is. ``--resume`` of a run that finished says so (and never
+suggests ``--overwrite``).
 
 Exit status: 0 repaired, no head worse (targets still sick are listed as failed heads);
 2 bad input (one line, ``error: ...``); 3 (:data:`EXIT_DAMAGED`) a pass damaged the model (report
@@ -24,18 +25,18 @@ model name or an ``--out`` folder it may not write answer at once); the repair i
 :mod:`headsurgeon.cli.repair_run`, imported after that.
 
 Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
-``run(main)``), EXIT_DAMAGED (3), EXIT_WORSE (4), WORK_WRITER (the work folder's mark)
+``run("repair")``), EXIT_DAMAGED (3), EXIT_WORSE (4)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from headsurgeon.cli import (
+from headsurgeon.cli import run, work_begins
+from headsurgeon.cli.options import (
     ArgumentParser,
     TextFiles,
     add_data_args,
@@ -50,29 +51,21 @@ from headsurgeon.cli import (
     needs_dataset,
     non_negative_int,
     positive_int,
-    run,
     seed,
-    work_begins,
-)
-from headsurgeon.cli.options import (
-    DRIFT_THRESHOLD,
-    EXIT_DAMAGED,
-    EXIT_WORSE,
-    FINETUNE,
-    INITS,
-    MAX_PPL_INCREASE,
-    WORK_WRITER,
 )
 from headsurgeon.cli.session import tool_session
+from headsurgeon.defaults import DRIFT_THRESHOLD, FINETUNE, INITS, MAX_PPL_INCREASE
 from headsurgeon.errors import InvalidArgumentError
 
 __all__ = [
     "EXIT_DAMAGED",
     "EXIT_WORSE",
-    "WORK_WRITER",
     "main",
     "entry",
 ]
+
+EXIT_DAMAGED = 3  # 2 is bad input (headsurgeon.cli.run)
+EXIT_WORSE = 4
 
 # The library's names of options whose parameter is named otherwise (the rest: option_names).
 LIBRARY_NAMES = {
@@ -90,7 +83,7 @@ _EXIT = {"ok": 0, "incomplete": 0, "failed": EXIT_DAMAGED, "worse": EXIT_WORSE}
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(
-        prog="python -m headsurgeon.repair",
+        prog="python -m headsurgeon repair",
         description="Surgical repair of dead and BOS-sink heads: census, re-initialise the "
         "chosen heads, fine-tune only their slices, census again; repeat on the heads still "
         "sick. Runs data-parallel under torchrun.",
@@ -319,11 +312,6 @@ def _check_held_out(args: argparse.Namespace) -> None:
 
 
 def entry(argv: Sequence[str] | None = None) -> None:
-    """The console script ``headsurgeon-repair``, ``python -m headsurgeon repair`` and
-    ``python -m headsurgeon.repair``: :func:`main` with ``argv`` (default: the command
-    line's arguments)."""
-    run(main, sys.argv[1:] if argv is None else argv)
-
-
-if __name__ == "__main__":
-    entry()
+    """``headsurgeon-repair`` and ``python -m headsurgeon repair``: :func:`main` with ``argv``
+    (default: the command line's arguments), through :func:`headsurgeon.cli.run`."""
+    run("repair", argv)

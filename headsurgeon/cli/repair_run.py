@@ -1,9 +1,10 @@
-"""The work of ``python -m headsurgeon.repair`` once its options are parsed
+"""The work of ``python -m headsurgeon repair`` once its options are parsed
 (:mod:`headsurgeon.cli.repair`): the settings checked, the output folder and its work folder
 ``<out>.partial`` claimed, the model loaded and repaired, the report written on rank 0 (imports
 torch, TransformerLens, pandas and plotly).
 
-Exports: repair(args, formats) (the run; returns the verdict: ok, incomplete, failed or worse)
+Exports: repair(args, formats) (the run; returns the verdict: ok, incomplete, failed or worse),
+WORK_WRITER (the writer in the mark of ``<out>.partial``)
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 import torch.distributed as dist
 
 from headsurgeon.classify import Thresholds
-from headsurgeon.cli import claim_out, dataset_split, loads, placement_args
-from headsurgeon.cli.options import WORK_WRITER
+from headsurgeon.cli import loads
+from headsurgeon.cli.options import claim_out, dataset_split, placement_args
 from headsurgeon.cli.session import in_option_terms
 from headsurgeon.distributed import DistInfo, setup_distributed
 from headsurgeon.dtypes import check_trainable
@@ -43,9 +44,11 @@ from headsurgeon.outputs import atomic_directory, read_mark, resolve_output
 from headsurgeon.repair import RUN_FILE, RepairConfig, recommended_config, repair as repair_heads
 from headsurgeon.reports import default_out_dir, partial_dir, write_report
 
-__all__ = ["repair"]
+__all__ = ["WORK_WRITER", "repair"]
 
 logger = logging.getLogger(__name__)
+
+WORK_WRITER = "repair work folder"  # the writer in the mark of <out>.partial
 
 
 def repair(args: argparse.Namespace, formats: list[str] | None) -> str:

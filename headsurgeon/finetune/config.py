@@ -17,6 +17,7 @@ import dataclasses
 
 import pandas as pd
 
+from headsurgeon.defaults import FINETUNE
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.heads import HeadSet
 from headsurgeon.validation import MAX_SEED, check_bool, check_choice, check_int, check_number
@@ -48,14 +49,14 @@ class FinetuneConfig:
     never held at once (:func:`next_token_loss`).
     """
 
-    steps: int = 200
-    lr: float = 5e-5
-    weight_decay: float = 0.0
+    steps: int = FINETUNE["steps"]
+    lr: float = FINETUNE["lr"]
+    weight_decay: float = FINETUNE["weight_decay"]
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int | None = None
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_grad_norm: float | None = 1.0
+    batch_size: int = FINETUNE["batch_size"]
+    grad_accum: int = FINETUNE["grad_accum"]
+    max_grad_norm: float | None = FINETUNE["max_grad_norm"]
     autocast: str | None = None
     eval_every: int | None = None
     eval_seqs: int = 16
@@ -63,7 +64,7 @@ class FinetuneConfig:
     restore_best: bool = True
     checkpoint_every: int | None = None
     min_query_pos: int = 1
-    strategy: str = "slices"
+    strategy: str = FINETUNE["strategy"]
     seed: int = 0
     gradient_checkpointing: bool = False
     loss_chunk: int | None = None

@@ -201,18 +201,3 @@ __all__ = [
     "window_figure",
     "zero_fraction_plot",
 ]
-
-
-# The notebook settings are the notebook module's own globals, read there on every display: set
-# them there (``plots.notebook.NOTEBOOK_OUTPUTS = ()``). On the package a value would be a copy
-# that display never reads, so reading one here says where they live instead.
-_SETTINGS = ("NOTEBOOK_OUTPUTS", "NOTEBOOK_SCALE")
-
-
-def __getattr__(name: str):
-    if name in _SETTINGS:
-        raise AttributeError(
-            f"{name} is a setting of headsurgeon.plots.notebook: "
-            f"from headsurgeon.plots import notebook; notebook.{name} = ..."
-        )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

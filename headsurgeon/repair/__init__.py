@@ -22,7 +22,7 @@ results and their JSON), :mod:`~headsurgeon.repair.resume` (the work folder and 
 :mod:`headsurgeon.distributed`, as fine-tuning's do.
 
 The report folder (``report.md``, figures, ``model/``) is :func:`headsurgeon.reports.write_report`;
-the command line, ``python -m headsurgeon.repair`` (``--help`` lists options), is
+the command line, ``python -m headsurgeon repair`` (``--help`` lists options), is
 :mod:`headsurgeon.cli.repair`.
 
 A pass re-initialises its target heads (:func:`headsurgeon.surgery.reinit_heads`), trains only
@@ -50,28 +50,20 @@ targeted (an ``include`` or explicit head). The latter makes the model worse: th
 With ``work_dir`` every finished pass and every fine-tuning checkpoint is kept there, so
 ``resume=True`` continues an interrupted run where it stopped, bit-identical on CPU. The CLI keeps
 them in ``<out>.partial/`` beside the output folder, which appears whole only at the end.
-
-The package itself imports nothing heavy: each name comes from its module on first use, so
-``python -m headsurgeon.repair`` (which imports this package first) answers ``--help`` without
-torch's import time.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from headsurgeon.repair.config import (
-        DRIFT_THRESHOLD,
-        MAX_PPL_INCREASE,
-        RepairConfig,
-        recommended_config,
-    )
-    from headsurgeon.repair.pipeline import repair
-    from headsurgeon.repair.policy import head_failures
-    from headsurgeon.repair.results import PassResult, RepairResult
-    from headsurgeon.repair.resume import FINISHED_FILE, RUN_FILE, finished_run
+from headsurgeon.repair.config import (
+    DRIFT_THRESHOLD,
+    MAX_PPL_INCREASE,
+    RepairConfig,
+    recommended_config,
+)
+from headsurgeon.repair.pipeline import repair
+from headsurgeon.repair.policy import head_failures
+from headsurgeon.repair.results import PassResult, RepairResult
+from headsurgeon.repair.resume import FINISHED_FILE, RUN_FILE, finished_run
 
 __all__ = [
     "DRIFT_THRESHOLD",
@@ -86,25 +78,3 @@ __all__ = [
     "recommended_config",
     "repair",
 ]
-
-# Each public name -> the module that defines it.
-_MODULES = {
-    "DRIFT_THRESHOLD": "config",
-    "MAX_PPL_INCREASE": "config",
-    "RepairConfig": "config",
-    "recommended_config": "config",
-    "repair": "pipeline",
-    "head_failures": "policy",
-    "PassResult": "results",
-    "RepairResult": "results",
-    "FINISHED_FILE": "resume",
-    "RUN_FILE": "resume",
-    "finished_run": "resume",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """The public names of the package's modules, each imported on first use."""
-    if name not in _MODULES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_MODULES[name]}"), name)

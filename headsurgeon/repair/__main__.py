@@ -1,13 +1,13 @@
-"""``python -m headsurgeon.repair``: the command-line tool :mod:`headsurgeon.cli.repair`,
-the same entry as ``python -m headsurgeon repair`` and ``headsurgeon-repair``.
+"""``python -m headsurgeon.repair``, deprecated: one line on stderr names ``python -m headsurgeon
+repair`` (or ``headsurgeon-repair``), then the tool runs as before; this entry goes in the next
+release.
 
-Exports nothing. Importing ``headsurgeon.cli`` (the parent of the tool's module) installs the
-Ctrl-C handler of a starting tool before its heavy imports.
+Exports nothing.
 """
 
-from headsurgeon.cli.repair import entry
+from headsurgeon.cli import deprecated_entry
 
 __all__ = []
 
 if __name__ == "__main__":
-    entry()
+    deprecated_entry("repair")

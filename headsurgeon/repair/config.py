@@ -25,6 +25,7 @@ import torch
 from headsurgeon.backend import Model
 from headsurgeon.checkpoints import checkpoint_dtype
 from headsurgeon.classify import Thresholds, with_thresholds
+from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN, DRIFT_THRESHOLD, MAX_PPL_INCREASE
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.finetune import FinetuneConfig
@@ -41,13 +42,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-DRIFT_THRESHOLD = 0.05
-# A repair usually lowers held-out perplexity (organism-injured: 39.44 -> 37.94); repairing on one
-# domain costs another a few percent (Python docs only: +1.9% on the held-out mix). 10% allows
-# that and fails a diverged run (lr 1: x700).
-MAX_PPL_INCREASE = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +69,8 @@ class RepairConfig:
     init: str = "xavier_normal"
     seed: int = 0
     thresholds: Thresholds = dataclasses.field(default_factory=Thresholds)
-    census_seq_len: int = 128
-    census_n_seqs: int = 64
+    census_seq_len: int = CENSUS_SEQ_LEN
+    census_n_seqs: int = CENSUS_N_SEQS
     min_query_pos: int = 1
     prepend_bos: bool | None = None
     train_seq_len: int | None = None
@@ -172,7 +166,7 @@ def recommended_config(
     """``config`` (default: the library defaults) with the steps and learning rate ``model``
     recommends in its ``headsurgeon.json`` (``"repair": {"steps": ..., "lr": ...}``), unless
     given here. The paper's lr 5e-5 suits billion-parameter BLOOMs; a small organism records what
-    repairs it. This is what ``python -m headsurgeon.repair`` trains with.
+    repairs it. This is what ``python -m headsurgeon repair`` trains with.
     """
     return _recommended(model_info(model), config, steps, lr)
 

@@ -583,7 +583,7 @@ def repair(
     ``heads`` replaces the census's choice of pass-1 targets; ``include`` adds heads to it. Each
     pass fine-tunes with ``finetune_config`` (default: :class:`FinetuneConfig` with the steps and
     learning rate the model recommends, see :func:`recommended_config`: the settings
-    ``python -m headsurgeon.repair`` uses) and re-initialises with ``init`` and seed
+    ``python -m headsurgeon repair`` uses) and re-initialises with ``init`` and seed
     ``seed + pass - 1``.
 
     ``corpus``, ``eval_corpus`` and ``census_data`` may be token tensors ``[n, seq]`` (used as

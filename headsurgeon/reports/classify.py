@@ -39,13 +39,13 @@ from headsurgeon import plots
 from headsurgeon.backend import Model
 from headsurgeon.census import COLUMNS, GU_PROTOCOL, sink_rate
 from headsurgeon.classify import (
-    NEAR,
     label_heads,
     require_columns,
     sick_shares,
     threshold_sweep,
     thresholds_of,
 )
+from headsurgeon.classify.labels import NEAR
 from headsurgeon.errors import shown
 from headsurgeon.heads import LABELS
 from headsurgeon.importance import (

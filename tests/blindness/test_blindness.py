@@ -360,7 +360,7 @@ def test_cli_reach_is_the_census_of_the_measured_text(bloom8_dir, tmp_path):
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        run(main, [*args, "--out", str(tmp_path / "out")])
+        run("blindness", [*args, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and err.startswith("error: ") and message in err
     assert "\n" not in err and not (tmp_path / "out").exists()
@@ -369,7 +369,6 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, message, tmp_path, capsys):
 def test_cli_refuses_an_occupied_output_folder_before_measuring(
     bloom8_dir, tmp_path, monkeypatch, capsys
 ):
-    import headsurgeon.cli.blindness as blindness_module
     import headsurgeon.cli.blindness_run
 
     def not_now(*args, **kwargs):
@@ -380,7 +379,7 @@ def test_cli_refuses_an_occupied_output_folder_before_measuring(
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit) as exit_info:
-        run(blindness_module.main, [str(bloom8_dir), "--measure", "--out", str(out)])
+        run("blindness", [str(bloom8_dir), "--measure", "--out", str(out)])
     assert exit_info.value.code == 2
     assert "already holds files" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]

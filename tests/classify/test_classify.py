@@ -267,7 +267,7 @@ def test_cli_end_to_end(planted, tmp_path, capsys):
         assert (out / "labels.pdf").read_bytes()[:4] == b"%PDF"
     # The same folder again is refused before any work: one line, exit code 2.
     with pytest.raises(SystemExit) as exit_info:
-        run(main, argv)
+        run("classify", argv)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("error: output folder")
 
@@ -287,7 +287,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(bloom_dir, tmp_path, capsys, extra
     extra = [str(tmp_path / "empty.txt") if x == "EMPTY" else x for x in extra]
     argv = [str(bloom_dir), "--out", str(tmp_path / "out"), "--texts", str(tmp_path / "text.txt")]
     with pytest.raises(SystemExit) as exit_info:
-        run(main, argv + extra)
+        run("classify", argv + extra)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -298,7 +298,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(bloom_dir, tmp_path, capsys, extra
 @pytest.mark.slow  # a subprocess
 def test_module_entry_point_reports_errors_without_traceback(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", "--dead-threshold", "2"],
+        [sys.executable, "-m", "headsurgeon", "classify", "--dead-threshold", "2"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -461,7 +461,7 @@ def test_cli_bad_importance_is_one_line_before_any_model_loads(tmp_path, capsys,
     # A model that does not exist: an error about it would mean the model was loaded first.
     argv = [str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out"), *extra]
     with pytest.raises(SystemExit) as exit_info:
-        run(main, argv)
+        run("classify", argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and message in err

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import runpy
+import signal
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from headsurgeon.cli import add_model_args
+from headsurgeon import cli
+from headsurgeon.cli.options import add_model_args
 
 
 @pytest.fixture()
@@ -46,13 +49,14 @@ def test_threads_flag_rejects_non_positive_counts_in_one_line(parser, value, cap
     assert f"expected a positive thread count, got '{value}'" in capsys.readouterr().err
 
 
-# --- the entries: python -m headsurgeon TOOL, python -m headsurgeon.TOOL, headsurgeon-TOOL --------
+# --- the entries: python -m headsurgeon TOOL, headsurgeon-TOOL (python -m headsurgeon.TOOL warns)
 
 
 @pytest.mark.parametrize("tool", ["classify", "blindness", "repair"])
-def test_every_entry_of_a_tool_reaches_its_main_with_the_same_arguments(tool, monkeypatch):
-    """``python -m headsurgeon TOOL ARGS``, ``python -m headsurgeon.TOOL ARGS`` and the console
-    script ``headsurgeon-TOOL ARGS`` call the one ``headsurgeon.cli.TOOL.main`` with ARGS."""
+def test_every_entry_of_a_tool_reaches_its_main_with_the_same_arguments(tool, monkeypatch, capsys):
+    """``python -m headsurgeon TOOL ARGS`` and the console script ``headsurgeon-TOOL ARGS`` call
+    the one ``headsurgeon.cli.TOOL.main`` with ARGS; so does the deprecated ``python -m
+    headsurgeon.TOOL ARGS``, after one line on stderr naming the new form."""
     module = importlib.import_module(f"headsurgeon.cli.{tool}")
     calls = []
     monkeypatch.setattr(module, "main", lambda argv: calls.append(list(argv)))
@@ -60,15 +64,53 @@ def test_every_entry_of_a_tool_reaches_its_main_with_the_same_arguments(tool, mo
     args = ["organism-injured", "--out", "A"]
     entries = {  # sys.argv as each entry sees it, and how Python starts it
         "python -m headsurgeon": (["-m", tool, *args], "headsurgeon"),
-        "python -m headsurgeon.TOOL": (["-m", *args], f"headsurgeon.{tool}"),
         "console script": ([f"headsurgeon-{tool}", *args], None),
+        "python -m headsurgeon.TOOL": (["-m", *args], f"headsurgeon.{tool}"),
     }
+    errors = []
     for name, (argv, package) in entries.items():
         monkeypatch.setattr(sys, "argv", argv)
         with pytest.raises(SystemExit) as exit:
             runpy.run_module(package, run_name="__main__") if package else module.entry()
         assert exit.value.code == 0, name
+        errors.append(capsys.readouterr().err)
     assert calls == [args, args, args]
+    assert errors[:2] == ["", ""]
+    assert errors[2].count("\n") == 1
+    assert f"python -m headsurgeon.{tool} is deprecated" in errors[2]
+    assert f"use python -m headsurgeon {tool} " in errors[2]
+
+
+def test_run_installs_the_starting_handlers_and_gives_them_back_when_no_work_began(
+    monkeypatch,
+):
+    """``run`` (not an import) installs the one-line Ctrl-C and SIGTERM handlers of a starting
+    tool; a run that ends before its work began (``--help``, a refusal) puts the caller's back."""
+    monkeypatch.setenv("HEADSURGEON_KEEP_FREED_MEMORY", "0")
+    signals = (signal.SIGINT, signal.SIGTERM)
+    before = [signal.getsignal(s) for s in signals]
+    during = []
+    tool = importlib.import_module("headsurgeon.cli.classify")
+    monkeypatch.setattr(
+        tool, "main", lambda argv: during.append([signal.getsignal(s) for s in signals])
+    )
+    with pytest.raises(SystemExit) as exit:
+        cli.run("classify", [])
+    assert exit.value.code == 0
+    assert during == [[cli._interrupted_while_starting] * 2]
+    assert [signal.getsignal(s) for s in signals] == before
+
+
+@pytest.mark.slow  # a subprocess
+def test_importing_the_cli_installs_no_handler_even_in_a_console_script():
+    code = (
+        "import signal, sys; sys.argv[0] = 'headsurgeon-classify'; "
+        "before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]; "
+        "import headsurgeon.cli.classify; "
+        "print(before == [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "True", done.stderr
 
 
 @pytest.mark.parametrize("argv", [[], ["nope"], ["--classify"]])
@@ -93,14 +135,3 @@ def test_python_m_headsurgeon_help_lists_the_tools_and_version_prints_it(monkeyp
     out = capsys.readouterr().out
     assert all(f"  {tool} " in out for tool in ("classify", "blindness", "repair"))
     assert out.endswith(f"headsurgeon {version('headsurgeon')}\n")
-
-
-def test_importing_the_cli_outside_a_tool_installs_no_ctrl_c_handler():
-    """Only a starting tool (an entry, a console script) gets the one-line Ctrl-C handler; a
-    notebook or a test that imports ``headsurgeon.cli`` keeps Python's own."""
-    import signal
-
-    import headsurgeon.cli
-
-    assert not headsurgeon.cli._starting_a_tool()
-    assert signal.getsignal(signal.SIGINT) is not headsurgeon.cli._interrupted_while_starting

@@ -222,9 +222,9 @@ HUGE = [str(2**63 - 1), str(10**30), "-1", "99999999"]
 
 
 def _int_options(tool) -> list[str]:
-    from headsurgeon import cli
+    from headsurgeon.cli import options
 
-    types = (cli.positive_int, cli.non_negative_int, cli.seed, cli.thread_count)
+    types = (options.positive_int, options.non_negative_int, options.seed, options.thread_count)
     return [a.option_strings[-1] for a in tool._parser()._actions if a.type in types]
 
 

@@ -33,7 +33,7 @@ def dataset_dir(tmp_path):
 def test_classify_reads_a_json_lines_dataset_and_records_it(dataset_dir, tmp_path):
     """The acceptance command of issue 42, in a subprocess as a user runs it."""
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "headsurgeon.classify", "organism", "--dataset"]
+    command = [sys.executable, "-m", "headsurgeon", "classify", "organism", "--dataset"]
     command += [str(dataset_dir), "--n-seqs", "2", "--seq-len", "32", "--out", str(out)]
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)

@@ -18,9 +18,8 @@ SCRIPTS = Path(sys.executable).parent
 CLASSIFY_ARGS = ["organism-injured"]
 REPAIR_ARGS = ["organism-injured", "--steps", "40", "--passes", "1", "--n-seqs", "8"]
 REPAIR_ARGS += ["--seq-len", "64"]
-# Every entry imports headsurgeon.cli (which installs the Ctrl-C handler) before torch: the
-# library package TOOL that python -m headsurgeon.TOOL imports first is lazy, and each tool
-# imports torch only after parsing.
+# Every entry runs its tool through headsurgeon.cli.run (which installs the Ctrl-C handler)
+# before torch: each tool imports torch only after parsing.
 TOOLS = {
     "python -m headsurgeon classify": [
         sys.executable,
@@ -29,10 +28,8 @@ TOOLS = {
         "classify",
         *CLASSIFY_ARGS,
     ],
-    "python -m classify": [sys.executable, "-m", "headsurgeon.classify", *CLASSIFY_ARGS],
     "console script": [str(SCRIPTS / "headsurgeon-classify"), *CLASSIFY_ARGS],
     "python -m headsurgeon repair": [sys.executable, "-m", "headsurgeon", "repair", *REPAIR_ARGS],
-    "python -m repair": [sys.executable, "-m", "headsurgeon.repair", *REPAIR_ARGS],
 }
 
 
@@ -77,12 +74,12 @@ def assert_whole_or_absent(out: Path, complete_file: str, stderr: str) -> None:
     [
         ("python -m headsurgeon classify", 0.3, "summary.txt"),  # importing torch
         ("python -m headsurgeon classify", 1.5, "summary.txt"),  # importing TransformerLens
-        ("python -m classify", 4.0, "summary.txt"),  # loading, census or writing
+        ("python -m headsurgeon classify", 4.0, "summary.txt"),  # loading, census or writing
         ("console script", 0.3, "summary.txt"),
         ("console script", 1.5, "summary.txt"),
         ("python -m headsurgeon repair", 0.3, "report.md"),
-        ("python -m repair", 12.0, "report.md"),  # the first census
-        ("python -m repair", 20.0, "report.md"),  # training
+        ("python -m headsurgeon repair", 12.0, "report.md"),  # the first census
+        ("python -m headsurgeon repair", 20.0, "report.md"),  # training
     ],
 )
 def test_ctrl_c_is_one_line_status_130_and_leaves_nothing_half_written(
@@ -107,7 +104,7 @@ def test_ctrl_c_is_one_line_status_130_and_leaves_nothing_half_written(
     "tool, delay, complete_file",
     [
         ("python -m headsurgeon classify", 0.3, "summary.txt"),  # importing torch
-        # Loading, census or writing (this entry has the handlers before its first import, so a
+        # Loading, census or writing (run() has the handlers before the heavy imports, so a
         # slow machine still importing gets 143 too).
         ("python -m headsurgeon classify", 4.0, "summary.txt"),
     ],
@@ -176,7 +173,7 @@ def test_sigterm_removes_the_private_offload_copy(tmp_path):
     offload.mkdir()
     (offload / "notes.txt").write_text("mine")
     placement = ["--max-memory", "cpu=1000", "--offload-folder", str(offload)]  # all on disk
-    command = [*TOOLS["python -m classify"], *placement, "--out", str(tmp_path / "out")]
+    command = [*TOOLS["python -m headsurgeon classify"], *placement, "--out", str(tmp_path / "out")]
     result = signal_when(command, tmp_path, lambda: any(offload.glob("headsurgeon-offload-*")))
     assert result.returncode == 143, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
@@ -188,7 +185,7 @@ def test_an_ignored_sigint_stays_ignored(tmp_path):
     """A tool started with SIGINT ignored (``nohup``, a background job) runs to its end."""
     out = tmp_path / "out"
     process = subprocess.Popen(
-        [*TOOLS["python -m classify"], "--out", str(out)],
+        [*TOOLS["python -m headsurgeon classify"], "--out", str(out)],
         cwd=tmp_path,
         env={**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)},
         stderr=subprocess.PIPE,

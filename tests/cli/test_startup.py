@@ -1,8 +1,9 @@
 """The tools answer at once: ``--help``, usage errors, a bad ``--texts`` file, a missing MODEL
 folder, an unknown model name and an output folder that may not be written are
 answered before torch, TransformerLens, transformers, pandas or plotly is imported, by every entry
-(``python -m headsurgeon TOOL``, ``python -m headsurgeon.TOOL``, the console script's
-``headsurgeon.cli.TOOL:entry``); and every option's ``--help`` shows its help and default."""
+(``python -m headsurgeon TOOL``, the console script's ``headsurgeon.cli.TOOL:entry``); the
+deprecated ``python -m headsurgeon.TOOL`` answers the same after one line naming the new form;
+and every option's ``--help`` shows its help and default."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from importlib.metadata import version
 
 import pytest
 
-from headsurgeon.cli import ArgumentParser, help_with_default, shown_default
+from headsurgeon.cli.options import ArgumentParser, help_with_default, shown_default
 
 TOOLS = ("classify", "blindness", "repair")
 HEAVY = ("torch", "transformer_lens", "transformers", "pandas", "plotly")
@@ -34,10 +35,6 @@ ENTRIES = {
     "python -m headsurgeon TOOL": (
         "sys.argv = ['headsurgeon', TOOL, *ARGS]; "
         "runpy.run_module('headsurgeon', run_name='__main__', alter_sys=True)"
-    ),
-    "python -m headsurgeon.TOOL": (
-        "sys.argv = ['headsurgeon.' + TOOL, *ARGS]; "
-        "runpy.run_module('headsurgeon.' + TOOL, run_name='__main__', alter_sys=True)"
     ),
     "headsurgeon-TOOL": "importlib.import_module('headsurgeon.cli.' + TOOL).entry(ARGS)",
 }
@@ -77,6 +74,31 @@ def test_what_needs_no_model_is_answered_before_any_heavy_import(tool, entry, tm
     assert heavy == [], f"{entry} ({tool}) imported {heavy} before answering"
 
 
+@pytest.mark.slow  # subprocesses
+def test_the_old_entry_warns_once_and_answers_as_the_new_one(tmp_path):
+    """``python -m headsurgeon.TOOL``, for one release: one line on stderr naming ``python -m
+    headsurgeon TOOL``, then the same answer and exit status. (classify here: its package imports
+    pandas only; tests/cli/test_cli.py runs every tool's old entry in-process.)"""
+    tool = "classify"
+    for args, code, said in CASES[:3]:
+        old, new = (
+            subprocess.run(
+                [sys.executable, "-m", *entry, *args],
+                capture_output=True,
+                text=True,
+                cwd=tmp_path,
+                timeout=300,
+            )
+            for entry in ([f"headsurgeon.{tool}"], ["headsurgeon", tool])
+        )
+        assert old.returncode == new.returncode == code, old.stderr
+        warning, *rest = old.stderr.splitlines(keepends=True)
+        assert f"python -m headsurgeon.{tool} is deprecated" in warning
+        assert f"use python -m headsurgeon {tool} " in warning
+        assert (old.stdout, "".join(rest)) == (new.stdout, new.stderr)
+        assert said in new.stdout + new.stderr
+
+
 @pytest.mark.slow  # a subprocess
 @pytest.mark.parametrize("tool", TOOLS)
 def test_an_output_folder_the_tool_may_not_write_is_refused_before_heavy_imports(tool, tmp_path):
@@ -84,7 +106,7 @@ def test_an_output_folder_the_tool_may_not_write_is_refused_before_heavy_imports
     (tmp_path / "out" / "notes.txt").write_text("mine")
     (tmp_path / "file").write_text("a file")
     cases = [["organism", "--out", "out"], ["organism", "--out", "file"]]
-    codes, heavy, output = answers("python -m headsurgeon.TOOL", tool, cases, tmp_path)
+    codes, heavy, output = answers("python -m headsurgeon TOOL", tool, cases, tmp_path)
     assert codes == [2, 2] and "already holds files" in output and "is a file" in output, output
     assert heavy == []
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"

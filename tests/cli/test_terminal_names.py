@@ -34,7 +34,7 @@ def test_a_hostile_model_folder_and_corpus_reach_the_terminal_escaped(bloom_dir,
     texts.write_text(TEXT)
     argv = [folder, "--texts", texts, "--seq-len", "16", "--n-seqs", "2", "--out", tmp_path / "o"]
     done = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", *map(str, argv)],
+        [sys.executable, "-m", "headsurgeon", "classify", *map(str, argv)],
         capture_output=True,
         text=True,
         timeout=300,

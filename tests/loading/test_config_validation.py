@@ -297,7 +297,8 @@ def test_classify_cli_exits_2_with_one_line(folder, tmp_path, changes, expected)
         [
             sys.executable,
             "-m",
-            "headsurgeon.classify",
+            "headsurgeon",
+            "classify",
             str(folder),
             "--threads",
             "1",

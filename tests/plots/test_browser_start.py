@@ -158,7 +158,7 @@ def test_cli_asked_pdf_with_a_browser_that_does_not_start_fails_before_loading(
 
     monkeypatch.setattr(classify, "check_models", refuse)
     with pytest.raises(SystemExit) as exit_info:
-        in_time(lambda: run(classify.main, ["organism", "--format", "pdf", "--out", "o"]))
+        in_time(lambda: run("classify", ["organism", "--format", "pdf", "--out", "o"]))
     assert exit_info.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: --format pdf needs a Chromium browser, BROWSER_PATH=")
@@ -217,7 +217,7 @@ def test_classify_cli_with_a_browser_that_does_not_start_warns_once_and_writes_t
     argv += ["--n-seqs", "2", "--threads", "1", "--no-secondary-sinks", "--out", str(out)]
     env = _subprocess_env(mark, BROWSER_PATH=str(script), HEADSURGEON_BROWSER_TIMEOUT="1")
     result = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", *argv],
+        [sys.executable, "-m", "headsurgeon", "classify", *argv],
         capture_output=True,
         text=True,
         cwd=tmp_path,

@@ -170,7 +170,7 @@ def test_cli_asked_static_format_without_browser_fails_before_loading(
             monkeypatch.setattr(cli_module, name, refuse)
     argv = [str(tmp_path / "no-such-model") if a == "MODEL" else a for a in argv]
     with pytest.raises(SystemExit) as exit_info:
-        run(cli_module.main, [*argv, "--out", str(tmp_path / "out")])
+        run(cli_module.__name__.split(".")[-1], [*argv, "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --format ")
@@ -198,7 +198,7 @@ def test_classify_cli_without_browser_exits_0_with_one_warning(bloom_dir, tmp_pa
     ]
     env = dict(os.environ, BROWSER_PATH=str(tmp_path / "no-chromium"))
     result = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.classify", *argv],
+        [sys.executable, "-m", "headsurgeon", "classify", *argv],
         capture_output=True,
         text=True,
         cwd=tmp_path,

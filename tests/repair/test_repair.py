@@ -208,11 +208,11 @@ def test_cli_interrupted_run_resumes_to_the_same_result(
     assert not out.exists() and (tmp_path / "resumed.partial" / "pass1" / "done.json").exists()
 
     with pytest.raises(SystemExit) as exit_info:  # the same run with other heads cannot resume
-        run(main, cli_args(injured, text_file, out, "--heads", "L0H0", "--resume", str(out)))
+        run("repair", cli_args(injured, text_file, out, "--heads", "L0H0", "--resume", str(out)))
     assert exit_info.value.code == 2
     assert "differs (settings.heads: None vs 'L0H0')" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # starting over without --resume or --overwrite is refused
-        run(main, cli_args(injured, text_file, out))
+        run("repair", cli_args(injured, text_file, out))
 
     # The damage limits judge the run but do not change its training: they may change on resume.
     resume = ("--resume", str(out), "--max-ppl-increase", "0.5")
@@ -244,7 +244,7 @@ def test_cli_bad_input_is_one_line_and_leaves_no_output(
     out = tmp_path / "out"
     args = cli_args(injured, text_file, out, *[e.format(out=out) for e in extra])
     with pytest.raises(SystemExit) as exit_info:
-        run(main, args)
+        run("repair", args)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1]
@@ -502,7 +502,7 @@ def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file,
     out = tmp_path / "out"
     with pytest.raises(SystemExit):
         run(
-            main,
+            "repair",
             [
                 str(bloom_dir),
                 "--texts",
@@ -528,7 +528,7 @@ def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file,
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit):
-        run(main, [str(bloom_dir), "--out", str(out)])
+        run("repair", [str(bloom_dir), "--out", str(out)])
     assert "already holds files" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
@@ -622,7 +622,7 @@ def test_python_m_repair_shows_its_progress_messages(injured, text_file, tmp_pat
     # subprocess ran into the timeout with it)
     args = cli_args(injured, text_file, tmp_path / "out", "--passes", "1", "--no-control")
     done = subprocess.run(
-        [sys.executable, "-m", "headsurgeon.repair", *args],
+        [sys.executable, "-m", "headsurgeon", "repair", *args],
         capture_output=True,
         text=True,
         timeout=300,

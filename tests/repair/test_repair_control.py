@@ -257,7 +257,7 @@ def test_cli_resumes_inside_the_control_arm_and_refuses_old_work_folders(
     (old / RUN_FILE).write_text(json.dumps({**run_record, "settings": settings}))
     resume_old = ("--passes", "1", "--resume", str(tmp_path / "old"))
     with pytest.raises(SystemExit) as exit_info:
-        run(main, cli_args(injured, text_file, tmp_path / "old", *resume_old))
+        run("repair", cli_args(injured, text_file, tmp_path / "old", *resume_old))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "before the control arm (no settings.control)" in err[0], err
