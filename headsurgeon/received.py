@@ -51,8 +51,7 @@ from torch import Tensor
 
 from headsurgeon.backend import HookPoint, Model
 from headsurgeon.data import Cut, Data, Sequences, token_strings, verb_sequences
-from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN
-from headsurgeon.defaults import RECEIVED_THRESHOLD as THRESHOLD
+from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN, RECEIVED_THRESHOLD as THRESHOLD
 from headsurgeon.errors import DataError
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
