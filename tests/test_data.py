@@ -325,7 +325,10 @@ def test_tokens_given_are_used_whole_and_texts_cut_by_the_verbs_constant(tiny_mo
         census = hs.run_census(tiny_model, text, progress=False)
     assert census.attrs["seq_len"] == CENSUS_CUT.seq_len
     held = [r.getMessage() for r in caplog.records if "holds only" in r.getMessage()]
-    assert held == ["the data holds only 5 sequences of 128 tokens (asked for 64)"], held
+    assert held == [
+        "asked for 64 sequences of 128 tokens, but the text (1 text(s) given in memory) holds only 5: "
+        "using those 5"
+    ], held
 
 
 def test_the_warning_names_the_cut_the_verb_made(tiny_model):
