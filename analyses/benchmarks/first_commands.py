@@ -82,7 +82,6 @@ def run(command: str) -> dict:
         "load_before": round(load, 2),
         "load_after": round(os.getloadavg()[0], 2),
         "quoted_seen": [q for q in quoted_lines() if q.removesuffix("...").rstrip(". ") in output],
-        "last_lines": [line for line in output.splitlines() if "%|" not in line][-3:],
     }
 
 
