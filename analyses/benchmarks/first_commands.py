@@ -45,7 +45,8 @@ def quoted_lines() -> list[str]:
     """The output lines the README quotes (in backticks, after "prints" or "ends with")."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("[start:commands]", 1)[1].split("[end:commands]", 1)[0]
-    return re.findall(r"(?:prints, among its lines,|ends with)\s+`([^`]+)`", section)
+    found = re.findall(r"(?:prints, among its lines,|ends with)\s+`([^`]+)`", section)
+    return [re.sub(r"\s+", " ", quote) for quote in found]  # a quote may wrap in the README
 
 
 def full_repair(commands: list[str]) -> str:
@@ -81,7 +82,6 @@ def run(command: str) -> dict:
         "load_before": round(load, 2),
         "load_after": round(os.getloadavg()[0], 2),
         "quoted_seen": [q for q in quoted_lines() if q.removesuffix("...").rstrip(". ") in output],
-        "last_lines": [line for line in output.splitlines() if "\r" not in line][-3:],
     }
 
 
@@ -103,11 +103,11 @@ def table(rows: list[dict], machine: str) -> str:
     seen = [q for r in rows for q in r["quoted_seen"]]
     lines += [
         "",
-        "CPU seconds are user + system time of the tool's process: about its wall time on an "
-        "idle machine with one thread. Wall time grows with the load other jobs put on the "
-        "machine. Lines the README quotes, seen in the outputs as written: "
-        + ("; ".join(f"`{q}`" for q in seen) if seen else "none")
-        + ".",
+        "CPU seconds are the user + system time of the tool's process and its children: the "
+        "compute a command needs, whatever the load. Its wall time on an idle machine is at "
+        "least that with one thread (plus waits: files, the browser's start); other jobs' load "
+        "stretches it (the load columns). Lines the README quotes, seen in the outputs as "
+        "written: " + ("; ".join(f"`{q}`" for q in seen) if seen else "none") + ".",
     ]
     return "\n".join(lines) + "\n"
 
