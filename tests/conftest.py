@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# MKL may run a matmul on fewer threads than torch asks for when the machine is busy, which
+# changes its summation order: tests that compare two forwards bit for bit would then depend on
+# the load. Fixed before torch loads MKL (and inherited by the tools the tests start).
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. A head that attends only to the first token "
