@@ -122,63 +122,23 @@ def run_census(
 ) -> pd.DataFrame:
     """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
 
-    ``data`` is texts, text files, a ``[n_seqs, seq_len]`` token tensor or :class:`Sequences`
-    (every row used exactly as given on every model: no BOS token is added); texts (default: the
-    held-out split of the bundled corpora) are cut as :data:`CENSUS_CUT` says, windows spread
-    over the whole text; cut them otherwise with ``hs.to_sequences(model, data, seq_len=...,
-    n_seqs=..., prepend_bos=...)``. ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a
-    ``FutureWarning``), that call's. Each metric is the mean over sequences of a per-sequence
-    mean; ``bos_mass_std`` is its spread across sequences.
+    ``census = hs.run_census(model, hs.to_sequences(model, n_seqs=16))``; each metric is the mean
+    over sequences of a per-sequence mean, and ``census.attrs`` records the run.
 
-    Long sequences run in blocks of ``block_size`` query rows (default: chosen from the memory one
-    block's attention needs, :func:`headsurgeon.long_context.block_size`; the whole sequence when
-    it fits, which is the ordinary dense pass): exact causal attention through the model's
-    key-value cache, memory linear in the sequence length. ALiBi models take any length (a
-    warning names the length they were trained on); others keep their context ``cfg.n_ctx``.
+    - ``model``: any TransformerLens model; an ALiBi model takes any length.
+    - ``data``: texts, text files, a token tensor or :class:`Sequences` (rows used as given); texts
+      (default: the bundled held-out corpora) are cut as :data:`CENSUS_CUT`.
+    - ``batch_size``: sequences per forward pass.
+    - ``min_query_pos``: the first query row measured (0: the surgery paper's exact BOS mass).
+    - ``block_size``: query rows per block on long sequences (default: what memory allows).
+    - ``reach_eps``: the mean attention share left on keys at distance ``reach`` or more.
+    - ``sink_eps``: the ``sink_score`` above which a sequence counts in ``sink_share`` (Gu: 0.3).
+    - ``progress``: show a progress bar.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a ``FutureWarning``): use
+      ``hs.to_sequences``.
 
-    ``reach`` is how far back a head actually looks: the smallest distance ``d`` such that, over
-    every query row ``t >= d + 1`` of every sequence (and ``t >= min_query_pos``), the mean
-    attention mass on keys at distance ``d`` or more, position 0 left out, is at most
-    ``reach_eps``. Keys beyond it get at most that share of the head's attention, on average:
-    it measures where ALiBi's penalty (with the content logits) leaves keys negligible weight,
-    not where weights become exactly 0 (``measure_blindness``), nor whether the model's loss
-    depends on those keys (``window_effect``). It is pooled over rows (each counts once), read
-    from a per-distance mass histogram (:meth:`headsurgeon.probes.HeadStats.far_mass`), and
-    ``inf`` when no distance within the sequence qualifies: the head puts more than
-    ``reach_eps`` on the farthest keys measured (a longer ``seq_len`` may bound it). Position 0
-    is left out because a sink's mass there says nothing about distance: a head whose mean
-    weight on position 0 (over rows from 1) is at least ``1 - reach_eps`` has reach 0.
-
-    ``reach_baseline`` is the reach the same definition gives a head with no preference for
-    content, whose logits are its positional bias alone (the one the model applies now,
-    :func:`headsurgeon.blindness.applied_bias`; exact, float64:
-    :func:`headsurgeon.alibi.content_free_reach`); for standard ALiBi it tends to
-    ``ln(1/reach_eps)/slope`` on long sequences. ``reach_ratio`` is ``reach`` over it: near 1, a
-    head's reach says only what its slope says; a head far from 1 looks nearer or farther than
-    its slope alone would make it.
-
-    ``sink_share`` is the share of sequences in which the head's own ``sink_score`` exceeds
-    ``sink_eps`` (default Gu et al.'s ε = 0.3): :func:`sink_rate` averages it over heads, which is
-    Gu et al.'s sink rate. ``ahon_ln`` is Sandoval-Segura et al.'s inactivity score: per sequence,
-    the head's mean ``‖z‖`` over every position (position 0 included, ``min_query_pos`` does not
-    apply), divided by the mean of the same over the heads of its layer; low values mark heads
-    whose output is small next to their layer's (their inactivity threshold is per sequence, e.g.
-    below 0.1). It reads ``z``, before ``W_O``, as they do: a head whose ``W_O`` slice is zero
-    (pruned, or just re-initialised) keeps its ``ahon_ln``, while ``output_norm`` drops to 0.
-    ``GU_PROTOCOL`` holds Gu et al.'s settings: ``run_census(model, hs.to_sequences(model,
-    seq_len=64, n_seqs=100), sink_eps=0.3)``.
-
-    ``df.attrs`` holds the run metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``,
-    ``seq_len``, ``prepend_bos`` (position 0 holds the BOS token), ``bos_rule`` (why: the
-    tensor as given, or the BOS convention applied to texts), ``min_query_pos``, ``reach_eps``,
-    ``sink_eps``, ``data``, ``dtype``, ``device``, ``positional``.
-
-    Every hook the census reads (``hook_pattern``, ``hook_z``, ``hook_attn_out``) must fire in
-    every layer: a model whose attention does not expose one (OPT's TransformerLens 4.x bridge
-    without eager attention, say) raises :class:`~headsurgeon.errors.UnsupportedArchitectureError`
-    naming the hook, never a row of zeros. Grouped-query attention is measured per query head
-    (each has its own pattern and ``z``); attention in parallel with the MLP (GPT-NeoX) changes
-    nothing here.
+    The columns, ``attrs``, ``reach`` and the standard scores: [Classify: the
+    census](../tools/classify.md#the-census).
 
     >>> import torch
     >>> from headsurgeon.loading import ModelShape, random_model
