@@ -242,26 +242,16 @@ def sink_rate(census: pd.DataFrame, eps: float | None = None) -> float:
     """Gu et al.'s sink rate of a census: the share of (sequence, head) pairs whose α_0 exceeds ε.
 
     ``sink_rate(hs.run_census(model, hs.to_sequences(model, seq_len=64, n_seqs=100)))``
-    (:data:`GU_PROTOCOL`; ``sink_eps`` 0.3 is the census's default) is the number Gu et al. ("When
-    Attention Sink Emerges in Language Models", ICLR 2025) report as Sink_1^ε, in their 1-indexed
-    notation: in each sequence, each head's α_0 is its mean attention on position 0 over every
-    query row (row 0 included: the census's ``sink_score`` of that sequence); the head is a sink
-    in that sequence when α_0 > ε (strictly, as their code); the rate is the mean of that
-    indicator over sequences, layers and heads, as a fraction (they print it in percent). That
-    is the mean over heads of the census's ``sink_share``, which the census counted at its
-    ``sink_eps``.
+    (:data:`GU_PROTOCOL`) is the number Gu et al. (ICLR 2025) report as Sink_1^ε, as a fraction:
+    the mean over heads of the census's ``sink_share``. A head that is a sink in half the
+    sequences counts one half; ``bos_mass`` is not used.
 
-    It is not the share of heads whose mean ``sink_score`` exceeds ε: a head that is a sink in
-    half the sequences counts one half here. Nor does it use ``bos_mass``, whose rows start at
-    ``min_query_pos`` (1 by default: row 0 puts its whole weight on position 0 in every head).
-    With Gu's protocol (:data:`GU_PROTOCOL`) the census differs from their script in the data
-    only: windows of the given texts (default: the bundled held-out corpora, spread over the
-    whole text) rather than the first 64 tokens of 100 documents of their validation set, and
-    position 0 follows the model's BOS convention, as their tokenizers' defaults did.
+    - ``census``: a :func:`run_census` result (its ``sink_share`` column and ``attrs["sink_eps"]``).
+    - ``eps``: the threshold (default: the census's ``sink_eps``; another one is one error line,
+      naming the census to run: a census keeps no per-sequence values).
 
-    ``eps`` (default: the census's ``sink_eps``) must be the threshold the census counted at:
-    another one cannot be answered exactly from a census, which keeps no per-sequence values,
-    and raises :class:`~headsurgeon.errors.InvalidArgumentError` naming the census to run.
+    The definition, Gu's protocol and how the census differs from their script: [Classify:
+    standard scores](../tools/classify.md#standard-scores-sink-rate-and-ahon-ln).
 
     >>> census = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1],
     ...                        "sink_share": [1.0, 0.5, 0.0, 0.0]})

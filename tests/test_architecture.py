@@ -678,6 +678,32 @@ def test_no_module_is_longer_than_800_lines():
     assert not long, f"modules above {MAX_MODULE_LINES} lines: {long}"
 
 
+MAX_DOCSTRING_LINES = 30
+
+
+def test_no_public_docstring_is_longer_than_a_screen():
+    """A public function's or class's docstring (a module's top-level name in its ``__all__``)
+    holds a summary, a usage example, one line a parameter and a link to the page that explains:
+    at most 30 lines, as analyses/architecture_metrics.py counts them (issue 53, item 5)."""
+    long = {}
+    for name, path in module_files().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        exported = {  # a literal __all__'s names (the root's is computed and defines nothing)
+            element.value
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+            for element in getattr(node.value, "elts", [])
+            if isinstance(element, ast.Constant)
+        }
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name in exported:
+                n = len((ast.get_docstring(node) or "").splitlines())
+                if n > MAX_DOCSTRING_LINES:
+                    long[f"{name}.{node.name}"] = n
+    assert not long, f"public docstrings above {MAX_DOCSTRING_LINES} lines: {long}"
+
+
 # --- the root: a small API, no side effects -------------------------------------------------------
 
 
