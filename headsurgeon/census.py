@@ -126,16 +126,14 @@ def run_census(
     over sequences of a per-sequence mean, and ``census.attrs`` records the run.
 
     - ``model``: any TransformerLens model; an ALiBi model takes any length.
-    - ``data``: texts, text files, a token tensor or :class:`Sequences` (rows used as given); texts
-      (default: the bundled held-out corpora) are cut as :data:`CENSUS_CUT`.
+    - ``data``: texts, files, a token tensor or :class:`Sequences`; texts cut as :data:`CENSUS_CUT`.
     - ``batch_size``: sequences per forward pass.
     - ``min_query_pos``: the first query row measured (0: the surgery paper's exact BOS mass).
     - ``block_size``: query rows per block on long sequences (default: what memory allows).
     - ``reach_eps``: the mean attention share left on keys at distance ``reach`` or more.
     - ``sink_eps``: the ``sink_score`` above which a sequence counts in ``sink_share`` (Gu: 0.3).
     - ``progress``: show a progress bar.
-    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a ``FutureWarning``): use
-      ``hs.to_sequences``.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
     The columns, ``attrs``, ``reach`` and the standard scores: [Classify: the
     census](../tools/classify.md#the-census).
@@ -247,8 +245,7 @@ def sink_rate(census: pd.DataFrame, eps: float | None = None) -> float:
     sequences counts one half; ``bos_mass`` is not used.
 
     - ``census``: a :func:`run_census` result (its ``sink_share`` column and ``attrs["sink_eps"]``).
-    - ``eps``: the threshold (default: the census's ``sink_eps``; another one is one error line,
-      naming the census to run: a census keeps no per-sequence values).
+    - ``eps``: the threshold, the one the census counted at (default: its ``sink_eps``).
 
     The definition, Gu's protocol and how the census differs from their script: [Classify:
     standard scores](../tools/classify.md#standard-scores-sink-rate-and-ahon-ln).

@@ -138,8 +138,7 @@ def weight_changes(
     bit-identical sums ``other_changed`` to 0. A tensor only one side has raises
     :class:`CheckpointError`.
 
-    - ``before``, ``after``: state dicts, or what :func:`~headsurgeon.loading.load_model` takes
-      (folders, bundled organisms' names), read one tensor at a time.
+    - ``before``, ``after``: state dicts, or folders and names as ``load_model`` takes them.
     - ``heads``: the heads whose slices count as inside (any head form).
     - ``d_head``: the head width (default: read from a folder's ``config.json``).
 

@@ -530,8 +530,7 @@ def save_hf(
     - ``out_dir``: the folder to write (a non-empty one only with ``overwrite``, never the source).
     - ``overwrite``: replace a folder headsurgeon wrote (never one holding files it did not write).
     - ``dtype``: the written dtype (default: that of the checkpoint the model came from).
-    - ``verify``: reload the folder in float32 and compare logits before the rename (needs a
-      float32 copy of the model; ``False`` for models too large to hold twice).
+    - ``verify``: reload the folder and compare its logits first (holds a float32 copy).
     - ``card``: Markdown for the model card: what was done to the model.
 
     The fused layouts, the refusals, the reload check and the output folder's rules: [Models and

@@ -383,14 +383,12 @@ def head_importance(
 
     - ``model``: any model whose ``hook_z`` and ``hook_resid_pre`` fire in every layer.
     - ``data``: as in :func:`headsurgeon.run_census`; texts cut as :data:`IMPORTANCE_CUT`.
-    - ``method``: ``"zero"``, ``"mean"`` or ``"resample"`` ablate each head exactly (one pass per
-      head); ``"attribution"`` estimates ``ablation`` for all heads from one forward and backward.
+    - ``method``: ``"zero"``, ``"mean"``, ``"resample"`` (exact) or ``"attribution"`` (estimated).
     - ``ablation``: the ablation ``"attribution"`` estimates (default ``"mean"``).
     - ``batch_size``: sequences per forward pass.
     - ``heads_per_pass``: heads ablated in one stacked pass (default: logits within 2^26 elements).
     - ``progress``: show a progress bar.
-    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a ``FutureWarning``): use
-      ``hs.to_sequences``.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
     The methods, ``attrs`` and which models: [Importance](../tools/importance.md).
 

@@ -360,16 +360,13 @@ def precision_effect(
     - ``data``: texts, a token tensor or :class:`Sequences`; texts cut as :data:`PRECISION_CUT`.
     - ``dtypes``: of :data:`INFERENCE_DTYPES`.
     - ``parts``: of :data:`ALL_PARTS`.
-    - ``bias_forms``: the family's own (``absolute`` or ``last-key``) and ``relative`` (default:
-      the family's; both with ``reference="training"``; ``relative`` under that mitigation).
+    - ``bias_forms``: of ``absolute``, ``last-key``, ``relative`` (default: the family's own).
     - ``reference``: ``float64``, or ``training`` for both (needs known training numerics).
-    - ``edges``: position buckets (default: powers of two, split at multiples of the training
-      length).
+    - ``edges``: position buckets (default: powers of two, split at multiples of ``train_ctx``).
     - ``block_size``: query rows per block (default: what memory allows).
     - ``head_table``: ``False`` leaves ``by_head`` empty (it costs about as much as the passes).
     - ``progress``: show a progress bar.
-    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a ``FutureWarning``): use
-      ``hs.to_sequences``.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
     The parts, the columns, the costs and measured numbers: [Blindness: the tables of
     precision_effect](../tools/blindness.md#the-tables-of-precision_effect).

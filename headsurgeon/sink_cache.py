@@ -227,8 +227,7 @@ def sink_cache_effect(
     - ``model``: an ALiBi model (its trained bias kind is kept at the cache's distances).
     - ``data``: as in :func:`headsurgeon.window_effect`; texts cut as :data:`SINK_CACHE_CUT`.
     - ``sinks``: the numbers ``x`` of initial tokens kept.
-    - ``windows``: the numbers ``y`` of recent tokens kept (default: a quarter and all of the
-      training length).
+    - ``windows``: the numbers ``y`` of recent tokens kept (default: ``train_ctx`` and a quarter).
     - ``positions``: distances in cache slots (``"cache"``, StreamingLLM's) or ``"true"`` ones.
     - ``heads``: the heads tested one by one (default every head; ``[]`` skips the test).
     - ``head_cache``: the ``(x, y)`` every other head keeps (default: most sinks, least window).
@@ -236,8 +235,7 @@ def sink_cache_effect(
     - ``batch_size``: sequences per forward pass.
     - ``block_size``: query rows per block (default: ``y`` clamped to 64 ... 512).
     - ``progress``: show a progress bar.
-    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a ``FutureWarning``): use
-      ``hs.to_sequences``.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
     The cache, the columns, what it tests and its cost: [Long contexts: the sink-cache
     test](../long-contexts.md#the-sink-cache-test-streamingllm).

@@ -218,8 +218,7 @@ def window_effect(
     - ``batch_size``: sequences per forward pass.
     - ``block_size``: query rows per block (default: what memory allows).
     - ``progress``: show a progress bar.
-    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a ``FutureWarning``): use
-      ``hs.to_sequences``.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
     The columns, what it tests and its cost: [Blindness: which distances the loss
     uses](../tools/blindness.md#which-distances-the-loss-uses).

@@ -401,8 +401,7 @@ def measure_blindness(
     - ``context_lengths``: the lengths of ``by_length`` (default: powers of two, and ``seq_len``).
     - ``progress``: show a progress bar.
     - ``block_size``: query rows per block (default: what memory allows; ``seq_len``: dense).
-    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a ``FutureWarning``): use
-      ``hs.to_sequences``.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
     What counts as an underflow, the columns, exactness and cost: [Blindness: measured
     zeros](../tools/blindness.md#measured-zeros-measure_blindness).

@@ -196,13 +196,11 @@ def perplexity(
     context; log-probabilities in float32, summed in float64.
 
     - ``model``: any model; ALiBi models take windows of any length, others at most ``n_ctx``.
-    - ``data``: texts, text files, a token tensor (each row a stream; 1-D: one stream) or ``None``
-      for the bundled held-out corpora.
+    - ``data``: texts, text files or token streams (tensor rows; 1-D: one), default held-out text.
     - ``window``: tokens per window (default: the training length when known, else ``n_ctx``).
     - ``stride``: tokens between window starts (default ``window // 2``).
     - ``batch_size``: windows per forward pass.
-    - ``prepend_bos``: start each window with a BOS token (default: the model's convention for
-      texts; a token tensor only when ``True``).
+    - ``prepend_bos``: a BOS token first in each window (default: the convention, for texts).
     - ``max_windows``: windows scored, evenly spaced (``None``: every token of the data).
     - ``block_size``: query rows per block (default: by memory for ALiBi, else the window).
     - ``progress``: show a progress bar.
@@ -331,8 +329,7 @@ def loss_by_position(
     one), ``perplexity`` and ``in_context`` (``position_hi <= train_ctx``).
 
     - ``model``: any model; ALiBi models take any ``length``, others at most ``n_ctx``.
-    - ``data``: texts, text files (``None``: the bundled held-out corpora) or a ``[n, pos]`` token
-      tensor (rows used as given, cut to ``length``).
+    - ``data``: texts, text files (default: held-out text) or a token tensor (rows used as given).
     - ``length``: tokens per sequence.
     - ``n_seqs``: sequences, evenly spaced over the texts (fewer texts give fewer, logged).
     - ``edges``: bucket edges (default :func:`position_edges`: 0, 1, 2, 4, ... ``length - 1``).

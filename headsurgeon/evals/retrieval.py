@@ -515,8 +515,7 @@ def retrieval_by_distance(
 
     - ``model``: any model; one without ALiBi takes prompts of at most ``n_ctx`` tokens.
     - ``task``: ``"passkey"`` (a random key in filler text) or ``"needle"`` (a fact in real text).
-    - ``haystack``: the filler (passkey: a corpus name or texts, default Shakespeare; needle: texts
-      or files, default both bundled corpora).
+    - ``haystack``: the filler text (default: Shakespeare; needle: both bundled corpora).
     - ``distances``: bin edges in tokens (default :data:`DISTANCE_EDGES`, 0 to 8,192).
     - ``n_trials``: prompts per bin, each at a distance drawn uniformly from the bin.
     - ``seed``: the seed of the prompts.

@@ -222,8 +222,7 @@ def finetune(
 
     - ``model``: the model, changed in place.
     - ``heads``: the heads to train, any head form.
-    - ``train``: texts (cut into 128-token sequences), a ``[n, seq]`` token tensor or
-      :class:`~headsurgeon.data.Sequences` (used as they are).
+    - ``train``: texts (cut into 128-token sequences), a token tensor or :class:`Sequences`.
     - ``eval_data``: held-out sequences for the held-out perplexity, in the same forms.
     - ``config``: steps, learning rate, batches, evaluation (default: :class:`FinetuneConfig`).
     - ``objective``: ``loss(model, tokens)`` (default: :func:`next_token_loss`).
