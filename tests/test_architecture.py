@@ -704,6 +704,33 @@ def test_no_public_docstring_is_longer_than_a_screen():
     assert not long, f"public docstrings above {MAX_DOCSTRING_LINES} lines: {long}"
 
 
+DOCS = PACKAGE.parent / "docs"
+
+
+def heading_ids(page: Path) -> set[str]:
+    """The ids mkdocs' toc gives a page's headings (Python-Markdown's default slugify)."""
+    ids = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if match := re.match(r"#+\s+(.*)", line):
+            text = re.sub(r"[^\w\s-]", "", match.group(1).replace("`", "")).strip().lower()
+            ids.add(re.sub(r"[-\s]+", "-", text))
+    return ids
+
+
+def test_the_docs_links_of_the_docstrings_resolve():
+    """A docstring's link to the page that explains (``[...](../tools/x.md#heading)``, relative
+    to docs/api/, where the API pages render it) names a page and heading that exist: mkdocs
+    checks neither in what mkdocstrings renders."""
+    broken = []
+    for name, path in module_files().items():
+        for target in re.findall(r"\]\(([^)\s]+\.md(?:#[^)\s]*)?)\)", path.read_text("utf-8")):
+            page, _, anchor = target.partition("#")
+            file = (DOCS / "api" / page).resolve()
+            if not file.is_file() or (anchor and anchor not in heading_ids(file)):
+                broken.append(f"{name}: {target}")
+    assert not broken, broken
+
+
 # --- the root: a small API, no side effects -------------------------------------------------------
 
 
