@@ -404,23 +404,19 @@ def blind_distance(
 ) -> float | Float[Tensor, " head_index"]:
     """The distance from which a key's attention weight must be at most the dtype's underflow limit.
 
-    Assumes every key has the same content logit, so the bias alone sets how far the key falls
-    below the row's best logit, the query's own position (distance 0): its weight is at most
-    ``exp(-gap(d))`` with ``gap(d) = bias(0) - bias(d)``, and the head is blind from the first ``d``
-    with ``gap(d) >= T = -log_limit(dtype, limit)``. The softmax normaliser ``Z >= 1``
-    makes real zeros start up to ``ln(Z) / m`` tokens earlier (``Z <= 1 / (1 - exp(-m))`` for
-    equal content); a key whose content logit beats the others' by ``Δ`` is seen ``Δ / m`` tokens
-    further (standard ALiBi). Per kind:
+    Assumes every key has the same content logit, so the bias alone sets how far a key at distance
+    ``d`` falls below the query's own logit: the head is blind from the first ``d`` with
+    ``bias(0) - bias(d) >= -log_limit(dtype, limit)``. Returns a float (``inf``: never blind) or,
+    for a tensor of slopes, a float64 tensor.
 
-    * ``standard``: ``ceil(T / m)``; ``clamped``: the same if ``c >= T``, else never (``inf``);
-    * ``log``: ``ceil(exp(T / m') - 1)``, ``m' = m log_match_scale(match)``;
-    * ``softcap`` (content logits 0): ``gap = c tanh(m d / c) < c``: ``ceil(c atanh(T / c) / m)``
-      if ``c > T``, else never;
-    * ``robust``: standard with slopes made robust for this ``dtype`` and ``limit``
-      (``context`` and ``mode`` from ``params``; ``mode="scale"`` uses the largest given slope).
+    - ``slope``: one ALiBi slope or a tensor of them.
+    - ``dtype``: the dtype whose underflow limit counts.
+    - ``limit``: ``"normal"``, ``"subnormal"``, ``"zero"`` or a negative natural log.
+    - ``bias``: ``standard``, ``clamped``, ``log``, ``softcap`` or ``robust``.
+    - ``**params``: the kind's parameters (``c``, ``match``, ``context``, ``mode``).
 
-    Returns a float (``inf`` when the head never goes blind) or, for a tensor of slopes, a float64
-    tensor.
+    The formula of each kind and what the assumption leaves out: [ALiBi math: blind
+    distances](alibi.md#blind-distances).
 
     >>> m = slopes(16)
     >>> blind_distance(m[0].item()), blind_distance(m[15].item())

@@ -122,63 +122,21 @@ def run_census(
 ) -> pd.DataFrame:
     """Measure every head of ``model`` on ``data``: one row per head, columns :data:`COLUMNS`.
 
-    ``data`` is texts, text files, a ``[n_seqs, seq_len]`` token tensor or :class:`Sequences`
-    (every row used exactly as given on every model: no BOS token is added); texts (default: the
-    held-out split of the bundled corpora) are cut as :data:`CENSUS_CUT` says, windows spread
-    over the whole text; cut them otherwise with ``hs.to_sequences(model, data, seq_len=...,
-    n_seqs=..., prepend_bos=...)``. ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (a
-    ``FutureWarning``), that call's. Each metric is the mean over sequences of a per-sequence
-    mean; ``bos_mass_std`` is its spread across sequences.
+    ``census = hs.run_census(model, hs.to_sequences(model, n_seqs=16))``; each metric is the mean
+    over sequences of a per-sequence mean, and ``census.attrs`` records the run.
 
-    Long sequences run in blocks of ``block_size`` query rows (default: chosen from the memory one
-    block's attention needs, :func:`headsurgeon.long_context.block_size`; the whole sequence when
-    it fits, which is the ordinary dense pass): exact causal attention through the model's
-    key-value cache, memory linear in the sequence length. ALiBi models take any length (a
-    warning names the length they were trained on); others keep their context ``cfg.n_ctx``.
+    - ``model``: any TransformerLens model; an ALiBi model takes any length.
+    - ``data``: texts, files, a token tensor or :class:`Sequences`; texts cut as :data:`CENSUS_CUT`.
+    - ``batch_size``: sequences per forward pass.
+    - ``min_query_pos``: the first query row measured (0: the surgery paper's exact BOS mass).
+    - ``block_size``: query rows per block on long sequences (default: what memory allows).
+    - ``reach_eps``: the mean attention share left on keys at distance ``reach`` or more.
+    - ``sink_eps``: the ``sink_score`` above which a sequence counts in ``sink_share`` (Gu: 0.3).
+    - ``progress``: show a progress bar.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
-    ``reach`` is how far back a head actually looks: the smallest distance ``d`` such that, over
-    every query row ``t >= d + 1`` of every sequence (and ``t >= min_query_pos``), the mean
-    attention mass on keys at distance ``d`` or more, position 0 left out, is at most
-    ``reach_eps``. Keys beyond it get at most that share of the head's attention, on average:
-    it measures where ALiBi's penalty (with the content logits) leaves keys negligible weight,
-    not where weights become exactly 0 (``measure_blindness``), nor whether the model's loss
-    depends on those keys (``window_effect``). It is pooled over rows (each counts once), read
-    from a per-distance mass histogram (:meth:`headsurgeon.probes.HeadStats.far_mass`), and
-    ``inf`` when no distance within the sequence qualifies: the head puts more than
-    ``reach_eps`` on the farthest keys measured (a longer ``seq_len`` may bound it). Position 0
-    is left out because a sink's mass there says nothing about distance: a head whose mean
-    weight on position 0 (over rows from 1) is at least ``1 - reach_eps`` has reach 0.
-
-    ``reach_baseline`` is the reach the same definition gives a head with no preference for
-    content, whose logits are its positional bias alone (the one the model applies now,
-    :func:`headsurgeon.blindness.applied_bias`; exact, float64:
-    :func:`headsurgeon.alibi.content_free_reach`); for standard ALiBi it tends to
-    ``ln(1/reach_eps)/slope`` on long sequences. ``reach_ratio`` is ``reach`` over it: near 1, a
-    head's reach says only what its slope says; a head far from 1 looks nearer or farther than
-    its slope alone would make it.
-
-    ``sink_share`` is the share of sequences in which the head's own ``sink_score`` exceeds
-    ``sink_eps`` (default Gu et al.'s ε = 0.3): :func:`sink_rate` averages it over heads, which is
-    Gu et al.'s sink rate. ``ahon_ln`` is Sandoval-Segura et al.'s inactivity score: per sequence,
-    the head's mean ``‖z‖`` over every position (position 0 included, ``min_query_pos`` does not
-    apply), divided by the mean of the same over the heads of its layer; low values mark heads
-    whose output is small next to their layer's (their inactivity threshold is per sequence, e.g.
-    below 0.1). It reads ``z``, before ``W_O``, as they do: a head whose ``W_O`` slice is zero
-    (pruned, or just re-initialised) keeps its ``ahon_ln``, while ``output_norm`` drops to 0.
-    ``GU_PROTOCOL`` holds Gu et al.'s settings: ``run_census(model, hs.to_sequences(model,
-    seq_len=64, n_seqs=100), sink_eps=0.3)``.
-
-    ``df.attrs`` holds the run metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``,
-    ``seq_len``, ``prepend_bos`` (position 0 holds the BOS token), ``bos_rule`` (why: the
-    tensor as given, or the BOS convention applied to texts), ``min_query_pos``, ``reach_eps``,
-    ``sink_eps``, ``data``, ``dtype``, ``device``, ``positional``.
-
-    Every hook the census reads (``hook_pattern``, ``hook_z``, ``hook_attn_out``) must fire in
-    every layer: a model whose attention does not expose one (OPT's TransformerLens 4.x bridge
-    without eager attention, say) raises :class:`~headsurgeon.errors.UnsupportedArchitectureError`
-    naming the hook, never a row of zeros. Grouped-query attention is measured per query head
-    (each has its own pattern and ``z``); attention in parallel with the MLP (GPT-NeoX) changes
-    nothing here.
+    The columns, ``attrs``, ``reach`` and the standard scores: [Classify: the
+    census](../tools/classify.md#the-census).
 
     >>> import torch
     >>> from headsurgeon.loading import ModelShape, random_model
@@ -282,26 +240,15 @@ def sink_rate(census: pd.DataFrame, eps: float | None = None) -> float:
     """Gu et al.'s sink rate of a census: the share of (sequence, head) pairs whose α_0 exceeds ε.
 
     ``sink_rate(hs.run_census(model, hs.to_sequences(model, seq_len=64, n_seqs=100)))``
-    (:data:`GU_PROTOCOL`; ``sink_eps`` 0.3 is the census's default) is the number Gu et al. ("When
-    Attention Sink Emerges in Language Models", ICLR 2025) report as Sink_1^ε, in their 1-indexed
-    notation: in each sequence, each head's α_0 is its mean attention on position 0 over every
-    query row (row 0 included: the census's ``sink_score`` of that sequence); the head is a sink
-    in that sequence when α_0 > ε (strictly, as their code); the rate is the mean of that
-    indicator over sequences, layers and heads, as a fraction (they print it in percent). That
-    is the mean over heads of the census's ``sink_share``, which the census counted at its
-    ``sink_eps``.
+    (:data:`GU_PROTOCOL`) is the number Gu et al. (ICLR 2025) report as Sink_1^ε, as a fraction:
+    the mean over heads of the census's ``sink_share``. A head that is a sink in half the
+    sequences counts one half; ``bos_mass`` is not used.
 
-    It is not the share of heads whose mean ``sink_score`` exceeds ε: a head that is a sink in
-    half the sequences counts one half here. Nor does it use ``bos_mass``, whose rows start at
-    ``min_query_pos`` (1 by default: row 0 puts its whole weight on position 0 in every head).
-    With Gu's protocol (:data:`GU_PROTOCOL`) the census differs from their script in the data
-    only: windows of the given texts (default: the bundled held-out corpora, spread over the
-    whole text) rather than the first 64 tokens of 100 documents of their validation set, and
-    position 0 follows the model's BOS convention, as their tokenizers' defaults did.
+    - ``census``: a :func:`run_census` result (its ``sink_share`` column and ``attrs["sink_eps"]``).
+    - ``eps``: the threshold, the one the census counted at (default: its ``sink_eps``).
 
-    ``eps`` (default: the census's ``sink_eps``) must be the threshold the census counted at:
-    another one cannot be answered exactly from a census, which keeps no per-sequence values,
-    and raises :class:`~headsurgeon.errors.InvalidArgumentError` naming the census to run.
+    The definition, Gu's protocol and how the census differs from their script: [Classify:
+    standard scores](../tools/classify.md#standard-scores-sink-rate-and-ahon-ln).
 
     >>> census = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1],
     ...                        "sink_share": [1.0, 0.5, 0.0, 0.0]})

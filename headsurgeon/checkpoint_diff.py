@@ -132,29 +132,18 @@ def weight_changes(
 ) -> pd.DataFrame:
     """Which weights changed between two BLOOM checkpoints, inside and outside ``heads``' slices.
 
-    ``before``/``after``: Hugging Face state dicts, or anything
-    :func:`~headsurgeon.loading.load_model` takes (checkpoint folders, bundled organisms' names),
-    whose tensors are then read one at a time so two large checkpoints need not fit in memory
-    together. Folders may hold safetensors or pickled ``pytorch_model*.bin`` weights, in one file
-    or sharded with an index (:func:`~headsurgeon.loading.weight_files`).
+    One row per tensor: ``tensor`` (named as ``BloomForCausalLM`` names it), ``dtype_before``,
+    ``dtype_after``, ``elements``, ``head_elements``, ``head_changed``, ``other_changed``; values
+    are compared exactly in the wider dtype, so a repair that must leave every other weight
+    bit-identical sums ``other_changed`` to 0. A tensor only one side has raises
+    :class:`CheckpointError`.
 
-    Both sides are compared under one key scheme, ``BloomForCausalLM``'s (what :func:`save_hf`
-    and ``save_pretrained`` write: ``transformer.h.0.self_attention.query_key_value.weight``,
-    ``transformer.word_embeddings.weight``, ``lm_head.weight``): the names of ``BloomModel``
-    (bigscience's published checkpoints: ``h.0.self_attention...``, ``word_embeddings.weight``)
-    get the ``transformer.`` prefix, and a side without ``lm_head.weight``, whose embeddings are
-    therefore tied, reads it as its word embeddings when the other side stores one. So a
-    published checkpoint compares with its repair's export. Rows are named in that scheme.
+    - ``before``, ``after``: state dicts, or folders and names as ``load_model`` takes them.
+    - ``heads``: the heads whose slices count as inside (any head form).
+    - ``d_head``: the head width (default: read from a folder's ``config.json``).
 
-    A head's slices are its rows of the fused ``query_key_value`` weight and bias (per
-    head ``(q, k, v) x d_head``, BLOOM's layout) and its ``d_head`` columns of the output
-    projection ``dense.weight``; everything else (``dense.bias`` included) is shared by all heads.
-    Values are compared exactly in the wider of the two dtypes (float16 -> float32 is exact), so a
-    repair or a planting that must leave every other weight bit-identical can be checked: the
-    ``other_changed`` column must sum to 0. ``d_head`` is read from a folder's ``config.json``
-    unless given. A tensor only one side has raises :class:`CheckpointError`. One row per
-    tensor: ``tensor``, ``dtype_before``, ``dtype_after``, ``elements``, ``head_elements``,
-    ``head_changed``, ``other_changed``.
+    Key schemes, slices and cost: [Repair: checking the
+    weights](../tools/repair.md#checking-the-weights-weight_changes).
 
     >>> qkv = "transformer.h.0.self_attention.query_key_value.weight"
     >>> dense = "transformer.h.0.self_attention.dense.weight"

@@ -521,36 +521,20 @@ def save_hf(
     HookedTransformer, 4.x bridge), MPT and Falcon (4.x bridge: ``MptForCausalLM``,
     ``FalconForCausalLM``, its ``config.json`` as loaded).
 
-    The fused QKV is rebuilt in the family's layout (BLOOM's and Falcon's ``query_key_value``
-    per head (q, k, v); MPT's ``Wqkv`` as [Q; K; V]; multi-query Falcon's as [Q; k; v]) from the
-    per-head weights the model computes with (:func:`hf_state_dict`); embeddings stay
-    tied where the source tied them and ``W_U`` still equals ``W_E.T`` (otherwise ``lm_head`` is
-    written separately and the config unties them). Tokenizer files are copied from the source
-    folder verbatim when there is one. The folder appears atomically, marked as headsurgeon's
-    (:data:`headsurgeon.outputs.MARK_FILE`); a non-empty ``out_dir`` is refused unless
-    ``overwrite=True``, and even then unless headsurgeon wrote it (a folder holding files it did
-    not write is never replaced), and so is the folder the model was loaded from, one holding
-    it or one inside it (:func:`headsurgeon.outputs.check_output_dir`). The save claims
-    ``out_dir`` (:func:`headsurgeon.outputs.claim_output`): a second save to it while one runs is
-    one :class:`~headsurgeon.errors.OutputBusyError` line, and the hidden partial folder a killed
-    save left beside it (``.NAME.tmp-*``, marked as headsurgeon's) is removed, said in one line.
+    ``save_hf(model, "repaired/")`` writes weights (safetensors), config, tokenizer and a model
+    card (``README.md``, :func:`model_card`) through a hidden partial folder and a rename; a model
+    the family's format cannot represent is refused in one
+    :class:`UnsupportedArchitectureError` line naming every difference, before anything is written.
 
-    Before anything is written, a model that its family's format cannot represent is refused with
-    one :class:`UnsupportedArchitectureError` naming every difference (for BLOOM: slopes that are
-    not BLOOM's, another activation, positional scheme or normalisation, no embedding LayerNorm,
-    folded weights, ...; for MPT and Falcon, which the 4.x bridge computes with their own
-    modules: an ALiBi variant, an unembedding bias).
-    ``dtype``: the written dtype (recorded in ``config.json``); by default the dtype of the
-    checkpoint the model came from (:func:`checkpoint_dtype`; the organisms' float16), else the
-    model's own. ``verify`` (default): before the folder is renamed into
-    place, it is reloaded with ``transformers`` in float32 and its logits on a few random token
-    sequences are compared with the model's own (computed in float32); a gap above
-    ``1e-4 + 1e-5 x |logit|`` removes it and raises :class:`CheckpointError`. This holds a
-    float32 copy of the model; pass ``verify=False`` for models too large to hold twice.
+    - ``model``: the model to export.
+    - ``out_dir``: the folder to write (a non-empty one only with ``overwrite``, never the source).
+    - ``overwrite``: replace a folder headsurgeon wrote (never one holding files it did not write).
+    - ``dtype``: the written dtype (default: that of the checkpoint the model came from).
+    - ``verify``: reload the folder and compare its logits first (holds a float32 copy).
+    - ``card``: Markdown for the model card: what was done to the model.
 
-    The folder holds a model card, ``README.md`` (:func:`model_card`): where the weights came
-    from, whether the reload check ran, and ``card`` (Markdown: what was done to the model, as
-    ``python -m headsurgeon repair`` and :func:`headsurgeon.surgery.save_pruned` write it).
+    The fused layouts, the refusals, the reload check and the output folder's rules: [Models and
+    checkpoints: saving](../models.md#saving-save_hf).
     """
     info = model_info(model, "save_hf", writes=True)
     # Where the model was loaded from (headsurgeon.loading records it): never written over.

@@ -378,26 +378,19 @@ def head_importance(
 ) -> pd.DataFrame:
     """What each head of ``model`` costs to remove: one row per head, columns :data:`COLUMNS`.
 
-    ``method``: ``"zero"``, ``"mean"`` (default) or ``"resample"`` ablate each head exactly, one
-    forward pass per head; ``"attribution"`` estimates the ablation named by ``ablation``
-    (default ``"mean"``) for all heads from one forward and one backward pass. Exact methods
-    are their own ablation. Compare an estimate with exact ablation by
+    ``hs.head_importance(model, data, method="mean")``; compare an estimate with exact ablation by
     :func:`compare_importance`.
 
-    ``data`` as in :func:`headsurgeon.run_census` (texts cut as :data:`IMPORTANCE_CUT` says;
-    ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated, as there). ``batch_size`` sequences run
-    together; exact ablation stacks ``heads_per_pass`` copies of them into one pass (default: as
-    many heads as keep the pass's logits within 2^26 elements). ``df.attrs`` holds the run
-    metadata: ``model``, ``n_layers``, ``n_heads``, ``n_seqs``, ``seq_len``, ``n_tokens``
-    (predicted tokens), ``prepend_bos`` (position 0 holds the BOS token), ``bos_rule`` (see
-    :class:`headsurgeon.data.Sequences`), ``data``, ``method``, ``ablation``, ``clean_loss``,
-    ``dtype``, ``device``.
+    - ``model``: any model whose ``hook_z`` and ``hook_resid_pre`` fire in every layer.
+    - ``data``: as in :func:`headsurgeon.run_census`; texts cut as :data:`IMPORTANCE_CUT`.
+    - ``method``: ``"zero"``, ``"mean"``, ``"resample"`` (exact) or ``"attribution"`` (estimated).
+    - ``ablation``: the ablation ``"attribution"`` estimates (default ``"mean"``).
+    - ``batch_size``: sequences per forward pass.
+    - ``heads_per_pass``: heads ablated in one stacked pass (default: logits within 2^26 elements).
+    - ``progress``: show a progress bar.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
-    Every model whose ``blocks.{l}.attn.hook_z`` (and ``hook_resid_pre``) fire in every layer
-    is measured: grouped-query attention per query head (its ``z`` is per query head; the
-    shared keys and values stay), attention in parallel with the MLP (GPT-NeoX) as any other.
-    A hook that did not fire raises :class:`~headsurgeon.errors.UnsupportedArchitectureError`
-    naming it, never a loss change of 0.
+    The methods, ``attrs`` and which models: [Importance](../tools/importance.md).
 
     >>> from headsurgeon.loading import ModelShape, random_model
     >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))

@@ -348,40 +348,28 @@ def precision_effect(
 ) -> PrecisionEffect:
     """How rounding in each dtype changes an ALiBi model's outputs, per part, position and head.
 
-    Usage::
+    ``effect = hs.precision_effect(model, hs.to_sequences(model, seq_len=4096, n_seqs=1))``;
+    ``effect.by_region`` has the ΔNLL and top-1 agreement inside and beyond the training length,
+    ``effect.by_position`` per position bucket, ``effect.by_head`` the exact zeros and attention
+    mass lost and moved (see :class:`PrecisionEffect`). Each (bias form, dtype, part) is a forward
+    pass of the model's ``transformers`` family (BLOOM; MPT and Falcon with ``alibi=True`` on
+    TransformerLens 4.x) with one part rounded as the family's eager code rounds it
+    (:data:`PART_MEANINGS`), compared per position with the same pass in float64.
 
-        effect = hs.precision_effect(model, hs.to_sequences(model, seq_len=4096, n_seqs=1))
-        effect.by_region                                     # dNLL, top-1 inside / beyond L
-        long = hs.to_sequences(model, seq_len=8192, n_seqs=1)
-        matrix = hs.precision_effect(model, long, parts=["attention"],
-                                     dtypes=hs.precision.INFERENCE_DTYPES,
-                                     bias_forms=["absolute", "relative"], reference="training")
+    - ``model``: a BLOOM, MPT or Falcon ALiBi model.
+    - ``data``: texts, a token tensor or :class:`Sequences`; texts cut as :data:`PRECISION_CUT`.
+    - ``dtypes``: of :data:`INFERENCE_DTYPES`.
+    - ``parts``: of :data:`ALL_PARTS`.
+    - ``bias_forms``: of ``absolute``, ``last-key``, ``relative`` (default: the family's own).
+    - ``reference``: ``float64``, or ``training`` for both (needs known training numerics).
+    - ``edges``: position buckets (default: powers of two, split at multiples of ``train_ctx``).
+    - ``block_size``: query rows per block (default: what memory allows).
+    - ``head_table``: ``False`` leaves ``by_head`` empty (it costs about as much as the passes).
+    - ``progress``: show a progress bar.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
-    Each (bias form, dtype, part) is a forward pass of the model's ``transformers`` family
-    (BLOOM; MPT and Falcon with ``alibi=True`` on TransformerLens 4.x) with one part rounded
-    exactly as the family's eager code rounds it (:data:`PART_MEANINGS`), compared per position
-    with the same pass in float64, softmax included, and with ``reference="training"`` also
-    with the attention as the model was trained (:attr:`ModelInfo.training_numerics`: a model
-    with unknown training numerics is refused in one line).
-
-    ``data``: what :func:`headsurgeon.data.to_sequences` takes; texts (default: the bundled
-        held-out corpora) cut as :data:`PRECISION_CUT` says. ``seq_len``, ``n_seqs``,
-        ``prepend_bos``: deprecated (a ``FutureWarning``), that function's.
-    ``dtypes``: of :data:`INFERENCE_DTYPES`. ``parts``: of :data:`ALL_PARTS`.
-    ``bias_forms``: ``absolute`` (BLOOM, Falcon) or ``last-key`` (MPT), the family's own, and
-        ``relative`` (``-m (i - j)``); default: the family's (both with
-        ``reference="training"``), or ``relative`` inside ``with mitigation(model, "relative")``.
-    ``reference``: ``float64``, or ``training`` for both references.
-    ``edges``: position buckets (default: powers of two, split at multiples of the training
-        length). ``block_size``: query rows per block (default: by memory).
-    ``head_table``: ``False`` leaves ``by_head`` empty (it forms every recipe's attention
-        again from the reference's inputs: about as costly as the passes).
-
-    Returns :class:`PrecisionEffect`: ``by_position``, ``by_region`` (``dnll_se``:
-    :func:`headsurgeon.stats.nll_change`'s, as every ``*_effect`` verb's; ``top1_se``: paired
-    batch means, :func:`headsurgeon.stats.batch_means_se`) and
-    ``by_head`` (exact zeros of the dtype under test, attention mass lost and moved). Columns,
-    costs and measured numbers: ``docs/tools/blindness.md`` (the tables of precision_effect).
+    The parts, the columns, the costs and measured numbers: [Blindness: the tables of
+    precision_effect](../tools/blindness.md#the-tables-of-precision_effect).
     """
     info = model_info(model, "precision_effect", writes=True)
     names = [_dtype_name(d) for d in ([dtypes] if isinstance(dtypes, str) else list(dtypes))]

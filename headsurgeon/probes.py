@@ -314,38 +314,19 @@ class HeadStats:
     (Gu et al.'s per-sequence sink indicator, Sandoval-Segura et al.'s AHON-LN), fed by forward
     hooks.
 
-    For every layer and head it keeps, over sequences, the sum and sum of squares of each
-    per-sequence statistic, plus each layer's total attention write norm
-    (``‖hook_attn_out - b_O‖``); all in float64 on the model's device. Use ``hooks()`` with
-    :func:`stream` (or ``model.hooks``) and read ``means()``/``stds()``; ``reset()`` starts over.
+    ``stats = HeadStats(model); stream(model, tokens, stats.hooks())``, then ``stats.means()``,
+    ``stats.stds()`` (over sequences), ``stats.far_mass()`` and ``stats.reach(eps)``;
+    ``stats.reset()`` starts over and ``stats.check_fired(n_seqs)`` raises
+    :class:`~headsurgeon.errors.UnsupportedArchitectureError` for a hook that never fired. All
+    sums are float64 on the model's device; a sequence run in blocks of query rows is summed block
+    by block, and nothing is kept per sequence beyond the batch in progress.
 
-    A layer's three hooks (``hook_pattern``, ``hook_z``, ``hook_attn_out``) may fire in any order
-    (TransformerLens 4.x fires an OPT's pattern after its output): each keeps its per-position
-    values until the layer's other two have fired for the same rows, then the three are added
-    together. A hook that fires again before the others did means one of them never fires in
-    this model: that raises :class:`~headsurgeon.errors.UnsupportedArchitectureError` at once,
-    and :meth:`check_fired` after the pass catches a hook that never fired at all.
+    - ``model``: the model whose ``hook_pattern``, ``hook_z`` and ``hook_attn_out`` it reads.
+    - ``min_query_pos``: the first query row of the pattern statistics.
+    - ``sink_eps``: the ``sink_score`` above which a sequence counts in ``sink_share``.
 
-    A sequence run in blocks of query rows (:mod:`headsurgeon.long_context`) is summed block by
-    block: a layer's pattern at query offset 0 starts the next batch of sequences, and each
-    sequence's means are taken when its last block is in (at the next batch, or at ``means()``).
-
-    The write norm of the whole layer comes from ``hook_attn_out`` minus ``b_O`` (models without
-    attention biases have none): the sum of all heads' writes, without the bias that belongs to
-    no head.
-
-    Pooled over every row of every sequence, each head's attention mass by distance
-    (:func:`distance_sums`, O(T) per head) gives :meth:`far_mass` (the mean mass at distance
-    ``d`` or more, by ``d``) and :meth:`reach` (the census's ``reach``; a head whose logits are
-    its bias alone: :func:`headsurgeon.alibi.content_free_far_mass`).
-
-    Two statistics are taken per sequence once its last block is in, from that sequence's means:
-    ``sink_share`` adds 1 when its ``sink_score`` (α_0 of that sequence) exceeds ``sink_eps``
-    (Gu et al.'s indicator, thresholded per sequence as their code does), so its mean is the
-    share of sequences in which the head is a sink; ``ahon_ln`` adds the head's mean ``‖z‖`` over
-    every position of the sequence divided by the mean of that over the layer's heads
-    (Sandoval-Segura et al.'s AHON-LN; NaN for a sequence where every head of the layer outputs
-    exactly 0). Neither keeps anything per sequence beyond the batch in progress.
+    How the three hooks meet, the write norm, reach and the per-sequence scores: [Data, census,
+    labels: streaming hook reducers](census.md#streaming-hook-reducers-probes).
     """
 
     def __init__(self, model: Model, *, min_query_pos: int = 1, sink_eps: float = 0.3):

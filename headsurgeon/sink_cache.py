@@ -218,60 +218,27 @@ def sink_cache_effect(
     """Perplexity with a StreamingLLM cache of sinks plus recent tokens, and the heads that need
     the sinks.
 
-    Usage::
+    ``effect = sink_cache_effect(model)`` (16,384 held-out tokens, sinks 0, 1, 4):
+    ``effect.by_cache`` has ppl and ΔNLL against the full context per (sinks, window),
+    ``effect.by_head`` the ΔNLL when one head alone loses its sinks, ranked. Refused in one line:
+    a model without ALiBi, an active mitigation other than softcap, sinks below 0, windows below 1,
+    a per-head cache that drops nothing.
 
-        effect = sink_cache_effect(model)  # 16,384 held-out tokens, sinks 0, 1, 4
-        effect.by_cache   # ppl and ΔNLL against the full context, per (sinks, window)
-        effect.by_head.head(5)  # the heads whose loss of the sinks costs most
+    - ``model``: an ALiBi model (its trained bias kind is kept at the cache's distances).
+    - ``data``: as in :func:`headsurgeon.window_effect`; texts cut as :data:`SINK_CACHE_CUT`.
+    - ``sinks``: the numbers ``x`` of initial tokens kept.
+    - ``windows``: the numbers ``y`` of recent tokens kept (default: ``train_ctx`` and a quarter).
+    - ``positions``: distances in cache slots (``"cache"``, StreamingLLM's) or ``"true"`` ones.
+    - ``heads``: the heads tested one by one (default every head; ``[]`` skips the test).
+    - ``head_cache``: the ``(x, y)`` every other head keeps (default: most sinks, least window).
+    - ``head_seq_len``: the tokens of each sequence the per-head test reads (``None``: all).
+    - ``batch_size``: sequences per forward pass.
+    - ``block_size``: query rows per block (default: ``y`` clamped to 64 ... 512).
+    - ``progress``: show a progress bar.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
-    For each ``x`` in ``sinks`` and ``y`` in ``windows`` (default: a quarter of the training
-    length and the training length, :attr:`headsurgeon.loading.ModelInfo.train_ctx`), every
-    prediction is made with the cache it would have had in a stream (module docstring: query
-    ``t`` sees keys ``j < x`` and ``t - y <= j <= t``; ALiBi distances by ``positions``,
-    ``"cache"`` as StreamingLLM or ``"true"``), all heads of all layers alike. ``by_cache`` has
-    one row per (``sinks``, ``window``): ``positions``, ``tokens`` (predictions scored: every
-    position but the last of each sequence), ``nll`` and ``ppl`` over them, ``dnll`` (``nll``
-    minus the full-context ``full_nll``, same tokens; ``full_ppl``), ``dnll_se`` (its paired
-    standard error: :func:`headsurgeon.stats.batch_means_se`), ``evicted`` (predictions whose
-    cache had dropped a key: position ``> x + y``; the others are the full-context ones) and
-    ``dnll_evicted``, the mean ΔNLL over those (NaN if none).
-
-    Per head (``heads``, default every head, none when ``sinks`` is only 0: a window-only
-    cache; ``heads=[]`` skips it): every head keeps the cache
-    ``head_cache = (x, y)`` (default: the largest of ``sinks``, the smallest of ``windows``)
-    except one, which loses its sinks (cache ``(0, y)``: its ``y`` recent tokens only, at the
-    same distances). ``by_head`` has one row per head: ``layer``, ``head``, ``slope``,
-    ``sinks``, ``window``, ``tokens``, ``base_nll`` (every head at ``(x, y)``), ``dnll`` (the
-    loss increase when that head alone loses its sinks), ``dnll_se`` (the same), ``rank``
-    (1: the largest ``dnll``), sorted by rank. It runs on the first ``head_seq_len`` tokens of
-    each sequence (``None``: all; one pass per head, so the default 2,048 keeps 64 heads cheap);
-    it must exceed ``x + y + 1``, or the cache drops nothing.
-
-    What it tests: whether this model, on this text, needs its first tokens once the middle of
-    the context is gone, and which heads need them; with ``y`` below the training length
-    (in-distribution windows) or above it (far distances the model never trained on). It does
-    not test what the model does with the full far context (:func:`headsurgeon.window_effect`
-    cuts by distance and keeps position 0), nor a cache trained for streaming. A negative
-    ``dnll`` is real: the dropped keys hurt there. ``x = 0`` with ``y >= seq_len - 1`` is the
-    full context computed on this path: its ``dnll`` is 0 up to float32 rounding.
-
-    Cost: one full-context pass (the model's own, in blocks: ``seq_len x seq_len / 2`` attention
-    entries per head, the bulk at long lengths), then per cache ``seq_len x (x + y + block)``:
-    each block of queries runs against only the keys its cache can hold
-    (:func:`headsurgeon.long_context.run_in_blocks` with :func:`cache_keys`), memory linear in
-    ``seq_len``. ``block_size``: query rows per block (default: ``y`` clamped to 64 ... 512 for
-    a cache, by memory for the reference). ``data`` as in :func:`headsurgeon.window_effect`,
-    texts cut as :data:`SINK_CACHE_CUT` says (``seq_len``, ``n_seqs``, ``prepend_bos``:
-    deprecated, as there).
-
-    Refused in one line: a model without ALiBi positions (learned or rotary positions would
-    have to be re-encoded inside the cache), an active ALiBi mitigation other than softcap (its
-    bias would be replaced), sinks below 0, windows below 1, a per-head test without sinks or
-    whose cache drops nothing.
-
-    ``attrs`` of both tables: ``model``, ``data``, ``n_seqs``, ``seq_len``, ``prepend_bos``,
-    ``positions``, ``bias`` (the ALiBi kind), ``train_ctx``, ``full_nll``, ``full_ppl``,
-    ``tests`` (the sentence above); ``by_head``'s also ``head_seq_len``.
+    The cache, the columns, what it tests and its cost: [Long contexts: the sink-cache
+    test](../long-contexts.md#the-sink-cache-test-streamingllm).
     """
     info = model_info(model, "sink_cache_effect")
     kind = _trained_kind(model, info)

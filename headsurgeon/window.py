@@ -202,53 +202,26 @@ def window_effect(
 ) -> WindowEffect:
     """The loss when attention only sees keys within ``d`` tokens: which distances the model uses.
 
-    Usage::
+    ``effect = window_effect(model, hs.to_sequences(model, seq_len=4096, n_seqs=4))`` cuts every
+    head at d = 1, 2, 4 ...: ``effect.by_distance`` has the ΔNLL (cut minus the model's own, per
+    predicted token) by d and position bucket; ``window_effect(model, distances=[],
+    head_distance=64).by_head`` cuts one head at a time. Each query keeps the keys ``t - d ... t``
+    and position 0; the others are masked before the softmax (:func:`window_hook`), so the kept
+    weights renormalise.
 
-        seqs = hs.to_sequences(model, seq_len=4096, n_seqs=4)
-        effect = window_effect(model, seqs)  # every head cut, d = 1, 2, 4 ...
-        effect.by_distance  # ΔNLL by d and position bucket
-        per_head = window_effect(model, distances=[], head_distance=64).by_head
+    - ``model``: any model; its exact logits, ALiBi and any mitigation included, are cut.
+    - ``data``: as :func:`headsurgeon.run_census` takes it; texts cut as :data:`WINDOW_CUT`.
+    - ``distances``: the d that cut every head (default: powers of two below ``seq_len - 2``).
+    - ``heads``: the heads cut one by one at ``head_distance`` (any head form; default: every head).
+    - ``head_distance``: the d of the per-head table (``None``: no per-head table).
+    - ``edges``: position bucket edges (default: :func:`headsurgeon.evals.position_edges`).
+    - ``batch_size``: sequences per forward pass.
+    - ``block_size``: query rows per block (default: what memory allows).
+    - ``progress``: show a progress bar.
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
-    Each query ``t`` keeps the keys ``t - d ... t`` and position 0; the others are masked before
-    the softmax (:func:`window_hook` at ``hook_attn_scores``, which holds the model's exact
-    logits, ALiBi and any :func:`~headsurgeon.blindness.mitigation` included), so the weights
-    of the kept keys renormalise. ``ΔNLL = NLL(cut) - NLL(model)`` per predicted token,
-    averaged over the sequences.
-
-    * For each ``d`` in ``distances`` (default: powers of two below ``seq_len - 2``), every
-      head of every layer is cut at once: ``by_distance`` has one row per (``distance``,
-      position bucket): ``position_lo``, ``position_hi`` (predictions at positions ``lo <= p <
-      hi``, the prediction of token ``p + 1``; buckets from ``edges``, default
-      :func:`headsurgeon.evals.position_edges`: 0, 1, 2, 4, ... ``seq_len - 1``), ``tokens``,
-      ``base_nll`` (the model's own mean NLL there), ``dnll`` and ``dnll_se`` (its paired
-      standard error, :func:`headsurgeon.stats.batch_means_se`: blocks of 64 consecutive
-      predictions of one sequence; NaN for a single block).
-    * With ``head_distance``, each of ``heads`` (any head form, :meth:`headsurgeon.HeadSet.of`;
-      default: every head) is cut alone at that distance: ``by_head`` has one row per head
-      (``layer``, ``head``, ``slope``, ``distance``, ``tokens``, ``base_nll``, ``dnll``,
-      ``dnll_se``) over every prediction in ``edges``' range (those at positions up to the
-      distance add exact zeros), comparable with ``by_distance`` pooled over its buckets.
-
-    What it tests: whether the model's loss on this data depends on attention beyond ``d``,
-    with everything else exactly the model's. It does not say why (a head's far weights may be
-    small but needed, or large but redundant) nor what a model trained with that window would
-    do. Positions ``p <= d`` are unchanged by construction (every key is within reach), and a
-    ``d`` of at least ``seq_len - 2`` cuts nothing: its ΔNLL is exactly 0 (the pass is the
-    model's own, bit for bit). A negative ΔNLL is real: the far keys hurt there.
-
-    Cost: one pass of ``n_seqs`` sequences for the model, one per distance and one per head.
-    Sequences run in blocks of ``block_size`` query rows (default by memory,
-    :func:`headsurgeon.long_context.block_size`) through the key-value cache, the same blocks in
-    every pass: memory linear in ``seq_len``. ``data`` as :func:`headsurgeon.run_census` takes
-    it, texts cut as :data:`WINDOW_CUT` says (``seq_len``, ``n_seqs``, ``prepend_bos``:
-    deprecated, as there).
-
-    Refused in one line: a model whose ``hook_attn_scores`` does not hold the causal-masked
-    pre-softmax scores in every layer (OPT's TransformerLens 4.x bridge), ``heads`` without
-    ``head_distance``, distances below 0.
-
-    ``attrs`` of both tables: ``model``, ``data``, ``n_seqs``, ``seq_len``, ``prepend_bos``,
-    ``edges``; ``by_head``'s: ``head_distance``.
+    The columns, what it tests and its cost: [Blindness: which distances the loss
+    uses](../tools/blindness.md#which-distances-the-loss-uses).
     """
     info = model_info(model, "window_effect")
     batch_size = check_int(batch_size, "batch_size", minimum=1)

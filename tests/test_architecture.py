@@ -678,6 +678,59 @@ def test_no_module_is_longer_than_800_lines():
     assert not long, f"modules above {MAX_MODULE_LINES} lines: {long}"
 
 
+MAX_DOCSTRING_LINES = 30
+
+
+def test_no_public_docstring_is_longer_than_a_screen():
+    """A public function's or class's docstring (a module's top-level name in its ``__all__``)
+    holds a summary, a usage example, one line a parameter and a link to the page that explains:
+    at most 30 lines, as analyses/architecture_metrics.py counts them (issue 53, item 5)."""
+    long = {}
+    for name, path in module_files().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        exported = {  # a literal __all__'s names (the root's is computed and defines nothing)
+            element.value
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+            for element in getattr(node.value, "elts", [])
+            if isinstance(element, ast.Constant)
+        }
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name in exported:
+                n = len((ast.get_docstring(node) or "").splitlines())
+                if n > MAX_DOCSTRING_LINES:
+                    long[f"{name}.{node.name}"] = n
+    assert not long, f"public docstrings above {MAX_DOCSTRING_LINES} lines: {long}"
+
+
+DOCS = PACKAGE.parent / "docs"
+
+
+def heading_ids(page: Path) -> set[str]:
+    """The ids mkdocs' toc gives a page's headings (Python-Markdown's default slugify)."""
+    ids = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if match := re.match(r"#+\s+(.*)", line):
+            text = re.sub(r"[^\w\s-]", "", match.group(1).replace("`", "")).strip().lower()
+            ids.add(re.sub(r"[-\s]+", "-", text))
+    return ids
+
+
+def test_the_docs_links_of_the_docstrings_resolve():
+    """A docstring's link to the page that explains (``[...](../tools/x.md#heading)``, relative
+    to docs/api/, where the API pages render it) names a page and heading that exist: mkdocs
+    checks neither in what mkdocstrings renders."""
+    broken = []
+    for name, path in module_files().items():
+        for target in re.findall(r"\]\(([^)\s]+\.md(?:#[^)\s]*)?)\)", path.read_text("utf-8")):
+            page, _, anchor = target.partition("#")
+            file = (DOCS / "api" / page).resolve()
+            if not file.is_file() or (anchor and anchor not in heading_ids(file)):
+                broken.append(f"{name}: {target}")
+    assert not broken, broken
+
+
 # --- the root: a small API, no side effects -------------------------------------------------------
 
 

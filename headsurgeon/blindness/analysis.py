@@ -385,53 +385,26 @@ def measure_blindness(
 ) -> BlindnessMeasurement:
     """Measure which attention weights become exactly 0 in each dtype, per head and distance.
 
-    The model runs in float32; the exact pre-softmax logits are read at ``hook_attn_scores``
-    (they include ALiBi, any active :func:`mitigation` and the causal mask) and the softmax is
-    recomputed per dtype as the ``convention`` does it (``hf``: float32 softmax, probabilities
-    cast; ``tl``: softmax in the dtype). An entry *underflows* when the dtype gives exactly 0
-    although it is causal (its exact weight is positive, even where float64 also rounds it to
-    0, which happens ~745 nats below the row's largest logit). Sums are float64 and fixed in
-    size: memory does not grow with the number of batches. ``data`` is what
-    :func:`headsurgeon.data.to_sequences` takes; texts (default: the bundled held-out corpora)
-    are cut as :data:`BLINDNESS_CUT` says, at most ``n_ctx`` tokens where the model has learned
-    or rotary positions (ALiBi models take any length), BOS by the model's convention; a token
-    tensor is used exactly as given. ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated
-    (a ``FutureWarning``), :func:`~headsurgeon.data.to_sequences`' own.
+    ``m = measure_blindness(model, hs.to_sequences(model, seq_len=4096, n_seqs=1))``:
+    ``m.by_head`` has per head and dtype the first distance with an exact zero, the share of zeros
+    and the weight lost; ``m.by_distance`` the same per bucket of distances; ``m.by_length`` the
+    share of zeros at each context length (see :class:`BlindnessMeasurement`). The model runs in
+    float32; the softmax of its exact logits (``hook_attn_scores``: ALiBi, any active
+    :func:`mitigation`, the causal mask) is recomputed in each dtype.
 
-    Those scores must be real: a model whose ``hook_attn_scores`` does not fire in every layer,
-    or holds anything but the causal-masked pre-softmax scores (OPT's TransformerLens 4.x bridge
-    passes its softmax weights there), raises
-    :class:`~headsurgeon.errors.UnsupportedArchitectureError` naming the hook, never zero counts.
-    Grouped-query attention is measured per query head; attention in parallel with the MLP
-    (GPT-NeoX) like any other.
+    - ``model``: any model whose ``hook_attn_scores`` holds the pre-softmax scores in every layer.
+    - ``data``: texts, a token tensor or :class:`Sequences`; texts cut as :data:`BLINDNESS_CUT`.
+    - ``dtypes``: the dtypes whose softmax is recomputed (default :data:`ANALYSED_DTYPES`).
+    - ``convention``: ``"hf"`` (float32 softmax, then cast) or ``"tl"`` (softmax in the dtype).
+    - ``batch_size``: sequences per forward pass.
+    - ``n_buckets``: equal-width distance buckets of ``by_distance``.
+    - ``context_lengths``: the lengths of ``by_length`` (default: powers of two, and ``seq_len``).
+    - ``progress``: show a progress bar.
+    - ``block_size``: query rows per block (default: what memory allows; ``seq_len``: dense).
+    - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
-    Long sequences run in blocks of ``block_size`` query rows through the model's key-value
-    cache (:func:`headsurgeon.long_context.run_in_blocks`; default:
-    :func:`~headsurgeon.long_context.block_size` for a forward pass that keeps ~64 bytes an
-    attention entry; ``block_size=seq_len`` is one dense pass), and the counting goes through
-    each block in chunks of a fixed size: one 4,096-token sequence of the 16-head organism (one
-    thread) takes ~10 s and 0.2 GiB beside the model and its data, 16,384 tokens 143 s and 0.5
-    GiB (one dense pass of 1,024 tokens took 16 s and 0.8 GiB).
-    The zero counts are those of a dense pass (up to the blocks' float32 rounding of the logits
-    in later layers, ~1e-6, which can flip an entry that sits on a dtype's rounding point).
-    Entries more than ~112 nats below their row's largest logit (``tl``: plus the dtype's
-    rounding of both) are 0 in every dtype by construction: they are counted in whole tiles of
-    keys without being computed, and their weights (each below ``e^-112``) are left out of
-    ``lost_mass`` and ``max_lost_weight``.
-
-    Tables (see :class:`BlindnessMeasurement`):
-
-    * ``by_head``: ``first_zero_distance`` (smallest distance with an underflowed entry; NaN if
-      none), ``zero_fraction`` (of the head's causal entries), ``lost_mass`` (float64 weight lost,
-      per query row), ``max_lost_weight``, ``analytic_distance`` (the ``zero``-limit blind
-      distance of the slope, NaN without ALiBi), ``label`` (``blind`` if anything underflowed);
-    * ``by_distance``: the same per bucket of distances ``[distance_lo, distance_hi)``
-      (``n_buckets`` equal widths); ``lost_mass`` is again per query row, so a head's buckets sum
-      to its ``by_head`` value;
-    * ``by_length``: ``share`` of all causal entries of all heads with query position
-      ``< context_length`` that underflow. Causal attention makes the first ``L`` positions of a
-      longer sequence compute exactly what an ``L``-token sequence computes, so one pass gives
-      every length up to ``seq_len`` (default: powers of two, and ``seq_len``).
+    What counts as an underflow, the columns, exactness and cost: [Blindness: measured
+    zeros](../tools/blindness.md#measured-zeros-measure_blindness).
     """
     info = model_info(model, "measure_blindness")
     names, seqs = _check_measure_args(

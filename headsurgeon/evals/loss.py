@@ -190,38 +190,23 @@ def perplexity(
 ) -> float:
     """Token-weighted perplexity ``exp(total NLL / scored tokens)`` over texts or token streams.
 
-    ``data``: texts, text files, a token tensor (each row an independent stream; a 1-D tensor
-    is one stream) or ``None`` for the bundled held-out corpora. Streams longer than ``window``
-    (default: the training length when known, else the model's context) are scored with
-    overlapping windows every ``stride`` tokens (default ``window // 2``); every token except
-    a stream's first (which has no context unless a BOS token is prepended) is scored exactly
-    once, by the window in which it has the most context. With a BOS token (``prepend_bos``, by
-    default the model's convention for texts) every window starts with it; a token stream that
-    already starts with it (as :func:`headsurgeon.data.to_sequences` makes them) is not given a
-    second one. A token tensor is used as given: its windows get a BOS token only when
-    ``prepend_bos=True`` asks for one explicitly, never by convention. Log-probabilities are
-    taken in float32 and summed in float64.
+    ``perplexity(model)`` scores windows of the training length; ``perplexity(model,
+    window=16384, batch_size=1, max_windows=4)`` four 16k-token windows of an ALiBi model, beyond
+    it. Every token but a stream's first is scored once, by the window in which it has the most
+    context; log-probabilities in float32, summed in float64.
 
-    At most ``max_windows`` windows are scored (default 64, like the census's 64 sequences),
-    evenly spaced over all of them, so the default call on the bundled corpora takes seconds, not
-    minutes; ``max_windows=None`` scores every token of the data. Texts and files are read and
-    tokenised piece by piece (one line for a file that is not UTF-8 text, as
-    ``headsurgeon.data.read_texts`` says it), and with ``max_windows`` only their first
-    ``max(8 x max_windows x window, 2**23)`` tokens (:func:`headsurgeon.to_sequences`'s budget):
-    the rest of a huge file is never read.
+    - ``model``: any model; ALiBi models take windows of any length, others at most ``n_ctx``.
+    - ``data``: texts, text files or token streams (tensor rows; 1-D: one), default held-out text.
+    - ``window``: tokens per window (default: the training length when known, else ``n_ctx``).
+    - ``stride``: tokens between window starts (default ``window // 2``).
+    - ``batch_size``: windows per forward pass.
+    - ``prepend_bos``: a BOS token first in each window (default: the convention, for texts).
+    - ``max_windows``: windows scored, evenly spaced (``None``: every token of the data).
+    - ``block_size``: query rows per block (default: by memory for ALiBi, else the window).
+    - ``progress``: show a progress bar.
 
-    ALiBi models take windows of any length (beyond ``n_ctx``: length extrapolation); others at
-    most ``n_ctx`` tokens. A batch of windows runs in blocks of ``block_size`` query rows
-    (default: for ALiBi models chosen by memory, :func:`headsurgeon.long_context.block_size`; for
-    others the whole window), so memory is linear in the window: ``batch_size`` key-value caches,
-    one block's attention and one block's logits. A window of at most ``block_size`` tokens is
-    one dense pass.
-
-    Usage::
-
-        perplexity(model)  # in context: windows of the training length
-        # Beyond it (an ALiBi model): four 16k-token windows, one at a time.
-        perplexity(model, window=16384, batch_size=1, max_windows=4)
+    Windows, BOS tokens, how much of a file is read, memory: [Evaluation:
+    perplexity](evals.md#perplexity).
     """
     info = model_info(model, "perplexity")
     if isinstance(data, Tensor | np.ndarray) and data.ndim == 1:  # one stream
@@ -337,38 +322,24 @@ def loss_by_position(
 ) -> pd.DataFrame:
     """Mean next-token loss by position: ALiBi's length-extrapolation curve.
 
-    ``n_seqs`` sequences of ``length`` tokens each run in one pass, ``batch_size`` at a time, in
-    blocks of ``block_size`` query rows (as in :func:`perplexity`; memory is linear in
-    ``length``: one 16k-token sequence of the 4-layer organism took 16 s and 0.9 GiB above the
-    model on one CPU thread under TransformerLens 4.x, 50 s under 3.x), and every
-    prediction is put in the bucket of its position ``p`` (the prediction of token ``p + 1``
-    from tokens ``0 ... p``). Buckets are ``edges[i] <= p < edges[i + 1]``; the default
-    (:func:`position_edges`) doubles: ``[0, 1), [1, 2), [2, 4), ... [2^k, length - 1)``.
+    ``curve = loss_by_position(model, length=16384, n_seqs=4)``; under ``with mitigation(model,
+    "log"):`` the same call gives the mitigated model's curve. One row per bucket of predicting
+    positions ``p`` (the prediction of token ``p + 1``): ``position_lo``, ``position_hi``,
+    ``tokens``, ``mean_nll`` (nats), ``std``, ``ci95`` (from the sequences' own means: NaN with
+    one), ``perplexity`` and ``in_context`` (``position_hi <= train_ctx``).
 
-    ``data``: texts, text files (``None``: the bundled held-out corpora) or a ``[n, pos]`` token
-    tensor. Texts are cut as :func:`headsurgeon.data.to_sequences` cuts them: each text on its
-    own into non-overlapping sequences (a BOS token first when ``prepend_bos``, by default the
-    model's convention), ``n_seqs`` of them evenly spaced over all texts. Fewer texts give fewer
-    sequences (logged, and in ``attrs["n_seqs"]``); a text shorter than ``length`` gives none, and
-    if every text is, that is a one-line :class:`~headsurgeon.errors.DataError`. The bundled
-    held-out corpora hold about 290k (Shakespeare) and 210k (Python docs) tokens for the
-    organisms' tokenizer: seven sequences of 64k tokens, none of 300k. A token tensor's rows
-    are used as given (no BOS token added, :func:`~headsurgeon.data.to_sequences`), cut to
-    ``length``.
+    - ``model``: any model; ALiBi models take any ``length``, others at most ``n_ctx``.
+    - ``data``: texts, text files (default: held-out text) or a token tensor (rows used as given).
+    - ``length``: tokens per sequence.
+    - ``n_seqs``: sequences, evenly spaced over the texts (fewer texts give fewer, logged).
+    - ``edges``: bucket edges (default :func:`position_edges`: 0, 1, 2, 4, ... ``length - 1``).
+    - ``prepend_bos``: a BOS token first in each text's sequences (default: the model's convention).
+    - ``batch_size``: sequences per forward pass.
+    - ``block_size``: query rows per block (default: what memory allows).
+    - ``progress``: show a progress bar.
 
-    Returns one row per bucket: ``position_lo``, ``position_hi`` (its positions), ``tokens``
-    (predictions in it, over all sequences), ``mean_nll`` (nats), ``std`` (of the per-token loss),
-    ``ci95`` (half-width of a 95% interval for ``mean_nll`` from the spread of the sequences' own
-    means: NaN with one sequence), ``perplexity`` (``exp(mean_nll)``) and ``in_context``
-    (``position_hi <= train_ctx``: positions the model was trained at). ``attrs``: model, data,
-    length, n_seqs, prepend_bos, train_ctx. Under a ``headsurgeon.blindness.mitigation(...)``
-    the curve is the mitigated model's.
-
-    Usage::
-
-        curve = loss_by_position(model, length=16384, n_seqs=4)
-        with mitigation(model, "log"):
-            logged = loss_by_position(model, length=16384, n_seqs=4)
+    How texts are cut, the bundled corpora's lengths and the cost: [Evaluation: loss by
+    position](evals.md#loss-by-position).
     """
     info = model_info(model, "loss_by_position")
     length = check_length(info, check_int(length, "length", minimum=2), "length")

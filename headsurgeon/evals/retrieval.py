@@ -507,57 +507,27 @@ def retrieval_by_distance(
     """Passkey or needle accuracy by the needle's distance to the question, beside a chance
     baseline measured on the same prompts with the needle taken out.
 
-    Usage::
+    ``r = retrieval_by_distance(model, "passkey")`` (40 prompts per bin, out to 8,192 tokens):
+    ``r.table`` has per bin the accuracies, their Wilson intervals, the baseline's and the paired
+    McNemar test; ``r.summary`` says up to where accuracy is above the baseline; ``r.trials`` holds
+    every prompt. The prompts depend only on ``seed``, the tokenizer and the arguments, so two
+    models compare prompt by prompt (:func:`compare_retrieval`).
 
-        r = retrieval_by_distance(model, "passkey")  # 40 prompts per bin, out to 8,192 tokens
-        r.table[["distance_lo", "distance_hi", "top1_accuracy", "baseline_top1_accuracy"]]
-        r.summary  # per metric: up to where accuracy is above the baseline, from where it is not
+    - ``model``: any model; one without ALiBi takes prompts of at most ``n_ctx`` tokens.
+    - ``task``: ``"passkey"`` (a random key in filler text) or ``"needle"`` (a fact in real text).
+    - ``haystack``: the filler text (default: Shakespeare; needle: both bundled corpora).
+    - ``distances``: bin edges in tokens (default :data:`DISTANCE_EDGES`, 0 to 8,192).
+    - ``n_trials``: prompts per bin, each at a distance drawn uniformly from the bin.
+    - ``seed``: the seed of the prompts.
+    - ``n_before``: haystack tokens before the needle.
+    - ``n_candidates``: keys ranked by log-likelihood (chance ``1 / n_candidates``).
+    - ``n_digits``: digits of a passkey.
+    - ``words``: the needle task's key words (its candidates are drawn from them).
+    - ``train_ctx``: the training length that marks bins ``in_context`` (default: the model's).
+    - ``progress``: show a progress bar.
 
-    ALiBi's penalty depends on the distance between query and key, not on the prompt's length,
-    so this draws prompts by distance. For each bin ``[lo, hi)`` of ``distances`` (edges;
-    default :data:`DISTANCE_EDGES`, ``[0, 16)`` to ``[4096, 8192)``) and each of ``n_trials``
-    prompts, a distance ``d`` is drawn uniformly from the bin and the prompt is: the task's
-    intro (after a BOS token if that is the model's convention), ``n_before`` haystack tokens,
-    the needle, ``d`` haystack tokens, the question, the haystack one random stretch of held-out
-    text as in :func:`passkey` (``task="passkey"``; ``haystack``: a corpus name, a text, texts or
-    files, default Shakespeare) or :func:`needle` (``task="needle"``; texts or files, default
-    both bundled corpora). Every prompt is just as long as its distance needs (``n_before + d``
-    plus the fixed parts), not padded to the longest: a prompt's cost grows with the square of
-    its length. The **distance** is exactly ``d``: the number of tokens strictly between the
-    needle's last token and the question's first (the answer is predicted ``d`` plus the
-    question's length tokens after the needle).
-
-    Each prompt's **baseline** is the same token sequence with the needle's tokens deleted
-    (``n_before + d`` haystack tokens between intro and question), scored against the same
-    candidates the same way: what the model guesses without the information, which can differ
-    from ``1 / n_candidates`` (a model may prefer some keys). Scored like :func:`passkey`: greedy
-    exact match and top-1 rank of the log-likelihood among ``n_candidates`` keys.
-
-    Returns a :class:`Retrieval`: ``trials`` (one row per prompt: ``distance_lo``,
-    ``distance_hi``, ``trial``, ``key``, ``distance``, ``needle_start``, ``needle_end``
-    (exclusive), ``question_start`` (``= needle_end + distance``), ``prompt_length`` (the needle
-    prompt's; the baseline's is ``needle_end - needle_start`` shorter), ``n_candidates``, and per
-    prompt kind (no prefix: with the needle; ``baseline_``: without) ``greedy_correct``,
-    ``rank``, ``true_loglik``, ``top1_correct``); ``table`` (one row per bin: ``n_trials``,
-    ``mean_distance``, ``max_length``, and for ``greedy_accuracy`` and ``top1_accuracy`` the
-    value, its 95% Wilson interval ``<metric>_low``/``<metric>_high``, and the baseline's
-    ``baseline_<metric>``, ``baseline_<metric>_low``, ``baseline_<metric>_high``; ``mean_rank``,
-    ``baseline_mean_rank``, ``chance`` ``= 1 / n_candidates``, ``in_context``: every prompt of
-    the bin at most ``train_ctx`` tokens long; the paired test of each metric:
-    ``<metric>_needle_only``, ``<metric>_baseline_only`` (the discordant prompts: right only
-    with the needle, right only without), ``<metric>_p`` (exact McNemar,
-    :func:`headsurgeon.stats.mcnemar_p`) and ``<metric>_p_holm`` (Holm-adjusted over the
-    table's bins)); ``summary`` (:func:`distance_summary`).
-
-    The prompts depend only on ``seed``, the tokenizer and the arguments, never on the model's
-    outputs: every model with the same tokenizer gets the same prompts, so two models compare
-    prompt by prompt (:func:`compare_retrieval`). The intervals and tests treat the prompts of a
-    bin as independent draws; they cover prompt sampling, not training seeds.
-    ALiBi models take any distance (each prompt runs once, in blocks, into a key-value cache
-    its candidates share: memory linear in the length); models with positions at most
-    ``n_ctx`` tokens per prompt (else one-line error). Cost: a 4-layer, 128-wide organism scores
-    one 8,192-token prompt in 5 s under TransformerLens 4.x and 9 s under 3.x (one CPU thread
-    on busy shared cores, measured); the default bins and baselines take about 15 min a task.
+    The prompt, the baseline, every column and the cost: [Blindness: retrieval by needle
+    distance](../tools/blindness.md#retrieval-by-needle-distance).
     """
     info = model_info(model, "retrieval_by_distance")
     task = check_choice(task, "task", ("passkey", "needle"))

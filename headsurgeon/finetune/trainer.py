@@ -214,39 +214,24 @@ def finetune(
 ) -> FinetuneResult:
     """Train the chosen heads' slices in place; every other weight stays bit-identical.
 
-    ``train`` and ``eval_data`` are token sequences: :class:`~headsurgeon.data.Sequences` from
-    :func:`headsurgeon.to_sequences` (position 0 already follows the model's convention; used as
-    they are, not cut again), a ``[n, seq]`` token tensor, or texts (cut into sequences of
-    128 tokens; :func:`headsurgeon.to_sequences` for other lengths).
-    Batches come from seeded shuffles of ``train``, so a run is reproducible on CPU. Evaluation
-    (every ``config.eval_interval`` steps, at step 0 and at the end) reports training and
-    held-out perplexity on up to ``eval_seqs`` sequences and the trained heads' BOS mass.
+    ``result = finetune(model, "L2H14", hs.to_sequences(model, n_seqs=64))``: AdamW on float32
+    copies of the heads' slices, batches from seeded shuffles (reproducible on CPU), evaluation
+    every ``config.eval_interval`` steps. A call that fails (any exception,
+    :class:`TrainingDivergedError` on a non-finite loss, ``KeyboardInterrupt``) gives the model its
+    weights back, bit for bit, and the last checkpoint is untouched.
 
-    With ``checkpoint_dir``, ``checkpoint.pt`` (trained slices, optimiser, scheduler, RNG state,
-    history) is written atomically every ``config.checkpoint_interval`` steps and at the end, by
-    rank 0 only. ``resume=True`` continues from it (the result is bit-identical to an
-    uninterrupted run); without it an existing checkpoint is an error, never overwritten. Under
-    ``torchrun`` (an initialised process group) the trainable tensors are wrapped in
-    ``DistributedDataParallel`` and each process takes its share of every batch.
+    - ``model``: the model, changed in place.
+    - ``heads``: the heads to train, any head form.
+    - ``train``: texts (cut into 128-token sequences), a token tensor or :class:`Sequences`.
+    - ``eval_data``: held-out sequences for the held-out perplexity, in the same forms.
+    - ``config``: steps, learning rate, batches, evaluation (default: :class:`FinetuneConfig`).
+    - ``objective``: ``loss(model, tokens)`` (default: :func:`next_token_loss`).
+    - ``checkpoint_dir``: a folder for ``checkpoint.pt``, written atomically by rank 0.
+    - ``resume``: continue from that checkpoint, bit-identical to an uninterrupted run.
+    - ``progress``: ``False`` (no bar), ``True``, or a longer run's :class:`RunBar` to advance.
 
-    Its log lines (the estimate, each evaluation) show on stderr where ``logging`` is not set up
-    at all (:func:`headsurgeon.progress.show_progress_lines`). On the CPU, one warning says so
-    when torch's threads exceed the cores other jobs leave free
-    (:func:`warn_busy_threads`; ``torch.set_num_threads`` is the fix, the count is not changed
-    here). After the first steps one log line says how long the rest takes (a range, from the
-    steps' measured durations). ``progress=False`` shows no bar; a
-    :class:`~headsurgeon.progress.RunBar` (a longer run's, counting steps) is advanced and timed
-    instead of a bar of its own, step by step and evaluation by evaluation, and announces
-    the duration itself.
-
-    A batch whose activations cannot fit in free memory
-    (:func:`headsurgeon.probes.check_training_memory`) is refused in one line before the first
-    step.
-
-    If the call fails (any exception, :class:`TrainingDivergedError` on a NaN or infinite loss or
-    gradient, ``KeyboardInterrupt`` included), the model gets back the weights it had before the
-    call, bit for bit, and one warning says so; the last checkpoint is untouched, so
-    ``resume=True`` continues from it.
+    Checkpoints, ``torchrun``, the log lines and memory checks: [Surgery and fine-tuning:
+    finetune](surgery.md#fine-tuning-finetune).
     """
     info = model_info(model, "finetune", writes=True)
     check_grad_mode(model, "finetune")

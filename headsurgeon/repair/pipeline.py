@@ -560,62 +560,26 @@ def repair(
 ) -> RepairResult:
     """Repair ``model`` in place, pass by pass; return what each pass did.
 
-    ``config`` (a :class:`~headsurgeon.repair.RepairConfig`) holds the settings; or give them
-    as keywords, by the names of its fields, not both: ``passes``, ``init``, ``seed``,
-    ``thresholds``, ``census_seq_len``, ``census_n_seqs``, ``min_query_pos``, ``prepend_bos``,
-    ``train_seq_len``, ``n_eval_seqs``, ``drift_threshold``, ``save_dtype``,
-    ``max_ppl_increase``, ``max_collateral``, ``control``, ``eval_on_train``, and
-    ``finetune_config`` for its ``finetune``; and ``sink_threshold``, ``dead_threshold``,
-    ``min_output_share`` for fields of ``thresholds``
-    (``repair(model, passes=1)`` is ``repair(model, config=RepairConfig(passes=1))``). Any other
-    keyword is one :class:`~headsurgeon.errors.InvalidArgumentError` line.
+    ``result = repair(model, passes=1)`` is ``repair(model, config=RepairConfig(passes=1))``:
+    settings come as a :class:`~headsurgeon.repair.RepairConfig` or as keywords named by its fields
+    (and ``sink_threshold``, ``dead_threshold``, ``min_output_share``), not both. A damaging pass
+    stops the run (``ok`` False) and leaves ``model`` at the best harmless pass; a call that raises
+    gives ``model`` its original weights back, bit for bit.
 
-    ``corpus`` (default: the bundled training corpora) is cut into sequences of
-    ``train_seq_len`` tokens (default: the model's training length, at most 512) for fine-tuning;
-    ``eval_corpus`` (default: the bundled held-out corpora) gives the held-out perplexity,
-    ``n_eval_seqs`` sequences of it: held-out text that cuts into sequences of the training
-    text (one split or file twice, under two names or one) judges the repair on text it
-    trained on: refused in one line unless ``eval_on_train=True``, and then the report states
-    it. The census
-    runs on ``census_data`` (default: the bundled held-out corpora; ``census_n_seqs`` x
-    ``census_seq_len`` tokens, query rows from ``min_query_pos``) and is classified with
-    ``thresholds`` (default: :class:`Thresholds`).
-    ``heads`` replaces the census's choice of pass-1 targets; ``include`` adds heads to it. Each
-    pass fine-tunes with ``finetune_config`` (default: :class:`FinetuneConfig` with the steps and
-    learning rate the model recommends, see :func:`recommended_config`: the settings
-    ``python -m headsurgeon repair`` uses) and re-initialises with ``init`` and seed
-    ``seed + pass - 1``.
+    - ``model``: the model to repair, changed in place.
+    - ``corpus``: fine-tuning text or tokens (default: the bundled training corpora).
+    - ``config``: every setting at once (default: :func:`recommended_config`'s, as the CLI).
+    - ``heads``: the pass-1 targets, instead of the census's choice.
+    - ``include``: heads added to the census's choice.
+    - ``eval_corpus``: held-out text or tokens for perplexity (default: bundled held-out corpora).
+    - ``census_data``: the census's text or tokens (default: the bundled held-out corpora).
+    - ``work_dir``: a folder that keeps each finished pass and fine-tuning checkpoint.
+    - ``resume``: continue the run ``work_dir`` holds (:func:`finished_run` says if it finished).
+    - ``progress``: show one progress bar for the whole run.
+    - ``**settings``: :class:`RepairConfig` fields by name; any other keyword is one error line.
 
-    ``corpus``, ``eval_corpus`` and ``census_data`` may be token tensors ``[n, seq]`` (used as
-    they are). A model without a tokenizer cannot read the bundled corpora: there, unless given,
-    the evaluation and census sequences are the last ``min(n_eval_seqs, n // 8)`` rows of the
-    ``corpus`` tensor, held out of training.
-
-    The trained slices are rounded through ``save_dtype`` after each pass (default: the dtype of
-    the checkpoint the model was loaded from, else the model's own), so every number measured
-    after a pass is that of the model as :func:`headsurgeon.save_hf` writes it in that dtype.
-
-    A pass that raises held-out perplexity by more than ``max_ppl_increase`` (relative to the
-    model as given) or turns more than ``max_collateral`` healthy frozen heads sick damages the
-    model: it recovers nothing, the run stops and fails (``ok`` False), and ``model`` goes back to
-    the best pass that did no damage, or to its original weights (see :class:`RepairResult`).
-    A call that raises (any exception, ``KeyboardInterrupt`` included) gives ``model`` its
-    original weights back, bit for bit, and logs one warning saying so.
-
-    ``control`` (default True) adds the control arm (:attr:`RepairResult.control`): after the
-    passes, the kept model's targets are trained again, pass by pass, with the same data,
-    steps, seed and schedule but from their weights as given, without re-initialisation (and
-    without zeroing ``W_O``), and measured like a pass; then ``model`` holds the kept model
-    again. It answers whether re-initialisation is what helped, or retraining the same slices
-    does as well; ``control=False`` skips it (half the training). Before it trains, the targets
-    it cannot move at all (zero value and output slices, or all-zero gradients in one backward
-    pass on the first training batch) are marked (:attr:`RepairResult.control_movability`) and
-    its count is over the others.
-
-    With ``work_dir`` each finished pass and fine-tuning checkpoint is kept there;
-    ``resume=True`` continues the run it holds (checked file by file; a damaged file is one
-    :class:`~headsurgeon.errors.CheckpointError` line), and :func:`finished_run` tells whether
-    the run there finished.
+    What a pass does, the damage limits, the control arm and the defaults: [Repair: the same run
+    from Python](../tools/repair.md#the-same-run-from-python).
     """
     info = model_info(model, "repair", writes=True)
     check_grad_mode(model, "repair")

@@ -114,41 +114,28 @@ class PassResult:
 
 @dataclasses.dataclass
 class RepairResult:
-    """A whole repair run. ``model`` (edited in place) holds the model of pass ``best_pass``, the
-    best pass that did not damage it; with none (``best_pass`` None) its original weights.
+    """A whole repair run: what each pass did, the model kept and the control arm beside it.
 
-    ``census_after`` is the census of that model. ``targeted`` is every head some pass targeted;
-    ``recovered`` those healthy in ``census_after`` (none without a ``best_pass``); ``drifted``
-    the heads no pass targeted whose BOS mass moved by more than the drift threshold between the
-    first census and ``census_after``. ``failed_heads``: every target sick in ``census_after``,
-    with why (:func:`head_failures`); ``worsened``: those of them healthy in the first census.
-    ``verdict``: ``failed`` when some pass damaged the model (see :class:`PassResult`),
-    ``worse`` when a target turned sick, ``incomplete`` when targets are still sick, ``ok``
-    otherwise; ``ok`` is False for ``failed`` and ``worse`` (``failure_reason`` says which
-    pass or heads, and why). ``pruned``: the training
-    and held-out perplexity of the model as given with pass 1's targets pruned instead
-    (``{"mean": ..., "zero": ...}``: their ``z`` mean- or zero-ablated), the alternative the
-    surgery paper argues against; :meth:`prune_vs_repair` sets them beside the repair.
-    ``patterns``: every head's attention on the first positions of the first census sequence
-    (:func:`headsurgeon.pattern_samples.sample_patterns`) before the first pass (``"before"``),
-    after each pass (``"pass 1"``, ...) and of the control model (``"control"``), for the report
-    page's before / after view.
+    ``result = repair(model)``; ``result.verdict`` is ``failed`` (a pass damaged the model),
+    ``worse`` (a target turned sick), ``incomplete`` (targets still sick) or ``ok``, and
+    ``result.ok`` is False for the first two (``failure_reason`` says which pass or heads, and why).
+    ``model`` holds the model of ``best_pass``, the best pass that did no damage (none: its
+    original weights). :meth:`prune_vs_repair`, :meth:`control_summary` and
+    :meth:`redistribution` set the repair beside pruning, the control and the frozen heads.
 
-    ``control`` (None when the run skipped it, ``control=False``): the control arm, one
-    :class:`PassResult` per pass of the kept model (every pass run when none is kept). Control
-    pass ``i`` trains pass ``i``'s targets with the same data, steps, seed and schedule, but
-    from their weights as they were (no re-initialisation, ``W_O`` not zeroed), starting from
-    the model as given; its census, perplexities, recoveries, drift and damage are measured as
-    a repair pass's are (damage does not stop it: it is a comparison, never the model kept).
-    ``control_movability``: per control target whether the control can move it at all
-    (:func:`headsurgeon.finetune.unmovable_heads` on the model as given: ``movable``,
-    ``why_unmovable``); a head whose value and output slices are all zero gets exactly zero
-    gradients, so only re-initialisation can heal it, and the control's count is over the
-    movable targets.
-    :meth:`control_summary` and :meth:`prune_vs_repair` set it beside the repair: whether
-    re-initialisation is what helped, or retraining the same slices does as well.
-    :meth:`redistribution`: how the heads no pass targeted moved (BOS mass, output share) in
-    the kept model and in the control model.
+    - ``model``: the model repaired in place.
+    - ``passes``: one :class:`PassResult` per pass run.
+    - ``census_before``, ``census_after``: the first census and that of the kept model.
+    - ``settings``: the run's settings, as ``report.json`` records them.
+    - ``drift_threshold``: the BOS-mass change that counts a head no pass targeted as drifted.
+    - ``best_pass``: the pass kept (None: no pass did no damage).
+    - ``pruned``: training and held-out perplexity with pass 1's targets mean- or zero-ablated.
+    - ``patterns``: every head's attention on the first positions, before, per pass and control.
+    - ``control``: the control arm, one :class:`PassResult` per pass (None: skipped).
+    - ``control_movability``: per control target whether training can move it at all.
+
+    ``targeted``, ``recovered``, ``drifted``, ``failed_heads``, ``worsened`` and the control arm:
+    [Repair: the same run from Python](../tools/repair.md#the-same-run-from-python).
     """
 
     model: Model
