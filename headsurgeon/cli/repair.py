@@ -55,6 +55,8 @@ from headsurgeon.defaults import DRIFT_THRESHOLD, FINETUNE, INITS, MAX_PPL_INCRE
 from headsurgeon.errors import InvalidArgumentError
 
 __all__ = [
+    "EXIT_DAMAGED",
+    "EXIT_WORSE",
     "main",
     "entry",
 ]
