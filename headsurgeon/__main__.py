@@ -4,10 +4,6 @@
 ``blindness`` and ``repair``): each reaches ``headsurgeon.cli.TOOL.main`` with ARGS, through
 :func:`headsurgeon.cli.run`. ``--help`` lists the tools, ``--version`` prints the version;
 no tool or an unknown one is a one-line usage error (exit status 2).
-
-Exports:
-    TOOLS        the tools' names: classify, blindness, repair
-    main(argv)   run the tool ``argv[0]`` with ``argv[1:]`` (default: the command line's)
 """
 
 from __future__ import annotations

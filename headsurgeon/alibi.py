@@ -2,30 +2,6 @@
 
 ALiBi adds ``-m_h * (i - j)`` to the attention logit of query ``i`` on key ``j`` in head ``h``.
 
-Exports:
-    slopes(n_heads)                     per-head slopes m_h, exactly as Hugging Face BLOOM
-    mpt_slopes(n_heads, alibi_bias_max) MPT's slopes, exactly as transformers builds them
-    falcon_slopes(n_heads, d_head)      the slopes Falcon (alibi=True) applies: bf16(m_h)/sqrt(d)
-                                        (which family applies which: headsurgeon.families)
-    relative_distance(n_ctx)            the (query, key) matrix of distances i - j (0 above)
-    alibi_bias(head_slopes, n_ctx)      the standard bias -m_h * (i - j), [head, query, key]
-    float_limits(dtype)                 FloatLimits: ln of smallest normal, subnormal, zero point
-    log_limit(dtype, limit)             ln of an underflow limit ("normal", "subnormal", "zero")
-    blind_distance(slope, dtype, ...)   first distance where a key's weight must reach the limit
-    blind_share(distances, context)     share of a context's causal entries beyond blindness
-    content_free_far_mass(bias, ...)    the census's far mass of a head whose logits are its
-                                        positional bias alone, exactly (float64)
-    content_free_reach(bias, eps, ...)  its reach: the census's ``reach_baseline``
-    reach_from_far_mass(far, eps)       the first distance whose far mass is at most eps
-    robust_slopes(head_slopes, ...)     slopes lowered so a whole context stays above the limit
-    log_match_scale(match)              log's slope factor matching standard's penalty at L
-    distance_rows(n_queries, n_keys)    distances i - j for the last queries (as TransformerLens)
-    causal_rows(n_queries, n_keys)      which keys those queries may attend to (j <= i)
-    bias_from_distance(kind, ...)       the bias of each kind in BIAS_KINDS (mitigations)
-    soft_cap(scores, c)                 c * tanh(scores / c), masked cells kept at -inf
-    check_bias_params(kind, **params)   validated mitigation parameters
-    LIMITS, BIAS_KINDS, ROBUST_MODES, FloatLimits
-
 The mitigations of the ALiBi blindness paper (arXiv:2608.03994) are not public as formulas; the
 definitions here are ours and are stated exactly in :func:`bias_from_distance`.
 """
@@ -61,15 +37,10 @@ __all__ = [
     "robust_slopes",
     "log_match_scale",
     "check_bias_params",
-    "distance_rows",
-    "causal_rows",
     "bias_from_distance",
     "soft_cap",
     "blind_distance",
     "blind_share",
-    "content_free_far_mass",
-    "content_free_reach",
-    "reach_from_far_mass",
 ]
 
 
@@ -497,7 +468,7 @@ def content_free_far_mass(
     min_query_pos)``, is ``Σ_{k >= d} w_k Σ_{t >= max(k + 1, min_query_pos)} 1 / W_t``: suffix
     sums of positive terms, O(T) per head and no cancellation. Divided by the number of rows
     (NaN where there is none), as ``far_mass`` pools them. The census's ``reach_baseline``
-    reads it with the bias the model applies (:func:`headsurgeon.blindness.applied_bias`).
+    reads it with the bias the model applies (:func:`headsurgeon.blindness.analysis.applied_bias`).
 
     >>> bias = -np.log(2) * np.arange(3.0)[None]  # weights 1, 1/2, 1/4 at distances 0, 1, 2
     >>> content_free_far_mass(bias)  # d = 0: rows 1, 2: 1 / (3/2), (1 + 1/2) / (7/4)

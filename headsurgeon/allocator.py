@@ -2,22 +2,6 @@
 them back at once), and how much it may still allocate; and its CPU cores: how many it may use,
 and how many of them other jobs leave free (torch's thread count).
 
-Exports:
-    keep_freed_memory()     raise glibc's mmap and trim thresholds; True where applied
-    return_freed_memory()   fix them at glibc's defaults: freed buffers go back to the system
-    allocator_setting()     which of the two this process applied last ("keep", "return"), or
-                            None: neither (glibc's own defaults)
-    restore_setting(s)      apply what allocator_setting() returned earlier
-    available_memory(root)  bytes the process may still allocate: the least of MemAvailable,
-                            its address-space limit (RLIMIT_AS) and its memory cgroup's
-    CGROUP_ROOT             where the cgroups are mounted (/sys/fs/cgroup)
-    usable_cores(root)      cores the process may run on: its affinity, capped by its cgroup's
-                            CPU quota
-    other_load(sample)      cores other jobs keep busy: the load average, or the busy cores
-                            measured now less this process's own use, whichever is lower
-    free_cores(cores, load) usable cores less the rounded load, at least 1
-    too_many_threads(n)     None, or (free cores, why) when n threads exceed the free cores
-
 glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB as
 buffers are freed) with a fresh ``mmap`` and unmaps it again on free. A transformer step
 allocates and frees attention-sized buffers (batch x head x query x key floats) many times over,
@@ -53,16 +37,9 @@ import time
 from pathlib import Path
 
 __all__ = [
-    "CGROUP_ROOT",
-    "allocator_setting",
     "available_memory",
-    "free_cores",
     "keep_freed_memory",
-    "other_load",
-    "restore_setting",
     "return_freed_memory",
-    "too_many_threads",
-    "usable_cores",
 ]
 
 logger = logging.getLogger(__name__)

@@ -1,14 +1,5 @@
 """The head census: every attention head's metrics over many sequences, one row per head.
 
-Exports:
-    COLUMNS                         the census columns and what each one means
-    run_census(model, data, ...)    pandas DataFrame, one row per head, run metadata in ``attrs``
-    CENSUS_CUT                      how run_census cuts texts: 64 sequences of 128 tokens
-    GU_PROTOCOL                     Gu et al.'s sink-rate protocol as census settings (its
-                                    n_seqs and seq_len: hs.to_sequences's)
-    sink_rate(census, eps)          Gu et al.'s sink rate: the share of heads that are sinks,
-                                    per sequence, averaged over sequences
-
 The census streams the data through the model with forward hooks (:mod:`headsurgeon.probes`): each
 layer's attention pattern is reduced to per-head float64 sums as soon as it exists, no activation
 is cached and the unembedding is never computed, so memory does not grow with the data.
@@ -39,7 +30,7 @@ from torch import Tensor
 from headsurgeon.alibi import content_free_reach
 from headsurgeon.backend import Model
 from headsurgeon.blindness.analysis import applied_bias
-from headsurgeon.classify import require_columns
+from headsurgeon.classify.labels import require_columns
 from headsurgeon.data import Cut, Data, Sequences, verb_sequences
 from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN, GU_PROTOCOL
 from headsurgeon.errors import DataError, InvalidArgumentError

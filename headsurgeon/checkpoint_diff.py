@@ -1,9 +1,5 @@
 """Which weights differ between two BLOOM checkpoints, inside and outside given heads' slices:
 the check that surgery touched only the heads it was told to.
-
-Exports:
-    weight_changes(before, after, heads)     per tensor: changes inside / outside heads' slices
-    StateDict                                a state dict (tensor names -> tensors)
 """
 
 from __future__ import annotations
@@ -23,17 +19,14 @@ from headsurgeon.errors import (
     UnsupportedArchitectureError,
 )
 from headsurgeon.heads import Heads, HeadSet
-from headsurgeon.loading import (
-    check_checkpoint,
-    model_shape,
-    pickled_tensors,
-    resolve_model,
-    safetensors_header,
-    weight_files,
-)
+from headsurgeon.loading import model_shape, resolve_model
+from headsurgeon.loading.checks import check_checkpoint
+from headsurgeon.loading.files import pickled_tensors, safetensors_header, weight_files
 from headsurgeon.validation import check_int
 
-__all__ = ["StateDict", "weight_changes"]
+__all__ = [
+    "weight_changes",
+]
 
 
 StateDict = Mapping[str, Tensor]

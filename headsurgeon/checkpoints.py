@@ -1,17 +1,6 @@
 """BLOOM checkpoints in Hugging Face's layout: export and its checks (diffing two checkpoints:
 :mod:`headsurgeon.checkpoint_diff`).
 
-Exports:
-    save_hf(model, out_dir, overwrite, dtype, verify, card)
-                                             BLOOM, MPT or Falcon checkpoint, checked by
-                                             reloading it, with a model card (README.md)
-    model_card(info, config, verified, body) that card
-    checkpoint_dtype(model)                  the dtype of the checkpoint a model was loaded from
-    hf_state_dict(model)                     the weights in their family's Hugging Face layout
-    hf_model(model, dtype)                   the transformers model of its family that computes
-                                             it (eager attention), built in memory
-    EXPORT_ATOL, EXPORT_RTOL
-
 The layout knowledge lives here: the fused ``query_key_value`` in BLOOM's (and Falcon's) per-head
 (q, k, v) order, MPT's ``Wqkv`` as [Q; K; V], ``dense``'s per-head columns, tied embeddings, and
 which TransformerLens settings BLOOM's format can express.
@@ -46,16 +35,10 @@ from headsurgeon.errors import (
 )
 from headsurgeon.exact_alibi import install_hf_bias, trained_bias
 from headsurgeon.inuse import holds_model
-from headsurgeon.loading import (
-    METADATA_FILE,
-    TOKENIZER_FILES,
-    ModelInfo,
-    inexact_slopes,
-    model_info,
-    read_json,
-    stored_tensors,
-    tl_config,
-)
+from headsurgeon.loading import ModelInfo, model_info, read_json
+from headsurgeon.loading.checks import tl_config
+from headsurgeon.loading.files import METADATA_FILE, TOKENIZER_FILES, stored_tensors
+from headsurgeon.loading.slopes import inexact_slopes
 from headsurgeon.markup import markdown_text
 from headsurgeon.outputs import (
     atomic_directory,
@@ -66,9 +49,6 @@ from headsurgeon.outputs import (
 )
 
 __all__ = [
-    "EXPORT_ATOL",
-    "model_card",
-    "EXPORT_RTOL",
     "checkpoint_dtype",
     "hf_model",
     "hf_state_dict",

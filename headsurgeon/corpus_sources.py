@@ -19,18 +19,6 @@ its rows' sizes: :data:`BATCH_ROWS` rows at a time, their text handed on in chun
 :func:`headsurgeon.data.to_sequences`); shuffle it first (``dataset.shuffle(seed=0)``) for a
 sample from all of it.
 
-Exports:
-    TextSource                 texts read lazily (iterable; take(n): the first n), and the
-                               record of where they came from
-    load_dataset_texts(path_or_name, split=, column=, cache_dir=)
-                               a dataset on disk or in the Hugging Face cache as a TextSource
-    dataset_texts(dataset, column=, name=, revision=)
-                               a ``datasets.Dataset`` / ``IterableDataset`` as a TextSource
-    text_source(data)          a TextSource for a dataset or a lazy iterable, else None
-    check_dataset_arg(text)    ``--dataset``'s check when parsed: a name, or a path that exists
-    DATA_FILE_BUILDERS         the file suffixes read, and the ``datasets`` builder of each
-    ROW_SEPARATOR              what joins a dataset's rows into one text: a blank line
-
 Where a dataset comes from (``path_or_name``):
 
 - a folder written by ``Dataset.save_to_disk`` (``state.json`` or ``dataset_dict.json`` in it):
@@ -92,13 +80,8 @@ from headsurgeon.inputs import (
 from headsurgeon.validation import check_int
 
 __all__ = [
-    "DATA_FILE_BUILDERS",
-    "ROW_SEPARATOR",
     "TextSource",
-    "check_dataset_arg",
-    "dataset_texts",
     "load_dataset_texts",
-    "text_source",
 ]
 
 # The data files a path may name, and the datasets builder that reads each.

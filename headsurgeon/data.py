@@ -1,35 +1,5 @@
 """Corpora and batching: text in, fixed-length token sequences out.
 
-Exports:
-    CORPORA                              names of the bundled corpora
-    bundled_text(name, split)            a bundled corpus as one string
-    read_texts(paths)                    the texts of files: regular files only, bounded reads
-    check_texts(paths)                   files checked as read_texts reads them, none kept
-    Sequences                            checked token sequences and where they came from
-    to_sequences(model, data, ...)       Sequences from texts, files or a token tensor
-    as_sequences(info, data, ...)        the same, made or re-checked at a verb's door
-    Cut                                  how a verb cuts texts by default: seq_len, n_seqs
-    verb_sequences(info, data, verb, cut)  a verb's door: as_sequences, texts cut by ``cut``
-    check_data(info, data)               a verb's door: token tensors, integer numpy arrays and
-                                         Sequences checked for the model, before any forward
-    tokens_digest(tokens)                a short sha256 of a token tensor's shape, dtype, values
-    tokenize(info, text)                 token ids with the model's own tokenizer, no special tokens
-                                         (literal "<s>" in the text is text, never the BOS id)
-    encode(info, text, prepend_bos)      one text as a [1, pos] token tensor, BOS by the convention
-    token_strings(info, tokens)          each token id as readable text (axis labels, hover)
-    check_token_ids(info, tokens)        a token tensor checked: integer ids within the vocabulary
-                                         (one line naming the dtype, or the bad id)
-    resolve_bos(info, prepend_bos)       whether position 0 gets a BOS token (None: convention)
-    check_length(info, n_pos, what)      n_pos if the model takes sequences that long, else one line
-    batches(tokens, batch_size)          consecutive batches of a token tensor
-    describe(data, default)              a short description of data for run metadata
-    HELD_OUT                             its default: the description of the bundled held-out text
-    texts_of(data)                       the texts data stands for (a str: text; a path: a file)
-    iter_texts(data)                     the same, each an iterator of pieces: files read only as
-                                         far as the caller goes, with read_texts's checks
-    iter_token_ids(info, data)           each text's token ids piece by piece, read and tokenised
-                                         only as far as the caller goes
-
 Data is a ``str`` (always text, even one that names a file), an ``os.PathLike`` such as
 ``pathlib.Path`` (always a file to read), a list mixing the two, any other iterable of them (a
 generator: read lazily), a ``datasets.Dataset`` or ``IterableDataset`` (its rows joined into
@@ -70,7 +40,7 @@ from torch import Tensor
 from headsurgeon.backend import Model
 from headsurgeon.corpus_sources import TextSource, text_source
 from headsurgeon.errors import DataError, HeadsurgeonError, InvalidArgumentError
-from headsurgeon.inputs import check_texts, read_text, text_file_chunks
+from headsurgeon.inputs import read_text, text_file_chunks
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.validation import check_bool, check_int
 
@@ -78,26 +48,12 @@ __all__ = [
     "Sequences",
     "Cut",
     "as_sequences",
-    "verb_sequences",
-    "check_data",
-    "check_token_ids",
-    "tokens_digest",
     "CORPORA",
     "bundled_text",
-    "read_texts",
-    "check_texts",
-    "tokenize",
     "encode",
-    "token_strings",
     "to_sequences",
-    "resolve_bos",
-    "check_length",
     "batches",
     "describe",
-    "HELD_OUT",
-    "texts_of",
-    "iter_texts",
-    "iter_token_ids",
 ]
 
 logger = logging.getLogger(__name__)

@@ -2,23 +2,6 @@
 
 A leaf that imports nothing, so the command-line tools build their parsers (``--help`` shows
 every default) before torch, TransformerLens or pandas is imported, and no value is copied.
-
-Exports:
-    SINK_THRESHOLD, DEAD_THRESHOLD, MIN_OUTPUT_SHARE   the classification thresholds
-                                  (headsurgeon.classify.Thresholds' fields: 0.5, 0.95, 0.01)
-    CENSUS_SEQ_LEN, CENSUS_N_SEQS  a census's default cut: 64 sequences of 128 tokens
-    GU_PROTOCOL                   Gu et al.'s sink-rate census settings: n_seqs, seq_len, sink_eps
-    RECEIVED_THRESHOLD            a secondary sink's received mass (Gu et al.'s epsilon, 0.3)
-    IMPORTANCE_METHODS            head_importance's methods: zero, mean, resample, attribution
-    ANALYSED_DTYPES, CONVENTIONS  the float formats blindness analyses; how a softmax is rounded
-    DTYPE_NAMES                   each accepted dtype name -> its canonical name
-    LIMITS, BIAS_KINDS, ROBUST_MODES   ALiBi underflow limits, bias forms, robust-slope modes
-    SINK_POSITIONS                sink_cache_effect's position schemes: cache, true
-    SHAPE_NAMES                   the names headsurgeon.loading.model_shape knows without files
-    INITS                         the re-initialisations of a head: xavier_normal, xavier_uniform
-    DRIFT_THRESHOLD, MAX_PPL_INCREASE   a repair's drift criterion and perplexity tolerance
-    FINETUNE                      FinetuneConfig's defaults that the repair tool shows: steps, lr,
-                                  weight_decay, batch_size, grad_accum, max_grad_norm, strategy
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """Data-parallel runs under ``torchrun``: joining the process group, and rank 0's decisions.
 
-Exports:
-    DistInfo                            rank, world size and device of this process
-    setup_distributed(device)           join a torchrun process group (gloo on CPU, NCCL on GPU),
-                                        returning its DistInfo (rank, world size, device)
-    rank_and_world()                    (rank, world size) of this process; (0, 1) alone
-    from_rank0(value)                   rank 0's ``value`` on every rank
-
 :mod:`headsurgeon.finetune` shards batches by rank and writes checkpoints on rank 0 only;
 :mod:`headsurgeon.repair` takes every decision (targets, damage, the best pass) from rank 0, so
 that processes whose censuses differ in the last bit still agree. Without ``torchrun`` every
@@ -25,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "from_rank0", "rank_and_world", "setup_distributed"]
+__all__: list[str] = []
 
 
 @dataclasses.dataclass

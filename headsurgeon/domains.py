@@ -1,16 +1,5 @@
 """Heads across corpora: one census (labels, importance) per corpus, and what changes between them.
 
-Exports:
-    classify_sequences(model, tokens, data)   census + labels (+ importance) of one corpus's
-                                              token sequences: what the classify tool measures
-    compare_corpora(model, {name: data})      one row per head per corpus (a ``corpus`` column)
-    stack_corpora({name: classified})         several classified tables as that long table
-    split_corpora(compared)                   the long table back into {name: classified},
-                                              each with its own attrs
-    corpus_changes(compared)                  per head, each corpus against the first: both
-                                              labels, BOS masses, importances and what changed
-    CHANGE_COLUMNS                            corpus_changes' columns and what each one means
-
 Guo et al. ("Active-Dormant Attention Heads", arXiv:2410.13835) find heads that are dormant on
 one domain (their attention parked on the first token, removing them costs nothing) and active on
 another. :func:`compare_corpora` measures every head on each corpus exactly as the classify tool
@@ -44,7 +33,8 @@ import pandas as pd
 
 from headsurgeon.backend import Model
 from headsurgeon.census import CENSUS_CUT, run_census
-from headsurgeon.classify import Thresholds, classify_heads, require_columns, with_thresholds
+from headsurgeon.classify import Thresholds, classify_heads
+from headsurgeon.classify.labels import require_columns, with_thresholds
 from headsurgeon.data import Data, Sequences, check_data, verb_sequences
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.importance import DORMANT_SE, METHODS, head_importance, is_dormant, with_importance
@@ -54,11 +44,8 @@ from headsurgeon.validation import check_choice
 
 __all__ = [
     "CHANGE_COLUMNS",
-    "classify_sequences",
     "compare_corpora",
     "corpus_changes",
-    "split_corpora",
-    "stack_corpora",
 ]
 
 logger = logging.getLogger(__name__)
@@ -123,7 +110,7 @@ def classify_sequences(
     columns merged in when ``importance`` is given (:func:`headsurgeon.importance.with_importance`).
     ``thresholds``: the labels' (default ``Thresholds()``; ``sink_threshold``,
     ``dead_threshold``, ``min_output_share`` replace its fields:
-    :func:`headsurgeon.classify.with_thresholds`); ``sink_eps``: the census's
+    :func:`headsurgeon.classify.labels.with_thresholds`); ``sink_eps``: the census's
     (:func:`headsurgeon.run_census`).
     """
     seqs = check_data(model_info(model, "classify_sequences"), seqs)

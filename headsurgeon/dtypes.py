@@ -3,12 +3,6 @@
 A leaf module: it imports nothing of the package but its errors, so the pure math
 (:mod:`headsurgeon.alibi`) and every I/O module can use it.
 
-Exports:
-    DTYPES                  the accepted dtype names (``"float32"``, ``"bf16"``, ...) -> torch dtype
-    parse_dtype(dtype)      a validated torch dtype from a name or a torch dtype
-    parse_device(device)    a validated, available torch device
-    check_trainable(dtype)  the parsed dtype, refused if masked fine-tuning cannot train in it
-
 >>> parse_dtype("bf16")
 torch.bfloat16
 """
@@ -20,7 +14,10 @@ import torch
 from headsurgeon.defaults import DTYPE_NAMES
 from headsurgeon.errors import InvalidArgumentError
 
-__all__ = ["DTYPES", "check_trainable", "parse_device", "parse_dtype"]
+__all__ = [
+    "parse_device",
+    "parse_dtype",
+]
 
 DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 

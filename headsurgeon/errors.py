@@ -2,12 +2,6 @@
 
 Every error a user can cause derives from :class:`HeadsurgeonError`; its message is one line that
 names the problem and the fix. The command-line tools print that line and exit with status 2.
-
-Exports: HeadsurgeonError, UnknownModelError, ModelNotFoundError, CheckpointError,
-UnsupportedArchitectureError, InvalidArgumentError, DataError, OutputExistsError,
-OutputWriteError, OutputBusyError, FigureExportError, ModelInUseError; first_line(error), the
-first line of an error's message for quoting inside one of ours; shown(text), text made safe for
-a terminal (control characters escaped, as in a Python string literal).
 """
 
 from __future__ import annotations
@@ -27,7 +21,6 @@ __all__ = [
     "OutputBusyError",
     "FigureExportError",
     "ModelInUseError",
-    "first_line",
     "shown",
 ]
 

@@ -17,16 +17,6 @@ MPT's formula with ``alibi_bias_max`` (transformers always uses 8, whatever the 
 :func:`headsurgeon.alibi.mpt_slopes`), and Falcon adds BLOOM's bias divided by ``sqrt(d_head)``
 (:func:`headsurgeon.alibi.falcon_slopes`). Every slope reported or used here is the one the
 model applies per token of distance, added to the scaled logits ``q.k / sqrt(d_head)``.
-
-Exports:
-    install_exact_alibi(model, kind, ...)    Hugging Face's ALiBi slopes for any head count,
-                                             silently (for models built from checkpoints), with
-                                             the ALiBi variant a model was trained with
-    trained_bias(metadata), TRAINABLE_BIASES the variant a headsurgeon.json records, checked
-    install_hf_bias(hf_model, kind, ...)     the same variant on a transformers ALiBi model
-    shared_bias(...)                         one cached ALiBi bias per kind and shape
-    bias_builder(kind, params, head_slopes)  a BiasBuilder of shared_bias for one kind
-    BiasBuilder                              the type of a bias builder
 """
 
 from __future__ import annotations
@@ -44,11 +34,8 @@ from headsurgeon.errors import CheckpointError, InvalidArgumentError
 from headsurgeon.families import ALIBI_ATTENTION, attention_family
 
 __all__ = [
-    "BiasBuilder",
-    "bias_builder",
     "install_exact_alibi",
     "install_hf_bias",
-    "shared_bias",
     "TRAINABLE_BIASES",
     "trained_bias",
 ]

@@ -8,18 +8,6 @@ Face layout (the export) and what loading reads from its config. A model's famil
 from its config (:func:`config_family`), its attention class (:func:`attention_family`) or its
 :class:`~headsurgeon.loading.facts.ModelShape` (``shape.alibi_family``).
 
-Exports:
-    AlibiFamily, Bloom, Mpt, Falcon  the family classes
-    BLOOM, MPT, FALCON               their instances
-    FAMILIES                         the families by ``model_type``: "bloom", "mpt", "falcon"
-    ARCHITECTURES                    the families by causal LM class ("BloomForCausalLM", ...)
-    ALIBI_ATTENTION                  transformers' ALiBi attention classes -> their family
-    family_named(name)               a family by its ``model_type`` (one line if unknown)
-    config_family(config)            the family of an ALiBi ``config.json`` (one line if none)
-    attention_family(attn)           the family of an attention layer (BLOOM's for 3.x's)
-    config_slopes(config)            the slopes transformers applies for a ``config.json``
-    transformers_slopes(config, n_heads)  the same, BLOOM's without a config
-
 >>> config_family({"model_type": "falcon", "alibi": True}).title
 'Falcon'
 """
@@ -37,8 +25,6 @@ from headsurgeon import alibi
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 
 __all__ = [
-    "ALIBI_ATTENTION",
-    "ARCHITECTURES",
     "BLOOM",
     "FALCON",
     "FAMILIES",
@@ -50,8 +36,6 @@ __all__ = [
     "attention_family",
     "config_family",
     "config_slopes",
-    "family_named",
-    "transformers_slopes",
 ]
 
 

@@ -3,15 +3,6 @@
 A leaf: every layer may use it, the models layer included (``checkpoints`` names the heads a save
 changed). :mod:`headsurgeon.surgery` and :mod:`headsurgeon.classify` re-export these names.
 
-Exports:
-    HeadSet                             an ordered, validated set of (layer, head) pairs
-    Heads                               what every function taking heads accepts (HeadSet.of):
-                                        a HeadSet, "L5H9-11", [(layer, head)], {layer: [heads]}
-    LABELS                              the labels of a classified census: ("healthy", "BOS-sink",
-                                        "dead")
-    SICK_LABELS                         the labels a repair targets: ("dead", "BOS-sink")
-    MAX_HEADS                           the most heads a head set may name (no model has as many)
-
 A head set is checked against a model (its ``cfg``) or a :class:`headsurgeon.loading.ModelShape`
 by their layer and head counts only.
 
@@ -38,7 +29,12 @@ if TYPE_CHECKING:  # annotations only: a leaf imports no model code
     from headsurgeon.backend import Model
     from headsurgeon.loading import ModelShape
 
-__all__ = ["HeadSet", "Heads", "LABELS", "SICK_LABELS", "MAX_HEADS"]
+__all__ = [
+    "HeadSet",
+    "Heads",
+    "LABELS",
+    "SICK_LABELS",
+]
 
 LABELS = ("healthy", "BOS-sink", "dead")
 SICK_LABELS = ("dead", "BOS-sink")

@@ -1,19 +1,5 @@
 """Causal head importance: how much the loss rises when one head's output is replaced.
 
-Exports:
-    METHODS                                   the methods: zero, mean, resample, attribution
-    ABLATIONS                                 what replaces a head's ``z``: zero, mean, resample
-    COLUMNS                                   the result's columns and what each one means
-    IMPORTANCE_CUT                            how head_importance and ablate_heads cut texts
-    head_importance(model, data, method=...)  pandas DataFrame, one row per head
-    compare_importance(exact, estimate, k)    Spearman / Pearson correlation and top-k overlap
-    is_dormant(delta_loss, se)                 removing the head changes nothing measurable:
-                                              |delta_loss| <= DORMANT_SE standard errors
-    with_importance(classified, importance)   a classified census with head_importance's
-                                              columns merged in (IMPORTANCE_NAMES)
-    ablate_heads(model, heads, ablation, data) context manager: heads pruned (z zeroed or
-                                              mean-replaced) through hooks, weights untouched
-
 ``delta_loss`` is the increase of the mean next-token cross-entropy (nats) when the head's output
 ``z`` (``blocks.{l}.attn.hook_z``, before ``W_O``) is replaced at every position of every sequence:
 
@@ -72,8 +58,6 @@ __all__ = [
     "compare_importance",
     "DORMANT_SE",
     "is_dormant",
-    "IMPORTANCE_NAMES",
-    "with_importance",
     "ablate_heads",
 ]
 

@@ -5,22 +5,6 @@ files and ``headsurgeon.json``, a repair's resume state) comes through here firs
 FIFO never hangs a run, ``/dev/zero`` never fills memory and a 2 GB binary file is recognised
 from its first megabyte, not after reading it whole.
 
-Exports:
-    describe_kind(path)            "a FIFO", "a folder", "a symbolic link loop", ... (or None)
-    check_regular_file(path, what, max_bytes=, error=)   the path, checked to be a readable
-                                   regular file (symlinks followed) of at most ``max_bytes``
-    read_bytes(path, what, max_bytes=, error=)           a checked file's bytes, read bounded
-    read_text(path, what, max_bytes=, error=)            UTF-8 text (``.gz`` decompressed,
-                                   bounded too), NUL and non-UTF-8 bytes found chunk by chunk
-    iter_text(path, what, max_bytes=, error=)            the same text as a stream of pieces
-                                   of at most ~1 MiB each (read only as far as it is consumed)
-    read_json(path, what, max_bytes=, error=)            one JSON object
-    text_file_chunks(path)         a text file's text in pieces, one line for a folder or a file
-                                   without text
-    check_texts(paths)             text files checked as headsurgeon.data.read_texts reads them,
-                                   none kept (the tools check --texts with it while parsing)
-    MAX_TEXT_BYTES, MAX_JSON_BYTES the default bounds (1 GiB of text, 64 MiB of JSON)
-
 ``what`` names the file's role in messages ("text file", "config file"; empty: messages begin
 with the path itself, as a model folder's do); ``error`` is the
 :class:`~headsurgeon.errors.HeadsurgeonError` subclass to raise (``DataError`` by default;
@@ -53,16 +37,9 @@ from typing import Any
 from headsurgeon.errors import DataError, HeadsurgeonError
 
 __all__ = [
-    "MAX_TEXT_BYTES",
-    "MAX_JSON_BYTES",
-    "describe_kind",
-    "check_regular_file",
-    "read_bytes",
     "read_text",
     "iter_text",
     "read_json",
-    "text_file_chunks",
-    "check_texts",
 ]
 
 MAX_TEXT_BYTES = 1 << 30

@@ -12,15 +12,6 @@ Threads or tasks that each hold their own ``copy.deepcopy(model)`` run freely; a
 a ``mitigation`` or ``ablate_heads`` block would keep that block's hooks (and compute its numbers
 forever), so it is refused in one line, as pickling the model there is (``torch.save(model)``,
 ``pickle.dumps``): copy or save before entering a block, or after it.
-
-Exports:
-    holding(model, verb)   context manager: ``model`` held by this thread (or asyncio task) for
-                           ``verb``
-    holds_model(verb)      decorator: the same around a whole call (its ``model`` argument)
-    holder(model)          who holds ``model`` now, in words, or None
-    hooked(model, block)   context manager for a block that leaves hooks on the model: held as
-                           :func:`holding` holds it, ``copy.deepcopy(model)`` and pickling
-                           (``torch.save(model)``) refused
 """
 
 from __future__ import annotations
@@ -37,7 +28,11 @@ from typing import Any, TypeVar
 
 from headsurgeon.errors import InvalidArgumentError, ModelInUseError
 
-__all__ = ["holding", "holds_model", "holder", "hooked"]
+__all__ = [
+    "holding",
+    "holder",
+    "hooked",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -26,17 +26,6 @@ order): census columns agree within 1e-6, see ``tests/test_long_context.py``.
 With a single block (``block_size >= n_pos``) this is the ordinary dense forward pass: one call,
 square patterns, no cache.
 
-Exports:
-    DEFAULT_BLOCK_BYTES                    the attention memory one block may use by default
-    FORWARD_BYTES_PER_ENTRY                what a plain forward keeps per attention entry
-    max_length(model)                      the longest sequence the model takes (None: ALiBi, any)
-    block_size(model, n_pos, ...)          query rows per block for a memory budget
-    query_offset(scores)                   the query position of a block's first row
-    run_in_blocks(model, tokens, ...)      the residual stream block by block (a generator),
-                                           optionally each block against chosen earlier keys
-    KeyChooser                             the type of that choice
-    continuation_logprobs(model, prompt, continuations)  log-probabilities after one prompt
-
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
 >>> tokens = torch.randint(0, 64, (1, 40))  # longer than n_ctx: ALiBi has no position table
@@ -68,8 +57,6 @@ from headsurgeon.validation import check_int
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
-    "FORWARD_BYTES_PER_ENTRY",
-    "KeyChooser",
     "block_size",
     "continuation_logprobs",
     "max_length",

@@ -1,10 +1,5 @@
 """User text in the Markdown the tools write, shown as written: never markup, a link or an image.
 
-Exports:
-    markdown_text(text)   user text (a model, corpus, file or column name, a label) as Markdown
-                          shows it literally
-    local_link(url)       whether a link's or image's address names a file beside the page
-
 A repair's ``report.md``, the page that renders it and the model card of an exported checkpoint
 (rendered by Hugging Face) hold names the user chose: a folder named ``![t](http:evil.example)``
 would make the page fetch a remote image, one named ``<img src=...>`` would be raw HTML in the card.

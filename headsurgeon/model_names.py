@@ -13,28 +13,6 @@ snapshot when the installed TransformerLens is one of them, and otherwise asks T
 itself (slow, still exact). ``analyses/hub_names.py`` checks the snapshot against the installed
 version (adding it) or rewrites it; a test holds it equal to the installed table.
 
-Exports:
-    locate_model(model)        (display name, local folder or None, official hub name or None);
-                               ModelNotFoundError for a missing path, UnknownModelError (with
-                               the closest names) for a name nobody knows
-    hub_names()                every TransformerLens name and alias (lower case) -> its official
-                               hub name
-    snapshot_names()           the shipped snapshot's table for the installed TransformerLens, or
-                               None when it was not read from that version
-    SNAPSHOT_FILE              where the snapshot lives
-    installed_transformer_lens()   the installed TransformerLens version (package metadata)
-    organism_names()           short names of the model organisms bundled with the package
-    ORGANISM_DIR, DEFAULT_MODEL    their folder; the tools' default model
-    unknown_message(name, candidates)   the unknown-model line with the closest names
-    hub_cache_folder(official)  the Hugging Face cache's snapshot folder of a hub model (holding
-                               its config.json), or None: the hub client's own cache lookup
-    check_hub_model(official, cached)   a hub model not cached that cannot be downloaded
-                               (HF_HUB_OFFLINE=1, the hub unreachable): ModelNotFoundError now,
-                               naming how to get it
-    not_cached_message(official, why)   that line; download_command(official), the ``hf
-                               download`` command in it
-    hub_reachable(timeout)     one bounded request to the hub: whether it answers
-
 >>> locate_model("organism")[1].name
 'organism'
 >>> locate_model("bigscience/bloom-560m")[2]
@@ -54,20 +32,10 @@ from pathlib import Path
 from headsurgeon.errors import ModelNotFoundError, UnknownModelError
 
 __all__ = [
-    "DEFAULT_MODEL",
-    "ORGANISM_DIR",
     "SNAPSHOT_FILE",
-    "check_hub_model",
-    "download_command",
-    "hub_cache_folder",
     "hub_names",
-    "hub_reachable",
     "installed_transformer_lens",
-    "locate_model",
-    "not_cached_message",
     "organism_names",
-    "snapshot_names",
-    "unknown_message",
 ]
 
 ORGANISM_DIR = Path(__file__).parent / "organisms"

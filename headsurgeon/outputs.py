@@ -1,29 +1,6 @@
 """Atomic writes and claimed, owned output folders: outputs appear whole or not at all, one run
 each, and never at the cost of a file headsurgeon did not write.
 
-Exports:
-    atomic_write_bytes(path, data)      write a file through a temporary file and a rename
-    atomic_write_text(path, text)       the same for text
-    atomic_directory(path, overwrite, inputs=, writer=)
-                                        context manager: fill a temporary folder, mark it, then
-                                        rename it to ``path``
-    check_output_dir(path, overwrite, inputs=)
-                                        refuse, before any work, a path that may not become a new
-                                        output folder (below); return it resolved
-    claim_output(path, overwrite, inputs=)
-                                        context manager: hold ``path`` for one run (a lock file
-                                        beside it), after removing what a killed run of it left
-    resolve_output(path)                ``path`` made absolute with its symlinks resolved, or one
-                                        line for a path no output may take (below)
-    MARK_FILE                           ``.headsurgeon-output.json``, the ownership mark
-    OutputMark                          a mark as read: writer, version, created, files
-    read_mark(folder)                   the folder's valid mark, else ``None``
-    mark_folder(folder, writer, files)  write the mark (by default listing every file in it)
-    foreign_files(folder)               what in a folder its mark does not list (all of it, for
-                                        a folder without a mark)
-    headsurgeon_version()               the installed version (package metadata), as marks
-                                        record it
-
 **Ownership.** Every folder headsurgeon writes (the tools' report folders, the repair tool's
 ``NAME.partial`` work folder, :func:`headsurgeon.save_hf` exports) carries ``MARK_FILE``: a small
 JSON manifest with the writer, the headsurgeon version, the time and the relative path of every
@@ -88,18 +65,10 @@ from headsurgeon.errors import (
 )
 
 __all__ = [
-    "MARK_FILE",
-    "OutputMark",
-    "atomic_write_bytes",
     "atomic_write_text",
     "check_output_dir",
     "atomic_directory",
-    "claim_output",
-    "foreign_files",
     "headsurgeon_version",
-    "mark_folder",
-    "read_mark",
-    "resolve_output",
 ]
 
 logger = logging.getLogger(__name__)

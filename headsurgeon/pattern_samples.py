@@ -1,15 +1,6 @@
 """Attention weights for pictures: some heads' query x key weights on one sequence, max-pooled
 into cells as the blocks of the long-context path arrive, and every head's weights on the first
 positions of a few sequences (what a report page shows).
-
-Exports:
-    AttentionWeights                       some heads' query x key weights on one sequence,
-                                           max-pooled into cells of ``step`` x ``step`` positions
-    attention_weights(model, tokens, heads, max_cells)
-                                           them, from ``hook_pattern``, block by block
-    PatternSample, sample_patterns(model, tokens, ...)
-                                           every head's weights on the first positions of a few
-                                           sequences (what a report page shows)
 """
 
 from __future__ import annotations
@@ -32,7 +23,11 @@ from headsurgeon.loading import model_info
 from headsurgeon.probes import check_fired
 from headsurgeon.validation import check_int
 
-__all__ = ["AttentionWeights", "PatternSample", "attention_weights", "sample_patterns"]
+__all__ = [
+    "PatternSample",
+    "attention_weights",
+    "sample_patterns",
+]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,21 +34,6 @@ Reading tools (census, classify, blindness, importance, perplexity, retrieval) g
 numbers as on one device. Tools that change weights (surgery, fine-tuning, repair, export)
 refuse a model with offloaded weights in one line: a weight Accelerate reloads from its offload
 copy at every forward cannot keep an update.
-
-Exports:
-    check_placement(device_map, max_memory, offload_folder, device)   a checked Placement, or
-                                     None for one device (one line for a bad argument)
-    Placement                        device_map, max_memory (bytes), offload_folder
-    STRATEGIES                       the device_map strategies: auto, balanced, ...
-    from_pretrained_args(placement, directory)  4.x: from_pretrained's arguments (a dict map
-                                     checked first) and a private offload folder
-    adopt(model, folder)             4.x: the bridge over such a model, its input device set
-    device_map_for(model, placement) 3.x: the {module: device} map of a (meta) HookedTransformer
-    placing(model, placement)        3.x: place(part, tensors) for a model built part by part
-    dispatch(model, placement)       3.x: a HookedTransformer dispatched over the placement
-    release_offload(folder)          remove a private offload folder made here (a failed load)
-    check_offload_folder(folder, taken)  one line for an offload folder that is, or lies in, the
-                                     output or an input (the tools check it before loading)
 """
 
 from __future__ import annotations
@@ -73,15 +58,8 @@ from headsurgeon.errors import InvalidArgumentError
 
 __all__ = [
     "STRATEGIES",
-    "Placement",
-    "adopt",
-    "check_offload_folder",
     "check_placement",
-    "device_map_for",
-    "dispatch",
-    "from_pretrained_args",
     "placing",
-    "release_offload",
 ]
 
 logger = logging.getLogger(__name__)

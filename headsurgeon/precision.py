@@ -12,18 +12,6 @@ it measures the cure, the bias formed from distances ``-m (i - j)``. A model tra
 absolute bias in bfloat16 (BLOOM) learnt under that rounding: ``reference="training"`` measures
 each inference numerics against the attention it was trained with as well.
 
-Exports:
-    precision_effect(model, data, ...)   PrecisionEffect: dNLL, logits and top-1 by position
-                                         and by region of the training length, against float64
-                                         (and the training numerics); attention mass moved and
-                                         lost by head and distance
-    PrecisionEffect                      its tables: by_position, by_region, by_head
-    PRECISION_CUT                        how precision_effect cuts texts: 1 x 1,024 tokens
-    PRECISION_DTYPES, INFERENCE_DTYPES, PARTS, ALL_PARTS, PART_MEANINGS, REFERENCES
-    training_edges, region_edges, region_name   position buckets against the training length
-    HeadTable                            exact zeros and mass moved per recipe, head and distance
-    PRECISION_BYTES_PER_ENTRY            bytes a block keeps per attention entry (block sizes)
-
 The passes run on the ``transformers`` model of the family (:func:`headsurgeon.checkpoints.
 hf_model`: BLOOM, MPT, Falcon with ``alibi=True``), whose attention modules compute, for the
 length of a pass, as the family's own eager code does, op for op, with the rounding of one part
@@ -51,7 +39,7 @@ from torch import Tensor, nn
 from headsurgeon import alibi, families, long_context
 from headsurgeon.backend import Model
 from headsurgeon.backend.cache import hf_kv_cache
-from headsurgeon.blindness import active_mitigations, dtype_name
+from headsurgeon.blindness.analysis import active_mitigations, dtype_name
 from headsurgeon.checkpoints import hf_model
 from headsurgeon.data import Cut, Data, Sequences, verb_sequences
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
@@ -67,18 +55,13 @@ from headsurgeon.validation import check_bool, check_choice, check_int
 __all__ = [
     "ALL_PARTS",
     "INFERENCE_DTYPES",
-    "REFERENCES",
     "PARTS",
-    "PART_MEANINGS",
     "PRECISION_DTYPES",
     "PRECISION_CUT",
     "PrecisionEffect",
     "precision_effect",
     "HeadTable",
     "PRECISION_BYTES_PER_ENTRY",
-    "region_edges",
-    "region_name",
-    "training_edges",
 ]
 
 logger = logging.getLogger(__name__)

@@ -6,20 +6,6 @@ pass produces it; an accumulator adds them up in float64. Nothing of size
 ``[batch, head, query_pos, key_pos]`` outlives the hook, so memory does not grow with the number of
 batches, and the unembedding is never computed.
 
-Exports:
-    PATTERN_STATS                          names of the statistics ``pattern_stats`` returns
-    pattern_stats(pattern, min_query_pos)  per-sequence, per-head means of one attention pattern
-    pattern_sums(pattern, min_query_pos)   the same as sums over rows, for a block of rows too
-    distance_sums(pattern, min_query_pos)  attention mass per head and distance, summed over rows
-    write_norms(z, W_O, min_query_pos)     per-sequence mean norm of each head's residual write
-    write_sums(z, W_O, first)              the same as a sum over positions
-    HeadStats                              float64 accumulator fed by forward hooks
-    stream(model, tokens, fwd_hooks, ...)  run token batches through hooks, skipping the unembedding
-    check_batch_memory(model, batch, n_pos, block, ...)  one line if a batch cannot fit in memory
-    check_training_memory(model, batch, n_pos, ...)      the same for a fine-tuning step
-    unfired(model, analysis, hook, layers) the one-line error for a hook that never fired
-    check_fired(model, analysis, counts)   raise it unless each hook fired in every layer
-
 The attention weights themselves, pooled for pictures: :mod:`headsurgeon.pattern_samples`.
 
 >>> from headsurgeon.loading import ModelShape, random_model
@@ -55,18 +41,12 @@ from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int, check_number
 
 __all__ = [
-    "PATTERN_STATS",
     "pattern_stats",
-    "pattern_sums",
-    "distance_sums",
     "write_norms",
-    "write_sums",
     "HeadStats",
     "stream",
     "check_batch_memory",
     "check_training_memory",
-    "unfired",
-    "check_fired",
 ]
 
 logger = logging.getLogger(__name__)

@@ -16,14 +16,6 @@ duration of each kind.
 :func:`show_progress_lines` shows the library's progress lines (the run's estimated duration,
 each pass's result) where a notebook or script that never set up ``logging`` sees them: on
 stderr, above the bar, during the call, and only while nothing else handles them.
-
-Exports:
-    tqdm                                the bar class that suits where it runs
-    show_progress_lines()               context manager and decorator: the library's INFO lines
-                                        on stderr while logging is not set up at all
-    RunBar                              one bar over a whole run; its time left covers every
-                                        kind of work the run plans, with its spread
-                                        (range_left: median to 90th-percentile step)
 """
 
 from __future__ import annotations
@@ -46,7 +38,9 @@ else:
         import tqdm.auto  # noqa: F401  (imported quietly once; later imports reuse it)
     from tqdm.std import tqdm
 
-__all__ = ["RunBar", "show_progress_lines", "tqdm"]
+__all__ = [
+    "tqdm",
+]
 
 PACKAGE = "headsurgeon"  # the logger whose lines show_progress_lines shows
 

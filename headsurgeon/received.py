@@ -1,17 +1,5 @@
 """Received mass and secondary sinks: how much attention each key position gets from later queries.
 
-Exports:
-    RECEIVED_COLUMNS, SINK_COLUMNS        what each column of the two tables means
-    THRESHOLD, MIN_QUERIES, MAX_SINKS     the defaults of :func:`secondary_sinks` (see there)
-    RECEIVED_CUT                          how secondary_sinks cuts texts: 64 x 128 tokens
-    received_sums(pattern)                per sequence, head and key, ``Σ_{t > k} A[t, k]`` over
-                                          the rows of a pattern (or of a block of its rows)
-    ReceivedMass                          float64 accumulator fed by ``hook_pattern`` hooks
-    SecondarySinks                        what :func:`secondary_sinks` returns: ``received``,
-                                          ``by_layer``, ``sinks``, ``examples``
-    secondary_sinks(model, data, ...)     received mass per head and key position, and the
-                                          positions other than 0 that act as sinks
-
 **Received mass.** In one sequence of ``T`` tokens, the received mass of key position ``k`` in a
 head is the mean, over the later query rows ``t = k + 1 ... T - 1``, of the weight ``A[t, k]``::
 
@@ -61,11 +49,7 @@ from headsurgeon.validation import check_int, check_number
 __all__ = [
     "RECEIVED_COLUMNS",
     "SINK_COLUMNS",
-    "THRESHOLD",
-    "MIN_QUERIES",
-    "MAX_SINKS",
     "RECEIVED_CUT",
-    "received_sums",
     "ReceivedMass",
     "SecondarySinks",
     "secondary_sinks",

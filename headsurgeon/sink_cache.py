@@ -28,13 +28,6 @@ its real age (for steep heads, weight ~0 at any useful length), so ``"true"`` te
 as far-away content. The bias is the model's trained kind (standard, or the variant its
 ``headsurgeon.json`` records) at these distances.
 
-Exports:
-    sink_cache_effect(model, data, ...)   SinkCacheEffect: perplexity per cache, ΔNLL per head
-    SinkCacheEffect                       its tables: by_cache, by_head, and the reference NLL
-    cache_keys(sinks, window)             the earlier positions a block of queries reads
-    POSITIONS                             the distance conventions: "cache", "true"
-    SINK_CACHE_CUT                        how sink_cache_effect cuts texts: 1 x 16,384 tokens
-
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
 >>> tokens = torch.randint(0, 64, (2, 40))
@@ -61,7 +54,7 @@ from torch import Tensor
 
 from headsurgeon import alibi, long_context
 from headsurgeon.backend import Model, add_bias_hook
-from headsurgeon.blindness import active_mitigations
+from headsurgeon.blindness.analysis import active_mitigations
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.defaults import SINK_POSITIONS as POSITIONS
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
@@ -76,7 +69,11 @@ from headsurgeon.stats import nll_change
 from headsurgeon.validation import check_choice, check_int
 from headsurgeon.window import every_head, sequences_to_cut
 
-__all__ = ["POSITIONS", "SINK_CACHE_CUT", "SinkCacheEffect", "cache_keys", "sink_cache_effect"]
+__all__ = [
+    "SINK_CACHE_CUT",
+    "SinkCacheEffect",
+    "sink_cache_effect",
+]
 
 logger = logging.getLogger(__name__)
 

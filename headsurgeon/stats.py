@@ -5,14 +5,6 @@ Both are for paired data: two scorings of the same prompts (with and without a n
 models) or two losses on the same tokens (a cut model against its own). Paired, the prompt's or
 the token's own difficulty cancels; intervals of the two sides set side by side would count it
 twice and miss differences the pairs show.
-
-Exports:
-    mcnemar_p(b, c)                  exact two-sided McNemar p-value of b against c discordant pairs
-    discordant(x, y)                 (b, c): pairs where only x is right, where only y is
-    holm(p)                          Holm's step-down adjusted p-values of a family of tests
-    batch_means_se(values, block)    standard error of a mean over correlated tokens
-    SE_BLOCK                         its block: 64 consecutive predictions of one sequence
-    nll_change(delta, base)          tokens, base_nll, dnll, dnll_se: a ΔNLL row of the effects
 """
 
 from __future__ import annotations
@@ -27,7 +19,12 @@ from torch import Tensor
 
 from headsurgeon.validation import check_int
 
-__all__ = ["SE_BLOCK", "batch_means_se", "discordant", "holm", "mcnemar_p", "nll_change"]
+__all__ = [
+    "SE_BLOCK",
+    "batch_means_se",
+    "discordant",
+    "mcnemar_p",
+]
 
 # Predictions per block of batch_means_se: neighbouring tokens of a text are correlated, means of
 # 64 consecutive ones much less, so the spread of block means gives the error of the mean.

@@ -7,23 +7,6 @@ each. On 4.x these are views (:func:`headsurgeon.backend.weights.head_tensors`) 
 ``q``/``k``/``v``/``o`` weights, the ones its forward pass reads, never of its unused fused
 ``qkv`` copy. The output bias ``b_O`` is shared by all heads and is never touched.
 
-Exports:
-    HEAD_TENSORS, TRAINED_TENSORS       the per-head tensors surgery edits, and those it trains
-    HeadSet, Heads, MAX_HEADS, SICK_LABELS  the head vocabulary, re-exported from headsurgeon.heads
-    reinit_heads(model, heads, ...)     Xavier re-initialisation of Q/K/V, zero Q/K/V biases and W_O
-    head_masks(model, heads)            boolean masks of the heads' elements, per tensor
-    head_slices / load_head_slices      copies of the heads' slices by TransformerLens 3.x name,
-                                        and writing such copies back
-    HeadMask / mask_gradients(...)      gradient masks as parameter hooks (removable)
-    HeadParameters                      trainable float32 copies of the chosen slices
-    frozen_parameters(model)            context manager: no model parameter requires grad inside
-    WeightSnapshot                      copies of the weights a function is about to change
-    restored_on_failure(model, what)    context manager: on any exception (Ctrl-C included) the
-                                        weights in its WeightSnapshot are put back bit for bit
-    check_surgery(model)                UnsupportedArchitectureError unless heads can be operated on
-    save_pruned(model, heads, out_dir)  a checkpoint with the heads pruned (W_O slices zero),
-                                        checked by reload, with a card saying so
-
 Gradient masks alone do not freeze anything under AdamW: decoupled weight decay shrinks every
 element it is given, gradient or not. ``HeadParameters`` is what :mod:`headsurgeon.finetune` trains
 by default: the optimiser only ever sees the chosen slices, so everything else stays bit-identical
@@ -52,11 +35,12 @@ from jaxtyping import Bool
 from torch import Tensor, nn
 
 from headsurgeon.backend import Model, check_model
-from headsurgeon.backend.weights import HEAD_TENSORS, check_head_tensors, head_tensors
+from headsurgeon.backend.shared import HEAD_TENSORS
+from headsurgeon.backend.weights import check_head_tensors, head_tensors
 from headsurgeon.checkpoints import save_hf
 from headsurgeon.defaults import INITS
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.heads import MAX_HEADS, SICK_LABELS, Heads, HeadSet
+from headsurgeon.heads import SICK_LABELS, Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import model_info
 from headsurgeon.markup import markdown_text
@@ -64,11 +48,8 @@ from headsurgeon.validation import check_choice, check_int
 
 __all__ = [
     "save_pruned",
-    "HEAD_TENSORS",
-    "TRAINED_TENSORS",
     "HeadSet",
     "Heads",
-    "check_surgery",
     "reinit_heads",
     "head_masks",
     "head_slices",
@@ -76,11 +57,7 @@ __all__ = [
     "HeadMask",
     "mask_gradients",
     "HeadParameters",
-    "frozen_parameters",
-    "MAX_HEADS",
     "SICK_LABELS",
-    "WeightSnapshot",
-    "restored_on_failure",
 ]
 
 logger = logging.getLogger(__name__)

@@ -5,14 +5,6 @@ raises :class:`~headsurgeon.errors.InvalidArgumentError` with one line naming th
 it must be and what it got, and returns the value in its plain Python type (``numpy.int64(3)``
 becomes ``3``), so callers can use the result directly.
 
-Exports:
-    check_int(value, name, minimum=, maximum=)        an integer (not a bool, not 2.0 or "2"),
-                                                      at most 2**63 - 1 unless told
-    check_number(value, name, low=, high=, ...)       a real number, finite unless allowed
-    check_choice(value, name, choices)                one of a fixed set of names
-    check_bool(value, name)                           True or False (not 0, 1 or "yes")
-    MAX_SEED                                          the largest seed: 2**63 - 1
-
 >>> check_int(3, "passes", minimum=1)
 3
 >>> check_int(0, "passes", minimum=1)
@@ -36,13 +28,7 @@ import numpy as np
 
 from headsurgeon.errors import InvalidArgumentError
 
-__all__ = [
-    "MAX_SEED",
-    "check_int",
-    "check_number",
-    "check_choice",
-    "check_bool",
-]
+__all__: list[str] = []
 
 
 def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:

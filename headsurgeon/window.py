@@ -8,14 +8,6 @@ the next-token loss rises, by ``d`` and by position, for all heads at once; and,
 distance, for one head at a time: which distances the model uses, and which heads use the far
 ones.
 
-Exports:
-    window_effect(model, data, ...)   WindowEffect: ΔNLL by distance and position, and per head
-    WindowEffect                      its tables: by_distance, by_head
-    WINDOW_CUT                        how window_effect cuts texts: 8 sequences of 1,024 tokens
-    window_hook(distance, heads)      the ``hook_attn_scores`` hook that cuts keys beyond a distance
-    sequences_to_cut(seqs)            seqs if a test can cut keys in them (3 tokens at least)
-    every_head(model)                 every (layer, head) of the model
-
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
 >>> tokens = torch.randint(0, 64, (2, 12))
@@ -38,7 +30,7 @@ from torch import Tensor
 
 from headsurgeon import long_context
 from headsurgeon.backend import HookPoint, Model, masked_score
-from headsurgeon.blindness import require_scores
+from headsurgeon.blindness.analysis import require_scores
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges
@@ -53,10 +45,7 @@ from headsurgeon.validation import check_int
 __all__ = [
     "WindowEffect",
     "WINDOW_CUT",
-    "sequences_to_cut",
     "window_effect",
-    "window_hook",
-    "every_head",
 ]
 
 WINDOW_CUT = Cut(seq_len=1024, n_seqs=8)

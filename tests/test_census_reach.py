@@ -13,10 +13,12 @@ import torch
 from headsurgeon import load_model, run_census
 from headsurgeon.alibi import content_free_far_mass, content_free_reach, reach_from_far_mass
 from headsurgeon.backend.weights import head_tensors
-from headsurgeon.blindness import applied_bias, mitigation
+from headsurgeon.blindness import mitigation
+from headsurgeon.blindness.analysis import applied_bias
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.loading import ORGANISM_DIR, organism_names
+from headsurgeon.loading import organism_names
+from headsurgeon.model_names import ORGANISM_DIR
 from headsurgeon.probes import HeadStats, distance_sums, stream
 
 needs_organisms = pytest.mark.skipif(

@@ -14,7 +14,7 @@ import headsurgeon as hs
 from headsurgeon.census import GU_PROTOCOL, run_census, sink_rate
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.loading import ORGANISM_DIR
+from headsurgeon.model_names import ORGANISM_DIR
 from headsurgeon.probes import HeadStats
 
 
@@ -216,7 +216,7 @@ def test_classify_sink_eps_outside_0_1_is_one_line_before_any_model(tmp_path, ca
 
 def test_the_summary_names_gu_protocol_when_the_run_follows_it():
     from headsurgeon.classify import classify_heads
-    from headsurgeon.reports import format_summary
+    from headsurgeon.reports.classify import format_summary
 
     census = pd.DataFrame(
         {

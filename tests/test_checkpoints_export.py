@@ -22,7 +22,8 @@ from headsurgeon.errors import (
     OutputExistsError,
     UnsupportedArchitectureError,
 )
-from headsurgeon.loading import ORGANISM_DIR, ModelShape, random_model, use_exact_alibi
+from headsurgeon.loading import ModelShape, random_model, use_exact_alibi
+from headsurgeon.model_names import ORGANISM_DIR
 from headsurgeon.outputs import MARK_FILE, mark_folder
 
 ATOL = 1e-4

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from headsurgeon import classify_heads, load_model, run_census
-from headsurgeon.loading import ORGANISM_DIR, organism_names
+from headsurgeon.loading import organism_names
+from headsurgeon.model_names import ORGANISM_DIR
 
 SCRIPT = Path(__file__).resolve().parents[1] / "analyses" / "train_organism.py"
 SEQ_LEN = 128

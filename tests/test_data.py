@@ -15,12 +15,12 @@ from headsurgeon.data import (
     as_sequences,
     batches,
     bundled_text,
-    check_texts,
     read_texts,
     to_sequences,
     tokenize,
 )
 from headsurgeon.errors import DataError, InvalidArgumentError
+from headsurgeon.inputs import check_texts
 from headsurgeon.loading import model_info
 
 

@@ -13,7 +13,8 @@ import torch
 import headsurgeon as hs
 from headsurgeon.errors import CheckpointError
 from headsurgeon.exact_alibi import install_hf_bias, trained_bias
-from headsurgeon.loading import METADATA_FILE, model_metadata
+from headsurgeon.loading.facts import model_metadata
+from headsurgeon.loading.files import METADATA_FILE
 
 
 @pytest.fixture()

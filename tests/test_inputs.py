@@ -26,7 +26,8 @@ from headsurgeon.cli import run
 from headsurgeon.data import read_texts
 from headsurgeon.errors import CheckpointError, DataError, HeadsurgeonError
 from headsurgeon.inputs import describe_kind, read_json, read_text
-from headsurgeon.loading import check_checkpoint, model_metadata
+from headsurgeon.loading.checks import check_checkpoint
+from headsurgeon.loading.facts import model_metadata
 
 LIMIT_S = 30  # generous on a busy machine; a hang or a whole read of 2 GB takes far longer
 ROOT = os.geteuid() == 0  # root reads files whatever their permissions say

@@ -263,7 +263,7 @@ def test_run_inputs_are_the_model_folder_and_the_text_files(bloom_dir, text_file
         [str(bloom_dir), "--texts", str(text_file), "--corpus", str(text_file)]
     )
     assert run_inputs(args) == [bloom_dir, text_file, text_file]
-    from headsurgeon.loading import ORGANISM_DIR
+    from headsurgeon.model_names import ORGANISM_DIR
 
     args = headsurgeon.cli.repair._parser().parse_args(["organism-injured"])
     assert run_inputs(args) == [ORGANISM_DIR / "organism-injured"]

@@ -23,7 +23,7 @@ from headsurgeon.backend import MAJOR
 from headsurgeon.blindness import mitigation
 from headsurgeon.checkpoints import hf_model
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.evals import position_edges
+from headsurgeon.evals.loss import position_edges
 from headsurgeon.exact_alibi import install_hf_bias
 from headsurgeon.families import config_slopes
 from headsurgeon.precision import _Family, _Recipe, _recipe_attention, precision_effect

@@ -12,7 +12,8 @@ from test_attention_pattern import needs_organisms
 from headsurgeon import load_model, run_census, secondary_sinks
 from headsurgeon.data import to_sequences, token_strings
 from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.loading import ORGANISM_DIR, ModelShape, model_info, random_model
+from headsurgeon.loading import ModelShape, model_info, random_model
+from headsurgeon.model_names import ORGANISM_DIR
 from headsurgeon.probes import stream
 from headsurgeon.received import SINK_COLUMNS, ReceivedMass, received_sums
 

@@ -259,7 +259,7 @@ def test_a_trained_model_against_the_brute_force_on_its_weights():
     from transformers import BloomForCausalLM
 
     from headsurgeon.data import to_sequences
-    from headsurgeon.loading import ORGANISM_DIR
+    from headsurgeon.model_names import ORGANISM_DIR
 
     model = load_model("organism-injured")
     tokens = to_sequences(model, None, seq_len=80, n_seqs=2).tokens

@@ -12,10 +12,10 @@ from conftest import head_weight
 
 from headsurgeon.backend.weights import head_tensors, tl_state_dict
 from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.heads import MAX_HEADS
 from headsurgeon.loading import ModelShape, random_model
 from headsurgeon.surgery import (
     HEAD_TENSORS,
-    MAX_HEADS,
     HeadMask,
     HeadParameters,
     HeadSet,

@@ -227,7 +227,7 @@ def test_a_trained_model_uses_its_window_as_the_brute_force_says():
     from transformers import BloomForCausalLM
 
     from headsurgeon.data import to_sequences
-    from headsurgeon.loading import ORGANISM_DIR
+    from headsurgeon.model_names import ORGANISM_DIR
 
     model = load_model("organism")
     tokens = to_sequences(model, None, seq_len=96, n_seqs=2).tokens

@@ -9,30 +9,6 @@ major's, is chosen once here, at import (as einops picks a backend). The functio
 those of the submodules are what callers use; the rest of headsurgeon speaks TransformerLens
 3.x's names (``hook_pattern``, ``hook_z``, ``W_Q[head]``) on either major.
 
-Exports:
-    MAJOR, Model, HookPoint          TransformerLens's major version, its model class, hook type
-    BACKEND                          the installed major's backend (TransformerLens3 or 4)
-    TRANSFORMER_LENS                 the installed major as messages name it ("TransformerLens 3.x")
-    SUPPORTED                        what headsurgeon loads on it, in words
-    convert_hf(hf_model, ...)        a transformers causal LM as the major's model (unprocessed)
-    hub_names()                      TransformerLens's model names and aliases -> hub names
-    hf_config(model)                 the Hugging Face config a 4.x bridge computes with
-    hf_architecture(model)           the Hugging Face class it computes as ("BloomForCausalLM", ...)
-    wraps_hf_model(model)            whether it computes with a wrapped Hugging Face model's tensors
-    loads_into_device_map()          whether a device-mapped load reads the checkpoint into the map
-    masked_score(dtype)              the score its attention gives a masked key (-inf or float min)
-    check_architecture(...)          TransformerLens's verdict on a config.json, before weights
-    check_model(model, name)         one line unless ``model`` is a loaded model (not a name, a
-                                     path, ``None``, a Hugging Face model or one on ``meta``)
-    move(model, device)              ``model.to(device)`` without TransformerLens's printing
-    without_kv_cache(model)          no key-value cache filled in the ``with`` block (4.x's default)
-    offloaded(model)                 the modules whose weights Accelerate keeps on CPU or disk
-    resident(module)                 those weights loaded for a ``with`` block (read them there)
-    add_bias_hook(attn, build)       make one attention layer use ``build``'s ALiBi bias
-    hf_bias_pre_hook(build)          the same for a Hugging Face BLOOM/MPT/Falcon attention
-    BiasBuilder                      the type of a bias builder ``(n_queries, n_keys, device)``
-    own_alibi_slopes(n_heads)        the ALiBi slopes TransformerLens builds by itself (None: 4.x)
-
 The rest is in its submodules: :mod:`~headsurgeon.backend.weights` (per-head views of the
 attention weights, the weights under 3.x's names), :mod:`~headsurgeon.backend.cache` (key-value
 caches), :mod:`~headsurgeon.backend.forward` (passes cut at a block),
@@ -52,7 +28,9 @@ from typing import Any
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
-from transformer_lens.hook_points import HookPoint
+from transformer_lens.hook_points import (
+    HookPoint as HookPoint,  # for the library (only the backend imports TL)
+)
 
 from headsurgeon.backend.shared import BiasBuilder, HFBiasHook
 from headsurgeon.backend.tl3 import TransformerLens3
@@ -72,17 +50,12 @@ SUPPORTED = BACKEND.supported
 __all__ = [
     "BACKEND",
     "MAJOR",
-    "SUPPORTED",
-    "TRANSFORMER_LENS",
-    "BiasBuilder",
-    "HookPoint",
     "Model",
     "add_bias_hook",
     "own_alibi_slopes",
     "check_architecture",
     "check_model",
     "convert_hf",
-    "hf_bias_pre_hook",
     "hf_architecture",
     "hf_config",
     "hub_names",

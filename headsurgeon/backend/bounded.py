@@ -7,12 +7,6 @@ the meta device (no weights), then each part (``embed``, ``blocks.0``, ..., ``ln
 ``unembed``) is read from the checkpoint, converted by TransformerLens's own BLOOM conversion and
 handed to ``place`` (its device, or the disk), one part at a time: peak memory is what the
 placement keeps plus one part.
-
-Exports:
-    BOUNDED_ARCHITECTURES           the architectures built this way (BLOOM)
-    empty_model(config, ...)        the ``HookedTransformer`` of a Hugging Face config, on meta
-    parts(model)                    its parts, as a ``device_map`` names them
-    fill(model, config, read, place)  every part converted from ``read``'s tensors and placed
 """
 
 from __future__ import annotations
@@ -27,7 +21,10 @@ from torch import Tensor
 from headsurgeon.backend import BACKEND, Model
 from headsurgeon.backend.tl3 import tl3_config, unused_positions
 
-__all__ = ["BOUNDED_ARCHITECTURES", "empty_model", "fill", "parts"]
+__all__ = [
+    "fill",
+    "parts",
+]
 
 BOUNDED_ARCHITECTURES = BACKEND.bounded_architectures
 

@@ -6,15 +6,6 @@ and the blocked long-context path use.
 3.x keeps TransformerLens's ``TransformerLensKeyValueCache`` (entries ``[batch, pos, head,
 d_head]``); 4.x a Hugging Face ``DynamicCache`` (layers ``[batch, head, pos, d_head]``). Both
 grow into doubling buffers here, so a long sequence in blocks copies each block once.
-
-Exports:
-    new_kv_cache(model, batch, device)  an empty key-value cache for ``run_to_layer(cache=)``
-    hf_kv_cache()                    an empty ``DynamicCache`` for a transformers model
-    cached_length(cache)             how many positions it holds
-    shared_cache(cache, batch)       one prompt's cache, read by ``batch`` rows without copies
-    KV_POS_DIM                       the position dimension of a cache's keys and values
-    cache_contents(cache)            each layer's cached keys and values (views)
-    cache_holding(model, contents, ...)  a cache already holding given keys and values
 """
 
 from __future__ import annotations
@@ -28,7 +19,6 @@ from headsurgeon.backend import BACKEND, Model
 from headsurgeon.backend.shared import hf_kv_cache
 
 __all__ = [
-    "KV_POS_DIM",
     "cache_contents",
     "cache_holding",
     "cached_length",

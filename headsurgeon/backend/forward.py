@@ -1,9 +1,5 @@
 """Forward passes cut at a block on TransformerLens 3.x and 4.x models: the residual stream after
 a block, or the logits from a block on; the part of :mod:`headsurgeon.backend` that runs models.
-
-Exports:
-    run_to_layer(model, tokens, n)   the residual stream after block ``n - 1``, nothing after
-    run_from_layer(model, tokens, resid, n)  the logits of a pass entering block ``n`` with resid
 """
 
 from __future__ import annotations

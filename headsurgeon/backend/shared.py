@@ -2,15 +2,6 @@
 :mod:`~headsurgeon.backend.tl4`) build on: the record of a per-head view of a weight, the doubling
 buffer of their key-value caches, Hugging Face's cache made to use it, and the ALiBi bias pre-hook
 of a transformers attention layer.
-
-Exports:
-    HEAD_TENSORS                     the per-head attention tensors, TransformerLens 3.x names
-    HeadTensor                       one of them: its parameter and its per-head view
-    appended(store, current, new, dim)  ``current`` then ``new`` in a buffer that doubles
-    hf_kv_cache()                    an empty ``DynamicCache`` appending into such buffers
-    BiasBuilder                      the type of a bias builder ``(n_queries, n_keys, device)``
-    HFBiasHook                       the bias pre-hook of a transformers ALiBi attention layer
-    supported_models(major, others)  what headsurgeon loads on a major, in words
 """
 
 from __future__ import annotations
@@ -27,13 +18,8 @@ from torch import Tensor, nn
 from headsurgeon.families import attention_family
 
 __all__ = [
-    "HEAD_TENSORS",
-    "BiasBuilder",
-    "HFBiasHook",
-    "HeadTensor",
     "appended",
     "hf_kv_cache",
-    "supported_models",
 ]
 
 HEAD_TENSORS = ("W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O")

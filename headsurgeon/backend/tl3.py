@@ -4,11 +4,6 @@ Its per-head tensors ``W_Q`` ... ``W_O`` are parameters, its attention reads an 
 stored on the module and masks scores with ``-inf``, its key-value cache is TransformerLens's own
 (entries ``[batch, pos, head, d_head]``). :class:`TransformerLens3` has the same methods as
 :class:`~headsurgeon.backend.tl4.TransformerLens4`; :mod:`headsurgeon.backend` picks one at import.
-
-Exports:
-    TransformerLens3                 the operations that differ between the majors, on 3.x
-    tl3_config(config, ...)          the HookedTransformerConfig of a Hugging Face config
-    unused_positions(cfg)            the zero position table of an ALiBi model
 """
 
 from __future__ import annotations
@@ -35,7 +30,9 @@ from headsurgeon.backend.shared import (
 )
 from headsurgeon.errors import CheckpointError, UnsupportedArchitectureError, first_line
 
-__all__ = ["TransformerLens3", "tl3_config", "unused_positions"]
+__all__ = [
+    "TransformerLens3",
+]
 
 _ATTENTION_ARGS = ("query_input", "key_input", "value_input", "past_kv_cache_entry")
 

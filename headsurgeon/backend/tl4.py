@@ -6,9 +6,6 @@ views of those), takes ALiBi from the Hugging Face call's arguments, masks score
 minimum instead of ``-inf`` and keeps a Hugging Face ``DynamicCache`` (layers ``[batch, head, pos,
 d_head]``). :class:`TransformerLens4` has the same methods as
 :class:`~headsurgeon.backend.tl3.TransformerLens3`; :mod:`headsurgeon.backend` picks one at import.
-
-Exports:
-    TransformerLens4                 the operations that differ between the majors, on 4.x
 """
 
 from __future__ import annotations

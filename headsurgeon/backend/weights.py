@@ -4,13 +4,6 @@ under 3.x's names: the part of :mod:`headsurgeon.backend` that reads and writes 
 3.x keeps ``W_Q`` ... ``W_O`` as per-head parameters; a 4.x bridge splits the fused QKV into
 ``q``/``k``/``v`` linear layers, whose per-head views
 :class:`~headsurgeon.backend.tl4.TransformerLens4` builds.
-
-Exports:
-    HEAD_TENSORS                     the per-head attention tensors, TransformerLens 3.x names
-    HeadTensor, head_tensors(model, layer)   per-head views of the parameters attention uses
-    check_head_tensors(model)        one-line error unless every head has its own Q/K/V/O
-    check_unprocessed(model)         one-line error if a 4.x bridge's weights were processed
-    tl_state_dict(model)             the weights under TransformerLens 3.x's names and layouts
 """
 
 from __future__ import annotations
@@ -19,14 +12,10 @@ import torch  # noqa: F401  (the doctests use it)
 from torch import Tensor
 
 from headsurgeon.backend import BACKEND, Model
-from headsurgeon.backend.shared import HEAD_TENSORS, HeadTensor
+from headsurgeon.backend.shared import HeadTensor
 from headsurgeon.errors import UnsupportedArchitectureError
 
 __all__ = [
-    "HEAD_TENSORS",
-    "HeadTensor",
-    "check_head_tensors",
-    "check_unprocessed",
     "head_tensors",
     "tl_state_dict",
 ]

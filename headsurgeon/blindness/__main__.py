@@ -1,8 +1,6 @@
 """``python -m headsurgeon.blindness``, deprecated: one line on stderr names ``python -m
 headsurgeon blindness`` (or ``headsurgeon-blindness``), then the tool runs as before; this entry
 goes in the next release.
-
-Exports nothing.
 """
 
 from headsurgeon.cli import deprecated_entry

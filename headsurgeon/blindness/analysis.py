@@ -2,10 +2,6 @@
 measured, and mitigated through hooks), which serves these names lazily; its docstring is the
 manual.
 
-Exports (each described there): ANALYSED_DTYPES, CONVENTIONS, active_mitigations,
-applied_bias, alibi_door (the door of the weight-free analyses), BlindnessMeasurement,
-analytic_blindness, require_scores, dtype_name, measure_blindness, BLINDNESS_CUT, mitigation.
-
 >>> df = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
 >>> df[df.layer == 0].blind_distance.iloc[[0, -1]].tolist()
 [124.0, 22359.0]
@@ -39,20 +35,16 @@ from headsurgeon.errors import (
 from headsurgeon.exact_alibi import bias_builder, trained_bias
 from headsurgeon.families import attention_family
 from headsurgeon.inuse import holds_model, hooked
-from headsurgeon.loading import ModelInfo, ModelShape, model_info, model_metadata, model_shape
+from headsurgeon.loading import ModelInfo, ModelShape, model_info, model_shape
+from headsurgeon.loading.facts import model_metadata
 from headsurgeon.probes import stream, unfired
 from headsurgeon.validation import check_choice, check_int
 
 __all__ = [
     "ANALYSED_DTYPES",
     "CONVENTIONS",
-    "active_mitigations",
-    "applied_bias",
-    "alibi_door",
     "BlindnessMeasurement",
     "analytic_blindness",
-    "require_scores",
-    "dtype_name",
     "measure_blindness",
     "BLINDNESS_CUT",
     "mitigation",

@@ -3,8 +3,6 @@ bias is stored in each dtype, from the slopes alone (exported by
 :mod:`headsurgeon.blindness`, whose docstring is the manual; kept apart from
 :mod:`headsurgeon.blindness.analysis` by size only).
 
-Exports: analytic_rounding, RoundingAnalysis, MAX_POSITION, ROUNDING_THRESHOLDS.
-
 >>> by_head = analytic_rounding("bloom-560m", dtypes=["bfloat16"]).by_head
 >>> by_head.loc[[0, 15], ["slope", "first_position_step_over_0.1", "first_position_step_over_1"]]
        slope  first_position_step_over_0.1  first_position_step_over_1
@@ -33,7 +31,10 @@ from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.validation import check_int, check_number
 
-__all__ = ["MAX_POSITION", "ROUNDING_THRESHOLDS", "RoundingAnalysis", "analytic_rounding"]
+__all__ = [
+    "RoundingAnalysis",
+    "analytic_rounding",
+]
 
 
 # Positions searched for the first-position thresholds (2^40 tokens: beyond any context).

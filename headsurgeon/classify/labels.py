@@ -1,9 +1,6 @@
 """The code of :mod:`headsurgeon.classify` (head classification: healthy, BOS-sink or dead,
 with the reason; and how the counts move), which serves these names lazily; its docstring is the
 manual, with the labelling rule.
-
-Exports (each described there): LABELS, Thresholds, with_thresholds, label_heads,
-require_columns, classify_heads, threshold_sweep, thresholds_of, sick_shares.
 """
 
 from __future__ import annotations
@@ -24,12 +21,8 @@ from headsurgeon.validation import check_int, check_number
 __all__ = [
     "LABELS",
     "Thresholds",
-    "with_thresholds",
-    "label_heads",
-    "require_columns",
     "classify_heads",
     "threshold_sweep",
-    "thresholds_of",
     "sick_shares",
 ]
 
@@ -279,8 +272,3 @@ def sick_shares(classified: Mapping[str, pd.DataFrame], bands: int = 3) -> pd.Da
                 }
             )
     return pd.DataFrame(rows)
-
-
-def thresholds_of(df: pd.DataFrame) -> Thresholds:
-    """The thresholds recorded in ``df.attrs`` by :func:`classify_heads` (default ones if none)."""
-    return Thresholds(**df.attrs["thresholds"]) if "thresholds" in df.attrs else Thresholds()

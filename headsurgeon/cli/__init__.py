@@ -15,17 +15,6 @@ light imports only (:mod:`headsurgeon.cli.options`, :mod:`headsurgeon.defaults`,
 measure, write) and :mod:`headsurgeon.cli.loads` (the model and the data), which import torch and
 TransformerLens, and calls :func:`work_begins` (from then on Ctrl-C and SIGTERM unwind).
 
-Exports:
-    run(tool, argv)           import the tool ``headsurgeon.cli.<tool>`` and call its main(argv);
-                              turn HeadsurgeonError into one line and exit code 2, Ctrl-C into
-                              "interrupted" (130), SIGTERM into "terminated" (143), both after
-                              the run's cleanup (and keep freed memory, see
-                              headsurgeon.allocator)
-    deprecated_entry(tool)    ``python -m headsurgeon.TOOL``: one line naming the new form, then
-                              the tool
-    work_begins()             a tool's heavy imports are done: Ctrl-C and SIGTERM unwind from now
-    Terminated                the KeyboardInterrupt that SIGTERM raises during a tool's work
-
 A tool's ``main`` runs inside :func:`headsurgeon.cli.session.tool_session`: the library's
 refusals in its options' names, and a host process that calls it gets back what the run changed.
 
@@ -47,7 +36,10 @@ from typing import Any, NoReturn
 
 from headsurgeon.errors import HeadsurgeonError, shown
 
-__all__ = ["run", "deprecated_entry", "work_begins", "Terminated"]
+__all__ = [
+    "run",
+    "work_begins",
+]
 
 
 def _interrupted_while_starting(signum: int, frame: object) -> None:

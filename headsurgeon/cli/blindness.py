@@ -13,9 +13,6 @@ This module parses and checks the options with light imports only (``--help``, a
 a bad ``--texts`` file, a missing MODEL folder, an unknown model name or an output folder in use
 answer at once); the analysis and the writing are :mod:`headsurgeon.cli.blindness_run`, imported
 after that.
-
-Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
-``run("blindness")``)
 """
 
 from __future__ import annotations

@@ -2,8 +2,6 @@
 folder claimed (:mod:`headsurgeon.cli.blindness`): the analytic blind distances, the
 measurements, print and write (imports torch, TransformerLens, pandas and plotly). The
 analytic tables (blind distances, the bias's rounding per dtype) need no weights.
-
-Exports: blindness(args, out, params, formats) (the run)
 """
 
 from __future__ import annotations
@@ -18,21 +16,22 @@ from headsurgeon.backend import Model
 from headsurgeon.blindness import (
     analytic_blindness,
     analytic_rounding,
-    dtype_name,
     measure_blindness,
     mitigation,
 )
+from headsurgeon.blindness.analysis import dtype_name
 from headsurgeon.census import run_census
 from headsurgeon.cli import loads
 from headsurgeon.cli.options import data_source, placement_args
 from headsurgeon.cli.session import in_option_terms
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import UnsupportedArchitectureError
-from headsurgeon.loading import load_model, model_info, model_metadata, model_shape
+from headsurgeon.loading import load_model, model_info, model_shape
+from headsurgeon.loading.facts import model_metadata
 from headsurgeon.loading.numerics import training_numerics
 from headsurgeon.precision import PARTS, PRECISION_DTYPES, precision_effect
-from headsurgeon.reports import blindness_summary, write_blindness
-from headsurgeon.reports.blindness import training_numerics_line
+from headsurgeon.reports import write_blindness
+from headsurgeon.reports.blindness import blindness_summary, training_numerics_line
 from headsurgeon.sink_cache import SINK_CACHE_CUT, SinkCacheEffect, sink_cache_effect
 
 __all__ = ["blindness"]

@@ -6,7 +6,7 @@ Loads a model, cuts the data into token sequences once, runs
 head's :func:`headsurgeon.importance.head_importance` on the same sequences (merged as separate
 columns: the labels stay as they are), and unless ``--no-secondary-sinks`` the received mass of
 every key position and the secondary sinks (:func:`headsurgeon.secondary_sinks`) on the same
-sequences; prints :func:`headsurgeon.reports.format_summary` and writes
+sequences; prints :func:`headsurgeon.reports.classify.format_summary` and writes
 :func:`headsurgeon.reports.write_classification` (``--help`` lists the options).
 
 Several corpora (``--texts A.txt --texts B.txt``: each ``--texts`` one corpus, of one file or
@@ -29,9 +29,6 @@ This module parses and checks the options with light imports only (``--help``, a
 a bad ``--texts`` file, a missing MODEL folder, an unknown model name or an ``--out`` folder it
 may not write answer at once); the census and the writing are
 :mod:`headsurgeon.cli.classify_run`, imported after that.
-
-Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
-``run("classify")``)
 """
 
 from __future__ import annotations

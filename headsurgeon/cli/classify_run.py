@@ -1,9 +1,6 @@
 """The work of ``python -m headsurgeon classify`` once its options are checked
 (:mod:`headsurgeon.cli.classify`): load each model, take its census, label its heads, print the
 summary and write the report folder (imports torch, TransformerLens, pandas and plotly).
-
-Exports: classify(parser, args, formats) (the run; returns its exit status),
-corpus_names(groups) (a folder-safe name per corpus from its files' names)
 """
 
 from __future__ import annotations
@@ -26,21 +23,13 @@ from headsurgeon.data import Sequences
 from headsurgeon.domains import classify_sequences, corpus_changes, stack_corpora
 from headsurgeon.errors import shown
 from headsurgeon.received import SecondarySinks, secondary_sinks
-from headsurgeon.reports import (
-    default_out_dir,
-    format_corpora_summary,
-    format_summary,
-    model_folder_name,
-    write_classification,
-    write_corpora,
-    write_cross_scale,
-)
-from headsurgeon.reports.classify import CROSS_SCALE_FORMATS, cross_scale_folders
-from headsurgeon.reports.corpora import corpus_folders
+from headsurgeon.reports import write_classification, write_corpora, write_cross_scale
+from headsurgeon.reports.classify import CROSS_SCALE_FORMATS, cross_scale_folders, format_summary
+from headsurgeon.reports.corpora import corpus_folders, format_corpora_summary
+from headsurgeon.reports.folders import default_out_dir, model_folder_name
 
 __all__ = [
     "classify",
-    "corpus_names",
 ]
 
 logger = logging.getLogger(__name__)

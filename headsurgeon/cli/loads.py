@@ -1,13 +1,5 @@
 """What the tools load once their options are checked: the model and the data (imports torch
 and TransformerLens, so the tools import it after parsing; see :mod:`headsurgeon.cli`).
-
-Exports:
-    use_threads(args)         torch's intra-op thread count: --threads, else no more than the
-                              cores other jobs leave free (one log line when that lowers it)
-    load_model_from_args(a)   the model MODEL, --dtype and the device options describe, with a
-                              tokenizer for the tool's text (require_tokenizer)
-    require_tokenizer(m, a)   one line, not "pass token tensors", for a model without tokenizer
-    load_data(model, args)    the token sequences the data options describe
 """
 
 from __future__ import annotations
@@ -25,9 +17,6 @@ from headsurgeon.errors import DataError
 from headsurgeon.loading import load_model, model_info
 
 __all__ = [
-    "use_threads",
-    "load_model_from_args",
-    "require_tokenizer",
     "load_data",
 ]
 

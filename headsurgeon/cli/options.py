@@ -5,51 +5,6 @@ Each tool (``cli/classify.py``...) builds its parser from these and from the lib
 missing MODEL folder, an unknown model name or an ``--out`` folder it may not write
 (:func:`check_out`) is answered before torch, TransformerLens, transformers, pandas or plotly is
 imported.
-
-Exports:
-    ArgumentParser            argparse with one-line usage errors (exit code 2), --version (as
-                              python -m headsurgeon --version), every
-                              option's default in --help (help_with_default, shown_default),
-                              an option that needs another (needs) and a value given twice in a
-                              list option refused
-    positive_int, non_negative_int   argparse types for counts (at most MAX_COUNT, 2**24)
-    seed, thread_count        argparse types of --seed (0..2**63 - 1) and --threads (1..4 x cores)
-    device_map, max_memory    argparse types of --device-map (auto, MODULE=DEVICE,...) and
-                              --max-memory (DEVICE=SIZE,...)
-    add_model_args(parser)    MODEL, --dtype (unless dtype=False), --device, --device-map,
-                              --max-memory, --offload-folder, --threads
-    placement_args(args)      load_model's device, device_map, max_memory, offload_folder
-    add_data_args(parser)     --texts (corpora=True: repeatable) or --dataset, --split,
-                              --column (dataset=False: none of the three), --n-seqs,
-                              --seq-len, --prepend-bos/--no-prepend-bos
-    add_threshold_args(group) --sink-threshold, --dead-threshold, --min-output-share (the
-                              classification thresholds, headsurgeon.classify.Thresholds)
-    add_dataset_args(g, x, what)   --dataset (in the mutually exclusive group x), --split,
-                              --column: a Hugging Face dataset as the text ``what`` names
-    needs_dataset(parser)     --split and --column refused without --dataset (one line)
-    dataset_name              the argparse type of --dataset: a name, or a path that exists
-    dataset_split(args)       --split, else train
-    dtype_name                the argparse type of a dtype: any of its names, as its canonical
-                              one (fp16 -> float16), so that one given twice is seen
-    TextFiles                 the argparse action of a FILE option: each file read and checked
-                              when parsed (missing, a folder, binary, not UTF-8: one line), so a
-                              path is never taken for text
-    CorpusFiles               the same, repeatable: one corpus per occurrence (args.corpora)
-    add_output_args(parser)   --out, --overwrite, --format
-    claim_out(args, default)  context manager: the output folder (--out, else ``default``),
-                              checked and claimed (headsurgeon.outputs.claim_output) before any
-                              model is loaded, held until the tool has written it; never one
-                              that is, holds or lies inside one of run_inputs(args)
-    check_out(args)           --out checked as claim_out will check it, creating nothing: a
-                              refusal before the tool's heavy imports
-    run_inputs(args)          the files and folders a run reads: a MODEL folder (or bundled
-                              organism's), --texts, --corpus, --eval-corpus
-    figure_formats(args)      the figure formats to write; --format svg/pdf without a browser
-                              is a one-line error here, before any model is loaded
-    check_models(args, also, files)   each MODEL located (headsurgeon.model_names.locate_model,
-                              or one of ``also``): a missing folder, an unknown name or (files)
-                              a hub model neither cached nor downloadable is one line now
-    data_source(args)         the texts --texts or --dataset name (None: the bundled ones)
 """
 
 from __future__ import annotations
@@ -85,35 +40,7 @@ from headsurgeon.validation import MAX_SEED
 if TYPE_CHECKING:
     from headsurgeon.corpus_sources import TextSource
 
-__all__ = [
-    "ArgumentParser",
-    "help_with_default",
-    "shown_default",
-    "positive_int",
-    "non_negative_int",
-    "seed",
-    "thread_count",
-    "add_model_args",
-    "add_data_args",
-    "add_dataset_args",
-    "add_threshold_args",
-    "dataset_name",
-    "needs_dataset",
-    "dataset_split",
-    "dtype_name",
-    "data_source",
-    "TextFiles",
-    "CorpusFiles",
-    "add_output_args",
-    "claim_out",
-    "check_out",
-    "run_inputs",
-    "figure_formats",
-    "check_models",
-    "placement_args",
-    "device_map",
-    "max_memory",
-]
+__all__: list[str] = []
 
 logger = logging.getLogger(__name__)
 
@@ -458,7 +385,7 @@ def dataset_name(text: str) -> str:
 
 class TextFiles(argparse.Action):
     """A FILE option (``nargs="+"``): the files are read and checked when parsed, before any
-    model is loaded (:func:`headsurgeon.data.check_texts`, in bounded memory: one line for a
+    model is loaded (:func:`headsurgeon.inputs.check_texts`, in bounded memory: one line for a
     file that is missing, a folder, binary, not UTF-8 or empty), and stored as ``Path`` objects,
     which the library never takes for text."""
 

@@ -23,9 +23,6 @@ This module parses and checks the options with light imports only (``--help``, a
 a bad ``--texts``, ``--corpus`` or ``--eval-corpus`` file, a missing MODEL folder, an unknown
 model name or an ``--out`` folder it may not write answer at once); the repair itself is
 :mod:`headsurgeon.cli.repair_run`, imported after that.
-
-Exports: main(argv) (the tool; returns its exit status), entry() (the console script:
-``run("repair")``), EXIT_DAMAGED (3), EXIT_WORSE (4)
 """
 
 from __future__ import annotations

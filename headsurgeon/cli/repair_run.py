@@ -2,9 +2,6 @@
 (:mod:`headsurgeon.cli.repair`): the settings checked, the output folder and its work folder
 ``<out>.partial`` claimed, the model loaded and repaired, the report written on rank 0 (imports
 torch, TransformerLens, pandas and plotly).
-
-Exports: repair(args, formats) (the run; returns the verdict: ok, incomplete, failed or worse),
-WORK_WRITER (the writer in the mark of ``<out>.partial``)
 """
 
 from __future__ import annotations
@@ -41,10 +38,14 @@ from headsurgeon.heads import HeadSet
 from headsurgeon.inputs import check_regular_file
 from headsurgeon.loading import load_model, model_shape
 from headsurgeon.outputs import atomic_directory, read_mark, resolve_output
-from headsurgeon.repair import RUN_FILE, RepairConfig, recommended_config, repair as repair_heads
-from headsurgeon.reports import default_out_dir, partial_dir, write_report
+from headsurgeon.repair import RepairConfig, recommended_config, repair as repair_heads
+from headsurgeon.repair.resume import RUN_FILE
+from headsurgeon.reports import write_report
+from headsurgeon.reports.folders import default_out_dir, partial_dir
 
-__all__ = ["WORK_WRITER", "repair"]
+__all__ = [
+    "repair",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -6,13 +6,6 @@ logging configuration and the allocator setting the run changed; and the argumen
 errors the library raises inside name the tool's options (``--sink-head-seq-len``), not the
 library's parameters (``head_seq_len``), by one table per tool (:func:`option_names`, plus the
 names a tool gives) and an inner one where one call's parameter is another option.
-
-Exports:
-    tool_session(parser, names)   context of a tool's main (the above)
-    option_names(parser)      the library's names of the parser's options -> the options
-    in_option_terms(names)    context: argument and data errors inside reworded by ``names``
-    record_threads()          torch's thread count as a run found it, once torch is imported
-                              (headsurgeon.cli.work_begins calls it)
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from headsurgeon.allocator import allocator_setting, restore_setting
 from headsurgeon.errors import DataError, InvalidArgumentError
 
-__all__ = ["tool_session", "option_names", "in_option_terms", "record_threads"]
+__all__: list[str] = []
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

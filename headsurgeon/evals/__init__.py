@@ -1,15 +1,6 @@
 """Evaluations: perplexity with a sliding window, loss by position, passkey retrieval and needle
 in a haystack.
 
-Exports (each documented in its module):
-    from :mod:`~headsurgeon.evals.loss`       perplexity, loss_by_position, position_edges,
-                                              sliding_windows, default_window
-    from :mod:`~headsurgeon.evals.retrieval`  passkey, needle, Retrieval, length_auc, summarize,
-                                              retrieval_by_distance, DISTANCE_EDGES
-    from :mod:`~headsurgeon.evals.retrieval_stats`
-                                              distance_table, distance_summary, wilson_interval,
-                                              compare_retrieval, ALPHA
-
 Every evaluation only runs the model forward, so it runs unchanged under any
 ``headsurgeon.blindness.mitigation(...)``. Long sequences run in blocks of query rows through the
 model's key-value cache (:mod:`headsurgeon.long_context`): memory grows linearly with the length,
@@ -23,13 +14,7 @@ The evaluations live in :mod:`~headsurgeon.evals.loss` (perplexity, loss by posi
 :mod:`~headsurgeon.evals.retrieval_stats`); this package gives their names.
 """
 
-from headsurgeon.evals.loss import (
-    default_window,
-    loss_by_position,
-    perplexity,
-    position_edges,
-    sliding_windows,
-)
+from headsurgeon.evals.loss import loss_by_position, perplexity, sliding_windows
 from headsurgeon.evals.retrieval import (
     DISTANCE_EDGES,
     Retrieval,
@@ -48,11 +33,9 @@ from headsurgeon.evals.retrieval_stats import (
 )
 
 __all__ = [
-    "default_window",
     "sliding_windows",
     "perplexity",
     "loss_by_position",
-    "position_edges",
     "Retrieval",
     "length_auc",
     "summarize",

@@ -1,14 +1,5 @@
 """Perplexity with a sliding window and loss by position: the language-modelling evaluations of
 :mod:`headsurgeon.evals`, and the length checks its retrieval tasks share.
-
-Exports:
-    perplexity(model, data, window, stride, batch_size)  token-weighted perplexity (float)
-    loss_by_position(model, data, length, n_seqs, ...)   mean loss per position bucket (DataFrame)
-    position_edges(length)                               its default buckets (powers of two)
-    sliding_windows(n_tokens, window, stride)            the windows perplexity scores
-    default_window(info, n_ctx)                          perplexity's default window
-    check_edges(edges, length)                           buckets checked: increasing, within length
-    next_token_nll(model, tokens, block_size)            (position, nll) block by block, float64
 """
 
 from __future__ import annotations
@@ -47,13 +38,9 @@ from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int
 
 __all__ = [
-    "default_window",
     "loss_by_position",
     "perplexity",
-    "position_edges",
     "sliding_windows",
-    "check_edges",
-    "next_token_nll",
 ]
 
 logger = logging.getLogger(__name__)

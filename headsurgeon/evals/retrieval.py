@@ -2,20 +2,6 @@
 needle's distance to the question with a chance baseline: the retrieval evaluations of
 :mod:`headsurgeon.evals`.
 
-Exports:
-    passkey(model, lengths, depths, n_trials, seed)      Retrieval: the passkey task
-    needle(model, haystack_texts, lengths, depths, ...)  Retrieval: needle in a haystack
-    retrieval_by_distance(model, task, haystack, distances, n_trials, ...)
-                                                         Retrieval by the needle's distance to the
-                                                         question, with a chance baseline per bin
-    DISTANCE_EDGES                                       its default bins: 0, 16, 32, ... 8192
-    Retrieval                                            trials, table (length x depth or distance
-                                                         bin), summary
-    length_auc(lengths, values), summarize(table, ...)   AUC over context lengths, in/out of context
-    PASSKEY_INTRO, PASSKEY_NEEDLE, PASSKEY_QUESTION, NEEDLE_SENTENCE, NEEDLE_QUESTION,
-    NEEDLE_WORDS                                         the prompts' text
-    answer_scores(model, prompt, candidates)             candidates' log-likelihoods, greedy hits
-
 The statistics of retrieval by distance (``distance_table``, ``distance_summary``,
 ``compare_retrieval``, ``wilson_interval``): :mod:`headsurgeon.evals.retrieval_stats`.
 """

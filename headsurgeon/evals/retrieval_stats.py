@@ -1,16 +1,6 @@
 """The statistics of retrieval by distance: per bin, accuracy with and without the needle, their
 Wilson intervals and the paired test of the two; where accuracy falls to the baseline; two
 models compared prompt by prompt. From :func:`headsurgeon.evals.retrieval_by_distance`'s trials.
-
-Exports:
-    distance_table(trials, train_ctx)     its table per bin, with the paired (McNemar) test
-    distance_summary(table, alpha)        where accuracy falls to the baseline, bins tested
-    compare_retrieval(a, b, from_distance)
-                                          two models on the same prompts: paired tests per bin
-                                          and pooled
-    wilson_interval(k, n)                 95% Wilson interval of a proportion
-    ALPHA                                 the tests' level: 0.05
-    METRICS                               greedy_accuracy, top1_accuracy
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
 """Checkpoint state: what a fine-tuning checkpoint holds, and reading one back safely.
 
-Exports:
-    CHECKPOINT_FILE                     the checkpoint's file name in a run's folder
-    load_checkpoint(dir)                the checkpoint a run left in ``dir`` (or None), checked
-    load_torch_file(path, what, fix)    what a headsurgeon ``torch.save`` wrote, read safely
-                                        (``weights_only``; any other object: refused, one line)
-    weights_digest(model, excluding)    digest of the weights: a resume must see the same model
-    Progress                            what a run has done so far (to_dict: as saved)
-    save_checkpoint(path, state)        a checkpoint dict written atomically
-    check_resume(state, path, expected) a checkpoint's identity against the run resuming it
-    check_progress(progress, step, slices, path)
-                                        its progress checked against its step
-    tensors_like(given, expected, path, what)
-                                        saved tensors checked against the live ones
-    bad_checkpoint(path, problem)       the CheckpointError line for a checkpoint not as written
-    config_dict(cfg)                    the settings a checkpoint records
-    rng_state(), restore_rng_state(state)
-                                        the random state a checkpoint holds, and back
-
 A checkpoint is one ``torch.save`` dict, written atomically by rank 0: its identity (model,
 heads, weights fingerprint, world size, settings) and its state (step, trained slices, optimiser,
 schedule, random state, progress). Everything read back is checked before it is used, and a file
@@ -51,19 +33,7 @@ from headsurgeon.outputs import atomic_write_bytes
 from headsurgeon.surgery import head_masks
 
 __all__ = [
-    "CHECKPOINT_FILE",
-    "load_checkpoint",
-    "load_torch_file",
-    "weights_digest",
     "Progress",
-    "save_checkpoint",
-    "check_resume",
-    "check_progress",
-    "tensors_like",
-    "bad_checkpoint",
-    "config_dict",
-    "rng_state",
-    "restore_rng_state",
 ]
 
 CHECKPOINT_FILE = "checkpoint.pt"

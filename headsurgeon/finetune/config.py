@@ -1,12 +1,5 @@
 """The settings and the result of a masked fine-tuning run.
 
-Exports:
-    FinetuneConfig                      optimiser, schedule, precision, evaluation, checkpoints
-                                        (validated on creation; ``validate()`` after changes)
-    FinetuneResult                      history of a run (per-step losses, per-evaluation metrics)
-    STRATEGIES                          the ways of keeping frozen weights frozen: "slices", "mask"
-                                        (:mod:`headsurgeon.finetune.strategies`)
-
 >>> FinetuneConfig(steps=8).warmup, FinetuneConfig(steps=8).eval_interval
 (2, 1)
 """

@@ -1,13 +1,4 @@
-"""What fine-tuning minimises: next-token loss by default, or the BOS mass of chosen heads.
-
-Exports:
-    Objective                           ``objective(model, tokens) -> scalar loss``
-    next_token_loss(model, tokens)      the default objective: mean next-token cross-entropy
-                                        (``chunk=``: over that many positions at a time)
-    head_bos_mass(model, tokens, heads) differentiable BOS mass of chosen heads
-    bos_mass_objective(heads, target)   objective that pushes heads' attention to position 0
-                                        (the repair procedure run in reverse: plants BOS sinks)
-"""
+"""What fine-tuning minimises: next-token loss by default, or the BOS mass of chosen heads."""
 
 from __future__ import annotations
 
@@ -31,7 +22,6 @@ from headsurgeon.heads import Heads, HeadSet
 __all__ = [
     "Objective",
     "bos_mass_objective",
-    "head_bos_mass",
     "next_token_loss",
 ]
 

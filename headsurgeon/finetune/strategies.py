@@ -1,16 +1,5 @@
 """The slices and masks machinery: how a fine-tuning step trains the chosen heads only.
 
-Exports:
-    SliceTrainer                        the ``"slices"`` strategy: float32 copies of the chosen
-                                        slices (:class:`headsurgeon.surgery.HeadParameters`)
-    MaskTrainer                         the ``"mask"`` strategy: gradient masks on whole tensors
-                                        (:class:`headsurgeon.surgery.HeadMask`), frozen elements
-                                        restored after every step
-    make_trainer(model, heads, ...)     the module a step trains (SliceTrainer or MaskTrainer)
-    checkpointed_blocks(model)          context manager: blocks recomputed in the backward pass
-    unmovable_heads(model, heads, ...)  the heads fine-tuning cannot move from their weights (a
-                                        zero value and output slice, or zero gradients measured)
-
 Both strategies keep frozen weights frozen under any AdamW setting, weight decay included; see
 :mod:`headsurgeon.finetune` for when to use which.
 """
@@ -47,7 +36,6 @@ from headsurgeon.surgery import (
 
 __all__ = [
     "MaskTrainer",
-    "SliceTrainer",
     "checkpointed_blocks",
     "make_trainer",
     "unmovable_heads",

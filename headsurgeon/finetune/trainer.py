@@ -1,18 +1,5 @@
 """The trainer: AdamW with warm-up and cosine decay on the chosen heads' slices, resumable, DDP.
 
-Exports:
-    finetune(model, heads, train, ...)  train the chosen heads' slices in place; every other
-                                        weight stays bit-identical
-    warmup_cosine(warmup, steps)        the learning-rate factor of a step
-    TrainingDivergedError               a NaN or infinite loss stopped the run
-    check_grad_mode(model, what)        one line where training cannot work: inside
-                                        torch.inference_mode(), or on weights made there
-    duration(seconds)                   "40 s", "3.4 min", "1.2 h"
-    duration_range(bar), timed_steps(bar)   a RunBar's time left as a range, and what it
-                                        comes from
-    warn_busy_threads()                 one warning when torch's threads exceed the cores other
-                                        jobs leave free (once per process and count)
-
 :func:`finetune` checks its inputs once (its sequences by
 :func:`headsurgeon.data.as_sequences`, the rest in :class:`_Job`), then runs the loop
 (:class:`_Loop`): seeded batches, gradient accumulation, clipping, evaluations, checkpoints
@@ -93,13 +80,8 @@ from headsurgeon.validation import MAX_SEED
 
 __all__ = [
     "TrainingDivergedError",
-    "check_grad_mode",
     "duration",
-    "duration_range",
     "finetune",
-    "timed_steps",
-    "warn_busy_threads",
-    "warmup_cosine",
 ]
 
 logger = logging.getLogger(__name__)

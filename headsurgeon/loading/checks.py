@@ -1,18 +1,5 @@
 """Checkpoint validation: a folder checked before any of its weights is read (they may be many GB).
 
-Exports:
-    check_checkpoint(directory)   regular files, config.json against the stored tensors' shapes
-                                  and dtypes, headsurgeon.json against config.json
-    tl_config(config_dir)         TransformerLens's own check that it converts a config.json
-    checked_folder(directory)     check_checkpoint, returning the folder's headsurgeon.json
-    check_weight_family(directory, config, found)
-                                  the stored tensors are the family config.json names
-    bloom_config(file, config)    a BLOOM config.json's validated values (None: not BLOOM)
-    check_bloom_tensors(directory, config, bloom, found)
-                                  BLOOM weights' names, shapes, dtypes
-    check_training(directory, bloom, metadata)
-                                  headsurgeon.json's training sizes vs config
-
 A BLOOM ``config.json`` is checked field by field (:data:`_BLOOM_FIELDS`) and against the tensors
 the file headers declare (:func:`headsurgeon.loading.files.stored_tensors`); any other
 architecture must name a causal language model that transformers and TransformerLens agree on.
@@ -49,15 +36,7 @@ from headsurgeon.loading.files import (
 )
 from headsurgeon.loading.metadata import folder_metadata
 
-__all__ = [
-    "check_checkpoint",
-    "check_weight_family",
-    "tl_config",
-    "checked_folder",
-    "bloom_config",
-    "check_bloom_tensors",
-    "check_training",
-]
+__all__: list[str] = []
 
 
 def check_checkpoint(directory: Path) -> None:

@@ -1,15 +1,5 @@
 """The facts the tools need about a model: its shape, where it came from, its conventions.
 
-Exports:
-    model_shape(model)      ModelShape of a model, a BLOOM name (no weights needed), a bundled
-                            organism or a checkpoint folder (validated, weights unread)
-    model_info(model, caller)   the door of every verb: the model checked, its ModelInfo
-                            (name, source, shape, ALiBi slopes, length limit, BOS rule)
-    applied_slopes(model, hf_config)   which ALiBi formula a model applies, decided here
-    model_metadata(model)   a model's or folder's headsurgeon.json, weights unread
-    BLOOM_SHAPES            the published BLOOM configurations by name
-    ALIBI_SHAPES            the published MPT-7B and Falcon-RW configurations by name
-
 >>> model_shape("bloom-560m").n_layers, model_shape("bigscience/bloom-560m").d_model
 (24, 1024)
 """
@@ -36,7 +26,8 @@ from headsurgeon.loading.checks import bloom_config, check_bloom_tensors, check_
 from headsurgeon.loading.files import check_files, has_weights, is_int, read_json, stored_tensors
 from headsurgeon.loading.metadata import folder_metadata
 from headsurgeon.loading.numerics import TrainingNumerics, training_numerics
-from headsurgeon.loading.sources import ORGANISM_DIR, organism_names, unknown_message
+from headsurgeon.loading.sources import organism_names
+from headsurgeon.model_names import ORGANISM_DIR, unknown_message
 
 __all__ = [
     "ALIBI_SHAPES",
@@ -45,7 +36,6 @@ __all__ = [
     "ModelShape",
     "applied_slopes",
     "model_info",
-    "model_metadata",
     "model_shape",
 ]
 

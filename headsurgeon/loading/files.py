@@ -1,22 +1,5 @@
 """The files of a checkpoint folder, checked and read without reading a weight.
 
-Exports:
-    stored_tensors(directory)        name -> StoredTensor (dtype, shape) of every stored tensor,
-                                     from the file headers alone
-    weight_files(directory)          the weight files transformers reads (safetensors, else
-                                     pickled; a shard index's shards)
-    safetensors_header(file)         one safetensors file's tensors, its header checked
-    pickled_tensors(file)            one pickled ``.bin`` file's tensors, checked
-    read_json(path)                  a checkpoint's JSON file: bounded, one object
-    METADATA_FILE, TOKENIZER_FILES   the files of a checkpoint folder besides config and weights
-    check_files(directory)           one line for a file to open that is not a sane one
-    has_weights(directory)           whether the folder holds weight files
-    WEIGHT_DTYPES                    the floating dtypes weights may have
-    is_int(value)                    an int that is not a bool (JSON true is no count)
-    some_names(names), more_names(names)
-                                     a few tensor names and a count, for messages
-    corrupt_bin(directory)           the message for truncated or corrupt *.bin weights
-
 Every file that will be opened is first checked to be a readable regular file of plausible size
 (a FIFO would block transformers for ever, ``/dev/zero`` fill memory), and a corrupt one is one
 :class:`~headsurgeon.errors.CheckpointError` line naming it and the fix. The weights' headers tell
@@ -40,21 +23,7 @@ from headsurgeon import inputs
 from headsurgeon.errors import CheckpointError
 
 __all__ = [
-    "METADATA_FILE",
-    "TOKENIZER_FILES",
-    "StoredTensor",
-    "pickled_tensors",
     "read_json",
-    "safetensors_header",
-    "stored_tensors",
-    "weight_files",
-    "check_files",
-    "has_weights",
-    "WEIGHT_DTYPES",
-    "is_int",
-    "some_names",
-    "more_names",
-    "corrupt_bin",
 ]
 
 

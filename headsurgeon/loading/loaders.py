@@ -1,11 +1,5 @@
 """Loading a model: from a name, a bundled organism or a folder, from memory, or random.
 
-Exports:
-    load_model(model, dtype, device, device_map, ...)   TransformerLens model, exact ALiBi
-    from_hf_model(hf_model, tokenizer, ...)              wrap an in-memory transformers model
-    random_model(shape, seed)                            random-weight BLOOM of a given shape
-    random_hf_bloom(shape, seed)                         the same, as a transformers model
-
 The folder is validated first (:func:`headsurgeon.loading.checks.check_checkpoint`), then read by
 transformers (safetensors; ``torch.load(weights_only=True)`` for legacy ``.bin``; remote code never
 trusted) and converted by the installed TransformerLens with its weights unprocessed.
@@ -45,7 +39,8 @@ from headsurgeon.loading.files import (
     weight_files,
 )
 from headsurgeon.loading.metadata import check_metadata
-from headsurgeon.loading.sources import DEFAULT_MODEL, resolve_model
+from headsurgeon.loading.sources import resolve_model
+from headsurgeon.model_names import DEFAULT_MODEL
 from headsurgeon.placement import (
     Placement,
     adopt,

@@ -1,9 +1,5 @@
 """``headsurgeon.json``: the one schema of what headsurgeon records beside a checkpoint.
 
-Exports:
-    check_metadata(data, path)   the file's contents if every known field has its type and range
-    folder_metadata(directory)   the folder's headsurgeon.json, read and checked ({})
-
 >>> check_metadata({"prepend_bos": None, "notes": "kept as they are"}, "headsurgeon.json")
 {'prepend_bos': None, 'notes': 'kept as they are'}
 
@@ -28,7 +24,9 @@ from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.loading.files import METADATA_FILE, is_int, read_json
 from headsurgeon.loading.numerics import from_record
 
-__all__ = ["check_metadata", "folder_metadata"]
+__all__ = [
+    "check_metadata",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -3,13 +3,6 @@
 A bias form and a dtype the model never saw is a mismatch, not a property of the model, so
 every precision measurement can be read against the numerics the model learnt under.
 
-Exports:
-    TrainingNumerics                the record: bias form, scores dtype, softmax dtype, source
-    PUBLISHED_NUMERICS              the published models' numerics, with their sources
-    training_numerics(name, meta)   a model's numerics: its headsurgeon.json, else the table
-    from_record(record, where)      a headsurgeon.json record, checked (one line)
-    BIAS_FORMS, BIAS_MEANINGS       absolute, relative, last-key, and each in words
-
 >>> training_numerics("bigscience/bloom-560m", {}).describe()
 'absolute ALiBi bias (slope x key position), scores in bfloat16, softmax in float32'
 >>> training_numerics("my-model", {}) is None
@@ -25,10 +18,7 @@ from headsurgeon.errors import CheckpointError
 
 __all__ = [
     "BIAS_FORMS",
-    "BIAS_MEANINGS",
-    "PUBLISHED_NUMERICS",
     "TrainingNumerics",
-    "from_record",
     "training_numerics",
 ]
 

@@ -1,10 +1,5 @@
 """The ALiBi slopes a model applies, read from its record, and switching a model to exact ones.
 
-Exports:
-    alibi_slopes(model)       the ALiBi slopes ``model`` applies: ``model_info(model).slopes``
-    use_exact_alibi(model)    Hugging Face's ALiBi slopes for any head count (warns if they change)
-    inexact_slopes(info)      why a model's slopes are not BLOOM's, in words, or None
-
 Which formula applies is decided in one place, :func:`headsurgeon.loading.facts.applied_slopes`;
 the formulas are pure math in :mod:`headsurgeon.alibi`, and which family applies which is
 :mod:`headsurgeon.families`.
@@ -25,7 +20,10 @@ from headsurgeon.exact_alibi import install_exact_alibi
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading.facts import ModelInfo, model_info
 
-__all__ = ["alibi_slopes", "inexact_slopes", "use_exact_alibi"]
+__all__ = [
+    "alibi_slopes",
+    "use_exact_alibi",
+]
 
 
 def alibi_slopes(model: Model) -> Float[Tensor, " head_index"]:

@@ -1,16 +1,5 @@
 """Where a model comes from: a bundled organism, the Hugging Face hub or a local folder.
 
-Exports:
-    resolve_model(model)   (display name, local checkpoint folder) of a user's model argument
-    organism_names()       short names of the model organisms bundled with the package
-    ORGANISM_DIR           their folder; DEFAULT_MODEL, the tools' default model
-    unknown_message(name, candidates)
-                           the unknown-model line with the closest names
-    download_command(official)
-                           the ``hf download`` command that fills the cache for a hub model
-    (these five from :mod:`headsurgeon.model_names`, which names models without importing
-    torch or TransformerLens)
-
 A hub name (any TransformerLens name or alias) is read from the Hugging Face cache, else
 downloaded after one bounded probe of the hub (``HF_HUB_OFFLINE=1`` respected); an unknown name
 is one :class:`~headsurgeon.errors.UnknownModelError` line with the closest known names.
@@ -28,22 +17,15 @@ from pathlib import Path
 from headsurgeon.errors import ModelNotFoundError, first_line
 from headsurgeon.loading.files import TOKENIZER_FILES, has_weights
 from headsurgeon.model_names import (
-    DEFAULT_MODEL,
-    ORGANISM_DIR,
     check_hub_model,
     download_command,
     locate_model,
     organism_names,
-    unknown_message,
 )
 
 __all__ = [
-    "DEFAULT_MODEL",
-    "ORGANISM_DIR",
-    "download_command",
     "organism_names",
     "resolve_model",
-    "unknown_message",
 ]
 
 logger = logging.getLogger(__name__)

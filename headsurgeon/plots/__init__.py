@@ -7,59 +7,7 @@ Colour scales are colour-blind safe (viridis, a blue-red diverging scale, Okabe-
 labels are drawn as symbols as well as colours (so they survive greyscale print), fonts are sized
 for a paper figure at 2x scale, and hovering a cell shows every metric of the head.
 
-Exports:
-    head_grid(df, metric)              heatmap of one metric; BOS-sink / dead heads marked
-    label_grid(df)                     the label of every head
-    diff_grid(before, after, metric, bound=)
-                                       after - before, heads whose label changed outlined,
-                                       colour scale ±bound
-    diff_bound(pairs, metric)          one bound for diff grids shown together
-    sweep_plot(sweep)                  label counts against each threshold
-    models_grid({name: df}, metric)    several models side by side, one colour scale
-    sick_share_plot(shares)            sick share per layer band, one line per model
-    blind_distance_grid(df)            blind distance per head, dtype and underflow limit
-    zero_fraction_plot(by_distance)    share of exact-zero weights against distance, per head
-    analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
-    retrieval_heatmap(table, metric)   depth x context length of a passkey/needle metric
-    retrieval_distance_plot(table, heads)
-                                       accuracy by needle distance against its no-needle
-                                       baseline, each head's reach and first exact zero marked
-    precision_figure(by_position)      loss change by position per dtype and rounded part
-    reach_figure(census, by_head)      each head's reach (beside its slope's alone), first
-                                       exact zero and analytic blind distance on one
-                                       log-distance axis
-    window_figure(table)               loss change when attention is cut to keys within d
-    corpus_diff_grid(compared, metric) metric on corpus b minus on corpus a (compare_corpora)
-    corpora_grid(compared, metric)     each corpus's head grid side by side
-    sink_cache_figure(by_cache)        perplexity with a cache of sinks plus recent tokens
-    importance_grid(df)                delta_loss per head (head_importance), diverging colour
-    bos_vs_importance(df)              BOS mass against delta_loss, by label: dormant sinks
-    attention_pattern(model, text, heads)
-                                       query x key weights of heads on a text (exact, from the
-                                       census's hook; max-pooled beyond MAX_CELLS positions)
-    pattern_diff(before, after, text, heads)
-                                       those weights before, after and the change, per head
-    style(fig, title=..., ...)         the house layout (template, fonts, title, size) every
-                                       figure here, in reports and in analyses/ goes through
-    save_figure(fig, path)             .html, .png, .svg or .pdf, written atomically
-    save_figures(figs, folder, fmts)   every figure in every format; static ones skipped
-                                       without a browser (see split_formats)
-    split_formats(formats)             the formats to write and the static ones to skip
-    plotly_bundle(figures)             the smallest plotly.js that draws them (the cartesian
-                                       bundle, 1.5 MB, else the full one): (file name, text)
-    require_browser(what)              FigureExportError (one line, the fix) without Chromium
-    start_browser(what)                start it in bounded time; FigureExportError if it fails
-    start_timeout()                    that time: HEADSURGEON_BROWSER_TIMEOUT, else 30 s
-    has_browser()                      whether static figures can be written here
-    warn_skipped(names, folder)        the one warning line about skipped static figures
-    Figure                             go.Figure that also shows as HTML and PNG in notebooks
-    FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
-    MAX_CELLS                          positions a side above which patterns are max-pooled
-    FONT, OKABE_ITO                    the house font and the colour-blind-safe palette
-    column_label(column)               a table column in words with its unit, as every figure
-                                       and page names it (COLUMN_LABELS)
-
-Modules (each name above is importable from ``headsurgeon.plots`` itself):
+Modules (their figures are importable from ``headsurgeon.plots`` itself):
     grids        head_grid, label_grid, diff_grid, models_grid: one cell per head
     counts       sweep_plot, sick_share_plot: how many heads are sick, by threshold, band, model
     importance   importance_grid, bos_vs_importance: what removing a head costs
@@ -120,25 +68,25 @@ from headsurgeon.plots.evaluation import (
 from headsurgeon.plots.export import (
     CARTESIAN_TRACES as CARTESIAN_TRACES,
     DEFAULT_FORMATS as DEFAULT_FORMATS,
-    FORMATS,
+    FORMATS as FORMATS,
     INSTALL_BROWSER as INSTALL_BROWSER,
-    STATIC_FORMATS,
-    has_browser,
-    plotly_bundle,
-    require_browser,
+    STATIC_FORMATS as STATIC_FORMATS,
+    has_browser as has_browser,
+    plotly_bundle as plotly_bundle,
+    require_browser as require_browser,
     save_figure,
     save_figures,
-    split_formats,
-    start_browser,
-    start_timeout,
-    warn_skipped,
+    split_formats as split_formats,
+    start_browser as start_browser,
+    start_timeout as start_timeout,
+    warn_skipped as warn_skipped,
 )
 from headsurgeon.plots.grids import (
     HOVER_SKIP as HOVER_SKIP,
     LABEL_COLOURS as LABEL_COLOURS,
     LABEL_MARKERS as LABEL_MARKERS,
     METRIC_RANGES as METRIC_RANGES,
-    diff_bound,
+    diff_bound as diff_bound,
     diff_grid,
     head_grid,
     label_grid,
@@ -151,22 +99,18 @@ from headsurgeon.plots.importance import (
 )
 from headsurgeon.plots.layout import (
     COLUMN_LABELS as COLUMN_LABELS,
-    FONT,
+    FONT as FONT,
     OKABE_ITO,
     column_label,
     style,
 )
 from headsurgeon.plots.notebook import Figure
-from headsurgeon.plots.patterns import MAX_CELLS, attention_pattern, pattern_diff
+from headsurgeon.plots.patterns import MAX_CELLS as MAX_CELLS, attention_pattern, pattern_diff
 from headsurgeon.plots.sink_cache import sink_cache_figure
 
 __all__ = [
-    "FONT",
-    "FORMATS",
     "OKABE_ITO",
-    "STATIC_FORMATS",
     "Figure",
-    "MAX_CELLS",
     "analytic_vs_measured",
     "attention_pattern",
     "blind_distance_grid",
@@ -174,30 +118,22 @@ __all__ = [
     "column_label",
     "corpora_grid",
     "corpus_diff_grid",
-    "diff_bound",
     "diff_grid",
-    "has_browser",
     "head_grid",
     "importance_grid",
     "label_grid",
     "models_grid",
     "pattern_diff",
-    "plotly_bundle",
     "precision_figure",
     "reach_figure",
-    "require_browser",
     "retrieval_distance_plot",
     "retrieval_heatmap",
     "save_figure",
     "save_figures",
     "sick_share_plot",
     "sink_cache_figure",
-    "split_formats",
-    "start_browser",
-    "start_timeout",
     "style",
     "sweep_plot",
-    "warn_skipped",
     "window_figure",
     "zero_fraction_plot",
 ]

@@ -1,10 +1,5 @@
 """Heads across corpora: the per-head difference between two corpora, and each corpus side by side.
 
-Exports:
-    corpus_diff_grid(compared, metric, a=, b=)   metric on corpus b minus on corpus a, per head;
-                                                 label changes outlined, dormancy changes marked
-    corpora_grid(compared, metric)               each corpus's head grid side by side
-
 Both take :func:`headsurgeon.compare_corpora`'s long table (a ``corpus`` column, one row per head
 per corpus). Corpus names are user text (file names): they reach a figure's titles escaped, so a
 name that looks like markup shows as written.

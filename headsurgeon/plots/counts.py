@@ -1,9 +1,5 @@
 """Label counts: how many heads are sick as each threshold moves, and per layer band and model.
 
-Exports:
-    sweep_plot(sweep)         label counts against each threshold
-    sick_share_plot(shares)   sick share per layer band, one line per model
-
 >>> from headsurgeon.classify import threshold_sweep
 >>> census = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0],
 ...                        "bos_mass": [0.1, 0.48, 0.97], "output_share": [0.3] * 3})

@@ -1,11 +1,5 @@
 """Distance figures: how far each head looks, and which distances the model's loss needs.
 
-Exports:
-    reach_figure(census, by_head)   per head on a log-distance axis: its reach beside its
-                                    slope's content-free reach, its first exact zero and its
-                                    analytic blind distance
-    window_figure(table)            ΔNLL against the attention window, one line per position bucket
-
 >>> import pandas as pd
 >>> census = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "slope": [0.5, 0.25],
 ...                        "reach": [12.0, float("inf")], "reach_baseline": [10.0, 19.0]})

@@ -1,16 +1,5 @@
 """Blindness and evaluation figures: where ALiBi heads stop seeing, and what retrieval finds.
 
-Exports:
-    blind_distance_grid(df)            blind distance per head, dtype and underflow limit
-    zero_fraction_plot(by_distance)    share of exact-zero weights against distance, per head
-    analytic_vs_measured(by_head)      measured first zero against the analytic blind distance
-    retrieval_heatmap(table, metric)   depth x context length of a passkey/needle metric
-    precision_figure(by_position)      loss change by position per dtype and rounded part
-    retrieval_distance_plot(table, heads)
-                                       accuracy by needle distance with its chance baseline,
-                                       each head's reach and first exact zero on the same axis
-    sequential_colours(n)              n colours along viridis (the distance figures share them)
-
 >>> from headsurgeon.blindness import analytic_blindness
 >>> table = analytic_blindness("bloom-560m", dtypes=["float32"], limits=["normal"])
 >>> fig = blind_distance_grid(table)  # head 0 is blind beyond 124 tokens, in bold: < 2048
@@ -50,7 +39,6 @@ __all__ = [
     "retrieval_distance_plot",
     "retrieval_heatmap",
     "zero_fraction_plot",
-    "sequential_colours",
 ]
 
 

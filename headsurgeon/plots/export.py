@@ -1,21 +1,5 @@
 """Figure files: html, and png, svg and pdf through kaleido and a Chromium browser.
 
-Exports:
-    save_figure(fig, path)             .html, .png, .svg or .pdf, written atomically
-    save_figures(figs, folder, fmts)   every figure in every format; static ones skipped
-                                       without a browser (see split_formats)
-    split_formats(formats)             the formats to write and the static ones to skip
-    plotly_bundle(figures)             the smallest plotly.js that draws them: (file name, text)
-    CARTESIAN_TRACES                   the trace types of plotly.js's cartesian bundle
-    require_browser(what)              FigureExportError (one line, the fix) without Chromium
-    start_browser(what)                start it, bounded in time (FigureExportError if not)
-    start_timeout()                    that bound: HEADSURGEON_BROWSER_TIMEOUT, else 30 s
-    has_browser()                      whether static figures can be written here
-    warn_skipped(names, folder)        the one warning line about skipped static figures
-    FORMATS, STATIC_FORMATS            the formats save_figure writes; those needing Chromium
-    image_bytes(fig, fmt, scale)       static image bytes through kaleido (one Chromium kept)
-    quiet_browser_exit()               silence choreographer's exit noise (once)
-
 >>> split_formats(["html"])
 (['html'], [])
 
@@ -60,20 +44,8 @@ from headsurgeon.outputs import atomic_write_bytes, atomic_write_text
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CARTESIAN_TRACES",
-    "FORMATS",
-    "STATIC_FORMATS",
-    "has_browser",
-    "require_browser",
-    "start_browser",
-    "start_timeout",
     "save_figure",
     "save_figures",
-    "split_formats",
-    "plotly_bundle",
-    "warn_skipped",
-    "image_bytes",
-    "quiet_browser_exit",
 ]
 
 FORMATS = ("html", "png", "svg", "pdf")

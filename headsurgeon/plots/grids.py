@@ -1,18 +1,5 @@
 """Head grids: one cell per head, layers down and heads across, for a census or a classification.
 
-Exports:
-    head_grid(df, metric)              heatmap of one metric; BOS-sink / dead heads marked
-    label_grid(df)                     the label of every head
-    diff_grid(before, after, metric, bound=)
-                                       after - before, heads whose label changed outlined,
-                                       colour scale ±bound (stated in the subtitle)
-    diff_bound(pairs, metric)          one bound for several diff grids shown together
-    models_grid({name: df}, metric)    several models side by side, one colour scale
-    cell_size(n_heads), grid_plot_size(...)
-                                       a head cell's pixels; a grid's plot area
-    grid_shape(df)                     (n_layers, n_heads) of a per-head table
-    census_subtitle(df)                model, data and position 0 of a census, for subtitles
-
 >>> import pandas as pd
 >>> df = pd.DataFrame({"layer": [0, 0, 1, 1], "head": [0, 1, 0, 1],
 ...                    "bos_mass": [0.1, 0.7, 0.2, 0.97]})
@@ -49,15 +36,10 @@ from headsurgeon.plots.layout import (
 from headsurgeon.plots.notebook import notebook_figure
 
 __all__ = [
-    "diff_bound",
     "diff_grid",
     "head_grid",
     "label_grid",
     "models_grid",
-    "cell_size",
-    "grid_plot_size",
-    "grid_shape",
-    "census_subtitle",
 ]
 
 LABEL_COLOURS = {"healthy": "#DDDDDD", "BOS-sink": OKABE_ITO["orange"], "dead": "#1A1A1A"}

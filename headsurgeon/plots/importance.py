@@ -1,9 +1,5 @@
 """Head importance: what removing each head costs, and which attention sinks are dormant.
 
-Exports:
-    importance_grid(df)     delta_loss per head (head_importance), diverging colour
-    bos_vs_importance(df)   BOS mass against delta_loss, by label: dormant sinks
-
 >>> import pandas as pd
 >>> df = pd.DataFrame({"layer": [0, 0], "head": [0, 1], "delta_loss": [0.3, -0.1]})
 >>> importance_grid(df).data[0].zmin

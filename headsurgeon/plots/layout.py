@@ -1,20 +1,5 @@
 """The house style every figure shares: fonts, the colour-blind-safe palette, titles and sizes.
 
-Exports:
-    style(fig, title=..., ...)   the house layout: template, fonts, title, subtitle, size
-    FONT                         the house font (Helvetica, 15 px)
-    OKABE_ITO                    Okabe & Ito's colours, told apart with every common deficiency
-    base_layout(fig, title, subtitle, plot_size)
-                                 a pixel layout around a plot area
-    check_columns(df, columns, what, source)
-                                 one line unless df has the columns and rows
-    wrap_text(text, width)       a subtitle broken at its separators to a width
-    compact_number(x)            short cell text for a distance: 124, 2.2k, 4.4e53, ∞
-    literal(text)                user text (a model or corpus name) as plotly shows it literally
-    COLUMN_LABELS                each table column a figure or page shows, in words with its unit
-    column_label(column)         a column in words with its unit: ``entropy (nats)``
-    colorbar_title(text)         a colour bar's title: the words over the unit, above the bar
-
 >>> import plotly.graph_objects as go
 >>> fig = style(go.Figure(), title="BOS mass", subtitle="organism · 64 seqs", width=600)
 >>> fig.layout.width, fig.layout.title.x
@@ -46,17 +31,9 @@ import plotly.graph_objects as go
 from headsurgeon.errors import InvalidArgumentError, shown
 
 __all__ = [
-    "COLUMN_LABELS",
-    "FONT",
     "OKABE_ITO",
     "style",
-    "literal",
-    "base_layout",
-    "check_columns",
-    "wrap_text",
-    "compact_number",
     "column_label",
-    "colorbar_title",
 ]
 
 FONT = {"family": "Helvetica, Arial, sans-serif", "size": 15, "color": "#222222"}

@@ -1,13 +1,5 @@
 """The notebook output of a figure: plotly's own, plus HTML and a PNG that show without plotly.js.
 
-Exports:
-    Figure             go.Figure that also shows as HTML and PNG in notebooks
-    NOTEBOOK_OUTPUTS   the extra representations: ("text/html", "image/png")
-    NOTEBOOK_SCALE     the pixel scale of the notebook PNG (1: the figure's own size)
-    notebook_figure    decorator: a figure function's result as a Figure
-    mimetype_renderers_in_ipython()
-                       whether plotly's renderers give notebook output
-
 >>> @notebook_figure
 ... def empty() -> go.Figure:
 ...     return go.Figure()
@@ -43,10 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "NOTEBOOK_OUTPUTS",
-    "NOTEBOOK_SCALE",
     "Figure",
-    "notebook_figure",
-    "mimetype_renderers_in_ipython",
 ]
 
 # What a Figure's notebook output carries besides the plotly renderer's own representation.

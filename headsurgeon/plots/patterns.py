@@ -1,10 +1,5 @@
 """One head's attention on a text: query x key weights, and their change after a repair.
 
-Exports:
-    attention_pattern(model, text, heads)      query x key weights of heads on a text
-    pattern_diff(before, after, text, heads)   those weights before, after and the change
-    MAX_CELLS                                  positions a side above which patterns are pooled
-
 >>> from headsurgeon.loading import ModelShape, random_model
 >>> model = random_model(ModelShape(n_layers=2, n_heads=4, d_model=32, d_vocab=64, n_ctx=16))
 >>> fig = pattern_diff(model, model, [5, 9, 3, 7], "L1H2")  # before | after | change
@@ -48,7 +43,10 @@ from headsurgeon.plots.layout import (
 )
 from headsurgeon.plots.notebook import notebook_figure
 
-__all__ = ["MAX_CELLS", "attention_pattern", "pattern_diff"]
+__all__ = [
+    "attention_pattern",
+    "pattern_diff",
+]
 
 # Cells a side above which a pattern is max-pooled for display (hover still shows exact weights).
 MAX_CELLS = 256

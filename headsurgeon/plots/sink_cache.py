@@ -1,9 +1,5 @@
 """The sink-cache figure: perplexity with a StreamingLLM cache of sinks plus recent tokens.
 
-Exports:
-    sink_cache_figure(by_cache)   perplexity against the window, one line per number of sinks,
-                                  the full-context perplexity drawn across
-
 >>> import pandas as pd
 >>> table = pd.DataFrame({"sinks": [0, 0, 4, 4], "window": [64, 256, 64, 256],
 ...                       "ppl": [90.0, 60.0, 48.0, 47.0], "dnll": [0.7, 0.3, 0.05, 0.03],

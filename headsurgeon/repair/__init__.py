@@ -1,18 +1,5 @@
 """Multi-pass surgical repair: census, choose heads, re-initialise, masked fine-tune, census again.
 
-Exports:
-    repair(model, corpus, ...)          the pipeline; returns a :class:`RepairResult` (also
-                                        ``headsurgeon.repair_heads``)
-    RepairConfig                        its settings (census, classification, surgery, training)
-    RepairResult, PassResult            per-pass targets, recoveries, drift, collateral damage,
-                                        perplexities, censuses and the verdict
-    head_failures(before, after, heads) the targets sick at the end, each with why
-    recommended_config(model, ...)      the fine-tuning settings the model recommends
-    DRIFT_THRESHOLD, RUN_FILE           the default drift criterion; the work folder's run file
-    finished_run(work_dir), FINISHED_FILE   whether a work folder's run finished; the file
-                                        that says so
-    MAX_PPL_INCREASE                    the default tolerance on held-out perplexity
-
 The package's modules, each importable on its own: :mod:`~headsurgeon.repair.config` (the
 settings, and ``resolve_config``, the one place they meet the model's recommendations),
 :mod:`~headsurgeon.repair.policy` (which heads to target, what counts as damage, which pass is
@@ -42,10 +29,10 @@ perplexity is damage. A damaged pass recovers nothing and ends the run, which th
 original weights back.
 
 Every target that is sick in the model left in place is a failure of that head
-(:func:`head_failures`): one still sick, and one that was healthy and turned sick by being
-targeted (an ``include`` or explicit head). The latter makes the model worse: the run is not
-``ok`` either (verdict ``worse``). Heads merely still sick leave it ``ok`` (verdict
-``incomplete``): the model is no worse than it was.
+(:func:`headsurgeon.repair.policy.head_failures`): one still sick, and one that was healthy and
+turned sick by being targeted (an ``include`` or explicit head). The latter makes the model
+worse: the run is not ``ok`` either (verdict ``worse``). Heads merely still sick leave it ``ok``
+(verdict ``incomplete``): the model is no worse than it was.
 
 With ``work_dir`` every finished pass and every fine-tuning checkpoint is kept there, so
 ``resume=True`` continues an interrupted run where it stopped, bit-identical on CPU. The CLI keeps
@@ -61,20 +48,14 @@ from headsurgeon.repair.config import (
     recommended_config,
 )
 from headsurgeon.repair.pipeline import repair
-from headsurgeon.repair.policy import head_failures
 from headsurgeon.repair.results import PassResult, RepairResult
-from headsurgeon.repair.resume import FINISHED_FILE, RUN_FILE, finished_run
 
 __all__ = [
     "DRIFT_THRESHOLD",
-    "FINISHED_FILE",
     "MAX_PPL_INCREASE",
-    "RUN_FILE",
     "PassResult",
     "RepairConfig",
     "RepairResult",
-    "finished_run",
-    "head_failures",
     "recommended_config",
     "repair",
 ]

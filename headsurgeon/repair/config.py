@@ -1,15 +1,5 @@
 """A repair run's settings, and the one place they are resolved against the model.
 
-Exports:
-    RepairConfig                        the settings (census, classification, surgery, verdict,
-                                        data, training), validated on creation
-    recommended_config(model, ...)      the fine-tuning settings the model recommends
-    resolve_config(model, info, ...)    a run's complete settings: ``config=`` or the keyword
-                                        settings, the model's recommendations, save dtype and
-                                        training length filled in
-    DRIFT_THRESHOLD                     the default drift criterion (the surgery paper's 0.05)
-    MAX_PPL_INCREASE                    the default tolerance on held-out perplexity
-
 >>> RepairConfig(passes=1).passes
 1
 """
@@ -24,7 +14,8 @@ import torch
 
 from headsurgeon.backend import Model
 from headsurgeon.checkpoints import checkpoint_dtype
-from headsurgeon.classify import Thresholds, with_thresholds
+from headsurgeon.classify import Thresholds
+from headsurgeon.classify.labels import with_thresholds
 from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN, DRIFT_THRESHOLD, MAX_PPL_INCREASE
 from headsurgeon.dtypes import parse_dtype
 from headsurgeon.errors import InvalidArgumentError
@@ -38,7 +29,6 @@ __all__ = [
     "MAX_PPL_INCREASE",
     "RepairConfig",
     "recommended_config",
-    "resolve_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -109,7 +99,7 @@ class RepairConfig:
 
 
 # repair()'s setting keywords: RepairConfig's fields, its ``finetune`` as ``finetune_config``.
-# Thresholds' fields as repair() takes them too (headsurgeon.classify.with_thresholds).
+# Thresholds' fields as repair() takes them too (headsurgeon.classify.labels.with_thresholds).
 _THRESHOLD_KEYWORDS = ("sink_threshold", "dead_threshold", "min_output_share")
 _KEYWORDS = {
     ("finetune_config" if f.name == "finetune" else f.name): f.name

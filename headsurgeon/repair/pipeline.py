@@ -1,9 +1,5 @@
 """The repair pipeline: census, choose heads, re-initialise, masked fine-tune, census again.
 
-Exports:
-    repair(model, corpus, ...)          the pipeline (also ``headsurgeon.repair_heads``); returns
-                                        a :class:`~headsurgeon.repair.RepairResult`
-
 One run: resolve the settings once (:func:`headsurgeon.repair.config.resolve_config`), cut the
 token sequences once (checked once, however many passes train on them), measure the first
 census and perplexities, then pass by pass re-initialise the targets

@@ -4,21 +4,6 @@ Pure functions of classified censuses (``layer``, ``head``, ``label``, ``bos_mas
 perplexities (``{"train": ..., "heldout": ...}``): no model, no files, no processes.
 :mod:`headsurgeon.repair.pipeline` takes each decision on rank 0 and hands it to every rank.
 
-Exports:
-    targets(index, census, heads, include)  pass ``index``'s targets
-    perplexity_change(first_ppl, ppl_after)  the relative change of each perplexity
-    collateral_damage(first, after, earlier, targeted)  frozen heads healthy before, sick after
-    damage(first_ppl, ppl_after, change, collateral, config)  why a pass counts as damage
-    best_pass(passes)                   the pass whose model is kept (None: the original)
-    head_failures(before, after, heads) the targets sick at the end, each with why
-    healthy_set(census), healthy_count(census), label_counts(census)  a census's healthy heads,
-                                        their count, the count of each label
-    worsened(before, after, targeted)   targets healthy before and sick after
-    drifted(before, after, trained, threshold)  untrained heads whose BOS mass moved
-    redistribution(before, arms, trained)  per untrained head, how its BOS mass and output share
-                                        moved in each arm (repaired, control)
-    redistribution_summary(table, ...)  per arm and metric: mean and largest |delta|, top movers
-
 >>> census = pd.DataFrame({"layer": [0, 0, 1], "head": [0, 1, 0],
 ...                        "label": ["healthy", "BOS-sink", "dead"]})
 >>> str(targets(1, census, None, HeadSet.parse("L0H0"))), str(targets(2, census, None, HeadSet()))
@@ -41,16 +26,10 @@ if TYPE_CHECKING:  # an annotation: results build on this module
 
 __all__ = [
     "best_pass",
-    "collateral_damage",
     "damage",
     "drifted",
-    "head_failures",
-    "healthy_count",
-    "healthy_set",
-    "label_counts",
     "perplexity_change",
     "redistribution",
-    "redistribution_summary",
     "targets",
     "worsened",
 ]
@@ -68,11 +47,6 @@ def targets(index: int, census: pd.DataFrame, heads: HeadSet | None, include: He
 def healthy_set(census: pd.DataFrame) -> HeadSet:
     """The heads a classified census labels healthy."""
     return HeadSet.from_labels(census, labels=["healthy"])
-
-
-def healthy_count(census: pd.DataFrame) -> int:
-    """How many heads a classified census labels healthy."""
-    return int((census["label"] == "healthy").sum())
 
 
 def label_counts(census: pd.DataFrame) -> dict[str, int]:

@@ -1,13 +1,5 @@
 """What a repair run did: each pass, and the whole run with its verdict, and their JSON.
 
-Exports:
-    PassResult                          one pass: targets, recoveries, drift, collateral damage,
-                                        perplexities, censuses and why it counts as damage
-    RepairResult                        the whole run: the passes, the pass kept, the verdict
-                                        (``failed``, ``worse``, ``incomplete``, ``ok``), the
-                                        control arm, the redistribution and ``to_dict()``, the
-                                        content of ``report.json``
-
 The rules behind the verdicts (damage, the best pass, each head's failure) are
 :mod:`headsurgeon.repair.policy`'s.
 """
@@ -31,6 +23,11 @@ __all__ = [
     "PassResult",
     "RepairResult",
 ]
+
+
+def _healthy_count(census: pd.DataFrame) -> int:
+    """How many heads a classified census labels healthy."""
+    return int((census["label"] == "healthy").sum())
 
 
 @dataclasses.dataclass
@@ -99,8 +96,8 @@ class PassResult:
             "perplexity_after": self.perplexity_after,
             "perplexity_change": self.perplexity_change,
             "drift": {"count": len(self.drifted), "heads": self.drifted.names()},
-            "healthy_before": policy.healthy_count(self.census_before),
-            "healthy_after": policy.healthy_count(self.census_after),
+            "healthy_before": _healthy_count(self.census_before),
+            "healthy_after": _healthy_count(self.census_after),
             "heads": self.head_table().to_dict(orient="records"),
             "training": {
                 "steps": self.training.steps_done,
@@ -285,7 +282,7 @@ class RepairResult:
             "movable_recovered": (movable & recovered).names(),
             "movable_recovery_rate": len(movable & recovered) / len(movable) if movable else None,
             "repair_recovered": (trained & self.recovered).names(),
-            "healthy_after": policy.healthy_count(census),
+            "healthy_after": _healthy_count(census),
             "labels_after": policy.label_counts(census),
             "perplexity_after": self.control[-1].perplexity_after,
             "perplexity_change": self.control[-1].perplexity_change,
@@ -377,8 +374,8 @@ class RepairResult:
             "recovered": self.recovered.names(),
             "still_sick": self.still_sick.names(),
             "recovery_rate": self.recovery_rate,
-            "healthy_before": policy.healthy_count(self.census_before),
-            "healthy_after": policy.healthy_count(self.census_after),
+            "healthy_before": _healthy_count(self.census_before),
+            "healthy_after": _healthy_count(self.census_after),
             "labels_before": policy.label_counts(self.census_before),
             "labels_after": policy.label_counts(self.census_after),
             "perplexity": self.perplexities(),

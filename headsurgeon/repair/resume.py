@@ -1,13 +1,5 @@
 """A repair run's work folder: finished passes and checkpoints kept for ``resume``.
 
-Exports:
-    WorkDir                             the folder of one run: its record, the first census,
-                                        each finished pass; everything read back is checked
-    finished_run(work_dir)              whether a work folder's run finished
-    RUN_FILE, FINISHED_FILE             the run record; the file that marks a finished run
-    cpu_head_slices(model, heads)       CPU copies of the heads' slices (what ``heads.pt`` holds)
-    has_numbers(value, keys)            whether a record holds a number under each key
-
 Only rank 0 writes (:func:`headsurgeon.distributed.rank_and_world`); a file that is not as a run
 writes it is one :class:`~headsurgeon.errors.CheckpointError` line naming it and what to do.
 """
@@ -32,12 +24,8 @@ from headsurgeon.errors import (
     OutputExistsError,
     first_line,
 )
-from headsurgeon.finetune import (
-    FinetuneConfig,
-    FinetuneResult,
-    load_torch_file,
-    weights_digest,
-)
+from headsurgeon.finetune import FinetuneConfig, FinetuneResult
+from headsurgeon.finetune.checkpoint import load_torch_file, weights_digest
 from headsurgeon.heads import LABELS, HeadSet
 from headsurgeon.inputs import MAX_JSON_BYTES, describe_kind, read_json, read_text
 from headsurgeon.loading import ModelShape
@@ -48,14 +36,7 @@ from headsurgeon.surgery import (
     head_tensors,
 )
 
-__all__ = [
-    "FINISHED_FILE",
-    "RUN_FILE",
-    "WorkDir",
-    "cpu_head_slices",
-    "finished_run",
-    "has_numbers",
-]
+__all__: list[str] = []
 
 
 RUN_FILE = "run.json"

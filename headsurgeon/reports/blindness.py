@@ -1,24 +1,4 @@
-"""The files and summary of a blindness analysis: what the blindness CLI prints and writes.
-
-Exports:
-    blindness_summary(analytic, measured, precision, census)
-                                               the text summary: first whether underflow and
-                                               rounding change the model's outputs (with a
-                                               precision counterfactual; else where to learn
-                                               it), then how far each head looks (its reach),
-                                               then the steepest heads' blind distances and
-                                               the measured shares of exact zeros
-    precision_verdict(precision)               those first lines on their own
-    training_numerics_line(numerics, name)     how the model was trained, for the summary
-    recommendation(precision, costly)          the third: what to do, following the model's
-                                               training numerics
-    rounding_lines(rounding)                   per head, the first key positions where the
-                                               ALiBi bias's rounding step exceeds 0.1 and 1
-                                               logit in each dtype (analytic_rounding)
-    reach_lines(census, measured)              the reach lines on their own
-    sink_cache_lines(effect)                   the sink-cache test's lines (--sink-cache)
-    write_blindness(out_dir, analytic, ...)    its tables, summary, figures and index.html
-"""
+"""The files and summary of a blindness analysis: what the blindness CLI prints and writes."""
 
 from __future__ import annotations
 
@@ -51,13 +31,7 @@ if TYPE_CHECKING:
     from headsurgeon.sink_cache import SinkCacheEffect
 
 __all__ = [
-    "blindness_summary",
-    "precision_verdict",
     "recommendation",
-    "training_numerics_line",
-    "reach_lines",
-    "rounding_lines",
-    "sink_cache_lines",
     "write_blindness",
 ]
 

@@ -1,25 +1,4 @@
-"""The files and summary of a classification: what the classify CLI prints and writes.
-
-Exports:
-    format_summary(classified)                the text summary (an importance section when the
-                                              table has head_importance's columns, a secondary
-                                              sinks section given ``sinks``)
-    write_classification(df, out_dir, ...)    heads.csv, heads.json, sweep, summary, figures and
-                                              index.html
-    write_cross_scale({model: df}, out_dir)   several models: each one's classification in a
-                                              subfolder, the cross-scale table and figures
-    cross_scale_folders(models)               {folder: model} of that folder, checked first
-    classification_figures(df)                the figure names write_classification writes
-    subfolder_figures({folder: df}, formats)  a classification per subfolder: their formats and
-                                              the static figures skipped, for one warning line
-    IMPORTANCE_NAMES                          head_importance's columns as classified tables
-                                              name them (``method`` -> ``importance_method``)
-    FIGURES, IMPORTANCE_FIGURES               the figures of a classification by file name (the
-                                              second set for tables with importance columns)
-    CROSS_SCALE_FORMATS                       the cross-scale folder's default figure formats:
-                                              html and png, as it has no index.html of its own
-    CROSS_SCALE_FIGURES                       its figures, by file name
-"""
+"""The files and summary of a classification: what the classify CLI prints and writes."""
 
 from __future__ import annotations
 
@@ -38,14 +17,9 @@ from torch import Tensor
 from headsurgeon import plots
 from headsurgeon.backend import Model
 from headsurgeon.census import COLUMNS, GU_PROTOCOL, sink_rate
-from headsurgeon.classify import (
-    label_heads,
-    require_columns,
-    sick_shares,
-    threshold_sweep,
-    thresholds_of,
-)
-from headsurgeon.classify.labels import NEAR
+from headsurgeon.classify import Thresholds, sick_shares, threshold_sweep
+from headsurgeon.classify.labels import NEAR, label_heads, require_columns
+from headsurgeon.data import to_sequences
 from headsurgeon.errors import shown
 from headsurgeon.heads import LABELS
 from headsurgeon.importance import (
@@ -55,21 +29,14 @@ from headsurgeon.importance import (
     is_dormant,
 )
 from headsurgeon.outputs import MARK_FILE, atomic_directory, atomic_write_text
+from headsurgeon.pattern_samples import PatternSample, sample_patterns
 from headsurgeon.received import SecondarySinks
 from headsurgeon.reports.folders import named_folders
-from headsurgeon.reports.page import census_samples, samples_note, write_page
+from headsurgeon.reports.page import PAGE_POSITIONS, PAGE_SEQS, samples_note, write_page
 from headsurgeon.reports.records import json_safe, package_versions
 
 __all__ = [
-    "classification_figures",
-    "subfolder_figures",
-    "CROSS_SCALE_FIGURES",
-    "CROSS_SCALE_FORMATS",
-    "cross_scale_folders",
     "FIGURES",
-    "IMPORTANCE_FIGURES",
-    "IMPORTANCE_NAMES",
-    "format_summary",
     "write_classification",
     "write_cross_scale",
 ]
@@ -79,6 +46,11 @@ __all__ = [
 CROSS_SCALE_FORMATS = ("html", "png")
 # The cross-scale folder's figures, by file name.
 CROSS_SCALE_FIGURES = ("sick_share", "bos_mass")
+
+
+def _thresholds_of(df: pd.DataFrame) -> Thresholds:
+    """The thresholds recorded in ``df.attrs`` by :func:`classify_heads` (default ones if none)."""
+    return Thresholds(**df.attrs["thresholds"]) if "thresholds" in df.attrs else Thresholds()
 
 
 def format_summary(
@@ -98,7 +70,7 @@ def format_summary(
         classified,
         ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share", "label"],
     )
-    t = thresholds_of(classified)
+    t = _thresholds_of(classified)
     attrs = classified.attrs
     counts = classified["label"].value_counts()
     lines = []
@@ -343,6 +315,16 @@ def subfolder_figures(
     return (write if skipped else formats), names
 
 
+def _census_samples(model: Model | None, tokens: Tensor | None) -> list[PatternSample]:
+    """Every head's attention on the page's share of ``tokens`` (default: the bundled held-out
+    text, cut as the census cuts it); none without a model."""
+    if model is None:
+        return []
+    if tokens is None:
+        tokens = to_sequences(model, None, seq_len=PAGE_POSITIONS, n_seqs=PAGE_SEQS).tokens
+    return [sample_patterns(model, tokens, n_seqs=PAGE_SEQS, n_pos=PAGE_POSITIONS)]
+
+
 def write_classification(
     classified: pd.DataFrame,
     out_dir: str | os.PathLike,
@@ -389,7 +371,7 @@ def write_classification(
     needed = ["layer", "head", "bos_mass", "bos_mass_std", "entropy", "output_share"]
     require_columns(classified, [*needed, "label", "reason"])
     plots.split_formats(formats)  # an unknown format, or no browser for one asked for: fail now
-    sweep = threshold_sweep(classified, thresholds_of(classified)) if sweep is None else sweep
+    sweep = threshold_sweep(classified, _thresholds_of(classified)) if sweep is None else sweep
     info = dict(classified.attrs) | (metadata or {})
     info |= {
         "versions": package_versions(),
@@ -409,7 +391,7 @@ def write_classification(
     summary = format_summary(classified, sinks=sinks)
     figures = {name: make(classified) for name, make in makers.items()}
     figures["threshold_sweep"] = plots.sweep_plot(sweep)
-    samples = census_samples(model, tokens)
+    samples = _census_samples(model, tokens)
     with atomic_directory(out_dir, overwrite=overwrite, writer="write_classification") as tmp:
         atomic_write_text(tmp / "heads.csv", classified.to_csv(index=False))
         atomic_write_text(tmp / "heads.json", json.dumps(document, indent=2, default=str) + "\n")

@@ -1,13 +1,4 @@
-"""The files and summary of one model on several corpora (``classify --texts A --texts B``).
-
-Exports:
-    format_corpora_summary(compared, changes)   each corpus's summary, then per other corpus
-                                                what changed against the first
-    corpus_folders(names)                       {folder: corpus}, checked before any work
-    write_corpora(compared, out_dir, ...)       a folder per corpus, the long table, the change
-                                                table, difference grids and index.html
-    CORPORA_FILES                               what the folder holds, by file name
-"""
+"""The files and summary of one model on several corpora (``classify --texts A --texts B``)."""
 
 from __future__ import annotations
 
@@ -33,9 +24,7 @@ from headsurgeon.reports.page import PAGE, write_page
 from headsurgeon.reports.records import json_safe, package_versions
 
 __all__ = [
-    "CORPORA_FILES",
     "corpus_folders",
-    "format_corpora_summary",
     "write_corpora",
 ]
 

@@ -1,13 +1,5 @@
 """Where the tools write by default: an output folder's name, and where an unfinished run lives.
 
-Exports:
-    default_out_dir(model, suffix)   ``<model>-<suffix>[-N]`` in the working directory
-    model_folder_name(model)         a model's name as a folder name
-    named_folders(names, what, files)
-                                     {folder: name}, each name a folder name of its own, none
-                                     hidden nor one of ``files`` (InvalidArgumentError if not)
-    partial_dir(out)                 ``<out>.partial``, where an unfinished repair lives
-
 >>> model_folder_name("bigscience/bloom-560m"), partial_dir("out/repair").name
 ('bloom-560m', 'repair.partial')
 """
@@ -21,12 +13,7 @@ from pathlib import Path
 
 from headsurgeon.errors import InvalidArgumentError
 
-__all__ = [
-    "default_out_dir",
-    "model_folder_name",
-    "named_folders",
-    "partial_dir",
-]
+__all__: list[str] = []
 
 
 def partial_dir(out: str | os.PathLike) -> Path:

@@ -1,17 +1,5 @@
 """``index.html``: the one offline page every writer adds to its folder.
 
-Exports:
-    PAGE                          the page's file name
-    PAGE_SEQS, PAGE_POSITIONS     each head's attention: the first positions of a few sequences
-    PAGE_CELLS                    a long sequence max-pooled to this many cells a side
-    PAGE_SKIP                     the table columns not shown among a head's metrics
-    PAGE_AXES                     the columns the page's own axes show (named in words)
-    PAGE_TEMPLATE                 the page's markup, style and script
-    write_page(folder, ...)       the page of a run (every tool's writer calls it)
-    summary_html(summary, fmt)    the summary as HTML: Markdown rendered, or text in a <pre>
-    census_samples(model, tokens) every head's attention on the page's share of the tokens
-    samples_note(samples, data)   the page's line saying what its attention patterns show
-
 The page holds the run's summary, a grid of heads (click one), each head's metrics in each stage,
 its attention on the run's own sequences (float16 lower triangles, base64), under each pattern a
 strip of the received mass of its key positions where the writer has one
@@ -39,31 +27,20 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-from torch import Tensor
 
 from headsurgeon import alibi
 from headsurgeon.backend import Model
-from headsurgeon.data import describe, to_sequences, token_strings
+from headsurgeon.data import describe, token_strings
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.markup import local_link
 from headsurgeon.outputs import atomic_write_text
-from headsurgeon.pattern_samples import PatternSample, sample_patterns
+from headsurgeon.pattern_samples import PatternSample
 from headsurgeon.plots import COLUMN_LABELS, column_label, plotly_bundle
 from headsurgeon.reports.records import json_safe
 from headsurgeon.validation import check_choice
 
 __all__ = [
     "PAGE",
-    "PAGE_AXES",
-    "PAGE_CELLS",
-    "PAGE_POSITIONS",
-    "PAGE_SEQS",
-    "PAGE_SKIP",
-    "PAGE_TEMPLATE",
-    "census_samples",
-    "summary_html",
-    "samples_note",
-    "write_page",
 ]
 
 
@@ -288,16 +265,6 @@ def summary_html(summary: str, summary_format: str = "text") -> str:
         return md.render(summary)
     check_choice(summary_format, "summary_format", ("text", "markdown"))
     return f"<pre>{html.escape(summary)}</pre>"
-
-
-def census_samples(model: Model | None, tokens: Tensor | None) -> list[PatternSample]:
-    """Every head's attention on the page's share of ``tokens`` (default: the bundled held-out
-    text, cut as the census cuts it); none without a model."""
-    if model is None:
-        return []
-    if tokens is None:
-        tokens = to_sequences(model, None, seq_len=PAGE_POSITIONS, n_seqs=PAGE_SEQS).tokens
-    return [sample_patterns(model, tokens, n_seqs=PAGE_SEQS, n_pos=PAGE_POSITIONS)]
 
 
 def samples_note(

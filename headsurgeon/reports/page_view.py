@@ -1,12 +1,4 @@
-"""A report page opened in headless Chromium, as a reader would: for tests and screenshots.
-
-Exports:
-    open_page(page, click, screenshot=)   open ``index.html``, click a head in its grid, report
-                                          console errors and what the page then shows (PageView)
-    open_pages(pages, click)              the same for several pages, in one browser
-    WAIT_S                                the seconds each browser step waits for its condition
-                                          (the page loaded, the grid drawn, the head shown)
-"""
+"""A report page opened in headless Chromium, as a reader would: for tests and screenshots."""
 
 from __future__ import annotations
 
@@ -25,7 +17,6 @@ from headsurgeon.heads import HeadSet
 from headsurgeon.outputs import atomic_write_bytes
 
 __all__ = [
-    "WAIT_S",
     "PageView",
     "open_page",
     "open_pages",

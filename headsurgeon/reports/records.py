@@ -1,12 +1,5 @@
 """What the writers' JSON files record: values made JSON-safe, the versions of the packages used.
 
-Exports:
-    VERSIONED   the packages whose versions ``heads.json`` and ``report.json`` record
-    json_safe(value)
-                NaN and infinities as None, numpy scalars as Python, in depth
-    package_versions()
-                the installed versions of VERSIONED
-
 Every JSON file a writer emits goes through :func:`json_safe` (NaN and infinities as ``null``).
 """
 
@@ -17,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["VERSIONED", "json_safe", "package_versions"]
+__all__: list[str] = []
 
 
 # Recorded in heads.json and report.json.

@@ -1,9 +1,5 @@
 """The report folder of a repair: report.md, report.json, censuses, figures and ``model/``.
 
-Exports:
-    write_report(result, out_dir, ...)   the folder the repair CLI writes (its rank 0)
-    training_plot(result)                objective, perplexities and BOS mass over the steps
-
 report.md opens with the verdict (which pass is kept and what it cost) and prune versus repair
 versus control, then the passes in a table and one section each, head by head, the control arm,
 the redistribution over the frozen heads, the figures and the settings.
@@ -35,7 +31,6 @@ if TYPE_CHECKING:
     from headsurgeon.repair import RepairResult
 
 __all__ = [
-    "training_plot",
     "write_report",
 ]
 

@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 
-from headsurgeon.blindness import active_mitigations, mitigation
+from headsurgeon.blindness import mitigation
+from headsurgeon.blindness.analysis import active_mitigations
 from headsurgeon.errors import InvalidArgumentError
 
 

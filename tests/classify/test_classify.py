@@ -32,7 +32,8 @@ from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError, OutputExistsError
 from headsurgeon.model_names import ORGANISM_DIR
 from headsurgeon.outputs import MARK_FILE
-from headsurgeon.reports import PAGE, format_summary, write_classification
+from headsurgeon.reports import PAGE, write_classification
+from headsurgeon.reports.classify import format_summary
 
 TEXT = (
     "Now is the winter of our discontent made glorious summer by this sun of York; and all the "

@@ -18,7 +18,8 @@ from headsurgeon import long_context
 from headsurgeon.backend import MAJOR
 from headsurgeon.blindness import mitigation
 from headsurgeon.errors import DataError, InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.evals import loss_by_position, passkey, perplexity, position_edges
+from headsurgeon.evals import loss_by_position, passkey, perplexity
+from headsurgeon.evals.loss import position_edges
 from headsurgeon.long_context import continuation_logprobs
 
 MITIGATIONS = [(None, {}), ("log", {}), ("softcap", {"c": 2.0})]

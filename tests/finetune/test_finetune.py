@@ -18,17 +18,16 @@ from conftest import head_weight
 from headsurgeon.backend.weights import head_tensors, tl_state_dict
 from headsurgeon.errors import CheckpointError, DataError, InvalidArgumentError, OutputExistsError
 from headsurgeon.finetune import (
-    CHECKPOINT_FILE,
     FinetuneConfig,
     TrainingDivergedError,
     bos_mass_objective,
     checkpointed_blocks,
     finetune,
-    head_bos_mass,
-    load_checkpoint,
     make_trainer,
     next_token_loss,
 )
+from headsurgeon.finetune.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from headsurgeon.finetune.objectives import head_bos_mass
 from headsurgeon.loading import ModelShape, random_model
 from headsurgeon.progress import RunBar
 from headsurgeon.surgery import HeadSet, mask_gradients, reinit_heads
@@ -463,7 +462,8 @@ import torch.distributed as dist
 sys.path[:0] = {tests!r}
 from test_finetune import config, setup
 from headsurgeon.backend.weights import tl_state_dict
-from headsurgeon.finetune import finetune, setup_distributed
+from headsurgeon.distributed import setup_distributed
+from headsurgeon.finetune import finetune
 
 torch.set_num_threads(1)
 info = setup_distributed("cpu")

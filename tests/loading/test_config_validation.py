@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from headsurgeon import load_model, model_shape
 from headsurgeon.errors import CheckpointError, UnsupportedArchitectureError
-from headsurgeon.loading import check_checkpoint, organism_names
+from headsurgeon.loading import organism_names
+from headsurgeon.loading.checks import check_checkpoint
 
 
 @pytest.fixture()

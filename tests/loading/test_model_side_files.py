@@ -21,15 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from headsurgeon import load_model, model_shape
 from headsurgeon.errors import CheckpointError
-from headsurgeon.loading import (
-    METADATA_FILE,
-    ModelShape,
-    check_checkpoint,
-    check_metadata,
-    from_hf_model,
-    model_metadata,
-    random_hf_bloom,
-)
+from headsurgeon.loading import ModelShape, check_metadata, from_hf_model, random_hf_bloom
+from headsurgeon.loading.checks import check_checkpoint
+from headsurgeon.loading.facts import model_metadata
+from headsurgeon.loading.files import METADATA_FILE
 from headsurgeon.repair import recommended_config
 
 QKV = "transformer.h.0.self_attention.query_key_value.weight"

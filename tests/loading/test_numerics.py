@@ -10,8 +10,8 @@ import pytest
 
 import headsurgeon as hs
 from headsurgeon.errors import CheckpointError
-from headsurgeon.loading import PUBLISHED_NUMERICS, model_info
-from headsurgeon.loading.numerics import BIAS_FORMS, training_numerics
+from headsurgeon.loading import model_info
+from headsurgeon.loading.numerics import BIAS_FORMS, PUBLISHED_NUMERICS, training_numerics
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_an_unknown_model_has_none():
 def test_the_bundled_organisms_were_trained_with_the_absolute_bias():
     """organism predates the bias hook of analyses/train_organism.py: transformers' own bias."""
     for name in ("organism", "organism-deep", "organism-injured"):
-        numerics = hs.loading.model_metadata(name)["training_numerics"]
+        numerics = hs.loading.facts.model_metadata(name)["training_numerics"]
         assert numerics["bias"] == "absolute" and numerics["scores_dtype"] == "bfloat16"
     info = model_info(hs.load_model("organism"))
     assert info.training_numerics.bias == "absolute" and info.train_ctx == 256

@@ -9,7 +9,8 @@ import pytest
 
 from headsurgeon import HeadSet, classify_heads, load_model, model_info, run_census
 from headsurgeon.checkpoint_diff import weight_changes
-from headsurgeon.loading import ORGANISM_DIR, organism_names
+from headsurgeon.loading import organism_names
+from headsurgeon.model_names import ORGANISM_DIR
 
 pytestmark = pytest.mark.skipif(
     "organism-injured" not in organism_names(),

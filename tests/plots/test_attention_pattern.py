@@ -11,7 +11,8 @@ from conftest import head_weight
 from headsurgeon import load_model, plots
 from headsurgeon.data import encode
 from headsurgeon.errors import HeadsurgeonError, InvalidArgumentError
-from headsurgeon.loading import ORGANISM_DIR, ModelShape, model_info, organism_names, random_model
+from headsurgeon.loading import ModelShape, model_info, organism_names, random_model
+from headsurgeon.model_names import ORGANISM_DIR
 from headsurgeon.pattern_samples import attention_weights
 
 needs_organisms = pytest.mark.skipif(

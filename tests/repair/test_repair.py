@@ -23,7 +23,8 @@ from headsurgeon.cli.repair import EXIT_DAMAGED, EXIT_WORSE, main
 from headsurgeon.data import to_sequences
 from headsurgeon.evals import perplexity
 from headsurgeon.finetune import FinetuneConfig
-from headsurgeon.repair import PassResult, RepairResult, head_failures, repair
+from headsurgeon.repair import PassResult, RepairResult, repair
+from headsurgeon.repair.policy import head_failures
 from headsurgeon.reports import write_classification, write_report
 from headsurgeon.surgery import HeadSet
 
@@ -537,7 +538,7 @@ def test_cli_refuses_nothing_to_repair_and_occupied_output(bloom_dir, text_file,
 def recommending(injured, tmp_path_factory):
     """The injured checkpoint with repair settings recommended in its headsurgeon.json, and
     the training numerics organism-injured records (the README's model)."""
-    from headsurgeon.loading import model_metadata
+    from headsurgeon.loading.facts import model_metadata
 
     folder = tmp_path_factory.mktemp("recommending") / "model"
     shutil.copytree(injured, folder)

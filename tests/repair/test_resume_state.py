@@ -16,8 +16,10 @@ from test_finetune import config, setup
 from headsurgeon import load_model
 from headsurgeon.classify import Thresholds
 from headsurgeon.errors import CheckpointError
-from headsurgeon.finetune import CHECKPOINT_FILE, finetune, load_checkpoint
-from headsurgeon.repair import FINISHED_FILE, RUN_FILE, finished_run, repair
+from headsurgeon.finetune import finetune
+from headsurgeon.finetune.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from headsurgeon.repair import repair
+from headsurgeon.repair.resume import FINISHED_FILE, RUN_FILE, finished_run
 
 SETTINGS = dict(
     census_data=TEXT,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from headsurgeon.reports import default_out_dir, partial_dir
+from headsurgeon.reports.folders import default_out_dir, partial_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
