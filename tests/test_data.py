@@ -326,8 +326,8 @@ def test_tokens_given_are_used_whole_and_texts_cut_by_the_verbs_constant(tiny_mo
     assert census.attrs["seq_len"] == CENSUS_CUT.seq_len
     held = [r.getMessage() for r in caplog.records if "holds only" in r.getMessage()]
     assert held == [
-        "asked for 64 sequences of 128 tokens, but the text (1 text(s) given in memory) holds only 5: "
-        "using those 5"
+        "asked for 64 sequences of 128 tokens, but the text (1 text(s) given in memory) holds "
+        "only 5: using those 5"
     ], held
 
 
