@@ -20,7 +20,15 @@ from pathlib import Path
 import headsurgeon as hs
 
 PACKAGE = Path(hs.__file__).parent
-NOT_COUNTED = {"model", "models", "data", "progress", "self"}
+NOT_COUNTED = {
+    "model",
+    "models",
+    "data",
+    "corpora",
+    "haystack",
+    "progress",
+    "self",
+}  # data: by name
 DEPRECATED = {"seq_len", "n_seqs", "prepend_bos"}  # keyword-only copies that warn (issue 53)
 
 
