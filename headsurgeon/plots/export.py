@@ -285,8 +285,20 @@ def _close(
     if browser is not None and not gently:  # its pipes, temporary folders and threads
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(browser.close(), loop).result(timeout=10)
+    with contextlib.suppress(Exception):  # choreographer's watchdogs, left pending by a failure
+        asyncio.run_coroutine_threadsafe(_cancel_pending(), loop).result(timeout=5)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
+    if not thread.is_alive():  # else, collected at exit, it may close a self-pipe already gone
+        loop.close()
+
+
+async def _cancel_pending() -> None:
+    """Cancel every other task on the running loop and wait for them to end."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _stop() -> None:

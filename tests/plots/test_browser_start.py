@@ -197,7 +197,7 @@ def test_a_real_chromium_under_an_address_space_limit_is_one_line(tmp_path):
         env=_subprocess_env(mark, HEADSURGEON_BROWSER_TIMEOUT="5"),
     )
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
+    assert result.stderr == "", result.stderr
     line, formats = result.stdout.strip().splitlines()
     assert "did not start" in line and "address-space limit of 4.0 GiB" in line
     assert formats == "([], ['png'])"
