@@ -485,8 +485,7 @@ def retrieval_by_distance(
     seed: int = 0,
     n_before: int = 32,
     n_candidates: int = 10,
-    n_digits: int = 5,
-    words: Sequence[str] = NEEDLE_WORDS,
+    keys: int | Sequence[str] | None = None,
     train_ctx: int | None = None,
     progress: bool = True,
 ) -> Retrieval:
@@ -507,8 +506,8 @@ def retrieval_by_distance(
     - ``seed``: the seed of the prompts.
     - ``n_before``: haystack tokens before the needle.
     - ``n_candidates``: keys ranked by log-likelihood (chance ``1 / n_candidates``).
-    - ``n_digits``: digits of a passkey.
-    - ``words``: the needle task's key words (its candidates are drawn from them).
+    - ``keys``: what keys are: passkey, a number of digits (5); needle, the words drawn from
+      (:data:`NEEDLE_WORDS`).
     - ``train_ctx``: the training length that marks bins ``in_context`` (default: the model's).
     - ``progress``: show a progress bar.
 
@@ -518,11 +517,20 @@ def retrieval_by_distance(
     info = model_info(model, "retrieval_by_distance")
     task = check_choice(task, "task", ("passkey", "needle"))
     if task == "needle":
+        words = NEEDLE_WORDS if keys is None else keys
+        if isinstance(words, str) or not isinstance(words, Sequence):
+            raise InvalidArgumentError(
+                f"keys for the needle task are words (a list of strings), not {keys!r}"
+            )
         spec = _needle_task(haystack, n_candidates, words)
     else:  # a corpus name or one text as passkey's filler; texts or files joined like needle's
-        spec = _passkey_task(
-            n_candidates, n_digits, "shakespeare" if haystack is None else haystack
-        )
+        if keys is not None and not isinstance(keys, int):
+            raise InvalidArgumentError(
+                f"keys for the passkey task is its number of digits (an int), not {keys!r}"
+            )
+        filler = "shakespeare" if haystack is None else haystack
+        digits = 5 if keys is None else check_int(keys, "keys (a passkey's digits)", minimum=1)
+        spec = _passkey_task(n_candidates, digits, filler)
     edges = _check_distance_edges(distances)
     check_int(n_trials, "n_trials", minimum=1)
     check_int(n_before, "n_before", minimum=0)

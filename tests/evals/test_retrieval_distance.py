@@ -262,6 +262,11 @@ def test_compare_retrieval_of_two_models_end_to_end(tiny_model):
         ({"n_before": -1}, "n_before"),
         ({"n_trials": 0}, "n_trials"),
         ({"n_candidates": 1}, "n_candidates"),
+        ({"keys": ["a", "b"]}, "number of digits"),
+        ({"keys": 0}, "keys"),
+        ({"task": "needle", "keys": 3}, "words"),
+        ({"task": "needle", "keys": "abc"}, "words"),
+        ({"task": "needle", "keys": ["a", "b"]}, "distinct words"),
     ],
 )
 def test_bad_arguments_are_one_line(tiny_model, kwargs, message):
@@ -298,3 +303,11 @@ def test_the_figure_draws_the_table_its_baseline_and_every_head(tiny_model):
         retrieval_distance_plot(table, heads[["layer", "head"]])
     with pytest.raises(InvalidArgumentError, match="baseline_top1_accuracy"):
         retrieval_distance_plot(table.drop(columns="baseline_top1_accuracy"))
+
+
+def test_keys_set_the_passkey_digits_and_the_needle_words(tiny_model):
+    passkey = retrieval_by_distance(tiny_model, keys=3, distances=EDGES, n_trials=2).trials
+    assert passkey["key"].str.fullmatch(r"[1-9][0-9]{2}").all()
+    words = [f"w{i}" for i in range(12)]
+    needle = retrieval_by_distance(tiny_model, "needle", keys=words, distances=EDGES, n_trials=2)
+    assert set(needle.trials["key"]) <= set(words)
