@@ -5,20 +5,17 @@ and how many of them other jobs leave free (torch's thread count).
 glibc serves every allocation above its mmap threshold (128 KiB, rising to at most 32 MiB as
 buffers are freed) with a fresh ``mmap`` and unmaps it again on free. A transformer step
 allocates and frees attention-sized buffers (batch x head x query x key floats) many times over,
-so every step page-faults the same memory back in. Keeping the buffers makes a masked
-fine-tuning step of the bundled 4-layer organism (8 x 256 tokens, one thread) about 1.5x faster
-here (1.6 s -> 1.1 s). The price: memory, once used, stays with the process until it exits (its
-peak grew from 0.41 to 0.61 GiB above the model in that step). The command-line tools call
+so every step page-faults the same memory back in; keeping the buffers makes a fine-tuning step
+faster, and memory, once used, stays with the process until it exits. The command-line tools call
 :func:`keep_freed_memory` unless ``HEADSURGEON_KEEP_FREED_MEMORY=0``; in a notebook, call it
 once before long runs.
 
 A model given a memory budget (:func:`headsurgeon.load_model` with ``device_map`` or
 ``max_memory``) calls :func:`return_freed_memory` instead: memory is then the constraint, and
 glibc's rising threshold would otherwise keep on its heap the freed buffers of a part-by-part
-load and every freed weight copy of an offloaded block (a few tens of MiB each, read from disk at
-each forward). On a 24-layer, 1024-wide
-float16 checkpoint given 300 MiB, the 3.x census peaked at 1.11 GiB anonymous with the rising
-threshold and at 0.58 GiB with it fixed (``analyses/benchmarks/offload.py``).
+load and every freed weight copy of an offloaded block. The measured effect of each:
+[Sizes and memory: CPU speed](../sizes-and-memory.md#cpu-speed) and
+[a checkpoint larger than its memory](../sizes-and-memory.md#a-checkpoint-larger-than-its-memory).
 
 Usage::
 

@@ -1,17 +1,16 @@
 """Long sequences in bounded memory: the forward pass in blocks of query rows, exactly.
 
-A dense forward pass holds every layer's ``[batch, head, query_pos, key_pos]`` scores and
-pattern, so its memory grows as T²: 4096 tokens of a 16-head model take ~1 GiB per tensor, and a
-pattern hook doubles it. :func:`run_in_blocks` runs the sequence as consecutive blocks of
-``block_size`` query rows through the model's own key-value cache (TransformerLens 3.x's
-``TransformerLensKeyValueCache``, Hugging Face's ``DynamicCache`` under a 4.x bridge): block
-``b`` attends to the cached keys and values of every earlier position and to its own, which is
-causal attention, computed by the model's own code with its own hooks. Memory is the cache (two
-``[batch, pos, d_model]`` tensors per layer: linear in T) plus one block's attention
-(``batch x head x block x keys``); :func:`block_size` chooses the block, by speed (64 rows
-were fastest on CPU at every length, 2x faster than the dense pass at 4096 tokens) and memory. The
-numbers equal the dense pass's up to float32 rounding (a matmul over fewer keys sums in another
-order): census columns agree within 1e-6, see ``tests/test_long_context.py``.
+A dense forward pass holds every layer's ``[batch, head, query_pos, key_pos]`` scores and pattern,
+so its memory grows as T², and a pattern hook doubles it. :func:`run_in_blocks` runs the sequence as
+consecutive blocks of ``block_size`` query rows through the model's own key-value cache
+(TransformerLens 3.x's ``TransformerLensKeyValueCache``, Hugging Face's ``DynamicCache`` under a 4.x
+bridge): block ``b`` attends to the cached keys and values of every earlier position and to its own,
+which is causal attention, computed by the model's own code with its own hooks. Memory is the cache
+(two ``[batch, pos, d_model]`` tensors per layer: linear in T) plus one block's attention (``batch x
+head x block x keys``); :func:`block_size` chooses the block, by speed and memory ([Long contexts:
+blocks of query rows](../long-contexts.md#blocks-of-query-rows)). The numbers equal the dense pass's
+up to float32 rounding (a matmul over fewer keys sums in another order): census columns agree within
+1e-6, see ``tests/test_long_context.py``.
 
 **What your hooks see on this path.** Every hook fires once per block, with the block's rows:
 
@@ -96,7 +95,7 @@ def block_size(
     bytes_per_entry: int = FORWARD_BYTES_PER_ENTRY,
     budget: int = DEFAULT_BLOCK_BYTES,
 ) -> int:
-    """Query rows per block: the fastest (64 rows, measured on CPU: the scores stay in cache and
+    """Query rows per block: the fastest (``FAST_BLOCK`` rows: the scores stay in cache and
     causal blocks skip the masked half), fewer where one block's attention (``batch x head x
     block x n_pos`` entries of ``bytes_per_entry`` bytes) would exceed ``budget`` bytes, never
     under 16 rows; ``n_pos`` (one block: the dense pass) for a sequence of at most 64 tokens and
