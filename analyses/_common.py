@@ -19,6 +19,7 @@ Exports:
     acceptance(report, ppl, changes)    the repair acceptance numbers (check_repair.py and
                                         repair_organism.py): recovery, perplexity gap, bit-identity
     markdown(df, digits)                a DataFrame as a Markdown table (no extra dependency)
+    gu_census(model)                    the census by Gu et al.'s protocol (``GU_PROTOCOL``)
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from headsurgeon import plots
+from headsurgeon import plots, run_census, to_sequences
 from headsurgeon.allocator import keep_freed_memory
+from headsurgeon.census import GU_PROTOCOL
 from headsurgeon.errors import HeadsurgeonError
 from headsurgeon.outputs import atomic_directory, atomic_write_text, check_output_dir
 from headsurgeon.plots import save_figure
@@ -202,6 +204,12 @@ def markdown(df: pd.DataFrame, digits: int = 3) -> str:
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
+
+
+def gu_census(model: Any) -> pd.DataFrame:
+    """The census by Gu et al.'s protocol (``GU_PROTOCOL``: its cut, then its ``sink_eps``)."""
+    seqs = to_sequences(model, seq_len=GU_PROTOCOL["seq_len"], n_seqs=GU_PROTOCOL["n_seqs"])
+    return run_census(model, seqs, sink_eps=GU_PROTOCOL["sink_eps"], progress=False)
 
 
 def style(

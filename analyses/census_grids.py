@@ -26,7 +26,7 @@ import plotly.graph_objects as go
 from _common import ROOT, fmt_heads, markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
-from headsurgeon import classify_heads, load_model, model_info, plots, run_census
+from headsurgeon import classify_heads, load_model, model_info, plots, run_census, to_sequences
 from headsurgeon.plots import OKABE_ITO, label_grid, models_grid
 
 REPAIRED = ROOT / "runs" / "organism-repaired"
@@ -226,7 +226,8 @@ def main() -> None:
     for source in sources:
         model = load_model(source)
         name = model_info(model).name
-        census = run_census(model, n_seqs=args.n_seqs, seq_len=args.seq_len, progress=False)
+        seqs = to_sequences(model, seq_len=args.seq_len, n_seqs=args.n_seqs)
+        census = run_census(model, seqs, progress=False)
         censuses[name] = classify_heads(census)
         truth = truth_of(model)
         if truth is not None:

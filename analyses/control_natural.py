@@ -44,11 +44,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 import torch.nn.functional as F
-from _common import ROOT, markdown, parser, start, style, write_topic
+from _common import ROOT, gu_census, markdown, parser, start, style, write_topic
 from control_arm import ARMS, ppl_table, verdict
 
 from headsurgeon import load_model
-from headsurgeon.census import GU_PROTOCOL, run_census
+from headsurgeon.census import run_census
 from headsurgeon.classify import classify_heads
 from headsurgeon.data import CORPORA, as_sequences, bundled_text
 from headsurgeon.finetune import FinetuneConfig
@@ -109,7 +109,7 @@ def gradient_norms(model: Any, tokens: torch.Tensor) -> pd.DataFrame:
 def head_row(model: Any, head: str, census_seqs: Any) -> dict[str, Any]:
     """The target's census metrics and label, and Gu et al.'s sink score, in ``model``."""
     census = classify_heads(run_census(model, census_seqs, progress=False))
-    gu = run_census(model, **GU_PROTOCOL, progress=False)
+    gu = gu_census(model)
     ((layer, index),) = HeadSet.parse(head).by_layer().items()
     at = (census["layer"] == layer) & (census["head"] == index[0])
     row = census[at].iloc[0]

@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 from _common import markdown, parser, start, style, write_topic
 from plotly.subplots import make_subplots
 
-from headsurgeon import compare_corpora, load_model, model_info
+from headsurgeon import compare_corpora, load_model, model_info, to_sequences
 from headsurgeon.data import CORPORA, bundled_text
 from headsurgeon.domains import corpus_changes
 from headsurgeon.importance import DORMANT_SE
@@ -132,14 +132,9 @@ def main() -> None:
     for source in args.models:
         model = load_model(source)
         name = model_info(model).name
-        compared = compare_corpora(
-            model,
-            corpora,
-            importance="mean",
-            seq_len=args.seq_len,
-            n_seqs=args.n_seqs,
-            progress=False,
-        )
+        cut = {"seq_len": args.seq_len, "n_seqs": args.n_seqs}
+        sequences = {corpus: to_sequences(model, text, **cut) for corpus, text in corpora.items()}
+        compared = compare_corpora(model, sequences, importance="mean", progress=False)
         d = corpus_changes(compared)
         differences[name] = d
         tables[f"corpora_{name}.csv"] = compared

@@ -176,9 +176,8 @@ def main() -> None:
         for length in [n for n in args.lengths if n <= args.ppl_max]:
             ppl = hs.perplexity(model, window=length, max_windows=32, progress=False)
             ppl_rows.append({"model": label, "window": length, "perplexity": ppl})
-        measured = hs.measure_blindness(
-            model, dtypes=["float32"], seq_len=args.blindness_length, n_seqs=1, progress=False
-        ).by_head
+        one = hs.to_sequences(model, seq_len=args.blindness_length, n_seqs=1)
+        measured = hs.measure_blindness(model, one, dtypes=["float32"], progress=False).by_head
         blind.append(measured.assign(model=label))
         curve = loss_by_position(
             model, length=args.blindness_length, n_seqs=args.loss_seqs, progress=False

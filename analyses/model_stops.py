@@ -81,7 +81,9 @@ def main() -> None:
     args = parser.parse_args()
     model = hs.load_model("organism")
     verbs = {
-        "run_census": lambda: hs.run_census(model, n_seqs=4, seq_len=32, progress=False),
+        "run_census": lambda: hs.run_census(
+            model, hs.to_sequences(model, seq_len=32, n_seqs=4), progress=False
+        ),
         "repair_heads": lambda: hs.repair_heads(
             model,
             heads="L0H0",

@@ -102,8 +102,9 @@ def bos_by_position(model: Model, tokens: torch.Tensor) -> np.ndarray:
 def head_table(model: Model, name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Census (training length and Gu's protocol), importance by mean and zero ablation of every
     head, and BOS mass by query position of the heads above eps = 0.3 (long format)."""
-    census = classify_heads(run_census(model, **CENSUS, progress=False))
-    gu = run_census(model, **GU_PROTOCOL, progress=False)
+    seqs = to_sequences(model, **CENSUS)
+    census = classify_heads(run_census(model, seqs, progress=False))
+    gu = run_census(model, to_sequences(model, **GU_PROTOCOL), progress=False)
     table = census[["layer", "head", "slope", "bos_mass", "sink_score", "output_share", "label"]]
     table = table.assign(
         arm=name,
@@ -111,13 +112,13 @@ def head_table(model: Model, name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
         gu_sink_share=gu["sink_share"].to_numpy(),  # its mean over heads is Gu's sink rate
     )
     for method in ("mean", "zero"):
-        imp = head_importance(model, method=method, **CENSUS, progress=False)
+        imp = head_importance(model, seqs, method=method, progress=False)
         table[f"dloss_{method}"] = imp["delta_loss"].to_numpy()
         table[f"dloss_{method}_se"] = imp["delta_loss_se"].to_numpy()
         table[f"dormant_{method}"] = (
             table[f"dloss_{method}"].abs() <= 2 * table[f"dloss_{method}_se"]
         )
-    by_pos = bos_by_position(model, to_sequences(model, **CENSUS).tokens)
+    by_pos = bos_by_position(model, seqs.tokens)
     sinks = table[past_eps(table)]
     rows = [
         pd.DataFrame(

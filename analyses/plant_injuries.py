@@ -31,7 +31,7 @@ import torch
 
 from headsurgeon import load_model, save_hf
 from headsurgeon.allocator import keep_freed_memory
-from headsurgeon.census import run_census
+from headsurgeon.census import CENSUS_CUT, run_census
 from headsurgeon.classify import classify_heads
 from headsurgeon.data import bundled_text, to_sequences
 from headsurgeon.finetune import FinetuneConfig, bos_mass_objective, finetune
@@ -134,7 +134,8 @@ def main() -> None:
         seed=args.seed,
         lm_weight=args.lm_weight,
     )
-    labels = classify_heads(run_census(model, seq_len=args.seq_len, progress=False))
+    census_seqs = to_sequences(model, seq_len=args.seq_len, n_seqs=CENSUS_CUT.n_seqs)
+    labels = classify_heads(run_census(model, census_seqs, progress=False))
     planted = {i.head: i.label for i in INJURIES}
     names = [
         f"L{layer}H{head}" for layer, head in zip(labels["layer"], labels["head"], strict=True)

@@ -3,7 +3,7 @@ and the StreamingLLM sink-cache test, on every bundled organism and the Table 3 
 
 Protocol, so the numbers can be set beside the papers' tables:
 
-* **Sink rate** (Gu et al., ICLR 2025): ``run_census(model, **GU_PROTOCOL)`` (100 windows of 64
+* **Sink rate** (Gu et al., ICLR 2025): the census under ``GU_PROTOCOL`` (100 windows of 64
   tokens of the bundled held-out corpora, eps = 0.3, thresholded per sequence as their code
   does) and ``sink_rate``. ``heads_mean>0.3``: heads whose mean sink score over the 100 windows
   exceeds 0.3 (the other reading of "share of heads"); ``bos_sink_labels``: the census's
@@ -26,11 +26,19 @@ from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
-from _common import ROOT, markdown, parser, start, style, write_topic
+from _common import ROOT, gu_census, markdown, parser, start, style, write_topic
 
-from headsurgeon import classify_heads, load_model, model_info, run_census, sink_cache_effect
+from headsurgeon import (
+    classify_heads,
+    load_model,
+    model_info,
+    run_census,
+    sink_cache_effect,
+    to_sequences,
+)
 from headsurgeon.census import GU_PROTOCOL, sink_rate
 from headsurgeon.plots import OKABE_ITO
+from headsurgeon.sink_cache import SINK_CACHE_CUT
 
 MODELS = {
     "organism": "organism",
@@ -57,10 +65,11 @@ def measure(name: str, source: str, seq_len: int) -> tuple[dict, pd.DataFrame]:
     """One model's row of the table and its sink-cache rows."""
     model = load_model(source)
     info = model_info(model)
-    gu = run_census(model, **GU_PROTOCOL, progress=False)
+    gu = gu_census(model)
     labels = classify_heads(run_census(model, progress=False))["label"]
     lowest = gu.loc[gu["ahon_ln"].idxmin()]
-    effect = sink_cache_effect(model, sinks=SINKS, seq_len=seq_len, heads=[], progress=False)
+    one = to_sequences(model, seq_len=seq_len, n_seqs=SINK_CACHE_CUT.n_seqs)
+    effect = sink_cache_effect(model, one, sinks=SINKS, heads=[], progress=False)
     cache = effect.by_cache.assign(model=name)
     no_sink = cache[cache["sinks"] == 0].set_index("window")["ppl"]
     one_sink = cache[cache["sinks"] == 1].set_index("window")["ppl"]

@@ -60,7 +60,7 @@ from headsurgeon.loading import model_info
 from headsurgeon.plots.distance import reach_figure
 from headsurgeon.plots.evaluation import precision_figure
 from headsurgeon.plots.layout import style
-from headsurgeon.precision import precision_effect
+from headsurgeon.precision import PRECISION_CUT, precision_effect
 from headsurgeon.progress import tqdm
 from headsurgeon.window import window_effect
 
@@ -158,15 +158,16 @@ def measure(model, variant: str, cache: Path, args) -> list[pd.DataFrame]:
             pd.read_csv(f) if (f := cache / f"{name}.csv").stat().st_size > 1 else pd.DataFrame()
             for name in names
         ]
-    census = hs.run_census(model, seq_len=args.reach_len, n_seqs=args.reach_seqs, progress=False)
+    reach = hs.to_sequences(model, seq_len=args.reach_len, n_seqs=args.reach_seqs)
+    census = hs.run_census(model, reach, progress=False)
+    blind = hs.to_sequences(model, seq_len=args.blind_len, n_seqs=1)
     zeros = hs.measure_blindness(
-        model, dtypes=["float32", "bfloat16"], seq_len=args.blind_len, n_seqs=1, progress=False
+        model, blind, dtypes=["float32", "bfloat16"], progress=False
     ).by_head
     cut = window_effect(
         model,
+        hs.to_sequences(model, seq_len=args.window_len, n_seqs=args.window_seqs),
         distances=[d for d in WINDOWS if d < args.window_len],
-        seq_len=args.window_len,
-        n_seqs=args.window_seqs,
         progress=False,
     ).by_distance
     effect = pd.DataFrame()
@@ -188,11 +189,12 @@ def measure(model, variant: str, cache: Path, args) -> list[pd.DataFrame]:
 
 def run_precision(model, form: str, seq_len: int) -> pd.DataFrame:
     """bfloat16 scores and the whole model in bfloat16 against float64, one sequence."""
-    kwargs = {"dtypes": ["float32", "bfloat16"], "parts": ["scores", "model"], "seq_len": seq_len}
+    one = hs.to_sequences(model, seq_len=seq_len, n_seqs=PRECISION_CUT.n_seqs)
+    kwargs = {"dtypes": ["float32", "bfloat16"], "parts": ["scores", "model"], "progress": False}
     if form == "relative":
         with hs.mitigation(model, "relative"):
-            return precision_effect(model, progress=False, **kwargs).by_position
-    return precision_effect(model, progress=False, **kwargs).by_position
+            return precision_effect(model, one, **kwargs).by_position
+    return precision_effect(model, one, **kwargs).by_position
 
 
 def head_table(census: pd.DataFrame, zeros: pd.DataFrame) -> pd.DataFrame:

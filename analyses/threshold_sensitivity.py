@@ -148,15 +148,9 @@ def main() -> None:
         model = load_model(source)
         name = model_info(model).name
         classified = {}
-        for metric, min_query_pos in METRICS.items():
-            # The same sequences both times (to_sequences is deterministic).
-            census = run_census(
-                model,
-                n_seqs=args.n_seqs,
-                seq_len=args.seq_len,
-                min_query_pos=min_query_pos,
-                progress=False,
-            )
+        seqs = to_sequences(model, seq_len=args.seq_len, n_seqs=args.n_seqs)
+        for metric, min_query_pos in METRICS.items():  # the same sequences both times
+            census = run_census(model, seqs, min_query_pos=min_query_pos, progress=False)
             classified[metric] = classify_heads(census, default)
             sweep = threshold_sweep(classified[metric], default)
             sweeps[(name, metric)] = sweep
@@ -186,12 +180,10 @@ def main() -> None:
         shifts[-1] += f", labels changed: {changed}"
 
         # The paper's protocol: one short prompt, rows t >= 0; repeated over prompts. The prompts
-        # are built in the model's own position-0 convention, so run_census must not add a BOS.
+        # are built in the model's own position-0 convention (a token tensor is used as given).
         prompts = to_sequences(model, seq_len=args.prompt_len, n_seqs=args.prompts).tokens
         for i in range(len(prompts)):
-            census = run_census(
-                model, prompts[i : i + 1], min_query_pos=0, prepend_bos=False, progress=False
-            )
+            census = run_census(model, prompts[i : i + 1], min_query_pos=0, progress=False)
             labels = classify_heads(census, default)["label"].value_counts()
             prompt_rows.append(
                 {

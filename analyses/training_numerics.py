@@ -68,8 +68,7 @@ def measure(model_name: str, max_len: int, cache: Path) -> None:
     n_seqs = max(1, max_len // length)  # the same number of tokens for every arm
     effect = hs.precision_effect(
         model,
-        seq_len=length,
-        n_seqs=n_seqs,
+        hs.to_sequences(model, seq_len=length, n_seqs=n_seqs),
         dtypes=INFERENCE_DTYPES,
         parts=["attention"],
         bias_forms=["absolute", "relative"],

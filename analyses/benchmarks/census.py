@@ -84,7 +84,7 @@ def method_runner(name: str, hf, tl, tokens: torch.Tensor, args) -> Callable[[],
             tl(batch.to(device))
 
     def census():
-        run_census(tl, tokens, batch_size=args.batch_size, n_seqs=len(tokens), progress=False)
+        run_census(tl, tokens, batch_size=args.batch_size, progress=False)
 
     def with_cache():
         for batch in batches:
@@ -225,9 +225,7 @@ def main() -> None:
     # The methods agree: the census's BOS mass equals the transformers path's.
     if "transformers" in args.methods:
         with torch.no_grad():
-            census = run_census(
-                tl, tokens, batch_size=args.batch_size, n_seqs=len(tokens), progress=False
-            )
+            census = run_census(tl, tokens, batch_size=args.batch_size, progress=False)
             hf_bos = (
                 torch.stack(
                     [

@@ -167,7 +167,7 @@ def tl_rows(bench: Bench, shape: str, model, tokens: torch.Tensor, long: int | N
     bench.row(
         shape,
         "census",
-        lambda: hs.run_census(model, tokens, batch_size=n, n_seqs=n, progress=False),
+        lambda: hs.run_census(model, tokens, batch_size=n, progress=False),
     )
     heads = HeadSet((layer, model.cfg.n_heads - 1) for layer in range(model.cfg.n_layers))
     for label, switches in (("default", {}), ("checkpointing + loss_chunk 512", {"chunk": 512})):
@@ -191,7 +191,7 @@ def tl_rows(bench: Bench, shape: str, model, tokens: torch.Tensor, long: int | N
         bench.row(
             shape,
             f"long census (1 x {long:,} tokens)",
-            lambda: hs.run_census(model, sequence, n_seqs=1, progress=False),
+            lambda: hs.run_census(model, sequence, progress=False),
             repeats=1,
         )
 
@@ -201,11 +201,11 @@ def blindness_row(bench: Bench, shape: str, tokens: torch.Tensor) -> None:
     with torch.device(bench.device):
         hf = random_hf_bloom(parse_shape(shape), seed=0, dtype="float32")
     model = hs.backend.move(from_hf_model(hf, name=f"random-{shape}"), bench.device)
-    dtypes, n = ["bfloat16", "float16"], len(tokens)
+    dtypes = ["bfloat16", "float16"]
     bench.row(
         shape,
         "measured blindness (bfloat16, float16)",
-        lambda: hs.measure_blindness(model, tokens, dtypes=dtypes, n_seqs=n, progress=False),
+        lambda: hs.measure_blindness(model, tokens, dtypes=dtypes, progress=False),
     )
 
 

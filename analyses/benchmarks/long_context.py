@@ -163,12 +163,10 @@ def runner(task: str, method: str, model: Any) -> Callable[[torch.Tensor], list[
             stream(model, tokens, [], batch_size=1, progress=False, block_size=block(tokens))
             return None
         if task == "census":
-            df = run_census(
-                model, tokens, batch_size=1, n_seqs=1, progress=False, block_size=block(tokens)
-            )
+            df = run_census(model, tokens, batch_size=1, progress=False, block_size=block(tokens))
             return df["bos_mass"].tolist()
         measured = measure_blindness(
-            model, tokens, n_seqs=1, batch_size=1, progress=False, block_size=block(tokens)
+            model, tokens, batch_size=1, progress=False, block_size=block(tokens)
         )
         return measured.by_head["zero_fraction"].tolist()
 

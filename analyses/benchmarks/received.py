@@ -61,8 +61,8 @@ def main() -> None:
 
     runs = {
         "forward": lambda: stream(model, tokens, [], **common),
-        "census": lambda: run_census(model, tokens, n_seqs=n, **common),
-        "secondary_sinks": lambda: secondary_sinks(model, tokens, n_seqs=n, **common),
+        "census": lambda: run_census(model, tokens, **common),
+        "secondary_sinks": lambda: secondary_sinks(model, tokens, **common),
         "both": both,
     }
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in METHODS}
