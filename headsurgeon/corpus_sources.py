@@ -327,32 +327,16 @@ def _split_files(path: Path, split: str) -> list[Path]:
     """The data files of ``split``: ``path`` itself (a file: one split, train), or the files of a
     folder that ``datasets`` would give that split, found with the folder's name escaped."""
     if not path.is_dir():
-        if _suffix(path.name) is None:
-            text = path.name.endswith((".txt", ".txt.gz"))
-            hint = (
-                "; text files are texts: pass their paths, not load_dataset_texts" if text else ""
-            )
-            raise DataError(
-                f"dataset file {path.name} is not one of {', '.join(DATA_FILE_BUILDERS)} (or a "
-                f"folder of them){hint}"
-            )
-        if split != "train":
-            raise DataError(
-                f"dataset file {path.name} is one split (train), not {split}; give the folder "
-                "holding one file per split, or leave out split="
-            )
-        return [path]
+        return _file_split(path, split)
     entries = [p for p in path.rglob("*") if not p.is_dir()]
     for entry in entries:  # a loop, a FIFO named train.jsonl: said, not silently passed over
         if _suffix(entry.name) and not entry.is_file():
             _check_data_file(path, entry)
     names = [p.name for p in entries]
     if not any(_suffix(name) for name in names):
-        texts = any(name.endswith((".txt", ".txt.gz")) for name in names)
         raise DataError(
             f"dataset folder {path.name} holds no {', '.join(DATA_FILE_BUILDERS)} file and no "
-            "save_to_disk dataset"
-            + ("; text files are texts: pass their paths, not load_dataset_texts" if texts else "")
+            f"save_to_disk dataset{_text_hint(names)}"
         )
     from datasets.data_files import DataFilesDict, get_data_patterns
 
@@ -367,6 +351,27 @@ def _split_files(path: Path, split: str) -> list[Path]:
             f"{', '.join(found) or 'none'}"
         )
     return found[split]
+
+
+def _file_split(path: Path, split: str) -> list[Path]:
+    """``[path]``: a data file is one split, train (one line for another file or split)."""
+    if _suffix(path.name) is None:
+        raise DataError(
+            f"dataset file {path.name} is not one of {', '.join(DATA_FILE_BUILDERS)} (or a "
+            f"folder of them){_text_hint([path.name])}"
+        )
+    if split != "train":
+        raise DataError(
+            f"dataset file {path.name} is one split (train), not {split}; give the folder "
+            "holding one file per split, or leave out split="
+        )
+    return [path]
+
+
+def _text_hint(names: list[str]) -> str:
+    """The end of a refusal for ``names`` holding a text file: texts go by path (else "")."""
+    texts = any(name.endswith((".txt", ".txt.gz")) for name in names)
+    return "; text files are texts: pass their paths, not load_dataset_texts" if texts else ""
 
 
 def _check_data_file(folder: Path, file: Path) -> None:

@@ -355,17 +355,7 @@ def precision_effect(
     precision_effect](../tools/blindness.md#the-tables-of-precision_effect).
     """
     info = model_info(model, "precision_effect", writes=True)
-    names = [_dtype_name(d) for d in ([dtypes] if isinstance(dtypes, str) else list(dtypes))]
-    for name in names:
-        check_choice(name, "dtype", INFERENCE_DTYPES)
-    parts = [parts] if isinstance(parts, str) else list(parts)
-    for part in parts:
-        check_choice(part, "part", ALL_PARTS)
-    if not names or not parts:
-        raise InvalidArgumentError("give at least one dtype and one part")
-    check_choice(reference, "reference", REFERENCES)
-    check_bool(head_table, "head_table")
-    check_bool(progress, "progress")
+    names, parts = _checked_choices(dtypes, parts, reference, head_table, progress)
     if not info.is_alibi:
         raise UnsupportedArchitectureError(
             f"precision_effect measures ALiBi models; {info.name} uses "
@@ -393,10 +383,7 @@ def precision_effect(
         for d in names
         for part in parts
     ]
-    models = {torch.float64: reference_model}
-    for recipe in recipes:
-        if recipe.model_dtype not in models:  # float64 holds the weights exactly: one rounding
-            models[recipe.model_dtype] = copy.deepcopy(reference_model).to(recipe.model_dtype)
+    models = _dtype_models(reference_model, recipes)
     per_dtype = {dtype: _Family(hf, info.slopes) for dtype, hf in models.items()}
     heads = HeadTable(family, recipes, model.cfg.n_layers, position_edges(n_pos + 1))
     stats = _run(
@@ -411,16 +398,65 @@ def precision_effect(
     )
     head_slopes = info.slopes.tolist()
     by_head = heads.table(n_rows * n_pos, head_slopes, form_of) if head_table else pd.DataFrame()
+    attrs = _effect_attrs(
+        info, family, forms, parts, trained, n_seqs=n_rows, seq_len=n_pos, block=min(block, n_pos)
+    )
+    for table in (by_position, by_region, by_head):
+        table.attrs.update(attrs)
+    return PrecisionEffect(by_position=by_position, by_head=by_head, by_region=by_region)
+
+
+def _checked_choices(
+    dtypes: Sequence[str], parts: Sequence[str], reference: str, head_table: bool, progress: bool
+) -> tuple[list[str], list[str]]:
+    """The dtype names and the parts to measure, every choice checked (one line otherwise)."""
+    names = [_dtype_name(d) for d in ([dtypes] if isinstance(dtypes, str) else list(dtypes))]
+    for name in names:
+        check_choice(name, "dtype", INFERENCE_DTYPES)
+    parts = [parts] if isinstance(parts, str) else list(parts)
+    for part in parts:
+        check_choice(part, "part", ALL_PARTS)
+    if not names or not parts:
+        raise InvalidArgumentError("give at least one dtype and one part")
+    check_choice(reference, "reference", REFERENCES)
+    check_bool(head_table, "head_table")
+    check_bool(progress, "progress")
+    return names, parts
+
+
+def _dtype_models(
+    reference_model: nn.Module, recipes: list[_Recipe]
+) -> dict[torch.dtype, nn.Module]:
+    """The ``transformers`` model in each dtype the recipes run in; float64's is the reference."""
+    models = {torch.float64: reference_model}
+    for recipe in recipes:
+        if recipe.model_dtype not in models:  # float64 holds the weights exactly: one rounding
+            models[recipe.model_dtype] = copy.deepcopy(reference_model).to(recipe.model_dtype)
+    return models
+
+
+def _effect_attrs(
+    info: ModelInfo,
+    family: _Family,
+    forms: list[str],
+    parts: list[str],
+    trained: _Recipe | None,
+    *,
+    n_seqs: int,
+    seq_len: int,
+    block: int,
+) -> dict[str, Any]:
+    """The attrs of every table of the effect: the model, the passes and their reference."""
     numerics = info.training_numerics
-    attrs = {
+    return {
         "model": info.name,
         "family": family.kind.name,
         "bias": ", ".join(forms),
         "bias_forms": {form: BIAS_MEANINGS[form] for form in forms},
-        "seq_len": n_pos,
-        "n_seqs": n_rows,
+        "seq_len": seq_len,
+        "n_seqs": n_seqs,
         "train_ctx": info.train_ctx,
-        "block_size": min(block, n_pos),
+        "block_size": block,
         "parts": {part: PART_MEANINGS[part] for part in parts},
         "reference": "the same transformers forward entirely in float64 (softmax included), "
         "the family's own ALiBi bias"
@@ -433,9 +469,6 @@ def precision_effect(
         "training_numerics": None if numerics is None else dataclasses.asdict(numerics),
         "standard_errors": f"batch means over {SE_BLOCK}-token blocks of each sequence",
     }
-    for table in (by_position, by_region, by_head):
-        table.attrs.update(attrs)
-    return PrecisionEffect(by_position=by_position, by_head=by_head, by_region=by_region)
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:

@@ -218,6 +218,23 @@ def compare_retrieval(
     [[1.0, 0.0, 1.0]]
     """
     first, second = _trials(a, "a"), _trials(b, "b")
+    _check_same_prompts(a, b, first, second)
+    groups = _bins(first, from_distance)
+    rows = []
+    for i, ((lo, hi), idx) in enumerate(groups):
+        row: dict[str, object] = {
+            "distance_lo": lo,
+            "distance_hi": hi,
+            "n_trials": len(idx),
+            "pooled": from_distance is not None and i == len(groups) - 1,
+        }
+        rows.append(row | _paired_columns(first.loc[idx], second.loc[idx]))
+    return pd.DataFrame(rows)
+
+
+def _check_same_prompts(a: object, b: object, first: pd.DataFrame, second: pd.DataFrame) -> None:
+    """One line unless results ``a`` and ``b`` (their trials ``first``, ``second``) are of the
+    same task and settings, with the same prompts row by row."""
     task_a, task_b = (
         None if isinstance(r, pd.DataFrame) else getattr(r, "task", None) for r in (a, b)
     )
@@ -241,6 +258,11 @@ def compare_retrieval(
             "pairs them one by one; score both models with the same task, seed, distances, "
             "n_before and tokenizer"
         )
+
+
+def _bins(first: pd.DataFrame, from_distance: int | None) -> list[tuple[tuple, pd.Index]]:
+    """Each bin's ``((distance_lo, distance_hi), rows of first)``, then, from ``from_distance``,
+    the pooled one's."""
     groups = list(first.groupby(["distance_lo", "distance_hi"]).groups.items())
     if from_distance is not None:
         from_distance = check_int(from_distance, "from_distance", minimum=0)
@@ -251,23 +273,21 @@ def compare_retrieval(
                 f"farthest is {int(first['distance'].max())}"
             )
         groups.append(((from_distance, int(first.loc[idx, "distance_hi"].max())), idx))
-    rows = []
-    for i, ((lo, hi), idx) in enumerate(groups):
-        row: dict[str, object] = {
-            "distance_lo": lo,
-            "distance_hi": hi,
-            "n_trials": len(idx),
-            "pooled": from_distance is not None and i == len(groups) - 1,
+    return groups
+
+
+def _paired_columns(first: pd.DataFrame, second: pd.DataFrame) -> dict[str, object]:
+    """Per metric, the accuracies of two models on the same prompts, the prompts only each gets
+    right and the exact McNemar p of those."""
+    row: dict[str, object] = {}
+    for metric, right in _CORRECT.items():
+        x, y = first[right].astype(bool), second[right].astype(bool)
+        only_a, only_b = discordant(x, y)
+        row |= {
+            f"a_{metric}": x.mean(),
+            f"b_{metric}": y.mean(),
+            f"{metric}_a_only": only_a,
+            f"{metric}_b_only": only_b,
+            f"{metric}_p": mcnemar_p(only_a, only_b),
         }
-        for metric, right in _CORRECT.items():
-            x, y = first.loc[idx, right].astype(bool), second.loc[idx, right].astype(bool)
-            only_a, only_b = discordant(x, y)
-            row |= {
-                f"a_{metric}": x.mean(),
-                f"b_{metric}": y.mean(),
-                f"{metric}_a_only": only_a,
-                f"{metric}_b_only": only_b,
-                f"{metric}_p": mcnemar_p(only_a, only_b),
-            }
-        rows.append(row)
-    return pd.DataFrame(rows)
+    return row

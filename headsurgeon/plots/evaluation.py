@@ -349,32 +349,11 @@ def retrieval_distance_plot(
         row_heights=[0.72, 0.28] if marks else None,
         vertical_spacing=0.05,
     )
-    keys = [c for c in ("model", "task") if c in table.columns]
-    series = (
-        [(" · ".join(map(str, k)), t) for k, t in table.groupby(keys, sort=False)]
-        if keys
-        else [(str(table.attrs.get("task", "retrieval")), table)]
-    )
-    for i, (label, part) in enumerate(series):
+    for i, (label, part) in enumerate(_retrieval_series(table)):
         _distance_series(fig, label, part, metric, SERIES_COLOURS[i % len(SERIES_COLOURS)])
     if metric == "top1_accuracy" and "chance" in table.columns:
-        for chance in table["chance"].unique():
-            fig.add_hline(
-                y=chance,
-                line={"color": "#888888", "dash": "dot", "width": 1.5},
-                annotation={"text": f"1 / candidates = {chance:.2f}", "font": {"size": 12}},
-                annotation_position="top right",
-                row=1,
-                col=1,
-            )
-    lengths = (
-        table["train_ctx"].unique() if "train_ctx" in table else [table.attrs.get("train_ctx")]
-    )
-    for i, length in enumerate(float(n) for n in lengths if n):
-        # Labels alternate sides of their lines, so that close training lengths keep apart.
-        side = "right" if i % 2 == 0 and len(lengths) > 1 else "left"
-        label = f"train length {length:.0f}"
-        _mark_train_length(fig, length, np.log10(length), label, width=2, y=1.0, xanchor=side)
+        _mark_chance(fig, table["chance"].unique())
+    _mark_each_train_length(fig, table)
     strip = [_head_strip(fig, heads, column) for column in marks]
     x = np.concatenate([table["mean_distance"].to_numpy(dtype=float), *(d for _, d in strip)])
     x = x[np.isfinite(x) & (x > 0)]
@@ -386,22 +365,59 @@ def retrieval_distance_plot(
     fig.update_yaxes(title_text=names[1], range=[-0.03, 1.03], row=1, col=1)
     if marks:
         fig.update_yaxes(type="category", autorange="reversed", row=2, col=1)
-    n, model = table["n_trials"], table.attrs.get("model")
-    per_bin = f"{n.min()}" if n.min() == n.max() else f"{n.min()}–{n.max()}"
-    subtitle = (f"{model} · " if model and "model" not in table else "") + (
-        f"{per_bin} prompts per bin · 95% Wilson intervals · dashed: the same prompts without "
-        "the needle"
-    )
     n_rows = sum(len(names) for names, _ in strip)
     _eval_layout(
         fig,
         title or f"Retrieval by needle distance: {names[0]}",
-        subtitle,
+        _retrieval_subtitle(table),
         width=980,
         height=500 + (60 + 30 * n_rows if marks else 0),
     )
     fig.update_layout(legend={"x": 1.02, "y": 1, "font": {"size": 13}})
     return fig
+
+
+def _retrieval_series(table: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """Each series' ``(label, rows)``: one per model and/or task, else the table's task."""
+    keys = [c for c in ("model", "task") if c in table.columns]
+    if not keys:
+        return [(str(table.attrs.get("task", "retrieval")), table)]
+    return [(" · ".join(map(str, k)), t) for k, t in table.groupby(keys, sort=False)]
+
+
+def _mark_chance(fig: go.Figure, chances: np.ndarray) -> None:
+    """A grey dotted line at each chance level ``1 / n_candidates``, on the curves' panel."""
+    for chance in chances:
+        fig.add_hline(
+            y=chance,
+            line={"color": "#888888", "dash": "dot", "width": 1.5},
+            annotation={"text": f"1 / candidates = {chance:.2f}", "font": {"size": 12}},
+            annotation_position="top right",
+            row=1,
+            col=1,
+        )
+
+
+def _mark_each_train_length(fig: go.Figure, table: pd.DataFrame) -> None:
+    """A vertical line at each training length (a ``train_ctx`` column, else the attrs')."""
+    lengths = (
+        table["train_ctx"].unique() if "train_ctx" in table else [table.attrs.get("train_ctx")]
+    )
+    for i, length in enumerate(float(n) for n in lengths if n):
+        # Labels alternate sides of their lines, so that close training lengths keep apart.
+        side = "right" if i % 2 == 0 and len(lengths) > 1 else "left"
+        label = f"train length {length:.0f}"
+        _mark_train_length(fig, length, np.log10(length), label, width=2, y=1.0, xanchor=side)
+
+
+def _retrieval_subtitle(table: pd.DataFrame) -> str:
+    """The figure's subtitle: the model (one, unless a column names several), prompts per bin."""
+    n, model = table["n_trials"], table.attrs.get("model")
+    per_bin = f"{n.min()}" if n.min() == n.max() else f"{n.min()}–{n.max()}"
+    return (f"{model} · " if model and "model" not in table else "") + (
+        f"{per_bin} prompts per bin · 95% Wilson intervals · dashed: the same prompts without "
+        "the needle"
+    )
 
 
 def _head_marks(heads: pd.DataFrame | None) -> list[str]:
