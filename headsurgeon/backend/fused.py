@@ -1,0 +1,267 @@
+"""Per-row attention statistics from a fused attention kernel, without the ``T x T`` pattern.
+
+One call of :func:`attention_stats` per layer gives, for every (sequence, head, query row), what
+the census reduces each pattern row to: the log-sum-exp of the scores, the largest weight, the
+weights on key 0, on the query itself and on the previous key, the entropy and the mean
+attended distance, and the head outputs ``z``. The fused kernel (PyTorch's CPU flash attention,
+``_scaled_dot_product_flash_attention_for_cpu``) returns the output and the log-sum-exp ``lse``;
+every other statistic follows from them and from single scores:
+
+* a weight ``A[t, j] = exp(s[t, j] - lse[t])`` (``j`` = 0, ``t``, ``t - 1``: one dot product each);
+* extra value columns (the keys and the distance ``b - j`` to the block's first query ``b``) give
+  ``Σ_j A[t, j] k_j`` and ``Σ_j A[t, j] (t - j)``, so ``Σ_j A s = scale q_t · Σ_j A k_j + Σ_j A
+  bias`` and the entropy ``lse - Σ_j A s`` (the bias, ``-m (t - j)``, is linear in the distance;
+  a bias of the key alone, a family's own ``m j``, is one more column);
+* the largest weight ``exp(max_j s[t, j] - lse[t])``: the row maxima from one pass of scores per
+  block of query rows (a matrix product and a maximum, no exponential: the kernel does not
+  return them on CPU).
+
+Query rows run in blocks against their causal keys only, each block's bias built for it, so
+memory is linear in the length. The entropy ``lse - Σ A s`` cancels: its float32 error grows
+with the scores' size. Where an error bound of a head's entropy exceeds ``tolerance``, that
+head is computed again in float64 (``AttentionStats.refined``), never silently. A row with one key
+(query 0) is set exactly: weight 1 on itself, entropy 0.
+
+FlexAttention (``torch.nn.attention.flex_attention``, ALiBi as a ``score_mod``) would return the
+maxima too, but not on this CPU build: eager it materialises the scores, compiled it refuses
+``return_lse`` on CPU, and ``max_scores`` is CUDA only; it is the GPU path's kernel (see
+``docs/architecture.md``).
+
+>>> q, k, v = (torch.randn(1, 5, 2, 4) for _ in range(3))
+>>> stats = attention_stats(q, k, v, torch.tensor([0.5, 0.25]))
+>>> stats.entropy.shape, float(stats.self_weight[0, 0, 0])
+(torch.Size([1, 2, 5]), 1.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from headsurgeon.errors import InvalidArgumentError
+
+__all__ = [
+    "AttentionStats",
+    "attention_stats",
+    "census_row_sums",
+]
+
+# Bytes of the largest per-block tensor (the bias block, the scores block of the row maxima).
+BLOCK_BYTES = 64 * 2**20
+# Multiple of the epsilon in the entropy's error bound: lse and Σ A s are each within a few
+# roundings of their size. Measured (organism, random q/k), the largest error of a row is 0.9
+# epsilon x that size, of a head's mean over 80-512 rows 0.05-0.25 of the mean bound at 2.
+ENTROPY_ROUNDINGS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionStats:
+    """One layer's attention, reduced per (sequence, head, query row): ``[batch, head, query]``
+    tensors in float64, ``z`` as ``hook_z`` gives it (in the inputs' dtype)."""
+
+    z: Float[Tensor, "batch pos head_index d_head"]
+    lse: Float[Tensor, "batch head_index pos"]  # log-sum-exp of the row's scores
+    max_weight: Float[Tensor, "batch head_index pos"]
+    bos_weight: Float[Tensor, "batch head_index pos"]  # A[t, 0]
+    self_weight: Float[Tensor, "batch head_index pos"]  # A[t, t]
+    prev_weight: Float[Tensor, "batch head_index pos"]  # A[t, t - 1]; 0 in row 0
+    entropy: Float[Tensor, "batch head_index pos"]  # -Σ A ln A, nats
+    distance: Float[Tensor, "batch head_index pos"]  # Σ A (t - j), tokens
+    refined: Bool[Tensor, " head_index"]  # heads computed again in float64 (entropy bound)
+
+
+def attention_stats(
+    q: Float[Tensor, "batch pos head_index d_head"],
+    k: Float[Tensor, "batch pos head_index d_head"],
+    v: Float[Tensor, "batch pos head_index d_head"],
+    slopes: Float[Tensor, " head_index"] | None = None,
+    *,
+    key_bias: Float[Tensor, "head_index pos"] | None = None,
+    scale: float | None = None,
+    block_size: int | None = None,
+    tolerance: float = 1e-6,
+) -> AttentionStats:
+    """Causal attention of ``q``, ``k``, ``v`` with an ALiBi bias, reduced per query row.
+
+    ``stats = attention_stats(q, k, v, slopes)`` with ``hook_q``/``hook_k``/``hook_v`` of one
+    layer; the scores are ``scale q_t·k_j + bias``, the bias one of:
+
+    - ``slopes``: ``-m_h (t - j)`` (headsurgeon's bias hook, TransformerLens 3.x's own);
+    - ``key_bias``: ``[head, key]`` added to every row (a family's own, ``m_h j``: BLOOM's,
+      MPT's, Falcon's rounded products; ``family.own_bias(...)[:, 0]``);
+    - ``scale``: default ``1 / sqrt(d_head)``;
+    - ``block_size``: query rows per kernel call (default: what ``BLOCK_BYTES`` allows);
+    - ``tolerance``: the largest error bound of a head's mean entropy left in float32.
+    """
+    _check(q, k, v, slopes, key_bias)
+    n_pos, d_head = q.shape[1], q.shape[-1]
+    scale = 1 / math.sqrt(d_head) if scale is None else float(scale)
+    rows = block_size or max(1, BLOCK_BYTES // (4 * q.shape[0] * q.shape[2] * n_pos))
+    stats = _stats(q, k, v, slopes, key_bias, scale, rows)
+    # Per head, the bound on the mean entropy over rows 1... (row 0 is exact).
+    refined = stats.pop("bound")[..., 1:].mean(-1).amax(0) > tolerance
+    if q.dtype != torch.float64 and refined.any():
+        heads = refined.nonzero()[:, 0]
+        again = _stats(
+            *(t[:, :, heads].double() for t in (q, k, v)),
+            None if slopes is None else slopes[heads],
+            None if key_bias is None else key_bias[heads],
+            scale,
+            rows,
+        )
+        stats["z"][:, :, heads] = again.pop("z").to(q.dtype)
+        for name, value in again.items():
+            if name in stats:
+                stats[name][:, heads] = value
+    else:
+        refined = torch.zeros_like(refined)
+    return AttentionStats(**stats, refined=refined.cpu())
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor | None, key_bias: Tensor | None):
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise InvalidArgumentError(
+            f"q, k, v must be [batch, pos, head, d_head] of one shape (hook_q, hook_k, hook_v), "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; repeat shared heads"
+        )
+    if (slopes is None) == (key_bias is None):
+        raise InvalidArgumentError(
+            "attention_stats takes one bias: slopes (-m (t - j)) or key_bias (a family's own)"
+        )
+    n_heads, n_pos = q.shape[2], q.shape[1]
+    if slopes is not None and slopes.shape != (n_heads,):
+        raise InvalidArgumentError(f"slopes must be [{n_heads}], got {tuple(slopes.shape)}")
+    if key_bias is not None and key_bias.shape != (n_heads, n_pos):
+        raise InvalidArgumentError(
+            f"key_bias must be [{n_heads}, {n_pos}] (head, key), got {tuple(key_bias.shape)}"
+        )
+
+
+def _stats(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    slopes: Tensor | None,
+    key_bias: Tensor | None,
+    scale: float,
+    rows: int,
+) -> dict[str, Tensor]:
+    """:func:`attention_stats`' tensors in the inputs' dtype, and each row's entropy bound."""
+    batch, n_pos, n_heads, d_head = q.shape
+    device = q.device
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)  # [batch, head, pos, d_head]
+    # The kernel takes one head width: q and k padded with zeros (their dot products unchanged),
+    # the values followed by the keys, the distance column and, for a key bias, the bias.
+    extra = d_head + 1 + (key_bias is not None)
+    q_wide, k_wide = (torch.nn.functional.pad(t, (0, extra)) for t in (qh, kh))
+    values = torch.cat(
+        [v.transpose(1, 2), kh, qh.new_zeros(batch, n_heads, n_pos, extra - d_head)], -1
+    )
+    m = None if slopes is None else slopes.to(device, q.dtype)[:, None, None]
+    kb = None if key_bias is None else key_bias.to(device, q.dtype)
+    positions = torch.arange(n_pos, device=device, dtype=q.dtype)
+    # The entropy's error bound: ‖q_t‖ times the largest key norm so far bounds |Σ A q·k|.
+    key_norms = kh.norm(dim=-1).cummax(-1).values * qh.norm(dim=-1) * abs(scale)
+    # Per row in float64: the differences below cancel, their inputs' rounding is all they keep.
+    out = {name: qh.new_empty(batch, n_heads, n_pos, dtype=torch.float64) for name in ROW_STATS}
+    z = qh.new_empty(batch, n_heads, n_pos, d_head)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    for start in range(0, n_pos, rows):
+        stop = min(start + rows, n_pos)
+        t = positions[start:stop]
+        distance = t[:, None] - positions[None, :stop]  # [query, key]
+        if m is not None:  # -m (t - j): linear in the distance, Σ A bias from Σ A (t - j)
+            bias = -m * distance
+        else:  # less the block's last key's bias, a constant per row: the weights unchanged
+            shifted = kb[:, :stop] - kb[:, stop - 1 : stop]
+            values[:, :, :stop, -1] = shifted
+            bias = shifted[:, None, :].expand(-1, stop - start, -1)
+        mask = bias.masked_fill(distance < 0, -math.inf)  # [head, query, key]
+        values[:, :, :stop, 2 * d_head] = start - positions[:stop]  # b - j, small near the rows
+        result, lse = flash(
+            q_wide[:, :, start:stop],
+            k_wide[:, :, :stop],
+            values[:, :, :stop],
+            attn_mask=mask[None],
+            scale=scale,
+        )
+        z[:, :, start:stop] = result[..., :d_head]
+        block = slice(start, stop)
+        result, lse = result.double(), lse.double()
+        mean_distance = (t - start).double() + result[..., 2 * d_head]  # Σ A (t - j)
+        content = scale * (qh[:, :, block].double() * result[..., d_head : 2 * d_head]).sum(-1)
+        weighted_bias = -m[..., 0].double() * mean_distance if m is not None else result[..., -1]
+        out["lse"][..., block] = lse
+        out["entropy"][..., block] = lse - content - weighted_bias
+        out["distance"][..., block] = mean_distance
+        out["bound"][..., block] = (
+            ENTROPY_ROUNDINGS
+            * torch.finfo(q.dtype).eps
+            * (lse.abs() + key_norms[..., block] + weighted_bias.abs())
+        )
+        # The row maxima, and three single scores, from one product per block.
+        scores = torch.baddbmm(
+            mask.expand(batch, -1, -1, -1).reshape(batch * n_heads, stop - start, stop),
+            qh[:, :, block].reshape(batch * n_heads, stop - start, d_head),
+            kh[:, :, :stop].reshape(batch * n_heads, stop, d_head).transpose(1, 2),
+            alpha=scale,
+        ).view(batch, n_heads, stop - start, stop)
+        own = torch.arange(start, stop, device=device).expand(batch, n_heads, -1)[..., None]
+        picked = {
+            "max_weight": scores.amax(-1),
+            "bos_weight": scores[..., 0],
+            "self_weight": scores.gather(-1, own)[..., 0],
+            "prev_weight": scores.gather(-1, (own - 1).clamp(min=0))[..., 0],
+        }
+        for name, score in picked.items():
+            out[name][..., block] = (score.double() - lse).exp()
+    # Row 0 has one key: its weight 1, exactly (the formulas above round).
+    first = {"max_weight": 1, "bos_weight": 1, "self_weight": 1, "prev_weight": 0}
+    for name in ROW_STATS[1:]:
+        out[name][..., 0] = first.get(name, 0)
+    return {"z": z.transpose(1, 2), **out}
+
+
+# What _stats gives per (sequence, head, query row), besides z.
+ROW_STATS = (
+    "lse",
+    "max_weight",
+    "bos_weight",
+    "self_weight",
+    "prev_weight",
+    "entropy",
+    "distance",
+    "bound",
+)
+
+
+def census_row_sums(
+    stats: AttentionStats, min_query_pos: int = 1
+) -> tuple[Float[Tensor, "stat batch head_index"], list[int]]:
+    """The census's pattern sums from :func:`attention_stats`, as
+    :func:`headsurgeon.probes.pattern_sums` gives them for whole sequences: float64 sums over
+    query rows of bos_mass (rows ``t >= min_query_pos``), sink_score (every row), entropy,
+    max_weight, mean_distance, self_mass, prev_mass (rows ``t >= max(min_query_pos, 1)``), and
+    how many rows each sums."""
+    first, first_prev = min_query_pos, max(min_query_pos, 1)
+    rows = [
+        stats.bos_weight[..., first:],
+        stats.bos_weight,
+        stats.entropy[..., first:],
+        stats.max_weight[..., first:],
+        stats.distance[..., first:],
+        stats.self_weight[..., first:],
+        stats.prev_weight[..., first_prev:],
+    ]
+    n_pos = stats.lse.shape[-1]
+    counts = [
+        max(n_pos - first, 0),
+        n_pos,
+        *[max(n_pos - first, 0)] * 4,
+        max(n_pos - first_prev, 0),
+    ]
+    return torch.stack([r.double().sum(-1) for r in rows]), counts

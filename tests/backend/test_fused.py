@@ -1,0 +1,185 @@
+"""The fused attention statistics (backend.fused) against a float64 softmax and the census's
+blocked reduction of the pattern (probes.pattern_sums): the bundled organism through
+TransformerLens (its bias hook, -m (t - j)), tiny transformers BLOOM, MPT and Falcon-ALiBi models
+(their own bias of the key position), and the float64 refinement of ill-conditioned entropies."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import TEXT
+from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
+    MptConfig,
+    MptForCausalLM,
+)
+
+from headsurgeon import load_model
+from headsurgeon.backend.fused import attention_stats, census_row_sums
+from headsurgeon.data import to_sequences
+from headsurgeon.errors import InvalidArgumentError
+from headsurgeon.families import BLOOM, FALCON, MPT
+from headsurgeon.loading import model_info
+from headsurgeon.probes import PATTERN_STATS, pattern_sums
+
+TOLERANCE = 1e-6
+BLOCKED = 1e-5
+
+
+def reference_rows(q, k, v, bias, scale):
+    """Float64 softmax attention: the pattern and the outputs ``z``; ``bias`` ``[head, q, k]``."""
+    q, k, v = q.double(), k.double(), v.double()
+    n_pos = q.shape[1]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale + bias.double()
+    future = torch.ones(n_pos, n_pos, dtype=torch.bool).triu(1)
+    pattern = scores.masked_fill(future, -math.inf).softmax(-1)
+    return pattern, torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+
+
+def means(sums_and_rows):
+    sums, rows = sums_and_rows
+    return sums.double() / torch.tensor(rows, dtype=torch.float64).clamp(min=1)[:, None, None]
+
+
+def check_layer(q, k, v, pattern, z, bias, scale, slopes=None, key_bias=None, min_query_pos=1):
+    """Every census statistic per (sequence, head) equals the float64 one within TOLERANCE, and
+    the blocked one (the float32 pattern reduced) within BLOCKED: that path's own rounding reaches
+    3e-6 on mean_distance over 80 tokens (1e-5 over 512); a wrong row or definition would not."""
+    stats = attention_stats(q, k, v, slopes, key_bias=key_bias, scale=scale, block_size=24)
+    fused = means(census_row_sums(stats, min_query_pos))
+    exact_pattern, exact_z = reference_rows(q, k, v, bias, scale)
+    exact = means(pattern_sums(exact_pattern, min_query_pos))
+    blocked = means(pattern_sums(pattern, min_query_pos))
+    for i, name in enumerate(PATTERN_STATS):
+        assert (fused[i] - exact[i]).abs().max() <= TOLERANCE, name
+        assert (fused[i] - blocked[i]).abs().max() <= BLOCKED, name
+    assert (stats.z.double() - exact_z).abs().max() <= TOLERANCE
+    assert (stats.z - z).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("min_query_pos", [0, 1])
+def test_organism_statistics_equal_float64_and_the_census_reduction(min_query_pos):
+    """hook_q/k/v of every layer of the bundled organism (TransformerLens, either major)."""
+    model = load_model("organism")
+    info = model_info(model)
+    tokens = to_sequences(model, TEXT, seq_len=80, n_seqs=2).tokens
+    names = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
+    seen = {}
+
+    def keep(tensor, hook):
+        seen[hook.name] = tensor.detach().clone()
+
+    hooks = [(f"blocks.{i}.attn.{n}", keep) for i in range(model.cfg.n_layers) for n in names]
+    with torch.no_grad():
+        model.run_with_hooks(tokens, fwd_hooks=hooks, stop_at_layer=model.cfg.n_layers)
+    distance = torch.arange(80)[:, None] - torch.arange(80)[None, :]
+    bias = -info.slopes.double()[:, None, None] * distance
+    for layer in range(model.cfg.n_layers):
+        q, k, v, pattern, z = (seen[f"blocks.{layer}.attn.{n}"] for n in names)
+        assert q.shape == (2, 80, model.cfg.n_heads, model.cfg.d_head)  # [batch, pos, head, d]
+        scale = 1 / math.sqrt(model.cfg.d_head)
+        check_layer(
+            q, k, v, pattern, z, bias, scale, slopes=info.slopes, min_query_pos=min_query_pos
+        )
+
+
+def tiny_hf(family):
+    """A tiny random transformers model of ``family`` with eager attention (float32)."""
+    torch.manual_seed(0)
+    if family is BLOOM:
+        model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4))
+    elif family is MPT:
+        config = MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=128, max_seq_len=64)
+        model = MptForCausalLM(config)
+    else:
+        config = FalconConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            vocab_size=128,
+            alibi=True,
+            new_decoder_architecture=False,
+            multi_query=False,
+            parallel_attn=False,
+            bias=True,
+        )
+        model = FalconForCausalLM(config)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", [BLOOM, MPT, FALCON], ids=lambda f: f.name)
+def test_families_own_bias_equals_float64_and_eager(family):
+    """Each family's own bias of the key position (``key_bias``), against transformers' eager
+    pattern (output_attentions) reduced as the census reduces it."""
+    hf = tiny_hf(family)
+    n_heads, d_head, n_pos = 4, 16, 48
+    layers = [m for m in hf.modules() if type(m).__name__ == family.attention]
+    inputs, outputs = [], []
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda m, args, kwargs: inputs.append(args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True,
+        )
+        for layer in layers
+    ]
+    out_proj = [getattr(layer, "out_proj", None) or layer.dense for layer in layers]
+    handles += [o.register_forward_pre_hook(lambda m, a: outputs.append(a[0])) for o in out_proj]
+    tokens = torch.randint(0, 128, (2, n_pos), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        patterns = hf(tokens, output_attentions=True).attentions
+    for handle in handles:
+        handle.remove()
+    factors = family.factors(family.config_slopes(hf.config.to_dict()), d_head)
+    key_bias = family.own_bias(factors, n_pos, torch.float32, d_head, "cpu")[:, 0]
+    for layer, hidden, pattern, z in zip(layers, inputs, patterns, outputs, strict=True):
+        with torch.no_grad():
+            q, k, v = (t.transpose(1, 2) for t in family.project(layer, hidden, n_heads, d_head))
+        z = z.unflatten(-1, (n_heads, d_head))
+        bias = key_bias[:, None, :].expand(-1, n_pos, -1)
+        check_layer(q, k, v, pattern, z, bias, 1 / math.sqrt(d_head), key_bias=key_bias)
+
+
+def test_ill_conditioned_entropy_is_computed_again_in_float64():
+    """Large scores: lse - Σ A s cancels beyond float32's tolerance. The heads whose bound
+    exceeds it are computed in float64 and reported; the others stay float32."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 16, 3, 8) for _ in range(3))
+    q[:, :, 0] *= 60  # head 0: scores of hundreds
+    q[:, :, 1:] *= 0.1  # heads 1, 2: scores below 1, lse near ln 16
+    slopes = torch.tensor([0.5, 0.25, 0.125])
+    distance = torch.arange(16)[:, None] - torch.arange(16)[None, :]
+    pattern, _ = reference_rows(q, k, v, -slopes.double()[:, None, None] * distance, 1 / 8**0.5)
+    exact = means(pattern_sums(pattern))[PATTERN_STATS.index("entropy")]
+    plain = attention_stats(q, k, v, slopes, tolerance=math.inf)
+    fused = attention_stats(q, k, v, slopes)
+    assert fused.refined.tolist() == [True, False, False]
+    assert not plain.refined.any()
+    errors = {
+        name: (means(census_row_sums(stats))[2] - exact).abs().amax(0)
+        for name, stats in (("plain", plain), ("fused", fused))
+    }
+    assert errors["plain"][0] > TOLERANCE  # float32 alone misses it: the refinement is needed
+    assert errors["fused"][0] <= 1e-9
+    assert errors["fused"][1:].max() <= TOLERANCE  # the float32 heads, within their bound
+
+
+def test_row_zero_is_exact_and_bad_input_is_one_line():
+    q, k, v = (torch.randn(1, 3, 2, 4) * 100 for _ in range(3))
+    stats = attention_stats(q, k, v, torch.tensor([0.5, 0.25]))
+    assert stats.entropy[..., 0].tolist() == [[0.0, 0.0]]
+    assert stats.max_weight[..., 0].tolist() == stats.self_weight[..., 0].tolist() == [[1.0, 1.0]]
+    for bad in (
+        lambda: attention_stats(q, k, v[:, :2], torch.tensor([0.5, 0.25])),
+        lambda: attention_stats(q, k, v),
+        lambda: attention_stats(q, k, v, torch.tensor([0.5])),
+        lambda: attention_stats(q, k, v, key_bias=torch.zeros(2, 4)),
+    ):
+        with pytest.raises(InvalidArgumentError) as error:
+            bad()
+        assert "\n" not in str(error.value)
