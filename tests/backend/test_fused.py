@@ -71,10 +71,11 @@ def test_organism_statistics_equal_float64_and_the_census_reduction(min_query_po
     names = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
     seen = {}
 
-    def keep(tensor, hook):
-        seen[hook.name] = tensor.detach().clone()
+    def keep(name):  # 4.x calls its aliases (hook_q) by their own names (q.hook_out)
+        return lambda tensor, hook: seen.__setitem__(name, tensor.detach().clone())
 
-    hooks = [(f"blocks.{i}.attn.{n}", keep) for i in range(model.cfg.n_layers) for n in names]
+    hook_names = [f"blocks.{i}.attn.{n}" for i in range(model.cfg.n_layers) for n in names]
+    hooks = [(name, keep(name)) for name in hook_names]
     with torch.no_grad():
         model.run_with_hooks(tokens, fwd_hooks=hooks, stop_at_layer=model.cfg.n_layers)
     distance = torch.arange(80)[:, None] - torch.arange(80)[None, :]
