@@ -105,25 +105,41 @@ def attention_stats(
     scale = 1 / math.sqrt(d_head) if scale is None else float(scale)
     fits = max(1, BLOCK_BYTES // (4 * q.shape[0] * q.shape[2] * n_pos))
     rows = min(block_size or min(BLOCK_ROWS, fits), n_pos)
-    stats = _stats(q, k, v, slopes, key_bias, scale, rows)
-    # Per head, the bound on the mean entropy over rows 1... (row 0 is exact).
-    refined = stats.pop("bound")[..., 1:].mean(-1).amax(0) > tolerance
-    if q.dtype != torch.float64 and refined.any():
-        heads = refined.nonzero()[:, 0]
-        again = _stats(
-            *(t[:, :, heads].double() for t in (q, k, v)),
+    z = torch.empty_like(q)
+    stats = {
+        name: q.new_empty(q.shape[0], q.shape[2], n_pos, dtype=torch.float64) for name in ROW_STATS
+    }
+
+    def run(heads: Tensor, dtype: torch.dtype) -> Tensor:
+        """Compute ``heads`` in ``dtype``; the bound of each one's mean entropy (rows 1...)."""
+        part = _stats(
+            *(t[:, :, heads].to(dtype) for t in (q, k, v)),
             None if slopes is None else slopes[heads],
             None if key_bias is None else key_bias[heads],
             scale,
             rows,
         )
-        stats["z"][:, :, heads] = again.pop("z").to(q.dtype)
-        for name, value in again.items():
-            if name in stats:
-                stats[name][:, heads] = value
+        z[:, :, heads] = part.pop("z").to(q.dtype)
+        for name, value in part.items():
+            stats[name][:, heads] = value
+        return part["bound"][..., 1:].mean(-1).amax(0)
+
+    heads = torch.arange(q.shape[2], device=q.device)
+    if q.dtype == torch.float64:
+        run(heads, torch.float64)
+        refined = torch.zeros(len(heads), dtype=torch.bool)
     else:
-        refined = torch.zeros_like(refined)
-    return AttentionStats(**stats, refined=refined.cpu())
+        # Heads whose bound's |q·k| term alone exceeds the tolerance go to float64 at once.
+        sizes = q.norm(dim=-1) * k.norm(dim=-1).cummax(1).values * abs(scale)  # [batch, pos, head]
+        floor = ENTROPY_ROUNDINGS * torch.finfo(q.dtype).eps * sizes[:, 1:].mean(1).amax(0)
+        refined = floor > tolerance
+        if not refined.all():
+            rest = heads[~refined]
+            refined[rest[run(rest, q.dtype) > tolerance]] = True
+        if refined.any():
+            run(heads[refined], torch.float64)
+    del stats["bound"]
+    return AttentionStats(z=z, **stats, refined=refined.cpu())
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor | None, key_bias: Tensor | None):
