@@ -36,7 +36,11 @@ maxima too, but not on this CPU build: eager it materialises the scores, compile
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from jaxtyping import Bool, Float
@@ -174,40 +178,33 @@ def _stats(
     batch, n_pos, n_heads, d_head = q.shape
     device, dtype = q.device, q.dtype
     qh, kh = q.transpose(1, 2), k.transpose(1, 2)  # [batch, head, pos, d_head]
-    # The kernel takes one head width: q and k padded with zeros (their dot products unchanged),
-    # the values followed by the keys, the distance column and, for a key bias, the bias.
-    extra = d_head + 1 + (key_bias is not None)
-    q_wide, k_wide = (torch.nn.functional.pad(t, (0, extra)) for t in (qh, kh))
+    # The values followed by the keys, the distance column and, for a key bias, the bias.
     values = torch.cat(
-        [v.transpose(1, 2), kh, qh.new_zeros(batch, n_heads, n_pos, extra - d_head)], -1
+        [v.transpose(1, 2), kh, qh.new_zeros(batch, n_heads, n_pos, 1 + (key_bias is not None))],
+        -1,
     )
     m = torch.zeros(n_heads) if slopes is None else slopes
     m = m.to(device, torch.float64)[:, None]
-    toeplitz = _toeplitz(m.to(dtype)[:, 0], rows, n_pos)
+    bias = _Bias(m.to(dtype)[:, 0], _toeplitz(m.to(dtype)[:, 0], rows, n_pos), None, 0, 0)
+    kernel = _block_kernel(device)
     positions = torch.arange(n_pos, device=device)
     # The entropy's error bound: ‖q_t‖ times the largest key norm so far bounds |Σ A q·k|.
     key_norms = kh.norm(dim=-1).cummax(-1).values * qh.norm(dim=-1) * abs(scale)
     # Per row in float64: the differences below cancel, their inputs' rounding is all they keep.
     out = {name: qh.new_empty(batch, n_heads, n_pos, dtype=torch.float64) for name in ROW_STATS}
     z = qh.new_empty(batch, n_heads, n_pos, d_head)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     for start in range(0, n_pos, rows):
         stop = min(start + rows, n_pos)
         block = slice(start, stop)
-        # -m (t - j), or -inf for a future key: a view of one Toeplitz matrix, built once.
-        mask = toeplitz[:, : stop - start, n_pos - start : n_pos - start + stop]
         if key_bias is not None:  # less the block's last key's: a constant per row
             shifted = key_bias.to(device, dtype)[:, :stop] - key_bias[:, stop - 1 : stop]
             values[:, :, :stop, -1] = shifted
-            mask = mask + shifted[:, None, :]
+            bias = bias._replace(keys=shifted)
+        bias = bias._replace(start=start, stop=stop)
         middle = (start + stop) // 2  # Σ A (middle - j) is small where the weights are
         values[:, :, :stop, 2 * d_head] = (middle - positions[:stop]).to(dtype)
-        result, lse = flash(
-            q_wide[:, :, block],
-            k_wide[:, :, :stop],
-            values[:, :, :stop],
-            attn_mask=mask[None],
-            scale=scale,
+        result, lse, row_max = kernel(
+            qh[:, :, block], kh[:, :, :stop], values[:, :, :stop], scale, bias
         )
         z[:, :, block] = result[..., :d_head]
         result, lse = result.double(), lse.double()
@@ -228,24 +225,118 @@ def _stats(
             * torch.finfo(dtype).eps
             * (lse.abs() + key_norms[..., block] + weighted_size)
         )
-        scores = qh.new_empty(batch, n_heads, stop - start, stop)
-        for i in range(batch):  # the bias broadcast over heads, not copied per sequence
-            keys = kh[i, :, :stop].transpose(1, 2)
-            torch.baddbmm(mask, qh[i, :, block], keys, alpha=scale, out=scores[i])
-        own = torch.arange(start, stop, device=device).expand(batch, n_heads, -1)[..., None]
+        if row_max is None:
+            row_max = _row_max(qh[:, :, block], kh[:, :, :stop], scale, bias)
+        query = qh[:, :, block]
+        own = positions[block]
         picked = {
-            "max_weight": scores.amax(-1),
-            "bos_weight": scores[..., 0],
-            "self_weight": scores.gather(-1, own)[..., 0],
-            "prev_weight": scores.gather(-1, (own - 1).clamp(min=0))[..., 0],
+            "max_weight": row_max,
+            "bos_weight": _score(query, kh[:, :, :1], scale, bias, own, 0),
+            "self_weight": _score(query, kh[:, :, block], scale, bias, own, own),
+            "prev_weight": _score(query, kh[:, :, own - 1], scale, bias, own, own - 1),
         }
         for name, score in picked.items():
             out[name][..., block] = (score.double() - lse).exp()
-    # Row 0 has one key: its weight 1, exactly (the formulas above round).
+    # Row 0 has one key: its weight 1, exactly (the formulas above round); prev_weight's
+    # key -1 above read the last key.
     first = {"max_weight": 1, "bos_weight": 1, "self_weight": 1, "prev_weight": 0}
     for name in ROW_STATS[1:]:
         out[name][..., 0] = first.get(name, 0)
     return {"z": z.transpose(1, 2), **out}
+
+
+class _Bias(NamedTuple):
+    """The bias of one block of query rows ``start ... stop - 1`` against keys ``0 ... stop - 1``:
+    ``-m (t - j)``, plus ``keys[h, j]`` for a family's own bias (less its last key's)."""
+
+    slopes: Tensor  # [head]
+    toeplitz: Tensor  # _toeplitz's matrix, of whose views the flash kernel's masks are
+    keys: Tensor | None  # [head, stop]
+    start: int
+    stop: int
+
+    def mask(self) -> Float[Tensor, "head_index query key"]:
+        n_pos = self.toeplitz.shape[-1] - self.toeplitz.shape[-2]
+        first = n_pos - self.start
+        mask = self.toeplitz[:, : self.stop - self.start, first : first + self.stop]
+        return mask if self.keys is None else mask + self.keys[:, None, :]
+
+    def at(self, t: Tensor, j: Tensor | int) -> Float[Tensor, "head_index query"]:
+        """The bias of query positions ``t`` on keys ``j`` (one per query, or one for all)."""
+        j = torch.as_tensor(j, device=t.device).expand_as(t)
+        bias = -self.slopes[:, None] * (t - j).to(self.slopes.dtype)
+        return bias if self.keys is None else bias + self.keys[:, j]
+
+
+def _score(query: Tensor, keys: Tensor, scale: float, bias: _Bias, t: Tensor, j: Tensor | int):
+    """The scores of ``query`` (``[batch, head, query, d]``) on one key each: ``keys`` is one
+    key or one per query."""
+    return scale * (query * keys).sum(-1) + bias.at(t, j)
+
+
+def _row_max(query: Tensor, keys: Tensor, scale: float, bias: _Bias) -> Tensor:
+    """Each row's largest score: one product per sequence, the bias added in it."""
+    batch, n_heads, n_rows, _ = query.shape
+    scores = query.new_empty(batch, n_heads, n_rows, keys.shape[2])
+    mask = bias.mask()
+    for i in range(batch):  # the bias broadcast over heads, not copied per sequence
+        torch.baddbmm(mask, query[i], keys[i].transpose(1, 2), alpha=scale, out=scores[i])
+    return scores.amax(-1)
+
+
+def _block_kernel(device: torch.device) -> Callable:
+    """The fused kernel of one block of query rows on ``device``: ``kernel(q, k, values,
+    scale, bias) -> (out, lse, row maxima or None)``; CPU's flash kernel, FlexAttention on CUDA."""
+    return _flex_block if device.type == "cuda" else _flash_block
+
+
+def _flash_block(
+    query: Tensor, keys: Tensor, values: Tensor, scale: float, bias: _Bias
+) -> tuple[Tensor, Tensor, None]:
+    # One head width for all three: q and k padded with zeros (their dot products unchanged).
+    pad = values.shape[-1] - query.shape[-1]
+    query, keys = (torch.nn.functional.pad(t, (0, pad)) for t in (query, keys))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(query, keys, values, attn_mask=bias.mask()[None], scale=scale)
+    return out, lse, None
+
+
+def _flex_block(
+    query: Tensor, keys: Tensor, values: Tensor, scale: float, bias: _Bias
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """FlexAttention with ALiBi as a ``score_mod``: compiled on CUDA, where it also returns the
+    row maxima (not on CPU: eager, it materialises the scores; tests run it so)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    slopes, keys_bias, start = bias.slopes, bias.keys, bias.start
+
+    def alibi(score: Tensor, b: Tensor, h: Tensor, q_index: Tensor, kv_index: Tensor) -> Tensor:
+        t = q_index + start
+        biased = score - slopes[h] * (t - kv_index)
+        if keys_bias is not None:
+            biased = biased + keys_bias[h, kv_index]
+        return torch.where(kv_index <= t, biased, -math.inf)
+
+    cuda = query.device.type == "cuda"
+    attend = _compiled_flex() if cuda else flex_attention
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager: "materialises the scores" (the CPU tests)
+        out, aux = attend(
+            query,
+            keys,
+            values,
+            score_mod=alibi,
+            scale=scale,
+            return_aux=AuxRequest(lse=True, max_scores=cuda),
+        )
+    return out, aux.lse, aux.max_scores if cuda else None
+
+
+@functools.cache
+def _compiled_flex() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def _toeplitz(

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from headsurgeon import load_model
+from headsurgeon.backend import fused
 from headsurgeon.backend.fused import attention_stats, census_row_sums
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError
@@ -55,13 +56,13 @@ def check_layer(
     stats = attention_stats(
         q, k, v, slopes, key_bias=key_bias, scale=scale, block_size=24, tolerance=tolerance
     )
-    fused = means(census_row_sums(stats, min_query_pos))
+    measured = means(census_row_sums(stats, min_query_pos))
     exact_pattern, exact_z = reference_rows(q, k, v, bias, scale)
     exact = means(pattern_sums(exact_pattern, min_query_pos))
     blocked = means(pattern_sums(pattern, min_query_pos))
     for i, name in enumerate(PATTERN_STATS):
-        assert (fused[i] - exact[i]).abs().max() <= TOLERANCE, name
-        assert (fused[i] - blocked[i]).abs().max() <= BLOCKED, name
+        assert (measured[i] - exact[i]).abs().max() <= TOLERANCE, name
+        assert (measured[i] - blocked[i]).abs().max() <= BLOCKED, name
     assert (stats.z.double() - exact_z).abs().max() <= TOLERANCE
     assert (stats.z - z).abs().max() <= TOLERANCE
 
@@ -117,11 +118,15 @@ def tiny_hf(family):
     return model.eval()
 
 
+@pytest.mark.parametrize("kernel", ["flash", "flex"])
 @pytest.mark.parametrize("tolerance", [1e-6, math.inf])
 @pytest.mark.parametrize("family", [BLOOM, MPT, FALCON], ids=lambda f: f.name)
-def test_families_own_bias_equals_float64_and_eager(family, tolerance):
+def test_families_own_bias_equals_float64_and_eager(family, tolerance, kernel, monkeypatch):
     """Each family's own bias of the key position (``key_bias``), against transformers' eager
-    pattern (output_attentions) reduced as the census reduces it."""
+    pattern (output_attentions) reduced as the census reduces it; through the CPU flash kernel
+    and through FlexAttention (CUDA's kernel, run here eager: its ALiBi score_mod checked)."""
+    if kernel == "flex":
+        monkeypatch.setattr(fused, "_block_kernel", lambda device: fused._flex_block)
     hf = tiny_hf(family)
     n_heads, d_head, n_pos = 4, 16, 48
     layers = [m for m in hf.modules() if type(m).__name__ == family.attention]
@@ -151,10 +156,13 @@ def test_families_own_bias_equals_float64_and_eager(family, tolerance):
         check_layer(q, k, v, pattern, z, bias, scale, None, key_bias, tolerance=tolerance)
 
 
-def test_ill_conditioned_entropy_is_computed_again_in_float64():
+@pytest.mark.parametrize("kernel", ["flash", "flex"])
+def test_ill_conditioned_entropy_is_computed_again_in_float64(kernel, monkeypatch):
     """Large scores: lse - Σ A s cancels beyond float32's tolerance. The heads whose bound
     exceeds it (1e-5 here) are computed in float64 and reported; the others stay float32,
     within their bound."""
+    if kernel == "flex":
+        monkeypatch.setattr(fused, "_block_kernel", lambda device: fused._flex_block)
     torch.manual_seed(3)
     q, k, v = (torch.randn(2, 16, 3, 8) for _ in range(3))
     q[:, :, 0] *= 60  # head 0: scores of hundreds
@@ -164,16 +172,16 @@ def test_ill_conditioned_entropy_is_computed_again_in_float64():
     pattern, _ = reference_rows(q, k, v, -slopes.double()[:, None, None] * distance, 1 / 8**0.5)
     exact = means(pattern_sums(pattern))[PATTERN_STATS.index("entropy")]
     plain = attention_stats(q, k, v, slopes, tolerance=math.inf)
-    fused = attention_stats(q, k, v, slopes, tolerance=1e-5)
-    assert fused.refined.tolist() == [True, False, False]
+    refined = attention_stats(q, k, v, slopes, tolerance=1e-5)
+    assert refined.refined.tolist() == [True, False, False]
     assert not plain.refined.any()
     errors = {
         name: (means(census_row_sums(stats))[2] - exact).abs().amax(0)
-        for name, stats in (("plain", plain), ("fused", fused))
+        for name, stats in (("plain", plain), ("refined", refined))
     }
     assert errors["plain"][0] > TOLERANCE  # float32 alone misses it: the refinement is needed
-    assert errors["fused"][0] <= 1e-9
-    assert errors["fused"][1:].max() <= 1e-5  # the float32 heads, within their bound
+    assert errors["refined"][0] <= 1e-9
+    assert errors["refined"][1:].max() <= 1e-5  # the float32 heads, within their bound
 
 
 def test_row_zero_is_exact_and_bad_input_is_one_line():
