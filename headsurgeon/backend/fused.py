@@ -8,24 +8,25 @@ attended distance, and the head outputs ``z``. The fused kernel (PyTorch's CPU f
 every other statistic follows from them and from single scores:
 
 * a weight ``A[t, j] = exp(s[t, j] - lse[t])`` (``j`` = 0, ``t``, ``t - 1``: one dot product each);
-* extra value columns (the keys and the distance ``b - j`` to the block's first query ``b``) give
+* extra value columns (the keys and the distance ``b - j`` to the block's middle row ``b``) give
   ``Σ_j A[t, j] k_j`` and ``Σ_j A[t, j] (t - j)``, so ``Σ_j A s = scale q_t · Σ_j A k_j + Σ_j A
   bias`` and the entropy ``lse - Σ_j A s`` (the bias, ``-m (t - j)``, is linear in the distance;
   a bias of the key alone, a family's own ``m j``, is one more column);
-* the largest weight ``exp(max_j s[t, j] - lse[t])``: the row maxima from one pass of scores per
-  block of query rows (a matrix product and a maximum, no exponential: the kernel does not
-  return them on CPU).
+* the largest weight ``exp(max_j s[t, j] - lse[t])``: the row maxima from one product of scores
+  per block of query rows (a matrix product and a maximum, no exponential: the CPU kernel does
+  not return them).
 
-Query rows run in blocks against their causal keys only, each block's bias built for it, so
-memory is linear in the length. The entropy ``lse - Σ A s`` cancels: its float32 error grows
-with the scores' size. Where an error bound of a head's entropy exceeds ``tolerance``, that
-head is computed again in float64 (``AttentionStats.refined``), never silently. A row with one key
-(query 0) is set exactly: weight 1 on itself, entropy 0.
+Query rows run in blocks of 64 against their causal keys only, each block's bias a view of one
+Toeplitz matrix, so memory is linear in the length. The entropy ``lse - Σ A s`` cancels: its
+float32 error grows with the scores' size (``ENTROPY_ROUNDINGS``). Heads whose error bound of the
+mean entropy exceeds ``tolerance`` are computed in float64 (``AttentionStats.refined``), never
+silently; at 1e-6 that is every head of a trained model over more than a few dozen tokens. A row
+with one key (query 0) is set exactly: weight 1 on itself, entropy 0.
 
-FlexAttention (``torch.nn.attention.flex_attention``, ALiBi as a ``score_mod``) would return the
-maxima too, but not on this CPU build: eager it materialises the scores, compiled it refuses
-``return_lse`` on CPU, and ``max_scores`` is CUDA only; it is the GPU path's kernel (see
-``docs/architecture.md``).
+On CUDA the kernel is FlexAttention (``torch.nn.attention.flex_attention``, compiled, ALiBi as
+a ``score_mod``), which also returns the row maxima. Not on CPU with this torch (2.13): eager, it
+materialises the scores and returns no maxima; compiled, inductor refuses ``return_lse`` on CPU.
+Its ``score_mod`` is tested here eager, on CPU; the CUDA path itself is not run by the tests.
 
 >>> q, k, v = (torch.randn(1, 5, 2, 4) for _ in range(3))
 >>> stats = attention_stats(q, k, v, torch.tensor([0.5, 0.25]))
