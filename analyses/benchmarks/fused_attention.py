@@ -14,6 +14,9 @@ sequence, one thread, at each ``--lengths``. Methods, timed in rotating order, m
 * ``fused``          the same with its default ``tolerance=1e-6`` (heads whose entropy bound
                      exceeds it computed again in float64: on these inputs, every head);
 * ``fused64``        the same on float64 inputs (everything in float64 once);
+* ``fused32+reach``  ``fused32`` plus the census's reach histogram, which needs every weight:
+                     per block the scores again, ``exp(s - lse)`` and the histogram by distance
+                     (an upper bound: fused32's row-maximum pass forms the same scores once);
 * ``eager+census``   ``eager`` plus the census's reductions of each block
                      (:func:`headsurgeon.probes.pattern_sums` and the reach histogram).
 
@@ -43,7 +46,7 @@ from headsurgeon.probes import _mass_by_distance, pattern_sums
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "figures" / "benchmarks" / "fused_attention.md"
-METHODS = ("eager", "flash", "fused32", "fused", "fused64", "eager+census")
+METHODS = ("eager", "flash", "fused32", "fused", "fused64", "fused32+reach", "eager+census")
 EAGER_ROWS, FLASH_ROWS = 256, 64
 
 
@@ -66,13 +69,34 @@ def flash(q, k, v, slopes, scale):
     """The CPU flash kernel in blocks of query rows, the bias as a float mask."""
     n_pos = q.shape[2]
     kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    i = torch.arange(FLASH_ROWS)[:, None]
-    distance = (i - (torch.arange(n_pos + FLASH_ROWS)[None, :] - n_pos)).float()
-    toeplitz = (-slopes[:, None, None] * distance).masked_fill(distance < 0, -math.inf)
+    bias = toeplitz(slopes, n_pos, FLASH_ROWS)
     for start in range(0, n_pos, FLASH_ROWS):
         stop = min(start + FLASH_ROWS, n_pos)
-        mask = toeplitz[None, :, : stop - start, n_pos - start : n_pos - start + stop]
+        mask = bias[None, :, : stop - start, n_pos - start : n_pos - start + stop]
         kernel(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], attn_mask=mask, scale=scale)
+
+
+def toeplitz(slopes, n_pos, rows):
+    """The causal ALiBi bias of every block of ``rows`` query rows, as views of one matrix."""
+    i = torch.arange(rows)[:, None]
+    distance = (i - (torch.arange(n_pos + rows)[None, :] - n_pos)).float()
+    return (-slopes[:, None, None] * distance).masked_fill(distance < 0, -math.inf)
+
+
+def with_reach(q, k, v, slopes, scale):
+    """fused32, then the reach histogram from ``exp(s - lse)`` block by block."""
+    lse = attention_stats(q, k, v, slopes, tolerance=math.inf).lse.float()
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    n_pos = q.shape[1]
+    bias = toeplitz(slopes, n_pos, FLASH_ROWS)
+    for start in range(0, n_pos, FLASH_ROWS):
+        stop = min(start + FLASH_ROWS, n_pos)
+        mask = bias[:, : stop - start, n_pos - start : n_pos - start + stop]
+        scores = torch.baddbmm(
+            mask, qh[0, :, start:stop], kh[0, :, :stop].transpose(1, 2), alpha=scale
+        )
+        weights = scores.sub_(lse[0, :, start:stop, None]).exp_()
+        _mass_by_distance(weights[None], 1)
 
 
 def runners(n_pos: int, n_heads: int, d_head: int) -> dict:
@@ -88,6 +112,7 @@ def runners(n_pos: int, n_heads: int, d_head: int) -> dict:
         "fused32": lambda: attention_stats(q, k, v, slopes, tolerance=math.inf),
         "fused": lambda: attention_stats(q, k, v, slopes),
         "fused64": lambda: attention_stats(*wide, slopes),
+        "fused32+reach": lambda: with_reach(q, k, v, slopes, scale),
         "eager+census": lambda: eager(qh, kh, vh, slopes, scale, reduce=True),
     }
 
