@@ -18,8 +18,9 @@ every other statistic follows from them and from single scores:
 
 Query rows run in blocks of 64 against their causal keys only, each block's bias a view of one
 Toeplitz matrix, so memory is linear in the length. The entropy ``lse - Σ A s`` cancels: its
-float32 error grows with the scores' size (``ENTROPY_ROUNDINGS``). Heads whose error bound of the
-mean entropy exceeds ``tolerance`` are computed in float64 (``AttentionStats.refined``), never
+float32 error grows with the scores' size, the distance's with the distances
+(``ENTROPY_ROUNDINGS``). Heads whose error bound of the mean entropy or distance exceeds
+``tolerance`` are computed in float64 (``AttentionStats.refined``), never
 silently; at 1e-6 that is every head of a trained model over more than a few dozen tokens. A row
 with one key (query 0) is set exactly: weight 1 on itself, entropy 0.
 
@@ -79,7 +80,7 @@ class AttentionStats:
     prev_weight: Float[Tensor, "batch head_index pos"]  # A[t, t - 1]; 0 in row 0
     entropy: Float[Tensor, "batch head_index pos"]  # -Σ A ln A, nats
     distance: Float[Tensor, "batch head_index pos"]  # Σ A (t - j), tokens
-    refined: Bool[Tensor, " head_index"]  # heads computed again in float64 (entropy bound)
+    refined: Bool[Tensor, " head_index"]  # heads computed in float64 (error bounds)
 
 
 def attention_stats(
@@ -103,7 +104,8 @@ def attention_stats(
       MPT's, Falcon's rounded products; ``family.own_bias(...)[:, 0]``);
     - ``scale``: default ``1 / sqrt(d_head)``;
     - ``block_size``: query rows per kernel call (default: what ``BLOCK_BYTES`` allows);
-    - ``tolerance``: the largest error bound of a head's mean entropy left in float32.
+    - ``tolerance``: the largest error bound of a head's mean entropy or mean distance (over
+      rows 1...) left in float32; heads above it are computed in float64.
     """
     _check(q, k, v, slopes, key_bias)
     n_pos, d_head = q.shape[1], q.shape[-1]
@@ -216,16 +218,15 @@ def _stats(
         out["lse"][..., block] = lse
         out["entropy"][..., block] = lse - content - weighted_bias
         out["distance"][..., block] = mean_distance
-        # What each sum above is within a few roundings of: |lse|, |Σ A q·k|, Σ A |middle - j|
-        # <= |t - middle| + Σ A (t - j) times the slope, the bias column's largest value.
-        weighted_size = m * ((t - middle).abs() + mean_distance)
+        # What each sum above is within a few roundings of: the distance Σ A |middle - j| <=
+        # |t - middle| + Σ A (t - j); the entropy |lse|, |Σ A q·k|, the slope times the
+        # distance's, the bias column's largest value.
+        distance_size = (t - middle).abs() + mean_distance
+        entropy_size = lse.abs() + key_norms[..., block] + m * distance_size
         if key_bias is not None:
-            weighted_size = weighted_size + result[..., -1].abs()
-        out["bound"][..., block] = (
-            ENTROPY_ROUNDINGS
-            * torch.finfo(dtype).eps
-            * (lse.abs() + key_norms[..., block] + weighted_size)
-        )
+            entropy_size = entropy_size + result[..., -1].abs()
+        size = torch.maximum(entropy_size, distance_size)
+        out["bound"][..., block] = ENTROPY_ROUNDINGS * torch.finfo(dtype).eps * size
         if row_max is None:
             row_max = _row_max(qh[:, :, block], kh[:, :, :stop], scale, bias)
         query = qh[:, :, block]
