@@ -93,6 +93,7 @@ def attention_stats(
     scale: float | None = None,
     block_size: int | None = None,
     tolerance: float = 1e-6,
+    weights: Callable[[Tensor, int, Tensor], None] | None = None,
 ) -> AttentionStats:
     """Causal attention of ``q``, ``k``, ``v`` with an ALiBi bias, reduced per query row.
 
@@ -105,7 +106,11 @@ def attention_stats(
     - ``scale``: default ``1 / sqrt(d_head)``;
     - ``block_size``: query rows per kernel call (default: what ``BLOCK_BYTES`` allows);
     - ``tolerance``: the largest error bound of a head's mean entropy or mean distance (over
-      rows 1...) left in float32; heads above it are computed in float64.
+      rows 1...) left in float32; heads above it are computed in float64;
+    - ``weights``: for statistics that need every weight (the census's reach), called per block
+      of query rows and group of heads as ``weights(heads, first_row, A)`` with ``A = exp(s -
+      lse)``, ``[batch, len(heads), rows, keys]`` (the block's causal keys), in the heads' final
+      dtype; one exponential per entry more.
     """
     _check(q, k, v, slopes, key_bias)
     n_pos, d_head = q.shape[1], q.shape[-1]
@@ -116,25 +121,29 @@ def attention_stats(
     stats = {
         name: q.new_empty(q.shape[0], q.shape[2], n_pos, dtype=torch.float64) for name in ROW_STATS
     }
+    maxima = set()  # the dtypes whose kernel gave no row maxima (the scores pass finds them)
+
+    def pick(t: Tensor | None, heads: Tensor, dtype: torch.dtype, dim: int = 0) -> Tensor | None:
+        return None if t is None else t.index_select(dim, heads).to(dtype)
 
     def run(heads: Tensor, dtype: torch.dtype) -> Tensor:
         """Compute ``heads`` in ``dtype``; the bound of each one's mean entropy (rows 1...)."""
         part = _stats(
-            *(t[:, :, heads].to(dtype) for t in (q, k, v)),
-            None if slopes is None else slopes[heads],
-            None if key_bias is None else key_bias[heads],
+            *(pick(t, heads, dtype, 2) for t in (q, k, v)),
+            _Bias.of(pick(slopes, heads, dtype), pick(key_bias, heads, dtype), rows, n_pos),
             scale,
             rows,
         )
         z[:, :, heads] = part.pop("z").to(q.dtype)
+        if "max_weight" not in part:
+            maxima.add(dtype)
         for name, value in part.items():
             stats[name][:, heads] = value
         return part["bound"][..., 1:].mean(-1).amax(0)
 
     heads = torch.arange(q.shape[2], device=q.device)
     if q.dtype == torch.float64:
-        run(heads, torch.float64)
-        refined = torch.zeros(len(heads), dtype=torch.bool)
+        refined = torch.zeros(len(heads), dtype=torch.bool, device=q.device)
     else:
         # Heads whose bound's |q·k| term alone exceeds the tolerance go to float64 at once.
         sizes = q.norm(dim=-1) * k.norm(dim=-1).cummax(1).values * abs(scale)  # [batch, pos, head]
@@ -143,8 +152,20 @@ def attention_stats(
         if not refined.all():
             rest = heads[~refined]
             refined[rest[run(rest, q.dtype) > tolerance]] = True
-        if refined.any():
-            run(heads[refined], torch.float64)
+    if refined.any() or q.dtype == torch.float64:
+        run(heads[refined] if q.dtype != torch.float64 else heads, torch.float64)
+    # The row maxima (where the kernel gave none) and the weights, in each head's final dtype.
+    for group, dtype in ((heads[~refined], q.dtype), (heads[refined], torch.float64)):
+        if len(group) and (dtype in maxima or weights is not None):
+            bias = _Bias.of(pick(slopes, group, dtype), pick(key_bias, group, dtype), rows, n_pos)
+            stats["max_weight"][:, group] = _scores_pass(
+                *(pick(t, group, dtype, 2) for t in (q, k)),
+                bias,
+                scale,
+                rows,
+                stats["lse"][:, group],
+                None if weights is None else functools.partial(weights, group),
+            )
     del stats["bound"]
     return AttentionStats(z=z, **stats, refined=refined.cpu())
 
@@ -168,27 +189,18 @@ def _check(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor | None, key_bias: Ten
         )
 
 
-def _stats(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    slopes: Tensor | None,
-    key_bias: Tensor | None,
-    scale: float,
-    rows: int,
-) -> dict[str, Tensor]:
-    """:func:`attention_stats`' tensors in the inputs' dtype, and each row's entropy bound."""
+def _stats(q: Tensor, k: Tensor, v: Tensor, bias: _Bias, scale: float, rows: int) -> dict:
+    """The kernel pass: :func:`attention_stats`' tensors in the inputs' dtype but the row maxima
+    (unless the kernel gives them), and each row's error bound."""
     batch, n_pos, n_heads, d_head = q.shape
     device, dtype = q.device, q.dtype
     qh, kh = q.transpose(1, 2), k.transpose(1, 2)  # [batch, head, pos, d_head]
     # The values followed by the keys, the distance column and, for a key bias, the bias.
+    with_keys = bias.key_bias is not None
     values = torch.cat(
-        [v.transpose(1, 2), kh, qh.new_zeros(batch, n_heads, n_pos, 1 + (key_bias is not None))],
-        -1,
+        [v.transpose(1, 2), kh, qh.new_zeros(batch, n_heads, n_pos, 1 + with_keys)], -1
     )
-    m = torch.zeros(n_heads) if slopes is None else slopes
-    m = m.to(device, torch.float64)[:, None]
-    bias = _Bias(m.to(dtype)[:, 0], _toeplitz(m.to(dtype)[:, 0], rows, n_pos), None, 0, 0)
+    m = bias.slopes.double()[:, None]
     kernel = _block_kernel(device)
     positions = torch.arange(n_pos, device=device)
     # The entropy's error bound: ‖q_t‖ times the largest key norm so far bounds |Σ A q·k|.
@@ -196,14 +208,13 @@ def _stats(
     # Per row in float64: the differences below cancel, their inputs' rounding is all they keep.
     out = {name: qh.new_empty(batch, n_heads, n_pos, dtype=torch.float64) for name in ROW_STATS}
     z = qh.new_empty(batch, n_heads, n_pos, d_head)
+    given_maxima = True
     for start in range(0, n_pos, rows):
         stop = min(start + rows, n_pos)
         block = slice(start, stop)
-        if key_bias is not None:  # less the block's last key's: a constant per row
-            shifted = key_bias.to(device, dtype)[:, :stop] - key_bias[:, stop - 1 : stop]
-            values[:, :, :stop, -1] = shifted
-            bias = bias._replace(keys=shifted)
-        bias = bias._replace(start=start, stop=stop)
+        bias = bias.rows(start, stop)
+        if with_keys:
+            values[:, :, :stop, -1] = bias.keys
         middle = (start + stop) // 2  # Σ A (middle - j) is small where the weights are
         values[:, :, :stop, 2 * d_head] = (middle - positions[:stop]).to(dtype)
         result, lse, row_max = kernel(
@@ -214,7 +225,7 @@ def _stats(
         t = positions[block].double()
         mean_distance = (t - middle) + result[..., 2 * d_head]  # Σ A (t - j)
         content = scale * (qh[:, :, block].double() * result[..., d_head : 2 * d_head]).sum(-1)
-        weighted_bias = -m * mean_distance if key_bias is None else result[..., -1]
+        weighted_bias = result[..., -1] if with_keys else -m * mean_distance
         out["lse"][..., block] = lse
         out["entropy"][..., block] = lse - content - weighted_bias
         out["distance"][..., block] = mean_distance
@@ -223,67 +234,106 @@ def _stats(
         # distance's, the bias column's largest value.
         distance_size = (t - middle).abs() + mean_distance
         entropy_size = lse.abs() + key_norms[..., block] + m * distance_size
-        if key_bias is not None:
+        if with_keys:
             entropy_size = entropy_size + result[..., -1].abs()
         size = torch.maximum(entropy_size, distance_size)
         out["bound"][..., block] = ENTROPY_ROUNDINGS * torch.finfo(dtype).eps * size
-        if row_max is None:
-            row_max = _row_max(qh[:, :, block], kh[:, :, :stop], scale, bias)
-        query = qh[:, :, block]
-        own = positions[block]
+        query, own = qh[:, :, block], positions[block]
         picked = {
-            "max_weight": row_max,
             "bos_weight": _score(query, kh[:, :, :1], scale, bias, own, 0),
             "self_weight": _score(query, kh[:, :, block], scale, bias, own, own),
             "prev_weight": _score(query, kh[:, :, own - 1], scale, bias, own, own - 1),
         }
+        given_maxima = given_maxima and row_max is not None
+        if given_maxima:
+            picked["max_weight"] = row_max
         for name, score in picked.items():
             out[name][..., block] = (score.double() - lse).exp()
+    if not given_maxima:
+        del out["max_weight"]
     # Row 0 has one key: its weight 1, exactly (the formulas above round); prev_weight's
     # key -1 above read the last key.
     first = {"max_weight": 1, "bos_weight": 1, "self_weight": 1, "prev_weight": 0}
-    for name in ROW_STATS[1:]:
-        out[name][..., 0] = first.get(name, 0)
+    for name in out:
+        if name != "lse":
+            out[name][..., 0] = first.get(name, 0)
     return {"z": z.transpose(1, 2), **out}
 
 
-class _Bias(NamedTuple):
-    """The bias of one block of query rows ``start ... stop - 1`` against keys ``0 ... stop - 1``:
-    ``-m (t - j)``, plus ``keys[h, j]`` for a family's own bias (less its last key's)."""
+def _scores_pass(
+    q: Tensor,
+    k: Tensor,
+    bias: _Bias,
+    scale: float,
+    rows: int,
+    lse: Tensor,
+    weights: Callable[[int, Tensor], None] | None,
+) -> Float[Tensor, "batch head_index pos"]:
+    """The largest weight of each row, ``exp(max_j s - lse)``, from one product of scores per
+    block and sequence (the bias broadcast over heads, not copied); ``weights(start, A)`` with
+    the block's weights when asked."""
+    batch, n_pos, n_heads, _ = q.shape
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    out = lse.new_empty(batch, n_heads, n_pos)
+    for start in range(0, n_pos, rows):
+        stop = min(start + rows, n_pos)
+        bias = bias.rows(start, stop)
+        scores = qh.new_empty(batch, n_heads, stop - start, stop)
+        mask = bias.mask()
+        for i in range(batch):
+            keys = kh[i, :, :stop].transpose(1, 2)
+            torch.baddbmm(mask, qh[i, :, start:stop], keys, alpha=scale, out=scores[i])
+        block_lse = lse[..., start:stop].to(scores.dtype)
+        out[..., start:stop] = (scores.amax(-1).double() - lse[..., start:stop]).exp()
+        if weights is not None:
+            weights(start, scores.sub_(block_lse[..., None]).exp_())
+    out[..., 0] = 1  # row 0: one key, weight 1 exactly
+    return out
 
-    slopes: Tensor  # [head]
-    toeplitz: Tensor  # _toeplitz's matrix, of whose views the flash kernel's masks are
-    keys: Tensor | None  # [head, stop]
-    start: int
-    stop: int
+
+class _Bias(NamedTuple):
+    """The causal ALiBi bias, ``-m (t - j)`` plus ``key_bias[h, j]`` (a family's own bias), for
+    the block of query rows ``start ... stop - 1`` against keys ``0 ... stop - 1``."""
+
+    slopes: Tensor  # [head]: 0 for a bias of the key alone
+    toeplitz: Tensor  # _toeplitz's matrix, of which every block's mask is a view
+    key_bias: Tensor | None  # [head, pos]
+    start: int = 0
+    stop: int = 0
+
+    @classmethod
+    def of(cls, slopes: Tensor | None, key_bias: Tensor | None, rows: int, n_pos: int) -> _Bias:
+        m = slopes if slopes is not None else key_bias.new_zeros(len(key_bias))
+        return cls(m, _toeplitz(m, rows, n_pos), key_bias)
+
+    def rows(self, start: int, stop: int) -> _Bias:
+        return self._replace(start=start, stop=stop)
+
+    @property
+    def keys(self) -> Tensor | None:
+        """The key bias of the block's keys less its last key's (a constant per row, so the
+        weights are unchanged and the values near the rows small)."""
+        if self.key_bias is None:
+            return None
+        return self.key_bias[:, : self.stop] - self.key_bias[:, self.stop - 1 : self.stop]
 
     def mask(self) -> Float[Tensor, "head_index query key"]:
         n_pos = self.toeplitz.shape[-1] - self.toeplitz.shape[-2]
         first = n_pos - self.start
         mask = self.toeplitz[:, : self.stop - self.start, first : first + self.stop]
-        return mask if self.keys is None else mask + self.keys[:, None, :]
+        return mask if self.key_bias is None else mask + self.keys[:, None, :]
 
     def at(self, t: Tensor, j: Tensor | int) -> Float[Tensor, "head_index query"]:
         """The bias of query positions ``t`` on keys ``j`` (one per query, or one for all)."""
         j = torch.as_tensor(j, device=t.device).expand_as(t)
         bias = -self.slopes[:, None] * (t - j).to(self.slopes.dtype)
-        return bias if self.keys is None else bias + self.keys[:, j]
+        return bias if self.key_bias is None else bias + self.keys[:, j]
 
 
 def _score(query: Tensor, keys: Tensor, scale: float, bias: _Bias, t: Tensor, j: Tensor | int):
     """The scores of ``query`` (``[batch, head, query, d]``) on one key each: ``keys`` is one
     key or one per query."""
     return scale * (query * keys).sum(-1) + bias.at(t, j)
-
-
-def _row_max(query: Tensor, keys: Tensor, scale: float, bias: _Bias) -> Tensor:
-    """Each row's largest score: one product per sequence, the bias added in it."""
-    batch, n_heads, n_rows, _ = query.shape
-    scores = query.new_empty(batch, n_heads, n_rows, keys.shape[2])
-    mask = bias.mask()
-    for i in range(batch):  # the bias broadcast over heads, not copied per sequence
-        torch.baddbmm(mask, query[i], keys[i].transpose(1, 2), alpha=scale, out=scores[i])
-    return scores.amax(-1)
 
 
 def _block_kernel(device: torch.device) -> Callable:

@@ -26,7 +26,7 @@ from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.families import BLOOM, FALCON, MPT
 from headsurgeon.loading import model_info
-from headsurgeon.probes import PATTERN_STATS, pattern_sums
+from headsurgeon.probes import PATTERN_STATS, distance_sums, pattern_sums
 
 TOLERANCE = 1e-6
 BLOCKED = 1e-5
@@ -210,3 +210,29 @@ def test_row_zero_is_exact_and_bad_input_is_one_line():
         with pytest.raises(InvalidArgumentError) as error:
             bad()
         assert "\n" not in str(error.value)
+
+
+def test_weights_reach_every_entry_once_in_each_heads_dtype():
+    """The ``weights`` callback sees each (head, block) once, float64 for refined heads: the
+    census's reach histogram (probes.distance_sums) summed over its blocks equals float64's."""
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, 40, 3, 8) for _ in range(3))
+    q[:, :, 0] *= 60  # head 0 refined at 1e-5, heads 1 and 2 not
+    q[:, :, 1:] *= 0.1
+    slopes = torch.tensor([0.5, 0.25, 0.125])
+    histogram = torch.zeros(3, 40, dtype=torch.float64)
+    seen = []
+
+    def add(heads, start, weights):
+        seen.append((heads.tolist(), start, weights.dtype))
+        histogram[heads, : weights.shape[-1]] += distance_sums(weights)
+
+    stats = attention_stats(q, k, v, slopes, block_size=16, tolerance=1e-5, weights=add)
+    assert stats.refined.tolist() == [True, False, False]
+    assert sorted(seen) == sorted(
+        [([1, 2], start, torch.float32) for start in (0, 16, 32)]
+        + [([0], start, torch.float64) for start in (0, 16, 32)]
+    )
+    distance = torch.arange(40)[:, None] - torch.arange(40)[None, :]
+    pattern, _ = reference_rows(q, k, v, -slopes.double()[:, None, None] * distance, 1 / 8**0.5)
+    torch.testing.assert_close(histogram, distance_sums(pattern), rtol=1e-6, atol=1e-6)
