@@ -15,8 +15,8 @@ sequence, one thread, at each ``--lengths``. Methods, timed in rotating order, m
                      exceeds it computed again in float64: on these inputs, every head);
 * ``fused64``        the same on float64 inputs (everything in float64 once);
 * ``fused32+reach``  ``fused32`` plus the census's reach histogram, which needs every weight:
-                     per block the scores again, ``exp(s - lse)`` and the histogram by distance
-                     (an upper bound: fused32's row-maximum pass forms the same scores once);
+                     its ``weights`` callback (``exp(s - lse)`` of each block, from the scores
+                     the row maxima are taken from) into ``probes._mass_by_distance``;
 * ``eager+census``   ``eager`` plus the census's reductions of each block
                      (:func:`headsurgeon.probes.pattern_sums` and the reach histogram).
 
@@ -83,20 +83,14 @@ def toeplitz(slopes, n_pos, rows):
     return (-slopes[:, None, None] * distance).masked_fill(distance < 0, -math.inf)
 
 
-def with_reach(q, k, v, slopes, scale):
-    """fused32, then the reach histogram from ``exp(s - lse)`` block by block."""
-    lse = attention_stats(q, k, v, slopes, tolerance=math.inf).lse.float()
-    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
-    n_pos = q.shape[1]
-    bias = toeplitz(slopes, n_pos, FLASH_ROWS)
-    for start in range(0, n_pos, FLASH_ROWS):
-        stop = min(start + FLASH_ROWS, n_pos)
-        mask = bias[:, : stop - start, n_pos - start : n_pos - start + stop]
-        scores = torch.baddbmm(
-            mask, qh[0, :, start:stop], kh[0, :, :stop].transpose(1, 2), alpha=scale
-        )
-        weights = scores.sub_(lse[0, :, start:stop, None]).exp_()
-        _mass_by_distance(weights[None], 1)
+def with_reach(q, k, v, slopes):
+    """fused32 with the census's reach histogram from its ``weights`` callback."""
+    histogram = torch.zeros(q.shape[2], q.shape[1], dtype=torch.float64)
+
+    def add(heads, start, weights):
+        histogram[heads, : weights.shape[-1]] += _mass_by_distance(weights, 1)
+
+    attention_stats(q, k, v, slopes, tolerance=math.inf, weights=add)
 
 
 def runners(n_pos: int, n_heads: int, d_head: int) -> dict:
@@ -112,7 +106,7 @@ def runners(n_pos: int, n_heads: int, d_head: int) -> dict:
         "fused32": lambda: attention_stats(q, k, v, slopes, tolerance=math.inf),
         "fused": lambda: attention_stats(q, k, v, slopes),
         "fused64": lambda: attention_stats(*wide, slopes),
-        "fused32+reach": lambda: with_reach(q, k, v, slopes, scale),
+        "fused32+reach": lambda: with_reach(q, k, v, slopes),
         "eager+census": lambda: eager(qh, kh, vh, slopes, scale, reduce=True),
     }
 

@@ -360,7 +360,9 @@ def _flex_block(
     row maxima (not on CPU: eager, it materialises the scores; tests run it so)."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    slopes, keys_bias, start = bias.slopes, bias.keys, bias.start
+    slopes, keys_bias = bias.slopes, bias.keys
+    # A tensor, not an int: compiled, a captured int is a constant (one compilation per block).
+    start = torch.tensor(bias.start, device=query.device)
 
     def alibi(score: Tensor, b: Tensor, h: Tensor, q_index: Tensor, kv_index: Tensor) -> Tensor:
         t = q_index + start
