@@ -17,6 +17,10 @@ sequence, one thread, at each ``--lengths``. Methods, timed in rotating order, m
 * ``fused32+reach``  ``fused32`` plus the census's reach histogram, which needs every weight:
                      its ``weights`` callback (``exp(s - lse)`` of each block, from the scores
                      the row maxima are taken from) into ``probes._mass_by_distance``;
+* ``flash+weights``  a sketch of the other design: the flash kernel at the forward's width (z and
+                     lse only), then per block the scores, their maxima, ``A = exp(s - lse)``,
+                     the entropy as ``Σ A (lse - s)`` (no log), ``Σ A (t - j)`` and the reach
+                     histogram from ``A`` (float32 sums, as the blocked census);
 * ``eager+census``   ``eager`` plus the census's reductions of each block
                      (:func:`headsurgeon.probes.pattern_sums` and the reach histogram).
 
@@ -46,7 +50,16 @@ from headsurgeon.probes import _mass_by_distance, pattern_sums
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "figures" / "benchmarks" / "fused_attention.md"
-METHODS = ("eager", "flash", "fused32", "fused", "fused64", "fused32+reach", "eager+census")
+METHODS = (
+    "eager",
+    "flash",
+    "fused32",
+    "fused",
+    "fused64",
+    "fused32+reach",
+    "flash+weights",
+    "eager+census",
+)
 EAGER_ROWS, FLASH_ROWS = 256, 64
 
 
@@ -65,15 +78,29 @@ def eager(q, k, v, slopes, scale, reduce=False):
             _mass_by_distance(pattern, 1)
 
 
-def flash(q, k, v, slopes, scale):
-    """The CPU flash kernel in blocks of query rows, the bias as a float mask."""
+def flash(q, k, v, slopes, scale, weights=False):
+    """The CPU flash kernel in blocks of query rows, the bias as a float mask; ``weights``: the
+    census's statistics from the block's weights ``exp(s - lse)`` (flash+weights)."""
     n_pos = q.shape[2]
     kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     bias = toeplitz(slopes, n_pos, FLASH_ROWS)
+    positions = torch.arange(n_pos, dtype=torch.float32)
     for start in range(0, n_pos, FLASH_ROWS):
         stop = min(start + FLASH_ROWS, n_pos)
         mask = bias[None, :, : stop - start, n_pos - start : n_pos - start + stop]
-        kernel(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], attn_mask=mask, scale=scale)
+        _, lse = kernel(
+            q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop], attn_mask=mask, scale=scale
+        )
+        if weights:
+            scores = torch.baddbmm(
+                mask[0], q[0, :, start:stop], k[0, :, :stop].transpose(1, 2), alpha=scale
+            )[None]
+            scores.amax(-1)
+            gap = lse[..., None] - scores  # lse - s: -ln A
+            entries = gap.neg().exp_()
+            (entries * gap.nan_to_num_(posinf=0)).sum(-1)  # the entropy, no log
+            entries @ (start - positions[:stop])  # Σ A (b - j)
+            _mass_by_distance(entries, 1)
 
 
 def toeplitz(slopes, n_pos, rows):
@@ -107,6 +134,7 @@ def runners(n_pos: int, n_heads: int, d_head: int) -> dict:
         "fused": lambda: attention_stats(q, k, v, slopes),
         "fused64": lambda: attention_stats(*wide, slopes),
         "fused32+reach": lambda: with_reach(q, k, v, slopes),
+        "flash+weights": lambda: flash(qh, kh, vh, slopes, scale, weights=True),
         "eager+census": lambda: eager(qh, kh, vh, slopes, scale, reduce=True),
     }
 
