@@ -20,12 +20,12 @@ from transformers import (
 )
 
 from headsurgeon import load_model
-from headsurgeon.backend import fused
+from headsurgeon.backend import MAJOR, fused
 from headsurgeon.backend.fused import attention_stats, census_row_sums
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import InvalidArgumentError
 from headsurgeon.families import BLOOM, FALCON, MPT
-from headsurgeon.loading import model_info
+from headsurgeon.loading import from_hf_model, model_info
 from headsurgeon.probes import PATTERN_STATS, distance_sums, pattern_sums
 
 TOLERANCE = 1e-6
@@ -166,6 +166,39 @@ def test_families_own_bias_equals_float64_and_eager(family, tolerance, kernel, m
         scale = 1 / math.sqrt(d_head)
         # The default block (64 rows: one block here), where the organism's test takes 24.
         check_layer(q, k, v, pattern, z, bias, scale, None, key_bias, 1, tolerance, None)
+
+
+@pytest.mark.skipif(MAJOR < 4, reason="TransformerLens 3.x has no MPT/Falcon adapter")
+@pytest.mark.parametrize("family", [MPT, FALCON], ids=lambda f: f.name)
+def test_bridged_families_equal_float64_and_their_patterns(family):
+    """TransformerLens 4.x's MPT and Falcon: hook_q/k/v are [batch, pos, head, d_head] as 3.x's,
+    and the census's bias is what the model applies: MPT headsurgeon's hook (-m (t - j)), Falcon
+    its own bfloat16 products (``key_bias``)."""
+    model = from_hf_model(tiny_hf(family))
+    info = model_info(model)
+    n_pos, d_head = 30, model.cfg.d_head
+    names = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
+    seen = {}
+
+    def keep(name):
+        return lambda tensor, hook: seen.__setitem__(name, tensor.detach().clone())
+
+    tokens = torch.randint(0, 128, (2, n_pos), generator=torch.Generator().manual_seed(2))
+    hooks = [(f"blocks.{i}.attn.{n}", keep(f"{i}.{n}")) for i in range(2) for n in names]
+    with torch.no_grad():
+        model.run_with_hooks(tokens, fwd_hooks=hooks)
+    distance = torch.arange(n_pos)[:, None] - torch.arange(n_pos)[None, :]
+    if family.keeps_own_standard_bias:
+        factors = family.factors(info.slopes, d_head)
+        slopes, key_bias = None, family.own_bias(factors, n_pos, torch.float32, d_head, "cpu")[:, 0]
+        bias = key_bias[:, None, :].expand(-1, n_pos, -1)
+    else:
+        slopes, key_bias = info.slopes, None
+        bias = -info.slopes.double()[:, None, None] * distance
+    for layer in range(2):
+        q, k, v, pattern, z = (seen[f"{layer}.{n}"] for n in names)
+        assert q.shape == (2, n_pos, model.cfg.n_heads, d_head)
+        check_layer(q, k, v, pattern, z, bias, 1 / math.sqrt(d_head), slopes, key_bias)
 
 
 @pytest.mark.parametrize("kernel", ["flash", "flex"])
