@@ -1,7 +1,9 @@
 """The fused attention statistics (backend.fused) against a float64 softmax and the census's
 blocked reduction of the pattern (probes.pattern_sums): the bundled organism through
 TransformerLens (its bias hook, -m (t - j)), tiny transformers BLOOM, MPT and Falcon-ALiBi models
-(their own bias of the key position), and the float64 refinement of ill-conditioned entropies."""
+(their own bias of the key position) and, on 4.x, MPT and Falcon through the bridge; the flash
+kernel and FlexAttention's score_mod (eager); the float64 refinement of ill-conditioned heads and
+the weights callback (the census's reach histogram)."""
 
 from __future__ import annotations
 
