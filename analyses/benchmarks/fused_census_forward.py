@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from headsurgeon import load_model, run_census
+from headsurgeon.backend import wraps_hf_model
 from headsurgeon.backend.fused import attention_stats
 from headsurgeon.data import to_sequences
 from headsurgeon.loading import model_info
@@ -94,6 +95,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = load_model("organism")
+    if wraps_hf_model(model):
+        raise SystemExit("fused_census_forward.py replaces TransformerLens 3.x's attention forward")
     slopes = model_info(model).slopes
     n_layers = model.cfg.n_layers
     text = (ROOT / "README.md").read_text() * 4
