@@ -357,7 +357,7 @@ def _flex_block(
     query: Tensor, keys: Tensor, values: Tensor, scale: float, bias: _Bias
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """FlexAttention with ALiBi as a ``score_mod``: compiled on CUDA, where it also returns the
-    row maxima (not on CPU: eager, it materialises the scores; tests run it so)."""
+    row maxima; eager (it materialises the block's scores) in float64 and on CPU (the tests)."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     slopes, keys_bias = bias.slopes, bias.keys
@@ -371,8 +371,9 @@ def _flex_block(
             biased = biased + keys_bias[h, kv_index]
         return torch.where(kv_index <= t, biased, -math.inf)
 
-    cuda = query.device.type == "cuda"
-    attend = _compiled_flex() if cuda else flex_attention
+    # Compiled on CUDA; float64 (the refinement) eager, a block's scores at a time.
+    compiled = query.device.type == "cuda" and query.dtype != torch.float64
+    attend = _compiled_flex() if compiled else flex_attention
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager: "materialises the scores" (the CPU tests)
         out, aux = attend(
@@ -381,9 +382,9 @@ def _flex_block(
             values,
             score_mod=alibi,
             scale=scale,
-            return_aux=AuxRequest(lse=True, max_scores=cuda),
+            return_aux=AuxRequest(lse=True, max_scores=compiled),
         )
-    return out, aux.lse, aux.max_scores if cuda else None
+    return out, aux.lse, aux.max_scores if compiled else None
 
 
 @functools.cache
