@@ -124,7 +124,7 @@ def attention_stats(
     maxima = set()  # the dtypes whose kernel gave no row maxima (the scores pass finds them)
 
     def pick(t: Tensor | None, heads: Tensor, dtype: torch.dtype, dim: int = 0) -> Tensor | None:
-        return None if t is None else t.index_select(dim, heads).to(dtype)
+        return None if t is None else t.to(heads.device).index_select(dim, heads).to(dtype)
 
     def run(heads: Tensor, dtype: torch.dtype) -> Tensor:
         """Compute ``heads`` in ``dtype``; the bound of each one's mean entropy (rows 1...)."""
@@ -171,9 +171,9 @@ def attention_stats(
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor | None, key_bias: Tensor | None):
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape or not q.shape[1]:
         raise InvalidArgumentError(
-            f"q, k, v must be [batch, pos, head, d_head] of one shape (hook_q, hook_k, hook_v), "
+            f"q, k, v must be [batch, pos >= 1, head, d_head] of one shape (hook_q/k/v), "
             f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; repeat shared heads"
         )
     if (slopes is None) == (key_bias is None):
