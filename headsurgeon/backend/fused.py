@@ -21,7 +21,7 @@ Toeplitz matrix, so memory is linear in the length. The entropy ``lse - Σ A s``
 float32 error grows with the scores' size, the distance's with the distances
 (``ENTROPY_ROUNDINGS``). Heads whose error bound of the mean entropy or distance exceeds
 ``tolerance`` are computed in float64 (``AttentionStats.refined``), never
-silently; at 1e-6 that is every head of a trained model over more than a few dozen tokens. A row
+silently; at 1e-6 that is every head of the organism, from 80 tokens on. A row
 with one key (query 0) is set exactly: weight 1 on itself, entropy 0.
 
 On CUDA the kernel is FlexAttention (``torch.nn.attention.flex_attention``, compiled, ALiBi as
