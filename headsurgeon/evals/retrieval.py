@@ -60,6 +60,7 @@ PASSKEY_INTRO = (
 )
 PASSKEY_NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+PASSKEY_DIGITS = 5  # digits of a passkey, unless asked otherwise
 NEEDLE_SENTENCE = " The special magic word is {key}. "
 NEEDLE_QUESTION = "\nWhat is the special magic word? The special magic word is"
 # Common, single-word values of the needle; distractors are drawn from the same list.
@@ -390,7 +391,7 @@ def passkey(
     n_trials: int = 5,
     seed: int = 0,
     n_candidates: int = 10,
-    n_digits: int = 5,
+    n_digits: int = PASSKEY_DIGITS,
     filler: str = "shakespeare",
     train_ctx: int | None = None,
 ) -> Retrieval:
@@ -529,7 +530,11 @@ def retrieval_by_distance(
                 f"keys for the passkey task is its number of digits (an int), not {keys!r}"
             )
         filler = "shakespeare" if haystack is None else haystack
-        digits = 5 if keys is None else check_int(keys, "keys (a passkey's digits)", minimum=1)
+        digits = (
+            PASSKEY_DIGITS
+            if keys is None
+            else check_int(keys, "keys (a passkey's digits)", minimum=1)
+        )
         spec = _passkey_task(n_candidates, digits, filler)
     edges = _check_distance_edges(distances)
     check_int(n_trials, "n_trials", minimum=1)
