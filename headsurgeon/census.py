@@ -25,18 +25,21 @@ import math
 
 import numpy as np
 import pandas as pd
+import torch
 from torch import Tensor
 
 from headsurgeon.alibi import content_free_reach
-from headsurgeon.backend import Model
-from headsurgeon.blindness.analysis import applied_bias
+from headsurgeon.backend import Model, fused_attention, fused_refusal
+from headsurgeon.backend.fused import BLOCK_ROWS
+from headsurgeon.blindness.analysis import active_mitigations, applied_bias
 from headsurgeon.classify.labels import require_columns
-from headsurgeon.data import Cut, Data, Sequences, verb_sequences
+from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN, GU_PROTOCOL
 from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
-from headsurgeon.probes import HeadStats, stream
+from headsurgeon.probes import HeadStats, check_batch_memory, stream
+from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int, check_number
 
 __all__ = [
@@ -68,6 +71,7 @@ COLUMNS: dict[str, str] = {
     "ahon_ln": "Sandoval-Segura et al.'s AHON-LN: per sequence, the head's mean norm of z (its "
     "output before W_O) over every position, over the mean of that across the layer's heads; "
     "mean over sequences",
+    # Only with reach=True (the default): the one column that needs every weight.
     "reach": "smallest distance d whose mean attention mass on keys at distance >= d (position 0 "
     "left out), over query rows t >= d + 1, is at most reach_eps; inf: none within the sequence",
     "reach_baseline": "the reach of a head with no preference for content: the same definition "
@@ -82,6 +86,11 @@ COLUMNS: dict[str, str] = {
 
 CENSUS_CUT = Cut(seq_len=CENSUS_SEQ_LEN, n_seqs=CENSUS_N_SEQS)
 """How :func:`run_census` cuts texts: 64 sequences of 128 tokens spread over them."""
+
+# The fused path's error bound per head, relative to each mean (absolute below 1): float32's
+# worst-case bound (backend.fused.ENTROPY_ROUNDINGS) stays under it for the organism's heads at
+# 128 ... 2,048 tokens (at most 1.6e-5); heads above it are computed in float64.
+FUSED_TOLERANCE = 3e-5
 
 # Per (batch, head, query, key) entry: the forward's scores, mask and pattern, plus the pattern
 # statistics' temporaries (entropy terms, distance-weighted weights, the distance matrix).
@@ -104,6 +113,7 @@ def run_census(
     batch_size: int = 8,
     min_query_pos: int = 1,
     block_size: int | None = None,
+    reach: bool = True,
     reach_eps: float = 0.01,
     sink_eps: float = 0.3,
     progress: bool = True,
@@ -121,12 +131,14 @@ def run_census(
     - ``batch_size``: sequences per forward pass.
     - ``min_query_pos``: the first query row measured (0: the surgery paper's exact BOS mass).
     - ``block_size``: query rows per block on long sequences (default: what memory allows).
+    - ``reach``: ``False`` leaves out ``reach`` and its baseline, the columns that need every
+      weight; the rest then comes from a fused attention where the model allows it (faster).
     - ``reach_eps``: the mean attention share left on keys at distance ``reach`` or more.
     - ``sink_eps``: the ``sink_score`` above which a sequence counts in ``sink_share`` (Gu: 0.3).
     - ``progress``: show a progress bar.
     - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
-    The columns, ``attrs``, ``reach`` and the standard scores: [Classify: the
+    The columns, ``attrs``, ``reach``, the fused path and the standard scores: [Classify: the
     census](../tools/classify.md#the-census).
 
     >>> import torch
@@ -157,16 +169,20 @@ def run_census(
         )
 
     stats = HeadStats(model, min_query_pos=min_query_pos, sink_eps=sink_eps)
-    stream(
-        model,
-        seqs.tokens,
-        stats.hooks(),
-        batch_size=batch_size,
-        progress=progress,
-        desc="census",
-        block_size=block_size,
-        bytes_per_entry=CENSUS_BYTES_PER_ENTRY,
-    )
+    refusal = "reach needs every weight" if reach else _fused_refusal(model, info, seqs.seq_len)
+    if refusal is None:
+        _fused_stream(model, info, seqs.tokens, stats, batch_size, progress)
+    else:
+        stream(
+            model,
+            seqs.tokens,
+            stats.hooks(),
+            batch_size=batch_size,
+            progress=progress,
+            desc="census",
+            block_size=block_size,
+            bytes_per_entry=CENSUS_BYTES_PER_ENTRY,
+        )
     stats.check_fired(seqs.n_seqs, "run_census")
     means, stds = stats.means(), stats.stds()
 
@@ -180,11 +196,12 @@ def run_census(
         "bos_mass": means["bos_mass"].ravel(),
         "bos_mass_std": stds["bos_mass"].ravel(),
     }
-    means["reach"] = stats.reach(reach_eps)
-    means["reach_baseline"], means["reach_ratio"] = _reach_baseline(
-        model, info, seqs.seq_len, reach_eps, min_query_pos, means["reach"]
-    )
-    columns |= {name: means[name].ravel() for name in COLUMNS if name not in columns}
+    if reach:
+        means["reach"] = stats.reach(reach_eps)
+        means["reach_baseline"], means["reach_ratio"] = _reach_baseline(
+            model, info, seqs.seq_len, reach_eps, min_query_pos, means["reach"]
+        )
+    columns |= {name: means[name].ravel() for name in COLUMNS if name in means}
     df = pd.DataFrame(columns)
     df.attrs = {
         "model": info.name,
@@ -195,8 +212,11 @@ def run_census(
         "prepend_bos": seqs.holds_bos,
         "bos_rule": seqs.bos_rule,
         "min_query_pos": min_query_pos,
-        "reach_eps": reach_eps,
+        "reach_eps": reach_eps if reach else None,
         "sink_eps": sink_eps,
+        "attention": "blocked" if refusal else "fused",
+        "blocked_because": refusal,
+        "float64_heads": int(stats.refined.sum()),
         "data": seqs.source,
         "dtype": str(cfg.dtype).removeprefix("torch."),
         "device": str(cfg.device),
@@ -205,6 +225,43 @@ def run_census(
     if seqs.dataset is not None:  # the data's dataset, field by field (heads.json's metadata)
         df.attrs["dataset"] = dict(seqs.dataset)
     return df
+
+
+def _fused_refusal(model: Model, info: ModelInfo, n_pos: int) -> str | None:
+    """Why the census cannot take the fused path on ``model`` (:func:`fused_refusal`, an active
+    mitigation, a bias other than ``-m (t - j)``), or None."""
+    why = fused_refusal(model)
+    if why is None and active_mitigations(model):
+        why = f"a {active_mitigations(model)[-1]} mitigation is active"
+    if why is None:
+        bias = applied_bias(model, n_pos, info)
+        standard = -info.slopes.float()[:, None] * torch.arange(n_pos, dtype=torch.float32)
+        if bias is None or not torch.equal(bias.cpu(), standard):
+            why = "its ALiBi bias is not -m (t - j) (a trained bias variant or a family's own)"
+    if why is not None:
+        logger.info("census: blocked attention, not fused: %s", why)
+    return why
+
+
+def _fused_stream(
+    model: Model,
+    info: ModelInfo,
+    tokens: Tensor,
+    stats: HeadStats,
+    batch_size: int,
+    progress: bool,
+) -> None:
+    """Whole sequences through ``model`` with its attention fused, feeding ``stats``."""
+    n_pos = tokens.shape[1]
+    check_batch_memory(model, len(tokens[:batch_size]), n_pos, BLOCK_ROWS, CENSUS_BYTES_PER_ENTRY)
+    hooks = stats.hooks(pattern=False)
+    with (
+        torch.no_grad(),
+        fused_attention(model, info.slopes, stats.fused_sums, FUSED_TOLERANCE),
+        model.hooks(fwd_hooks=hooks),
+    ):
+        for batch in tqdm(list(batches(tokens, batch_size)), desc="census", disable=not progress):
+            model(batch, stop_at_layer=model.cfg.n_layers)
 
 
 def _reach_baseline(

@@ -33,6 +33,7 @@ from torch import Tensor
 from headsurgeon import alibi, long_context
 from headsurgeon.allocator import available_memory
 from headsurgeon.backend import TRANSFORMER_LENS, HookPoint, Model, resident
+from headsurgeon.backend.fused import AttentionStats, census_row_sums
 from headsurgeon.data import batches
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.loading import model_info
@@ -336,6 +337,8 @@ class HeadStats:
         # the query rows counted, by position; both as long as the longest sequence seen.
         self.distance_mass = torch.zeros(n_layers, n_heads, 0, dtype=dtype, device=self.device)
         self.query_rows = torch.zeros(n_layers, 0, dtype=dtype, device=self.device)
+        # Heads the fused path computed in float64 in some batch (its error bound), [layer, head].
+        self.refined = torch.zeros(n_layers, n_heads, dtype=torch.bool)
 
     def _flush(self, layer: int) -> None:
         """Add the per-sequence means of ``layer``'s finished batch to the running sums."""
@@ -410,6 +413,15 @@ class HeadStats:
         self._add_distances(hook.layer(), pattern)
         self._arrive(hook.layer(), "attn.hook_pattern", (sums, rows, n_keys - n_rows, n_keys))
 
+    def fused_sums(self, layer: int, stats: AttentionStats) -> None:
+        """Take one layer's fused statistics of whole sequences in place of its pattern: the
+        ``consume`` of :func:`headsurgeon.backend.fused_attention` (no reach histogram)."""
+        sums, rows = census_row_sums(stats, self.min_query_pos)
+        sums = sums.to(self.sums.device, self.sums.dtype)
+        self.refined[layer] |= stats.refined
+        n_pos = stats.lse.shape[-1]
+        self._arrive(layer, "attn.hook_pattern", (sums, rows, 0, n_pos))
+
     def _add_distances(self, layer: int, pattern: Tensor) -> None:
         """Add a block's mass by distance, and its rows, to the pooled histograms."""
         n_rows, n_keys = pattern.shape[-2:]
@@ -438,13 +450,16 @@ class HeadStats:
             written = out.float() if b_O is None else out.float() - b_O.float()
         self._arrive(hook.layer(), "hook_attn_out", written.norm(dim=-1).to(self.sums.device))
 
-    def hooks(self) -> list[Hook]:
-        """Forward hooks for ``hook_pattern``, ``hook_z`` and ``hook_attn_out`` of each layer."""
+    def hooks(self, *, pattern: bool = True) -> list[Hook]:
+        """Forward hooks for ``hook_pattern`` (unless ``pattern`` is False: the fused path
+        hands its statistics to :meth:`fused_sums`), ``hook_z`` and ``hook_attn_out`` of each
+        layer."""
         readers = (self._pattern_hook, self._z_hook, self._attn_out_hook)
         return [
             (f"blocks.{layer}.{name}", reader)
             for layer in range(self.model.cfg.n_layers)
             for name, reader in zip(HEAD_HOOKS, readers, strict=True)
+            if pattern or name != "attn.hook_pattern"
         ]
 
     def finish(self) -> None:

@@ -64,6 +64,8 @@ __all__ = [
     "move",
     "without_kv_cache",
     "wraps_hf_model",
+    "fused_refusal",
+    "fused_attention",
     "offloaded",
     "resident",
 ]
@@ -262,6 +264,33 @@ def add_bias_hook(attn: nn.Module, build: BiasBuilder) -> Any:
     replaced by the bias for every row (:func:`hf_bias_pre_hook`). ``handle.remove()`` undoes it.
     """
     return BACKEND.add_bias_hook(attn, build)
+
+
+def fused_refusal(model: Model) -> str | None:
+    """Why ``model``'s attention cannot compute through :mod:`headsurgeon.backend.fused` (its
+    statistics without the pattern), in words, or None when it can.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=9, n_ctx=8))
+    >>> fused_refusal(model) is None or "4.x" in fused_refusal(model)
+    True
+    """
+    return BACKEND.fused_refusal(model)
+
+
+def fused_attention(
+    model: Model,
+    slopes: Float[Tensor, " head_index"],
+    consume: Callable[[int, Any], None],
+    tolerance: float = 1e-6,
+) -> contextlib.AbstractContextManager[None]:
+    """For the ``with`` block, each attention layer of ``model`` (one :func:`fused_refusal`
+    passes) computes :func:`headsurgeon.backend.fused.attention_stats` of its ``hook_q/k/v``
+    with the bias ``-m (t - j)`` of ``slopes`` (and its ``tolerance``), hands it to
+    ``consume(layer, stats)`` and returns the output from its ``z`` (``hook_z`` fires;
+    ``hook_attn_scores`` and ``hook_pattern`` do not). Whole sequences: no key-value cache, no
+    padding."""
+    return BACKEND.fused_attention(model, slopes, consume, tolerance)
 
 
 def own_alibi_slopes(n_heads: int) -> Float[Tensor, " head_index"] | None:

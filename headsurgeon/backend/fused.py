@@ -20,9 +20,9 @@ Query rows run in blocks of 64 against their causal keys only, each block's bias
 Toeplitz matrix, so memory is linear in the length. The entropy ``lse - Σ A s`` cancels: its
 float32 error grows with the scores' size, the distance's with the distances
 (``ENTROPY_ROUNDINGS``). Heads whose error bound of the mean entropy or distance exceeds
-``tolerance`` are computed in float64 (``AttentionStats.refined``), never
-silently; at 1e-6 that is every head of the organism, from 80 tokens on. A row
-with one key (query 0) is set exactly: weight 1 on itself, entropy 0.
+``tolerance`` times the mean (or 1, if larger) are computed in float64
+(``AttentionStats.refined``), never silently. A row with one key (query 0) is set exactly:
+weight 1 on itself, entropy 0.
 
 On CUDA the kernel is FlexAttention (``torch.nn.attention.flex_attention``, compiled, ALiBi as
 a ``score_mod``), which also returns the row maxima. Not on CPU with this torch (2.13): eager, it
@@ -105,8 +105,8 @@ def attention_stats(
       MPT's, Falcon's rounded products; ``family.own_bias(...)[:, 0]``);
     - ``scale``: default ``1 / sqrt(d_head)``;
     - ``block_size``: query rows per kernel call (default: what ``BLOCK_BYTES`` allows);
-    - ``tolerance``: the largest error bound of a head's mean entropy or mean distance (over
-      rows 1...) left in float32; heads above it are computed in float64;
+    - ``tolerance``: the largest error bound of a head's mean entropy or mean distance (rows
+      1...), relative to the mean (absolute below 1), left in float32; above it, float64;
     - ``weights``: for statistics that need every weight (the census's reach), called per block
       of query rows and group of heads as ``weights(heads, first_row, A)`` with ``A = exp(s -
       lse)``, ``[batch, len(heads), rows, keys]`` (the block's causal keys), in the heads' final
@@ -139,16 +139,17 @@ def attention_stats(
             maxima.add(dtype)
         for name, value in part.items():
             stats[name][:, heads] = value
-        return part["bound"][..., 1:].mean(-1).amax(0)
+        return _relative_bound(part)
 
     heads = torch.arange(q.shape[2], device=q.device)
     if q.dtype == torch.float64:
         refined = torch.zeros(len(heads), dtype=torch.bool, device=q.device)
     else:
-        # Heads whose bound's |q·k| term alone exceeds the tolerance go to float64 at once.
+        # Heads whose bound's |q·k| term alone exceeds the tolerance times the largest entropy
+        # a row can have (ln n_pos) go to float64 at once.
         sizes = q.norm(dim=-1) * k.norm(dim=-1).cummax(1).values * abs(scale)  # [batch, pos, head]
         floor = ENTROPY_ROUNDINGS * torch.finfo(q.dtype).eps * sizes[:, 1:].mean(1).amax(0)
-        refined = floor > tolerance
+        refined = floor > tolerance * max(1.0, math.log(n_pos))
         if not refined.all():
             rest = heads[~refined]
             refined[rest[run(rest, q.dtype) > tolerance]] = True
@@ -166,8 +167,18 @@ def attention_stats(
                 stats["lse"][:, group],
                 None if weights is None else functools.partial(weights, group),
             )
-    del stats["bound"]
+    del stats["entropy_bound"], stats["distance_bound"]
     return AttentionStats(z=z, **stats, refined=refined.cpu())
+
+
+def _relative_bound(part: dict[str, Tensor]) -> Float[Tensor, " head_index"]:
+    """Per head, the largest over sequences of the error bound of the mean entropy and of the
+    mean distance (rows 1...) over that mean, or over 1 where the mean is smaller."""
+    ratios = [
+        (part[f"{name}_bound"][..., 1:].mean(-1) / part[name][..., 1:].mean(-1).abs().clamp(min=1))
+        for name in ("entropy", "distance")
+    ]
+    return torch.maximum(*ratios).amax(0)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor | None, key_bias: Tensor | None):
@@ -236,8 +247,9 @@ def _stats(q: Tensor, k: Tensor, v: Tensor, bias: _Bias, scale: float, rows: int
         entropy_size = lse.abs() + key_norms[..., block] + m * distance_size
         if with_keys:
             entropy_size = entropy_size + result[..., -1].abs()
-        size = torch.maximum(entropy_size, distance_size)
-        out["bound"][..., block] = ENTROPY_ROUNDINGS * torch.finfo(dtype).eps * size
+        roundings = ENTROPY_ROUNDINGS * torch.finfo(dtype).eps
+        out["entropy_bound"][..., block] = roundings * entropy_size
+        out["distance_bound"][..., block] = roundings * distance_size
         query, own = qh[:, :, block], positions[block]
         picked = {
             "bos_weight": _score(query, kh[:, :, :1], scale, bias, own, 0),
@@ -415,7 +427,8 @@ ROW_STATS = (
     "prev_weight",
     "entropy",
     "distance",
-    "bound",
+    "entropy_bound",
+    "distance_bound",
 )
 
 

@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +188,75 @@ class TransformerLens3:
         )
         return cache
 
+    # --- the fused attention ------------------------------------------------------------------
+
+    def fused_refusal(self, model: nn.Module) -> str | None:
+        """Why ``model``'s attention cannot be replaced by the fused statistics path, or None:
+        standard causal ALiBi attention, float32/float64 on CPU, no hook that would not fire."""
+        from transformer_lens.components import Attention
+
+        cfg = model.cfg
+        if cfg.positional_embedding_type != "alibi":
+            return f"its positions are {cfg.positional_embedding_type}, not ALiBi"
+        if cfg.dtype not in (torch.float32, torch.float64):
+            return f"it computes in {cfg.dtype} (the fused path: float32, float64)"
+        if torch.device(cfg.device or "cpu").type != "cpu":
+            return f"it runs on {cfg.device} (the fused path is checked on CPU only)"
+        flags = {
+            "use_attn_result": cfg.use_attn_result,
+            "attn_scores_soft_cap": (cfg.attn_scores_soft_cap or 0) > 0,
+            "use_logn_attn": cfg.use_logn_attn,
+            "clip_qkv": cfg.clip_qkv is not None,
+            "use_attention_sinks": cfg.use_attention_sinks,
+            "load_in_4bit": cfg.load_in_4bit,
+            "attention_dir": cfg.attention_dir != "causal",
+        }
+        if any(flags.values()):
+            return f"its config sets {next(name for name, on in flags.items() if on)}"
+        for layer, block in enumerate(model.blocks):
+            attn = block.attn
+            if type(attn) is not Attention or attn._attention_dir_override not in (None, "causal"):
+                return f"blocks.{layer}.attn is a {type(attn).__name__}"
+            hooks = [*attn._forward_hooks.values(), *attn._forward_pre_hooks.values()]
+            if any(not isinstance(hook, _BiasHook) for hook in hooks):
+                return f"blocks.{layer}.attn has a hook of its own"
+            for name in ("hook_attn_scores", "hook_pattern"):
+                point = getattr(attn, name)
+                if point._forward_hooks or point._backward_hooks or point._forward_pre_hooks:
+                    return f"a hook on blocks.{layer}.attn.{name} would not fire"
+        return None
+
+    @contextlib.contextmanager
+    def fused_attention(
+        self,
+        model: nn.Module,
+        slopes: Tensor,
+        consume: Callable[[int, Any], None],
+        tolerance: float,
+    ) -> Iterator[None]:
+        """Each attention layer computes :func:`headsurgeon.backend.fused.attention_stats` of its
+        ``hook_q/k/v`` for the ``with`` block (``consume(layer, stats)``, then ``hook_z``).
+
+        headsurgeon's own bias hooks are held for the block: they would build the ``[head, pos,
+        pos]`` bias the fused kernel forms per block of rows (``slopes``: its ``-m (t - j)``)."""
+        saved = []
+        for layer, block in enumerate(model.blocks):
+            attn = block.attn
+            saved.append((attn, attn._forward_pre_hooks.copy()))
+            ours = [key for key, h in attn._forward_pre_hooks.items() if isinstance(h, _BiasHook)]
+            for key in ours:
+                del attn._forward_pre_hooks[key]
+            attn.forward = functools.partial(
+                _fused_forward, attn, layer, slopes, consume, tolerance
+            )
+        try:
+            yield
+        finally:
+            for attn, hooks in saved:
+                del attn.forward
+                attn._forward_pre_hooks.clear()
+                attn._forward_pre_hooks.update(hooks)
+
     # --- passes cut at a block ----------------------------------------------------------------
 
     def run_to_layer(
@@ -204,6 +273,40 @@ class TransformerLens3:
     ) -> Float[Tensor, "batch pos d_vocab"]:
         """TransformerLens's own ``start_at_layer``."""
         return model(resid_pre, start_at_layer=start_at_layer)
+
+
+def _fused_forward(
+    attn: nn.Module,
+    layer: int,
+    slopes: Tensor,
+    consume: Callable[[int, Any], None],
+    tolerance: float,
+    query_input: Tensor,
+    key_input: Tensor,
+    value_input: Tensor,
+    past_kv_cache_entry: Any = None,
+    additive_attention_mask: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    position_bias: Tensor | None = None,
+) -> Float[Tensor, "batch pos d_model"]:
+    """:meth:`TransformerLens3.fused_attention`'s forward: TransformerLens's own but for the
+    pattern (``hook_q/k/v``, ``hook_z`` and the output projection as it computes them)."""
+    from headsurgeon.backend.fused import attention_stats
+
+    given = (past_kv_cache_entry, additive_attention_mask, position_bias)
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if padded or any(x is not None for x in given):
+        raise UnsupportedArchitectureError(
+            "the fused attention takes whole sequences: no key-value cache, padding mask or "
+            "position bias"
+        )
+    q, k, v = attn.calculate_qkv_matrices(query_input, key_input, value_input)
+    slopes = slopes.to(q.device, q.dtype)
+    stats = attention_stats(q, k, v, slopes, scale=1 / attn.attn_scale, tolerance=tolerance)
+    consume(layer, stats)
+    z = attn.hook_z(stats.z)
+    w = attn.W_O.reshape(-1, attn.W_O.shape[-1]).T.contiguous()  # [d_model, head * d_head]
+    return torch.nn.functional.linear(z.reshape(*z.shape[:2], -1), w, attn.b_O)
 
 
 def _same(t: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ d_head]``). :class:`TransformerLens4` has the same methods as
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -131,6 +131,22 @@ class TransformerLens4:
     def own_alibi_slopes(self, n_heads: int) -> None:
         """None: the attention applies what transformers applies for the model's config."""
         return None
+
+    # --- the fused attention ------------------------------------------------------------------
+
+    def fused_refusal(self, model: nn.Module) -> str | None:
+        """Always a reason: the bridge's attention (``_reconstruct_attention``) is not replaced."""
+        return "TransformerLens 4.x's bridge attention has no fused path yet"
+
+    def fused_attention(
+        self,
+        model: nn.Module,
+        slopes: Tensor,
+        consume: Callable[[int, Any], None],
+        tolerance: float,
+    ) -> Iterator[None]:
+        """Refused in one line (:meth:`fused_refusal`)."""
+        raise UnsupportedArchitectureError(self.fused_refusal(model))
 
     # --- weights ----------------------------------------------------------------------------
 
