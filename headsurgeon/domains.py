@@ -100,6 +100,7 @@ def classify_sequences(
     batch_size: int = 8,
     min_query_pos: int = 1,
     sink_eps: float = 0.3,
+    reach: bool = True,
     progress: bool = True,
 ) -> pd.DataFrame:
     r"""The classify tool's measurement of one corpus: census, labels and (``importance``: one of
@@ -110,7 +111,7 @@ def classify_sequences(
     columns merged in when ``importance`` is given (:func:`headsurgeon.importance.with_importance`).
     ``thresholds``: the labels' (default ``Thresholds()``; ``sink_threshold``,
     ``dead_threshold``, ``min_output_share`` replace its fields:
-    :func:`headsurgeon.classify.labels.with_thresholds`); ``sink_eps``: the census's
+    :func:`headsurgeon.classify.labels.with_thresholds`); ``sink_eps``, ``reach``: the census's
     (:func:`headsurgeon.run_census`).
     """
     seqs = check_data(model_info(model, "classify_sequences"), seqs)
@@ -127,6 +128,7 @@ def classify_sequences(
         batch_size=batch_size,
         min_query_pos=min_query_pos,
         sink_eps=sink_eps,
+        reach=reach,
         progress=progress,
     )
     classified = classify_heads(census, thresholds)

@@ -95,3 +95,26 @@ def test_what_the_fused_path_cannot_compute_takes_the_blocked_path():
         model.reset_hooks()
     assert census.attrs["blocked_because"] == "a hook on blocks.1.attn.hook_pattern would not fire"
     assert seen  # the user's hook saw the patterns
+
+
+def test_classify_no_reach_writes_the_same_labels_without_reach(tmp_path):
+    """``classify --no-reach``: the labels and every other column as the default run's (within
+    the fused path's 1e-6), no reach column, and heads.json saying which path ran."""
+    import json
+
+    import pandas as pd
+
+    from headsurgeon.cli.classify import main
+
+    argv = ["organism-injured", "--n-seqs", "3", "--seq-len", "48", "--no-secondary-sinks"]
+    assert main([*argv, "--out", str(tmp_path / "default")]) == 0
+    assert main([*argv, "--no-reach", "--out", str(tmp_path / "fast")]) == 0
+    default = pd.read_csv(tmp_path / "default" / "heads.csv")
+    fast = pd.read_csv(tmp_path / "fast" / "heads.csv")
+    assert not set(REACH) & set(fast.columns)
+    assert list(fast["label"]) == list(default["label"])
+    numbers = [c for c in fast.columns if c not in ("label", "reason")]
+    pd.testing.assert_frame_equal(fast[numbers], default[numbers], rtol=1e-6, atol=1e-6)
+    metadata = json.loads((tmp_path / "fast" / "heads.json").read_text())
+    found = json.dumps(metadata)
+    assert ('"attention": "fused"' in found) == (MAJOR < 4)

@@ -88,6 +88,13 @@ def _parser() -> ArgumentParser:
         "exceeds it (the sink_share column, the sink rate of the summary; default 0.3)",
     )
     census_args.add_argument(
+        "--no-reach",
+        action="store_true",
+        help="leave out reach and its baseline, the columns that need every attention weight: "
+        "the rest comes from a fused attention where the model allows it (faster; census "
+        "attrs and heads.json say which path ran)",
+    )
+    census_args.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         help="gu: Gu et al.'s sink-rate protocol as the defaults of --n-seqs 100 --seq-len 64 "

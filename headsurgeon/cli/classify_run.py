@@ -124,6 +124,7 @@ def _classify_texts(
         batch_size=args.batch_size,
         min_query_pos=args.min_query_pos,
         sink_eps=args.sink_eps,
+        reach=not args.no_reach,
     )
     return classified, seqs
 
