@@ -193,8 +193,6 @@ class TransformerLens3:
     def fused_refusal(self, model: nn.Module) -> str | None:
         """Why ``model``'s attention cannot be replaced by the fused statistics path, or None:
         standard causal ALiBi attention, float32/float64 on CPU, no hook that would not fire."""
-        from transformer_lens.components import Attention
-
         cfg = model.cfg
         if cfg.positional_embedding_type != "alibi":
             return f"its positions are {cfg.positional_embedding_type}, not ALiBi"
@@ -213,18 +211,10 @@ class TransformerLens3:
         }
         if any(flags.values()):
             return f"its config sets {next(name for name, on in flags.items() if on)}"
-        for layer, block in enumerate(model.blocks):
-            attn = block.attn
-            if type(attn) is not Attention or attn._attention_dir_override not in (None, "causal"):
-                return f"blocks.{layer}.attn is a {type(attn).__name__}"
-            hooks = [*attn._forward_hooks.values(), *attn._forward_pre_hooks.values()]
-            if any(not isinstance(hook, _BiasHook) for hook in hooks):
-                return f"blocks.{layer}.attn has a hook of its own"
-            for name in ("hook_attn_scores", "hook_pattern"):
-                point = getattr(attn, name)
-                if point._forward_hooks or point._backward_hooks or point._forward_pre_hooks:
-                    return f"a hook on blocks.{layer}.attn.{name} would not fire"
-        return None
+        reasons = (
+            _attention_refusal(layer, block.attn) for layer, block in enumerate(model.blocks)
+        )
+        return next((reason for reason in reasons if reason), None)
 
     @contextlib.contextmanager
     def fused_attention(
@@ -273,6 +263,24 @@ class TransformerLens3:
     ) -> Float[Tensor, "batch pos d_vocab"]:
         """TransformerLens's own ``start_at_layer``."""
         return model(resid_pre, start_at_layer=start_at_layer)
+
+
+def _attention_refusal(layer: int, attn: nn.Module) -> str | None:
+    """Why one 3.x attention layer cannot take the fused path, or None."""
+    from transformer_lens.components import Attention
+
+    if type(attn) is not Attention or attn._attention_dir_override not in (None, "causal"):
+        return f"blocks.{layer}.attn is a {type(attn).__name__}"
+    if "forward" in vars(attn):  # Accelerate's offload wraps it: the weights load there
+        return f"blocks.{layer}.attn's forward is wrapped (a device map's offload)"
+    hooks = [*attn._forward_hooks.values(), *attn._forward_pre_hooks.values()]
+    if any(not isinstance(hook, _BiasHook) for hook in hooks):
+        return f"blocks.{layer}.attn has a hook of its own"
+    for name in ("hook_attn_scores", "hook_pattern"):
+        point = getattr(attn, name)
+        if point._forward_hooks or point._backward_hooks or point._forward_pre_hooks:
+            return f"a hook on blocks.{layer}.attn.{name} would not fire"
+    return None
 
 
 def _fused_forward(
