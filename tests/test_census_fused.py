@@ -19,11 +19,7 @@ REACH = ("reach", "reach_baseline", "reach_ratio")
 
 def fused_census(model, tokens, **kwargs):
     census = run_census(model, tokens, reach=False, progress=False, **kwargs)
-    if MAJOR >= 4:  # the bridge's attention has no fused path: the blocked one, said so
-        assert census.attrs["attention"] == "blocked"
-        assert "4.x" in census.attrs["blocked_because"]
-    else:
-        assert census.attrs["attention"] == "fused", census.attrs["blocked_because"]
+    assert census.attrs["attention"] == "fused", census.attrs["blocked_because"]
     return census
 
 
@@ -55,7 +51,6 @@ def test_fused_census_of_the_organism_and_a_config_model():
     assert_matches_reference(census, without_reach(reference_census(model, tokens)))
 
 
-@pytest.mark.skipif(MAJOR >= 4, reason="the fused path replaces TransformerLens 3.x's attention")
 def test_the_model_is_left_as_it_was_even_when_the_census_fails(monkeypatch):
     model = load_model("organism")
     tokens = to_sequences(model, TEXT, seq_len=40, n_seqs=2).tokens
@@ -70,11 +65,10 @@ def test_the_model_is_left_as_it_was_even_when_the_census_fails(monkeypatch):
         run_census(model, tokens, reach=False, progress=False)
     for block, hooks in zip(model.blocks, before, strict=True):
         assert dict(block.attn._forward_pre_hooks) == hooks  # the bias hooks, the same objects
-        assert "forward" not in vars(block.attn)
+        assert not {"forward", "_reconstruct_attention"} & set(vars(block.attn))  # 3.x, 4.x
     assert all(not point.fwd_hooks for point in model.hook_dict.values())
 
 
-@pytest.mark.skipif(MAJOR >= 4, reason="the fused path replaces TransformerLens 3.x's attention")
 def test_what_the_fused_path_cannot_compute_takes_the_blocked_path():
     """An active mitigation (another bias), a hook on the pattern (it would not fire) and the
     default reach: the blocked path, with the reason in attrs."""
@@ -95,3 +89,30 @@ def test_what_the_fused_path_cannot_compute_takes_the_blocked_path():
         model.reset_hooks()
     assert census.attrs["blocked_because"] == "a hook on blocks.1.attn.hook_pattern would not fire"
     assert seen  # the user's hook saw the patterns
+
+
+@pytest.mark.skipif(MAJOR < 4, reason="TransformerLens 3.x has no MPT/Falcon adapter")
+def test_bridged_families_with_their_own_bias_or_ours():
+    """4.x: MPT through headsurgeon's bias hook (-m (t - j)), BLOOM and MPT without it (their
+    own bias of the key position, handed to the kernel as it is), the same numbers as brute
+    force; Falcon's bridge attention takes the blocked path, said so."""
+    from transformers import FalconConfig, FalconForCausalLM, MptConfig, MptForCausalLM
+
+    from headsurgeon.loading import from_hf_model
+
+    torch.manual_seed(0)
+    mpt = MptConfig(d_model=48, n_heads=6, n_layers=2, vocab_size=64, max_seq_len=64)
+    tokens = torch.randint(0, 64, (3, 40), generator=torch.Generator().manual_seed(1))
+    bloom = random_model(ModelShape(n_layers=2, n_heads=6, d_model=48, d_vocab=64, n_ctx=64))
+    for model in (from_hf_model(MptForCausalLM(mpt).eval()), bloom):
+        for own in (False, True):
+            if own:
+                for block in model.blocks:
+                    block.attn.headsurgeon_alibi_hook.remove()
+            census = fused_census(model, tokens)
+            assert_matches_reference(census, without_reach(reference_census(model, tokens)))
+    falcon = FalconConfig(
+        hidden_size=48, num_attention_heads=6, num_hidden_layers=2, vocab_size=64, alibi=True
+    )
+    census = run_census(from_hf_model(FalconForCausalLM(falcon).eval()), tokens, reach=False)
+    assert census.attrs["attention"] == "blocked"

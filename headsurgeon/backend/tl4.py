@@ -11,6 +11,7 @@ d_head]``). :class:`TransformerLens4` has the same methods as
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -25,11 +26,13 @@ from headsurgeon.backend.shared import (
     BiasBuilder,
     HeadTensor,
     HFBiasHook,
+    fused_config_refusal,
     hf_kv_cache,
     supported_models,
+    unfired_hook,
 )
 from headsurgeon.errors import UnsupportedArchitectureError
-from headsurgeon.families import FALCON, attention_family
+from headsurgeon.families import FALCON, MPT, attention_family
 
 __all__ = ["TransformerLens4"]
 
@@ -135,9 +138,34 @@ class TransformerLens4:
     # --- the fused attention ------------------------------------------------------------------
 
     def fused_refusal(self, model: nn.Module) -> str | None:
-        """Always a reason: the bridge's attention (``_reconstruct_attention``) is not replaced."""
-        return "TransformerLens 4.x's bridge attention has no fused path yet"
+        """Why ``model``'s attention cannot be replaced by the fused statistics path, or None:
+        BLOOM's or MPT's bridge attention, float32/float64 on CPU, in eval mode, no hook that
+        would not fire."""
+        cfg = model.cfg
+        why = fused_config_refusal(cfg)
+        if why is not None:
+            return why
+        if getattr(cfg, "use_attn_result", False):
+            return "its config sets use_attn_result"
+        bridges = _fused_bridges()
+        for layer, block in enumerate(model.blocks):
+            attn = block.attn
+            if type(attn) not in bridges:
+                return (
+                    f"blocks.{layer}.attn is a {type(attn).__name__} (the fused path replaces "
+                    "BLOOM's and MPT's bridge attention)"
+                )
+            if attn.training:
+                return f"blocks.{layer}.attn is in training mode (its dropout)"
+            hooks = [*attn._forward_hooks.values(), *attn._forward_pre_hooks.values()]
+            if any(not isinstance(h, HFBiasHook) and h is not _cache_as_layer_past for h in hooks):
+                return f"blocks.{layer}.attn has a hook of its own"
+            why = unfired_hook(attn, layer)
+            if why is not None:
+                return why
+        return None
 
+    @contextlib.contextmanager
     def fused_attention(
         self,
         model: nn.Module,
@@ -145,8 +173,30 @@ class TransformerLens4:
         consume: Callable[[int, Any], None],
         tolerance: float,
     ) -> Iterator[None]:
-        """Refused in one line (:meth:`fused_refusal`)."""
-        raise UnsupportedArchitectureError(self.fused_refusal(model))
+        """Each attention bridge's ``_reconstruct_attention`` (scores to output projection)
+        computes :func:`headsurgeon.backend.fused.attention_stats` of its ``hook_q/k/v`` for the
+        ``with`` block (``consume(layer, stats)``, then the bridge's ``o``: ``hook_z`` fires).
+
+        headsurgeon's own bias hooks are held for the block: they would build the ``[head, pos,
+        pos]`` bias the fused kernel forms per block of rows (``slopes``: its ``-m (t - j)``). A
+        layer without one adds the family's own bias of the key position, handed on as is."""
+        saved = []
+        try:
+            for layer, block in enumerate(model.blocks):
+                attn = block.attn
+                saved.append((attn, attn._forward_pre_hooks.copy()))
+                ours = [k for k, h in attn._forward_pre_hooks.items() if isinstance(h, HFBiasHook)]
+                for key in ours:
+                    del attn._forward_pre_hooks[key]
+                attn._reconstruct_attention = functools.partial(
+                    _fused_reconstruct, attn, layer, slopes if ours else None, consume, tolerance
+                )
+            yield
+        finally:
+            for attn, hooks in saved:
+                vars(attn).pop("_reconstruct_attention", None)
+                attn._forward_pre_hooks.clear()
+                attn._forward_pre_hooks.update(hooks)
 
     # --- weights ----------------------------------------------------------------------------
 
@@ -291,6 +341,93 @@ class TransformerLens4:
 
         with model.hooks(fwd_hooks=[(f"blocks.{start_at_layer}.hook_resid_pre", swap)]):
             return model(tokens)
+
+
+def _fused_bridges() -> tuple[type, ...]:
+    """The attention bridges whose ``_reconstruct_attention`` :func:`_fused_reconstruct`
+    replaces (their own subclasses may compute otherwise: not these)."""
+    from transformer_lens.model_bridge.generalized_components.bloom_attention import (
+        BloomAttentionBridge,
+    )
+    from transformer_lens.model_bridge.generalized_components.mpt_alibi_attention import (
+        MPTALiBiAttentionBridge,
+    )
+
+    return BloomAttentionBridge, MPTALiBiAttentionBridge
+
+
+def _fused_reconstruct(
+    attn: nn.Module,
+    layer: int,
+    slopes: Tensor | None,
+    consume: Callable[[int, Any], None],
+    tolerance: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """:meth:`TransformerLens4.fused_attention`'s ``_reconstruct_attention``: the bridge's own
+    (BLOOM's, MPT's) up to the scores and from the head outputs on, the bias ``-m (t - j)`` of
+    ``slopes`` or, where None, the family's own one the call hands it (``alibi``: BLOOM's ``m j``;
+    ``position_bias``: MPT's ``m (j - last key)``). Returns no pattern."""
+    from headsurgeon.backend.fused import attention_stats
+
+    mpt = attention_family(attn) is MPT
+    if mpt and attn._clip_qkv:  # as the MPT bridge clips, before the heads are split
+        from transformer_lens.utilities.attention import clamp_qkv
+
+        q, k, v = clamp_qkv(q, k, v, attn._clip_qkv)
+    n_heads = attn.config.n_heads
+    q, k, v, batch, n_pos, d_head = attn._reshape_qkv_to_heads(q, k, v, n_heads, n_heads)
+    k, v = attn._update_kv_cache(k, v, **kwargs)  # the call's cache filled, as the bridge does
+    mask = kwargs.get("attention_mask")
+    if k.shape[-2] != n_pos or mask is None or not _causal(mask, n_pos):
+        raise UnsupportedArchitectureError(
+            "the fused attention takes whole sequences: no key-value cache or padding mask"
+        )
+    key_bias = None
+    if mpt:
+        scale = attn._softmax_scale if attn._softmax_scale is not None else d_head**-0.5
+        if slopes is None:
+            key_bias = kwargs["position_bias"][:, 0, -n_pos:]
+    else:
+        scale = d_head**-0.5
+        if slopes is None:
+            key_bias = _batch_rows(kwargs["alibi"].view(batch, n_heads, -1)[..., :n_pos])
+    if slopes is not None:
+        slopes = slopes.to(q.device, q.dtype)
+    stats = attention_stats(
+        *(t.transpose(1, 2) for t in (q, k, v)),
+        slopes,
+        key_bias=None if key_bias is None else key_bias.to(q.dtype),
+        scale=scale,
+        tolerance=tolerance,
+    )
+    consume(layer, stats)
+    return attn._apply_output_projection(stats.z.reshape(batch, n_pos, -1)), None
+
+
+def _causal(mask: Tensor, n_pos: int) -> bool:
+    """Whether the attention mask a bridge is handed (``[batch, 1, query, key]``: additive,
+    0 or the float minimum; or boolean, True where masked) masks exactly the future keys."""
+    mask = mask[..., :n_pos]
+    if mask.shape[-2:] != (n_pos, n_pos):
+        return False
+    future = torch.ones(n_pos, n_pos, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return bool((mask == future).all())
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    return bool((blocked == future).all()) and bool((blocked | (mask == 0)).all())
+
+
+def _batch_rows(bias: Tensor) -> Tensor:
+    """The ``[head, key]`` bias of a ``[batch, head, key]`` one whose rows are all the same."""
+    if not bool((bias == bias[:1]).all()):
+        raise UnsupportedArchitectureError(
+            "the fused attention takes one bias for every sequence; these differ (padding?)"
+        )
+    return bias[0]
 
 
 class _Stop(Exception):
