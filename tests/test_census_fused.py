@@ -8,10 +8,11 @@ import torch
 from test_census import TEXT, assert_matches_reference, reference_census
 
 from headsurgeon import load_model, mitigation, run_census
-from headsurgeon.backend import MAJOR
+from headsurgeon.backend import MAJOR, fused_attention
 from headsurgeon.census import COLUMNS
 from headsurgeon.data import to_sequences
-from headsurgeon.loading import ModelShape, random_model
+from headsurgeon.errors import UnsupportedArchitectureError
+from headsurgeon.loading import ModelShape, model_info, random_model
 from headsurgeon.probes import HeadStats
 
 REACH = ("reach", "reach_baseline", "reach_ratio")
@@ -91,6 +92,21 @@ def test_what_the_fused_path_cannot_compute_takes_the_blocked_path():
     assert seen  # the user's hook saw the patterns
 
 
+def test_a_padded_batch_is_refused_in_one_line():
+    """Padding (keys the causal kernel would not mask): one line, on either major."""
+    model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=16, d_vocab=32, n_ctx=16))
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(tokens)
+    mask[0, :3] = 0  # three pads on the left of the first sequence
+    slopes = model_info(model).slopes
+    with (
+        torch.no_grad(),
+        pytest.raises(UnsupportedArchitectureError, match="whole sequences"),
+        fused_attention(model, slopes, lambda layer, stats: None),
+    ):
+        model(tokens, attention_mask=mask)
+
+
 @pytest.mark.skipif(MAJOR < 4, reason="TransformerLens 3.x has no MPT/Falcon adapter")
 def test_bridged_families_with_their_own_bias_or_ours():
     """4.x: MPT through headsurgeon's bias hook (-m (t - j)), BLOOM and MPT without it (their
@@ -116,3 +132,4 @@ def test_bridged_families_with_their_own_bias_or_ours():
     )
     census = run_census(from_hf_model(FalconForCausalLM(falcon).eval()), tokens, reach=False)
     assert census.attrs["attention"] == "blocked"
+    assert "BLOOM's and MPT's bridge attention" in census.attrs["blocked_because"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -181,6 +182,7 @@ class TransformerLens4:
         pos]`` bias the fused kernel forms per block of rows (``slopes``: its ``-m (t - j)``). A
         layer without one adds the family's own bias of the key position, handed on as is."""
         saved = []
+        checked: dict[str, Any] = {}  # the last mask found causal (one per pass, every layer's)
         try:
             for layer, block in enumerate(model.blocks):
                 attn = block.attn
@@ -189,7 +191,13 @@ class TransformerLens4:
                 for key in ours:
                     del attn._forward_pre_hooks[key]
                 attn._reconstruct_attention = functools.partial(
-                    _fused_reconstruct, attn, layer, slopes if ours else None, consume, tolerance
+                    _fused_reconstruct,
+                    attn,
+                    layer,
+                    slopes if ours else None,
+                    consume,
+                    tolerance,
+                    checked,
                 )
             yield
         finally:
@@ -362,6 +370,7 @@ def _fused_reconstruct(
     slopes: Tensor | None,
     consume: Callable[[int, Any], None],
     tolerance: float,
+    checked: dict[str, Any],
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -370,7 +379,8 @@ def _fused_reconstruct(
     """:meth:`TransformerLens4.fused_attention`'s ``_reconstruct_attention``: the bridge's own
     (BLOOM's, MPT's) up to the scores and from the head outputs on, the bias ``-m (t - j)`` of
     ``slopes`` or, where None, the family's own one the call hands it (``alibi``: BLOOM's ``m j``;
-    ``position_bias``: MPT's ``m (j - last key)``). Returns no pattern."""
+    ``position_bias``: MPT's ``m (j - last key)``); ``checked``: the last mask found causal.
+    Returns no pattern."""
     from headsurgeon.backend.fused import attention_stats
 
     mpt = attention_family(attn) is MPT
@@ -382,7 +392,7 @@ def _fused_reconstruct(
     q, k, v, batch, n_pos, d_head = attn._reshape_qkv_to_heads(q, k, v, n_heads, n_heads)
     k, v = attn._update_kv_cache(k, v, **kwargs)  # the call's cache filled, as the bridge does
     mask = kwargs.get("attention_mask")
-    if k.shape[-2] != n_pos or mask is None or not _causal(mask, n_pos):
+    if k.shape[-2] != n_pos or mask is None or not _causal(mask, n_pos, checked):
         raise UnsupportedArchitectureError(
             "the fused attention takes whole sequences: no key-value cache or padding mask"
         )
@@ -408,17 +418,26 @@ def _fused_reconstruct(
     return attn._apply_output_projection(stats.z.reshape(batch, n_pos, -1)), None
 
 
-def _causal(mask: Tensor, n_pos: int) -> bool:
+def _causal(mask: Tensor, n_pos: int, checked: dict[str, Any]) -> bool:
     """Whether the attention mask a bridge is handed (``[batch, 1, query, key]``: additive,
-    0 or the float minimum; or boolean, True where masked) masks exactly the future keys."""
-    mask = mask[..., :n_pos]
-    if mask.shape[-2:] != (n_pos, n_pos):
+    0 or the float minimum; or boolean, True where masked) masks exactly the future keys; the
+    mask found so is kept in ``checked`` (a weak reference and its version: the other layers of
+    the pass get the same tensor, unchanged)."""
+    seen = checked.get("mask")
+    if seen is not None and seen() is mask and checked["version"] == mask._version:
+        return True
+    part = mask[..., :n_pos]
+    if part.shape[-2:] != (n_pos, n_pos):
         return False
     future = torch.ones(n_pos, n_pos, dtype=torch.bool, device=mask.device).triu(1)
     if mask.dtype == torch.bool:
-        return bool((mask == future).all())
-    blocked = mask <= torch.finfo(mask.dtype).min / 2
-    return bool((blocked == future).all()) and bool((blocked | (mask == 0)).all())
+        causal = bool((part == future).all())
+    else:
+        blocked = part <= torch.finfo(mask.dtype).min / 2
+        causal = bool((blocked == future).all()) and bool((blocked | (part == 0)).all())
+    if causal:
+        checked.update(mask=weakref.ref(mask), version=mask._version)
+    return causal
 
 
 def _batch_rows(bias: Tensor) -> Tensor:
