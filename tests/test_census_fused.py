@@ -110,8 +110,9 @@ def test_a_padded_batch_is_refused_in_one_line():
 @pytest.mark.skipif(MAJOR < 4, reason="TransformerLens 3.x has no MPT/Falcon adapter")
 def test_bridged_families_with_their_own_bias_or_ours():
     """4.x: MPT through headsurgeon's bias hook (-m (t - j)), BLOOM and MPT without it (their
-    own bias of the key position, handed to the kernel as it is), the same numbers as brute
-    force; Falcon's bridge attention takes the blocked path, said so."""
+    own bias of the key position, handed to the kernel as it is), Falcon with its own bfloat16
+    products in its mask (one key-value head and one per head): the same numbers as brute
+    force."""
     from transformers import FalconConfig, FalconForCausalLM, MptConfig, MptForCausalLM
 
     from headsurgeon.loading import from_hf_model
@@ -127,9 +128,20 @@ def test_bridged_families_with_their_own_bias_or_ours():
                     block.attn.headsurgeon_alibi_hook.remove()
             census = fused_census(model, tokens)
             assert_matches_reference(census, without_reach(reference_census(model, tokens)))
-    falcon = FalconConfig(
-        hidden_size=48, num_attention_heads=6, num_hidden_layers=2, vocab_size=64, alibi=True
-    )
-    census = run_census(from_hf_model(FalconForCausalLM(falcon).eval()), tokens, reach=False)
-    assert census.attrs["attention"] == "blocked"
-    assert "BLOOM's and MPT's bridge attention" in census.attrs["blocked_because"]
+    for multi_query in (False, True):
+        falcon = FalconConfig(
+            hidden_size=48,
+            num_attention_heads=6,
+            num_hidden_layers=2,
+            vocab_size=64,
+            alibi=True,
+            multi_query=multi_query,
+        )
+        model = from_hf_model(FalconForCausalLM(falcon).eval())
+        census = fused_census(model, tokens)
+        if multi_query:  # the reference reads per-head W_O, which shared heads refuse: blocked
+            blocked = run_census(model, tokens, progress=False)
+            expected = {name: blocked[name].to_numpy() for name in census.columns}
+        else:
+            expected = without_reach(reference_census(model, tokens))
+        assert_matches_reference(census, expected)

@@ -33,7 +33,7 @@ from headsurgeon.backend.shared import (
     unfired_hook,
 )
 from headsurgeon.errors import UnsupportedArchitectureError
-from headsurgeon.families import FALCON, MPT, attention_family
+from headsurgeon.families import FALCON, MPT, AlibiFamily, attention_family
 
 __all__ = ["TransformerLens4"]
 
@@ -140,8 +140,8 @@ class TransformerLens4:
 
     def fused_refusal(self, model: nn.Module) -> str | None:
         """Why ``model``'s attention cannot be replaced by the fused statistics path, or None:
-        BLOOM's or MPT's bridge attention, float32/float64 on CPU, in eval mode, no hook that
-        would not fire."""
+        BLOOM's, MPT's or Falcon's bridge attention, float32/float64 on CPU, in eval mode, no
+        hook that would not fire."""
         cfg = model.cfg
         why = fused_config_refusal(cfg)
         if why is not None:
@@ -151,10 +151,11 @@ class TransformerLens4:
         bridges = _fused_bridges()
         for layer, block in enumerate(model.blocks):
             attn = block.attn
-            if type(attn) not in bridges:
+            generic = type(attn) is bridges[-1] and attention_family(attn) is not FALCON
+            if type(attn) not in bridges or generic:
                 return (
                     f"blocks.{layer}.attn is a {type(attn).__name__} (the fused path replaces "
-                    "BLOOM's and MPT's bridge attention)"
+                    "BLOOM's, MPT's and Falcon's bridge attention)"
                 )
             if attn.training:
                 return f"blocks.{layer}.attn is in training mode (its dropout)"
@@ -353,7 +354,11 @@ class TransformerLens4:
 
 def _fused_bridges() -> tuple[type, ...]:
     """The attention bridges whose ``_reconstruct_attention`` :func:`_fused_reconstruct`
-    replaces (their own subclasses may compute otherwise: not these)."""
+    replaces (their own subclasses may compute otherwise: not these); the last one, ALiBi's
+    generic bridge, for Falcon only."""
+    from transformer_lens.model_bridge.generalized_components.alibi_joint_qkv_attention import (
+        ALiBiJointQKVAttentionBridge,
+    )
     from transformer_lens.model_bridge.generalized_components.bloom_attention import (
         BloomAttentionBridge,
     )
@@ -361,7 +366,7 @@ def _fused_bridges() -> tuple[type, ...]:
         MPTALiBiAttentionBridge,
     )
 
-    return BloomAttentionBridge, MPTALiBiAttentionBridge
+    return BloomAttentionBridge, MPTALiBiAttentionBridge, ALiBiJointQKVAttentionBridge
 
 
 def _fused_reconstruct(
@@ -377,36 +382,38 @@ def _fused_reconstruct(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """:meth:`TransformerLens4.fused_attention`'s ``_reconstruct_attention``: the bridge's own
-    (BLOOM's, MPT's) up to the scores and from the head outputs on, the bias ``-m (t - j)`` of
-    ``slopes`` or, where None, the family's own one the call hands it (``alibi``: BLOOM's ``m j``;
-    ``position_bias``: MPT's ``m (j - last key)``); ``checked``: the last mask found causal.
-    Returns no pattern."""
+    (BLOOM's, MPT's, Falcon's) up to the scores and from the head outputs on, the bias ``-m (t -
+    j)`` of ``slopes`` or, where None, the family's own one the call hands it (``alibi``: BLOOM's
+    ``m j``; ``position_bias``: MPT's ``m (j - last key)``; Falcon's, in the attention mask);
+    ``checked``: the last mask found causal. Returns no pattern."""
     from headsurgeon.backend.fused import attention_stats
 
-    mpt = attention_family(attn) is MPT
-    if mpt and attn._clip_qkv:  # as the MPT bridge clips, before the heads are split
+    family = attention_family(attn)
+    if family is MPT and attn._clip_qkv:  # as the MPT bridge clips, before the heads are split
         from transformer_lens.utilities.attention import clamp_qkv
 
         q, k, v = clamp_qkv(q, k, v, attn._clip_qkv)
     n_heads = attn.config.n_heads
-    q, k, v, batch, n_pos, d_head = attn._reshape_qkv_to_heads(q, k, v, n_heads, n_heads)
+    n_kv = (
+        (getattr(attn.config, "n_key_value_heads", None) or n_heads)
+        if family is FALCON
+        else n_heads
+    )
+    q, k, v, batch, n_pos, d_head = attn._reshape_qkv_to_heads(q, k, v, n_heads, n_kv)
     k, v = attn._update_kv_cache(k, v, **kwargs)  # the call's cache filled, as the bridge does
+    if n_kv != n_heads:  # Falcon's shared keys and values, repeated per head as the bridge does
+        k, v = (t.repeat_interleave(n_heads // n_kv, dim=1) for t in (k, v))
     mask = kwargs.get("attention_mask")
-    if k.shape[-2] != n_pos or mask is None or not _causal(mask, n_pos, checked):
+    whole = k.shape[-2] == n_pos and mask is not None
+    mask_bias = _mask_bias(mask, n_pos, checked) if whole else None
+    # Falcon's bias is in its mask; the others' masks carry none, and it has no alibi argument.
+    if mask_bias is None or (family is not FALCON and bool(mask_bias.any())):
         raise UnsupportedArchitectureError(
             "the fused attention takes whole sequences: no key-value cache or padding mask"
         )
-    key_bias = None
-    if mpt:
-        scale = attn._softmax_scale if attn._softmax_scale is not None else d_head**-0.5
-        if slopes is None:
-            key_bias = kwargs["position_bias"][:, 0, -n_pos:]
-    else:
-        scale = d_head**-0.5
-        if slopes is None:
-            key_bias = _batch_rows(kwargs["alibi"].view(batch, n_heads, -1)[..., :n_pos])
+    key_bias, scale = _own_bias(attn, family, mask_bias, n_heads, n_pos, d_head, kwargs)
     if slopes is not None:
-        slopes = slopes.to(q.device, q.dtype)
+        slopes, key_bias = slopes.to(q.device, q.dtype), None
     stats = attention_stats(
         *(t.transpose(1, 2) for t in (q, k, v)),
         slopes,
@@ -418,26 +425,56 @@ def _fused_reconstruct(
     return attn._apply_output_projection(stats.z.reshape(batch, n_pos, -1)), None
 
 
-def _causal(mask: Tensor, n_pos: int, checked: dict[str, Any]) -> bool:
-    """Whether the attention mask a bridge is handed (``[batch, 1, query, key]``: additive,
-    0 or the float minimum; or boolean, True where masked) masks exactly the future keys; the
-    mask found so is kept in ``checked`` (a weak reference and its version: the other layers of
-    the pass get the same tensor, unchanged)."""
+def _own_bias(
+    attn: nn.Module,
+    family: AlibiFamily,
+    mask_bias: Tensor,
+    n_heads: int,
+    n_pos: int,
+    d_head: int,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, float]:
+    """The ``[head, key]`` bias the bridge adds by itself (its family's own: BLOOM's ``alibi``,
+    MPT's ``position_bias``, Falcon's in the mask, ``mask_bias``) and its scale of ``q.k``."""
+    if family is MPT:
+        scale = attn._softmax_scale
+        return kwargs["position_bias"][:, 0, -n_pos:], d_head**-0.5 if scale is None else scale
+    if family is FALCON:
+        if kwargs.get("alibi") is not None:  # transformers 5 folds it into the mask
+            raise UnsupportedArchitectureError(
+                "the fused attention takes Falcon's bias in its mask"
+            )
+        return mask_bias.expand(n_heads, -1), d_head**-0.5
+    alibi = kwargs["alibi"]
+    return _batch_rows(alibi.view(-1, n_heads, alibi.shape[-1])[..., :n_pos]), d_head**-0.5
+
+
+def _mask_bias(mask: Tensor, n_pos: int, checked: dict[str, Any]) -> Tensor | None:
+    """The ``[head or 1, key]`` bias that the attention mask a bridge is handed adds in every
+    row (``[batch, head or 1, query, key]``: additive, the float minimum where masked; or
+    boolean, True where masked, no bias) when it masks exactly the future keys, else None. The
+    mask found so is kept in ``checked`` (a weak reference, its version and its bias: the other
+    layers of the pass get the same tensor, unchanged)."""
     seen = checked.get("mask")
     if seen is not None and seen() is mask and checked["version"] == mask._version:
-        return True
+        return checked["bias"]
     part = mask[..., :n_pos]
     if part.shape[-2:] != (n_pos, n_pos):
-        return False
+        return None
     future = torch.ones(n_pos, n_pos, dtype=torch.bool, device=mask.device).triu(1)
     if mask.dtype == torch.bool:
-        causal = bool((part == future).all())
+        blocked, bias = part, torch.zeros(1, n_pos, device=mask.device)
     else:
         blocked = part <= torch.finfo(mask.dtype).min / 2
-        causal = bool((blocked == future).all()) and bool((blocked | (part == 0)).all())
-    if causal:
-        checked.update(mask=weakref.ref(mask), version=mask._version)
-    return causal
+        bias = part[0, :, -1]  # the last row sees every key
+    if not bool((blocked == future).all()):
+        return None
+    if mask.dtype != torch.bool:
+        rows = bias[:, None, :]
+        if not bool((torch.where(blocked, rows, part) == rows).all()):
+            return None  # a bias of the distance, or other sequences' bias: not one per key
+    checked.update(mask=weakref.ref(mask), version=mask._version, bias=bias)
+    return bias
 
 
 def _batch_rows(bias: Tensor) -> Tensor:
