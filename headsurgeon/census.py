@@ -229,15 +229,19 @@ def run_census(
 
 def _fused_refusal(model: Model, info: ModelInfo, n_pos: int) -> str | None:
     """Why the census cannot take the fused path on ``model`` (:func:`fused_refusal`, an active
-    mitigation, a bias other than ``-m (t - j)``), or None."""
+    mitigation, a bias other than ``-m (t - j)`` or a family's own one), or None."""
     why = fused_refusal(model)
     if why is None and active_mitigations(model):
         why = f"a {active_mitigations(model)[-1]} mitigation is active"
     if why is None:
         bias = applied_bias(model, n_pos, info)
         standard = -info.slopes.float()[:, None] * torch.arange(n_pos, dtype=torch.float32)
-        if bias is None or not torch.equal(bias.cpu(), standard):
-            why = "its ALiBi bias is not -m (t - j) (a trained bias variant or a family's own)"
+        # None for an ALiBi model: a standard Falcon's own bias of the key position, which the
+        # fused attention takes from its mask, as the forward adds it (checked there).
+        if (bias is None and not info.is_alibi) or (
+            bias is not None and not torch.equal(bias.cpu(), standard)
+        ):
+            why = "its ALiBi bias is not -m (t - j) (a trained bias variant)"
     if why is not None:
         logger.info("census: blocked attention, not fused: %s", why)
     return why

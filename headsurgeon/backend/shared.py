@@ -34,6 +34,28 @@ def supported_models(major: int, others: str) -> str:
     )
 
 
+def fused_config_refusal(cfg: Any) -> str | None:
+    """Why a model of TransformerLens config ``cfg`` cannot take the fused attention on either
+    major (positions, dtype, device), or None."""
+    if cfg.positional_embedding_type != "alibi":
+        return f"its positions are {cfg.positional_embedding_type}, not ALiBi"
+    if cfg.dtype not in (torch.float32, torch.float64):
+        return f"it computes in {cfg.dtype} (the fused path: float32, float64)"
+    if torch.device(cfg.device or "cpu").type != "cpu":
+        return f"it runs on {cfg.device} (the fused path is checked on CPU only)"
+    return None
+
+
+def unfired_hook(attn: nn.Module, layer: int) -> str | None:
+    """A hook on ``attn``'s scores or pattern, which the fused attention would not fire, in
+    words, or None."""
+    for name in ("hook_attn_scores", "hook_pattern"):
+        point = getattr(attn, name)
+        if point._forward_hooks or point._backward_hooks or point._forward_pre_hooks:
+            return f"a hook on blocks.{layer}.attn.{name} would not fire"
+    return None
+
+
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
 
 

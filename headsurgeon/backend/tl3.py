@@ -26,7 +26,9 @@ from headsurgeon.backend.shared import (
     BiasBuilder,
     HeadTensor,
     appended,
+    fused_config_refusal,
     supported_models,
+    unfired_hook,
 )
 from headsurgeon.errors import CheckpointError, UnsupportedArchitectureError, first_line
 
@@ -194,12 +196,9 @@ class TransformerLens3:
         """Why ``model``'s attention cannot be replaced by the fused statistics path, or None:
         standard causal ALiBi attention, float32/float64 on CPU, no hook that would not fire."""
         cfg = model.cfg
-        if cfg.positional_embedding_type != "alibi":
-            return f"its positions are {cfg.positional_embedding_type}, not ALiBi"
-        if cfg.dtype not in (torch.float32, torch.float64):
-            return f"it computes in {cfg.dtype} (the fused path: float32, float64)"
-        if torch.device(cfg.device or "cpu").type != "cpu":
-            return f"it runs on {cfg.device} (the fused path is checked on CPU only)"
+        why = fused_config_refusal(cfg)
+        if why is not None:
+            return why
         flags = {
             "use_attn_result": cfg.use_attn_result,
             "attn_scores_soft_cap": (cfg.attn_scores_soft_cap or 0) > 0,
@@ -276,11 +275,7 @@ def _attention_refusal(layer: int, attn: nn.Module) -> str | None:
     hooks = [*attn._forward_hooks.values(), *attn._forward_pre_hooks.values()]
     if any(not isinstance(hook, _BiasHook) for hook in hooks):
         return f"blocks.{layer}.attn has a hook of its own"
-    for name in ("hook_attn_scores", "hook_pattern"):
-        point = getattr(attn, name)
-        if point._forward_hooks or point._backward_hooks or point._forward_pre_hooks:
-            return f"a hook on blocks.{layer}.attn.{name} would not fire"
-    return None
+    return unfired_hook(attn, layer)
 
 
 def _fused_forward(

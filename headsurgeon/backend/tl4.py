@@ -11,6 +11,8 @@ d_head]``). :class:`TransformerLens4` has the same methods as
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -25,11 +27,13 @@ from headsurgeon.backend.shared import (
     BiasBuilder,
     HeadTensor,
     HFBiasHook,
+    fused_config_refusal,
     hf_kv_cache,
     supported_models,
+    unfired_hook,
 )
 from headsurgeon.errors import UnsupportedArchitectureError
-from headsurgeon.families import FALCON, attention_family
+from headsurgeon.families import FALCON, MPT, AlibiFamily, attention_family
 
 __all__ = ["TransformerLens4"]
 
@@ -135,9 +139,35 @@ class TransformerLens4:
     # --- the fused attention ------------------------------------------------------------------
 
     def fused_refusal(self, model: nn.Module) -> str | None:
-        """Always a reason: the bridge's attention (``_reconstruct_attention``) is not replaced."""
-        return "TransformerLens 4.x's bridge attention has no fused path yet"
+        """Why ``model``'s attention cannot be replaced by the fused statistics path, or None:
+        BLOOM's, MPT's or Falcon's bridge attention, float32/float64 on CPU, in eval mode, no
+        hook that would not fire."""
+        cfg = model.cfg
+        why = fused_config_refusal(cfg)
+        if why is not None:
+            return why
+        if getattr(cfg, "use_attn_result", False):
+            return "its config sets use_attn_result"
+        bridges = _fused_bridges()
+        for layer, block in enumerate(model.blocks):
+            attn = block.attn
+            generic = type(attn) is bridges[-1] and attention_family(attn) is not FALCON
+            if type(attn) not in bridges or generic:
+                return (
+                    f"blocks.{layer}.attn is a {type(attn).__name__} (the fused path replaces "
+                    "BLOOM's, MPT's and Falcon's bridge attention)"
+                )
+            if attn.training:
+                return f"blocks.{layer}.attn is in training mode (its dropout)"
+            hooks = [*attn._forward_hooks.values(), *attn._forward_pre_hooks.values()]
+            if any(not isinstance(h, HFBiasHook) and h is not _cache_as_layer_past for h in hooks):
+                return f"blocks.{layer}.attn has a hook of its own"
+            why = unfired_hook(attn, layer)
+            if why is not None:
+                return why
+        return None
 
+    @contextlib.contextmanager
     def fused_attention(
         self,
         model: nn.Module,
@@ -145,8 +175,37 @@ class TransformerLens4:
         consume: Callable[[int, Any], None],
         tolerance: float,
     ) -> Iterator[None]:
-        """Refused in one line (:meth:`fused_refusal`)."""
-        raise UnsupportedArchitectureError(self.fused_refusal(model))
+        """Each attention bridge's ``_reconstruct_attention`` (scores to output projection)
+        computes :func:`headsurgeon.backend.fused.attention_stats` of its ``hook_q/k/v`` for the
+        ``with`` block (``consume(layer, stats)``, then the bridge's ``o``: ``hook_z`` fires).
+
+        headsurgeon's own bias hooks are held for the block: they would build the ``[head, pos,
+        pos]`` bias the fused kernel forms per block of rows (``slopes``: its ``-m (t - j)``). A
+        layer without one adds the family's own bias of the key position, handed on as is."""
+        saved = []
+        checked: dict[str, Any] = {}  # the last mask found causal (one per pass, every layer's)
+        try:
+            for layer, block in enumerate(model.blocks):
+                attn = block.attn
+                saved.append((attn, attn._forward_pre_hooks.copy()))
+                ours = [k for k, h in attn._forward_pre_hooks.items() if isinstance(h, HFBiasHook)]
+                for key in ours:
+                    del attn._forward_pre_hooks[key]
+                attn._reconstruct_attention = functools.partial(
+                    _fused_reconstruct,
+                    attn,
+                    layer,
+                    slopes if ours else None,
+                    consume,
+                    tolerance,
+                    checked,
+                )
+            yield
+        finally:
+            for attn, hooks in saved:
+                vars(attn).pop("_reconstruct_attention", None)
+                attn._forward_pre_hooks.clear()
+                attn._forward_pre_hooks.update(hooks)
 
     # --- weights ----------------------------------------------------------------------------
 
@@ -291,6 +350,140 @@ class TransformerLens4:
 
         with model.hooks(fwd_hooks=[(f"blocks.{start_at_layer}.hook_resid_pre", swap)]):
             return model(tokens)
+
+
+def _fused_bridges() -> tuple[type, ...]:
+    """The attention bridges whose ``_reconstruct_attention`` :func:`_fused_reconstruct`
+    replaces (their own subclasses may compute otherwise: not these); the last one, ALiBi's
+    generic bridge, for Falcon only."""
+    from transformer_lens.model_bridge.generalized_components.alibi_joint_qkv_attention import (
+        ALiBiJointQKVAttentionBridge,
+    )
+    from transformer_lens.model_bridge.generalized_components.bloom_attention import (
+        BloomAttentionBridge,
+    )
+    from transformer_lens.model_bridge.generalized_components.mpt_alibi_attention import (
+        MPTALiBiAttentionBridge,
+    )
+
+    return BloomAttentionBridge, MPTALiBiAttentionBridge, ALiBiJointQKVAttentionBridge
+
+
+def _fused_reconstruct(
+    attn: nn.Module,
+    layer: int,
+    slopes: Tensor | None,
+    consume: Callable[[int, Any], None],
+    tolerance: float,
+    checked: dict[str, Any],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """:meth:`TransformerLens4.fused_attention`'s ``_reconstruct_attention``: the bridge's own
+    (BLOOM's, MPT's, Falcon's) up to the scores and from the head outputs on, the bias ``-m (t -
+    j)`` of ``slopes`` or, where None, the family's own one the call hands it (``alibi``: BLOOM's
+    ``m j``; ``position_bias``: MPT's ``m (j - last key)``; Falcon's, in the attention mask);
+    ``checked``: the last mask found causal. Returns no pattern."""
+    from headsurgeon.backend.fused import attention_stats
+
+    family = attention_family(attn)
+    if family is MPT and attn._clip_qkv:  # as the MPT bridge clips, before the heads are split
+        from transformer_lens.utilities.attention import clamp_qkv
+
+        q, k, v = clamp_qkv(q, k, v, attn._clip_qkv)
+    n_heads = attn.config.n_heads
+    n_kv = (
+        (getattr(attn.config, "n_key_value_heads", None) or n_heads)
+        if family is FALCON
+        else n_heads
+    )
+    q, k, v, batch, n_pos, d_head = attn._reshape_qkv_to_heads(q, k, v, n_heads, n_kv)
+    k, v = attn._update_kv_cache(k, v, **kwargs)  # the call's cache filled, as the bridge does
+    if n_kv != n_heads:  # Falcon's shared keys and values, repeated per head as the bridge does
+        k, v = (t.repeat_interleave(n_heads // n_kv, dim=1) for t in (k, v))
+    mask = kwargs.get("attention_mask")
+    whole = k.shape[-2] == n_pos and mask is not None
+    mask_bias = _mask_bias(mask, n_pos, checked) if whole else None
+    # Falcon's bias is in its mask; the others' masks carry none, and it has no alibi argument.
+    if mask_bias is None or (family is not FALCON and bool(mask_bias.any())):
+        raise UnsupportedArchitectureError(
+            "the fused attention takes whole sequences: no key-value cache or padding mask"
+        )
+    key_bias, scale = _own_bias(attn, family, mask_bias, n_heads, n_pos, d_head, kwargs)
+    if slopes is not None:
+        slopes, key_bias = slopes.to(q.device, q.dtype), None
+    stats = attention_stats(
+        *(t.transpose(1, 2) for t in (q, k, v)),
+        slopes,
+        key_bias=None if key_bias is None else key_bias.to(q.dtype),
+        scale=scale,
+        tolerance=tolerance,
+    )
+    consume(layer, stats)
+    return attn._apply_output_projection(stats.z.reshape(batch, n_pos, -1)), None
+
+
+def _own_bias(
+    attn: nn.Module,
+    family: AlibiFamily,
+    mask_bias: Tensor,
+    n_heads: int,
+    n_pos: int,
+    d_head: int,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, float]:
+    """The ``[head, key]`` bias the bridge adds by itself (its family's own: BLOOM's ``alibi``,
+    MPT's ``position_bias``, Falcon's in the mask, ``mask_bias``) and its scale of ``q.k``."""
+    if family is MPT:
+        scale = attn._softmax_scale
+        return kwargs["position_bias"][:, 0, -n_pos:], d_head**-0.5 if scale is None else scale
+    if family is FALCON:
+        if kwargs.get("alibi") is not None:  # transformers 5 folds it into the mask
+            raise UnsupportedArchitectureError(
+                "the fused attention takes Falcon's bias in its mask"
+            )
+        return mask_bias.expand(n_heads, -1), d_head**-0.5
+    alibi = kwargs["alibi"]
+    return _batch_rows(alibi.view(-1, n_heads, alibi.shape[-1])[..., :n_pos]), d_head**-0.5
+
+
+def _mask_bias(mask: Tensor, n_pos: int, checked: dict[str, Any]) -> Tensor | None:
+    """The ``[head or 1, key]`` bias that the attention mask a bridge is handed adds in every
+    row (``[batch, head or 1, query, key]``: additive, the float minimum where masked; or
+    boolean, True where masked, no bias) when it masks exactly the future keys, else None. The
+    mask found so is kept in ``checked`` (a weak reference, its version and its bias: the other
+    layers of the pass get the same tensor, unchanged)."""
+    seen = checked.get("mask")
+    if seen is not None and seen() is mask and checked["version"] == mask._version:
+        return checked["bias"]
+    part = mask[..., :n_pos]
+    if part.shape[-2:] != (n_pos, n_pos):
+        return None
+    future = torch.ones(n_pos, n_pos, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        blocked, bias = part, torch.zeros(1, n_pos, device=mask.device)
+    else:
+        blocked = part <= torch.finfo(mask.dtype).min / 2
+        bias = part[0, :, -1]  # the last row sees every key
+    if not bool((blocked == future).all()):
+        return None
+    if mask.dtype != torch.bool:
+        rows = bias[:, None, :]
+        if not bool((torch.where(blocked, rows, part) == rows).all()):
+            return None  # a bias of the distance, or other sequences' bias: not one per key
+    checked.update(mask=weakref.ref(mask), version=mask._version, bias=bias)
+    return bias
+
+
+def _batch_rows(bias: Tensor) -> Tensor:
+    """The ``[head, key]`` bias of a ``[batch, head, key]`` one whose rows are all the same."""
+    if not bool((bias == bias[:1]).all()):
+        raise UnsupportedArchitectureError(
+            "the fused attention takes one bias for every sequence; these differ (padding?)"
+        )
+    return bias[0]
 
 
 class _Stop(Exception):
