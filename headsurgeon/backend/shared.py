@@ -36,6 +36,9 @@ def supported_models(major: int, others: str) -> str:
 
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
 
+# A key-value cache's contents: each layer's keys and values (``backend.cache.cache_contents``).
+KVContents = list[tuple[Tensor, Tensor]]
+
 
 @dataclasses.dataclass(frozen=True)
 class HeadTensor:
