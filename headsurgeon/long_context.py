@@ -176,7 +176,10 @@ def run_in_blocks(
     device = torch.device(model.cfg.device or "cpu")
     start = check_int(start_at_layer, "start_at_layer", minimum=0, maximum=stop - 1)
     if start and (keys is None or resid_pre is None):
-        raise InvalidArgumentError("start_at_layer > 0 needs keys and resid_pre")
+        raise InvalidArgumentError(
+            "start_at_layer > 0 needs keys and resid_pre (what enters that layer per block); "
+            "pass both, or start at layer 0"
+        )
     if keys is not None:
         if max_length(model) is not None:
             raise UnsupportedArchitectureError(
