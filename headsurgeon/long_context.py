@@ -49,8 +49,8 @@ from headsurgeon.backend.cache import (
     new_kv_cache,
     shared_cache,
 )
-from headsurgeon.backend.forward import run_to_layer
-from headsurgeon.errors import UnsupportedArchitectureError
+from headsurgeon.backend.forward import run_layers, run_to_layer
+from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.inuse import holds_model
 from headsurgeon.validation import check_int
 
@@ -142,6 +142,8 @@ def run_in_blocks(
     block_size: int,
     stop_at_layer: int | None = None,
     keys: KeyChooser | None = None,
+    start_at_layer: int = 0,
+    resid_pre: Callable[[int], Float[Tensor, "batch block d_model"]] | None = None,
 ) -> Iterator[tuple[int, Float[Tensor, "batch block d_model"]]]:
     """Yield ``(offset, resid)`` for consecutive blocks of ``block_size`` positions: the residual
     stream after block ``stop_at_layer - 1`` (default: the last) at positions
@@ -161,11 +163,23 @@ def run_in_blocks(
     puts its own through :func:`headsurgeon.backend.add_bias_hook` (what
     :mod:`headsurgeon.sink_cache` does). ALiBi models only: positions elsewhere come from the
     cache's length. ``keys`` is asked even for a single block (offset 0).
+
+    With ``keys`` and ``start_at_layer`` > 0 only blocks ``start_at_layer ...`` run (where
+    :func:`~headsurgeon.backend.forward.resumes_at_layer`; refused elsewhere): block ``offset``'s
+    input to that layer is ``resid_pre(offset)`` (what an earlier pass with the same keys and
+    the same earlier layers recorded there: the numbers are then that pass's, bit for bit), and
+    the caches hold those layers only.
     """
     n_pos = tokens.shape[1]
     block = check_int(block_size, "block_size", minimum=1)
     stop = model.cfg.n_layers if stop_at_layer is None else stop_at_layer
     device = torch.device(model.cfg.device or "cpu")
+    start = check_int(start_at_layer, "start_at_layer", minimum=0, maximum=stop - 1)
+    if start and (keys is None or resid_pre is None):
+        raise InvalidArgumentError(
+            "start_at_layer > 0 needs keys and resid_pre (what enters that layer per block); "
+            "pass both, or start at layer 0"
+        )
     if keys is not None:
         if max_length(model) is not None:
             raise UnsupportedArchitectureError(
@@ -173,7 +187,7 @@ def run_in_blocks(
                 f"{model.cfg.positional_embedding_type} positions, which a cache of chosen keys "
                 "would shift; only ALiBi models run on chosen keys"
             )
-        yield from _chosen(model, tokens, block, stop, keys)
+        yield from _chosen(model, tokens, block, (start, stop), keys, resid_pre)
         return
     if block >= n_pos:
         yield 0, run_to_layer(model, tokens.to(device), stop)
@@ -183,11 +197,18 @@ def run_in_blocks(
 
 
 def _chosen(
-    model: Model, tokens: Int[Tensor, "batch pos"], block: int, stop: int, keys: KeyChooser
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    block: int,
+    layers: tuple[int, int],
+    keys: KeyChooser,
+    resid_pre: Callable[[int], Tensor] | None,
 ) -> Iterator[tuple[int, Float[Tensor, "batch block d_model"]]]:
-    """:func:`run_in_blocks` with ``keys``: each block on a cache of its chosen positions."""
+    """:func:`run_in_blocks` with ``keys``: each block on a cache of its chosen positions, in
+    ``layers`` (start, stop); from ``resid_pre(offset)`` where start > 0."""
     device = torch.device(model.cfg.device or "cpu")
     batch, n_pos = tokens.shape
+    start, stop = layers
     every: list[tuple[Tensor, Tensor]] = []  # each layer's keys and values, every position
     for offset in range(0, n_pos, block):
         n = min(block, n_pos - offset)
@@ -195,17 +216,21 @@ def _chosen(
         contents = [
             (k.index_select(KV_POS_DIM, kept), v.index_select(KV_POS_DIM, kept)) for k, v in every
         ]
-        cache = cache_holding(model, contents, batch, device)
-        resid = run_to_layer(model, tokens[:, offset : offset + n].to(device), stop, cache=cache)
-        added = cache_contents(cache)
-        if len(added) < stop or cached_length(cache) != len(kept) + n:
+        cache = cache_holding(model, contents, batch, device, first_layer=start)
+        if start:
+            resid = run_layers(model, resid_pre(offset).to(device), start, stop, cache=cache)
+        else:
+            chunk = tokens[:, offset : offset + n].to(device)
+            resid = run_to_layer(model, chunk, stop, cache=cache)
+        added = cache_contents(cache)[start:]
+        if len(added) < stop - start or cached_length(cache) != len(kept) + n:
             raise UnsupportedArchitectureError(
                 f"{model.cfg.original_architecture or 'this model'}'s attention does not keep a "
                 f"key-value cache under {TRANSFORMER_LENS}, so it cannot run on chosen keys"
             )
         if not every:
             every = [
-                tuple(_positions(t, n_pos) for t in (k, v)) for k, v in added[:stop]
+                tuple(_positions(t, n_pos) for t in (k, v)) for k, v in added[: stop - start]
             ]  # allocated once the layout is known
         for (k_all, v_all), (k, v) in zip(every, added, strict=False):
             k_all.narrow(KV_POS_DIM, offset, n).copy_(k.narrow(KV_POS_DIM, len(kept), n))

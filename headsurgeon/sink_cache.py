@@ -41,10 +41,11 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -54,6 +55,7 @@ from torch import Tensor
 
 from headsurgeon import alibi, long_context
 from headsurgeon.backend import Model, add_bias_hook
+from headsurgeon.backend.forward import resumes_at_layer
 from headsurgeon.blindness.analysis import active_mitigations
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.defaults import SINK_POSITIONS as POSITIONS
@@ -175,6 +177,25 @@ class _CacheBias:
         return bias
 
 
+class _BlockInputs:
+    """The residual stream entering each of ``layers`` (above 0), per batch and block of query
+    rows, as the per-head test's base pass computed it: a head's own pass starts at its layer
+    from there (memory: see :func:`sink_cache_effect`)."""
+
+    def __init__(self, layers: Iterable[int]) -> None:
+        self.layers = {layer for layer in layers if layer > 0}  # layer 0 runs from the tokens
+        self.kept: dict[tuple[int, int, int], Tensor] = {}
+
+    def writer(self, layer: int, batch: int, bias: _CacheBias):  # -> a TransformerLens hook
+        def write(resid: Tensor, hook: object) -> None:
+            self.kept[layer, batch, bias.block[0]] = resid.clone()
+
+        return write
+
+    def read(self, layer: int, batch: int, offset: int) -> Tensor:
+        return self.kept[layer, batch, offset]
+
+
 def _trained_kind(model: Model, info: ModelInfo) -> tuple[str, dict]:
     """The model's trained bias kind, or one line: no ALiBi, or a mitigation the bias replaces."""
     if not info.is_alibi:
@@ -226,7 +247,9 @@ def sink_cache_effect(
     - ``sinks``: the numbers ``x`` of initial tokens kept.
     - ``windows``: the numbers ``y`` of recent tokens kept (default: ``train_ctx`` and a quarter).
     - ``positions``: distances in cache slots (``"cache"``, StreamingLLM's) or ``"true"`` ones.
-    - ``heads``: the heads tested one by one (default every head; ``[]`` skips the test).
+    - ``heads``: the heads tested one by one (default every head; ``[]`` skips the test). On
+      TransformerLens 3.x each reruns only its layer and those above, from the base pass's
+      residual stream, kept: layers x tested tokens x ``d_model`` numbers (organism: 6 MiB).
     - ``head_cache``: the ``(x, y)`` every other head keeps (default: most sinks, least window).
     - ``head_seq_len``: the tokens of each sequence the per-head test reads (``None``: all).
     - ``batch_size``: sequences per forward pass.
@@ -266,10 +289,18 @@ def sink_cache_effect(
         disable=not progress,
     )
 
-    def run(cut: list[list[int]] | None, window: int, tokens: Tensor) -> Tensor:
+    def run(cut: list[list[int]] | None, window: int, tokens: Tensor, **more: object) -> Tensor:
         start = time.perf_counter()
         nll = _cache_nll(
-            model, tokens, cut, window, positions, (info.slopes, kind), batch_size, block_size
+            model,
+            tokens,
+            cut,
+            window,
+            positions,
+            (info.slopes, kind),
+            batch_size,
+            block_size,
+            **more,
         )
         what = "full context" if cut is None else f"cache {max(map(max, cut))} + {window}"
         logger.debug("%s, %d tokens: %.1f s", what, tokens.numel(), time.perf_counter() - start)
@@ -285,12 +316,17 @@ def sink_cache_effect(
         head_rows = []
         if chosen:
             short = tokens[:, :head_pos]
-            base = run([[head_x] * n_heads] * n_layers, head_y, short)
+            # Below a head's layer its pass is the base pass: keep what enters each block there
+            # (where the backend can start a pass at a block) and run only the layers above.
+            inputs = _BlockInputs({layer for layer, _ in chosen} if resumes_at_layer(model) else ())
+            base = run([[head_x] * n_heads] * n_layers, head_y, short, keep=inputs)
             slopes = info.slopes.double().numpy()
             for layer, head in chosen:
                 cut = [[head_x] * n_heads for _ in range(n_layers)]
                 cut[layer][head] = 0
-                change = nll_change(run(cut, head_y, short) - base, base)
+                start = (layer, inputs) if layer in inputs.layers else None
+                nll = run(cut, head_y, short, start=start)
+                change = nll_change(nll - base, base)
                 head_rows.append(
                     {"layer": layer, "head": head, "slope": float(slopes[head])}
                     | {"sinks": head_x, "window": head_y}
@@ -418,20 +454,23 @@ def _cache_nll(
     bias_of: tuple[Tensor, tuple[str, dict]],
     batch_size: int,
     block_size: int | None,
+    keep: _BlockInputs | None = None,
+    start: tuple[int, _BlockInputs] | None = None,
 ) -> Float[Tensor, "seq position"]:
     """Next-token NLL at every position (float64, CPU): the model's own full-context pass
     (``sinks`` None), or with the cache ``sinks[layer][head]`` + ``window`` through each layer's
     bias (``bias_of``: the model's slopes and trained bias kind); refuses a layer whose bias was
-    never built."""
+    never built. With a cache: ``keep`` records what enters each of its layers per block;
+    ``start`` (``(layer, inputs)``) runs only the layers from ``layer`` on, from what ``inputs``
+    recorded (in a pass whose earlier layers had the same cut)."""
     n_seqs, n_pos = tokens.shape
     out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
     slopes, kind = bias_of
     bias = None if sinks is None else _CacheBias(slopes, sinks, window, positions, kind)
-    handles = (
-        []
-        if bias is None
-        else [add_bias_hook(block.attn, bias.builder(i)) for i, block in enumerate(model.blocks)]
-    )
+    first, inputs = start or (0, None)
+    blocks = list(enumerate(model.blocks))[first:]
+    handles = [] if bias is None else [add_bias_hook(b.attn, bias.builder(i)) for i, b in blocks]
+    record = [] if keep is None else sorted(keep.layers)
     try:
         for i, batch in enumerate(batches(tokens, batch_size)):
             rows = out[i * batch_size : i * batch_size + len(batch)]  # a view
@@ -440,13 +479,18 @@ def _cache_nll(
             else:
                 block = block_size or min(max(window, 64), 512)
             keys = None if bias is None else bias.keys
-            for position, nll in next_token_nll(model, batch, block, keys=keys):
-                rows[:, position : position + nll.shape[1]] = nll.cpu()
+            resume = None if inputs is None else (first, functools.partial(inputs.read, first, i))
+            hooks = [
+                (f"blocks.{layer}.hook_resid_pre", keep.writer(layer, i, bias)) for layer in record
+            ]
+            with model.hooks(fwd_hooks=hooks):
+                for position, nll in next_token_nll(model, batch, block, keys=keys, start=resume):
+                    rows[:, position : position + nll.shape[1]] = nll.cpu()
     finally:
         for handle in handles:
             handle.remove()
     if bias is not None:
-        silent = [layer for layer, n in enumerate(bias.fired) if not n]
+        silent = [layer for layer, n in enumerate(bias.fired) if not n and layer >= first]
         if silent:
             hook = f"the bias pre-hook of blocks.{silent[0]}.attn"
             raise unfired(model, "sink_cache_effect", hook, silent)

@@ -39,8 +39,8 @@ def test_fused_census_equals_brute_force_reference(tiny_model, min_query_pos, ba
 
 
 def test_fused_census_of_the_organism_and_a_config_model():
-    """The bundled organism (its bias hook) at 160 tokens (three blocks of 64 query rows), and a model built from a config with
-    no tokenizer: the same numbers as brute force, within the tests' 1e-6."""
+    """The bundled organism (its bias hook) at 160 tokens (three blocks of 64 query rows), and a
+    model built from a config with no tokenizer: the same numbers as brute force, within 1e-6."""
     organism = load_model("organism")
     tokens = to_sequences(organism, TEXT * 3, seq_len=160, n_seqs=2).tokens
     census = fused_census(organism, tokens)

@@ -51,6 +51,11 @@ def test_blocks_give_the_dense_residual_stream(tiny_model):
     torch.testing.assert_close(torch.cat([r for _, r in parts], 1), dense, rtol=0, atol=1e-5)
 
 
+def test_a_pass_from_a_later_layer_needs_chosen_keys_and_its_inputs(tiny_model):
+    with pytest.raises(InvalidArgumentError, match="start_at_layer > 0 needs keys and resid_pre"):
+        next(run_in_blocks(tiny_model, tokens(1, 20), block_size=8, start_at_layer=1))
+
+
 @pytest.mark.parametrize("min_query_pos", [0, 1, 40])
 def test_the_census_in_blocks_equals_the_dense_census(tiny_model, min_query_pos):
     ids = tokens(5, 100)

@@ -17,9 +17,17 @@ from test_window import hf, ids, sharp_dir, tiny_model  # noqa: F401 (fixtures)
 
 from headsurgeon import load_model
 from headsurgeon.backend import MAJOR
+from headsurgeon.backend.forward import resumes_at_layer
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.sink_cache import cache_keys, sink_cache_effect
-from headsurgeon.stats import batch_means_se
+from headsurgeon.loading import model_info
+from headsurgeon.sink_cache import (
+    _BlockInputs,
+    _cache_nll,
+    _trained_kind,
+    cache_keys,
+    sink_cache_effect,
+)
+from headsurgeon.stats import batch_means_se, nll_change
 from headsurgeon.window import window_effect
 
 
@@ -158,6 +166,58 @@ def test_blocks_give_the_dense_effect(tiny_model, ids):
         blocked = sink_cache_effect(tiny_model, ids, block_size=block, progress=False, **kwargs)
         for a, b in [(dense.by_cache, blocked.by_cache), (dense.by_head, blocked.by_head)]:
             np.testing.assert_allclose(b["dnll"], a["dnll"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, batch_size):
+    """Per head, only the layers from the head's up run again (3.x; 4.x runs every layer), from
+    what enters them in the base pass: the numbers equal a from-scratch pass of the same cut
+    (the way before), torch.equal, and so does by_head."""
+    n_layers, n_heads = tiny_model.cfg.n_layers, tiny_model.cfg.n_heads
+    info = model_info(tiny_model, "test")
+    bias_of = (info.slopes, _trained_kind(tiny_model, info))
+
+    def nll(cut, **kwargs):
+        return _cache_nll(tiny_model, ids, cut, 5, "cache", bias_of, batch_size, 7, **kwargs)
+
+    def cut(layer, head):
+        sinks = [[2] * n_heads for _ in range(n_layers)]
+        sinks[layer][head] = 0
+        return sinks
+
+    reuse = resumes_at_layer(tiny_model)
+    assert reuse == (MAJOR < 4)
+    layer, head = n_layers - 1, 2
+    seen = []  # positions entering block 0, every pass: reference, sweep, base, the head's
+    with tiny_model.hooks([("blocks.0.hook_resid_pre", lambda r, hook: seen.append(r.shape[:2]))]):
+        effect = sink_cache_effect(
+            tiny_model,
+            ids,
+            sinks=[2],
+            windows=[5],
+            heads=[(layer, head)],
+            batch_size=batch_size,
+            block_size=7,
+            progress=False,
+        )
+    assert sum(rows * n for rows, n in seen) == (3 if reuse else 4) * ids.numel()
+    base = nll([[2] * n_heads] * n_layers)
+    change = nll_change(nll(cut(layer, head)) - base, base)
+    row = effect.by_head.iloc[0]
+    assert (row.base_nll, row.dnll, row.dnll_se, row.tokens) == (
+        base.mean().item(),
+        change["dnll"],
+        change["dnll_se"],
+        change["tokens"],
+    )
+    if not reuse:
+        return
+    inputs = _BlockInputs(range(n_layers))
+    assert torch.equal(nll([[2] * n_heads] * n_layers, keep=inputs), base)
+    for layer in range(1, n_layers):
+        for head in (0, n_heads - 1):
+            from_layer = nll(cut(layer, head), start=(layer, inputs))
+            assert torch.equal(from_layer, nll(cut(layer, head)))
 
 
 def test_a_window_over_the_whole_sequence_is_the_full_context(tiny_model, ids):

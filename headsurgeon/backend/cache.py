@@ -68,14 +68,20 @@ def cache_contents(cache: Any) -> list[tuple[Tensor, Tensor]]:
 
 
 def cache_holding(
-    model: Model, contents: list[tuple[Tensor, Tensor]], batch: int, device: torch.device
+    model: Model,
+    contents: list[tuple[Tensor, Tensor]],
+    batch: int,
+    device: torch.device,
+    *,
+    first_layer: int = 0,
 ) -> Any:
-    """A :func:`new_kv_cache` already holding ``contents`` (each layer's keys and values, laid
-    out as :func:`cache_contents` gives them, copied in): the next call continues after them,
-    as if they were every earlier position. Any subset of earlier positions works for a model
-    whose attention reads positions only through the cache's length (ALiBi: the bias then
-    treats cache slots as positions, which the caller's bias hook can replace)."""
+    """A :func:`new_kv_cache` already holding ``contents`` (the keys and values of each layer
+    from ``first_layer`` on, laid out as :func:`cache_contents` gives them, copied in): the next
+    call continues after them, as if they were every earlier position. Any subset of earlier
+    positions works for a model whose attention reads positions only through the cache's length
+    (ALiBi: the bias then treats cache slots as positions, which the caller's bias hook can
+    replace). ``first_layer`` > 0: for :func:`~headsurgeon.backend.forward.run_layers`."""
     cache = new_kv_cache(model, batch, device)
     if not (contents and contents[0][0].shape[KV_POS_DIM]):
         return cache
-    return BACKEND.fill_cache(cache, contents, batch, device)
+    return BACKEND.fill_cache(cache, contents, batch, device, first_layer)

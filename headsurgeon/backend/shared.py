@@ -58,6 +58,9 @@ def unfired_hook(attn: nn.Module, layer: int) -> str | None:
 
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
 
+# A key-value cache's contents: each layer's keys and values (``backend.cache.cache_contents``).
+KVContents = list[tuple[Tensor, Tensor]]
+
 
 @dataclasses.dataclass(frozen=True)
 class HeadTensor:

@@ -25,6 +25,7 @@ from headsurgeon.backend.shared import (
     HEAD_TENSORS,
     BiasBuilder,
     HeadTensor,
+    KVContents,
     appended,
     fused_config_refusal,
     supported_models,
@@ -47,6 +48,7 @@ class TransformerLens3:
     wraps_hf_model = False  # it computes with its own copies of the weights
     loads_into_device_map = False  # a placed model is built, then dispatched
     kv_pos_dim = 1  # cache entries are [batch, pos, head, d_head]
+    resumes_at_layer = True  # run_layers: its own start_at_layer, with a key-value cache
     bounded_architectures = ("BloomForCausalLM",)  # built one part at a time (backend.bounded)
 
     # --- models -----------------------------------------------------------------------------
@@ -180,10 +182,10 @@ class TransformerLens3:
         return [(entry.past_keys, entry.past_values) for entry in cache.entries]
 
     def fill_cache(
-        self, cache: Any, contents: list[tuple[Tensor, Tensor]], batch: int, device: torch.device
+        self, cache: Any, contents: KVContents, batch: int, device: torch.device, first: int
     ) -> Any:
         n_pos = contents[0][0].shape[self.kv_pos_dim]
-        for entry, (keys, values) in zip(cache.entries, contents, strict=True):
+        for entry, (keys, values) in zip(cache.entries[first:], contents, strict=True):
             entry.append(keys, values)
         cache.previous_attention_mask = torch.ones(
             batch, n_pos, dtype=cache.previous_attention_mask.dtype, device=device
@@ -262,6 +264,23 @@ class TransformerLens3:
     ) -> Float[Tensor, "batch pos d_vocab"]:
         """TransformerLens's own ``start_at_layer``."""
         return model(resid_pre, start_at_layer=start_at_layer)
+
+    def run_layers(
+        self, model: nn.Module, resid_pre: Tensor, start: int, stop: int, cache: Any
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """TransformerLens's own ``start_at_layer`` and ``stop_at_layer``, the cache's mask grown
+        as its pass from tokens grows it (every block gets the mask that pass gives it)."""
+        mask = None
+        if cache is not None:
+            ones = torch.ones(resid_pre.shape[:2], dtype=torch.long, device=resid_pre.device)
+            mask = cache.append_attention_mask(ones)
+        return model(
+            resid_pre,
+            start_at_layer=start,
+            stop_at_layer=stop,
+            past_kv_cache=cache,
+            attention_mask=mask,
+        )
 
 
 def _attention_refusal(layer: int, attn: nn.Module) -> str | None:

@@ -27,6 +27,7 @@ from headsurgeon.backend.shared import (
     BiasBuilder,
     HeadTensor,
     HFBiasHook,
+    KVContents,
     fused_config_refusal,
     hf_kv_cache,
     supported_models,
@@ -46,6 +47,7 @@ class TransformerLens4:
     wraps_hf_model = True  # it computes with the wrapped Hugging Face model's tensors
     loads_into_device_map = True  # the Hugging Face model is the model
     kv_pos_dim = 2  # Hugging Face cache layers are [batch, head, pos, d_head]
+    resumes_at_layer = False  # run_layers: see there
     bounded_architectures = ()  # a device map loads straight into the map
 
     # --- models -----------------------------------------------------------------------------
@@ -311,9 +313,9 @@ class TransformerLens4:
         return [(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized]
 
     def fill_cache(
-        self, cache: Any, contents: list[tuple[Tensor, Tensor]], batch: int, device: torch.device
+        self, cache: Any, contents: KVContents, batch: int, device: torch.device, first: int
     ) -> Any:
-        for layer, (keys, values) in enumerate(contents):
+        for layer, (keys, values) in enumerate(contents, start=first):
             cache.update(keys, values, layer)
         return cache
 
@@ -350,6 +352,17 @@ class TransformerLens4:
 
         with model.hooks(fwd_hooks=[(f"blocks.{start_at_layer}.hook_resid_pre", swap)]):
             return model(tokens)
+
+    def run_layers(
+        self, model: nn.Module, resid_pre: Tensor, start: int, stop: int, cache: Any
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """Refused: the bridge runs the Hugging Face model from its tokens, every block (its
+        own ``start_at_layer`` too, see :meth:`run_from_layer`), so a pass from a block would
+        cost the whole pass; callers check :attr:`resumes_at_layer` and run from the tokens."""
+        raise UnsupportedArchitectureError(
+            f"TransformerLens {version('transformer-lens')} cannot start a pass at block "
+            f"{start} without running the blocks before it; run from the tokens"
+        )
 
 
 def _fused_bridges() -> tuple[type, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import pairwise
 
 import numpy as np
@@ -141,6 +141,7 @@ def next_token_nll(
     block_size: int,
     first: int = 0,
     keys: long_context.KeyChooser | None = None,
+    start: tuple[int, Callable[[int], Tensor]] | None = None,
 ) -> Iterator[tuple[int, Float[Tensor, "batch n"]]]:
     """``(position, nll)`` block by block: ``nll[:, i]`` (float64, on the model's device) is the
     negative log-probability of token ``position + i + 1`` given the tokens up to ``position + i``,
@@ -149,10 +150,16 @@ def next_token_nll(
     The tokens run in blocks of ``block_size`` rows (:func:`long_context.run_in_blocks`) and
     only a block's rows from ``first`` on are unembedded, so one block's logits
     (``[batch, block, vocab]``, log-softmaxed in float32) are the largest tensor. ``keys``: each
-    block attends to those earlier positions only (:func:`long_context.run_in_blocks`).
+    block attends to those earlier positions only (:func:`long_context.run_in_blocks`);
+    ``start``: ``(layer, resid_pre)``, the blocks from that layer on run from
+    ``resid_pre(offset)`` (``run_in_blocks``'s ``start_at_layer``, ``resid_pre``).
     """
     last = tokens.shape[1] - 1  # the last position predicts nothing
-    for offset, resid in run_in_blocks(model, tokens, block_size=block_size, keys=keys):
+    layer, resid_pre = start or (0, None)
+    blocks = run_in_blocks(
+        model, tokens, block_size=block_size, keys=keys, start_at_layer=layer, resid_pre=resid_pre
+    )
+    for offset, resid in blocks:
         lo, hi = max(first, offset), min(offset + resid.shape[1], last)
         if hi <= lo:
             continue
