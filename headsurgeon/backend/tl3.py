@@ -28,6 +28,7 @@ from headsurgeon.backend.shared import (
     KVContents,
     appended,
     fused_config_refusal,
+    held_pre_hooks,
     supported_models,
     unfired_hook,
 )
@@ -230,23 +231,17 @@ class TransformerLens3:
 
         headsurgeon's own bias hooks are held for the block: they would build the ``[head, pos,
         pos]`` bias the fused kernel forms per block of rows (``slopes``: its ``-m (t - j)``)."""
-        saved = []
-        for layer, block in enumerate(model.blocks):
-            attn = block.attn
-            saved.append((attn, attn._forward_pre_hooks.copy()))
-            ours = [key for key, h in attn._forward_pre_hooks.items() if isinstance(h, _BiasHook)]
-            for key in ours:
-                del attn._forward_pre_hooks[key]
-            attn.forward = functools.partial(
-                _fused_forward, attn, layer, slopes, consume, tolerance
-            )
-        try:
-            yield
-        finally:
-            for attn, hooks in saved:
-                del attn.forward
-                attn._forward_pre_hooks.clear()
-                attn._forward_pre_hooks.update(hooks)
+        attns = [block.attn for block in model.blocks]
+        with held_pre_hooks(attns, _BiasHook):
+            for layer, attn in enumerate(attns):
+                attn.forward = functools.partial(
+                    _fused_forward, attn, layer, slopes, consume, tolerance
+                )
+            try:
+                yield
+            finally:
+                for attn in attns:
+                    vars(attn).pop("forward", None)
 
     # --- passes cut at a block ----------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from headsurgeon.backend.shared import (
     HFBiasHook,
     KVContents,
     fused_config_refusal,
+    held_pre_hooks,
     hf_kv_cache,
     supported_models,
     unfired_hook,
@@ -184,30 +185,24 @@ class TransformerLens4:
         headsurgeon's own bias hooks are held for the block: they would build the ``[head, pos,
         pos]`` bias the fused kernel forms per block of rows (``slopes``: its ``-m (t - j)``). A
         layer without one adds the family's own bias of the key position, handed on as is."""
-        saved = []
+        attns = [block.attn for block in model.blocks]
         checked: dict[str, Any] = {}  # the last mask found causal (one per pass, every layer's)
-        try:
-            for layer, block in enumerate(model.blocks):
-                attn = block.attn
-                saved.append((attn, attn._forward_pre_hooks.copy()))
-                ours = [k for k, h in attn._forward_pre_hooks.items() if isinstance(h, HFBiasHook)]
-                for key in ours:
-                    del attn._forward_pre_hooks[key]
+        with held_pre_hooks(attns, HFBiasHook) as ours:
+            for layer, attn in enumerate(attns):
                 attn._reconstruct_attention = functools.partial(
                     _fused_reconstruct,
                     attn,
                     layer,
-                    slopes if ours else None,
+                    slopes if ours[layer] else None,
                     consume,
                     tolerance,
                     checked,
                 )
-            yield
-        finally:
-            for attn, hooks in saved:
-                vars(attn).pop("_reconstruct_attention", None)
-                attn._forward_pre_hooks.clear()
-                attn._forward_pre_hooks.update(hooks)
+            try:
+                yield
+            finally:
+                for attn in attns:
+                    vars(attn).pop("_reconstruct_attention", None)
 
     # --- weights ----------------------------------------------------------------------------
 
