@@ -20,8 +20,11 @@ github.com/psandovalsegura/inactive-heads).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from headsurgeon.alibi import content_free_reach
 from headsurgeon.backend import Model, fused_attention, fused_refusal
-from headsurgeon.backend.fused import BLOCK_ROWS
+from headsurgeon.backend.fused import BLOCK_ROWS, AttentionStats, attention_stats
 from headsurgeon.blindness.analysis import active_mitigations, applied_bias
 from headsurgeon.classify.labels import require_columns
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
@@ -261,11 +264,25 @@ def _fused_stream(
     hooks = stats.hooks(pattern=False)
     with (
         torch.no_grad(),
-        fused_attention(model, info.slopes, stats.fused_sums, FUSED_TOLERANCE),
+        fused_attention(model, info.slopes, functools.partial(_fused_stats, stats.fused_sums)),
         model.hooks(fwd_hooks=hooks),
     ):
         for batch in tqdm(list(batches(tokens, batch_size)), desc="census", disable=not progress):
             model(batch, stop_at_layer=model.cfg.n_layers)
+
+
+def _fused_stats(
+    consume: Callable[[int, AttentionStats], None],
+    layer: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    **bias: Any,
+) -> Tensor:
+    """One layer's :func:`attention_stats`, handed to ``consume``; its head outputs."""
+    stats = attention_stats(q, k, v, **bias, tolerance=FUSED_TOLERANCE)
+    consume(layer, stats)
+    return stats.z
 
 
 def _reach_baseline(

@@ -77,6 +77,10 @@ def held_pre_hooks(modules: Sequence[nn.Module], kind: type) -> Iterator[list[bo
             module._forward_pre_hooks.update(hooks)
 
 
+# A fused attention's head outputs (hook_z) from one layer's hook_q/k/v, [batch, pos, head,
+# d_head]: attend(layer, q, k, v, slopes= or key_bias=, scale=), as backend.fused's functions.
+Attend = Callable[..., Float[Tensor, "batch pos head_index d_head"]]
+
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
 
 # A key-value cache's contents: each layer's keys and values (``backend.cache.cache_contents``).
