@@ -18,9 +18,12 @@ ones.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -29,15 +32,17 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import HookPoint, Model, masked_score
-from headsurgeon.blindness.analysis import require_scores
+from headsurgeon.backend import HookPoint, Model, fused_attention, masked_score
+from headsurgeon.backend.fused import BLOCK_ROWS, windowed_attention
+from headsurgeon.backend.shared import Attend
+from headsurgeon.blindness.analysis import fused_path_refusal, require_scores
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges
+from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges, resid_nll
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
-from headsurgeon.probes import unfired
+from headsurgeon.probes import check_batch_memory, unfired
 from headsurgeon.progress import tqdm
 from headsurgeon.stats import nll_change
 from headsurgeon.validation import check_int
@@ -47,6 +52,8 @@ __all__ = [
     "WINDOW_CUT",
     "window_effect",
 ]
+
+logger = logging.getLogger(__name__)
 
 WINDOW_CUT = Cut(seq_len=1024, n_seqs=8)
 """How :func:`window_effect` cuts texts: 8 sequences of 1,024 tokens."""
@@ -135,24 +142,45 @@ class _Counter:
         return self.inner(scores, hook)
 
 
+# {layer: (distance, heads)}: the keys each layer's pass cuts (heads None: every head).
+Cuts = dict[int, tuple[int, Sequence[int] | None]]
+
+
 def _token_nll(
     model: Model,
     info: ModelInfo,
     tokens: Int[Tensor, "seq pos"],
-    hooks: dict[int, ScoresHook],
+    cuts: Cuts,
     *,
+    fused: bool,
     batch_size: int,
     block_size: int | None,
 ) -> Float[Tensor, "seq position"]:
-    """Next-token NLL at every position (float64, CPU) with ``hooks`` (``{layer: hook}``) on the
-    layers' ``hook_attn_scores``; refuses a layer whose hook never fired."""
+    """Next-token NLL at every position (float64, CPU) with the keys of ``cuts`` cut: on the
+    fused attention (``fused``), else by :func:`window_hook` on the layers'
+    ``hook_attn_scores``; refuses a layer whose cut never ran."""
     n_seqs, n_pos = tokens.shape
     out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
-    counters = {layer: _Counter(info, hook) for layer, hook in hooks.items()}
-    fwd_hooks = [(f"blocks.{layer}.attn.hook_attn_scores", c) for layer, c in counters.items()]
-    with torch.no_grad(), model.hooks(fwd_hooks=fwd_hooks):
+    if fused:
+        counters = {layer: _FusedCut(info, *cut) for layer, cut in cuts.items()}
+        hooks, attending = [], fused_attention(model, info.slopes, _fused_cuts(counters))
+    else:
+        counters = {layer: _Counter(info, window_hook(*cut)) for layer, cut in cuts.items()}
+        hooks = [(f"blocks.{layer}.attn.hook_attn_scores", c) for layer, c in counters.items()]
+        attending = contextlib.nullcontext()
+    with torch.no_grad(), attending, model.hooks(fwd_hooks=hooks):
         for i, batch in enumerate(batches(tokens, batch_size)):
             rows = out[i * batch_size : i * batch_size + len(batch)]  # a view
+            if fused:
+                check_batch_memory(model, len(batch), n_pos, BLOCK_ROWS)
+                resid = model(batch, stop_at_layer=model.cfg.n_layers)
+                block = block_size or long_context.block_size(model, n_pos, batch=len(batch))
+                for lo in range(0, n_pos - 1, block):
+                    hi = min(lo + block, n_pos - 1)
+                    rows[:, lo:hi] = resid_nll(
+                        model, resid[:, lo:hi], batch[:, lo + 1 : hi + 1]
+                    ).cpu()
+                continue
             block = block_size or long_context.block_size(
                 model, n_pos, batch=len(batch), bytes_per_entry=_BYTES_PER_ENTRY
             )
@@ -160,8 +188,34 @@ def _token_nll(
                 rows[:, position : position + nll.shape[1]] = nll.cpu()
     silent = [layer for layer, c in counters.items() if not c.fired[layer]]
     if silent:
-        raise unfired(model, "window_effect", f"blocks.{silent[0]}.attn.hook_attn_scores", silent)
+        where = "attn" if fused else "attn.hook_attn_scores"
+        raise unfired(model, "window_effect", f"blocks.{silent[0]}.{where}", silent)
     return out
+
+
+class _FusedCut:
+    """One layer's cut on the fused attention (:func:`windowed_attention`), its calls counted."""
+
+    def __init__(self, info: ModelInfo, distance: int, heads: Sequence[int] | None) -> None:
+        self.distance, self.heads = distance, heads
+        self.fired = [0] * info.shape.n_layers
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, **bias: Any) -> Tensor:
+        self.fired[layer] += 1
+        # Beyond the farthest key but position 0 nothing is cut: the model's own pass, exactly.
+        window = self.distance if self.distance < q.shape[1] - 2 else None
+        return windowed_attention(q, k, v, **bias, window=window, heads=self.heads)
+
+
+def _fused_cuts(counters: dict[int, _FusedCut]) -> Attend:
+    """The fused attention of a pass: each layer of ``counters`` cut, the others whole."""
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, **bias: Any) -> Tensor:
+        if layer in counters:
+            return counters[layer](layer, q, k, v, **bias)
+        return windowed_attention(q, k, v, **bias)
+
+    return attend
 
 
 def _change(
@@ -235,17 +289,29 @@ def window_effect(
     layers = range(model.cfg.n_layers)
     bar = tqdm(total=1 + len(distances) + len(per_head), desc="window", disable=not progress)
 
-    def run(hooks: dict[int, ScoresHook]) -> Tensor:
-        nll = _token_nll(model, info, tokens, hooks, batch_size=batch_size, block_size=block_size)
+    refusal = fused_path_refusal(model, info, n_pos)
+    if refusal is not None:
+        logger.info("window_effect: blocked attention, not fused: %s", refusal)
+
+    def run(cuts: Cuts) -> Tensor:
+        nll = _token_nll(
+            model,
+            info,
+            tokens,
+            cuts,
+            fused=refusal is None,
+            batch_size=batch_size,
+            block_size=block_size,
+        )
         bar.update()
         return nll
 
     with bar:
-        # The model's own pass carries the hooks too, cutting nothing: checked like the others.
-        base = run({layer: window_hook(n_pos) for layer in layers})
+        # The model's own pass carries the cuts too, cutting nothing: checked like the others.
+        base = run({layer: (n_pos, None) for layer in layers})
         rows = []
         for d in distances:
-            change = run({layer: window_hook(d) for layer in layers}) - base
+            change = run({layer: (d, None) for layer in layers}) - base
             for lo, hi in zip(edges[:-1], edges[1:], strict=True):
                 part = (position >= lo) & (position < hi)
                 rows.append(
@@ -256,7 +322,7 @@ def window_effect(
         scored = (position >= edges[0]) & (position < edges[-1])
         head_rows = []
         for layer, head in per_head:
-            change = run({layer: window_hook(head_distance, [head])}) - base
+            change = run({layer: (head_distance, [head])}) - base
             slope = math.nan if slopes is None else float(slopes[head])
             head_rows.append(
                 {"layer": layer, "head": head, "slope": slope, "distance": head_distance}
@@ -271,6 +337,8 @@ def window_effect(
         "seq_len": n_pos,
         "prepend_bos": seqs.holds_bos,
         "edges": list(edges),
+        "attention": "blocked" if refusal else "fused",
+        "blocked_because": refusal,
     }
     by_distance.attrs.update(attrs)
     by_head.attrs.update(attrs, head_distance=head_distance)

@@ -203,7 +203,10 @@ def test_refusals(tiny_model, ids):
 
 
 def test_a_hook_that_never_fires_is_refused(bloom_dir, monkeypatch):
-    """A hook that never fires is an error, never a ΔNLL of 0."""
+    """A hook that never fires is an error, never a ΔNLL of 0: on the blocked path (under a
+    mitigation) a scores hook, on the fused path a layer's cut."""
+    from headsurgeon import mitigation, window
+    from headsurgeon.backend.fused import windowed_attention
     from headsurgeon.errors import UnsupportedArchitectureError
 
     model = load_model(bloom_dir)
@@ -213,9 +216,46 @@ def test_a_hook_that_never_fires_is_refused(bloom_dir, monkeypatch):
     def hooks(fwd_hooks=(), **kwargs):
         return real(fwd_hooks=[(n, h) for n, h in fwd_hooks if n not in silent], **kwargs)
 
+    tokens = torch.randint(4, 300, (1, 12))
     monkeypatch.setattr(model, "hooks", hooks)
-    with pytest.raises(UnsupportedArchitectureError, match="hook_attn_scores never fired"):
-        window_effect(model, torch.randint(4, 300, (1, 12)), distances=[2], progress=False)
+    with (
+        mitigation(model, "standard"),
+        pytest.raises(UnsupportedArchitectureError, match="hook_attn_scores never fired"),
+    ):
+        window_effect(model, tokens, distances=[2], progress=False)
+    fused = window.fused_attention
+
+    def skipping(model, slopes, attend):  # layer 1 attends whole, past the cut
+        return fused(
+            model,
+            slopes,
+            lambda layer, *qkv, **bias: (
+                windowed_attention(*qkv, **bias) if layer == 1 else attend(layer, *qkv, **bias)
+            ),
+        )
+
+    monkeypatch.setattr(window, "fused_attention", skipping)
+    with pytest.raises(UnsupportedArchitectureError, match="blocks.1.attn never fired in layer 1"):
+        window_effect(model, tokens, distances=[2], progress=False)
+
+
+def test_the_fused_and_blocked_paths_agree(tiny_model, ids):
+    """An ALiBi model with -m (t - j) runs fused (no T x T pattern), said in attrs; under a
+    mitigation, blocked (hook_attn_scores), said why; the same ΔNLL within float32 rounding."""
+    from headsurgeon import mitigation
+
+    kwargs = dict(distances=[0, 3], heads="L0H1,L1H2", head_distance=2, progress=False)
+    fused = window_effect(tiny_model, ids, **kwargs)
+    with mitigation(tiny_model, "standard"):
+        blocked = window_effect(tiny_model, ids, **kwargs)
+    assert fused.by_distance.attrs["attention"] == "fused"
+    assert fused.by_head.attrs["blocked_because"] is None
+    assert blocked.by_distance.attrs["attention"] == "blocked"
+    assert blocked.by_head.attrs["blocked_because"] == "a standard mitigation is active"
+    for a, b in [(fused.by_distance, blocked.by_distance), (fused.by_head, blocked.by_head)]:
+        np.testing.assert_allclose(a["dnll"], b["dnll"], rtol=0, atol=2e-6)
+        assert a["dnll"].abs().max() > 1e-4  # the cut matters
+    np.testing.assert_allclose(fused.nll, blocked.nll, rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(

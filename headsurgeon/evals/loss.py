@@ -161,11 +161,21 @@ def next_token_nll(
     )
     for offset, resid in blocks:
         lo, hi = max(first, offset), min(offset + resid.shape[1], last)
-        if hi <= lo:
-            continue
-        logits = model.unembed(model.ln_final(resid[:, lo - offset : hi - offset])).float()
-        targets = tokens[:, lo + 1 : hi + 1, None].to(logits.device)
-        yield lo, -logits.log_softmax(-1).gather(-1, targets)[..., 0].double()
+        if hi > lo:
+            yield (
+                lo,
+                resid_nll(model, resid[:, lo - offset : hi - offset], tokens[:, lo + 1 : hi + 1]),
+            )
+
+
+def resid_nll(
+    model: Model, resid: Float[Tensor, "batch n d_model"], targets: Int[Tensor, "batch n"]
+) -> Float[Tensor, "batch n"]:
+    """The negative log-probability of ``targets`` from the residual stream before the final
+    LayerNorm: logits log-softmaxed in float32, the result float64 on the model's device."""
+    logits = model.unembed(model.ln_final(resid)).float()
+    picked = logits.log_softmax(-1).gather(-1, targets[..., None].to(logits.device))
+    return -picked[..., 0].double()
 
 
 @torch.no_grad()
