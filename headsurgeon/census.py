@@ -33,6 +33,7 @@ from torch import Tensor
 
 from headsurgeon.alibi import content_free_reach
 from headsurgeon.backend import Model, fused_attention
+from headsurgeon.backend.forward import run_to_layer
 from headsurgeon.backend.fused import BLOCK_ROWS, AttentionStats, attention_stats
 from headsurgeon.blindness.analysis import applied_bias, fused_path_refusal
 from headsurgeon.classify.labels import require_columns
@@ -249,7 +250,7 @@ def _fused_stream(
         model.hooks(fwd_hooks=hooks),
     ):
         for batch in tqdm(list(batches(tokens, batch_size)), desc="census", disable=not progress):
-            model(batch, stop_at_layer=model.cfg.n_layers)
+            run_to_layer(model, batch, model.cfg.n_layers)  # 4.x's own would unembed
 
 
 def _fused_stats(

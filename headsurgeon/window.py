@@ -33,6 +33,7 @@ from torch import Tensor
 
 from headsurgeon import long_context
 from headsurgeon.backend import HookPoint, Model, fused_attention, masked_score
+from headsurgeon.backend.forward import run_to_layer
 from headsurgeon.backend.fused import BLOCK_ROWS, windowed_attention
 from headsurgeon.backend.shared import Attend
 from headsurgeon.blindness.analysis import fused_path_refusal, require_scores
@@ -173,7 +174,7 @@ def _token_nll(
             rows = out[i * batch_size : i * batch_size + len(batch)]  # a view
             if fused:
                 check_batch_memory(model, len(batch), n_pos, BLOCK_ROWS)
-                resid = model(batch, stop_at_layer=model.cfg.n_layers)
+                resid = run_to_layer(model, batch, model.cfg.n_layers)
                 block = block_size or long_context.block_size(model, n_pos, batch=len(batch))
                 for lo in range(0, n_pos - 1, block):
                     hi = min(lo + block, n_pos - 1)
