@@ -45,7 +45,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -54,18 +54,19 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import Model, add_bias_hook
-from headsurgeon.backend.forward import resumes_at_layer
-from headsurgeon.blindness.analysis import active_mitigations
+from headsurgeon.backend import Model, add_bias_hook, fused_attention
+from headsurgeon.backend.forward import resumes_at_layer, run_layers, run_to_layer
+from headsurgeon.backend.fused import BLOCK_ROWS, windowed_attention
+from headsurgeon.blindness.analysis import active_mitigations, fused_path_refusal
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.defaults import SINK_POSITIONS as POSITIONS
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.evals.loss import next_token_nll
+from headsurgeon.evals.loss import next_token_nll, sequence_nll
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
-from headsurgeon.probes import unfired
+from headsurgeon.probes import check_batch_memory, unfired
 from headsurgeon.progress import tqdm
 from headsurgeon.stats import nll_change
 from headsurgeon.validation import check_choice, check_int
@@ -186,9 +187,9 @@ class _BlockInputs:
         self.layers = {layer for layer in layers if layer > 0}  # layer 0 runs from the tokens
         self.kept: dict[tuple[int, int, int], Tensor] = {}
 
-    def writer(self, layer: int, batch: int, bias: _CacheBias):  # -> a TransformerLens hook
+    def writer(self, layer: int, batch: int, offset: Callable[[], int]):  # -> a TL hook
         def write(resid: Tensor, hook: object) -> None:
-            self.kept[layer, batch, bias.block[0]] = resid.clone()
+            self.kept[layer, batch, offset()] = resid.clone()
 
         return write
 
@@ -289,6 +290,10 @@ def sink_cache_effect(
         disable=not progress,
     )
 
+    refusal = fused_path_refusal(model, info, n_pos)
+    if refusal is not None:
+        logger.info("sink_cache_effect: blocked attention, not fused: %s", refusal)
+
     def run(cut: list[list[int]] | None, window: int, tokens: Tensor, **more: object) -> Tensor:
         start = time.perf_counter()
         nll = _cache_nll(
@@ -301,6 +306,7 @@ def sink_cache_effect(
             batch_size,
             block_size,
             **more,
+            fused=refusal is None,
         )
         what = "full context" if cut is None else f"cache {max(map(max, cut))} + {window}"
         logger.debug("%s, %d tokens: %.1f s", what, tokens.numel(), time.perf_counter() - start)
@@ -348,6 +354,8 @@ def sink_cache_effect(
         "full_nll": full.mean().item(),
         "full_ppl": math.exp(full.mean().item()),
         "tests": _TESTS,
+        "attention": "blocked" if refusal else "fused",
+        "blocked_because": refusal,
     }
     by_cache.attrs.update(attrs)
     by_head.attrs.update(attrs, head_seq_len=head_pos)
@@ -456,13 +464,19 @@ def _cache_nll(
     block_size: int | None,
     keep: _BlockInputs | None = None,
     start: tuple[int, _BlockInputs] | None = None,
+    fused: bool = False,
 ) -> Float[Tensor, "seq position"]:
     """Next-token NLL at every position (float64, CPU): the model's own full-context pass
     (``sinks`` None), or with the cache ``sinks[layer][head]`` + ``window`` through each layer's
     bias (``bias_of``: the model's slopes and trained bias kind); refuses a layer whose bias was
     never built. With a cache: ``keep`` records what enters each of its layers per block;
     ``start`` (``(layer, inputs)``) runs only the layers from ``layer`` on, from what ``inputs``
-    recorded (in a pass whose earlier layers had the same cut)."""
+    recorded (in a pass whose earlier layers had the same cut). ``fused``: on the fused
+    attention (:func:`_fused_cache_nll`)."""
+    if fused:
+        return _fused_cache_nll(
+            model, tokens, sinks, window, positions, bias_of[0], batch_size, block_size, keep, start
+        )
     n_seqs, n_pos = tokens.shape
     out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
     slopes, kind = bias_of
@@ -481,7 +495,8 @@ def _cache_nll(
             keys = None if bias is None else bias.keys
             resume = None if inputs is None else (first, functools.partial(inputs.read, first, i))
             hooks = [
-                (f"blocks.{layer}.hook_resid_pre", keep.writer(layer, i, bias)) for layer in record
+                (f"blocks.{layer}.hook_resid_pre", keep.writer(layer, i, lambda: bias.block[0]))
+                for layer in record
             ]
             with model.hooks(fwd_hooks=hooks):
                 for position, nll in next_token_nll(model, batch, block, keys=keys, start=resume):
@@ -494,4 +509,63 @@ def _cache_nll(
         if silent:
             hook = f"the bias pre-hook of blocks.{silent[0]}.attn"
             raise unfired(model, "sink_cache_effect", hook, silent)
+    return out
+
+
+def _fused_cache_nll(
+    model: Model,
+    tokens: Int[Tensor, "seq pos"],
+    sinks: list[list[int]] | None,
+    window: int,
+    positions: str,
+    slopes: Tensor,
+    batch_size: int,
+    block_size: int | None,
+    keep: _BlockInputs | None,
+    start: tuple[int, _BlockInputs] | None,
+) -> Float[Tensor, "seq position"]:
+    """:func:`_cache_nll` on the fused attention: whole sequences, each block of 64 query rows
+    against the keys its cache holds (:func:`windowed_attention`, the bias ``-m d`` of
+    ``slopes`` at the cache's distances); ``keep`` and ``start`` hold whole sequences."""
+    n_seqs, n_pos = tokens.shape
+    n_layers = model.cfg.n_layers
+    out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
+    first, inputs = start or (0, None)
+    fired = [0] * n_layers
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, **own: Tensor) -> Tensor:
+        fired[layer] += 1
+        if sinks is None:  # the model's own bias, as its full-context pass adds it
+            return windowed_attention(q, k, v, **own, scale=scale)
+        return windowed_attention(
+            q,
+            k,
+            v,
+            slopes.to(q.device, q.dtype),
+            scale=scale,
+            window=window,
+            sinks=sinks[layer],
+            cache_distance=positions == "cache",
+        )
+
+    record = [] if keep is None else sorted(keep.layers)
+    with torch.no_grad(), fused_attention(model, slopes, attend):
+        for i, batch in enumerate(batches(tokens, batch_size)):
+            check_batch_memory(model, len(batch), n_pos, BLOCK_ROWS)
+            hooks = [
+                (f"blocks.{layer}.hook_resid_pre", keep.writer(layer, i, lambda: 0))
+                for layer in record
+            ]
+            with model.hooks(fwd_hooks=hooks):
+                if inputs is None:
+                    resid = run_to_layer(model, batch, n_layers)
+                else:
+                    resid = run_layers(model, inputs.read(first, i, 0), first, n_layers)
+            block = block_size or long_context.block_size(model, n_pos, batch=len(batch))
+            out[i * batch_size : i * batch_size + len(batch)] = sequence_nll(
+                model, batch, resid, block
+            )
+    silent = [layer for layer in range(first, n_layers) if not fired[layer]]
+    if silent:
+        raise unfired(model, "sink_cache_effect", f"blocks.{silent[0]}.attn", silent)
     return out

@@ -39,7 +39,7 @@ from headsurgeon.backend.shared import Attend
 from headsurgeon.blindness.analysis import fused_path_refusal, require_scores
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges, resid_nll
+from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges, sequence_nll
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
@@ -176,11 +176,7 @@ def _token_nll(
                 check_batch_memory(model, len(batch), n_pos, BLOCK_ROWS)
                 resid = run_to_layer(model, batch, model.cfg.n_layers)
                 block = block_size or long_context.block_size(model, n_pos, batch=len(batch))
-                for lo in range(0, n_pos - 1, block):
-                    hi = min(lo + block, n_pos - 1)
-                    rows[:, lo:hi] = resid_nll(
-                        model, resid[:, lo:hi], batch[:, lo + 1 : hi + 1]
-                    ).cpu()
+                rows[:] = sequence_nll(model, batch, resid, block)
                 continue
             block = block_size or long_context.block_size(
                 model, n_pos, batch=len(batch), bytes_per_entry=_BYTES_PER_ENTRY

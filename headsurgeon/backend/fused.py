@@ -181,37 +181,56 @@ def windowed_attention(
     key_bias: Float[Tensor, "head_index pos"] | None = None,
     scale: float | None = None,
     window: int | None = None,
+    sinks: int | Sequence[int] = 1,
     heads: Sequence[int] | None = None,
+    cache_distance: bool = False,
 ) -> Float[Tensor, "batch pos head_index d_head"]:
     """Causal ALiBi attention's head outputs (``hook_z``), the keys beyond a window cut.
 
     ``z = windowed_attention(q, k, v, slopes, window=64)``: each query ``t`` of the ``heads``
-    cut (default: all) sees key 0 and the keys ``t - window ... t`` only, the others every
-    earlier key; the cut keys get no weight and the kept ones renormalise (what
-    :func:`headsurgeon.window.window_hook` does to the scores). The bias and ``scale`` as
-    :func:`attention_stats` takes them. A cut head's block of query rows runs against its
-    kept keys alone: ``window + 65`` keys, whatever the length. ``window=None`` cuts nothing.
+    cut (default: all) sees its first ``sinks`` keys and the keys ``t - window ... t`` only,
+    the others every earlier key; the cut keys get no weight and the kept ones renormalise
+    (:func:`headsurgeon.window.window_hook`; a StreamingLLM cache,
+    :mod:`headsurgeon.sink_cache`). A cut head's block of query rows runs against its kept
+    keys alone: ``sinks + window + 64`` of them, whatever the length.
+
+    - ``slopes``, ``key_bias``, ``scale``: the bias and scale, as :func:`attention_stats`;
+    - ``window``: the recent keys kept besides the query itself (``None``: nothing is cut);
+    - ``sinks``: the first keys kept at any distance, for every head or one per head;
+    - ``heads``: the heads cut;
+    - ``cache_distance``: a sink's bias at its cache-slot distance ``min(t, sinks + window) -
+      j`` (StreamingLLM's), not ``t - j`` (``slopes`` only).
     """
     _check(q, k, v, slopes, key_bias)
     n_pos, n_heads, d_head = q.shape[1:]
     scale = 1 / math.sqrt(d_head) if scale is None else float(scale)
+    if (
+        cache_distance
+        and key_bias is None
+        and slopes is None
+        or cache_distance
+        and key_bias is not None
+    ):
+        raise InvalidArgumentError("cache_distance measures the bias from slopes, not key_bias")
     rows = min(BLOCK_ROWS, n_pos)
-    cut = torch.zeros(n_heads, dtype=torch.bool, device=q.device)
-    if window is not None:
-        cut[slice(None) if heads is None else list(heads)] = True
+    kept = torch.as_tensor(sinks).expand(n_heads).tolist()
+    cut = [window is not None and (heads is None or h in heads) for h in range(n_heads)]
+    # Heads alike are one kernel call a block: uncut, or cut with the same sinks.
+    groups: dict[int | None, list[int]] = {}
+    for h in range(n_heads):
+        groups.setdefault(kept[h] if cut[h] else None, []).append(h)
     z = q.new_empty(q.shape[0], n_heads, n_pos, d_head)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    for group, kept in ((~cut).nonzero()[:, 0], None), (cut.nonzero()[:, 0], window):
-        if not len(group):
-            continue
+    for x, members in groups.items():
+        group = torch.tensor(members, device=q.device)
         qh, kh, vh = (t.index_select(2, group).transpose(1, 2) for t in (q, k, v))
         bias = _Bias.of(
             None if slopes is None else slopes[group],
             None if key_bias is None else key_bias[group],
             rows,
             n_pos,
-            window=kept,
-        )
+            window=None if x is None else window,
+        )._replace(sinks=x or 0, cache_distance=cache_distance)
         for start in range(0, n_pos, rows):
             block = bias.rows(start, min(start + rows, n_pos))
             keys = block.key_positions()
@@ -360,7 +379,8 @@ def _scores_pass(
 class _Bias(NamedTuple):
     """The causal ALiBi bias, ``-m (t - j)`` plus ``key_bias[h, j]`` (a family's own bias), for
     the block of query rows ``start ... stop - 1`` against keys ``0 ... stop - 1``; with a
-    ``window``, against key 0 and the keys within ``window`` of the block's rows only."""
+    ``window``, against the first ``sinks`` keys and the keys within ``window`` of the block's
+    rows only (:func:`windowed_attention`)."""
 
     slopes: Tensor  # [head]: 0 for a bias of the key alone
     toeplitz: Tensor  # _toeplitz's matrix, of which every block's mask is a view
@@ -368,6 +388,8 @@ class _Bias(NamedTuple):
     start: int = 0
     stop: int = 0
     window: int | None = None
+    sinks: int = 1
+    cache_distance: bool = False
 
     @classmethod
     def of(
@@ -385,12 +407,17 @@ class _Bias(NamedTuple):
         return self._replace(start=start, stop=stop)
 
     def key_positions(self) -> slice | Tensor:
-        """The block's keys: ``0 ... stop - 1``, or with a window key 0 and the keys from the
-        first row's farthest kept one on."""
+        """The block's keys: ``0 ... stop - 1``, or with a window its sinks and the keys from
+        the first row's farthest recent one on."""
         if self.window is None:
             return slice(0, self.stop)
-        first = max(1, self.start - self.window)
-        return torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(first, self.stop)])
+        return torch.cat([torch.arange(self._sink_count()), torch.arange(*self._recent())])
+
+    def _sink_count(self) -> int:
+        return min(self.sinks, self.stop)
+
+    def _recent(self) -> tuple[int, int]:
+        return min(max(self.sinks, self.start - self.window), self.stop), self.stop
 
     @property
     def keys(self) -> Tensor | None:
@@ -402,16 +429,21 @@ class _Bias(NamedTuple):
 
     def mask(self) -> Float[Tensor, "head_index query key"]:
         """The block's mask over :meth:`key_positions`."""
-        span = slice(0 if self.window is None else max(1, self.start - self.window), self.stop)
+        span = slice(0, self.stop) if self.window is None else slice(*self._recent())
         offset = self.toeplitz.shape[-1] - self.toeplitz.shape[-2] - self.start
         mask = self.toeplitz[:, : self.stop - self.start, offset + span.start : offset + span.stop]
         if self.key_bias is not None:
             mask = mask + self.keys[:, None, span]
         if self.window is None:
             return mask
-        # Key 0 is kept at any distance: its column from the bias itself.
-        t = torch.arange(self.start, self.stop, device=mask.device)
-        return torch.cat([self.at(t, 0)[:, :, None], mask], -1)
+        # The sinks are kept at any distance: their columns from the bias itself.
+        t = torch.arange(self.start, self.stop, device=mask.device)[:, None]
+        j = torch.arange(self._sink_count(), device=mask.device)
+        seen = t.clamp(max=self.sinks + self.window) if self.cache_distance else t
+        sinks = -self.slopes[:, None, None] * (seen - j).to(self.slopes.dtype)
+        if self.key_bias is not None:
+            sinks = sinks + self.keys[:, None, : len(j)]
+        return torch.cat([sinks.masked_fill(j > t, -math.inf), mask], -1)
 
     def at(self, t: Tensor, j: Tensor | int) -> Float[Tensor, "head_index query"]:
         """The bias of query positions ``t`` on keys ``j`` (one per query, or one for all)."""

@@ -168,6 +168,22 @@ def next_token_nll(
             )
 
 
+def sequence_nll(
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    resid: Float[Tensor, "batch pos d_model"],
+    block_size: int,
+) -> Float[Tensor, "batch pos_minus_1"]:
+    """Next-token NLL of every position but the last (float64, CPU) from the whole sequences'
+    residual stream before the final LayerNorm, unembedded ``block_size`` rows at a time."""
+    n_pos = tokens.shape[1]
+    out = torch.empty(len(tokens), n_pos - 1, dtype=torch.float64)
+    for lo in range(0, n_pos - 1, block_size):
+        hi = min(lo + block_size, n_pos - 1)
+        out[:, lo:hi] = resid_nll(model, resid[:, lo:hi], tokens[:, lo + 1 : hi + 1]).cpu()
+    return out
+
+
 def resid_nll(
     model: Model, resid: Float[Tensor, "batch n d_model"], targets: Int[Tensor, "batch n"]
 ) -> Float[Tensor, "batch n"]:
