@@ -33,7 +33,7 @@ from torch import Tensor
 
 from headsurgeon import long_context
 from headsurgeon.backend import HookPoint, Model, fused_attention, masked_score
-from headsurgeon.backend.forward import run_to_layer
+from headsurgeon.backend.forward import resumes_at_layer, run_layers, run_to_layer
 from headsurgeon.backend.fused import BLOCK_ROWS, windowed_attention
 from headsurgeon.backend.shared import Attend
 from headsurgeon.blindness.analysis import fused_path_refusal, require_scores
@@ -62,6 +62,9 @@ WINDOW_CUT = Cut(seq_len=1024, n_seqs=8)
 # Bytes per (batch, head, query, key) entry of a forward pass with the hook: the plain pass's, the
 # cut mask and the masked copy of the scores.
 _BYTES_PER_ENTRY = long_context.FORWARD_BYTES_PER_ENTRY + 5
+# The most the per-head test keeps of the base pass's residual stream, to start each head's
+# pass at its layer (fused attention, TransformerLens 3.x).
+KEPT_BYTES = 2**30
 
 ScoresHook = Callable[[Tensor, HookPoint], Tensor | None]
 
@@ -156,15 +159,24 @@ def _token_nll(
     fused: bool,
     batch_size: int,
     block_size: int | None,
+    record: dict[int, list[Tensor]] | None = None,
+    resume: tuple[int, dict[int, list[Tensor]]] | None = None,
 ) -> Float[Tensor, "seq position"]:
     """Next-token NLL at every position (float64, CPU) with the keys of ``cuts`` cut: on the
     fused attention (``fused``), else by :func:`window_hook` on the layers'
-    ``hook_attn_scores``; refuses a layer whose cut never ran."""
+    ``hook_attn_scores``; refuses a layer whose cut never ran. Fused: ``record`` (``{layer:
+    []}``) gets what enters each of its layers, batch by batch; ``resume`` (``(layer,
+    recorded)``) runs only the layers from there, from what a pass with the same earlier layers
+    recorded."""
     n_seqs, n_pos = tokens.shape
     out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
     if fused:
         counters = {layer: _FusedCut(info, *cut) for layer, cut in cuts.items()}
-        hooks, attending = [], fused_attention(model, info.slopes, _fused_cuts(counters))
+        attending = fused_attention(model, info.slopes, _fused_cuts(counters))
+        hooks = [
+            (f"blocks.{layer}.hook_resid_pre", lambda r, hook, kept=kept: kept.append(r.clone()))
+            for layer, kept in (record or {}).items()
+        ]
     else:
         counters = {layer: _Counter(info, window_hook(*cut)) for layer, cut in cuts.items()}
         hooks = [(f"blocks.{layer}.attn.hook_attn_scores", c) for layer, c in counters.items()]
@@ -174,7 +186,11 @@ def _token_nll(
             rows = out[i * batch_size : i * batch_size + len(batch)]  # a view
             if fused:
                 check_batch_memory(model, len(batch), n_pos, BLOCK_ROWS)
-                resid = run_to_layer(model, batch, model.cfg.n_layers)
+                if resume:
+                    start, recorded = resume
+                    resid = run_layers(model, recorded[start][i], start, model.cfg.n_layers)
+                else:
+                    resid = run_to_layer(model, batch, model.cfg.n_layers)
                 block = block_size or long_context.block_size(model, n_pos, batch=len(batch))
                 rows[:] = sequence_nll(model, batch, resid, block)
                 continue
@@ -290,7 +306,10 @@ def window_effect(
     if refusal is not None:
         logger.info("window_effect: blocked attention, not fused: %s", refusal)
 
-    def run(cuts: Cuts) -> Tensor:
+    # Below a head's layer its pass is the base pass: keep what enters the tested layers there.
+    keep = _kept_inputs(model, refusal, per_head, tokens)
+
+    def run(cuts: Cuts, **kept: Any) -> Tensor:
         nll = _token_nll(
             model,
             info,
@@ -299,13 +318,14 @@ def window_effect(
             fused=refusal is None,
             batch_size=batch_size,
             block_size=block_size,
+            **kept,
         )
         bar.update()
         return nll
 
     with bar:
         # The model's own pass carries the cuts too, cutting nothing: checked like the others.
-        base = run({layer: (n_pos, None) for layer in layers})
+        base = run({layer: (n_pos, None) for layer in layers}, record=keep)
         rows = []
         for d in distances:
             change = run({layer: (d, None) for layer in layers}) - base
@@ -319,7 +339,8 @@ def window_effect(
         scored = (position >= edges[0]) & (position < edges[-1])
         head_rows = []
         for layer, head in per_head:
-            change = run({layer: (head_distance, [head])}) - base
+            resume = (layer, keep) if keep and layer in keep else None
+            change = run({layer: (head_distance, [head])}, resume=resume) - base
             slope = math.nan if slopes is None else float(slopes[head])
             head_rows.append(
                 {"layer": layer, "head": head, "slope": slope, "distance": head_distance}
@@ -340,6 +361,26 @@ def window_effect(
     by_distance.attrs.update(attrs)
     by_head.attrs.update(attrs, head_distance=head_distance)
     return WindowEffect(by_distance=by_distance, by_head=by_head, nll=base.numpy())
+
+
+def _kept_inputs(
+    model: Model, refusal: str | None, per_head: list[tuple[int, int]], tokens: Tensor
+) -> dict[int, list[Tensor]] | None:
+    """Where the per-head passes can start at the head's layer (the fused attention, a backend
+    that resumes there) and what enters the tested layers fits in ``KEPT_BYTES``: ``{layer:
+    []}`` for the base pass to fill (layer 0 runs from the tokens), else None."""
+    layers = sorted({layer for layer, _ in per_head if layer > 0})
+    if refusal is not None or not layers or not resumes_at_layer(model):
+        return None
+    size = len(layers) * tokens.numel() * model.cfg.d_model * model.cfg.dtype.itemsize
+    if size > KEPT_BYTES:
+        logger.info(
+            "window_effect: every layer per head (%d MiB to keep > %d)",
+            size >> 20,
+            KEPT_BYTES >> 20,
+        )
+        return None
+    return {layer: [] for layer in layers}
 
 
 def every_head(model: Model) -> list[tuple[int, int]]:

@@ -393,3 +393,19 @@ def test_window_effect_equals_eager_attention_family_by_family(name):
     )
     assert effect.by_head["dnll"].iloc[0] == pytest.approx((one - base).mean().item(), abs=1e-5)
     assert abs((every - base).mean()) > 1e-3  # the cut matters: not zero against zero
+
+
+def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, monkeypatch):
+    """Fused, on 3.x, a head's pass runs its layer and those above from what the base pass fed
+    them (4.x runs every layer): by_head equals every layer's run, DataFrame.equals."""
+    from headsurgeon import window
+    from headsurgeon.backend import MAJOR
+
+    kwargs = dict(distances=[], heads="L0H1,L1H0,L1H3", head_distance=2, progress=False)
+    seen = []  # sequences entering block 0: the model's own pass, then each head's
+    with tiny_model.hooks([("blocks.0.hook_resid_pre", lambda r, hook: seen.append(len(r)))]):
+        reused = window_effect(tiny_model, ids, **kwargs)
+    assert sum(seen) == len(ids) * (2 if MAJOR < 4 else 4)  # the base pass and L0H1's
+    monkeypatch.setattr(window, "KEPT_BYTES", 0)  # nothing may be kept: every layer per head
+    every = window_effect(tiny_model, ids, **kwargs)
+    assert reused.by_head.equals(every.by_head) and reused.by_head["dnll"].abs().max() > 1e-4
