@@ -45,7 +45,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -54,19 +54,19 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import Model, add_bias_hook, fused_attention
-from headsurgeon.backend.forward import resumes_at_layer, run_layers, run_to_layer
-from headsurgeon.backend.fused import BLOCK_ROWS, windowed_attention
+from headsurgeon.backend import Model, add_bias_hook
+from headsurgeon.backend.forward import resumes_at_layer
+from headsurgeon.backend.fused import windowed_attention
 from headsurgeon.blindness.analysis import active_mitigations, fused_path_refusal
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.defaults import SINK_POSITIONS as POSITIONS
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.evals.loss import next_token_nll, sequence_nll
+from headsurgeon.evals.loss import LayerInputs, fused_token_nll, next_token_nll
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
-from headsurgeon.probes import check_batch_memory, unfired
+from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
 from headsurgeon.stats import nll_change
 from headsurgeon.validation import check_choice, check_int
@@ -176,25 +176,6 @@ class _CacheBias:
             chosen = torch.tensor([h == x for h in heads], device=device)
             bias[chosen] = full[chosen]
         return bias
-
-
-class _BlockInputs:
-    """The residual stream entering each of ``layers`` (above 0), per batch and block of query
-    rows, as the per-head test's base pass computed it: a head's own pass starts at its layer
-    from there (memory: see :func:`sink_cache_effect`)."""
-
-    def __init__(self, layers: Iterable[int]) -> None:
-        self.layers = {layer for layer in layers if layer > 0}  # layer 0 runs from the tokens
-        self.kept: dict[tuple[int, int, int], Tensor] = {}
-
-    def writer(self, layer: int, batch: int, offset: Callable[[], int]):  # -> a TL hook
-        def write(resid: Tensor, hook: object) -> None:
-            self.kept[layer, batch, offset()] = resid.clone()
-
-        return write
-
-    def read(self, layer: int, batch: int, offset: int) -> Tensor:
-        return self.kept[layer, batch, offset]
 
 
 def _trained_kind(model: Model, info: ModelInfo) -> tuple[str, dict]:
@@ -324,7 +305,7 @@ def sink_cache_effect(
             short = tokens[:, :head_pos]
             # Below a head's layer its pass is the base pass: keep what enters each block there
             # (where the backend can start a pass at a block) and run only the layers above.
-            inputs = _BlockInputs({layer for layer, _ in chosen} if resumes_at_layer(model) else ())
+            inputs = LayerInputs({layer for layer, _ in chosen} if resumes_at_layer(model) else ())
             base = run([[head_x] * n_heads] * n_layers, head_y, short, keep=inputs)
             slopes = info.slopes.double().numpy()
             for layer, head in chosen:
@@ -462,8 +443,8 @@ def _cache_nll(
     bias_of: tuple[Tensor, tuple[str, dict]],
     batch_size: int,
     block_size: int | None,
-    keep: _BlockInputs | None = None,
-    start: tuple[int, _BlockInputs] | None = None,
+    keep: LayerInputs | None = None,
+    start: tuple[int, LayerInputs] | None = None,
     fused: bool = False,
 ) -> Float[Tensor, "seq position"]:
     """Next-token NLL at every position (float64, CPU): the model's own full-context pass
@@ -521,20 +502,14 @@ def _fused_cache_nll(
     slopes: Tensor,
     batch_size: int,
     block_size: int | None,
-    keep: _BlockInputs | None,
-    start: tuple[int, _BlockInputs] | None,
+    keep: LayerInputs | None,
+    start: tuple[int, LayerInputs] | None,
 ) -> Float[Tensor, "seq position"]:
     """:func:`_cache_nll` on the fused attention: whole sequences, each block of 64 query rows
     against the keys its cache holds (:func:`windowed_attention`, the bias ``-m d`` of
     ``slopes`` at the cache's distances); ``keep`` and ``start`` hold whole sequences."""
-    n_seqs, n_pos = tokens.shape
-    n_layers = model.cfg.n_layers
-    out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
-    first, inputs = start or (0, None)
-    fired = [0] * n_layers
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, **own: Tensor) -> Tensor:
-        fired[layer] += 1
         if sinks is None:  # the model's own bias, as its full-context pass adds it
             return windowed_attention(q, k, v, **own, scale=scale)
         return windowed_attention(
@@ -548,24 +523,14 @@ def _fused_cache_nll(
             cache_distance=positions == "cache",
         )
 
-    record = [] if keep is None else sorted(keep.layers)
-    with torch.no_grad(), fused_attention(model, slopes, attend):
-        for i, batch in enumerate(batches(tokens, batch_size)):
-            check_batch_memory(model, len(batch), n_pos, BLOCK_ROWS)
-            hooks = [
-                (f"blocks.{layer}.hook_resid_pre", keep.writer(layer, i, lambda: 0))
-                for layer in record
-            ]
-            with model.hooks(fwd_hooks=hooks):
-                if inputs is None:
-                    resid = run_to_layer(model, batch, n_layers)
-                else:
-                    resid = run_layers(model, inputs.read(first, i, 0), first, n_layers)
-            block = block_size or long_context.block_size(model, n_pos, batch=len(batch))
-            out[i * batch_size : i * batch_size + len(batch)] = sequence_nll(
-                model, batch, resid, block
-            )
-    silent = [layer for layer in range(first, n_layers) if not fired[layer]]
-    if silent:
-        raise unfired(model, "sink_cache_effect", f"blocks.{silent[0]}.attn", silent)
-    return out
+    return fused_token_nll(
+        model,
+        tokens,
+        slopes,
+        attend,
+        analysis="sink_cache_effect",
+        batch_size=batch_size,
+        block_size=block_size,
+        keep=keep,
+        start=start,
+    )

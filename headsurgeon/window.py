@@ -18,7 +18,6 @@ ones.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -32,18 +31,24 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import HookPoint, Model, fused_attention, masked_score
-from headsurgeon.backend.forward import resumes_at_layer, run_layers, run_to_layer
-from headsurgeon.backend.fused import BLOCK_ROWS, windowed_attention
+from headsurgeon.backend import HookPoint, Model, masked_score
+from headsurgeon.backend.forward import resumes_at_layer
+from headsurgeon.backend.fused import windowed_attention
 from headsurgeon.backend.shared import Attend
 from headsurgeon.blindness.analysis import fused_path_refusal, require_scores
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges, sequence_nll
+from headsurgeon.evals.loss import (
+    LayerInputs,
+    check_edges,
+    fused_token_nll,
+    next_token_nll,
+    position_edges,
+)
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
-from headsurgeon.probes import check_batch_memory, unfired
+from headsurgeon.probes import unfired
 from headsurgeon.progress import tqdm
 from headsurgeon.stats import nll_change
 from headsurgeon.validation import check_int
@@ -159,41 +164,31 @@ def _token_nll(
     fused: bool,
     batch_size: int,
     block_size: int | None,
-    record: dict[int, list[Tensor]] | None = None,
-    resume: tuple[int, dict[int, list[Tensor]]] | None = None,
+    **kept: Any,
 ) -> Float[Tensor, "seq position"]:
     """Next-token NLL at every position (float64, CPU) with the keys of ``cuts`` cut: on the
-    fused attention (``fused``), else by :func:`window_hook` on the layers'
-    ``hook_attn_scores``; refuses a layer whose cut never ran. Fused: ``record`` (``{layer:
-    []}``) gets what enters each of its layers, batch by batch; ``resume`` (``(layer,
-    recorded)``) runs only the layers from there, from what a pass with the same earlier layers
-    recorded."""
+    fused attention (``fused``: :func:`~headsurgeon.evals.loss.fused_token_nll`, which takes
+    ``kept``: ``keep``, ``start``), else by :func:`window_hook` on the layers'
+    ``hook_attn_scores``; refuses a layer whose cut never ran."""
+    if fused:
+        attend = _fused_cuts(cuts)
+        return fused_token_nll(
+            model,
+            tokens,
+            info.slopes,
+            attend,
+            analysis="window_effect",
+            batch_size=batch_size,
+            block_size=block_size,
+            **kept,
+        )
     n_seqs, n_pos = tokens.shape
     out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
-    if fused:
-        counters = {layer: _FusedCut(info, *cut) for layer, cut in cuts.items()}
-        attending = fused_attention(model, info.slopes, _fused_cuts(counters))
-        hooks = [
-            (f"blocks.{layer}.hook_resid_pre", lambda r, hook, kept=kept: kept.append(r.clone()))
-            for layer, kept in (record or {}).items()
-        ]
-    else:
-        counters = {layer: _Counter(info, window_hook(*cut)) for layer, cut in cuts.items()}
-        hooks = [(f"blocks.{layer}.attn.hook_attn_scores", c) for layer, c in counters.items()]
-        attending = contextlib.nullcontext()
-    with torch.no_grad(), attending, model.hooks(fwd_hooks=hooks):
+    counters = {layer: _Counter(info, window_hook(*cut)) for layer, cut in cuts.items()}
+    hooks = [(f"blocks.{layer}.attn.hook_attn_scores", c) for layer, c in counters.items()]
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
         for i, batch in enumerate(batches(tokens, batch_size)):
             rows = out[i * batch_size : i * batch_size + len(batch)]  # a view
-            if fused:
-                check_batch_memory(model, len(batch), n_pos, BLOCK_ROWS)
-                if resume:
-                    start, recorded = resume
-                    resid = run_layers(model, recorded[start][i], start, model.cfg.n_layers)
-                else:
-                    resid = run_to_layer(model, batch, model.cfg.n_layers)
-                block = block_size or long_context.block_size(model, n_pos, batch=len(batch))
-                rows[:] = sequence_nll(model, batch, resid, block)
-                continue
             block = block_size or long_context.block_size(
                 model, n_pos, batch=len(batch), bytes_per_entry=_BYTES_PER_ENTRY
             )
@@ -201,31 +196,29 @@ def _token_nll(
                 rows[:, position : position + nll.shape[1]] = nll.cpu()
     silent = [layer for layer, c in counters.items() if not c.fired[layer]]
     if silent:
-        where = "attn" if fused else "attn.hook_attn_scores"
-        raise unfired(model, "window_effect", f"blocks.{silent[0]}.{where}", silent)
+        raise unfired(model, "window_effect", f"blocks.{silent[0]}.attn.hook_attn_scores", silent)
     return out
 
 
 class _FusedCut:
-    """One layer's cut on the fused attention (:func:`windowed_attention`), its calls counted."""
+    """One layer's cut on the fused attention (:func:`windowed_attention`)."""
 
-    def __init__(self, info: ModelInfo, distance: int, heads: Sequence[int] | None) -> None:
+    def __init__(self, distance: int, heads: Sequence[int] | None) -> None:
         self.distance, self.heads = distance, heads
-        self.fired = [0] * info.shape.n_layers
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, **bias: Any) -> Tensor:
-        self.fired[layer] += 1
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, **bias: Any) -> Tensor:
         # Beyond the farthest key but position 0 nothing is cut: the model's own pass, exactly.
         window = self.distance if self.distance < q.shape[1] - 2 else None
         return windowed_attention(q, k, v, **bias, window=window, heads=self.heads)
 
 
-def _fused_cuts(counters: dict[int, _FusedCut]) -> Attend:
-    """The fused attention of a pass: each layer of ``counters`` cut, the others whole."""
+def _fused_cuts(cuts: Cuts) -> Attend:
+    """The fused attention of a pass: each layer of ``cuts`` cut, the others whole."""
+    by_layer = {layer: _FusedCut(*cut) for layer, cut in cuts.items()}
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, **bias: Any) -> Tensor:
-        if layer in counters:
-            return counters[layer](layer, q, k, v, **bias)
+        if layer in by_layer:
+            return by_layer[layer](q, k, v, **bias)
         return windowed_attention(q, k, v, **bias)
 
     return attend
@@ -325,7 +318,7 @@ def window_effect(
 
     with bar:
         # The model's own pass carries the cuts too, cutting nothing: checked like the others.
-        base = run({layer: (n_pos, None) for layer in layers}, record=keep)
+        base = run({layer: (n_pos, None) for layer in layers}, keep=keep)
         rows = []
         for d in distances:
             change = run({layer: (d, None) for layer in layers}) - base
@@ -339,8 +332,8 @@ def window_effect(
         scored = (position >= edges[0]) & (position < edges[-1])
         head_rows = []
         for layer, head in per_head:
-            resume = (layer, keep) if keep and layer in keep else None
-            change = run({layer: (head_distance, [head])}, resume=resume) - base
+            start = (layer, keep) if keep and layer in keep.layers else None
+            change = run({layer: (head_distance, [head])}, start=start) - base
             slope = math.nan if slopes is None else float(slopes[head])
             head_rows.append(
                 {"layer": layer, "head": head, "slope": slope, "distance": head_distance}
@@ -365,22 +358,18 @@ def window_effect(
 
 def _kept_inputs(
     model: Model, refusal: str | None, per_head: list[tuple[int, int]], tokens: Tensor
-) -> dict[int, list[Tensor]] | None:
+) -> LayerInputs | None:
     """Where the per-head passes can start at the head's layer (the fused attention, a backend
-    that resumes there) and what enters the tested layers fits in ``KEPT_BYTES``: ``{layer:
-    []}`` for the base pass to fill (layer 0 runs from the tokens), else None."""
-    layers = sorted({layer for layer, _ in per_head if layer > 0})
+    that resumes there) and what enters the tested layers fits in ``KEPT_BYTES``: the record
+    for the base pass to fill, else None."""
+    layers = {layer for layer, _ in per_head if layer > 0}
     if refusal is not None or not layers or not resumes_at_layer(model):
         return None
     size = len(layers) * tokens.numel() * model.cfg.d_model * model.cfg.dtype.itemsize
     if size > KEPT_BYTES:
-        logger.info(
-            "window_effect: every layer per head (%d MiB to keep > %d)",
-            size >> 20,
-            KEPT_BYTES >> 20,
-        )
+        logger.info("window_effect: every layer per head (%d MiB to keep)", size >> 20)
         return None
-    return {layer: [] for layer in layers}
+    return LayerInputs(layers)
 
 
 def every_head(model: Model) -> list[tuple[int, int]]:

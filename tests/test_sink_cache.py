@@ -19,9 +19,9 @@ from headsurgeon import load_model
 from headsurgeon.backend import MAJOR
 from headsurgeon.backend.forward import resumes_at_layer
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.evals.loss import LayerInputs
 from headsurgeon.loading import model_info
 from headsurgeon.sink_cache import (
-    _BlockInputs,
     _cache_nll,
     _trained_kind,
     cache_keys,
@@ -220,7 +220,7 @@ def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, ba
     )
     if not reuse:
         return
-    inputs = _BlockInputs(range(n_layers))
+    inputs = LayerInputs(range(n_layers))
     assert torch.equal(nll([[2] * n_heads] * n_layers, keep=inputs), base)
     for layer in range(1, n_layers):
         for head in (0, n_heads - 1):

@@ -205,9 +205,10 @@ def test_refusals(tiny_model, ids):
 def test_a_hook_that_never_fires_is_refused(bloom_dir, monkeypatch):
     """A hook that never fires is an error, never a ΔNLL of 0: on the blocked path (under a
     mitigation) a scores hook, on the fused path a layer's cut."""
-    from headsurgeon import mitigation, window
+    from headsurgeon import mitigation
     from headsurgeon.backend.fused import windowed_attention
     from headsurgeon.errors import UnsupportedArchitectureError
+    from headsurgeon.evals import loss
 
     model = load_model(bloom_dir)
     silent = {"blocks.1.attn.hook_attn_scores"}
@@ -223,7 +224,7 @@ def test_a_hook_that_never_fires_is_refused(bloom_dir, monkeypatch):
         pytest.raises(UnsupportedArchitectureError, match="hook_attn_scores never fired"),
     ):
         window_effect(model, tokens, distances=[2], progress=False)
-    fused = window.fused_attention
+    fused = loss.fused_attention
 
     def skipping(model, slopes, attend):  # layer 1 attends whole, past the cut
         return fused(
@@ -234,7 +235,7 @@ def test_a_hook_that_never_fires_is_refused(bloom_dir, monkeypatch):
             ),
         )
 
-    monkeypatch.setattr(window, "fused_attention", skipping)
+    monkeypatch.setattr(loss, "fused_attention", skipping)
     with pytest.raises(UnsupportedArchitectureError, match="blocks.1.attn never fired in layer 1"):
         window_effect(model, tokens, distances=[2], progress=False)
 
