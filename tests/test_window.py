@@ -410,3 +410,37 @@ def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, mo
     monkeypatch.setattr(window, "KEPT_BYTES", 0)  # nothing may be kept: every layer per head
     every = window_effect(tiny_model, ids, **kwargs)
     assert reused.by_head.equals(every.by_head) and reused.by_head["dnll"].abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt", "falcon"])
+def test_every_alibi_family_cuts_the_same_fused_as_blocked(family):
+    """A transformers BLOOM, MPT and Falcon (4.x bridges their own bias of the key position to
+    the fused kernel, as the model adds it): the window and sink-cache tables equal the blocked
+    path's (a hook on a pattern sends them there) within float32 rounding."""
+    from headsurgeon.backend import MAJOR
+
+    if MAJOR < 4 and family != "bloom":
+        pytest.skip("TransformerLens 3.x has no MPT/Falcon adapter")
+    from test_fused import tiny_hf
+
+    from headsurgeon import families, sink_cache_effect
+    from headsurgeon.loading import from_hf_model
+
+    model = from_hf_model(tiny_hf(families.family_named(family)), name=f"tiny-{family}")
+    ids = torch.randint(0, 128, (2, 50), generator=torch.Generator().manual_seed(1))
+    runs = {
+        window_effect: dict(distances=[0, 3, 10], heads="L0H1,L1H2", head_distance=2),
+        sink_cache_effect: dict(sinks=[0, 2], windows=[4, 9], heads="L0H1", head_cache=(2, 5)),
+    }
+    pattern = [("blocks.0.attn.hook_pattern", lambda p, hook: None)]
+    for verb, kwargs in runs.items():
+        fused = verb(model, ids, **kwargs, progress=False)
+        with model.hooks(pattern):
+            blocked = verb(model, ids, **kwargs, progress=False)
+        assert fused.by_head.attrs["attention"] == "fused"
+        assert blocked.by_head.attrs["attention"] == "blocked"
+        tables = [t for t in vars(fused) if t.startswith("by_")]
+        for table in tables:
+            a, b = getattr(fused, table)["dnll"], getattr(blocked, table)["dnll"]
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
+        assert getattr(fused, tables[0])["dnll"].abs().max() > 1e-4  # the cut matters
