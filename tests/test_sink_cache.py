@@ -367,6 +367,7 @@ def test_cli_sink_cache_writes_its_tables_figure_and_lines(bloom_dir, tmp_path, 
     assert main([*args, "--limit", "zero", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "sink cache (StreamingLLM" in printed and "need their sinks most" in printed
+    assert "tokens; fused attention): full-context perplexity" in printed  # which path, said
     by_cache = pd.read_csv(out / "sink_cache.csv")
     model = load_model(bloom_dir)
     expected = sink_cache_effect(
