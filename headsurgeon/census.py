@@ -20,8 +20,11 @@ github.com/psandovalsegura/inactive-heads).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -29,9 +32,10 @@ import torch
 from torch import Tensor
 
 from headsurgeon.alibi import content_free_reach
-from headsurgeon.backend import Model, fused_attention, fused_refusal
-from headsurgeon.backend.fused import BLOCK_ROWS
-from headsurgeon.blindness.analysis import active_mitigations, applied_bias
+from headsurgeon.backend import Model, fused_attention
+from headsurgeon.backend.forward import run_to_layer
+from headsurgeon.backend.fused import BLOCK_ROWS, AttentionStats, attention_stats
+from headsurgeon.blindness.analysis import applied_bias, fused_path_refusal
 from headsurgeon.classify.labels import require_columns
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.defaults import CENSUS_N_SEQS, CENSUS_SEQ_LEN, GU_PROTOCOL
@@ -169,10 +173,11 @@ def run_census(
         )
 
     stats = HeadStats(model, min_query_pos=min_query_pos, sink_eps=sink_eps)
-    refusal = "reach needs every weight" if reach else _fused_refusal(model, info, seqs.seq_len)
+    refusal = "reach needs every weight" if reach else fused_path_refusal(model, info, seqs.seq_len)
     if refusal is None:
         _fused_stream(model, info, seqs.tokens, stats, batch_size, progress)
     else:
+        logger.info("census: blocked attention, not fused: %s", refusal)
         stream(
             model,
             seqs.tokens,
@@ -227,26 +232,6 @@ def run_census(
     return df
 
 
-def _fused_refusal(model: Model, info: ModelInfo, n_pos: int) -> str | None:
-    """Why the census cannot take the fused path on ``model`` (:func:`fused_refusal`, an active
-    mitigation, a bias other than ``-m (t - j)`` or a family's own one), or None."""
-    why = fused_refusal(model)
-    if why is None and active_mitigations(model):
-        why = f"a {active_mitigations(model)[-1]} mitigation is active"
-    if why is None:
-        bias = applied_bias(model, n_pos, info)
-        standard = -info.slopes.float()[:, None] * torch.arange(n_pos, dtype=torch.float32)
-        # None for an ALiBi model: a standard Falcon's own bias of the key position, which the
-        # fused attention takes from its mask, as the forward adds it (checked there).
-        if (bias is None and not info.is_alibi) or (
-            bias is not None and not torch.equal(bias.cpu(), standard)
-        ):
-            why = "its ALiBi bias is not -m (t - j) (a trained bias variant)"
-    if why is not None:
-        logger.info("census: blocked attention, not fused: %s", why)
-    return why
-
-
 def _fused_stream(
     model: Model,
     info: ModelInfo,
@@ -261,11 +246,25 @@ def _fused_stream(
     hooks = stats.hooks(pattern=False)
     with (
         torch.no_grad(),
-        fused_attention(model, info.slopes, stats.fused_sums, FUSED_TOLERANCE),
+        fused_attention(model, info.slopes, functools.partial(_fused_stats, stats.fused_sums)),
         model.hooks(fwd_hooks=hooks),
     ):
         for batch in tqdm(list(batches(tokens, batch_size)), desc="census", disable=not progress):
-            model(batch, stop_at_layer=model.cfg.n_layers)
+            run_to_layer(model, batch, model.cfg.n_layers)  # 4.x's own would unembed
+
+
+def _fused_stats(
+    consume: Callable[[int, AttentionStats], None],
+    layer: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    **bias: Any,
+) -> Tensor:
+    """One layer's :func:`attention_stats`, handed to ``consume``; its head outputs."""
+    stats = attention_stats(q, k, v, **bias, tolerance=FUSED_TOLERANCE)
+    consume(layer, stats)
+    return stats.z
 
 
 def _reach_baseline(

@@ -415,7 +415,7 @@ class HeadStats:
 
     def fused_sums(self, layer: int, stats: AttentionStats) -> None:
         """Take one layer's fused statistics of whole sequences in place of its pattern: the
-        ``consume`` of :func:`headsurgeon.backend.fused_attention` (no reach histogram)."""
+        census hands it per layer on its fused path (no reach histogram)."""
         sums, rows = census_row_sums(stats, self.min_query_pos)
         sums = sums.to(self.sums.device, self.sums.dtype)
         self.refined[layer] |= stats.refined

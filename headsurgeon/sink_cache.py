@@ -45,7 +45,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -56,11 +56,12 @@ from torch import Tensor
 from headsurgeon import alibi, long_context
 from headsurgeon.backend import Model, add_bias_hook
 from headsurgeon.backend.forward import resumes_at_layer
-from headsurgeon.blindness.analysis import active_mitigations
+from headsurgeon.backend.fused import windowed_attention
+from headsurgeon.blindness.analysis import active_mitigations, fused_path_refusal
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.defaults import SINK_POSITIONS as POSITIONS
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
-from headsurgeon.evals.loss import next_token_nll
+from headsurgeon.evals.loss import LayerInputs, fused_token_nll, next_token_nll
 from headsurgeon.exact_alibi import trained_bias
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
@@ -177,25 +178,6 @@ class _CacheBias:
         return bias
 
 
-class _BlockInputs:
-    """The residual stream entering each of ``layers`` (above 0), per batch and block of query
-    rows, as the per-head test's base pass computed it: a head's own pass starts at its layer
-    from there (memory: see :func:`sink_cache_effect`)."""
-
-    def __init__(self, layers: Iterable[int]) -> None:
-        self.layers = {layer for layer in layers if layer > 0}  # layer 0 runs from the tokens
-        self.kept: dict[tuple[int, int, int], Tensor] = {}
-
-    def writer(self, layer: int, batch: int, bias: _CacheBias):  # -> a TransformerLens hook
-        def write(resid: Tensor, hook: object) -> None:
-            self.kept[layer, batch, bias.block[0]] = resid.clone()
-
-        return write
-
-    def read(self, layer: int, batch: int, offset: int) -> Tensor:
-        return self.kept[layer, batch, offset]
-
-
 def _trained_kind(model: Model, info: ModelInfo) -> tuple[str, dict]:
     """The model's trained bias kind, or one line: no ALiBi, or a mitigation the bias replaces."""
     if not info.is_alibi:
@@ -289,6 +271,10 @@ def sink_cache_effect(
         disable=not progress,
     )
 
+    refusal = fused_path_refusal(model, info, n_pos)
+    if refusal is not None:
+        logger.info("sink_cache_effect: blocked attention, not fused: %s", refusal)
+
     def run(cut: list[list[int]] | None, window: int, tokens: Tensor, **more: object) -> Tensor:
         start = time.perf_counter()
         nll = _cache_nll(
@@ -301,6 +287,7 @@ def sink_cache_effect(
             batch_size,
             block_size,
             **more,
+            fused=refusal is None,
         )
         what = "full context" if cut is None else f"cache {max(map(max, cut))} + {window}"
         logger.debug("%s, %d tokens: %.1f s", what, tokens.numel(), time.perf_counter() - start)
@@ -318,7 +305,7 @@ def sink_cache_effect(
             short = tokens[:, :head_pos]
             # Below a head's layer its pass is the base pass: keep what enters each block there
             # (where the backend can start a pass at a block) and run only the layers above.
-            inputs = _BlockInputs({layer for layer, _ in chosen} if resumes_at_layer(model) else ())
+            inputs = LayerInputs({layer for layer, _ in chosen} if resumes_at_layer(model) else ())
             base = run([[head_x] * n_heads] * n_layers, head_y, short, keep=inputs)
             slopes = info.slopes.double().numpy()
             for layer, head in chosen:
@@ -348,6 +335,8 @@ def sink_cache_effect(
         "full_nll": full.mean().item(),
         "full_ppl": math.exp(full.mean().item()),
         "tests": _TESTS,
+        "attention": "blocked" if refusal else "fused",
+        "blocked_because": refusal,
     }
     by_cache.attrs.update(attrs)
     by_head.attrs.update(attrs, head_seq_len=head_pos)
@@ -454,15 +443,21 @@ def _cache_nll(
     bias_of: tuple[Tensor, tuple[str, dict]],
     batch_size: int,
     block_size: int | None,
-    keep: _BlockInputs | None = None,
-    start: tuple[int, _BlockInputs] | None = None,
+    keep: LayerInputs | None = None,
+    start: tuple[int, LayerInputs] | None = None,
+    fused: bool = False,
 ) -> Float[Tensor, "seq position"]:
     """Next-token NLL at every position (float64, CPU): the model's own full-context pass
     (``sinks`` None), or with the cache ``sinks[layer][head]`` + ``window`` through each layer's
     bias (``bias_of``: the model's slopes and trained bias kind); refuses a layer whose bias was
     never built. With a cache: ``keep`` records what enters each of its layers per block;
     ``start`` (``(layer, inputs)``) runs only the layers from ``layer`` on, from what ``inputs``
-    recorded (in a pass whose earlier layers had the same cut)."""
+    recorded (in a pass whose earlier layers had the same cut). ``fused``: on the fused
+    attention (:func:`_fused_cache_nll`)."""
+    if fused:
+        return _fused_cache_nll(
+            model, tokens, sinks, window, positions, bias_of[0], batch_size, block_size, keep, start
+        )
     n_seqs, n_pos = tokens.shape
     out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
     slopes, kind = bias_of
@@ -481,7 +476,8 @@ def _cache_nll(
             keys = None if bias is None else bias.keys
             resume = None if inputs is None else (first, functools.partial(inputs.read, first, i))
             hooks = [
-                (f"blocks.{layer}.hook_resid_pre", keep.writer(layer, i, bias)) for layer in record
+                (f"blocks.{layer}.hook_resid_pre", keep.writer(layer, i, lambda: bias.block[0]))
+                for layer in record
             ]
             with model.hooks(fwd_hooks=hooks):
                 for position, nll in next_token_nll(model, batch, block, keys=keys, start=resume):
@@ -495,3 +491,46 @@ def _cache_nll(
             hook = f"the bias pre-hook of blocks.{silent[0]}.attn"
             raise unfired(model, "sink_cache_effect", hook, silent)
     return out
+
+
+def _fused_cache_nll(
+    model: Model,
+    tokens: Int[Tensor, "seq pos"],
+    sinks: list[list[int]] | None,
+    window: int,
+    positions: str,
+    slopes: Tensor,
+    batch_size: int,
+    block_size: int | None,
+    keep: LayerInputs | None,
+    start: tuple[int, LayerInputs] | None,
+) -> Float[Tensor, "seq position"]:
+    """:func:`_cache_nll` on the fused attention: whole sequences, each block of 64 query rows
+    against the keys its cache holds (:func:`windowed_attention`, the bias ``-m d`` of
+    ``slopes`` at the cache's distances); ``keep`` and ``start`` hold whole sequences."""
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, **own: Tensor) -> Tensor:
+        if sinks is None:  # the model's own bias, as its full-context pass adds it
+            return windowed_attention(q, k, v, **own, scale=scale)
+        return windowed_attention(
+            q,
+            k,
+            v,
+            slopes.to(q.device, q.dtype),
+            scale=scale,
+            window=window,
+            sinks=sinks[layer],
+            cache_distance=positions == "cache",
+        )
+
+    return fused_token_nll(
+        model,
+        tokens,
+        slopes,
+        attend,
+        analysis="sink_cache_effect",
+        batch_size=batch_size,
+        block_size=block_size,
+        keep=keep,
+        start=start,
+    )

@@ -19,8 +19,10 @@ ones.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,10 +32,19 @@ from torch import Tensor
 
 from headsurgeon import long_context
 from headsurgeon.backend import HookPoint, Model, masked_score
-from headsurgeon.blindness.analysis import require_scores
+from headsurgeon.backend.forward import resumes_at_layer
+from headsurgeon.backend.fused import windowed_attention
+from headsurgeon.backend.shared import Attend
+from headsurgeon.blindness.analysis import fused_path_refusal, require_scores
 from headsurgeon.data import Cut, Data, Sequences, batches, verb_sequences
 from headsurgeon.errors import InvalidArgumentError
-from headsurgeon.evals.loss import check_edges, next_token_nll, position_edges
+from headsurgeon.evals.loss import (
+    LayerInputs,
+    check_edges,
+    fused_token_nll,
+    next_token_nll,
+    position_edges,
+)
 from headsurgeon.heads import Heads, HeadSet
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
@@ -48,12 +59,17 @@ __all__ = [
     "window_effect",
 ]
 
+logger = logging.getLogger(__name__)
+
 WINDOW_CUT = Cut(seq_len=1024, n_seqs=8)
 """How :func:`window_effect` cuts texts: 8 sequences of 1,024 tokens."""
 
 # Bytes per (batch, head, query, key) entry of a forward pass with the hook: the plain pass's, the
 # cut mask and the masked copy of the scores.
 _BYTES_PER_ENTRY = long_context.FORWARD_BYTES_PER_ENTRY + 5
+# The most the per-head test keeps of the base pass's residual stream, to start each head's
+# pass at its layer (fused attention, TransformerLens 3.x).
+KEPT_BYTES = 2**30
 
 ScoresHook = Callable[[Tensor, HookPoint], Tensor | None]
 
@@ -135,22 +151,42 @@ class _Counter:
         return self.inner(scores, hook)
 
 
+# {layer: (distance, heads)}: the keys each layer's pass cuts (heads None: every head).
+Cuts = dict[int, tuple[int, Sequence[int] | None]]
+
+
 def _token_nll(
     model: Model,
     info: ModelInfo,
     tokens: Int[Tensor, "seq pos"],
-    hooks: dict[int, ScoresHook],
+    cuts: Cuts,
     *,
+    fused: bool,
     batch_size: int,
     block_size: int | None,
+    **kept: Any,
 ) -> Float[Tensor, "seq position"]:
-    """Next-token NLL at every position (float64, CPU) with ``hooks`` (``{layer: hook}``) on the
-    layers' ``hook_attn_scores``; refuses a layer whose hook never fired."""
+    """Next-token NLL at every position (float64, CPU) with the keys of ``cuts`` cut: on the
+    fused attention (``fused``: :func:`~headsurgeon.evals.loss.fused_token_nll`, which takes
+    ``kept``: ``keep``, ``start``), else by :func:`window_hook` on the layers'
+    ``hook_attn_scores``; refuses a layer whose cut never ran."""
+    if fused:
+        attend = _fused_cuts(cuts)
+        return fused_token_nll(
+            model,
+            tokens,
+            info.slopes,
+            attend,
+            analysis="window_effect",
+            batch_size=batch_size,
+            block_size=block_size,
+            **kept,
+        )
     n_seqs, n_pos = tokens.shape
     out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
-    counters = {layer: _Counter(info, hook) for layer, hook in hooks.items()}
-    fwd_hooks = [(f"blocks.{layer}.attn.hook_attn_scores", c) for layer, c in counters.items()]
-    with torch.no_grad(), model.hooks(fwd_hooks=fwd_hooks):
+    counters = {layer: _Counter(info, window_hook(*cut)) for layer, cut in cuts.items()}
+    hooks = [(f"blocks.{layer}.attn.hook_attn_scores", c) for layer, c in counters.items()]
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
         for i, batch in enumerate(batches(tokens, batch_size)):
             rows = out[i * batch_size : i * batch_size + len(batch)]  # a view
             block = block_size or long_context.block_size(
@@ -162,6 +198,30 @@ def _token_nll(
     if silent:
         raise unfired(model, "window_effect", f"blocks.{silent[0]}.attn.hook_attn_scores", silent)
     return out
+
+
+class _FusedCut:
+    """One layer's cut on the fused attention (:func:`windowed_attention`)."""
+
+    def __init__(self, distance: int, heads: Sequence[int] | None) -> None:
+        self.distance, self.heads = distance, heads
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, **bias: Any) -> Tensor:
+        # Beyond the farthest key but position 0 nothing is cut: the model's own pass, exactly.
+        window = self.distance if self.distance < q.shape[1] - 2 else None
+        return windowed_attention(q, k, v, **bias, window=window, heads=self.heads)
+
+
+def _fused_cuts(cuts: Cuts) -> Attend:
+    """The fused attention of a pass: each layer of ``cuts`` cut, the others whole."""
+    by_layer = {layer: _FusedCut(*cut) for layer, cut in cuts.items()}
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, **bias: Any) -> Tensor:
+        if layer in by_layer:
+            return by_layer[layer](q, k, v, **bias)
+        return windowed_attention(q, k, v, **bias)
+
+    return attend
 
 
 def _change(
@@ -235,17 +295,33 @@ def window_effect(
     layers = range(model.cfg.n_layers)
     bar = tqdm(total=1 + len(distances) + len(per_head), desc="window", disable=not progress)
 
-    def run(hooks: dict[int, ScoresHook]) -> Tensor:
-        nll = _token_nll(model, info, tokens, hooks, batch_size=batch_size, block_size=block_size)
+    refusal = fused_path_refusal(model, info, n_pos)
+    if refusal is not None:
+        logger.info("window_effect: blocked attention, not fused: %s", refusal)
+
+    # Below a head's layer its pass is the base pass: keep what enters the tested layers there.
+    keep = _kept_inputs(model, refusal, per_head, tokens)
+
+    def run(cuts: Cuts, **kept: Any) -> Tensor:
+        nll = _token_nll(
+            model,
+            info,
+            tokens,
+            cuts,
+            fused=refusal is None,
+            batch_size=batch_size,
+            block_size=block_size,
+            **kept,
+        )
         bar.update()
         return nll
 
     with bar:
-        # The model's own pass carries the hooks too, cutting nothing: checked like the others.
-        base = run({layer: window_hook(n_pos) for layer in layers})
+        # The model's own pass carries the cuts too, cutting nothing: checked like the others.
+        base = run({layer: (n_pos, None) for layer in layers}, keep=keep)
         rows = []
         for d in distances:
-            change = run({layer: window_hook(d) for layer in layers}) - base
+            change = run({layer: (d, None) for layer in layers}) - base
             for lo, hi in zip(edges[:-1], edges[1:], strict=True):
                 part = (position >= lo) & (position < hi)
                 rows.append(
@@ -256,7 +332,8 @@ def window_effect(
         scored = (position >= edges[0]) & (position < edges[-1])
         head_rows = []
         for layer, head in per_head:
-            change = run({layer: window_hook(head_distance, [head])}) - base
+            start = (layer, keep) if keep and layer in keep.layers else None
+            change = run({layer: (head_distance, [head])}, start=start) - base
             slope = math.nan if slopes is None else float(slopes[head])
             head_rows.append(
                 {"layer": layer, "head": head, "slope": slope, "distance": head_distance}
@@ -271,10 +348,28 @@ def window_effect(
         "seq_len": n_pos,
         "prepend_bos": seqs.holds_bos,
         "edges": list(edges),
+        "attention": "blocked" if refusal else "fused",
+        "blocked_because": refusal,
     }
     by_distance.attrs.update(attrs)
     by_head.attrs.update(attrs, head_distance=head_distance)
     return WindowEffect(by_distance=by_distance, by_head=by_head, nll=base.numpy())
+
+
+def _kept_inputs(
+    model: Model, refusal: str | None, per_head: list[tuple[int, int]], tokens: Tensor
+) -> LayerInputs | None:
+    """Where the per-head passes can start at the head's layer (the fused attention, a backend
+    that resumes there) and what enters the tested layers fits in ``KEPT_BYTES``: the record
+    for the base pass to fill, else None."""
+    layers = {layer for layer, _ in per_head if layer > 0}
+    if refusal is not None or not layers or not resumes_at_layer(model):
+        return None
+    size = len(layers) * tokens.numel() * model.cfg.d_model * model.cfg.dtype.itemsize
+    if size > KEPT_BYTES:
+        logger.info("window_effect: every layer per head (%d MiB to keep)", size >> 20)
+        return None
+    return LayerInputs(layers)
 
 
 def every_head(model: Model) -> list[tuple[int, int]]:

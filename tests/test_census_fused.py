@@ -9,6 +9,7 @@ from test_census import TEXT, assert_matches_reference, reference_census
 
 from headsurgeon import load_model, mitigation, run_census
 from headsurgeon.backend import MAJOR, fused_attention
+from headsurgeon.backend.fused import windowed_attention
 from headsurgeon.census import COLUMNS
 from headsurgeon.data import to_sequences
 from headsurgeon.errors import UnsupportedArchitectureError
@@ -102,7 +103,9 @@ def test_a_padded_batch_is_refused_in_one_line():
     with (
         torch.no_grad(),
         pytest.raises(UnsupportedArchitectureError, match="whole sequences"),
-        fused_attention(model, slopes, lambda layer, stats: None),
+        fused_attention(
+            model, slopes, lambda layer, *qkv, **bias: windowed_attention(*qkv, **bias)
+        ),
     ):
         model(tokens, attention_mask=mask)
 

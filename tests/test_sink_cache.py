@@ -19,9 +19,9 @@ from headsurgeon import load_model
 from headsurgeon.backend import MAJOR
 from headsurgeon.backend.forward import resumes_at_layer
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
+from headsurgeon.evals.loss import LayerInputs
 from headsurgeon.loading import model_info
 from headsurgeon.sink_cache import (
-    _BlockInputs,
     _cache_nll,
     _trained_kind,
     cache_keys,
@@ -168,17 +168,21 @@ def test_blocks_give_the_dense_effect(tiny_model, ids):
             np.testing.assert_allclose(b["dnll"], a["dnll"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "blocked"])
 @pytest.mark.parametrize("batch_size", [1, 2])
-def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, batch_size):
+def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, batch_size, fused):
     """Per head, only the layers from the head's up run again (3.x; 4.x runs every layer), from
     what enters them in the base pass: the numbers equal a from-scratch pass of the same cut
-    (the way before), torch.equal, and so does by_head."""
+    (the way before), torch.equal, and so does by_head; on the fused attention (the default
+    here) and the blocked one (a hook on a pattern, which the fused one would not fire)."""
     n_layers, n_heads = tiny_model.cfg.n_layers, tiny_model.cfg.n_heads
     info = model_info(tiny_model, "test")
     bias_of = (info.slopes, _trained_kind(tiny_model, info))
 
     def nll(cut, **kwargs):
-        return _cache_nll(tiny_model, ids, cut, 5, "cache", bias_of, batch_size, 7, **kwargs)
+        return _cache_nll(
+            tiny_model, ids, cut, 5, "cache", bias_of, batch_size, 7, **kwargs, fused=fused
+        )
 
     def cut(layer, head):
         sinks = [[2] * n_heads for _ in range(n_layers)]
@@ -189,7 +193,10 @@ def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, ba
     assert reuse == (MAJOR < 4)
     layer, head = n_layers - 1, 2
     seen = []  # positions entering block 0, every pass: reference, sweep, base, the head's
-    with tiny_model.hooks([("blocks.0.hook_resid_pre", lambda r, hook: seen.append(r.shape[:2]))]):
+    hooks = [("blocks.0.hook_resid_pre", lambda r, hook: seen.append(r.shape[:2]))]
+    if not fused:
+        hooks.append(("blocks.0.attn.hook_pattern", lambda pattern, hook: None))
+    with tiny_model.hooks(hooks):
         effect = sink_cache_effect(
             tiny_model,
             ids,
@@ -204,6 +211,7 @@ def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, ba
     base = nll([[2] * n_heads] * n_layers)
     change = nll_change(nll(cut(layer, head)) - base, base)
     row = effect.by_head.iloc[0]
+    assert effect.by_head.attrs["attention"] == ("fused" if fused else "blocked")
     assert (row.base_nll, row.dnll, row.dnll_se, row.tokens) == (
         base.mean().item(),
         change["dnll"],
@@ -212,7 +220,7 @@ def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, ba
     )
     if not reuse:
         return
-    inputs = _BlockInputs(range(n_layers))
+    inputs = LayerInputs(range(n_layers))
     assert torch.equal(nll([[2] * n_heads] * n_layers, keep=inputs), base)
     for layer in range(1, n_layers):
         for head in (0, n_heads - 1):
@@ -359,6 +367,7 @@ def test_cli_sink_cache_writes_its_tables_figure_and_lines(bloom_dir, tmp_path, 
     assert main([*args, "--limit", "zero", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "sink cache (StreamingLLM" in printed and "need their sinks most" in printed
+    assert "tokens; fused attention): full-context perplexity" in printed  # which path, said
     by_cache = pd.read_csv(out / "sink_cache.csv")
     model = load_model(bloom_dir)
     expected = sink_cache_effect(
@@ -406,3 +415,22 @@ def test_sinks_zero_alone_is_a_window_only_cache(tiny_model, hf, ids):
         assert row.nll == pytest.approx(nll.mean().item(), abs=2e-5)
     with pytest.raises(InvalidArgumentError, match="head_cache's sinks"):
         sink_cache_effect(tiny_model, ids, sinks=[0], windows=[4], heads="L0H0", progress=False)
+
+
+@pytest.mark.parametrize("positions", ["cache", "true"])
+def test_the_fused_and_blocked_paths_agree(tiny_model, ids, positions):
+    """The fused attention (each block of rows against its cache's keys) and the blocked one
+    (taken under a hook on a pattern, said why): the same table within float32 rounding."""
+    kwargs = dict(sinks=[0, 2], windows=[4, 9], heads="L0H1,L1H3", head_cache=(2, 5), n_seqs=3)
+    fused = sink_cache_effect(tiny_model, ids, positions=positions, progress=False, **kwargs)
+    pattern = [("blocks.1.attn.hook_pattern", lambda pattern, hook: None)]
+    with tiny_model.hooks(pattern):
+        blocked = sink_cache_effect(tiny_model, ids, positions=positions, progress=False, **kwargs)
+    assert fused.by_cache.attrs["attention"] == "fused"
+    assert blocked.by_cache.attrs["blocked_because"] == (
+        "a hook on blocks.1.attn.hook_pattern would not fire"
+    )
+    for a, b in [(fused.by_cache, blocked.by_cache), (fused.by_head, blocked.by_head)]:
+        np.testing.assert_allclose(a["dnll"], b["dnll"], rtol=0, atol=2e-6)
+        assert a["dnll"].abs().max() > 2e-5  # 10x the tolerance: the cut matters
+    np.testing.assert_allclose(fused.nll, blocked.nll, rtol=0, atol=1e-5)

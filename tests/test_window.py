@@ -203,8 +203,12 @@ def test_refusals(tiny_model, ids):
 
 
 def test_a_hook_that_never_fires_is_refused(bloom_dir, monkeypatch):
-    """A hook that never fires is an error, never a ΔNLL of 0."""
+    """A hook that never fires is an error, never a ΔNLL of 0: on the blocked path (under a
+    mitigation) a scores hook, on the fused path a layer's cut."""
+    from headsurgeon import mitigation
+    from headsurgeon.backend.fused import windowed_attention
     from headsurgeon.errors import UnsupportedArchitectureError
+    from headsurgeon.evals import loss
 
     model = load_model(bloom_dir)
     silent = {"blocks.1.attn.hook_attn_scores"}
@@ -213,9 +217,46 @@ def test_a_hook_that_never_fires_is_refused(bloom_dir, monkeypatch):
     def hooks(fwd_hooks=(), **kwargs):
         return real(fwd_hooks=[(n, h) for n, h in fwd_hooks if n not in silent], **kwargs)
 
+    tokens = torch.randint(4, 300, (1, 12))
     monkeypatch.setattr(model, "hooks", hooks)
-    with pytest.raises(UnsupportedArchitectureError, match="hook_attn_scores never fired"):
-        window_effect(model, torch.randint(4, 300, (1, 12)), distances=[2], progress=False)
+    with (
+        mitigation(model, "standard"),
+        pytest.raises(UnsupportedArchitectureError, match="hook_attn_scores never fired"),
+    ):
+        window_effect(model, tokens, distances=[2], progress=False)
+    fused = loss.fused_attention
+
+    def skipping(model, slopes, attend):  # layer 1 attends whole, past the cut
+        return fused(
+            model,
+            slopes,
+            lambda layer, *qkv, **bias: (
+                windowed_attention(*qkv, **bias) if layer == 1 else attend(layer, *qkv, **bias)
+            ),
+        )
+
+    monkeypatch.setattr(loss, "fused_attention", skipping)
+    with pytest.raises(UnsupportedArchitectureError, match="blocks.1.attn never fired in layer 1"):
+        window_effect(model, tokens, distances=[2], progress=False)
+
+
+def test_the_fused_and_blocked_paths_agree(tiny_model, ids):
+    """An ALiBi model with -m (t - j) runs fused (no T x T pattern), said in attrs; under a
+    mitigation, blocked (hook_attn_scores), said why; the same ΔNLL within float32 rounding."""
+    from headsurgeon import mitigation
+
+    kwargs = dict(distances=[0, 3], heads="L0H1,L1H2", head_distance=2, progress=False)
+    fused = window_effect(tiny_model, ids, **kwargs)
+    with mitigation(tiny_model, "standard"):
+        blocked = window_effect(tiny_model, ids, **kwargs)
+    assert fused.by_distance.attrs["attention"] == "fused"
+    assert fused.by_head.attrs["blocked_because"] is None
+    assert blocked.by_distance.attrs["attention"] == "blocked"
+    assert blocked.by_head.attrs["blocked_because"] == "a standard mitigation is active"
+    for a, b in [(fused.by_distance, blocked.by_distance), (fused.by_head, blocked.by_head)]:
+        np.testing.assert_allclose(a["dnll"], b["dnll"], rtol=0, atol=2e-6)
+        assert a["dnll"].abs().max() > 1e-4  # the cut matters
+    np.testing.assert_allclose(fused.nll, blocked.nll, rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(
@@ -353,3 +394,53 @@ def test_window_effect_equals_eager_attention_family_by_family(name):
     )
     assert effect.by_head["dnll"].iloc[0] == pytest.approx((one - base).mean().item(), abs=1e-5)
     assert abs((every - base).mean()) > 1e-3  # the cut matters: not zero against zero
+
+
+def test_a_heads_pass_reuses_the_layers_below_it_bit_for_bit(tiny_model, ids, monkeypatch):
+    """Fused, on 3.x, a head's pass runs its layer and those above from what the base pass fed
+    them (4.x runs every layer): by_head equals every layer's run, DataFrame.equals."""
+    from headsurgeon import window
+    from headsurgeon.backend import MAJOR
+
+    kwargs = dict(distances=[], heads="L0H1,L1H0,L1H3", head_distance=2, progress=False)
+    seen = []  # sequences entering block 0: the model's own pass, then each head's
+    with tiny_model.hooks([("blocks.0.hook_resid_pre", lambda r, hook: seen.append(len(r)))]):
+        reused = window_effect(tiny_model, ids, **kwargs)
+    assert sum(seen) == len(ids) * (2 if MAJOR < 4 else 4)  # the base pass and L0H1's
+    monkeypatch.setattr(window, "KEPT_BYTES", 0)  # nothing may be kept: every layer per head
+    every = window_effect(tiny_model, ids, **kwargs)
+    assert reused.by_head.equals(every.by_head) and reused.by_head["dnll"].abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt", "falcon"])
+def test_every_alibi_family_cuts_the_same_fused_as_blocked(family):
+    """A transformers BLOOM, MPT and Falcon (4.x bridges their own bias of the key position to
+    the fused kernel, as the model adds it): the window and sink-cache tables equal the blocked
+    path's (a hook on a pattern sends them there) within float32 rounding."""
+    from headsurgeon.backend import MAJOR
+
+    if MAJOR < 4 and family != "bloom":
+        pytest.skip("TransformerLens 3.x has no MPT/Falcon adapter")
+    from test_fused import tiny_hf
+
+    from headsurgeon import families, sink_cache_effect
+    from headsurgeon.loading import from_hf_model
+
+    model = from_hf_model(tiny_hf(families.family_named(family)), name=f"tiny-{family}")
+    ids = torch.randint(0, 128, (2, 50), generator=torch.Generator().manual_seed(1))
+    runs = {
+        window_effect: dict(distances=[0, 3, 10], heads="L0H1,L1H2", head_distance=2),
+        sink_cache_effect: dict(sinks=[0, 2], windows=[4, 9], heads="L0H1", head_cache=(2, 5)),
+    }
+    pattern = [("blocks.0.attn.hook_pattern", lambda p, hook: None)]
+    for verb, kwargs in runs.items():
+        fused = verb(model, ids, **kwargs, progress=False)
+        with model.hooks(pattern):
+            blocked = verb(model, ids, **kwargs, progress=False)
+        assert fused.by_head.attrs["attention"] == "fused"
+        assert blocked.by_head.attrs["attention"] == "blocked"
+        tables = [t for t in vars(fused) if t.startswith("by_")]
+        for table in tables:
+            a, b = getattr(fused, table)["dnll"], getattr(blocked, table)["dnll"]
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)
+        assert getattr(fused, tables[0])["dnll"].abs().max() > 1e-4  # the cut matters

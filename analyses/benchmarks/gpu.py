@@ -5,7 +5,7 @@ One command, built to finish in under 8 minutes on one H100/H200-class GPU:
 
     python analyses/benchmarks/gpu.py                   # writes figures/benchmarks/gpu.md + .json
     python analyses/benchmarks/gpu.py --device cpu --shapes 2x4x64 --batch-size 2 --seq-len 64 \\
-        --long 256 --out /tmp/gpu-smoke.md              # a smoke test of the script on CPU
+        --long 256 --fused-lengths 256 --out /tmp/gpu-smoke.md  # a smoke test of the script, CPU
 
 Per shape, on ``--batch-size`` random sequences of ``--seq-len`` tokens (default 8 x 512), each
 timed as the median of ``--repeats`` runs after one warm-up, with ``torch.cuda.synchronize``:
@@ -26,6 +26,18 @@ timed as the median of ``--repeats`` runs after one warm-up, with ``torch.cuda.s
                             ``loss_chunk=512``;
 * ``long census``           one sequence of ``--long`` tokens (default 16,384) through the
                             long-context path (:mod:`headsurgeon.long_context`), first shape only.
+* ``fused census``          :func:`headsurgeon.run_census` with ``reach=False`` (issue 54); the
+                            row names the path it took (``attrs["attention"]``: the fused path is
+                            CPU-only today, so on a GPU it says ``blocked``);
+* ``fused stats``           one layer of the shape, float32, one sequence of each
+                            ``--fused-lengths`` (default 2,048 and 8,192):
+                            :func:`headsurgeon.backend.fused.attention_stats` (FlexAttention on
+                            CUDA, compiled, its row maxima; the CPU flash kernel elsewhere), the
+                            row naming its largest relative difference from the same statistics
+                            in float64 on CPU (the check of a kernel no test runs), at the
+                            census's tolerance (heads above it are redone in float64); beside it
+                            ``sdpa + ALiBi mask``: ``scaled_dot_product_attention`` with the
+                            bias as a float mask, the fused forward it is measured against.
 
 Memory is ``torch.cuda.max_memory_allocated`` above what was allocated before the row (the model
 and its inputs), and absolute. Each row that fails (out of memory included) records its error
@@ -50,6 +62,8 @@ from _shapes import parse_shape
 
 import headsurgeon as hs
 from headsurgeon.backend import MAJOR
+from headsurgeon.backend.fused import attention_stats
+from headsurgeon.census import FUSED_TOLERANCE
 from headsurgeon.finetune import checkpointed_blocks, make_trainer, next_token_loss
 from headsurgeon.loading import from_hf_model, random_hf_bloom
 from headsurgeon.probes import pattern_stats
@@ -169,6 +183,12 @@ def tl_rows(bench: Bench, shape: str, model, tokens: torch.Tensor, long: int | N
         "census",
         lambda: hs.run_census(model, tokens, batch_size=n, progress=False),
     )
+    path = hs.run_census(model, tokens[:1], reach=False, progress=False).attrs["attention"]
+    bench.row(
+        shape,
+        f"fused census (reach=False: {path})",
+        lambda: hs.run_census(model, tokens, batch_size=n, reach=False, progress=False),
+    )
     heads = HeadSet((layer, model.cfg.n_heads - 1) for layer in range(model.cfg.n_layers))
     for label, switches in (("default", {}), ("checkpointing + loss_chunk 512", {"chunk": 512})):
         model.requires_grad_(False)
@@ -196,6 +216,44 @@ def tl_rows(bench: Bench, shape: str, model, tokens: torch.Tensor, long: int | N
         )
 
 
+def fused_rows(bench: Bench, shape: str, lengths: list[int]) -> None:
+    """One layer's fused statistics against sdpa with the ALiBi mask, and their check."""
+    n_heads = parse_shape(shape).n_heads
+    d_head = parse_shape(shape).d_model // n_heads
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / n_heads) for h in range(n_heads)])
+    for n_pos in lengths:
+        generator = torch.Generator().manual_seed(n_pos)
+        q, k, v = (torch.randn(1, n_pos, n_heads, d_head, generator=generator) for _ in "qkv")
+        exact = attention_stats(*(t.double() for t in (q, k, v)), slopes.double())
+        on = [t.to(bench.device) for t in (q, k, v, slopes)]
+        try:
+            got = attention_stats(*on, tolerance=FUSED_TOLERANCE)
+            worst = max(
+                float(((getattr(got, n).cpu() - getattr(exact, n)).abs()).max())
+                / max(1.0, float(getattr(exact, n).abs().max()))
+                for n in ("entropy", "distance", "max_weight", "bos_weight", "lse")
+            )
+            check = f"max rel. diff vs float64 {worst:.1e}"
+        except Exception as error:  # noqa: BLE001 (the row records it)
+            check = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+        bench.row(
+            shape,
+            f"fused stats, 1 x {n_pos:,} tokens ({check})",
+            lambda on=on: attention_stats(*on, tolerance=FUSED_TOLERANCE),
+        )
+        t = torch.arange(n_pos, device=bench.device)
+        distance = (t[:, None] - t[None, :]).float()
+        mask = (-on[3][:, None, None] * distance).masked_fill(distance < 0, float("-inf"))
+        heads = [x.transpose(1, 2) for x in on[:3]]
+        bench.row(
+            shape,
+            f"sdpa + ALiBi mask, 1 x {n_pos:,} tokens",
+            lambda heads=heads, mask=mask: torch.nn.functional.scaled_dot_product_attention(
+                *heads, attn_mask=mask[None]
+            ),
+        )
+
+
 def blindness_row(bench: Bench, shape: str, tokens: torch.Tensor) -> None:
     """Measured blindness: it needs a float32 model (it emulates the other dtypes' rounding)."""
     with torch.device(bench.device):
@@ -218,6 +276,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--long", type=int, default=16384, help="0: no long-context row")
     parser.add_argument("--out", type=Path, default=ROOT / "figures/benchmarks/gpu.md")
+    parser.add_argument("--fused-lengths", type=int, nargs="*", default=[2048, 8192])
     args = parser.parse_args()
     bench = Bench(args)
     for i, shape in enumerate(args.shapes):
@@ -234,6 +293,7 @@ def main() -> None:
         tl_rows(bench, shape, model, tokens, args.long if i == 0 and args.long else None)
         del model
         blindness_row(bench, shape, tokens)
+        fused_rows(bench, shape, args.fused_lengths)
         if bench.device.type == "cuda":
             torch.cuda.empty_cache()
     print(args.out.read_text())

@@ -32,7 +32,7 @@ from transformer_lens.hook_points import (
     HookPoint as HookPoint,  # for the library (only the backend imports TL)
 )
 
-from headsurgeon.backend.shared import BiasBuilder, HFBiasHook
+from headsurgeon.backend.shared import Attend, BiasBuilder, HFBiasHook
 from headsurgeon.backend.tl3 import TransformerLens3
 from headsurgeon.backend.tl4 import TransformerLens4
 from headsurgeon.errors import InvalidArgumentError
@@ -279,19 +279,16 @@ def fused_refusal(model: Model) -> str | None:
 
 
 def fused_attention(
-    model: Model,
-    slopes: Float[Tensor, " head_index"],
-    consume: Callable[[int, Any], None],
-    tolerance: float = 1e-6,
+    model: Model, slopes: Float[Tensor, " head_index"], attend: Attend
 ) -> contextlib.AbstractContextManager[None]:
     """For the ``with`` block, each attention layer of ``model`` (one :func:`fused_refusal`
-    passes) computes :func:`headsurgeon.backend.fused.attention_stats` of its ``hook_q/k/v``
-    with the bias ``-m (t - j)`` of ``slopes`` (on 4.x, a layer without headsurgeon's bias hook:
-    its family's own bias of the key position) and its ``tolerance``, hands it to
-    ``consume(layer, stats)`` and returns the output from its ``z`` (``hook_z`` fires;
-    ``hook_attn_scores`` and ``hook_pattern`` do not). Whole sequences: no key-value cache, no
-    padding."""
-    return BACKEND.fused_attention(model, slopes, consume, tolerance)
+    passes) computes its head outputs as ``attend(layer, q, k, v, slopes=... or key_bias=...,
+    scale=...)`` of its ``hook_q/k/v`` (``[batch, pos, head, d_head]``): a function of
+    :mod:`headsurgeon.backend.fused`. The bias: ``-m (t - j)`` of ``slopes``, or on 4.x, in a
+    layer without headsurgeon's bias hook, its family's own bias of the key position
+    (``key_bias``). ``hook_z`` fires; ``hook_attn_scores`` and ``hook_pattern`` do not. Whole
+    sequences: no key-value cache, no padding."""
+    return BACKEND.fused_attention(model, slopes, attend)
 
 
 def own_alibi_slopes(n_heads: int) -> Float[Tensor, " head_index"] | None:

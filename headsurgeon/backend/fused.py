@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -54,6 +54,7 @@ __all__ = [
     "AttentionStats",
     "attention_stats",
     "census_row_sums",
+    "windowed_attention",
 ]
 
 # Query rows per kernel call: the fewer, the smaller the distance column's values near the rows
@@ -169,6 +170,78 @@ def attention_stats(
             )
     del stats["entropy_bound"], stats["distance_bound"]
     return AttentionStats(z=z, **stats, refined=refined.cpu())
+
+
+def windowed_attention(
+    q: Float[Tensor, "batch pos head_index d_head"],
+    k: Float[Tensor, "batch pos head_index d_head"],
+    v: Float[Tensor, "batch pos head_index d_head"],
+    slopes: Float[Tensor, " head_index"] | None = None,
+    *,
+    key_bias: Float[Tensor, "head_index pos"] | None = None,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: int | Sequence[int] = 1,
+    heads: Sequence[int] | None = None,
+    cache_distance: bool = False,
+) -> Float[Tensor, "batch pos head_index d_head"]:
+    """Causal ALiBi attention's head outputs (``hook_z``), the keys beyond a window cut.
+
+    ``z = windowed_attention(q, k, v, slopes, window=64)``: each query ``t`` of the ``heads``
+    cut (default: all) sees its first ``sinks`` keys and the keys ``t - window ... t`` only,
+    the others every earlier key; the cut keys get no weight and the kept ones renormalise
+    (:func:`headsurgeon.window.window_hook`; a StreamingLLM cache,
+    :mod:`headsurgeon.sink_cache`). A cut head's block of query rows runs against its kept
+    keys alone: ``sinks + window + 64`` of them, whatever the length.
+
+    - ``slopes``, ``key_bias``, ``scale``: the bias and scale, as :func:`attention_stats`;
+    - ``window``: the recent keys kept besides the query itself (``None``: nothing is cut);
+    - ``sinks``: the first keys kept at any distance, for every head or one per head;
+    - ``heads``: the heads cut;
+    - ``cache_distance``: a sink's bias at its cache-slot distance ``min(t, sinks + window) -
+      j`` (StreamingLLM's), not ``t - j`` (``slopes`` only).
+    """
+    _check(q, k, v, slopes, key_bias)
+    n_pos, n_heads, d_head = q.shape[1:]
+    scale = 1 / math.sqrt(d_head) if scale is None else float(scale)
+    if (
+        cache_distance
+        and key_bias is None
+        and slopes is None
+        or cache_distance
+        and key_bias is not None
+    ):
+        raise InvalidArgumentError("cache_distance measures the bias from slopes, not key_bias")
+    rows = min(BLOCK_ROWS, n_pos)
+    kept = torch.as_tensor(sinks).expand(n_heads).tolist()
+    cut = [window is not None and (heads is None or h in heads) for h in range(n_heads)]
+    # Heads alike are one kernel call a block: uncut, or cut with the same sinks.
+    groups: dict[int | None, list[int]] = {}
+    for h in range(n_heads):
+        groups.setdefault(kept[h] if cut[h] else None, []).append(h)
+    z = q.new_empty(q.shape[0], n_heads, n_pos, d_head)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    for x, members in groups.items():
+        group = torch.tensor(members, device=q.device)
+        qh, kh, vh = (t.index_select(2, group).transpose(1, 2) for t in (q, k, v))
+        bias = _Bias.of(
+            None if slopes is None else slopes[group],
+            None if key_bias is None else key_bias[group],
+            rows,
+            n_pos,
+            window=None if x is None else window,
+        )._replace(sinks=x or 0, cache_distance=cache_distance)
+        for start in range(0, n_pos, rows):
+            block = bias.rows(start, min(start + rows, n_pos))
+            keys = block.key_positions()
+            z[:, group, start : block.stop] = flash(
+                qh[:, :, start : block.stop],
+                kh[:, :, keys],
+                vh[:, :, keys],
+                attn_mask=block.mask()[None],
+                scale=scale,
+            )[0]
+    return z.transpose(1, 2)
 
 
 def _relative_bound(part: dict[str, Tensor]) -> Float[Tensor, " head_index"]:
@@ -305,21 +378,46 @@ def _scores_pass(
 
 class _Bias(NamedTuple):
     """The causal ALiBi bias, ``-m (t - j)`` plus ``key_bias[h, j]`` (a family's own bias), for
-    the block of query rows ``start ... stop - 1`` against keys ``0 ... stop - 1``."""
+    the block of query rows ``start ... stop - 1`` against keys ``0 ... stop - 1``; with a
+    ``window``, against the first ``sinks`` keys and the keys within ``window`` of the block's
+    rows only (:func:`windowed_attention`)."""
 
     slopes: Tensor  # [head]: 0 for a bias of the key alone
     toeplitz: Tensor  # _toeplitz's matrix, of which every block's mask is a view
     key_bias: Tensor | None  # [head, pos]
     start: int = 0
     stop: int = 0
+    window: int | None = None
+    sinks: int = 1
+    cache_distance: bool = False
 
     @classmethod
-    def of(cls, slopes: Tensor | None, key_bias: Tensor | None, rows: int, n_pos: int) -> _Bias:
+    def of(
+        cls,
+        slopes: Tensor | None,
+        key_bias: Tensor | None,
+        rows: int,
+        n_pos: int,
+        window: int | None = None,
+    ) -> _Bias:
         m = slopes if slopes is not None else key_bias.new_zeros(len(key_bias))
-        return cls(m, _toeplitz(m, rows, n_pos), key_bias)
+        return cls(m, _toeplitz(m, rows, n_pos, window), key_bias, window=window)
 
     def rows(self, start: int, stop: int) -> _Bias:
         return self._replace(start=start, stop=stop)
+
+    def key_positions(self) -> slice | Tensor:
+        """The block's keys: ``0 ... stop - 1``, or with a window its sinks and the keys from
+        the first row's farthest recent one on."""
+        if self.window is None:
+            return slice(0, self.stop)
+        return torch.cat([torch.arange(self._sink_count()), torch.arange(*self._recent())])
+
+    def _sink_count(self) -> int:
+        return min(self.sinks, self.stop)
+
+    def _recent(self) -> tuple[int, int]:
+        return min(max(self.sinks, self.start - self.window), self.stop), self.stop
 
     @property
     def keys(self) -> Tensor | None:
@@ -330,10 +428,22 @@ class _Bias(NamedTuple):
         return self.key_bias[:, : self.stop] - self.key_bias[:, self.stop - 1 : self.stop]
 
     def mask(self) -> Float[Tensor, "head_index query key"]:
-        n_pos = self.toeplitz.shape[-1] - self.toeplitz.shape[-2]
-        first = n_pos - self.start
-        mask = self.toeplitz[:, : self.stop - self.start, first : first + self.stop]
-        return mask if self.key_bias is None else mask + self.keys[:, None, :]
+        """The block's mask over :meth:`key_positions`."""
+        span = slice(0, self.stop) if self.window is None else slice(*self._recent())
+        offset = self.toeplitz.shape[-1] - self.toeplitz.shape[-2] - self.start
+        mask = self.toeplitz[:, : self.stop - self.start, offset + span.start : offset + span.stop]
+        if self.key_bias is not None:
+            mask = mask + self.keys[:, None, span]
+        if self.window is None:
+            return mask
+        # The sinks are kept at any distance: their columns from the bias itself.
+        t = torch.arange(self.start, self.stop, device=mask.device)[:, None]
+        j = torch.arange(self._sink_count(), device=mask.device)
+        seen = t.clamp(max=self.sinks + self.window) if self.cache_distance else t
+        sinks = -self.slopes[:, None, None] * (seen - j).to(self.slopes.dtype)
+        if self.key_bias is not None:
+            sinks = sinks + self.keys[:, None, : len(j)]
+        return torch.cat([sinks.masked_fill(j > t, -math.inf), mask], -1)
 
     def at(self, t: Tensor, j: Tensor | int) -> Float[Tensor, "head_index query"]:
         """The bias of query positions ``t`` on keys ``j`` (one per query, or one for all)."""
@@ -407,15 +517,18 @@ def _compiled_flex() -> Callable:
 
 
 def _toeplitz(
-    slopes: Float[Tensor, " head_index"], rows: int, n_pos: int
+    slopes: Float[Tensor, " head_index"], rows: int, n_pos: int, window: int | None = None
 ) -> Float[Tensor, "head_index query key"]:
-    """``T[h, i, x] = -m_h (i - c)`` for ``c = x - n_pos <= i``, ``-inf`` beyond: the slice
-    ``[:, :Q, n_pos - b : n_pos - b + K]`` is the causal bias of query rows ``b ... b + Q - 1``
-    against keys ``0 ... K - 1``, a view."""
+    """``T[h, i, x] = -m_h (i - c)`` for ``c = x - n_pos <= i`` (and ``i - c <= window``),
+    ``-inf`` beyond: the slice ``[:, :Q, n_pos - b : n_pos - b + K]`` is the causal bias of
+    query rows ``b ... b + Q - 1`` against keys ``0 ... K - 1``, a view."""
     i = torch.arange(rows, device=slopes.device)[:, None]
     c = torch.arange(n_pos + rows, device=slopes.device)[None, :] - n_pos
     distance = (i - c).to(slopes.dtype)
-    return (-slopes[:, None, None] * distance).masked_fill(distance < 0, -math.inf)
+    cut = distance < 0
+    if window is not None:
+        cut |= distance > window
+    return (-slopes[:, None, None] * distance).masked_fill(cut, -math.inf)
 
 
 # What _stats gives per (sequence, head, query row), besides z.

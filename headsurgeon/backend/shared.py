@@ -6,9 +6,10 @@ of a transformers attention layer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +56,30 @@ def unfired_hook(attn: nn.Module, layer: int) -> str | None:
             return f"a hook on blocks.{layer}.attn.{name} would not fire"
     return None
 
+
+@contextlib.contextmanager
+def held_pre_hooks(modules: Sequence[nn.Module], kind: type) -> Iterator[list[bool]]:
+    """Each module's forward pre-hooks of class ``kind`` taken off for the ``with`` block, and
+    every module's pre-hooks put back as they were after it (an exception too); yields, per
+    module, whether it held one."""
+    saved = [(module, module._forward_pre_hooks.copy()) for module in modules]
+    held = []
+    for module in modules:
+        ours = [key for key, hook in module._forward_pre_hooks.items() if isinstance(hook, kind)]
+        for key in ours:
+            del module._forward_pre_hooks[key]
+        held.append(bool(ours))
+    try:
+        yield held
+    finally:
+        for module, hooks in saved:
+            module._forward_pre_hooks.clear()
+            module._forward_pre_hooks.update(hooks)
+
+
+# A fused attention's head outputs (hook_z) from one layer's hook_q/k/v, [batch, pos, head,
+# d_head]: attend(layer, q, k, v, slopes= or key_bias=, scale=), as backend.fused's functions.
+Attend = Callable[..., Float[Tensor, "batch pos head_index d_head"]]
 
 BiasBuilder = Callable[[int, int, torch.device], Float[Tensor, "head_index query_pos key_pos"]]
 

@@ -13,7 +13,7 @@ import functools
 import json
 import math
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +23,13 @@ from torch import Tensor, nn
 
 from headsurgeon.backend.shared import (
     HEAD_TENSORS,
+    Attend,
     BiasBuilder,
     HeadTensor,
     KVContents,
     appended,
     fused_config_refusal,
+    held_pre_hooks,
     supported_models,
     unfired_hook,
 )
@@ -218,35 +220,21 @@ class TransformerLens3:
         return next((reason for reason in reasons if reason), None)
 
     @contextlib.contextmanager
-    def fused_attention(
-        self,
-        model: nn.Module,
-        slopes: Tensor,
-        consume: Callable[[int, Any], None],
-        tolerance: float,
-    ) -> Iterator[None]:
-        """Each attention layer computes :func:`headsurgeon.backend.fused.attention_stats` of its
-        ``hook_q/k/v`` for the ``with`` block (``consume(layer, stats)``, then ``hook_z``).
+    def fused_attention(self, model: nn.Module, slopes: Tensor, attend: Attend) -> Iterator[None]:
+        """Each attention layer's ``hook_z`` is ``attend(layer, q, k, v, slopes=...,
+        scale=...)`` of its ``hook_q/k/v`` for the ``with`` block.
 
         headsurgeon's own bias hooks are held for the block: they would build the ``[head, pos,
         pos]`` bias the fused kernel forms per block of rows (``slopes``: its ``-m (t - j)``)."""
-        saved = []
-        for layer, block in enumerate(model.blocks):
-            attn = block.attn
-            saved.append((attn, attn._forward_pre_hooks.copy()))
-            ours = [key for key, h in attn._forward_pre_hooks.items() if isinstance(h, _BiasHook)]
-            for key in ours:
-                del attn._forward_pre_hooks[key]
-            attn.forward = functools.partial(
-                _fused_forward, attn, layer, slopes, consume, tolerance
-            )
-        try:
-            yield
-        finally:
-            for attn, hooks in saved:
-                del attn.forward
-                attn._forward_pre_hooks.clear()
-                attn._forward_pre_hooks.update(hooks)
+        attns = [block.attn for block in model.blocks]
+        with held_pre_hooks(attns, _BiasHook):
+            for layer, attn in enumerate(attns):
+                attn.forward = functools.partial(_fused_forward, attn, layer, slopes, attend)
+            try:
+                yield
+            finally:
+                for attn in attns:
+                    vars(attn).pop("forward", None)
 
     # --- passes cut at a block ----------------------------------------------------------------
 
@@ -301,8 +289,7 @@ def _fused_forward(
     attn: nn.Module,
     layer: int,
     slopes: Tensor,
-    consume: Callable[[int, Any], None],
-    tolerance: float,
+    attend: Attend,
     query_input: Tensor,
     key_input: Tensor,
     value_input: Tensor,
@@ -313,8 +300,6 @@ def _fused_forward(
 ) -> Float[Tensor, "batch pos d_model"]:
     """:meth:`TransformerLens3.fused_attention`'s forward: TransformerLens's own but for the
     pattern (``hook_q/k/v``, ``hook_z`` and the output projection as it computes them)."""
-    from headsurgeon.backend.fused import attention_stats
-
     given = (past_kv_cache_entry, additive_attention_mask, position_bias)
     padded = attention_mask is not None and not bool(attention_mask.all())
     if padded or any(x is not None for x in given):
@@ -323,10 +308,9 @@ def _fused_forward(
             "position bias"
         )
     q, k, v = attn.calculate_qkv_matrices(query_input, key_input, value_input)
-    slopes = slopes.to(q.device, q.dtype)
-    stats = attention_stats(q, k, v, slopes, scale=1 / attn.attn_scale, tolerance=tolerance)
-    consume(layer, stats)
-    z = attn.hook_z(stats.z)
+    z = attn.hook_z(
+        attend(layer, q, k, v, slopes=slopes.to(q.device, q.dtype), scale=1 / attn.attn_scale)
+    )
     w = attn.W_O.reshape(-1, attn.W_O.shape[-1]).T.contiguous()  # [d_model, head * d_head]
     return torch.nn.functional.linear(z.reshape(*z.shape[:2], -1), w, attn.b_O)
 

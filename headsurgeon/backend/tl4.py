@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,13 @@ from torch import Tensor, nn
 
 from headsurgeon.backend.shared import (
     HEAD_TENSORS,
+    Attend,
     BiasBuilder,
     HeadTensor,
     HFBiasHook,
     KVContents,
     fused_config_refusal,
+    held_pre_hooks,
     hf_kv_cache,
     supported_models,
     unfired_hook,
@@ -170,44 +172,31 @@ class TransformerLens4:
         return None
 
     @contextlib.contextmanager
-    def fused_attention(
-        self,
-        model: nn.Module,
-        slopes: Tensor,
-        consume: Callable[[int, Any], None],
-        tolerance: float,
-    ) -> Iterator[None]:
+    def fused_attention(self, model: nn.Module, slopes: Tensor, attend: Attend) -> Iterator[None]:
         """Each attention bridge's ``_reconstruct_attention`` (scores to output projection)
-        computes :func:`headsurgeon.backend.fused.attention_stats` of its ``hook_q/k/v`` for the
-        ``with`` block (``consume(layer, stats)``, then the bridge's ``o``: ``hook_z`` fires).
+        computes its head outputs as ``attend(layer, q, k, v, slopes= or key_bias=, scale=)`` of
+        its ``hook_q/k/v`` for the ``with`` block (then the bridge's ``o``: ``hook_z`` fires).
 
         headsurgeon's own bias hooks are held for the block: they would build the ``[head, pos,
         pos]`` bias the fused kernel forms per block of rows (``slopes``: its ``-m (t - j)``). A
         layer without one adds the family's own bias of the key position, handed on as is."""
-        saved = []
+        attns = [block.attn for block in model.blocks]
         checked: dict[str, Any] = {}  # the last mask found causal (one per pass, every layer's)
-        try:
-            for layer, block in enumerate(model.blocks):
-                attn = block.attn
-                saved.append((attn, attn._forward_pre_hooks.copy()))
-                ours = [k for k, h in attn._forward_pre_hooks.items() if isinstance(h, HFBiasHook)]
-                for key in ours:
-                    del attn._forward_pre_hooks[key]
+        with held_pre_hooks(attns, HFBiasHook) as ours:
+            for layer, attn in enumerate(attns):
                 attn._reconstruct_attention = functools.partial(
                     _fused_reconstruct,
                     attn,
                     layer,
-                    slopes if ours else None,
-                    consume,
-                    tolerance,
+                    slopes if ours[layer] else None,
+                    attend,
                     checked,
                 )
-            yield
-        finally:
-            for attn, hooks in saved:
-                vars(attn).pop("_reconstruct_attention", None)
-                attn._forward_pre_hooks.clear()
-                attn._forward_pre_hooks.update(hooks)
+            try:
+                yield
+            finally:
+                for attn in attns:
+                    vars(attn).pop("_reconstruct_attention", None)
 
     # --- weights ----------------------------------------------------------------------------
 
@@ -386,8 +375,7 @@ def _fused_reconstruct(
     attn: nn.Module,
     layer: int,
     slopes: Tensor | None,
-    consume: Callable[[int, Any], None],
-    tolerance: float,
+    attend: Attend,
     checked: dict[str, Any],
     q: Tensor,
     k: Tensor,
@@ -399,8 +387,6 @@ def _fused_reconstruct(
     j)`` of ``slopes`` or, where None, the family's own one the call hands it (``alibi``: BLOOM's
     ``m j``; ``position_bias``: MPT's ``m (j - last key)``; Falcon's, in the attention mask);
     ``checked``: the last mask found causal. Returns no pattern."""
-    from headsurgeon.backend.fused import attention_stats
-
     family = attention_family(attn)
     if family is MPT and attn._clip_qkv:  # as the MPT bridge clips, before the heads are split
         from transformer_lens.utilities.attention import clamp_qkv
@@ -425,17 +411,11 @@ def _fused_reconstruct(
             "the fused attention takes whole sequences: no key-value cache or padding mask"
         )
     key_bias, scale = _own_bias(attn, family, mask_bias, n_heads, n_pos, d_head, kwargs)
+    bias = {"key_bias": key_bias.to(q.dtype)}
     if slopes is not None:
-        slopes, key_bias = slopes.to(q.device, q.dtype), None
-    stats = attention_stats(
-        *(t.transpose(1, 2) for t in (q, k, v)),
-        slopes,
-        key_bias=None if key_bias is None else key_bias.to(q.dtype),
-        scale=scale,
-        tolerance=tolerance,
-    )
-    consume(layer, stats)
-    return attn._apply_output_projection(stats.z.reshape(batch, n_pos, -1)), None
+        bias = {"slopes": slopes.to(q.device, q.dtype)}
+    z = attend(layer, *(t.transpose(1, 2) for t in (q, k, v)), **bias, scale=scale)
+    return attn._apply_output_projection(z.reshape(batch, n_pos, -1)), None
 
 
 def _own_bias(

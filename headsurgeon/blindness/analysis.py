@@ -24,7 +24,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from headsurgeon import alibi, long_context
-from headsurgeon.backend import HookPoint, Model, add_bias_hook
+from headsurgeon.backend import HookPoint, Model, add_bias_hook, fused_refusal
 from headsurgeon.data import Cut, Data, Sequences, verb_sequences
 from headsurgeon.defaults import ANALYSED_DTYPES, CONVENTIONS
 from headsurgeon.dtypes import parse_dtype
@@ -723,3 +723,31 @@ def _mitigated(model: Model, info: ModelInfo, kind: str, params: dict) -> Iterat
     finally:
         for handle in handles:
             handle.remove()
+
+
+def fused_path_refusal(model: Model, info: ModelInfo, n_pos: int) -> str | None:
+    """Why ``model``'s attention cannot run on :mod:`headsurgeon.backend.fused` now, in words
+    (:func:`headsurgeon.backend.fused_refusal`, an active mitigation, no ALiBi, a bias other
+    than ``-m (t - j)`` or a family's own one), or None; ``info``: the model's record.
+
+    >>> from headsurgeon.loading import ModelShape, random_model
+    >>> model = random_model(ModelShape(n_layers=1, n_heads=2, d_model=8, d_vocab=9, n_ctx=8))
+    >>> fused_path_refusal(model, model_info(model), 8) is None
+    True
+    >>> with mitigation(model, "relative"):
+    ...     fused_path_refusal(model, model_info(model), 8)
+    'a relative mitigation is active'
+    """
+    why = fused_refusal(model)
+    if why is None and active_mitigations(model):
+        why = f"a {active_mitigations(model)[-1]} mitigation is active"
+    if why is None and not info.is_alibi:
+        why = f"it has {info.shape.positional} positions, not ALiBi"
+    if why is None:
+        bias = applied_bias(model, n_pos, info)
+        standard = -info.slopes.float()[:, None] * torch.arange(n_pos, dtype=torch.float32)
+        # None for an ALiBi model: a standard Falcon's own bias of the key position, which the
+        # fused attention takes from its mask, as the forward adds it (checked there).
+        if bias is not None and not torch.equal(bias.cpu(), standard):
+            why = "its ALiBi bias is not -m (t - j) (a trained bias variant)"
+    return why

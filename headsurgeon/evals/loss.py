@@ -9,6 +9,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -17,7 +18,9 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from headsurgeon import long_context
-from headsurgeon.backend import Model
+from headsurgeon.backend import Model, fused_attention
+from headsurgeon.backend.forward import run_layers, run_to_layer
+from headsurgeon.backend.fused import BLOCK_ROWS
 from headsurgeon.data import (
     MIN_SAMPLE_TOKENS,
     SAMPLE_FACTOR,
@@ -34,6 +37,7 @@ from headsurgeon.errors import DataError, InvalidArgumentError
 from headsurgeon.inuse import holds_model
 from headsurgeon.loading import ModelInfo, model_info
 from headsurgeon.long_context import run_in_blocks
+from headsurgeon.probes import check_batch_memory, unfired
 from headsurgeon.progress import tqdm
 from headsurgeon.validation import check_int
 
@@ -161,11 +165,104 @@ def next_token_nll(
     )
     for offset, resid in blocks:
         lo, hi = max(first, offset), min(offset + resid.shape[1], last)
-        if hi <= lo:
-            continue
-        logits = model.unembed(model.ln_final(resid[:, lo - offset : hi - offset])).float()
-        targets = tokens[:, lo + 1 : hi + 1, None].to(logits.device)
-        yield lo, -logits.log_softmax(-1).gather(-1, targets)[..., 0].double()
+        if hi > lo:
+            yield (
+                lo,
+                resid_nll(model, resid[:, lo - offset : hi - offset], tokens[:, lo + 1 : hi + 1]),
+            )
+
+
+class LayerInputs:
+    """The residual stream entering each of ``layers`` (above 0: layer 0 runs from the tokens),
+    per batch and block of query rows (offset 0: whole sequences), as a base pass computed it:
+    a pass whose earlier layers are the base pass's starts there, bit for bit."""
+
+    def __init__(self, layers: Iterable[int]) -> None:
+        self.layers = {layer for layer in layers if layer > 0}
+        self.kept: dict[tuple[int, int, int], Tensor] = {}
+
+    def writer(self, layer: int, batch: int, offset: Callable[[], int]):  # -> a TL hook
+        def write(resid: Tensor, hook: object) -> None:
+            self.kept[layer, batch, offset()] = resid.clone()
+
+        return write
+
+    def read(self, layer: int, batch: int, offset: int) -> Tensor:
+        return self.kept[layer, batch, offset]
+
+
+def fused_token_nll(
+    model: Model,
+    tokens: Int[Tensor, "seq pos"],
+    slopes: Tensor,
+    attend: Callable[..., Tensor],
+    *,
+    analysis: str,
+    batch_size: int,
+    block_size: int | None,
+    keep: LayerInputs | None = None,
+    start: tuple[int, LayerInputs] | None = None,
+) -> Float[Tensor, "seq position"]:
+    """Next-token NLL at every position (float64, CPU) of whole sequences, each layer's
+    attention ``attend`` (:func:`headsurgeon.backend.fused_attention`, ``slopes`` its bias):
+    ``keep`` records what enters its layers; ``start`` (``(layer, inputs)``) runs only the
+    layers from ``layer`` on, from what ``inputs`` recorded. A layer (from there) whose
+    attention never ran is refused in one line, naming ``analysis``."""
+    n_seqs, n_pos = tokens.shape
+    n_layers = model.cfg.n_layers
+    out = torch.empty(n_seqs, n_pos - 1, dtype=torch.float64)
+    first, inputs = start or (0, None)
+    fired = [0] * n_layers
+
+    def counted(layer: int, *args: Tensor, **kwargs: Any) -> Tensor:
+        fired[layer] += 1
+        return attend(layer, *args, **kwargs)
+
+    record = [] if keep is None else sorted(keep.layers)
+    with torch.no_grad(), fused_attention(model, slopes, counted):
+        for i, batch in enumerate(batches(tokens, batch_size)):
+            check_batch_memory(model, len(batch), n_pos, BLOCK_ROWS)
+            hooks = [
+                (f"blocks.{layer}.hook_resid_pre", keep.writer(layer, i, int)) for layer in record
+            ]
+            with model.hooks(fwd_hooks=hooks):
+                if inputs is None:
+                    resid = run_to_layer(model, batch, n_layers)
+                else:
+                    resid = run_layers(model, inputs.read(first, i, 0), first, n_layers)
+            block = block_size or long_context.block_size(model, n_pos, batch=len(batch))
+            rows = slice(i * batch_size, i * batch_size + len(batch))
+            out[rows] = sequence_nll(model, batch, resid, block)
+    silent = [layer for layer in range(first, n_layers) if not fired[layer]]
+    if silent:
+        raise unfired(model, analysis, f"blocks.{silent[0]}.attn", silent)
+    return out
+
+
+def sequence_nll(
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    resid: Float[Tensor, "batch pos d_model"],
+    block_size: int,
+) -> Float[Tensor, "batch pos_minus_1"]:
+    """Next-token NLL of every position but the last (float64, CPU) from the whole sequences'
+    residual stream before the final LayerNorm, unembedded ``block_size`` rows at a time."""
+    n_pos = tokens.shape[1]
+    out = torch.empty(len(tokens), n_pos - 1, dtype=torch.float64)
+    for lo in range(0, n_pos - 1, block_size):
+        hi = min(lo + block_size, n_pos - 1)
+        out[:, lo:hi] = resid_nll(model, resid[:, lo:hi], tokens[:, lo + 1 : hi + 1]).cpu()
+    return out
+
+
+def resid_nll(
+    model: Model, resid: Float[Tensor, "batch n d_model"], targets: Int[Tensor, "batch n"]
+) -> Float[Tensor, "batch n"]:
+    """The negative log-probability of ``targets`` from the residual stream before the final
+    LayerNorm: logits log-softmaxed in float32, the result float64 on the model's device."""
+    logits = model.unembed(model.ln_final(resid)).float()
+    picked = logits.log_softmax(-1).gather(-1, targets[..., None].to(logits.device))
+    return -picked[..., 0].double()
 
 
 @torch.no_grad()

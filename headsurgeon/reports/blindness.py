@@ -463,10 +463,13 @@ def sink_cache_lines(effect: SinkCacheEffect, n_heads: int = 5) -> list[str]:
     per cache against the full context, then the ``n_heads`` heads whose loss of the sinks
     costs most."""
     table, a = effect.by_cache, effect.by_cache.attrs
+    path = f"{a.get('attention', 'blocked')} attention"
+    if a.get("blocked_because"):
+        path += f": {a['blocked_because']}"
     lines = [
         f"sink cache (StreamingLLM: x sinks + y recent tokens; {a['n_seqs']} × {a['seq_len']} "
         f"tokens, {a['positions']} ALiBi distances, trained on {a.get('train_ctx') or '?'} "
-        f"tokens): full-context perplexity {a['full_ppl']:.4g}"
+        f"tokens; {path}): full-context perplexity {a['full_ppl']:.4g}"
     ]
     for row in table.itertuples():
         lines.append(

@@ -272,3 +272,73 @@ def test_weights_reach_every_entry_once_in_each_heads_dtype():
     distance = torch.arange(40)[:, None] - torch.arange(40)[None, :]
     pattern, _ = reference_rows(q, k, v, -slopes.double()[:, None, None] * distance, 1 / 8**0.5)
     torch.testing.assert_close(histogram, distance_sums(pattern), rtol=1e-6, atol=1e-6)
+
+
+def cached_reference(q, k, v, bias, scale, window, sinks, heads, cache_distance, slopes=None):
+    """Float64 softmax attention with the keys a StreamingLLM-style cache drops masked by hand:
+    query t of a cut head sees j < sinks[h] or t - j <= window (cache distances: a sink's bias
+    -m (min(t, sinks + window) - j))."""
+    n_pos, n_heads = q.shape[1], q.shape[2]
+    t, j = torch.arange(n_pos)[:, None], torch.arange(n_pos)[None, :]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale + bias
+    for h in range(n_heads):
+        if window is None or (heads is not None and h not in heads):
+            continue
+        x = sinks[h] if isinstance(sinks, list) else sinks
+        if cache_distance:  # the sinks' bias at their slot distance instead of t - j
+            seen = t.clamp(max=x + window)
+            moved = -slopes[h] * (seen - j).double() + slopes[h] * (t - j).double()
+            scores[:, h] = torch.where(j < x, scores[:, h] + moved, scores[:, h])
+        scores[:, h] = scores[:, h].masked_fill((j >= x) & (t - j > window), -math.inf)
+    scores = scores.masked_fill(j > t, -math.inf)
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize(
+    ("window", "sinks", "heads", "cache_distance"),
+    [
+        (None, 1, None, False),
+        (0, 1, None, False),
+        (5, 1, [1, 2], False),
+        (63, 0, None, False),
+        (64, 4, None, True),
+        (100, [0, 3, 1, 3], None, True),
+        (7, 200, [0], False),  # more sinks than a block has rows
+        (298, 1, None, False),
+    ],
+)
+@pytest.mark.parametrize("own", [False, True], ids=["slopes", "key_bias"])
+def test_windowed_attention_equals_float64_masked_attention(
+    window, sinks, heads, cache_distance, own
+):
+    """Every cut (window, sinks, per-head sinks, some heads, cache distances) against a float64
+    attention masked by hand, over several blocks of rows and a ragged last one; float32
+    within its rounding."""
+    if own and cache_distance:
+        pytest.skip("cache distances are measured from slopes")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 300, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.1, 0.02], dtype=torch.float64)
+    t, j = torch.arange(300)[:, None], torch.arange(300)[None, :]
+    key_bias = torch.randn(4, 300, generator=gen, dtype=torch.float64)
+    bias = key_bias[:, None, :] if own else -slopes[:, None, None] * (t - j)
+    given = {"key_bias": key_bias} if own else {"slopes": slopes}
+    cut = dict(window=window, sinks=sinks, heads=heads, cache_distance=cache_distance)
+    expected = cached_reference(q, k, v, bias, 8**-0.5, **cut, slopes=slopes)
+    z = fused.windowed_attention(q, k, v, **given, **cut)
+    torch.testing.assert_close(z, expected, rtol=0, atol=1e-12)
+    z32 = fused.windowed_attention(
+        *(x.float() for x in (q, k, v)), **{n: b.float() for n, b in given.items()}, **cut
+    )
+    torch.testing.assert_close(z32.double(), expected, rtol=0, atol=2e-6)
+
+
+def test_a_window_that_cuts_nothing_is_the_whole_attention_bit_for_bit():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 130, 2, 8, generator=gen) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.125])
+    whole = fused.windowed_attention(q, k, v, slopes)
+    assert torch.equal(fused.windowed_attention(q, k, v, slopes, window=130), whole)
+    assert torch.equal(fused.windowed_attention(q, k, v, slopes, window=3, heads=[]), whole)
+    with pytest.raises(InvalidArgumentError, match="cache_distance"):
+        fused.windowed_attention(q, k, v, key_bias=torch.zeros(2, 130), cache_distance=True)
