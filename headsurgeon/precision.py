@@ -84,9 +84,14 @@ PART_MEANINGS = {
     "model": "the whole forward pass in the dtype, as transformers computes it",
 }
 REFERENCES = ("float64", "training")
-# Bytes a block keeps per (batch, head, query, key) entry: the float64 scores and weights of the
-# reference, and per recipe of the head table its scores, weights and three reductions.
-PRECISION_BYTES_PER_ENTRY = 160
+# Bytes a block holds per (batch, head, query, key) entry at its peak, in the float64
+# reference's pass: its scores and weights, and the head table's temporaries for a quarter of
+# the heads (HEAD_GROUPS). Measured: organism, 2,048 tokens, the process's peak resident set
+# with blocks of 1,024 rows less that with blocks of 16, over the entries of the largest block:
+# 28 bytes (analyses/benchmarks/precision.py --lengths 2048 --peak-rss 16, then 1024).
+PRECISION_BYTES_PER_ENTRY = 32
+# Heads of a layer whose head-table temporaries are held at once: a quarter of them.
+HEAD_GROUPS = 4
 
 
 @dataclasses.dataclass
@@ -182,12 +187,14 @@ class _Family:
         mask: Tensor | None,
         dtype: torch.dtype,
         relative: bool,
+        heads: slice = slice(None),
     ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
         """The masked pre-softmax scores, formed from ``q``, ``k`` cast to ``dtype`` and the bias
         exactly as the family forms them (their dtype is the family's: ``dtype``, or float32
-        where MPT adds its float32 bias, or float64 where a float64 mask is added)."""
+        where MPT adds its float32 bias, or float64 where a float64 mask is added); ``q`` and
+        ``k`` of the module's ``heads``."""
         q, k = q.to(dtype), k.to(dtype)
-        bias = self._bias(q.shape[2], k.shape[2], dtype, relative, q.device)
+        bias = self._bias(q.shape[2], k.shape[2], dtype, relative, q.device)[heads]
         return self.kind.scores(module, q, k, mask, bias)
 
     def output(
@@ -249,18 +256,41 @@ class HeadTable:
         batch, n_heads, n_queries, n_keys = weights.shape
         # The bucket of each distance 0 ... n_keys (a block's queries are its last n_queries keys).
         bucket = torch.bucketize(torch.arange(n_keys + 1), self.edges[1:-1], right=True)
-        if layer == 0:  # causal entries at distance d: rows whose position n_keys - n_queries +
-            # row is at least d
+        if layer == 0:  # causal entries at distance d: the rows at position d or later
             rows = (n_keys - torch.arange(n_keys + 1)).clamp(min=0, max=n_queries)
             self.entries.index_add_(0, bucket, rows.double() * batch)
         bucket = bucket.to(weights.device)
-        # The three quantities of a recipe are written, one at a time, into these: each block
-        # row left-padded with n_queries zeros, so that _distance_sums reads them by distance.
-        shape = (batch * n_heads, n_queries, n_queries + n_keys)
+        # A group of heads at a time: its temporaries, not the table's, bound the block size.
+        group = -(-n_heads // HEAD_GROUPS)
+        # Each quantity is written into these and summed by distance (_distance_sums): every
+        # query row left-padded with n_queries zeros.
+        shape = (batch * group, n_queries, n_queries + n_keys)
         values = torch.empty(shape, dtype=torch.float64, device=weights.device)
         zeros = torch.empty(shape, dtype=torch.bool, device=weights.device)
         values[..., :n_queries] = 0.0
         zeros[..., :n_queries] = False
+        for first in range(0, n_heads, group):
+            heads = slice(first, min(first + group, n_heads))
+            size = batch * (heads.stop - first)
+            padded = values[:size], zeros[:size]
+            self._add(layer, heads, bucket, padded, q, k, mask, scores, weights)
+
+    def _add(
+        self,
+        layer: int,
+        heads: slice,
+        bucket: Tensor,
+        padded: tuple[Tensor, Tensor],
+        q: Tensor,
+        k: Tensor,
+        mask: Tensor | None,
+        scores: Tensor,
+        weights: Tensor,
+    ) -> None:
+        """The sums of the ``heads`` of one layer's block, every recipe, into :attr:`sums`."""
+        q, k, scores, weights = (t[:, heads] for t in (q, k, scores, weights))
+        n_queries = weights.shape[2]
+        values, zeros = padded
         inside = values[..., n_queries:].view(weights.shape)
         zero = zeros[..., n_queries:].view(weights.shape)
         nothing = weights.new_zeros(())
@@ -269,7 +299,8 @@ class HeadTable:
             by_distance = _distance_sums(padded, n_queries).to(torch.float64)
             by_bucket = torch.zeros(len(by_distance), len(self.edges) - 1, dtype=torch.float64)
             by_bucket = by_bucket.to(weights.device).index_add_(1, bucket, by_distance)
-            self.sums[i, j, layer] += by_bucket.view(batch, n_heads, -1).sum(0).cpu()
+            sums = by_bucket.view(weights.shape[0], weights.shape[1], -1).sum(0)
+            self.sums[i, j, layer, heads] += sums.cpu()
 
         module = self.family.modules[layer]
         softmax32 = None  # the float32 softmax of the float64 scores, shared by every dtype
@@ -283,7 +314,7 @@ class HeadTable:
             else:  # the scores (or the whole pattern) formed in the dtype from q and k
                 key = (recipe.dtype, recipe.relative)
                 if key not in formed:
-                    formed = {key: self.family.scores(module, q, k, mask, *key)}
+                    formed = {key: self.family.scores(module, q, k, mask, *key, heads)}
                 if recipe.part == "scores":  # float64 softmax of the rounded scores
                     rounded = recipe.weights(formed[key], torch.float64)
                     low = rounded.to(recipe.dtype)

@@ -105,10 +105,17 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-heads", action="store_true", help="also time head_table=False")
     parser.add_argument("--out", default="figures/benchmarks/precision_run.md")
+    parser.add_argument(
+        "--peak-rss", type=int, metavar="BLOCK", help="only: the process's peak resident set "
+        "after one counterfactual of the first length in blocks of BLOCK rows, and its entries"
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     model = hs.load_model("organism", device=args.device)
+    if args.peak_rss:
+        _peak_rss(model, args.lengths[0], args.peak_rss)
+        return
     models = [hf_model(model, dtype).to(device) for dtype in (torch.float64, torch.bfloat16)]
     rows = []
     load = os.getloadavg()[0]
@@ -160,6 +167,16 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
         _write(Path(args.out), args, rows, load)
+
+
+def _peak_rss(model: torch.nn.Module, length: int, block: int) -> None:
+    """Print the peak resident set of one counterfactual in blocks of ``block`` rows and the
+    entries of its largest block: two such runs give the bytes an entry holds."""
+    tokens = hs.to_sequences(model, seq_len=length, n_seqs=1).tokens
+    precision_effect(model, tokens, progress=False, block_size=block)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    entries = model.cfg.n_heads * min(block, length) * length
+    print(f"T {length}, block {block}: peak RSS {peak / 2**20:.0f} MiB, {entries:,} entries")
 
 
 def _write(out: Path, args: argparse.Namespace, rows: list[dict], load: float) -> None:
