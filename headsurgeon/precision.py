@@ -289,6 +289,8 @@ class HeadTable:
     ) -> None:
         """The sums of the ``heads`` of one layer's block, every recipe, into :attr:`sums`."""
         q, k, scores, weights = (t[:, heads] for t in (q, k, scores, weights))
+        if mask is not None and mask.shape[1] > 1:  # Falcon's mask: one per head
+            mask = mask[:, heads]
         n_queries = weights.shape[2]
         values, zeros = padded
         inside = values[..., n_queries:].view(weights.shape)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import headsurgeon as hs
-from headsurgeon import alibi, precision
+from headsurgeon import alibi, long_context, precision
 from headsurgeon.backend import MAJOR
 from headsurgeon.blindness import mitigation
 from headsurgeon.checkpoints import hf_model
@@ -487,7 +487,8 @@ def test_head_table_by_distance_equals_the_one_hot_products(family_model, monkey
         ours.drop(columns=["lost_mass", "moved_mass"]),
         brute.drop(columns=["lost_mass", "moved_mass"]),
     )
-    assert (ours.zero_entries > 0).any() and (ours.lost_mass > 0).any()
+    if own == "absolute" and hf.config.model_type == "bloom":  # the others' weights stay > 0
+        assert (ours.zero_entries > 0).any() and (ours.lost_mass > 0).any()
     np.testing.assert_allclose(ours.lost_mass, brute.lost_mass, rtol=1e-12, atol=0)
     np.testing.assert_allclose(ours.moved_mass, brute.moved_mass, rtol=1e-12, atol=0)
 
@@ -502,3 +503,14 @@ def test_distance_sums_read_each_causal_entry_once():
         for j in range(i + 3):
             expected[i + 2 - j] += values[0, i, j].item()
     assert precision._distance_sums(padded, 3)[0].tolist() == expected
+
+
+def test_blocks_stay_at_64_rows_to_8192_tokens():
+    """What a block holds per entry (PRECISION_BYTES_PER_ENTRY, measured) leaves the organism's
+    16 heads the fastest blocks (64 rows) to 8,192 tokens and 32 rows at 16,384."""
+    model = hs.load_model("organism")
+    rows = [
+        long_context.block_size(model, n, bytes_per_entry=precision.PRECISION_BYTES_PER_ENTRY)
+        for n in (4096, 8192, 16384)
+    ]
+    assert rows == [64, 64, 32]

@@ -161,7 +161,9 @@ def main() -> None:
                 "no_heads_s": median["no_heads"],
                 "fused_vs_plain_f64": (fused[0] - eager[0]).abs().max().item(),
                 "fused_vs_plain_bf16": (fused[1] - eager[1]).abs().max().item(),
-                "bf16_dnll_1024+": (bf16.mean_dnll * bf16.tokens).sum() / max(bf16.tokens.sum(), 1),
+                "bf16_dnll_1024+": (bf16.mean_dnll * bf16.tokens).sum() / bf16.tokens.sum()
+                if len(bf16)
+                else float("nan"),
                 "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             }
         )
@@ -203,6 +205,7 @@ def _write(out: Path, args: argparse.Namespace, rows: list[dict], load: float) -
             f"{r['counterfactual_s'] / r['fused_s']:.1f}x | {r['no_heads_s']:.1f} | "
             f"{r['bf16_dnll_1024+']:+.3f} | {r['peak_rss_gib']:.2f} |"
         )
+        lines[-1] = lines[-1].replace("+nan", "-").replace("nan", "-")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
