@@ -408,7 +408,7 @@ def precision_effect(
     - ``reference``: ``float64``, or ``training`` for both (needs known training numerics).
     - ``edges``: position buckets (default: powers of two, split at multiples of ``train_ctx``).
     - ``block_size``: query rows per block (default: what memory allows).
-    - ``head_table``: ``False`` leaves ``by_head`` empty (it costs about as much as the passes).
+    - ``head_table``: ``False`` leaves ``by_head`` empty (it adds about half the passes' time).
     - ``progress``: show a progress bar.
     - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 
