@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from headsurgeon import alibi, families, long_context
+from headsurgeon import families, long_context
 from headsurgeon.backend import Model
 from headsurgeon.backend.cache import hf_kv_cache
 from headsurgeon.blindness.analysis import active_mitigations, dtype_name
@@ -84,9 +84,14 @@ PART_MEANINGS = {
     "model": "the whole forward pass in the dtype, as transformers computes it",
 }
 REFERENCES = ("float64", "training")
-# Bytes a block keeps per (batch, head, query, key) entry: the float64 scores and weights of the
-# reference, and per recipe of the head table its scores, weights and three reductions.
-PRECISION_BYTES_PER_ENTRY = 160
+# Bytes a block holds per (batch, head, query, key) entry at its peak, in the float64
+# reference's pass: its scores and weights, and the head table's temporaries for a quarter of
+# the heads (HEAD_GROUPS). Measured: organism, 2,048 tokens, the process's peak resident set
+# with blocks of 1,024 rows less that with blocks of 16, over the entries of the largest block:
+# 28 bytes (analyses/benchmarks/precision.py --lengths 2048 --peak-rss 16, then 1024).
+PRECISION_BYTES_PER_ENTRY = 32
+# Heads of a layer whose head-table temporaries are held at once: a quarter of them.
+HEAD_GROUPS = 4
 
 
 @dataclasses.dataclass
@@ -182,12 +187,14 @@ class _Family:
         mask: Tensor | None,
         dtype: torch.dtype,
         relative: bool,
+        heads: slice = slice(None),
     ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
         """The masked pre-softmax scores, formed from ``q``, ``k`` cast to ``dtype`` and the bias
         exactly as the family forms them (their dtype is the family's: ``dtype``, or float32
-        where MPT adds its float32 bias, or float64 where a float64 mask is added)."""
+        where MPT adds its float32 bias, or float64 where a float64 mask is added); ``q`` and
+        ``k`` of the module's ``heads``."""
         q, k = q.to(dtype), k.to(dtype)
-        bias = self._bias(q.shape[2], k.shape[2], dtype, relative, q.device)
+        bias = self._bias(q.shape[2], k.shape[2], dtype, relative, q.device)[heads]
         return self.kind.scores(module, q, k, mask, bias)
 
     def output(
@@ -243,43 +250,84 @@ class HeadTable:
         self.sums = torch.zeros(shape, dtype=torch.float64)
         self.entries = torch.zeros(len(edges) - 1, dtype=torch.float64)
 
-    @functools.lru_cache(maxsize=1)  # noqa: B019  (one block's shape at a time, freed with it)
-    def _buckets(self, n_queries: int, n_keys: int, device: torch.device) -> Tensor:
-        """``[query * key, bucket]``: 1 where the entry is causal and its distance in the bucket;
-        a matrix product with it sums entries by bucket in one pass over them."""
-        distance = alibi.distance_rows(n_queries, n_keys, device)
-        causal = alibi.causal_rows(n_queries, n_keys, device).flatten()
-        bucket = torch.bucketize(distance, self.edges[1:-1].to(device), right=True).flatten()
-        onehot = torch.zeros(len(bucket), len(self.edges) - 1, dtype=torch.float64, device=device)
-        onehot[causal.nonzero()[:, 0], bucket[causal]] = 1.0
-        return onehot
-
     def __call__(
         self, layer: int, q: Tensor, k: Tensor, mask: Tensor | None, scores: Tensor, weights: Tensor
     ) -> None:
         batch, n_heads, n_queries, n_keys = weights.shape
-        onehot = self._buckets(n_queries, n_keys, weights.device)
-        if layer == 0:
-            self.entries += onehot.sum(0).cpu() * batch
+        # The bucket of each distance 0 ... n_keys (a block's queries are its last n_queries keys).
+        bucket = torch.bucketize(torch.arange(n_keys + 1), self.edges[1:-1], right=True)
+        if layer == 0:  # causal entries at distance d: the rows at position d or later
+            rows = (n_keys - torch.arange(n_keys + 1)).clamp(min=0, max=n_queries)
+            self.entries.index_add_(0, bucket, rows.double() * batch)
+        bucket = bucket.to(weights.device)
+        # A group of heads at a time: its temporaries, not the table's, bound the block size.
+        group = -(-n_heads // HEAD_GROUPS)
+        # Each quantity is written into these and summed by distance (_distance_sums): every
+        # query row left-padded with n_queries zeros.
+        shape = (batch * group, n_queries, n_queries + n_keys)
+        values = torch.empty(shape, dtype=torch.float64, device=weights.device)
+        zeros = torch.empty(shape, dtype=torch.bool, device=weights.device)
+        values[..., :n_queries] = 0.0
+        zeros[..., :n_queries] = False
+        for first in range(0, n_heads, group):
+            heads = slice(first, min(first + group, n_heads))
+            size = batch * (heads.stop - first)
+            padded = values[:size], zeros[:size]
+            self._add(layer, heads, bucket, padded, q, k, mask, scores, weights)
+
+    def _add(
+        self,
+        layer: int,
+        heads: slice,
+        bucket: Tensor,
+        padded: tuple[Tensor, Tensor],
+        q: Tensor,
+        k: Tensor,
+        mask: Tensor | None,
+        scores: Tensor,
+        weights: Tensor,
+    ) -> None:
+        """The sums of the ``heads`` of one layer's block, every recipe, into :attr:`sums`."""
+        q, k, scores, weights = (t[:, heads] for t in (q, k, scores, weights))
+        if mask is not None and mask.shape[1] > 1:  # Falcon's mask: one per head
+            mask = mask[:, heads]
+        n_queries = weights.shape[2]
+        values, zeros = padded
+        inside = values[..., n_queries:].view(weights.shape)
+        zero = zeros[..., n_queries:].view(weights.shape)
+        nothing = weights.new_zeros(())
+
+        def add(i: int, j: int, padded: Tensor) -> None:
+            by_distance = _distance_sums(padded, n_queries).to(torch.float64)
+            by_bucket = torch.zeros(len(by_distance), len(self.edges) - 1, dtype=torch.float64)
+            by_bucket = by_bucket.to(weights.device).index_add_(1, bucket, by_distance)
+            sums = by_bucket.view(weights.shape[0], weights.shape[1], -1).sum(0)
+            self.sums[i, j, layer, heads] += sums.cpu()
+
         module = self.family.modules[layer]
         softmax32 = None  # the float32 softmax of the float64 scores, shared by every dtype
-        formed: dict[tuple[torch.dtype, bool], Tensor] = {}
+        formed: dict[tuple[torch.dtype, bool], Tensor] = {}  # one dtype's scores at a time
         for i, recipe in enumerate(self.recipes):
+            rounded = None  # the recipe's float64 weights where they are not its dtype's
             if recipe.part == "softmax":
                 if softmax32 is None:
                     softmax32 = F.softmax(scores, dim=-1, dtype=torch.float32)
-                rounded = softmax32.to(recipe.dtype).double()
+                low = softmax32.to(recipe.dtype)
             else:  # the scores (or the whole pattern) formed in the dtype from q and k
                 key = (recipe.dtype, recipe.relative)
                 if key not in formed:
-                    formed[key] = self.family.scores(module, q, k, mask, *key)
-                rounded = recipe.weights(formed[key], torch.float64)
-            zero = rounded.to(recipe.dtype) == 0  # zeros of the dtype under test
-            for j, values in enumerate(
-                (zero.double(), torch.where(zero, weights, 0.0), (weights - rounded).abs())
-            ):
-                by_bucket = values.view(batch * n_heads, -1) @ onehot
-                self.sums[i, j, layer] += by_bucket.view(batch, n_heads, -1).sum(0).cpu()
+                    formed = {key: self.family.scores(module, q, k, mask, *key, heads)}
+                if recipe.part == "scores":  # float64 softmax of the rounded scores
+                    rounded = recipe.weights(formed[key], torch.float64)
+                    low = rounded.to(recipe.dtype)
+                else:
+                    low = recipe.weights(formed[key], recipe.dtype)
+            torch.eq(low, 0, out=zero)  # zeros of the dtype under test
+            add(i, 0, zeros)
+            torch.where(zero, weights, nothing, out=inside)
+            add(i, 1, values)
+            torch.sub(weights, low if rounded is None else rounded, out=inside).abs_()
+            add(i, 2, values)
 
     def table(
         self, n_rows: int, head_slopes: list[float], form_of: dict[bool, str]
@@ -310,6 +358,19 @@ class HeadTable:
                             }
                         )
         return pd.DataFrame(rows)
+
+
+def _distance_sums(padded: Tensor, n_queries: int) -> Tensor:
+    """Per row of ``padded`` (``[batch x head, query, n_queries + n_keys]``: a block's entries,
+    each query row left-padded with ``n_queries`` zeros) and distance ``d = 0 ... n_keys``: the
+    sum of its causal entries at distance ``d``, linear in the entries. Query ``i`` (position
+    ``n_keys - n_queries + i``) holds distance ``d`` at column ``n_keys - d + i``, so a view
+    whose rows step one column further than the tensor's puts each distance in one column (the
+    padding: keys before 0); later keys are never read."""
+    rows, _, width = padded.shape
+    n_keys = width - n_queries
+    skew = padded.as_strided((rows, n_queries, n_keys + 1), (n_queries * width, width + 1, 1))
+    return skew.sum(1).flip(-1)
 
 
 @holds_model("precision_effect")
@@ -347,7 +408,7 @@ def precision_effect(
     - ``reference``: ``float64``, or ``training`` for both (needs known training numerics).
     - ``edges``: position buckets (default: powers of two, split at multiples of ``train_ctx``).
     - ``block_size``: query rows per block (default: what memory allows).
-    - ``head_table``: ``False`` leaves ``by_head`` empty (it costs about as much as the passes).
+    - ``head_table``: ``False`` leaves ``by_head`` empty (it adds about half the passes' time).
     - ``progress``: show a progress bar.
     - ``seq_len``, ``n_seqs``, ``prepend_bos``: deprecated (they warn): ``hs.to_sequences`` cuts.
 

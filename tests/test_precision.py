@@ -16,16 +16,17 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import torch.nn.functional as F
 
 import headsurgeon as hs
-from headsurgeon import precision
+from headsurgeon import alibi, long_context, precision
 from headsurgeon.backend import MAJOR
 from headsurgeon.blindness import mitigation
 from headsurgeon.checkpoints import hf_model
 from headsurgeon.errors import InvalidArgumentError, UnsupportedArchitectureError
 from headsurgeon.evals.loss import position_edges
 from headsurgeon.exact_alibi import install_hf_bias
-from headsurgeon.families import config_slopes
+from headsurgeon.families import config_family, config_slopes
 from headsurgeon.precision import _Family, _Recipe, _recipe_attention, precision_effect
 from headsurgeon.reports.blindness import blindness_summary, precision_verdict
 
@@ -439,3 +440,77 @@ def test_cli_refuses_a_training_reference_it_cannot_know(bloom_dir, tmp_path, ca
     assert exit_info.value.code == 2 and "\n" not in err
     assert "training numerics are unknown" in err and "headsurgeon.json" in err
     assert not out.exists()
+
+
+def _onehot_table(table, layer, q, k, mask, scores, weights):
+    """The head table as it was first written (brute force, quadratic in the buckets): each
+    quantity times a [query x key, bucket] one-hot matrix of the causal entries' buckets."""
+    batch, n_heads, n_queries, n_keys = weights.shape
+    distance = alibi.distance_rows(n_queries, n_keys)
+    causal = alibi.causal_rows(n_queries, n_keys).flatten()
+    bucket = torch.bucketize(distance, table.edges[1:-1], right=True).flatten()
+    onehot = torch.zeros(len(bucket), len(table.edges) - 1, dtype=torch.float64)
+    onehot[causal.nonzero()[:, 0], bucket[causal]] = 1.0
+    if layer == 0:
+        table.entries += onehot.sum(0) * batch
+    module = table.family.modules[layer]
+    for i, recipe in enumerate(table.recipes):
+        if recipe.part == "softmax":
+            rounded = F.softmax(scores, dim=-1, dtype=torch.float32).to(recipe.dtype).double()
+        else:
+            formed = table.family.scores(module, q, k, mask, recipe.dtype, recipe.relative)
+            rounded = recipe.weights(formed, torch.float64)
+        zero = rounded.to(recipe.dtype) == 0
+        for j, values in enumerate(
+            (zero.double(), torch.where(zero, weights, 0.0), (weights - rounded).abs())
+        ):
+            by_bucket = values.view(batch * n_heads, -1) @ onehot
+            table.sums[i, j, layer] += by_bucket.view(batch, n_heads, -1).sum(0)
+
+
+def test_head_table_by_distance_equals_the_one_hot_products(family_model, monkeypatch):
+    """The head table's sums by distance (linear in the entries) equal the brute-force one-hot
+    matrix products within 1e-12, in blocks with a ragged last one, both bias forms, a dtype
+    that underflows (float16) and one that does not (float32)."""
+    model, hf = family_model
+    tokens = _tokens(model, n_pos=100)  # float16 zeros from distance ~70 in the tiny BLOOM
+    own = config_family(hf.config.to_dict()).own_form
+    args = dict(
+        dtypes=["float16", "float32"], bias_forms=[own, "relative"],
+        progress=False, block_size=16,
+    )  # fmt: skip
+    ours = precision_effect(model, tokens, **args).by_head
+    monkeypatch.setattr(precision.HeadTable, "__call__", _onehot_table)
+    brute = precision_effect(model, tokens, **args).by_head
+    assert ours.attrs["block_size"] == 16 and len(ours) == len(brute)
+    pd.testing.assert_frame_equal(
+        ours.drop(columns=["lost_mass", "moved_mass"]),
+        brute.drop(columns=["lost_mass", "moved_mass"]),
+    )
+    if own == "absolute" and hf.config.model_type == "bloom":  # the others' weights stay > 0
+        assert (ours.zero_entries > 0).any() and (ours.lost_mass > 0).any()
+    np.testing.assert_allclose(ours.lost_mass, brute.lost_mass, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(ours.moved_mass, brute.moved_mass, rtol=1e-12, atol=0)
+
+
+def test_distance_sums_read_each_causal_entry_once():
+    """A block of 3 queries (positions 2-4) over 5 keys: distance d's total is the sum of the
+    entries i - j = d, the future keys never read."""
+    values = torch.arange(15, dtype=torch.float64).view(1, 3, 5)  # entry (i, j) = 5 i + j
+    padded = torch.cat([torch.zeros(1, 3, 3, dtype=torch.float64), values], -1)
+    expected = [0.0] * 6
+    for i in range(3):
+        for j in range(i + 3):
+            expected[i + 2 - j] += values[0, i, j].item()
+    assert precision._distance_sums(padded, 3)[0].tolist() == expected
+
+
+def test_blocks_stay_at_64_rows_to_8192_tokens():
+    """What a block holds per entry (PRECISION_BYTES_PER_ENTRY, measured) leaves the organism's
+    16 heads the fastest blocks (64 rows) to 8,192 tokens and 32 rows at 16,384."""
+    model = hs.load_model("organism")
+    rows = [
+        long_context.block_size(model, n, bytes_per_entry=precision.PRECISION_BYTES_PER_ENTRY)
+        for n in (4096, 8192, 16384)
+    ]
+    assert rows == [64, 64, 32]
