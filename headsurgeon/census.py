@@ -177,7 +177,8 @@ def run_census(
     if refusal is None:
         _fused_stream(model, info, seqs.tokens, stats, batch_size, progress)
     else:
-        logger.info("census: blocked attention, not fused: %s", refusal)
+        if not reach:  # the fused path was asked for: say why not
+            logger.info("census: blocked attention, not fused: %s", refusal)
         stream(
             model,
             seqs.tokens,
