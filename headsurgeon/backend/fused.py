@@ -29,6 +29,10 @@ a ``score_mod``), which also returns the row maxima. Not on CPU with this torch 
 materialises the scores and returns no maxima; compiled, inductor refuses ``return_lse`` on CPU.
 Its ``score_mod`` is tested here eager, on CPU; the CUDA path itself is not run by the tests.
 
+:func:`windowed_attention` gives a layer's head outputs with the keys beyond a window or a
+StreamingLLM cache cut (the window and sink-cache tests): each block of query rows runs the same
+CPU kernel against only the keys it may see, so a cut pass costs ``T x (kept + 64)`` entries.
+
 >>> q, k, v = (torch.randn(1, 5, 2, 4) for _ in range(3))
 >>> stats = attention_stats(q, k, v, torch.tensor([0.5, 0.25]))
 >>> stats.entropy.shape, float(stats.self_weight[0, 0, 0])
@@ -192,7 +196,8 @@ def windowed_attention(
     the others every earlier key; the cut keys get no weight and the kept ones renormalise
     (:func:`headsurgeon.window.window_hook`; a StreamingLLM cache,
     :mod:`headsurgeon.sink_cache`). A cut head's block of query rows runs against its kept
-    keys alone: ``sinks + window + 64`` of them, whatever the length.
+    keys alone, ``sinks + window + 64`` of them whatever the length, through PyTorch's CPU
+    flash kernel (CPU tensors only).
 
     - ``slopes``, ``key_bias``, ``scale``: the bias and scale, as :func:`attention_stats`;
     - ``window``: the recent keys kept besides the query itself (``None``: nothing is cut);
@@ -204,13 +209,7 @@ def windowed_attention(
     _check(q, k, v, slopes, key_bias)
     n_pos, n_heads, d_head = q.shape[1:]
     scale = 1 / math.sqrt(d_head) if scale is None else float(scale)
-    if (
-        cache_distance
-        and key_bias is None
-        and slopes is None
-        or cache_distance
-        and key_bias is not None
-    ):
+    if cache_distance and key_bias is not None:
         raise InvalidArgumentError("cache_distance measures the bias from slopes, not key_bias")
     rows = min(BLOCK_ROWS, n_pos)
     kept = torch.as_tensor(sinks).expand(n_heads).tolist()
