@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headsurgeon import load_model, run_census
-from headsurgeon.backend import wraps_hf_model
+from headsurgeon import run_census
 from headsurgeon.data import to_sequences
+from headsurgeon.outputs import atomic_write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fused_census_forward import attention_by, flash_z  # noqa: E402
+from fused_census_forward import attention_by, flash_z, load_organism  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "figures" / "benchmarks" / "fused_census.md"
@@ -62,12 +62,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = load_model("organism")
-    if wraps_hf_model(model):
-        raise SystemExit("fused_census.py measures TransformerLens 3.x's fused census path")
-    from headsurgeon.loading import model_info
-
-    slopes = model_info(model).slopes
+    model, slopes = load_organism("fused_census.py")
     cfg = model.cfg
     text = (ROOT / "README.md").read_text() * 40
     rate = matmul_rate()
@@ -128,9 +123,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        partial = OUT.with_name(OUT.name + ".partial")
-        partial.write_text(text)
-        partial.replace(OUT)
+        atomic_write_text(OUT, text)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from headsurgeon.backend import wraps_hf_model
 from headsurgeon.backend.fused import attention_stats
 from headsurgeon.data import to_sequences
 from headsurgeon.loading import model_info
+from headsurgeon.outputs import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "figures" / "benchmarks" / "fused_census_forward.md"
@@ -87,6 +88,15 @@ def attention_by(model, slopes, z_of):
             del block.attn.forward
 
 
+def load_organism(script: str):
+    """The organism on TransformerLens 3.x (these scripts replace its attention's forward) and
+    its slopes; one line and exit elsewhere."""
+    model = load_model("organism")
+    if wraps_hf_model(model):
+        raise SystemExit(f"{script} replaces TransformerLens 3.x's attention forward")
+    return model, model_info(model).slopes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
@@ -94,10 +104,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = load_model("organism")
-    if wraps_hf_model(model):
-        raise SystemExit("fused_census_forward.py replaces TransformerLens 3.x's attention forward")
-    slopes = model_info(model).slopes
+    model, slopes = load_organism("fused_census_forward.py")
     n_layers = model.cfg.n_layers
     text = (ROOT / "README.md").read_text() * 4
 
@@ -156,9 +163,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        partial = OUT.with_name(OUT.name + ".partial")
-        partial.write_text(text)
-        partial.replace(OUT)  # atomic: never half a table
+        atomic_write_text(OUT, text)
 
 
 if __name__ == "__main__":

@@ -33,13 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headsurgeon import load_model, sink_cache_effect, window_effect
-from headsurgeon.backend import wraps_hf_model
+from headsurgeon import sink_cache_effect, window_effect
 from headsurgeon.data import to_sequences
-from headsurgeon.loading import model_info
+from headsurgeon.outputs import atomic_write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fused_census_forward import attention_by, flash_z  # noqa: E402
+from fused_census_forward import attention_by, flash_z, load_organism  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "figures" / "benchmarks" / "fused_counterfactuals.md"
@@ -58,10 +57,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = load_model("organism")
-    if wraps_hf_model(model):
-        raise SystemExit("fused_counterfactuals.py measures TransformerLens 3.x's fused path")
-    slopes = model_info(model).slopes
+    model, slopes = load_organism("fused_counterfactuals.py")
     text = (ROOT / "README.md").read_text() * 40
     noop = [("blocks.0.attn.hook_pattern", lambda pattern, hook: None)]
     rows = []
@@ -137,9 +133,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        partial = OUT.with_name(OUT.name + ".partial")
-        partial.write_text(text)
-        partial.replace(OUT)
+        atomic_write_text(OUT, text)
 
 
 if __name__ == "__main__":

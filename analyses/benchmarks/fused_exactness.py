@@ -26,6 +26,7 @@ from headsurgeon import load_model
 from headsurgeon.backend.fused import attention_stats, census_row_sums
 from headsurgeon.data import to_sequences
 from headsurgeon.loading import model_info
+from headsurgeon.outputs import atomic_write_text
 from headsurgeon.probes import PATTERN_STATS, pattern_sums
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,9 +110,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        partial = OUT.with_name(OUT.name + ".partial")
-        partial.write_text(text)
-        partial.replace(OUT)  # atomic: never half a table
+        atomic_write_text(OUT, text)
 
 
 if __name__ == "__main__":
